@@ -1,0 +1,193 @@
+// psd_logreg_worker: a real trainer on libpsclient. Logistic regression on a generated but
+// learnable dataset (labels drawn from a fixed "true" model), gradients computed on the CPU,
+// synchronized through psd with the SyncReplicasOptimizer API. Prints one line per step and a
+// summary. Run several of these against one psd (see deploy/local_cluster.sh).
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+
+#include "psclient/client.h"
+#include "psclient/sync_replicas_optimizer.h"
+
+namespace {
+
+struct Dataset {
+  int features = 0;
+  std::vector<float> x;  // rows x features
+  std::vector<float> y;  // 0/1
+  int rows() const { return static_cast<int>(y.size()); }
+};
+
+// Every worker draws the same true model (seed 1234) and its own samples (seed + worker shard).
+Dataset MakeData(int features, int rows, uint64_t shard_seed) {
+  std::mt19937_64 truth_rng(1234);
+  std::normal_distribution<float> n01(0.f, 1.f);
+  std::vector<float> w_true(features);
+  for (auto& w : w_true) w = n01(truth_rng);
+  float b_true = 0.5f;
+  std::mt19937_64 rng(shard_seed);
+  std::uniform_real_distribution<float> u01(0.f, 1.f);
+  Dataset d;
+  d.features = features;
+  d.x.resize(static_cast<size_t>(rows) * features);
+  d.y.resize(rows);
+  for (int r = 0; r < rows; ++r) {
+    float z = b_true;
+    for (int f = 0; f < features; ++f) {
+      float v = n01(rng);
+      d.x[static_cast<size_t>(r) * features + f] = v;
+      z += v * w_true[f];
+    }
+    d.y[r] = u01(rng) < 1.f / (1.f + std::exp(-z)) ? 1.f : 0.f;
+  }
+  return d;
+}
+
+// Mean binary cross-entropy over rows [begin, end) and its gradient w.r.t. w and b.
+double LossAndGrad(const Dataset& d, int begin, int end, const float* w, float b, float* gw, float* gb) {
+  double loss = 0;
+  if (gw) std::fill(gw, gw + d.features, 0.f);
+  float gbias = 0;
+  int n = end - begin;
+  for (int r = begin; r < end; ++r) {
+    const float* x = &d.x[static_cast<size_t>(r) * d.features];
+    float z = b;
+    for (int f = 0; f < d.features; ++f) z += x[f] * w[f];
+    float p = 1.f / (1.f + std::exp(-z));
+    float y = d.y[r];
+    loss += -(y * std::log(std::max(p, 1e-7f)) + (1 - y) * std::log(std::max(1 - p, 1e-7f)));
+    float err = (p - y) / static_cast<float>(n);
+    if (gw) {
+      for (int f = 0; f < d.features; ++f) gw[f] += err * x[f];
+    }
+    gbias += err;
+  }
+  if (gb) *gb = gbias;
+  return loss / n;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"psd example worker: logistic regression trained through psd"};
+  psclient::ClientOptions opts;
+  int steps = 200, batch = 64, features = 32, rows = 4096, shard = 0, print_every = 1;
+  int replicas = -1, total = -1, num_tokens = -1;
+  int slow_ms = 0;
+  int64_t token_timeout_ms = 30000;
+  app.add_option("--host", opts.host, "psd address")->capture_default_str();
+  app.add_option("--port", opts.port, "psd port")->capture_default_str();
+  app.add_option("--worker-name", opts.worker_name, "this worker's name (default worker-<pid>)");
+  app.add_option("--shard", shard, "which slice of the generated data this worker trains on")->capture_default_str();
+  app.add_option("--steps", steps, "train until the global step reaches this")->capture_default_str();
+  app.add_option("--batch", batch, "minibatch rows per gradient")->capture_default_str();
+  app.add_option("--features", features, "input features")->capture_default_str();
+  app.add_option("--rows", rows, "rows of data per worker")->capture_default_str();
+  app.add_option("--replicas-to-aggregate", replicas, "must match psd (-1: psd's)")->capture_default_str();
+  app.add_option("--total-replicas", total, "must match psd (-1: psd's)")->capture_default_str();
+  app.add_option("--num-tokens", num_tokens, "init tokens the chief expects (-1: TF default)")->capture_default_str();
+  app.add_option("--slow-ms", slow_ms, "sleep this long per step (an artificial straggler)")->capture_default_str();
+  app.add_option("--token-timeout-ms", token_timeout_ms, "token wait deadline")->capture_default_str();
+  app.add_option("--print-every", print_every, "print every N-th step")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto client = psclient::Client::Connect(opts);
+  if (!client.ok()) {
+    std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
+    return 1;
+  }
+  psclient::Client& c = **client;
+  const std::string me = opts.worker_name.empty() ? "worker" : opts.worker_name;
+  Dataset data = MakeData(features, rows, 1000 + static_cast<uint64_t>(shard));
+
+  psclient::Variable w("logreg/w", psd::DType::kFloat32, {features});
+  psclient::Variable b("logreg/b", psd::DType::kFloat32, {1});
+  std::vector<psclient::Variable*> vars{&w, &b};
+  if (c.is_chief()) {
+    // TF's chief initializes the variables; small random weights.
+    std::mt19937_64 rng(7);
+    std::normal_distribution<float> init(0.f, 0.01f);
+    for (int f = 0; f < features; ++f) w.value().data<float>()[f] = init(rng);
+    for (auto* v : vars) {
+      psclient::Status s = v->Create(c);
+      if (!s.ok()) {
+        std::fprintf(stderr, "create %s: %s\n", v->name().c_str(), s.ToString().c_str());
+        return 1;
+      }
+    }
+  }
+
+  psclient::SyncReplicasOptimizer opt(c, replicas, total);
+  if (!opt.status().ok()) {
+    std::fprintf(stderr, "%s\n", opt.status().ToString().c_str());
+    return 1;
+  }
+  opt.set_token_timeout_ms(token_timeout_ms);
+  int cursor = 0;
+  std::mt19937_64 batch_rng(99 + shard);
+  auto loss_fn = [&](const std::vector<psclient::Variable*>& vs, std::vector<std::optional<psclient::Tensor>>* grads,
+                     double* loss) {
+    if (cursor + batch > data.rows()) cursor = 0;
+    psclient::Tensor gw(psd::DType::kFloat32, {features}), gb(psd::DType::kFloat32, {1});
+    *loss = LossAndGrad(data, cursor, cursor + batch, vs[0]->value().data<float>(), vs[1]->value().data<float>()[0],
+                        gw.data<float>(), gb.data<float>());
+    cursor += batch;
+    (*grads)[0] = std::move(gw);
+    (*grads)[1] = std::move(gb);
+    if (slow_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+    return psclient::Status::Ok();
+  };
+
+  // Readiness + local step init, as TF's hook in a MonitoredTrainingSession.
+  auto first = opt.compute_gradients(loss_fn, vars);
+  auto hook = opt.make_session_run_hook(c.is_chief(), num_tokens);
+  psclient::Status hs = first.ok() ? hook.begin() : first.status();
+  if (hs.ok()) hs = hook.after_create_session();
+  if (!hs.ok() && hs.code() != psd::Code::kNotFound) {
+    std::fprintf(stderr, "%s: %s\n", me.c_str(), hs.ToString().c_str());
+    return 1;
+  }
+
+  psclient::GlobalStep global_step;
+  global_step.value = opt.local_step();
+  auto t0 = std::chrono::steady_clock::now();
+  int my_steps = 0;
+  double last_loss = 0;
+  while (global_step.value < steps) {
+    auto step = opt.minimize(loss_fn, &global_step, vars);
+    if (!step.ok()) {
+      if (step.status().code() == psd::Code::kOutOfRange) break;  // training is over
+      std::fprintf(stderr, "%s: %s\n", me.c_str(), step.status().ToString().c_str());
+      return 1;
+    }
+    ++my_steps;
+    last_loss = opt.last_loss();
+    if (print_every > 0 && my_steps % print_every == 0) {
+      const auto& p = opt.last_push();
+      std::printf("[%s] global step %4lld  loss %.4f  pushes accepted %d stale %d%s\n", me.c_str(),
+                  static_cast<long long>(*step), last_loss, p.accepted(), p.stale(), p.is_chief ? "  (chief)" : "");
+      std::fflush(stdout);
+    }
+  }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Final loss of the trained model on this worker's whole shard.
+  std::vector<std::pair<std::string, psclient::TensorView>> outs{{w.name(), w.value().view()},
+                                                                 {b.name(), b.value().view()}};
+  double final_loss = -1;
+  if (c.Pull(outs).ok()) {
+    final_loss = LossAndGrad(data, 0, data.rows(), w.value().data<float>(), b.value().data<float>()[0], nullptr, nullptr);
+  }
+  double initial_loss = std::log(2.0);  // the loss of the ~zero initial model
+  std::printf("[%s] done: %d local steps in %.2f s (%.1f steps/s), global step %lld, pushes accepted %lld stale "
+              "%lld, loss %.4f -> %.4f\n",
+              me.c_str(), my_steps, secs, my_steps / std::max(secs, 1e-9), static_cast<long long>(global_step.value),
+              static_cast<long long>(opt.accepted_total()), static_cast<long long>(opt.stale_total()), initial_loss,
+              final_loss);
+  psclient::Status fs = c.Finish();
+  if (!fs.ok()) std::fprintf(stderr, "%s: finish: %s\n", me.c_str(), fs.ToString().c_str());
+  return 0;
+}

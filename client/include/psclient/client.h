@@ -1,0 +1,158 @@
+// libpsclient: the worker side of psd.
+//
+//   auto client = psclient::Client::Connect({.host = "127.0.0.1", .port = 7070,
+//                                            .worker_name = "worker-0"});
+//   client->CreateVariable("w", initial_view);          // create-or-get, idempotent
+//   int64_t step = *client->Pull("w", w_view);          // value written into caller memory
+//   auto out = client->Push(local_step, {{"w", grad_view}}, /*wait_token=*/true);
+//   local_step = out->token;                            // the barrier: the new global step
+//
+// Errors are values (psd::Status / psd::Result); nothing here throws. The codes say what to do:
+// kDeadlineExceeded -> retry the wait, kUnavailable -> back off (the next call reconnects),
+// kInvalidArgument -> fix the request, kOutOfRange -> training is over.
+//
+// Memory: tensors are passed as views of caller memory; gradients are sent without an extra
+// copy when they are 8-byte aligned and a multiple of 8 bytes long, and pulled values are written
+// straight into the caller's view. Views with MemoryKind::kCuda need a PSD_WITH_CUDA build and
+// answer kUnimplemented otherwise.
+//
+// Thread-safety: a Client may be shared between threads; calls are serialized on its single
+// connection (a token wait blocks other calls on the same Client). Use one Client per thread for
+// concurrency. Blocking: every call blocks until its reply; token waits are bounded by a deadline.
+#ifndef PSCLIENT_CLIENT_H_
+#define PSCLIENT_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "psd/status.h"
+#include "psd/tensor.h"
+
+namespace psclient {
+
+using psd::Code;
+using psd::ConstTensorView;
+using psd::DType;
+using psd::MemoryKind;
+using psd::Result;
+using psd::Shape;
+using psd::Status;
+using psd::TensorView;
+
+struct ClientOptions {
+  std::string host = "127.0.0.1";
+  uint16_t port = 7070;
+  std::string worker_name;          // stable identity; default "worker-<pid>"
+  uint64_t incarnation = 0;         // bump on every restart; default: derived from the clock
+  int connect_timeout_ms = 10000;   // keeps retrying a refused connect until then
+  uint64_t max_frame_bytes = 1ull << 30;  // largest reply accepted
+};
+
+// The daemon's job settings, as announced in the handshake.
+struct JobConfig {
+  int replicas_to_aggregate = 0;
+  int total_replicas = 0;
+  int tokens_per_step = 0;
+  int init_tokens = 0;
+  std::string optimizer;
+  double learning_rate = 0;
+  bool reduction_sum = false;
+  std::vector<std::string> slot_names;
+};
+
+struct VariableInfo {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  bool created;    // this call created it
+  bool trainable;
+};
+
+struct Gradient {
+  std::string name;
+  ConstTensorView grad;
+};
+
+struct PushResult {
+  bool accepted;   // false: stale (tagged with a step older than the accumulator's), dropped
+  int64_t step;    // the accumulator's step when the push was handled
+};
+
+struct PushOutcome {
+  std::vector<PushResult> results;  // one per gradient, in push order
+  bool waited = false;              // a token wait was requested
+  Status token_status;              // its outcome (kDeadlineExceeded, kOutOfRange, ...)
+  int64_t token = 0;                // the new local step, when token_status is OK
+  bool is_chief = false;
+
+  int accepted() const;
+  int stale() const;
+};
+
+struct JobStatus {
+  int64_t global_step = 0;
+  bool is_chief = false;
+  int64_t tokens_queued = 0;
+  int workers_connected = 0;
+  int workers_finished = 0;
+  int replicas_required = 0;
+  int64_t accepted_pushes = 0;
+  int64_t stale_pushes = 0;
+  JobConfig config;
+};
+
+class Client {
+ public:
+  // Connects and performs the handshake (protocol version, worker identity).
+  static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const JobConfig& config() const;
+  uint32_t worker_id() const;
+  // Whether the daemon designated this worker as chief (as of the last reply that said so).
+  bool is_chief() const;
+  // The global step when the handshake happened.
+  int64_t initial_global_step() const;
+
+  // Create-or-get. `initial.data == nullptr` means zeros. An existing variable with another
+  // dtype, shape or trainability is kAlreadyExists.
+  Result<VariableInfo> CreateVariable(const std::string& name, ConstTensorView initial, bool trainable = true);
+
+  // Writes the variable's value into `out` (dtype and shape must match). Returns the global step
+  // the value reflects. The multi-variable form reads every value at one step, in one round trip.
+  Result<int64_t> Pull(const std::string& name, TensorView out);
+  Result<int64_t> Pull(const std::vector<std::pair<std::string, TensorView>>& outs);
+
+  // Pushes gradients tagged with `local_step`. With wait_token, the daemon also waits (up to
+  // timeout_ms; <= 0: the daemon's default) for a token and returns it in the same reply.
+  Result<PushOutcome> Push(int64_t local_step, const std::vector<Gradient>& grads, bool wait_token = false,
+                           int64_t timeout_ms = 0);
+
+  // Waits for a token: the barrier. Returns the token's step. kDeadlineExceeded after timeout_ms
+  // (nothing is lost), kOutOfRange once training is over.
+  Result<int64_t> WaitToken(int64_t timeout_ms = 0);
+
+  Result<JobStatus> GetStatus();
+  Result<int64_t> GlobalStep();
+
+  // Optimizer slots: names come from the handshake; values are read from the daemon.
+  std::vector<std::string> SlotNames() const;
+  Status GetSlot(const std::string& variable, const std::string& slot, TensorView out);
+
+  // Declares this worker done. With --exit-when-done the daemon exits once all workers did.
+  Status Finish();
+
+ private:
+  class Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace psclient
+
+#endif  // PSCLIENT_CLIENT_H_

@@ -1,0 +1,344 @@
+#include "psclient/client.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <mutex>
+#include <thread>
+
+#include <kj/exception.h>
+
+#include "device_memory.h"
+#include "wire/frame.h"
+
+namespace psclient {
+
+using psd::wire::InFrame;
+using psd::wire::OutFrame;
+namespace proto = psd::proto;
+
+int PushOutcome::accepted() const {
+  int n = 0;
+  for (const auto& r : results) n += r.accepted ? 1 : 0;
+  return n;
+}
+
+int PushOutcome::stale() const { return static_cast<int>(results.size()) - accepted(); }
+
+namespace {
+
+JobConfig ReadConfig(proto::JobConfig::Reader c) {
+  JobConfig cfg;
+  cfg.replicas_to_aggregate = c.getReplicasToAggregate();
+  cfg.total_replicas = c.getTotalReplicas();
+  cfg.tokens_per_step = c.getTokensPerStep();
+  cfg.init_tokens = c.getInitTokens();
+  cfg.optimizer = c.getOptimizer();
+  cfg.learning_rate = c.getLearningRate();
+  cfg.reduction_sum = c.getReduction() == proto::Reduction::SUM;
+  for (auto s : c.getSlotNames()) cfg.slot_names.emplace_back(s);
+  return cfg;
+}
+
+Status CheckView(const std::string& what, DType want_dtype, const Shape& want_shape, const TensorView& out) {
+  if (out.dtype != want_dtype || out.shape != want_shape) {
+    return psd::InvalidArgument(what + " is " + psd::DTypeName(want_dtype) + " " + psd::ShapeString(want_shape) +
+                                " but the destination view is " + psd::DTypeName(out.dtype) + " " +
+                                psd::ShapeString(out.shape));
+  }
+  if (out.data == nullptr && out.bytes() > 0) return psd::InvalidArgument(what + ": destination view has no data");
+  return Status::Ok();
+}
+
+}  // namespace
+
+class Client::Impl {
+ public:
+  explicit Impl(ClientOptions options) : options_(std::move(options)), socket_(io_) {}
+
+  Status Connect() {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+    boost::system::error_code ec;
+    auto addr = psd::asio::ip::make_address(options_.host, ec);
+    if (ec) return psd::InvalidArgument("host '" + options_.host + "' is not an IP address");
+    psd::tcp::endpoint ep(addr, options_.port);
+    for (;;) {
+      socket_ = psd::tcp::socket(io_);
+      socket_.connect(ep, ec);
+      if (!ec) break;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        return psd::Unavailable("cannot connect to psd at " + options_.host + ":" + std::to_string(options_.port) +
+                                ": " + ec.message());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    socket_.set_option(psd::tcp::no_delay(true), ec);
+    OutFrame frame;
+    auto req = NewRequest(frame);
+    auto h = req.initHello();
+    h.setProtocolVersion(proto::PROTOCOL_VERSION);
+    h.setWorkerName(options_.worker_name);
+    h.setIncarnation(options_.incarnation);
+    std::unique_ptr<capnp::MessageReader> reader;
+    proto::Response::Reader resp;
+    PSD_RETURN_IF_ERROR(RoundTrip(frame, &reader, &resp));
+    if (resp.which() != proto::Response::HELLO) return psd::Internal("unexpected reply to hello");
+    auto hr = resp.getHello();
+    config_ = ReadConfig(hr.getConfig());
+    worker_id_ = hr.getWorkerId();
+    is_chief_ = hr.getIsChief();
+    initial_step_ = hr.getGlobalStep();
+    return Status::Ok();
+  }
+
+  // Starts a request with a fresh id.
+  proto::Request::Builder NewRequest(OutFrame& frame) {
+    auto req = frame.builder.initRoot<proto::Request>();
+    req.setId(++next_id_);
+    return req;
+  }
+
+  // Sends `frame`, reads the reply with the same id; a non-OK reply becomes the returned Status.
+  Status RoundTrip(OutFrame& frame, std::unique_ptr<capnp::MessageReader>* reader, proto::Response::Reader* resp) {
+    if (!socket_.is_open()) {
+      Status s = Connect();
+      if (!s.ok()) return s;
+    }
+    uint64_t id = frame.builder.getRoot<proto::Request>().getId();
+    Status s = psd::wire::WriteFrame(socket_, frame);
+    if (s.ok()) s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes);
+    if (!s.ok()) {
+      Drop();
+      return s;
+    }
+    try {
+      *reader = in_.Reader();
+      *resp = (*reader)->getRoot<proto::Response>();
+      if (resp->getId() != id) {
+        Drop();
+        return psd::Internal("reply id " + std::to_string(resp->getId()) + " does not match request " +
+                             std::to_string(id));
+      }
+      if (resp->getCode() != proto::Code::OK) {
+        return Status(psd::wire::FromWire(resp->getCode()), resp->getMessage());
+      }
+    } catch (const kj::Exception& e) {
+      Drop();
+      return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+    }
+    return Status::Ok();
+  }
+
+  void Drop() {
+    boost::system::error_code ec;
+    socket_.close(ec);
+  }
+
+  ClientOptions options_;
+  psd::asio::io_context io_;
+  psd::tcp::socket socket_;
+  InFrame in_;
+  uint64_t next_id_ = 0;
+  std::mutex mu_;  // serializes calls
+  JobConfig config_;
+  uint32_t worker_id_ = 0;
+  std::atomic<bool> is_chief_{false};
+  int64_t initial_step_ = 0;
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  ClientOptions o = options;
+  if (o.worker_name.empty()) o.worker_name = "worker-" + std::to_string(::getpid());
+  if (o.incarnation == 0) {
+    o.incarnation = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
+  }
+  auto impl = std::make_unique<Impl>(std::move(o));
+  Status s = impl->Connect();
+  if (!s.ok()) return s;
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+const JobConfig& Client::config() const { return impl_->config_; }
+uint32_t Client::worker_id() const { return impl_->worker_id_; }
+bool Client::is_chief() const { return impl_->is_chief_.load(); }
+int64_t Client::initial_global_step() const { return impl_->initial_step_; }
+std::vector<std::string> Client::SlotNames() const { return impl_->config_.slot_names; }
+
+Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensorView initial, bool trainable) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  OutFrame frame;
+  auto req = impl_->NewRequest(frame);
+  auto c = req.initCreateVariable();
+  c.setName(name);
+  c.setTrainable(trainable);
+  std::vector<uint8_t> staged;
+  const void* data = initial.data;
+  size_t bytes = initial.data ? initial.bytes() : 0;
+  if (initial.data && initial.memory != MemoryKind::kHost) {
+    staged.resize(bytes);
+    PSD_RETURN_IF_ERROR(internal::CopyToHost(staged.data(), initial.data, bytes, initial.memory));
+    data = staged.data();
+  }
+  psd::wire::SetTensor(frame.builder, c.initInitial(), initial.dtype, initial.shape, data, bytes);
+  std::unique_ptr<capnp::MessageReader> reader;
+  proto::Response::Reader resp;
+  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
+  auto v = resp.getVariable();
+  auto dtype = psd::wire::FromWire(v.getDtype());
+  if (!dtype.ok()) return dtype.status();
+  Shape shape;
+  for (int64_t d : v.getShape()) shape.push_back(d);
+  VariableInfo info{v.getName(), *dtype, std::move(shape), v.getCreated(), v.getTrainable()};
+  return info;
+}
+
+Result<int64_t> Client::Pull(const std::string& name, TensorView out) { return Pull({{name, out}}); }
+
+Result<int64_t> Client::Pull(const std::vector<std::pair<std::string, TensorView>>& outs) {
+  if (outs.empty()) return psd::InvalidArgument("Pull needs at least one variable");
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  OutFrame frame;
+  auto req = impl_->NewRequest(frame);
+  auto names = req.initPull().initNames(static_cast<unsigned>(outs.size()));
+  for (size_t i = 0; i < outs.size(); ++i) names.set(static_cast<unsigned>(i), outs[i].first);
+  std::unique_ptr<capnp::MessageReader> reader;
+  proto::Response::Reader resp;
+  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
+  try {
+    auto p = resp.getPull();
+    auto values = p.getValues();
+    if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
+    for (size_t i = 0; i < outs.size(); ++i) {
+      auto t = psd::wire::ReadTensor(values[static_cast<unsigned>(i)], impl_->options_.max_frame_bytes);
+      if (!t.ok()) return t.status();
+      const TensorView& out = outs[i].second;
+      PSD_RETURN_IF_ERROR(CheckView("variable '" + outs[i].first + "'", t->dtype, t->shape, out));
+      if (t->bytes != out.bytes()) return psd::Internal("pull reply for '" + outs[i].first + "' has a wrong size");
+      PSD_RETURN_IF_ERROR(internal::CopyFromHost(out.data, t->data, t->bytes, out.memory));
+    }
+    return p.getStep();
+  } catch (const kj::Exception& e) {
+    return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+  }
+}
+
+Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>& grads, bool wait_token,
+                                 int64_t timeout_ms) {
+  if (grads.empty()) return psd::InvalidArgument("Must supply at least one variable");
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  OutFrame frame;
+  auto req = impl_->NewRequest(frame);
+  auto p = req.initPush();
+  p.setLocalStep(local_step);
+  p.setWaitToken(wait_token);
+  p.setTimeoutMs(timeout_ms);
+  auto list = p.initGrads(static_cast<unsigned>(grads.size()));
+  std::vector<std::vector<uint64_t>> staged;  // device gradients copied to host
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const Gradient& g = grads[i];
+    if (g.grad.data == nullptr && g.grad.bytes() > 0) {
+      return psd::InvalidArgument("gradient for '" + g.name + "' has no data");
+    }
+    const void* data = g.grad.data;
+    if (g.grad.memory != MemoryKind::kHost) {
+      staged.emplace_back((g.grad.bytes() + 7) / 8);
+      PSD_RETURN_IF_ERROR(internal::CopyToHost(staged.back().data(), g.grad.data, g.grad.bytes(), g.grad.memory));
+      data = staged.back().data();
+    }
+    auto e = list[static_cast<unsigned>(i)];
+    e.setName(g.name);
+    psd::wire::SetTensor(frame.builder, e.initGrad(), g.grad.dtype, g.grad.shape, data, g.grad.bytes(),
+                         /*padded=*/g.grad.memory != MemoryKind::kHost);
+  }
+  std::unique_ptr<capnp::MessageReader> reader;
+  proto::Response::Reader resp;
+  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
+  try {
+    auto r = resp.getPush();
+    PushOutcome out;
+    for (auto res : r.getResults()) out.results.push_back({res.getAccepted(), res.getStep()});
+    out.is_chief = r.getIsChief();
+    impl_->is_chief_ = out.is_chief;
+    out.waited = wait_token;
+    if (wait_token) {
+      out.token_status = Status(psd::wire::FromWire(r.getTokenCode()), r.getTokenMessage());
+      out.token = r.getToken();
+    }
+    return out;
+  } catch (const kj::Exception& e) {
+    return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+  }
+}
+
+Result<int64_t> Client::WaitToken(int64_t timeout_ms) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  OutFrame frame;
+  auto req = impl_->NewRequest(frame);
+  req.initWaitToken().setTimeoutMs(timeout_ms);
+  std::unique_ptr<capnp::MessageReader> reader;
+  proto::Response::Reader resp;
+  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
+  auto t = resp.getToken();
+  impl_->is_chief_ = t.getIsChief();
+  return t.getToken();
+}
+
+Result<JobStatus> Client::GetStatus() {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  OutFrame frame;
+  auto req = impl_->NewRequest(frame);
+  req.setStatus();
+  std::unique_ptr<capnp::MessageReader> reader;
+  proto::Response::Reader resp;
+  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
+  auto s = resp.getStatus();
+  JobStatus st;
+  st.global_step = s.getGlobalStep();
+  st.is_chief = s.getIsChief();
+  impl_->is_chief_ = st.is_chief;
+  st.tokens_queued = s.getTokensQueued();
+  st.workers_connected = s.getWorkersConnected();
+  st.workers_finished = s.getWorkersFinished();
+  st.replicas_required = s.getReplicasRequired();
+  st.accepted_pushes = s.getAcceptedPushes();
+  st.stale_pushes = s.getStalePushes();
+  st.config = ReadConfig(s.getConfig());
+  return st;
+}
+
+Result<int64_t> Client::GlobalStep() {
+  auto s = GetStatus();
+  if (!s.ok()) return s.status();
+  return s->global_step;
+}
+
+Status Client::GetSlot(const std::string& variable, const std::string& slot, TensorView out) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  OutFrame frame;
+  auto req = impl_->NewRequest(frame);
+  auto g = req.initGetSlot();
+  g.setVariable(variable);
+  g.setSlot(slot);
+  std::unique_ptr<capnp::MessageReader> reader;
+  proto::Response::Reader resp;
+  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
+  auto t = psd::wire::ReadTensor(resp.getSlot(), impl_->options_.max_frame_bytes);
+  if (!t.ok()) return t.status();
+  PSD_RETURN_IF_ERROR(CheckView("slot '" + slot + "' of '" + variable + "'", t->dtype, t->shape, out));
+  return internal::CopyFromHost(out.data, t->data, t->bytes, out.memory);
+}
+
+Status Client::Finish() {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  OutFrame frame;
+  auto req = impl_->NewRequest(frame);
+  req.setFinish();
+  std::unique_ptr<capnp::MessageReader> reader;
+  proto::Response::Reader resp;
+  return impl_->RoundTrip(frame, &reader, &resp);
+}
+
+}  // namespace psclient

@@ -1,0 +1,164 @@
+#include "wire/frame.h"
+
+#include <cstring>
+
+namespace psd::wire {
+
+Status ParseFirstWord(const uint32_t first[2], uint32_t* segment_count, size_t* rest_header_bytes) {
+  uint64_t count = static_cast<uint64_t>(first[0]) + 1;
+  if (count > kMaxSegments) {
+    return ResourceExhausted("frame has " + std::to_string(count) + " segments (limit " +
+                             std::to_string(kMaxSegments) + ")");
+  }
+  *segment_count = static_cast<uint32_t>(count);
+  size_t header_bytes = ((1 + count) * 4 + 7) / 8 * 8;
+  *rest_header_bytes = header_bytes - 8;
+  return Status::Ok();
+}
+
+Status ParseSegmentSizes(const uint32_t* table, uint32_t segment_count, uint64_t max_frame_bytes,
+                         std::vector<uint32_t>* sizes, uint64_t* total_words) {
+  sizes->assign(table, table + segment_count);
+  uint64_t total = 0;
+  for (uint32_t s : *sizes) total += s;
+  if (total == 0) return InvalidArgument("empty frame");
+  if (total * sizeof(capnp::word) > max_frame_bytes) {
+    return ResourceExhausted("frame of " + std::to_string(total * sizeof(capnp::word)) +
+                             " bytes exceeds the limit of " + std::to_string(max_frame_bytes) +
+                             " bytes (--max-frame-bytes)");
+  }
+  *total_words = total;
+  return Status::Ok();
+}
+
+capnp::word* InFrame::Prepare(const std::vector<uint32_t>& sizes, uint64_t total_words) {
+  if (buffer_.size() < total_words) buffer_ = kj::heapArray<capnp::word>(total_words);
+  sizes_ = sizes;
+  total_words_ = total_words;
+  return buffer_.begin();
+}
+
+std::unique_ptr<capnp::MessageReader> InFrame::Reader() const {
+  // SegmentArrayMessageReader keeps a pointer to the array of segment pointers only during
+  // construction (it copies them), so a local vector is fine.
+  std::vector<kj::ArrayPtr<const capnp::word>> segs;
+  segs.reserve(sizes_.size());
+  const capnp::word* p = buffer_.begin();
+  for (uint32_t s : sizes_) {
+    segs.emplace_back(p, s);
+    p += s;
+  }
+  capnp::ReaderOptions options;
+  // Each word may be visited once plus a margin for list headers; blocks amplification attacks.
+  options.traversalLimitInWords = total_words_ * 2 + 1024;
+  options.nestingLimit = 16;
+  struct OwningReader : capnp::SegmentArrayMessageReader {
+    OwningReader(std::vector<kj::ArrayPtr<const capnp::word>> s, capnp::ReaderOptions o)
+        : capnp::SegmentArrayMessageReader(kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>>(
+                                               s.data(), s.size()),
+                                           o),
+          segs(std::move(s)) {}
+    std::vector<kj::ArrayPtr<const capnp::word>> segs;
+  };
+  return std::make_unique<OwningReader>(std::move(segs), options);
+}
+
+void InFrame::MaybeRelease(size_t keep_bytes) {
+  if (buffer_.size() * sizeof(capnp::word) > keep_bytes) buffer_ = nullptr;
+}
+
+std::vector<asio::const_buffer> OutFrame::Buffers() {
+  auto segs = builder.getSegmentsForOutput();
+  table.clear();
+  table.push_back(static_cast<uint32_t>(segs.size() - 1));
+  for (auto& s : segs) table.push_back(static_cast<uint32_t>(s.size()));
+  if (table.size() % 2) table.push_back(0);
+  std::vector<asio::const_buffer> out;
+  out.reserve(segs.size() + 1);
+  out.emplace_back(table.data(), table.size() * sizeof(uint32_t));
+  for (auto& s : segs) out.emplace_back(s.begin(), s.size() * sizeof(capnp::word));
+  return out;
+}
+
+Status WriteFrame(tcp::socket& socket, OutFrame& frame) {
+  boost::system::error_code ec;
+  asio::write(socket, frame.Buffers(), ec);
+  if (ec) return Unavailable("write failed: " + ec.message());
+  return Status::Ok();
+}
+
+Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes) {
+  boost::system::error_code ec;
+  uint32_t first[2];
+  asio::read(socket, asio::buffer(first, sizeof(first)), ec);
+  if (ec) return Unavailable("connection lost: " + ec.message());
+  uint32_t count = 0;
+  size_t rest = 0;
+  PSD_RETURN_IF_ERROR(ParseFirstWord(first, &count, &rest));
+  std::vector<uint32_t> table(1 + rest / 4);
+  table[0] = first[1];
+  if (rest) {
+    asio::read(socket, asio::buffer(table.data() + 1, rest), ec);
+    if (ec) return Unavailable("connection lost: " + ec.message());
+  }
+  std::vector<uint32_t> sizes;
+  uint64_t total = 0;
+  PSD_RETURN_IF_ERROR(ParseSegmentSizes(table.data(), count, max_frame_bytes, &sizes, &total));
+  capnp::word* body = in.Prepare(sizes, total);
+  asio::read(socket, asio::buffer(body, total * sizeof(capnp::word)), ec);
+  if (ec) return Unavailable("connection lost: " + ec.message());
+  return Status::Ok();
+}
+
+Code FromWire(proto::Code code) {
+  auto v = static_cast<int>(code);
+  if (v < 0 || v > static_cast<int>(Code::kUnimplemented)) return Code::kInternal;
+  return static_cast<Code>(v);
+}
+
+proto::Code ToWire(Code code) { return static_cast<proto::Code>(static_cast<int>(code)); }
+
+Result<DType> FromWire(proto::DType dtype) {
+  switch (dtype) {
+    case proto::DType::FLOAT32: return DType::kFloat32;
+    case proto::DType::FLOAT64: return DType::kFloat64;
+  }
+  return InvalidArgument("unknown dtype " + std::to_string(static_cast<int>(dtype)));
+}
+
+proto::DType ToWire(DType dtype) {
+  return dtype == DType::kFloat64 ? proto::DType::FLOAT64 : proto::DType::FLOAT32;
+}
+
+Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes) {
+  auto dtype = FromWire(t.getDtype());
+  if (!dtype.ok()) return dtype.status();
+  TensorRef ref;
+  ref.dtype = *dtype;
+  auto shape = t.getShape();
+  if (shape.size() > 32) return InvalidArgument("tensor rank " + std::to_string(shape.size()) + " exceeds 32");
+  ref.shape.reserve(shape.size());
+  for (int64_t d : shape) ref.shape.push_back(d);
+  PSD_RETURN_IF_ERROR(ValidateShape(ref.shape, ref.dtype, max_bytes));
+  auto data = t.getData();
+  ref.data = data.begin();
+  ref.bytes = data.size();
+  return ref;
+}
+
+void SetTensor(capnp::MessageBuilder& msg, proto::Tensor::Builder t, DType dtype, const Shape& shape,
+               const void* data, size_t bytes, bool padded) {
+  t.setDtype(ToWire(dtype));
+  auto s = t.initShape(static_cast<unsigned>(shape.size()));
+  for (size_t i = 0; i < shape.size(); ++i) s.set(static_cast<unsigned>(i), shape[i]);
+  if (bytes == 0) return;
+  bool aligned = reinterpret_cast<uintptr_t>(data) % sizeof(capnp::word) == 0;
+  if (aligned && (padded || bytes % sizeof(capnp::word) == 0)) {
+    t.adoptData(msg.getOrphanage().referenceExternalData(
+        capnp::Data::Reader(static_cast<const kj::byte*>(data), bytes)));
+  } else {
+    std::memcpy(t.initData(static_cast<unsigned>(bytes)).begin(), data, bytes);
+  }
+}
+
+}  // namespace psd::wire

@@ -1,0 +1,91 @@
+// Framing of psd messages on a byte stream: Cap'n Proto's standard stream format (segment table
+// then segments), with every size checked against a limit before anything is allocated.
+// Shared by the daemon (async reads) and the client (blocking reads). Not a public header.
+#ifndef PSD_WIRE_FRAME_H_
+#define PSD_WIRE_FRAME_H_
+
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+#include <kj/array.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "psd/status.h"
+#include "psd/tensor.h"
+#include "psd.capnp.h"
+#include "wire/asio.h"
+
+namespace psd::wire {
+
+constexpr uint32_t kMaxSegments = 512;
+constexpr uint64_t kDefaultMaxFrameBytes = 1ull << 30;  // 1 GiB
+
+// Parses the first word of a frame. On success sets the segment count and the number of
+// further header bytes to read (the rest of the segment table, padded to a word).
+Status ParseFirstWord(const uint32_t first[2], uint32_t* segment_count, size_t* rest_header_bytes);
+
+// Given the whole segment table (segment_count sizes in words), checks the total against
+// max_frame_bytes and returns the per-segment word counts and the total.
+Status ParseSegmentSizes(const uint32_t* table, uint32_t segment_count, uint64_t max_frame_bytes,
+                         std::vector<uint32_t>* sizes, uint64_t* total_words);
+
+// An incoming frame: the body lives in a word-aligned buffer that the FrameReader reuses.
+class InFrame {
+ public:
+  // Resizes the body buffer for total_words (never shrinks below what it has unless asked).
+  capnp::word* Prepare(const std::vector<uint32_t>& sizes, uint64_t total_words);
+  // Builds a reader over the body; limits guard against pointer amplification.
+  std::unique_ptr<capnp::MessageReader> Reader() const;
+  // Gives memory back if the last frame was big (idle connections keep little).
+  void MaybeRelease(size_t keep_bytes);
+  size_t body_bytes() const { return total_words_ * sizeof(capnp::word); }
+
+ private:
+  kj::Array<capnp::word> buffer_;
+  std::vector<uint32_t> sizes_;
+  uint64_t total_words_ = 0;
+};
+
+// An outgoing frame: the message builder plus the segment table, kept alive together until
+// the write completes. External data referenced by the message is kept alive by `keepalive`.
+struct OutFrame {
+  capnp::MallocMessageBuilder builder;
+  std::vector<uint32_t> table;
+  std::vector<std::shared_ptr<const void>> keepalive;
+
+  // Finalizes the table and returns the scatter-gather buffers (table + segments).
+  std::vector<asio::const_buffer> Buffers();
+};
+
+// Blocking helpers (client side and tests).
+Status WriteFrame(tcp::socket& socket, OutFrame& frame);
+// Reads one frame into `in`; max_frame_bytes bounds the allocation.
+Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes);
+
+// Enum conversions between the wire and psd types.
+Code FromWire(proto::Code code);
+proto::Code ToWire(Code code);
+Result<DType> FromWire(proto::DType dtype);
+proto::DType ToWire(DType dtype);
+
+// A validated view of a wire tensor: dtype known, shape sane, data size exact.
+struct TensorRef {
+  DType dtype;
+  Shape shape;
+  const uint8_t* data;
+  size_t bytes;
+};
+Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes);
+
+// Fills a wire tensor. The data is referenced without copying when it is word-aligned and
+// either a whole number of words or `padded` (the owner guarantees zeroed bytes up to the next
+// word); the caller then keeps it valid and unchanged until the frame is written. Otherwise
+// the bytes are copied into the message.
+void SetTensor(capnp::MessageBuilder& msg, proto::Tensor::Builder t, DType dtype, const Shape& shape,
+               const void* data, size_t bytes, bool padded = false);
+
+}  // namespace psd::wire
+
+#endif  // PSD_WIRE_FRAME_H_

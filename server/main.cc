@@ -1,0 +1,101 @@
+// psd: the parameter-server daemon. Parses flags into a ServerConfig, starts the Server and
+// runs until SIGINT/SIGTERM or, with --exit-when-done, until every worker has finished.
+#include <csignal>
+#include <iostream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "config.h"
+#include "net/server.h"
+
+namespace {
+
+std::atomic<psd::server::Server*> g_server{nullptr};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  psd::server::ServerConfig cfg;
+  CLI::App app{"psd — parameter-server daemon for synchronous (SyncReplicasOptimizer-style) training"};
+  app.set_version_flag("--version", "psd 0.1.0");
+  std::string reduction = "mean";
+
+  app.add_option("--host", cfg.host, "IP address to listen on")->capture_default_str();
+  app.add_option("--port", cfg.port, "TCP port to listen on; 0 picks a free one (see --port-file)")
+      ->capture_default_str();
+  app.add_option("--port-file", cfg.port_file, "write the bound port to this file once listening");
+  app.add_option("--threads", cfg.io_threads, "I/O threads serving connections")->capture_default_str();
+  app.add_option("--replicas-to-aggregate,-R", cfg.replicas_to_aggregate,
+                 "fresh gradients per variable that complete a step (TF replicas_to_aggregate)")
+      ->capture_default_str();
+  auto* backup = app.add_option("--backup-replicas,-B", cfg.backup_replicas,
+                                "backup replicas: workers beyond R whose late gradients are dropped "
+                                "(default 0; alternative to --total-replicas)");
+  app.add_option("--total-replicas,-N", cfg.total_replicas,
+                 "total workers (TF total_num_replicas; default R + backup replicas)")
+      ->excludes(backup);
+  app.add_option("--init-tokens", cfg.init_tokens,
+                 "tokens queued at start (TF get_init_tokens_op num_tokens); -1 = R; must be >= R - N")
+      ->capture_default_str();
+  app.add_option("--reduction", reduction, "how gradients are aggregated: mean or sum")
+      ->check(CLI::IsMember({"mean", "sum"}))
+      ->capture_default_str();
+  app.add_option("--optimizer", cfg.optimizer, "server-side optimizer (sgd)")->capture_default_str();
+  app.add_option("--learning-rate,--lr", cfg.learning_rate, "optimizer learning rate")->capture_default_str();
+  app.add_option("--token-timeout-ms", cfg.default_token_timeout_ms,
+                 "deadline in milliseconds for a token wait when the worker gives none")
+      ->capture_default_str();
+  app.add_option("--max-frame-bytes", cfg.max_frame_bytes,
+                 "largest accepted message in bytes; bigger frames are refused before allocation")
+      ->capture_default_str();
+  app.add_option("--max-connections", cfg.max_connections, "most concurrent connections")->capture_default_str();
+  app.add_flag("--exit-when-done", cfg.exit_when_done, "exit with status 0 once every worker has finished");
+  app.add_option("--summary-interval-s", cfg.summary_interval_s,
+                 "seconds between progress summaries at info level (0: none)")
+      ->capture_default_str();
+  app.add_option("--log-level", cfg.log_level, "trace, debug, info, warn, error or off")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
+      ->capture_default_str();
+
+  CLI11_PARSE(app, argc, argv);
+  cfg.reduction = reduction == "sum" ? psd::server::Reduction::kSum : psd::server::Reduction::kMean;
+
+  spdlog::set_default_logger(spdlog::stderr_color_mt("psd"));
+  spdlog::set_level(spdlog::level::from_str(cfg.log_level));
+  spdlog::set_pattern("%Y-%m-%d %H:%M:%S.%e [%^%l%$] %v");
+
+  auto server = psd::server::Server::Create(cfg);
+  if (!server.ok()) {
+    std::cerr << "psd: " << server.status().message() << "\n";
+    return 2;
+  }
+  // Signals are turned into a stop request by a dedicated thread (sigwait), so no async-signal
+  // unsafe work happens in a handler. Blocked before Start() so the I/O threads inherit the mask.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  psd::Status started = (*server)->Start();
+  if (!started.ok()) {
+    std::cerr << "psd: " << started.message() << "\n";
+    return 1;
+  }
+  g_server = server->get();
+  std::thread signals([&set] {
+    int sig = 0;
+    if (sigwait(&set, &sig) == 0 && sig != 0) {
+      spdlog::info("signal {} received; shutting down", sig);
+      if (auto* s = g_server.load()) s->RequestStop();
+    }
+  });
+  signals.detach();
+  bool done = (*server)->Wait();
+  (*server)->Stop();
+  spdlog::info("psd stopped{}", done ? ": all workers finished" : "");
+  g_server = nullptr;
+  return 0;
+}

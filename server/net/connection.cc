@@ -1,0 +1,394 @@
+#include "net/connection.h"
+
+#include <spdlog/spdlog.h>
+
+#include <kj/exception.h>
+
+#include "net/server.h"
+
+namespace psd::server {
+
+struct Connection::TokenWait {
+  TokenWait(asio::strand<asio::io_context::executor_type>& strand) : timer(strand) {}
+  asio::steady_timer timer;
+  TokenQueue::WaitId id = 0;
+  bool done = false;
+  TokenDone on_done;
+};
+
+Connection::Connection(Server& server, tcp::socket socket, uint64_t id)
+    : server_(server),
+      socket_(std::move(socket)),
+      strand_(asio::make_strand(static_cast<asio::io_context&>(socket_.get_executor().context()))),
+      id_(id) {}
+
+void Connection::Start() {
+  boost::system::error_code ec;
+  socket_.set_option(tcp::no_delay(true), ec);
+  asio::dispatch(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+}
+
+void Connection::CloseGracefully() {
+  asio::post(strand_, [self = shared_from_this()] {
+    self->closing_ = true;
+    if (!self->writing_) self->CloseNow();
+  });
+}
+
+void Connection::CloseNow() {
+  if (closed_) return;
+  closed_ = true;
+  boost::system::error_code ec;
+  socket_.shutdown(tcp::socket::shutdown_both, ec);
+  socket_.close(ec);
+  for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) {
+    server_.engine().tokens().Cancel(w->id, Cancelled("connection closed"));
+  }
+  server_.OnConnectionClosed(id_);
+}
+
+// --- reading ----------------------------------------------------------------------------------
+
+void Connection::ReadHeader() {
+  if (closed_ || closing_) return;
+  asio::async_read(socket_, asio::buffer(first_, sizeof(first_)),
+                   asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
+                     if (ec) return self->CloseNow();
+                     uint32_t count = 0;
+                     size_t rest = 0;
+                     Status s = wire::ParseFirstWord(self->first_, &count, &rest);
+                     if (!s.ok()) return self->FailStream(s);
+                     self->ReadTable(count, rest);
+                   }));
+}
+
+void Connection::ReadTable(uint32_t segment_count, size_t rest) {
+  table_.assign(1 + rest / 4, 0);
+  table_[0] = first_[1];
+  if (rest == 0) return ReadBody(segment_count);
+  asio::async_read(socket_, asio::buffer(table_.data() + 1, rest),
+                   asio::bind_executor(strand_, [self = shared_from_this(), segment_count](
+                                                    boost::system::error_code ec, size_t) {
+                     if (ec) return self->CloseNow();
+                     self->ReadBody(segment_count);
+                   }));
+}
+
+void Connection::ReadBody(uint32_t segment_count) {
+  std::vector<uint32_t> sizes;
+  uint64_t total = 0;
+  Status s = wire::ParseSegmentSizes(table_.data(), segment_count, server_.config().max_frame_bytes, &sizes, &total);
+  if (!s.ok()) return FailStream(s);
+  capnp::word* body = in_.Prepare(sizes, total);
+  asio::async_read(socket_, asio::buffer(body, total * sizeof(capnp::word)),
+                   asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
+                     if (ec) return self->CloseNow();
+                     self->OnFrame();
+                     self->in_.MaybeRelease(16u << 20);
+                     self->ReadHeader();
+                   }));
+}
+
+void Connection::FailStream(const Status& status) {
+  spdlog::warn("connection {}: {}; closing it", id_, status.ToString());
+  SendError(0, status);
+  closing_ = true;
+  if (!writing_) CloseNow();
+}
+
+void Connection::OnFrame() {
+  uint64_t id = 0;
+  try {
+    auto reader = in_.Reader();
+    auto req = reader->getRoot<proto::Request>();
+    id = req.getId();
+    Dispatch(req);
+  } catch (const kj::Exception& e) {
+    SendError(id, InvalidArgument(std::string("malformed request: ") + e.getDescription().cStr()));
+  } catch (const std::bad_alloc&) {
+    SendError(id, ResourceExhausted("out of memory while handling the request"));
+  }
+}
+
+// --- dispatch ---------------------------------------------------------------------------------
+
+void Connection::Dispatch(proto::Request::Reader req) {
+  uint64_t id = req.getId();
+  auto which = req.which();
+  if (which == proto::Request::HELLO) return HandleHello(id, req.getHello());
+  if (which == proto::Request::STATUS) return HandleStatus(id);
+  if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
+  switch (which) {
+    case proto::Request::CREATE_VARIABLE: return HandleCreate(id, req.getCreateVariable());
+    case proto::Request::PULL: return HandlePull(id, req.getPull());
+    case proto::Request::PUSH: return HandlePush(id, req.getPush());
+    case proto::Request::WAIT_TOKEN: return HandleWaitToken(id, req.getWaitToken());
+    case proto::Request::FINISH: return HandleFinish(id);
+    case proto::Request::GET_SLOT: return HandleGetSlot(id, req.getGetSlot());
+    default: return SendError(id, Unimplemented("unknown request type " + std::to_string(static_cast<int>(which))));
+  }
+}
+
+namespace {
+
+void FillConfig(proto::JobConfig::Builder c, const ServerConfig& cfg, const Optimizer& opt) {
+  c.setReplicasToAggregate(cfg.replicas_to_aggregate);
+  c.setTotalReplicas(cfg.total_replicas);
+  c.setTokensPerStep(cfg.tokens_per_step);
+  c.setInitTokens(cfg.resolved_init_tokens);
+  c.setOptimizer(opt.name());
+  c.setLearningRate(opt.learning_rate());
+  c.setReduction(cfg.reduction == Reduction::kSum ? proto::Reduction::SUM : proto::Reduction::MEAN);
+  auto slots = opt.SlotNames();
+  auto list = c.initSlotNames(static_cast<unsigned>(slots.size()));
+  for (size_t i = 0; i < slots.size(); ++i) list.set(static_cast<unsigned>(i), slots[i]);
+}
+
+}  // namespace
+
+void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
+  if (r.getProtocolVersion() != proto::PROTOCOL_VERSION) {
+    return SendError(id, FailedPrecondition("protocol version " + std::to_string(r.getProtocolVersion()) +
+                                            " is not supported; this psd speaks version " +
+                                            std::to_string(proto::PROTOCOL_VERSION)));
+  }
+  std::string name = r.getWorkerName();
+  Status s = ValidateName(name);
+  if (!s.ok()) return SendError(id, InvalidArgument("worker name: " + s.message()));
+  uint32_t index = server_.workers().Hello(id_, name, r.getIncarnation());
+  server_.engine().SetRequiredReplicas(server_.workers().RequiredReplicas());
+  hello_done_ = true;
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto h = resp.initHello();
+  h.setProtocolVersion(proto::PROTOCOL_VERSION);
+  h.setIsChief(server_.workers().IsChief(id_));
+  h.setGlobalStep(server_.engine().global_step());
+  h.setWorkerId(index);
+  FillConfig(h.initConfig(), server_.config(), server_.engine().optimizer());
+  spdlog::info("worker '{}' (incarnation {}) connected as #{}{}", name, r.getIncarnation(), index,
+               h.getIsChief() ? ", chief" : "");
+  Send(std::move(frame));
+}
+
+void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
+  auto t = wire::ReadTensor(r.getInitial(), server_.config().max_frame_bytes);
+  if (!t.ok()) return SendError(id, t.status());
+  VariableDef def;
+  def.name = r.getName();
+  def.dtype = t->dtype;
+  def.shape = t->shape;
+  def.trainable = r.getTrainable();
+  if (t->bytes > 0) {
+    def.initial = t->data;
+    def.initial_bytes = t->bytes;
+  }
+  auto desc = server_.engine().CreateVariable(def);
+  if (!desc.ok()) return SendError(id, desc.status());
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto v = resp.initVariable();
+  v.setName(desc->name);
+  v.setDtype(wire::ToWire(desc->dtype));
+  auto shape = v.initShape(static_cast<unsigned>(desc->shape.size()));
+  for (size_t i = 0; i < desc->shape.size(); ++i) shape.set(static_cast<unsigned>(i), desc->shape[i]);
+  v.setCreated(desc->created);
+  v.setTrainable(desc->trainable);
+  Send(std::move(frame));
+}
+
+void Connection::HandlePull(uint64_t id, proto::Pull::Reader r) {
+  std::vector<std::string> names;
+  for (auto n : r.getNames()) names.emplace_back(n);
+  std::vector<PulledValue> values;
+  int64_t step = 0;
+  Status s = server_.engine().Pull(names, &values, &step);
+  if (!s.ok()) return SendError(id, s);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto p = resp.initPull();
+  p.setStep(step);
+  auto list = p.initValues(static_cast<unsigned>(values.size()));
+  for (size_t i = 0; i < values.size(); ++i) {
+    const PulledValue& v = values[i];
+    // Zero-copy: the reply references the immutable published buffer, kept alive by the frame.
+    wire::SetTensor(frame->builder, list[static_cast<unsigned>(i)], v.dtype, v.shape, v.value->data(),
+                    v.value->bytes(), /*padded=*/true);
+    frame->keepalive.push_back(v.value);
+  }
+  Send(std::move(frame));
+}
+
+void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
+  auto grads_in = r.getGrads();
+  if (grads_in.size() == 0) return SendError(id, InvalidArgument("Must supply at least one variable"));
+  std::vector<GradRef> grads;
+  grads.reserve(grads_in.size());
+  for (auto g : grads_in) {
+    auto t = wire::ReadTensor(g.getGrad(), server_.config().max_frame_bytes);
+    if (!t.ok()) return SendError(id, t.status());
+    auto name = g.getName();
+    grads.push_back({std::string_view(name.cStr(), name.size()), t->dtype, std::move(t->shape), t->data, t->bytes});
+  }
+  std::vector<GradOutcome> outcomes;
+  Status s = server_.engine().Push(r.getLocalStep(), grads, &outcomes);
+  if (!s.ok()) return SendError(id, s);
+
+  auto fill = [outcomes = std::move(outcomes), this](proto::PushReply::Builder p) {
+    auto results = p.initResults(static_cast<unsigned>(outcomes.size()));
+    for (size_t i = 0; i < outcomes.size(); ++i) {
+      results[static_cast<unsigned>(i)].setAccepted(outcomes[i].accepted);
+      results[static_cast<unsigned>(i)].setStep(outcomes[i].step);
+    }
+    p.setIsChief(server_.workers().IsChief(id_));
+  };
+  if (!r.getWaitToken()) {
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    fill(resp.initPush());
+    return Send(std::move(frame));
+  }
+  WaitForToken(r.getTimeoutMs(), [this, id, fill = std::move(fill)](const Status& st, int64_t token) {
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    auto p = resp.initPush();
+    fill(p);
+    p.setToken(token);
+    p.setTokenCode(wire::ToWire(st.code()));
+    p.setTokenMessage(st.message());
+    Send(std::move(frame));
+  });
+}
+
+void Connection::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
+  WaitForToken(r.getTimeoutMs(), [this, id](const Status& st, int64_t token) {
+    if (!st.ok()) return SendError(id, st);
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    auto t = resp.initToken();
+    t.setToken(token);
+    t.setIsChief(server_.workers().IsChief(id_));
+    Send(std::move(frame));
+  });
+}
+
+void Connection::HandleStatus(uint64_t id) {
+  EngineStats st = server_.engine().Stats();
+  WorkerCounts wc = server_.workers().Counts();
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto s = resp.initStatus();
+  s.setGlobalStep(st.global_step);
+  s.setIsChief(server_.workers().IsChief(id_));
+  s.setTokensQueued(st.tokens_queued);
+  s.setWorkersConnected(wc.connected);
+  s.setWorkersFinished(wc.finished);
+  s.setReplicasRequired(st.required_replicas);
+  s.setAcceptedPushes(st.accepted);
+  s.setStalePushes(st.stale);
+  FillConfig(s.initConfig(), server_.config(), server_.engine().optimizer());
+  Send(std::move(frame));
+}
+
+void Connection::HandleFinish(uint64_t id) {
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setNone();
+  Send(std::move(frame));
+  server_.OnWorkerFinished(id_);
+}
+
+void Connection::HandleGetSlot(uint64_t id, proto::GetSlot::Reader r) {
+  auto slot = server_.engine().GetSlot(r.getVariable(), r.getSlot());
+  if (!slot.ok()) return SendError(id, slot.status());
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  wire::SetTensor(frame->builder, resp.initSlot(), slot->dtype, slot->shape, slot->value->data(),
+                  slot->value->bytes(), /*padded=*/true);
+  frame->keepalive.push_back(slot->value);
+  Send(std::move(frame));
+}
+
+// --- token waits ------------------------------------------------------------------------------
+
+void Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
+  if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
+  auto w = std::make_shared<TokenWait>(strand_);
+  w->on_done = std::move(done);
+  auto self = shared_from_this();
+  TokenQueue& tokens = server_.engine().tokens();
+  TokenQueue::WaitId wid = tokens.Wait([self, w](Status s, int64_t token) {
+    asio::post(self->strand_, [self, w, s = std::move(s), token] { self->FinishTokenWait(w, s, token); });
+  });
+  if (wid == 0) return;  // answered at once (the callback is already posted)
+  w->id = wid;
+  parked_.insert(w);
+  w->timer.expires_after(std::chrono::milliseconds(timeout_ms));
+  w->timer.async_wait([self, w, timeout_ms](boost::system::error_code ec) {
+    if (ec || w->done) return;
+    EngineStats st = self->server_.engine().Stats();
+    self->server_.engine().tokens().Cancel(
+        w->id, DeadlineExceeded("no token within " + std::to_string(timeout_ms) + " ms (global step " +
+                                std::to_string(st.global_step) + ", a step needs " +
+                                std::to_string(st.required_replicas) + " fresh gradient(s) per variable)"));
+  });
+}
+
+void Connection::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token) {
+  if (w->done) return;
+  w->done = true;
+  w->timer.cancel();
+  parked_.erase(w);
+  if (closed_) {
+    // The peer is gone: a token delivered to it goes back so no other worker starves.
+    if (s.ok()) server_.engine().tokens().PushFront(token);
+    return;
+  }
+  w->on_done(s, token);
+}
+
+// --- writing ----------------------------------------------------------------------------------
+
+std::shared_ptr<wire::OutFrame> Connection::NewReply(uint64_t id, proto::Response::Builder* resp) {
+  auto frame = std::make_shared<wire::OutFrame>();
+  *resp = frame->builder.initRoot<proto::Response>();
+  resp->setId(id);
+  resp->setCode(proto::Code::OK);
+  return frame;
+}
+
+void Connection::SendError(uint64_t id, const Status& status) {
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setCode(wire::ToWire(status.code()));
+  resp.setMessage(status.message());
+  spdlog::debug("connection {}: request {} failed: {}", id_, id, status.ToString());
+  Send(std::move(frame));
+}
+
+void Connection::Send(std::shared_ptr<wire::OutFrame> frame) {
+  if (closed_) return;
+  write_queue_.push_back(std::move(frame));
+  if (!writing_) WriteNext();
+}
+
+void Connection::WriteNext() {
+  if (write_queue_.empty() || closed_) {
+    writing_ = false;
+    if (closing_) CloseNow();
+    return;
+  }
+  writing_ = true;
+  auto frame = write_queue_.front();
+  asio::async_write(socket_, frame->Buffers(),
+                    asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t) {
+                      self->write_queue_.pop_front();
+                      if (ec) {
+                        self->writing_ = false;
+                        return self->CloseNow();
+                      }
+                      self->WriteNext();
+                    }));
+}
+
+}  // namespace psd::server

@@ -1,0 +1,84 @@
+// Connection: one peer's socket. Reads frames (size-checked before any allocation), dispatches
+// requests to the engine and writes replies with scatter-gather writes. All members are touched
+// only on the connection's strand.
+//
+// Malformed input: a frame whose header is bad or over --max-frame-bytes gets an error reply and
+// the connection is closed (the stream cannot be resynchronised); a well-framed message that
+// fails to decode or validate gets an error reply and the connection stays usable. Nothing a
+// peer sends reaches an assertion.
+#ifndef PSD_SERVER_NET_CONNECTION_H_
+#define PSD_SERVER_NET_CONNECTION_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <set>
+
+#include "psd.capnp.h"
+#include "sync/token_queue.h"
+#include "wire/asio.h"
+#include "wire/frame.h"
+
+namespace psd::server {
+
+class Server;
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  Connection(Server& server, tcp::socket socket, uint64_t id);
+  uint64_t id() const { return id_; }
+  void Start();
+  // Closes once queued replies are written (bounded by the socket; any thread).
+  void CloseGracefully();
+
+ private:
+  struct TokenWait;
+  using TokenDone = std::function<void(const Status&, int64_t token)>;
+
+  void ReadHeader();
+  void ReadTable(uint32_t segment_count, size_t rest);
+  void ReadBody(uint32_t segment_count);
+  void OnFrame();
+  void FailStream(const Status& status);
+  void CloseNow();
+
+  void Dispatch(proto::Request::Reader req);
+  void HandleHello(uint64_t id, proto::Hello::Reader r);
+  void HandleCreate(uint64_t id, proto::CreateVariable::Reader r);
+  void HandlePull(uint64_t id, proto::Pull::Reader r);
+  void HandlePush(uint64_t id, proto::Push::Reader r);
+  void HandleWaitToken(uint64_t id, proto::WaitToken::Reader r);
+  void HandleStatus(uint64_t id);
+  void HandleFinish(uint64_t id);
+  void HandleGetSlot(uint64_t id, proto::GetSlot::Reader r);
+
+  // Waits for a token with a deadline; `done` runs on the strand exactly once.
+  void WaitForToken(int64_t timeout_ms, TokenDone done);
+  void FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token);
+
+  std::shared_ptr<wire::OutFrame> NewReply(uint64_t id, proto::Response::Builder* resp);
+  void SendError(uint64_t id, const Status& status);
+  void Send(std::shared_ptr<wire::OutFrame> frame);
+  void WriteNext();
+
+  Server& server_;
+  tcp::socket socket_;
+  asio::strand<asio::io_context::executor_type> strand_;
+  const uint64_t id_;
+
+  uint32_t first_[2] = {0, 0};
+  std::vector<uint32_t> table_;
+  wire::InFrame in_;
+  bool hello_done_ = false;
+  bool closing_ = false;  // close once the write queue drains
+  bool closed_ = false;
+
+  std::deque<std::shared_ptr<wire::OutFrame>> write_queue_;
+  bool writing_ = false;
+  std::set<std::shared_ptr<TokenWait>> parked_;
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_NET_CONNECTION_H_

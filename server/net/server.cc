@@ -1,0 +1,199 @@
+#include "net/server.h"
+
+#include <fstream>
+
+#include <spdlog/spdlog.h>
+
+#include "net/connection.h"
+
+namespace psd::server {
+
+Result<std::unique_ptr<Server>> Server::Create(ServerConfig config) {
+  PSD_RETURN_IF_ERROR(config.Validate());
+  auto opt = MakeOptimizer(config.optimizer, config.learning_rate);
+  if (!opt.ok()) return opt.status();
+  auto engine = std::make_unique<SyncEngine>(config, std::move(*opt));
+  return std::unique_ptr<Server>(new Server(std::move(config), std::move(engine)));
+}
+
+Server::Server(ServerConfig config, std::unique_ptr<SyncEngine> engine)
+    : config_(std::move(config)),
+      engine_(std::move(engine)),
+      workers_(config_.replicas_to_aggregate, config_.total_replicas),
+      acceptor_(io_),
+      summary_timer_(io_) {
+  engine_->set_on_commit([](const StepInfo& info) {
+    spdlog::debug("step {} committed ({}..{} gradients averaged per variable)", info.step,
+                  info.min_gradients, info.max_gradients);
+  });
+}
+
+Server::~Server() { Stop(); }
+
+Status Server::Start() {
+  boost::system::error_code ec;
+  auto addr = asio::ip::make_address(config_.host, ec);
+  if (ec) return InvalidArgument("--host '" + config_.host + "' is not an IP address: " + ec.message());
+  tcp::endpoint ep(addr, config_.port);
+  acceptor_.open(ep.protocol(), ec);
+  if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) acceptor_.bind(ep, ec);
+  if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return Unavailable("cannot listen on " + config_.host + ":" + std::to_string(config_.port) + ": " +
+                       ec.message());
+  }
+  port_ = acceptor_.local_endpoint().port();
+  if (!config_.port_file.empty()) {
+    std::string tmp = config_.port_file + ".tmp";
+    {
+      std::ofstream f(tmp);
+      f << port_ << "\n";
+      if (!f) return Unavailable("cannot write --port-file " + config_.port_file);
+    }
+    if (std::rename(tmp.c_str(), config_.port_file.c_str()) != 0) {
+      return Unavailable("cannot write --port-file " + config_.port_file);
+    }
+  }
+  engine_->PushInitTokens(config_.resolved_init_tokens);
+  work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
+  Accept();
+  last_summary_time_ = std::chrono::steady_clock::now();
+  ScheduleSummary();
+  for (int i = 0; i < config_.io_threads; ++i) {
+    threads_.emplace_back([this] {
+      for (;;) {
+        try {
+          io_.run();
+          return;
+        } catch (const std::exception& e) {
+          // A handler threw (e.g. out of memory building a reply): log and keep serving.
+          spdlog::error("unexpected exception in an I/O handler: {}", e.what());
+        }
+      }
+    });
+  }
+  spdlog::info("psd listening on {}:{} (R={} total={} tokens/step={} init tokens={} optimizer={} lr={} {})",
+               config_.host, port_, config_.replicas_to_aggregate, config_.total_replicas,
+               config_.tokens_per_step, config_.resolved_init_tokens, config_.optimizer,
+               config_.learning_rate, ReductionName(config_.reduction));
+  return Status::Ok();
+}
+
+void Server::Accept() {
+  acceptor_.async_accept(asio::make_strand(io_), [this](boost::system::error_code ec, tcp::socket socket) {
+    if (ec) {
+      if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
+      spdlog::warn("accept failed: {}", ec.message());
+      return Accept();
+    }
+    uint64_t id = next_conn_id_.fetch_add(1);
+    auto conn = std::make_shared<Connection>(*this, std::move(socket), id);
+    bool refuse = false;
+    {
+      std::lock_guard<std::mutex> lock(conns_mu_);
+      refuse = static_cast<int>(conns_.size()) >= config_.max_connections;
+      if (!refuse) conns_[id] = conn;
+    }
+    if (refuse) {
+      spdlog::warn("refusing connection: --max-connections {} reached", config_.max_connections);
+    } else {
+      conn->Start();
+    }
+    Accept();
+  });
+}
+
+void Server::ScheduleSummary() {
+  if (config_.summary_interval_s <= 0) return;
+  summary_timer_.expires_after(std::chrono::milliseconds(static_cast<int64_t>(config_.summary_interval_s * 1000)));
+  summary_timer_.async_wait([this](boost::system::error_code ec) {
+    if (ec) return;
+    LogSummary();
+    ScheduleSummary();
+  });
+}
+
+void Server::LogSummary() {
+  EngineStats st = engine_->Stats();
+  WorkerCounts wc = workers_.Counts();
+  auto now = std::chrono::steady_clock::now();
+  double secs = std::chrono::duration<double>(now - last_summary_time_).count();
+  double rate = secs > 0 ? static_cast<double>(st.global_step - last_summary_step_) / secs : 0;
+  spdlog::info("step {} ({:.1f} steps/s) | pushes accepted {} stale {} | tokens queued {} | workers {} "
+               "connected, {} finished | step needs {} gradient(s)",
+               st.global_step, rate, st.accepted, st.stale, st.tokens_queued, wc.connected, wc.finished,
+               st.required_replicas);
+  last_summary_step_ = st.global_step;
+  last_summary_time_ = now;
+}
+
+void Server::OnWorkerFinished(uint64_t conn) {
+  bool all = workers_.Finished(conn);
+  engine_->SetRequiredReplicas(workers_.RequiredReplicas());
+  if (!all) return;
+  spdlog::info("all workers finished at global step {}", engine_->global_step());
+  engine_->tokens().Close(OutOfRange("training is over: all workers finished"));
+  if (config_.exit_when_done) {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    job_done_ = true;
+    stop_requested_ = true;
+    stop_cv_.notify_all();
+  }
+}
+
+void Server::OnConnectionClosed(uint64_t conn) {
+  workers_.Disconnected(conn);
+  std::lock_guard<std::mutex> lock(conns_mu_);
+  conns_.erase(conn);
+}
+
+bool Server::Wait() {
+  std::unique_lock<std::mutex> lock(stop_mu_);
+  stop_cv_.wait(lock, [this] { return stop_requested_; });
+  return job_done_;
+}
+
+void Server::RequestStop() {
+  std::lock_guard<std::mutex> lock(stop_mu_);
+  stop_requested_ = true;
+  stop_cv_.notify_all();
+}
+
+void Server::Stop() {
+  if (stopped_.exchange(true)) return;
+  RequestStop();
+  asio::post(io_, [this] {
+    boost::system::error_code ec;
+    acceptor_.close(ec);
+    summary_timer_.cancel();
+  });
+  engine_->tokens().Close(Cancelled("psd is shutting down"));
+  std::vector<std::shared_ptr<Connection>> live;
+  {
+    std::lock_guard<std::mutex> lock(conns_mu_);
+    for (auto& [id, weak] : conns_) {
+      if (auto c = weak.lock()) live.push_back(c);
+    }
+  }
+  for (auto& c : live) c->CloseGracefully();
+  live.clear();
+  work_.reset();
+  // Give replies in flight up to 2 s to drain, then stop the loop regardless.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (std::chrono::steady_clock::now() < deadline) {
+    {
+      std::lock_guard<std::mutex> lock(conns_mu_);
+      if (conns_.empty()) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  io_.stop();
+  for (auto& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+  threads_.clear();
+  if (port_ != 0) LogSummary();
+}
+
+}  // namespace psd::server

@@ -1,0 +1,90 @@
+// Server: psd's network front. Owns the io_context, its thread pool, the acceptor and the live
+// connections, and wires them to the SyncEngine and WorkerRegistry.
+//
+// Threading model: `config.io_threads` threads run one io_context. Each connection's handlers
+// run on that connection's strand, so they never run concurrently with each other; shared
+// state lives in SyncEngine/WorkerRegistry behind their own locks. A blocked token wait is a
+// parked callback plus a timer, never a parked thread, so 64 waiting workers need no 64 threads.
+//
+// Lifetime: Start() binds and starts the threads; Wait() blocks until a stop is requested
+// (RequestStop(), a signal handled by the caller, or --exit-when-done once every worker has
+// finished); Stop() closes the acceptor and the connections (after flushing their replies, at
+// most ~2 s) and joins the threads. Several Servers can live in one process (tests).
+#ifndef PSD_SERVER_NET_SERVER_H_
+#define PSD_SERVER_NET_SERVER_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "config.h"
+#include "psd/status.h"
+#include "sync/sync_engine.h"
+#include "sync/worker_registry.h"
+#include "wire/asio.h"
+
+namespace psd::server {
+
+class Connection;
+
+class Server {
+ public:
+  // `config` must have passed Validate().
+  static Result<std::unique_ptr<Server>> Create(ServerConfig config);
+  ~Server();
+
+  Status Start();
+  uint16_t port() const { return port_; }
+  // Blocks until a stop is requested. Returns true if the job ended because all workers finished.
+  bool Wait();
+  void RequestStop();
+  void Stop();
+
+  SyncEngine& engine() { return *engine_; }
+  WorkerRegistry& workers() { return workers_; }
+  const ServerConfig& config() const { return config_; }
+
+  // Called by connections.
+  void OnWorkerFinished(uint64_t conn);
+  void OnConnectionClosed(uint64_t conn);
+
+ private:
+  Server(ServerConfig config, std::unique_ptr<SyncEngine> engine);
+  void Accept();
+  void ScheduleSummary();
+  void LogSummary();
+
+  const ServerConfig config_;
+  std::unique_ptr<SyncEngine> engine_;
+  WorkerRegistry workers_;
+
+  asio::io_context io_;
+  std::unique_ptr<asio::executor_work_guard<asio::io_context::executor_type>> work_;
+  tcp::acceptor acceptor_;
+  asio::steady_timer summary_timer_;
+  std::vector<std::thread> threads_;
+  uint16_t port_ = 0;
+  std::atomic<uint64_t> next_conn_id_{1};
+
+  std::mutex conns_mu_;
+  std::map<uint64_t, std::weak_ptr<Connection>> conns_;  // guarded by conns_mu_
+
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stop_requested_ = false;  // guarded by stop_mu_
+  bool job_done_ = false;        // guarded by stop_mu_
+  std::atomic<bool> stopped_{false};
+
+  // Summary bookkeeping (only touched by the summary timer's handler).
+  int64_t last_summary_step_ = 0;
+  std::chrono::steady_clock::time_point last_summary_time_;
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_NET_SERVER_H_

@@ -1,0 +1,84 @@
+#include "sync/accumulator.h"
+
+#include <cstring>
+
+namespace psd::server {
+namespace {
+
+template <typename T>
+void AddInto(T* __restrict dst, const T* __restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+// Divides (not multiplies by the reciprocal) so results match TF's `accum /= counter` bit for bit.
+template <typename T>
+void DivideBy(T* dst, T divisor, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] /= divisor;
+}
+
+}  // namespace
+
+DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction, int64_t initial_step)
+    : dtype_(dtype),
+      shape_(std::move(shape)),
+      reduction_(reduction),
+      num_elements_(NumElements(shape_)),
+      step_(initial_step),
+      sum_(static_cast<size_t>(num_elements_) * DTypeSize(dtype)) {}
+
+Status DenseAccumulator::Validate(DType dtype, const Shape& shape, size_t bytes) const {
+  if (dtype != dtype_) {
+    return InvalidArgument(std::string("dtype mismatch: accumulator is ") + DTypeName(dtype_) +
+                           ", gradient is " + DTypeName(dtype));
+  }
+  if (shape != shape_) {
+    return InvalidArgument("Shape mismatch: expected " + ShapeString(shape_) + ", got " + ShapeString(shape));
+  }
+  if (bytes != sum_.bytes()) {
+    return InvalidArgument("gradient data has " + std::to_string(bytes) + " bytes, shape " +
+                           ShapeString(shape) + " of " + DTypeName(dtype) + " needs " +
+                           std::to_string(sum_.bytes()));
+  }
+  return Status::Ok();
+}
+
+Result<bool> DenseAccumulator::ApplyGrad(int64_t local_step, DType dtype, const Shape& shape,
+                                         const void* data, size_t bytes) {
+  PSD_RETURN_IF_ERROR(Validate(dtype, shape, bytes));
+  if (local_step < step_) return false;
+  if (counter_ == 0) {
+    if (bytes) std::memcpy(sum_.data(), data, bytes);
+  } else if (dtype_ == DType::kFloat32) {
+    AddInto(sum_.as<float>(), static_cast<const float*>(data), num_elements_);
+  } else {
+    AddInto(sum_.as<double>(), static_cast<const double*>(data), num_elements_);
+  }
+  ++counter_;
+  return true;
+}
+
+Result<bool> DenseAccumulator::TryTakeGrad(int num_required, int* count) {
+  if (num_required <= 0) {
+    return InvalidArgument("Argument num_required must be positive, but was " + std::to_string(num_required));
+  }
+  if (counter_ < num_required) return false;
+  ++step_;
+  if (reduction_ == Reduction::kMean && counter_ > 1) {
+    if (dtype_ == DType::kFloat32) {
+      DivideBy(sum_.as<float>(), static_cast<float>(counter_), num_elements_);
+    } else {
+      DivideBy(sum_.as<double>(), static_cast<double>(counter_), num_elements_);
+    }
+  }
+  *count = counter_;
+  counter_ = 0;
+  return true;
+}
+
+bool DenseAccumulator::SetGlobalStep(int64_t new_step) {
+  bool lowered = new_step < step_;
+  step_ = new_step;
+  return lowered;
+}
+
+}  // namespace psd::server

@@ -1,0 +1,67 @@
+// DenseAccumulator: TensorFlow's ConditionalAccumulator semantics for one variable
+// (shared/reference/tf_semantics.md section 1), without the blocking: the SyncEngine decides
+// when to take.
+//
+//   apply: stale iff local_step < step(); stale gradients are dropped (counter unchanged).
+//          Accepted ones are added into the running sum; counter += 1.
+//   take:  needs counter >= num_required (> 0); step += 1; MEAN divides by the counter actually
+//          accumulated (may exceed num_required), SUM returns the raw sum; counter = 0.
+//   set_global_step: overwrite (a lower value is allowed, as TF, and reported), keeps pending
+//          gradients.
+// Deliberate deviation from TF: shape/dtype/size are validated even for stale gradients, so a
+// malformed push always gets an error.
+//
+// Thread-safety: none; the owner serializes all calls (SyncEngine: the variable's mutex).
+#ifndef PSD_SERVER_SYNC_ACCUMULATOR_H_
+#define PSD_SERVER_SYNC_ACCUMULATOR_H_
+
+#include <cstdint>
+
+#include "config.h"
+#include "psd/status.h"
+#include "psd/tensor.h"
+#include "sync/buffer.h"
+
+namespace psd::server {
+
+class DenseAccumulator {
+ public:
+  DenseAccumulator(DType dtype, Shape shape, Reduction reduction, int64_t initial_step);
+
+  // Checks that a gradient matches this accumulator's dtype, shape and byte size. Errors use
+  // TF's wording ("Shape mismatch: expected [3,2], got [2,2]").
+  Status Validate(DType dtype, const Shape& shape, size_t bytes) const;
+
+  // TF apply_grad. Returns true when accepted, false when stale (dropped).
+  Result<bool> ApplyGrad(int64_t local_step, DType dtype, const Shape& shape, const void* data,
+                         size_t bytes);
+
+  // TF take_grad without the wait. Errors with "Argument num_required must be positive, but was
+  // <n>" for num_required <= 0. Returns false (nothing changes) while counter < num_required.
+  // On success the aggregated gradient is in grad() until the next ApplyGrad, and *count is the
+  // number of gradients it averages.
+  Result<bool> TryTakeGrad(int num_required, int* count);
+
+  // TF set_global_step. Returns true when the new step is lower than the current one (TF only
+  // warns about that and still lowers it).
+  bool SetGlobalStep(int64_t new_step);
+
+  int num_accumulated() const { return counter_; }
+  int64_t step() const { return step_; }
+  const Buffer& grad() const { return sum_; }
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+
+ private:
+  const DType dtype_;
+  const Shape shape_;
+  const Reduction reduction_;
+  const int64_t num_elements_;
+  int64_t step_;
+  int counter_ = 0;
+  Buffer sum_;
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_SYNC_ACCUMULATOR_H_

@@ -1,0 +1,36 @@
+// Buffer: a word-aligned, zero-padded byte buffer for tensor values, accumulators and slots.
+// Word alignment and zeroed padding let pull replies reference the bytes in place
+// (capnp referenceExternalData). Not thread-safe; owners say who guards it.
+#ifndef PSD_SERVER_SYNC_BUFFER_H_
+#define PSD_SERVER_SYNC_BUFFER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace psd::server {
+
+class Buffer {
+ public:
+  explicit Buffer(size_t bytes)
+      : words_(std::make_unique<uint64_t[]>((bytes + 7) / 8)), bytes_(bytes) {}
+  void* data() { return words_.get(); }
+  const void* data() const { return words_.get(); }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  T* as() {
+    return reinterpret_cast<T*>(words_.get());
+  }
+  template <typename T>
+  const T* as() const {
+    return reinterpret_cast<const T*>(words_.get());
+  }
+
+ private:
+  std::unique_ptr<uint64_t[]> words_;  // value-initialized: padding bytes are zero
+  size_t bytes_;
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_SYNC_BUFFER_H_

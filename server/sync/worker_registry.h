@@ -1,0 +1,65 @@
+// WorkerRegistry: which workers are connected, which one is the chief, which have finished.
+//
+// The chief is the connected, unfinished worker that said hello first; when it disconnects or
+// finishes, the next one in hello order becomes chief (workers learn it from the isChief field
+// of their next reply). A worker is identified by name; a reconnect with the same name
+// replaces the old connection (its incarnation is logged).
+//
+// Finishing: when a worker declares itself finished, the number of fresh gradients a step
+// needs shrinks once the backups are used up: required = max(1, R - max(0, finished - B)), so
+// the remaining workers never wait for gradients that cannot come (TF hung here, #20342).
+// When every known worker has finished, training is over.
+//
+// Thread-safety: all methods lock one internal mutex.
+#ifndef PSD_SERVER_SYNC_WORKER_REGISTRY_H_
+#define PSD_SERVER_SYNC_WORKER_REGISTRY_H_
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "psd/status.h"
+
+namespace psd::server {
+
+struct WorkerCounts {
+  int connected = 0;
+  int finished = 0;
+  int known = 0;
+};
+
+class WorkerRegistry {
+ public:
+  WorkerRegistry(int replicas_to_aggregate, int total_replicas);
+
+  // Registers `conn` as worker `name`. Returns the worker's index (stable per name).
+  uint32_t Hello(uint64_t conn, const std::string& name, uint64_t incarnation);
+  void Disconnected(uint64_t conn);
+  // Marks the worker on `conn` finished. Returns true when every known worker has finished.
+  bool Finished(uint64_t conn);
+
+  bool IsChief(uint64_t conn) const;
+  bool AllFinished() const;
+  // Fresh gradients a step needs given how many workers have finished.
+  int RequiredReplicas() const;
+  WorkerCounts Counts() const;
+
+ private:
+  struct Worker {
+    std::string name;
+    uint64_t incarnation = 0;
+    uint64_t conn = 0;  // 0: not connected
+    bool finished = false;
+  };
+  const Worker* ChiefLocked() const;
+
+  const int replicas_to_aggregate_;
+  const int backups_;
+  mutable std::mutex mu_;
+  std::vector<Worker> workers_;  // guarded by mu_, in first-hello order
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_SYNC_WORKER_REGISTRY_H_
