@@ -142,12 +142,17 @@ int main(int argc, char** argv) {
     return psclient::Status::Ok();
   };
 
-  // Readiness + local step init, as TF's hook in a MonitoredTrainingSession.
+  // TF order: build (compute_gradients declares the variables; on a non-chief worker the pull
+  // may find nothing yet), then the hook: readiness wait + local step init.
   auto first = opt.compute_gradients(loss_fn, vars);
+  if (!first.ok() && first.status().code() != psd::Code::kNotFound) {
+    std::fprintf(stderr, "%s: %s\n", me.c_str(), first.status().ToString().c_str());
+    return 1;
+  }
   auto hook = opt.make_session_run_hook(c.is_chief(), num_tokens);
-  psclient::Status hs = first.ok() ? hook.begin() : first.status();
+  psclient::Status hs = hook.begin();
   if (hs.ok()) hs = hook.after_create_session();
-  if (!hs.ok() && hs.code() != psd::Code::kNotFound) {
+  if (!hs.ok()) {
     std::fprintf(stderr, "%s: %s\n", me.c_str(), hs.ToString().c_str());
     return 1;
   }

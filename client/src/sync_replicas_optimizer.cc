@@ -40,6 +40,10 @@ Result<std::vector<GradAndVar>> SyncReplicasOptimizer::compute_gradients(const G
     if (v == nullptr) return psd::InvalidArgument("var_list has a null variable");
     outs.emplace_back(v->name(), v->value().view());
   }
+  // The "graph" exists from here on, even if the variables are not on the daemon yet (a
+  // non-chief worker before the chief created them): the hook's readiness wait covers that.
+  built_ = true;
+  var_list_ = var_list;
   auto step = client_.Pull(outs);
   if (!step.ok()) return step.status();
   std::vector<std::optional<Tensor>> grads(var_list.size());
@@ -50,8 +54,6 @@ Result<std::vector<GradAndVar>> SyncReplicasOptimizer::compute_gradients(const G
                                 " gradients for " + std::to_string(var_list.size()) + " variables");
   }
   last_loss_ = loss;
-  built_ = true;
-  var_list_ = var_list;
   std::vector<GradAndVar> out;
   out.reserve(var_list.size());
   for (size_t i = 0; i < var_list.size(); ++i) out.push_back({std::move(grads[i]), var_list[i]});

@@ -116,7 +116,9 @@ class SyncReplicasOptimizer {
   SyncReplicasOptimizer(Client& client, int replicas_to_aggregate = -1, int total_num_replicas = -1);
   Status status() const { return status_; }
 
-  // Pulls every variable (one round trip, one consistent step) and calls `fn`.
+  // Pulls every variable (one round trip, one consistent step) and calls `fn`. The first call
+  // also declares the variable list (TF: building the graph), even when the pull fails because
+  // the chief has not created the variables yet (kNotFound; the hook waits for them).
   Result<std::vector<GradAndVar>> compute_gradients(const GradientFn& fn, const std::vector<Variable*>& var_list);
   // Pushes the gradients tagged with the local step, waits for a token (the barrier) and makes
   // it the new local step; sets global_step->value and returns it. TF's errors:

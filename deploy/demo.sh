@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The main job, from a fresh Debian 12 machine: install the packages, build (Release), then run
+# a local cluster — one psd and three workers (2 replicas to aggregate + 1 backup, the last one
+# an artificial straggler) training logistic regression, printing progress and a summary.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+"$here/deploy/install_deps.sh"
+cmake -S "$here" -B "$here/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPSD_BUILD_TESTS=OFF >/dev/null
+cmake --build "$here/build" --target psd psd_logreg_worker psd_bench
+exec "$here/deploy/local_cluster.sh" --build "$here/build" "$@"

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Starts a local psd and W worker processes on 127.0.0.1, trains the example logistic-regression
+# model, prints per-step progress and a summary, and stops everything. Every process is bounded
+# in time; only the processes started here are stopped, by PID.
+#
+#   deploy/local_cluster.sh [--build DIR] [--workers W] [--replicas R] [--backup B] [--steps S]
+#                           [--straggler-ms MS] [--lr LR] [-- extra psd flags]
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+build="$here/build"
+workers=3 replicas=2 backup=1 steps=300 straggler_ms=5 lr=0.5 features=64 batch=128
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --build) build=$2; shift 2 ;;
+    --workers) workers=$2; shift 2 ;;
+    --replicas) replicas=$2; shift 2 ;;
+    --backup) backup=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    --straggler-ms) straggler_ms=$2; shift 2 ;;
+    --lr) lr=$2; shift 2 ;;
+    --) shift; break ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+
+psd="$build/server/psd"
+worker="$build/client/psd_logreg_worker"
+[ -x "$psd" ] && [ -x "$worker" ] || { echo "build first: $psd / $worker missing" >&2; exit 1; }
+
+run=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  rm -rf "$run"
+}
+trap cleanup EXIT
+
+timeout 600 "$psd" --port 0 --port-file "$run/port" --replicas-to-aggregate "$replicas" \
+  --backup-replicas "$backup" --init-tokens 0 --learning-rate "$lr" --exit-when-done \
+  --summary-interval-s 2 "$@" 2> >(sed 's/^/[psd] /' >&2) &
+psd_pid=$!
+pids+=("$psd_pid")
+for _ in $(seq 100); do [ -s "$run/port" ] && break; sleep 0.05; done
+port=$(cat "$run/port")
+echo "psd listening on 127.0.0.1:$port (replicas_to_aggregate=$replicas, backup replicas=$backup, $workers workers)"
+
+worker_pids=()
+for i in $(seq 0 $((workers - 1))); do
+  slow=0
+  # The last worker is an artificial straggler when there are backups: its gradients arrive late.
+  if [ "$backup" -gt 0 ] && [ "$i" -eq $((workers - 1)) ]; then slow=$straggler_ms; fi
+  timeout 600 "$worker" --port "$port" --worker-name "worker-$i" --shard "$i" --steps "$steps" \
+    --features "$features" --batch "$batch" --slow-ms "$slow" --print-every 20 &
+  worker_pids+=($!)
+  pids+=($!)
+done
+status=0
+for p in "${worker_pids[@]}"; do wait "$p" || status=1; done
+wait "$psd_pid" || status=1
+[ $status -eq 0 ] && echo "local cluster finished: all workers done, psd exited cleanly" || echo "local cluster FAILED" >&2
+exit $status

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# e2e: psd --help documents the flags; contradictory flags are refused at start with a message
+# naming the flag; SIGTERM and SIGINT stop a running psd cleanly with status 0.
+set -euo pipefail
+psd=$1
+run=$(mktemp -d)
+pid=""
+trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$run"' EXIT
+
+help=$(timeout 10 "$psd" --help)
+for flag in --host --port --replicas-to-aggregate --backup-replicas --total-replicas --init-tokens \
+            --optimizer --learning-rate --log-level --max-frame-bytes --exit-when-done --token-timeout-ms; do
+  grep -q -- "$flag" <<< "$help" || { echo "--help does not document $flag"; exit 1; }
+done
+
+if out=$(timeout 10 "$psd" -R 2 -B 1 -N 5 2>&1); then echo "contradictory flags accepted"; exit 1; fi
+grep -q -- "--total-replicas" <<< "$out" || { echo "unclear message: $out"; exit 1; }
+if out=$(timeout 10 "$psd" -R 4 -N 2 --init-tokens 1 2>&1); then echo "too few tokens accepted"; exit 1; fi
+grep -q "Too few tokens to finish the first step: 1 (given) vs 2 (needed)" <<< "$out" || { echo "unclear: $out"; exit 1; }
+if out=$(timeout 10 "$psd" --optimizer nope 2>&1); then echo "bad optimizer accepted"; exit 1; fi
+grep -q -- "--optimizer" <<< "$out" || { echo "unclear: $out"; exit 1; }
+
+for sig in TERM INT; do
+  rm -f "$run/port"
+  timeout 30 "$psd" --port 0 --port-file "$run/port" 2> "$run/psd.log" &
+  pid=$!
+  for _ in $(seq 200); do [ -s "$run/port" ] && break; sleep 0.05; done
+  [ -s "$run/port" ] || { echo "psd did not start"; cat "$run/psd.log"; exit 1; }
+  kill -s "$sig" "$pid"
+  if wait "$pid"; then echo "SIG$sig: clean exit"; else echo "SIG$sig: psd exited $?"; cat "$run/psd.log"; exit 1; fi
+  pid=""
+done
+echo "PASS"

@@ -1,0 +1,185 @@
+// Hostile peers: malformed, oversized, truncated and unknown frames never crash psd or corrupt
+// its state; each gets an error reply or a closed connection.
+#include <catch2/catch.hpp>
+
+#include <random>
+
+#include "support/test_server.h"
+#include "wire/frame.h"
+
+using namespace psd;
+using psd::testing::ConnectWorker;
+using psd::testing::StartServer;
+using psd::testing::TestConfig;
+
+namespace {
+
+struct RawPeer {
+  explicit RawPeer(uint16_t port) : socket(io) {
+    socket.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+  }
+  void SendBytes(const std::string& bytes) { asio::write(socket, asio::buffer(bytes)); }
+  void Send(wire::OutFrame& f) { REQUIRE(wire::WriteFrame(socket, f).ok()); }
+  // Reads one response; returns false if the connection was closed instead.
+  bool Read(Code* code, std::string* message, uint64_t* id = nullptr) {
+    Status s = wire::ReadFrame(socket, in, 1 << 20);
+    if (!s.ok()) return false;
+    auto r = in.Reader();
+    auto resp = r->getRoot<proto::Response>();
+    *code = wire::FromWire(resp.getCode());
+    *message = resp.getMessage();
+    if (id) *id = resp.getId();
+    return true;
+  }
+  bool ClosedByPeer() {
+    char c;
+    boost::system::error_code ec;
+    socket.read_some(asio::buffer(&c, 1), ec);
+    return ec == asio::error::eof || ec == asio::error::connection_reset;
+  }
+  void Hello() {
+    wire::OutFrame f;
+    auto h = f.builder.initRoot<proto::Request>();
+    h.setId(1);
+    auto hello = h.initHello();
+    hello.setProtocolVersion(proto::PROTOCOL_VERSION);
+    hello.setWorkerName("raw");
+    Send(f);
+    Code code;
+    std::string msg;
+    REQUIRE(Read(&code, &msg));
+    REQUIRE(code == Code::kOk);
+  }
+  asio::io_context io;
+  tcp::socket socket;
+  wire::InFrame in;
+};
+
+std::string Words(std::vector<uint32_t> words) {
+  return std::string(reinterpret_cast<const char*>(words.data()), words.size() * 4);
+}
+
+// After any abuse, a normal worker still gets served and the variable is intact.
+void ExpectHealthy(uint16_t port) {
+  auto w = ConnectWorker(port, "healthy");
+  float v = -1;
+  auto s = w->Pull("w", {&v, DType::kFloat32, {}, MemoryKind::kHost});
+  REQUIRE(s.ok());
+  CHECK(v == 5.0f);
+}
+
+}  // namespace
+
+TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]") {
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.max_frame_bytes = 1 << 16;
+  auto server = StartServer(cfg);
+  {
+    auto w = ConnectWorker(server->port(), "owner");
+    float five = 5;
+    REQUIRE(w->CreateVariable("w", {&five, DType::kFloat32, {}, MemoryKind::kHost}).ok());
+  }
+  Code code;
+  std::string msg;
+
+  SECTION("too many segments: error, then the connection is closed") {
+    RawPeer p(server->port());
+    p.SendBytes(Words({0xFFFFFFF0u, 1}));
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kResourceExhausted);
+    CHECK(p.ClosedByPeer());
+  }
+  SECTION("a frame over --max-frame-bytes is refused before allocation") {
+    RawPeer p(server->port());
+    p.SendBytes(Words({0, 0x40000000u}));  // claims 8 GiB
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kResourceExhausted);
+    CHECK_THAT(msg, Catch::Contains("--max-frame-bytes"));
+    CHECK(p.ClosedByPeer());
+  }
+  SECTION("a truncated frame and a vanished peer") {
+    RawPeer p(server->port());
+    p.SendBytes(Words({0, 100, 1, 2, 3}));
+    p.socket.close();
+  }
+  SECTION("a well-framed message that is not a valid request stays answerable") {
+    RawPeer p(server->port());
+    // One segment of 4 words whose root pointer points far outside the segment.
+    p.SendBytes(Words({0, 4, 0x7FFFFFF0u, 0x00040000u, 0, 0, 0, 0, 0, 0}));
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kInvalidArgument);
+    CHECK_THAT(msg, Catch::Contains("malformed request"));
+    p.Hello();  // the same connection still works
+  }
+  SECTION("requests before hello and from the wrong protocol version") {
+    RawPeer p(server->port());
+    wire::OutFrame f;
+    auto r = f.builder.initRoot<proto::Request>();
+    r.setId(9);
+    r.initPull().initNames(1).set(0, "w");
+    p.Send(f);
+    uint64_t id = 0;
+    REQUIRE(p.Read(&code, &msg, &id));
+    CHECK(code == Code::kFailedPrecondition);
+    CHECK(id == 9);
+    wire::OutFrame h;
+    auto hr = h.builder.initRoot<proto::Request>();
+    hr.setId(10);
+    hr.initHello().setProtocolVersion(999);
+    p.Send(h);
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kFailedPrecondition);
+    CHECK_THAT(msg, Catch::Contains("protocol version 999"));
+  }
+  SECTION("an unknown request type") {
+    RawPeer p(server->port());
+    p.Hello();
+    // A Request whose union discriminant (data word 1, bits 0-15) is 77: id=3, which=77.
+    p.SendBytes(Words({0, 3, 0, 0x00000002u, 3, 0, 77, 0}));
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kUnimplemented);
+  }
+  SECTION("pushes with lying sizes, bad dtypes and bad names") {
+    RawPeer p(server->port());
+    p.Hello();
+    auto push = [&](auto fill) {
+      wire::OutFrame f;
+      auto r = f.builder.initRoot<proto::Request>();
+      r.setId(2);
+      auto g = r.initPush().initGrads(1)[0];
+      fill(g);
+      p.Send(f);
+      REQUIRE(p.Read(&code, &msg));
+    };
+    push([](auto g) {
+      g.setName("w");
+      g.initGrad().initData(7);  // a float32 scalar needs 4 bytes
+    });
+    CHECK(code == Code::kInvalidArgument);
+    push([](auto g) {
+      g.setName("w");
+      g.initGrad().setDtype(static_cast<proto::DType>(9));
+    });
+    CHECK(code == Code::kInvalidArgument);
+    push([](auto g) {
+      g.setName("w");
+      auto t = g.initGrad();
+      t.initShape(1).set(0, int64_t{1} << 62);
+    });
+    CHECK(code == Code::kInvalidArgument);
+    push([](auto g) { g.setName("w\n"); });
+    CHECK(code == Code::kNotFound);
+  }
+  SECTION("random garbage, many times") {
+    std::mt19937 rng(17);
+    for (int i = 0; i < 200; ++i) {
+      RawPeer p(server->port());
+      uint32_t words = 1 + rng() % 64;
+      std::vector<uint32_t> frame{0, words};
+      for (uint32_t k = 0; k < words * 2; ++k) frame.push_back(rng());
+      p.SendBytes(Words(frame));
+      p.Read(&code, &msg);  // any reply (or a close) is fine; a crash is not
+    }
+  }
+  ExpectHealthy(server->port());
+}

@@ -1,0 +1,268 @@
+// An in-process psd on 127.0.0.1:0 and libpsclient workers: the synchronous flows end to end.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "support/test_server.h"
+
+using namespace psd;
+using psd::testing::ConnectWorker;
+using psd::testing::StartServer;
+using psd::testing::TestConfig;
+
+namespace {
+
+ConstTensorView Scalar(const float& v) { return {&v, DType::kFloat32, {}, MemoryKind::kHost}; }
+
+float PullScalar(psclient::Client& c, const std::string& name, int64_t* step = nullptr) {
+  float v = -1;
+  auto s = c.Pull(name, {&v, DType::kFloat32, {}, MemoryKind::kHost});
+  INFO(s.status().ToString());
+  REQUIRE(s.ok());
+  if (step) *step = *s;
+  return v;
+}
+
+std::vector<bool> PushScalar(psclient::Client& c, int64_t local_step, const std::string& name, float g) {
+  auto out = c.Push(local_step, {{name, Scalar(g)}});
+  INFO(out.status().ToString());
+  REQUIRE(out.ok());
+  std::vector<bool> acc;
+  for (auto& r : out->results) acc.push_back(r.accepted);
+  return acc;
+}
+
+// Polls until cond() holds; fails the test after `ms`.
+template <typename F>
+void WaitUntil(F cond, int ms = 10000) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  while (!cond()) {
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("two workers over the wire: the reference flow step by step", "[integration]") {
+  auto cfg = TestConfig(2, 2);
+  cfg.learning_rate = 2.0;
+  auto server = StartServer(cfg);
+  auto w0 = ConnectWorker(server->port(), "w0");
+  auto w1 = ConnectWorker(server->port(), "w1");
+  CHECK(w0->is_chief());
+  CHECK_FALSE(w1->is_chief());
+  CHECK(w0->config().tokens_per_step == 2);
+  CHECK(w0->config().init_tokens == 2);
+
+  float zero = 0, one = 1;
+  auto created = w0->CreateVariable("var_0", Scalar(zero));
+  REQUIRE(created.ok());
+  CHECK(created->created);
+  REQUIRE(w0->CreateVariable("var_1", Scalar(one)).ok());
+  auto again = w1->CreateVariable("var_0", Scalar(one));  // create-or-get: w0's value stands
+  REQUIRE(again.ok());
+  CHECK_FALSE(again->created);
+
+  CHECK(PushScalar(*w0, 0, "var_0", 0.1f) == std::vector<bool>{true});
+  CHECK(PushScalar(*w0, 0, "var_1", 0.9f) == std::vector<bool>{true});
+  CHECK(*w0->WaitToken(1000) == 0);
+  CHECK(PullScalar(*w1, "var_0") == 0.0f);
+
+  // w1 pushes both gradients in one message with the token wait fused into the reply.
+  float g0 = 0.3f, g1 = 1.1f;
+  auto out = w1->Push(0, {{"var_0", Scalar(g0)}, {"var_1", Scalar(g1)}}, /*wait_token=*/true, 1000);
+  REQUIRE(out.ok());
+  CHECK(out->accepted() == 2);
+  REQUIRE(out->token_status.ok());
+  CHECK(out->token == 0);  // the second init token
+  int64_t step = -1;
+  CHECK(PullScalar(*w1, "var_0", &step) == Approx(-0.4));
+  CHECK(step == 1);
+  CHECK(PullScalar(*w1, "var_1") == Approx(-1.0));
+  CHECK(*w1->GlobalStep() == 1);
+
+  // The wasted step: both still tag 0.
+  auto stale = w0->Push(0, {{"var_0", Scalar(g0)}, {"var_1", Scalar(g1)}}, true, 1000);
+  REQUIRE(stale.ok());
+  CHECK(stale->stale() == 2);
+  CHECK(stale->results[0].step == 1);  // the reply says which step the accumulator is at
+  CHECK(stale->token == 1);
+  auto st = w0->GetStatus();
+  REQUIRE(st.ok());
+  CHECK(st->stale_pushes == 2);
+  CHECK(st->accepted_pushes == 4);
+}
+
+TEST_CASE("a straggler never holds the step: its late gradient is dropped and reported", "[integration]") {
+  auto server = StartServer(TestConfig(2, 3, 0));  // 2 to aggregate + 1 backup
+  auto w0 = ConnectWorker(server->port(), "fast-0");
+  auto w1 = ConnectWorker(server->port(), "fast-1");
+  auto slow = ConnectWorker(server->port(), "slow");
+  float init = 0;
+  REQUIRE(w0->CreateVariable("w", Scalar(init)).ok());
+
+  constexpr int kSteps = 5;
+  std::atomic<int> failures{0};  // Catch2 assertions are not thread-safe: count, check later
+  auto fast = [&](psclient::Client& c) {
+    int64_t local = 0;
+    float g = 1;
+    for (int i = 0; i < kSteps; ++i) {
+      auto out = c.Push(local, {{"w", Scalar(g)}}, true, 5000);
+      if (!out.ok() || !out->token_status.ok()) {
+        ++failures;
+        return;
+      }
+      local = out->token;
+    }
+  };
+  // The straggler computes its first gradient at step 0 but only delivers it after the two fast
+  // workers have finished all their steps: nothing waited for it.
+  std::thread t0([&] { fast(*w0); });
+  std::thread t1([&] { fast(*w1); });
+  t0.join();
+  t1.join();
+  REQUIRE(failures == 0);
+  CHECK(*slow->GlobalStep() >= kSteps - 1);
+  float g = 1;
+  auto late = slow->Push(0, {{"w", Scalar(g)}}, true, 5000);
+  REQUIRE(late.ok());
+  CHECK(late->stale() == 1);
+  CHECK(late->results[0].step >= kSteps - 1);
+  CHECK(late->token_status.ok());  // tokens_per_step = 3: the straggler is not starved
+}
+
+TEST_CASE("fewer workers than replicas to aggregate: one worker does several batches", "[integration]") {
+  auto server = StartServer(TestConfig(3, 1, 2));  // the minimum init tokens: R - N
+  auto w = ConnectWorker(server->port(), "solo");
+  float init = 0;
+  REQUIRE(w->CreateVariable("w", Scalar(init)).ok());
+  int64_t local = 0;
+  float g = 1;
+  for (int i = 0; i < 9; ++i) {
+    auto out = w->Push(local, {{"w", Scalar(g)}}, true, 2000);
+    REQUIRE(out.ok());
+    REQUIRE(out->token_status.ok());
+    local = out->token;
+  }
+  CHECK(*w->GlobalStep() == 3);
+}
+
+TEST_CASE("a token wait ends at its deadline and loses nothing", "[integration]") {
+  auto server = StartServer(TestConfig(1, 1, 0));
+  auto w = ConnectWorker(server->port(), "w");
+  auto t = w->WaitToken(100);
+  CHECK(t.status().code() == Code::kDeadlineExceeded);
+  CHECK_THAT(t.status().message(), Catch::Contains("global step 0"));
+  float init = 0, g = 1;
+  REQUIRE(w->CreateVariable("w", Scalar(init)).ok());
+  CHECK(PushScalar(*w, 0, "w", g)[0]);  // completes step 1: one token of 1
+  auto again = w->WaitToken(1000);
+  REQUIRE(again.ok());
+  CHECK(*again == 1);
+  CHECK(w->WaitToken(50).status().code() == Code::kDeadlineExceeded);
+}
+
+TEST_CASE("64 concurrent workers against a daemon with 2 I/O threads", "[integration]") {
+  constexpr int kWorkers = 64;
+  auto cfg = TestConfig(kWorkers, kWorkers, 0);
+  cfg.io_threads = 2;
+  auto server = StartServer(cfg);
+  std::vector<std::unique_ptr<psclient::Client>> clients;
+  for (int i = 0; i < kWorkers; ++i) clients.push_back(ConnectWorker(server->port(), "w" + std::to_string(i)));
+  std::vector<float> init(16, 0.f);
+  REQUIRE(clients[0]->CreateVariable("w", {init.data(), DType::kFloat32, {16}, MemoryKind::kHost}).ok());
+  std::atomic<int> failures{0};
+  std::string first_failure;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kWorkers; ++i) {
+    threads.emplace_back([&, i] {
+      std::vector<float> g(16, 1.f);
+      int64_t local = 0;
+      // Like a real trainer, loop until the global step (the token) reaches the target: tokens
+      // are shared, so a fast worker may take two tokens of one step and push twice while a
+      // slower one waits (TF semantics); counting iterations instead could starve a worker.
+      for (int iter = 0; local < 3 && iter < 100; ++iter) {
+        auto out = clients[i]->Push(local, {{"w", {g.data(), DType::kFloat32, {16}, MemoryKind::kHost}}}, true, 20000);
+        if (!out.ok() || !out->token_status.ok()) {
+          if (++failures == 1) first_failure = !out.ok() ? out.status().ToString() : out->token_status.ToString();
+          return;
+        }
+        local = out->token;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  INFO(first_failure);
+  CHECK(failures == 0);
+  CHECK(*clients[0]->GlobalStep() == 3);
+  std::vector<float> v(16);
+  REQUIRE(clients[1]->Pull("w", {v.data(), DType::kFloat32, {16}, MemoryKind::kHost}).ok());
+  CHECK(v[0] == Approx(-3 * 0.01));
+}
+
+TEST_CASE("the chief role moves when the chief disconnects", "[integration]") {
+  auto server = StartServer(TestConfig(1, 2, 0));
+  auto w0 = ConnectWorker(server->port(), "w0");
+  auto w1 = ConnectWorker(server->port(), "w1");
+  CHECK(w0->is_chief());
+  CHECK_FALSE(w1->GetStatus()->is_chief);
+  w0.reset();  // the chief process goes away
+  WaitUntil([&] { return w1->GetStatus()->is_chief; });
+  CHECK(w1->is_chief());
+}
+
+TEST_CASE("workers finishing end the job and release blocked waiters", "[integration]") {
+  auto cfg = TestConfig(2, 2, 0);
+  cfg.exit_when_done = true;
+  auto server = StartServer(cfg);
+  auto w0 = ConnectWorker(server->port(), "w0");
+  auto w1 = ConnectWorker(server->port(), "w1");
+  float init = 0, g = 1;
+  REQUIRE(w0->CreateVariable("w", Scalar(init)).ok());
+  // w1 pushes and blocks on the token; w0 has finished its data and leaves. The step cannot get
+  // two gradients any more, so the requirement shrinks and w1 is released with a token.
+  Result<psclient::PushOutcome> out = Internal("not run");
+  std::thread waiter([&] { out = w1->Push(0, {{"w", Scalar(g)}}, true, 10000); });
+  WaitUntil([&] { return server->engine().tokens().waiters() == 1; });
+  REQUIRE(w0->Finish().ok());
+  waiter.join();
+  REQUIRE(out.ok());
+  CHECK(out->token_status.ok());
+  CHECK(out->token == 1);
+  CHECK(*w1->WaitToken(1000) == 1);  // the step's second token
+  // A further wait after everyone finished ends with OutOfRange rather than hanging.
+  Status late_status;
+  std::thread late([&] { late_status = w1->WaitToken(10000).status(); });
+  WaitUntil([&] { return server->engine().tokens().waiters() == 1; });
+  CHECK_FALSE(server->workers().AllFinished());
+  auto w1b = ConnectWorker(server->port(), "w1");  // w1 again (a second connection) finishes
+  REQUIRE(w1b->Finish().ok());
+  late.join();
+  CHECK(late_status.code() == Code::kOutOfRange);
+  CHECK(server->Wait());  // --exit-when-done: the daemon's wait returns "job done"
+}
+
+TEST_CASE("wrong requests get clear errors over the wire", "[integration]") {
+  auto server = StartServer(TestConfig(1, 1, 0));
+  auto w = ConnectWorker(server->port(), "w");
+  std::vector<float> init(6, 0.f);
+  REQUIRE(w->CreateVariable("m", {init.data(), DType::kFloat32, {3, 2}, MemoryKind::kHost}).ok());
+  auto dup = w->CreateVariable("m", {init.data(), DType::kFloat32, {2, 3}, MemoryKind::kHost});
+  CHECK(dup.status().code() == Code::kAlreadyExists);
+  std::vector<float> g(4, 1.f);
+  auto bad = w->Push(0, {{"m", {g.data(), DType::kFloat32, {2, 2}, MemoryKind::kHost}}});
+  CHECK(bad.status().code() == Code::kInvalidArgument);
+  CHECK_THAT(bad.status().message(), Catch::Contains("Shape mismatch: expected [3,2], got [2,2]"));
+  auto unknown = w->Push(0, {{"nope", {g.data(), DType::kFloat32, {2, 2}, MemoryKind::kHost}}});
+  CHECK(unknown.status().code() == Code::kNotFound);
+  std::vector<double> d(6);
+  auto wrong_dtype = w->Pull("m", {d.data(), DType::kFloat64, {3, 2}, MemoryKind::kHost});
+  CHECK(wrong_dtype.status().code() == Code::kInvalidArgument);
+  auto device = w->Push(0, {{"m", {g.data(), DType::kFloat32, {3, 2}, MemoryKind::kCuda}}});
+  CHECK(device.status().code() == Code::kUnimplemented);
+  // The connection is still good after all of that.
+  CHECK(w->GlobalStep().ok());
+}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Builds and runs the whole test suite, from a fresh Debian 12 machine: installs the packages,
+# then a Release build with -Werror and an ASan+UBSan build, each running every test (unit,
+# integration, e2e). Exits non-zero on any failure. Bounded: every test has a CTest timeout.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+"$here/deploy/install_deps.sh"
+jobs=$(nproc)
+
+echo "== Release build (-Werror) =="
+cmake -S "$here" -B "$here/build-ci" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPSD_WERROR=ON >/dev/null
+cmake --build "$here/build-ci" -j "$jobs"
+(cd "$here/build-ci" && ctest --output-on-failure --timeout 300 -j 2)
+
+echo "== ASan + UBSan build =="
+cmake -S "$here" -B "$here/build-asan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPSD_WERROR=ON \
+  -DPSD_SANITIZE=ON -DPSD_BUILD_BENCH=OFF >/dev/null
+cmake --build "$here/build-asan" -j "$jobs"
+(cd "$here/build-asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --output-on-failure --timeout 300 -j 2)

@@ -1,0 +1,121 @@
+// TF ConditionalAccumulator cases (tf_semantics.md section 1).
+#include <catch2/catch.hpp>
+
+#include "sync/accumulator.h"
+
+using namespace psd;
+using psd::server::DenseAccumulator;
+using psd::server::Reduction;
+
+namespace {
+
+template <typename T>
+Result<bool> Apply(DenseAccumulator& acc, int64_t step, std::vector<T> v, Shape shape) {
+  DType dt = sizeof(T) == 4 ? DType::kFloat32 : DType::kFloat64;
+  return acc.ApplyGrad(step, dt, shape, v.data(), v.size() * sizeof(T));
+}
+
+template <typename T>
+std::vector<T> Grad(const DenseAccumulator& acc, size_t n) {
+  const T* p = acc.grad().as<T>();
+  return std::vector<T>(p, p + n);
+}
+
+}  // namespace
+
+TEST_CASE("take averages over the count actually accumulated and bumps the step", "[accumulator]") {
+  DenseAccumulator acc(DType::kFloat32, {2}, Reduction::kMean, 0);
+  REQUIRE(*Apply<float>(acc, 0, {1, 2}, {2}));
+  REQUIRE(*Apply<float>(acc, 0, {3, 4}, {2}));
+  REQUIRE(*Apply<float>(acc, 5, {5, 9}, {2}));  // a local step ahead of the accumulator is accepted
+  CHECK(acc.num_accumulated() == 3);
+  int count = 0;
+  REQUIRE(*acc.TryTakeGrad(2, &count));  // 3 >= 2: mean over 3, not 2 (TF #24005 behaviour)
+  CHECK(count == 3);
+  CHECK(Grad<float>(acc, 2) == std::vector<float>{3, 5});
+  CHECK(acc.step() == 1);
+  CHECK(acc.num_accumulated() == 0);
+}
+
+TEST_CASE("stale gradients are dropped and the counter is unchanged", "[accumulator]") {
+  DenseAccumulator acc(DType::kFloat32, {2}, Reduction::kMean, 0);
+  acc.SetGlobalStep(3);
+  CHECK_FALSE(*Apply<float>(acc, 2, {100, 100}, {2}));  // 2 < 3: stale
+  CHECK(acc.num_accumulated() == 0);
+  CHECK(*Apply<float>(acc, 3, {1, 1}, {2}));  // equal: fresh (stale iff strictly less)
+  CHECK(acc.num_accumulated() == 1);
+  int count = 0;
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(Grad<float>(acc, 2) == std::vector<float>{1, 1});
+  CHECK(acc.step() == 4);
+}
+
+TEST_CASE("take waits for num_required and rejects a non-positive count", "[accumulator]") {
+  DenseAccumulator acc(DType::kFloat64, {3}, Reduction::kMean, 0);
+  REQUIRE(*Apply<double>(acc, 0, {1, 2, 3}, {3}));
+  int count = 0;
+  CHECK_FALSE(*acc.TryTakeGrad(2, &count));
+  CHECK(acc.step() == 0);
+  auto bad = acc.TryTakeGrad(-1, &count);
+  REQUIRE(!bad.ok());
+  CHECK(bad.status().message() == "Argument num_required must be positive, but was -1");
+  CHECK(acc.TryTakeGrad(0, &count).status().message() == "Argument num_required must be positive, but was 0");
+  REQUIRE(*Apply<double>(acc, 0, {3, 2, 1}, {3}));
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  CHECK(Grad<double>(acc, 3) == std::vector<double>{2, 2, 2});
+}
+
+TEST_CASE("SUM reduction returns the raw sum", "[accumulator]") {
+  DenseAccumulator acc(DType::kFloat32, {2}, Reduction::kSum, 0);
+  REQUIRE(*Apply<float>(acc, 0, {1, 2}, {2}));
+  REQUIRE(*Apply<float>(acc, 0, {3, 4}, {2}));
+  int count = 0;
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  CHECK(Grad<float>(acc, 2) == std::vector<float>{4, 6});
+}
+
+TEST_CASE("after a take the next accepted gradient starts a fresh sum", "[accumulator]") {
+  DenseAccumulator acc(DType::kFloat32, {1}, Reduction::kMean, 0);
+  REQUIRE(*Apply<float>(acc, 0, {10}, {1}));
+  int count = 0;
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  REQUIRE(*Apply<float>(acc, 1, {4}, {1}));
+  REQUIRE(*Apply<float>(acc, 1, {2}, {1}));
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  CHECK(Grad<float>(acc, 1) == std::vector<float>{3});
+}
+
+TEST_CASE("shape mismatches use TF's message and change nothing", "[accumulator]") {
+  DenseAccumulator acc(DType::kFloat32, {3, 2}, Reduction::kMean, 0);
+  auto r = Apply<float>(acc, 0, {1, 2, 3, 4}, {2, 2});
+  REQUIRE(!r.ok());
+  CHECK(r.status().message() == "Shape mismatch: expected [3,2], got [2,2]");
+  r = Apply<float>(acc, 0, {1, 2, 3}, {3, 1});
+  CHECK(r.status().message() == "Shape mismatch: expected [3,2], got [3,1]");
+  CHECK(acc.num_accumulated() == 0);
+  // psd validates stale gradients too (TF silently dropped them): a malformed push always errors.
+  acc.SetGlobalStep(5);
+  CHECK(Apply<float>(acc, 0, {1, 2}, {2}).status().code() == Code::kInvalidArgument);
+  // Wrong dtype and wrong byte count.
+  std::vector<double> d(6, 1.0);
+  CHECK_THAT(acc.ApplyGrad(5, DType::kFloat64, {3, 2}, d.data(), 48).status().message(),
+             Catch::Contains("dtype mismatch"));
+  std::vector<float> f(5, 1.f);
+  CHECK_THAT(acc.ApplyGrad(5, DType::kFloat32, {3, 2}, f.data(), 20).status().message(),
+             Catch::Contains("bytes"));
+}
+
+TEST_CASE("set_global_step overwrites, may lower, and keeps pending gradients", "[accumulator]") {
+  DenseAccumulator acc(DType::kFloat32, {1}, Reduction::kMean, 0);
+  REQUIRE(*Apply<float>(acc, 0, {2}, {1}));
+  CHECK_FALSE(acc.SetGlobalStep(4));
+  CHECK(acc.step() == 4);
+  CHECK(acc.num_accumulated() == 1);
+  CHECK(acc.SetGlobalStep(1));  // lowered: reported, still applied
+  CHECK(acc.step() == 1);
+  REQUIRE(*Apply<float>(acc, 1, {4}, {1}));
+  int count = 0;
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  CHECK(Grad<float>(acc, 1) == std::vector<float>{3});
+  CHECK(acc.step() == 2);
+}

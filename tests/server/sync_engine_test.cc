@@ -1,0 +1,243 @@
+// The daemon-side SyncReplicasOptimizer, step by step (tf_semantics.md sections 1 and 3).
+#include <catch2/catch.hpp>
+
+#include <cstring>
+
+#include "sync/sync_engine.h"
+
+using namespace psd;
+using namespace psd::server;
+
+namespace {
+
+ServerConfig Config(int replicas, int total, int init_tokens, double lr = 2.0) {
+  ServerConfig c;
+  c.replicas_to_aggregate = replicas;
+  c.total_replicas = total;
+  c.init_tokens = init_tokens;
+  c.learning_rate = lr;
+  REQUIRE(c.Validate().ok());
+  return c;
+}
+
+struct Engine {
+  explicit Engine(const ServerConfig& c) : engine(c, std::move(*MakeOptimizer("sgd", c.learning_rate))) {
+    engine.PushInitTokens(c.resolved_init_tokens);
+  }
+
+  template <typename T = float>
+  void Create(const std::string& name, std::vector<T> init, Shape shape = {}) {
+    VariableDef d;
+    d.name = name;
+    d.dtype = sizeof(T) == 4 ? DType::kFloat32 : DType::kFloat64;
+    d.shape = shape;
+    d.initial = init.data();
+    d.initial_bytes = init.size() * sizeof(T);
+    auto r = engine.CreateVariable(d);
+    REQUIRE(r.ok());
+  }
+
+  // Pushes one scalar gradient per variable; returns accepted flags.
+  template <typename T = float>
+  std::vector<bool> Push(int64_t local_step, std::vector<std::pair<std::string, T>> grads) {
+    std::vector<GradRef> refs;
+    for (auto& [name, g] : grads) {
+      refs.push_back({name, sizeof(T) == 4 ? DType::kFloat32 : DType::kFloat64, {}, &g, sizeof(T)});
+    }
+    std::vector<GradOutcome> out;
+    Status s = engine.Push(local_step, refs, &out);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+    std::vector<bool> accepted;
+    for (auto& o : out) accepted.push_back(o.accepted);
+    return accepted;
+  }
+
+  int64_t TakeToken() {
+    int64_t token = -1;
+    auto id = engine.tokens().Wait([&](Status s, int64_t t) { token = s.ok() ? t : -2; });
+    REQUIRE(id == 0);  // a token must be available: these tests never block
+    return token;
+  }
+
+  template <typename T = float>
+  T Value(const std::string& name, int64_t* step = nullptr) {
+    std::vector<PulledValue> vals;
+    int64_t s = 0;
+    REQUIRE(engine.Pull({name}, &vals, &s).ok());
+    if (step) *step = s;
+    return vals[0].value->as<T>()[0];
+  }
+
+  SyncEngine engine;
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("two workers, two to aggregate: one wasted step with default init tokens", "[engine]", float,
+                   double) {
+  using T = TestType;
+  Engine e(Config(2, 2, -1));  // TF default: R = 2 init tokens carrying step 0
+  e.Create<T>("var_0", {0.0});
+  e.Create<T>("var_1", {1.0});
+  CHECK(e.engine.tokens().size() == 2);
+
+  // Worker 0 pushes and takes an init token; nothing is applied yet.
+  CHECK(e.Push<T>(0, {{"var_0", T(0.1)}, {"var_1", T(0.9)}}) == std::vector<bool>{true, true});
+  CHECK(e.TakeToken() == 0);
+  CHECK(e.engine.global_step() == 0);
+  CHECK(e.Value<T>("var_0") == T(0.0));
+
+  // Worker 1's gradients complete the step: mean, SGD with lr 2, step 1, two tokens of 1.
+  CHECK(e.Push<T>(0, {{"var_0", T(0.3)}, {"var_1", T(1.1)}}) == std::vector<bool>{true, true});
+  CHECK(e.engine.global_step() == 1);
+  int64_t step = -1;
+  CHECK(e.Value<T>("var_0", &step) == Approx(0.0 - 2.0 * (0.1 + 0.3) / 2));
+  CHECK(step == 1);
+  CHECK(e.Value<T>("var_1") == Approx(1.0 - 2.0 * (0.9 + 1.1) / 2));
+  CHECK(e.TakeToken() == 0);  // worker 1 gets the second init token
+  CHECK(e.engine.tokens().size() == 2);
+
+  // Both workers' next gradients are tagged 0 < 1: dropped (TF's "wasted" step).
+  CHECK(e.Push<T>(0, {{"var_0", T(5)}, {"var_1", T(5)}}) == std::vector<bool>{false, false});
+  CHECK(e.TakeToken() == 1);
+  CHECK(e.Push<T>(0, {{"var_0", T(5)}, {"var_1", T(5)}}) == std::vector<bool>{false, false});
+  CHECK(e.TakeToken() == 1);
+  CHECK(e.engine.global_step() == 1);
+
+  // Now both are at local step 1 and the next step goes through.
+  CHECK(e.Push<T>(1, {{"var_0", T(0.1)}, {"var_1", T(0.1)}}) == std::vector<bool>{true, true});
+  CHECK(e.Push<T>(1, {{"var_0", T(0.3)}, {"var_1", T(0.3)}}) == std::vector<bool>{true, true});
+  CHECK(e.engine.global_step() == 2);
+  CHECK(e.Value<T>("var_0") == Approx(-0.4 - 2.0 * 0.2));
+  CHECK(e.TakeToken() == 2);
+  auto stats = e.engine.Stats();
+  CHECK(stats.accepted == 8);
+  CHECK(stats.stale == 4);
+}
+
+TEST_CASE("three workers, two to aggregate, one backup: the late gradient is dropped", "[engine]") {
+  Engine e(Config(2, 3, 0, 1.0));  // minimum init tokens (R - N < 0): nothing wasted
+  e.Create("w", {1.0f});
+  CHECK(e.Push(0, {{"w", 0.2f}})[0]);
+  CHECK(e.Push(0, {{"w", 0.4f}})[0]);  // the step commits without the third worker
+  CHECK(e.engine.global_step() == 1);
+  CHECK(e.Value<float>("w") == Approx(1.0 - 0.3));
+  CHECK(e.engine.tokens().size() == 3);  // max(N, R) tokens: the backup is not starved
+  CHECK_FALSE(e.Push(0, {{"w", 100.f}})[0]);  // the straggler: stale, reported
+  CHECK(e.Value<float>("w") == Approx(0.7));
+  for (int i = 0; i < 3; ++i) CHECK(e.TakeToken() == 1);
+  CHECK(e.Push(1, {{"w", 0.1f}})[0]);
+  CHECK(e.Push(1, {{"w", 0.1f}})[0]);
+  CHECK(e.engine.global_step() == 2);
+}
+
+TEST_CASE("fewer workers than replicas to aggregate: several batches per update", "[engine]") {
+  Engine e(Config(3, 1, -1, 1.0));  // R=3 init tokens, 3 tokens per step
+  e.Create("w", {0.0f});
+  CHECK(e.Push(0, {{"w", 1.f}})[0]);
+  CHECK(e.TakeToken() == 0);
+  CHECK(e.Push(0, {{"w", 2.f}})[0]);
+  CHECK(e.TakeToken() == 0);
+  CHECK(e.Push(0, {{"w", 3.f}})[0]);
+  CHECK(e.engine.global_step() == 1);
+  CHECK(e.Value<float>("w") == Approx(-2.0));
+  CHECK(e.TakeToken() == 0);
+  CHECK(e.engine.tokens().size() == 3);
+}
+
+TEST_CASE("a pull never sees a half-applied step", "[engine]") {
+  Engine e(Config(1, 1, 0, 1.0));
+  e.Create("a", {10.0f});
+  e.Create("b", {20.0f});
+  CHECK(e.Push(0, {{"a", 1.f}})[0]);  // a is taken and applied (staged), b is not
+  int64_t step = -1;
+  CHECK(e.Value<float>("a", &step) == 10.0f);
+  CHECK(step == 0);
+  CHECK(e.Push(0, {{"b", 1.f}})[0]);
+  CHECK(e.Value<float>("a", &step) == 9.0f);
+  CHECK(e.Value<float>("b") == 19.0f);
+  CHECK(step == 1);
+}
+
+TEST_CASE("an invalid push changes nothing", "[engine]") {
+  Engine e(Config(2, 2, 0, 1.0));
+  e.Create("a", {0.0f});
+  e.Create("b", {0.0f, 0.0f}, {2});
+  float g = 1;
+  std::vector<float> bad(3, 1.f);
+  std::vector<GradRef> refs{{"a", DType::kFloat32, {}, &g, 4}, {"b", DType::kFloat32, {3}, bad.data(), 12}};
+  std::vector<GradOutcome> out;
+  Status s = e.engine.Push(0, refs, &out);
+  CHECK(s.code() == Code::kInvalidArgument);
+  CHECK_THAT(s.message(), Catch::Contains("Shape mismatch: expected [2], got [3]"));
+  // Unknown variable, duplicate variable.
+  std::vector<GradRef> unknown{{"nope", DType::kFloat32, {}, &g, 4}};
+  CHECK(e.engine.Push(0, unknown, &out).code() == Code::kNotFound);
+  std::vector<GradRef> dup{{"a", DType::kFloat32, {}, &g, 4}, {"a", DType::kFloat32, {}, &g, 4}};
+  CHECK(e.engine.Push(0, dup, &out).code() == Code::kInvalidArgument);
+  // Had "a" counted the rejected push, one more gradient would complete its take.
+  std::vector<float> two(2, 1.f);
+  std::vector<GradRef> good{{"a", DType::kFloat32, {}, &g, 4}, {"b", DType::kFloat32, {2}, two.data(), 8}};
+  REQUIRE(e.engine.Push(0, good, &out).ok());
+  CHECK(e.engine.global_step() == 0);
+  REQUIRE(e.engine.Push(0, good, &out).ok());
+  CHECK(e.engine.global_step() == 1);
+}
+
+TEST_CASE("create-or-get is idempotent and rejects a different definition", "[engine]") {
+  Engine e(Config(1, 1, 0));
+  e.Create("w", {1.0f, 2.0f}, {2});
+  VariableDef again;
+  again.name = "w";
+  again.dtype = DType::kFloat32;
+  again.shape = {2};
+  auto r = e.engine.CreateVariable(again);
+  REQUIRE(r.ok());
+  CHECK_FALSE(r->created);
+  CHECK(e.Value<float>("w") == 1.0f);  // the first definition's value stands
+  again.shape = {3};
+  auto bad = e.engine.CreateVariable(again);
+  CHECK(bad.status().code() == Code::kAlreadyExists);
+  CHECK_THAT(bad.status().message(), Catch::Contains("[2]") && Catch::Contains("[3]"));
+  again.shape = {2};
+  again.dtype = DType::kFloat64;
+  CHECK(e.engine.CreateVariable(again).status().code() == Code::kAlreadyExists);
+  VariableDef badname;
+  badname.name = "has space";
+  CHECK(e.engine.CreateVariable(badname).status().code() == Code::kInvalidArgument);
+  VariableDef badinit;
+  badinit.name = "x";
+  badinit.shape = {4};
+  float one = 1;
+  badinit.initial = &one;
+  badinit.initial_bytes = 4;
+  CHECK(e.engine.CreateVariable(badinit).status().code() == Code::kInvalidArgument);
+}
+
+TEST_CASE("lowering the requirement completes a step that was waiting", "[engine]") {
+  Engine e(Config(3, 3, 0, 1.0));
+  e.Create("w", {0.0f});
+  CHECK(e.Push(0, {{"w", 2.f}})[0]);
+  CHECK(e.Push(0, {{"w", 4.f}})[0]);
+  CHECK(e.engine.global_step() == 0);
+  e.engine.SetRequiredReplicas(2);  // a worker finished
+  CHECK(e.engine.global_step() == 1);
+  CHECK(e.Value<float>("w") == Approx(-3.0));
+}
+
+TEST_CASE("non-trainable variables take no gradients and do not hold steps", "[engine]") {
+  Engine e(Config(1, 1, 0, 1.0));
+  e.Create("w", {0.0f});
+  VariableDef d;
+  d.name = "counter";
+  d.shape = {};
+  d.trainable = false;
+  REQUIRE(e.engine.CreateVariable(d).ok());
+  float g = 1;
+  std::vector<GradOutcome> out;
+  std::vector<GradRef> refs{{"counter", DType::kFloat32, {}, &g, 4}};
+  CHECK(e.engine.Push(0, refs, &out).code() == Code::kInvalidArgument);
+  CHECK(e.Push(0, {{"w", 1.f}})[0]);
+  CHECK(e.engine.global_step() == 1);
+}

@@ -1,0 +1,38 @@
+#include <catch2/catch.hpp>
+
+#include "sync/worker_registry.h"
+
+using psd::server::WorkerRegistry;
+
+TEST_CASE("the first connected worker is chief; another takes over when it leaves", "[workers]") {
+  WorkerRegistry r(2, 3);
+  CHECK(r.Hello(10, "a", 1) == 0);
+  CHECK(r.Hello(11, "b", 1) == 1);
+  CHECK(r.Hello(12, "c", 1) == 2);
+  CHECK(r.IsChief(10));
+  CHECK_FALSE(r.IsChief(11));
+  r.Disconnected(10);
+  CHECK(r.IsChief(11));
+  CHECK_FALSE(r.IsChief(12));
+  // "a" comes back with a new incarnation on a new connection: it keeps its index, and is chief
+  // again since it said hello first.
+  CHECK(r.Hello(13, "a", 2) == 0);
+  CHECK(r.IsChief(13));
+  CHECK(r.Counts().connected == 3);
+}
+
+TEST_CASE("finishing workers shrink the requirement once backups are used up", "[workers]") {
+  WorkerRegistry r(2, 3);  // one backup
+  r.Hello(1, "a", 1);
+  r.Hello(2, "b", 1);
+  r.Hello(3, "c", 1);
+  CHECK(r.RequiredReplicas() == 2);
+  CHECK_FALSE(r.Finished(1));
+  CHECK(r.RequiredReplicas() == 2);  // the backup covers it
+  CHECK(r.IsChief(2));               // a finished worker is no longer chief
+  CHECK_FALSE(r.Finished(2));
+  CHECK(r.RequiredReplicas() == 1);
+  CHECK(r.Finished(3));
+  CHECK(r.AllFinished());
+  CHECK(r.RequiredReplicas() == 1);  // never below one
+}
