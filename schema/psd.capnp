@@ -62,6 +62,11 @@ struct JobConfig {
   learningRate @5 :Float64;
   reduction @6 :Reduction;
   slotNames @7 :List(Text);
+  mode @8 :Text;                 # sync, async, ssp
+  stalenessBound @9 :Int64;      # ssp
+  softSyncFraction @10 :Float64; # sync: 0 = off
+  stepDeadlineMs @11 :Int64;     # sync: 0 = off
+  emaDecay @12 :Float64;         # 0 = no moving averages
 }
 
 struct HelloReply {
@@ -76,6 +81,8 @@ struct CreateVariable {
   name @0 :Text;
   initial @1 :Tensor;     # dtype + shape + initial value (data may be empty: zeros)
   trainable @2 :Bool = true;
+  average @3 :Bool;       # keep an exponential moving average (psd --ema-decay)
+  optimizer @4 :Text;     # empty: the job's optimizer
 }
 
 struct VariableInfo {
@@ -88,6 +95,12 @@ struct VariableInfo {
 
 struct Pull {
   names @0 :List(Text);
+  averages @1 :Bool;      # the moving averages instead of the values
+}
+
+struct PullRows {
+  name @0 :Text;
+  rows @1 :List(Int64);   # any order, repeats allowed
 }
 
 struct PullReply {
@@ -97,7 +110,11 @@ struct PullReply {
 
 struct Gradient {
   name @0 :Text;
-  grad @1 :Tensor;
+  grad @1 :Tensor;        # dense: the gradient; sparse: the values [nnz, row dims...]
+  sparse @2 :Bool;        # IndexedSlices
+  indices @3 :List(Int64);
+  hasDenseShape @4 :Bool;
+  denseShape @5 :List(Int64);
 }
 
 struct Push {
@@ -110,6 +127,7 @@ struct Push {
 struct GradResult {
   accepted @0 :Bool;      # false: stale (local step < accumulator step), dropped
   step @1 :Int64;         # the accumulator's step when the push was handled
+  staleness @2 :Int64;    # global step - local step when it was handled
 }
 
 struct PushReply {
@@ -118,6 +136,7 @@ struct PushReply {
   tokenCode @2 :Code;             # outcome of the token wait, if waitToken
   tokenMessage @3 :Text;
   isChief @4 :Bool;
+  stepGradients @5 :Int32;        # gradients averaged (fewest per variable) in the last committed step
 }
 
 struct WaitToken {
@@ -127,6 +146,7 @@ struct WaitToken {
 struct TokenReply {
   token @0 :Int64;
   isChief @1 :Bool;
+  stepGradients @2 :Int32;
 }
 
 struct GetSlot {
@@ -144,6 +164,9 @@ struct JobStatus {
   acceptedPushes @6 :Int64;
   stalePushes @7 :Int64;
   config @8 :JobConfig;
+  lastStepGradients @9 :Int32;
+  maxStaleness @10 :Int64;
+  learningRate @11 :Float64;
 }
 
 struct Request {
@@ -157,6 +180,8 @@ struct Request {
     status @6 :Void;
     finish @7 :Void;
     getSlot @8 :GetSlot;
+    pullRows @9 :PullRows;
+    setLearningRate @10 :Float64; # chief only; from the next step
   }
 }
 

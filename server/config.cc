@@ -1,10 +1,41 @@
 #include "config.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace psd::server {
 
 const char* ReductionName(Reduction r) { return r == Reduction::kSum ? "sum" : "mean"; }
+
+const char* ModeName(Mode m) {
+  switch (m) {
+    case Mode::kSync: return "sync";
+    case Mode::kAsync: return "async";
+    case Mode::kSsp: return "ssp";
+  }
+  return "sync";
+}
+
+Result<Mode> ParseMode(const std::string& name) {
+  if (name == "sync") return Mode::kSync;
+  if (name == "async") return Mode::kAsync;
+  if (name == "ssp") return Mode::kSsp;
+  return InvalidArgument("--mode '" + name + "' is not one of sync, async, ssp");
+}
+
+Result<StalenessLr> ParseStalenessLr(const std::string& name) {
+  if (name == "none") return StalenessLr::kNone;
+  if (name == "inverse") return StalenessLr::kInverse;
+  if (name == "workers") return StalenessLr::kWorkers;
+  return InvalidArgument("--staleness-lr '" + name + "' is not one of none, inverse, workers");
+}
+
+int ServerConfig::InitialRequiredReplicas() const {
+  if (soft_sync_fraction > 0) {
+    return std::max(1, static_cast<int>(std::ceil(soft_sync_fraction * total_replicas - 1e-9)));
+  }
+  return replicas_to_aggregate;
+}
 
 Result<int> ResolveInitTokens(int num_tokens, int replicas_to_aggregate, int total_replicas) {
   int needed = replicas_to_aggregate - total_replicas;
@@ -41,10 +72,20 @@ Status ServerConfig::Validate() {
   tokens_per_step = std::max(total_replicas, replicas_to_aggregate);
   if (io_threads < 1 || io_threads > 256) return InvalidArgument("--threads must be in [1, 256]");
   if (max_frame_bytes < 4096) return InvalidArgument("--max-frame-bytes must be >= 4096");
-  if (!(learning_rate > 0)) return InvalidArgument("--learning-rate must be > 0");
-  if (optimizer != "sgd") {
-    return InvalidArgument("--optimizer '" + optimizer + "' is not supported (supported: sgd)");
+  PSD_RETURN_IF_ERROR(optimizer.Validate());
+  if (apply_threads < 1 || apply_threads > 256) return InvalidArgument("--apply-threads must be in [1, 256]");
+  if (staleness_bound < 0) return InvalidArgument("--staleness must be >= 0");
+  if (soft_sync_fraction < 0 || soft_sync_fraction > 1) {
+    return InvalidArgument("--soft-sync-fraction must be in (0, 1], or 0 for off");
   }
+  if (step_deadline_ms < 0) return InvalidArgument("--step-deadline-ms must be >= 0");
+  if (mode != Mode::kSync && (soft_sync_fraction > 0 || step_deadline_ms > 0)) {
+    return InvalidArgument("--soft-sync-fraction and --step-deadline-ms need --mode sync");
+  }
+  if (mode == Mode::kSync && staleness_lr != StalenessLr::kNone) {
+    return InvalidArgument("--staleness-lr needs --mode async or ssp");
+  }
+  if (ema_decay < 0 || ema_decay >= 1) return InvalidArgument("--ema-decay must be in [0, 1)");
   if (default_token_timeout_ms <= 0) return InvalidArgument("--token-timeout-ms must be > 0");
   if (max_connections < 1) return InvalidArgument("--max-connections must be >= 1");
   return Status::Ok();

@@ -6,11 +6,26 @@
 #include <cstdint>
 #include <string>
 
+#include "optimizer/optimizer.h"
 #include "psd/status.h"
 
 namespace psd::server {
 
 enum class Reduction { kMean, kSum };
+
+// Consistency modes (README "Consistency modes").
+enum class Mode {
+  kSync,   // N-of-M with backup replicas (TF SyncReplicasOptimizer); soft sync via the fraction/deadline
+  kAsync,  // every gradient applied on arrival
+  kSsp,    // bounded staleness: a worker more than `staleness_bound` clocks ahead of the slowest waits
+};
+
+// Async/ssp learning-rate scaling by staleness.
+enum class StalenessLr {
+  kNone,
+  kInverse,  // lr / max(1, staleness)
+  kWorkers,  // lr / N
+};
 
 struct ServerConfig {
   // Network.
@@ -28,9 +43,20 @@ struct ServerConfig {
   int init_tokens = -1;            // -1: TF default (R); must be >= R - N
   Reduction reduction = Reduction::kMean;
 
-  // Optimizer.
-  std::string optimizer = "sgd";
-  double learning_rate = 0.01;
+  // Optimizer (job-wide; variables may name another one with the same hyper-parameters).
+  OptimizerParams optimizer;
+  int apply_threads = 2;           // threads that split the apply of big variables
+
+  // Consistency.
+  Mode mode = Mode::kSync;
+  int64_t staleness_bound = 3;     // ssp
+  StalenessLr staleness_lr = StalenessLr::kNone;
+  double soft_sync_fraction = 0;   // sync: a step needs ceil(f * N) gradients (0: R)
+  int64_t step_deadline_ms = 0;    // sync: commit a step this long after its first gradient (0: never)
+
+  // Exponential moving averages of the variables created with average=true.
+  double ema_decay = 0;            // 0: off
+  bool ema_num_updates = false;    // decay = min(decay, (1 + step) / (10 + step))
 
   // Waits and lifetime.
   int64_t default_token_timeout_ms = 60000;
@@ -44,9 +70,14 @@ struct ServerConfig {
 
   // Resolves N, tokens per step and init tokens; returns an error naming the flag to change.
   Status Validate();
+  // Fresh gradients a sync step needs before any worker finished: R, or ceil(f * N).
+  int InitialRequiredReplicas() const;
 };
 
 const char* ReductionName(Reduction r);
+const char* ModeName(Mode m);
+Result<Mode> ParseMode(const std::string& name);
+Result<StalenessLr> ParseStalenessLr(const std::string& name);
 
 // TF get_init_tokens_op rule: -1 -> R; fewer than R - N -> the "Too few tokens" error.
 Result<int> ResolveInitTokens(int num_tokens, int replicas_to_aggregate, int total_replicas);

@@ -22,6 +22,9 @@ int main(int argc, char** argv) {
   CLI::App app{"psd — parameter-server daemon for synchronous (SyncReplicasOptimizer-style) training"};
   app.set_version_flag("--version", "psd 0.1.0");
   std::string reduction = "mean";
+  std::string mode = "sync";
+  std::string staleness_lr = "none";
+  psd::server::OptimizerParams& opt = cfg.optimizer;
 
   app.add_option("--host", cfg.host, "IP address to listen on")->capture_default_str();
   app.add_option("--port", cfg.port, "TCP port to listen on; 0 picks a free one (see --port-file)")
@@ -43,8 +46,46 @@ int main(int argc, char** argv) {
   app.add_option("--reduction", reduction, "how gradients are aggregated: mean or sum")
       ->check(CLI::IsMember({"mean", "sum"}))
       ->capture_default_str();
-  app.add_option("--optimizer", cfg.optimizer, "server-side optimizer (sgd)")->capture_default_str();
-  app.add_option("--learning-rate,--lr", cfg.learning_rate, "optimizer learning rate")->capture_default_str();
+  app.add_option("--mode", mode,
+                 "consistency: sync (N-of-M with backups), async (apply on arrival), ssp (bounded staleness)")
+      ->check(CLI::IsMember({"sync", "async", "ssp"}))
+      ->capture_default_str();
+  app.add_option("--staleness", cfg.staleness_bound,
+                 "ssp: how many clocks a worker may run ahead of the slowest live worker")
+      ->capture_default_str();
+  app.add_option("--staleness-lr", staleness_lr,
+                 "async/ssp learning-rate scaling: none, inverse (lr / staleness), workers (lr / N)")
+      ->check(CLI::IsMember({"none", "inverse", "workers"}))
+      ->capture_default_str();
+  app.add_option("--soft-sync-fraction", cfg.soft_sync_fraction,
+                 "sync: a step proceeds once ceil(f * N) workers' gradients arrived (0: off, R decides)")
+      ->capture_default_str();
+  app.add_option("--step-deadline-ms", cfg.step_deadline_ms,
+                 "sync: commit a step this many ms after its first gradient with what arrived (0: off)")
+      ->capture_default_str();
+  app.add_option("--optimizer", opt.name, "server-side optimizer: sgd, momentum, adagrad, adam, rmsprop, ftrl")
+      ->capture_default_str();
+  app.add_option("--learning-rate,--lr", opt.learning_rate, "optimizer learning rate")->capture_default_str();
+  app.add_option("--momentum", opt.momentum, "momentum: the momentum coefficient")->capture_default_str();
+  app.add_flag("--nesterov", opt.nesterov, "momentum: Nesterov momentum");
+  app.add_option("--beta1", opt.beta1, "adam: first-moment decay")->capture_default_str();
+  app.add_option("--beta2", opt.beta2, "adam: second-moment decay")->capture_default_str();
+  app.add_option("--epsilon", opt.epsilon, "adam, rmsprop: numerical stability term")->capture_default_str();
+  app.add_option("--initial-accumulator", opt.initial_accumulator, "adagrad, ftrl: initial accumulator value")
+      ->capture_default_str();
+  app.add_option("--rho", opt.rho, "rmsprop: decay of the mean square")->capture_default_str();
+  app.add_option("--rms-momentum", opt.rms_momentum, "rmsprop: momentum")->capture_default_str();
+  app.add_option("--l1", opt.l1, "ftrl: L1 regularization strength")->capture_default_str();
+  app.add_option("--l2", opt.l2, "ftrl: L2 regularization strength")->capture_default_str();
+  app.add_option("--lr-power", opt.lr_power, "ftrl: learning-rate power (<= 0)")->capture_default_str();
+  app.add_option("--apply-threads", cfg.apply_threads,
+                 "threads that split the optimizer update of variables over 1M elements")
+      ->capture_default_str();
+  app.add_option("--ema-decay", cfg.ema_decay,
+                 "keep exponential moving averages of variables created with average=true (0: off)")
+      ->capture_default_str();
+  app.add_flag("--ema-num-updates", cfg.ema_num_updates,
+               "EMA decay = min(decay, (1 + step) / (10 + step)), TF's num_updates rule");
   app.add_option("--token-timeout-ms", cfg.default_token_timeout_ms,
                  "deadline in milliseconds for a token wait when the worker gives none")
       ->capture_default_str();
@@ -62,6 +103,8 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   cfg.reduction = reduction == "sum" ? psd::server::Reduction::kSum : psd::server::Reduction::kMean;
+  cfg.mode = *psd::server::ParseMode(mode);                    // CLI11 checked the value
+  cfg.staleness_lr = *psd::server::ParseStalenessLr(staleness_lr);
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("psd"));
   spdlog::set_level(spdlog::level::from_str(cfg.log_level));

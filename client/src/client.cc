@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <deque>
 #include <mutex>
 #include <thread>
 
@@ -37,6 +40,11 @@ JobConfig ReadConfig(proto::JobConfig::Reader c) {
   cfg.learning_rate = c.getLearningRate();
   cfg.reduction_sum = c.getReduction() == proto::Reduction::SUM;
   for (auto s : c.getSlotNames()) cfg.slot_names.emplace_back(s);
+  cfg.mode = c.getMode();
+  cfg.staleness_bound = c.getStalenessBound();
+  cfg.soft_sync_fraction = c.getSoftSyncFraction();
+  cfg.step_deadline_ms = c.getStepDeadlineMs();
+  cfg.ema_decay = c.getEmaDecay();
   return cfg;
 }
 
@@ -129,6 +137,41 @@ class Client::Impl {
     return Status::Ok();
   }
 
+  Result<int64_t> PullInto(const std::vector<std::pair<std::string, TensorView>>& outs, bool averages) {
+    if (outs.empty()) return psd::InvalidArgument("Pull needs at least one variable");
+    std::lock_guard<std::mutex> lock(mu_);
+    OutFrame frame;
+    auto req = NewRequest(frame);
+    auto pull = req.initPull();
+    pull.setAverages(averages);
+    auto names = pull.initNames(static_cast<unsigned>(outs.size()));
+    for (size_t i = 0; i < outs.size(); ++i) names.set(static_cast<unsigned>(i), outs[i].first);
+    std::unique_ptr<capnp::MessageReader> reader;
+    proto::Response::Reader resp;
+    PSD_RETURN_IF_ERROR(RoundTrip(frame, &reader, &resp));
+    return ReadValues(resp, outs);
+  }
+
+  // Copies a pull reply's values into the caller's views; returns the step they reflect.
+  Result<int64_t> ReadValues(proto::Response::Reader resp, const std::vector<std::pair<std::string, TensorView>>& outs) {
+    try {
+      auto p = resp.getPull();
+      auto values = p.getValues();
+      if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
+      for (size_t i = 0; i < outs.size(); ++i) {
+        auto t = psd::wire::ReadTensor(values[static_cast<unsigned>(i)], options_.max_frame_bytes);
+        if (!t.ok()) return t.status();
+        const TensorView& out = outs[i].second;
+        PSD_RETURN_IF_ERROR(CheckView("'" + outs[i].first + "'", t->dtype, t->shape, out));
+        if (t->bytes != out.bytes()) return psd::Internal("pull reply for '" + outs[i].first + "' has a wrong size");
+        PSD_RETURN_IF_ERROR(internal::CopyFromHost(out.data, t->data, t->bytes, out.memory));
+      }
+      return p.getStep();
+    } catch (const kj::Exception& e) {
+      return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+    }
+  }
+
   void Drop() {
     boost::system::error_code ec;
     socket_.close(ec);
@@ -168,12 +211,21 @@ int64_t Client::initial_global_step() const { return impl_->initial_step_; }
 std::vector<std::string> Client::SlotNames() const { return impl_->config_.slot_names; }
 
 Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensorView initial, bool trainable) {
+  VariableOptions options;
+  options.trainable = trainable;
+  return CreateVariable(name, initial, options);
+}
+
+Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensorView initial,
+                                            const VariableOptions& options) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
   OutFrame frame;
   auto req = impl_->NewRequest(frame);
   auto c = req.initCreateVariable();
   c.setName(name);
-  c.setTrainable(trainable);
+  c.setTrainable(options.trainable);
+  c.setAverage(options.average);
+  c.setOptimizer(options.optimizer);
   std::vector<uint8_t> staged;
   const void* data = initial.data;
   size_t bytes = initial.data ? initial.bytes() : 0;
@@ -198,36 +250,73 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
 Result<int64_t> Client::Pull(const std::string& name, TensorView out) { return Pull({{name, out}}); }
 
 Result<int64_t> Client::Pull(const std::vector<std::pair<std::string, TensorView>>& outs) {
-  if (outs.empty()) return psd::InvalidArgument("Pull needs at least one variable");
+  return impl_->PullInto(outs, /*averages=*/false);
+}
+
+Result<int64_t> Client::PullAverages(const std::vector<std::pair<std::string, TensorView>>& outs) {
+  return impl_->PullInto(outs, /*averages=*/true);
+}
+
+Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int64_t>& rows, TensorView out) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
   OutFrame frame;
   auto req = impl_->NewRequest(frame);
-  auto names = req.initPull().initNames(static_cast<unsigned>(outs.size()));
-  for (size_t i = 0; i < outs.size(); ++i) names.set(static_cast<unsigned>(i), outs[i].first);
+  auto p = req.initPullRows();
+  p.setName(name);
+  auto list = p.initRows(static_cast<unsigned>(rows.size()));
+  for (size_t i = 0; i < rows.size(); ++i) list.set(static_cast<unsigned>(i), rows[i]);
   std::unique_ptr<capnp::MessageReader> reader;
   proto::Response::Reader resp;
   PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
-  try {
-    auto p = resp.getPull();
-    auto values = p.getValues();
-    if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
-    for (size_t i = 0; i < outs.size(); ++i) {
-      auto t = psd::wire::ReadTensor(values[static_cast<unsigned>(i)], impl_->options_.max_frame_bytes);
-      if (!t.ok()) return t.status();
-      const TensorView& out = outs[i].second;
-      PSD_RETURN_IF_ERROR(CheckView("variable '" + outs[i].first + "'", t->dtype, t->shape, out));
-      if (t->bytes != out.bytes()) return psd::Internal("pull reply for '" + outs[i].first + "' has a wrong size");
-      PSD_RETURN_IF_ERROR(internal::CopyFromHost(out.data, t->data, t->bytes, out.memory));
-    }
-    return p.getStep();
-  } catch (const kj::Exception& e) {
-    return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
-  }
+  return impl_->ReadValues(resp, {{name, out}});
 }
 
 Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>& grads, bool wait_token,
                                  int64_t timeout_ms) {
-  if (grads.empty()) return psd::InvalidArgument("Must supply at least one variable");
+  return Push(local_step, grads, {}, wait_token, timeout_ms);
+}
+
+namespace {
+
+// Sorts the rows of a sparse gradient by index and sums repeated rows (the daemon takes strictly
+// increasing indices). `values` is host memory.
+void Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>* indices,
+              std::vector<uint64_t>* out) {
+  size_t n = g.indices.size();
+  size_t row_bytes = n ? g.values.bytes() / n : 0;
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return g.indices[a] < g.indices[b]; });
+  indices->clear();
+  out->assign((n * row_bytes + 7) / 8, 0);
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out->data());
+  const uint8_t* src = static_cast<const uint8_t*>(values);
+  size_t elems = row_bytes / psd::DTypeSize(g.values.dtype);
+  for (size_t k = 0; k < n; ++k) {
+    size_t i = order[k];
+    if (!indices->empty() && indices->back() == g.indices[i]) {
+      uint8_t* row = dst + (indices->size() - 1) * row_bytes;
+      if (g.values.dtype == DType::kFloat32) {
+        for (size_t e = 0; e < elems; ++e) {
+          reinterpret_cast<float*>(row)[e] += reinterpret_cast<const float*>(src + i * row_bytes)[e];
+        }
+      } else {
+        for (size_t e = 0; e < elems; ++e) {
+          reinterpret_cast<double*>(row)[e] += reinterpret_cast<const double*>(src + i * row_bytes)[e];
+        }
+      }
+      continue;
+    }
+    std::memcpy(dst + indices->size() * row_bytes, src + i * row_bytes, row_bytes);
+    indices->push_back(g.indices[i]);
+  }
+}
+
+}  // namespace
+
+Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>& grads,
+                                 const std::vector<SparseGradient>& sparse, bool wait_token, int64_t timeout_ms) {
+  if (grads.empty() && sparse.empty()) return psd::InvalidArgument("Must supply at least one variable");
   std::lock_guard<std::mutex> lock(impl_->mu_);
   OutFrame frame;
   auto req = impl_->NewRequest(frame);
@@ -235,8 +324,8 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   p.setLocalStep(local_step);
   p.setWaitToken(wait_token);
   p.setTimeoutMs(timeout_ms);
-  auto list = p.initGrads(static_cast<unsigned>(grads.size()));
-  std::vector<std::vector<uint64_t>> staged;  // device gradients copied to host
+  auto list = p.initGrads(static_cast<unsigned>(grads.size() + sparse.size()));
+  std::deque<std::vector<uint64_t>> staged;  // device gradients copied to host, coalesced rows
   for (size_t i = 0; i < grads.size(); ++i) {
     const Gradient& g = grads[i];
     if (g.grad.data == nullptr && g.grad.bytes() > 0) {
@@ -253,14 +342,50 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     psd::wire::SetTensor(frame.builder, e.initGrad(), g.grad.dtype, g.grad.shape, data, g.grad.bytes(),
                          /*padded=*/g.grad.memory != MemoryKind::kHost);
   }
+  for (size_t j = 0; j < sparse.size(); ++j) {
+    const SparseGradient& g = sparse[j];
+    if (g.values.shape.empty() || g.values.shape[0] != static_cast<int64_t>(g.indices.size())) {
+      return psd::InvalidArgument("sparse gradient for '" + g.name + "': values need shape [" +
+                                  std::to_string(g.indices.size()) + ", row dims...], got " +
+                                  psd::ShapeString(g.values.shape));
+    }
+    if (g.values.data == nullptr && g.values.bytes() > 0) {
+      return psd::InvalidArgument("sparse gradient for '" + g.name + "' has no data");
+    }
+    const void* values = g.values.data;
+    if (g.values.memory != MemoryKind::kHost) {
+      staged.emplace_back((g.values.bytes() + 7) / 8);
+      PSD_RETURN_IF_ERROR(internal::CopyToHost(staged.back().data(), values, g.values.bytes(), g.values.memory));
+      values = staged.back().data();
+    }
+    std::vector<int64_t> indices;
+    staged.emplace_back();
+    Coalesce(g, values, &indices, &staged.back());
+    Shape shape = g.values.shape;
+    shape[0] = static_cast<int64_t>(indices.size());
+    size_t bytes = static_cast<size_t>(psd::NumElements(shape)) * psd::DTypeSize(g.values.dtype);
+    auto e = list[static_cast<unsigned>(grads.size() + j)];
+    e.setName(g.name);
+    e.setSparse(true);
+    auto idx = e.initIndices(static_cast<unsigned>(indices.size()));
+    for (size_t k = 0; k < indices.size(); ++k) idx.set(static_cast<unsigned>(k), indices[k]);
+    if (g.dense_shape) {
+      e.setHasDenseShape(true);
+      auto ds = e.initDenseShape(static_cast<unsigned>(g.dense_shape->size()));
+      for (size_t k = 0; k < g.dense_shape->size(); ++k) ds.set(static_cast<unsigned>(k), (*g.dense_shape)[k]);
+    }
+    psd::wire::SetTensor(frame.builder, e.initGrad(), g.values.dtype, shape, staged.back().data(), bytes,
+                         /*padded=*/true);
+  }
   std::unique_ptr<capnp::MessageReader> reader;
   proto::Response::Reader resp;
   PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
   try {
     auto r = resp.getPush();
     PushOutcome out;
-    for (auto res : r.getResults()) out.results.push_back({res.getAccepted(), res.getStep()});
+    for (auto res : r.getResults()) out.results.push_back({res.getAccepted(), res.getStep(), res.getStaleness()});
     out.is_chief = r.getIsChief();
+    out.step_gradients = r.getStepGradients();
     impl_->is_chief_ = out.is_chief;
     out.waited = wait_token;
     if (wait_token) {
@@ -305,6 +430,9 @@ Result<JobStatus> Client::GetStatus() {
   st.replicas_required = s.getReplicasRequired();
   st.accepted_pushes = s.getAcceptedPushes();
   st.stale_pushes = s.getStalePushes();
+  st.last_step_gradients = s.getLastStepGradients();
+  st.max_staleness = s.getMaxStaleness();
+  st.learning_rate = s.getLearningRate();
   st.config = ReadConfig(s.getConfig());
   return st;
 }
@@ -329,6 +457,16 @@ Status Client::GetSlot(const std::string& variable, const std::string& slot, Ten
   if (!t.ok()) return t.status();
   PSD_RETURN_IF_ERROR(CheckView("slot '" + slot + "' of '" + variable + "'", t->dtype, t->shape, out));
   return internal::CopyFromHost(out.data, t->data, t->bytes, out.memory);
+}
+
+Status Client::SetLearningRate(double learning_rate) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  OutFrame frame;
+  auto req = impl_->NewRequest(frame);
+  req.setSetLearningRate(learning_rate);
+  std::unique_ptr<capnp::MessageReader> reader;
+  proto::Response::Reader resp;
+  return impl_->RoundTrip(frame, &reader, &resp);
 }
 
 Status Client::Finish() {

@@ -56,7 +56,7 @@ Result<std::vector<GradAndVar>> SyncReplicasOptimizer::compute_gradients(const G
   last_loss_ = loss;
   std::vector<GradAndVar> out;
   out.reserve(var_list.size());
-  for (size_t i = 0; i < var_list.size(); ++i) out.push_back({std::move(grads[i]), var_list[i]});
+  for (size_t i = 0; i < var_list.size(); ++i) out.push_back({std::move(grads[i]), var_list[i], std::nullopt});
   return out;
 }
 
@@ -66,10 +66,12 @@ Result<int64_t> SyncReplicasOptimizer::apply_gradients(const std::vector<GradAnd
   if (grads_and_vars.empty()) return psd::InvalidArgument("Must supply at least one variable");
   if (global_step == nullptr) return psd::InvalidArgument("Global step is required to check staleness");
   std::vector<Gradient> grads;
+  std::vector<SparseGradient> sparse;
   for (const GradAndVar& gv : grads_and_vars) {
-    if (gv.var == nullptr) return psd::InvalidArgument("Unknown grad type!");
-    if (!gv.grad) continue;  // None: no accumulator, passes through
-    grads.push_back({gv.var->name(), gv.grad->view()});
+    if (gv.var == nullptr || (gv.grad && gv.sparse)) return psd::InvalidArgument("Unknown grad type!");
+    if (gv.grad) grads.push_back({gv.var->name(), gv.grad->view()});
+    if (gv.sparse) sparse.push_back({gv.var->name(), gv.sparse->indices, gv.sparse->values.view(), std::nullopt});
+    // Neither: None, no accumulator, passes through.
   }
   built_ = true;
   gradients_applied_ = true;
@@ -80,8 +82,8 @@ Result<int64_t> SyncReplicasOptimizer::apply_gradients(const std::vector<GradAnd
     local_step_ = *st;
     local_init_done_ = true;
   }
-  if (grads.empty()) return psd::InvalidArgument("Must supply at least one variable");
-  auto out = client_.Push(local_step_, grads, /*wait_token=*/true, token_timeout_ms_);
+  if (grads.empty() && sparse.empty()) return psd::InvalidArgument("Must supply at least one variable");
+  auto out = client_.Push(local_step_, grads, sparse, /*wait_token=*/true, token_timeout_ms_);
   if (!out.ok()) return out.status();
   last_push_ = std::move(*out);
   accepted_total_ += last_push_.accepted();

@@ -1,5 +1,6 @@
 #include "wire/frame.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace psd::wire {
@@ -64,7 +65,14 @@ std::unique_ptr<capnp::MessageReader> InFrame::Reader() const {
 }
 
 void InFrame::MaybeRelease(size_t keep_bytes) {
-  if (buffer_.size() * sizeof(capnp::word) > keep_bytes) buffer_ = nullptr;
+  recent_max_words_ = std::max(recent_max_words_, total_words_);
+  if (++frames_since_check_ < 64) return;
+  // Every 64 frames: drop the buffer if it is over keep_bytes and over twice what they needed.
+  if (buffer_.size() * sizeof(capnp::word) > keep_bytes && buffer_.size() > 2 * recent_max_words_) {
+    buffer_ = nullptr;
+  }
+  recent_max_words_ = 0;
+  frames_since_check_ = 0;
 }
 
 std::vector<asio::const_buffer> OutFrame::Buffers() {
@@ -153,7 +161,7 @@ void SetTensor(capnp::MessageBuilder& msg, proto::Tensor::Builder t, DType dtype
   for (size_t i = 0; i < shape.size(); ++i) s.set(static_cast<unsigned>(i), shape[i]);
   if (bytes == 0) return;
   bool aligned = reinterpret_cast<uintptr_t>(data) % sizeof(capnp::word) == 0;
-  if (aligned && (padded || bytes % sizeof(capnp::word) == 0)) {
+  if (bytes >= kZeroCopyMinBytes && aligned && (padded || bytes % sizeof(capnp::word) == 0)) {
     t.adoptData(msg.getOrphanage().referenceExternalData(
         capnp::Data::Reader(static_cast<const kj::byte*>(data), bytes)));
   } else {

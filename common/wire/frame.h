@@ -19,7 +19,12 @@
 
 namespace psd::wire {
 
-constexpr uint32_t kMaxSegments = 512;
+// Each zero-copy tensor is its own segment, so a reply with many variables has many segments;
+// the table costs 4 bytes per segment and is bounded here before anything else is read.
+constexpr uint32_t kMaxSegments = 1u << 16;
+// Tensors smaller than this are copied into the message instead of referenced (a segment each
+// would cost more than the copy).
+constexpr size_t kZeroCopyMinBytes = 4096;
 constexpr uint64_t kDefaultMaxFrameBytes = 1ull << 30;  // 1 GiB
 
 // Parses the first word of a frame. On success sets the segment count and the number of
@@ -38,7 +43,8 @@ class InFrame {
   capnp::word* Prepare(const std::vector<uint32_t>& sizes, uint64_t total_words);
   // Builds a reader over the body; limits guard against pointer amplification.
   std::unique_ptr<capnp::MessageReader> Reader() const;
-  // Gives memory back if the last frame was big (idle connections keep little).
+  // Gives memory back when the buffer is much bigger than the frames it has recently held, so a
+  // one-off big frame does not pin memory, while steady big pushes reuse one buffer.
   void MaybeRelease(size_t keep_bytes);
   size_t body_bytes() const { return total_words_ * sizeof(capnp::word); }
 
@@ -46,6 +52,8 @@ class InFrame {
   kj::Array<capnp::word> buffer_;
   std::vector<uint32_t> sizes_;
   uint64_t total_words_ = 0;
+  uint64_t recent_max_words_ = 0;  // largest frame since the last release check
+  int frames_since_check_ = 0;
 };
 
 // An outgoing frame: the message builder plus the segment table, kept alive together until

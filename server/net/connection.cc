@@ -7,11 +7,15 @@
 #include "net/server.h"
 
 namespace psd::server {
+namespace {
+const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no rows
+}  // namespace
 
 struct Connection::TokenWait {
   TokenWait(asio::strand<asio::io_context::executor_type>& strand) : timer(strand) {}
   asio::steady_timer timer;
-  TokenQueue::WaitId id = 0;
+  std::function<bool(const Status&)> cancel;  // removes the parked wait; false if already released
+  bool from_queue = false;                     // a token-queue wait (a delivered token goes back if unused)
   bool done = false;
   TokenDone on_done;
 };
@@ -41,9 +45,7 @@ void Connection::CloseNow() {
   boost::system::error_code ec;
   socket_.shutdown(tcp::socket::shutdown_both, ec);
   socket_.close(ec);
-  for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) {
-    server_.engine().tokens().Cancel(w->id, Cancelled("connection closed"));
-  }
+  for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
   server_.OnConnectionClosed(id_);
 }
 
@@ -125,19 +127,27 @@ void Connection::Dispatch(proto::Request::Reader req) {
     case proto::Request::WAIT_TOKEN: return HandleWaitToken(id, req.getWaitToken());
     case proto::Request::FINISH: return HandleFinish(id);
     case proto::Request::GET_SLOT: return HandleGetSlot(id, req.getGetSlot());
+    case proto::Request::PULL_ROWS: return HandlePullRows(id, req.getPullRows());
+    case proto::Request::SET_LEARNING_RATE: return HandleSetLearningRate(id, req.getSetLearningRate());
     default: return SendError(id, Unimplemented("unknown request type " + std::to_string(static_cast<int>(which))));
   }
 }
 
 namespace {
 
-void FillConfig(proto::JobConfig::Builder c, const ServerConfig& cfg, const Optimizer& opt) {
+void FillConfig(proto::JobConfig::Builder c, const ServerConfig& cfg, const SyncEngine& engine) {
+  const Optimizer& opt = engine.optimizer();
   c.setReplicasToAggregate(cfg.replicas_to_aggregate);
   c.setTotalReplicas(cfg.total_replicas);
   c.setTokensPerStep(cfg.tokens_per_step);
   c.setInitTokens(cfg.resolved_init_tokens);
   c.setOptimizer(opt.name());
-  c.setLearningRate(opt.learning_rate());
+  c.setLearningRate(engine.learning_rate());
+  c.setMode(ModeName(cfg.mode));
+  c.setStalenessBound(cfg.staleness_bound);
+  c.setSoftSyncFraction(cfg.soft_sync_fraction);
+  c.setStepDeadlineMs(cfg.step_deadline_ms);
+  c.setEmaDecay(cfg.ema_decay);
   c.setReduction(cfg.reduction == Reduction::kSum ? proto::Reduction::SUM : proto::Reduction::MEAN);
   auto slots = opt.SlotNames();
   auto list = c.initSlotNames(static_cast<unsigned>(slots.size()));
@@ -155,8 +165,8 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
   std::string name = r.getWorkerName();
   Status s = ValidateName(name);
   if (!s.ok()) return SendError(id, InvalidArgument("worker name: " + s.message()));
-  uint32_t index = server_.workers().Hello(id_, name, r.getIncarnation());
-  server_.engine().SetRequiredReplicas(server_.workers().RequiredReplicas());
+  uint32_t index = server_.OnHello(id_, name, r.getIncarnation());
+  worker_index_ = index;
   hello_done_ = true;
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
@@ -165,7 +175,7 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
   h.setIsChief(server_.workers().IsChief(id_));
   h.setGlobalStep(server_.engine().global_step());
   h.setWorkerId(index);
-  FillConfig(h.initConfig(), server_.config(), server_.engine().optimizer());
+  FillConfig(h.initConfig(), server_.config(), server_.engine());
   spdlog::info("worker '{}' (incarnation {}) connected as #{}{}", name, r.getIncarnation(), index,
                h.getIsChief() ? ", chief" : "");
   Send(std::move(frame));
@@ -179,6 +189,8 @@ void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   def.dtype = t->dtype;
   def.shape = t->shape;
   def.trainable = r.getTrainable();
+  def.average = r.getAverage();
+  def.optimizer = r.getOptimizer();
   if (t->bytes > 0) {
     def.initial = t->data;
     def.initial_bytes = t->bytes;
@@ -202,7 +214,7 @@ void Connection::HandlePull(uint64_t id, proto::Pull::Reader r) {
   for (auto n : r.getNames()) names.emplace_back(n);
   std::vector<PulledValue> values;
   int64_t step = 0;
-  Status s = server_.engine().Pull(names, &values, &step);
+  Status s = server_.engine().Pull(names, &values, &step, r.getAverages());
   if (!s.ok()) return SendError(id, s);
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
@@ -224,11 +236,28 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
   if (grads_in.size() == 0) return SendError(id, InvalidArgument("Must supply at least one variable"));
   std::vector<GradRef> grads;
   grads.reserve(grads_in.size());
+  std::deque<std::vector<int64_t>> index_storage;  // stable addresses for sparse indices
   for (auto g : grads_in) {
     auto t = wire::ReadTensor(g.getGrad(), server_.config().max_frame_bytes);
     if (!t.ok()) return SendError(id, t.status());
     auto name = g.getName();
-    grads.push_back({std::string_view(name.cStr(), name.size()), t->dtype, std::move(t->shape), t->data, t->bytes});
+    GradRef ref{std::string_view(name.cStr(), name.size()), t->dtype, std::move(t->shape), t->data, t->bytes,
+                nullptr, 0, std::nullopt};
+    if (g.getSparse()) {
+      // Copied out of the message: a peer may encode the list with another element size.
+      auto idx = g.getIndices();
+      index_storage.emplace_back(idx.size());
+      for (unsigned k = 0; k < idx.size(); ++k) index_storage.back()[k] = idx[k];
+      ref.nnz = idx.size();
+      ref.indices = idx.size() ? index_storage.back().data() : &kNoIndex;
+      if (g.getHasDenseShape()) {
+        Shape ds;
+        for (int64_t d : g.getDenseShape()) ds.push_back(d);
+        if (ds.size() > 32) return SendError(id, InvalidArgument("dense_shape rank exceeds 32"));
+        ref.dense_shape = std::move(ds);
+      }
+    }
+    grads.push_back(std::move(ref));
   }
   std::vector<GradOutcome> outcomes;
   Status s = server_.engine().Push(r.getLocalStep(), grads, &outcomes);
@@ -239,8 +268,10 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
     for (size_t i = 0; i < outcomes.size(); ++i) {
       results[static_cast<unsigned>(i)].setAccepted(outcomes[i].accepted);
       results[static_cast<unsigned>(i)].setStep(outcomes[i].step);
+      results[static_cast<unsigned>(i)].setStaleness(outcomes[i].staleness);
     }
     p.setIsChief(server_.workers().IsChief(id_));
+    p.setStepGradients(server_.engine().Stats().last_step_gradients);
   };
   if (!r.getWaitToken()) {
     proto::Response::Builder resp(nullptr);
@@ -268,6 +299,7 @@ void Connection::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
     auto t = resp.initToken();
     t.setToken(token);
     t.setIsChief(server_.workers().IsChief(id_));
+    t.setStepGradients(server_.engine().Stats().last_step_gradients);
     Send(std::move(frame));
   });
 }
@@ -286,7 +318,10 @@ void Connection::HandleStatus(uint64_t id) {
   s.setReplicasRequired(st.required_replicas);
   s.setAcceptedPushes(st.accepted);
   s.setStalePushes(st.stale);
-  FillConfig(s.initConfig(), server_.config(), server_.engine().optimizer());
+  s.setLastStepGradients(st.last_step_gradients);
+  s.setMaxStaleness(st.max_staleness);
+  s.setLearningRate(server_.engine().learning_rate());
+  FillConfig(s.initConfig(), server_.config(), server_.engine());
   Send(std::move(frame));
 }
 
@@ -309,28 +344,77 @@ void Connection::HandleGetSlot(uint64_t id, proto::GetSlot::Reader r) {
   Send(std::move(frame));
 }
 
+void Connection::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
+  std::vector<int64_t> rows;
+  auto in = r.getRows();
+  rows.reserve(in.size());
+  for (int64_t x : in) rows.push_back(x);
+  int64_t step = 0;
+  auto got = server_.engine().PullRows(r.getName(), rows, &step);
+  if (!got.ok()) return SendError(id, got.status());
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto p = resp.initPull();
+  p.setStep(step);
+  wire::SetTensor(frame->builder, p.initValues(1)[0], got->dtype, got->shape, got->value->data(),
+                  got->value->bytes(), /*padded=*/true);
+  frame->keepalive.push_back(got->value);
+  Send(std::move(frame));
+}
+
+void Connection::HandleSetLearningRate(uint64_t id, double lr) {
+  if (!server_.workers().IsChief(id_)) {
+    return SendError(id, FailedPrecondition("only the chief worker may change the learning rate"));
+  }
+  Status s = server_.engine().SetLearningRate(lr);
+  if (!s.ok()) return SendError(id, s);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setNone();
+  Send(std::move(frame));
+}
+
 // --- token waits ------------------------------------------------------------------------------
 
 void Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
   if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
+  SyncEngine& engine = server_.engine();
+  Mode mode = server_.config().mode;
+  if (mode == Mode::kAsync) {
+    // No barrier: the "token" is the current global step.
+    return done(engine.tokens().closed() ? OutOfRange("training is over: all workers finished") : Status::Ok(),
+                engine.global_step());
+  }
   auto w = std::make_shared<TokenWait>(strand_);
   w->on_done = std::move(done);
   auto self = shared_from_this();
-  TokenQueue& tokens = server_.engine().tokens();
-  TokenQueue::WaitId wid = tokens.Wait([self, w](Status s, int64_t token) {
-    asio::post(self->strand_, [self, w, s = std::move(s), token] { self->FinishTokenWait(w, s, token); });
-  });
+  auto post = [self, w](Status s, int64_t value) {
+    asio::post(self->strand_, [self, w, s = std::move(s), value] { self->FinishTokenWait(w, s, value); });
+  };
+  uint64_t wid = 0;
+  if (mode == Mode::kSync) {
+    w->from_queue = true;
+    TokenQueue& tokens = engine.tokens();
+    wid = tokens.Wait(post);
+    w->cancel = [&tokens, wid](const Status& why) { return tokens.Cancel(wid, why); };
+  } else {
+    // Bounded staleness: the barrier releases with the current global step once this worker's
+    // clock is within the bound of the slowest live worker.
+    SspGate& gate = server_.ssp();
+    wid = gate.Advance(worker_index_, [post, &engine](Status s, int64_t) { post(std::move(s), engine.global_step()); });
+    w->cancel = [&gate, wid](const Status& why) { return gate.Cancel(wid, why); };
+  }
   if (wid == 0) return;  // answered at once (the callback is already posted)
-  w->id = wid;
   parked_.insert(w);
   w->timer.expires_after(std::chrono::milliseconds(timeout_ms));
   w->timer.async_wait([self, w, timeout_ms](boost::system::error_code ec) {
     if (ec || w->done) return;
     EngineStats st = self->server_.engine().Stats();
-    self->server_.engine().tokens().Cancel(
-        w->id, DeadlineExceeded("no token within " + std::to_string(timeout_ms) + " ms (global step " +
-                                std::to_string(st.global_step) + ", a step needs " +
-                                std::to_string(st.required_replicas) + " fresh gradient(s) per variable)"));
+    std::string what = self->server_.config().mode == Mode::kSync
+                           ? "a step needs " + std::to_string(st.required_replicas) + " fresh gradient(s) per variable"
+                           : "waiting for the slowest worker to come within the staleness bound";
+    w->cancel(DeadlineExceeded("no token within " + std::to_string(timeout_ms) + " ms (global step " +
+                               std::to_string(st.global_step) + ", " + what + ")"));
   });
 }
 
@@ -341,7 +425,7 @@ void Connection::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Stat
   parked_.erase(w);
   if (closed_) {
     // The peer is gone: a token delivered to it goes back so no other worker starves.
-    if (s.ok()) server_.engine().tokens().PushFront(token);
+    if (s.ok() && w->from_queue) server_.engine().tokens().PushFront(token);
     return;
   }
   w->on_done(s, token);

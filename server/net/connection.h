@@ -52,6 +52,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void HandleStatus(uint64_t id);
   void HandleFinish(uint64_t id);
   void HandleGetSlot(uint64_t id, proto::GetSlot::Reader r);
+  void HandlePullRows(uint64_t id, proto::PullRows::Reader r);
+  void HandleSetLearningRate(uint64_t id, double lr);
 
   // Waits for a token with a deadline; `done` runs on the strand exactly once.
   void WaitForToken(int64_t timeout_ms, TokenDone done);
@@ -71,6 +73,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::vector<uint32_t> table_;
   wire::InFrame in_;
   bool hello_done_ = false;
+  uint32_t worker_index_ = 0;
   bool closing_ = false;  // close once the write queue drains
   bool closed_ = false;
 

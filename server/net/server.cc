@@ -10,7 +10,7 @@ namespace psd::server {
 
 Result<std::unique_ptr<Server>> Server::Create(ServerConfig config) {
   PSD_RETURN_IF_ERROR(config.Validate());
-  auto opt = MakeOptimizer(config.optimizer, config.learning_rate);
+  auto opt = MakeOptimizer(config.optimizer);
   if (!opt.ok()) return opt.status();
   auto engine = std::make_unique<SyncEngine>(config, std::move(*opt));
   return std::unique_ptr<Server>(new Server(std::move(config), std::move(engine)));
@@ -20,12 +20,43 @@ Server::Server(ServerConfig config, std::unique_ptr<SyncEngine> engine)
     : config_(std::move(config)),
       engine_(std::move(engine)),
       workers_(config_.replicas_to_aggregate, config_.total_replicas),
+      ssp_(config_.staleness_bound),
       acceptor_(io_),
-      summary_timer_(io_) {
+      summary_timer_(io_),
+      deadline_strand_(asio::make_strand(io_)),
+      step_deadline_(deadline_strand_) {
   engine_->set_on_commit([](const StepInfo& info) {
-    spdlog::debug("step {} committed ({}..{} gradients averaged per variable)", info.step,
-                  info.min_gradients, info.max_gradients);
+    if (info.forced) {
+      spdlog::info("step {} committed by the step deadline with {}..{} gradient(s) per variable", info.step,
+                   info.min_gradients, info.max_gradients);
+    } else {
+      spdlog::debug("step {} committed ({}..{} gradients averaged per variable)", info.step, info.min_gradients,
+                    info.max_gradients);
+    }
   });
+  if (config_.mode == Mode::kSync && config_.step_deadline_ms > 0) {
+    engine_->set_on_step_started([this](int64_t step) { ArmStepDeadline(step); });
+  }
+}
+
+void Server::ArmStepDeadline(int64_t step) {
+  asio::post(deadline_strand_, [this, step] {
+    step_deadline_.expires_after(std::chrono::milliseconds(config_.step_deadline_ms));
+    step_deadline_.async_wait([this, step](boost::system::error_code ec) {
+      if (!ec) engine_->ForceStep(step);
+    });
+  });
+}
+
+uint32_t Server::OnHello(uint64_t conn, const std::string& name, uint64_t incarnation) {
+  uint32_t index = workers_.Hello(conn, name, incarnation);
+  if (config_.mode == Mode::kSsp) ssp_.Join(index);
+  UpdateRequired();
+  return index;
+}
+
+void Server::UpdateRequired() {
+  engine_->SetRequiredReplicas(std::min(config_.InitialRequiredReplicas(), workers_.RequiredReplicas()));
 }
 
 Server::~Server() { Stop(); }
@@ -73,10 +104,10 @@ Status Server::Start() {
       }
     });
   }
-  spdlog::info("psd listening on {}:{} (R={} total={} tokens/step={} init tokens={} optimizer={} lr={} {})",
-               config_.host, port_, config_.replicas_to_aggregate, config_.total_replicas,
-               config_.tokens_per_step, config_.resolved_init_tokens, config_.optimizer,
-               config_.learning_rate, ReductionName(config_.reduction));
+  spdlog::info("psd listening on {}:{} (mode={} R={} total={} tokens/step={} init tokens={} optimizer={} lr={} {})",
+               config_.host, port_, ModeName(config_.mode), config_.replicas_to_aggregate, config_.total_replicas,
+               config_.tokens_per_step, config_.resolved_init_tokens, config_.optimizer.name,
+               config_.optimizer.learning_rate, ReductionName(config_.reduction));
   return Status::Ok();
 }
 
@@ -120,20 +151,30 @@ void Server::LogSummary() {
   auto now = std::chrono::steady_clock::now();
   double secs = std::chrono::duration<double>(now - last_summary_time_).count();
   double rate = secs > 0 ? static_cast<double>(st.global_step - last_summary_step_) / secs : 0;
-  spdlog::info("step {} ({:.1f} steps/s) | pushes accepted {} stale {} | tokens queued {} | workers {} "
-               "connected, {} finished | step needs {} gradient(s)",
-               st.global_step, rate, st.accepted, st.stale, st.tokens_queued, wc.connected, wc.finished,
-               st.required_replicas);
+  if (config_.mode == Mode::kSync) {
+    spdlog::info("step {} ({:.1f} steps/s) | pushes accepted {} stale {} | tokens queued {} | workers {} "
+                 "connected, {} finished | step needs {} gradient(s), last used {}",
+                 st.global_step, rate, st.accepted, st.stale, st.tokens_queued, wc.connected, wc.finished,
+                 st.required_replicas, st.last_step_gradients);
+  } else {
+    spdlog::info("step {} ({:.1f} steps/s) | gradients applied {} | max staleness {} | workers {} connected, {} "
+                 "finished{}",
+                 st.global_step, rate, st.accepted, st.max_staleness, wc.connected, wc.finished,
+                 config_.mode == Mode::kSsp ? fmt::format(" | slowest clock {}", ssp_.MinClock()) : "");
+  }
   last_summary_step_ = st.global_step;
   last_summary_time_ = now;
 }
 
 void Server::OnWorkerFinished(uint64_t conn) {
+  int64_t index = workers_.IndexOf(conn);
   bool all = workers_.Finished(conn);
-  engine_->SetRequiredReplicas(workers_.RequiredReplicas());
+  if (index >= 0 && config_.mode == Mode::kSsp) ssp_.Leave(static_cast<uint32_t>(index));
+  UpdateRequired();
   if (!all) return;
   spdlog::info("all workers finished at global step {}", engine_->global_step());
   engine_->tokens().Close(OutOfRange("training is over: all workers finished"));
+  ssp_.Close(OutOfRange("training is over: all workers finished"));
   if (config_.exit_when_done) {
     std::lock_guard<std::mutex> lock(stop_mu_);
     job_done_ = true;
@@ -143,6 +184,8 @@ void Server::OnWorkerFinished(uint64_t conn) {
 }
 
 void Server::OnConnectionClosed(uint64_t conn) {
+  int64_t index = workers_.IndexOf(conn);
+  if (index >= 0 && config_.mode == Mode::kSsp) ssp_.Leave(static_cast<uint32_t>(index));
   workers_.Disconnected(conn);
   std::lock_guard<std::mutex> lock(conns_mu_);
   conns_.erase(conn);
@@ -168,7 +211,9 @@ void Server::Stop() {
     acceptor_.close(ec);
     summary_timer_.cancel();
   });
+  asio::post(deadline_strand_, [this] { step_deadline_.cancel(); });
   engine_->tokens().Close(Cancelled("psd is shutting down"));
+  ssp_.Close(Cancelled("psd is shutting down"));
   std::vector<std::shared_ptr<Connection>> live;
   {
     std::lock_guard<std::mutex> lock(conns_mu_);

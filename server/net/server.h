@@ -24,6 +24,7 @@
 
 #include "config.h"
 #include "psd/status.h"
+#include "sync/ssp_gate.h"
 #include "sync/sync_engine.h"
 #include "sync/worker_registry.h"
 #include "wire/asio.h"
@@ -47,9 +48,11 @@ class Server {
 
   SyncEngine& engine() { return *engine_; }
   WorkerRegistry& workers() { return workers_; }
+  SspGate& ssp() { return ssp_; }
   const ServerConfig& config() const { return config_; }
 
-  // Called by connections.
+  // Called by connections. OnHello returns the worker's index.
+  uint32_t OnHello(uint64_t conn, const std::string& name, uint64_t incarnation);
   void OnWorkerFinished(uint64_t conn);
   void OnConnectionClosed(uint64_t conn);
 
@@ -58,15 +61,20 @@ class Server {
   void Accept();
   void ScheduleSummary();
   void LogSummary();
+  void UpdateRequired();
+  void ArmStepDeadline(int64_t step);
 
   const ServerConfig config_;
   std::unique_ptr<SyncEngine> engine_;
   WorkerRegistry workers_;
+  SspGate ssp_;
 
   asio::io_context io_;
   std::unique_ptr<asio::executor_work_guard<asio::io_context::executor_type>> work_;
   tcp::acceptor acceptor_;
   asio::steady_timer summary_timer_;
+  asio::strand<asio::io_context::executor_type> deadline_strand_;
+  asio::steady_timer step_deadline_;  // soft sync; touched only on deadline_strand_
   std::vector<std::thread> threads_;
   uint16_t port_ = 0;
   std::atomic<uint64_t> next_conn_id_{1};

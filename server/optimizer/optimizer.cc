@@ -1,28 +1,230 @@
 #include "optimizer/optimizer.h"
 
+#include <cmath>
+
 namespace psd::server {
 namespace {
 
-template <typename T>
-void SgdKernel(const T* __restrict value, const T* __restrict grad, T* __restrict out, T lr, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = value[i] - lr * grad[i];
+// Each optimizer writes one templated Update<T>; this adapter provides both virtual overloads.
+template <typename Derived>
+class OptimizerImpl : public Optimizer {
+ public:
+  explicit OptimizerImpl(OptimizerParams p) : Optimizer(std::move(p)) {}
+
+ protected:
+  void Range(const float* value, const float* grad, float* out, float** slots, int64_t begin, int64_t end,
+             int64_t step, double lr) const override {
+    static_cast<const Derived*>(this)->template Update<float>(value, grad, out, slots, begin, end, step, lr);
+  }
+  void Range(const double* value, const double* grad, double* out, double** slots, int64_t begin, int64_t end,
+             int64_t step, double lr) const override {
+    static_cast<const Derived*>(this)->template Update<double>(value, grad, out, slots, begin, end, step, lr);
+  }
+};
+
+// var -= lr * grad
+class Sgd : public OptimizerImpl<Sgd> {
+ public:
+  using OptimizerImpl::OptimizerImpl;
+  template <typename T>
+  void Update(const T* __restrict v, const T* __restrict g, T* out, T**, int64_t b, int64_t e, int64_t,
+              double lr) const {
+    const T a = static_cast<T>(lr);
+    for (int64_t i = b; i < e; ++i) out[i] = v[i] - a * g[i];
+  }
+};
+
+// accum = momentum * accum + grad; var -= lr * accum (Nesterov: var -= lr * grad + lr * momentum * accum)
+class Momentum : public OptimizerImpl<Momentum> {
+ public:
+  using OptimizerImpl::OptimizerImpl;
+  std::vector<SlotSpec> Slots() const override { return {{"momentum", 0.0}}; }
+  template <typename T>
+  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr) const {
+    const T a = static_cast<T>(lr), m = static_cast<T>(params().momentum);
+    T* acc = s[0];
+    if (params().nesterov) {
+      for (int64_t i = b; i < e; ++i) {
+        acc[i] = m * acc[i] + g[i];
+        out[i] = v[i] - (a * g[i] + a * m * acc[i]);
+      }
+    } else {
+      for (int64_t i = b; i < e; ++i) {
+        acc[i] = m * acc[i] + g[i];
+        out[i] = v[i] - a * acc[i];
+      }
+    }
+  }
+};
+
+// accum += grad^2; var -= lr * grad / sqrt(accum)
+class Adagrad : public OptimizerImpl<Adagrad> {
+ public:
+  using OptimizerImpl::OptimizerImpl;
+  std::vector<SlotSpec> Slots() const override { return {{"accumulator", params().initial_accumulator}}; }
+  template <typename T>
+  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr) const {
+    const T a = static_cast<T>(lr);
+    T* acc = s[0];
+    for (int64_t i = b; i < e; ++i) {
+      acc[i] += g[i] * g[i];
+      out[i] = v[i] - a * g[i] / std::sqrt(acc[i]);
+    }
+  }
+};
+
+// lr_t = lr * sqrt(1 - beta2^t) / (1 - beta1^t); m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+// var -= lr_t * m / (sqrt(v) + epsilon)   (TF ApplyAdam; PyTorch's bias correction is equivalent
+// up to where epsilon sits)
+class Adam : public OptimizerImpl<Adam> {
+ public:
+  using OptimizerImpl::OptimizerImpl;
+  std::vector<SlotSpec> Slots() const override { return {{"m", 0.0}, {"v", 0.0}}; }
+  template <typename T>
+  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t step, double lr) const {
+    const double t = static_cast<double>(step);
+    const double b1 = params().beta1, b2 = params().beta2;
+    const T lr_t = static_cast<T>(lr * std::sqrt(1 - std::pow(b2, t)) / (1 - std::pow(b1, t)));
+    const T tb1 = static_cast<T>(b1), tb2 = static_cast<T>(b2), eps = static_cast<T>(params().epsilon);
+    T* m = s[0];
+    T* vv = s[1];
+    for (int64_t i = b; i < e; ++i) {
+      m[i] = tb1 * m[i] + (T(1) - tb1) * g[i];
+      vv[i] = tb2 * vv[i] + (T(1) - tb2) * g[i] * g[i];
+      out[i] = v[i] - lr_t * m[i] / (std::sqrt(vv[i]) + eps);
+    }
+  }
+};
+
+// ms = rho ms + (1-rho) g^2; mom = momentum mom + lr g / sqrt(ms + epsilon); var -= mom
+class RmsProp : public OptimizerImpl<RmsProp> {
+ public:
+  using OptimizerImpl::OptimizerImpl;
+  std::vector<SlotSpec> Slots() const override { return {{"rms", 1.0}, {"momentum", 0.0}}; }
+  template <typename T>
+  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr) const {
+    const T a = static_cast<T>(lr), rho = static_cast<T>(params().rho);
+    const T mo = static_cast<T>(params().rms_momentum), eps = static_cast<T>(params().epsilon);
+    T* ms = s[0];
+    T* mom = s[1];
+    for (int64_t i = b; i < e; ++i) {
+      ms[i] = rho * ms[i] + (T(1) - rho) * g[i] * g[i];
+      mom[i] = mo * mom[i] + a * g[i] / std::sqrt(ms[i] + eps);
+      out[i] = v[i] - mom[i];
+    }
+  }
+};
+
+// FTRL-proximal (TF ApplyFtrl):
+//   accum_new = accum + g^2
+//   linear += g - (accum_new^-p - accum^-p) / lr * var          (p = lr_power, usually -0.5)
+//   quadratic = accum_new^-p / lr + 2 l2
+//   var = |linear| > l1 ? (sign(linear) l1 - linear) / quadratic : 0
+class Ftrl : public OptimizerImpl<Ftrl> {
+ public:
+  using OptimizerImpl::OptimizerImpl;
+  std::vector<SlotSpec> Slots() const override {
+    return {{"accum", params().initial_accumulator}, {"linear", 0.0}};
+  }
+  template <typename T>
+  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr) const {
+    const T a = static_cast<T>(lr), l1 = static_cast<T>(params().l1), l2 = static_cast<T>(params().l2);
+    const T p = static_cast<T>(-params().lr_power);
+    T* accum = s[0];
+    T* linear = s[1];
+    for (int64_t i = b; i < e; ++i) {
+      T acc_new = accum[i] + g[i] * g[i];
+      T pow_new = std::pow(acc_new, p), pow_old = std::pow(accum[i], p);
+      linear[i] += g[i] - (pow_new - pow_old) / a * v[i];
+      T quadratic = pow_new / a + T(2) * l2;
+      T lin = linear[i];
+      out[i] = std::abs(lin) > l1 ? ((lin > 0 ? l1 : -l1) - lin) / quadratic : T(0);
+      accum[i] = acc_new;
+    }
+  }
+};
+
+}  // namespace
+
+Status OptimizerParams::Validate() const {
+  static const char* kNames[] = {"sgd", "momentum", "adagrad", "adam", "rmsprop", "ftrl"};
+  bool known = false;
+  for (const char* n : kNames) known = known || name == n;
+  if (!known) {
+    return InvalidArgument("--optimizer '" + name + "' is not supported (supported: sgd, momentum, adagrad, adam, "
+                           "rmsprop, ftrl)");
+  }
+  if (!(learning_rate > 0) || !std::isfinite(learning_rate)) return InvalidArgument("--learning-rate must be > 0");
+  if (momentum < 0 || momentum >= 1) return InvalidArgument("--momentum must be in [0, 1)");
+  if (beta1 < 0 || beta1 >= 1 || beta2 < 0 || beta2 >= 1) return InvalidArgument("--beta1/--beta2 must be in [0, 1)");
+  if (!(epsilon > 0)) return InvalidArgument("--epsilon must be > 0");
+  if (!(initial_accumulator > 0)) return InvalidArgument("--initial-accumulator must be > 0");
+  if (rho < 0 || rho >= 1) return InvalidArgument("--rho must be in [0, 1)");
+  if (rms_momentum < 0 || rms_momentum >= 1) return InvalidArgument("--rms-momentum must be in [0, 1)");
+  if (l1 < 0 || l2 < 0) return InvalidArgument("--l1 and --l2 must be >= 0");
+  if (lr_power > 0) return InvalidArgument("--lr-power must be <= 0");
+  return Status::Ok();
+}
+
+std::vector<std::string> Optimizer::SlotNames() const {
+  std::vector<std::string> names;
+  for (auto& s : Slots()) names.push_back(s.name);
+  return names;
+}
+
+void Optimizer::Apply(const ApplyArgs& a) const {
+  std::vector<Buffer>& slots = *a.slots;
+  if (a.dtype == DType::kFloat32) {
+    std::vector<float*> sp;
+    for (Buffer& b : slots) sp.push_back(b.as<float>() + a.slot_offset);
+    Range(static_cast<const float*>(a.value), static_cast<const float*>(a.grad), static_cast<float*>(a.out),
+          sp.data(), 0, a.num_elements, a.step, a.learning_rate);
+  } else {
+    std::vector<double*> sp;
+    for (Buffer& b : slots) sp.push_back(b.as<double>() + a.slot_offset);
+    Range(static_cast<const double*>(a.value), static_cast<const double*>(a.grad), static_cast<double*>(a.out),
+          sp.data(), 0, a.num_elements, a.step, a.learning_rate);
+  }
+}
+
+namespace {
+
+template <typename T, typename Fn>
+void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
+  std::vector<Buffer>& slots = *a.slots;
+  std::vector<T*> sp(slots.size());
+  T* value = static_cast<T*>(a.value);
+  const T* grad = static_cast<const T*>(a.grad);
+  for (int64_t i = 0; i < a.num_rows; ++i) {
+    int64_t off = a.rows[i] * a.row_elements;
+    for (size_t k = 0; k < slots.size(); ++k) sp[k] = slots[k].as<T>() + off;
+    // In place: each element is read before it is written.
+    range(value + off, grad + i * a.row_elements, value + off, sp.data());
+  }
 }
 
 }  // namespace
 
-void SgdOptimizer::Apply(const ApplyArgs& a) {
+void Optimizer::ApplySparse(const SparseApplyArgs& a) const {
   if (a.dtype == DType::kFloat32) {
-    SgdKernel(static_cast<const float*>(a.value), static_cast<const float*>(a.grad),
-              static_cast<float*>(a.out), static_cast<float>(learning_rate()), a.num_elements);
+    ForEachRow<float>(a, [&](const float* v, const float* g, float* o, float** s) {
+      Range(v, g, o, s, 0, a.row_elements, a.step, a.learning_rate);
+    });
   } else {
-    SgdKernel(static_cast<const double*>(a.value), static_cast<const double*>(a.grad),
-              static_cast<double*>(a.out), learning_rate(), a.num_elements);
+    ForEachRow<double>(a, [&](const double* v, const double* g, double* o, double** s) {
+      Range(v, g, o, s, 0, a.row_elements, a.step, a.learning_rate);
+    });
   }
 }
 
-Result<std::unique_ptr<Optimizer>> MakeOptimizer(const std::string& name, double learning_rate) {
-  if (name == "sgd") return std::unique_ptr<Optimizer>(new SgdOptimizer(learning_rate));
-  return InvalidArgument("unknown optimizer '" + name + "' (supported: sgd)");
+Result<std::unique_ptr<Optimizer>> MakeOptimizer(const OptimizerParams& p) {
+  PSD_RETURN_IF_ERROR(p.Validate());
+  if (p.name == "sgd") return std::unique_ptr<Optimizer>(new Sgd(p));
+  if (p.name == "momentum") return std::unique_ptr<Optimizer>(new Momentum(p));
+  if (p.name == "adagrad") return std::unique_ptr<Optimizer>(new Adagrad(p));
+  if (p.name == "adam") return std::unique_ptr<Optimizer>(new Adam(p));
+  if (p.name == "rmsprop") return std::unique_ptr<Optimizer>(new RmsProp(p));
+  return std::unique_ptr<Optimizer>(new Ftrl(p));
 }
 
 }  // namespace psd::server

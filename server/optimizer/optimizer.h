@@ -1,13 +1,14 @@
-// Optimizer: the server-side update rule applied once per global step to each trainable
-// variable with its aggregated gradient. Slots (per-variable optimizer state such as momentum)
-// are held beside the variable and passed in; the optimizer owns no per-variable state.
+// Optimizer: the server-side update rule applied to a trainable variable with its aggregated
+// gradient. Slots (per-variable state such as momentum) live beside the variable and are passed
+// in; an optimizer holds only its hyper-parameters. Formulas follow TensorFlow's training ops
+// (ApplyGradientDescent, ApplyMomentum, ApplyAdagrad, ApplyAdam, ApplyRMSProp, ApplyFtrl); the
+// README lists them.
 //
-// Thread-safety: Apply may run concurrently for different variables; an optimizer's own fields
-// are read-only after construction except the learning rate (atomic).
+// Thread-safety: Apply/ApplySparse may run concurrently for different variables. Hyper-parameters
+// are immutable after construction except the learning rate, which the engine passes per call.
 #ifndef PSD_SERVER_OPTIMIZER_OPTIMIZER_H_
 #define PSD_SERVER_OPTIMIZER_OPTIMIZER_H_
 
-#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,43 +19,82 @@
 
 namespace psd::server {
 
+struct OptimizerParams {
+  std::string name = "sgd";  // sgd, momentum, adagrad, adam, rmsprop, ftrl
+  double learning_rate = 0.01;
+  double momentum = 0.9;      // momentum; rmsprop's momentum uses rms_momentum
+  bool nesterov = false;
+  double beta1 = 0.9;         // adam
+  double beta2 = 0.999;       // adam
+  double epsilon = 1e-8;      // adam, rmsprop (TF1 default 1e-10 for rmsprop is not used)
+  double initial_accumulator = 0.1;  // adagrad, ftrl
+  double rho = 0.9;           // rmsprop decay
+  double rms_momentum = 0.0;  // rmsprop
+  double l1 = 0.0;            // ftrl
+  double l2 = 0.0;            // ftrl
+  double lr_power = -0.5;     // ftrl
+
+  // Checks names and ranges; messages name the flag.
+  Status Validate() const;
+};
+
+struct SlotSpec {
+  std::string name;
+  double initial;  // every element starts at this value
+};
+
 struct ApplyArgs {
   DType dtype;
   int64_t num_elements;
-  const void* value;        // the published value (read-only: pulls may be reading it)
-  const void* grad;         // the aggregated gradient
-  void* out;                // where the new value goes (a different buffer than value)
-  std::vector<Buffer>* slots;  // this variable's slots, in SlotNames() order; updated in place
-  int64_t step;             // the global step being completed (1 for the first update)
+  const void* value;           // the current value (read-only: pulls may be reading it)
+  const void* grad;            // the aggregated gradient
+  void* out;                   // where the new value goes (may equal value only when no reader exists)
+  std::vector<Buffer>* slots;  // this variable's slots, in Slots() order; updated in place
+  int64_t slot_offset;         // element of the slots that corresponds to value[0] (parallel ranges)
+  int64_t step;                // 1-based count of updates (Adam's t)
+  double learning_rate;
+};
+
+// Updates only the listed rows (lazy semantics: slots of untouched rows do not move, Adam's
+// bias correction still uses the global step).
+struct SparseApplyArgs {
+  DType dtype;
+  int64_t row_elements;        // elements per row
+  void* value;                 // updated in place, rows only
+  const int64_t* rows;         // row indices, strictly increasing, in range
+  int64_t num_rows;
+  const void* grad;            // num_rows x row_elements
+  std::vector<Buffer>* slots;
+  int64_t step;
+  double learning_rate;
 };
 
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
-  virtual const char* name() const = 0;
-  virtual std::vector<std::string> SlotNames() const = 0;
-  virtual void Apply(const ApplyArgs& args) = 0;
+  const OptimizerParams& params() const { return params_; }
+  const std::string& name() const { return params_.name; }
+  virtual std::vector<SlotSpec> Slots() const { return {}; }
+  std::vector<std::string> SlotNames() const;
 
-  double learning_rate() const { return learning_rate_.load(std::memory_order_relaxed); }
-  void set_learning_rate(double lr) { learning_rate_.store(lr, std::memory_order_relaxed); }
+  // Dense update of num_elements values, split into ranges processed by `Range`.
+  void Apply(const ApplyArgs& args) const;
+  void ApplySparse(const SparseApplyArgs& args) const;
 
  protected:
-  explicit Optimizer(double lr) : learning_rate_(lr) {}
+  explicit Optimizer(OptimizerParams params) : params_(std::move(params)) {}
+  // Updates elements [begin, end): value/out/grad/slots are indexed by the same element index.
+  // `slot_ptrs` point at each slot's element 0. float and double variants.
+  virtual void Range(const float* value, const float* grad, float* out, float** slots, int64_t begin, int64_t end,
+                     int64_t step, double lr) const = 0;
+  virtual void Range(const double* value, const double* grad, double* out, double** slots, int64_t begin,
+                     int64_t end, int64_t step, double lr) const = 0;
 
  private:
-  std::atomic<double> learning_rate_;
+  OptimizerParams params_;
 };
 
-// Plain gradient descent: value - lr * grad. No slots.
-class SgdOptimizer : public Optimizer {
- public:
-  explicit SgdOptimizer(double lr) : Optimizer(lr) {}
-  const char* name() const override { return "sgd"; }
-  std::vector<std::string> SlotNames() const override { return {}; }
-  void Apply(const ApplyArgs& args) override;
-};
-
-Result<std::unique_ptr<Optimizer>> MakeOptimizer(const std::string& name, double learning_rate);
+Result<std::unique_ptr<Optimizer>> MakeOptimizer(const OptimizerParams& params);
 
 }  // namespace psd::server
 

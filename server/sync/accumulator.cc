@@ -62,6 +62,11 @@ Result<bool> DenseAccumulator::TryTakeGrad(int num_required, int* count) {
     return InvalidArgument("Argument num_required must be positive, but was " + std::to_string(num_required));
   }
   if (counter_ < num_required) return false;
+  ForceTake(count);
+  return true;
+}
+
+void DenseAccumulator::ForceTake(int* count) {
   ++step_;
   if (reduction_ == Reduction::kMean && counter_ > 1) {
     if (dtype_ == DType::kFloat32) {
@@ -72,7 +77,6 @@ Result<bool> DenseAccumulator::TryTakeGrad(int num_required, int* count) {
   }
   *count = counter_;
   counter_ = 0;
-  return true;
 }
 
 bool DenseAccumulator::SetGlobalStep(int64_t new_step) {

@@ -42,6 +42,10 @@ class DenseAccumulator {
   // number of gradients it averages.
   Result<bool> TryTakeGrad(int num_required, int* count);
 
+  // Takes whatever is there (a soft-sync step deadline passed); *count may be 0 (then grad()
+  // is meaningless). step += 1.
+  void ForceTake(int* count);
+
   // TF set_global_step. Returns true when the new step is lower than the current one (TF only
   // warns about that and still lowers it).
   bool SetGlobalStep(int64_t new_step);

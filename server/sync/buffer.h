@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 namespace psd::server {
@@ -14,6 +15,11 @@ class Buffer {
  public:
   explicit Buffer(size_t bytes)
       : words_(std::make_unique<uint64_t[]>((bytes + 7) / 8)), bytes_(bytes) {}
+  // A deep copy (copy-on-write of a value a reader still holds).
+  Buffer(const Buffer& other) : Buffer(other.bytes_) { std::memcpy(data(), other.data(), (bytes_ + 7) / 8 * 8); }
+  Buffer(Buffer&&) = default;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer& operator=(Buffer&&) = default;
   void* data() { return words_.get(); }
   const void* data() const { return words_.get(); }
   size_t bytes() const { return bytes_; }

@@ -2,38 +2,76 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstring>
-#include <set>
 
 #include <spdlog/spdlog.h>
 
+#include "sync/accumulator.h"
+#include "sync/sparse_accumulator.h"
+
 namespace psd::server {
+namespace {
+
+constexpr int64_t kParallelApplyElements = 1 << 20;  // split applies of variables bigger than this
+
+enum class GradKind { kUnknown, kDense, kSparse };
+
+const char* KindName(GradKind k) { return k == GradKind::kSparse ? "sparse" : "dense"; }
+
+}  // namespace
 
 struct SyncEngine::Variable {
-  Variable(const VariableDef& def, Reduction reduction, int64_t step, size_t num_slots)
+  Variable(const VariableDef& def, const Optimizer* optimizer, int64_t step)
       : name(def.name),
         dtype(def.dtype),
         shape(def.shape),
         trainable(def.trainable),
+        average(def.average),
+        optimizer_name(def.optimizer),
         bytes(static_cast<size_t>(NumElements(def.shape)) * DTypeSize(def.dtype)),
-        acc(def.dtype, def.shape, reduction, step) {
-    slots.reserve(num_slots);
-    for (size_t i = 0; i < num_slots; ++i) slots.emplace_back(bytes);
+        row_elements(def.shape.empty() ? 1 : NumElements(Shape(def.shape.begin() + 1, def.shape.end()))),
+        opt(optimizer),
+        next_take_step(step) {
+    for (const SlotSpec& spec : opt->Slots()) {
+      slots.emplace_back(bytes);
+      if (spec.initial != 0) {
+        int64_t n = NumElements(shape);
+        if (dtype == DType::kFloat32) {
+          std::fill(slots.back().as<float>(), slots.back().as<float>() + n, static_cast<float>(spec.initial));
+        } else {
+          std::fill(slots.back().as<double>(), slots.back().as<double>() + n, spec.initial);
+        }
+      }
+    }
   }
 
   const std::string name;
   const DType dtype;
   const Shape shape;
   const bool trainable;
+  const bool average;
+  const std::string optimizer_name;
   const size_t bytes;
+  const int64_t row_elements;
+  const Optimizer* const opt;
 
   std::mutex mu;
-  DenseAccumulator acc;        // guarded by mu
-  std::vector<Buffer> slots;   // guarded by mu
+  GradKind kind = GradKind::kUnknown;          // guarded by mu
+  std::unique_ptr<DenseAccumulator> dense;     // guarded by mu
+  std::unique_ptr<SparseAccumulator> sparse;   // guarded by mu
+  int64_t next_take_step;                      // guarded by mu: the step this variable is taken for next
+  std::vector<Buffer> slots;                   // guarded by mu (dense) / SyncEngine::mu_ (sparse)
 
-  std::shared_ptr<Buffer> published;  // guarded by SyncEngine::mu_
-  std::shared_ptr<Buffer> staged;     // guarded by SyncEngine::mu_
-  std::shared_ptr<Buffer> spare;      // guarded by SyncEngine::mu_
+  std::shared_ptr<Buffer> published;     // guarded by SyncEngine::mu_
+  std::shared_ptr<Buffer> staged;        // guarded by SyncEngine::mu_ (dense take result)
+  std::shared_ptr<Buffer> spare;         // guarded by SyncEngine::mu_
+  std::shared_ptr<Buffer> shadow;        // guarded by SyncEngine::mu_ (moving average)
+  bool sparse_pending = false;           // guarded by SyncEngine::mu_
+  std::vector<int64_t> pending_rows;     // guarded by SyncEngine::mu_
+  std::vector<uint8_t> pending_values;   // guarded by SyncEngine::mu_
+
+  int64_t acc_step() const { return dense ? dense->step() : sparse ? sparse->step() : next_take_step; }
 };
 
 Status ValidateName(std::string_view name) {
@@ -49,7 +87,12 @@ Status ValidateName(std::string_view name) {
 }
 
 SyncEngine::SyncEngine(const ServerConfig& config, std::unique_ptr<Optimizer> optimizer)
-    : config_(config), optimizer_(std::move(optimizer)), required_(config.replicas_to_aggregate) {}
+    : config_(config),
+      optimizer_(std::move(optimizer)),
+      pool_(std::max(0, config.apply_threads - 1)),
+      required_(config.InitialRequiredReplicas()),
+      next_lr_(config.optimizer.learning_rate),
+      step_lr_(config.optimizer.learning_rate) {}
 
 SyncEngine::~SyncEngine() = default;
 
@@ -68,33 +111,74 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
   size_t bytes = static_cast<size_t>(NumElements(def.shape)) * DTypeSize(def.dtype);
   if (def.initial != nullptr && def.initial_bytes != bytes) {
     return InvalidArgument("initial value of '" + def.name + "' has " + std::to_string(def.initial_bytes) +
-                           " bytes, shape " + ShapeString(def.shape) + " of " + DTypeName(def.dtype) +
-                           " needs " + std::to_string(bytes));
+                           " bytes, shape " + ShapeString(def.shape) + " of " + DTypeName(def.dtype) + " needs " +
+                           std::to_string(bytes));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  if (def.average && config_.ema_decay <= 0) {
+    return FailedPrecondition("variable '" + def.name + "' asks for a moving average but psd runs without "
+                              "--ema-decay");
+  }
+  std::unique_lock<std::mutex> lock(mu_);
   if (Variable* v = FindLocked(def.name)) {
-    if (v->dtype != def.dtype || v->shape != def.shape || v->trainable != def.trainable) {
-      return AlreadyExists("variable '" + def.name + "' exists as " + DTypeName(v->dtype) + " " +
-                           ShapeString(v->shape) + (v->trainable ? " trainable" : " non-trainable") +
-                           "; requested " + DTypeName(def.dtype) + " " + ShapeString(def.shape) +
-                           (def.trainable ? " trainable" : " non-trainable"));
+    if (v->dtype != def.dtype || v->shape != def.shape || v->trainable != def.trainable ||
+        v->average != def.average || v->optimizer_name != def.optimizer) {
+      auto describe = [](DType d, const Shape& s, bool t, bool a, const std::string& o) {
+        return std::string(DTypeName(d)) + " " + ShapeString(s) + (t ? " trainable" : " non-trainable") +
+               (a ? " averaged" : "") + (o.empty() ? "" : " optimizer=" + o);
+      };
+      return AlreadyExists("variable '" + def.name + "' exists as " +
+                           describe(v->dtype, v->shape, v->trainable, v->average, v->optimizer_name) +
+                           "; requested " +
+                           describe(def.dtype, def.shape, def.trainable, def.average, def.optimizer));
     }
     return VariableDesc{v->name, v->dtype, v->shape, v->trainable, false};
   }
-  auto v = std::make_unique<Variable>(def, config_.reduction, global_step_.load(),
-                                      optimizer_->SlotNames().size());
+  const Optimizer* opt = optimizer_.get();
+  if (!def.optimizer.empty() && def.optimizer != optimizer_->name()) {
+    auto it = per_variable_optimizers_.find(def.optimizer);
+    if (it == per_variable_optimizers_.end()) {
+      OptimizerParams p = config_.optimizer;
+      p.name = def.optimizer;
+      auto made = MakeOptimizer(p);
+      if (!made.ok()) return made.status();
+      it = per_variable_optimizers_.emplace(def.optimizer, std::move(*made)).first;
+    }
+    opt = it->second.get();
+  }
+  auto v = std::make_unique<Variable>(def, opt, global_step_.load());
   v->published = std::make_shared<Buffer>(bytes);
   if (def.initial != nullptr && bytes) std::memcpy(v->published->data(), def.initial, bytes);
-  if (v->trainable) ++pending_takes_;
+  if (v->average) v->shadow = std::make_shared<Buffer>(*v->published);  // TF: shadow = initial value
+  if (v->trainable && config_.mode == Mode::kSync) ++pending_takes_;
   VariableDesc desc{v->name, v->dtype, v->shape, v->trainable, true};
   vars_.emplace(def.name, std::move(v));
-  spdlog::info("created variable '{}' {} {}{}", def.name, DTypeName(def.dtype), ShapeString(def.shape),
-               def.trainable ? "" : " (non-trainable)");
+  lock.unlock();
+  spdlog::info("created variable '{}' {} {}{}{}", def.name, DTypeName(def.dtype), ShapeString(def.shape),
+               def.trainable ? "" : " (non-trainable)", def.average ? " (averaged)" : "");
   return desc;
 }
 
-Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads,
-                        std::vector<GradOutcome>* out) {
+Status SyncEngine::ValidateGrad(Variable* v, const GradRef& g) const {
+  if (g.sparse()) {
+    SparseGradRef s{g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape};
+    SparseAccumulator probe_rules(v->dtype, v->shape, config_.reduction, 0);
+    return probe_rules.Validate(s);
+  }
+  if (g.dtype != v->dtype) {
+    return InvalidArgument(std::string("dtype mismatch: accumulator is ") + DTypeName(v->dtype) + ", gradient is " +
+                           DTypeName(g.dtype));
+  }
+  if (g.shape != v->shape) {
+    return InvalidArgument("Shape mismatch: expected " + ShapeString(v->shape) + ", got " + ShapeString(g.shape));
+  }
+  if (g.bytes != v->bytes) {
+    return InvalidArgument("gradient data has " + std::to_string(g.bytes) + " bytes, shape " + ShapeString(g.shape) +
+                           " of " + DTypeName(g.dtype) + " needs " + std::to_string(v->bytes));
+  }
+  return Status::Ok();
+}
+
+Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out) {
   std::vector<Variable*> targets;
   targets.reserve(grads.size());
   {
@@ -111,40 +195,159 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads,
   }
   // Validate everything before touching any accumulator: a bad push changes nothing.
   for (size_t i = 0; i < grads.size(); ++i) {
-    Variable* v = targets[i];
-    Status s = v->acc.Validate(grads[i].dtype, grads[i].shape, grads[i].bytes);  // reads const fields
-    if (!s.ok()) return Status(s.code(), "gradient for '" + v->name + "': " + s.message());
+    Status s = ValidateGrad(targets[i], grads[i]);
+    if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
+    GradKind want = grads[i].sparse() ? GradKind::kSparse : GradKind::kDense;
+    std::lock_guard<std::mutex> lock(targets[i]->mu);
+    if (targets[i]->kind != GradKind::kUnknown && targets[i]->kind != want) {
+      return InvalidArgument("variable '" + targets[i]->name + "' takes " + KindName(targets[i]->kind) +
+                             " gradients; got a " + KindName(want) + " one");
+    }
   }
   out->clear();
   out->reserve(grads.size());
+  if (config_.mode != Mode::kSync) {
+    // Async / bounded staleness: apply now; the whole push is one global step.
+    std::unique_lock<std::mutex> lock(mu_);
+    int64_t global = global_step_.load();
+    lock.unlock();
+    int64_t staleness = std::max<int64_t>(0, global - local_step);
+    double lr = next_lr_.load();
+    if (config_.staleness_lr == StalenessLr::kInverse) lr /= static_cast<double>(std::max<int64_t>(1, staleness));
+    if (config_.staleness_lr == StalenessLr::kWorkers) lr /= static_cast<double>(std::max(1, config_.total_replicas));
+    for (size_t i = 0; i < grads.size(); ++i) {
+      Variable* v = targets[i];
+      std::lock_guard<std::mutex> vlock(v->mu);
+      v->kind = grads[i].sparse() ? GradKind::kSparse : GradKind::kDense;
+      ApplyNowLocked(v, grads[i], global + 1, lr);
+      out->push_back({true, global, staleness});
+    }
+    accepted_.fetch_add(static_cast<int64_t>(grads.size()));
+    int64_t seen = max_staleness_.load();
+    while (staleness > seen && !max_staleness_.compare_exchange_weak(seen, staleness)) {
+    }
+    lock.lock();
+    int64_t step = global_step_.load() + 1;
+    global_step_.store(step);
+    lock.unlock();
+    if (config_.ema_decay > 0) UpdateAverages(step);
+    if (on_commit_) on_commit_({step, 1, 1, false});
+    return Status::Ok();
+  }
   for (size_t i = 0; i < grads.size(); ++i) {
     Variable* v = targets[i];
     const GradRef& g = grads[i];
-    bool took = false;
+    bool took = false, started = false;
     int count = 0;
     {
       std::lock_guard<std::mutex> lock(v->mu);
-      auto accepted = v->acc.ApplyGrad(local_step, g.dtype, g.shape, g.data, g.bytes);
+      Result<bool> accepted = false;
+      if (g.sparse()) {
+        if (!v->sparse) v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction,
+                                                                         v->next_take_step);
+        v->kind = GradKind::kSparse;
+        accepted = v->sparse->ApplyGrad(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape});
+      } else {
+        if (!v->dense) v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction,
+                                                                      v->next_take_step);
+        v->kind = GradKind::kDense;
+        accepted = v->dense->ApplyGrad(local_step, g.dtype, g.shape, g.data, g.bytes);
+      }
       if (!accepted.ok()) return accepted.status();  // unreachable: validated above
-      out->push_back({*accepted, v->acc.step()});
+      int64_t acc_step = v->acc_step();
+      out->push_back({*accepted, acc_step, std::max<int64_t>(0, global_step_.load() - local_step)});
       if (*accepted) {
         accepted_.fetch_add(1);
-        took = MaybeTakeLocked(v, &count);
+        took = MaybeTakeLocked(v, false, &count);
+        if (!took && on_step_started_) {
+          std::lock_guard<std::mutex> elock(mu_);
+          if (!step_started_) started = step_started_ = true;
+        }
       } else {
         stale_.fetch_add(1);
       }
     }
-    if (took) OnTaken(v, count);
+    if (started) on_step_started_(global_step_.load());
+    if (took) OnTaken(count);
   }
   return Status::Ok();
 }
 
-bool SyncEngine::MaybeTakeLocked(Variable* v, int* count) {
-  if (v->acc.step() != global_step_.load()) return false;  // already taken this step
-  auto taken = v->acc.TryTakeGrad(required_.load(), count);
-  if (!taken.ok() || !*taken) return false;
-  std::shared_ptr<Buffer> value;
-  std::shared_ptr<Buffer> out;
+void SyncEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
+  if (args.num_elements <= kParallelApplyElements) return opt.Apply(args);
+  // Ranges touch disjoint elements of value/out/slots, so they can run in parallel.
+  pool_.ParallelFor(args.num_elements, kParallelApplyElements / 4, [&](int64_t b, int64_t e) {
+    size_t es = DTypeSize(args.dtype);
+    std::vector<Buffer>* slots = args.slots;
+    ApplyArgs part = args;
+    part.num_elements = e - b;
+    part.value = static_cast<const uint8_t*>(args.value) + b * es;
+    part.grad = static_cast<const uint8_t*>(args.grad) + b * es;
+    part.out = static_cast<uint8_t*>(args.out) + b * es;
+    part.slot_offset = b;
+    part.slots = slots;
+    opt.Apply(part);
+  });
+}
+
+bool SyncEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
+  if (v->next_take_step != global_step_.load()) return false;  // already taken this step
+  if (force) {
+    *count = 0;
+    if (v->dense) v->dense->ForceTake(count);
+    if (v->sparse) v->sparse->ForceTake(count);
+  } else {
+    Result<bool> taken = false;
+    if (v->dense) taken = v->dense->TryTakeGrad(required_.load(), count);
+    if (v->sparse) taken = v->sparse->TryTakeGrad(required_.load(), count);
+    if (!taken.ok() || !*taken) return false;
+  }
+  ++v->next_take_step;
+  if (*count == 0) return true;  // forced with nothing: the value stays
+  if (v->kind == GradKind::kSparse) {
+    std::vector<int64_t> rows;
+    std::vector<uint8_t> values;
+    v->sparse->ReleaseTaken(&rows, &values);
+    std::lock_guard<std::mutex> lock(mu_);
+    v->pending_rows.swap(rows);
+    v->pending_values.swap(values);
+    v->sparse_pending = true;
+    return true;
+  }
+  std::shared_ptr<Buffer> value, out;
+  double lr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    value = v->published;
+    if (v->spare && v->spare.use_count() == 1) out = std::move(v->spare);
+    v->spare.reset();
+    lr = step_lr_;
+  }
+  if (!out) out = std::make_shared<Buffer>(v->bytes);
+  ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), v->dense->grad().data(), out->data(),
+                       &v->slots, 0, v->next_take_step, lr});
+  std::lock_guard<std::mutex> lock(mu_);
+  v->staged = std::move(out);
+  return true;
+}
+
+void SyncEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step,
+                                   double lr) {
+  if (rows.empty()) return;
+  // In place unless a pull still references the published buffer: then copy first.
+  if (v->published.use_count() > 1) v->published = std::make_shared<Buffer>(*v->published);
+  v->opt->ApplySparse({v->dtype, v->row_elements, v->published->data(), rows.data(),
+                       static_cast<int64_t>(rows.size()), grad, &v->slots, step, lr});
+}
+
+void SyncEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
+  if (g.sparse()) {
+    std::vector<int64_t> rows(g.indices, g.indices + g.nnz);
+    std::lock_guard<std::mutex> lock(mu_);
+    ApplySparseLocked(v, rows, g.data, step, lr);
+    return;
+  }
+  std::shared_ptr<Buffer> value, out;
   {
     std::lock_guard<std::mutex> lock(mu_);
     value = v->published;
@@ -152,43 +355,95 @@ bool SyncEngine::MaybeTakeLocked(Variable* v, int* count) {
     v->spare.reset();
   }
   if (!out) out = std::make_shared<Buffer>(v->bytes);
-  ApplyArgs args{v->dtype, NumElements(v->shape), value->data(), v->acc.grad().data(), out->data(),
-                 &v->slots, v->acc.step()};
-  optimizer_->Apply(args);
+  ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), g.data, out->data(), &v->slots, 0, step, lr});
   std::lock_guard<std::mutex> lock(mu_);
-  v->staged = std::move(out);
-  return true;
+  v->spare = std::move(v->published);
+  v->published = std::move(out);
 }
 
-void SyncEngine::OnTaken(Variable* v, int count) {
-  (void)v;
-  StepInfo info{};
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
-    step_max_count_ = std::max(step_max_count_, count);
-    if (--pending_takes_ > 0) return;
-    int trainable = 0;
-    for (auto& [name, var] : vars_) {
-      if (!var->trainable) continue;
-      ++trainable;
-      var->spare = std::move(var->published);
-      var->published = std::move(var->staged);
+void SyncEngine::OnTaken(int count) {
+  std::unique_lock<std::mutex> lock(mu_);
+  step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
+  step_max_count_ = std::max(step_max_count_, count);
+  if (--pending_takes_ > 0) return;
+  CommitLocked(lock, false);
+}
+
+void SyncEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
+  int64_t step = global_step_.load() + 1;
+  int trainable = 0;
+  for (auto& [name, var] : vars_) {
+    Variable* v = var.get();
+    if (!v->trainable) continue;
+    ++trainable;
+    if (v->staged) {
+      v->spare = std::move(v->published);
+      v->published = std::move(v->staged);
     }
-    pending_takes_ = trainable;
-    int64_t step = global_step_.load() + 1;
-    global_step_.store(step);
-    info = {step, step_min_count_, step_max_count_};
-    step_min_count_ = step_max_count_ = 0;
+    if (v->sparse_pending) {
+      ApplySparseLocked(v, v->pending_rows, v->pending_values.data(), step, step_lr_);
+      v->sparse_pending = false;
+      v->pending_rows.clear();
+      v->pending_values.clear();
+    }
   }
-  tokens_.Push(info.step, config_.tokens_per_step);
+  pending_takes_ = trainable;
+  global_step_.store(step);
+  StepInfo info{step, step_min_count_ == INT_MAX ? 0 : step_min_count_, step_max_count_, forced};
+  last_step_gradients_ = info.min_gradients;
+  step_min_count_ = step_max_count_ = 0;
+  step_started_ = false;
+  step_lr_ = next_lr_.load();
+  lock.unlock();
+  tokens_.Push(step, config_.tokens_per_step);
+  if (config_.ema_decay > 0) UpdateAverages(step);
   if (on_commit_) on_commit_(info);
-  // Gradients for the new step may already be waiting (pushed with a future local step, or
-  // the requirement shrank); take them now rather than on the next push.
+  // Gradients for the new step may already be waiting (pushed with a future local step, or the
+  // requirement shrank); take them now rather than on the next push.
   ReevaluateAll();
 }
 
+void SyncEngine::UpdateAverages(int64_t step) {
+  // TF ExponentialMovingAverage: decay = min(decay, (1 + n) / (10 + n)) with num_updates n.
+  double decay = config_.ema_decay;
+  if (config_.ema_num_updates) {
+    float n = static_cast<float>(step);
+    decay = std::min(decay, static_cast<double>((1.0f + n) / (10.0f + n)));
+  }
+  std::vector<std::pair<Variable*, std::shared_ptr<Buffer>>> todo;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [name, v] : vars_) {
+      if (v->average) todo.emplace_back(v.get(), v->published);
+    }
+  }
+  for (auto& [v, value] : todo) {
+    std::shared_ptr<Buffer> old;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      old = v->shadow;
+    }
+    auto next = std::make_shared<Buffer>(v->bytes);
+    int64_t n = NumElements(v->shape);
+    if (v->dtype == DType::kFloat32) {
+      const float* s = old->as<float>();
+      const float* x = value->as<float>();
+      float* o = next->as<float>();
+      float a = static_cast<float>(1 - decay);
+      for (int64_t i = 0; i < n; ++i) o[i] = s[i] - a * (s[i] - x[i]);
+    } else {
+      const double* s = old->as<double>();
+      const double* x = value->as<double>();
+      double* o = next->as<double>();
+      for (int64_t i = 0; i < n; ++i) o[i] = s[i] - (1 - decay) * (s[i] - x[i]);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    v->shadow = std::move(next);
+  }
+}
+
 void SyncEngine::ReevaluateAll() {
+  if (config_.mode != Mode::kSync) return;
   std::vector<Variable*> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -201,28 +456,99 @@ void SyncEngine::ReevaluateAll() {
     int count = 0;
     {
       std::lock_guard<std::mutex> lock(v->mu);
-      took = MaybeTakeLocked(v, &count);
+      took = MaybeTakeLocked(v, false, &count);
     }
-    if (took) OnTaken(v, count);
+    if (took) OnTaken(count);
   }
 }
 
-Status SyncEngine::Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out,
-                        int64_t* step) {
+void SyncEngine::ForceStep(int64_t step) {
+  if (config_.mode != Mode::kSync || global_step_.load() != step) return;
+  std::vector<Variable*> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [name, var] : vars_) {
+      if (var->trainable) all.push_back(var.get());
+    }
+  }
+  int forced = 0;
+  for (Variable* v : all) {
+    bool took = false;
+    int count = 0;
+    {
+      std::lock_guard<std::mutex> lock(v->mu);
+      if (global_step_.load() != step) return;
+      took = MaybeTakeLocked(v, true, &count);
+    }
+    if (took) {
+      ++forced;
+      std::unique_lock<std::mutex> lock(mu_);
+      step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
+      step_max_count_ = std::max(step_max_count_, count);
+      if (--pending_takes_ == 0) CommitLocked(lock, true);
+    }
+  }
+  if (forced > 0) spdlog::info("step {} forced by the step deadline", step + 1);
+}
+
+Status SyncEngine::Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out, int64_t* step,
+                        bool averages) {
   out->clear();
   std::lock_guard<std::mutex> lock(mu_);
+  auto pick = [&](Variable* v) -> Status {
+    if (!averages) {
+      out->push_back({v->published, v->dtype, v->shape});
+      return Status::Ok();
+    }
+    if (!v->shadow) return NotFound("variable '" + v->name + "' has no moving average");
+    out->push_back({v->shadow, v->dtype, v->shape});
+    return Status::Ok();
+  };
   if (names.empty()) {
-    for (auto& [name, v] : vars_) out->push_back({v->published, v->dtype, v->shape});
+    for (auto& [name, v] : vars_) {
+      if (!averages || v->shadow) PSD_RETURN_IF_ERROR(pick(v.get()));
+    }
   } else {
     out->reserve(names.size());
     for (const std::string& name : names) {
       Variable* v = FindLocked(name);
       if (v == nullptr) return NotFound("no variable named '" + name + "'");
-      out->push_back({v->published, v->dtype, v->shape});
+      PSD_RETURN_IF_ERROR(pick(v));
     }
   }
   *step = global_step_.load();
   return Status::Ok();
+}
+
+Result<PulledValue> SyncEngine::PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Variable* v = FindLocked(name);
+  if (v == nullptr) return NotFound("no variable named '" + name + "'");
+  if (v->shape.empty()) return InvalidArgument("variable '" + name + "' is a scalar: it has no rows");
+  size_t row_bytes = static_cast<size_t>(v->row_elements) * DTypeSize(v->dtype);
+  if (rows.size() > config_.max_frame_bytes / std::max<size_t>(row_bytes, 1)) {
+    return InvalidArgument("too many rows requested");
+  }
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || rows[i] >= v->shape[0]) {
+      return InvalidArgument("row " + std::to_string(rows[i]) + " (slice " + std::to_string(i) +
+                             ") is outside [0, " + std::to_string(v->shape[0]) + ")");
+    }
+  }
+  auto buf = std::make_shared<Buffer>(rows.size() * row_bytes);
+  const uint8_t* src = static_cast<const uint8_t*>(v->published->data());
+  uint8_t* dst = static_cast<uint8_t*>(buf->data());
+  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(dst + i * row_bytes, src + rows[i] * row_bytes, row_bytes);
+  Shape shape = v->shape;
+  shape[0] = static_cast<int64_t>(rows.size());
+  *step = global_step_.load();
+  return PulledValue{std::move(buf), v->dtype, std::move(shape)};
+}
+
+std::vector<std::string> SyncEngine::SlotNames(const std::string& variable) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Variable* v = FindLocked(variable);
+  return v ? v->opt->SlotNames() : optimizer_->SlotNames();
 }
 
 Result<PulledValue> SyncEngine::GetSlot(const std::string& variable, const std::string& slot) {
@@ -232,13 +558,14 @@ Result<PulledValue> SyncEngine::GetSlot(const std::string& variable, const std::
     v = FindLocked(variable);
   }
   if (v == nullptr) return NotFound("no variable named '" + variable + "'");
-  auto names = optimizer_->SlotNames();
+  auto names = v->opt->SlotNames();
   auto it = std::find(names.begin(), names.end(), slot);
   if (it == names.end()) {
-    return NotFound("optimizer '" + std::string(optimizer_->name()) + "' has no slot '" + slot + "'");
+    return NotFound("optimizer '" + v->opt->name() + "' of '" + variable + "' has no slot '" + slot + "'");
   }
   auto copy = std::make_shared<Buffer>(v->bytes);
-  std::lock_guard<std::mutex> lock(v->mu);
+  std::lock_guard<std::mutex> vlock(v->mu);
+  std::lock_guard<std::mutex> lock(mu_);  // sparse variables' slots are guarded by mu_
   std::memcpy(copy->data(), v->slots[it - names.begin()].data(), v->bytes);
   return PulledValue{std::move(copy), v->dtype, v->shape};
 }
@@ -251,6 +578,13 @@ void SyncEngine::SetRequiredReplicas(int required) {
   }
 }
 
+Status SyncEngine::SetLearningRate(double lr) {
+  if (!(lr > 0) || !std::isfinite(lr)) return InvalidArgument("learning rate must be a positive number");
+  next_lr_.store(lr);
+  spdlog::info("learning rate set to {} from step {}", lr, global_step_.load() + (config_.mode == Mode::kSync ? 2 : 1));
+  return Status::Ok();
+}
+
 EngineStats SyncEngine::Stats() const {
   EngineStats s{};
   s.global_step = global_step_.load();
@@ -258,6 +592,8 @@ EngineStats SyncEngine::Stats() const {
   s.stale = stale_.load();
   s.tokens_queued = tokens_.size();
   s.required_replicas = required_.load();
+  s.last_step_gradients = last_step_gradients_.load();
+  s.max_staleness = max_staleness_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.variables = static_cast<int>(vars_.size());
   return s;

@@ -1,23 +1,33 @@
-// SyncEngine: the daemon-side SyncReplicasOptimizer. It owns the variables, one dense
-// accumulator per trainable variable, the optimizer, the global step and the token queue, and
+// SyncEngine: the daemon-side training state and its update rules. It owns the variables, their
+// accumulators, optimizer slots and moving averages, the global step and the token queue, and
 // runs what TF called the chief queue runner — so no worker has to.
 //
-// One step, as TF's chief loop (tf_semantics.md 3.2):
-//   every trainable variable's accumulator reaches `required_replicas()` fresh gradients and is
-//   taken (its step += 1, MEAN over the count actually accumulated) -> the optimizer writes the
-//   variable's next value into a staging buffer -> once ALL variables are taken the staged
-//   values are published together, global_step += 1, and tokens_per_step tokens carrying the
-//   new step are pushed. Pulls therefore always see every variable at one step.
+// Modes (ServerConfig::mode):
+//  - sync (TF SyncReplicasOptimizer, tf_semantics.md 3.2): every trainable variable's
+//    accumulator reaches `required_replicas()` fresh gradients and is taken (its step += 1; MEAN
+//    over the count actually accumulated) -> the optimizer writes the variable's next value into
+//    a staging buffer -> once ALL variables are taken the staged values are published together,
+//    global_step += 1, tokens_per_step tokens carrying the new step are pushed, then the moving
+//    averages are updated. Pulls therefore always see every variable at one step. Soft sync
+//    lowers the requirement to a fraction of the workers and/or forces the step at a deadline
+//    (ForceStep) with whatever arrived.
+//  - async / ssp: every push is applied on arrival (one push = one global step); the staleness
+//    (global step - local step) is reported and may scale the learning rate. The ssp barrier
+//    lives in SspGate; the engine's part is the same as async.
+//
+// Sparse (IndexedSlices) gradients: a variable takes either dense or sparse gradients (fixed by
+// its first gradient). Sparse updates touch only the listed rows (lazy slots) and are applied in
+// place at commit, under the engine lock, copying the value first only if a pull still holds it.
 //
 // Threading and locks (lock order: a Variable's `mu` before the engine's `mu_`, never the
 // reverse):
-//   - `Variable::mu` guards that variable's accumulator and slots; pushes to different
-//     variables accumulate in parallel, and the optimizer apply runs on the thread of the push
-//     that completed the take.
-//   - `mu_` guards the variable map, published/staged/spare value buffers, the global step and
-//     the count of takes still pending in the current step.
+//   - `Variable::mu` guards the variable's accumulators, take state and (dense variables) slots;
+//     pushes to different variables accumulate in parallel, and a dense apply runs on the thread
+//     of the push that completed the take (big ones split over the apply pool).
+//   - `mu_` guards the variable map, published/staged/spare/shadow buffers, sparse variables'
+//     slots and pending rows, the global step and the step's bookkeeping.
 //   - Published values are immutable shared buffers: a pull reply holds a reference while it is
-//     being written, an apply never writes into a buffer a reader may hold.
+//     being written; no apply writes into a buffer a reader may hold.
 #ifndef PSD_SERVER_SYNC_SYNC_ENGINE_H_
 #define PSD_SERVER_SYNC_SYNC_ENGINE_H_
 
@@ -26,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -34,8 +45,8 @@
 #include "optimizer/optimizer.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
-#include "sync/accumulator.h"
 #include "sync/buffer.h"
+#include "sync/thread_pool.h"
 #include "sync/token_queue.h"
 
 namespace psd::server {
@@ -47,6 +58,8 @@ struct VariableDef {
   const void* initial = nullptr;  // nullptr: zeros; else exactly NumElements*DTypeSize bytes
   size_t initial_bytes = 0;
   bool trainable = true;
+  bool average = false;           // keep an exponential moving average (--ema-decay)
+  std::string optimizer;          // empty: the job's optimizer; else a name with the job's hyper-parameters
 };
 
 struct VariableDesc {
@@ -57,17 +70,24 @@ struct VariableDesc {
   bool created;  // true if the call created it
 };
 
+// A dense gradient, or a sparse one when `indices` is set (IndexedSlices: values has shape
+// [nnz, row dims...]).
 struct GradRef {
   std::string_view name;
   DType dtype;
   Shape shape;
   const void* data;
   size_t bytes;
+  const int64_t* indices = nullptr;
+  int64_t nnz = 0;
+  std::optional<Shape> dense_shape = std::nullopt;
+  bool sparse() const { return indices != nullptr || nnz > 0; }
 };
 
 struct GradOutcome {
   bool accepted;
-  int64_t step;  // the accumulator's step when the gradient was handled
+  int64_t step;       // sync: the accumulator's step; async/ssp: the global step it was applied at
+  int64_t staleness;  // global step - local step when handled (0 if ahead)
 };
 
 struct PulledValue {
@@ -80,6 +100,7 @@ struct StepInfo {
   int64_t step;         // the new global step
   int min_gradients;    // fewest gradients averaged into one variable this step
   int max_gradients;    // most gradients averaged into one variable this step
+  bool forced;          // committed by a step deadline (soft sync)
 };
 
 struct EngineStats {
@@ -89,6 +110,8 @@ struct EngineStats {
   int64_t tokens_queued;
   int required_replicas;
   int variables;
+  int last_step_gradients;  // min gradients averaged per variable in the last committed step
+  int64_t max_staleness;    // async/ssp: the largest staleness seen
 };
 
 // Names: 1..256 characters from [A-Za-z0-9_./:-].
@@ -104,59 +127,91 @@ class SyncEngine {
   // Pushes the init tokens (carrying the current global step). Call once at job start.
   void PushInitTokens(int count);
 
-  // Create-or-get: idempotent for the same definition; a different dtype, shape or
-  // trainability for an existing name is AlreadyExists with both definitions in the message.
+  // Create-or-get: idempotent for the same definition; a different dtype, shape, trainability,
+  // averaging or optimizer for an existing name is AlreadyExists with both definitions.
   Result<VariableDesc> CreateVariable(const VariableDef& def);
 
-  // Applies each gradient (validated all first: an invalid push changes nothing). `out` gets
-  // one outcome per gradient, in order.
+  // Applies each gradient (validated all first: an invalid push changes nothing). `out` gets one
+  // outcome per gradient, in order.
   Status Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out);
 
   // Snapshot of the named variables (all of them, sorted by name, if `names` is empty) at one
-  // global step, returned in *step.
-  Status Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out, int64_t* step);
+  // global step, returned in *step. With `averages`, the moving averages instead.
+  Status Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out, int64_t* step,
+              bool averages = false);
+  // Copies the listed rows (any order, repeats allowed) of a variable: [n, row dims...].
+  Result<PulledValue> PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step);
 
   // Copy of an optimizer slot ("momentum", ...) of a variable.
   Result<PulledValue> GetSlot(const std::string& variable, const std::string& slot);
+  std::vector<std::string> SlotNames(const std::string& variable) const;
 
-  // How many fresh gradients a step waits for: replicas_to_aggregate, lowered as workers declare
-  // themselves finished (see WorkerRegistry). Re-evaluates pending takes.
+  // How many fresh gradients a sync step waits for: replicas_to_aggregate (or the soft-sync
+  // fraction of the workers), lowered as workers declare themselves finished. Re-evaluates
+  // pending takes.
   void SetRequiredReplicas(int required);
   int required_replicas() const { return required_.load(); }
+
+  // Sync: the learning rate of the steps after the current one. Async/ssp: from the next push.
+  Status SetLearningRate(double lr);
+  double learning_rate() const { return next_lr_.load(); }
+
+  // Soft sync: commits step `step` with whatever gradients arrived, if it is still open.
+  void ForceStep(int64_t step);
 
   int64_t global_step() const { return global_step_.load(); }
   TokenQueue& tokens() { return tokens_; }
   const Optimizer& optimizer() const { return *optimizer_; }
+  const ServerConfig& config() const { return config_; }
   EngineStats Stats() const;
   std::vector<std::string> VariableNames() const;
 
   // Called after every committed step, outside all locks.
   void set_on_commit(std::function<void(const StepInfo&)> cb) { on_commit_ = std::move(cb); }
+  // Sync: called (outside all locks) when the first fresh gradient of a step arrives, so the
+  // server can arm the step deadline.
+  void set_on_step_started(std::function<void(int64_t step)> cb) { on_step_started_ = std::move(cb); }
 
  private:
   struct Variable;
   Variable* FindLocked(std::string_view name) const;
-  // With v->mu held: takes and applies if the step is ready. Returns true if it took.
-  bool MaybeTakeLocked(Variable* v, int* count);
-  // After a take (no variable lock held): records the staged value; commits if it was the last.
-  void OnTaken(Variable* v, int count);
+  Status ValidateGrad(Variable* v, const GradRef& g) const;
+  // With v->mu held: takes (and applies, for dense) if the step is ready. Returns true if it took.
+  bool MaybeTakeLocked(Variable* v, bool force, int* count);
+  // After a take (no variable lock held): records it; commits if it was the last.
+  void OnTaken(int count);
+  void CommitLocked(std::unique_lock<std::mutex>& lock, bool forced);
   void ReevaluateAll();
+  // Async/ssp: applies one gradient now (v->mu held).
+  void ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr);
+  // Applies pending sparse rows in place (mu_ held).
+  void ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step, double lr);
+  void UpdateAverages(int64_t step);
+  void ApplyDense(const Optimizer& opt, const ApplyArgs& args);
 
   const ServerConfig config_;
   std::unique_ptr<Optimizer> optimizer_;
+  std::map<std::string, std::unique_ptr<Optimizer>> per_variable_optimizers_;  // guarded by mu_
+  ThreadPool pool_;
   TokenQueue tokens_;
   std::function<void(const StepInfo&)> on_commit_;
+  std::function<void(int64_t)> on_step_started_;
 
   std::atomic<int64_t> global_step_{0};  // written under mu_
   std::atomic<int> required_;
   std::atomic<int64_t> accepted_{0};
   std::atomic<int64_t> stale_{0};
+  std::atomic<int64_t> max_staleness_{0};
+  std::atomic<double> next_lr_;
+  std::atomic<int> last_step_gradients_{0};
 
   mutable std::mutex mu_;
   std::map<std::string, std::unique_ptr<Variable>, std::less<>> vars_;  // guarded by mu_
   int pending_takes_ = 0;      // guarded by mu_: trainable variables not yet taken this step
   int step_min_count_ = 0;     // guarded by mu_
   int step_max_count_ = 0;     // guarded by mu_
+  bool step_started_ = false;  // guarded by mu_: a fresh gradient arrived for the open step
+  double step_lr_;             // guarded by mu_: learning rate of the open step
 };
 
 }  // namespace psd::server

@@ -59,6 +59,14 @@ bool WorkerRegistry::IsChief(uint64_t conn) const {
   return chief != nullptr && chief->conn == conn;
 }
 
+int64_t WorkerRegistry::IndexOf(uint64_t conn) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (workers_[i].conn == conn) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
 bool WorkerRegistry::AllFinished() const {
   std::lock_guard<std::mutex> lock(mu_);
   return !workers_.empty() &&

@@ -40,6 +40,8 @@ class WorkerRegistry {
   bool Finished(uint64_t conn);
 
   bool IsChief(uint64_t conn) const;
+  // The index of the worker on `conn`, or -1.
+  int64_t IndexOf(uint64_t conn) const;
   bool AllFinished() const;
   // Fresh gradients a step needs given how many workers have finished.
   int RequiredReplicas() const;

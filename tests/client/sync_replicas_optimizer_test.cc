@@ -91,7 +91,7 @@ TEST_CASE("a trainer asking for other replica counts than the daemon's is told s
 
 TEST_CASE("two trainers minimize a quadratic through psd", "[wrapper]") {
   auto cfg = TestConfig(2, 2, 0);
-  cfg.learning_rate = 0.5;
+  cfg.optimizer.learning_rate = 0.5;
   auto server = StartServer(cfg);
   auto c0 = ConnectWorker(server->port(), "w0");
   auto c1 = ConnectWorker(server->port(), "w1");

@@ -170,6 +170,26 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
     push([](auto g) { g.setName("w\n"); });
     CHECK(code == Code::kNotFound);
   }
+  SECTION("pipelined requests: a parked token wait does not hold up later requests") {
+    RawPeer p(server->port());
+    p.Hello();
+    wire::OutFrame wait;
+    auto w = wait.builder.initRoot<proto::Request>();
+    w.setId(100);
+    w.initWaitToken().setTimeoutMs(300);
+    p.Send(wait);
+    wire::OutFrame status;
+    status.builder.initRoot<proto::Request>().setId(101);
+    status.builder.getRoot<proto::Request>().setStatus();
+    p.Send(status);
+    uint64_t id = 0;
+    REQUIRE(p.Read(&code, &msg, &id));
+    CHECK(id == 101);  // answered while the wait is parked
+    CHECK(code == Code::kOk);
+    REQUIRE(p.Read(&code, &msg, &id));
+    CHECK(id == 100);
+    CHECK(code == Code::kDeadlineExceeded);
+  }
   SECTION("random garbage, many times") {
     std::mt19937 rng(17);
     for (int i = 0; i < 200; ++i) {

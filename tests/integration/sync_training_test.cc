@@ -48,7 +48,7 @@ void WaitUntil(F cond, int ms = 10000) {
 
 TEST_CASE("two workers over the wire: the reference flow step by step", "[integration]") {
   auto cfg = TestConfig(2, 2);
-  cfg.learning_rate = 2.0;
+  cfg.optimizer.learning_rate = 2.0;
   auto server = StartServer(cfg);
   auto w0 = ConnectWorker(server->port(), "w0");
   auto w1 = ConnectWorker(server->port(), "w1");

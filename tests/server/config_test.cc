@@ -35,7 +35,7 @@ TEST_CASE("contradictory or impossible flags are rejected with what to change", 
   CHECK_THAT(z.Validate().message(), Catch::Contains("--replicas-to-aggregate"));
 
   ServerConfig o;
-  o.optimizer = "adamw";
+  o.optimizer.name = "adamw";
   CHECK_THAT(o.Validate().message(), Catch::Contains("--optimizer"));
 }
 

@@ -15,13 +15,13 @@ ServerConfig Config(int replicas, int total, int init_tokens, double lr = 2.0) {
   c.replicas_to_aggregate = replicas;
   c.total_replicas = total;
   c.init_tokens = init_tokens;
-  c.learning_rate = lr;
+  c.optimizer.learning_rate = lr;
   REQUIRE(c.Validate().ok());
   return c;
 }
 
 struct Engine {
-  explicit Engine(const ServerConfig& c) : engine(c, std::move(*MakeOptimizer("sgd", c.learning_rate))) {
+  explicit Engine(const ServerConfig& c) : engine(c, std::move(*MakeOptimizer(c.optimizer))) {
     engine.PushInitTokens(c.resolved_init_tokens);
   }
 

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -61,6 +62,17 @@ struct JobConfig {
   double learning_rate = 0;
   bool reduction_sum = false;
   std::vector<std::string> slot_names;
+  std::string mode;              // sync, async, ssp
+  int64_t staleness_bound = 0;   // ssp
+  double soft_sync_fraction = 0;
+  int64_t step_deadline_ms = 0;
+  double ema_decay = 0;
+};
+
+struct VariableOptions {
+  bool trainable = true;
+  bool average = false;     // keep an exponential moving average on the daemon (psd --ema-decay)
+  std::string optimizer;    // empty: the job's optimizer; else one of psd's, with the job's hyper-parameters
 };
 
 struct VariableInfo {
@@ -76,9 +88,19 @@ struct Gradient {
   ConstTensorView grad;
 };
 
+// IndexedSlices: rows `indices` of variable `name` get `values` ([indices.size(), row dims...]).
+// Indices may be in any order and repeat: Push sorts them and sums repeated rows before sending.
+struct SparseGradient {
+  std::string name;
+  std::vector<int64_t> indices;
+  ConstTensorView values;
+  std::optional<Shape> dense_shape;  // TF's has_known_shape; checked against the variable
+};
+
 struct PushResult {
-  bool accepted;   // false: stale (tagged with a step older than the accumulator's), dropped
-  int64_t step;    // the accumulator's step when the push was handled
+  bool accepted;      // false: stale (tagged with a step older than the accumulator's), dropped
+  int64_t step;       // the accumulator's step (async/ssp: the global step) when the push was handled
+  int64_t staleness;  // global step - local step when it was handled
 };
 
 struct PushOutcome {
@@ -87,6 +109,7 @@ struct PushOutcome {
   Status token_status;              // its outcome (kDeadlineExceeded, kOutOfRange, ...)
   int64_t token = 0;                // the new local step, when token_status is OK
   bool is_chief = false;
+  int step_gradients = 0;           // gradients averaged (fewest per variable) in the last committed step
 
   int accepted() const;
   int stale() const;
@@ -101,6 +124,9 @@ struct JobStatus {
   int replicas_required = 0;
   int64_t accepted_pushes = 0;
   int64_t stale_pushes = 0;
+  int last_step_gradients = 0;
+  int64_t max_staleness = 0;
+  double learning_rate = 0;
   JobConfig config;
 };
 
@@ -122,16 +148,27 @@ class Client {
   // Create-or-get. `initial.data == nullptr` means zeros. An existing variable with another
   // dtype, shape or trainability is kAlreadyExists.
   Result<VariableInfo> CreateVariable(const std::string& name, ConstTensorView initial, bool trainable = true);
+  Result<VariableInfo> CreateVariable(const std::string& name, ConstTensorView initial, const VariableOptions& options);
 
   // Writes the variable's value into `out` (dtype and shape must match). Returns the global step
   // the value reflects. The multi-variable form reads every value at one step, in one round trip.
   Result<int64_t> Pull(const std::string& name, TensorView out);
   Result<int64_t> Pull(const std::vector<std::pair<std::string, TensorView>>& outs);
+  // The moving averages (TF's shadow variables) of variables created with average = true.
+  Result<int64_t> PullAverages(const std::vector<std::pair<std::string, TensorView>>& outs);
+  // Selected rows (any order, repeats allowed) of a variable into `out` ([rows.size(), row dims...]).
+  Result<int64_t> PullRows(const std::string& name, const std::vector<int64_t>& rows, TensorView out);
 
   // Pushes gradients tagged with `local_step`. With wait_token, the daemon also waits (up to
   // timeout_ms; <= 0: the daemon's default) for a token and returns it in the same reply.
   Result<PushOutcome> Push(int64_t local_step, const std::vector<Gradient>& grads, bool wait_token = false,
                            int64_t timeout_ms = 0);
+  // Dense and sparse gradients in one message; results are dense ones first, then sparse ones.
+  Result<PushOutcome> Push(int64_t local_step, const std::vector<Gradient>& grads,
+                           const std::vector<SparseGradient>& sparse, bool wait_token = false, int64_t timeout_ms = 0);
+
+  // Chief only: the learning rate from the next step on (schedules live in the trainer).
+  Status SetLearningRate(double learning_rate);
 
   // Waits for a token: the barrier. Returns the token's step. kDeadlineExceeded after timeout_ms
   // (nothing is lost), kOutOfRange once training is over.

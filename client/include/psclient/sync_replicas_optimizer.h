@@ -75,10 +75,18 @@ struct GlobalStep {
   int64_t value = 0;
 };
 
-// One (gradient, variable) pair. An empty `grad` is TF's None: the variable is skipped.
+// TF's IndexedSlices: rows `indices` of the variable get `values` ([indices.size(), row dims...]).
+struct IndexedSlices {
+  std::vector<int64_t> indices;
+  Tensor values;
+};
+
+// One (gradient, variable) pair: a dense `grad`, or a `sparse` one (embeddings), or neither
+// (TF's None: the variable is skipped). Both at once is TF's "Unknown grad type!".
 struct GradAndVar {
   std::optional<Tensor> grad;
   Variable* var = nullptr;
+  std::optional<IndexedSlices> sparse;
 };
 
 // The trainer's gradient function: given the variables (values already pulled), fill one
@@ -124,7 +132,7 @@ class SyncReplicasOptimizer {
   // it the new local step; sets global_step->value and returns it. TF's errors:
   //   empty list          -> InvalidArgument "Must supply at least one variable"
   //   global_step nullptr -> InvalidArgument "Global step is required to check staleness"
-  //   a pair without a variable -> InvalidArgument "Unknown grad type!"
+  //   a pair without a variable, or with both a dense and a sparse gradient -> "Unknown grad type!"
   Result<int64_t> apply_gradients(const std::vector<GradAndVar>& grads_and_vars, GlobalStep* global_step);
   // compute_gradients + apply_gradients.
   Result<int64_t> minimize(const GradientFn& fn, GlobalStep* global_step, const std::vector<Variable*>& var_list);

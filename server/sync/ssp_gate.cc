@@ -1,0 +1,119 @@
+#include "sync/ssp_gate.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace psd::server {
+
+int64_t SspGate::MinClockLocked() const {
+  if (clocks_.empty()) return 0;
+  int64_t m = clocks_.begin()->second;
+  for (auto& [w, c] : clocks_) m = std::min(m, c);
+  return m;
+}
+
+void SspGate::Join(uint32_t worker) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (clocks_.count(worker)) return;
+  int64_t start = clocks_.empty() ? 0 : MinClockLocked();
+  auto it = left_.find(worker);
+  if (it != left_.end()) {
+    start = std::max(start, it->second);
+    left_.erase(it);
+  }
+  clocks_[worker] = start;
+}
+
+void SspGate::Leave(uint32_t worker) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = clocks_.find(worker);
+  if (it == clocks_.end()) return;
+  left_[worker] = it->second;
+  clocks_.erase(it);
+  ReleaseLocked(lock);
+}
+
+SspGate::WaitId SspGate::Advance(uint32_t worker, Callback cb) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) {
+    Status why = close_status_;
+    lock.unlock();
+    cb(why, 0);
+    return 0;
+  }
+  auto it = clocks_.find(worker);
+  if (it == clocks_.end()) {
+    lock.unlock();
+    cb(FailedPrecondition("worker is not registered for bounded-staleness training"), 0);
+    return 0;
+  }
+  ++it->second;
+  // Others may have been waiting for this worker to move.
+  WaitId id = next_id_++;
+  waiters_.push_back({id, worker, std::move(cb)});
+  ReleaseLocked(lock);
+  std::lock_guard<std::mutex> again(mu_);
+  for (auto& w : waiters_) {
+    if (w.id == id) return id;  // still parked
+  }
+  return 0;
+}
+
+void SspGate::ReleaseLocked(std::unique_lock<std::mutex>& lock) {
+  int64_t min_clock = MinClockLocked();
+  std::vector<std::pair<Callback, int64_t>> ready;
+  for (auto it = waiters_.begin(); it != waiters_.end();) {
+    auto c = clocks_.find(it->worker);
+    // A worker that left while parked is released too (it no longer waits for anyone).
+    int64_t clock = c == clocks_.end() ? min_clock : c->second;
+    if (c == clocks_.end() || clock - min_clock <= bound_) {
+      ready.emplace_back(std::move(it->cb), clock);
+      it = waiters_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  lock.unlock();
+  for (auto& [cb, clock] : ready) cb(Status::Ok(), clock);
+}
+
+bool SspGate::Cancel(WaitId id, const Status& why) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (auto it = waiters_.begin(); it != waiters_.end(); ++it) {
+    if (it->id == id) {
+      Callback cb = std::move(it->cb);
+      // The wait did not complete: the clock step is given back.
+      auto c = clocks_.find(it->worker);
+      if (c != clocks_.end()) --c->second;
+      waiters_.erase(it);
+      lock.unlock();
+      cb(why, 0);
+      return true;
+    }
+  }
+  return false;
+}
+
+void SspGate::Close(Status why) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) return;
+  closed_ = true;
+  close_status_ = why;
+  std::list<Waiter> parked;
+  parked.swap(waiters_);
+  lock.unlock();
+  for (auto& w : parked) w.cb(why, 0);
+}
+
+int64_t SspGate::MinClock() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return MinClockLocked();
+}
+
+int64_t SspGate::Clock(uint32_t worker) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = clocks_.find(worker);
+  return it == clocks_.end() ? -1 : it->second;
+}
+
+}  // namespace psd::server

@@ -1,0 +1,60 @@
+#include "sync/thread_pool.h"
+
+#include <algorithm>
+#include <atomic>
+
+namespace psd::server {
+
+ThreadPool::ThreadPool(int threads) {
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::Run() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    task();
+  }
+}
+
+void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  int64_t parts = std::min<int64_t>(static_cast<int64_t>(threads_.size()) + 1, std::max<int64_t>(1, n / grain));
+  if (parts <= 1) {
+    fn(0, n);
+    return;
+  }
+  std::mutex done_mu;
+  std::condition_variable done_cv;
+  int64_t remaining = parts - 1;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int64_t p = 1; p < parts; ++p) {
+      tasks_.push_back([&, p] {
+        fn(n * p / parts, n * (p + 1) / parts);
+        std::lock_guard<std::mutex> l(done_mu);
+        if (--remaining == 0) done_cv.notify_one();
+      });
+    }
+  }
+  cv_.notify_all();
+  fn(0, n / parts);
+  std::unique_lock<std::mutex> lock(done_mu);
+  done_cv.wait(lock, [&] { return remaining == 0; });
+}
+
+}  // namespace psd::server
