@@ -1,0 +1,220 @@
+// The engine beyond plain sync: sparse updates, moving averages, learning-rate changes, soft sync,
+// async, per-variable optimizers.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+
+#include "sync/sync_engine.h"
+
+using namespace psd;
+using namespace psd::server;
+
+namespace {
+
+ServerConfig Cfg(int replicas, int total, double lr = 1.0) {
+  ServerConfig c;
+  c.replicas_to_aggregate = replicas;
+  c.total_replicas = total;
+  c.init_tokens = 0;
+  c.optimizer.learning_rate = lr;
+  return c;
+}
+
+std::unique_ptr<SyncEngine> Make(ServerConfig c) {
+  REQUIRE(c.Validate().ok());
+  return std::make_unique<SyncEngine>(c, std::move(*MakeOptimizer(c.optimizer)));
+}
+
+void Create(SyncEngine& e, const std::string& name, std::vector<float> init, Shape shape, bool average = false,
+            std::string optimizer = "") {
+  VariableDef d;
+  d.name = name;
+  d.shape = shape;
+  d.initial = init.data();
+  d.initial_bytes = init.size() * 4;
+  d.average = average;
+  d.optimizer = optimizer;
+  auto r = e.CreateVariable(d);
+  INFO(r.status().ToString());
+  REQUIRE(r.ok());
+}
+
+std::vector<float> Read(SyncEngine& e, const std::string& name, bool averages = false) {
+  std::vector<PulledValue> v;
+  int64_t step;
+  REQUIRE(e.Pull({name}, &v, &step, averages).ok());
+  const float* p = v[0].value->as<float>();
+  return std::vector<float>(p, p + v[0].value->bytes() / 4);
+}
+
+GradOutcome PushDense(SyncEngine& e, int64_t local, const std::string& name, std::vector<float> g, Shape shape) {
+  std::vector<GradOutcome> out;
+  std::vector<GradRef> refs{{name, DType::kFloat32, shape, g.data(), g.size() * 4}};
+  Status s = e.Push(local, refs, &out);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  return out[0];
+}
+
+GradOutcome PushSparse(SyncEngine& e, int64_t local, const std::string& name, std::vector<int64_t> idx,
+                       std::vector<float> values, int64_t row) {
+  std::vector<GradOutcome> out;
+  GradRef ref{name, DType::kFloat32, {static_cast<int64_t>(idx.size()), row}, values.data(), values.size() * 4};
+  ref.indices = idx.data();
+  ref.nnz = static_cast<int64_t>(idx.size());
+  std::vector<GradRef> refs{ref};
+  Status s = e.Push(local, refs, &out);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  return out[0];
+}
+
+}  // namespace
+
+TEST_CASE("sparse gradients update only their rows, averaged per row, at the step's commit", "[engine][sparse]") {
+  auto e = Make(Cfg(2, 2));
+  Create(*e, "emb", {0, 0, 1, 1, 2, 2, 3, 3}, {4, 2});
+  CHECK(PushSparse(*e, 0, "emb", {1}, {2, 2}, 2).accepted);
+  CHECK(Read(*e, "emb")[2] == 1);  // nothing visible before the step commits
+  CHECK(PushSparse(*e, 0, "emb", {1, 3}, {4, 4, 1, 1}, 2).accepted);
+  CHECK(e->global_step() == 1);
+  // Row 1: 1 - mean(2, 4) = -2; row 3: 3 - 1 = 2 (its own count is 1); rows 0 and 2 untouched.
+  CHECK(Read(*e, "emb") == std::vector<float>{0, 0, -2, -2, 2, 2, 2, 2});
+  // A variable takes one kind of gradient.
+  std::vector<float> dense(8, 1);
+  std::vector<GradOutcome> out;
+  std::vector<GradRef> refs{{"emb", DType::kFloat32, {4, 2}, dense.data(), 32}};
+  CHECK_THAT(e->Push(1, refs, &out).message(), Catch::Contains("takes sparse gradients"));
+  // Selected rows, any order, repeats allowed.
+  int64_t step;
+  auto rows = e->PullRows("emb", {3, 1, 3}, &step);
+  REQUIRE(rows.ok());
+  CHECK(rows->shape == Shape{3, 2});
+  const float* r = rows->value->as<float>();
+  CHECK(std::vector<float>(r, r + 6) == std::vector<float>{2, 2, -2, -2, 2, 2});
+  CHECK(e->PullRows("emb", {4}, &step).status().code() == Code::kInvalidArgument);
+}
+
+TEST_CASE("moving averages follow TF's rule, num_updates included", "[engine][ema]") {
+  auto c = Cfg(1, 1);
+  c.ema_decay = 0.5;
+  auto e = Make(c);
+  Create(*e, "w", {0}, {1}, /*average=*/true);
+  CHECK(Read(*e, "w", true) == std::vector<float>{0});  // shadow starts at the initial value
+  PushDense(*e, 0, "w", {1}, {1});                      // w = -1
+  CHECK(Read(*e, "w", true)[0] == Approx(-0.5));
+  PushDense(*e, 1, "w", {1}, {1});                      // w = -2
+  CHECK(Read(*e, "w", true)[0] == Approx(-0.5 - 0.5 * (-0.5 + 2)));
+
+  auto c2 = Cfg(1, 1);
+  c2.ema_decay = 0.99;
+  c2.ema_num_updates = true;
+  auto e2 = Make(c2);
+  Create(*e2, "w", {0}, {1}, true);
+  PushDense(*e2, 0, "w", {1}, {1});  // step 1: decay = min(0.99, 2/11)
+  CHECK(Read(*e2, "w", true)[0] == Approx(0 - (1 - 2.0 / 11) * (0 + 1)));
+  // A variable without an average has none to read.
+  Create(*e2, "plain", {0}, {1});
+  std::vector<PulledValue> v;
+  int64_t step;
+  CHECK(e2->Pull({"plain"}, &v, &step, true).code() == Code::kNotFound);
+  VariableDef bad;
+  bad.name = "x";
+  bad.average = true;
+  auto e3 = Make(Cfg(1, 1));
+  CHECK(e3->CreateVariable(bad).status().code() == Code::kFailedPrecondition);
+}
+
+TEST_CASE("a learning-rate change takes effect from the next step", "[engine]") {
+  auto e = Make(Cfg(2, 2, 1.0));
+  Create(*e, "w", {0}, {1});
+  PushDense(*e, 0, "w", {1}, {1});
+  REQUIRE(e->SetLearningRate(10.0).ok());  // mid-step: this step still uses 1.0
+  PushDense(*e, 0, "w", {1}, {1});
+  CHECK(Read(*e, "w")[0] == Approx(-1));
+  PushDense(*e, 1, "w", {1}, {1});
+  PushDense(*e, 1, "w", {1}, {1});
+  CHECK(Read(*e, "w")[0] == Approx(-11));
+  CHECK(e->SetLearningRate(-1).code() == Code::kInvalidArgument);
+}
+
+TEST_CASE("soft sync: a deadline commits the step with what arrived", "[engine][soft]") {
+  auto c = Cfg(3, 3);
+  c.step_deadline_ms = 100;
+  auto e = Make(c);
+  Create(*e, "a", {0}, {1});
+  Create(*e, "b", {5}, {1});
+  int64_t started = -1;
+  e->set_on_step_started([&](int64_t s) { started = s; });
+  StepInfo info{};
+  e->set_on_commit([&](const StepInfo& i) { info = i; });
+  PushDense(*e, 0, "a", {2}, {1});
+  CHECK(started == 0);
+  e->ForceStep(0);  // what the server's timer does at the deadline
+  CHECK(e->global_step() == 1);
+  CHECK(info.forced);
+  CHECK(info.min_gradients == 0);  // b got nothing: its value stays
+  CHECK(info.max_gradients == 1);
+  CHECK(Read(*e, "a")[0] == Approx(-2));
+  CHECK(Read(*e, "b")[0] == 5);
+  e->ForceStep(0);  // a stale deadline does nothing
+  CHECK(e->global_step() == 1);
+  CHECK_FALSE(PushDense(*e, 0, "a", {1}, {1}).accepted);  // late for step 0: stale
+}
+
+TEST_CASE("soft sync: a fraction of the workers completes a step", "[engine][soft]") {
+  auto c = Cfg(4, 4);
+  c.soft_sync_fraction = 0.5;
+  auto e = Make(c);
+  CHECK(e->required_replicas() == 2);
+  Create(*e, "w", {0}, {1});
+  PushDense(*e, 0, "w", {1}, {1});
+  PushDense(*e, 0, "w", {3}, {1});
+  CHECK(e->global_step() == 1);
+  CHECK(Read(*e, "w")[0] == Approx(-2));
+}
+
+TEST_CASE("async: every push is applied on arrival and its staleness reported", "[engine][async]") {
+  auto c = Cfg(1, 2, 1.0);
+  c.mode = Mode::kAsync;
+  c.staleness_lr = StalenessLr::kInverse;
+  auto e = Make(c);
+  Create(*e, "w", {0}, {1});
+  auto o1 = PushDense(*e, 0, "w", {1}, {1});
+  CHECK(o1.accepted);
+  CHECK(o1.staleness == 0);
+  CHECK(e->global_step() == 1);
+  CHECK(Read(*e, "w")[0] == Approx(-1));
+  auto o2 = PushDense(*e, 0, "w", {1}, {1});  // computed at step 0, applied at 1: staleness 1
+  CHECK(o2.staleness == 1);
+  CHECK(Read(*e, "w")[0] == Approx(-2));
+  auto o3 = PushDense(*e, 0, "w", {1}, {1});  // staleness 2: lr / 2
+  CHECK(o3.staleness == 2);
+  CHECK(Read(*e, "w")[0] == Approx(-2.5));
+  CHECK(e->Stats().max_staleness == 2);
+  Create(*e, "emb", {0, 0, 0}, {3, 1});
+  PushSparse(*e, 3, "emb", {2}, {4}, 1);
+  CHECK(Read(*e, "emb") == std::vector<float>{0, 0, -4});
+}
+
+TEST_CASE("a variable can name its own optimizer; its slots follow it", "[engine]") {
+  auto e = Make(Cfg(1, 1, 0.5));
+  Create(*e, "w", {0}, {1}, false, "momentum");
+  Create(*e, "v", {0}, {1});
+  CHECK(e->SlotNames("w") == std::vector<std::string>{"momentum"});
+  CHECK(e->SlotNames("v").empty());
+  std::vector<float> g{1};
+  std::vector<GradOutcome> out;
+  std::vector<GradRef> refs{{"w", DType::kFloat32, {1}, g.data(), 4}, {"v", DType::kFloat32, {1}, g.data(), 4}};
+  REQUIRE(e->Push(0, refs, &out).ok());
+  REQUIRE(e->Push(1, refs, &out).ok());
+  CHECK(Read(*e, "w")[0] == Approx(-0.5 - 0.5 * 1.9));  // momentum 0.9: accum 1 then 1.9
+  CHECK(Read(*e, "v")[0] == Approx(-1.0));
+  auto slot = e->GetSlot("w", "momentum");
+  REQUIRE(slot.ok());
+  CHECK(slot->value->as<float>()[0] == Approx(1.9));
+  VariableDef bad;
+  bad.name = "x";
+  bad.optimizer = "lbfgs";
+  CHECK(e->CreateVariable(bad).status().code() == Code::kInvalidArgument);
+}

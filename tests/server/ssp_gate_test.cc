@@ -1,0 +1,60 @@
+#include <catch2/catch.hpp>
+
+#include "sync/ssp_gate.h"
+
+using namespace psd;
+using psd::server::SspGate;
+
+TEST_CASE("a worker more than the bound ahead of the slowest waits until it catches up", "[ssp]") {
+  SspGate gate(1);
+  gate.Join(0);
+  gate.Join(1);
+  int64_t released = -1;
+  // Worker 0 advances to clock 1: within the bound of worker 1 (clock 0).
+  CHECK(gate.Advance(0, [&](Status s, int64_t c) { released = s.ok() ? c : -2; }) == 0);
+  CHECK(released == 1);
+  // To clock 2: 2 - 0 > 1, so it parks.
+  released = -1;
+  auto id = gate.Advance(0, [&](Status s, int64_t c) { released = s.ok() ? c : -2; });
+  CHECK(id != 0);
+  CHECK(released == -1);
+  // Worker 1 moves to 1: the gap is 1 again and worker 0 is released.
+  int64_t other = -1;
+  CHECK(gate.Advance(1, [&](Status, int64_t c) { other = c; }) == 0);
+  CHECK(other == 1);
+  CHECK(released == 2);
+  CHECK(gate.MinClock() == 1);
+}
+
+TEST_CASE("a worker that leaves no longer holds the others back", "[ssp]") {
+  SspGate gate(0);
+  gate.Join(0);
+  gate.Join(1);
+  int64_t released = -1;
+  auto id = gate.Advance(0, [&](Status s, int64_t c) { released = s.ok() ? c : -2; });
+  CHECK(id != 0);
+  gate.Leave(1);
+  CHECK(released == 1);
+  // Rejoining starts at the slowest live clock, not at zero.
+  gate.Join(1);
+  CHECK(gate.Clock(1) == 1);
+}
+
+TEST_CASE("a cancelled ssp wait gives its clock step back; close fails waits", "[ssp]") {
+  SspGate gate(0);
+  gate.Join(0);
+  gate.Join(1);
+  Status st;
+  auto id = gate.Advance(0, [&](Status s, int64_t) { st = s; });
+  REQUIRE(id != 0);
+  CHECK(gate.Cancel(id, DeadlineExceeded("late")));
+  CHECK(st.code() == Code::kDeadlineExceeded);
+  CHECK(gate.Clock(0) == 0);
+  gate.Close(OutOfRange("over"));
+  gate.Advance(1, [&](Status s, int64_t) { st = s; });
+  CHECK(st.code() == Code::kOutOfRange);
+  Status unknown;
+  SspGate other(1);
+  other.Advance(9, [&](Status s, int64_t) { unknown = s; });
+  CHECK(unknown.code() == Code::kFailedPrecondition);
+}
