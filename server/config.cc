@@ -9,9 +9,12 @@ const char* ReductionName(Reduction r) { return r == Reduction::kSum ? "sum" : "
 
 const char* ModeName(Mode m) {
   switch (m) {
-    case Mode::kSync: return "sync";
-    case Mode::kAsync: return "async";
-    case Mode::kSsp: return "ssp";
+    case Mode::kSync:
+      return "sync";
+    case Mode::kAsync:
+      return "async";
+    case Mode::kSsp:
+      return "ssp";
   }
   return "sync";
 }
@@ -41,23 +44,21 @@ Result<int> ResolveInitTokens(int num_tokens, int replicas_to_aggregate, int tot
   int needed = replicas_to_aggregate - total_replicas;
   if (num_tokens == -1) return replicas_to_aggregate;
   if (num_tokens < needed) {
-    return InvalidArgument("Too few tokens to finish the first step: " + std::to_string(num_tokens) +
-                           " (given) vs " + std::to_string(needed) + " (needed)");
+    return InvalidArgument("Too few tokens to finish the first step: " + std::to_string(num_tokens) + " (given) vs " +
+                           std::to_string(needed) + " (needed)");
   }
   return num_tokens;
 }
 
 Status ServerConfig::Validate() {
   if (replicas_to_aggregate < 1) {
-    return InvalidArgument("--replicas-to-aggregate must be >= 1, got " +
-                           std::to_string(replicas_to_aggregate));
+    return InvalidArgument("--replicas-to-aggregate must be >= 1, got " + std::to_string(replicas_to_aggregate));
   }
-  if (backup_replicas >= 0 && total_replicas >= 0 &&
-      total_replicas != replicas_to_aggregate + backup_replicas) {
-    return InvalidArgument(
-        "--total-replicas " + std::to_string(total_replicas) + " contradicts --replicas-to-aggregate " +
-        std::to_string(replicas_to_aggregate) + " + --backup-replicas " + std::to_string(backup_replicas) +
-        "; give only one of --total-replicas and --backup-replicas");
+  if (backup_replicas >= 0 && total_replicas >= 0 && total_replicas != replicas_to_aggregate + backup_replicas) {
+    return InvalidArgument("--total-replicas " + std::to_string(total_replicas) +
+                           " contradicts --replicas-to-aggregate " + std::to_string(replicas_to_aggregate) +
+                           " + --backup-replicas " + std::to_string(backup_replicas) +
+                           "; give only one of --total-replicas and --backup-replicas");
   }
   if (backup_replicas < -1) return InvalidArgument("--backup-replicas must be >= 0");
   if (total_replicas < -1 || total_replicas == 0) return InvalidArgument("--total-replicas must be >= 1");

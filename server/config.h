@@ -30,33 +30,33 @@ enum class StalenessLr {
 struct ServerConfig {
   // Network.
   std::string host = "127.0.0.1";
-  uint16_t port = 7070;            // 0 picks a free port (see port_file)
-  std::string port_file;           // if set, the bound port is written there once listening
+  uint16_t port = 7070;   // 0 picks a free port (see port_file)
+  std::string port_file;  // if set, the bound port is written there once listening
   int io_threads = 2;
   uint64_t max_frame_bytes = 256ull << 20;
   int max_connections = 1024;
 
   // Synchronous training (TF SyncReplicasOptimizer semantics).
-  int replicas_to_aggregate = 1;   // R
-  int backup_replicas = -1;        // B; -1: not given
-  int total_replicas = -1;         // N; -1: not given (then N = R + max(B, 0))
-  int init_tokens = -1;            // -1: TF default (R); must be >= R - N
+  int replicas_to_aggregate = 1;  // R
+  int backup_replicas = -1;       // B; -1: not given
+  int total_replicas = -1;        // N; -1: not given (then N = R + max(B, 0))
+  int init_tokens = -1;           // -1: TF default (R); must be >= R - N
   Reduction reduction = Reduction::kMean;
 
   // Optimizer (job-wide; variables may name another one with the same hyper-parameters).
   OptimizerParams optimizer;
-  int apply_threads = 2;           // threads that split the apply of big variables
+  int apply_threads = 2;  // threads that split the apply of big variables
 
   // Consistency.
   Mode mode = Mode::kSync;
-  int64_t staleness_bound = 3;     // ssp
+  int64_t staleness_bound = 3;  // ssp
   StalenessLr staleness_lr = StalenessLr::kNone;
-  double soft_sync_fraction = 0;   // sync: a step needs ceil(f * N) gradients (0: R)
-  int64_t step_deadline_ms = 0;    // sync: commit a step this long after its first gradient (0: never)
+  double soft_sync_fraction = 0;  // sync: a step needs ceil(f * N) gradients (0: R)
+  int64_t step_deadline_ms = 0;   // sync: commit a step this long after its first gradient (0: never)
 
   // Exponential moving averages of the variables created with average=true.
-  double ema_decay = 0;            // 0: off
-  bool ema_num_updates = false;    // decay = min(decay, (1 + step) / (10 + step))
+  double ema_decay = 0;          // 0: off
+  bool ema_num_updates = false;  // decay = min(decay, (1 + step) / (10 + step))
 
   // Waits and lifetime.
   int64_t default_token_timeout_ms = 60000;

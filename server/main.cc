@@ -1,12 +1,12 @@
 // psd: the parameter-server daemon. Parses flags into a ServerConfig, starts the Server and
 // runs until SIGINT/SIGTERM or, with --exit-when-done, until every worker has finished.
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
 #include <csignal>
 #include <iostream>
 #include <thread>
-
-#include <CLI/CLI.hpp>
-#include <spdlog/sinks/stdout_color_sinks.h>
-#include <spdlog/spdlog.h>
 
 #include "config.h"
 #include "net/server.h"
@@ -103,7 +103,7 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   cfg.reduction = reduction == "sum" ? psd::server::Reduction::kSum : psd::server::Reduction::kMean;
-  cfg.mode = *psd::server::ParseMode(mode);                    // CLI11 checked the value
+  cfg.mode = *psd::server::ParseMode(mode);  // CLI11 checked the value
   cfg.staleness_lr = *psd::server::ParseStalenessLr(staleness_lr);
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("psd"));

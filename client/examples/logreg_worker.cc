@@ -2,13 +2,12 @@
 // learnable dataset (labels drawn from a fixed "true" model), gradients computed on the CPU,
 // synchronized through psd with the SyncReplicasOptimizer API. Prints one line per step and a
 // summary. Run several of these against one psd (see deploy/local_cluster.sh).
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <random>
 #include <thread>
-
-#include <CLI/CLI.hpp>
 
 #include "psclient/client.h"
 #include "psclient/sync_replicas_optimizer.h"
@@ -184,14 +183,16 @@ int main(int argc, char** argv) {
                                                                  {b.name(), b.value().view()}};
   double final_loss = -1;
   if (c.Pull(outs).ok()) {
-    final_loss = LossAndGrad(data, 0, data.rows(), w.value().data<float>(), b.value().data<float>()[0], nullptr, nullptr);
+    final_loss =
+        LossAndGrad(data, 0, data.rows(), w.value().data<float>(), b.value().data<float>()[0], nullptr, nullptr);
   }
   double initial_loss = std::log(2.0);  // the loss of the ~zero initial model
-  std::printf("[%s] done: %d local steps in %.2f s (%.1f steps/s), global step %lld, pushes accepted %lld stale "
-              "%lld, loss %.4f -> %.4f\n",
-              me.c_str(), my_steps, secs, my_steps / std::max(secs, 1e-9), static_cast<long long>(global_step.value),
-              static_cast<long long>(opt.accepted_total()), static_cast<long long>(opt.stale_total()), initial_loss,
-              final_loss);
+  std::printf(
+      "[%s] done: %d local steps in %.2f s (%.1f steps/s), global step %lld, pushes accepted %lld stale "
+      "%lld, loss %.4f -> %.4f\n",
+      me.c_str(), my_steps, secs, my_steps / std::max(secs, 1e-9), static_cast<long long>(global_step.value),
+      static_cast<long long>(opt.accepted_total()), static_cast<long long>(opt.stale_total()), initial_loss,
+      final_loss);
   psclient::Status fs = c.Finish();
   if (!fs.ok()) std::fprintf(stderr, "%s: finish: %s\n", me.c_str(), fs.ToString().c_str());
   return 0;

@@ -1,5 +1,6 @@
 #include "psclient/client.h"
 
+#include <kj/exception.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,8 +9,6 @@
 #include <deque>
 #include <mutex>
 #include <thread>
-
-#include <kj/exception.h>
 
 #include "device_memory.h"
 #include "wire/frame.h"
@@ -153,7 +152,8 @@ class Client::Impl {
   }
 
   // Copies a pull reply's values into the caller's views; returns the step they reflect.
-  Result<int64_t> ReadValues(proto::Response::Reader resp, const std::vector<std::pair<std::string, TensorView>>& outs) {
+  Result<int64_t> ReadValues(proto::Response::Reader resp,
+                             const std::vector<std::pair<std::string, TensorView>>& outs) {
     try {
       auto p = resp.getPull();
       auto values = p.getValues();
@@ -280,8 +280,7 @@ namespace {
 
 // Sorts the rows of a sparse gradient by index and sums repeated rows (the daemon takes strictly
 // increasing indices). `values` is host memory.
-void Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>* indices,
-              std::vector<uint64_t>* out) {
+void Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>* indices, std::vector<uint64_t>* out) {
   size_t n = g.indices.size();
   size_t row_bytes = n ? g.values.bytes() / n : 0;
   std::vector<size_t> order(n);

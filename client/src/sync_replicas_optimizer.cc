@@ -5,11 +5,16 @@
 
 namespace psclient {
 
-Tensor::Tensor(DType dtype, Shape shape)
-    : dtype_(dtype), shape_(std::move(shape)), storage_((bytes() + 7) / 8, 0) {}
+Tensor::Tensor(DType dtype, Shape shape) : dtype_(dtype), shape_(std::move(shape)), storage_((bytes() + 7) / 8, 0) {}
 
 Status Variable::Create(Client& client, bool trainable) {
-  auto info = client.CreateVariable(name_, value_.view(), trainable);
+  VariableOptions options;
+  options.trainable = trainable;
+  return Create(client, options);
+}
+
+Status Variable::Create(Client& client, const VariableOptions& options) {
+  auto info = client.CreateVariable(name_, value_.view(), options);
   return info.ok() ? Status::Ok() : info.status();
 }
 
@@ -32,7 +37,7 @@ SyncReplicasOptimizer::SyncReplicasOptimizer(Client& client, int replicas_to_agg
 }
 
 Result<std::vector<GradAndVar>> SyncReplicasOptimizer::compute_gradients(const GradientFn& fn,
-                                                                          const std::vector<Variable*>& var_list) {
+                                                                         const std::vector<Variable*>& var_list) {
   PSD_RETURN_IF_ERROR(status_);
   if (var_list.empty()) return psd::InvalidArgument("Must supply at least one variable");
   std::vector<std::pair<std::string, TensorView>> outs;
@@ -50,8 +55,8 @@ Result<std::vector<GradAndVar>> SyncReplicasOptimizer::compute_gradients(const G
   double loss = 0;
   PSD_RETURN_IF_ERROR(fn(var_list, &grads, &loss));
   if (grads.size() != var_list.size()) {
-    return psd::InvalidArgument("the gradient function returned " + std::to_string(grads.size()) +
-                                " gradients for " + std::to_string(var_list.size()) + " variables");
+    return psd::InvalidArgument("the gradient function returned " + std::to_string(grads.size()) + " gradients for " +
+                                std::to_string(var_list.size()) + " variables");
   }
   last_loss_ = loss;
   std::vector<GradAndVar> out;
@@ -147,9 +152,9 @@ Status SyncReplicasHook::after_create_session(int64_t timeout_ms) {
     auto step = opt_->client_.Pull(outs);
     if (step.ok()) break;
     if (step.status().code() != Code::kNotFound || std::chrono::steady_clock::now() >= deadline) {
-      return psd::Status(step.status().code(),
-                         "Init operations did not make model ready for SyncReplicasOptimizer local_init: " +
-                             step.status().message());
+      return psd::Status(
+          step.status().code(),
+          "Init operations did not make model ready for SyncReplicasOptimizer local_init: " + step.status().message());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

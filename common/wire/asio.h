@@ -3,9 +3,10 @@
 #ifndef PSD_WIRE_ASIO_H_
 #define PSD_WIRE_ASIO_H_
 
-#include <utility>
-
+// clang-format off
+#include <utility>  // must come first, see above
 #include <boost/asio.hpp>
+// clang-format on
 
 namespace psd {
 namespace asio = boost::asio;

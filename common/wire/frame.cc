@@ -8,8 +8,8 @@ namespace psd::wire {
 Status ParseFirstWord(const uint32_t first[2], uint32_t* segment_count, size_t* rest_header_bytes) {
   uint64_t count = static_cast<uint64_t>(first[0]) + 1;
   if (count > kMaxSegments) {
-    return ResourceExhausted("frame has " + std::to_string(count) + " segments (limit " +
-                             std::to_string(kMaxSegments) + ")");
+    return ResourceExhausted("frame has " + std::to_string(count) + " segments (limit " + std::to_string(kMaxSegments) +
+                             ")");
   }
   *segment_count = static_cast<uint32_t>(count);
   size_t header_bytes = ((1 + count) * 4 + 7) / 8 * 8;
@@ -55,9 +55,7 @@ std::unique_ptr<capnp::MessageReader> InFrame::Reader() const {
   options.nestingLimit = 16;
   struct OwningReader : capnp::SegmentArrayMessageReader {
     OwningReader(std::vector<kj::ArrayPtr<const capnp::word>> s, capnp::ReaderOptions o)
-        : capnp::SegmentArrayMessageReader(kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>>(
-                                               s.data(), s.size()),
-                                           o),
+        : capnp::SegmentArrayMessageReader(kj::ArrayPtr<const kj::ArrayPtr<const capnp::word>>(s.data(), s.size()), o),
           segs(std::move(s)) {}
     std::vector<kj::ArrayPtr<const capnp::word>> segs;
   };
@@ -128,15 +126,15 @@ proto::Code ToWire(Code code) { return static_cast<proto::Code>(static_cast<int>
 
 Result<DType> FromWire(proto::DType dtype) {
   switch (dtype) {
-    case proto::DType::FLOAT32: return DType::kFloat32;
-    case proto::DType::FLOAT64: return DType::kFloat64;
+    case proto::DType::FLOAT32:
+      return DType::kFloat32;
+    case proto::DType::FLOAT64:
+      return DType::kFloat64;
   }
   return InvalidArgument("unknown dtype " + std::to_string(static_cast<int>(dtype)));
 }
 
-proto::DType ToWire(DType dtype) {
-  return dtype == DType::kFloat64 ? proto::DType::FLOAT64 : proto::DType::FLOAT32;
-}
+proto::DType ToWire(DType dtype) { return dtype == DType::kFloat64 ? proto::DType::FLOAT64 : proto::DType::FLOAT32; }
 
 Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes) {
   auto dtype = FromWire(t.getDtype());
@@ -154,16 +152,16 @@ Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes) {
   return ref;
 }
 
-void SetTensor(capnp::MessageBuilder& msg, proto::Tensor::Builder t, DType dtype, const Shape& shape,
-               const void* data, size_t bytes, bool padded) {
+void SetTensor(capnp::MessageBuilder& msg, proto::Tensor::Builder t, DType dtype, const Shape& shape, const void* data,
+               size_t bytes, bool padded) {
   t.setDtype(ToWire(dtype));
   auto s = t.initShape(static_cast<unsigned>(shape.size()));
   for (size_t i = 0; i < shape.size(); ++i) s.set(static_cast<unsigned>(i), shape[i]);
   if (bytes == 0) return;
   bool aligned = reinterpret_cast<uintptr_t>(data) % sizeof(capnp::word) == 0;
   if (bytes >= kZeroCopyMinBytes && aligned && (padded || bytes % sizeof(capnp::word) == 0)) {
-    t.adoptData(msg.getOrphanage().referenceExternalData(
-        capnp::Data::Reader(static_cast<const kj::byte*>(data), bytes)));
+    t.adoptData(
+        msg.getOrphanage().referenceExternalData(capnp::Data::Reader(static_cast<const kj::byte*>(data), bytes)));
   } else {
     std::memcpy(t.initData(static_cast<unsigned>(bytes)).begin(), data, bytes);
   }

@@ -12,9 +12,9 @@
 #include <memory>
 #include <vector>
 
+#include "psd.capnp.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
-#include "psd.capnp.h"
 #include "wire/asio.h"
 
 namespace psd::wire {
@@ -91,8 +91,8 @@ Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes);
 // either a whole number of words or `padded` (the owner guarantees zeroed bytes up to the next
 // word); the caller then keeps it valid and unchanged until the frame is written. Otherwise
 // the bytes are copied into the message.
-void SetTensor(capnp::MessageBuilder& msg, proto::Tensor::Builder t, DType dtype, const Shape& shape,
-               const void* data, size_t bytes, bool padded = false);
+void SetTensor(capnp::MessageBuilder& msg, proto::Tensor::Builder t, DType dtype, const Shape& shape, const void* data,
+               size_t bytes, bool padded = false);
 
 }  // namespace psd::wire
 

@@ -1,8 +1,7 @@
 #include "net/connection.h"
 
-#include <spdlog/spdlog.h>
-
 #include <kj/exception.h>
+#include <spdlog/spdlog.h>
 
 #include "net/server.h"
 
@@ -15,7 +14,7 @@ struct Connection::TokenWait {
   TokenWait(asio::strand<asio::io_context::executor_type>& strand) : timer(strand) {}
   asio::steady_timer timer;
   std::function<bool(const Status&)> cancel;  // removes the parked wait; false if already released
-  bool from_queue = false;                     // a token-queue wait (a delivered token goes back if unused)
+  bool from_queue = false;                    // a token-queue wait (a delivered token goes back if unused)
   bool done = false;
   TokenDone on_done;
 };
@@ -68,12 +67,12 @@ void Connection::ReadTable(uint32_t segment_count, size_t rest) {
   table_.assign(1 + rest / 4, 0);
   table_[0] = first_[1];
   if (rest == 0) return ReadBody(segment_count);
-  asio::async_read(socket_, asio::buffer(table_.data() + 1, rest),
-                   asio::bind_executor(strand_, [self = shared_from_this(), segment_count](
-                                                    boost::system::error_code ec, size_t) {
-                     if (ec) return self->CloseNow();
-                     self->ReadBody(segment_count);
-                   }));
+  asio::async_read(
+      socket_, asio::buffer(table_.data() + 1, rest),
+      asio::bind_executor(strand_, [self = shared_from_this(), segment_count](boost::system::error_code ec, size_t) {
+        if (ec) return self->CloseNow();
+        self->ReadBody(segment_count);
+      }));
 }
 
 void Connection::ReadBody(uint32_t segment_count) {
@@ -121,15 +120,24 @@ void Connection::Dispatch(proto::Request::Reader req) {
   if (which == proto::Request::STATUS) return HandleStatus(id);
   if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
   switch (which) {
-    case proto::Request::CREATE_VARIABLE: return HandleCreate(id, req.getCreateVariable());
-    case proto::Request::PULL: return HandlePull(id, req.getPull());
-    case proto::Request::PUSH: return HandlePush(id, req.getPush());
-    case proto::Request::WAIT_TOKEN: return HandleWaitToken(id, req.getWaitToken());
-    case proto::Request::FINISH: return HandleFinish(id);
-    case proto::Request::GET_SLOT: return HandleGetSlot(id, req.getGetSlot());
-    case proto::Request::PULL_ROWS: return HandlePullRows(id, req.getPullRows());
-    case proto::Request::SET_LEARNING_RATE: return HandleSetLearningRate(id, req.getSetLearningRate());
-    default: return SendError(id, Unimplemented("unknown request type " + std::to_string(static_cast<int>(which))));
+    case proto::Request::CREATE_VARIABLE:
+      return HandleCreate(id, req.getCreateVariable());
+    case proto::Request::PULL:
+      return HandlePull(id, req.getPull());
+    case proto::Request::PUSH:
+      return HandlePush(id, req.getPush());
+    case proto::Request::WAIT_TOKEN:
+      return HandleWaitToken(id, req.getWaitToken());
+    case proto::Request::FINISH:
+      return HandleFinish(id);
+    case proto::Request::GET_SLOT:
+      return HandleGetSlot(id, req.getGetSlot());
+    case proto::Request::PULL_ROWS:
+      return HandlePullRows(id, req.getPullRows());
+    case proto::Request::SET_LEARNING_RATE:
+      return HandleSetLearningRate(id, req.getSetLearningRate());
+    default:
+      return SendError(id, Unimplemented("unknown request type " + std::to_string(static_cast<int>(which))));
   }
 }
 
@@ -224,8 +232,8 @@ void Connection::HandlePull(uint64_t id, proto::Pull::Reader r) {
   for (size_t i = 0; i < values.size(); ++i) {
     const PulledValue& v = values[i];
     // Zero-copy: the reply references the immutable published buffer, kept alive by the frame.
-    wire::SetTensor(frame->builder, list[static_cast<unsigned>(i)], v.dtype, v.shape, v.value->data(),
-                    v.value->bytes(), /*padded=*/true);
+    wire::SetTensor(frame->builder, list[static_cast<unsigned>(i)], v.dtype, v.shape, v.value->data(), v.value->bytes(),
+                    /*padded=*/true);
     frame->keepalive.push_back(v.value);
   }
   Send(std::move(frame));
@@ -241,8 +249,14 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
     auto t = wire::ReadTensor(g.getGrad(), server_.config().max_frame_bytes);
     if (!t.ok()) return SendError(id, t.status());
     auto name = g.getName();
-    GradRef ref{std::string_view(name.cStr(), name.size()), t->dtype, std::move(t->shape), t->data, t->bytes,
-                nullptr, 0, std::nullopt};
+    GradRef ref{std::string_view(name.cStr(), name.size()),
+                t->dtype,
+                std::move(t->shape),
+                t->data,
+                t->bytes,
+                nullptr,
+                0,
+                std::nullopt};
     if (g.getSparse()) {
       // Copied out of the message: a peer may encode the list with another element size.
       auto idx = g.getIndices();
@@ -338,8 +352,8 @@ void Connection::HandleGetSlot(uint64_t id, proto::GetSlot::Reader r) {
   if (!slot.ok()) return SendError(id, slot.status());
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
-  wire::SetTensor(frame->builder, resp.initSlot(), slot->dtype, slot->shape, slot->value->data(),
-                  slot->value->bytes(), /*padded=*/true);
+  wire::SetTensor(frame->builder, resp.initSlot(), slot->dtype, slot->shape, slot->value->data(), slot->value->bytes(),
+                  /*padded=*/true);
   frame->keepalive.push_back(slot->value);
   Send(std::move(frame));
 }
@@ -356,8 +370,8 @@ void Connection::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
   auto frame = NewReply(id, &resp);
   auto p = resp.initPull();
   p.setStep(step);
-  wire::SetTensor(frame->builder, p.initValues(1)[0], got->dtype, got->shape, got->value->data(),
-                  got->value->bytes(), /*padded=*/true);
+  wire::SetTensor(frame->builder, p.initValues(1)[0], got->dtype, got->shape, got->value->data(), got->value->bytes(),
+                  /*padded=*/true);
   frame->keepalive.push_back(got->value);
   Send(std::move(frame));
 }
@@ -464,15 +478,16 @@ void Connection::WriteNext() {
   }
   writing_ = true;
   auto frame = write_queue_.front();
-  asio::async_write(socket_, frame->Buffers(),
-                    asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t) {
-                      self->write_queue_.pop_front();
-                      if (ec) {
-                        self->writing_ = false;
-                        return self->CloseNow();
-                      }
-                      self->WriteNext();
-                    }));
+  asio::async_write(
+      socket_, frame->Buffers(),
+      asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t) {
+        self->write_queue_.pop_front();
+        if (ec) {
+          self->writing_ = false;
+          return self->CloseNow();
+        }
+        self->WriteNext();
+      }));
 }
 
 }  // namespace psd::server

@@ -1,8 +1,8 @@
 #include "net/server.h"
 
-#include <fstream>
-
 #include <spdlog/spdlog.h>
+
+#include <fstream>
 
 #include "net/connection.h"
 
@@ -71,8 +71,7 @@ Status Server::Start() {
   if (!ec) acceptor_.bind(ep, ec);
   if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) {
-    return Unavailable("cannot listen on " + config_.host + ":" + std::to_string(config_.port) + ": " +
-                       ec.message());
+    return Unavailable("cannot listen on " + config_.host + ":" + std::to_string(config_.port) + ": " + ec.message());
   }
   port_ = acceptor_.local_endpoint().port();
   if (!config_.port_file.empty()) {
@@ -152,15 +151,17 @@ void Server::LogSummary() {
   double secs = std::chrono::duration<double>(now - last_summary_time_).count();
   double rate = secs > 0 ? static_cast<double>(st.global_step - last_summary_step_) / secs : 0;
   if (config_.mode == Mode::kSync) {
-    spdlog::info("step {} ({:.1f} steps/s) | pushes accepted {} stale {} | tokens queued {} | workers {} "
-                 "connected, {} finished | step needs {} gradient(s), last used {}",
-                 st.global_step, rate, st.accepted, st.stale, st.tokens_queued, wc.connected, wc.finished,
-                 st.required_replicas, st.last_step_gradients);
+    spdlog::info(
+        "step {} ({:.1f} steps/s) | pushes accepted {} stale {} | tokens queued {} | workers {} "
+        "connected, {} finished | step needs {} gradient(s), last used {}",
+        st.global_step, rate, st.accepted, st.stale, st.tokens_queued, wc.connected, wc.finished, st.required_replicas,
+        st.last_step_gradients);
   } else {
-    spdlog::info("step {} ({:.1f} steps/s) | gradients applied {} | max staleness {} | workers {} connected, {} "
-                 "finished{}",
-                 st.global_step, rate, st.accepted, st.max_staleness, wc.connected, wc.finished,
-                 config_.mode == Mode::kSsp ? fmt::format(" | slowest clock {}", ssp_.MinClock()) : "");
+    spdlog::info(
+        "step {} ({:.1f} steps/s) | gradients applied {} | max staleness {} | workers {} connected, {} "
+        "finished{}",
+        st.global_step, rate, st.accepted, st.max_staleness, wc.connected, wc.finished,
+        config_.mode == Mode::kSsp ? fmt::format(" | slowest clock {}", ssp_.MinClock()) : "");
   }
   last_summary_step_ = st.global_step;
   last_summary_time_ = now;

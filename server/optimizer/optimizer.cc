@@ -12,8 +12,8 @@ class OptimizerImpl : public Optimizer {
   explicit OptimizerImpl(OptimizerParams p) : Optimizer(std::move(p)) {}
 
  protected:
-  void Range(const float* value, const float* grad, float* out, float** slots, int64_t begin, int64_t end,
-             int64_t step, double lr) const override {
+  void Range(const float* value, const float* grad, float* out, float** slots, int64_t begin, int64_t end, int64_t step,
+             double lr) const override {
     static_cast<const Derived*>(this)->template Update<float>(value, grad, out, slots, begin, end, step, lr);
   }
   void Range(const double* value, const double* grad, double* out, double** slots, int64_t begin, int64_t end,
@@ -123,9 +123,7 @@ class RmsProp : public OptimizerImpl<RmsProp> {
 class Ftrl : public OptimizerImpl<Ftrl> {
  public:
   using OptimizerImpl::OptimizerImpl;
-  std::vector<SlotSpec> Slots() const override {
-    return {{"accum", params().initial_accumulator}, {"linear", 0.0}};
-  }
+  std::vector<SlotSpec> Slots() const override { return {{"accum", params().initial_accumulator}, {"linear", 0.0}}; }
   template <typename T>
   void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr) const {
     const T a = static_cast<T>(lr), l1 = static_cast<T>(params().l1), l2 = static_cast<T>(params().l2);
@@ -151,7 +149,8 @@ Status OptimizerParams::Validate() const {
   bool known = false;
   for (const char* n : kNames) known = known || name == n;
   if (!known) {
-    return InvalidArgument("--optimizer '" + name + "' is not supported (supported: sgd, momentum, adagrad, adam, "
+    return InvalidArgument("--optimizer '" + name +
+                           "' is not supported (supported: sgd, momentum, adagrad, adam, "
                            "rmsprop, ftrl)");
   }
   if (!(learning_rate > 0) || !std::isfinite(learning_rate)) return InvalidArgument("--learning-rate must be > 0");
@@ -177,8 +176,8 @@ void Optimizer::Apply(const ApplyArgs& a) const {
   if (a.dtype == DType::kFloat32) {
     std::vector<float*> sp;
     for (Buffer& b : slots) sp.push_back(b.as<float>() + a.slot_offset);
-    Range(static_cast<const float*>(a.value), static_cast<const float*>(a.grad), static_cast<float*>(a.out),
-          sp.data(), 0, a.num_elements, a.step, a.learning_rate);
+    Range(static_cast<const float*>(a.value), static_cast<const float*>(a.grad), static_cast<float*>(a.out), sp.data(),
+          0, a.num_elements, a.step, a.learning_rate);
   } else {
     std::vector<double*> sp;
     for (Buffer& b : slots) sp.push_back(b.as<double>() + a.slot_offset);

@@ -22,17 +22,17 @@ namespace psd::server {
 struct OptimizerParams {
   std::string name = "sgd";  // sgd, momentum, adagrad, adam, rmsprop, ftrl
   double learning_rate = 0.01;
-  double momentum = 0.9;      // momentum; rmsprop's momentum uses rms_momentum
+  double momentum = 0.9;  // momentum; rmsprop's momentum uses rms_momentum
   bool nesterov = false;
-  double beta1 = 0.9;         // adam
-  double beta2 = 0.999;       // adam
-  double epsilon = 1e-8;      // adam, rmsprop (TF1 default 1e-10 for rmsprop is not used)
+  double beta1 = 0.9;                // adam
+  double beta2 = 0.999;              // adam
+  double epsilon = 1e-8;             // adam, rmsprop (TF1 default 1e-10 for rmsprop is not used)
   double initial_accumulator = 0.1;  // adagrad, ftrl
-  double rho = 0.9;           // rmsprop decay
-  double rms_momentum = 0.0;  // rmsprop
-  double l1 = 0.0;            // ftrl
-  double l2 = 0.0;            // ftrl
-  double lr_power = -0.5;     // ftrl
+  double rho = 0.9;                  // rmsprop decay
+  double rms_momentum = 0.0;         // rmsprop
+  double l1 = 0.0;                   // ftrl
+  double l2 = 0.0;                   // ftrl
+  double lr_power = -0.5;            // ftrl
 
   // Checks names and ranges; messages name the flag.
   Status Validate() const;
@@ -59,11 +59,11 @@ struct ApplyArgs {
 // bias correction still uses the global step).
 struct SparseApplyArgs {
   DType dtype;
-  int64_t row_elements;        // elements per row
-  void* value;                 // updated in place, rows only
-  const int64_t* rows;         // row indices, strictly increasing, in range
+  int64_t row_elements;  // elements per row
+  void* value;           // updated in place, rows only
+  const int64_t* rows;   // row indices, strictly increasing, in range
   int64_t num_rows;
-  const void* grad;            // num_rows x row_elements
+  const void* grad;  // num_rows x row_elements
   std::vector<Buffer>* slots;
   int64_t step;
   double learning_rate;
@@ -87,8 +87,8 @@ class Optimizer {
   // `slot_ptrs` point at each slot's element 0. float and double variants.
   virtual void Range(const float* value, const float* grad, float* out, float** slots, int64_t begin, int64_t end,
                      int64_t step, double lr) const = 0;
-  virtual void Range(const double* value, const double* grad, double* out, double** slots, int64_t begin,
-                     int64_t end, int64_t step, double lr) const = 0;
+  virtual void Range(const double* value, const double* grad, double* out, double** slots, int64_t begin, int64_t end,
+                     int64_t step, double lr) const = 0;
 
  private:
   OptimizerParams params_;

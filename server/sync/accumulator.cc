@@ -28,22 +28,21 @@ DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction
 
 Status DenseAccumulator::Validate(DType dtype, const Shape& shape, size_t bytes) const {
   if (dtype != dtype_) {
-    return InvalidArgument(std::string("dtype mismatch: accumulator is ") + DTypeName(dtype_) +
-                           ", gradient is " + DTypeName(dtype));
+    return InvalidArgument(std::string("dtype mismatch: accumulator is ") + DTypeName(dtype_) + ", gradient is " +
+                           DTypeName(dtype));
   }
   if (shape != shape_) {
     return InvalidArgument("Shape mismatch: expected " + ShapeString(shape_) + ", got " + ShapeString(shape));
   }
   if (bytes != sum_.bytes()) {
-    return InvalidArgument("gradient data has " + std::to_string(bytes) + " bytes, shape " +
-                           ShapeString(shape) + " of " + DTypeName(dtype) + " needs " +
-                           std::to_string(sum_.bytes()));
+    return InvalidArgument("gradient data has " + std::to_string(bytes) + " bytes, shape " + ShapeString(shape) +
+                           " of " + DTypeName(dtype) + " needs " + std::to_string(sum_.bytes()));
   }
   return Status::Ok();
 }
 
-Result<bool> DenseAccumulator::ApplyGrad(int64_t local_step, DType dtype, const Shape& shape,
-                                         const void* data, size_t bytes) {
+Result<bool> DenseAccumulator::ApplyGrad(int64_t local_step, DType dtype, const Shape& shape, const void* data,
+                                         size_t bytes) {
   PSD_RETURN_IF_ERROR(Validate(dtype, shape, bytes));
   if (local_step < step_) return false;
   if (counter_ == 0) {

@@ -33,8 +33,7 @@ class DenseAccumulator {
   Status Validate(DType dtype, const Shape& shape, size_t bytes) const;
 
   // TF apply_grad. Returns true when accepted, false when stale (dropped).
-  Result<bool> ApplyGrad(int64_t local_step, DType dtype, const Shape& shape, const void* data,
-                         size_t bytes);
+  Result<bool> ApplyGrad(int64_t local_step, DType dtype, const Shape& shape, const void* data, size_t bytes);
 
   // TF take_grad without the wait. Errors with "Argument num_required must be positive, but was
   // <n>" for num_required <= 0. Returns false (nothing changes) while counter < num_required.

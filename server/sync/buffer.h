@@ -13,8 +13,7 @@ namespace psd::server {
 
 class Buffer {
  public:
-  explicit Buffer(size_t bytes)
-      : words_(std::make_unique<uint64_t[]>((bytes + 7) / 8)), bytes_(bytes) {}
+  explicit Buffer(size_t bytes) : words_(std::make_unique<uint64_t[]>((bytes + 7) / 8)), bytes_(bytes) {}
   // A deep copy (copy-on-write of a value a reader still holds).
   Buffer(const Buffer& other) : Buffer(other.bytes_) { std::memcpy(data(), other.data(), (bytes_ + 7) / 8 * 8); }
   Buffer(Buffer&&) = default;

@@ -49,9 +49,8 @@ Status SparseAccumulator::Validate(const SparseGradRef& g) const {
   }
   // The variable's row shape is fully known, so values must be [nnz, declared[1:]...].
   if (g.values_shape.size() != declared_.size()) {
-    return InvalidArgument(std::string("Shape mismatch: expected values rank ") +
-                           (counter_ > 0 ? "" : "at least ") + S(declared_.size()) + ", got " +
-                           S(g.values_shape.size()));
+    return InvalidArgument(std::string("Shape mismatch: expected values rank ") + (counter_ > 0 ? "" : "at least ") +
+                           S(declared_.size()) + ", got " + S(g.values_shape.size()));
   }
   for (size_t i = 1; i < declared_.size(); ++i) {
     if (g.values_shape[i] != declared_[i]) {

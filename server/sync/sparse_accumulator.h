@@ -26,7 +26,7 @@ struct SparseGradRef {
   const int64_t* indices;
   int64_t nnz;
   DType dtype;
-  Shape values_shape;              // [nnz, row dims...]
+  Shape values_shape;  // [nnz, row dims...]
   const void* values;
   size_t values_bytes;
   std::optional<Shape> dense_shape;  // TF has_known_shape

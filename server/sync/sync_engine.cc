@@ -1,11 +1,11 @@
 #include "sync/sync_engine.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstring>
-
-#include <spdlog/spdlog.h>
 
 #include "sync/accumulator.h"
 #include "sync/sparse_accumulator.h"
@@ -57,19 +57,19 @@ struct SyncEngine::Variable {
   const Optimizer* const opt;
 
   std::mutex mu;
-  GradKind kind = GradKind::kUnknown;          // guarded by mu
-  std::unique_ptr<DenseAccumulator> dense;     // guarded by mu
-  std::unique_ptr<SparseAccumulator> sparse;   // guarded by mu
-  int64_t next_take_step;                      // guarded by mu: the step this variable is taken for next
-  std::vector<Buffer> slots;                   // guarded by mu (dense) / SyncEngine::mu_ (sparse)
+  GradKind kind = GradKind::kUnknown;         // guarded by mu
+  std::unique_ptr<DenseAccumulator> dense;    // guarded by mu
+  std::unique_ptr<SparseAccumulator> sparse;  // guarded by mu
+  int64_t next_take_step;                     // guarded by mu: the step this variable is taken for next
+  std::vector<Buffer> slots;                  // guarded by mu (dense) / SyncEngine::mu_ (sparse)
 
-  std::shared_ptr<Buffer> published;     // guarded by SyncEngine::mu_
-  std::shared_ptr<Buffer> staged;        // guarded by SyncEngine::mu_ (dense take result)
-  std::shared_ptr<Buffer> spare;         // guarded by SyncEngine::mu_
-  std::shared_ptr<Buffer> shadow;        // guarded by SyncEngine::mu_ (moving average)
-  bool sparse_pending = false;           // guarded by SyncEngine::mu_
-  std::vector<int64_t> pending_rows;     // guarded by SyncEngine::mu_
-  std::vector<uint8_t> pending_values;   // guarded by SyncEngine::mu_
+  std::shared_ptr<Buffer> published;    // guarded by SyncEngine::mu_
+  std::shared_ptr<Buffer> staged;       // guarded by SyncEngine::mu_ (dense take result)
+  std::shared_ptr<Buffer> spare;        // guarded by SyncEngine::mu_
+  std::shared_ptr<Buffer> shadow;       // guarded by SyncEngine::mu_ (moving average)
+  bool sparse_pending = false;          // guarded by SyncEngine::mu_
+  std::vector<int64_t> pending_rows;    // guarded by SyncEngine::mu_
+  std::vector<uint8_t> pending_values;  // guarded by SyncEngine::mu_
 
   int64_t acc_step() const { return dense ? dense->step() : sparse ? sparse->step() : next_take_step; }
 };
@@ -79,8 +79,8 @@ Status ValidateName(std::string_view name) {
     return InvalidArgument("name must have 1 to 256 characters, got " + std::to_string(name.size()));
   }
   for (char c : name) {
-    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
-              c == '.' || c == '/' || c == ':' || c == '-';
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '.' ||
+              c == '/' || c == ':' || c == '-';
     if (!ok) return InvalidArgument("name has a character outside [A-Za-z0-9_./:-]");
   }
   return Status::Ok();
@@ -115,20 +115,20 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
                            std::to_string(bytes));
   }
   if (def.average && config_.ema_decay <= 0) {
-    return FailedPrecondition("variable '" + def.name + "' asks for a moving average but psd runs without "
+    return FailedPrecondition("variable '" + def.name +
+                              "' asks for a moving average but psd runs without "
                               "--ema-decay");
   }
   std::unique_lock<std::mutex> lock(mu_);
   if (Variable* v = FindLocked(def.name)) {
-    if (v->dtype != def.dtype || v->shape != def.shape || v->trainable != def.trainable ||
-        v->average != def.average || v->optimizer_name != def.optimizer) {
+    if (v->dtype != def.dtype || v->shape != def.shape || v->trainable != def.trainable || v->average != def.average ||
+        v->optimizer_name != def.optimizer) {
       auto describe = [](DType d, const Shape& s, bool t, bool a, const std::string& o) {
         return std::string(DTypeName(d)) + " " + ShapeString(s) + (t ? " trainable" : " non-trainable") +
                (a ? " averaged" : "") + (o.empty() ? "" : " optimizer=" + o);
       };
       return AlreadyExists("variable '" + def.name + "' exists as " +
-                           describe(v->dtype, v->shape, v->trainable, v->average, v->optimizer_name) +
-                           "; requested " +
+                           describe(v->dtype, v->shape, v->trainable, v->average, v->optimizer_name) + "; requested " +
                            describe(def.dtype, def.shape, def.trainable, def.average, def.optimizer));
     }
     return VariableDesc{v->name, v->dtype, v->shape, v->trainable, false};
@@ -243,13 +243,14 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
       std::lock_guard<std::mutex> lock(v->mu);
       Result<bool> accepted = false;
       if (g.sparse()) {
-        if (!v->sparse) v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction,
-                                                                         v->next_take_step);
+        if (!v->sparse)
+          v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
         v->kind = GradKind::kSparse;
-        accepted = v->sparse->ApplyGrad(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape});
+        accepted =
+            v->sparse->ApplyGrad(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape});
       } else {
-        if (!v->dense) v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction,
-                                                                      v->next_take_step);
+        if (!v->dense)
+          v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
         v->kind = GradKind::kDense;
         accepted = v->dense->ApplyGrad(local_step, g.dtype, g.shape, g.data, g.bytes);
       }
@@ -324,8 +325,8 @@ bool SyncEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     lr = step_lr_;
   }
   if (!out) out = std::make_shared<Buffer>(v->bytes);
-  ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), v->dense->grad().data(), out->data(),
-                       &v->slots, 0, v->next_take_step, lr});
+  ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), v->dense->grad().data(), out->data(), &v->slots,
+                       0, v->next_take_step, lr});
   std::lock_guard<std::mutex> lock(mu_);
   v->staged = std::move(out);
   return true;
@@ -336,8 +337,8 @@ void SyncEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows
   if (rows.empty()) return;
   // In place unless a pull still references the published buffer: then copy first.
   if (v->published.use_count() > 1) v->published = std::make_shared<Buffer>(*v->published);
-  v->opt->ApplySparse({v->dtype, v->row_elements, v->published->data(), rows.data(),
-                       static_cast<int64_t>(rows.size()), grad, &v->slots, step, lr});
+  v->opt->ApplySparse({v->dtype, v->row_elements, v->published->data(), rows.data(), static_cast<int64_t>(rows.size()),
+                       grad, &v->slots, step, lr});
 }
 
 void SyncEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
@@ -531,8 +532,8 @@ Result<PulledValue> SyncEngine::PullRows(const std::string& name, const std::vec
   }
   for (size_t i = 0; i < rows.size(); ++i) {
     if (rows[i] < 0 || rows[i] >= v->shape[0]) {
-      return InvalidArgument("row " + std::to_string(rows[i]) + " (slice " + std::to_string(i) +
-                             ") is outside [0, " + std::to_string(v->shape[0]) + ")");
+      return InvalidArgument("row " + std::to_string(rows[i]) + " (slice " + std::to_string(i) + ") is outside [0, " +
+                             std::to_string(v->shape[0]) + ")");
     }
   }
   auto buf = std::make_shared<Buffer>(rows.size() * row_bytes);

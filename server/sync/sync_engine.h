@@ -58,8 +58,8 @@ struct VariableDef {
   const void* initial = nullptr;  // nullptr: zeros; else exactly NumElements*DTypeSize bytes
   size_t initial_bytes = 0;
   bool trainable = true;
-  bool average = false;           // keep an exponential moving average (--ema-decay)
-  std::string optimizer;          // empty: the job's optimizer; else a name with the job's hyper-parameters
+  bool average = false;   // keep an exponential moving average (--ema-decay)
+  std::string optimizer;  // empty: the job's optimizer; else a name with the job's hyper-parameters
 };
 
 struct VariableDesc {
@@ -97,10 +97,10 @@ struct PulledValue {
 };
 
 struct StepInfo {
-  int64_t step;         // the new global step
-  int min_gradients;    // fewest gradients averaged into one variable this step
-  int max_gradients;    // most gradients averaged into one variable this step
-  bool forced;          // committed by a step deadline (soft sync)
+  int64_t step;       // the new global step
+  int min_gradients;  // fewest gradients averaged into one variable this step
+  int max_gradients;  // most gradients averaged into one variable this step
+  bool forced;        // committed by a step deadline (soft sync)
 };
 
 struct EngineStats {

@@ -49,11 +49,11 @@ class TokenQueue {
   void DeliverLocked(std::unique_lock<std::mutex>& lock);
 
   mutable std::mutex mu_;
-  std::deque<int64_t> tokens_;   // guarded by mu_
-  std::list<Waiter> waiters_;    // guarded by mu_
-  WaitId next_id_ = 1;           // guarded by mu_
-  bool closed_ = false;          // guarded by mu_
-  Status close_status_;          // guarded by mu_
+  std::deque<int64_t> tokens_;  // guarded by mu_
+  std::list<Waiter> waiters_;   // guarded by mu_
+  WaitId next_id_ = 1;          // guarded by mu_
+  bool closed_ = false;         // guarded by mu_
+  Status close_status_;         // guarded by mu_
 };
 
 }  // namespace psd::server

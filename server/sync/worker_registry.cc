@@ -1,14 +1,13 @@
 #include "sync/worker_registry.h"
 
-#include <algorithm>
-
 #include <spdlog/spdlog.h>
+
+#include <algorithm>
 
 namespace psd::server {
 
 WorkerRegistry::WorkerRegistry(int replicas_to_aggregate, int total_replicas)
-    : replicas_to_aggregate_(replicas_to_aggregate),
-      backups_(std::max(0, total_replicas - replicas_to_aggregate)) {}
+    : replicas_to_aggregate_(replicas_to_aggregate), backups_(std::max(0, total_replicas - replicas_to_aggregate)) {}
 
 uint32_t WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t incarnation) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -16,8 +15,8 @@ uint32_t WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t 
     Worker& w = workers_[i];
     if (w.name != name) continue;
     if (w.conn != 0 && w.conn != conn) {
-      spdlog::warn("worker '{}' reconnected (incarnation {} -> {}); dropping its old connection", name,
-                   w.incarnation, incarnation);
+      spdlog::warn("worker '{}' reconnected (incarnation {} -> {}); dropping its old connection", name, w.incarnation,
+                   incarnation);
     }
     w.conn = conn;
     w.incarnation = incarnation;
@@ -69,14 +68,13 @@ int64_t WorkerRegistry::IndexOf(uint64_t conn) const {
 
 bool WorkerRegistry::AllFinished() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return !workers_.empty() &&
-         std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished; });
+  return !workers_.empty() && std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished; });
 }
 
 int WorkerRegistry::RequiredReplicas() const {
   std::lock_guard<std::mutex> lock(mu_);
-  int finished = static_cast<int>(
-      std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished; }));
+  int finished =
+      static_cast<int>(std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished; }));
   return std::max(1, replicas_to_aggregate_ - std::max(0, finished - backups_));
 }
 

@@ -1,9 +1,9 @@
 // The TF-style wrapper: TF's argument errors, the hook, init tokens and real training.
-#include <catch2/catch.hpp>
+#include "psclient/sync_replicas_optimizer.h"
 
+#include <catch2/catch.hpp>
 #include <thread>
 
-#include "psclient/sync_replicas_optimizer.h"
 #include "support/test_server.h"
 
 using namespace psd;
@@ -75,7 +75,8 @@ TEST_CASE("too few init tokens is TF's error", "[wrapper]") {
   psclient::Variable v("v", DType::kFloat32, {1});
   REQUIRE(v.Create(*c).ok());
   REQUIRE(opt.compute_gradients(Quadratic(0.f), {&v}).ok());
-  CHECK(opt.get_init_tokens(1).status().message() == "Too few tokens to finish the first step: 1 (given) vs 2 (needed)");
+  CHECK(opt.get_init_tokens(1).status().message() ==
+        "Too few tokens to finish the first step: 1 (given) vs 2 (needed)");
   CHECK(*opt.get_init_tokens(2) == 2);
 }
 

@@ -1,6 +1,6 @@
-#include <catch2/catch.hpp>
-
 #include "psd/tensor.h"
+
+#include <catch2/catch.hpp>
 
 using namespace psd;
 

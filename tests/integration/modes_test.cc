@@ -1,6 +1,5 @@
 // Consistency modes, sparse updates, moving averages and learning-rate changes over the wire.
 #include <catch2/catch.hpp>
-
 #include <thread>
 
 #include "support/test_server.h"

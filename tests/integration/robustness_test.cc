@@ -1,7 +1,6 @@
 // Hostile peers: malformed, oversized, truncated and unknown frames never crash psd or corrupt
 // its state; each gets an error reply or a closed connection.
 #include <catch2/catch.hpp>
-
 #include <random>
 
 #include "support/test_server.h"

@@ -1,7 +1,6 @@
 // An in-process psd on 127.0.0.1:0 and libpsclient workers: the synchronous flows end to end.
-#include <catch2/catch.hpp>
-
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <thread>
 

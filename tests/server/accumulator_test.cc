@@ -1,7 +1,7 @@
 // TF ConditionalAccumulator cases (tf_semantics.md section 1).
-#include <catch2/catch.hpp>
-
 #include "sync/accumulator.h"
+
+#include <catch2/catch.hpp>
 
 using namespace psd;
 using psd::server::DenseAccumulator;
@@ -101,8 +101,7 @@ TEST_CASE("shape mismatches use TF's message and change nothing", "[accumulator]
   CHECK_THAT(acc.ApplyGrad(5, DType::kFloat64, {3, 2}, d.data(), 48).status().message(),
              Catch::Contains("dtype mismatch"));
   std::vector<float> f(5, 1.f);
-  CHECK_THAT(acc.ApplyGrad(5, DType::kFloat32, {3, 2}, f.data(), 20).status().message(),
-             Catch::Contains("bytes"));
+  CHECK_THAT(acc.ApplyGrad(5, DType::kFloat32, {3, 2}, f.data(), 20).status().message(), Catch::Contains("bytes"));
 }
 
 TEST_CASE("set_global_step overwrites, may lower, and keeps pending gradients", "[accumulator]") {

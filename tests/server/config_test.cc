@@ -1,6 +1,6 @@
-#include <catch2/catch.hpp>
-
 #include "config.h"
+
+#include <catch2/catch.hpp>
 
 using namespace psd;
 using psd::server::ServerConfig;

@@ -1,7 +1,6 @@
 // The engine beyond plain sync: sparse updates, moving averages, learning-rate changes, soft sync,
 // async, per-variable optimizers.
 #include <catch2/catch.hpp>
-
 #include <cstring>
 
 #include "sync/sync_engine.h"
@@ -103,7 +102,7 @@ TEST_CASE("moving averages follow TF's rule, num_updates included", "[engine][em
   CHECK(Read(*e, "w", true) == std::vector<float>{0});  // shadow starts at the initial value
   PushDense(*e, 0, "w", {1}, {1});                      // w = -1
   CHECK(Read(*e, "w", true)[0] == Approx(-0.5));
-  PushDense(*e, 1, "w", {1}, {1});                      // w = -2
+  PushDense(*e, 1, "w", {1}, {1});  // w = -2
   CHECK(Read(*e, "w", true)[0] == Approx(-0.5 - 0.5 * (-0.5 + 2)));
 
   auto c2 = Cfg(1, 1);

@@ -1,12 +1,11 @@
 // Every optimizer against a reference computed independently here, element by element in double
 // precision from the TF/PyTorch formulas, for several steps, float32 and float64.
-#include <catch2/catch.hpp>
+#include "optimizer/optimizer.h"
 
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <functional>
 #include <vector>
-
-#include "optimizer/optimizer.h"
 
 using namespace psd;
 using namespace psd::server;
@@ -66,59 +65,79 @@ void CheckAll(double tol) {
   p.learning_rate = 0.1;
 
   p.name = "sgd";
-  RunAndCompare<T>(p, [](Ref& r, double g, int, const OptimizerParams& q) { r.v -= q.learning_rate * g; }, tol);
+  RunAndCompare<T>(
+      p, [](Ref& r, double g, int, const OptimizerParams& q) { r.v -= q.learning_rate * g; }, tol);
 
   p.name = "momentum";
   p.momentum = 0.9;
-  RunAndCompare<T>(p, [](Ref& r, double g, int, const OptimizerParams& q) {
-    r.s[0] = q.momentum * r.s[0] + g;
-    r.v -= q.learning_rate * r.s[0];
-  }, tol);
+  RunAndCompare<T>(
+      p,
+      [](Ref& r, double g, int, const OptimizerParams& q) {
+        r.s[0] = q.momentum * r.s[0] + g;
+        r.v -= q.learning_rate * r.s[0];
+      },
+      tol);
   p.nesterov = true;
-  RunAndCompare<T>(p, [](Ref& r, double g, int, const OptimizerParams& q) {
-    r.s[0] = q.momentum * r.s[0] + g;
-    r.v -= q.learning_rate * g + q.learning_rate * q.momentum * r.s[0];
-  }, tol);
+  RunAndCompare<T>(
+      p,
+      [](Ref& r, double g, int, const OptimizerParams& q) {
+        r.s[0] = q.momentum * r.s[0] + g;
+        r.v -= q.learning_rate * g + q.learning_rate * q.momentum * r.s[0];
+      },
+      tol);
   p.nesterov = false;
 
   p.name = "adagrad";
-  RunAndCompare<T>(p, [](Ref& r, double g, int, const OptimizerParams& q) {
-    r.s[0] += g * g;
-    r.v -= q.learning_rate * g / std::sqrt(r.s[0]);
-  }, tol);
+  RunAndCompare<T>(
+      p,
+      [](Ref& r, double g, int, const OptimizerParams& q) {
+        r.s[0] += g * g;
+        r.v -= q.learning_rate * g / std::sqrt(r.s[0]);
+      },
+      tol);
 
   p.name = "adam";
-  RunAndCompare<T>(p, [](Ref& r, double g, int t, const OptimizerParams& q) {
-    // PyTorch/Kingma-Ba form: bias-corrected moments. TF's form puts epsilon inside the
-    // corrected step; with epsilon this small both agree to the tolerance used here.
-    r.s[0] = q.beta1 * r.s[0] + (1 - q.beta1) * g;
-    r.s[1] = q.beta2 * r.s[1] + (1 - q.beta2) * g * g;
-    double mhat = r.s[0] / (1 - std::pow(q.beta1, t));
-    double vhat = r.s[1] / (1 - std::pow(q.beta2, t));
-    r.v -= q.learning_rate * mhat / (std::sqrt(vhat) + q.epsilon);
-  }, std::max(tol, 1e-6));
+  RunAndCompare<T>(
+      p,
+      [](Ref& r, double g, int t, const OptimizerParams& q) {
+        // PyTorch/Kingma-Ba form: bias-corrected moments. TF's form puts epsilon inside the
+        // corrected step; with epsilon this small both agree to the tolerance used here.
+        r.s[0] = q.beta1 * r.s[0] + (1 - q.beta1) * g;
+        r.s[1] = q.beta2 * r.s[1] + (1 - q.beta2) * g * g;
+        double mhat = r.s[0] / (1 - std::pow(q.beta1, t));
+        double vhat = r.s[1] / (1 - std::pow(q.beta2, t));
+        r.v -= q.learning_rate * mhat / (std::sqrt(vhat) + q.epsilon);
+      },
+      std::max(tol, 1e-6));
 
   p.name = "rmsprop";
   p.rms_momentum = 0.5;
-  RunAndCompare<T>(p, [](Ref& r, double g, int, const OptimizerParams& q) {
-    r.s[0] = q.rho * r.s[0] + (1 - q.rho) * g * g;
-    r.s[1] = q.rms_momentum * r.s[1] + q.learning_rate * g / std::sqrt(r.s[0] + q.epsilon);
-    r.v -= r.s[1];
-  }, tol);
+  RunAndCompare<T>(
+      p,
+      [](Ref& r, double g, int, const OptimizerParams& q) {
+        r.s[0] = q.rho * r.s[0] + (1 - q.rho) * g * g;
+        r.s[1] = q.rms_momentum * r.s[1] + q.learning_rate * g / std::sqrt(r.s[0] + q.epsilon);
+        r.v -= r.s[1];
+      },
+      tol);
 
   p.name = "ftrl";
   p.l1 = 0.01;
   p.l2 = 0.02;
-  RunAndCompare<T>(p, [](Ref& r, double g, int, const OptimizerParams& q) {
-    // McMahan et al. FTRL-Proximal per coordinate, with TF's lr_power = -0.5 and initial
-    // accumulator: sigma = (sqrt(n + g^2) - sqrt(n)) / lr.
-    double n_new = r.s[0] + g * g;
-    double sigma = (std::sqrt(n_new) - std::sqrt(r.s[0])) / q.learning_rate;
-    r.s[1] += g - sigma * r.v;
-    double z = r.s[1];
-    r.v = std::abs(z) <= q.l1 ? 0.0 : -(z - (z > 0 ? q.l1 : -q.l1)) / (std::sqrt(n_new) / q.learning_rate + 2 * q.l2);
-    r.s[0] = n_new;
-  }, tol);
+  RunAndCompare<T>(
+      p,
+      [](Ref& r, double g, int, const OptimizerParams& q) {
+        // McMahan et al. FTRL-Proximal per coordinate, with TF's lr_power = -0.5 and initial
+        // accumulator: sigma = (sqrt(n + g^2) - sqrt(n)) / lr.
+        double n_new = r.s[0] + g * g;
+        double sigma = (std::sqrt(n_new) - std::sqrt(r.s[0])) / q.learning_rate;
+        r.s[1] += g - sigma * r.v;
+        double z = r.s[1];
+        r.v =
+            std::abs(z) <= q.l1 ? 0.0 : -(z - (z > 0 ? q.l1 : -q.l1)) / (std::sqrt(n_new) / q.learning_rate + 2 * q.l2);
+        r.s[0] = n_new;
+      },
+      tol);
 }
 
 }  // namespace

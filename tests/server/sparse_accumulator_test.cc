@@ -1,7 +1,7 @@
 // TF SparseConditionalAccumulator cases (tf_semantics.md section 2).
-#include <catch2/catch.hpp>
-
 #include "sync/sparse_accumulator.h"
+
+#include <catch2/catch.hpp>
 
 using namespace psd;
 using psd::server::Reduction;
@@ -16,8 +16,8 @@ struct Grad {
   Shape values_shape;
   std::optional<Shape> dense_shape;
   SparseGradRef Ref() const {
-    return {idx.data(), static_cast<int64_t>(idx.size()), DType::kFloat32, values_shape, values.data(),
-            values.size() * sizeof(float), dense_shape};
+    return {idx.data(),    static_cast<int64_t>(idx.size()), DType::kFloat32, values_shape,
+            values.data(), values.size() * sizeof(float),    dense_shape};
   }
 };
 

@@ -1,6 +1,6 @@
-#include <catch2/catch.hpp>
-
 #include "sync/ssp_gate.h"
+
+#include <catch2/catch.hpp>
 
 using namespace psd;
 using psd::server::SspGate;

@@ -1,9 +1,8 @@
 // The daemon-side SyncReplicasOptimizer, step by step (tf_semantics.md sections 1 and 3).
-#include <catch2/catch.hpp>
-
-#include <cstring>
-
 #include "sync/sync_engine.h"
+
+#include <catch2/catch.hpp>
+#include <cstring>
 
 using namespace psd;
 using namespace psd::server;
@@ -123,7 +122,7 @@ TEST_CASE("three workers, two to aggregate, one backup: the late gradient is dro
   CHECK(e.Push(0, {{"w", 0.4f}})[0]);  // the step commits without the third worker
   CHECK(e.engine.global_step() == 1);
   CHECK(e.Value<float>("w") == Approx(1.0 - 0.3));
-  CHECK(e.engine.tokens().size() == 3);  // max(N, R) tokens: the backup is not starved
+  CHECK(e.engine.tokens().size() == 3);       // max(N, R) tokens: the backup is not starved
   CHECK_FALSE(e.Push(0, {{"w", 100.f}})[0]);  // the straggler: stale, reported
   CHECK(e.Value<float>("w") == Approx(0.7));
   for (int i = 0; i < 3; ++i) CHECK(e.TakeToken() == 1);

@@ -1,8 +1,7 @@
-#include <catch2/catch.hpp>
-
-#include <vector>
-
 #include "sync/token_queue.h"
+
+#include <catch2/catch.hpp>
+#include <vector>
 
 using namespace psd;
 using psd::server::TokenQueue;

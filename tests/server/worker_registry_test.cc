@@ -1,6 +1,6 @@
-#include <catch2/catch.hpp>
-
 #include "sync/worker_registry.h"
+
+#include <catch2/catch.hpp>
 
 using psd::server::WorkerRegistry;
 

@@ -2,12 +2,11 @@
 #ifndef PSD_TESTS_SUPPORT_TEST_SERVER_H_
 #define PSD_TESTS_SUPPORT_TEST_SERVER_H_
 
-#include <catch2/catch.hpp>
+#include <spdlog/spdlog.h>
 
+#include <catch2/catch.hpp>
 #include <memory>
 #include <string>
-
-#include <spdlog/spdlog.h>
 
 #include "net/server.h"
 #include "psclient/client.h"

@@ -24,8 +24,8 @@
 
 #include <cstdint>
 #include <memory>
-#include <string>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -46,9 +46,9 @@ using psd::TensorView;
 struct ClientOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 7070;
-  std::string worker_name;          // stable identity; default "worker-<pid>"
-  uint64_t incarnation = 0;         // bump on every restart; default: derived from the clock
-  int connect_timeout_ms = 10000;   // keeps retrying a refused connect until then
+  std::string worker_name;                // stable identity; default "worker-<pid>"
+  uint64_t incarnation = 0;               // bump on every restart; default: derived from the clock
+  int connect_timeout_ms = 10000;         // keeps retrying a refused connect until then
   uint64_t max_frame_bytes = 1ull << 30;  // largest reply accepted
 };
 
@@ -62,8 +62,8 @@ struct JobConfig {
   double learning_rate = 0;
   bool reduction_sum = false;
   std::vector<std::string> slot_names;
-  std::string mode;              // sync, async, ssp
-  int64_t staleness_bound = 0;   // ssp
+  std::string mode;             // sync, async, ssp
+  int64_t staleness_bound = 0;  // ssp
   double soft_sync_fraction = 0;
   int64_t step_deadline_ms = 0;
   double ema_decay = 0;
@@ -71,15 +71,15 @@ struct JobConfig {
 
 struct VariableOptions {
   bool trainable = true;
-  bool average = false;     // keep an exponential moving average on the daemon (psd --ema-decay)
-  std::string optimizer;    // empty: the job's optimizer; else one of psd's, with the job's hyper-parameters
+  bool average = false;   // keep an exponential moving average on the daemon (psd --ema-decay)
+  std::string optimizer;  // empty: the job's optimizer; else one of psd's, with the job's hyper-parameters
 };
 
 struct VariableInfo {
   std::string name;
   DType dtype;
   Shape shape;
-  bool created;    // this call created it
+  bool created;  // this call created it
   bool trainable;
 };
 
@@ -109,7 +109,7 @@ struct PushOutcome {
   Status token_status;              // its outcome (kDeadlineExceeded, kOutOfRange, ...)
   int64_t token = 0;                // the new local step, when token_status is OK
   bool is_chief = false;
-  int step_gradients = 0;           // gradients averaged (fewest per variable) in the last committed step
+  int step_gradients = 0;  // gradients averaged (fewest per variable) in the last committed step
 
   int accepted() const;
   int stale() const;

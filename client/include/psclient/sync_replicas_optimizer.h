@@ -64,6 +64,9 @@ class Variable {
   // Create-or-get on the daemon with this variable's current host value as the initial value.
   // Typically the chief does it (TF's chief initializes variables); others wait for readiness.
   Status Create(Client& client, bool trainable = true);
+  // With options: TF's variables_to_average is `options.average = true` (psd --ema-decay is
+  // TF's variable_averages); a per-variable optimizer is `options.optimizer`.
+  Status Create(Client& client, const VariableOptions& options);
 
  private:
   std::string name_;
@@ -165,7 +168,7 @@ class SyncReplicasOptimizer {
   Status status_;
   int replicas_to_aggregate_;
   int total_num_replicas_;
-  bool built_ = false;           // compute/apply seen: the "graph" exists
+  bool built_ = false;  // compute/apply seen: the "graph" exists
   bool gradients_applied_ = false;
   bool local_init_done_ = false;
   std::vector<Variable*> var_list_;

@@ -64,7 +64,7 @@ inline Status Unimplemented(std::string m) { return {Code::kUnimplemented, std::
 template <typename T>
 class Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}                                  // NOLINT: implicit by design
   Result(Status status) : status_(std::move(status)) { assert(!status_.ok()); }  // NOLINT
 
   bool ok() const { return status_.ok(); }
@@ -94,9 +94,9 @@ class Result {
 
 }  // namespace psd
 
-#define PSD_RETURN_IF_ERROR(expr)          \
-  do {                                     \
-    ::psd::Status psd_status_ = (expr);    \
+#define PSD_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::psd::Status psd_status_ = (expr);        \
     if (!psd_status_.ok()) return psd_status_; \
   } while (0)
 
