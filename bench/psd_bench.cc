@@ -1,26 +1,53 @@
-// psd_bench: measures psd's synchronous training step on loopback, the way a trainer drives it.
+// psd_bench: measures psd's training step on loopback, the way a trainer drives it.
 //
 // W worker threads, each with its own psclient::Client (one connection each, as real workers have),
-// run the SyncReplicasOptimizer loop: pull every variable in one call, push a gradient for every
-// variable tagged with the local step, wait for a token (the barrier), take the token as the new
-// local step. By default the push and the token wait are two calls so their latencies can be told
-// apart; --fused asks for the token in the push (one round trip, what a tuned trainer does).
+// run the trainer loop: pull, push a gradient tagged with the local step, wait for a token (the
+// barrier), take the token as the new local step. By default the push and the token wait are two
+// calls so their latencies can be told apart; --fused asks for the token in the push (one round
+// trip, what a tuned trainer does).
 //
-// The daemon is either started in this process (127.0.0.1, port 0) or reached with --connect.
-// --warmup and --steps count global steps: all workers start together after the chief created the
-// variables, and each stops once its token reaches the last step.
-// Figures: steps/s and step time on worker 0, bytes moved by all workers per second of worker 0's
-// measured wall time, per-call latency percentiles over all workers, accepted/stale gradients.
+// Workloads:
+//  - dense (default): --model-bytes split into --variables float32 variables; every step pulls all
+//    of them in one call and pushes a gradient for each.
+//  - --sparse: one float32 embedding of --embedding-rows x --embedding-dim. Every step a worker
+//    draws --batch-rows distinct rows (sampled without replacement from a per-worker RNG seeded
+//    with --seed + worker index, sorted), pulls them with PullRows, computes a small gradient from
+//    the pulled values (c + 0.01 * value) and pushes it as a SparseGradient (indices + values
+//    [rows, dim]). Drawing the batch is outside the timed step; the gradient computation is inside.
+//
+// Consistency modes (--mode, in-process daemon; with --connect the daemon's mode, announced in the
+// handshake, decides):
+//  - sync: the barrier is the token queue. --warmup and --steps count global steps: all workers
+//    start together after the chief created the variables, and each stops once its token reaches
+//    the last step. (A fixed iteration count per worker could hang: a worker may take a token left
+//    over from an earlier commit and do an extra iteration, and the others would then wait at the
+//    end for a step nobody pushes.) steps/s is measured on worker 0.
+//  - async / ssp (--staleness N): every push is applied on arrival and is one global step; the
+//    token wait returns the global step at once (async) or after the bounded-staleness barrier
+//    (ssp). There is no shared token queue, so the stopping rule is a fixed iteration count: each
+//    worker does --warmup unmeasured then --steps measured iterations. The measured phase starts
+//    together (a bench-side rendezvous after every worker's warmup; safe in ssp because the
+//    workers still in warmup are the slowest and never wait) and ends when the last worker is
+//    done; steps/s = global steps (= applied pushes, W x --steps) / that window.
+//
+// Figures: steps/s and step time (worker 0), bytes moved by all workers per second of the
+// measured window (dense: tensor bytes; sparse: values plus int64 row indices), for --sparse rows
+// pushed/pulled per second, per-call latency percentiles over all workers, accepted/stale
+// gradients and the staleness (global step - local step) the daemon reported for each push.
 // Compare against the raw-socket floor (bench/compare_floor.sh) in the same run: absolute times
 // drift on shared machines, ratios much less.
 //
 // Every wait is bounded: token waits by --token-timeout-ms, setup by the same deadline, and the
 // whole run by --timeout-s (a watchdog ends the process, since a blocked client read cannot be
 // interrupted from outside). Errors are printed and the exit status is 1.
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cctype>
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <condition_variable>
@@ -29,17 +56,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <random>
 #include <string>
 #include <system_error>
 #include <thread>
+#include <unordered_set>
 #include <utility>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <spdlog/sinks/stdout_color_sinks.h>
-#include <spdlog/spdlog.h>
 
 #include "config.h"
 #include "net/server.h"
@@ -60,15 +87,24 @@ constexpr uint64_t kMaxVariableBytes = (1ull << 29) - 8;
 // Room for the message structure around the tensor bytes (names, shapes, segment table).
 constexpr uint64_t kFrameOverheadBytes = 64 << 10;
 constexpr uint64_t kFrameOverheadPerVariable = 1 << 10;
+constexpr char kEmbeddingName[] = "bench/emb";
 
 struct Options {
   std::string connect;  // HOST:PORT; empty: start psd in this process
   int workers = 2;
   int replicas_to_aggregate = -1;  // -1: the number of workers
   int backup_replicas = -1;        // -1: not given (psd's default, 0)
+  std::string mode = "sync";       // in-process psd: sync, async, ssp
+  int64_t staleness = -1;          // in-process psd, ssp: -1: psd's default
+  std::string optimizer = "sgd";   // in-process psd
   std::string model_bytes_text = "4M";
   uint64_t model_bytes = 0;
   int variables = 1;
+  bool sparse = false;
+  int64_t embedding_rows = 1000000;
+  int64_t embedding_dim = 64;
+  int64_t batch_rows = 4096;
+  uint64_t seed = 1;
   int warmup = 3;
   int steps = 20;
   bool fused = false;
@@ -100,13 +136,28 @@ struct WorkerStats {
   std::vector<double> wait_ms;  // token waits (empty with --fused)
   uint64_t pushed_bytes = 0;
   uint64_t pulled_bytes = 0;
+  int64_t pushed_rows = 0;  // --sparse
+  int64_t pulled_rows = 0;  // --sparse
   int64_t accepted = 0;
   int64_t stale = 0;
   int64_t warmup_stale = 0;
+  int64_t pushes = 0;         // measured pushes (one per iteration)
+  int64_t staleness_sum = 0;  // over measured pushes: the largest staleness of the push's results
+  int64_t staleness_max = 0;
   double measured_s = 0;
-  int64_t first_step = 0;  // global step when the measured phase began (worker 0 only)
-  int64_t last_step = 0;   // global step when it ended (worker 0 only)
+  int64_t first_step = 0;  // sync: global step when the measured phase began (worker 0 only)
+  int64_t last_step = 0;   // sync: global step when it ended (worker 0 only)
   psclient::JobConfig job;
+};
+
+// Async/ssp: the measured window shared by all workers. Written by the worker that completes the
+// start rendezvous (before anyone is released) and by the last worker to finish; read by main
+// after the threads are joined.
+struct Window {
+  Clock::time_point start;
+  Clock::time_point end;
+  int64_t first_step = 0;
+  int64_t last_step = 0;
 };
 
 // Shared between the worker threads and main: the first error, and how many workers have exited.
@@ -134,6 +185,27 @@ class RunState {
     }
     return failed_.load() ? -1 : start_step_;
   }
+  // Async/ssp: blocks until `parties` workers finished their warmup; the last to arrive runs
+  // `on_last` (which opens the measured window) before anyone is released. Returns false if the
+  // run failed meanwhile. Used once.
+  bool MeasureTogether(int parties, const std::function<void()>& on_last) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (++measure_arrived_ == parties) {
+      lock.unlock();
+      on_last();  // may call Fail(), which takes mu_
+      lock.lock();
+      measure_released_ = true;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return measure_released_ || failed_.load(); });
+    }
+    return !failed_.load();
+  }
+  // Async/ssp: a worker finished its measured iterations; true for the last one.
+  bool MeasuredDone(int parties) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ++measure_done_ == parties;
+  }
   bool failed() const { return failed_.load(); }
   std::string error() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -147,14 +219,19 @@ class RunState {
     return exited_ == workers;
   }
 
+  Window window;  // async/ssp; see Window
+
  private:
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<bool> failed_{false};
-  std::string error_;       // guarded by mu_
-  int exited_ = 0;          // guarded by mu_
-  int arrived_ = 0;         // guarded by mu_
-  int64_t start_step_ = 0;  // guarded by mu_
+  std::string error_;              // guarded by mu_
+  int exited_ = 0;                 // guarded by mu_
+  int arrived_ = 0;                // guarded by mu_
+  int64_t start_step_ = 0;         // guarded by mu_
+  int measure_arrived_ = 0;        // guarded by mu_
+  bool measure_released_ = false;  // guarded by mu_
+  int measure_done_ = 0;           // guarded by mu_
 };
 
 // "4096", "4K", "4M", "64M", "1G" (binary multiples; "KiB"/"MB" spellings accepted too).
@@ -264,6 +341,161 @@ std::string JsonNumber(double v) {
   return buf;
 }
 
+// What one worker pulls and pushes each iteration. Buffers are allocated once: the loop measures
+// psd, not the allocator. uint64_t storage keeps tensors 8-byte aligned so libpsclient sends
+// them without staging copies.
+class Workload {
+ public:
+  virtual ~Workload() = default;
+  // The chief creates the variables (zeros: an empty initial tensor, so creating a big one
+  // costs the daemon an allocation, not a transfer).
+  virtual Status Create(psclient::Client& c) = 0;
+  // The first read; kNotFound until the chief created the variables. Returns the global step.
+  virtual Result<int64_t> FirstPull(psclient::Client& c) = 0;
+  // Untimed: prepares the next iteration (sparse: draws the batch).
+  virtual void Next() {}
+  virtual Result<int64_t> Pull(psclient::Client& c) = 0;
+  // Timed as part of the step, outside the pull and push latencies.
+  virtual void Compute() {}
+  virtual Result<psclient::PushOutcome> Push(psclient::Client& c, int64_t local_step, bool wait_token,
+                                             int64_t timeout_ms) = 0;
+  // Moved per iteration.
+  virtual uint64_t pull_bytes() const = 0;
+  virtual uint64_t push_bytes() const = 0;
+  virtual int64_t rows() const { return 0; }
+};
+
+std::string CreateHint(const Status& s, const char* flags) {
+  return s.code() == psd::Code::kAlreadyExists
+             ? std::string(" (a previous run created it with another size: restart psd or use the same ") + flags + ")"
+             : "";
+}
+
+class DenseWorkload : public Workload {
+ public:
+  DenseWorkload(int index, const std::vector<VarSpec>& vars) : vars_(vars) {
+    grad_storage_.resize(vars.size());
+    value_storage_.resize(vars.size());
+    grads_.reserve(vars.size());
+    outs_.reserve(vars.size());
+    for (size_t i = 0; i < vars.size(); ++i) {
+      const size_t words = (vars[i].bytes() + 7) / 8;
+      // Small per-worker constants: the model drifts slowly and stays finite for any step count.
+      const float g = 1e-3f * static_cast<float>(index + 1);
+      const float pair[2] = {g, g};
+      uint64_t pattern = 0;
+      std::memcpy(&pattern, pair, sizeof(pattern));
+      grad_storage_[i].assign(words, pattern);
+      value_storage_[i].assign(words, 0);
+      const psd::Shape shape{vars[i].elements};
+      grads_.push_back({vars[i].name, psclient::ConstTensorView{grad_storage_[i].data(), psd::DType::kFloat32, shape}});
+      outs_.emplace_back(vars[i].name, psclient::TensorView{value_storage_[i].data(), psd::DType::kFloat32, shape});
+      model_bytes_ += vars[i].bytes();
+    }
+  }
+  Status Create(psclient::Client& c) override {
+    for (const VarSpec& v : vars_) {
+      auto created = c.CreateVariable(v.name, psclient::ConstTensorView{nullptr, psd::DType::kFloat32, {v.elements}});
+      if (!created.ok()) {
+        return Status(created.status().code(), "create '" + v.name + "': " + created.status().message() +
+                                                   CreateHint(created.status(), "--model-bytes and --variables"));
+      }
+    }
+    return Status::Ok();
+  }
+  Result<int64_t> FirstPull(psclient::Client& c) override { return c.Pull(outs_); }
+  Result<int64_t> Pull(psclient::Client& c) override { return c.Pull(outs_); }
+  Result<psclient::PushOutcome> Push(psclient::Client& c, int64_t local_step, bool wait_token,
+                                     int64_t timeout_ms) override {
+    return c.Push(local_step, grads_, wait_token, timeout_ms);
+  }
+  uint64_t pull_bytes() const override { return model_bytes_; }
+  uint64_t push_bytes() const override { return model_bytes_; }
+
+ private:
+  const std::vector<VarSpec>& vars_;
+  std::vector<std::vector<uint64_t>> grad_storage_;
+  std::vector<std::vector<uint64_t>> value_storage_;
+  std::vector<psclient::Gradient> grads_;
+  std::vector<std::pair<std::string, psclient::TensorView>> outs_;
+  uint64_t model_bytes_ = 0;
+};
+
+class SparseWorkload : public Workload {
+ public:
+  SparseWorkload(int index, const Options& opt)
+      : rows_total_(opt.embedding_rows),
+        dim_(opt.embedding_dim),
+        batch_(opt.batch_rows),
+        rng_(opt.seed + static_cast<uint64_t>(index)),
+        bias_(1e-3f * static_cast<float>(index + 1)) {
+    const size_t elements = static_cast<size_t>(batch_ * dim_);
+    value_storage_.assign((elements * sizeof(float) + 7) / 8, 0);
+    grad_storage_.assign((elements * sizeof(float) + 7) / 8, 0);
+    chosen_.reserve(static_cast<size_t>(batch_) * 2);
+    batch_rows_.reserve(static_cast<size_t>(batch_));
+    sparse_.resize(1);
+    sparse_[0].name = kEmbeddingName;
+    sparse_[0].indices.reserve(static_cast<size_t>(batch_));
+    sparse_[0].values = psclient::ConstTensorView{grad_storage_.data(), psd::DType::kFloat32, {batch_, dim_}};
+  }
+  Status Create(psclient::Client& c) override {
+    auto created =
+        c.CreateVariable(kEmbeddingName, psclient::ConstTensorView{nullptr, psd::DType::kFloat32, {rows_total_, dim_}});
+    if (!created.ok()) {
+      return Status(created.status().code(), std::string("create '") + kEmbeddingName +
+                                                 "': " + created.status().message() +
+                                                 CreateHint(created.status(), "--embedding-rows and --embedding-dim"));
+    }
+    return Status::Ok();
+  }
+  Result<int64_t> FirstPull(psclient::Client& c) override {
+    return c.PullRows(kEmbeddingName, {0},
+                      psclient::TensorView{value_storage_.data(), psd::DType::kFloat32, {1, dim_}});
+  }
+  // Floyd's sampling: batch_ distinct rows of [0, rows_total_) in O(batch_), then sorted.
+  void Next() override {
+    chosen_.clear();
+    for (int64_t j = rows_total_ - batch_; j < rows_total_; ++j) {
+      int64_t t = std::uniform_int_distribution<int64_t>(0, j)(rng_);
+      if (!chosen_.insert(t).second) chosen_.insert(j);
+    }
+    batch_rows_.assign(chosen_.begin(), chosen_.end());
+    std::sort(batch_rows_.begin(), batch_rows_.end());
+  }
+  Result<int64_t> Pull(psclient::Client& c) override {
+    return c.PullRows(kEmbeddingName, batch_rows_,
+                      psclient::TensorView{value_storage_.data(), psd::DType::kFloat32, {batch_, dim_}});
+  }
+  void Compute() override {
+    const float* v = reinterpret_cast<const float*>(value_storage_.data());
+    float* g = reinterpret_cast<float*>(grad_storage_.data());
+    const int64_t n = batch_ * dim_;
+    for (int64_t i = 0; i < n; ++i) g[i] = bias_ + 0.01f * v[i];
+  }
+  Result<psclient::PushOutcome> Push(psclient::Client& c, int64_t local_step, bool wait_token,
+                                     int64_t timeout_ms) override {
+    sparse_[0].indices.assign(batch_rows_.begin(), batch_rows_.end());
+    return c.Push(local_step, no_dense_, sparse_, wait_token, timeout_ms);
+  }
+  uint64_t pull_bytes() const override { return static_cast<uint64_t>(batch_) * (dim_ * sizeof(float) + 8); }
+  uint64_t push_bytes() const override { return pull_bytes(); }
+  int64_t rows() const override { return batch_; }
+
+ private:
+  const int64_t rows_total_;
+  const int64_t dim_;
+  const int64_t batch_;
+  std::mt19937_64 rng_;
+  const float bias_;
+  std::unordered_set<int64_t> chosen_;
+  std::vector<int64_t> batch_rows_;
+  std::vector<uint64_t> value_storage_;
+  std::vector<uint64_t> grad_storage_;
+  const std::vector<psclient::Gradient> no_dense_;
+  std::vector<psclient::SparseGradient> sparse_;
+};
+
 // One worker: connect, (chief) create the variables, then warmup + measured steps.
 void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame_limit,
                const std::vector<VarSpec>& vars, RunState* state, WorkerStats* stats) {
@@ -279,55 +511,32 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   if (!connected.ok()) return fail("connect to " + ep.host + ":" + std::to_string(ep.port), connected.status());
   psclient::Client& c = **connected;
   stats->job = c.config();
+  // The daemon's mode decides the loop (with --connect it may differ from --mode).
+  const bool sync = c.config().mode.empty() || c.config().mode == "sync";
   // Fewer workers than the daemon needs per step would only end in token-wait timeouts.
-  if (c.config().replicas_to_aggregate > opt.workers) {
+  if (sync && c.config().replicas_to_aggregate > opt.workers) {
     state->Fail(who + ": psd needs " + std::to_string(c.config().replicas_to_aggregate) +
                 " fresh gradients per step but the bench runs only " + std::to_string(opt.workers) +
                 " workers; pass --workers " + std::to_string(c.config().replicas_to_aggregate) + " or more");
     return;
   }
 
-  // Buffers are allocated once: the loop measures psd, not the allocator. uint64_t storage keeps
-  // gradients 8-byte aligned so libpsclient sends them without staging copies.
-  std::vector<std::vector<uint64_t>> grad_storage(vars.size());
-  std::vector<std::vector<uint64_t>> value_storage(vars.size());
-  std::vector<psclient::Gradient> grads;
-  std::vector<std::pair<std::string, psclient::TensorView>> outs;
-  grads.reserve(vars.size());
-  outs.reserve(vars.size());
-  uint64_t model_bytes = 0;
-  for (size_t i = 0; i < vars.size(); ++i) {
-    const size_t words = (vars[i].bytes() + 7) / 8;
-    // Small per-worker constants: the model drifts slowly and stays finite for any step count.
-    const float g = 1e-3f * static_cast<float>(index + 1);
-    const float pair[2] = {g, g};
-    uint64_t pattern = 0;
-    std::memcpy(&pattern, pair, sizeof(pattern));
-    grad_storage[i].assign(words, pattern);
-    value_storage[i].assign(words, 0);
-    const psd::Shape shape{vars[i].elements};
-    grads.push_back({vars[i].name, psclient::ConstTensorView{grad_storage[i].data(), psd::DType::kFloat32, shape}});
-    outs.emplace_back(vars[i].name, psclient::TensorView{value_storage[i].data(), psd::DType::kFloat32, shape});
-    model_bytes += vars[i].bytes();
+  std::unique_ptr<Workload> work;
+  if (opt.sparse) {
+    work = std::make_unique<SparseWorkload>(index, opt);
+  } else {
+    work = std::make_unique<DenseWorkload>(index, vars);
   }
 
   // TF's chief creates the variables; the others wait for them by pulling until they exist.
   if (c.is_chief()) {
-    for (const VarSpec& v : vars) {
-      auto created = c.CreateVariable(v.name, psclient::ConstTensorView{nullptr, psd::DType::kFloat32, {v.elements}});
-      if (!created.ok()) {
-        std::string hint = created.status().code() == psd::Code::kAlreadyExists
-                               ? " (a previous run created it with another size: restart psd or use the same "
-                                 "--model-bytes and --variables)"
-                               : "";
-        return state->Fail(who + ": create '" + v.name + "': " + created.status().ToString() + hint);
-      }
-    }
+    Status s = work->Create(c);
+    if (!s.ok()) return state->Fail(who + ": " + s.ToString());
   }
   const auto setup_deadline = Clock::now() + std::chrono::milliseconds(opt.token_timeout_ms);
   int64_t local_step = 0;
   for (;;) {
-    auto pulled = c.Pull(outs);
+    auto pulled = work->FirstPull(c);
     if (pulled.ok()) {
       local_step = *pulled;  // TF: a worker's local step starts at the global step
       break;
@@ -341,66 +550,74 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
-  // Everyone starts together. A worker that started alone would not wait for the others: psd
-  // queues N tokens per step, so one worker can take them all and fill the accumulator with its
-  // own gradients (TF semantics), running steps ahead and skewing the whole measurement.
+  // Everyone starts together. A worker that started alone would not wait for the others: in sync
+  // mode psd queues N tokens per step, so one worker can take them all and fill the accumulator
+  // with its own gradients (TF semantics), running steps ahead and skewing the whole measurement.
   const int64_t start_step = state->StartTogether(opt.workers, local_step);
   if (start_step < 0) return;
 
-  // The run is counted in global steps, not in iterations per worker: a worker may take a token
-  // left over from an earlier commit and do an extra iteration, and with a fixed iteration count
-  // the others would then wait at the end for a step nobody pushes. A worker stops once its
-  // token reaches the last step; the W tokens of that step are enough for every worker.
+  // Stopping rules: see the header. Sync counts global steps (the token reaches end_step);
+  // async/ssp count this worker's iterations.
   const int64_t measure_from = start_step + opt.warmup;
   const int64_t end_step = measure_from + opt.steps;
+  const int64_t iterations = static_cast<int64_t>(opt.warmup) + opt.steps;
   for (auto* v : {&stats->step_ms, &stats->pull_ms, &stats->push_ms, &stats->wait_ms}) {
     v->reserve(static_cast<size_t>(opt.steps) + 8);
   }
   Clock::time_point measure_start = Clock::now();
   bool measuring = false;
-  while (local_step < end_step) {
+  for (int64_t it = 0; sync ? local_step < end_step : it < iterations; ++it) {
     if (state->failed()) return;  // another worker failed: the run is over
-    const bool measured = local_step >= measure_from;
+    const bool measured = sync ? local_step >= measure_from : it >= opt.warmup;
     if (measured && !measuring) {
       measuring = true;
-      // A token is not always the current global step (see above), so worker 0 counts steps
-      // with the daemon's own figure, read outside the timed window.
-      if (index == 0) {
-        auto step = c.GlobalStep();
-        if (!step.ok()) return fail("status at the start of the measured phase", step.status());
-        stats->first_step = *step;
+      if (sync) {
+        // A token is not always the current global step (see above), so worker 0 counts steps
+        // with the daemon's own figure, read outside the timed window.
+        if (index == 0) {
+          auto step = c.GlobalStep();
+          if (!step.ok()) return fail("status at the start of the measured phase", step.status());
+          stats->first_step = *step;
+        }
+      } else {
+        bool together = state->MeasureTogether(opt.workers, [&] {
+          auto step = c.GlobalStep();
+          if (!step.ok()) return fail("status at the start of the measured phase", step.status());
+          state->window.first_step = *step;
+          state->window.start = Clock::now();
+        });
+        if (!together) return;
       }
       measure_start = Clock::now();
     }
+    work->Next();
     const auto t0 = Clock::now();
-    auto pulled = c.Pull(outs);
+    auto pulled = work->Pull(c);
     if (!pulled.ok()) return fail("pull at local step " + std::to_string(local_step), pulled.status());
     const auto t1 = Clock::now();
+    work->Compute();
+    const auto tc = Clock::now();
     int64_t token = 0;
-    int accepted = 0;
-    int stale = 0;
     Clock::time_point t2;
+    auto pushed = work->Push(c, local_step, /*wait_token=*/opt.fused, opt.token_timeout_ms);
+    if (!pushed.ok()) return fail("push at local step " + std::to_string(local_step), pushed.status());
     if (opt.fused) {
-      auto pushed = c.Push(local_step, grads, /*wait_token=*/true, opt.token_timeout_ms);
-      if (!pushed.ok()) return fail("push at local step " + std::to_string(local_step), pushed.status());
       if (!pushed->token_status.ok()) {
         return fail("token wait after the push at local step " + std::to_string(local_step), pushed->token_status);
       }
       token = pushed->token;
-      accepted = pushed->accepted();
-      stale = pushed->stale();
       t2 = Clock::now();
     } else {
-      auto pushed = c.Push(local_step, grads);
-      if (!pushed.ok()) return fail("push at local step " + std::to_string(local_step), pushed.status());
-      accepted = pushed->accepted();
-      stale = pushed->stale();
       t2 = Clock::now();
       auto waited = c.WaitToken(opt.token_timeout_ms);
       if (!waited.ok()) return fail("token wait at local step " + std::to_string(local_step), waited.status());
       token = *waited;
     }
     const auto t3 = Clock::now();
+    const int accepted = pushed->accepted();
+    const int stale = pushed->stale();
+    int64_t staleness = 0;
+    for (const psclient::PushResult& r : pushed->results) staleness = std::max(staleness, r.staleness);
     local_step = token;
     if (!measured) {
       stats->warmup_stale += stale;
@@ -408,22 +625,37 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
     }
     stats->step_ms.push_back(Ms(t3 - t0));
     stats->pull_ms.push_back(Ms(t1 - t0));
-    stats->push_ms.push_back(Ms(t2 - t1));
+    stats->push_ms.push_back(Ms(t2 - tc));
     if (!opt.fused) stats->wait_ms.push_back(Ms(t3 - t2));
-    stats->pulled_bytes += model_bytes;
-    stats->pushed_bytes += model_bytes;
+    stats->pulled_bytes += work->pull_bytes();
+    stats->pushed_bytes += work->push_bytes();
+    stats->pulled_rows += work->rows();
+    stats->pushed_rows += work->rows();
     stats->accepted += accepted;
     stats->stale += stale;
+    stats->pushes += 1;
+    stats->staleness_sum += staleness;
+    stats->staleness_max = std::max(stats->staleness_max, staleness);
   }
-  stats->measured_s = std::chrono::duration<double>(Clock::now() - measure_start).count();
-  if (index == 0) {
+  const auto measure_end = Clock::now();
+  stats->measured_s = std::chrono::duration<double>(measure_end - measure_start).count();
+  if (sync) {
+    if (index == 0) {
+      auto step = c.GlobalStep();
+      if (!step.ok()) return fail("status at the end of the measured phase", step.status());
+      stats->last_step = *step;
+    }
+  } else if (state->MeasuredDone(opt.workers)) {
+    // The last worker's last push has been applied: every measured push is in the global step.
+    state->window.end = measure_end;
     auto step = c.GlobalStep();
     if (!step.ok()) return fail("status at the end of the measured phase", step.status());
-    stats->last_step = *step;
+    state->window.last_step = *step;
   }
   if (opt.finish) {
-    // Lets the remaining workers' last steps commit with fewer gradients, and an --exit-when-done
-    // daemon exit, instead of logging "disconnected without finishing".
+    // Sync: lets the remaining workers' last steps commit with fewer gradients; ssp: stops
+    // holding the others back; and an --exit-when-done daemon exits, instead of logging
+    // "disconnected without finishing".
     Status s = c.Finish();
     if (!s.ok()) return fail("finish", s);
   }
@@ -433,14 +665,21 @@ struct Report {
   std::string build_type;
   bool ndebug = false;
   bool build_warning = false;
-  std::string mode;
+  std::string daemon;  // in-process, connect
   std::string endpoint;
-  int io_threads = -1;  // unknown with --connect
+  int io_threads = -1;           // unknown with --connect
+  std::string mode;              // sync, async, ssp (as the daemon announced it)
+  int64_t staleness_bound = -1;  // ssp only
+  std::string optimizer;
+  double learning_rate = 0;
+  int slots = 0;  // optimizer slots per variable on the daemon
   int replicas_to_aggregate = 0;
   int total_replicas = 0;
   int workers = 0;
+  bool sparse = false;
   uint64_t model_bytes = 0;
   int variables = 0;
+  int64_t embedding_rows = 0, embedding_dim = 0, batch_rows = 0;
   int warmup = 0;
   int steps = 0;
   bool fused = false;
@@ -449,43 +688,71 @@ struct Report {
   double steps_per_s = 0;
   double step_p50 = 0, step_p99 = 0;
   double push_gbps = 0, pull_gbps = 0;
+  double push_rows_per_s = 0, pull_rows_per_s = 0;
   double push_p50 = 0, push_p99 = 0;
   double wait_p50 = 0, wait_p99 = 0;
   double pull_p50 = 0, pull_p99 = 0;
   int64_t accepted = 0, stale = 0, warmup_stale = 0;
+  double staleness_mean = 0;
+  int64_t staleness_max = 0;
 };
 
-Report Summarize(const Options& opt, std::vector<WorkerStats>& stats) {
+bool IsSync(const std::string& mode) { return mode.empty() || mode == "sync"; }
+
+Report Summarize(const Options& opt, const Window& window, std::vector<WorkerStats>& stats) {
   Report r;
   WorkerStats& w0 = stats[0];
   r.workers = opt.workers;
-  r.model_bytes = opt.model_bytes;
-  r.variables = opt.variables;
+  r.sparse = opt.sparse;
+  r.model_bytes = opt.sparse ? 0 : opt.model_bytes;
+  r.variables = opt.sparse ? 1 : opt.variables;
+  r.embedding_rows = opt.embedding_rows;
+  r.embedding_dim = opt.embedding_dim;
+  r.batch_rows = opt.batch_rows;
   r.warmup = opt.warmup;
   r.steps = opt.steps;
   r.fused = opt.fused;
+  r.mode = w0.job.mode.empty() ? "sync" : w0.job.mode;
+  r.staleness_bound = r.mode == "ssp" ? w0.job.staleness_bound : -1;
+  r.optimizer = w0.job.optimizer;
+  r.learning_rate = w0.job.learning_rate;
+  r.slots = static_cast<int>(w0.job.slot_names.size());
   r.replicas_to_aggregate = w0.job.replicas_to_aggregate;
   r.total_replicas = w0.job.total_replicas;
-  r.wall_s = w0.measured_s;
-  r.global_steps = w0.last_step - w0.first_step;
+  if (IsSync(r.mode)) {
+    r.wall_s = w0.measured_s;
+    r.global_steps = w0.last_step - w0.first_step;
+  } else {
+    r.wall_s = std::chrono::duration<double>(window.end - window.start).count();
+    r.global_steps = window.last_step - window.first_step;
+  }
   r.steps_per_s = r.wall_s > 0 ? static_cast<double>(r.global_steps) / r.wall_s : NAN;
   std::vector<double> step = w0.step_ms;
   r.step_p50 = Percentile(step, 50);
   r.step_p99 = Percentile(step, 99);
   std::vector<double> push, wait, pull;
   uint64_t pushed = 0, pulled = 0;
+  int64_t pushed_rows = 0, pulled_rows = 0, pushes = 0, staleness_sum = 0;
   for (const WorkerStats& s : stats) {
     push.insert(push.end(), s.push_ms.begin(), s.push_ms.end());
     wait.insert(wait.end(), s.wait_ms.begin(), s.wait_ms.end());
     pull.insert(pull.end(), s.pull_ms.begin(), s.pull_ms.end());
     pushed += s.pushed_bytes;
     pulled += s.pulled_bytes;
+    pushed_rows += s.pushed_rows;
+    pulled_rows += s.pulled_rows;
     r.accepted += s.accepted;
     r.stale += s.stale;
     r.warmup_stale += s.warmup_stale;
+    pushes += s.pushes;
+    staleness_sum += s.staleness_sum;
+    r.staleness_max = std::max(r.staleness_max, s.staleness_max);
   }
+  r.staleness_mean = pushes > 0 ? static_cast<double>(staleness_sum) / static_cast<double>(pushes) : NAN;
   r.push_gbps = r.wall_s > 0 ? static_cast<double>(pushed) / r.wall_s / 1e9 : NAN;
   r.pull_gbps = r.wall_s > 0 ? static_cast<double>(pulled) / r.wall_s / 1e9 : NAN;
+  r.push_rows_per_s = r.wall_s > 0 ? static_cast<double>(pushed_rows) / r.wall_s : NAN;
+  r.pull_rows_per_s = r.wall_s > 0 ? static_cast<double>(pulled_rows) / r.wall_s : NAN;
   r.push_p50 = Percentile(push, 50);
   r.push_p99 = Percentile(push, 99);
   r.wait_p50 = Percentile(wait, 50);
@@ -506,20 +773,32 @@ void PrintJson(const Report& r) {
   };
   auto integer = [](int64_t v) { return std::to_string(v); };
   auto boolean = [](bool v) { return std::string(v ? "true" : "false"); };
+  const std::string null = "null";
+  const bool sync = IsSync(r.mode);
   field("tool", JsonString("psd_bench"));
   field("build_type", JsonString(r.build_type));
   field("ndebug", boolean(r.ndebug));
   field("build_warning", boolean(r.build_warning));
-  field("mode", JsonString(r.mode));
+  field("daemon", JsonString(r.daemon));
   field("endpoint", JsonString(r.endpoint));
-  field("io_threads", r.io_threads < 0 ? "null" : integer(r.io_threads));
-  field("replicas_to_aggregate", integer(r.replicas_to_aggregate));
-  field("total_replicas", integer(r.total_replicas));
+  field("io_threads", r.io_threads < 0 ? null : integer(r.io_threads));
+  field("mode", JsonString(r.mode));
+  field("staleness_bound", r.staleness_bound < 0 ? null : integer(r.staleness_bound));
+  field("optimizer", JsonString(r.optimizer));
+  field("learning_rate", JsonNumber(r.learning_rate));
+  field("optimizer_slots", integer(r.slots));
+  field("replicas_to_aggregate", sync ? integer(r.replicas_to_aggregate) : null);
+  field("total_replicas", sync ? integer(r.total_replicas) : null);
   field("workers", integer(r.workers));
-  field("model_bytes", std::to_string(r.model_bytes));
+  field("workload", JsonString(r.sparse ? "sparse" : "dense"));
+  field("model_bytes", r.sparse ? null : std::to_string(r.model_bytes));
   field("variables", integer(r.variables));
+  field("embedding_rows", r.sparse ? integer(r.embedding_rows) : null);
+  field("embedding_dim", r.sparse ? integer(r.embedding_dim) : null);
+  field("batch_rows", r.sparse ? integer(r.batch_rows) : null);
   field("warmup", integer(r.warmup));
   field("steps", integer(r.steps));
+  field("stop_rule", JsonString(sync ? "global_steps" : "iterations_per_worker"));
   field("fused", boolean(r.fused));
   field("wall_s", JsonNumber(r.wall_s));
   field("global_steps", integer(r.global_steps));
@@ -528,6 +807,8 @@ void PrintJson(const Report& r) {
   field("step_ms_p99", JsonNumber(r.step_p99));
   field("push_gb_per_s", JsonNumber(r.push_gbps));
   field("pull_gb_per_s", JsonNumber(r.pull_gbps));
+  field("push_rows_per_s", r.sparse ? JsonNumber(r.push_rows_per_s) : null);
+  field("pull_rows_per_s", r.sparse ? JsonNumber(r.pull_rows_per_s) : null);
   if (r.fused) {
     field("push_token_ms_p50", JsonNumber(r.push_p50));
     field("push_token_ms_p99", JsonNumber(r.push_p99));
@@ -542,26 +823,47 @@ void PrintJson(const Report& r) {
   field("accepted", integer(r.accepted));
   field("stale", integer(r.stale));
   field("warmup_stale", integer(r.warmup_stale));
+  field("staleness_mean", JsonNumber(r.staleness_mean));
+  field("staleness_max", integer(r.staleness_max));
   o += "}";
   std::printf("%s\n", o.c_str());
 }
 
 void PrintTable(const Report& r, const std::string& build_warning_line) {
+  const bool sync = IsSync(r.mode);
   if (!build_warning_line.empty()) std::printf("%s\n", build_warning_line.c_str());
   std::printf("psd_bench  build %s%s\n", r.build_type.empty() ? "(unknown)" : r.build_type.c_str(),
               r.ndebug ? " (NDEBUG)" : " (assertions on)");
-  std::printf("psd        %s %s", r.mode.c_str(), r.endpoint.c_str());
+  std::printf("psd        %s %s", r.daemon.c_str(), r.endpoint.c_str());
   if (r.io_threads >= 0) std::printf(", %d I/O threads", r.io_threads);
-  std::printf(", R=%d of N=%d\n", r.replicas_to_aggregate, r.total_replicas);
-  std::printf("run        %d workers, model %" PRIu64
-              " bytes (%.2f MiB) in %d float32 variable(s), %d warmup + %d "
-              "measured steps, %s\n",
-              r.workers, r.model_bytes, static_cast<double>(r.model_bytes) / (1 << 20), r.variables, r.warmup, r.steps,
+  std::printf("\n");
+  std::printf("mode       %s", r.mode.c_str());
+  if (sync) {
+    std::printf(" (R=%d of N=%d; the barrier is the token queue)\n", r.replicas_to_aggregate, r.total_replicas);
+  } else if (r.mode == "ssp") {
+    std::printf(" (staleness bound %" PRId64 "; the barrier waits for the slowest worker)\n", r.staleness_bound);
+  } else {
+    std::printf(" (every push applied on arrival; the token wait returns at once)\n");
+  }
+  std::printf("optimizer  %s, learning rate %g, %d slot(s) per variable on the daemon\n", r.optimizer.c_str(),
+              r.learning_rate, r.slots);
+  if (r.sparse) {
+    const double var_mib = static_cast<double>(r.embedding_rows) * static_cast<double>(r.embedding_dim) * 4 / (1 << 20);
+    std::printf("workload   sparse: float32 embedding %" PRId64 " x %" PRId64
+                " (%.1f MiB, %.1f MiB with slots), %" PRId64
+                " distinct rows per batch: PullRows, gradient, SparseGradient push\n",
+                r.embedding_rows, r.embedding_dim, var_mib, var_mib * (1 + r.slots), r.batch_rows);
+  } else {
+    std::printf("workload   dense: model %" PRIu64 " bytes (%.2f MiB) in %d float32 variable(s)\n", r.model_bytes,
+                static_cast<double>(r.model_bytes) / (1 << 20), r.variables);
+  }
+  std::printf("run        %d workers, %d warmup + %d measured %s, %s\n", r.workers, r.warmup, r.steps,
+              sync ? "global steps" : "iterations per worker",
               r.fused ? "fused push+token (1 round trip)" : "push then token wait (2 round trips)");
   std::printf("\n");
   std::printf("  %-22s %12s %12s %14s\n", "", "p50 ms", "p99 ms", "GB/s");
   std::printf("  %-22s %12.3f %12.3f %14s\n", "step (worker 0)", r.step_p50, r.step_p99, "");
-  std::printf("  %-22s %12.3f %12.3f %14.3f\n", "pull", r.pull_p50, r.pull_p99, r.pull_gbps);
+  std::printf("  %-22s %12.3f %12.3f %14.3f\n", r.sparse ? "pull rows" : "pull", r.pull_p50, r.pull_p99, r.pull_gbps);
   if (r.fused) {
     std::printf("  %-22s %12.3f %12.3f %14.3f\n", "push+token (fused)", r.push_p50, r.push_p99, r.push_gbps);
   } else {
@@ -569,39 +871,84 @@ void PrintTable(const Report& r, const std::string& build_warning_line) {
     std::printf("  %-22s %12.3f %12.3f %14s\n", "token wait", r.wait_p50, r.wait_p99, "");
   }
   std::printf("\n");
-  std::printf("  steps/s                %.2f  (%" PRId64 " global steps in %.4g s, worker 0)\n", r.steps_per_s,
-              r.global_steps, r.wall_s);
+  if (sync) {
+    std::printf("  steps/s                %.2f  (%" PRId64 " global steps in %.4g s, worker 0)\n", r.steps_per_s,
+                r.global_steps, r.wall_s);
+  } else {
+    std::printf("  steps/s                %.2f  (%" PRId64 " global steps = applied pushes, all workers, in %.4g s)\n",
+                r.steps_per_s, r.global_steps, r.wall_s);
+  }
+  if (r.sparse) {
+    std::printf("  rows/s                 %.0f pushed, %.0f pulled (all workers)\n", r.push_rows_per_s,
+                r.pull_rows_per_s);
+  }
   std::printf("  gradients              %" PRId64 " accepted, %" PRId64 " stale (measured; %" PRId64
               " stale in warmup)\n",
               r.accepted, r.stale, r.warmup_stale);
-  std::printf(
-      "  latencies are over all workers' calls; GB/s = bytes moved by all workers / worker 0's wall "
-      "time (GB = 1e9 B)\n");
+  std::printf("  staleness              mean %.2f, max %" PRId64 " (global step - local step at each push)\n",
+              r.staleness_mean, r.staleness_max);
+  std::printf("  latencies are over all workers' calls; GB/s = bytes moved by all workers / %s (GB = 1e9 B%s)\n",
+              sync ? "worker 0's wall time" : "the measured window", r.sparse ? "; values + int64 indices" : "");
 }
 
 int Run(int argc, char** argv) {
   Options opt;
-  CLI::App app{"psd_bench: synchronous-training benchmark for psd (in-process daemon or --connect)"};
+  CLI::App app{"psd_bench: training-step benchmark for psd (in-process daemon or --connect)"};
   auto* connect = app.add_option("--connect", opt.connect, "HOST:PORT of a running psd (default: start one here)");
   app.add_option("--workers,-w", opt.workers, "worker threads, one client each")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
-  app.add_option("--replicas-to-aggregate,-R", opt.replicas_to_aggregate,
-                 "in-process psd: gradients per step (default: --workers)")
-      ->excludes(connect);
-  app.add_option("--backup-replicas,-B", opt.backup_replicas, "in-process psd: backup replicas (default 0)")
-      ->excludes(connect);
-  app.add_option("--model-bytes", opt.model_bytes_text, "model size: 4096, 4K, 4M, 64M, ...")->capture_default_str();
-  app.add_option("--variables", opt.variables, "float32 variables the model is split into")
-      ->check(CLI::PositiveNumber)
+  app.add_option("--mode", opt.mode, "in-process psd: consistency mode")
+      ->check(CLI::IsMember({"sync", "async", "ssp"}))
+      ->excludes(connect)
       ->capture_default_str();
-  app.add_option("--warmup", opt.warmup, "unmeasured steps first")
+  auto* staleness =
+      app.add_option("--staleness", opt.staleness, "in-process psd, --mode ssp: staleness bound (default: psd's, 3)")
+          ->check(CLI::NonNegativeNumber)
+          ->excludes(connect);
+  app.add_option("--optimizer", opt.optimizer, "in-process psd: optimizer")
+      ->check(CLI::IsMember({"sgd", "momentum", "adagrad", "adam", "rmsprop", "ftrl"}))
+      ->excludes(connect)
+      ->capture_default_str();
+  auto* replicas = app.add_option("--replicas-to-aggregate,-R", opt.replicas_to_aggregate,
+                                  "in-process psd, sync: gradients per step (default: --workers)")
+                       ->excludes(connect);
+  auto* backups =
+      app.add_option("--backup-replicas,-B", opt.backup_replicas, "in-process psd, sync: backup replicas (default 0)")
+          ->excludes(connect);
+  auto* model_bytes_opt =
+      app.add_option("--model-bytes", opt.model_bytes_text, "dense: model size: 4096, 4K, 4M, 64M, ...")
+          ->capture_default_str();
+  auto* variables_opt = app.add_option("--variables", opt.variables, "dense: float32 variables the model is split into")
+                            ->check(CLI::PositiveNumber)
+                            ->capture_default_str();
+  auto* sparse = app.add_flag("--sparse", opt.sparse,
+                              "sparse workload: one embedding, PullRows + SparseGradient pushes of --batch-rows rows");
+  sparse->excludes(model_bytes_opt)->excludes(variables_opt);
+  app.add_option("--embedding-rows", opt.embedding_rows, "--sparse: rows of the embedding")
+      ->check(CLI::PositiveNumber)
+      ->needs(sparse)
+      ->capture_default_str();
+  app.add_option("--embedding-dim", opt.embedding_dim, "--sparse: float32 elements per row")
+      ->check(CLI::PositiveNumber)
+      ->needs(sparse)
+      ->capture_default_str();
+  app.add_option("--batch-rows", opt.batch_rows, "--sparse: distinct rows each worker pulls and pushes per step")
+      ->check(CLI::PositiveNumber)
+      ->needs(sparse)
+      ->capture_default_str();
+  app.add_option("--seed", opt.seed, "--sparse: base seed of the workers' row samplers (worker i: seed + i)")
+      ->needs(sparse)
+      ->capture_default_str();
+  app.add_option("--warmup", opt.warmup, "unmeasured steps first (async/ssp: iterations per worker)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--steps", opt.steps, "measured steps")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--steps", opt.steps, "measured steps (sync: global steps; async/ssp: iterations per worker)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_flag("--fused", opt.fused, "ask for the token in the push (one round trip per push+wait)");
   app.add_option("--threads", opt.io_threads, "in-process psd: I/O threads")->excludes(connect)->capture_default_str();
-  app.add_option("--learning-rate,--lr", opt.learning_rate, "in-process psd: SGD learning rate")
+  app.add_option("--learning-rate,--lr", opt.learning_rate, "in-process psd: the optimizer's learning rate")
       ->excludes(connect)
       ->capture_default_str();
   app.add_option("--token-timeout-ms", opt.token_timeout_ms, "deadline of every token wait (and of setup)")
@@ -620,22 +967,54 @@ int Run(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 1;  // --help is a success; every usage error is status 1
   }
-
-  auto model_bytes = ParseBytes(opt.model_bytes_text);
-  if (!model_bytes.ok()) {
-    std::fprintf(stderr, "psd_bench: --model-bytes: %s\n", model_bytes.status().message().c_str());
+  if (staleness->count() > 0 && opt.mode != "ssp") {
+    std::fprintf(stderr, "psd_bench: --staleness needs --mode ssp\n");
     return 1;
   }
-  opt.model_bytes = *model_bytes;
-  auto vars = MakeVariables(opt.model_bytes, opt.variables);
-  if (!vars.ok()) {
-    std::fprintf(stderr, "psd_bench: %s\n", vars.status().message().c_str());
+  if ((replicas->count() > 0 || backups->count() > 0) && opt.mode != "sync") {
+    std::fprintf(stderr, "psd_bench: --replicas-to-aggregate and --backup-replicas need --mode sync\n");
     return 1;
+  }
+
+  std::vector<VarSpec> vars;
+  uint64_t frame_limit = 0;
+  if (opt.sparse) {
+    if (opt.batch_rows > opt.embedding_rows) {
+      std::fprintf(stderr, "psd_bench: --batch-rows %" PRId64 " exceeds --embedding-rows %" PRId64 "\n", opt.batch_rows,
+                   opt.embedding_rows);
+      return 1;
+    }
+    if (static_cast<uint64_t>(opt.embedding_dim) > kMaxVariableBytes / sizeof(float) ||
+        static_cast<uint64_t>(opt.batch_rows) > kMaxVariableBytes / (static_cast<uint64_t>(opt.embedding_dim) * 4)) {
+      std::fprintf(stderr,
+                   "psd_bench: a batch of --batch-rows x --embedding-dim float32 exceeds the wire limit of "
+                   "512 MiB per tensor\n");
+      return 1;
+    }
+    if (static_cast<uint64_t>(opt.embedding_rows) > (1ull << 40) / (static_cast<uint64_t>(opt.embedding_dim) * 4)) {
+      std::fprintf(stderr, "psd_bench: --embedding-rows x --embedding-dim is unreasonably large\n");
+      return 1;
+    }
+    frame_limit = static_cast<uint64_t>(opt.batch_rows) * (static_cast<uint64_t>(opt.embedding_dim) * 4 + 8) +
+                  kFrameOverheadBytes + kFrameOverheadPerVariable;
+  } else {
+    auto model_bytes = ParseBytes(opt.model_bytes_text);
+    if (!model_bytes.ok()) {
+      std::fprintf(stderr, "psd_bench: --model-bytes: %s\n", model_bytes.status().message().c_str());
+      return 1;
+    }
+    opt.model_bytes = *model_bytes;
+    auto made = MakeVariables(opt.model_bytes, opt.variables);
+    if (!made.ok()) {
+      std::fprintf(stderr, "psd_bench: %s\n", made.status().message().c_str());
+      return 1;
+    }
+    vars = std::move(*made);
+    frame_limit =
+        opt.model_bytes + kFrameOverheadBytes + kFrameOverheadPerVariable * static_cast<uint64_t>(opt.variables);
   }
   const bool in_process = opt.connect.empty();
   if (in_process) opt.finish = true;
-  const uint64_t frame_limit =
-      opt.model_bytes + kFrameOverheadBytes + kFrameOverheadPerVariable * static_cast<uint64_t>(opt.variables);
 
   // Figures from an unoptimized build are meaningless for comparisons; say so where it is seen.
   Report report;
@@ -665,11 +1044,25 @@ int Run(int argc, char** argv) {
     config.host = "127.0.0.1";
     config.port = 0;
     config.io_threads = opt.io_threads;
+    auto parsed_mode = psd::server::ParseMode(opt.mode);
+    if (!parsed_mode.ok()) {
+      std::fprintf(stderr, "psd_bench: %s\n", parsed_mode.status().message().c_str());
+      return 1;
+    }
+    config.mode = *parsed_mode;
+    if (opt.staleness >= 0) config.staleness_bound = opt.staleness;
     config.replicas_to_aggregate = opt.replicas_to_aggregate > 0 ? opt.replicas_to_aggregate : opt.workers;
     config.backup_replicas = opt.backup_replicas;
     config.init_tokens = -1;  // TF default: R tokens at start
-    config.learning_rate = opt.learning_rate;
+    config.optimizer.name = opt.optimizer;
+    config.optimizer.learning_rate = opt.learning_rate;
     config.max_frame_bytes = std::max<uint64_t>(config.max_frame_bytes, frame_limit);
+    if (opt.sparse) {
+      // psd checks a variable's shape against its frame limit even when it is created with zeros.
+      const uint64_t var_bytes =
+          static_cast<uint64_t>(opt.embedding_rows) * static_cast<uint64_t>(opt.embedding_dim) * sizeof(float);
+      config.max_frame_bytes = std::max<uint64_t>(config.max_frame_bytes, var_bytes + kFrameOverheadBytes);
+    }
     config.default_token_timeout_ms = opt.token_timeout_ms;
     config.summary_interval_s = 0;
     config.log_level = opt.log_level;
@@ -685,7 +1078,7 @@ int Run(int argc, char** argv) {
       return 1;
     }
     ep = {"127.0.0.1", server->port()};
-    report.mode = "in-process";
+    report.daemon = "in-process";
     report.io_threads = opt.io_threads;
   } else {
     auto parsed = ParseEndpoint(opt.connect);
@@ -694,7 +1087,7 @@ int Run(int argc, char** argv) {
       return 1;
     }
     ep = *parsed;
-    report.mode = "connect";
+    report.daemon = "connect";
   }
   report.endpoint = ep.host + ":" + std::to_string(ep.port);
 
@@ -709,7 +1102,7 @@ int Run(int argc, char** argv) {
     try {
       threads.emplace_back([&, i] {
         try {
-          RunWorker(i, opt, ep, frame_limit, *vars, &state, &stats[static_cast<size_t>(i)]);
+          RunWorker(i, opt, ep, frame_limit, vars, &state, &stats[static_cast<size_t>(i)]);
         } catch (const std::exception& e) {
           state.Fail("bench-" + std::to_string(i) + ": unexpected exception: " + e.what());
         }
@@ -742,11 +1135,11 @@ int Run(int argc, char** argv) {
   for (auto& t : threads) t.join();
   if (server) server->Stop();
 
-  Report measured = Summarize(opt, stats);
+  Report measured = Summarize(opt, state.window, stats);
   measured.build_type = report.build_type;
   measured.ndebug = report.ndebug;
   measured.build_warning = report.build_warning;
-  measured.mode = report.mode;
+  measured.daemon = report.daemon;
   measured.endpoint = report.endpoint;
   measured.io_threads = report.io_threads;
   if (opt.json) {

@@ -167,6 +167,7 @@ struct JobStatus {
   lastStepGradients @9 :Int32;
   maxStaleness @10 :Int64;
   learningRate @11 :Float64;
+  lastCheckpointStep @12 :Int64;  # -1: none
 }
 
 struct Request {
@@ -182,6 +183,7 @@ struct Request {
     getSlot @8 :GetSlot;
     pullRows @9 :PullRows;
     setLearningRate @10 :Float64; # chief only; from the next step
+    checkpoint @11 :Void;         # schedule a checkpoint at the next step boundary
   }
 }
 

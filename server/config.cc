@@ -87,6 +87,13 @@ Status ServerConfig::Validate() {
     return InvalidArgument("--staleness-lr needs --mode async or ssp");
   }
   if (ema_decay < 0 || ema_decay >= 1) return InvalidArgument("--ema-decay must be in [0, 1)");
+  if (checkpoint_every_steps < 0 || checkpoint_every_s < 0) {
+    return InvalidArgument("--checkpoint-every-steps and --checkpoint-every-s must be >= 0");
+  }
+  if (checkpoint_dir.empty() && (checkpoint_every_steps > 0 || checkpoint_every_s > 0)) {
+    return InvalidArgument("--checkpoint-every-steps/--checkpoint-every-s need --checkpoint-dir");
+  }
+  if (keep_checkpoints < 0) return InvalidArgument("--keep-checkpoints must be >= 0 (0: keep all)");
   if (default_token_timeout_ms <= 0) return InvalidArgument("--token-timeout-ms must be > 0");
   if (max_connections < 1) return InvalidArgument("--max-connections must be >= 1");
   return Status::Ok();

@@ -58,6 +58,13 @@ struct ServerConfig {
   double ema_decay = 0;          // 0: off
   bool ema_num_updates = false;  // decay = min(decay, (1 + step) / (10 + step))
 
+  // Checkpoints (see checkpoint/checkpoint.h). Empty dir: none.
+  std::string checkpoint_dir;
+  int64_t checkpoint_every_steps = 0;  // 0: not by steps
+  double checkpoint_every_s = 0;       // 0: not by time
+  int keep_checkpoints = 3;
+  bool restore = true;  // load the newest good checkpoint at start
+
   // Waits and lifetime.
   int64_t default_token_timeout_ms = 60000;
   bool exit_when_done = false;

@@ -86,6 +86,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--ema-num-updates", cfg.ema_num_updates,
                "EMA decay = min(decay, (1 + step) / (10 + step)), TF's num_updates rule");
+  app.add_option("--checkpoint-dir", cfg.checkpoint_dir,
+                 "write checkpoints here and restore the newest good one at start");
+  app.add_option("--checkpoint-every-steps", cfg.checkpoint_every_steps, "checkpoint every N global steps (0: off)")
+      ->capture_default_str();
+  app.add_option("--checkpoint-every-s", cfg.checkpoint_every_s, "checkpoint every N seconds (0: off)")
+      ->capture_default_str();
+  app.add_option("--keep-checkpoints", cfg.keep_checkpoints, "checkpoints to keep (0: all)")->capture_default_str();
+  app.add_flag("!--no-restore", cfg.restore, "start fresh even if --checkpoint-dir has a checkpoint");
   app.add_option("--token-timeout-ms", cfg.default_token_timeout_ms,
                  "deadline in milliseconds for a token wait when the worker gives none")
       ->capture_default_str();
@@ -102,6 +110,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
+  // Signals are turned into a stop request by a dedicated thread (sigwait), so no async-signal
+  // unsafe work happens in a handler. Blocked before any thread exists (the apply pool, the I/O
+  // threads) so that every thread inherits the mask.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
   cfg.reduction = reduction == "sum" ? psd::server::Reduction::kSum : psd::server::Reduction::kMean;
   cfg.mode = *psd::server::ParseMode(mode);  // CLI11 checked the value
   cfg.staleness_lr = *psd::server::ParseStalenessLr(staleness_lr);
@@ -115,13 +131,6 @@ int main(int argc, char** argv) {
     std::cerr << "psd: " << server.status().message() << "\n";
     return 2;
   }
-  // Signals are turned into a stop request by a dedicated thread (sigwait), so no async-signal
-  // unsafe work happens in a handler. Blocked before Start() so the I/O threads inherit the mask.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
   psd::Status started = (*server)->Start();
   if (!started.ok()) {
     std::cerr << "psd: " << started.message() << "\n";

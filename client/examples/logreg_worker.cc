@@ -78,6 +78,7 @@ int main(int argc, char** argv) {
   int replicas = -1, total = -1, num_tokens = -1;
   int slow_ms = 0;
   int64_t token_timeout_ms = 30000;
+  double retry_s = 60;
   app.add_option("--host", opts.host, "psd address")->capture_default_str();
   app.add_option("--port", opts.port, "psd port")->capture_default_str();
   app.add_option("--worker-name", opts.worker_name, "this worker's name (default worker-<pid>)");
@@ -92,6 +93,8 @@ int main(int argc, char** argv) {
   app.add_option("--slow-ms", slow_ms, "sleep this long per step (an artificial straggler)")->capture_default_str();
   app.add_option("--token-timeout-ms", token_timeout_ms, "token wait deadline")->capture_default_str();
   app.add_option("--print-every", print_every, "print every N-th step")->capture_default_str();
+  app.add_option("--retry-s", retry_s, "keep retrying this long while psd is unavailable (restarting)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   auto client = psclient::Client::Connect(opts);
@@ -161,13 +164,30 @@ int main(int argc, char** argv) {
   auto t0 = std::chrono::steady_clock::now();
   int my_steps = 0;
   double last_loss = 0;
+  auto unavailable_since = std::chrono::steady_clock::time_point::max();
   while (global_step.value < steps) {
     auto step = opt.minimize(loss_fn, &global_step, vars);
     if (!step.ok()) {
-      if (step.status().code() == psd::Code::kOutOfRange) break;  // training is over
+      psd::Code code = step.status().code();
+      if (code == psd::Code::kOutOfRange) break;  // training is over
+      // psd went away (restarting from a checkpoint) or a wait ran out: retry, bounded in time.
+      // The client reconnects by itself and the optimizer re-reads the global step.
+      if (code == psd::Code::kUnavailable || code == psd::Code::kDeadlineExceeded || code == psd::Code::kNotFound) {
+        auto now = std::chrono::steady_clock::now();
+        if (unavailable_since == std::chrono::steady_clock::time_point::max()) {
+          unavailable_since = now;
+          std::fprintf(stderr, "[%s] %s; retrying for up to %.0f s\n", me.c_str(), step.status().ToString().c_str(),
+                       retry_s);
+        }
+        if (std::chrono::duration<double>(now - unavailable_since).count() < retry_s) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          continue;
+        }
+      }
       std::fprintf(stderr, "%s: %s\n", me.c_str(), step.status().ToString().c_str());
       return 1;
     }
+    unavailable_since = std::chrono::steady_clock::time_point::max();
     ++my_steps;
     last_loss = opt.last_loss();
     if (print_every > 0 && my_steps % print_every == 0) {

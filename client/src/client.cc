@@ -95,6 +95,7 @@ class Client::Impl {
     worker_id_ = hr.getWorkerId();
     is_chief_ = hr.getIsChief();
     initial_step_ = hr.getGlobalStep();
+    ++epoch_;
     return Status::Ok();
   }
 
@@ -187,6 +188,7 @@ class Client::Impl {
   uint32_t worker_id_ = 0;
   std::atomic<bool> is_chief_{false};
   int64_t initial_step_ = 0;
+  std::atomic<uint64_t> epoch_{0};
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -208,6 +210,7 @@ const JobConfig& Client::config() const { return impl_->config_; }
 uint32_t Client::worker_id() const { return impl_->worker_id_; }
 bool Client::is_chief() const { return impl_->is_chief_.load(); }
 int64_t Client::initial_global_step() const { return impl_->initial_step_; }
+uint64_t Client::connection_epoch() const { return impl_->epoch_.load(); }
 std::vector<std::string> Client::SlotNames() const { return impl_->config_.slot_names; }
 
 Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensorView initial, bool trainable) {
@@ -432,6 +435,7 @@ Result<JobStatus> Client::GetStatus() {
   st.last_step_gradients = s.getLastStepGradients();
   st.max_staleness = s.getMaxStaleness();
   st.learning_rate = s.getLearningRate();
+  st.last_checkpoint_step = s.getLastCheckpointStep();
   st.config = ReadConfig(s.getConfig());
   return st;
 }
@@ -463,6 +467,16 @@ Status Client::SetLearningRate(double learning_rate) {
   OutFrame frame;
   auto req = impl_->NewRequest(frame);
   req.setSetLearningRate(learning_rate);
+  std::unique_ptr<capnp::MessageReader> reader;
+  proto::Response::Reader resp;
+  return impl_->RoundTrip(frame, &reader, &resp);
+}
+
+Status Client::RequestCheckpoint() {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  OutFrame frame;
+  auto req = impl_->NewRequest(frame);
+  req.setCheckpoint();
   std::unique_ptr<capnp::MessageReader> reader;
   proto::Response::Reader resp;
   return impl_->RoundTrip(frame, &reader, &resp);

@@ -80,12 +80,14 @@ Result<int64_t> SyncReplicasOptimizer::apply_gradients(const std::vector<GradAnd
   }
   built_ = true;
   gradients_applied_ = true;
-  if (!local_init_done_) {
-    // No hook ran: do its local init (TF local_step_init_op) so the first gradients are fresh.
+  if (!local_init_done_ || epoch_ != client_.connection_epoch()) {
+    // No hook ran, or the connection was re-established (the daemon may have restarted from a
+    // checkpoint): do TF's local_step_init_op so the next gradients are fresh.
     auto st = client_.GlobalStep();
     if (!st.ok()) return st.status();
     local_step_ = *st;
     local_init_done_ = true;
+    epoch_ = client_.connection_epoch();
   }
   if (grads.empty() && sparse.empty()) return psd::InvalidArgument("Must supply at least one variable");
   auto out = client_.Push(local_step_, grads, sparse, /*wait_token=*/true, token_timeout_ms_);
@@ -162,6 +164,7 @@ Status SyncReplicasHook::after_create_session(int64_t timeout_ms) {
   if (!st.ok()) return st.status();
   opt_->local_step_ = *st;
   opt_->local_init_done_ = true;
+  opt_->epoch_ = opt_->client_.connection_epoch();
   return Status::Ok();
 }
 

@@ -136,6 +136,8 @@ void Connection::Dispatch(proto::Request::Reader req) {
       return HandlePullRows(id, req.getPullRows());
     case proto::Request::SET_LEARNING_RATE:
       return HandleSetLearningRate(id, req.getSetLearningRate());
+    case proto::Request::CHECKPOINT:
+      return HandleCheckpoint(id);
     default:
       return SendError(id, Unimplemented("unknown request type " + std::to_string(static_cast<int>(which))));
   }
@@ -335,6 +337,7 @@ void Connection::HandleStatus(uint64_t id) {
   s.setLastStepGradients(st.last_step_gradients);
   s.setMaxStaleness(st.max_staleness);
   s.setLearningRate(server_.engine().learning_rate());
+  s.setLastCheckpointStep(server_.last_checkpoint_step());
   FillConfig(s.initConfig(), server_.config(), server_.engine());
   Send(std::move(frame));
 }
@@ -373,6 +376,15 @@ void Connection::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
   wire::SetTensor(frame->builder, p.initValues(1)[0], got->dtype, got->shape, got->value->data(), got->value->bytes(),
                   /*padded=*/true);
   frame->keepalive.push_back(got->value);
+  Send(std::move(frame));
+}
+
+void Connection::HandleCheckpoint(uint64_t id) {
+  Status s = server_.RequestCheckpoint();
+  if (!s.ok()) return SendError(id, s);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setNone();
   Send(std::move(frame));
 }
 

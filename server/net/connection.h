@@ -54,6 +54,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void HandleGetSlot(uint64_t id, proto::GetSlot::Reader r);
   void HandlePullRows(uint64_t id, proto::PullRows::Reader r);
   void HandleSetLearningRate(uint64_t id, double lr);
+  void HandleCheckpoint(uint64_t id);
 
   // Waits for a token with a deadline; `done` runs on the strand exactly once.
   void WaitForToken(int64_t timeout_ms, TokenDone done);

@@ -24,7 +24,8 @@ Server::Server(ServerConfig config, std::unique_ptr<SyncEngine> engine)
       acceptor_(io_),
       summary_timer_(io_),
       deadline_strand_(asio::make_strand(io_)),
-      step_deadline_(deadline_strand_) {
+      step_deadline_(deadline_strand_),
+      checkpoint_timer_(io_) {
   engine_->set_on_commit([](const StepInfo& info) {
     if (info.forced) {
       spdlog::info("step {} committed by the step deadline with {}..{} gradient(s) per variable", info.step,
@@ -45,6 +46,48 @@ void Server::ArmStepDeadline(int64_t step) {
     step_deadline_.async_wait([this, step](boost::system::error_code ec) {
       if (!ec) engine_->ForceStep(step);
     });
+  });
+}
+
+void Server::WriteSnapshot(const ShardSnapshot& snap) {
+  auto t0 = std::chrono::steady_clock::now();
+  auto info = WriteCheckpoint(config_.checkpoint_dir, snap, 0, 1, config_.keep_checkpoints);
+  if (!info.ok()) {
+    spdlog::error("checkpoint at step {} failed: {}", snap.step, info.status().message());
+    return;
+  }
+  last_checkpoint_step_ = snap.step;
+  spdlog::info("checkpoint at step {} written to {} ({:.0f} ms)", snap.step, info->path,
+               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+}
+
+void Server::CheckpointLoop() {
+  for (;;) {
+    std::optional<ShardSnapshot> snap;
+    {
+      std::unique_lock<std::mutex> lock(ckpt_mu_);
+      ckpt_cv_.wait(lock, [this] { return ckpt_stop_ || ckpt_pending_.has_value(); });
+      if (!ckpt_pending_) return;
+      snap = std::move(ckpt_pending_);
+      ckpt_pending_.reset();
+    }
+    WriteSnapshot(*snap);
+  }
+}
+
+Status Server::RequestCheckpoint() {
+  if (config_.checkpoint_dir.empty()) return FailedPrecondition("psd runs without --checkpoint-dir");
+  engine_->RequestSnapshot();
+  return Status::Ok();
+}
+
+void Server::ScheduleCheckpointTimer() {
+  if (config_.checkpoint_dir.empty() || config_.checkpoint_every_s <= 0) return;
+  checkpoint_timer_.expires_after(std::chrono::milliseconds(static_cast<int64_t>(config_.checkpoint_every_s * 1000)));
+  checkpoint_timer_.async_wait([this](boost::system::error_code ec) {
+    if (ec) return;
+    engine_->RequestSnapshot();
+    ScheduleCheckpointTimer();
   });
 }
 
@@ -85,11 +128,33 @@ Status Server::Start() {
       return Unavailable("cannot write --port-file " + config_.port_file);
     }
   }
+  if (!config_.checkpoint_dir.empty()) {
+    if (config_.restore) {
+      ShardSnapshot snap;
+      auto found = LoadLatestCheckpoint(config_.checkpoint_dir, 0, &snap);
+      if (found.ok()) {
+        PSD_RETURN_IF_ERROR(engine_->Restore(snap));
+        last_checkpoint_step_ = snap.step;
+        spdlog::info("restored {} variable(s) at global step {} from {}", snap.variables.size(), snap.step,
+                     found->path);
+      } else if (found.status().code() != Code::kNotFound) {
+        return found.status();
+      }
+    }
+    engine_->set_on_snapshot([this](ShardSnapshot snap) {
+      std::lock_guard<std::mutex> lock(ckpt_mu_);
+      ckpt_pending_ = std::move(snap);
+      ckpt_cv_.notify_one();
+    });
+    checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
+  }
+  // Init tokens carry the current (possibly restored) global step, as TF's chief does on restart.
   engine_->PushInitTokens(config_.resolved_init_tokens);
   work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
   Accept();
   last_summary_time_ = std::chrono::steady_clock::now();
   ScheduleSummary();
+  ScheduleCheckpointTimer();
   for (int i = 0; i < config_.io_threads; ++i) {
     threads_.emplace_back([this] {
       for (;;) {
@@ -211,6 +276,7 @@ void Server::Stop() {
     boost::system::error_code ec;
     acceptor_.close(ec);
     summary_timer_.cancel();
+    checkpoint_timer_.cancel();
   });
   asio::post(deadline_strand_, [this] { step_deadline_.cancel(); });
   engine_->tokens().Close(Cancelled("psd is shutting down"));
@@ -239,6 +305,21 @@ void Server::Stop() {
     if (t.joinable()) t.join();
   }
   threads_.clear();
+  if (checkpoint_thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(ckpt_mu_);
+      ckpt_stop_ = true;
+    }
+    ckpt_cv_.notify_one();
+    checkpoint_thread_.join();  // finishes a pending write first
+    // A last checkpoint at clean exit, if the state is at a step boundary.
+    if (auto snap = engine_->SnapshotIfAtBoundary()) {
+      if (snap->step != last_checkpoint_step_.load()) WriteSnapshot(*snap);
+    } else {
+      spdlog::warn("a step was in progress at exit; the newest checkpoint stays at step {}",
+                   last_checkpoint_step_.load());
+    }
+  }
   if (port_ != 0) LogSummary();
 }
 

@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -51,6 +52,10 @@ class Server {
   SspGate& ssp() { return ssp_; }
   const ServerConfig& config() const { return config_; }
 
+  // Schedules a checkpoint (at the next step boundary). No-op without --checkpoint-dir.
+  Status RequestCheckpoint();
+  int64_t last_checkpoint_step() const { return last_checkpoint_step_.load(); }
+
   // Called by connections. OnHello returns the worker's index.
   uint32_t OnHello(uint64_t conn, const std::string& name, uint64_t incarnation);
   void OnWorkerFinished(uint64_t conn);
@@ -63,6 +68,9 @@ class Server {
   void LogSummary();
   void UpdateRequired();
   void ArmStepDeadline(int64_t step);
+  void ScheduleCheckpointTimer();
+  void CheckpointLoop();
+  void WriteSnapshot(const ShardSnapshot& snap);
 
   const ServerConfig config_;
   std::unique_ptr<SyncEngine> engine_;
@@ -87,6 +95,15 @@ class Server {
   bool stop_requested_ = false;  // guarded by stop_mu_
   bool job_done_ = false;        // guarded by stop_mu_
   std::atomic<bool> stopped_{false};
+
+  // Checkpoints: snapshots are handed to one writer thread (the newest pending one wins).
+  asio::steady_timer checkpoint_timer_;
+  std::thread checkpoint_thread_;
+  std::mutex ckpt_mu_;
+  std::condition_variable ckpt_cv_;
+  std::optional<ShardSnapshot> ckpt_pending_;  // guarded by ckpt_mu_
+  bool ckpt_stop_ = false;                     // guarded by ckpt_mu_
+  std::atomic<int64_t> last_checkpoint_step_{-1};
 
   // Summary bookkeeping (only touched by the summary timer's handler).
   int64_t last_summary_step_ = 0;

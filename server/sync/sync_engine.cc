@@ -207,10 +207,10 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
   out->clear();
   out->reserve(grads.size());
   if (config_.mode != Mode::kSync) {
-    // Async / bounded staleness: apply now; the whole push is one global step.
-    std::unique_lock<std::mutex> lock(mu_);
-    int64_t global = global_step_.load();
-    lock.unlock();
+    // Async / bounded staleness: apply now; the whole push is one global step. The step is
+    // claimed first, so concurrent pushes get distinct steps (Adam's t never repeats).
+    int64_t global = global_step_.fetch_add(1);
+    int64_t step = global + 1;
     int64_t staleness = std::max<int64_t>(0, global - local_step);
     double lr = next_lr_.load();
     if (config_.staleness_lr == StalenessLr::kInverse) lr /= static_cast<double>(std::max<int64_t>(1, staleness));
@@ -219,17 +219,13 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
       Variable* v = targets[i];
       std::lock_guard<std::mutex> vlock(v->mu);
       v->kind = grads[i].sparse() ? GradKind::kSparse : GradKind::kDense;
-      ApplyNowLocked(v, grads[i], global + 1, lr);
+      ApplyNowLocked(v, grads[i], step, lr);
       out->push_back({true, global, staleness});
     }
     accepted_.fetch_add(static_cast<int64_t>(grads.size()));
     int64_t seen = max_staleness_.load();
     while (staleness > seen && !max_staleness_.compare_exchange_weak(seen, staleness)) {
     }
-    lock.lock();
-    int64_t step = global_step_.load() + 1;
-    global_step_.store(step);
-    lock.unlock();
     if (config_.ema_decay > 0) UpdateAverages(step);
     if (on_commit_) on_commit_({step, 1, 1, false});
     return Status::Ok();
@@ -313,6 +309,7 @@ bool SyncEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     v->pending_rows.swap(rows);
     v->pending_values.swap(values);
     v->sparse_pending = true;
+    ++step_takes_begun_;
     return true;
   }
   std::shared_ptr<Buffer> value, out;
@@ -323,6 +320,7 @@ bool SyncEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     if (v->spare && v->spare.use_count() == 1) out = std::move(v->spare);
     v->spare.reset();
     lr = step_lr_;
+    ++step_takes_begun_;  // from here on this variable's slots belong to the open step
   }
   if (!out) out = std::make_shared<Buffer>(v->bytes);
   ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), v->dense->grad().data(), out->data(), &v->slots,
@@ -390,6 +388,12 @@ void SyncEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
   }
   pending_takes_ = trainable;
   global_step_.store(step);
+  step_takes_begun_ = 0;
+  std::optional<ShardSnapshot> snapshot;
+  if (snapshot_requested_ || (config_.checkpoint_every_steps > 0 && step % config_.checkpoint_every_steps == 0)) {
+    snapshot = SnapshotLocked();  // no take for the next step can touch slots while mu_ is held
+    snapshot_requested_ = false;
+  }
   StepInfo info{step, step_min_count_ == INT_MAX ? 0 : step_min_count_, step_max_count_, forced};
   last_step_gradients_ = info.min_gradients;
   step_min_count_ = step_max_count_ = 0;
@@ -398,6 +402,16 @@ void SyncEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
   lock.unlock();
   tokens_.Push(step, config_.tokens_per_step);
   if (config_.ema_decay > 0) UpdateAverages(step);
+  if (snapshot && on_snapshot_) {
+    // Averages are updated after the tokens (TF's order); the snapshot takes the new ones.
+    std::unique_lock<std::mutex> relock(mu_);
+    for (auto& vs : snapshot->variables) {
+      Variable* v = FindLocked(vs.name);
+      if (v && v->shadow) vs.shadow = v->shadow;
+    }
+    relock.unlock();
+    on_snapshot_(std::move(*snapshot));
+  }
   if (on_commit_) on_commit_(info);
   // Gradients for the new step may already be waiting (pushed with a future local step, or the
   // requirement shrank); take them now rather than on the next push.
@@ -490,6 +504,101 @@ void SyncEngine::ForceStep(int64_t step) {
     }
   }
   if (forced > 0) spdlog::info("step {} forced by the step deadline", step + 1);
+}
+
+ShardSnapshot SyncEngine::SnapshotLocked() {
+  ShardSnapshot snap;
+  snap.step = global_step_.load();
+  snap.learning_rate = next_lr_.load();
+  snap.optimizer = optimizer_->name();
+  for (auto& [name, v] : vars_) {
+    VariableSnapshot vs;
+    vs.name = v->name;
+    vs.dtype = v->dtype;
+    vs.shape = v->shape;
+    vs.trainable = v->trainable;
+    vs.average = v->average;
+    vs.optimizer = v->optimizer_name;
+    vs.value = v->published;
+    vs.shadow = v->shadow;
+    auto names = v->opt->SlotNames();
+    for (size_t k = 0; k < v->slots.size(); ++k) {
+      vs.slots.emplace_back(names[k], std::make_shared<Buffer>(v->slots[k]));
+    }
+    snap.variables.push_back(std::move(vs));
+  }
+  return snap;
+}
+
+std::optional<ShardSnapshot> SyncEngine::SnapshotIfAtBoundary() {
+  if (config_.mode != Mode::kSync) {
+    // Each variable's slots are updated under its own mutex: hold all of them (in name order,
+    // the map's order, so two snapshots cannot deadlock) to copy every slot with its value.
+    std::vector<Variable*> all;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [name, v] : vars_) all.push_back(v.get());
+    }
+    std::vector<std::unique_lock<std::mutex>> locks;
+    for (Variable* v : all) locks.emplace_back(v->mu);
+    std::lock_guard<std::mutex> lock(mu_);
+    return SnapshotLocked();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (step_takes_begun_ > 0) return std::nullopt;
+  return SnapshotLocked();
+}
+
+void SyncEngine::RequestSnapshot() {
+  auto snap = SnapshotIfAtBoundary();
+  if (!snap) {
+    std::lock_guard<std::mutex> lock(mu_);
+    snapshot_requested_ = true;  // taken inside the next commit
+    return;
+  }
+  if (on_snapshot_) on_snapshot_(std::move(*snap));
+}
+
+Status SyncEngine::Restore(const ShardSnapshot& snap) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!vars_.empty()) return FailedPrecondition("restore needs an empty daemon");
+  }
+  if (snap.optimizer != optimizer_->name()) {
+    return FailedPrecondition("the checkpoint was written with --optimizer " + snap.optimizer + ", psd runs " +
+                              optimizer_->name());
+  }
+  for (const VariableSnapshot& vs : snap.variables) {
+    VariableDef def;
+    def.name = vs.name;
+    def.dtype = vs.dtype;
+    def.shape = vs.shape;
+    def.initial = vs.value->data();
+    def.initial_bytes = vs.value->bytes();
+    def.trainable = vs.trainable;
+    def.average = vs.average && config_.ema_decay > 0;
+    def.optimizer = vs.optimizer;
+    auto created = CreateVariable(def);
+    if (!created.ok()) return created.status();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const VariableSnapshot& vs : snap.variables) {
+    Variable* v = FindLocked(vs.name);
+    std::lock_guard<std::mutex> vlock(v->mu);
+    v->next_take_step = snap.step;
+    auto names = v->opt->SlotNames();
+    for (auto& [slot, buf] : vs.slots) {
+      auto it = std::find(names.begin(), names.end(), slot);
+      if (it == names.end())
+        return FailedPrecondition("checkpoint slot '" + slot + "' of '" + vs.name + "' is unknown");
+      std::memcpy(v->slots[it - names.begin()].data(), buf->data(), std::min(buf->bytes(), v->bytes));
+    }
+    if (v->shadow && vs.shadow) v->shadow = std::make_shared<Buffer>(*vs.shadow);
+  }
+  global_step_.store(snap.step);
+  next_lr_.store(snap.learning_rate);
+  step_lr_ = snap.learning_rate;
+  return Status::Ok();
 }
 
 Status SyncEngine::Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out, int64_t* step,

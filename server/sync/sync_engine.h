@@ -41,6 +41,7 @@
 #include <string_view>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "config.h"
 #include "optimizer/optimizer.h"
 #include "psd/status.h"
@@ -159,6 +160,17 @@ class SyncEngine {
   // Soft sync: commits step `step` with whatever gradients arrived, if it is still open.
   void ForceStep(int64_t step);
 
+  // Checkpoints. A snapshot is a consistent cut at a step boundary: in sync mode it is taken at
+  // once if no variable has begun the open step, else inside the next commit; in async/ssp each
+  // variable is copied consistently with its slots. Values and averages are shared (immutable),
+  // slots are copied. The snapshot is handed to the on_snapshot callback (outside all locks).
+  void RequestSnapshot();
+  // The snapshot now if the state is at a step boundary (sync: no take has begun), else nullopt.
+  std::optional<ShardSnapshot> SnapshotIfAtBoundary();
+  void set_on_snapshot(std::function<void(ShardSnapshot)> cb) { on_snapshot_ = std::move(cb); }
+  // Replaces the (empty) state with a checkpoint's. Call before workers connect.
+  Status Restore(const ShardSnapshot& snapshot);
+
   int64_t global_step() const { return global_step_.load(); }
   TokenQueue& tokens() { return tokens_; }
   const Optimizer& optimizer() const { return *optimizer_; }
@@ -188,6 +200,7 @@ class SyncEngine {
   void ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step, double lr);
   void UpdateAverages(int64_t step);
   void ApplyDense(const Optimizer& opt, const ApplyArgs& args);
+  ShardSnapshot SnapshotLocked();  // mu_ held; every variable's slots consistent with its value
 
   const ServerConfig config_;
   std::unique_ptr<Optimizer> optimizer_;
@@ -196,8 +209,9 @@ class SyncEngine {
   TokenQueue tokens_;
   std::function<void(const StepInfo&)> on_commit_;
   std::function<void(int64_t)> on_step_started_;
+  std::function<void(ShardSnapshot)> on_snapshot_;
 
-  std::atomic<int64_t> global_step_{0};  // written under mu_
+  std::atomic<int64_t> global_step_{0};  // sync: written under mu_; async/ssp: claimed per push
   std::atomic<int> required_;
   std::atomic<int64_t> accepted_{0};
   std::atomic<int64_t> stale_{0};
@@ -207,11 +221,13 @@ class SyncEngine {
 
   mutable std::mutex mu_;
   std::map<std::string, std::unique_ptr<Variable>, std::less<>> vars_;  // guarded by mu_
-  int pending_takes_ = 0;      // guarded by mu_: trainable variables not yet taken this step
-  int step_min_count_ = 0;     // guarded by mu_
-  int step_max_count_ = 0;     // guarded by mu_
-  bool step_started_ = false;  // guarded by mu_: a fresh gradient arrived for the open step
-  double step_lr_;             // guarded by mu_: learning rate of the open step
+  int pending_takes_ = 0;            // guarded by mu_: trainable variables not yet taken this step
+  int step_min_count_ = 0;           // guarded by mu_
+  int step_max_count_ = 0;           // guarded by mu_
+  bool step_started_ = false;        // guarded by mu_: a fresh gradient arrived for the open step
+  double step_lr_;                   // guarded by mu_: learning rate of the open step
+  int step_takes_begun_ = 0;         // guarded by mu_: variables whose take for the open step has begun
+  bool snapshot_requested_ = false;  // guarded by mu_
 };
 
 }  // namespace psd::server

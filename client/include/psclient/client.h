@@ -127,6 +127,7 @@ struct JobStatus {
   int last_step_gradients = 0;
   int64_t max_staleness = 0;
   double learning_rate = 0;
+  int64_t last_checkpoint_step = -1;
   JobConfig config;
 };
 
@@ -169,6 +170,14 @@ class Client {
 
   // Chief only: the learning rate from the next step on (schedules live in the trainer).
   Status SetLearningRate(double learning_rate);
+
+  // Asks psd for a checkpoint at the next step boundary (FailedPrecondition without
+  // --checkpoint-dir). GetStatus().last_checkpoint_step tells when it is written.
+  Status RequestCheckpoint();
+
+  // Bumps on every (re)connection: a trainer that sees it change re-reads the global step (its
+  // daemon may have restarted from a checkpoint).
+  uint64_t connection_epoch() const;
 
   // Waits for a token: the barrier. Returns the token's step. kDeadlineExceeded after timeout_ms
   // (nothing is lost), kOutOfRange once training is over.

@@ -1,0 +1,68 @@
+// Checkpoints: the training state of a cut at a step boundary, written atomically and verified
+// before it is ever loaded.
+//
+// Layout of a checkpoint directory (one per step):
+//   <dir>/ckpt-<step, 20 digits>/shard-<k>-of-<P>.psdckpt   one part per shard
+//   <dir>/ckpt-<step, 20 digits>/MANIFEST                    written last; names every part
+// Each part and the manifest are written to a temporary file, fsynced and renamed; the
+// checkpoint directory and its parent are fsynced after. The manifest records each part's size
+// and FNV-1a 64 checksum, and carries its own checksum, so a torn or corrupted checkpoint is
+// detected and skipped: Load() returns the newest checkpoint whose manifest and parts verify.
+//
+// Thread-safety: free functions; no shared state. Writing and reading are blocking file I/O.
+#ifndef PSD_SERVER_CHECKPOINT_CHECKPOINT_H_
+#define PSD_SERVER_CHECKPOINT_CHECKPOINT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "psd/status.h"
+#include "psd/tensor.h"
+#include "sync/buffer.h"
+
+namespace psd::server {
+
+struct VariableSnapshot {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  Shape shape;
+  bool trainable = true;
+  bool average = false;
+  std::string optimizer;  // empty: the job's
+  std::shared_ptr<const Buffer> value;
+  std::vector<std::pair<std::string, std::shared_ptr<const Buffer>>> slots;
+  std::shared_ptr<const Buffer> shadow;  // moving average, if `average`
+};
+
+// One shard's part of a checkpoint.
+struct ShardSnapshot {
+  int64_t step = 0;  // the global step the state reflects
+  double learning_rate = 0;
+  std::string optimizer;  // the job's optimizer (restoring under another one is refused)
+  std::vector<VariableSnapshot> variables;
+};
+
+struct CheckpointInfo {
+  int64_t step = -1;
+  std::string path;  // the checkpoint's directory
+};
+
+// Writes shard `shard` of `shards` and, for a single-shard job, the manifest. Keeps the newest
+// `keep` checkpoints (0: all).
+Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapshot& snapshot, int shard, int shards,
+                                       int keep);
+
+// The newest checkpoint in `dir` that verifies, restored into *out (for shard `shard`). NotFound
+// if there is none; corrupt ones are skipped with a warning naming what failed.
+Result<CheckpointInfo> LoadLatestCheckpoint(const std::string& dir, int shard, ShardSnapshot* out);
+
+// Checks one checkpoint directory (manifest checksum, part sizes and checksums).
+Status VerifyCheckpoint(const std::string& path);
+
+uint64_t Fnv1a64(const void* data, size_t bytes, uint64_t seed = 1469598103934665603ull);
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_CHECKPOINT_CHECKPOINT_H_
