@@ -122,6 +122,7 @@ struct Push {
   grads @1 :List(Gradient);
   waitToken @2 :Bool;     # after the push, also wait for a token (one round trip per step)
   timeoutMs @3 :Int64;    # deadline for the token wait; <= 0 means the daemon's default
+  pullAfter @4 :List(Text);  # after the token, also return these variables' values (one round trip per step)
 }
 
 struct GradResult {
@@ -137,6 +138,7 @@ struct PushReply {
   tokenMessage @3 :Text;
   isChief @4 :Bool;
   stepGradients @5 :Int32;        # gradients averaged (fewest per variable) in the last committed step
+  pulled @6 :PullReply;           # the pullAfter values, when the token wait succeeded
 }
 
 struct WaitToken {

@@ -152,11 +152,18 @@ class Client::Impl {
     return ReadValues(resp, outs);
   }
 
-  // Copies a pull reply's values into the caller's views; returns the step they reflect.
   Result<int64_t> ReadValues(proto::Response::Reader resp,
                              const std::vector<std::pair<std::string, TensorView>>& outs) {
     try {
-      auto p = resp.getPull();
+      return ReadValues(resp.getPull(), outs);
+    } catch (const kj::Exception& e) {
+      return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+    }
+  }
+
+  // Copies a pull reply's values into the caller's views; returns the step they reflect.
+  Result<int64_t> ReadValues(proto::PullReply::Reader p, const std::vector<std::pair<std::string, TensorView>>& outs) {
+    try {
       auto values = p.getValues();
       if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
       for (size_t i = 0; i < outs.size(); ++i) {
@@ -317,7 +324,8 @@ void Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>*
 }  // namespace
 
 Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>& grads,
-                                 const std::vector<SparseGradient>& sparse, bool wait_token, int64_t timeout_ms) {
+                                 const std::vector<SparseGradient>& sparse, bool wait_token, int64_t timeout_ms,
+                                 const std::vector<std::pair<std::string, TensorView>>* pull_after) {
   if (grads.empty() && sparse.empty()) return psd::InvalidArgument("Must supply at least one variable");
   std::lock_guard<std::mutex> lock(impl_->mu_);
   OutFrame frame;
@@ -326,6 +334,10 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   p.setLocalStep(local_step);
   p.setWaitToken(wait_token);
   p.setTimeoutMs(timeout_ms);
+  if (pull_after && !pull_after->empty()) {
+    auto names = p.initPullAfter(static_cast<unsigned>(pull_after->size()));
+    for (size_t i = 0; i < pull_after->size(); ++i) names.set(static_cast<unsigned>(i), (*pull_after)[i].first);
+  }
   auto list = p.initGrads(static_cast<unsigned>(grads.size() + sparse.size()));
   std::deque<std::vector<uint64_t>> staged;  // device gradients copied to host, coalesced rows
   for (size_t i = 0; i < grads.size(); ++i) {
@@ -393,6 +405,11 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     if (wait_token) {
       out.token_status = Status(psd::wire::FromWire(r.getTokenCode()), r.getTokenMessage());
       out.token = r.getToken();
+    }
+    if (pull_after && !pull_after->empty() && r.hasPulled()) {
+      auto step = impl_->ReadValues(r.getPulled(), *pull_after);
+      if (!step.ok()) return step.status();
+      out.pulled_step = *step;
     }
     return out;
   } catch (const kj::Exception& e) {

@@ -48,9 +48,13 @@ Result<std::vector<GradAndVar>> SyncReplicasOptimizer::compute_gradients(const G
   // The "graph" exists from here on, even if the variables are not on the daemon yet (a
   // non-chief worker before the chief created them): the hook's readiness wait covers that.
   built_ = true;
+  bool fresh = values_fresh_ && var_list == var_list_;
+  values_fresh_ = false;
   var_list_ = var_list;
-  auto step = client_.Pull(outs);
-  if (!step.ok()) return step.status();
+  if (!fresh) {
+    auto step = client_.Pull(outs);
+    if (!step.ok()) return step.status();
+  }
   std::vector<std::optional<Tensor>> grads(var_list.size());
   double loss = 0;
   PSD_RETURN_IF_ERROR(fn(var_list, &grads, &loss));
@@ -90,8 +94,13 @@ Result<int64_t> SyncReplicasOptimizer::apply_gradients(const std::vector<GradAnd
     epoch_ = client_.connection_epoch();
   }
   if (grads.empty() && sparse.empty()) return psd::InvalidArgument("Must supply at least one variable");
-  auto out = client_.Push(local_step_, grads, sparse, /*wait_token=*/true, token_timeout_ms_);
+  // The next step's values come back with the token: push, barrier and pull in one round trip.
+  std::vector<std::pair<std::string, TensorView>> pull_after;
+  for (Variable* v : var_list_) pull_after.emplace_back(v->name(), v->value().view());
+  values_fresh_ = false;
+  auto out = client_.Push(local_step_, grads, sparse, /*wait_token=*/true, token_timeout_ms_, &pull_after);
   if (!out.ok()) return out.status();
+  values_fresh_ = out->pulled_step >= 0;
   last_push_ = std::move(*out);
   accepted_total_ += last_push_.accepted();
   stale_total_ += last_push_.stale();

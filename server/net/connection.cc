@@ -219,25 +219,30 @@ void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   Send(std::move(frame));
 }
 
-void Connection::HandlePull(uint64_t id, proto::Pull::Reader r) {
-  std::vector<std::string> names;
-  for (auto n : r.getNames()) names.emplace_back(n);
+Status Connection::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p, const std::vector<std::string>& names,
+                             bool averages) {
   std::vector<PulledValue> values;
   int64_t step = 0;
-  Status s = server_.engine().Pull(names, &values, &step, r.getAverages());
-  if (!s.ok()) return SendError(id, s);
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  auto p = resp.initPull();
+  PSD_RETURN_IF_ERROR(server_.engine().Pull(names, &values, &step, averages));
   p.setStep(step);
   auto list = p.initValues(static_cast<unsigned>(values.size()));
   for (size_t i = 0; i < values.size(); ++i) {
     const PulledValue& v = values[i];
     // Zero-copy: the reply references the immutable published buffer, kept alive by the frame.
-    wire::SetTensor(frame->builder, list[static_cast<unsigned>(i)], v.dtype, v.shape, v.value->data(), v.value->bytes(),
+    wire::SetTensor(frame.builder, list[static_cast<unsigned>(i)], v.dtype, v.shape, v.value->data(), v.value->bytes(),
                     /*padded=*/true);
-    frame->keepalive.push_back(v.value);
+    frame.keepalive.push_back(v.value);
   }
+  return Status::Ok();
+}
+
+void Connection::HandlePull(uint64_t id, proto::Pull::Reader r) {
+  std::vector<std::string> names;
+  for (auto n : r.getNames()) names.emplace_back(n);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  Status s = AddValues(*frame, resp.initPull(), names, r.getAverages());
+  if (!s.ok()) return SendError(id, s);
   Send(std::move(frame));
 }
 
@@ -275,6 +280,16 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
     }
     grads.push_back(std::move(ref));
   }
+  std::vector<std::string> pull_after;
+  for (auto n : r.getPullAfter()) pull_after.emplace_back(n);
+  if (!pull_after.empty()) {
+    // Checked before anything is pushed, so the pull after the token cannot fail (variables are
+    // never deleted) and a bad name changes nothing.
+    std::vector<PulledValue> probe;
+    int64_t step = 0;
+    Status known = server_.engine().Pull(pull_after, &probe, &step);
+    if (!known.ok()) return SendError(id, known);
+  }
   std::vector<GradOutcome> outcomes;
   Status s = server_.engine().Push(r.getLocalStep(), grads, &outcomes);
   if (!s.ok()) return SendError(id, s);
@@ -292,19 +307,29 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
   if (!r.getWaitToken()) {
     proto::Response::Builder resp(nullptr);
     auto frame = NewReply(id, &resp);
-    fill(resp.initPush());
-    return Send(std::move(frame));
-  }
-  WaitForToken(r.getTimeoutMs(), [this, id, fill = std::move(fill)](const Status& st, int64_t token) {
-    proto::Response::Builder resp(nullptr);
-    auto frame = NewReply(id, &resp);
     auto p = resp.initPush();
     fill(p);
-    p.setToken(token);
-    p.setTokenCode(wire::ToWire(st.code()));
-    p.setTokenMessage(st.message());
-    Send(std::move(frame));
-  });
+    if (!pull_after.empty()) {
+      Status pulled = AddValues(*frame, p.initPulled(), pull_after, false);
+      if (!pulled.ok()) return SendError(id, pulled);
+    }
+    return Send(std::move(frame));
+  }
+  WaitForToken(r.getTimeoutMs(),
+               [this, id, fill = std::move(fill), pull_after = std::move(pull_after)](const Status& st, int64_t token) {
+                 proto::Response::Builder resp(nullptr);
+                 auto frame = NewReply(id, &resp);
+                 auto p = resp.initPush();
+                 fill(p);
+                 p.setToken(token);
+                 p.setTokenCode(wire::ToWire(st.code()));
+                 p.setTokenMessage(st.message());
+                 if (st.ok() && !pull_after.empty()) {
+                   Status pulled = AddValues(*frame, p.initPulled(), pull_after, false);
+                   if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
+                 }
+                 Send(std::move(frame));
+               });
 }
 
 void Connection::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {

@@ -47,6 +47,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void HandleHello(uint64_t id, proto::Hello::Reader r);
   void HandleCreate(uint64_t id, proto::CreateVariable::Reader r);
   void HandlePull(uint64_t id, proto::Pull::Reader r);
+  // Puts the named variables' current values (one step) into a reply, referencing them in place.
+  Status AddValues(wire::OutFrame& frame, proto::PullReply::Builder p, const std::vector<std::string>& names,
+                   bool averages);
   void HandlePush(uint64_t id, proto::Push::Reader r);
   void HandleWaitToken(uint64_t id, proto::WaitToken::Reader r);
   void HandleStatus(uint64_t id);

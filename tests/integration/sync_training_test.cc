@@ -265,3 +265,25 @@ TEST_CASE("wrong requests get clear errors over the wire", "[integration]") {
   // The connection is still good after all of that.
   CHECK(w->GlobalStep().ok());
 }
+
+TEST_CASE("push, barrier and the next pull in one round trip", "[integration]") {
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.optimizer.learning_rate = 1.0;
+  auto server = StartServer(cfg);
+  auto w = ConnectWorker(server->port(), "w");
+  float init = 5, g = 2;
+  REQUIRE(w->CreateVariable("w", Scalar(init)).ok());
+  float after = -1;
+  std::vector<std::pair<std::string, TensorView>> pull{{"w", {&after, DType::kFloat32, {}, MemoryKind::kHost}}};
+  auto out = w->Push(0, {{"w", Scalar(g)}}, {}, true, 1000, &pull);
+  REQUIRE(out.ok());
+  REQUIRE(out->token_status.ok());
+  CHECK(out->pulled_step == 1);
+  CHECK(after == 3.0f);
+  // An unknown name in the pull is refused before anything is pushed.
+  std::vector<std::pair<std::string, TensorView>> bad{{"nope", {&after, DType::kFloat32, {}, MemoryKind::kHost}}};
+  auto refused = w->Push(1, {{"w", Scalar(g)}}, {}, true, 1000, &bad);
+  CHECK(refused.status().code() == Code::kNotFound);
+  CHECK(*w->GlobalStep() == 1);
+  CHECK(PullScalar(*w, "w") == 3.0f);
+}

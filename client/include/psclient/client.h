@@ -109,7 +109,8 @@ struct PushOutcome {
   Status token_status;              // its outcome (kDeadlineExceeded, kOutOfRange, ...)
   int64_t token = 0;                // the new local step, when token_status is OK
   bool is_chief = false;
-  int step_gradients = 0;  // gradients averaged (fewest per variable) in the last committed step
+  int step_gradients = 0;    // gradients averaged (fewest per variable) in the last committed step
+  int64_t pulled_step = -1;  // with pull_after: the step of the values written (-1: none)
 
   int accepted() const;
   int stale() const;
@@ -165,8 +166,12 @@ class Client {
   Result<PushOutcome> Push(int64_t local_step, const std::vector<Gradient>& grads, bool wait_token = false,
                            int64_t timeout_ms = 0);
   // Dense and sparse gradients in one message; results are dense ones first, then sparse ones.
+  // With `pull_after`, the reply also carries those variables' values once the token is in
+  // (written into the views; pulled_step says their step): push, barrier and the next step's
+  // pull in one round trip.
   Result<PushOutcome> Push(int64_t local_step, const std::vector<Gradient>& grads,
-                           const std::vector<SparseGradient>& sparse, bool wait_token = false, int64_t timeout_ms = 0);
+                           const std::vector<SparseGradient>& sparse, bool wait_token = false, int64_t timeout_ms = 0,
+                           const std::vector<std::pair<std::string, TensorView>>* pull_after = nullptr);
 
   // Chief only: the learning rate from the next step on (schedules live in the trainer).
   Status SetLearningRate(double learning_rate);

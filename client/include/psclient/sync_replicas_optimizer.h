@@ -171,7 +171,8 @@ class SyncReplicasOptimizer {
   bool built_ = false;  // compute/apply seen: the "graph" exists
   bool gradients_applied_ = false;
   bool local_init_done_ = false;
-  uint64_t epoch_ = 0;  // the client's connection epoch at the last local init
+  uint64_t epoch_ = 0;         // the client's connection epoch at the last local init
+  bool values_fresh_ = false;  // var_list_'s host values came with the last token (no pull needed)
   std::vector<Variable*> var_list_;
   int64_t local_step_ = 0;
   int64_t token_timeout_ms_ = 0;
