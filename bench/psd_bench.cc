@@ -108,6 +108,7 @@ struct Options {
   int warmup = 3;
   int steps = 20;
   bool fused = false;
+  bool pull_in_push = false;
   int io_threads = 2;
   double learning_rate = 0.01;
   int64_t token_timeout_ms = 30000;
@@ -373,7 +374,8 @@ std::string CreateHint(const Status& s, const char* flags) {
 
 class DenseWorkload : public Workload {
  public:
-  DenseWorkload(int index, const std::vector<VarSpec>& vars) : vars_(vars) {
+  DenseWorkload(int index, const std::vector<VarSpec>& vars, bool pull_in_push)
+      : vars_(vars), pull_in_push_(pull_in_push) {
     grad_storage_.resize(vars.size());
     value_storage_.resize(vars.size());
     grads_.reserve(vars.size());
@@ -404,10 +406,19 @@ class DenseWorkload : public Workload {
     return Status::Ok();
   }
   Result<int64_t> FirstPull(psclient::Client& c) override { return c.Pull(outs_); }
-  Result<int64_t> Pull(psclient::Client& c) override { return c.Pull(outs_); }
+  Result<int64_t> Pull(psclient::Client& c) override {
+    if (fresh_step_ >= 0) {  // --pull-in-push: the values came with the last token
+      int64_t step = fresh_step_;
+      fresh_step_ = -1;
+      return step;
+    }
+    return c.Pull(outs_);
+  }
   Result<psclient::PushOutcome> Push(psclient::Client& c, int64_t local_step, bool wait_token,
                                      int64_t timeout_ms) override {
-    return c.Push(local_step, grads_, wait_token, timeout_ms);
+    auto out = c.Push(local_step, grads_, {}, wait_token, timeout_ms, pull_in_push_ ? &outs_ : nullptr);
+    if (out.ok()) fresh_step_ = out->pulled_step;
+    return out;
   }
   uint64_t pull_bytes() const override { return model_bytes_; }
   uint64_t push_bytes() const override { return model_bytes_; }
@@ -419,6 +430,8 @@ class DenseWorkload : public Workload {
   std::vector<psclient::Gradient> grads_;
   std::vector<std::pair<std::string, psclient::TensorView>> outs_;
   uint64_t model_bytes_ = 0;
+  const bool pull_in_push_;
+  int64_t fresh_step_ = -1;
 };
 
 class SparseWorkload : public Workload {
@@ -525,7 +538,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   if (opt.sparse) {
     work = std::make_unique<SparseWorkload>(index, opt);
   } else {
-    work = std::make_unique<DenseWorkload>(index, vars);
+    work = std::make_unique<DenseWorkload>(index, vars, opt.pull_in_push);
   }
 
   // TF's chief creates the variables; the others wait for them by pulling until they exist.
@@ -683,6 +696,7 @@ struct Report {
   int warmup = 0;
   int steps = 0;
   bool fused = false;
+  bool pull_in_push = false;
   double wall_s = 0;
   int64_t global_steps = 0;
   double steps_per_s = 0;
@@ -712,6 +726,7 @@ Report Summarize(const Options& opt, const Window& window, std::vector<WorkerSta
   r.warmup = opt.warmup;
   r.steps = opt.steps;
   r.fused = opt.fused;
+  r.pull_in_push = opt.pull_in_push;
   r.mode = w0.job.mode.empty() ? "sync" : w0.job.mode;
   r.staleness_bound = r.mode == "ssp" ? w0.job.staleness_bound : -1;
   r.optimizer = w0.job.optimizer;
@@ -800,6 +815,7 @@ void PrintJson(const Report& r) {
   field("steps", integer(r.steps));
   field("stop_rule", JsonString(sync ? "global_steps" : "iterations_per_worker"));
   field("fused", boolean(r.fused));
+  field("pull_in_push", boolean(r.pull_in_push));
   field("wall_s", JsonNumber(r.wall_s));
   field("global_steps", integer(r.global_steps));
   field("steps_per_s", JsonNumber(r.steps_per_s));
@@ -859,7 +875,9 @@ void PrintTable(const Report& r, const std::string& build_warning_line) {
   }
   std::printf("run        %d workers, %d warmup + %d measured %s, %s\n", r.workers, r.warmup, r.steps,
               sync ? "global steps" : "iterations per worker",
-              r.fused ? "fused push+token (1 round trip)" : "push then token wait (2 round trips)");
+              r.pull_in_push ? "push+token+next pull fused (1 round trip per step)"
+              : r.fused      ? "fused push+token (1 round trip)"
+                             : "push then token wait (2 round trips)");
   std::printf("\n");
   std::printf("  %-22s %12s %12s %14s\n", "", "p50 ms", "p99 ms", "GB/s");
   std::printf("  %-22s %12.3f %12.3f %14s\n", "step (worker 0)", r.step_p50, r.step_p99, "");
@@ -946,7 +964,11 @@ int Run(int argc, char** argv) {
   app.add_option("--steps", opt.steps, "measured steps (sync: global steps; async/ssp: iterations per worker)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_flag("--fused", opt.fused, "ask for the token in the push (one round trip per push+wait)");
+  auto* fused_flag = app.add_flag("--fused", opt.fused, "ask for the token in the push (one round trip per push+wait)");
+  app.add_flag("--pull-in-push", opt.pull_in_push,
+               "dense, with --fused: the next step's values come back with the token (one round trip per step)")
+      ->needs(fused_flag)
+      ->excludes(sparse);
   app.add_option("--threads", opt.io_threads, "in-process psd: I/O threads")->excludes(connect)->capture_default_str();
   app.add_option("--learning-rate,--lr", opt.learning_rate, "in-process psd: the optimizer's learning rate")
       ->excludes(connect)
