@@ -9,7 +9,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 build="$here/build"
-workers=3 replicas=2 backup=1 steps=300 straggler_ms=5 lr=0.5 features=64 batch=128
+workers=3 replicas=2 backup=1 steps=1000 straggler_ms=3 lr=0.5 features=128 batch=256
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -51,7 +51,7 @@ for i in $(seq 0 $((workers - 1))); do
   # The last worker is an artificial straggler when there are backups: its gradients arrive late.
   if [ "$backup" -gt 0 ] && [ "$i" -eq $((workers - 1)) ]; then slow=$straggler_ms; fi
   timeout 600 "$worker" --port "$port" --worker-name "worker-$i" --shard "$i" --steps "$steps" \
-    --features "$features" --batch "$batch" --slow-ms "$slow" --print-every 20 &
+    --features "$features" --batch "$batch" --slow-ms "$slow" --print-every 50 &
   worker_pids+=($!)
   pids+=($!)
 done
