@@ -6,6 +6,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 "$here/deploy/install_deps.sh"
 jobs=$(nproc)
+# ccache hits across clones in different directories (CI builds a fresh clone each time).
+export CCACHE_BASEDIR="$here"
 
 echo "== Release build (-Werror) =="
 cmake -S "$here" -B "$here/build-ci" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPSD_WERROR=ON >/dev/null
