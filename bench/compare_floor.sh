@@ -47,7 +47,7 @@ for spec in 4096:200 4194304:20 67108864:10; do
   floor_out="$(timeout 300 "$tmp/raw_tcp_ps" "$size" "$steps" "$workers" 2>&1)"
   floor_rc=$?
   echo "floor: $floor_out"
-  psd_out="$(timeout 300 "$bench" --workers "$workers" --model-bytes "$size" --steps "$steps" --fused --json \
+  psd_out="$(timeout 300 "$bench" --workers "$workers" --model-bytes "$size" --steps "$steps" --fused --pull-in-push --json \
              --timeout-s 280 2>&1)"
   psd_rc=$?
   echo "psd:   $psd_out"
@@ -66,7 +66,7 @@ for spec in 4096:200 4194304:20 67108864:10; do
   echo
 done
 
-echo "== summary (median step time, ms; psd with --fused) =="
+echo "== summary (median step time, ms; psd with --fused --pull-in-push: one round trip per step, as the floor) =="
 printf '%10s %12s %12s %8s\n' "bytes" "floor" "psd" "ratio"
 for line in "${summary[@]}"; do echo "$line"; done
 exit $status

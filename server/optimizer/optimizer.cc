@@ -6,6 +6,7 @@ namespace psd::server {
 namespace {
 
 // Each optimizer writes one templated Update<T>; this adapter provides both virtual overloads.
+// The gradient of element i is g[i] / d: the MEAN's division is fused into the update's pass.
 template <typename Derived>
 class OptimizerImpl : public Optimizer {
  public:
@@ -13,12 +14,12 @@ class OptimizerImpl : public Optimizer {
 
  protected:
   void Range(const float* value, const float* grad, float* out, float** slots, int64_t begin, int64_t end, int64_t step,
-             double lr) const override {
-    static_cast<const Derived*>(this)->template Update<float>(value, grad, out, slots, begin, end, step, lr);
+             double lr, float div) const override {
+    static_cast<const Derived*>(this)->template Update<float>(value, grad, out, slots, begin, end, step, lr, div);
   }
   void Range(const double* value, const double* grad, double* out, double** slots, int64_t begin, int64_t end,
-             int64_t step, double lr) const override {
-    static_cast<const Derived*>(this)->template Update<double>(value, grad, out, slots, begin, end, step, lr);
+             int64_t step, double lr, double div) const override {
+    static_cast<const Derived*>(this)->template Update<double>(value, grad, out, slots, begin, end, step, lr, div);
   }
 };
 
@@ -27,10 +28,10 @@ class Sgd : public OptimizerImpl<Sgd> {
  public:
   using OptimizerImpl::OptimizerImpl;
   template <typename T>
-  void Update(const T* __restrict v, const T* __restrict g, T* out, T**, int64_t b, int64_t e, int64_t,
-              double lr) const {
+  void Update(const T* __restrict v, const T* __restrict g, T* out, T**, int64_t b, int64_t e, int64_t, double lr,
+              T d) const {
     const T a = static_cast<T>(lr);
-    for (int64_t i = b; i < e; ++i) out[i] = v[i] - a * g[i];
+    for (int64_t i = b; i < e; ++i) out[i] = v[i] - a * (g[i] / d);
   }
 };
 
@@ -40,17 +41,19 @@ class Momentum : public OptimizerImpl<Momentum> {
   using OptimizerImpl::OptimizerImpl;
   std::vector<SlotSpec> Slots() const override { return {{"momentum", 0.0}}; }
   template <typename T>
-  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr) const {
+  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr, T d) const {
     const T a = static_cast<T>(lr), m = static_cast<T>(params().momentum);
     T* acc = s[0];
     if (params().nesterov) {
       for (int64_t i = b; i < e; ++i) {
-        acc[i] = m * acc[i] + g[i];
-        out[i] = v[i] - (a * g[i] + a * m * acc[i]);
+        const T gi = g[i] / d;
+        acc[i] = m * acc[i] + gi;
+        out[i] = v[i] - (a * gi + a * m * acc[i]);
       }
     } else {
       for (int64_t i = b; i < e; ++i) {
-        acc[i] = m * acc[i] + g[i];
+        const T gi = g[i] / d;
+        acc[i] = m * acc[i] + gi;
         out[i] = v[i] - a * acc[i];
       }
     }
@@ -63,12 +66,13 @@ class Adagrad : public OptimizerImpl<Adagrad> {
   using OptimizerImpl::OptimizerImpl;
   std::vector<SlotSpec> Slots() const override { return {{"accumulator", params().initial_accumulator}}; }
   template <typename T>
-  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr) const {
+  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr, T d) const {
     const T a = static_cast<T>(lr);
     T* acc = s[0];
     for (int64_t i = b; i < e; ++i) {
-      acc[i] += g[i] * g[i];
-      out[i] = v[i] - a * g[i] / std::sqrt(acc[i]);
+      const T gi = g[i] / d;
+      acc[i] += gi * gi;
+      out[i] = v[i] - a * gi / std::sqrt(acc[i]);
     }
   }
 };
@@ -81,7 +85,7 @@ class Adam : public OptimizerImpl<Adam> {
   using OptimizerImpl::OptimizerImpl;
   std::vector<SlotSpec> Slots() const override { return {{"m", 0.0}, {"v", 0.0}}; }
   template <typename T>
-  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t step, double lr) const {
+  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t step, double lr, T d) const {
     const double t = static_cast<double>(step);
     const double b1 = params().beta1, b2 = params().beta2;
     const T lr_t = static_cast<T>(lr * std::sqrt(1 - std::pow(b2, t)) / (1 - std::pow(b1, t)));
@@ -89,8 +93,9 @@ class Adam : public OptimizerImpl<Adam> {
     T* m = s[0];
     T* vv = s[1];
     for (int64_t i = b; i < e; ++i) {
-      m[i] = tb1 * m[i] + (T(1) - tb1) * g[i];
-      vv[i] = tb2 * vv[i] + (T(1) - tb2) * g[i] * g[i];
+      const T gi = g[i] / d;
+      m[i] = tb1 * m[i] + (T(1) - tb1) * gi;
+      vv[i] = tb2 * vv[i] + (T(1) - tb2) * gi * gi;
       out[i] = v[i] - lr_t * m[i] / (std::sqrt(vv[i]) + eps);
     }
   }
@@ -102,14 +107,15 @@ class RmsProp : public OptimizerImpl<RmsProp> {
   using OptimizerImpl::OptimizerImpl;
   std::vector<SlotSpec> Slots() const override { return {{"rms", 1.0}, {"momentum", 0.0}}; }
   template <typename T>
-  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr) const {
+  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr, T d) const {
     const T a = static_cast<T>(lr), rho = static_cast<T>(params().rho);
     const T mo = static_cast<T>(params().rms_momentum), eps = static_cast<T>(params().epsilon);
     T* ms = s[0];
     T* mom = s[1];
     for (int64_t i = b; i < e; ++i) {
-      ms[i] = rho * ms[i] + (T(1) - rho) * g[i] * g[i];
-      mom[i] = mo * mom[i] + a * g[i] / std::sqrt(ms[i] + eps);
+      const T gi = g[i] / d;
+      ms[i] = rho * ms[i] + (T(1) - rho) * gi * gi;
+      mom[i] = mo * mom[i] + a * gi / std::sqrt(ms[i] + eps);
       out[i] = v[i] - mom[i];
     }
   }
@@ -125,15 +131,16 @@ class Ftrl : public OptimizerImpl<Ftrl> {
   using OptimizerImpl::OptimizerImpl;
   std::vector<SlotSpec> Slots() const override { return {{"accum", params().initial_accumulator}, {"linear", 0.0}}; }
   template <typename T>
-  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr) const {
+  void Update(const T* v, const T* g, T* out, T** s, int64_t b, int64_t e, int64_t, double lr, T d) const {
     const T a = static_cast<T>(lr), l1 = static_cast<T>(params().l1), l2 = static_cast<T>(params().l2);
     const T p = static_cast<T>(-params().lr_power);
     T* accum = s[0];
     T* linear = s[1];
     for (int64_t i = b; i < e; ++i) {
-      T acc_new = accum[i] + g[i] * g[i];
+      const T gi = g[i] / d;
+      T acc_new = accum[i] + gi * gi;
       T pow_new = std::pow(acc_new, p), pow_old = std::pow(accum[i], p);
-      linear[i] += g[i] - (pow_new - pow_old) / a * v[i];
+      linear[i] += gi - (pow_new - pow_old) / a * v[i];
       T quadratic = pow_new / a + T(2) * l2;
       T lin = linear[i];
       out[i] = std::abs(lin) > l1 ? ((lin > 0 ? l1 : -l1) - lin) / quadratic : T(0);
@@ -177,12 +184,12 @@ void Optimizer::Apply(const ApplyArgs& a) const {
     std::vector<float*> sp;
     for (Buffer& b : slots) sp.push_back(b.as<float>() + a.slot_offset);
     Range(static_cast<const float*>(a.value), static_cast<const float*>(a.grad), static_cast<float*>(a.out), sp.data(),
-          0, a.num_elements, a.step, a.learning_rate);
+          0, a.num_elements, a.step, a.learning_rate, static_cast<float>(a.grad_divisor));
   } else {
     std::vector<double*> sp;
     for (Buffer& b : slots) sp.push_back(b.as<double>() + a.slot_offset);
     Range(static_cast<const double*>(a.value), static_cast<const double*>(a.grad), static_cast<double*>(a.out),
-          sp.data(), 0, a.num_elements, a.step, a.learning_rate);
+          sp.data(), 0, a.num_elements, a.step, a.learning_rate, a.grad_divisor);
   }
 }
 
@@ -207,11 +214,11 @@ void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
 void Optimizer::ApplySparse(const SparseApplyArgs& a) const {
   if (a.dtype == DType::kFloat32) {
     ForEachRow<float>(a, [&](const float* v, const float* g, float* o, float** s) {
-      Range(v, g, o, s, 0, a.row_elements, a.step, a.learning_rate);
+      Range(v, g, o, s, 0, a.row_elements, a.step, a.learning_rate, 1.0f);  // rows arrive averaged
     });
   } else {
     ForEachRow<double>(a, [&](const double* v, const double* g, double* o, double** s) {
-      Range(v, g, o, s, 0, a.row_elements, a.step, a.learning_rate);
+      Range(v, g, o, s, 0, a.row_elements, a.step, a.learning_rate, 1.0);
     });
   }
 }

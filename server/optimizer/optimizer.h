@@ -53,6 +53,7 @@ struct ApplyArgs {
   int64_t slot_offset;         // element of the slots that corresponds to value[0] (parallel ranges)
   int64_t step;                // 1-based count of updates (Adam's t)
   double learning_rate;
+  double grad_divisor = 1;  // MEAN: the number of gradients summed in `grad` (divided, as TF does)
 };
 
 // Updates only the listed rows (lazy semantics: slots of untouched rows do not move, Adam's
@@ -85,10 +86,11 @@ class Optimizer {
   explicit Optimizer(OptimizerParams params) : params_(std::move(params)) {}
   // Updates elements [begin, end): value/out/grad/slots are indexed by the same element index.
   // `slot_ptrs` point at each slot's element 0. float and double variants.
+  // The gradient of element i is grad[i] / div (the MEAN's division, fused into this pass).
   virtual void Range(const float* value, const float* grad, float* out, float** slots, int64_t begin, int64_t end,
-                     int64_t step, double lr) const = 0;
+                     int64_t step, double lr, float div) const = 0;
   virtual void Range(const double* value, const double* grad, double* out, double** slots, int64_t begin, int64_t end,
-                     int64_t step, double lr) const = 0;
+                     int64_t step, double lr, double div) const = 0;
 
  private:
   OptimizerParams params_;

@@ -10,12 +10,6 @@ void AddInto(T* __restrict dst, const T* __restrict src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
-// Divides (not multiplies by the reciprocal) so results match TF's `accum /= counter` bit for bit.
-template <typename T>
-void DivideBy(T* dst, T divisor, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] /= divisor;
-}
-
 }  // namespace
 
 DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction, int64_t initial_step)
@@ -67,13 +61,7 @@ Result<bool> DenseAccumulator::TryTakeGrad(int num_required, int* count) {
 
 void DenseAccumulator::ForceTake(int* count) {
   ++step_;
-  if (reduction_ == Reduction::kMean && counter_ > 1) {
-    if (dtype_ == DType::kFloat32) {
-      DivideBy(sum_.as<float>(), static_cast<float>(counter_), num_elements_);
-    } else {
-      DivideBy(sum_.as<double>(), static_cast<double>(counter_), num_elements_);
-    }
-  }
+  divisor_ = reduction_ == Reduction::kMean && counter_ > 1 ? counter_ : 1;
   *count = counter_;
   counter_ = 0;
 }

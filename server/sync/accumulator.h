@@ -37,8 +37,10 @@ class DenseAccumulator {
 
   // TF take_grad without the wait. Errors with "Argument num_required must be positive, but was
   // <n>" for num_required <= 0. Returns false (nothing changes) while counter < num_required.
-  // On success the aggregated gradient is in grad() until the next ApplyGrad, and *count is the
-  // number of gradients it averages.
+  // On success *count is the number of gradients taken and the result is grad() / divisor()
+  // (MEAN: the count; SUM: 1), valid until the next ApplyGrad. The division is left to the
+  // consumer so the optimizer can fuse it into its own pass over the memory (TF divides in
+  // place first: the same arithmetic, one pass less here).
   Result<bool> TryTakeGrad(int num_required, int* count);
 
   // Takes whatever is there (a soft-sync step deadline passed); *count may be 0 (then grad()
@@ -52,6 +54,7 @@ class DenseAccumulator {
   int num_accumulated() const { return counter_; }
   int64_t step() const { return step_; }
   const Buffer& grad() const { return sum_; }
+  double divisor() const { return divisor_; }
   DType dtype() const { return dtype_; }
   const Shape& shape() const { return shape_; }
 
@@ -62,6 +65,7 @@ class DenseAccumulator {
   const int64_t num_elements_;
   int64_t step_;
   int counter_ = 0;
+  double divisor_ = 1;  // of the last take
   Buffer sum_;
 };
 

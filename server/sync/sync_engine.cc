@@ -324,7 +324,7 @@ bool SyncEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   }
   if (!out) out = std::make_shared<Buffer>(v->bytes);
   ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), v->dense->grad().data(), out->data(), &v->slots,
-                       0, v->next_take_step, lr});
+                       0, v->next_take_step, lr, v->dense->divisor()});
   std::lock_guard<std::mutex> lock(mu_);
   v->staged = std::move(out);
   return true;

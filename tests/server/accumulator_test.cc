@@ -15,10 +15,14 @@ Result<bool> Apply(DenseAccumulator& acc, int64_t step, std::vector<T> v, Shape 
   return acc.ApplyGrad(step, dt, shape, v.data(), v.size() * sizeof(T));
 }
 
+// The take's result: the sum divided by the divisor (the engine fuses that division into the
+// optimizer's pass; the arithmetic is TF's `accum /= counter`).
 template <typename T>
 std::vector<T> Grad(const DenseAccumulator& acc, size_t n) {
   const T* p = acc.grad().as<T>();
-  return std::vector<T>(p, p + n);
+  std::vector<T> out(p, p + n);
+  for (T& x : out) x /= static_cast<T>(acc.divisor());
+  return out;
 }
 
 }  // namespace

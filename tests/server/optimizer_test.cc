@@ -193,3 +193,19 @@ TEST_CASE("bad optimizer settings name the flag", "[optimizer]") {
   p.learning_rate = -1;
   CHECK_THAT(p.Validate().message(), Catch::Contains("--learning-rate"));
 }
+
+TEST_CASE("the MEAN's division happens inside the update, exactly as a divide first", "[optimizer]") {
+  OptimizerParams p;
+  p.name = "momentum";
+  p.learning_rate = 0.5;
+  auto opt = MakeOptimizer(p);
+  REQUIRE(opt.ok());
+  std::vector<Buffer> fused_slots, plain_slots;
+  fused_slots.emplace_back(12);
+  plain_slots.emplace_back(12);
+  std::vector<float> value{1, 2, 3}, sum{0.3f, 0.7f, 1.1f}, mean(3), a(3), b(3);
+  for (int i = 0; i < 3; ++i) mean[i] = sum[i] / 3.0f;  // TF: accum /= counter
+  (*opt)->Apply({DType::kFloat32, 3, value.data(), sum.data(), a.data(), &fused_slots, 0, 1, 0.5, 3.0});
+  (*opt)->Apply({DType::kFloat32, 3, value.data(), mean.data(), b.data(), &plain_slots, 0, 1, 0.5, 1.0});
+  CHECK(a == b);  // bit for bit
+}
