@@ -101,6 +101,10 @@ int main(int argc, char** argv) {
                  "largest accepted message in bytes; bigger frames are refused before allocation")
       ->capture_default_str();
   app.add_option("--max-connections", cfg.max_connections, "most concurrent connections")->capture_default_str();
+  app.add_option("--max-model-bytes", cfg.max_model_bytes,
+                 "memory the variables may take in bytes, counting their slots, averages and update buffers; "
+                 "creating more is refused")
+      ->capture_default_str();
   app.add_flag("--exit-when-done", cfg.exit_when_done, "exit with status 0 once every worker has finished");
   app.add_option("--summary-interval-s", cfg.summary_interval_s,
                  "seconds between progress summaries at info level (0: none)")

@@ -145,6 +145,15 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
     }
     opt = it->second.get();
   }
+  // What a variable costs: its value (and a staging/spare copy and an accumulator when it trains),
+  // its slots and its average. Checked before allocating: a peer cannot exhaust the daemon's memory.
+  uint64_t cost = bytes * (1 + (def.trainable ? 3 : 0) + opt->Slots().size() + (def.average ? 1 : 0));
+  if (model_bytes_ + cost > config_.max_model_bytes) {
+    return ResourceExhausted("variable '" + def.name + "' needs about " + std::to_string(cost) + " bytes; the " +
+                             "variables already hold " + std::to_string(model_bytes_) + " of --max-model-bytes " +
+                             std::to_string(config_.max_model_bytes));
+  }
+  model_bytes_ += cost;
   auto v = std::make_unique<Variable>(def, opt, global_step_.load());
   v->published = std::make_shared<Buffer>(bytes);
   if (def.initial != nullptr && bytes) std::memcpy(v->published->data(), def.initial, bytes);

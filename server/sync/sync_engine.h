@@ -222,6 +222,7 @@ class SyncEngine {
   mutable std::mutex mu_;
   std::map<std::string, std::unique_ptr<Variable>, std::less<>> vars_;  // guarded by mu_
   int pending_takes_ = 0;            // guarded by mu_: trainable variables not yet taken this step
+  uint64_t model_bytes_ = 0;         // guarded by mu_: the memory the variables account for
   int step_min_count_ = 0;           // guarded by mu_
   int step_max_count_ = 0;           // guarded by mu_
   bool step_started_ = false;        // guarded by mu_: a fresh gradient arrived for the open step

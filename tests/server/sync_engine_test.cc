@@ -240,3 +240,20 @@ TEST_CASE("non-trainable variables take no gradients and do not hold steps", "[e
   CHECK(e.Push(0, {{"w", 1.f}})[0]);
   CHECK(e.engine.global_step() == 1);
 }
+
+TEST_CASE("variables beyond --max-model-bytes are refused before anything is allocated", "[engine]") {
+  ServerConfig c = Config(1, 1, 0);
+  c.max_model_bytes = 4096;
+  Engine e(c);
+  VariableDef big;
+  big.name = "big";
+  big.shape = {1 << 20};
+  auto r = e.engine.CreateVariable(big);
+  CHECK(r.status().code() == Code::kResourceExhausted);
+  CHECK_THAT(r.status().message(), Catch::Contains("--max-model-bytes"));
+  VariableDef small;
+  small.name = "small";
+  small.shape = {64};  // 256 bytes, x4 for a trainable variable
+  CHECK(e.engine.CreateVariable(small).ok());
+  CHECK(e.engine.CreateVariable(small).ok());  // create-or-get costs nothing
+}
