@@ -80,6 +80,11 @@ class Client::Impl {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     socket_.set_option(psd::tcp::no_delay(true), ec);
+    if (options_.observer) {
+      // No hello: an observer is not a worker (it never becomes chief, never counts as finished).
+      ++epoch_;
+      return Status::Ok();
+    }
     OutFrame frame;
     auto req = NewRequest(frame);
     auto h = req.initHello();

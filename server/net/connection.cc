@@ -118,6 +118,7 @@ void Connection::Dispatch(proto::Request::Reader req) {
   auto which = req.which();
   if (which == proto::Request::HELLO) return HandleHello(id, req.getHello());
   if (which == proto::Request::STATUS) return HandleStatus(id);
+  if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);  // an operator's request
   if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
   switch (which) {
     case proto::Request::CREATE_VARIABLE:

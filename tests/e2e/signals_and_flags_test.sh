@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # e2e: psd --help documents the flags; contradictory flags are refused at start with a message
-# naming the flag; SIGTERM and SIGINT stop a running psd cleanly with status 0.
+# naming the flag; SIGTERM and SIGINT stop a running psd cleanly with status 0; psd_admin reads
+# the status and asks for a checkpoint without joining the job as a worker.
 set -euo pipefail
-psd=$1
+psd=$1 admin=$2
 run=$(mktemp -d)
 pid=""
 trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$run"' EXIT
@@ -30,4 +31,17 @@ for sig in TERM INT; do
   if wait "$pid"; then echo "SIG$sig: clean exit"; else echo "SIG$sig: psd exited $?"; cat "$run/psd.log"; exit 1; fi
   pid=""
 done
+# psd_admin against a live daemon with a checkpoint directory.
+rm -f "$run/port"
+timeout 30 "$psd" --port 0 --port-file "$run/port" --checkpoint-dir "$run/ckpt" 2> "$run/psd.log" &
+pid=$!
+for _ in $(seq 200); do [ -s "$run/port" ] && break; sleep 0.05; done
+port=$(cat "$run/port")
+out=$(timeout 10 "$admin" --port "$port" status)
+grep -q "global step          0" <<< "$out" || { echo "psd_admin status: $out"; exit 1; }
+grep -q "workers              0 connected" <<< "$out" || { echo "psd_admin counted as a worker: $out"; exit 1; }
+timeout 10 "$admin" --port "$port" checkpoint | grep -q "checkpoint requested"
+for _ in $(seq 100); do timeout 10 "$admin" --port "$port" --json status | grep -q '"last_checkpoint_step": 0' && break; sleep 0.05; done
+timeout 10 "$admin" --port "$port" --json status | grep -q '"last_checkpoint_step": 0' || { echo "no checkpoint"; exit 1; }
+kill -TERM "$pid"; wait "$pid"; pid=""
 echo "PASS"
