@@ -185,6 +185,17 @@ class Client::Impl {
     }
   }
 
+  // A request whose reply carries nothing but its status.
+  template <typename Fill>
+  Status Call(Fill fill) {
+    std::lock_guard<std::mutex> lock(mu_);
+    OutFrame frame;
+    fill(NewRequest(frame));
+    std::unique_ptr<capnp::MessageReader> reader;
+    proto::Response::Reader resp;
+    return RoundTrip(frame, &reader, &resp);
+  }
+
   void Drop() {
     boost::system::error_code ec;
     socket_.close(ec);
@@ -485,33 +496,15 @@ Status Client::GetSlot(const std::string& variable, const std::string& slot, Ten
 }
 
 Status Client::SetLearningRate(double learning_rate) {
-  std::lock_guard<std::mutex> lock(impl_->mu_);
-  OutFrame frame;
-  auto req = impl_->NewRequest(frame);
-  req.setSetLearningRate(learning_rate);
-  std::unique_ptr<capnp::MessageReader> reader;
-  proto::Response::Reader resp;
-  return impl_->RoundTrip(frame, &reader, &resp);
+  return impl_->Call([&](proto::Request::Builder req) { req.setSetLearningRate(learning_rate); });
 }
 
 Status Client::RequestCheckpoint() {
-  std::lock_guard<std::mutex> lock(impl_->mu_);
-  OutFrame frame;
-  auto req = impl_->NewRequest(frame);
-  req.setCheckpoint();
-  std::unique_ptr<capnp::MessageReader> reader;
-  proto::Response::Reader resp;
-  return impl_->RoundTrip(frame, &reader, &resp);
+  return impl_->Call([&](proto::Request::Builder req) { req.setCheckpoint(); });
 }
 
 Status Client::Finish() {
-  std::lock_guard<std::mutex> lock(impl_->mu_);
-  OutFrame frame;
-  auto req = impl_->NewRequest(frame);
-  req.setFinish();
-  std::unique_ptr<capnp::MessageReader> reader;
-  proto::Response::Reader resp;
-  return impl_->RoundTrip(frame, &reader, &resp);
+  return impl_->Call([&](proto::Request::Builder req) { req.setFinish(); });
 }
 
 }  // namespace psclient

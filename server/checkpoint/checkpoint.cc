@@ -1,6 +1,5 @@
 #include "checkpoint/checkpoint.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
@@ -11,6 +10,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -113,6 +113,19 @@ class Reader {
   const std::vector<uint8_t>& data_;
   size_t pos_ = 0;
 };
+
+// The checkpoint directories in `dir` ("ckpt-" + 20 digits), oldest first.
+std::vector<std::string> ListCheckpoints(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator(dir, ec); !ec && it != std::filesystem::directory_iterator();
+       it.increment(ec)) {
+    std::string n = it->path().filename().string();
+    if (n.rfind("ckpt-", 0) == 0 && n.size() == 25) names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
 
 std::string StepDirName(int64_t step) {
   char buf[64];
@@ -305,26 +318,11 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
   PSD_RETURN_IF_ERROR(FsyncPath(path));
   PSD_RETURN_IF_ERROR(FsyncPath(dir));
   if (keep > 0) {
-    // Retention: drop the oldest beyond `keep` (only complete, older ones).
-    std::vector<std::string> names;
-    if (DIR* d = opendir(dir.c_str())) {
-      while (dirent* e = readdir(d)) {
-        std::string n = e->d_name;
-        if (n.rfind("ckpt-", 0) == 0 && n.size() == 25) names.push_back(n);
-      }
-      closedir(d);
-    }
-    std::sort(names.begin(), names.end());
+    // Retention: drop the oldest beyond `keep`.
+    std::vector<std::string> names = ListCheckpoints(dir);
     for (size_t i = 0; i + static_cast<size_t>(keep) < names.size(); ++i) {
-      std::string old = dir + "/" + names[i];
-      if (DIR* d = opendir(old.c_str())) {
-        while (dirent* e = readdir(d)) {
-          std::string n = e->d_name;
-          if (n != "." && n != "..") std::remove((old + "/" + n).c_str());
-        }
-        closedir(d);
-      }
-      rmdir(old.c_str());
+      std::error_code ec;
+      std::filesystem::remove_all(dir + "/" + names[i], ec);
     }
   }
   return CheckpointInfo{snap.step, path};
@@ -347,15 +345,8 @@ Status VerifyCheckpoint(const std::string& path) {
 }
 
 Result<CheckpointInfo> LoadLatestCheckpoint(const std::string& dir, int shard, ShardSnapshot* out) {
-  std::vector<std::string> names;
-  if (DIR* d = opendir(dir.c_str())) {
-    while (dirent* e = readdir(d)) {
-      std::string n = e->d_name;
-      if (n.rfind("ckpt-", 0) == 0 && n.size() == 25) names.push_back(n);
-    }
-    closedir(d);
-  }
-  std::sort(names.rbegin(), names.rend());
+  std::vector<std::string> names = ListCheckpoints(dir);
+  std::reverse(names.begin(), names.end());  // newest first
   for (const std::string& n : names) {
     std::string path = dir + "/" + n;
     Status s = VerifyCheckpoint(path);

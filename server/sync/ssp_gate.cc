@@ -35,8 +35,8 @@ void SspGate::Leave(uint32_t worker) {
 
 SspGate::WaitId SspGate::Advance(uint32_t worker, Callback cb) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (closed_) {
-    Status why = close_status_;
+  if (parked_.closed()) {
+    Status why = parked_.close_status();
     lock.unlock();
     cb(why, 0);
     return 0;
@@ -49,26 +49,23 @@ SspGate::WaitId SspGate::Advance(uint32_t worker, Callback cb) {
   }
   ++it->second;
   // Others may have been waiting for this worker to move.
-  WaitId id = next_id_++;
-  waiters_.push_back({id, worker, std::move(cb)});
+  WaitId id = parked_.Park(worker, std::move(cb));
   ReleaseLocked(lock);
   std::lock_guard<std::mutex> again(mu_);
-  for (auto& w : waiters_) {
-    if (w.id == id) return id;  // still parked
-  }
-  return 0;
+  return parked_.Contains(id) ? id : 0;  // 0: released at once
 }
 
 void SspGate::ReleaseLocked(std::unique_lock<std::mutex>& lock) {
   int64_t min_clock = MinClockLocked();
   std::vector<std::pair<Callback, int64_t>> ready;
-  for (auto it = waiters_.begin(); it != waiters_.end();) {
-    auto c = clocks_.find(it->worker);
+  auto& waiters = parked_.waiters();
+  for (auto it = waiters.begin(); it != waiters.end();) {
+    auto c = clocks_.find(it->key);
     // A worker that left while parked is released too (it no longer waits for anyone).
     int64_t clock = c == clocks_.end() ? min_clock : c->second;
     if (c == clocks_.end() || clock - min_clock <= bound_) {
       ready.emplace_back(std::move(it->cb), clock);
-      it = waiters_.erase(it);
+      it = waiters.erase(it);
     } else {
       ++it;
     }
@@ -79,28 +76,20 @@ void SspGate::ReleaseLocked(std::unique_lock<std::mutex>& lock) {
 
 bool SspGate::Cancel(WaitId id, const Status& why) {
   std::unique_lock<std::mutex> lock(mu_);
-  for (auto it = waiters_.begin(); it != waiters_.end(); ++it) {
-    if (it->id == id) {
-      Callback cb = std::move(it->cb);
-      // The wait did not complete: the clock step is given back.
-      auto c = clocks_.find(it->worker);
-      if (c != clocks_.end()) --c->second;
-      waiters_.erase(it);
-      lock.unlock();
-      cb(why, 0);
-      return true;
-    }
-  }
-  return false;
+  auto w = parked_.Remove(id);
+  if (!w) return false;
+  // The wait did not complete: the clock step is given back.
+  auto c = clocks_.find(w->key);
+  if (c != clocks_.end()) --c->second;
+  lock.unlock();
+  w->cb(why, 0);
+  return true;
 }
 
 void SspGate::Close(Status why) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (closed_) return;
-  closed_ = true;
-  close_status_ = why;
-  std::list<Waiter> parked;
-  parked.swap(waiters_);
+  std::list<ParkedWaits<uint32_t>::Waiter> parked;
+  if (!parked_.Close(why, &parked)) return;
   lock.unlock();
   for (auto& w : parked) w.cb(why, 0);
 }

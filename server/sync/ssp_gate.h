@@ -14,6 +14,7 @@
 #include <mutex>
 
 #include "psd/status.h"
+#include "sync/parked_waits.h"
 
 namespace psd::server {
 
@@ -39,11 +40,6 @@ class SspGate {
   int64_t Clock(uint32_t worker) const;
 
  private:
-  struct Waiter {
-    WaitId id;
-    uint32_t worker;
-    Callback cb;
-  };
   int64_t MinClockLocked() const;
   void ReleaseLocked(std::unique_lock<std::mutex>& lock);
 
@@ -51,10 +47,7 @@ class SspGate {
   mutable std::mutex mu_;
   std::map<uint32_t, int64_t> clocks_;  // guarded by mu_: live workers only
   std::map<uint32_t, int64_t> left_;    // guarded by mu_: clocks of workers that left
-  std::list<Waiter> waiters_;           // guarded by mu_
-  WaitId next_id_ = 1;                  // guarded by mu_
-  bool closed_ = false;                 // guarded by mu_
-  Status close_status_;                 // guarded by mu_
+  ParkedWaits<uint32_t> parked_;        // guarded by mu_: keyed by worker
 };
 
 }  // namespace psd::server

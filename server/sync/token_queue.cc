@@ -18,9 +18,10 @@ void TokenQueue::PushFront(int64_t value) {
 
 void TokenQueue::DeliverLocked(std::unique_lock<std::mutex>& lock) {
   std::vector<std::pair<Callback, int64_t>> ready;
-  while (!tokens_.empty() && !waiters_.empty()) {
-    ready.emplace_back(std::move(waiters_.front().cb), tokens_.front());
-    waiters_.pop_front();
+  auto& waiters = parked_.waiters();
+  while (!tokens_.empty() && !waiters.empty()) {
+    ready.emplace_back(std::move(waiters.front().cb), tokens_.front());
+    waiters.pop_front();
     tokens_.pop_front();
   }
   lock.unlock();
@@ -29,45 +30,35 @@ void TokenQueue::DeliverLocked(std::unique_lock<std::mutex>& lock) {
 
 TokenQueue::WaitId TokenQueue::Wait(Callback cb) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (closed_) {
-    Status why = close_status_;
+  if (parked_.closed()) {
+    Status why = parked_.close_status();
     lock.unlock();
     cb(why, 0);
     return 0;
   }
-  if (!tokens_.empty() && waiters_.empty()) {
+  if (!tokens_.empty() && parked_.waiters().empty()) {
     int64_t token = tokens_.front();
     tokens_.pop_front();
     lock.unlock();
     cb(Status::Ok(), token);
     return 0;
   }
-  WaitId id = next_id_++;
-  waiters_.push_back({id, std::move(cb)});
-  return id;
+  return parked_.Park(NoKey{}, std::move(cb));
 }
 
 bool TokenQueue::Cancel(WaitId id, const Status& why) {
   std::unique_lock<std::mutex> lock(mu_);
-  for (auto it = waiters_.begin(); it != waiters_.end(); ++it) {
-    if (it->id == id) {
-      Callback cb = std::move(it->cb);
-      waiters_.erase(it);
-      lock.unlock();
-      cb(why, 0);
-      return true;
-    }
-  }
-  return false;
+  auto w = parked_.Remove(id);
+  lock.unlock();
+  if (!w) return false;
+  w->cb(why, 0);
+  return true;
 }
 
 void TokenQueue::Close(Status why) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (closed_) return;
-  closed_ = true;
-  close_status_ = why;
-  std::list<Waiter> parked;
-  parked.swap(waiters_);
+  std::list<ParkedWaits<NoKey>::Waiter> parked;
+  if (!parked_.Close(why, &parked)) return;
   lock.unlock();
   for (auto& w : parked) w.cb(why, 0);
 }
@@ -79,12 +70,12 @@ int64_t TokenQueue::size() const {
 
 int64_t TokenQueue::waiters() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(waiters_.size());
+  return static_cast<int64_t>(parked_.waiters().size());
 }
 
 bool TokenQueue::closed() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return closed_;
+  return parked_.closed();
 }
 
 }  // namespace psd::server

@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "psd/status.h"
+#include "sync/parked_waits.h"
 
 namespace psd::server {
 
@@ -42,18 +43,12 @@ class TokenQueue {
   bool closed() const;
 
  private:
-  struct Waiter {
-    WaitId id;
-    Callback cb;
-  };
+  struct NoKey {};
   void DeliverLocked(std::unique_lock<std::mutex>& lock);
 
   mutable std::mutex mu_;
   std::deque<int64_t> tokens_;  // guarded by mu_
-  std::list<Waiter> waiters_;   // guarded by mu_
-  WaitId next_id_ = 1;          // guarded by mu_
-  bool closed_ = false;         // guarded by mu_
-  Status close_status_;         // guarded by mu_
+  ParkedWaits<NoKey> parked_;   // guarded by mu_
 };
 
 }  // namespace psd::server
