@@ -46,7 +46,8 @@ port=$(cat "$run/port")
 echo "psd listening on 127.0.0.1:$port (replicas_to_aggregate=$replicas, backup replicas=$backup, $workers workers)"
 
 worker_pids=()
-for i in $(seq 0 $((workers - 1))); do
+# The straggler (the last worker) starts first, so it takes part from the first step.
+for i in $((workers - 1)) $(seq 0 $((workers - 2))); do
   slow=0
   # The last worker is an artificial straggler when there are backups: its gradients arrive late.
   if [ "$backup" -gt 0 ] && [ "$i" -eq $((workers - 1)) ]; then slow=$straggler_ms; fi

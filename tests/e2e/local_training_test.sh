@@ -15,11 +15,16 @@ for _ in $(seq 200); do [ -s "$run/port" ] && break; sleep 0.05; done
 port=$(cat "$run/port")
 
 wpids=()
-for i in 0 1 2; do
+# The straggler starts first and is connected before the others start, so it takes part from the
+# first step whatever the machine's load (a late straggler could otherwise find the job done).
+for i in 2 0 1; do
   slow=0; [ $i -eq 2 ] && slow=10
-  timeout 120 "$worker" --port "$port" --worker-name "w$i" --shard $i --steps 150 --slow-ms $slow \
+  timeout 120 "$worker" --port "$port" --worker-name "w$i" --shard $i --steps 400 --slow-ms $slow \
     --print-every 10 > "$run/w$i.log" 2>&1 &
   wpids+=($!); pids+=($!)
+  if [ $i -eq 2 ]; then
+    for _ in $(seq 200); do grep -q "worker 'w2'.*connected" "$run/psd.log" && break; sleep 0.05; done
+  fi
 done
 for p in "${wpids[@]}"; do wait "$p" || { echo "a worker failed"; cat "$run"/w*.log; exit 1; }; done
 wait "$psd_pid" || { echo "psd did not exit 0"; cat "$run/psd.log"; exit 1; }
