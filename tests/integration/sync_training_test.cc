@@ -108,7 +108,9 @@ TEST_CASE("a straggler never holds the step: its late gradient is dropped and re
   auto fast = [&](psclient::Client& c) {
     int64_t local = 0;
     float g = 1;
-    for (int i = 0; i < kSteps; ++i) {
+    // Until the global step reaches kSteps (tokens are shared: counting iterations could leave
+    // one fast worker short of gradients), bounded.
+    for (int i = 0; local < kSteps && i < 100; ++i) {
       auto out = c.Push(local, {{"w", Scalar(g)}}, true, 5000);
       if (!out.ok() || !out->token_status.ok()) {
         ++failures;
@@ -124,12 +126,12 @@ TEST_CASE("a straggler never holds the step: its late gradient is dropped and re
   t0.join();
   t1.join();
   REQUIRE(failures == 0);
-  CHECK(*slow->GlobalStep() >= kSteps - 1);
+  CHECK(*slow->GlobalStep() >= kSteps);
   float g = 1;
   auto late = slow->Push(0, {{"w", Scalar(g)}}, true, 5000);
   REQUIRE(late.ok());
   CHECK(late->stale() == 1);
-  CHECK(late->results[0].step >= kSteps - 1);
+  CHECK(late->results[0].step >= kSteps);
   CHECK(late->token_status.ok());  // tokens_per_step = 3: the straggler is not starved
 }
 
