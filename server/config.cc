@@ -96,6 +96,7 @@ Status ServerConfig::Validate() {
   if (keep_checkpoints < 0) return InvalidArgument("--keep-checkpoints must be >= 0 (0: keep all)");
   if (default_token_timeout_ms <= 0) return InvalidArgument("--token-timeout-ms must be > 0");
   if (max_connections < 1) return InvalidArgument("--max-connections must be >= 1");
+  if (worker_grace_s < 0) return InvalidArgument("--worker-grace-s must be >= 0");
   return Status::Ok();
 }
 

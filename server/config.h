@@ -69,6 +69,7 @@ struct ServerConfig {
   // Waits and lifetime.
   int64_t default_token_timeout_ms = 60000;
   bool exit_when_done = false;
+  double worker_grace_s = 30;  // a worker gone this long without finishing no longer holds steps (0: never)
   double summary_interval_s = 10.0;
   std::string log_level = "info";
 

@@ -106,6 +106,10 @@ int main(int argc, char** argv) {
                  "creating more is refused")
       ->capture_default_str();
   app.add_flag("--exit-when-done", cfg.exit_when_done, "exit with status 0 once every worker has finished");
+  app.add_option("--worker-grace-s", cfg.worker_grace_s,
+                 "seconds a worker may stay disconnected without finishing before steps stop waiting for its "
+                 "gradients (0: wait for it forever)")
+      ->capture_default_str();
   app.add_option("--summary-interval-s", cfg.summary_interval_s,
                  "seconds between progress summaries at info level (0: none)")
       ->capture_default_str();

@@ -234,10 +234,14 @@ void Server::LogSummary() {
 
 void Server::OnWorkerFinished(uint64_t conn) {
   int64_t index = workers_.IndexOf(conn);
-  bool all = workers_.Finished(conn);
+  workers_.Finished(conn);
   if (index >= 0 && config_.mode == Mode::kSsp) ssp_.Leave(static_cast<uint32_t>(index));
   UpdateRequired();
-  if (!all) return;
+  EndJobIfDone();
+}
+
+void Server::EndJobIfDone() {
+  if (!workers_.AllFinished()) return;
   spdlog::info("all workers finished at global step {}", engine_->global_step());
   engine_->tokens().Close(OutOfRange("training is over: all workers finished"));
   ssp_.Close(OutOfRange("training is over: all workers finished"));
@@ -252,7 +256,21 @@ void Server::OnWorkerFinished(uint64_t conn) {
 void Server::OnConnectionClosed(uint64_t conn) {
   int64_t index = workers_.IndexOf(conn);
   if (index >= 0 && config_.mode == Mode::kSsp) ssp_.Leave(static_cast<uint32_t>(index));
-  workers_.Disconnected(conn);
+  auto gone = workers_.Disconnected(conn);
+  if (gone && config_.worker_grace_s > 0 && !stopped_.load()) {
+    // If it does not come back in time, steps stop waiting for its gradients.
+    auto timer = std::make_shared<asio::steady_timer>(io_);
+    timer->expires_after(std::chrono::milliseconds(static_cast<int64_t>(config_.worker_grace_s * 1000)));
+    timer->async_wait([this, timer, index = gone->first, generation = gone->second](boost::system::error_code ec) {
+      if (ec) return;
+      auto name = workers_.MarkLostIfStillGone(index, generation);
+      if (!name) return;
+      UpdateRequired();
+      spdlog::warn("worker '{}' did not come back within {} s: counted as gone; a step now needs {} gradient(s)", *name,
+                   config_.worker_grace_s, engine_->required_replicas());
+      EndJobIfDone();
+    });
+  }
   std::lock_guard<std::mutex> lock(conns_mu_);
   conns_.erase(conn);
 }

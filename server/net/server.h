@@ -69,6 +69,9 @@ class Server {
   void UpdateRequired();
   void ArmStepDeadline(int64_t step);
   void ScheduleCheckpointTimer();
+  // Ends the job (closes the token queue and gate; with --exit-when-done, stops) if every worker
+  // has finished or is lost.
+  void EndJobIfDone();
   void CheckpointLoop();
   void WriteSnapshot(const ShardSnapshot& snap);
 

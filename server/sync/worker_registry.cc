@@ -18,23 +18,38 @@ uint32_t WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t 
       spdlog::warn("worker '{}' reconnected (incarnation {} -> {}); dropping its old connection", name, w.incarnation,
                    incarnation);
     }
+    if (w.lost) spdlog::info("worker '{}' is back", name);
     w.conn = conn;
     w.incarnation = incarnation;
     w.finished = false;
+    w.lost = false;
     return static_cast<uint32_t>(i);
   }
-  workers_.push_back({name, incarnation, conn, false});
+  workers_.push_back({name, incarnation, conn, false, false, 0});
   return static_cast<uint32_t>(workers_.size() - 1);
 }
 
-void WorkerRegistry::Disconnected(uint64_t conn) {
+std::optional<std::pair<uint32_t, uint64_t>> WorkerRegistry::Disconnected(uint64_t conn) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (Worker& w : workers_) {
-    if (w.conn == conn) {
-      w.conn = 0;
-      if (!w.finished) spdlog::warn("worker '{}' disconnected without finishing", w.name);
-    }
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    Worker& w = workers_[i];
+    if (w.conn != conn) continue;
+    w.conn = 0;
+    ++w.disconnects;
+    if (w.finished) return std::nullopt;
+    spdlog::warn("worker '{}' disconnected without finishing", w.name);
+    return std::make_pair(static_cast<uint32_t>(i), w.disconnects);
   }
+  return std::nullopt;
+}
+
+std::optional<std::string> WorkerRegistry::MarkLostIfStillGone(uint32_t index, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (index >= workers_.size()) return std::nullopt;
+  Worker& w = workers_[index];
+  if (w.conn != 0 || w.finished || w.lost || w.disconnects != generation) return std::nullopt;
+  w.lost = true;
+  return w.name;
 }
 
 bool WorkerRegistry::Finished(uint64_t conn) {
@@ -42,7 +57,16 @@ bool WorkerRegistry::Finished(uint64_t conn) {
   for (Worker& w : workers_) {
     if (w.conn == conn) w.finished = true;
   }
-  return std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished; });
+  return AllFinishedLocked();
+}
+
+bool WorkerRegistry::AllFinishedLocked() const {
+  bool any_finished = false;
+  for (const Worker& w : workers_) {
+    if (!w.finished && !w.lost) return false;
+    any_finished = any_finished || w.finished;
+  }
+  return any_finished;
 }
 
 const WorkerRegistry::Worker* WorkerRegistry::ChiefLocked() const {
@@ -68,13 +92,13 @@ int64_t WorkerRegistry::IndexOf(uint64_t conn) const {
 
 bool WorkerRegistry::AllFinished() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return !workers_.empty() && std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished; });
+  return AllFinishedLocked();
 }
 
 int WorkerRegistry::RequiredReplicas() const {
   std::lock_guard<std::mutex> lock(mu_);
-  int finished =
-      static_cast<int>(std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished; }));
+  int finished = static_cast<int>(
+      std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished || w.lost; }));
   return std::max(1, replicas_to_aggregate_ - std::max(0, finished - backups_));
 }
 
@@ -85,6 +109,7 @@ WorkerCounts WorkerRegistry::Counts() const {
   for (const Worker& w : workers_) {
     if (w.conn != 0) ++c.connected;
     if (w.finished) ++c.finished;
+    if (w.lost) ++c.lost;
   }
   return c;
 }

@@ -8,7 +8,10 @@
 // Finishing: when a worker declares itself finished, the number of fresh gradients a step
 // needs shrinks once the backups are used up: required = max(1, R - max(0, finished - B)), so
 // the remaining workers never wait for gradients that cannot come (TF hung here, #20342).
-// When every known worker has finished, training is over.
+// A worker that disconnected without finishing and did not come back within the server's grace
+// period is "lost": it counts like a finished one for the requirement (the others stop waiting
+// for its gradients; TF hung here, #5022) and for the end of the job, until it comes back.
+// When every known worker has finished (or is lost, with at least one finished), training is over.
 //
 // Thread-safety: all methods lock one internal mutex.
 #ifndef PSD_SERVER_SYNC_WORKER_REGISTRY_H_
@@ -16,7 +19,9 @@
 
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "psd/status.h"
@@ -26,6 +31,7 @@ namespace psd::server {
 struct WorkerCounts {
   int connected = 0;
   int finished = 0;
+  int lost = 0;
   int known = 0;
 };
 
@@ -35,7 +41,11 @@ class WorkerRegistry {
 
   // Registers `conn` as worker `name`. Returns the worker's index (stable per name).
   uint32_t Hello(uint64_t conn, const std::string& name, uint64_t incarnation);
-  void Disconnected(uint64_t conn);
+  // Returns the worker's index and disconnect generation if it left without finishing.
+  std::optional<std::pair<uint32_t, uint64_t>> Disconnected(uint64_t conn);
+  // Marks worker `index` lost if it is still gone since disconnect `generation`. Returns its name
+  // when it did.
+  std::optional<std::string> MarkLostIfStillGone(uint32_t index, uint64_t generation);
   // Marks the worker on `conn` finished. Returns true when every known worker has finished.
   bool Finished(uint64_t conn);
 
@@ -53,8 +63,11 @@ class WorkerRegistry {
     uint64_t incarnation = 0;
     uint64_t conn = 0;  // 0: not connected
     bool finished = false;
+    bool lost = false;
+    uint64_t disconnects = 0;
   };
   const Worker* ChiefLocked() const;
+  bool AllFinishedLocked() const;
 
   const int replicas_to_aggregate_;
   const int backups_;

@@ -289,3 +289,23 @@ TEST_CASE("push, barrier and the next pull in one round trip", "[integration]") 
   CHECK(*w->GlobalStep() == 1);
   CHECK(PullScalar(*w, "w") == 3.0f);
 }
+
+TEST_CASE("a worker that vanishes without finishing stops holding the steps after the grace period", "[integration]") {
+  auto cfg = TestConfig(2, 2, 0);
+  cfg.worker_grace_s = 0.2;
+  auto server = StartServer(cfg);
+  auto w0 = ConnectWorker(server->port(), "w0");
+  auto w1 = ConnectWorker(server->port(), "w1");
+  float init = 0, g = 1;
+  REQUIRE(w0->CreateVariable("w", Scalar(init)).ok());
+  w1.reset();  // dies without Finish: TF would wait for its gradient forever (#5022)
+  // w0's gradient alone completes the step once w1 is counted as gone.
+  auto out = w0->Push(0, {{"w", Scalar(g)}}, true, 10000);
+  REQUIRE(out.ok());
+  REQUIRE(out->token_status.ok());
+  CHECK(out->token == 1);
+  CHECK(server->engine().required_replicas() == 1);
+  // It comes back: the requirement is R again.
+  auto back = ConnectWorker(server->port(), "w1");
+  CHECK(server->engine().required_replicas() == 2);
+}

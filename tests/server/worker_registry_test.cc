@@ -36,3 +36,30 @@ TEST_CASE("finishing workers shrink the requirement once backups are used up", "
   CHECK(r.AllFinished());
   CHECK(r.RequiredReplicas() == 1);  // never below one
 }
+
+TEST_CASE("a worker gone past its grace counts as gone until it says hello again", "[workers]") {
+  WorkerRegistry r(2, 2);
+  r.Hello(1, "a", 1);
+  r.Hello(2, "b", 1);
+  auto gone = r.Disconnected(2);
+  REQUIRE(gone.has_value());
+  CHECK(r.RequiredReplicas() == 2);  // not yet: it may come back
+  auto name = r.MarkLostIfStillGone(gone->first, gone->second);
+  REQUIRE(name.has_value());
+  CHECK(*name == "b");
+  CHECK(r.RequiredReplicas() == 1);
+  CHECK(r.Counts().lost == 1);
+  CHECK_FALSE(r.AllFinished());  // a lost worker alone does not end the job
+  r.Hello(3, "b", 2);
+  CHECK(r.RequiredReplicas() == 2);
+  // A stale timer (the worker came back and left again since) marks nothing.
+  auto again = r.Disconnected(3);
+  CHECK_FALSE(r.MarkLostIfStillGone(gone->first, gone->second).has_value());
+  CHECK(r.MarkLostIfStillGone(again->first, again->second).has_value());
+  CHECK(r.Finished(1));  // a finished, b lost: the job is over
+  // A finished worker that disconnects is not "lost".
+  WorkerRegistry f(1, 1);
+  f.Hello(1, "a", 1);
+  f.Finished(1);
+  CHECK_FALSE(f.Disconnected(1).has_value());
+}
