@@ -21,6 +21,9 @@ int main(int argc, char** argv) {
   psd::server::ServerConfig cfg;
   CLI::App app{"psd — parameter-server daemon for synchronous (SyncReplicasOptimizer-style) training"};
   app.set_version_flag("--version", "psd 0.1.0");
+  app.set_config("--config", "",
+                 "read flags from this file (TOML/INI: `replicas-to-aggregate = 2`); command-line "
+                 "flags win");
   std::string reduction = "mean";
   std::string mode = "sync";
   std::string staleness_lr = "none";

@@ -66,12 +66,13 @@ class Client::Impl {
   Status Connect() {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
     boost::system::error_code ec;
-    auto addr = psd::asio::ip::make_address(options_.host, ec);
-    if (ec) return psd::InvalidArgument("host '" + options_.host + "' is not an IP address");
-    psd::tcp::endpoint ep(addr, options_.port);
     for (;;) {
+      // Names are resolved on every try: a restarted daemon (a Kubernetes pod, say) may have
+      // come back at another address.
+      psd::tcp::resolver resolver(io_);
+      auto endpoints = resolver.resolve(options_.host, std::to_string(options_.port), ec);
       socket_ = psd::tcp::socket(io_);
-      socket_.connect(ep, ec);
+      if (!ec) psd::asio::connect(socket_, endpoints, ec);
       if (!ec) break;
       if (std::chrono::steady_clock::now() >= deadline) {
         return psd::Unavailable("cannot connect to psd at " + options_.host + ":" + std::to_string(options_.port) +

@@ -31,13 +31,23 @@ for sig in TERM INT; do
   if wait "$pid"; then echo "SIG$sig: clean exit"; else echo "SIG$sig: psd exited $?"; cat "$run/psd.log"; exit 1; fi
   pid=""
 done
+# A config file: keys are flags without dashes; the command line wins.
+printf 'replicas-to-aggregate = 3\nbackup-replicas = 1\nlearning-rate = 0.2\n' > "$run/psd.conf"
+rm -f "$run/port"
+timeout 30 "$psd" --config "$run/psd.conf" --learning-rate 0.3 --port 0 --port-file "$run/port" 2> "$run/psd.log" &
+pid=$!
+for _ in $(seq 200); do [ -s "$run/port" ] && break; sleep 0.05; done
+out=$(timeout 10 "$admin" --port "$(cat "$run/port")" status)
+grep -q "R=3 of N=4" <<< "$out" && grep -q "learning rate 0.3" <<< "$out" || { echo "--config not applied: $out"; exit 1; }
+kill -TERM "$pid"; wait "$pid"; pid=""
+
 # psd_admin against a live daemon with a checkpoint directory.
 rm -f "$run/port"
 timeout 30 "$psd" --port 0 --port-file "$run/port" --checkpoint-dir "$run/ckpt" 2> "$run/psd.log" &
 pid=$!
 for _ in $(seq 200); do [ -s "$run/port" ] && break; sleep 0.05; done
 port=$(cat "$run/port")
-out=$(timeout 10 "$admin" --port "$port" status)
+out=$(timeout 10 "$admin" --host localhost --port "$port" status)  # a name, resolved
 grep -q "global step          0" <<< "$out" || { echo "psd_admin status: $out"; exit 1; }
 grep -q "workers              0 connected" <<< "$out" || { echo "psd_admin counted as a worker: $out"; exit 1; }
 timeout 10 "$admin" --port "$port" checkpoint | grep -q "checkpoint requested"

@@ -44,7 +44,7 @@ using psd::Status;
 using psd::TensorView;
 
 struct ClientOptions {
-  std::string host = "127.0.0.1";
+  std::string host = "127.0.0.1";  // an IP address or a host name (resolved at every connect)
   uint16_t port = 7070;
   std::string worker_name;                // stable identity; default "worker-<pid>"
   uint64_t incarnation = 0;               // bump on every restart; default: derived from the clock
