@@ -29,6 +29,7 @@ enum Code {
   resourceExhausted @9;   # frame too big, too many connections
   internal @10;           # a bug in psd
   unimplemented @11;      # not supported by this daemon
+  unauthenticated @12;    # missing or wrong auth token: fix the credentials
 }
 
 enum DType {
@@ -51,6 +52,8 @@ struct Hello {
   protocolVersion @0 :UInt32;
   workerName @1 :Text;    # stable identity of the worker (e.g. "worker-3")
   incarnation @2 :UInt64; # bumps on every restart of that worker process
+  authToken @3 :Text;     # the shared secret, when psd runs with --auth-token-file
+  observer @4 :Bool;      # an operator's tool: not a worker (never chief, never counted)
 }
 
 struct JobConfig {

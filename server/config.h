@@ -35,6 +35,7 @@ struct ServerConfig {
   int io_threads = 2;
   uint64_t max_frame_bytes = 256ull << 20;
   int max_connections = 1024;
+  std::string auth_token;                  // non-empty: every connection must present it in its hello
   uint64_t max_model_bytes = 16ull << 30;  // all variables with their slots, averages and buffers
 
   // Synchronous training (TF SyncReplicasOptimizer semantics).

@@ -10,6 +10,7 @@
 
 #include "config.h"
 #include "net/server.h"
+#include "psd/secret.h"
 
 namespace {
 
@@ -27,6 +28,7 @@ int main(int argc, char** argv) {
   std::string reduction = "mean";
   std::string mode = "sync";
   std::string staleness_lr = "none";
+  std::string auth_token_file;
   psd::server::OptimizerParams& opt = cfg.optimizer;
 
   app.add_option("--host", cfg.host, "IP address to listen on")->capture_default_str();
@@ -104,6 +106,8 @@ int main(int argc, char** argv) {
                  "largest accepted message in bytes; bigger frames are refused before allocation")
       ->capture_default_str();
   app.add_option("--max-connections", cfg.max_connections, "most concurrent connections")->capture_default_str();
+  app.add_option("--auth-token-file", auth_token_file,
+                 "file holding a shared secret every worker and tool must present (none: no authentication)");
   app.add_option("--max-model-bytes", cfg.max_model_bytes,
                  "memory the variables may take in bytes, counting their slots, averages and update buffers; "
                  "creating more is refused")
@@ -132,6 +136,14 @@ int main(int argc, char** argv) {
   cfg.reduction = reduction == "sum" ? psd::server::Reduction::kSum : psd::server::Reduction::kMean;
   cfg.mode = *psd::server::ParseMode(mode);  // CLI11 checked the value
   cfg.staleness_lr = *psd::server::ParseStalenessLr(staleness_lr);
+  if (!auth_token_file.empty()) {
+    auto token = psd::ReadSecretFile(auth_token_file);
+    if (!token.ok()) {
+      std::cerr << "psd: --auth-token-file: " << token.status().message() << "\n";
+      return 2;
+    }
+    cfg.auth_token = *token;
+  }
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("psd"));
   spdlog::set_level(spdlog::level::from_str(cfg.log_level));

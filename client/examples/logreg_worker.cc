@@ -11,6 +11,7 @@
 
 #include "psclient/client.h"
 #include "psclient/sync_replicas_optimizer.h"
+#include "psd/secret.h"
 
 namespace {
 
@@ -79,6 +80,7 @@ int main(int argc, char** argv) {
   int slow_ms = 0;
   int64_t token_timeout_ms = 30000;
   double retry_s = 60;
+  std::string token_file;
   app.add_option("--host", opts.host, "psd address")->capture_default_str();
   app.add_option("--port", opts.port, "psd port")->capture_default_str();
   app.add_option("--worker-name", opts.worker_name, "this worker's name (default worker-<pid>)");
@@ -93,9 +95,18 @@ int main(int argc, char** argv) {
   app.add_option("--slow-ms", slow_ms, "sleep this long per step (an artificial straggler)")->capture_default_str();
   app.add_option("--token-timeout-ms", token_timeout_ms, "token wait deadline")->capture_default_str();
   app.add_option("--print-every", print_every, "print every N-th step")->capture_default_str();
+  app.add_option("--auth-token-file", token_file, "psd's shared secret, if it runs with one");
   app.add_option("--retry-s", retry_s, "keep retrying this long while psd is unavailable (restarting)")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (!token_file.empty()) {
+    auto token = psd::ReadSecretFile(token_file);
+    if (!token.ok()) {
+      std::fprintf(stderr, "%s\n", token.status().ToString().c_str());
+      return 2;
+    }
+    opts.auth_token = *token;
+  }
 
   auto client = psclient::Client::Connect(opts);
   if (!client.ok()) {

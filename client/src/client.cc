@@ -81,17 +81,14 @@ class Client::Impl {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     socket_.set_option(psd::tcp::no_delay(true), ec);
-    if (options_.observer) {
-      // No hello: an observer is not a worker (it never becomes chief, never counts as finished).
-      ++epoch_;
-      return Status::Ok();
-    }
     OutFrame frame;
     auto req = NewRequest(frame);
     auto h = req.initHello();
     h.setProtocolVersion(proto::PROTOCOL_VERSION);
     h.setWorkerName(options_.worker_name);
     h.setIncarnation(options_.incarnation);
+    h.setAuthToken(options_.auth_token);
+    h.setObserver(options_.observer);
     std::unique_ptr<capnp::MessageReader> reader;
     proto::Response::Reader resp;
     PSD_RETURN_IF_ERROR(RoundTrip(frame, &reader, &resp));

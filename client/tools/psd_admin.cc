@@ -8,6 +8,7 @@
 #include <string>
 
 #include "psclient/client.h"
+#include "psd/secret.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"psd_admin: status and checkpoints of a running psd"};
@@ -17,11 +18,21 @@ int main(int argc, char** argv) {
   app.add_option("--host", opts.host, "psd address")->capture_default_str();
   app.add_option("--port", opts.port, "psd port")->capture_default_str();
   bool json = false;
+  std::string token_file;
+  app.add_option("--auth-token-file", token_file, "psd's shared secret, if it runs with one");
   app.add_flag("--json", json, "status as one JSON object");
   app.require_subcommand(1);
   auto* status = app.add_subcommand("status", "print the job's state");
   auto* checkpoint = app.add_subcommand("checkpoint", "ask for a checkpoint at the next step boundary");
   CLI11_PARSE(app, argc, argv);
+  if (!token_file.empty()) {
+    auto token = psd::ReadSecretFile(token_file);
+    if (!token.ok()) {
+      std::fprintf(stderr, "psd_admin: %s\n", token.status().message().c_str());
+      return 2;
+    }
+    opts.auth_token = *token;
+  }
 
   auto client = psclient::Client::Connect(opts);
   if (!client.ok()) {

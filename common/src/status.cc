@@ -26,6 +26,8 @@ const char* CodeName(Code code) {
       return "RESOURCE_EXHAUSTED";
     case Code::kInternal:
       return "INTERNAL";
+    case Code::kUnauthenticated:
+      return "UNAUTHENTICATED";
     case Code::kUnimplemented:
       return "UNIMPLEMENTED";
   }

@@ -7,6 +7,15 @@
 
 namespace psd::server {
 namespace {
+
+// Compares secrets in time independent of where they differ.
+bool TokensEqual(const std::string& want, capnp::Text::Reader got) {
+  unsigned char diff = want.size() == got.size() ? 0 : 1;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got[i] : 0));
+  }
+  return diff == 0;
+}
 const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no rows
 }  // namespace
 
@@ -90,9 +99,9 @@ void Connection::ReadBody(uint32_t segment_count) {
                    }));
 }
 
-void Connection::FailStream(const Status& status) {
+void Connection::FailStream(const Status& status, uint64_t id) {
   spdlog::warn("connection {}: {}; closing it", id_, status.ToString());
-  SendError(0, status);
+  SendError(id, status);
   closing_ = true;
   if (!writing_) CloseNow();
 }
@@ -117,6 +126,9 @@ void Connection::Dispatch(proto::Request::Reader req) {
   uint64_t id = req.getId();
   auto which = req.which();
   if (which == proto::Request::HELLO) return HandleHello(id, req.getHello());
+  if (!authenticated_ && !server_.config().auth_token.empty()) {
+    return SendError(id, Unauthenticated("say hello with the auth token first"));
+  }
   if (which == proto::Request::STATUS) return HandleStatus(id);
   if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);  // an operator's request
   if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
@@ -172,6 +184,20 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
     return SendError(id, FailedPrecondition("protocol version " + std::to_string(r.getProtocolVersion()) +
                                             " is not supported; this psd speaks version " +
                                             std::to_string(proto::PROTOCOL_VERSION)));
+  }
+  const std::string& want = server_.config().auth_token;
+  if (!want.empty() && !TokensEqual(want, r.getAuthToken())) {
+    return FailStream(Unauthenticated("wrong or missing auth token (psd runs with --auth-token-file)"), id);
+  }
+  authenticated_ = true;
+  if (r.getObserver()) {
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    auto h = resp.initHello();
+    h.setProtocolVersion(proto::PROTOCOL_VERSION);
+    h.setGlobalStep(server_.engine().global_step());
+    FillConfig(h.initConfig(), server_.config(), server_.engine());
+    return Send(std::move(frame));
   }
   std::string name = r.getWorkerName();
   Status s = ValidateName(name);

@@ -40,7 +40,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void ReadTable(uint32_t segment_count, size_t rest);
   void ReadBody(uint32_t segment_count);
   void OnFrame();
-  void FailStream(const Status& status);
+  // Answers `id` with `status` and closes once the reply is written.
+  void FailStream(const Status& status, uint64_t id = 0);
   void CloseNow();
 
   void Dispatch(proto::Request::Reader req);
@@ -76,7 +77,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   uint32_t first_[2] = {0, 0};
   std::vector<uint32_t> table_;
   wire::InFrame in_;
-  bool hello_done_ = false;
+  bool hello_done_ = false;     // a worker's hello was accepted
+  bool authenticated_ = false;  // a hello with the right token (or no token required)
   uint32_t worker_index_ = 0;
   bool closing_ = false;  // close once the write queue drains
   bool closed_ = false;

@@ -1,6 +1,11 @@
 #include "psd/tensor.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
+
+#include "psd/secret.h"
 
 using namespace psd;
 
@@ -37,4 +42,21 @@ TEST_CASE("status carries code and message", "[status]") {
   CHECK(!r.ok());
   Result<int> v(5);
   CHECK(*v == 5);
+}
+
+TEST_CASE("secret files are read without trailing whitespace; empty or missing ones are errors", "[secret]") {
+  char path[] = "/tmp/psd-secret-XXXXXX";
+  int fd = mkstemp(path);
+  REQUIRE(fd >= 0);
+  REQUIRE(write(fd, "tok en\n\n", 8) == 8);
+  close(fd);
+  auto s = ReadSecretFile(path);
+  REQUIRE(s.ok());
+  CHECK(*s == "tok en");
+  fd = open(path, O_WRONLY | O_TRUNC);
+  REQUIRE(write(fd, " \n", 2) == 2);
+  close(fd);
+  CHECK(ReadSecretFile(path).status().code() == Code::kInvalidArgument);
+  unlink(path);
+  CHECK(ReadSecretFile(path).status().code() == Code::kInvalidArgument);
 }

@@ -202,3 +202,40 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
   }
   ExpectHealthy(server->port());
 }
+
+TEST_CASE("with an auth token, only peers that present it are served", "[robustness][auth]") {
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.auth_token = "s3cret";
+  auto server = StartServer(cfg);
+  psclient::ClientOptions o;
+  o.port = server->port();
+  o.worker_name = "w";
+  o.connect_timeout_ms = 2000;
+  auto none = psclient::Client::Connect(o);
+  CHECK(none.status().code() == Code::kUnauthenticated);
+  o.auth_token = "s3creT";
+  CHECK(psclient::Client::Connect(o).status().code() == Code::kUnauthenticated);
+  o.auth_token = "s3cret";
+  auto worker = psclient::Client::Connect(o);
+  REQUIRE(worker.ok());
+  CHECK((*worker)->is_chief());
+  // An operator's tool: authenticated, but not a worker.
+  psclient::ClientOptions admin = o;
+  admin.observer = true;
+  auto observer = psclient::Client::Connect(admin);
+  REQUIRE(observer.ok());
+  auto st = (*observer)->GetStatus();
+  REQUIRE(st.ok());
+  CHECK(st->workers_connected == 1);
+  CHECK_FALSE(st->is_chief);
+  // A raw peer that skips the hello gets nothing but an error.
+  RawPeer p(server->port());
+  wire::OutFrame f;
+  f.builder.initRoot<proto::Request>().setId(5);
+  f.builder.getRoot<proto::Request>().setStatus();
+  p.Send(f);
+  Code code;
+  std::string msg;
+  REQUIRE(p.Read(&code, &msg));
+  CHECK(code == Code::kUnauthenticated);
+}

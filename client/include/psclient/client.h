@@ -50,9 +50,10 @@ struct ClientOptions {
   uint64_t incarnation = 0;               // bump on every restart; default: derived from the clock
   int connect_timeout_ms = 10000;         // keeps retrying a refused connect until then
   uint64_t max_frame_bytes = 1ull << 30;  // largest reply accepted
-  // An observer (admin tools, dashboards) skips the worker handshake: it may only call GetStatus
-  // and RequestCheckpoint, and does not count as a worker.
+  // An observer (admin tools, dashboards) is not a worker: it may only call GetStatus and
+  // RequestCheckpoint, never becomes chief and does not count for the job.
   bool observer = false;
+  std::string auth_token;  // psd's shared secret when it runs with --auth-token-file
 };
 
 // The daemon's job settings, as announced in the handshake.

@@ -27,6 +27,7 @@ enum class Code {
   kResourceExhausted = 9,   // a frame too big, too many connections
   kInternal = 10,           // a bug
   kUnimplemented = 11,      // not supported by this build/daemon
+  kUnauthenticated = 12,    // missing or wrong credentials
 };
 
 const char* CodeName(Code code);
@@ -59,6 +60,7 @@ inline Status OutOfRange(std::string m) { return {Code::kOutOfRange, std::move(m
 inline Status ResourceExhausted(std::string m) { return {Code::kResourceExhausted, std::move(m)}; }
 inline Status Internal(std::string m) { return {Code::kInternal, std::move(m)}; }
 inline Status Unimplemented(std::string m) { return {Code::kUnimplemented, std::move(m)}; }
+inline Status Unauthenticated(std::string m) { return {Code::kUnauthenticated, std::move(m)}; }
 
 // Either a value or an error. Accessing value() of an error is a programming error (asserts).
 template <typename T>
