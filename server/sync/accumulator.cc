@@ -20,17 +20,22 @@ DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction
       step_(initial_step),
       sum_(static_cast<size_t>(num_elements_) * DTypeSize(dtype)) {}
 
-Status DenseAccumulator::Validate(DType dtype, const Shape& shape, size_t bytes) const {
-  if (dtype != dtype_) {
-    return InvalidArgument(std::string("dtype mismatch: accumulator is ") + DTypeName(dtype_) + ", gradient is " +
-                           DTypeName(dtype));
+Status CheckGradientDType(DType want, DType got) {
+  if (got == want) return Status::Ok();
+  return InvalidArgument(std::string("dtype mismatch: accumulator is ") + DTypeName(want) + ", gradient is " +
+                         DTypeName(got));
+}
+
+Status DenseAccumulator::Check(DType want_dtype, const Shape& want_shape, DType dtype, const Shape& shape,
+                               size_t bytes) {
+  PSD_RETURN_IF_ERROR(CheckGradientDType(want_dtype, dtype));
+  if (shape != want_shape) {
+    return InvalidArgument("Shape mismatch: expected " + ShapeString(want_shape) + ", got " + ShapeString(shape));
   }
-  if (shape != shape_) {
-    return InvalidArgument("Shape mismatch: expected " + ShapeString(shape_) + ", got " + ShapeString(shape));
-  }
-  if (bytes != sum_.bytes()) {
+  size_t need = static_cast<size_t>(NumElements(want_shape)) * DTypeSize(want_dtype);
+  if (bytes != need) {
     return InvalidArgument("gradient data has " + std::to_string(bytes) + " bytes, shape " + ShapeString(shape) +
-                           " of " + DTypeName(dtype) + " needs " + std::to_string(sum_.bytes()));
+                           " of " + DTypeName(dtype) + " needs " + std::to_string(need));
   }
   return Status::Ok();
 }

@@ -24,13 +24,21 @@
 
 namespace psd::server {
 
+// "dtype mismatch: accumulator is float32, gradient is float64", shared by both accumulators.
+Status CheckGradientDType(DType want, DType got);
+
 class DenseAccumulator {
  public:
   DenseAccumulator(DType dtype, Shape shape, Reduction reduction, int64_t initial_step);
 
   // Checks that a gradient matches this accumulator's dtype, shape and byte size. Errors use
   // TF's wording ("Shape mismatch: expected [3,2], got [2,2]").
-  Status Validate(DType dtype, const Shape& shape, size_t bytes) const;
+  Status Validate(DType dtype, const Shape& shape, size_t bytes) const {
+    return Check(dtype_, shape_, dtype, shape, bytes);
+  }
+  // The same check for an accumulator of `want_dtype`/`want_shape` that need not exist (the
+  // engine validates a whole push before any accumulator is touched).
+  static Status Check(DType want_dtype, const Shape& want_shape, DType dtype, const Shape& shape, size_t bytes);
 
   // TF apply_grad. Returns true when accepted, false when stale (dropped).
   Result<bool> ApplyGrad(int64_t local_step, DType dtype, const Shape& shape, const void* data, size_t bytes);

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "sync/accumulator.h"
+
 namespace psd::server {
 
 SparseAccumulator::SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step)
@@ -11,35 +13,32 @@ SparseAccumulator::SparseAccumulator(DType dtype, Shape declared, Reduction redu
       row_elements_(declared_.empty() ? 1 : NumElements(Shape(declared_.begin() + 1, declared_.end()))),
       step_(initial_step) {}
 
-Status SparseAccumulator::Validate(const SparseGradRef& g) const {
+Status SparseAccumulator::Check(DType dtype, const Shape& declared, const SparseGradRef& g, bool accumulating) {
   auto S = [](int64_t v) { return std::to_string(v); };
-  if (g.dtype != dtype_) {
-    return InvalidArgument(std::string("dtype mismatch: accumulator is ") + DTypeName(dtype_) + ", gradient is " +
-                           DTypeName(g.dtype));
-  }
-  if (declared_.empty()) return InvalidArgument("a scalar variable cannot take sparse gradients");
+  PSD_RETURN_IF_ERROR(CheckGradientDType(dtype, g.dtype));
+  if (declared.empty()) return InvalidArgument("a scalar variable cannot take sparse gradients");
   if (g.values_shape.empty()) return InvalidArgument("Values cannot be 0-dimensional.");
   if (g.values_shape[0] != g.nnz) {
     return InvalidArgument("Expected " + S(g.nnz) + " non-empty input values, got " + S(g.values_shape[0]));
   }
   if (g.dense_shape) {
     const Shape& ds = *g.dense_shape;
-    if (declared_.size() > ds.size()) {
-      return InvalidArgument("Shape mismatch: expected shape rank at least " + S(declared_.size()) + ", got " +
+    if (declared.size() > ds.size()) {
+      return InvalidArgument("Shape mismatch: expected shape rank at least " + S(declared.size()) + ", got " +
                              S(ds.size()));
     }
-    for (size_t i = 0; i < declared_.size(); ++i) {
-      if (ds[i] != declared_[i]) {
-        return InvalidArgument("Shape mismatch: expected shape dim " + S(i) + " to be " + S(declared_[i]) + ", got " +
+    for (size_t i = 0; i < declared.size(); ++i) {
+      if (ds[i] != declared[i]) {
+        return InvalidArgument("Shape mismatch: expected shape dim " + S(i) + " to be " + S(declared[i]) + ", got " +
                                S(ds[i]));
       }
     }
   }
   for (int64_t i = 0; i < g.nnz; ++i) {
     int64_t idx = g.indices[i];
-    if (idx >= declared_[0]) {
+    if (idx >= declared[0]) {
       return InvalidArgument("Shape mismatch: index of slice " + S(i) + " exceeded limits of shape; index is " +
-                             S(idx) + " exceeded " + S(declared_[0]));
+                             S(idx) + " exceeded " + S(declared[0]));
     }
     if (idx < 0) return InvalidArgument("index of slice " + S(i) + " is negative: " + S(idx));
     if (i > 0 && idx <= g.indices[i - 1]) {
@@ -48,17 +47,18 @@ Status SparseAccumulator::Validate(const SparseGradRef& g) const {
     }
   }
   // The variable's row shape is fully known, so values must be [nnz, declared[1:]...].
-  if (g.values_shape.size() != declared_.size()) {
-    return InvalidArgument(std::string("Shape mismatch: expected values rank ") + (counter_ > 0 ? "" : "at least ") +
-                           S(declared_.size()) + ", got " + S(g.values_shape.size()));
+  if (g.values_shape.size() != declared.size()) {
+    return InvalidArgument(std::string("Shape mismatch: expected values rank ") + (accumulating ? "" : "at least ") +
+                           S(declared.size()) + ", got " + S(g.values_shape.size()));
   }
-  for (size_t i = 1; i < declared_.size(); ++i) {
-    if (g.values_shape[i] != declared_[i]) {
-      return InvalidArgument("Shape mismatch: expected values dim " + S(i) + " to be " + S(declared_[i]) + ", got " +
+  for (size_t i = 1; i < declared.size(); ++i) {
+    if (g.values_shape[i] != declared[i]) {
+      return InvalidArgument("Shape mismatch: expected values dim " + S(i) + " to be " + S(declared[i]) + ", got " +
                              S(g.values_shape[i]));
     }
   }
-  size_t want = static_cast<size_t>(g.nnz * row_elements_) * DTypeSize(dtype_);
+  const int64_t row_elements = NumElements(Shape(declared.begin() + 1, declared.end()));
+  size_t want = static_cast<size_t>(g.nnz * row_elements) * DTypeSize(dtype);
   if (g.values_bytes != want) {
     return InvalidArgument("values data has " + std::to_string(g.values_bytes) + " bytes, expected " +
                            std::to_string(want));

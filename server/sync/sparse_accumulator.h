@@ -37,7 +37,10 @@ class SparseAccumulator {
   // `declared` is the variable's shape: its first dimension bounds the indices.
   SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step);
 
-  Status Validate(const SparseGradRef& g) const;
+  Status Validate(const SparseGradRef& g) const { return Check(dtype_, declared_, g, counter_ > 0); }
+  // The same checks for a variable of `dtype`/`declared` whose accumulator need not exist;
+  // `accumulating` only words one message as TF does.
+  static Status Check(DType dtype, const Shape& declared, const SparseGradRef& g, bool accumulating);
   // Returns true when accepted, false when stale.
   Result<bool> ApplyGrad(int64_t local_step, const SparseGradRef& g);
   // As DenseAccumulator::TryTakeGrad. On success the averaged rows are in indices()/values().
@@ -52,7 +55,6 @@ class SparseAccumulator {
   // [declared dim0, row dims...].
   const std::vector<int64_t>& indices() const { return indices_; }
   const std::vector<uint8_t>& values() const { return values_; }
-  int64_t row_elements() const { return row_elements_; }
   // Moves the last take's rows out (the accumulator no longer needs them).
   void ReleaseTaken(std::vector<int64_t>* indices, std::vector<uint8_t>* values);
 

@@ -169,22 +169,11 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
 
 Status SyncEngine::ValidateGrad(Variable* v, const GradRef& g) const {
   if (g.sparse()) {
-    SparseGradRef s{g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape};
-    SparseAccumulator probe_rules(v->dtype, v->shape, config_.reduction, 0);
-    return probe_rules.Validate(s);
+    return SparseAccumulator::Check(v->dtype, v->shape,
+                                    {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape},
+                                    /*accumulating=*/false);
   }
-  if (g.dtype != v->dtype) {
-    return InvalidArgument(std::string("dtype mismatch: accumulator is ") + DTypeName(v->dtype) + ", gradient is " +
-                           DTypeName(g.dtype));
-  }
-  if (g.shape != v->shape) {
-    return InvalidArgument("Shape mismatch: expected " + ShapeString(v->shape) + ", got " + ShapeString(g.shape));
-  }
-  if (g.bytes != v->bytes) {
-    return InvalidArgument("gradient data has " + std::to_string(g.bytes) + " bytes, shape " + ShapeString(g.shape) +
-                           " of " + DTypeName(g.dtype) + " needs " + std::to_string(v->bytes));
-  }
-  return Status::Ok();
+  return DenseAccumulator::Check(v->dtype, v->shape, g.dtype, g.shape, g.bytes);
 }
 
 Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out) {
@@ -716,13 +705,6 @@ EngineStats SyncEngine::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   s.variables = static_cast<int>(vars_.size());
   return s;
-}
-
-std::vector<std::string> SyncEngine::VariableNames() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::string> names;
-  for (auto& [name, v] : vars_) names.push_back(name);
-  return names;
 }
 
 }  // namespace psd::server

@@ -176,7 +176,6 @@ class SyncEngine {
   const Optimizer& optimizer() const { return *optimizer_; }
   const ServerConfig& config() const { return config_; }
   EngineStats Stats() const;
-  std::vector<std::string> VariableNames() const;
 
   // Called after every committed step, outside all locks.
   void set_on_commit(std::function<void(const StepInfo&)> cb) { on_commit_ = std::move(cb); }

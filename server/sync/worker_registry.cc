@@ -105,7 +105,6 @@ int WorkerRegistry::RequiredReplicas() const {
 WorkerCounts WorkerRegistry::Counts() const {
   std::lock_guard<std::mutex> lock(mu_);
   WorkerCounts c;
-  c.known = static_cast<int>(workers_.size());
   for (const Worker& w : workers_) {
     if (w.conn != 0) ++c.connected;
     if (w.finished) ++c.finished;

@@ -32,7 +32,6 @@ struct WorkerCounts {
   int connected = 0;
   int finished = 0;
   int lost = 0;
-  int known = 0;
 };
 
 class WorkerRegistry {
