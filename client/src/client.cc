@@ -110,16 +110,26 @@ class Client::Impl {
   }
 
   // Sends `frame`, reads the reply with the same id; a non-OK reply becomes the returned Status.
-  Status RoundTrip(OutFrame& frame, std::unique_ptr<capnp::MessageReader>* reader, proto::Response::Reader* resp) {
+  // `wait_ms` is how long the daemon may legitimately hold the reply (a token wait); the reply
+  // deadline is the longer of request_timeout_ms and wait_ms + 10 s.
+  Status RoundTrip(OutFrame& frame, std::unique_ptr<capnp::MessageReader>* reader, proto::Response::Reader* resp,
+                   int64_t wait_ms = 0) {
     if (!socket_.is_open()) {
       Status s = Connect();
       if (!s.ok()) return s;
     }
     uint64_t id = frame.builder.getRoot<proto::Request>().getId();
-    Status s = psd::wire::WriteFrame(socket_, frame);
-    if (s.ok()) s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes);
+    int64_t limit_ms = std::max<int64_t>(options_.request_timeout_ms, wait_ms > 0 ? wait_ms + 10000 : 0);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms);
+    Status s = psd::wire::WriteFrame(socket_, frame, deadline);
+    if (s.ok()) s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline);
     if (!s.ok()) {
+      // The stream is out of step (or gone): the next call reconnects.
       Drop();
+      if (s.code() == psd::Code::kDeadlineExceeded) {
+        return psd::DeadlineExceeded("no reply from psd within " + std::to_string(limit_ms) +
+                                     " ms; the connection was reset");
+      }
       return s;
     }
     try {
@@ -407,7 +417,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   }
   std::unique_ptr<capnp::MessageReader> reader;
   proto::Response::Reader resp;
-  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
+  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp, wait_token ? timeout_ms : 0));
   try {
     auto r = resp.getPush();
     PushOutcome out;
@@ -438,7 +448,7 @@ Result<int64_t> Client::WaitToken(int64_t timeout_ms) {
   req.initWaitToken().setTimeoutMs(timeout_ms);
   std::unique_ptr<capnp::MessageReader> reader;
   proto::Response::Reader resp;
-  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
+  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp, timeout_ms));
   auto t = resp.getToken();
   impl_->is_chief_ = t.getIsChief();
   return t.getToken();

@@ -1,6 +1,9 @@
 #include "wire/frame.h"
 
+#include <poll.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 namespace psd::wire {
@@ -86,34 +89,84 @@ std::vector<asio::const_buffer> OutFrame::Buffers() {
   return out;
 }
 
-Status WriteFrame(tcp::socket& socket, OutFrame& frame) {
-  boost::system::error_code ec;
-  asio::write(socket, frame.Buffers(), ec);
-  if (ec) return Unavailable("write failed: " + ec.message());
+namespace {
+
+// Waits until the socket can be read (POLLIN) or written (POLLOUT), or the deadline passes.
+Status WaitReady(tcp::socket& socket, short events, Deadline deadline) {
+  for (;;) {
+    int timeout_ms = -1;
+    if (deadline != kNoDeadline) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return DeadlineExceeded("no answer from psd before the deadline");
+      timeout_ms = static_cast<int>(std::min<int64_t>(left.count() + 1, 1 << 30));
+    }
+    pollfd p{socket.native_handle(), events, 0};
+    int r = ::poll(&p, 1, timeout_ms);
+    if (r > 0) return Status::Ok();
+    if (r < 0 && errno != EINTR) return Unavailable(std::string("poll: ") + std::strerror(errno));
+  }
+}
+
+Status ReadExactly(tcp::socket& socket, void* data, size_t n, Deadline deadline) {
+  auto* p = static_cast<uint8_t*>(data);
+  while (n > 0) {
+    boost::system::error_code ec;
+    size_t k = socket.read_some(asio::buffer(p, n), ec);
+    if (ec == asio::error::would_block || ec == asio::error::try_again) {
+      PSD_RETURN_IF_ERROR(WaitReady(socket, POLLIN, deadline));
+      continue;
+    }
+    if (ec) return Unavailable("connection lost: " + ec.message());
+    p += k;
+    n -= k;
+  }
   return Status::Ok();
 }
 
-Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes) {
+void MakeNonBlocking(tcp::socket& socket) {
   boost::system::error_code ec;
+  if (!socket.non_blocking()) socket.non_blocking(true, ec);
+}
+
+}  // namespace
+
+Status WriteFrame(tcp::socket& socket, OutFrame& frame, Deadline deadline) {
+  MakeNonBlocking(socket);
+  std::vector<asio::const_buffer> left = frame.Buffers();
+  size_t first = 0;  // index of the first buffer with bytes left
+  while (first < left.size()) {
+    boost::system::error_code ec;
+    size_t k = socket.write_some(std::vector<asio::const_buffer>(left.begin() + first, left.end()), ec);
+    if (ec == asio::error::would_block || ec == asio::error::try_again) {
+      PSD_RETURN_IF_ERROR(WaitReady(socket, POLLOUT, deadline));
+      continue;
+    }
+    if (ec) return Unavailable("write failed: " + ec.message());
+    while (k > 0 && first < left.size()) {
+      size_t take = std::min(k, left[first].size());
+      left[first] += take;
+      k -= take;
+      if (left[first].size() == 0) ++first;
+    }
+  }
+  return Status::Ok();
+}
+
+Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline) {
+  MakeNonBlocking(socket);
   uint32_t first[2];
-  asio::read(socket, asio::buffer(first, sizeof(first)), ec);
-  if (ec) return Unavailable("connection lost: " + ec.message());
+  PSD_RETURN_IF_ERROR(ReadExactly(socket, first, sizeof(first), deadline));
   uint32_t count = 0;
   size_t rest = 0;
   PSD_RETURN_IF_ERROR(ParseFirstWord(first, &count, &rest));
   std::vector<uint32_t> table(1 + rest / 4);
   table[0] = first[1];
-  if (rest) {
-    asio::read(socket, asio::buffer(table.data() + 1, rest), ec);
-    if (ec) return Unavailable("connection lost: " + ec.message());
-  }
+  if (rest) PSD_RETURN_IF_ERROR(ReadExactly(socket, table.data() + 1, rest, deadline));
   std::vector<uint32_t> sizes;
   uint64_t total = 0;
   PSD_RETURN_IF_ERROR(ParseSegmentSizes(table.data(), count, max_frame_bytes, &sizes, &total));
   capnp::word* body = in.Prepare(sizes, total);
-  asio::read(socket, asio::buffer(body, total * sizeof(capnp::word)), ec);
-  if (ec) return Unavailable("connection lost: " + ec.message());
-  return Status::Ok();
+  return ReadExactly(socket, body, total * sizeof(capnp::word), deadline);
 }
 
 Code FromWire(proto::Code code) {

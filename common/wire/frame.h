@@ -8,6 +8,7 @@
 #include <capnp/serialize.h>
 #include <kj/array.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -67,10 +68,14 @@ struct OutFrame {
   std::vector<asio::const_buffer> Buffers();
 };
 
-// Blocking helpers (client side and tests).
-Status WriteFrame(tcp::socket& socket, OutFrame& frame);
+// Blocking helpers (client side and tests), bounded by `deadline` (DeadlineExceeded past it; the
+// stream is then out of step and the caller must drop the connection). They switch the socket to
+// non-blocking mode and wait with poll(), so no single read or write can outlive the deadline.
+using Deadline = std::chrono::steady_clock::time_point;
+constexpr Deadline kNoDeadline = Deadline::max();
+Status WriteFrame(tcp::socket& socket, OutFrame& frame, Deadline deadline = kNoDeadline);
 // Reads one frame into `in`; max_frame_bytes bounds the allocation.
-Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes);
+Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline = kNoDeadline);
 
 // Enum conversions between the wire and psd types.
 Code FromWire(proto::Code code);

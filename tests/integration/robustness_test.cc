@@ -33,6 +33,7 @@ struct RawPeer {
   bool ClosedByPeer() {
     char c;
     boost::system::error_code ec;
+    socket.non_blocking(false, ec);  // wait for the close (the frame helpers made it non-blocking)
     socket.read_some(asio::buffer(&c, 1), ec);
     return ec == asio::error::eof || ec == asio::error::connection_reset;
   }
@@ -238,4 +239,19 @@ TEST_CASE("with an auth token, only peers that present it are served", "[robustn
   std::string msg;
   REQUIRE(p.Read(&code, &msg));
   CHECK(code == Code::kUnauthenticated);
+}
+
+TEST_CASE("a daemon that never answers cannot hang a client: calls end at their deadline", "[robustness]") {
+  // A listener that accepts and then says nothing (a stopped or wedged daemon).
+  asio::io_context io;
+  tcp::acceptor mute(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  psclient::ClientOptions o;
+  o.port = mute.local_endpoint().port();
+  o.worker_name = "w";
+  o.request_timeout_ms = 200;
+  auto start = std::chrono::steady_clock::now();
+  auto c = psclient::Client::Connect(o);  // the hello gets no reply
+  CHECK(c.status().code() == Code::kDeadlineExceeded);
+  CHECK_THAT(c.status().message(), Catch::Contains("200 ms"));
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
 }

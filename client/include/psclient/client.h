@@ -46,9 +46,13 @@ using psd::TensorView;
 struct ClientOptions {
   std::string host = "127.0.0.1";  // an IP address or a host name (resolved at every connect)
   uint16_t port = 7070;
-  std::string worker_name;                // stable identity; default "worker-<pid>"
-  uint64_t incarnation = 0;               // bump on every restart; default: derived from the clock
-  int connect_timeout_ms = 10000;         // keeps retrying a refused connect until then
+  std::string worker_name;         // stable identity; default "worker-<pid>"
+  uint64_t incarnation = 0;        // bump on every restart; default: derived from the clock
+  int connect_timeout_ms = 10000;  // keeps retrying a refused connect until then
+  // No call waits longer than this for its reply (a token wait: its own timeout + 10 s if longer);
+  // past it the call fails with kDeadlineExceeded and the connection is reset. Keep it above
+  // psd's --token-timeout-ms when waits use the daemon's default.
+  int64_t request_timeout_ms = 300000;
   uint64_t max_frame_bytes = 1ull << 30;  // largest reply accepted
   // An observer (admin tools, dashboards) is not a worker: it may only call GetStatus and
   // RequestCheckpoint, never becomes chief and does not count for the job.
