@@ -30,6 +30,7 @@ enum Code {
   internal @10;           # a bug in psd
   unimplemented @11;      # not supported by this daemon
   unauthenticated @12;    # missing or wrong auth token: fix the credentials
+  aborted @13;            # the cluster restored a checkpoint: re-read the step and values, go on
 }
 
 enum DType {
@@ -54,6 +55,9 @@ struct Hello {
   incarnation @2 :UInt64; # bumps on every restart of that worker process
   authToken @3 :Text;     # the shared secret, when psd runs with --auth-token-file
   observer @4 :Bool;      # an operator's tool: not a worker (never chief, never counted)
+  peer @5 :Bool;          # another psd shard of the cluster (then shardIndex and clusterSize)
+  shardIndex @6 :UInt32;
+  clusterSize @7 :UInt32;
 }
 
 struct JobConfig {
@@ -78,6 +82,10 @@ struct HelloReply {
   globalStep @2 :Int64;
   config @3 :JobConfig;
   workerId @4 :UInt32;    # daemon-assigned index of this worker (order of first hello)
+  shardIndex @5 :UInt32;  # this daemon's index in its cluster (0 for a single daemon)
+  shards @6 :UInt32;      # shards in the cluster (1 for a single daemon)
+  chiefShard @7 :Int32;   # the elected chief shard (-1: none right now)
+  clusterEpoch @8 :UInt64;  # bumps whenever the cluster restores a checkpoint as one (0: single daemon)
 }
 
 struct CreateVariable {
@@ -86,6 +94,35 @@ struct CreateVariable {
   trainable @2 :Bool = true;
   average @3 :Bool;       # keep an exponential moving average (psd --ema-decay)
   optimizer @4 :Text;     # empty: the job's optimizer
+  placement @5 :VariablePlacement;  # cluster: the whole variable's placement; `initial` is part `part` of it
+  part @6 :UInt32;
+}
+
+# Where a variable lives in a cluster: one part (the whole variable) or slices along dimension 0.
+struct SlicePart {
+  shard @0 :UInt32;
+  rowBegin @1 :Int64;
+  rowEnd @2 :Int64;
+}
+
+struct VariablePlacement {
+  name @0 :Text;
+  dtype @1 :DType;
+  shape @2 :List(Int64);    # the whole variable's shape
+  sliced @3 :Bool;          # false: one part holding the whole variable
+  parts @4 :List(SlicePart);
+}
+
+struct Place {
+  name @0 :Text;
+  dtype @1 :DType;
+  shape @2 :List(Int64);
+  colocateWith @3 :Text;    # place on the same shard(s) as this existing variable
+}
+
+struct PlacementMap {
+  variables @0 :List(VariablePlacement);
+  shardBytes @1 :List(UInt64);  # bytes of variable values placed on each shard
 }
 
 struct VariableInfo {
@@ -109,6 +146,7 @@ struct PullRows {
 struct PullReply {
   step @0 :Int64;         # every value in the reply reflects this global step
   values @1 :List(Tensor);
+  clusterEpoch @2 :UInt64;
 }
 
 struct Gradient {
@@ -126,6 +164,7 @@ struct Push {
   waitToken @2 :Bool;     # after the push, also wait for a token (one round trip per step)
   timeoutMs @3 :Int64;    # deadline for the token wait; <= 0 means the daemon's default
   pullAfter @4 :List(Text);  # after the token, also return these variables' values (one round trip per step)
+  clusterEpoch @5 :UInt64;   # the epoch the gradients were computed in; another one is ABORTED (0: unchecked)
 }
 
 struct GradResult {
@@ -142,6 +181,8 @@ struct PushReply {
   isChief @4 :Bool;
   stepGradients @5 :Int32;        # gradients averaged (fewest per variable) in the last committed step
   pulled @6 :PullReply;           # the pullAfter values, when the token wait succeeded
+  clusterEpoch @7 :UInt64;
+  chiefShard @8 :Int32;
 }
 
 struct WaitToken {
@@ -173,6 +214,94 @@ struct JobStatus {
   maxStaleness @10 :Int64;
   learningRate @11 :Float64;
   lastCheckpointStep @12 :Int64;  # -1: none
+  shardIndex @13 :UInt32;
+  shards @14 :UInt32;
+  chiefShard @15 :Int32;          # -1: no chief right now
+  term @16 :UInt64;               # election term
+  clusterEpoch @17 :UInt64;
+  clusterState @18 :Text;         # "running", or what the cluster waits for
+  missingShards @19 :List(UInt32);
+}
+
+# --- shard to shard (cluster) -----------------------------------------------------------------
+# One-way messages over each shard's outgoing link to every other shard; never answered.
+# `term` fences: a shard acts on a chief's message only if it carries its current term.
+
+struct PeerHeartbeat {
+  chief @0 :Int32;          # who the sender thinks is chief (-1: nobody)
+  epoch @1 :UInt64;         # the epoch the sender's state belongs to
+  running @2 :Bool;         # from the chief: the cluster serves workers at `epoch`
+  step @3 :Int64;
+  sealedSteps @4 :List(Int64);  # checkpoints this shard can restore (manifest + own part verified)
+  ready @5 :Bool;           # the sender has scanned its checkpoints
+  required @6 :Int32;       # from the chief: fresh gradients a step needs
+}
+
+struct PeerStep {
+  epoch @0 :UInt64;
+  step @1 :Int64;
+  minGradients @2 :Int32;
+  maxGradients @3 :Int32;
+  takes @4 :Int32;          # variables taken (0: the shard has no trainable variable)
+  forced @5 :Bool;
+}
+
+struct PeerCommit {
+  epoch @0 :UInt64;
+  step @1 :Int64;           # the step being closed: shards publish step + 1
+  checkpoint @2 :Bool;      # snapshot this commit and write the part
+  learningRate @3 :Float64; # the learning rate of the steps after this one
+}
+
+struct PeerRestore {
+  epoch @0 :UInt64;
+  step @1 :Int64;           # the checkpoint to restore; -1: start empty at step 0
+}
+
+struct PeerRestored {
+  epoch @0 :UInt64;
+  step @1 :Int64;
+  ok @2 :Bool;
+  message @3 :Text;
+  placements @4 :List(VariablePlacement);  # the parts this shard holds, as placed
+}
+
+struct PeerPart {
+  epoch @0 :UInt64;
+  step @1 :Int64;
+  shard @2 :UInt32;
+  file @3 :Text;
+  bytes @4 :UInt64;
+  checksum @5 :UInt64;
+}
+
+struct PeerSeal {
+  step @0 :Int64;
+  parts @1 :List(PeerPart);
+}
+
+struct PeerControl {
+  epoch @0 :UInt64;
+  jobDone @1 :Bool;         # every worker finished: write the final part (if checkpointing), then exit if asked
+  snapshotStep @2 :Int64;   # with jobDone: the step of the final checkpoint (-1: none)
+  forceStep @3 :Int64;      # soft sync: commit this step with what arrived (-1: none)
+}
+
+struct PeerMessage {
+  from @0 :UInt32;
+  term @1 :UInt64;
+  union {
+    heartbeat @2 :PeerHeartbeat;
+    prepared @3 :PeerStep;
+    commit @4 :PeerCommit;
+    committed @5 :PeerStep;
+    restore @6 :PeerRestore;
+    restored @7 :PeerRestored;
+    partWritten @8 :PeerPart;
+    seal @9 :PeerSeal;
+    control @10 :PeerControl;
+    checkpointRequest @11 :Void;
+  }
 }
 
 struct Request {
@@ -189,6 +318,9 @@ struct Request {
     pullRows @9 :PullRows;
     setLearningRate @10 :Float64; # chief only; from the next step
     checkpoint @11 :Void;         # schedule a checkpoint at the next step boundary
+    place @12 :Place;             # cluster, chief only: place (or find) a variable
+    getPlacement @13 :Void;       # cluster, chief only: the whole placement map
+    peer @14 :PeerMessage;        # shard to shard; never answered
   }
 }
 
@@ -205,5 +337,7 @@ struct Response {
     token @8 :TokenReply;
     status @9 :JobStatus;
     slot @10 :Tensor;
+    placement @11 :VariablePlacement;
+    placementMap @12 :PlacementMap;
   }
 }

@@ -97,6 +97,25 @@ Status ServerConfig::Validate() {
   if (default_token_timeout_ms <= 0) return InvalidArgument("--token-timeout-ms must be > 0");
   if (max_connections < 1) return InvalidArgument("--max-connections must be >= 1");
   if (worker_grace_s < 0) return InvalidArgument("--worker-grace-s must be >= 0");
+  if (shards() > 256) return InvalidArgument("--cluster has more than 256 shards");
+  if (shard_index < 0 || shard_index >= shards()) {
+    return InvalidArgument("--shard-index " + std::to_string(shard_index) + " is outside the --cluster list of " +
+                           std::to_string(shards()) + " shard(s)");
+  }
+  for (const std::string& a : cluster) {
+    size_t colon = a.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == a.size()) {
+      return InvalidArgument("--cluster entry '" + a + "' is not host:port");
+    }
+  }
+  if (clustered()) {
+    if (mode != Mode::kSync) return InvalidArgument("a cluster of several shards runs --mode sync only (for now)");
+    if (step_deadline_ms > 0) return InvalidArgument("--step-deadline-ms is not supported with several shards yet");
+    if (heartbeat_ms < 10 || election_timeout_ms < 3 * heartbeat_ms) {
+      return InvalidArgument("--heartbeat-ms must be >= 10 and --election-timeout-ms >= 3 x --heartbeat-ms");
+    }
+  }
+  if (slice_bytes < 4096) return InvalidArgument("--slice-bytes must be >= 4096");
   return Status::Ok();
 }
 

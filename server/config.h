@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "optimizer/optimizer.h"
 #include "psd/status.h"
@@ -67,12 +68,22 @@ struct ServerConfig {
   int keep_checkpoints = 3;
   bool restore = true;  // load the newest good checkpoint at start
 
+  // Cluster (README "Running a cluster"). One entry, or none: a single daemon.
+  std::vector<std::string> cluster;    // every shard's host:port, the same list on every shard
+  int shard_index = 0;                 // this daemon's entry in `cluster`
+  int64_t heartbeat_ms = 100;          // shard-to-shard heartbeat period
+  int64_t election_timeout_ms = 1000;  // a shard silent this long counts as gone
+  uint64_t slice_bytes = 64ull << 20;  // variables bigger than this are split by rows over several shards
+
   // Waits and lifetime.
   int64_t default_token_timeout_ms = 60000;
   bool exit_when_done = false;
   double worker_grace_s = 30;  // a worker gone this long without finishing no longer holds steps (0: never)
   double summary_interval_s = 10.0;
   std::string log_level = "info";
+
+  int shards() const { return cluster.empty() ? 1 : static_cast<int>(cluster.size()); }
+  bool clustered() const { return shards() > 1; }
 
   // Derived by Validate().
   int tokens_per_step = 0;

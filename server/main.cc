@@ -5,7 +5,9 @@
 
 #include <CLI/CLI.hpp>
 #include <csignal>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "config.h"
@@ -112,6 +114,18 @@ int main(int argc, char** argv) {
                  "memory the variables may take in bytes, counting their slots, averages and update buffers; "
                  "creating more is refused")
       ->capture_default_str();
+  std::string cluster, cluster_file;
+  app.add_option("--cluster", cluster,
+                 "every shard's host:port, comma-separated, the same list on every shard (none: a single daemon)");
+  app.add_option("--cluster-file", cluster_file, "a file with one host:port per line (instead of --cluster)");
+  app.add_option("--shard-index", cfg.shard_index, "this daemon's position in the cluster list")->capture_default_str();
+  app.add_option("--heartbeat-ms", cfg.heartbeat_ms, "shard-to-shard heartbeat period")->capture_default_str();
+  app.add_option("--election-timeout-ms", cfg.election_timeout_ms,
+                 "a shard silent this long counts as gone (a new chief is elected if it was the chief)")
+      ->capture_default_str();
+  app.add_option("--slice-bytes", cfg.slice_bytes,
+                 "variables bigger than this are split along their first dimension over several shards")
+      ->capture_default_str();
   app.add_flag("--exit-when-done", cfg.exit_when_done, "exit with status 0 once every worker has finished");
   app.add_option("--worker-grace-s", cfg.worker_grace_s,
                  "seconds a worker may stay disconnected without finishing before steps stop waiting for its "
@@ -136,6 +150,31 @@ int main(int argc, char** argv) {
   cfg.reduction = reduction == "sum" ? psd::server::Reduction::kSum : psd::server::Reduction::kMean;
   cfg.mode = *psd::server::ParseMode(mode);  // CLI11 checked the value
   cfg.staleness_lr = *psd::server::ParseStalenessLr(staleness_lr);
+  if (!cluster.empty() && !cluster_file.empty()) {
+    std::cerr << "psd: give --cluster or --cluster-file, not both\n";
+    return 2;
+  }
+  if (!cluster_file.empty()) {
+    std::ifstream f(cluster_file);
+    if (!f) {
+      std::cerr << "psd: cannot read --cluster-file " << cluster_file << "\n";
+      return 2;
+    }
+    std::string line;
+    while (std::getline(f, line)) {
+      auto hash = line.find('#');
+      if (hash != std::string::npos) line.resize(hash);
+      line.erase(0, line.find_first_not_of(" \t\r"));
+      line.erase(line.find_last_not_of(" \t\r") + 1);
+      if (!line.empty()) cfg.cluster.push_back(line);
+    }
+  } else if (!cluster.empty()) {
+    std::stringstream ss(cluster);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      if (!item.empty()) cfg.cluster.push_back(item);
+    }
+  }
   if (!auth_token_file.empty()) {
     auto token = psd::ReadSecretFile(auth_token_file);
     if (!token.ok()) {

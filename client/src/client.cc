@@ -4,9 +4,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -57,11 +59,64 @@ Status CheckView(const std::string& what, DType want_dtype, const Shape& want_sh
   return Status::Ok();
 }
 
-}  // namespace
+Status Malformed(const kj::Exception& e) {
+  return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+}
 
-class Client::Impl {
+Result<VariablePlacement> ReadPlacement(proto::VariablePlacement::Reader r) {
+  VariablePlacement p;
+  p.name = r.getName();
+  auto dtype = psd::wire::FromWire(r.getDtype());
+  if (!dtype.ok()) return dtype.status();
+  p.dtype = *dtype;
+  for (int64_t d : r.getShape()) p.shape.push_back(d);
+  p.sliced = r.getSliced();
+  for (auto part : r.getParts()) {
+    p.parts.push_back({static_cast<int>(part.getShard()), part.getRowBegin(), part.getRowEnd()});
+  }
+  if (p.parts.empty()) return psd::Internal("placement of '" + p.name + "' has no parts");
+  return p;
+}
+
+void WritePlacement(proto::VariablePlacement::Builder b, const VariablePlacement& p) {
+  b.setName(p.name);
+  b.setDtype(psd::wire::ToWire(p.dtype));
+  auto shape = b.initShape(static_cast<unsigned>(p.shape.size()));
+  for (size_t i = 0; i < p.shape.size(); ++i) shape.set(static_cast<unsigned>(i), p.shape[i]);
+  b.setSliced(p.sliced);
+  auto parts = b.initParts(static_cast<unsigned>(p.parts.size()));
+  for (size_t i = 0; i < p.parts.size(); ++i) {
+    parts[static_cast<unsigned>(i)].setShard(static_cast<uint32_t>(p.parts[i].shard));
+    parts[static_cast<unsigned>(i)].setRowBegin(p.parts[i].row_begin);
+    parts[static_cast<unsigned>(i)].setRowEnd(p.parts[i].row_end);
+  }
+}
+
+// Part `i` of a tensor sliced like `p` (the whole tensor when not sliced): the rows are a
+// contiguous byte range of a row-major tensor.
+template <typename View>
+View SliceOf(const View& whole, const VariablePlacement& p, size_t i) {
+  if (!p.sliced) return whole;
+  View part = whole;
+  const SlicePart& s = p.parts[i];
+  part.shape[0] = s.row_end - s.row_begin;
+  size_t row_bytes =
+      whole.shape.empty() || whole.shape[0] == 0 ? 0 : whole.bytes() / static_cast<size_t>(whole.shape[0]);
+  if (whole.data != nullptr) {
+    using Byte =
+        std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(whole.data)>>, const uint8_t, uint8_t>;
+    part.data = static_cast<Byte*>(whole.data) + static_cast<size_t>(s.row_begin) * row_bytes;
+  }
+  return part;
+}
+
+// One connection to one daemon (a shard of a cluster, or the only daemon). Blocking socket with
+// poll deadlines; a request is sent with Send and its reply read with Receive, so a caller can
+// send to every shard before reading any reply.
+class Conn {
  public:
-  explicit Impl(ClientOptions options) : options_(std::move(options)), socket_(io_) {}
+  Conn(const ClientOptions& options, std::string host, uint16_t port, int index)
+      : options_(options), host_(std::move(host)), port_(port), index_(index), socket_(io_) {}
 
   Status Connect() {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
@@ -70,13 +125,12 @@ class Client::Impl {
       // Names are resolved on every try: a restarted daemon (a Kubernetes pod, say) may have
       // come back at another address.
       psd::tcp::resolver resolver(io_);
-      auto endpoints = resolver.resolve(options_.host, std::to_string(options_.port), ec);
+      auto endpoints = resolver.resolve(host_, std::to_string(port_), ec);
       socket_ = psd::tcp::socket(io_);
       if (!ec) psd::asio::connect(socket_, endpoints, ec);
       if (!ec) break;
       if (std::chrono::steady_clock::now() >= deadline) {
-        return psd::Unavailable("cannot connect to psd at " + options_.host + ":" + std::to_string(options_.port) +
-                                ": " + ec.message());
+        return psd::Unavailable("cannot connect to psd at " + Where() + ": " + ec.message());
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
@@ -89,89 +143,278 @@ class Client::Impl {
     h.setIncarnation(options_.incarnation);
     h.setAuthToken(options_.auth_token);
     h.setObserver(options_.observer);
-    std::unique_ptr<capnp::MessageReader> reader;
     proto::Response::Reader resp;
-    PSD_RETURN_IF_ERROR(RoundTrip(frame, &reader, &resp));
+    Status s = SendNoReconnect(frame);
+    if (s.ok()) s = Receive(frame, &resp);
+    if (!s.ok()) {
+      Drop();
+      return s;
+    }
     if (resp.which() != proto::Response::HELLO) return psd::Internal("unexpected reply to hello");
     auto hr = resp.getHello();
-    config_ = ReadConfig(hr.getConfig());
-    worker_id_ = hr.getWorkerId();
-    is_chief_ = hr.getIsChief();
-    initial_step_ = hr.getGlobalStep();
-    ++epoch_;
+    config = ReadConfig(hr.getConfig());
+    worker_id = hr.getWorkerId();
+    is_chief = hr.getIsChief();
+    initial_step = hr.getGlobalStep();
+    chief_shard = hr.getChiefShard();
+    cluster_epoch = hr.getClusterEpoch();
+    shards_reported = static_cast<int>(hr.getShards());
+    ++connects;
     return Status::Ok();
   }
 
-  // Starts a request with a fresh id.
   proto::Request::Builder NewRequest(OutFrame& frame) {
     auto req = frame.builder.initRoot<proto::Request>();
     req.setId(++next_id_);
     return req;
   }
 
-  // Sends `frame`, reads the reply with the same id; a non-OK reply becomes the returned Status.
-  // `wait_ms` is how long the daemon may legitimately hold the reply (a token wait); the reply
-  // deadline is the longer of request_timeout_ms and wait_ms + 10 s.
-  Status RoundTrip(OutFrame& frame, std::unique_ptr<capnp::MessageReader>* reader, proto::Response::Reader* resp,
-                   int64_t wait_ms = 0) {
-    if (!socket_.is_open()) {
-      Status s = Connect();
-      if (!s.ok()) return s;
-    }
+  // Sends `frame` (connecting first if needed). `wait_ms`: how long the daemon may legitimately
+  // hold the reply (a token wait); the reply deadline is the longer of request_timeout_ms and
+  // wait_ms + 10 s, counted from now.
+  Status Send(OutFrame& frame, int64_t wait_ms = 0) {
+    if (!socket_.is_open()) PSD_RETURN_IF_ERROR(Connect());
+    limit_ms_ = std::max<int64_t>(options_.request_timeout_ms, wait_ms > 0 ? wait_ms + 10000 : 0);
+    return SendNoReconnect(frame);
+  }
+
+  // Reads the reply to `frame`; a non-OK reply becomes the returned Status. The reader stays
+  // valid until the next Receive on this connection.
+  Status Receive(OutFrame& frame, proto::Response::Reader* resp) {
     uint64_t id = frame.builder.getRoot<proto::Request>().getId();
-    int64_t limit_ms = std::max<int64_t>(options_.request_timeout_ms, wait_ms > 0 ? wait_ms + 10000 : 0);
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms);
-    Status s = psd::wire::WriteFrame(socket_, frame, deadline);
-    if (s.ok()) s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline);
+    Status s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_);
     if (!s.ok()) {
       // The stream is out of step (or gone): the next call reconnects.
       Drop();
       if (s.code() == psd::Code::kDeadlineExceeded) {
-        return psd::DeadlineExceeded("no reply from psd within " + std::to_string(limit_ms) +
+        return psd::DeadlineExceeded("no reply from psd at " + Where() + " within " + std::to_string(limit_ms_) +
                                      " ms; the connection was reset");
       }
       return s;
     }
     try {
-      *reader = in_.Reader();
-      *resp = (*reader)->getRoot<proto::Response>();
+      reader_ = in_.Reader();
+      *resp = reader_->getRoot<proto::Response>();
       if (resp->getId() != id) {
         Drop();
         return psd::Internal("reply id " + std::to_string(resp->getId()) + " does not match request " +
                              std::to_string(id));
       }
-      if (resp->getCode() != proto::Code::OK) {
-        return Status(psd::wire::FromWire(resp->getCode()), resp->getMessage());
-      }
+      if (resp->getCode() != proto::Code::OK) return Status(psd::wire::FromWire(resp->getCode()), resp->getMessage());
     } catch (const kj::Exception& e) {
       Drop();
-      return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+      return Malformed(e);
     }
     return Status::Ok();
   }
 
-  Result<int64_t> PullInto(const std::vector<std::pair<std::string, TensorView>>& outs, bool averages) {
-    if (outs.empty()) return psd::InvalidArgument("Pull needs at least one variable");
-    std::lock_guard<std::mutex> lock(mu_);
-    OutFrame frame;
-    auto req = NewRequest(frame);
-    auto pull = req.initPull();
-    pull.setAverages(averages);
-    auto names = pull.initNames(static_cast<unsigned>(outs.size()));
-    for (size_t i = 0; i < outs.size(); ++i) names.set(static_cast<unsigned>(i), outs[i].first);
-    std::unique_ptr<capnp::MessageReader> reader;
-    proto::Response::Reader resp;
-    PSD_RETURN_IF_ERROR(RoundTrip(frame, &reader, &resp));
-    return ReadValues(resp, outs);
+  Status RoundTrip(OutFrame& frame, proto::Response::Reader* resp, int64_t wait_ms = 0) {
+    PSD_RETURN_IF_ERROR(Send(frame, wait_ms));
+    return Receive(frame, resp);
   }
 
-  Result<int64_t> ReadValues(proto::Response::Reader resp,
-                             const std::vector<std::pair<std::string, TensorView>>& outs) {
-    try {
-      return ReadValues(resp.getPull(), outs);
-    } catch (const kj::Exception& e) {
-      return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+  void Drop() {
+    boost::system::error_code ec;
+    socket_.close(ec);
+  }
+
+  std::string Where() const { return host_ + ":" + std::to_string(port_); }
+  int index() const { return index_; }
+
+  // From the last handshake.
+  JobConfig config;
+  uint32_t worker_id = 0;
+  bool is_chief = false;
+  int64_t initial_step = 0;
+  int chief_shard = 0;
+  uint64_t cluster_epoch = 0;
+  int shards_reported = 1;
+  uint64_t connects = 0;
+
+ private:
+  Status SendNoReconnect(OutFrame& frame) {
+    if (limit_ms_ == 0) limit_ms_ = options_.request_timeout_ms;
+    deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms_);
+    Status s = psd::wire::WriteFrame(socket_, frame, deadline_);
+    if (!s.ok()) Drop();
+    return s;
+  }
+
+  const ClientOptions& options_;
+  const std::string host_;
+  const uint16_t port_;
+  const int index_;
+  psd::asio::io_context io_;
+  psd::tcp::socket socket_;
+  InFrame in_;
+  std::unique_ptr<capnp::MessageReader> reader_;
+  uint64_t next_id_ = 0;
+  int64_t limit_ms_ = 0;
+  psd::wire::Deadline deadline_{};
+};
+
+// Prefixes a shard's error with where it came from (clusters only).
+Status FromShard(const Status& s, const Conn& c, bool cluster) {
+  if (s.ok() || !cluster) return s;
+  return Status(s.code(), "shard " + std::to_string(c.index()) + " (" + c.Where() + "): " + s.message());
+}
+
+}  // namespace
+
+class Client::Impl {
+ public:
+  explicit Impl(ClientOptions options) : options_(std::move(options)) {
+    if (options_.cluster.empty()) {
+      conns_.push_back(std::make_unique<Conn>(options_, options_.host, options_.port, 0));
+    } else {
+      for (size_t i = 0; i < options_.cluster.size(); ++i) {
+        const std::string& a = options_.cluster[i];
+        size_t colon = a.rfind(':');
+        std::string host = colon == std::string::npos ? a : a.substr(0, colon);
+        uint16_t port = static_cast<uint16_t>(colon == std::string::npos ? 0 : std::atoi(a.c_str() + colon + 1));
+        conns_.push_back(std::make_unique<Conn>(options_, host, port, static_cast<int>(i)));
+      }
     }
+  }
+
+  Status ConnectAll() {
+    for (auto& c : conns_) {
+      Status s = c->Connect();
+      if (!s.ok()) return FromShard(s, *c, cluster());
+      if (c->shards_reported != static_cast<int>(conns_.size()) && !options_.observer) {
+        return psd::InvalidArgument("psd at " + c->Where() + " is part of a cluster of " +
+                                    std::to_string(c->shards_reported) + " shard(s), the client was given " +
+                                    std::to_string(conns_.size()) + ": list every shard in ClientOptions::cluster");
+      }
+    }
+    // The chief as the shards see it; its handshake has the worker's identity and role.
+    int chief = conns_[0]->chief_shard;
+    chief_ = chief >= 0 && chief < static_cast<int>(conns_.size()) ? chief : 0;
+    Conn& c = *conns_[static_cast<size_t>(chief_.load())];
+    is_chief_ = c.is_chief;
+    cluster_epoch_ = c.cluster_epoch;
+    return Status::Ok();
+  }
+
+  bool cluster() const { return conns_.size() > 1; }
+  int shards() const { return static_cast<int>(conns_.size()); }
+  Conn& conn(int i) { return *conns_[static_cast<size_t>(i)]; }
+  Conn& chief() { return conn(chief_.load()); }
+  const Conn& chief() const { return *conns_[static_cast<size_t>(chief_.load())]; }
+
+  // One request to one shard in a batch.
+  struct Call {
+    int shard = 0;
+    OutFrame frame;
+    int64_t wait_ms = 0;
+    bool sent = false;
+    Status status;
+    proto::Response::Reader resp;
+  };
+  using Calls = std::vector<std::unique_ptr<Call>>;
+
+  Call& Add(Calls& calls, int shard, proto::Request::Builder* req, int64_t wait_ms = 0) {
+    calls.push_back(std::make_unique<Call>());
+    Call& c = *calls.back();
+    c.shard = shard;
+    c.wait_ms = wait_ms;
+    *req = conn(shard).NewRequest(c.frame);
+    return c;
+  }
+
+  // Sends every request, then reads every reply (in order: put the token wait last). At most one
+  // call per shard. Returns the first error, naming its shard.
+  Status Run(Calls& calls) {
+    for (auto& c : calls) {
+      c->status = FromShard(conn(c->shard).Send(c->frame, c->wait_ms), conn(c->shard), cluster());
+      c->sent = c->status.ok();
+    }
+    for (auto& c : calls) {
+      if (c->sent) c->status = FromShard(conn(c->shard).Receive(c->frame, &c->resp), conn(c->shard), cluster());
+    }
+    Status first;
+    for (auto& c : calls) {
+      if (c->status.code() == Code::kAborted) NoteRestored();
+      if (first.ok() && !c->status.ok()) first = c->status;
+    }
+    if (!first.ok() && cluster() && (first.code() == Code::kUnavailable || first.code() == Code::kFailedPrecondition)) {
+      RefreshChief();
+    }
+    return first;
+  }
+
+  Status Single(int shard, OutFrame& frame, proto::Response::Reader* resp, int64_t wait_ms = 0) {
+    return FromShard(conn(shard).RoundTrip(frame, resp, wait_ms), conn(shard), cluster());
+  }
+
+  // The cluster restored a checkpoint: placements may have changed and the trainer must re-read
+  // the global step.
+  void NoteRestored() {
+    placements_.clear();
+    ++epoch_bumps_;
+  }
+
+  void NoteEpoch(uint64_t epoch) {
+    uint64_t old = cluster_epoch_.exchange(epoch);
+    if (old != epoch && old != 0) NoteRestored();
+  }
+
+  // Asks the shards who the chief is (the answer of the highest term wins).
+  void RefreshChief() {
+    uint64_t best_term = 0;
+    int best = -1;
+    for (int i = 0; i < shards(); ++i) {
+      OutFrame frame;
+      conn(i).NewRequest(frame).setStatus();
+      proto::Response::Reader resp;
+      if (!conn(i).RoundTrip(frame, &resp).ok()) continue;
+      auto s = resp.getStatus();
+      if (s.getChiefShard() >= 0 && (best < 0 || s.getTerm() > best_term)) {
+        best = s.getChiefShard();
+        best_term = s.getTerm();
+      }
+    }
+    if (best >= 0 && best < shards()) chief_ = best;
+  }
+
+  // Where `name` lives (mu_ held). A single daemon holds everything whole.
+  Result<VariablePlacement> Locate(const std::string& name) {
+    if (!cluster()) return VariablePlacement{name, DType::kFloat32, {}, false, {{0, 0, 0}}};
+    auto it = placements_.find(name);
+    if (it != placements_.end()) return it->second;
+    auto map = FetchMap();
+    if (!map.ok()) return map.status();
+    for (auto& p : map->variables) placements_[p.name] = p;
+    it = placements_.find(name);
+    if (it == placements_.end()) return psd::NotFound("no variable named '" + name + "'");
+    return it->second;
+  }
+
+  Result<PlacementMap> FetchMap() {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      OutFrame frame;
+      chief().NewRequest(frame).setGetPlacement();
+      proto::Response::Reader resp;
+      Status s = Single(chief_.load(), frame, &resp);
+      if (s.ok()) {
+        try {
+          PlacementMap m;
+          auto pm = resp.getPlacementMap();
+          for (auto v : pm.getVariables()) {
+            auto p = ReadPlacement(v);
+            if (!p.ok()) return p.status();
+            m.variables.push_back(std::move(*p));
+          }
+          for (uint64_t b : pm.getShardBytes()) m.shard_bytes.push_back(b);
+          return m;
+        } catch (const kj::Exception& e) {
+          return Malformed(e);
+        }
+      }
+      if (!cluster() || attempt == 1) return s;
+      RefreshChief();
+    }
+    return psd::Internal("unreachable");
   }
 
   // Copies a pull reply's values into the caller's views; returns the step they reflect.
@@ -189,37 +432,102 @@ class Client::Impl {
       }
       return p.getStep();
     } catch (const kj::Exception& e) {
-      return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+      return Malformed(e);
     }
   }
 
-  // A request whose reply carries nothing but its status.
-  template <typename Fill>
-  Status Call(Fill fill) {
-    std::lock_guard<std::mutex> lock(mu_);
-    OutFrame frame;
-    fill(NewRequest(frame));
-    std::unique_ptr<capnp::MessageReader> reader;
-    proto::Response::Reader resp;
-    return RoundTrip(frame, &reader, &resp);
+  // The caller's views split by shard: per shard, (name, view of that shard's part).
+  using Outs = std::vector<std::pair<std::string, TensorView>>;
+  Status SplitOuts(const Outs& outs, std::vector<Outs>* per_shard) {
+    per_shard->assign(conns_.size(), {});
+    for (const auto& [name, view] : outs) {
+      auto loc = Locate(name);
+      if (!loc.ok()) return loc.status();
+      if (loc->sliced && (view.shape != loc->shape || view.dtype != loc->dtype)) {
+        return CheckView("'" + name + "'", loc->dtype, loc->shape, view);
+      }
+      for (size_t i = 0; i < loc->parts.size(); ++i) {
+        (*per_shard)[static_cast<size_t>(loc->parts[i].shard)].emplace_back(name, SliceOf(view, *loc, i));
+      }
+    }
+    return Status::Ok();
   }
 
-  void Drop() {
-    boost::system::error_code ec;
-    socket_.close(ec);
+  // Pulls (mu_ held): one request per shard holding a part; every shard must answer at the same
+  // step (a pull racing a commit is read again).
+  Result<int64_t> PullLocked(const Outs& outs, bool averages) {
+    if (outs.empty()) return psd::InvalidArgument("Pull needs at least one variable");
+    for (int attempt = 0;; ++attempt) {
+      std::vector<Outs> per_shard;
+      PSD_RETURN_IF_ERROR(SplitOuts(outs, &per_shard));
+      Calls calls;
+      for (size_t k = 0; k < per_shard.size(); ++k) {
+        if (per_shard[k].empty()) continue;
+        proto::Request::Builder req(nullptr);
+        Add(calls, static_cast<int>(k), &req);
+        auto pull = req.initPull();
+        pull.setAverages(averages);
+        auto names = pull.initNames(static_cast<unsigned>(per_shard[k].size()));
+        for (size_t i = 0; i < per_shard[k].size(); ++i) names.set(static_cast<unsigned>(i), per_shard[k][i].first);
+      }
+      Status s = Run(calls);
+      if (s.code() == Code::kAborted) placements_.clear();
+      PSD_RETURN_IF_ERROR(s);
+      int64_t step = -1;
+      uint64_t epoch = 0;
+      bool agree = true;
+      try {
+        for (size_t i = 0; i < calls.size(); ++i) {
+          auto p = calls[i]->resp.getPull();
+          if (i == 0) {
+            step = p.getStep();
+            epoch = p.getClusterEpoch();
+          } else if (p.getStep() != step || p.getClusterEpoch() != epoch) {
+            agree = false;
+          }
+        }
+      } catch (const kj::Exception& e) {
+        return Malformed(e);
+      }
+      if (!agree) {
+        // A commit is on its way to every shard: read again in a moment.
+        if (attempt >= 200) return psd::Unavailable("the shards keep answering at different global steps; retry");
+        std::this_thread::sleep_for(std::chrono::milliseconds(attempt < 20 ? 1 : 10));
+        continue;
+      }
+      for (auto& c : calls) {
+        auto got = ReadValues(c->resp.getPull(), per_shard[static_cast<size_t>(c->shard)]);
+        if (!got.ok()) return got.status();
+      }
+      if (cluster()) NoteEpoch(epoch);
+      return step;
+    }
+  }
+
+  // A request for the chief shard (asked again after a refresh if it is not the chief any more).
+  // *resp stays valid until the next call.
+  template <typename Fill>
+  Status CallChief(Fill fill, proto::Response::Reader* resp, int64_t wait_ms = 0) {
+    for (int attempt = 0;; ++attempt) {
+      OutFrame frame;
+      fill(chief().NewRequest(frame));
+      Status s = Single(chief_.load(), frame, resp, wait_ms);
+      if (s.ok() || !cluster() || attempt == 1 ||
+          (s.code() != Code::kUnavailable && s.code() != Code::kFailedPrecondition)) {
+        return s;
+      }
+      RefreshChief();
+    }
   }
 
   ClientOptions options_;
-  psd::asio::io_context io_;
-  psd::tcp::socket socket_;
-  InFrame in_;
-  uint64_t next_id_ = 0;
-  std::mutex mu_;  // serializes calls
-  JobConfig config_;
-  uint32_t worker_id_ = 0;
+  std::vector<std::unique_ptr<Conn>> conns_;
+  std::mutex mu_;                                        // serializes calls
+  std::map<std::string, VariablePlacement> placements_;  // guarded by mu_
+  std::atomic<int> chief_{0};
+  std::atomic<uint64_t> cluster_epoch_{0};
+  std::atomic<uint64_t> epoch_bumps_{0};
   std::atomic<bool> is_chief_{false};
-  int64_t initial_step_ = 0;
-  std::atomic<uint64_t> epoch_{0};
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -231,18 +539,49 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (o.incarnation == 0) {
     o.incarnation = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
   }
+  for (const std::string& a : o.cluster) {
+    size_t colon = a.rfind(':');
+    if (colon == std::string::npos || colon == 0 || std::atoi(a.c_str() + colon + 1) <= 0) {
+      return psd::InvalidArgument("cluster entry '" + a + "' is not host:port");
+    }
+  }
   auto impl = std::make_unique<Impl>(std::move(o));
-  Status s = impl->Connect();
+  Status s = impl->ConnectAll();
   if (!s.ok()) return s;
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
-const JobConfig& Client::config() const { return impl_->config_; }
-uint32_t Client::worker_id() const { return impl_->worker_id_; }
+const JobConfig& Client::config() const { return impl_->chief().config; }
+uint32_t Client::worker_id() const { return impl_->chief().worker_id; }
 bool Client::is_chief() const { return impl_->is_chief_.load(); }
-int64_t Client::initial_global_step() const { return impl_->initial_step_; }
-uint64_t Client::connection_epoch() const { return impl_->epoch_.load(); }
-std::vector<std::string> Client::SlotNames() const { return impl_->config_.slot_names; }
+int64_t Client::initial_global_step() const { return impl_->chief().initial_step; }
+uint64_t Client::connection_epoch() const {
+  uint64_t n = impl_->epoch_bumps_.load();
+  for (const auto& c : impl_->conns_) n += c->connects;
+  return n;
+}
+std::vector<std::string> Client::SlotNames() const { return impl_->chief().config.slot_names; }
+int Client::shards() const { return impl_->shards(); }
+int Client::chief_shard() const { return impl_->chief_.load(); }
+uint64_t Client::cluster_epoch() const { return impl_->cluster_epoch_.load(); }
+
+Result<VariablePlacement> Client::Placement(const std::string& name) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  auto p = impl_->Locate(name);
+  if (!p.ok() || impl_->cluster()) return p;
+  // A single daemon: everything is whole on shard 0; the map knows dtype and shape.
+  auto map = impl_->FetchMap();
+  if (!map.ok()) return map.status();
+  for (auto& v : map->variables) {
+    if (v.name == name) return v;
+  }
+  return psd::NotFound("no variable named '" + name + "'");
+}
+
+Result<PlacementMap> Client::GetPlacementMap() {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->FetchMap();
+}
 
 Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensorView initial, bool trainable) {
   VariableOptions options;
@@ -253,13 +592,7 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
 Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensorView initial,
                                             const VariableOptions& options) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
-  OutFrame frame;
-  auto req = impl_->NewRequest(frame);
-  auto c = req.initCreateVariable();
-  c.setName(name);
-  c.setTrainable(options.trainable);
-  c.setAverage(options.average);
-  c.setOptimizer(options.optimizer);
+  Impl& im = *impl_;
   std::vector<uint8_t> staged;
   const void* data = initial.data;
   size_t bytes = initial.data ? initial.bytes() : 0;
@@ -268,41 +601,156 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
     PSD_RETURN_IF_ERROR(internal::CopyToHost(staged.data(), initial.data, bytes, initial.memory));
     data = staged.data();
   }
-  psd::wire::SetTensor(frame.builder, c.initInitial(), initial.dtype, initial.shape, data, bytes);
-  std::unique_ptr<capnp::MessageReader> reader;
-  proto::Response::Reader resp;
-  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
-  auto v = resp.getVariable();
-  auto dtype = psd::wire::FromWire(v.getDtype());
-  if (!dtype.ok()) return dtype.status();
-  Shape shape;
-  for (int64_t d : v.getShape()) shape.push_back(d);
-  VariableInfo info{v.getName(), *dtype, std::move(shape), v.getCreated(), v.getTrainable()};
+  ConstTensorView host = initial;
+  host.data = data;
+  host.memory = MemoryKind::kHost;
+  // Where it goes: a cluster's chief places it (create-or-get); a single daemon holds it whole.
+  VariablePlacement placed{name, initial.dtype, initial.shape, false, {{0, 0, 0}}};
+  if (im.cluster()) {
+    proto::Response::Reader resp;
+    Status s = im.CallChief(
+        [&](proto::Request::Builder req) {
+          auto p = req.initPlace();
+          p.setName(name);
+          p.setDtype(psd::wire::ToWire(initial.dtype));
+          auto shape = p.initShape(static_cast<unsigned>(initial.shape.size()));
+          for (size_t i = 0; i < initial.shape.size(); ++i) shape.set(static_cast<unsigned>(i), initial.shape[i]);
+          p.setColocateWith(options.colocate_with);
+        },
+        &resp);
+    if (!s.ok()) return s;
+    try {
+      auto loc = ReadPlacement(resp.getPlacement());
+      if (!loc.ok()) return loc.status();
+      placed = *loc;
+    } catch (const kj::Exception& e) {
+      return Malformed(e);
+    }
+    im.placements_[name] = placed;
+  }
+  Impl::Calls calls;
+  for (size_t i = 0; i < placed.parts.size(); ++i) {
+    proto::Request::Builder req(nullptr);
+    Impl::Call& call = im.Add(calls, placed.parts[i].shard, &req);
+    auto c = req.initCreateVariable();
+    c.setName(name);
+    c.setTrainable(options.trainable);
+    c.setAverage(options.average);
+    c.setOptimizer(options.optimizer);
+    ConstTensorView part = SliceOf(host, placed, i);
+    psd::wire::SetTensor(call.frame.builder, c.initInitial(), part.dtype, part.shape, host.data ? part.data : nullptr,
+                         host.data ? part.bytes() : 0);
+    if (im.cluster()) {
+      WritePlacement(c.initPlacement(), placed);
+      c.setPart(static_cast<uint32_t>(i));
+    }
+  }
+  PSD_RETURN_IF_ERROR(im.Run(calls));
+  VariableInfo info{name, initial.dtype, initial.shape, false, options.trainable};
+  try {
+    for (auto& call : calls) {
+      auto v = call->resp.getVariable();
+      info.created = info.created || v.getCreated();
+      info.trainable = v.getTrainable();
+      if (!im.cluster()) {
+        auto dtype = psd::wire::FromWire(v.getDtype());
+        if (!dtype.ok()) return dtype.status();
+        info.dtype = *dtype;
+        info.shape.clear();
+        for (int64_t d : v.getShape()) info.shape.push_back(d);
+        info.name = v.getName();
+      }
+    }
+  } catch (const kj::Exception& e) {
+    return Malformed(e);
+  }
   return info;
 }
 
 Result<int64_t> Client::Pull(const std::string& name, TensorView out) { return Pull({{name, out}}); }
 
 Result<int64_t> Client::Pull(const std::vector<std::pair<std::string, TensorView>>& outs) {
-  return impl_->PullInto(outs, /*averages=*/false);
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->PullLocked(outs, /*averages=*/false);
 }
 
 Result<int64_t> Client::PullAverages(const std::vector<std::pair<std::string, TensorView>>& outs) {
-  return impl_->PullInto(outs, /*averages=*/true);
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->PullLocked(outs, /*averages=*/true);
 }
 
 Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int64_t>& rows, TensorView out) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
-  OutFrame frame;
-  auto req = impl_->NewRequest(frame);
-  auto p = req.initPullRows();
-  p.setName(name);
-  auto list = p.initRows(static_cast<unsigned>(rows.size()));
-  for (size_t i = 0; i < rows.size(); ++i) list.set(static_cast<unsigned>(i), rows[i]);
-  std::unique_ptr<capnp::MessageReader> reader;
-  proto::Response::Reader resp;
-  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
-  return impl_->ReadValues(resp, {{name, out}});
+  Impl& im = *impl_;
+  auto loc = im.Locate(name);
+  if (!loc.ok()) return loc.status();
+  if (!loc->sliced) {
+    OutFrame frame;
+    auto p = im.conn(loc->parts[0].shard).NewRequest(frame).initPullRows();
+    p.setName(name);
+    auto list = p.initRows(static_cast<unsigned>(rows.size()));
+    for (size_t i = 0; i < rows.size(); ++i) list.set(static_cast<unsigned>(i), rows[i]);
+    proto::Response::Reader resp;
+    PSD_RETURN_IF_ERROR(im.Single(loc->parts[0].shard, frame, &resp));
+    try {
+      return im.ReadValues(resp.getPull(), {{name, out}});
+    } catch (const kj::Exception& e) {
+      return Malformed(e);
+    }
+  }
+  // Sliced: each shard reads its rows; they are scattered back into the caller's order.
+  Shape want = loc->shape;
+  want[0] = static_cast<int64_t>(rows.size());
+  PSD_RETURN_IF_ERROR(CheckView("rows of '" + name + "'", loc->dtype, want, out));
+  size_t row_bytes = loc->shape[0] ? static_cast<size_t>(psd::NumElements(loc->shape)) * psd::DTypeSize(loc->dtype) /
+                                         static_cast<size_t>(loc->shape[0])
+                                   : 0;
+  std::vector<std::vector<size_t>> positions(loc->parts.size());
+  Impl::Calls calls;
+  std::vector<size_t> part_of_call;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i] < 0 || rows[i] >= loc->shape[0]) {
+      return psd::InvalidArgument("row " + std::to_string(rows[i]) + " (slice " + std::to_string(i) +
+                                  ") is outside [0, " + std::to_string(loc->shape[0]) + ")");
+    }
+    for (size_t k = 0; k < loc->parts.size(); ++k) {
+      if (rows[i] >= loc->parts[k].row_begin && rows[i] < loc->parts[k].row_end) positions[k].push_back(i);
+    }
+  }
+  for (size_t k = 0; k < loc->parts.size(); ++k) {
+    if (positions[k].empty()) continue;
+    proto::Request::Builder req(nullptr);
+    im.Add(calls, loc->parts[k].shard, &req);
+    part_of_call.push_back(k);
+    auto p = req.initPullRows();
+    p.setName(name);
+    auto list = p.initRows(static_cast<unsigned>(positions[k].size()));
+    for (size_t j = 0; j < positions[k].size(); ++j) {
+      list.set(static_cast<unsigned>(j), rows[positions[k][j]] - loc->parts[k].row_begin);
+    }
+  }
+  PSD_RETURN_IF_ERROR(im.Run(calls));
+  int64_t step = -1;
+  std::vector<uint8_t> host(row_bytes);
+  try {
+    for (size_t c = 0; c < calls.size(); ++c) {
+      auto p = calls[c]->resp.getPull();
+      if (step >= 0 && p.getStep() != step) return psd::Unavailable("the shards answered at different steps; retry");
+      step = p.getStep();
+      auto t = psd::wire::ReadTensor(p.getValues()[0], im.options_.max_frame_bytes);
+      if (!t.ok()) return t.status();
+      const auto& pos = positions[part_of_call[c]];
+      if (t->bytes != pos.size() * row_bytes) return psd::Internal("rows reply has a wrong size");
+      for (size_t j = 0; j < pos.size(); ++j) {
+        PSD_RETURN_IF_ERROR(internal::CopyFromHost(static_cast<uint8_t*>(out.data) + pos[j] * row_bytes,
+                                                   static_cast<const uint8_t*>(t->data) + j * row_bytes, row_bytes,
+                                                   out.memory));
+      }
+    }
+  } catch (const kj::Exception& e) {
+    return Malformed(e);
+  }
+  return step;
 }
 
 Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>& grads, bool wait_token,
@@ -345,6 +793,16 @@ void Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>*
   }
 }
 
+// Sorts and coalesces sparse gradients' rows, then splits them by the variable's slices:
+// part k gets the rows in its range, re-based to the slice.
+struct SparsePart {
+  std::vector<int64_t> indices;
+  const void* values = nullptr;
+  size_t bytes = 0;
+  Shape shape;
+  std::optional<Shape> dense_shape;
+};
+
 }  // namespace
 
 Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>& grads,
@@ -352,33 +810,47 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
                                  const std::vector<std::pair<std::string, TensorView>>* pull_after) {
   if (grads.empty() && sparse.empty()) return psd::InvalidArgument("Must supply at least one variable");
   std::lock_guard<std::mutex> lock(impl_->mu_);
-  OutFrame frame;
-  auto req = impl_->NewRequest(frame);
-  auto p = req.initPush();
-  p.setLocalStep(local_step);
-  p.setWaitToken(wait_token);
-  p.setTimeoutMs(timeout_ms);
-  if (pull_after && !pull_after->empty()) {
-    auto names = p.initPullAfter(static_cast<unsigned>(pull_after->size()));
-    for (size_t i = 0; i < pull_after->size(); ++i) names.set(static_cast<unsigned>(i), (*pull_after)[i].first);
-  }
-  auto list = p.initGrads(static_cast<unsigned>(grads.size() + sparse.size()));
+  Impl& im = *impl_;
+  const bool cluster = im.cluster();
+  const int chief = im.chief_.load();
   std::deque<std::vector<uint64_t>> staged;  // device gradients copied to host, coalesced rows
+  // Per shard: the gradient parts it gets, as (result slot, name, part).
+  struct DensePart {
+    size_t slot;
+    const std::string* name;
+    ConstTensorView view;
+    bool padded;
+  };
+  struct SparseEntry {
+    size_t slot;
+    const std::string* name;
+    SparsePart part;
+  };
+  std::vector<std::vector<DensePart>> dense_by(static_cast<size_t>(im.shards()));
+  std::vector<std::vector<SparseEntry>> sparse_by(static_cast<size_t>(im.shards()));
   for (size_t i = 0; i < grads.size(); ++i) {
     const Gradient& g = grads[i];
     if (g.grad.data == nullptr && g.grad.bytes() > 0) {
       return psd::InvalidArgument("gradient for '" + g.name + "' has no data");
     }
-    const void* data = g.grad.data;
+    ConstTensorView host = g.grad;
     if (g.grad.memory != MemoryKind::kHost) {
       staged.emplace_back((g.grad.bytes() + 7) / 8);
       PSD_RETURN_IF_ERROR(internal::CopyToHost(staged.back().data(), g.grad.data, g.grad.bytes(), g.grad.memory));
-      data = staged.back().data();
+      host.data = staged.back().data();
+      host.memory = MemoryKind::kHost;
     }
-    auto e = list[static_cast<unsigned>(i)];
-    e.setName(g.name);
-    psd::wire::SetTensor(frame.builder, e.initGrad(), g.grad.dtype, g.grad.shape, data, g.grad.bytes(),
-                         /*padded=*/g.grad.memory != MemoryKind::kHost);
+    auto loc = im.Locate(g.name);
+    if (!loc.ok()) return loc.status();
+    if (loc->sliced && (host.shape != loc->shape || host.dtype != loc->dtype)) {
+      return psd::InvalidArgument("gradient for '" + g.name + "' is " + psd::DTypeName(host.dtype) + " " +
+                                  psd::ShapeString(host.shape) + "; the variable is " + psd::DTypeName(loc->dtype) +
+                                  " " + psd::ShapeString(loc->shape));
+    }
+    for (size_t k = 0; k < loc->parts.size(); ++k) {
+      dense_by[static_cast<size_t>(loc->parts[k].shard)].push_back(
+          {i, &g.name, SliceOf(host, *loc, k), /*padded=*/g.grad.memory != MemoryKind::kHost && !loc->sliced});
+    }
   }
   for (size_t j = 0; j < sparse.size(); ++j) {
     const SparseGradient& g = sparse[j];
@@ -399,74 +871,186 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     std::vector<int64_t> indices;
     staged.emplace_back();
     Coalesce(g, values, &indices, &staged.back());
-    Shape shape = g.values.shape;
-    shape[0] = static_cast<int64_t>(indices.size());
-    size_t bytes = static_cast<size_t>(psd::NumElements(shape)) * psd::DTypeSize(g.values.dtype);
-    auto e = list[static_cast<unsigned>(grads.size() + j)];
-    e.setName(g.name);
-    e.setSparse(true);
-    auto idx = e.initIndices(static_cast<unsigned>(indices.size()));
-    for (size_t k = 0; k < indices.size(); ++k) idx.set(static_cast<unsigned>(k), indices[k]);
-    if (g.dense_shape) {
-      e.setHasDenseShape(true);
-      auto ds = e.initDenseShape(static_cast<unsigned>(g.dense_shape->size()));
-      for (size_t k = 0; k < g.dense_shape->size(); ++k) ds.set(static_cast<unsigned>(k), (*g.dense_shape)[k]);
+    const uint8_t* rows = reinterpret_cast<const uint8_t*>(staged.back().data());
+    size_t row_bytes = static_cast<size_t>(psd::NumElements(Shape(g.values.shape.begin() + 1, g.values.shape.end()))) *
+                       psd::DTypeSize(g.values.dtype);
+    auto loc = im.Locate(g.name);
+    if (!loc.ok()) return loc.status();
+    for (size_t k = 0; k < loc->parts.size(); ++k) {
+      SparsePart part;
+      size_t first = 0, last = indices.size();
+      if (loc->sliced) {
+        first = static_cast<size_t>(std::lower_bound(indices.begin(), indices.end(), loc->parts[k].row_begin) -
+                                    indices.begin());
+        last = static_cast<size_t>(std::lower_bound(indices.begin(), indices.end(), loc->parts[k].row_end) -
+                                   indices.begin());
+        if (first == last && loc->parts.size() > 1) continue;  // no rows for this slice
+        for (size_t r = first; r < last; ++r) part.indices.push_back(indices[r] - loc->parts[k].row_begin);
+      } else {
+        part.indices = indices;
+      }
+      part.values = rows + first * row_bytes;
+      part.bytes = (last - first) * row_bytes;
+      part.shape = g.values.shape;
+      part.shape[0] = static_cast<int64_t>(last - first);
+      part.dense_shape = g.dense_shape;
+      if (loc->sliced && part.dense_shape && !part.dense_shape->empty()) {
+        (*part.dense_shape)[0] = loc->parts[k].row_end - loc->parts[k].row_begin;
+      }
+      sparse_by[static_cast<size_t>(loc->parts[k].shard)].push_back({grads.size() + j, &g.name, std::move(part)});
     }
-    psd::wire::SetTensor(frame.builder, e.initGrad(), g.values.dtype, shape, staged.back().data(), bytes,
-                         /*padded=*/true);
   }
-  std::unique_ptr<capnp::MessageReader> reader;
-  proto::Response::Reader resp;
-  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp, wait_token ? timeout_ms : 0));
+  const bool pull_in_push = !cluster && pull_after && !pull_after->empty();
+  Impl::Calls calls;
+
+  // Non-chief shards first, the chief (with the token wait) last: its reply comes last.
+  std::vector<int> order;
+  for (int k = 0; k < im.shards(); ++k) {
+    if (k != chief) order.push_back(k);
+  }
+  order.push_back(chief);
+  std::vector<std::vector<size_t>> slots_of_call;
+  Impl::Call* token_call = nullptr;
+  for (int k : order) {
+    auto& dense = dense_by[static_cast<size_t>(k)];
+    auto& sp = sparse_by[static_cast<size_t>(k)];
+    bool waits = wait_token && k == chief;
+    if (dense.empty() && sp.empty()) {
+      if (!waits) continue;
+      // The chief holds no part of these gradients: wait for the token on its own.
+      proto::Request::Builder req(nullptr);
+      Impl::Call& c = im.Add(calls, k, &req, timeout_ms);
+      req.initWaitToken().setTimeoutMs(timeout_ms);
+      token_call = &c;
+      slots_of_call.emplace_back();
+      continue;
+    }
+    proto::Request::Builder req(nullptr);
+    Impl::Call& c = im.Add(calls, k, &req, waits ? timeout_ms : 0);
+    auto p = req.initPush();
+    p.setLocalStep(local_step);
+    p.setWaitToken(waits);
+    p.setTimeoutMs(timeout_ms);
+    if (cluster) p.setClusterEpoch(im.cluster_epoch_.load());
+    if (waits) token_call = &c;
+    if (pull_in_push) {
+      auto names = p.initPullAfter(static_cast<unsigned>(pull_after->size()));
+      for (size_t i = 0; i < pull_after->size(); ++i) names.set(static_cast<unsigned>(i), (*pull_after)[i].first);
+    }
+    auto list = p.initGrads(static_cast<unsigned>(dense.size() + sp.size()));
+    slots_of_call.emplace_back();
+    for (size_t i = 0; i < dense.size(); ++i) {
+      auto e = list[static_cast<unsigned>(i)];
+      e.setName(*dense[i].name);
+      const ConstTensorView& v = dense[i].view;
+      psd::wire::SetTensor(c.frame.builder, e.initGrad(), v.dtype, v.shape, v.data, v.bytes(), dense[i].padded);
+      slots_of_call.back().push_back(dense[i].slot);
+    }
+    for (size_t j = 0; j < sp.size(); ++j) {
+      auto e = list[static_cast<unsigned>(dense.size() + j)];
+      const SparsePart& part = sp[j].part;
+      e.setName(*sp[j].name);
+      e.setSparse(true);
+      auto idx = e.initIndices(static_cast<unsigned>(part.indices.size()));
+      for (size_t k2 = 0; k2 < part.indices.size(); ++k2) idx.set(static_cast<unsigned>(k2), part.indices[k2]);
+      if (part.dense_shape) {
+        e.setHasDenseShape(true);
+        auto ds = e.initDenseShape(static_cast<unsigned>(part.dense_shape->size()));
+        for (size_t k2 = 0; k2 < part.dense_shape->size(); ++k2)
+          ds.set(static_cast<unsigned>(k2), (*part.dense_shape)[k2]);
+      }
+      psd::wire::SetTensor(c.frame.builder, e.initGrad(), sparse[sp[j].slot - grads.size()].values.dtype, part.shape,
+                           part.values, part.bytes);
+      slots_of_call.back().push_back(sp[j].slot);
+    }
+  }
+  Status run = im.Run(calls);
+  PushOutcome out;
+  out.waited = wait_token;
+  out.results.assign(grads.size() + sparse.size(), {true, INT64_MAX, 0});
   try {
-    auto r = resp.getPush();
-    PushOutcome out;
-    for (auto res : r.getResults()) out.results.push_back({res.getAccepted(), res.getStep(), res.getStaleness()});
-    out.is_chief = r.getIsChief();
-    out.step_gradients = r.getStepGradients();
-    impl_->is_chief_ = out.is_chief;
-    out.waited = wait_token;
-    if (wait_token) {
-      out.token_status = Status(psd::wire::FromWire(r.getTokenCode()), r.getTokenMessage());
-      out.token = r.getToken();
+    for (size_t c = 0; c < calls.size(); ++c) {
+      Impl::Call& call = *calls[c];
+      if (&call == token_call && !slots_of_call[c].size()) {
+        // A plain token wait: its failure is the token's outcome, not the push's.
+        if (call.status.ok()) {
+          auto t = call.resp.getToken();
+          out.token = t.getToken();
+          out.is_chief = t.getIsChief();
+          out.step_gradients = t.getStepGradients();
+        } else if (call.status.code() != Code::kUnavailable || call.sent) {
+          out.token_status = call.status;
+        }
+        continue;
+      }
+      if (!call.status.ok()) return call.status;
+      auto r = call.resp.getPush();
+      auto results = r.getResults();
+      if (results.size() != slots_of_call[c].size()) return psd::Internal("push reply has the wrong number of results");
+      for (size_t i = 0; i < slots_of_call[c].size(); ++i) {
+        PushResult& res = out.results[slots_of_call[c][i]];
+        auto got = results[static_cast<unsigned>(i)];
+        res.accepted = res.accepted && got.getAccepted();
+        res.step = std::min(res.step, got.getStep());
+        res.staleness = std::max(res.staleness, got.getStaleness());
+      }
+      if (call.shard == chief) {
+        out.is_chief = r.getIsChief();
+        out.step_gradients = r.getStepGradients();
+        if (cluster && r.getChiefShard() >= 0) im.chief_ = r.getChiefShard();
+      }
+      if (&call == token_call) {
+        out.token_status = Status(psd::wire::FromWire(r.getTokenCode()), r.getTokenMessage());
+        out.token = r.getToken();
+        if (pull_in_push && r.hasPulled() && out.token_status.ok()) {
+          auto step = im.ReadValues(r.getPulled(), *pull_after);
+          if (!step.ok()) return step.status();
+          out.pulled_step = *step;
+        }
+      }
     }
-    if (pull_after && !pull_after->empty() && r.hasPulled()) {
-      auto step = impl_->ReadValues(r.getPulled(), *pull_after);
-      if (!step.ok()) return step.status();
-      out.pulled_step = *step;
-    }
-    return out;
   } catch (const kj::Exception& e) {
-    return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+    return Malformed(e);
   }
+  if (!run.ok() && (token_call == nullptr || !out.token_status.ok() || run.code() != out.token_status.code())) {
+    // A failure other than the token wait's own outcome.
+    bool only_token = token_call != nullptr && !token_call->status.ok();
+    for (auto& c : calls) only_token = only_token && (c.get() == token_call || c->status.ok());
+    if (!only_token) return run;
+  }
+  for (auto& r : out.results) {
+    if (r.step == INT64_MAX) r.step = 0;
+  }
+  im.is_chief_ = out.is_chief;
+  if (cluster && wait_token && out.token_status.ok() && pull_after && !pull_after->empty()) {
+    // A cluster's values come from every shard: read them now that the step is in.
+    auto step = im.PullLocked(*pull_after, false);
+    if (!step.ok()) return step.status();
+    out.pulled_step = *step;
+  }
+  return out;
 }
 
 Result<int64_t> Client::WaitToken(int64_t timeout_ms) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
-  OutFrame frame;
-  auto req = impl_->NewRequest(frame);
-  req.initWaitToken().setTimeoutMs(timeout_ms);
-  std::unique_ptr<capnp::MessageReader> reader;
   proto::Response::Reader resp;
-  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp, timeout_ms));
-  auto t = resp.getToken();
-  impl_->is_chief_ = t.getIsChief();
-  return t.getToken();
+  PSD_RETURN_IF_ERROR(impl_->CallChief(
+      [&](proto::Request::Builder req) { req.initWaitToken().setTimeoutMs(timeout_ms); }, &resp, timeout_ms));
+  try {
+    auto t = resp.getToken();
+    impl_->is_chief_ = t.getIsChief();
+    return t.getToken();
+  } catch (const kj::Exception& e) {
+    return Malformed(e);
+  }
 }
 
-Result<JobStatus> Client::GetStatus() {
-  std::lock_guard<std::mutex> lock(impl_->mu_);
-  OutFrame frame;
-  auto req = impl_->NewRequest(frame);
-  req.setStatus();
-  std::unique_ptr<capnp::MessageReader> reader;
-  proto::Response::Reader resp;
-  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
-  auto s = resp.getStatus();
+namespace {
+
+Result<JobStatus> ReadStatus(proto::JobStatus::Reader s) {
   JobStatus st;
   st.global_step = s.getGlobalStep();
   st.is_chief = s.getIsChief();
-  impl_->is_chief_ = st.is_chief;
   st.tokens_queued = s.getTokensQueued();
   st.workers_connected = s.getWorkersConnected();
   st.workers_finished = s.getWorkersFinished();
@@ -478,7 +1062,44 @@ Result<JobStatus> Client::GetStatus() {
   st.learning_rate = s.getLearningRate();
   st.last_checkpoint_step = s.getLastCheckpointStep();
   st.config = ReadConfig(s.getConfig());
+  st.shard_index = static_cast<int>(s.getShardIndex());
+  st.shards = std::max(1, static_cast<int>(s.getShards()));
+  st.chief_shard = s.getChiefShard();
+  st.term = s.getTerm();
+  st.cluster_epoch = s.getClusterEpoch();
+  st.cluster_state = s.getClusterState();
+  for (uint32_t m : s.getMissingShards()) st.missing_shards.push_back(static_cast<int>(m));
   return st;
+}
+
+}  // namespace
+
+Result<JobStatus> Client::GetShardStatus(int shard) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  if (shard < 0 || shard >= impl_->shards()) return psd::InvalidArgument("no shard " + std::to_string(shard));
+  OutFrame frame;
+  impl_->conn(shard).NewRequest(frame).setStatus();
+  proto::Response::Reader resp;
+  PSD_RETURN_IF_ERROR(impl_->Single(shard, frame, &resp));
+  try {
+    return ReadStatus(resp.getStatus());
+  } catch (const kj::Exception& e) {
+    return Malformed(e);
+  }
+}
+
+Result<JobStatus> Client::GetStatus() {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  proto::Response::Reader resp;
+  Status s = impl_->CallChief([](proto::Request::Builder req) { req.setStatus(); }, &resp);
+  if (!s.ok()) return s;
+  try {
+    auto st = ReadStatus(resp.getStatus());
+    if (st.ok()) impl_->is_chief_ = st->is_chief;
+    return st;
+  } catch (const kj::Exception& e) {
+    return Malformed(e);
+  }
 }
 
 Result<int64_t> Client::GlobalStep() {
@@ -489,30 +1110,57 @@ Result<int64_t> Client::GlobalStep() {
 
 Status Client::GetSlot(const std::string& variable, const std::string& slot, TensorView out) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
-  OutFrame frame;
-  auto req = impl_->NewRequest(frame);
-  auto g = req.initGetSlot();
-  g.setVariable(variable);
-  g.setSlot(slot);
-  std::unique_ptr<capnp::MessageReader> reader;
-  proto::Response::Reader resp;
-  PSD_RETURN_IF_ERROR(impl_->RoundTrip(frame, &reader, &resp));
-  auto t = psd::wire::ReadTensor(resp.getSlot(), impl_->options_.max_frame_bytes);
-  if (!t.ok()) return t.status();
-  PSD_RETURN_IF_ERROR(CheckView("slot '" + slot + "' of '" + variable + "'", t->dtype, t->shape, out));
-  return internal::CopyFromHost(out.data, t->data, t->bytes, out.memory);
+  Impl& im = *impl_;
+  auto loc = im.Locate(variable);
+  if (!loc.ok()) return loc.status();
+  if (loc->sliced) {
+    PSD_RETURN_IF_ERROR(CheckView("slot '" + slot + "' of '" + variable + "'", loc->dtype, loc->shape, out));
+  }
+  Impl::Calls calls;
+  for (size_t k = 0; k < loc->parts.size(); ++k) {
+    proto::Request::Builder req(nullptr);
+    im.Add(calls, loc->parts[k].shard, &req);
+    auto g = req.initGetSlot();
+    g.setVariable(variable);
+    g.setSlot(slot);
+  }
+  PSD_RETURN_IF_ERROR(im.Run(calls));
+  try {
+    for (size_t k = 0; k < calls.size(); ++k) {
+      auto t = psd::wire::ReadTensor(calls[k]->resp.getSlot(), im.options_.max_frame_bytes);
+      if (!t.ok()) return t.status();
+      TensorView part = SliceOf(out, *loc, k);
+      PSD_RETURN_IF_ERROR(CheckView("slot '" + slot + "' of '" + variable + "'", t->dtype, t->shape, part));
+      PSD_RETURN_IF_ERROR(internal::CopyFromHost(part.data, t->data, t->bytes, part.memory));
+    }
+  } catch (const kj::Exception& e) {
+    return Malformed(e);
+  }
+  return Status::Ok();
 }
 
 Status Client::SetLearningRate(double learning_rate) {
-  return impl_->Call([&](proto::Request::Builder req) { req.setSetLearningRate(learning_rate); });
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  proto::Response::Reader resp;
+  return impl_->CallChief([&](proto::Request::Builder req) { req.setSetLearningRate(learning_rate); }, &resp);
 }
 
 Status Client::RequestCheckpoint() {
-  return impl_->Call([&](proto::Request::Builder req) { req.setCheckpoint(); });
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  proto::Response::Reader resp;
+  return impl_->CallChief([](proto::Request::Builder req) { req.setCheckpoint(); }, &resp);
 }
 
 Status Client::Finish() {
-  return impl_->Call([&](proto::Request::Builder req) { req.setFinish(); });
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  // Every shard counts the worker out; the chief's count ends the job.
+  Impl::Calls calls;
+  for (int k = 0; k < impl_->shards(); ++k) {
+    proto::Request::Builder req(nullptr);
+    impl_->Add(calls, k, &req);
+    req.setFinish();
+  }
+  return impl_->Run(calls);
 }
 
 }  // namespace psclient

@@ -28,6 +28,8 @@ const char* CodeName(Code code) {
       return "INTERNAL";
     case Code::kUnauthenticated:
       return "UNAUTHENTICATED";
+    case Code::kAborted:
+      return "ABORTED";
     case Code::kUnimplemented:
       return "UNIMPLEMENTED";
   }

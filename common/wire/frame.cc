@@ -171,7 +171,7 @@ Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Dea
 
 Code FromWire(proto::Code code) {
   auto v = static_cast<int>(code);
-  if (v < 0 || v > static_cast<int>(Code::kUnauthenticated)) return Code::kInternal;
+  if (v < 0 || v > static_cast<int>(Code::kAborted)) return Code::kInternal;
   return static_cast<Code>(v);
 }
 

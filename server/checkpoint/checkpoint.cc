@@ -17,7 +17,8 @@
 namespace psd::server {
 namespace {
 
-constexpr char kMagic[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '1'};
+constexpr char kMagicV1[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '1'};
+constexpr char kMagic[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '2'};  // v2: + placement
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
@@ -213,7 +214,9 @@ Status ParsePart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
   std::vector<uint8_t> body(data.begin(), data.end() - 8);
   Reader r(body);
   char magic[8];
-  if (!r.Bytes(magic, 8) || std::memcmp(magic, kMagic, 8) != 0) return bad("bad magic");
+  if (!r.Bytes(magic, 8)) return bad("bad magic");
+  const bool v2 = std::memcmp(magic, kMagic, 8) == 0;
+  if (!v2 && std::memcmp(magic, kMagicV1, 8) != 0) return bad("bad magic");
   uint32_t nvars = 0;
   if (!r.Pod(&out->step) || !r.Pod(&out->learning_rate) || !r.Str(&out->optimizer) || !r.Pod(&nvars)) {
     return bad("header");
@@ -245,6 +248,29 @@ Status ParsePart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
     if (!r.Pod(&has_shadow)) return bad("shadow");
     if (has_shadow) {
       if (!r.Blob(&v.shadow) || v.shadow->bytes() != want) return bad("shadow of '" + v.name + "'");
+    }
+    uint8_t placed = 0;
+    if (v2 && !r.Pod(&placed)) return bad("placement");
+    if (placed) {
+      VarPlacement& p = v.placement;
+      uint8_t pd = 0, sliced = 0;
+      uint32_t prank = 0, nparts = 0;
+      if (!r.Str(&p.name) || !r.Pod(&pd) || pd > 1 || !r.Pod(&prank) || prank > 32) return bad("placement");
+      p.dtype = static_cast<DType>(pd);
+      for (uint32_t k = 0; k < prank; ++k) {
+        int64_t d = 0;
+        if (!r.Pod(&d) || d < 0) return bad("placement shape");
+        p.shape.push_back(d);
+      }
+      if (!r.Pod(&sliced) || !r.Pod(&nparts) || nparts == 0 || nparts > 4096) return bad("placement parts");
+      p.sliced = sliced != 0;
+      for (uint32_t k = 0; k < nparts; ++k) {
+        int32_t shard = 0;
+        SlicePart part;
+        if (!r.Pod(&shard) || !r.Pod(&part.row_begin) || !r.Pod(&part.row_end)) return bad("placement part");
+        part.shard = shard;
+        p.parts.push_back(part);
+      }
     }
     out->variables.push_back(std::move(v));
   }
@@ -294,6 +320,21 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
     }
     w.Pod<uint8_t>(v.shadow != nullptr);
     if (v.shadow) w.Blob(v.shadow.get());
+    const VarPlacement& p = v.placement;
+    w.Pod<uint8_t>(!p.name.empty());
+    if (!p.name.empty()) {
+      w.Str(p.name);
+      w.Pod<uint8_t>(static_cast<uint8_t>(p.dtype));
+      w.Pod<uint32_t>(static_cast<uint32_t>(p.shape.size()));
+      for (int64_t d : p.shape) w.Pod<int64_t>(d);
+      w.Pod<uint8_t>(p.sliced);
+      w.Pod<uint32_t>(static_cast<uint32_t>(p.parts.size()));
+      for (const SlicePart& part : p.parts) {
+        w.Pod<int32_t>(part.shard);
+        w.Pod<int64_t>(part.row_begin);
+        w.Pod<int64_t>(part.row_end);
+      }
+    }
   }
   uint64_t sum = w.hash();
   w.Pod<uint64_t>(sum);  // trailer: the checksum of everything before it
@@ -304,19 +345,11 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
   const uint64_t part_bytes = w.size();
   const uint64_t part_sum = w.hash();  // the whole file, trailer included
   if (shards == 1) {
-    std::string text = "psd-checkpoint 1\nstep " + std::to_string(snap.step) + "\nshards 1\npart 0 " + part + " " +
-                       std::to_string(part_bytes) + " " + Hex(part_sum) + "\n";
-    text += "checksum " + Hex(Fnv1a64(text.data(), text.size())) + "\n";
-    std::string mtmp = path + "/MANIFEST.tmp";
-    int fd = open(mtmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) return Unavailable(Errno("create " + mtmp));
-    bool wrote = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && fsync(fd) == 0;
-    close(fd);
-    if (!wrote) return Unavailable(Errno("write " + mtmp));
-    if (std::rename(mtmp.c_str(), (path + "/MANIFEST").c_str()) != 0) return Unavailable(Errno("rename " + mtmp));
+    PSD_RETURN_IF_ERROR(WriteManifest(dir, snap.step, 1, {{0, part, part_bytes, part_sum}}));
+  } else {
+    PSD_RETURN_IF_ERROR(FsyncPath(path));
+    PSD_RETURN_IF_ERROR(FsyncPath(dir));
   }
-  PSD_RETURN_IF_ERROR(FsyncPath(path));
-  PSD_RETURN_IF_ERROR(FsyncPath(dir));
   if (keep > 0) {
     // Retention: drop the oldest beyond `keep`.
     std::vector<std::string> names = ListCheckpoints(dir);
@@ -325,7 +358,79 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
       std::filesystem::remove_all(dir + "/" + names[i], ec);
     }
   }
-  return CheckpointInfo{snap.step, path};
+  return CheckpointInfo{snap.step, path, part, part_bytes, part_sum};
+}
+
+Status WriteManifest(const std::string& dir, int64_t step, int shards, const std::vector<ManifestPart>& parts) {
+  std::string path = dir + "/" + StepDirName(step);
+  PSD_RETURN_IF_ERROR(MakeDirs(path));
+  std::vector<ManifestPart> sorted = parts;
+  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.shard < b.shard; });
+  std::string text = "psd-checkpoint 1\nstep " + std::to_string(step) + "\nshards " + std::to_string(shards) + "\n";
+  for (const ManifestPart& p : sorted) {
+    text +=
+        "part " + std::to_string(p.shard) + " " + p.file + " " + std::to_string(p.bytes) + " " + Hex(p.checksum) + "\n";
+  }
+  text += "checksum " + Hex(Fnv1a64(text.data(), text.size())) + "\n";
+  // A name of its own per process: shards sharing the directory may seal the same step at once.
+  std::string mtmp = path + "/MANIFEST.tmp." + std::to_string(getpid());
+  int fd = open(mtmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) return Unavailable(Errno("create " + mtmp));
+  bool wrote = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && fsync(fd) == 0;
+  close(fd);
+  if (!wrote) return Unavailable(Errno("write " + mtmp));
+  if (std::rename(mtmp.c_str(), (path + "/MANIFEST").c_str()) != 0) return Unavailable(Errno("rename " + mtmp));
+  PSD_RETURN_IF_ERROR(FsyncPath(path));
+  return FsyncPath(dir);
+}
+
+namespace {
+
+// Verifies the manifest of `path` and shard `shard`'s part; returns the part's file name.
+Result<std::string> VerifyOwnPart(const std::string& path, int shard, int shards) {
+  auto m = ReadManifest(path);
+  if (!m.ok()) return m.status();
+  if (m->shards != shards) {
+    return FailedPrecondition("written by a cluster of " + std::to_string(m->shards) + " shard(s), not " +
+                              std::to_string(shards));
+  }
+  auto part = std::find_if(m->parts.begin(), m->parts.end(), [&](const auto& p) { return p.shard == shard; });
+  if (part == m->parts.end()) return NotFound("no part for shard " + std::to_string(shard));
+  std::vector<uint8_t> data;
+  PSD_RETURN_IF_ERROR(ReadFile(path + "/" + part->file, &data));
+  if (data.size() != part->bytes) return InvalidArgument(part->file + " has a wrong size");
+  if (Fnv1a64(data.data(), data.size()) != part->checksum) return InvalidArgument(part->file + " checksum mismatch");
+  return part->file;
+}
+
+}  // namespace
+
+std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shards) {
+  std::vector<int64_t> steps;
+  std::vector<std::string> names = ListCheckpoints(dir);
+  std::reverse(names.begin(), names.end());
+  for (const std::string& n : names) {
+    auto ok = VerifyOwnPart(dir + "/" + n, shard, shards);
+    if (ok.ok()) {
+      steps.push_back(std::strtoll(n.c_str() + 5, nullptr, 10));
+    } else if (ok.status().code() != Code::kNotFound) {
+      spdlog::warn("checkpoint {}/{} is unusable for shard {}: {}", dir, n, shard, ok.status().message());
+    }
+  }
+  return steps;
+}
+
+Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSnapshot* out) {
+  std::string path = dir + "/" + StepDirName(step);
+  auto m = ReadManifest(path);
+  if (!m.ok()) return m.status();
+  auto file = VerifyOwnPart(path, shard, m->shards);
+  if (!file.ok()) return file.status();
+  std::vector<uint8_t> data;
+  PSD_RETURN_IF_ERROR(ReadFile(path + "/" + *file, &data));
+  PSD_RETURN_IF_ERROR(ParsePart(data, out));
+  if (out->step != step) return InvalidArgument("part step differs from the manifest's");
+  return Status::Ok();
 }
 
 Status VerifyCheckpoint(const std::string& path) {
@@ -362,7 +467,7 @@ Result<CheckpointInfo> LoadLatestCheckpoint(const std::string& dir, int shard, S
         if (s.ok() && out->step != m->step) s = InvalidArgument("part step differs from the manifest's");
       }
     }
-    if (s.ok()) return CheckpointInfo{out->step, path};
+    if (s.ok()) return CheckpointInfo{out->step, path, {}, 0, 0};
     spdlog::warn("checkpoint {} is unusable ({}); trying an older one", path, s.message());
   }
   return NotFound("no usable checkpoint in " + dir);

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cluster/placement.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
 #include "sync/buffer.h"
@@ -34,6 +35,7 @@ struct VariableSnapshot {
   std::shared_ptr<const Buffer> value;
   std::vector<std::pair<std::string, std::shared_ptr<const Buffer>>> slots;
   std::shared_ptr<const Buffer> shadow;  // moving average, if `average`
+  VarPlacement placement;                // cluster: the whole variable's placement (name empty: none)
 };
 
 // One shard's part of a checkpoint.
@@ -47,16 +49,40 @@ struct ShardSnapshot {
 struct CheckpointInfo {
   int64_t step = -1;
   std::string path;  // the checkpoint's directory
+  // The part written (WriteCheckpoint): what a cluster's manifest records for it.
+  std::string part_file;
+  uint64_t part_bytes = 0;
+  uint64_t part_checksum = 0;
 };
 
-// Writes shard `shard` of `shards` and, for a single-shard job, the manifest. Keeps the newest
-// `keep` checkpoints (0: all).
+struct ManifestPart {
+  int shard = 0;
+  std::string file;
+  uint64_t bytes = 0;
+  uint64_t checksum = 0;
+};
+
+// Writes shard `shard` of `shards` and, for a single-shard job, the manifest (a cluster's chief
+// writes it with WriteManifest once every part is written). Keeps the newest `keep` checkpoints
+// (0: all).
 Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapshot& snapshot, int shard, int shards,
                                        int keep);
 
 // The newest checkpoint in `dir` that verifies, restored into *out (for shard `shard`). NotFound
 // if there is none; corrupt ones are skipped with a warning naming what failed.
 Result<CheckpointInfo> LoadLatestCheckpoint(const std::string& dir, int shard, ShardSnapshot* out);
+
+// Seals checkpoint `step` of a cluster: writes its MANIFEST (atomically; several shards sharing
+// one directory may all write the same manifest).
+Status WriteManifest(const std::string& dir, int64_t step, int shards, const std::vector<ManifestPart>& parts);
+
+// The checkpoints in `dir` that shard `shard` of `shards` can restore: the manifest verifies,
+// names `shards` parts, and this shard's part is present with the recorded size and checksum.
+// Newest first.
+std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shards);
+
+// Loads shard `shard`'s part of checkpoint `step` (verified first).
+Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSnapshot* out);
 
 // Checks one checkpoint directory (manifest checksum, part sizes and checksums).
 Status VerifyCheckpoint(const std::string& path);

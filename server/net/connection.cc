@@ -24,6 +24,7 @@ struct Connection::TokenWait {
   asio::steady_timer timer;
   std::function<bool(const Status&)> cancel;  // removes the parked wait; false if already released
   bool from_queue = false;                    // a token-queue wait (a delivered token goes back if unused)
+  std::shared_ptr<SyncEngine> engine;         // whose queue it waits on
   bool done = false;
   TokenDone on_done;
 };
@@ -54,6 +55,7 @@ void Connection::CloseNow() {
   socket_.shutdown(tcp::socket::shutdown_both, ec);
   socket_.close(ec);
   for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
+  if (peer_shard_ >= 0) server_.coordinator()->OnPeerClosed(peer_shard_);
   server_.OnConnectionClosed(id_);
 }
 
@@ -129,9 +131,19 @@ void Connection::Dispatch(proto::Request::Reader req) {
   if (!authenticated_ && !server_.config().auth_token.empty()) {
     return SendError(id, Unauthenticated("say hello with the auth token first"));
   }
+  if (which == proto::Request::PEER) {
+    // Never answered: peers' messages are one-way.
+    if (peer_shard_ < 0) return SendError(id, FailedPrecondition("peer messages need a peer hello"));
+    return server_.coordinator()->OnPeerMessage(req.getPeer());
+  }
   if (which == proto::Request::STATUS) return HandleStatus(id);
-  if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);  // an operator's request
+  if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);       // an operator's request
+  if (which == proto::Request::GET_PLACEMENT) return HandleGetPlacement(id);  // operators too
   if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
+  if (ClusterCoordinator* c = server_.coordinator(); c != nullptr && which != proto::Request::FINISH) {
+    Status serving = c->Serving();
+    if (!serving.ok()) return SendError(id, serving);
+  }
   switch (which) {
     case proto::Request::CREATE_VARIABLE:
       return HandleCreate(id, req.getCreateVariable());
@@ -151,6 +163,8 @@ void Connection::Dispatch(proto::Request::Reader req) {
       return HandleSetLearningRate(id, req.getSetLearningRate());
     case proto::Request::CHECKPOINT:
       return HandleCheckpoint(id);
+    case proto::Request::PLACE:
+      return HandlePlace(id, req.getPlace());
     default:
       return SendError(id, Unimplemented("unknown request type " + std::to_string(static_cast<int>(which))));
   }
@@ -190,13 +204,35 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
     return FailStream(Unauthenticated("wrong or missing auth token (psd runs with --auth-token-file)"), id);
   }
   authenticated_ = true;
+  if (r.getPeer()) {
+    ClusterCoordinator* c = server_.coordinator();
+    const ServerConfig& cfg = server_.config();
+    if (c == nullptr) return FailStream(FailedPrecondition("this psd is a single daemon, not a cluster shard"), id);
+    int idx = static_cast<int>(r.getShardIndex());
+    if (static_cast<int>(r.getClusterSize()) != cfg.shards() || idx >= cfg.shards() || idx == cfg.shard_index) {
+      return FailStream(
+          InvalidArgument("a peer says it is shard " + std::to_string(idx) + " of " +
+                          std::to_string(r.getClusterSize()) + "; this is shard " + std::to_string(cfg.shard_index) +
+                          " of " + std::to_string(cfg.shards()) + ": check --cluster and --shard-index"),
+          id);
+    }
+    if (peer_shard_ < 0) {
+      peer_shard_ = idx;
+      c->OnPeerHello(idx);
+    }
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    resp.initHello().setProtocolVersion(proto::PROTOCOL_VERSION);
+    return Send(std::move(frame));
+  }
   if (r.getObserver()) {
     proto::Response::Builder resp(nullptr);
     auto frame = NewReply(id, &resp);
     auto h = resp.initHello();
     h.setProtocolVersion(proto::PROTOCOL_VERSION);
-    h.setGlobalStep(server_.engine().global_step());
-    FillConfig(h.initConfig(), server_.config(), server_.engine());
+    h.setGlobalStep(server_.engine()->global_step());
+    FillConfig(h.initConfig(), server_.config(), *server_.engine());
+    FillCluster(h, server_.engine()->epoch());
     return Send(std::move(frame));
   }
   std::string name = r.getWorkerName();
@@ -210,9 +246,10 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
   auto h = resp.initHello();
   h.setProtocolVersion(proto::PROTOCOL_VERSION);
   h.setIsChief(server_.workers().IsChief(id_));
-  h.setGlobalStep(server_.engine().global_step());
+  h.setGlobalStep(server_.engine()->global_step());
   h.setWorkerId(index);
-  FillConfig(h.initConfig(), server_.config(), server_.engine());
+  FillConfig(h.initConfig(), server_.config(), *server_.engine());
+  FillCluster(h, server_.engine()->epoch());
   spdlog::info("worker '{}' (incarnation {}) connected as #{}{}", name, r.getIncarnation(), index,
                h.getIsChief() ? ", chief" : "");
   Send(std::move(frame));
@@ -228,11 +265,25 @@ void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   def.trainable = r.getTrainable();
   def.average = r.getAverage();
   def.optimizer = r.getOptimizer();
+  if (r.hasPlacement()) {
+    // One part of a cluster variable: it must be the part the placement puts on this shard.
+    const ServerConfig& cfg = server_.config();
+    auto placed = PlacementFromWire(r.getPlacement(), cfg.shards());
+    if (!placed.ok()) return SendError(id, placed.status());
+    size_t part = r.getPart();
+    if (placed->name != def.name || part >= placed->parts.size() || placed->parts[part].shard != cfg.shard_index ||
+        placed->dtype != def.dtype || placed->PartShape(part) != def.shape) {
+      return SendError(id,
+                       InvalidArgument("variable '" + def.name + "': part " + std::to_string(part) +
+                                       " does not match its placement on shard " + std::to_string(cfg.shard_index)));
+    }
+    def.placement = std::move(*placed);
+  }
   if (t->bytes > 0) {
     def.initial = t->data;
     def.initial_bytes = t->bytes;
   }
-  auto desc = server_.engine().CreateVariable(def);
+  auto desc = server_.engine()->CreateVariable(def);
   if (!desc.ok()) return SendError(id, desc.status());
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
@@ -250,8 +301,10 @@ Status Connection::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p,
                              bool averages) {
   std::vector<PulledValue> values;
   int64_t step = 0;
-  PSD_RETURN_IF_ERROR(server_.engine().Pull(names, &values, &step, averages));
+  auto engine = server_.engine();
+  PSD_RETURN_IF_ERROR(engine->Pull(names, &values, &step, averages));
   p.setStep(step);
+  p.setClusterEpoch(engine->epoch());
   auto list = p.initValues(static_cast<unsigned>(values.size()));
   for (size_t i = 0; i < values.size(); ++i) {
     const PulledValue& v = values[i];
@@ -276,6 +329,18 @@ void Connection::HandlePull(uint64_t id, proto::Pull::Reader r) {
 void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
   auto grads_in = r.getGrads();
   if (grads_in.size() == 0) return SendError(id, InvalidArgument("Must supply at least one variable"));
+  auto engine = server_.engine();
+  if (ClusterCoordinator* c = server_.coordinator()) {
+    uint64_t epoch = r.getClusterEpoch();
+    if (epoch != 0 && epoch != engine->epoch()) {
+      return SendError(id, Aborted("gradients computed at cluster epoch " + std::to_string(epoch) +
+                                   "; the cluster restored a checkpoint and runs epoch " +
+                                   std::to_string(engine->epoch()) + ": pull the variables and go on from there"));
+    }
+    if (r.getWaitToken() && !c->is_chief()) {
+      return SendError(id, FailedPrecondition("tokens live on the chief shard " + std::to_string(c->chief())));
+    }
+  }
   std::vector<GradRef> grads;
   grads.reserve(grads_in.size());
   std::deque<std::vector<int64_t>> index_storage;  // stable addresses for sparse indices
@@ -314,14 +379,14 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
     // never deleted) and a bad name changes nothing.
     std::vector<PulledValue> probe;
     int64_t step = 0;
-    Status known = server_.engine().Pull(pull_after, &probe, &step);
+    Status known = engine->Pull(pull_after, &probe, &step);
     if (!known.ok()) return SendError(id, known);
   }
   std::vector<GradOutcome> outcomes;
-  Status s = server_.engine().Push(r.getLocalStep(), grads, &outcomes);
+  Status s = engine->Push(r.getLocalStep(), grads, &outcomes);
   if (!s.ok()) return SendError(id, s);
 
-  auto fill = [outcomes = std::move(outcomes), this](proto::PushReply::Builder p) {
+  auto fill = [outcomes = std::move(outcomes), this, engine](proto::PushReply::Builder p) {
     auto results = p.initResults(static_cast<unsigned>(outcomes.size()));
     for (size_t i = 0; i < outcomes.size(); ++i) {
       results[static_cast<unsigned>(i)].setAccepted(outcomes[i].accepted);
@@ -329,7 +394,8 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
       results[static_cast<unsigned>(i)].setStaleness(outcomes[i].staleness);
     }
     p.setIsChief(server_.workers().IsChief(id_));
-    p.setStepGradients(server_.engine().Stats().last_step_gradients);
+    p.setStepGradients(engine->Stats().last_step_gradients);
+    FillCluster(p, engine->epoch());
   };
   if (!r.getWaitToken()) {
     proto::Response::Builder resp(nullptr);
@@ -360,6 +426,9 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
 }
 
 void Connection::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
+  if (ClusterCoordinator* c = server_.coordinator(); c != nullptr && !c->is_chief()) {
+    return SendError(id, FailedPrecondition("tokens live on the chief shard " + std::to_string(c->chief())));
+  }
   WaitForToken(r.getTimeoutMs(), [this, id](const Status& st, int64_t token) {
     if (!st.ok()) return SendError(id, st);
     proto::Response::Builder resp(nullptr);
@@ -367,13 +436,13 @@ void Connection::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
     auto t = resp.initToken();
     t.setToken(token);
     t.setIsChief(server_.workers().IsChief(id_));
-    t.setStepGradients(server_.engine().Stats().last_step_gradients);
+    t.setStepGradients(server_.engine()->Stats().last_step_gradients);
     Send(std::move(frame));
   });
 }
 
 void Connection::HandleStatus(uint64_t id) {
-  EngineStats st = server_.engine().Stats();
+  EngineStats st = server_.engine()->Stats();
   WorkerCounts wc = server_.workers().Counts();
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
@@ -388,9 +457,20 @@ void Connection::HandleStatus(uint64_t id) {
   s.setStalePushes(st.stale);
   s.setLastStepGradients(st.last_step_gradients);
   s.setMaxStaleness(st.max_staleness);
-  s.setLearningRate(server_.engine().learning_rate());
+  s.setLearningRate(server_.engine()->learning_rate());
   s.setLastCheckpointStep(server_.last_checkpoint_step());
-  FillConfig(s.initConfig(), server_.config(), server_.engine());
+  FillConfig(s.initConfig(), server_.config(), *server_.engine());
+  FillCluster(s, server_.engine()->epoch());
+  if (ClusterCoordinator* c = server_.coordinator()) {
+    auto v = c->Describe();
+    s.setTerm(v.term);
+    s.setClusterState(v.state);
+    auto missing = s.initMissingShards(static_cast<unsigned>(v.missing.size()));
+    for (size_t i = 0; i < v.missing.size(); ++i)
+      missing.set(static_cast<unsigned>(i), static_cast<uint32_t>(v.missing[i]));
+  } else {
+    s.setClusterState("running");
+  }
   Send(std::move(frame));
 }
 
@@ -403,7 +483,7 @@ void Connection::HandleFinish(uint64_t id) {
 }
 
 void Connection::HandleGetSlot(uint64_t id, proto::GetSlot::Reader r) {
-  auto slot = server_.engine().GetSlot(r.getVariable(), r.getSlot());
+  auto slot = server_.engine()->GetSlot(r.getVariable(), r.getSlot());
   if (!slot.ok()) return SendError(id, slot.status());
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
@@ -419,7 +499,7 @@ void Connection::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
   rows.reserve(in.size());
   for (int64_t x : in) rows.push_back(x);
   int64_t step = 0;
-  auto got = server_.engine().PullRows(r.getName(), rows, &step);
+  auto got = server_.engine()->PullRows(r.getName(), rows, &step);
   if (!got.ok()) return SendError(id, got.status());
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
@@ -441,10 +521,13 @@ void Connection::HandleCheckpoint(uint64_t id) {
 }
 
 void Connection::HandleSetLearningRate(uint64_t id, double lr) {
+  if (ClusterCoordinator* c = server_.coordinator(); c != nullptr && !c->is_chief()) {
+    return SendError(id, FailedPrecondition("set the learning rate on the chief shard " + std::to_string(c->chief())));
+  }
   if (!server_.workers().IsChief(id_)) {
     return SendError(id, FailedPrecondition("only the chief worker may change the learning rate"));
   }
-  Status s = server_.engine().SetLearningRate(lr);
+  Status s = server_.engine()->SetLearningRate(lr);
   if (!s.ok()) return SendError(id, s);
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
@@ -452,16 +535,74 @@ void Connection::HandleSetLearningRate(uint64_t id, double lr) {
   Send(std::move(frame));
 }
 
+template <typename B>
+void Connection::FillCluster(B b, uint64_t engine_epoch) {
+  const ServerConfig& cfg = server_.config();
+  if constexpr (requires { b.setShards(0u); }) {  // push replies carry only the chief and the epoch
+    b.setShardIndex(static_cast<uint32_t>(cfg.shard_index));
+    b.setShards(static_cast<uint32_t>(cfg.shards()));
+  }
+  b.setChiefShard(server_.coordinator() ? server_.coordinator()->chief() : 0);
+  b.setClusterEpoch(engine_epoch);
+}
+
+void Connection::HandlePlace(uint64_t id, proto::Place::Reader r) {
+  ClusterCoordinator* c = server_.coordinator();
+  std::string name = r.getName();
+  Status s = ValidateName(name);
+  if (!s.ok()) return SendError(id, s);
+  auto dtype = wire::FromWire(r.getDtype());
+  if (!dtype.ok()) return SendError(id, dtype.status());
+  Shape shape;
+  for (int64_t d : r.getShape()) shape.push_back(d);
+  s = ValidateShape(shape, *dtype, UINT64_MAX);
+  if (!s.ok()) return SendError(id, s);
+  VarPlacement placed;
+  if (c == nullptr) {
+    placed = {name, *dtype, shape, false, {{0, 0, shape.empty() ? 1 : shape[0]}}};
+  } else {
+    auto p = c->Place(name, *dtype, shape, r.getColocateWith());
+    if (!p.ok()) return SendError(id, p.status());
+    placed = std::move(*p);
+  }
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  PlacementToWire(resp.initPlacement(), placed);
+  Send(std::move(frame));
+}
+
+void Connection::HandleGetPlacement(uint64_t id) {
+  std::vector<VarPlacement> all;
+  std::vector<uint64_t> bytes;
+  if (ClusterCoordinator* c = server_.coordinator()) {
+    Status s = c->Placements(&all, &bytes);
+    if (!s.ok()) return SendError(id, s);
+  } else {
+    // A single daemon holds everything.
+    all = server_.engine()->Placements(0);
+    bytes.assign(1, 0);
+    for (const VarPlacement& p : all) bytes[0] += p.bytes();
+  }
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto m = resp.initPlacementMap();
+  auto list = m.initVariables(static_cast<unsigned>(all.size()));
+  for (size_t i = 0; i < all.size(); ++i) PlacementToWire(list[static_cast<unsigned>(i)], all[i]);
+  auto b = m.initShardBytes(static_cast<unsigned>(bytes.size()));
+  for (size_t i = 0; i < bytes.size(); ++i) b.set(static_cast<unsigned>(i), bytes[i]);
+  Send(std::move(frame));
+}
+
 // --- token waits ------------------------------------------------------------------------------
 
 void Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
   if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
-  SyncEngine& engine = server_.engine();
+  std::shared_ptr<SyncEngine> engine = server_.engine();
   Mode mode = server_.config().mode;
   if (mode == Mode::kAsync) {
     // No barrier: the "token" is the current global step.
-    return done(engine.tokens().closed() ? OutOfRange("training is over: all workers finished") : Status::Ok(),
-                engine.global_step());
+    return done(engine->tokens().closed() ? OutOfRange("training is over: all workers finished") : Status::Ok(),
+                engine->global_step());
   }
   auto w = std::make_shared<TokenWait>(strand_);
   w->on_done = std::move(done);
@@ -472,14 +613,14 @@ void Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
   uint64_t wid = 0;
   if (mode == Mode::kSync) {
     w->from_queue = true;
-    TokenQueue& tokens = engine.tokens();
-    wid = tokens.Wait(post);
-    w->cancel = [&tokens, wid](const Status& why) { return tokens.Cancel(wid, why); };
+    wid = engine->tokens().Wait(post);
+    w->cancel = [engine, wid](const Status& why) { return engine->tokens().Cancel(wid, why); };
+    w->engine = engine;
   } else {
     // Bounded staleness: the barrier releases with the current global step once this worker's
     // clock is within the bound of the slowest live worker.
     SspGate& gate = server_.ssp();
-    wid = gate.Advance(worker_index_, [post, &engine](Status s, int64_t) { post(std::move(s), engine.global_step()); });
+    wid = gate.Advance(worker_index_, [post, engine](Status s, int64_t) { post(std::move(s), engine->global_step()); });
     w->cancel = [&gate, wid](const Status& why) { return gate.Cancel(wid, why); };
   }
   if (wid == 0) return;  // answered at once (the callback is already posted)
@@ -487,7 +628,7 @@ void Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
   w->timer.expires_after(std::chrono::milliseconds(timeout_ms));
   w->timer.async_wait([self, w, timeout_ms](boost::system::error_code ec) {
     if (ec || w->done) return;
-    EngineStats st = self->server_.engine().Stats();
+    EngineStats st = self->server_.engine()->Stats();
     std::string what = self->server_.config().mode == Mode::kSync
                            ? "a step needs " + std::to_string(st.required_replicas) + " fresh gradient(s) per variable"
                            : "waiting for the slowest worker to come within the staleness bound";
@@ -503,7 +644,7 @@ void Connection::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Stat
   parked_.erase(w);
   if (closed_) {
     // The peer is gone: a token delivered to it goes back so no other worker starves.
-    if (s.ok() && w->from_queue) server_.engine().tokens().PushFront(token);
+    if (s.ok() && w->from_queue && w->engine) w->engine->tokens().PushFront(token);
     return;
   }
   w->on_done(s, token);

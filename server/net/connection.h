@@ -59,6 +59,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void HandlePullRows(uint64_t id, proto::PullRows::Reader r);
   void HandleSetLearningRate(uint64_t id, double lr);
   void HandleCheckpoint(uint64_t id);
+  void HandlePlace(uint64_t id, proto::Place::Reader r);
+  void HandleGetPlacement(uint64_t id);
+  // Cluster: this daemon's shard, the chief and the epoch of `engine_epoch`.
+  template <typename B>
+  void FillCluster(B b, uint64_t engine_epoch);
 
   // Waits for a token with a deadline; `done` runs on the strand exactly once.
   void WaitForToken(int64_t timeout_ms, TokenDone done);
@@ -80,6 +85,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool hello_done_ = false;     // a worker's hello was accepted
   bool authenticated_ = false;  // a hello with the right token (or no token required)
   uint32_t worker_index_ = 0;
+  int peer_shard_ = -1;   // another shard of the cluster (after its peer hello)
   bool closing_ = false;  // close once the write queue drains
   bool closed_ = false;
 

@@ -10,23 +10,19 @@ namespace psd::server {
 
 Result<std::unique_ptr<Server>> Server::Create(ServerConfig config) {
   PSD_RETURN_IF_ERROR(config.Validate());
-  auto opt = MakeOptimizer(config.optimizer);
-  if (!opt.ok()) return opt.status();
-  auto engine = std::make_unique<SyncEngine>(config, std::move(*opt));
-  return std::unique_ptr<Server>(new Server(std::move(config), std::move(engine)));
+  auto server = std::unique_ptr<Server>(new Server(std::move(config)));
+  auto engine = server->MakeEngine(0);
+  if (!engine.ok()) return engine.status();
+  server->engine_ = std::move(*engine);
+  return server;
 }
 
-Server::Server(ServerConfig config, std::unique_ptr<SyncEngine> engine)
-    : config_(std::move(config)),
-      engine_(std::move(engine)),
-      workers_(config_.replicas_to_aggregate, config_.total_replicas),
-      ssp_(config_.staleness_bound),
-      acceptor_(io_),
-      summary_timer_(io_),
-      deadline_strand_(asio::make_strand(io_)),
-      step_deadline_(deadline_strand_),
-      checkpoint_timer_(io_) {
-  engine_->set_on_commit([](const StepInfo& info) {
+Result<std::shared_ptr<SyncEngine>> Server::MakeEngine(uint64_t epoch) {
+  auto opt = MakeOptimizer(config_.optimizer);
+  if (!opt.ok()) return opt.status();
+  auto engine = std::make_shared<SyncEngine>(config_, std::move(*opt));
+  engine->set_epoch(epoch);
+  engine->set_on_commit([](const StepInfo& info) {
     if (info.forced) {
       spdlog::info("step {} committed by the step deadline with {}..{} gradient(s) per variable", info.step,
                    info.min_gradients, info.max_gradients);
@@ -36,24 +32,94 @@ Server::Server(ServerConfig config, std::unique_ptr<SyncEngine> engine)
     }
   });
   if (config_.mode == Mode::kSync && config_.step_deadline_ms > 0) {
-    engine_->set_on_step_started([this](int64_t step) { ArmStepDeadline(step); });
+    engine->set_on_step_started([this](int64_t step) { ArmStepDeadline(step); });
   }
+  if (!config_.checkpoint_dir.empty()) {
+    engine->set_on_snapshot([this](ShardSnapshot snap) { QueueSnapshot(std::move(snap)); });
+  }
+  if (config_.clustered()) {
+    engine->set_commit_gate([this, epoch](int64_t step, int min, int max, int takes, bool forced) {
+      coordinator_->OnPrepared(epoch, step, min, max, takes, forced);
+    });
+  }
+  return engine;
+}
+
+std::shared_ptr<SyncEngine> Server::engine() const {
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  return engine_;
+}
+
+void Server::QueueSnapshot(ShardSnapshot snap) {
+  std::lock_guard<std::mutex> lock(ckpt_mu_);
+  ckpt_pending_ = std::move(snap);
+  ckpt_cv_.notify_one();
+}
+
+Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacement>* placements) {
+  auto fresh = MakeEngine(epoch);
+  if (!fresh.ok()) return fresh.status();
+  if (step >= 0) {
+    ShardSnapshot snap;
+    PSD_RETURN_IF_ERROR(LoadCheckpointAt(config_.checkpoint_dir, step, config_.shard_index, &snap));
+    PSD_RETURN_IF_ERROR((*fresh)->Restore(snap));
+    last_checkpoint_step_ = step;
+  }
+  *placements = (*fresh)->Placements(config_.shard_index);
+  std::shared_ptr<SyncEngine> old;
+  {
+    std::lock_guard<std::mutex> lock(engine_mu_);
+    old = std::move(engine_);
+    engine_ = *fresh;
+  }
+  old->tokens().Close(Aborted("the cluster restored " +
+                              (step < 0 ? std::string("an empty state") : "checkpoint step " + std::to_string(step)) +
+                              " (epoch " + std::to_string(epoch) + "): pull the variables and go on from there"));
+  return Status::Ok();
+}
+
+void Server::FinishJob() {
+  if (!config_.exit_when_done) return;
+  std::lock_guard<std::mutex> lock(stop_mu_);
+  job_done_ = true;
+  stop_requested_ = true;
+  stop_cv_.notify_all();
+}
+
+Server::Server(ServerConfig config)
+    : config_(std::move(config)),
+      workers_(config_.replicas_to_aggregate, config_.total_replicas),
+      ssp_(config_.staleness_bound),
+      acceptor_(io_),
+      summary_timer_(io_),
+      deadline_strand_(asio::make_strand(io_)),
+      step_deadline_(deadline_strand_),
+      checkpoint_timer_(io_) {
+  if (config_.clustered()) coordinator_ = std::make_unique<ClusterCoordinator>(*this, config_, io_);
 }
 
 void Server::ArmStepDeadline(int64_t step) {
   asio::post(deadline_strand_, [this, step] {
     step_deadline_.expires_after(std::chrono::milliseconds(config_.step_deadline_ms));
     step_deadline_.async_wait([this, step](boost::system::error_code ec) {
-      if (!ec) engine_->ForceStep(step);
+      if (!ec) engine()->ForceStep(step);
     });
   });
 }
 
 void Server::WriteSnapshot(const ShardSnapshot& snap) {
   auto t0 = std::chrono::steady_clock::now();
-  auto info = WriteCheckpoint(config_.checkpoint_dir, snap, 0, 1, config_.keep_checkpoints);
+  auto info =
+      WriteCheckpoint(config_.checkpoint_dir, snap, config_.shard_index, config_.shards(), config_.keep_checkpoints);
   if (!info.ok()) {
     spdlog::error("checkpoint at step {} failed: {}", snap.step, info.status().message());
+    return;
+  }
+  if (coordinator_) {
+    // The chief seals it once every shard's part is written.
+    coordinator_->OnPartWritten(*info, snap.step);
+    spdlog::info("checkpoint part at step {} written to {} ({:.0f} ms)", snap.step, info->path,
+                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     return;
   }
   last_checkpoint_step_ = snap.step;
@@ -77,7 +143,11 @@ void Server::CheckpointLoop() {
 
 Status Server::RequestCheckpoint() {
   if (config_.checkpoint_dir.empty()) return FailedPrecondition("psd runs without --checkpoint-dir");
-  engine_->RequestSnapshot();
+  if (coordinator_) {
+    coordinator_->RequestCheckpoint(/*timed=*/false);
+  } else {
+    engine()->RequestSnapshot();
+  }
   return Status::Ok();
 }
 
@@ -86,7 +156,11 @@ void Server::ScheduleCheckpointTimer() {
   checkpoint_timer_.expires_after(std::chrono::milliseconds(static_cast<int64_t>(config_.checkpoint_every_s * 1000)));
   checkpoint_timer_.async_wait([this](boost::system::error_code ec) {
     if (ec) return;
-    engine_->RequestSnapshot();
+    if (coordinator_) {
+      coordinator_->RequestCheckpoint(/*timed=*/true);
+    } else {
+      engine()->RequestSnapshot();
+    }
     ScheduleCheckpointTimer();
   });
 }
@@ -99,7 +173,9 @@ uint32_t Server::OnHello(uint64_t conn, const std::string& name, uint64_t incarn
 }
 
 void Server::UpdateRequired() {
-  engine_->SetRequiredReplicas(std::min(config_.InitialRequiredReplicas(), workers_.RequiredReplicas()));
+  int required = std::min(config_.InitialRequiredReplicas(), workers_.RequiredReplicas());
+  if (coordinator_) return coordinator_->SetLocalRequired(required);  // the chief's count is the cluster's
+  engine()->SetRequiredReplicas(required);
 }
 
 Server::~Server() { Stop(); }
@@ -129,11 +205,11 @@ Status Server::Start() {
     }
   }
   if (!config_.checkpoint_dir.empty()) {
-    if (config_.restore) {
+    if (config_.restore && !coordinator_) {
       ShardSnapshot snap;
       auto found = LoadLatestCheckpoint(config_.checkpoint_dir, 0, &snap);
       if (found.ok()) {
-        PSD_RETURN_IF_ERROR(engine_->Restore(snap));
+        PSD_RETURN_IF_ERROR(engine()->Restore(snap));
         last_checkpoint_step_ = snap.step;
         spdlog::info("restored {} variable(s) at global step {} from {}", snap.variables.size(), snap.step,
                      found->path);
@@ -141,15 +217,11 @@ Status Server::Start() {
         return found.status();
       }
     }
-    engine_->set_on_snapshot([this](ShardSnapshot snap) {
-      std::lock_guard<std::mutex> lock(ckpt_mu_);
-      ckpt_pending_ = std::move(snap);
-      ckpt_cv_.notify_one();
-    });
     checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
   }
   // Init tokens carry the current (possibly restored) global step, as TF's chief does on restart.
-  engine_->PushInitTokens(config_.resolved_init_tokens);
+  // (A cluster's chief pushes them once the cluster has formed.)
+  if (!coordinator_) engine()->PushInitTokens(config_.resolved_init_tokens);
   work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
   Accept();
   last_summary_time_ = std::chrono::steady_clock::now();
@@ -167,6 +239,11 @@ Status Server::Start() {
         }
       }
     });
+  }
+  if (coordinator_) {
+    spdlog::info("psd shard {} of {} ({})", config_.shard_index, config_.shards(),
+                 config_.cluster[static_cast<size_t>(config_.shard_index)]);
+    coordinator_->Start();
   }
   spdlog::info("psd listening on {}:{} (mode={} R={} total={} tokens/step={} init tokens={} optimizer={} lr={} {})",
                config_.host, port_, ModeName(config_.mode), config_.replicas_to_aggregate, config_.total_replicas,
@@ -210,7 +287,7 @@ void Server::ScheduleSummary() {
 }
 
 void Server::LogSummary() {
-  EngineStats st = engine_->Stats();
+  EngineStats st = engine()->Stats();
   WorkerCounts wc = workers_.Counts();
   auto now = std::chrono::steady_clock::now();
   double secs = std::chrono::duration<double>(now - last_summary_time_).count();
@@ -228,6 +305,11 @@ void Server::LogSummary() {
         st.global_step, rate, st.accepted, st.max_staleness, wc.connected, wc.finished,
         config_.mode == Mode::kSsp ? fmt::format(" | slowest clock {}", ssp_.MinClock()) : "");
   }
+  if (coordinator_) {
+    auto v = coordinator_->Describe();
+    spdlog::info("cluster: shard {} of {}, chief {}, term {}, epoch {}: {}", config_.shard_index, config_.shards(),
+                 v.chief, v.term, v.epoch, v.state);
+  }
   last_summary_step_ = st.global_step;
   last_summary_time_ = now;
 }
@@ -242,8 +324,13 @@ void Server::OnWorkerFinished(uint64_t conn) {
 
 void Server::EndJobIfDone() {
   if (!workers_.AllFinished()) return;
-  spdlog::info("all workers finished at global step {}", engine_->global_step());
-  engine_->tokens().Close(OutOfRange("training is over: all workers finished"));
+  if (coordinator_) {
+    // The chief's registry decides for the cluster; the others hear it from the chief.
+    if (coordinator_->is_chief()) coordinator_->OnJobDone();
+    return;
+  }
+  spdlog::info("all workers finished at global step {}", engine()->global_step());
+  engine()->tokens().Close(OutOfRange("training is over: all workers finished"));
   ssp_.Close(OutOfRange("training is over: all workers finished"));
   if (config_.exit_when_done) {
     std::lock_guard<std::mutex> lock(stop_mu_);
@@ -267,7 +354,7 @@ void Server::OnConnectionClosed(uint64_t conn) {
       if (!name) return;
       UpdateRequired();
       spdlog::warn("worker '{}' did not come back within {} s: counted as gone; a step now needs {} gradient(s)", *name,
-                   config_.worker_grace_s, engine_->required_replicas());
+                   config_.worker_grace_s, engine()->required_replicas());
       EndJobIfDone();
     });
   }
@@ -297,7 +384,8 @@ void Server::Stop() {
     checkpoint_timer_.cancel();
   });
   asio::post(deadline_strand_, [this] { step_deadline_.cancel(); });
-  engine_->tokens().Close(Cancelled("psd is shutting down"));
+  if (coordinator_) coordinator_->Stop();
+  engine()->tokens().Close(Cancelled("psd is shutting down"));
   ssp_.Close(Cancelled("psd is shutting down"));
   std::vector<std::shared_ptr<Connection>> live;
   {
@@ -330,10 +418,12 @@ void Server::Stop() {
     }
     ckpt_cv_.notify_one();
     checkpoint_thread_.join();  // finishes a pending write first
-    // A last checkpoint at clean exit, if the state is at a step boundary.
-    if (auto snap = engine_->SnapshotIfAtBoundary()) {
+    // A last checkpoint at clean exit, if the state is at a step boundary. (A cluster writes its
+    // final one when the job ends: one shard alone cannot seal a checkpoint.)
+    auto snap = coordinator_ ? std::nullopt : engine()->SnapshotIfAtBoundary();
+    if (snap) {
       if (snap->step != last_checkpoint_step_.load()) WriteSnapshot(*snap);
-    } else {
+    } else if (!coordinator_) {
       spdlog::warn("a step was in progress at exit; the newest checkpoint stays at step {}",
                    last_checkpoint_step_.load());
     }

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "cluster/coordinator.h"
 #include "config.h"
 #include "psd/status.h"
 #include "sync/ssp_gate.h"
@@ -47,7 +48,11 @@ class Server {
   void RequestStop();
   void Stop();
 
-  SyncEngine& engine() { return *engine_; }
+  // The engine serving now. A cluster replaces it when it restores a checkpoint: callers hold the
+  // pointer for the duration of one request.
+  std::shared_ptr<SyncEngine> engine() const;
+  // Null for a single daemon.
+  ClusterCoordinator* coordinator() { return coordinator_.get(); }
   WorkerRegistry& workers() { return workers_; }
   SspGate& ssp() { return ssp_; }
   const ServerConfig& config() const { return config_; }
@@ -55,6 +60,16 @@ class Server {
   // Schedules a checkpoint (at the next step boundary). No-op without --checkpoint-dir.
   Status RequestCheckpoint();
   int64_t last_checkpoint_step() const { return last_checkpoint_step_.load(); }
+  void set_last_checkpoint_step(int64_t step) { last_checkpoint_step_ = step; }
+  // Hands a snapshot to the checkpoint writer (the newest pending one wins).
+  void QueueSnapshot(ShardSnapshot snap);
+
+  // Cluster: replaces the engine with a fresh one for `epoch`, restored from checkpoint `step`
+  // (-1: empty at step 0). The old engine's token waits fail ABORTED. *placements: the parts the
+  // new engine holds.
+  Status RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacement>* placements);
+  // The job is over (cluster: after the final checkpoint): stops if --exit-when-done.
+  void FinishJob();
 
   // Called by connections. OnHello returns the worker's index.
   uint32_t OnHello(uint64_t conn, const std::string& name, uint64_t incarnation);
@@ -62,7 +77,9 @@ class Server {
   void OnConnectionClosed(uint64_t conn);
 
  private:
-  Server(ServerConfig config, std::unique_ptr<SyncEngine> engine);
+  Server(ServerConfig config);
+  // A new engine with the server's callbacks wired.
+  Result<std::shared_ptr<SyncEngine>> MakeEngine(uint64_t epoch);
   void Accept();
   void ScheduleSummary();
   void LogSummary();
@@ -76,7 +93,8 @@ class Server {
   void WriteSnapshot(const ShardSnapshot& snap);
 
   const ServerConfig config_;
-  std::unique_ptr<SyncEngine> engine_;
+  mutable std::mutex engine_mu_;
+  std::shared_ptr<SyncEngine> engine_;  // guarded by engine_mu_
   WorkerRegistry workers_;
   SspGate ssp_;
 
@@ -87,6 +105,7 @@ class Server {
   asio::strand<asio::io_context::executor_type> deadline_strand_;
   asio::steady_timer step_deadline_;  // soft sync; touched only on deadline_strand_
   std::vector<std::thread> threads_;
+  std::unique_ptr<ClusterCoordinator> coordinator_;  // after io_: destroyed before it
   uint16_t port_ = 0;
   std::atomic<uint64_t> next_conn_id_{1};
 

@@ -29,6 +29,7 @@ struct SyncEngine::Variable {
         trainable(def.trainable),
         average(def.average),
         optimizer_name(def.optimizer),
+        placement(def.placement),
         bytes(static_cast<size_t>(NumElements(def.shape)) * DTypeSize(def.dtype)),
         row_elements(def.shape.empty() ? 1 : NumElements(Shape(def.shape.begin() + 1, def.shape.end()))),
         opt(optimizer),
@@ -52,6 +53,7 @@ struct SyncEngine::Variable {
   const bool trainable;
   const bool average;
   const std::string optimizer_name;
+  const VarPlacement placement;
   const size_t bytes;
   const int64_t row_elements;
   const Optimizer* const opt;
@@ -158,7 +160,15 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
   v->published = std::make_shared<Buffer>(bytes);
   if (def.initial != nullptr && bytes) std::memcpy(v->published->data(), def.initial, bytes);
   if (v->average) v->shadow = std::make_shared<Buffer>(*v->published);  // TF: shadow = initial value
-  if (v->trainable && config_.mode == Mode::kSync) ++pending_takes_;
+  if (v->trainable && config_.mode == Mode::kSync) {
+    if (prepared_ && step_takes_ > 0) {
+      v->next_take_step = global_step_.load() + 1;  // the open step is reported: it joins the next one
+    } else {
+      // An idle report (nothing to take) is withdrawn: this variable's take will report again.
+      prepared_ = false;
+      ++pending_takes_;
+    }
+  }
   VariableDesc desc{v->name, v->dtype, v->shape, v->trainable, true};
   vars_.emplace(def.name, std::move(v));
   lock.unlock();
@@ -362,8 +372,70 @@ void SyncEngine::OnTaken(int count) {
   std::unique_lock<std::mutex> lock(mu_);
   step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
   step_max_count_ = std::max(step_max_count_, count);
+  ++step_takes_;
   if (--pending_takes_ > 0) return;
-  CommitLocked(lock, false);
+  StepReadyLocked(lock, false);
+}
+
+void SyncEngine::StepReadyLocked(std::unique_lock<std::mutex>& lock, bool forced) {
+  if (!commit_gate_) return CommitLocked(lock, forced);
+  if (prepared_) return;
+  prepared_ = true;
+  step_forced_ = forced;
+  int64_t step = global_step_.load();
+  int min = step_min_count_ == INT_MAX ? 0 : step_min_count_, max = step_max_count_, takes = step_takes_;
+  lock.unlock();
+  commit_gate_(step, min, max, takes, forced);
+}
+
+void SyncEngine::ReportIfIdle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (commit_gate_ && !prepared_ && pending_takes_ == 0 && config_.mode == Mode::kSync) StepReadyLocked(lock, false);
+}
+
+Status SyncEngine::CommitPrepared(int64_t step, bool snapshot, double next_lr) {
+  // Every variable lock is held while untaken variables are looked for, so no take runs half-way
+  // through: a variable created after this shard reported an idle step (the chief may commit
+  // before it hears the report withdrawn) skips the step — its accumulated gradients are dropped.
+  std::vector<Variable*> all;  // variables are never deleted while the engine lives
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [name, v] : vars_) all.push_back(v.get());
+  }
+  std::vector<std::unique_lock<std::mutex>> vlocks;
+  for (Variable* v : all) vlocks.emplace_back(v->mu);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (global_step_.load() != step) {
+    return FailedPrecondition("asked to commit step " + std::to_string(step) + " at step " +
+                              std::to_string(global_step_.load()));
+  }
+  for (Variable* v : all) {
+    if (!v->trainable || v->next_take_step != step) continue;
+    spdlog::warn("variable '{}' was created while step {} was closing; it joins step {}", v->name, step, step + 1);
+    v->next_take_step = step + 1;
+    if (v->dense) v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
+    if (v->sparse) v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
+    --pending_takes_;
+  }
+  vlocks.clear();
+  prepared_ = false;
+  if (snapshot) snapshot_requested_ = true;
+  if (next_lr > 0) next_lr_.store(next_lr);
+  CommitLocked(lock, step_forced_);
+  return Status::Ok();
+}
+
+std::vector<VarPlacement> SyncEngine::Placements(int shard) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<VarPlacement> out;
+  for (auto& [name, v] : vars_) {
+    if (!v->placement.name.empty()) {
+      out.push_back(v->placement);
+    } else {
+      out.push_back({v->name, v->dtype, v->shape, false, {{shard, 0, v->shape.empty() ? 1 : v->shape[0]}}});
+    }
+  }
+  return out;
 }
 
 void SyncEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
@@ -387,6 +459,8 @@ void SyncEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
   pending_takes_ = trainable;
   global_step_.store(step);
   step_takes_begun_ = 0;
+  step_takes_ = 0;
+  step_forced_ = false;
   std::optional<ShardSnapshot> snapshot;
   if (snapshot_requested_ || (config_.checkpoint_every_steps > 0 && step % config_.checkpoint_every_steps == 0)) {
     snapshot = SnapshotLocked();  // no take for the next step can touch slots while mu_ is held
@@ -398,7 +472,7 @@ void SyncEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
   step_started_ = false;
   step_lr_ = next_lr_.load();
   lock.unlock();
-  tokens_.Push(step, config_.tokens_per_step);
+  if (!commit_gate_) tokens_.Push(step, config_.tokens_per_step);  // cluster: the chief's coordinator does
   if (config_.ema_decay > 0) UpdateAverages(step);
   if (snapshot && on_snapshot_) {
     // Averages are updated after the tokens (TF's order); the snapshot takes the new ones.
@@ -414,6 +488,7 @@ void SyncEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
   // Gradients for the new step may already be waiting (pushed with a future local step, or the
   // requirement shrank); take them now rather than on the next push.
   ReevaluateAll();
+  ReportIfIdle();
 }
 
 void SyncEngine::UpdateAverages(int64_t step) {
@@ -498,7 +573,8 @@ void SyncEngine::ForceStep(int64_t step) {
       std::unique_lock<std::mutex> lock(mu_);
       step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
       step_max_count_ = std::max(step_max_count_, count);
-      if (--pending_takes_ == 0) CommitLocked(lock, true);
+      ++step_takes_;
+      if (--pending_takes_ == 0) StepReadyLocked(lock, true);
     }
   }
   if (forced > 0) spdlog::info("step {} forced by the step deadline", step + 1);
@@ -519,6 +595,7 @@ ShardSnapshot SyncEngine::SnapshotLocked() {
     vs.optimizer = v->optimizer_name;
     vs.value = v->published;
     vs.shadow = v->shadow;
+    vs.placement = v->placement;
     auto names = v->opt->SlotNames();
     for (size_t k = 0; k < v->slots.size(); ++k) {
       vs.slots.emplace_back(names[k], std::make_shared<Buffer>(v->slots[k]));
@@ -576,6 +653,7 @@ Status SyncEngine::Restore(const ShardSnapshot& snap) {
     def.trainable = vs.trainable;
     def.average = vs.average && config_.ema_decay > 0;
     def.optimizer = vs.optimizer;
+    def.placement = vs.placement;
     auto created = CreateVariable(def);
     if (!created.ok()) return created.status();
   }

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "cluster/placement.h"
 #include "config.h"
 #include "optimizer/optimizer.h"
 #include "psd/status.h"
@@ -59,8 +60,9 @@ struct VariableDef {
   const void* initial = nullptr;  // nullptr: zeros; else exactly NumElements*DTypeSize bytes
   size_t initial_bytes = 0;
   bool trainable = true;
-  bool average = false;   // keep an exponential moving average (--ema-decay)
-  std::string optimizer;  // empty: the job's optimizer; else a name with the job's hyper-parameters
+  bool average = false;    // keep an exponential moving average (--ema-decay)
+  std::string optimizer;   // empty: the job's optimizer; else a name with the job's hyper-parameters
+  VarPlacement placement;  // cluster: the whole variable this is a part of (name empty: none); kept and checkpointed
 };
 
 struct VariableDesc {
@@ -172,10 +174,30 @@ class SyncEngine {
   Status Restore(const ShardSnapshot& snapshot);
 
   int64_t global_step() const { return global_step_.load(); }
+  // Cluster: the epoch this engine's state belongs to (0 for a single daemon).
+  uint64_t epoch() const { return epoch_; }
+  void set_epoch(uint64_t epoch) { epoch_ = epoch; }
   TokenQueue& tokens() { return tokens_; }
   const Optimizer& optimizer() const { return *optimizer_; }
   const ServerConfig& config() const { return config_; }
   EngineStats Stats() const;
+
+  // Cluster (the chief decides when a step commits). With a gate set, the engine does not commit
+  // when its last variable is taken: it calls the gate (outside all locks) with the step, the
+  // fewest/most gradients averaged and how many variables were taken (0: it has no trainable
+  // variable — then it reports at once, for every step), and waits for CommitPrepared. It then
+  // pushes no tokens: the chief's coordinator does, once every shard committed.
+  using CommitGate = std::function<void(int64_t step, int min_gradients, int max_gradients, int takes, bool forced)>;
+  void set_commit_gate(CommitGate gate) { commit_gate_ = std::move(gate); }
+  // Commits prepared step `step` (publishes step + 1); `snapshot`: also hand a snapshot of the
+  // new state to on_snapshot. `next_lr` (> 0) is the learning rate of the steps after it.
+  // FailedPrecondition if the engine is not prepared for `step`.
+  Status CommitPrepared(int64_t step, bool snapshot, double next_lr);
+  // Reports the open step to the gate if this engine has nothing to take (call after Restore).
+  void ReportIfIdle();
+  // The placements of the variable parts this engine holds; a variable created without one
+  // (a single daemon's) is reported whole on `shard`.
+  std::vector<VarPlacement> Placements(int shard) const;
 
   // Called after every committed step, outside all locks.
   void set_on_commit(std::function<void(const StepInfo&)> cb) { on_commit_ = std::move(cb); }
@@ -192,6 +214,8 @@ class SyncEngine {
   // After a take (no variable lock held): records it; commits if it was the last.
   void OnTaken(int count);
   void CommitLocked(std::unique_lock<std::mutex>& lock, bool forced);
+  // Every trainable variable is taken: commits, or (cluster) reports to the gate. Unlocks.
+  void StepReadyLocked(std::unique_lock<std::mutex>& lock, bool forced);
   void ReevaluateAll();
   // Async/ssp: applies one gradient now (v->mu held).
   void ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr);
@@ -209,7 +233,9 @@ class SyncEngine {
   std::function<void(const StepInfo&)> on_commit_;
   std::function<void(int64_t)> on_step_started_;
   std::function<void(ShardSnapshot)> on_snapshot_;
+  CommitGate commit_gate_;
 
+  uint64_t epoch_ = 0;                   // set before the engine is shared
   std::atomic<int64_t> global_step_{0};  // sync: written under mu_; async/ssp: claimed per push
   std::atomic<int> required_;
   std::atomic<int64_t> accepted_{0};
@@ -227,7 +253,10 @@ class SyncEngine {
   bool step_started_ = false;        // guarded by mu_: a fresh gradient arrived for the open step
   double step_lr_;                   // guarded by mu_: learning rate of the open step
   int step_takes_begun_ = 0;         // guarded by mu_: variables whose take for the open step has begun
+  int step_takes_ = 0;               // guarded by mu_: variables taken for the open step
   bool snapshot_requested_ = false;  // guarded by mu_
+  bool prepared_ = false;            // guarded by mu_: cluster: reported the open step to the gate
+  bool step_forced_ = false;         // guarded by mu_: the open step was forced by a deadline
 };
 
 }  // namespace psd::server

@@ -55,6 +55,14 @@ bool TokenQueue::Cancel(WaitId id, const Status& why) {
   return true;
 }
 
+void TokenQueue::FailWaiters(const Status& why) {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::list<ParkedWaits<NoKey>::Waiter> parked;
+  parked.swap(parked_.waiters());
+  lock.unlock();
+  for (auto& w : parked) w.cb(why, 0);
+}
+
 void TokenQueue::Close(Status why) {
   std::unique_lock<std::mutex> lock(mu_);
   std::list<ParkedWaits<NoKey>::Waiter> parked;

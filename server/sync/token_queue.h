@@ -35,6 +35,9 @@ class TokenQueue {
   // Removes a parked wait and runs its callback with `why`. False if it was already delivered.
   bool Cancel(WaitId id, const Status& why);
 
+  // Fails the waits parked now with `why`; later waits park as usual (the cluster lost a shard).
+  void FailWaiters(const Status& why);
+
   // Fails every parked and future wait with `why` (e.g. OutOfRange "training is over").
   void Close(Status why);
 

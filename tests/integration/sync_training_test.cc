@@ -227,7 +227,7 @@ TEST_CASE("workers finishing end the job and release blocked waiters", "[integra
   // two gradients any more, so the requirement shrinks and w1 is released with a token.
   Result<psclient::PushOutcome> out = Internal("not run");
   std::thread waiter([&] { out = w1->Push(0, {{"w", Scalar(g)}}, true, 10000); });
-  WaitUntil([&] { return server->engine().tokens().waiters() == 1; });
+  WaitUntil([&] { return server->engine()->tokens().waiters() == 1; });
   REQUIRE(w0->Finish().ok());
   waiter.join();
   REQUIRE(out.ok());
@@ -237,7 +237,7 @@ TEST_CASE("workers finishing end the job and release blocked waiters", "[integra
   // A further wait after everyone finished ends with OutOfRange rather than hanging.
   Status late_status;
   std::thread late([&] { late_status = w1->WaitToken(10000).status(); });
-  WaitUntil([&] { return server->engine().tokens().waiters() == 1; });
+  WaitUntil([&] { return server->engine()->tokens().waiters() == 1; });
   CHECK_FALSE(server->workers().AllFinished());
   auto w1b = ConnectWorker(server->port(), "w1");  // w1 again (a second connection) finishes
   REQUIRE(w1b->Finish().ok());
@@ -304,8 +304,8 @@ TEST_CASE("a worker that vanishes without finishing stops holding the steps afte
   REQUIRE(out.ok());
   REQUIRE(out->token_status.ok());
   CHECK(out->token == 1);
-  CHECK(server->engine().required_replicas() == 1);
+  CHECK(server->engine()->required_replicas() == 1);
   // It comes back: the requirement is R again.
   auto back = ConnectWorker(server->port(), "w1");
-  CHECK(server->engine().required_replicas() == 2);
+  CHECK(server->engine()->required_replicas() == 2);
 }

@@ -7,9 +7,17 @@
 //   auto out = client->Push(local_step, {{"w", grad_view}}, /*wait_token=*/true);
 //   local_step = out->token;                            // the barrier: the new global step
 //
+// A cluster of psd shards (ClientOptions::cluster) is used the same way: the client learns where
+// each variable lives (whole on one shard, or sliced by rows over several) and fans every call out
+// to the shards concerned — requests are all sent before any reply is read, so the shards work in
+// parallel. Token waits go to the elected chief shard; pulls check that every shard answered at
+// the same global step.
+//
 // Errors are values (psd::Status / psd::Result); nothing here throws. The codes say what to do:
 // kDeadlineExceeded -> retry the wait, kUnavailable -> back off (the next call reconnects),
-// kInvalidArgument -> fix the request, kOutOfRange -> training is over.
+// kInvalidArgument -> fix the request, kOutOfRange -> training is over, kAborted -> the cluster
+// restored a checkpoint: pull the variables again and go on from the step they carry
+// (connection_epoch() has changed; SyncReplicasOptimizer does this by itself).
 //
 // Memory: tensors are passed as views of caller memory; gradients are sent without an extra
 // copy when they are 8-byte aligned and a multiple of 8 bytes long, and pulled values are written
@@ -46,6 +54,8 @@ using psd::TensorView;
 struct ClientOptions {
   std::string host = "127.0.0.1";  // an IP address or a host name (resolved at every connect)
   uint16_t port = 7070;
+  // A cluster: every shard's "host:port", in psd's --cluster order (empty: host and port above).
+  std::vector<std::string> cluster;
   std::string worker_name;         // stable identity; default "worker-<pid>"
   uint64_t incarnation = 0;        // bump on every restart; default: derived from the clock
   int connect_timeout_ms = 10000;  // keeps retrying a refused connect until then
@@ -79,8 +89,29 @@ struct JobConfig {
 
 struct VariableOptions {
   bool trainable = true;
-  bool average = false;   // keep an exponential moving average on the daemon (psd --ema-decay)
-  std::string optimizer;  // empty: the job's optimizer; else one of psd's, with the job's hyper-parameters
+  bool average = false;       // keep an exponential moving average on the daemon (psd --ema-decay)
+  std::string optimizer;      // empty: the job's optimizer; else one of psd's, with the job's hyper-parameters
+  std::string colocate_with;  // cluster: place on the same shard(s) as this existing variable
+};
+
+// Where a variable lives in a cluster.
+struct SlicePart {
+  int shard = 0;
+  int64_t row_begin = 0;  // sliced: rows [row_begin, row_end) of the whole variable
+  int64_t row_end = 0;
+};
+
+struct VariablePlacement {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  Shape shape;          // the whole variable
+  bool sliced = false;  // false: parts[0] holds the whole variable
+  std::vector<SlicePart> parts;
+};
+
+struct PlacementMap {
+  std::vector<VariablePlacement> variables;  // sorted by name
+  std::vector<uint64_t> shard_bytes;         // bytes of values placed on each shard
 };
 
 struct VariableInfo {
@@ -138,6 +169,14 @@ struct JobStatus {
   double learning_rate = 0;
   int64_t last_checkpoint_step = -1;
   JobConfig config;
+  // Cluster (a single daemon: shard 0 of 1, chief 0, epoch 0, "running").
+  int shard_index = 0;  // the shard that answered
+  int shards = 1;
+  int chief_shard = 0;  // -1: none elected right now
+  uint64_t term = 0;
+  uint64_t cluster_epoch = 0;
+  std::string cluster_state;
+  std::vector<int> missing_shards;
 };
 
 class Client {
@@ -188,9 +227,18 @@ class Client {
   // --checkpoint-dir). GetStatus().last_checkpoint_step tells when it is written.
   Status RequestCheckpoint();
 
-  // Bumps on every (re)connection: a trainer that sees it change re-reads the global step (its
-  // daemon may have restarted from a checkpoint).
+  // Bumps on every (re)connection and whenever the cluster restored a checkpoint: a trainer that
+  // sees it change re-reads the global step.
   uint64_t connection_epoch() const;
+
+  // Cluster.
+  int shards() const;
+  int chief_shard() const;
+  uint64_t cluster_epoch() const;
+  // Where a variable lives (asks the chief shard unless known).
+  Result<VariablePlacement> Placement(const std::string& name);
+  // The whole placement map, from the chief shard.
+  Result<PlacementMap> GetPlacementMap();
 
   // Waits for a token: the barrier. Returns the token's step. kDeadlineExceeded after timeout_ms
   // (nothing is lost), kOutOfRange once training is over.
@@ -198,6 +246,9 @@ class Client {
 
   Result<JobStatus> GetStatus();
   Result<int64_t> GlobalStep();
+
+  // The status of one shard (a cluster's other shards answer too while the chief is gone).
+  Result<JobStatus> GetShardStatus(int shard);
 
   // Optimizer slots: names come from the handshake; values are read from the daemon.
   std::vector<std::string> SlotNames() const;

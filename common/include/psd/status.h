@@ -28,6 +28,7 @@ enum class Code {
   kInternal = 10,           // a bug
   kUnimplemented = 11,      // not supported by this build/daemon
   kUnauthenticated = 12,    // missing or wrong credentials
+  kAborted = 13,            // the cluster restored a checkpoint: re-read the step and the values, go on
 };
 
 const char* CodeName(Code code);
@@ -61,6 +62,7 @@ inline Status ResourceExhausted(std::string m) { return {Code::kResourceExhauste
 inline Status Internal(std::string m) { return {Code::kInternal, std::move(m)}; }
 inline Status Unimplemented(std::string m) { return {Code::kUnimplemented, std::move(m)}; }
 inline Status Unauthenticated(std::string m) { return {Code::kUnauthenticated, std::move(m)}; }
+inline Status Aborted(std::string m) { return {Code::kAborted, std::move(m)}; }
 
 // Either a value or an error. Accessing value() of an error is a programming error (asserts).
 template <typename T>

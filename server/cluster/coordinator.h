@@ -1,0 +1,214 @@
+// ClusterCoordinator: what makes P psd shards one parameter server (README "Running a cluster").
+//
+// Every shard runs one. Shards talk over one outgoing link to every other shard (one-way
+// PeerMessages, never answered; see schema/psd.capnp) and learn of each other through heartbeats
+// (--heartbeat-ms) and the incoming links' state.
+//
+// Election (terms, no preemption): a shard that has no live chief — none known, or the chief's
+// link closed, or no heartbeat from it for --election-timeout-ms — and is the lowest-index live
+// shard it sees, claims the chief role for term max(seen) + 1. A claim with a higher term always
+// wins; within one term the lower index wins. A restarted shard listens for one election timeout
+// before it may claim, so it joins the running chief instead of taking over.
+//
+// Fencing: a shard acts on a chief-only message (commit, restore, seal, control) only if it comes
+// from the chief of its current term (a higher term is adopted first). A deposed chief's term is
+// lower than the others', so it can commit nothing: a step commits only when every shard has
+// committed it at the chief's term.
+//
+// Epochs: the chief serves workers only when all P shards are live and have restored the same
+// state for its epoch. Whenever that is not the case (a shard went missing, a new chief) it
+// forms the cluster again: new term = new epoch, every shard restores the newest checkpoint that
+// every shard can restore (or starts empty when there is none), the chief pushes the init tokens
+// at that step, and only then do shards serve again. Losing any shard therefore rolls the whole
+// cluster back to its last consistent checkpoint; no update is applied twice (workers' pushes
+// carry the epoch they computed in, and another epoch's are refused ABORTED).
+//
+// Step commit (sync mode): each shard's engine reports its part of step s as prepared (all its
+// trainable variables taken and staged; an idle shard reports at once with takes = 0). When all
+// P shards reported and at least one took something, the chief sends commit(s): every shard
+// publishes s + 1 (and snapshots it if it is a checkpoint step) and answers committed; when all
+// did, the chief releases the step's tokens. So a worker's pull after its token sees every shard
+// at the same step. The commit record (epoch, term, step) is what a later hot-standby replica of
+// a shard would apply too.
+//
+// Checkpoints: parts are written by each shard to its own --checkpoint-dir; the chief collects
+// their sizes and checksums and sends the seal; every shard writes the same MANIFEST. A step is
+// restorable by a shard when its manifest verifies and its own part matches it.
+//
+// Thread-safety: all methods may be called from any thread. One mutex guards the state; engine
+// calls and sends happen after it is released (the engine calls back into the coordinator).
+#ifndef PSD_SERVER_CLUSTER_COORDINATOR_H_
+#define PSD_SERVER_CLUSTER_COORDINATOR_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "checkpoint/checkpoint.h"
+#include "cluster/placement.h"
+#include "config.h"
+#include "psd.capnp.h"
+#include "psd/status.h"
+#include "wire/asio.h"
+#include "wire/frame.h"
+
+namespace psd::server {
+
+class Server;
+class PeerLink;
+
+// Placements on the wire (also used by Connection). FromWire validates a peer's or client's
+// message fully.
+Result<VarPlacement> PlacementFromWire(proto::VariablePlacement::Reader r, int shards);
+void PlacementToWire(proto::VariablePlacement::Builder b, const VarPlacement& p);
+
+class ClusterCoordinator {
+ public:
+  ClusterCoordinator(Server& server, const ServerConfig& config, asio::io_context& io);
+  ~ClusterCoordinator();
+
+  // Scans the checkpoint directory, opens the links and starts the heartbeat.
+  void Start();
+  // Closes the links (after up to ~1 s for queued messages) and stops the heartbeat.
+  void Stop();
+
+  // Whether workers are served now; Unavailable with what the cluster waits for otherwise.
+  Status Serving() const;
+  bool is_chief() const;
+  int chief() const;
+  uint64_t epoch() const;
+
+  struct View {
+    int chief = -1;
+    uint64_t term = 0;
+    uint64_t epoch = 0;
+    std::string state;
+    std::vector<int> missing;
+  };
+  View Describe() const;
+
+  // Peer connections (from Connection).
+  void OnPeerHello(int shard);
+  void OnPeerClosed(int shard);
+  void OnPeerMessage(proto::PeerMessage::Reader msg);
+
+  // From the engine created for `epoch` (no engine lock held).
+  void OnPrepared(uint64_t epoch, int64_t step, int min_gradients, int max_gradients, int takes, bool forced);
+  // From the checkpoint writer: this shard's part of a checkpoint is on disk.
+  void OnPartWritten(const CheckpointInfo& info, int64_t step);
+
+  // Chief only (workers' requests).
+  Result<VarPlacement> Place(const std::string& name, DType dtype, const Shape& shape, const std::string& colocate);
+  Status Placements(std::vector<VarPlacement>* out, std::vector<uint64_t>* shard_bytes) const;
+  // A checkpoint at the next commit (forwarded to the chief). `timed`: from this shard's
+  // --checkpoint-every-s timer, which only the chief's counts.
+  void RequestCheckpoint(bool timed);
+  // The requirement this shard's worker registry computes; the chief's is the cluster's.
+  void SetLocalRequired(int required);
+  // The chief's registry says every worker finished.
+  void OnJobDone();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  using Action = std::function<void()>;
+  struct Peer {
+    int connections = 0;  // open incoming links from it
+    Clock::time_point last_heard{};
+    uint64_t term = 0;
+    uint64_t epoch = 0;
+    bool ready = false;
+    std::vector<int64_t> sealed;
+  };
+  struct Vote {
+    int takes = 0;
+    int min_gradients = 0;
+    int max_gradients = 0;
+    bool forced = false;
+  };
+
+  void ScheduleTick();
+  void Tick();
+  // Under mu_: runs the election and the chief's duties; appends what to do after unlocking.
+  void TickLocked(std::vector<Action>* actions);
+  bool AliveLocked(int shard, Clock::time_point now) const;
+  std::vector<int> MissingLocked(Clock::time_point now) const;
+  // A chief-only message: adopts a higher term; true if it comes from the current term's chief.
+  bool AcceptChiefLocked(int from, uint64_t term, std::vector<Action>* actions);
+  void BecomeFollowerLocked(std::vector<Action>* actions);
+  void StartFormationLocked(std::vector<Action>* actions);
+  void MaybeCommitLocked(std::vector<Action>* actions);
+  void DegradeLocked(const std::string& why, std::vector<Action>* actions);
+
+  void HandleHeartbeat(int from, uint64_t term, proto::PeerHeartbeat::Reader hb, std::vector<Action>* actions);
+  void HandleCommit(int from, uint64_t term, proto::PeerCommit::Reader c, std::vector<Action>* actions);
+  void HandleRestore(int from, uint64_t term, proto::PeerRestore::Reader r, std::vector<Action>* actions);
+  void HandleRestored(int from, uint64_t term, proto::PeerRestored::Reader r, std::vector<Action>* actions);
+  void HandlePartWritten(int from, uint64_t term, proto::PeerPart::Reader p, std::vector<Action>* actions);
+  void HandleSeal(int from, uint64_t term, proto::PeerSeal::Reader s, std::vector<Action>* actions);
+  void HandleControl(int from, uint64_t term, proto::PeerControl::Reader c, std::vector<Action>* actions);
+  void RestoreDone(uint64_t epoch, int64_t step, const Status& status, std::vector<VarPlacement> placements);
+  void AddSealedLocked(int64_t step);
+
+  // Builds a peer message (term and sender filled in) under mu_.
+  std::shared_ptr<wire::OutFrame> NewMessageLocked(proto::PeerMessage::Builder* msg) const;
+  // Sends to one shard (itself: handled on the io_context like a received message).
+  void SendTo(int shard, const std::shared_ptr<wire::OutFrame>& frame);
+  void SendToAll(const std::shared_ptr<wire::OutFrame>& frame, bool include_self);
+  std::shared_ptr<wire::OutFrame> HeartbeatLocked() const;
+  std::string AddressOf(int shard) const { return config_.cluster[static_cast<size_t>(shard)]; }
+
+  Server& server_;
+  const ServerConfig& config_;
+  asio::io_context& io_;
+  const int me_;
+  const int shards_;
+  asio::strand<asio::io_context::executor_type> strand_;
+  asio::steady_timer tick_timer_;                 // on strand_
+  std::vector<std::shared_ptr<PeerLink>> links_;  // [shard]; null for this shard
+  const Clock::time_point started_ = Clock::now();
+
+  mutable std::mutex mu_;
+  bool stopped_ = false;               // guarded by mu_
+  uint64_t term_ = 0;                  // guarded by mu_
+  uint64_t max_term_seen_ = 0;         // guarded by mu_
+  int chief_ = -1;                     // guarded by mu_
+  uint64_t epoch_ = 0;                 // guarded by mu_: the epoch this shard's engine was restored for
+  bool serving_ = false;               // guarded by mu_: the chief says the cluster runs at epoch_
+  bool ready_ = false;                 // guarded by mu_: checkpoints scanned
+  std::vector<int64_t> sealed_;        // guarded by mu_: restorable checkpoint steps, newest first
+  std::vector<Peer> peers_;            // guarded by mu_
+  int required_ = 0;                   // guarded by mu_: the chief's requirement (as last heard)
+  int local_required_ = 0;             // guarded by mu_
+  bool restoring_ = false;             // guarded by mu_
+  std::thread restore_thread_;         // guarded by mu_
+  Clock::time_point missing_since_{};  // guarded by mu_
+  std::string missing_reason_;         // guarded by mu_
+  bool job_done_ = false;              // guarded by mu_
+  int64_t final_step_ = -1;            // guarded by mu_: the job's last checkpoint step being written
+
+  // Chief state, guarded by mu_.
+  bool running_ = false;  // the cluster serves at epoch_
+  bool forming_ = false;
+  Clock::time_point formation_start_{};
+  int64_t formation_step_ = -1;
+  std::set<int> restored_;
+  PlacementMap placement_;
+  int64_t open_step_ = 0;
+  int64_t commit_in_flight_ = -1;
+  Clock::time_point commit_start_{};
+  std::set<int> committed_;
+  std::map<int64_t, std::map<int, Vote>> votes_;  // step -> shard -> its report
+  bool checkpoint_next_ = false;
+  std::map<int64_t, std::map<int, ManifestPart>> parts_;  // checkpoint step -> written parts
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_CLUSTER_COORDINATOR_H_

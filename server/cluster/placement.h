@@ -1,0 +1,83 @@
+// Placement: which shard(s) of a cluster hold each variable.
+//
+// Rule (deterministic for a given order of Place calls):
+//  - a variable of at most `slice_bytes` goes whole to the shard with the fewest bytes placed so
+//    far (ties: the lowest index), so bytes per shard stay balanced rather than round-robin;
+//  - a bigger one is split along its first dimension into n = min(shards, ceil(bytes /
+//    slice_bytes), rows) slices of near-equal rows (the first ones get the extra row), put on the
+//    n least-loaded shards (at most one slice per shard), slice i on the i-th least loaded;
+//  - `colocate_with` names an existing variable: the new one goes to the same shard(s) — the same
+//    row split when it has as many rows as a sliced target, else whole onto the target's first
+//    shard.
+// Placing a name again returns the existing placement if dtype and shape match (create-or-get),
+// AlreadyExists otherwise.
+//
+// Thread-safety: none; the owner (the chief's coordinator) locks.
+#ifndef PSD_SERVER_CLUSTER_PLACEMENT_H_
+#define PSD_SERVER_CLUSTER_PLACEMENT_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "psd/status.h"
+#include "psd/tensor.h"
+
+namespace psd::server {
+
+struct SlicePart {
+  int shard = 0;
+  int64_t row_begin = 0;  // sliced: the rows [row_begin, row_end) of the whole variable
+  int64_t row_end = 0;
+  bool operator==(const SlicePart& o) const {
+    return shard == o.shard && row_begin == o.row_begin && row_end == o.row_end;
+  }
+};
+
+struct VarPlacement {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  Shape shape;          // the whole variable
+  bool sliced = false;  // false: parts has one entry holding the whole variable
+  std::vector<SlicePart> parts;
+
+  size_t bytes() const { return static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype); }
+  // The shape of part `i` (the whole shape when not sliced).
+  Shape PartShape(size_t i) const;
+  // The index of the part on `shard`, or -1.
+  int PartOn(int shard) const;
+  bool operator==(const VarPlacement& o) const {
+    return name == o.name && dtype == o.dtype && shape == o.shape && sliced == o.sliced && parts == o.parts;
+  }
+};
+
+class PlacementMap {
+ public:
+  PlacementMap(int shards, uint64_t slice_bytes) : shards_(shards), slice_bytes_(slice_bytes) {}
+
+  Result<VarPlacement> Place(const std::string& name, DType dtype, const Shape& shape,
+                             const std::string& colocate_with = "");
+  // Records a placement made earlier (rebuilding the map from the shards after a restore).
+  // A different placement already recorded under the name is AlreadyExists.
+  Status Add(const VarPlacement& p);
+  const VarPlacement* Find(const std::string& name) const;
+  std::vector<VarPlacement> All() const;
+  const std::vector<uint64_t>& shard_bytes() const { return bytes_; }
+  void Clear();
+  int shards() const { return shards_; }
+
+ private:
+  void Account(const VarPlacement& p);
+  // Shards ordered by bytes placed, then index.
+  std::vector<int> LeastLoaded() const;
+
+  const int shards_;
+  const uint64_t slice_bytes_;
+  std::vector<uint64_t> bytes_ = std::vector<uint64_t>(static_cast<size_t>(shards_), 0);
+  std::map<std::string, VarPlacement> vars_;
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_CLUSTER_PLACEMENT_H_
