@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# Starts a local psd and W worker processes on 127.0.0.1, trains the example logistic-regression
-# model, prints per-step progress and a summary, and stops everything. Every process is bounded
-# in time; only the processes started here are stopped, by PID.
+# Starts P local psd shards (one daemon, or a cluster) and W worker processes on 127.0.0.1, trains
+# the example logistic-regression model, prints per-step progress and a summary, and stops
+# everything. Every process is bounded in time; only the processes started here are stopped, by
+# PID.
 #
-#   deploy/local_cluster.sh [--build DIR] [--workers W] [--replicas R] [--backup B] [--steps S]
-#                           [--straggler-ms MS] [--lr LR] [-- extra psd flags]
+#   deploy/local_cluster.sh [--build DIR] [--shards P] [--workers W] [--replicas R] [--backup B]
+#                           [--steps S] [--features F] [--straggler-ms MS] [--lr LR]
+#                           [-- extra psd flags]
+#
+# With --shards P > 1 the shards listen on P consecutive free ports from a random base; variables
+# over --slice-bytes (psd's flag, default 64 MiB) are split over several shards.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 build="$here/build"
-workers=3 replicas=2 backup=1 steps=1000 straggler_ms=3 lr=0.5 features=128 batch=256
+workers=3 replicas=2 backup=1 steps=1000 straggler_ms=3 lr=0.5 features=128 batch=256 shards=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
     --workers) workers=$2; shift 2 ;;
+    --shards) shards=$2; shift 2 ;;
+    --features) features=$2; shift 2 ;;
     --replicas) replicas=$2; shift 2 ;;
     --backup) backup=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
@@ -36,14 +43,28 @@ cleanup() {
 }
 trap cleanup EXIT
 
-timeout 600 "$psd" --port 0 --port-file "$run/port" --replicas-to-aggregate "$replicas" \
-  --backup-replicas "$backup" --init-tokens 0 --learning-rate "$lr" --exit-when-done \
-  --summary-interval-s 2 "$@" 2> >(sed 's/^/[psd] /' >&2) &
-psd_pid=$!
-pids+=("$psd_pid")
-for _ in $(seq 100); do [ -s "$run/port" ] && break; sleep 0.05; done
-port=$(cat "$run/port")
-echo "psd listening on 127.0.0.1:$port (replicas_to_aggregate=$replicas, backup replicas=$backup, $workers workers)"
+psd_flags=(--replicas-to-aggregate "$replicas" --backup-replicas "$backup" --init-tokens 0 --learning-rate "$lr"
+  --exit-when-done --summary-interval-s 2)
+psd_pids=()
+if [ "$shards" -le 1 ]; then
+  timeout 600 "$psd" --port 0 --port-file "$run/port" "${psd_flags[@]}" "$@" 2> >(sed 's/^/[psd] /' >&2) &
+  psd_pids+=($!)
+  pids+=($!)
+  for _ in $(seq 100); do [ -s "$run/port" ] && break; sleep 0.05; done
+  target=(--port "$(cat "$run/port")")
+  echo "psd listening on 127.0.0.1:$(cat "$run/port") (replicas_to_aggregate=$replicas, backup replicas=$backup, $workers workers)"
+else
+  base=$((20000 + RANDOM % 30000))
+  cluster=$(seq -s, -f "127.0.0.1:%g" "$base" $((base + shards - 1)))
+  for k in $(seq 0 $((shards - 1))); do
+    timeout 600 "$psd" --cluster "$cluster" --shard-index "$k" "${psd_flags[@]}" "$@" \
+      2> >(sed "s/^/[psd $k] /" >&2) &
+    psd_pids+=($!)
+    pids+=($!)
+  done
+  target=(--cluster "$cluster")
+  echo "psd cluster of $shards shards on $cluster (replicas_to_aggregate=$replicas, backup replicas=$backup, $workers workers)"
+fi
 
 worker_pids=()
 # The straggler (the last worker) starts first, so it takes part from the first step.
@@ -51,13 +72,13 @@ for i in $((workers - 1)) $(seq 0 $((workers - 2))); do
   slow=0
   # The last worker is an artificial straggler when there are backups: its gradients arrive late.
   if [ "$backup" -gt 0 ] && [ "$i" -eq $((workers - 1)) ]; then slow=$straggler_ms; fi
-  timeout 600 "$worker" --port "$port" --worker-name "worker-$i" --shard "$i" --steps "$steps" \
+  timeout 600 "$worker" "${target[@]}" --worker-name "worker-$i" --shard "$i" --steps "$steps" \
     --features "$features" --batch "$batch" --slow-ms "$slow" --print-every 50 &
   worker_pids+=($!)
   pids+=($!)
 done
 status=0
 for p in "${worker_pids[@]}"; do wait "$p" || status=1; done
-wait "$psd_pid" || status=1
+for p in "${psd_pids[@]}"; do wait "$p" || status=1; done
 [ $status -eq 0 ] && echo "local cluster finished: all workers done, psd exited cleanly" || echo "local cluster FAILED" >&2
 exit $status

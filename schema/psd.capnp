@@ -111,6 +111,7 @@ struct VariablePlacement {
   shape @2 :List(Int64);    # the whole variable's shape
   sliced @3 :Bool;          # false: one part holding the whole variable
   parts @4 :List(SlicePart);
+  trainable @5 :Bool = true;
 }
 
 struct Place {
@@ -118,6 +119,7 @@ struct Place {
   dtype @1 :DType;
   shape @2 :List(Int64);
   colocateWith @3 :Text;    # place on the same shard(s) as this existing variable
+  trainable @4 :Bool = true;
 }
 
 struct PlacementMap {

@@ -33,8 +33,12 @@ int main(int argc, char** argv) {
   std::string auth_token_file;
   psd::server::OptimizerParams& opt = cfg.optimizer;
 
-  app.add_option("--host", cfg.host, "IP address to listen on")->capture_default_str();
-  app.add_option("--port", cfg.port, "TCP port to listen on; 0 picks a free one (see --port-file)")
+  auto* host_opt = app.add_option("--host", cfg.host,
+                                  "IP address to listen on (a cluster shard: its --cluster entry's, if an IP address)")
+                       ->capture_default_str();
+  auto* port_opt = app.add_option("--port", cfg.port,
+                                  "TCP port to listen on; 0 picks a free one (see --port-file); a cluster shard: "
+                                  "its --cluster entry's")
       ->capture_default_str();
   app.add_option("--port-file", cfg.port_file, "write the bound port to this file once listening");
   app.add_option("--threads", cfg.io_threads, "I/O threads serving connections")->capture_default_str();
@@ -173,6 +177,17 @@ int main(int argc, char** argv) {
     std::string item;
     while (std::getline(ss, item, ',')) {
       if (!item.empty()) cfg.cluster.push_back(item);
+    }
+  }
+  if (cfg.cluster.size() > 1 && cfg.shard_index >= 0 && cfg.shard_index < static_cast<int>(cfg.cluster.size())) {
+    // A shard listens where the cluster list says, unless told otherwise.
+    const std::string& me = cfg.cluster[static_cast<size_t>(cfg.shard_index)];
+    size_t colon = me.rfind(':');
+    if (colon != std::string::npos) {
+      if (port_opt->count() == 0) cfg.port = static_cast<uint16_t>(std::atoi(me.c_str() + colon + 1));
+      boost::system::error_code ec;
+      boost::asio::ip::make_address(me.substr(0, colon), ec);
+      if (host_opt->count() == 0) cfg.host = ec ? "0.0.0.0" : me.substr(0, colon);
     }
   }
   if (!auth_token_file.empty()) {

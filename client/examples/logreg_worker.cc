@@ -83,6 +83,8 @@ int main(int argc, char** argv) {
   std::string token_file;
   app.add_option("--host", opts.host, "psd address")->capture_default_str();
   app.add_option("--port", opts.port, "psd port")->capture_default_str();
+  std::string cluster;
+  app.add_option("--cluster", cluster, "a psd cluster: every shard's host:port, comma-separated (instead of --port)");
   app.add_option("--worker-name", opts.worker_name, "this worker's name (default worker-<pid>)");
   app.add_option("--shard", shard, "which slice of the generated data this worker trains on")->capture_default_str();
   app.add_option("--steps", steps, "train until the global step reaches this")->capture_default_str();
@@ -99,6 +101,12 @@ int main(int argc, char** argv) {
   app.add_option("--retry-s", retry_s, "keep retrying this long while psd is unavailable (restarting)")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  for (size_t pos = 0; pos < cluster.size();) {
+    size_t comma = cluster.find(',', pos);
+    if (comma == std::string::npos) comma = cluster.size();
+    if (comma > pos) opts.cluster.push_back(cluster.substr(pos, comma - pos));
+    pos = comma + 1;
+  }
   if (!token_file.empty()) {
     auto token = psd::ReadSecretFile(token_file);
     if (!token.ok()) {
@@ -162,6 +170,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s: %s\n", me.c_str(), first.status().ToString().c_str());
     return 1;
   }
+  cursor = 0;  // the build pass above may or may not have read a batch: every run sees the same data order
   auto hook = opt.make_session_run_hook(c.is_chief(), num_tokens);
   psclient::Status hs = hook.begin();
   if (hs.ok()) hs = hook.after_create_session();
@@ -183,7 +192,9 @@ int main(int argc, char** argv) {
       if (code == psd::Code::kOutOfRange) break;  // training is over
       // psd went away (restarting from a checkpoint) or a wait ran out: retry, bounded in time.
       // The client reconnects by itself and the optimizer re-reads the global step.
-      if (code == psd::Code::kUnavailable || code == psd::Code::kDeadlineExceeded || code == psd::Code::kNotFound) {
+      // kAborted: the cluster restored a checkpoint; the optimizer re-reads the step and values.
+      if (code == psd::Code::kUnavailable || code == psd::Code::kDeadlineExceeded || code == psd::Code::kNotFound ||
+          code == psd::Code::kAborted) {
         auto now = std::chrono::steady_clock::now();
         if (unavailable_since == std::chrono::steady_clock::time_point::max()) {
           unavailable_since = now;
@@ -213,17 +224,20 @@ int main(int argc, char** argv) {
   std::vector<std::pair<std::string, psclient::TensorView>> outs{{w.name(), w.value().view()},
                                                                  {b.name(), b.value().view()}};
   double final_loss = -1;
+  double param_sum = 0;
   if (c.Pull(outs).ok()) {
+    for (int f = 0; f < features; ++f) param_sum += w.value().data<float>()[f];
+    param_sum += b.value().data<float>()[0];
     final_loss =
         LossAndGrad(data, 0, data.rows(), w.value().data<float>(), b.value().data<float>()[0], nullptr, nullptr);
   }
   double initial_loss = std::log(2.0);  // the loss of the ~zero initial model
   std::printf(
       "[%s] done: %d local steps in %.2f s (%.1f steps/s), global step %lld, pushes accepted %lld stale "
-      "%lld, loss %.4f -> %.4f\n",
+      "%lld, loss %.4f -> %.4f, parameter sum %.9g\n",
       me.c_str(), my_steps, secs, my_steps / std::max(secs, 1e-9), static_cast<long long>(global_step.value),
       static_cast<long long>(opt.accepted_total()), static_cast<long long>(opt.stale_total()), initial_loss,
-      final_loss);
+      final_loss, param_sum);
   psclient::Status fs = c.Finish();
   if (!fs.ok()) std::fprintf(stderr, "%s: finish: %s\n", me.c_str(), fs.ToString().c_str());
   return 0;

@@ -337,14 +337,22 @@ class Client::Impl {
       if (c->status.code() == Code::kAborted) NoteRestored();
       if (first.ok() && !c->status.ok()) first = c->status;
     }
+    // Not now: the replies' readers must stay valid until the caller has read them.
     if (!first.ok() && cluster() && (first.code() == Code::kUnavailable || first.code() == Code::kFailedPrecondition)) {
-      RefreshChief();
+      refresh_chief_ = true;
     }
     return first;
   }
 
   Status Single(int shard, OutFrame& frame, proto::Response::Reader* resp, int64_t wait_ms = 0) {
     return FromShard(conn(shard).RoundTrip(frame, resp, wait_ms), conn(shard), cluster());
+  }
+
+  // Called first by every public call (mu_ held): learns a new chief if the last call suggested one.
+  void Begin() {
+    if (!refresh_chief_) return;
+    refresh_chief_ = false;
+    RefreshChief();
   }
 
   // The cluster restored a checkpoint: placements may have changed and the trainer must re-read
@@ -528,6 +536,7 @@ class Client::Impl {
   std::atomic<uint64_t> cluster_epoch_{0};
   std::atomic<uint64_t> epoch_bumps_{0};
   std::atomic<bool> is_chief_{false};
+  bool refresh_chief_ = false;  // guarded by mu_: a call failed in a way that may mean a new chief
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -567,6 +576,7 @@ uint64_t Client::cluster_epoch() const { return impl_->cluster_epoch_.load(); }
 
 Result<VariablePlacement> Client::Placement(const std::string& name) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   auto p = impl_->Locate(name);
   if (!p.ok() || impl_->cluster()) return p;
   // A single daemon: everything is whole on shard 0; the map knows dtype and shape.
@@ -580,6 +590,7 @@ Result<VariablePlacement> Client::Placement(const std::string& name) {
 
 Result<PlacementMap> Client::GetPlacementMap() {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   return impl_->FetchMap();
 }
 
@@ -592,6 +603,7 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
 Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensorView initial,
                                             const VariableOptions& options) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   Impl& im = *impl_;
   std::vector<uint8_t> staged;
   const void* data = initial.data;
@@ -616,6 +628,7 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
           auto shape = p.initShape(static_cast<unsigned>(initial.shape.size()));
           for (size_t i = 0; i < initial.shape.size(); ++i) shape.set(static_cast<unsigned>(i), initial.shape[i]);
           p.setColocateWith(options.colocate_with);
+          p.setTrainable(options.trainable);
         },
         &resp);
     if (!s.ok()) return s;
@@ -671,16 +684,19 @@ Result<int64_t> Client::Pull(const std::string& name, TensorView out) { return P
 
 Result<int64_t> Client::Pull(const std::vector<std::pair<std::string, TensorView>>& outs) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   return impl_->PullLocked(outs, /*averages=*/false);
 }
 
 Result<int64_t> Client::PullAverages(const std::vector<std::pair<std::string, TensorView>>& outs) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   return impl_->PullLocked(outs, /*averages=*/true);
 }
 
 Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int64_t>& rows, TensorView out) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   Impl& im = *impl_;
   auto loc = im.Locate(name);
   if (!loc.ok()) return loc.status();
@@ -810,6 +826,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
                                  const std::vector<std::pair<std::string, TensorView>>* pull_after) {
   if (grads.empty() && sparse.empty()) return psd::InvalidArgument("Must supply at least one variable");
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   Impl& im = *impl_;
   const bool cluster = im.cluster();
   const int chief = im.chief_.load();
@@ -1033,6 +1050,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
 
 Result<int64_t> Client::WaitToken(int64_t timeout_ms) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   proto::Response::Reader resp;
   PSD_RETURN_IF_ERROR(impl_->CallChief(
       [&](proto::Request::Builder req) { req.initWaitToken().setTimeoutMs(timeout_ms); }, &resp, timeout_ms));
@@ -1076,6 +1094,7 @@ Result<JobStatus> ReadStatus(proto::JobStatus::Reader s) {
 
 Result<JobStatus> Client::GetShardStatus(int shard) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   if (shard < 0 || shard >= impl_->shards()) return psd::InvalidArgument("no shard " + std::to_string(shard));
   OutFrame frame;
   impl_->conn(shard).NewRequest(frame).setStatus();
@@ -1090,6 +1109,7 @@ Result<JobStatus> Client::GetShardStatus(int shard) {
 
 Result<JobStatus> Client::GetStatus() {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   proto::Response::Reader resp;
   Status s = impl_->CallChief([](proto::Request::Builder req) { req.setStatus(); }, &resp);
   if (!s.ok()) return s;
@@ -1110,6 +1130,7 @@ Result<int64_t> Client::GlobalStep() {
 
 Status Client::GetSlot(const std::string& variable, const std::string& slot, TensorView out) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   Impl& im = *impl_;
   auto loc = im.Locate(variable);
   if (!loc.ok()) return loc.status();
@@ -1141,26 +1162,35 @@ Status Client::GetSlot(const std::string& variable, const std::string& slot, Ten
 
 Status Client::SetLearningRate(double learning_rate) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   proto::Response::Reader resp;
   return impl_->CallChief([&](proto::Request::Builder req) { req.setSetLearningRate(learning_rate); }, &resp);
 }
 
 Status Client::RequestCheckpoint() {
   std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
   proto::Response::Reader resp;
   return impl_->CallChief([](proto::Request::Builder req) { req.setCheckpoint(); }, &resp);
 }
 
 Status Client::Finish() {
   std::lock_guard<std::mutex> lock(impl_->mu_);
-  // Every shard counts the worker out; the chief's count ends the job.
-  Impl::Calls calls;
-  for (int k = 0; k < impl_->shards(); ++k) {
-    proto::Request::Builder req(nullptr);
-    impl_->Add(calls, k, &req);
-    req.setFinish();
+  impl_->Begin();
+  // Every shard counts the worker out; the chief's count ends the job (and may stop the shards),
+  // so the chief hears it last.
+  Status first;
+  int chief = impl_->chief_.load();
+  for (int k = 0; k <= impl_->shards(); ++k) {
+    int shard = k < impl_->shards() ? k : chief;
+    if (k < impl_->shards() && k == chief) continue;
+    OutFrame frame;
+    impl_->conn(shard).NewRequest(frame).setFinish();
+    proto::Response::Reader resp;
+    Status s = impl_->Single(shard, frame, &resp);
+    if (first.ok() && !s.ok()) first = s;
   }
-  return impl_->Run(calls);
+  return first;
 }
 
 }  // namespace psclient

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <deque>
 
+#include "cluster/election.h"
 #include "net/server.h"
 #include "sync/sync_engine.h"
 
@@ -137,6 +138,7 @@ void ToWire(proto::VariablePlacement::Builder b, const VarPlacement& p) {
   auto shape = b.initShape(static_cast<unsigned>(p.shape.size()));
   for (size_t i = 0; i < p.shape.size(); ++i) shape.set(static_cast<unsigned>(i), p.shape[i]);
   b.setSliced(p.sliced);
+  b.setTrainable(p.trainable);
   auto parts = b.initParts(static_cast<unsigned>(p.parts.size()));
   for (size_t i = 0; i < p.parts.size(); ++i) {
     parts[static_cast<unsigned>(i)].setShard(static_cast<uint32_t>(p.parts[i].shard));
@@ -160,6 +162,7 @@ Result<VarPlacement> PlacementFromWire(proto::VariablePlacement::Reader r, int s
     p.shape.push_back(d);
   }
   p.sliced = r.getSliced();
+  p.trainable = r.getTrainable();
   if (r.getParts().size() == 0 || static_cast<int>(r.getParts().size()) > shards) {
     return InvalidArgument("placement of '" + p.name + "' needs 1 to " + std::to_string(shards) + " parts");
   }
@@ -191,7 +194,23 @@ ClusterCoordinator::ClusterCoordinator(Server& server, const ServerConfig& confi
       strand_(asio::make_strand(io)),
       tick_timer_(strand_),
       peers_(static_cast<size_t>(config.shards())),
-      placement_(config.shards(), config.slice_bytes) {}
+      placement_(config.shards(), config.slice_bytes) {
+  // The links exist before anything can call in (started by Start()).
+  auto hello = std::make_shared<wire::OutFrame>();
+  auto req = hello->builder.initRoot<proto::Request>();
+  req.setId(0);
+  auto h = req.initHello();
+  h.setProtocolVersion(proto::PROTOCOL_VERSION);
+  h.setWorkerName("shard-" + std::to_string(me_));
+  h.setAuthToken(config_.auth_token);
+  h.setPeer(true);
+  h.setShardIndex(static_cast<uint32_t>(me_));
+  h.setClusterSize(static_cast<uint32_t>(shards_));
+  links_.resize(static_cast<size_t>(shards_));
+  for (int i = 0; i < shards_; ++i) {
+    if (i != me_) links_[static_cast<size_t>(i)] = std::make_shared<PeerLink>(io_, AddressOf(i), hello);
+  }
+}
 
 ClusterCoordinator::~ClusterCoordinator() {
   Stop();
@@ -212,22 +231,8 @@ void ClusterCoordinator::Start() {
   }
   spdlog::info("shard {} of {}: {} restorable checkpoint(s){}", me_, shards_, sealed.size(),
                sealed.empty() ? "" : fmt::format(", newest at step {}", sealed.front()));
-  // The hello every link sends first.
-  auto hello = std::make_shared<wire::OutFrame>();
-  auto req = hello->builder.initRoot<proto::Request>();
-  req.setId(0);
-  auto h = req.initHello();
-  h.setProtocolVersion(proto::PROTOCOL_VERSION);
-  h.setWorkerName("shard-" + std::to_string(me_));
-  h.setAuthToken(config_.auth_token);
-  h.setPeer(true);
-  h.setShardIndex(static_cast<uint32_t>(me_));
-  h.setClusterSize(static_cast<uint32_t>(shards_));
-  links_.resize(static_cast<size_t>(shards_));
-  for (int i = 0; i < shards_; ++i) {
-    if (i == me_) continue;
-    links_[static_cast<size_t>(i)] = std::make_shared<PeerLink>(io_, AddressOf(i), hello);
-    links_[static_cast<size_t>(i)]->Start();
+  for (auto& l : links_) {
+    if (l) l->Start();
   }
   asio::dispatch(strand_, [this] { ScheduleTick(); });
 }
@@ -392,6 +397,7 @@ void ClusterCoordinator::DegradeLocked(const std::string& why, std::vector<Actio
 }
 
 void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
+  if (job_done_) return;  // the shards are winding down: no elections, no formations
   auto now = Clock::now();
   // Election.
   if (chief_ != me_ && (chief_ < 0 || !AliveLocked(chief_, now))) {
@@ -401,14 +407,9 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
       chief_ = -1;
     }
     if (now - started_ >= std::chrono::milliseconds(config_.election_timeout_ms)) {
-      int candidate = me_;
-      for (int i = 0; i < shards_; ++i) {
-        if (AliveLocked(i, now)) {
-          candidate = i;
-          break;
-        }
-      }
-      if (candidate == me_) {
+      std::vector<bool> alive(static_cast<size_t>(shards_));
+      for (int i = 0; i < shards_; ++i) alive[static_cast<size_t>(i)] = AliveLocked(i, now);
+      if (election::Candidate(alive, me_) == me_) {
         term_ = std::max(term_, max_term_seen_) + 1;
         max_term_seen_ = term_;
         chief_ = me_;
@@ -523,13 +524,14 @@ void ClusterCoordinator::BecomeFollowerLocked(std::vector<Action>* actions) {
 
 bool ClusterCoordinator::AcceptChiefLocked(int from, uint64_t term, std::vector<Action>* actions) {
   max_term_seen_ = std::max(max_term_seen_, term);
-  if (term > term_) {
-    term_ = term;
-    chief_ = from;
+  election::View after;
+  bool accept = election::AcceptChiefMessage({term_, chief_}, from, term, &after);
+  if (after.term != term_ || after.chief != chief_) {
+    term_ = after.term;
+    chief_ = after.chief;
     BecomeFollowerLocked(actions);
-    return true;
   }
-  if (term == term_ && from == chief_) return true;
+  if (accept) return true;
   spdlog::debug("cluster: ignored a chief message from shard {} at term {} (term {} chief {})", from, term, term_,
                 chief_);
   return false;
@@ -617,16 +619,13 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, proto::PeerHea
   p.sealed.clear();
   for (int64_t s : hb.getSealedSteps()) p.sealed.push_back(s);
   max_term_seen_ = std::max(max_term_seen_, term);
-  int claimed = hb.getChief();
-  if (term > term_) {
-    term_ = term;
-    chief_ = claimed >= 0 && claimed < shards_ ? claimed : -1;
+  election::View after = election::OnClaim({term_, chief_}, term, hb.getChief(), shards_);
+  if (after.term != term_ || after.chief != chief_) {
+    bool newer = after.term > term_;
+    term_ = after.term;
+    chief_ = after.chief;
     BecomeFollowerLocked(actions);
-    if (chief_ != me_ && chief_ >= 0) spdlog::info("cluster: shard {} is the chief (term {})", chief_, term_);
-  } else if (term == term_ && claimed >= 0 && claimed < shards_ && claimed != chief_ &&
-             (chief_ < 0 || claimed < chief_)) {
-    chief_ = claimed;
-    BecomeFollowerLocked(actions);
+    if (newer && chief_ != me_ && chief_ >= 0) spdlog::info("cluster: shard {} is the chief (term {})", chief_, term_);
   }
   if (from == chief_ && term == term_) {
     bool was = serving_;
@@ -648,8 +647,15 @@ void ClusterCoordinator::MaybeCommitLocked(std::vector<Action>* actions) {
   if (chief_ != me_ || !running_ || commit_in_flight_ >= 0) return;
   auto it = votes_.find(open_step_);
   if (it == votes_.end() || static_cast<int>(it->second.size()) < shards_) return;
+  // Every shard holding a trainable part must have taken something: an idle report from a shard
+  // whose part is placed but not yet created (or not yet taken) does not count. Placement comes
+  // before creation, so no step can close under a variable being created.
   int takes = 0;
-  for (auto& [shard, v] : it->second) takes += v.takes;
+  std::vector<bool> training = placement_.TrainingShards();
+  for (auto& [shard, v] : it->second) {
+    if (training[static_cast<size_t>(shard)] && v.takes == 0) return;
+    takes += v.takes;
+  }
   if (takes == 0) return;  // no shard has anything to train yet
   commit_in_flight_ = open_step_;
   commit_start_ = Clock::now();
@@ -897,14 +903,14 @@ void ClusterCoordinator::RequestCheckpoint(bool timed) {
 // --- workers ----------------------------------------------------------------------------------
 
 Result<VarPlacement> ClusterCoordinator::Place(const std::string& name, DType dtype, const Shape& shape,
-                                               const std::string& colocate) {
+                                               const std::string& colocate, bool trainable) {
   std::lock_guard<std::mutex> lock(mu_);
   if (chief_ != me_) {
     return FailedPrecondition("shard " + std::to_string(me_) + " is not the chief; the chief is shard " +
                               std::to_string(chief_));
   }
   if (!running_) return Unavailable("the cluster is not serving yet: " + missing_reason_);
-  return placement_.Place(name, dtype, shape, colocate);
+  return placement_.Place(name, dtype, shape, colocate, trainable);
 }
 
 Status ClusterCoordinator::Placements(std::vector<VarPlacement>* out, std::vector<uint64_t>* shard_bytes) const {

@@ -105,7 +105,8 @@ class ClusterCoordinator {
   void OnPartWritten(const CheckpointInfo& info, int64_t step);
 
   // Chief only (workers' requests).
-  Result<VarPlacement> Place(const std::string& name, DType dtype, const Shape& shape, const std::string& colocate);
+  Result<VarPlacement> Place(const std::string& name, DType dtype, const Shape& shape, const std::string& colocate,
+                             bool trainable);
   Status Placements(std::vector<VarPlacement>* out, std::vector<uint64_t>* shard_bytes) const;
   // A checkpoint at the next commit (forwarded to the chief). `timed`: from this shard's
   // --checkpoint-every-s timer, which only the chief's counts.

@@ -34,7 +34,7 @@ void PlacementMap::Account(const VarPlacement& p) {
 }
 
 Result<VarPlacement> PlacementMap::Place(const std::string& name, DType dtype, const Shape& shape,
-                                         const std::string& colocate_with) {
+                                         const std::string& colocate_with, bool trainable) {
   if (const VarPlacement* have = Find(name)) {
     if (have->dtype != dtype || have->shape != shape) {
       return AlreadyExists("variable '" + name + "' is placed as " + DTypeName(have->dtype) + " " +
@@ -46,6 +46,7 @@ Result<VarPlacement> PlacementMap::Place(const std::string& name, DType dtype, c
   p.name = name;
   p.dtype = dtype;
   p.shape = shape;
+  p.trainable = trainable;
   const int64_t rows = shape.empty() ? 1 : shape[0];
   if (!colocate_with.empty()) {
     const VarPlacement* target = Find(colocate_with);
@@ -106,6 +107,15 @@ const VarPlacement* PlacementMap::Find(const std::string& name) const {
 std::vector<VarPlacement> PlacementMap::All() const {
   std::vector<VarPlacement> out;
   for (const auto& [name, p] : vars_) out.push_back(p);
+  return out;
+}
+
+std::vector<bool> PlacementMap::TrainingShards() const {
+  std::vector<bool> out(static_cast<size_t>(shards_), false);
+  for (const auto& [name, p] : vars_) {
+    if (!p.trainable) continue;
+    for (const SlicePart& part : p.parts) out[static_cast<size_t>(part.shard)] = true;
+  }
   return out;
 }
 

@@ -41,6 +41,7 @@ struct VarPlacement {
   Shape shape;          // the whole variable
   bool sliced = false;  // false: parts has one entry holding the whole variable
   std::vector<SlicePart> parts;
+  bool trainable = true;  // the chief waits for every shard holding a trainable part
 
   size_t bytes() const { return static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype); }
   // The shape of part `i` (the whole shape when not sliced).
@@ -57,7 +58,9 @@ class PlacementMap {
   PlacementMap(int shards, uint64_t slice_bytes) : shards_(shards), slice_bytes_(slice_bytes) {}
 
   Result<VarPlacement> Place(const std::string& name, DType dtype, const Shape& shape,
-                             const std::string& colocate_with = "");
+                             const std::string& colocate_with = "", bool trainable = true);
+  // Shards holding a part of a trainable variable.
+  std::vector<bool> TrainingShards() const;
   // Records a placement made earlier (rebuilding the map from the shards after a restore).
   // A different placement already recorded under the name is AlreadyExists.
   Status Add(const VarPlacement& p);

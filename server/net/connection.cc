@@ -559,9 +559,9 @@ void Connection::HandlePlace(uint64_t id, proto::Place::Reader r) {
   if (!s.ok()) return SendError(id, s);
   VarPlacement placed;
   if (c == nullptr) {
-    placed = {name, *dtype, shape, false, {{0, 0, shape.empty() ? 1 : shape[0]}}};
+    placed = {name, *dtype, shape, false, {{0, 0, shape.empty() ? 1 : shape[0]}}, r.getTrainable()};
   } else {
-    auto p = c->Place(name, *dtype, shape, r.getColocateWith());
+    auto p = c->Place(name, *dtype, shape, r.getColocateWith(), r.getTrainable());
     if (!p.ok()) return SendError(id, p.status());
     placed = std::move(*p);
   }

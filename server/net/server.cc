@@ -223,6 +223,11 @@ Status Server::Start() {
   // (A cluster's chief pushes them once the cluster has formed.)
   if (!coordinator_) engine()->PushInitTokens(config_.resolved_init_tokens);
   work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
+  if (coordinator_) {
+    spdlog::info("psd shard {} of {} ({})", config_.shard_index, config_.shards(),
+                 config_.cluster[static_cast<size_t>(config_.shard_index)]);
+    coordinator_->Start();  // before anything is accepted
+  }
   Accept();
   last_summary_time_ = std::chrono::steady_clock::now();
   ScheduleSummary();
@@ -239,11 +244,6 @@ Status Server::Start() {
         }
       }
     });
-  }
-  if (coordinator_) {
-    spdlog::info("psd shard {} of {} ({})", config_.shard_index, config_.shards(),
-                 config_.cluster[static_cast<size_t>(config_.shard_index)]);
-    coordinator_->Start();
   }
   spdlog::info("psd listening on {}:{} (mode={} R={} total={} tokens/step={} init tokens={} optimizer={} lr={} {})",
                config_.host, port_, ModeName(config_.mode), config_.replicas_to_aggregate, config_.total_replicas,

@@ -432,8 +432,9 @@ std::vector<VarPlacement> SyncEngine::Placements(int shard) const {
     if (!v->placement.name.empty()) {
       out.push_back(v->placement);
     } else {
-      out.push_back({v->name, v->dtype, v->shape, false, {{shard, 0, v->shape.empty() ? 1 : v->shape[0]}}});
+      out.push_back({v->name, v->dtype, v->shape, false, {{shard, 0, v->shape.empty() ? 1 : v->shape[0]}}, true});
     }
+    out.back().trainable = v->trainable;
   }
   return out;
 }

@@ -126,3 +126,60 @@ TEST_CASE("retention keeps the newest checkpoints; an empty directory has none",
   ShardSnapshot back;
   CHECK(LoadLatestCheckpoint(dir.path, 0, &back)->step == 5);
 }
+
+// --- cluster checkpoints: parts written by each shard, sealed by the chief's manifest ----------
+
+namespace {
+
+// Writes step `step` as shard k of 3 for every k, and seals it (as the chief does).
+void WriteClusterCheckpoint(const std::string& dir, int64_t step) {
+  std::vector<ManifestPart> parts;
+  for (int k = 0; k < 3; ++k) {
+    ShardSnapshot s = Snapshot(step, static_cast<float>(10 * k + step));
+    s.variables[0].placement = {"w", DType::kFloat32, {6}, true, {{2, 0, 2}, {0, 2, 4}, {1, 4, 6}}, true};
+    auto info = WriteCheckpoint(dir, s, k, 3, 0);
+    REQUIRE(info.ok());
+    CHECK(info->part_file == "shard-" + std::to_string(k) + "-of-3.psdckpt");
+    parts.push_back({k, info->part_file, info->part_bytes, info->part_checksum});
+  }
+  REQUIRE(WriteManifest(dir, step, 3, parts).ok());
+}
+
+}  // namespace
+
+TEST_CASE("a cluster checkpoint is restorable only once sealed, per shard", "[checkpoint][cluster]") {
+  TempDir dir;
+  WriteClusterCheckpoint(dir.path, 10);
+  // Parts of step 20 written, but never sealed (the chief died before every part was in).
+  for (int k = 0; k < 3; ++k) REQUIRE(WriteCheckpoint(dir.path, Snapshot(20, 1), k, 3, 0).ok());
+  for (int k = 0; k < 3; ++k) CHECK(RestorableSteps(dir.path, k, 3) == std::vector<int64_t>{10});
+  // Another cluster size cannot use it.
+  CHECK(RestorableSteps(dir.path, 0, 2).empty());
+
+  ShardSnapshot back;
+  REQUIRE(LoadCheckpointAt(dir.path, 10, 1, &back).ok());
+  CHECK(back.step == 10);
+  CHECK(At(back.variables[0].value, 0) == 20);  // shard 1's own part
+  const VarPlacement& p = back.variables[0].placement;
+  CHECK(p.name == "w");
+  CHECK(p.sliced);
+  REQUIRE(p.parts.size() == 3);
+  CHECK(p.parts[2].shard == 1);
+  CHECK(p.parts[2].row_begin == 4);
+  CHECK(LoadCheckpointAt(dir.path, 20, 1, &back).code() == Code::kNotFound);
+}
+
+TEST_CASE("a corrupt part makes that step unrestorable for its shard only", "[checkpoint][cluster]") {
+  TempDir dir;
+  WriteClusterCheckpoint(dir.path, 10);
+  WriteClusterCheckpoint(dir.path, 20);
+  std::string part = dir.path + "/ckpt-00000000000000000020/shard-2-of-3.psdckpt";
+  FlipByte(part, 40);
+  CHECK(RestorableSteps(dir.path, 2, 3) == std::vector<int64_t>{10});
+  CHECK(RestorableSteps(dir.path, 0, 3) == (std::vector<int64_t>{20, 10}));
+  ShardSnapshot back;
+  CHECK(LoadCheckpointAt(dir.path, 20, 2, &back).code() == Code::kInvalidArgument);
+  // A tampered manifest is rejected as a whole.
+  FlipByte(dir.path + "/ckpt-00000000000000000010/MANIFEST", 20);
+  CHECK(RestorableSteps(dir.path, 0, 3) == std::vector<int64_t>{20});
+}
