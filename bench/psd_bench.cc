@@ -91,6 +91,8 @@ constexpr char kEmbeddingName[] = "bench/emb";
 
 struct Options {
   std::string connect;  // HOST:PORT; empty: start psd in this process
+  int shards = 1;       // in-process: a cluster of this many psd shards
+  std::string slice_bytes_text;  // in-process cluster: --slice-bytes (empty: each variable over every shard)
   int workers = 2;
   int replicas_to_aggregate = -1;  // -1: the number of workers
   int backup_replicas = -1;        // -1: not given (psd's default, 0)
@@ -121,6 +123,7 @@ struct Options {
 struct Endpoint {
   std::string host;
   uint16_t port = 0;
+  std::vector<std::string> cluster;  // a cluster's shards (host and port unused then)
 };
 
 struct VarSpec {
@@ -518,6 +521,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   psclient::ClientOptions co;
   co.host = ep.host;
   co.port = ep.port;
+  co.cluster = ep.cluster;
   co.worker_name = who;
   co.max_frame_bytes = std::max<uint64_t>(co.max_frame_bytes, frame_limit);
   auto connected = psclient::Client::Connect(co);
@@ -697,6 +701,7 @@ struct Report {
   int steps = 0;
   bool fused = false;
   bool pull_in_push = false;
+  int shards = 1;
   double wall_s = 0;
   int64_t global_steps = 0;
   double steps_per_s = 0;
@@ -821,6 +826,7 @@ void PrintJson(const Report& r) {
   field("steps_per_s", JsonNumber(r.steps_per_s));
   field("step_ms_p50", JsonNumber(r.step_p50));
   field("step_ms_p99", JsonNumber(r.step_p99));
+  field("shards", std::to_string(r.shards));
   field("push_gb_per_s", JsonNumber(r.push_gbps));
   field("pull_gb_per_s", JsonNumber(r.pull_gbps));
   field("push_rows_per_s", r.sparse ? JsonNumber(r.push_rows_per_s) : null);
@@ -913,6 +919,12 @@ int Run(int argc, char** argv) {
   Options opt;
   CLI::App app{"psd_bench: training-step benchmark for psd (in-process daemon or --connect)"};
   auto* connect = app.add_option("--connect", opt.connect, "HOST:PORT of a running psd (default: start one here)");
+  app.add_option("--shards", opt.shards, "in-process: a psd cluster of this many shards (elected chief, sliced variables)")
+      ->excludes(connect)
+      ->capture_default_str();
+  app.add_option("--slice-bytes", opt.slice_bytes_text,
+                 "in-process cluster: psd's --slice-bytes (default: split each variable over every shard)")
+      ->excludes(connect);
   app.add_option("--workers,-w", opt.workers, "worker threads, one client each")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
@@ -1059,7 +1071,7 @@ int Run(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("psd"));  // keeps stdout for the report
   spdlog::set_level(spdlog::level::from_str(opt.log_level));
 
-  std::unique_ptr<psd::server::Server> server;
+  std::vector<std::unique_ptr<psd::server::Server>> servers;
   Endpoint ep;
   if (in_process) {
     psd::server::ServerConfig config;
@@ -1088,18 +1100,60 @@ int Run(int argc, char** argv) {
     config.default_token_timeout_ms = opt.token_timeout_ms;
     config.summary_interval_s = 0;
     config.log_level = opt.log_level;
-    auto created = psd::server::Server::Create(config);  // runs config.Validate()
-    if (!created.ok()) {
-      std::fprintf(stderr, "psd_bench: in-process psd: %s\n", created.status().ToString().c_str());
+    if (opt.shards > 1) {
+      // A cluster in this process: P shards on consecutive ports from a random free-looking base.
+      if (!opt.slice_bytes_text.empty()) {
+        auto sb = ParseBytes(opt.slice_bytes_text);
+        if (!sb.ok()) {
+          std::fprintf(stderr, "psd_bench: --slice-bytes: %s\n", sb.status().message().c_str());
+          return 1;
+        }
+        config.slice_bytes = *sb;
+      } else {
+        uint64_t largest = 0;
+        for (const VarSpec& v : vars) largest = std::max<uint64_t>(largest, v.bytes());
+        config.slice_bytes = std::max<uint64_t>(4096, (largest + static_cast<uint64_t>(opt.shards) - 1) /
+                                                          static_cast<uint64_t>(opt.shards));
+      }
+    }
+    for (int attempt = 0; servers.empty() && attempt < 5; ++attempt) {
+      std::vector<std::unique_ptr<psd::server::Server>> made;
+      if (opt.shards > 1) {
+        std::random_device rd;
+        int base = 20000 + static_cast<int>(rd() % 40000);
+        config.cluster.clear();
+        for (int k = 0; k < opt.shards; ++k) config.cluster.push_back("127.0.0.1:" + std::to_string(base + k));
+      }
+      bool ok = true;
+      for (int k = 0; k < opt.shards && ok; ++k) {
+        psd::server::ServerConfig shard = config;
+        if (opt.shards > 1) {
+          shard.shard_index = k;
+          shard.port = static_cast<uint16_t>(std::atoi(config.cluster[static_cast<size_t>(k)].c_str() + 10));
+        }
+        auto created = psd::server::Server::Create(shard);  // runs config.Validate()
+        if (!created.ok()) {
+          std::fprintf(stderr, "psd_bench: in-process psd: %s\n", created.status().ToString().c_str());
+          return 1;
+        }
+        Status started = (*created)->Start();
+        if (!started.ok()) {
+          ok = false;  // the port is taken: another base
+          if (opt.shards == 1) {
+            std::fprintf(stderr, "psd_bench: in-process psd: %s\n", started.ToString().c_str());
+            return 1;
+          }
+          break;
+        }
+        made.push_back(std::move(*created));
+      }
+      if (ok) servers = std::move(made);
+    }
+    if (servers.empty()) {
+      std::fprintf(stderr, "psd_bench: could not start %d in-process shards\n", opt.shards);
       return 1;
     }
-    server = std::move(*created);
-    Status started = server->Start();
-    if (!started.ok()) {
-      std::fprintf(stderr, "psd_bench: in-process psd: %s\n", started.ToString().c_str());
-      return 1;
-    }
-    ep = {"127.0.0.1", server->port()};
+    ep = {"127.0.0.1", servers[0]->port(), config.cluster};
     report.daemon = "in-process";
     report.io_threads = opt.io_threads;
   } else {
@@ -1112,6 +1166,7 @@ int Run(int argc, char** argv) {
     report.daemon = "connect";
   }
   report.endpoint = ep.host + ":" + std::to_string(ep.port);
+  if (!ep.cluster.empty()) report.endpoint = std::to_string(ep.cluster.size()) + " shards from " + ep.cluster[0];
 
   RunState state;
   std::vector<WorkerStats> stats(static_cast<size_t>(opt.workers));
@@ -1149,13 +1204,13 @@ int Run(int argc, char** argv) {
     // Stopping the in-process daemon cancels parked token waits and closes the connections, so
     // the other workers return promptly; against a remote daemon they could block until their
     // token deadline, which is not worth waiting for.
-    if (server) server->Stop();
-    if (!server || !state.WaitForExit(launched, Clock::now() + std::chrono::seconds(15), false)) std::_Exit(1);
+    for (auto& s : servers) s->Stop();
+    if (servers.empty() || !state.WaitForExit(launched, Clock::now() + std::chrono::seconds(15), false)) std::_Exit(1);
     for (auto& t : threads) t.join();
     return 1;
   }
   for (auto& t : threads) t.join();
-  if (server) server->Stop();
+  for (auto& s : servers) s->Stop();
 
   Report measured = Summarize(opt, state.window, stats);
   measured.build_type = report.build_type;
@@ -1164,6 +1219,7 @@ int Run(int argc, char** argv) {
   measured.daemon = report.daemon;
   measured.endpoint = report.endpoint;
   measured.io_threads = report.io_threads;
+  measured.shards = opt.shards;
   if (opt.json) {
     PrintJson(measured);
   } else {

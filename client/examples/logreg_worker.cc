@@ -185,6 +185,7 @@ int main(int argc, char** argv) {
   int my_steps = 0;
   double last_loss = 0;
   auto unavailable_since = std::chrono::steady_clock::time_point::max();
+  std::string last_error;
   while (global_step.value < steps) {
     auto step = opt.minimize(loss_fn, &global_step, vars);
     if (!step.ok()) {
@@ -196,10 +197,12 @@ int main(int argc, char** argv) {
       if (code == psd::Code::kUnavailable || code == psd::Code::kDeadlineExceeded || code == psd::Code::kNotFound ||
           code == psd::Code::kAborted) {
         auto now = std::chrono::steady_clock::now();
-        if (unavailable_since == std::chrono::steady_clock::time_point::max()) {
-          unavailable_since = now;
-          std::fprintf(stderr, "[%s] %s; retrying for up to %.0f s\n", me.c_str(), step.status().ToString().c_str(),
-                       retry_s);
+        if (unavailable_since == std::chrono::steady_clock::time_point::max()) unavailable_since = now;
+        // Say what psd waits for each time it changes (a lost shard, an election, a restore).
+        std::string what = step.status().ToString();
+        if (what != last_error) {
+          std::fprintf(stderr, "[%s] %s; retrying for up to %.0f s\n", me.c_str(), what.c_str(), retry_s);
+          last_error = what;
         }
         if (std::chrono::duration<double>(now - unavailable_since).count() < retry_s) {
           std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -210,6 +213,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     unavailable_since = std::chrono::steady_clock::time_point::max();
+    last_error.clear();
     ++my_steps;
     last_loss = opt.last_loss();
     if (print_every > 0 && my_steps % print_every == 0) {

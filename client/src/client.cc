@@ -182,6 +182,7 @@ class Conn {
   // valid until the next Receive on this connection.
   Status Receive(OutFrame& frame, proto::Response::Reader* resp) {
     uint64_t id = frame.builder.getRoot<proto::Request>().getId();
+    answered_ = false;
     Status s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_);
     if (!s.ok()) {
       // The stream is out of step (or gone): the next call reconnects.
@@ -200,6 +201,7 @@ class Conn {
         return psd::Internal("reply id " + std::to_string(resp->getId()) + " does not match request " +
                              std::to_string(id));
       }
+      answered_ = true;
       if (resp->getCode() != proto::Code::OK) return Status(psd::wire::FromWire(resp->getCode()), resp->getMessage());
     } catch (const kj::Exception& e) {
       Drop();
@@ -219,6 +221,8 @@ class Conn {
   }
 
   std::string Where() const { return host_ + ":" + std::to_string(port_); }
+  // Whether the last Receive got a reply from the daemon (else the connection failed).
+  bool last_answered() const { return answered_; }
   int index() const { return index_; }
 
   // From the last handshake.
@@ -251,6 +255,7 @@ class Conn {
   uint64_t next_id_ = 0;
   int64_t limit_ms_ = 0;
   psd::wire::Deadline deadline_{};
+  bool answered_ = false;
 };
 
 // Prefixes a shard's error with where it came from (clusters only).
@@ -278,22 +283,64 @@ class Client::Impl {
   }
 
   Status ConnectAll() {
+    int reached = 0;
+    Status first;
     for (auto& c : conns_) {
       Status s = c->Connect();
+      if (!s.ok() && options_.observer && cluster()) {
+        // An operator's tool looks at whatever answers (the shards left when one is down).
+        if (first.ok()) first = FromShard(s, *c, cluster());
+        continue;
+      }
       if (!s.ok()) return FromShard(s, *c, cluster());
+      ++reached;
       if (c->shards_reported != static_cast<int>(conns_.size()) && !options_.observer) {
         return psd::InvalidArgument("psd at " + c->Where() + " is part of a cluster of " +
                                     std::to_string(c->shards_reported) + " shard(s), the client was given " +
                                     std::to_string(conns_.size()) + ": list every shard in ClientOptions::cluster");
       }
     }
+    if (reached == 0) return first;
     // The chief as the shards see it; its handshake has the worker's identity and role.
-    int chief = conns_[0]->chief_shard;
+    int chief = -1;
+    for (auto& c : conns_) {
+      if (c->connects > 0 && c->chief_shard >= 0) {
+        chief = c->chief_shard;
+        break;
+      }
+    }
     chief_ = chief >= 0 && chief < static_cast<int>(conns_.size()) ? chief : 0;
+    if (cluster() && !options_.observer) PSD_RETURN_IF_ERROR(WaitUntilServing());
     Conn& c = *conns_[static_cast<size_t>(chief_.load())];
     is_chief_ = c.is_chief;
     cluster_epoch_ = c.cluster_epoch;
     return Status::Ok();
+  }
+
+  // A cluster that is electing its chief or restoring a checkpoint does not serve yet: a trainer
+  // that just connected waits for it (up to connect_timeout_ms) rather than failing its set-up.
+  Status WaitUntilServing() {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+    std::string state = "no answer";
+    for (;;) {
+      RefreshChief();
+      OutFrame frame;
+      chief().NewRequest(frame).setStatus();
+      proto::Response::Reader resp;
+      if (chief().RoundTrip(frame, &resp).ok()) {
+        auto s = resp.getStatus();
+        state = s.getClusterState();
+        if (state == "running" && s.getChiefShard() == chief_.load()) {
+          chief().is_chief = s.getIsChief();
+          chief().cluster_epoch = s.getClusterEpoch();
+          return Status::Ok();
+        }
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        return psd::Unavailable("the psd cluster does not serve yet (" + state + "); retry");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   }
 
   bool cluster() const { return conns_.size() > 1; }
@@ -332,10 +379,15 @@ class Client::Impl {
     for (auto& c : calls) {
       if (c->sent) c->status = FromShard(conn(c->shard).Receive(c->frame, &c->resp), conn(c->shard), cluster());
     }
+    // The most telling error first: a shard's own answer (it says what the cluster waits for)
+    // before a transport failure (a shard that is gone).
     Status first;
-    for (auto& c : calls) {
-      if (c->status.code() == Code::kAborted) NoteRestored();
-      if (first.ok() && !c->status.ok()) first = c->status;
+    for (int pass = 0; pass < 2 && first.ok(); ++pass) {
+      for (auto& c : calls) {
+        if (pass == 0 && c->status.code() == Code::kAborted) NoteRestored();
+        bool answered = c->sent && conn(c->shard).last_answered();
+        if (first.ok() && !c->status.ok() && (pass == 1 || answered)) first = c->status;
+      }
     }
     // Not now: the replies' readers must stay valid until the caller has read them.
     if (!first.ok() && cluster() && (first.code() == Code::kUnavailable || first.code() == Code::kFailedPrecondition)) {

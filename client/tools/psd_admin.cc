@@ -3,6 +3,8 @@
 //
 //   psd_admin --port 7070 status        # global step, workers, tokens, pushes, checkpoint, config
 //   psd_admin --port 7070 checkpoint    # ask for a checkpoint at the next step boundary
+//   psd_admin --cluster h:p,h:p placement  # which shard(s) hold each variable, bytes per shard
+// With --cluster, status also lists every shard (the ones that answer) and the election state.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
@@ -17,6 +19,8 @@ int main(int argc, char** argv) {
   opts.connect_timeout_ms = 2000;
   app.add_option("--host", opts.host, "psd address")->capture_default_str();
   app.add_option("--port", opts.port, "psd port")->capture_default_str();
+  std::string cluster;
+  app.add_option("--cluster", cluster, "a psd cluster: every shard's host:port, comma-separated");
   bool json = false;
   std::string token_file;
   app.add_option("--auth-token-file", token_file, "psd's shared secret, if it runs with one");
@@ -24,7 +28,14 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   auto* status = app.add_subcommand("status", "print the job's state");
   auto* checkpoint = app.add_subcommand("checkpoint", "ask for a checkpoint at the next step boundary");
+  auto* placement = app.add_subcommand("placement", "where each variable lives, and bytes per shard");
   CLI11_PARSE(app, argc, argv);
+  for (size_t pos = 0; pos < cluster.size();) {
+    size_t comma = cluster.find(',', pos);
+    if (comma == std::string::npos) comma = cluster.size();
+    if (comma > pos) opts.cluster.push_back(cluster.substr(pos, comma - pos));
+    pos = comma + 1;
+  }
   if (!token_file.empty()) {
     auto token = psd::ReadSecretFile(token_file);
     if (!token.ok()) {
@@ -48,7 +59,42 @@ int main(int argc, char** argv) {
     std::printf("checkpoint requested\n");
     return 0;
   }
+  if (placement->parsed()) {
+    auto map = (*client)->GetPlacementMap();
+    if (!map.ok()) {
+      std::fprintf(stderr, "psd_admin: %s\n", map.status().ToString().c_str());
+      return 1;
+    }
+    for (size_t k = 0; k < map->shard_bytes.size(); ++k) {
+      std::printf("shard %zu: %llu bytes\n", k, static_cast<unsigned long long>(map->shard_bytes[k]));
+    }
+    for (const auto& v : map->variables) {
+      std::printf("%-32s %s %-16s", v.name.c_str(), psd::DTypeName(v.dtype), psd::ShapeString(v.shape).c_str());
+      if (!v.sliced) {
+        std::printf(" shard %d\n", v.parts[0].shard);
+        continue;
+      }
+      for (const auto& p : v.parts) {
+        std::printf(" shard %d rows [%lld, %lld)", p.shard, static_cast<long long>(p.row_begin),
+                    static_cast<long long>(p.row_end));
+      }
+      std::printf("\n");
+    }
+    return 0;
+  }
   (void)status;
+  if ((*client)->shards() > 1 && !json) {
+    for (int k = 0; k < (*client)->shards(); ++k) {
+      auto s = (*client)->GetShardStatus(k);
+      if (!s.ok()) {
+        std::printf("shard %d              unreachable: %s\n", k, s.status().message().c_str());
+        continue;
+      }
+      std::printf("shard %d              step %lld, chief %d, term %llu, epoch %llu: %s\n", k,
+                  static_cast<long long>(s->global_step), s->chief_shard, static_cast<unsigned long long>(s->term),
+                  static_cast<unsigned long long>(s->cluster_epoch), s->cluster_state.c_str());
+    }
+  }
   auto st = (*client)->GetStatus();
   if (!st.ok()) {
     std::fprintf(stderr, "psd_admin: %s\n", st.status().ToString().c_str());
@@ -84,6 +130,13 @@ int main(int argc, char** argv) {
     std::printf("last checkpoint      step %lld\n", static_cast<long long>(j.last_checkpoint_step));
   } else {
     std::printf("last checkpoint      none\n");
+  }
+  if (j.shards > 1) {
+    std::string missing;
+    for (int m : j.missing_shards) missing += (missing.empty() ? "" : ", ") + std::to_string(m);
+    std::printf("cluster              %d shards, chief %d, term %llu, epoch %llu: %s%s\n", j.shards, j.chief_shard,
+                static_cast<unsigned long long>(j.term), static_cast<unsigned long long>(j.cluster_epoch),
+                j.cluster_state.c_str(), missing.empty() ? "" : (" (missing: " + missing + ")").c_str());
   }
   return 0;
 }

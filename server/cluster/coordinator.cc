@@ -1,5 +1,6 @@
 #include "cluster/coordinator.h"
 
+#include <capnp/serialize.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -11,6 +12,18 @@
 
 namespace psd::server {
 
+namespace {
+
+// A message as immutable bytes: one serialized copy can go to several links at once (an OutFrame
+// cannot: its segment table is rebuilt by every write). Peer messages are small.
+using Bytes = std::shared_ptr<const kj::Array<capnp::word>>;
+
+Bytes Flatten(const std::shared_ptr<wire::OutFrame>& frame) {
+  return std::make_shared<const kj::Array<capnp::word>>(capnp::messageToFlatArray(frame->builder));
+}
+
+}  // namespace
+
 // An outgoing link to one other shard: connects (and reconnects every 100 ms while it is down),
 // says hello as a peer, then writes messages in order. Messages given while the link is down
 // are dropped: the receiver has seen the link close and counts this shard as gone anyway.
@@ -18,7 +31,7 @@ namespace psd::server {
 // dead peer is noticed. All members are touched on the link's strand.
 class PeerLink : public std::enable_shared_from_this<PeerLink> {
  public:
-  PeerLink(asio::io_context& io, std::string address, std::shared_ptr<wire::OutFrame> hello)
+  PeerLink(asio::io_context& io, std::string address, Bytes hello)
       : strand_(asio::make_strand(io)),
         socket_(strand_),
         resolver_(strand_),
@@ -30,7 +43,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     asio::dispatch(strand_, [self = shared_from_this()] { self->Connect(); });
   }
 
-  void Send(std::shared_ptr<wire::OutFrame> frame) {
+  void Send(Bytes frame) {
     asio::dispatch(strand_, [self = shared_from_this(), frame = std::move(frame)] {
       if (!self->up_ || self->stopped_) return;
       if (self->queue_.size() > 4096) return;  // a peer that reads nothing: it will be seen as gone
@@ -105,7 +118,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     }
     writing_ = true;
     auto frame = queue_.front();
-    asio::async_write(socket_, frame->Buffers(),
+    asio::async_write(socket_, asio::buffer(frame->begin(), frame->size() * sizeof(capnp::word)),
                       [self = shared_from_this(), frame](boost::system::error_code ec, size_t) {
                         if (!self->queue_.empty()) self->queue_.pop_front();
                         if (ec) {
@@ -122,8 +135,8 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   tcp::resolver resolver_;
   asio::steady_timer retry_;
   const std::string address_;
-  const std::shared_ptr<wire::OutFrame> hello_;
-  std::deque<std::shared_ptr<wire::OutFrame>> queue_;
+  const Bytes hello_;
+  std::deque<Bytes> queue_;
   std::atomic<bool> writing_{false};
   bool up_ = false;
   bool stopped_ = false;
@@ -208,7 +221,7 @@ ClusterCoordinator::ClusterCoordinator(Server& server, const ServerConfig& confi
   h.setClusterSize(static_cast<uint32_t>(shards_));
   links_.resize(static_cast<size_t>(shards_));
   for (int i = 0; i < shards_; ++i) {
-    if (i != me_) links_[static_cast<size_t>(i)] = std::make_shared<PeerLink>(io_, AddressOf(i), hello);
+    if (i != me_) links_[static_cast<size_t>(i)] = std::make_shared<PeerLink>(io_, AddressOf(i), Flatten(hello));
   }
 }
 
@@ -276,12 +289,17 @@ void ClusterCoordinator::SendTo(int shard, const std::shared_ptr<wire::OutFrame>
     asio::post(io_, [this, frame] { OnPeerMessage(frame->builder.getRoot<proto::Request>().asReader().getPeer()); });
     return;
   }
-  if (auto& l = links_[static_cast<size_t>(shard)]) l->Send(frame);
+  if (auto& l = links_[static_cast<size_t>(shard)]) l->Send(Flatten(frame));
 }
 
 void ClusterCoordinator::SendToAll(const std::shared_ptr<wire::OutFrame>& frame, bool include_self) {
+  Bytes bytes = Flatten(frame);
   for (int i = 0; i < shards_; ++i) {
-    if (i != me_ || include_self) SendTo(i, frame);
+    if (i == me_) {
+      if (include_self) SendTo(i, frame);
+    } else if (auto& l = links_[static_cast<size_t>(i)]) {
+      l->Send(bytes);
+    }
   }
 }
 
@@ -900,25 +918,26 @@ void ClusterCoordinator::RequestCheckpoint(bool timed) {
   SendTo(chief, frame);
 }
 
+Status ClusterCoordinator::NotChiefLocked() const {
+  // UNAVAILABLE: the caller asks the shards who the chief is and tries again.
+  if (chief_ < 0) return Unavailable("shard " + std::to_string(me_) + " knows no chief yet (an election is on); retry");
+  return Unavailable("shard " + std::to_string(me_) + " is not the chief; the chief is shard " +
+                     std::to_string(chief_));
+}
+
 // --- workers ----------------------------------------------------------------------------------
 
 Result<VarPlacement> ClusterCoordinator::Place(const std::string& name, DType dtype, const Shape& shape,
                                                const std::string& colocate, bool trainable) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (chief_ != me_) {
-    return FailedPrecondition("shard " + std::to_string(me_) + " is not the chief; the chief is shard " +
-                              std::to_string(chief_));
-  }
+  if (chief_ != me_) return NotChiefLocked();
   if (!running_) return Unavailable("the cluster is not serving yet: " + missing_reason_);
   return placement_.Place(name, dtype, shape, colocate, trainable);
 }
 
 Status ClusterCoordinator::Placements(std::vector<VarPlacement>* out, std::vector<uint64_t>* shard_bytes) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (chief_ != me_) {
-    return FailedPrecondition("shard " + std::to_string(me_) + " is not the chief; the chief is shard " +
-                              std::to_string(chief_));
-  }
+  if (chief_ != me_) return NotChiefLocked();
   if (!running_) return Unavailable("the cluster is not serving yet: " + missing_reason_);
   *out = placement_.All();
   *shard_bytes = placement_.shard_bytes();
@@ -948,7 +967,9 @@ void ClusterCoordinator::OnJobDone() {
     auto c = msg.initControl();
     c.setEpoch(epoch_);
     c.setJobDone(true);
-    bool can = !config_.checkpoint_dir.empty() && running_ && commit_in_flight_ < 0;
+    // The final checkpoint, unless the last commit already made one at this step.
+    bool can = !config_.checkpoint_dir.empty() && running_ && commit_in_flight_ < 0 &&
+               (sealed_.empty() || sealed_.front() != open_step_);
     c.setSnapshotStep(can ? open_step_ : -1);
     c.setForceStep(-1);
   }

@@ -156,6 +156,7 @@ class ClusterCoordinator {
   void HandleControl(int from, uint64_t term, proto::PeerControl::Reader c, std::vector<Action>* actions);
   void RestoreDone(uint64_t epoch, int64_t step, const Status& status, std::vector<VarPlacement> placements);
   void AddSealedLocked(int64_t step);
+  Status NotChiefLocked() const;
 
   // Builds a peer message (term and sender filled in) under mu_.
   std::shared_ptr<wire::OutFrame> NewMessageLocked(proto::PeerMessage::Builder* msg) const;

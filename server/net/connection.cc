@@ -338,7 +338,7 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
                                    std::to_string(engine->epoch()) + ": pull the variables and go on from there"));
     }
     if (r.getWaitToken() && !c->is_chief()) {
-      return SendError(id, FailedPrecondition("tokens live on the chief shard " + std::to_string(c->chief())));
+      return SendError(id, Unavailable("tokens live on the chief shard " + std::to_string(c->chief()) + "; retry"));
     }
   }
   std::vector<GradRef> grads;
@@ -427,7 +427,7 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
 
 void Connection::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
   if (ClusterCoordinator* c = server_.coordinator(); c != nullptr && !c->is_chief()) {
-    return SendError(id, FailedPrecondition("tokens live on the chief shard " + std::to_string(c->chief())));
+    return SendError(id, Unavailable("tokens live on the chief shard " + std::to_string(c->chief()) + "; retry"));
   }
   WaitForToken(r.getTimeoutMs(), [this, id](const Status& st, int64_t token) {
     if (!st.ok()) return SendError(id, st);
@@ -522,7 +522,8 @@ void Connection::HandleCheckpoint(uint64_t id) {
 
 void Connection::HandleSetLearningRate(uint64_t id, double lr) {
   if (ClusterCoordinator* c = server_.coordinator(); c != nullptr && !c->is_chief()) {
-    return SendError(id, FailedPrecondition("set the learning rate on the chief shard " + std::to_string(c->chief())));
+    return SendError(id,
+                     Unavailable("set the learning rate on the chief shard " + std::to_string(c->chief()) + "; retry"));
   }
   if (!server_.workers().IsChief(id_)) {
     return SendError(id, FailedPrecondition("only the chief worker may change the learning rate"));
