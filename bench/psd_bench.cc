@@ -90,8 +90,8 @@ constexpr uint64_t kFrameOverheadPerVariable = 1 << 10;
 constexpr char kEmbeddingName[] = "bench/emb";
 
 struct Options {
-  std::string connect;  // HOST:PORT; empty: start psd in this process
-  int shards = 1;       // in-process: a cluster of this many psd shards
+  std::string connect;           // HOST:PORT; empty: start psd in this process
+  int shards = 1;                // in-process: a cluster of this many psd shards
   std::string slice_bytes_text;  // in-process cluster: --slice-bytes (empty: each variable over every shard)
   int workers = 2;
   int replicas_to_aggregate = -1;  // -1: the number of workers
@@ -919,7 +919,8 @@ int Run(int argc, char** argv) {
   Options opt;
   CLI::App app{"psd_bench: training-step benchmark for psd (in-process daemon or --connect)"};
   auto* connect = app.add_option("--connect", opt.connect, "HOST:PORT of a running psd (default: start one here)");
-  app.add_option("--shards", opt.shards, "in-process: a psd cluster of this many shards (elected chief, sliced variables)")
+  app.add_option("--shards", opt.shards,
+                 "in-process: a psd cluster of this many shards (elected chief, sliced variables)")
       ->excludes(connect)
       ->capture_default_str();
   app.add_option("--slice-bytes", opt.slice_bytes_text,
@@ -1112,8 +1113,8 @@ int Run(int argc, char** argv) {
       } else {
         uint64_t largest = 0;
         for (const VarSpec& v : vars) largest = std::max<uint64_t>(largest, v.bytes());
-        config.slice_bytes = std::max<uint64_t>(4096, (largest + static_cast<uint64_t>(opt.shards) - 1) /
-                                                          static_cast<uint64_t>(opt.shards));
+        config.slice_bytes = std::max<uint64_t>(
+            4096, (largest + static_cast<uint64_t>(opt.shards) - 1) / static_cast<uint64_t>(opt.shards));
       }
     }
     for (int attempt = 0; servers.empty() && attempt < 5; ++attempt) {

@@ -240,8 +240,8 @@ int main(int argc, char** argv) {
       "[%s] done: %d local steps in %.2f s (%.1f steps/s), global step %lld, pushes accepted %lld stale "
       "%lld, loss %.4f -> %.4f, parameter sum %.9g\n",
       me.c_str(), my_steps, secs, my_steps / std::max(secs, 1e-9), static_cast<long long>(global_step.value),
-      static_cast<long long>(opt.accepted_total()), static_cast<long long>(opt.stale_total()), initial_loss,
-      final_loss, param_sum);
+      static_cast<long long>(opt.accepted_total()), static_cast<long long>(opt.stale_total()), initial_loss, final_loss,
+      param_sum);
   psclient::Status fs = c.Finish();
   if (!fs.ok()) std::fprintf(stderr, "%s: finish: %s\n", me.c_str(), fs.ToString().c_str());
   return 0;

@@ -33,7 +33,7 @@ cat "$run/w0.log" | tail -3
 grep -q "all workers finished" "$run/psd.log" || { echo "psd did not report the end of the job"; exit 1; }
 # Every worker reports "loss A -> B"; B must be well below A (ln 2 = 0.693 for the initial model).
 for i in 0 1 2; do
-  final=$(sed -n 's/.*loss [0-9.]* -> \([0-9.]*\)$/\1/p' "$run/w$i.log")
+  final=$(sed -n 's/.*loss [0-9.]* -> \([0-9.]*\).*/\1/p' "$run/w$i.log")
   echo "w$i final loss: $final"
   awk -v f="$final" 'BEGIN { exit !(f != "" && f < 0.45) }' || { echo "w$i: loss did not fall"; cat "$run/w$i.log"; exit 1; }
 done

@@ -24,7 +24,7 @@ train() {  # name, psd flags...
   for p in "${wpids[@]}"; do wait "$p" || { echo "$name: a worker failed"; cat "$run/$name"-w*.log; exit 1; }; done
   wait "$psd_pid" || { echo "$name: psd did not exit 0"; cat "$run/psd-$name.log"; exit 1; }
   for i in 0 1 2; do
-    local final; final=$(sed -n 's/.*loss [0-9.]* -> \([0-9.]*\)$/\1/p' "$run/$name-w$i.log")
+    local final; final=$(sed -n 's/.*loss [0-9.]* -> \([0-9.]*\).*/\1/p' "$run/$name-w$i.log")
     awk -v f="$final" 'BEGIN { exit !(f != "" && f < 0.45) }' || { echo "$name w$i: loss $final"; cat "$run/$name-w$i.log"; exit 1; }
   done
   echo "$name: $(tail -1 "$run/$name-w0.log")"

@@ -36,7 +36,7 @@ wait "$psd2" || { echo "restarted psd did not exit 0"; cat "$run/psd2.log"; exit
 grep -q "restored .* at global step" "$run/psd2.log" || { echo "no restore"; cat "$run/psd2.log"; exit 1; }
 grep "restored" "$run/psd2.log" | sed 's/.*restored/restored/'
 for i in 0 1 2; do
-  final=$(sed -n 's/.*loss [0-9.]* -> \([0-9.]*\)$/\1/p' "$run/w$i.log")
+  final=$(sed -n 's/.*loss [0-9.]* -> \([0-9.]*\).*/\1/p' "$run/w$i.log")
   awk -v f="$final" 'BEGIN { exit !(f != "" && f < 0.45) }' || { echo "w$i: loss $final"; cat "$run/w$i.log"; exit 1; }
 done
 echo "training finished after the restart: $(tail -1 "$run/w0.log")"
