@@ -118,6 +118,8 @@ struct Options {
   bool json = false;
   bool finish = false;
   std::string log_level = "warn";
+  int collectives = 0;  // > 0: the reduce_to / batch_reduce_to comparison instead of training
+  int64_t collective_elements = 16;
 };
 
 struct Endpoint {
@@ -915,6 +917,108 @@ void PrintTable(const Report& r, const std::string& build_warning_line) {
               sync ? "worker 0's wall time" : "the measured window", r.sparse ? "; values + int64 indices" : "");
 }
 
+// --collectives N: every worker (a replica) reduces N small tensors (--collective-elements floats
+// each) per round, first as one batch_reduce_to, then as N reduce_to calls; each round completes
+// when all workers contributed. Prints the mean time per round of each and their ratio.
+int RunCollectives(const Options& opt, const Endpoint& ep, int n, int64_t elements) {
+  std::vector<std::string> names;
+  for (int i = 0; i < n; ++i) names.push_back("bench/metric/" + std::to_string(i));
+  std::atomic<int> created{0}, failed{0};
+  std::vector<double> batch_ms(static_cast<size_t>(opt.workers)), single_ms(static_cast<size_t>(opt.workers));
+  std::vector<uint64_t> batch_requests(static_cast<size_t>(opt.workers)),
+      single_requests(static_cast<size_t>(opt.workers));
+  std::vector<std::thread> threads;
+  for (int w = 0; w < opt.workers; ++w) {
+    threads.emplace_back([&, w] {
+      psclient::ClientOptions co;
+      co.host = ep.host;
+      co.port = ep.port;
+      co.cluster = ep.cluster;
+      co.worker_name = "bench-" + std::to_string(w);
+      auto c = psclient::Client::Connect(co);
+      if (!c.ok()) {
+        std::fprintf(stderr, "psd_bench: %s\n", c.status().ToString().c_str());
+        ++failed;
+        return;
+      }
+      std::vector<float> value(static_cast<size_t>(elements), 1.f + static_cast<float>(w));
+      psd::ConstTensorView view{value.data(), psd::DType::kFloat32, {elements}, psd::MemoryKind::kHost};
+      if (w == 0) {
+        psclient::VariableOptions o;
+        o.trainable = false;
+        for (const auto& name : names) {
+          if (!(*c)->CreateVariable(name, view, o).ok()) ++failed;
+        }
+        created = 1;
+      }
+      while (!created.load() && !failed.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      std::vector<psclient::ReduceItem> items;
+      for (const auto& name : names) items.push_back({view, name, {}});
+      int64_t round = 0;
+      const int rounds = opt.warmup + opt.steps;
+      auto t0 = Clock::now();
+      uint64_t r0 = (*c)->requests_sent();
+      for (int i = 0; i < rounds; ++i, ++round) {
+        if (i == opt.warmup) {
+          t0 = Clock::now();
+          r0 = (*c)->requests_sent();
+        }
+        auto got = (*c)->BatchReduceTo(psclient::ReduceOp::kSum, round, items, {0, opt.token_timeout_ms});
+        if (!got.ok()) {
+          std::fprintf(stderr, "psd_bench: batch_reduce_to: %s\n", got.status().ToString().c_str());
+          ++failed;
+          return;
+        }
+      }
+      batch_ms[static_cast<size_t>(w)] =
+          std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / opt.steps;
+      batch_requests[static_cast<size_t>(w)] = ((*c)->requests_sent() - r0) / static_cast<uint64_t>(opt.steps);
+      for (int i = 0; i < rounds; ++i, ++round) {
+        if (i == opt.warmup) {
+          t0 = Clock::now();
+          r0 = (*c)->requests_sent();
+        }
+        for (const auto& name : names) {
+          auto got = (*c)->ReduceTo(psclient::ReduceOp::kSum, round, view, name, {}, opt.token_timeout_ms);
+          if (!got.ok()) {
+            std::fprintf(stderr, "psd_bench: reduce_to: %s\n", got.status().ToString().c_str());
+            ++failed;
+            return;
+          }
+        }
+      }
+      single_ms[static_cast<size_t>(w)] =
+          std::chrono::duration<double, std::milli>(Clock::now() - t0).count() / opt.steps;
+      single_requests[static_cast<size_t>(w)] = ((*c)->requests_sent() - r0) / static_cast<uint64_t>(opt.steps);
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (failed.load()) return 1;
+  double b = 0, s = 0;
+  for (int w = 0; w < opt.workers; ++w) {
+    b += batch_ms[static_cast<size_t>(w)] / opt.workers;
+    s += single_ms[static_cast<size_t>(w)] / opt.workers;
+  }
+  if (opt.json) {
+    std::printf(
+        "{\"collectives\": %d, \"elements\": %lld, \"workers\": %d, \"shards\": %d, "
+        "\"batch_reduce_to_ms\": %.4f, \"batch_requests\": %llu, \"reduce_to_ms\": %.4f, "
+        "\"reduce_to_requests\": %llu, \"ratio\": %.2f}\n",
+        n, static_cast<long long>(elements), opt.workers, opt.shards, b,
+        static_cast<unsigned long long>(batch_requests[0]), s, static_cast<unsigned long long>(single_requests[0]),
+        s / b);
+  } else {
+    std::printf("collectives: %d tensors of %lld float32 per round, %d worker(s) (replicas), %d shard(s), %d rounds\n",
+                n, static_cast<long long>(elements), opt.workers, opt.shards, opt.steps);
+    std::printf("  batch_reduce_to        %10.3f ms per round  (%llu request(s) per worker)\n", b,
+                static_cast<unsigned long long>(batch_requests[0]));
+    std::printf("  %d x reduce_to        %10.3f ms per round  (%llu request(s) per worker)\n", n, s,
+                static_cast<unsigned long long>(single_requests[0]));
+    std::printf("  batch_reduce_to is %.1fx faster\n", s / b);
+  }
+  return 0;
+}
+
 int Run(int argc, char** argv) {
   Options opt;
   CLI::App app{"psd_bench: training-step benchmark for psd (in-process daemon or --connect)"};
@@ -994,6 +1098,11 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--finish", opt.finish, "with --connect: declare the workers done at the end (always done in-process)");
   app.add_flag("--json", opt.json, "print one JSON object instead of the table");
+  app.add_option("--collectives", opt.collectives,
+                 "compare one batch_reduce_to of N small tensors with N reduce_to calls per round (0: off)")
+      ->capture_default_str();
+  app.add_option("--collective-elements", opt.collective_elements, "--collectives: float32 elements per tensor")
+      ->capture_default_str();
   app.add_option("--log-level", opt.log_level, "in-process psd's log level")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
       ->capture_default_str();
@@ -1169,6 +1278,11 @@ int Run(int argc, char** argv) {
   report.endpoint = ep.host + ":" + std::to_string(ep.port);
   if (!ep.cluster.empty()) report.endpoint = std::to_string(ep.cluster.size()) + " shards from " + ep.cluster[0];
 
+  if (opt.collectives > 0) {
+    int rc = RunCollectives(opt, ep, opt.collectives, opt.collective_elements);
+    for (auto& s : servers) s->Stop();
+    return rc;
+  }
   RunState state;
   std::vector<WorkerStats> stats(static_cast<size_t>(opt.workers));
   std::vector<std::thread> threads;

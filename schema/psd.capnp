@@ -43,6 +43,22 @@ enum Reduction {
   sum @1;
 }
 
+# How the assignments that replicas make to a variable combine (TF's VariableAggregation); for a
+# sync-on-read variable, how a read combines the replicas' own values.
+enum Aggregation {
+  none @0;              # every replica must assign the same value (else INVALID_ARGUMENT)
+  sum @1;
+  mean @2;
+  onlyFirstReplica @3;  # replica 0's assignment is taken, the others' ignored
+}
+
+enum UpdateOp {
+  assign @0;
+  assignAdd @1;
+  assignSub @2;
+  scale @3;             # value *= factor
+}
+
 struct Tensor {
   dtype @0 :DType;
   shape @1 :List(Int64);
@@ -96,6 +112,8 @@ struct CreateVariable {
   optimizer @4 :Text;     # empty: the job's optimizer
   placement @5 :VariablePlacement;  # cluster: the whole variable's placement; `initial` is part `part` of it
   part @6 :UInt32;
+  aggregation @7 :Aggregation;
+  syncOnRead @8 :Bool;    # each replica keeps its own value; a read combines them (aggregation sum or mean)
 }
 
 # Where a variable lives in a cluster: one part (the whole variable) or slices along dimension 0.
@@ -197,6 +215,49 @@ struct TokenReply {
   stepGradients @2 :Int32;
 }
 
+# reduce_to / batch_reduce_to: every replica contributes a value per destination and step; once
+# the step's required replicas contributed, the sum (or mean) is assigned to the destination and
+# every contributor gets it back.
+struct ReduceEntry {
+  destination @0 :Text;
+  value @1 :Tensor;
+}
+
+struct Reduce {
+  op @0 :Reduction;
+  localStep @1 :Int64;    # staleness as for gradients: older than the destination's round is dropped
+  replica @2 :UInt32;
+  entries @3 :List(ReduceEntry);
+  timeoutMs @4 :Int64;    # <= 0: the daemon's token timeout
+}
+
+struct ReduceResult {
+  accepted @0 :Bool;      # false: stale, dropped (value: the destination's current value)
+  step @1 :Int64;         # the round it counted for
+  value @2 :Tensor;       # the reduced value
+}
+
+struct ReduceReply {
+  results @0 :List(ReduceResult);
+}
+
+# update(variable, fn): an update computed where the variable lives.
+struct Update {
+  variable @0 :Text;
+  op @1 :UpdateOp;
+  value @2 :Tensor;       # assign / assignAdd / assignSub (empty for scale)
+  factor @3 :Float64;     # scale
+  crossReplica @4 :Bool;  # one caller for all replicas (applied at once); else this replica's share
+  replica @5 :UInt32;
+  localStep @6 :Int64;
+  timeoutMs @7 :Int64;
+}
+
+struct UpdateReply {
+  applied @0 :Bool;       # false: only-first-replica aggregation ignored this replica
+  step @1 :Int64;         # the round (replica context) the assignment counted for
+}
+
 struct GetSlot {
   variable @0 :Text;
   slot @1 :Text;
@@ -223,6 +284,7 @@ struct JobStatus {
   clusterEpoch @17 :UInt64;
   clusterState @18 :Text;         # "running", or what the cluster waits for
   missingShards @19 :List(UInt32);
+  workers @20 :List(Text);        # workers' names in first-hello order (index = replica id)
 }
 
 # --- shard to shard (cluster) -----------------------------------------------------------------
@@ -323,6 +385,8 @@ struct Request {
     place @12 :Place;             # cluster, chief only: place (or find) a variable
     getPlacement @13 :Void;       # cluster, chief only: the whole placement map
     peer @14 :PeerMessage;        # shard to shard; never answered
+    reduce @15 :Reduce;
+    update @16 :Update;
   }
 }
 
@@ -341,5 +405,7 @@ struct Response {
     slot @10 :Tensor;
     placement @11 :VariablePlacement;
     placementMap @12 :PlacementMap;
+    reduce @13 :ReduceReply;
+    update @14 :UpdateReply;
   }
 }

@@ -174,6 +174,7 @@ class Conn {
   // wait_ms + 10 s, counted from now.
   Status Send(OutFrame& frame, int64_t wait_ms = 0) {
     if (!socket_.is_open()) PSD_RETURN_IF_ERROR(Connect());
+    ++requests;
     limit_ms_ = std::max<int64_t>(options_.request_timeout_ms, wait_ms > 0 ? wait_ms + 10000 : 0);
     return SendNoReconnect(frame);
   }
@@ -234,6 +235,7 @@ class Conn {
   uint64_t cluster_epoch = 0;
   int shards_reported = 1;
   uint64_t connects = 0;
+  std::atomic<uint64_t> requests{0};
 
  private:
   Status SendNoReconnect(OutFrame& frame) {
@@ -702,6 +704,8 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
     c.setTrainable(options.trainable);
     c.setAverage(options.average);
     c.setOptimizer(options.optimizer);
+    c.setAggregation(static_cast<proto::Aggregation>(static_cast<int>(options.aggregation)));
+    c.setSyncOnRead(options.sync_on_read);
     ConstTensorView part = SliceOf(host, placed, i);
     psd::wire::SetTensor(call.frame.builder, c.initInitial(), part.dtype, part.shape, host.data ? part.data : nullptr,
                          host.data ? part.bytes() : 0);
@@ -1224,6 +1228,196 @@ Status Client::RequestCheckpoint() {
   impl_->Begin();
   proto::Response::Reader resp;
   return impl_->CallChief([](proto::Request::Builder req) { req.setCheckpoint(); }, &resp);
+}
+
+namespace {
+
+// A host copy of a view when it lives on a device (kept alive by `keep`).
+ConstTensorView OnHost(const ConstTensorView& v, std::deque<std::vector<uint64_t>>* keep, Status* status) {
+  if (v.memory == MemoryKind::kHost || v.data == nullptr) return v;
+  keep->emplace_back((v.bytes() + 7) / 8);
+  *status = internal::CopyToHost(keep->back().data(), v.data, v.bytes(), v.memory);
+  ConstTensorView h = v;
+  h.data = keep->back().data();
+  h.memory = MemoryKind::kHost;
+  return h;
+}
+
+}  // namespace
+
+Result<ReduceResult> Client::ReduceTo(ReduceOp op, int64_t local_step, ConstTensorView value,
+                                      const std::string& destination, TensorView result, int64_t timeout_ms) {
+  auto all = BatchReduceTo(op, local_step, {{value, destination, result}}, {0, timeout_ms});
+  if (!all.ok()) return all.status();
+  return (*all)[0];
+}
+
+Result<std::vector<ReduceResult>> Client::BatchReduceTo(ReduceOp op, int64_t local_step,
+                                                        const std::vector<ReduceItem>& items,
+                                                        const CollectiveHints& hints) {
+  if (items.empty()) return psd::InvalidArgument("batch_reduce_to needs at least one value");
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
+  Impl& im = *impl_;
+  std::deque<std::vector<uint64_t>> keep;
+  // Every (item, part) goes to its shard; a shard's entries are packed into messages of at most
+  // bytes_per_pack. Messages are sent in waves of at most one per shard (all of a wave before
+  // any reply is read).
+  struct Entry {
+    size_t item;
+    ConstTensorView value;
+    TensorView result;
+  };
+  std::vector<std::vector<std::vector<Entry>>> packs(static_cast<size_t>(im.shards()));
+  for (size_t i = 0; i < items.size(); ++i) {
+    Status copied;
+    ConstTensorView host = OnHost(items[i].value, &keep, &copied);
+    PSD_RETURN_IF_ERROR(copied);
+    auto loc = im.Locate(items[i].destination);
+    if (!loc.ok()) return loc.status();
+    if (loc->sliced && host.shape != loc->shape) {
+      return psd::InvalidArgument("reduce_to '" + items[i].destination + "': value is " + psd::ShapeString(host.shape) +
+                                  ", the variable " + psd::ShapeString(loc->shape));
+    }
+    for (size_t k = 0; k < loc->parts.size(); ++k) {
+      auto& shard_packs = packs[static_cast<size_t>(loc->parts[k].shard)];
+      ConstTensorView part = SliceOf(host, *loc, k);
+      uint64_t used = 0;
+      if (!shard_packs.empty()) {
+        for (const Entry& e : shard_packs.back()) used += e.value.bytes();
+      }
+      if (shard_packs.empty() || (hints.bytes_per_pack > 0 && used > 0 && used + part.bytes() > hints.bytes_per_pack)) {
+        shard_packs.emplace_back();
+      }
+      TensorView out = items[i].result.data ? SliceOf(items[i].result, *loc, k) : TensorView{};
+      shard_packs.back().push_back({i, part, out});
+    }
+  }
+  std::vector<ReduceResult> results(items.size(), {true, INT64_MAX});
+  for (size_t wave = 0;; ++wave) {
+    Impl::Calls calls;
+    std::vector<const std::vector<Entry>*> sent;
+    for (int k = 0; k < im.shards(); ++k) {
+      const auto& shard_packs = packs[static_cast<size_t>(k)];
+      if (wave >= shard_packs.size()) continue;
+      proto::Request::Builder req(nullptr);
+      Impl::Call& call = im.Add(calls, k, &req, hints.timeout_ms > 0 ? hints.timeout_ms : 60000);
+      auto r = req.initReduce();
+      r.setOp(op == ReduceOp::kMean ? proto::Reduction::MEAN : proto::Reduction::SUM);
+      r.setLocalStep(local_step);
+      r.setReplica(im.chief().worker_id);
+      r.setTimeoutMs(hints.timeout_ms);
+      const auto& entries = shard_packs[wave];
+      auto list = r.initEntries(static_cast<unsigned>(entries.size()));
+      for (size_t e = 0; e < entries.size(); ++e) {
+        list[static_cast<unsigned>(e)].setDestination(items[entries[e].item].destination);
+        const ConstTensorView& v = entries[e].value;
+        psd::wire::SetTensor(call.frame.builder, list[static_cast<unsigned>(e)].initValue(), v.dtype, v.shape, v.data,
+                             v.bytes());
+      }
+      sent.push_back(&entries);
+    }
+    if (calls.empty()) break;
+    PSD_RETURN_IF_ERROR(im.Run(calls));
+    try {
+      for (size_t c = 0; c < calls.size(); ++c) {
+        auto got = calls[c]->resp.getReduce().getResults();
+        const auto& entries = *sent[c];
+        if (got.size() != entries.size()) return psd::Internal("reduce reply has the wrong number of results");
+        for (size_t e = 0; e < entries.size(); ++e) {
+          auto g = got[static_cast<unsigned>(e)];
+          ReduceResult& r = results[entries[e].item];
+          r.accepted = r.accepted && g.getAccepted();
+          r.step = std::min(r.step, g.getStep());
+          if (entries[e].result.data == nullptr) continue;
+          auto t = psd::wire::ReadTensor(g.getValue(), im.options_.max_frame_bytes);
+          if (!t.ok()) return t.status();
+          PSD_RETURN_IF_ERROR(CheckView("reduce_to result", t->dtype, t->shape, entries[e].result));
+          PSD_RETURN_IF_ERROR(
+              internal::CopyFromHost(entries[e].result.data, t->data, t->bytes, entries[e].result.memory));
+        }
+      }
+    } catch (const kj::Exception& e) {
+      return Malformed(e);
+    }
+  }
+  return results;
+}
+
+Result<bool> Client::Update(const std::string& variable, UpdateOp op, ConstTensorView value,
+                            const UpdateOptions& options) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
+  Impl& im = *impl_;
+  std::deque<std::vector<uint64_t>> keep;
+  Status copied;
+  ConstTensorView host = OnHost(value, &keep, &copied);
+  PSD_RETURN_IF_ERROR(copied);
+  auto loc = im.Locate(variable);
+  if (!loc.ok()) return loc.status();
+  if (op != UpdateOp::kScale && loc->sliced && host.shape != loc->shape) {
+    return psd::InvalidArgument("update '" + variable + "': value is " + psd::ShapeString(host.shape) +
+                                ", the variable " + psd::ShapeString(loc->shape));
+  }
+  Impl::Calls calls;
+  for (size_t k = 0; k < loc->parts.size(); ++k) {
+    proto::Request::Builder req(nullptr);
+    Impl::Call& call = im.Add(calls, loc->parts[k].shard, &req, options.cross_replica ? 0 : options.timeout_ms);
+    auto u = req.initUpdate();
+    u.setVariable(variable);
+    u.setOp(static_cast<proto::UpdateOp>(static_cast<int>(op)));
+    if (op != UpdateOp::kScale) {
+      ConstTensorView part = SliceOf(host, *loc, k);
+      psd::wire::SetTensor(call.frame.builder, u.initValue(), part.dtype, part.shape, part.data, part.bytes());
+    }
+    u.setFactor(options.factor);
+    u.setCrossReplica(options.cross_replica);
+    u.setReplica(im.chief().worker_id);
+    u.setLocalStep(options.local_step);
+    u.setTimeoutMs(options.timeout_ms);
+  }
+  PSD_RETURN_IF_ERROR(im.Run(calls));
+  bool applied = true;
+  try {
+    for (auto& c : calls) applied = applied && c->resp.getUpdate().getApplied();
+  } catch (const kj::Exception& e) {
+    return Malformed(e);
+  }
+  return applied;
+}
+
+Status Client::BroadcastTo(ConstTensorView value, const std::vector<std::string>& destinations) {
+  for (const std::string& d : destinations) {
+    auto applied = Update(d, UpdateOp::kAssign, value, {});
+    if (!applied.ok()) return applied.status();
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<std::string>> Client::WorkerDevices() {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
+  proto::Response::Reader resp;
+  PSD_RETURN_IF_ERROR(impl_->CallChief([](proto::Request::Builder req) { req.setStatus(); }, &resp));
+  try {
+    std::vector<std::string> out;
+    for (auto n : resp.getStatus().getWorkers()) out.emplace_back(n);
+    return out;
+  } catch (const kj::Exception& e) {
+    return Malformed(e);
+  }
+}
+
+std::vector<std::string> Client::ParameterDevices() const {
+  std::vector<std::string> out;
+  for (const auto& c : impl_->conns_) out.push_back(c->Where());
+  return out;
+}
+
+uint64_t Client::requests_sent() const {
+  uint64_t n = 0;
+  for (const auto& c : impl_->conns_) n += c->requests.load();
+  return n;
 }
 
 Status Client::Finish() {

@@ -18,7 +18,8 @@ namespace psd::server {
 namespace {
 
 constexpr char kMagicV1[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '1'};
-constexpr char kMagic[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '2'};  // v2: + placement
+constexpr char kMagicV2[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '2'};  // v2: + placement
+constexpr char kMagic[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '3'};    // v3: + aggregation, sync-on-read
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
@@ -215,7 +216,8 @@ Status ParsePart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
   Reader r(body);
   char magic[8];
   if (!r.Bytes(magic, 8)) return bad("bad magic");
-  const bool v2 = std::memcmp(magic, kMagic, 8) == 0;
+  const bool v3 = std::memcmp(magic, kMagic, 8) == 0;
+  const bool v2 = v3 || std::memcmp(magic, kMagicV2, 8) == 0;
   if (!v2 && std::memcmp(magic, kMagicV1, 8) != 0) return bad("bad magic");
   uint32_t nvars = 0;
   if (!r.Pod(&out->step) || !r.Pod(&out->learning_rate) || !r.Str(&out->optimizer) || !r.Pod(&nvars)) {
@@ -271,6 +273,12 @@ Status ParsePart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
         part.shard = shard;
         p.parts.push_back(part);
       }
+    }
+    if (v3) {
+      uint8_t agg = 0, sor = 0;
+      if (!r.Pod(&agg) || agg > 3 || !r.Pod(&sor)) return bad("aggregation of '" + v.name + "'");
+      v.aggregation = agg;
+      v.sync_on_read = sor != 0;
     }
     out->variables.push_back(std::move(v));
   }
@@ -335,6 +343,8 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
         w.Pod<int64_t>(part.row_end);
       }
     }
+    w.Pod<uint8_t>(static_cast<uint8_t>(v.aggregation));
+    w.Pod<uint8_t>(v.sync_on_read);
   }
   uint64_t sum = w.hash();
   w.Pod<uint64_t>(sum);  // trailer: the checksum of everything before it

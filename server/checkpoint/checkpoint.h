@@ -36,6 +36,8 @@ struct VariableSnapshot {
   std::vector<std::pair<std::string, std::shared_ptr<const Buffer>>> slots;
   std::shared_ptr<const Buffer> shadow;  // moving average, if `average`
   VarPlacement placement;                // cluster: the whole variable's placement (name empty: none)
+  int aggregation = 0;                   // psd::server::Aggregation
+  bool sync_on_read = false;             // `value` is the replicas' combined value
 };
 
 // One shard's part of a checkpoint.

@@ -165,6 +165,10 @@ void Connection::Dispatch(proto::Request::Reader req) {
       return HandleCheckpoint(id);
     case proto::Request::PLACE:
       return HandlePlace(id, req.getPlace());
+    case proto::Request::REDUCE:
+      return HandleReduce(id, req.getReduce());
+    case proto::Request::UPDATE:
+      return HandleUpdate(id, req.getUpdate());
     default:
       return SendError(id, Unimplemented("unknown request type " + std::to_string(static_cast<int>(which))));
   }
@@ -265,6 +269,8 @@ void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   def.trainable = r.getTrainable();
   def.average = r.getAverage();
   def.optimizer = r.getOptimizer();
+  def.aggregation = static_cast<Aggregation>(std::min<int>(static_cast<int>(r.getAggregation()), 3));
+  def.sync_on_read = r.getSyncOnRead();
   if (r.hasPlacement()) {
     // One part of a cluster variable: it must be the part the placement puts on this shard.
     const ServerConfig& cfg = server_.config();
@@ -471,6 +477,9 @@ void Connection::HandleStatus(uint64_t id) {
   } else {
     s.setClusterState("running");
   }
+  auto names = server_.workers().Names();
+  auto list = s.initWorkers(static_cast<unsigned>(names.size()));
+  for (size_t i = 0; i < names.size(); ++i) list.set(static_cast<unsigned>(i), names[i]);
   Send(std::move(frame));
 }
 
@@ -592,6 +601,130 @@ void Connection::HandleGetPlacement(uint64_t id) {
   auto b = m.initShardBytes(static_cast<unsigned>(bytes.size()));
   for (size_t i = 0; i < bytes.size(); ++i) b.set(static_cast<unsigned>(i), bytes[i]);
   Send(std::move(frame));
+}
+
+void Connection::ArmDeadline(int64_t timeout_ms, std::shared_ptr<bool> answered, std::function<void()> expire) {
+  if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
+  auto timer = std::make_shared<asio::steady_timer>(strand_);
+  timer->expires_after(std::chrono::milliseconds(timeout_ms));
+  timer->async_wait(
+      [self = shared_from_this(), timer, answered, expire = std::move(expire)](boost::system::error_code ec) {
+        if (ec || *answered) return;
+        *answered = true;
+        expire();
+      });
+}
+
+void Connection::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
+  auto engine = server_.engine();
+  std::vector<GradRef> values;
+  for (auto e : r.getEntries()) {
+    auto t = wire::ReadTensor(e.getValue(), server_.config().max_frame_bytes);
+    if (!t.ok()) return SendError(id, t.status());
+    auto name = e.getDestination();
+    values.push_back({std::string_view(name.cStr(), name.size()), t->dtype, std::move(t->shape), t->data, t->bytes});
+  }
+  if (values.empty()) return SendError(id, InvalidArgument("reduce_to needs at least one value"));
+  // The reply is built when every destination's round completed, or at the deadline; whichever
+  // comes first answers, on this connection's strand.
+  auto answered = std::make_shared<bool>(false);
+  int64_t timeout_ms = r.getTimeoutMs();
+  auto self = shared_from_this();
+  auto completed = std::make_shared<std::atomic<bool>>(false);
+  auto reply = [self, id, answered, engine, completed](std::vector<ReduceOutcome> outcomes) {
+    completed->store(true);
+    asio::post(self->strand_, [self, id, answered, engine, outcomes = std::move(outcomes)] {
+      if (*answered) return;
+      *answered = true;
+      proto::Response::Builder resp(nullptr);
+      auto frame = self->NewReply(id, &resp);
+      auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
+      for (size_t i = 0; i < outcomes.size(); ++i) {
+        const ReduceOutcome& o = outcomes[i];
+        auto e = list[static_cast<unsigned>(i)];
+        e.setAccepted(o.accepted);
+        e.setStep(o.step);
+        wire::SetTensor(frame->builder, e.initValue(), o.dtype, o.shape, o.value->data(), o.value->bytes(),
+                        /*padded=*/true);
+        frame->keepalive.push_back(o.value);
+      }
+      self->Send(std::move(frame));
+    });
+  };
+  Status s = engine->Reduce(r.getOp() == proto::Reduction::MEAN, r.getLocalStep(), values, std::move(reply));
+  if (!s.ok()) {
+    *answered = true;
+    return SendError(id, s);
+  }
+  if (completed->load()) return;  // answered already (the last contribution, or all stale)
+  ArmDeadline(timeout_ms, answered, [self, id, timeout_ms, engine] {
+    self->SendError(id,
+                    DeadlineExceeded("reduce_to: not every replica contributed within " + std::to_string(timeout_ms) +
+                                     " ms (a round needs " + std::to_string(engine->required_replicas()) +
+                                     "); this call's values still count"));
+  });
+}
+
+void Connection::HandleUpdate(uint64_t id, proto::Update::Reader r) {
+  auto engine = server_.engine();
+  UpdateArgs a;
+  auto name = r.getVariable();
+  a.name = std::string_view(name.cStr(), name.size());
+  switch (r.getOp()) {
+    case proto::UpdateOp::ASSIGN:
+      a.op = UpdateOp::kAssign;
+      break;
+    case proto::UpdateOp::ASSIGN_ADD:
+      a.op = UpdateOp::kAssignAdd;
+      break;
+    case proto::UpdateOp::ASSIGN_SUB:
+      a.op = UpdateOp::kAssignSub;
+      break;
+    case proto::UpdateOp::SCALE:
+      a.op = UpdateOp::kScale;
+      break;
+    default:
+      return SendError(id, InvalidArgument("unknown update op"));
+  }
+  if (a.op != UpdateOp::kScale) {
+    auto t = wire::ReadTensor(r.getValue(), server_.config().max_frame_bytes);
+    if (!t.ok()) return SendError(id, t.status());
+    a.dtype = t->dtype;
+    a.shape = std::move(t->shape);
+    a.data = t->data;
+    a.bytes = t->bytes;
+  }
+  a.factor = r.getFactor();
+  a.cross_replica = r.getCrossReplica();
+  a.replica = r.getReplica();
+  a.local_step = r.getLocalStep();
+  auto answered = std::make_shared<bool>(false);
+  auto completed = std::make_shared<std::atomic<bool>>(false);
+  auto self = shared_from_this();
+  Status s = engine->Update(a, [self, id, answered, completed](const Status& st, bool applied, int64_t step) {
+    completed->store(true);
+    asio::post(self->strand_, [self, id, answered, st, applied, step] {
+      if (*answered) return;
+      *answered = true;
+      if (!st.ok()) return self->SendError(id, st);
+      proto::Response::Builder resp(nullptr);
+      auto frame = self->NewReply(id, &resp);
+      auto u = resp.initUpdate();
+      u.setApplied(applied);
+      u.setStep(step);
+      self->Send(std::move(frame));
+    });
+  });
+  if (!s.ok()) {
+    *answered = true;
+    return SendError(id, s);
+  }
+  if (completed->load()) return;
+  int64_t timeout_ms = r.getTimeoutMs();
+  ArmDeadline(timeout_ms, answered, [self, id, timeout_ms] {
+    self->SendError(id, DeadlineExceeded("update: not every replica assigned within " + std::to_string(timeout_ms) +
+                                         " ms; this replica's share still counts"));
+  });
 }
 
 // --- token waits ------------------------------------------------------------------------------

@@ -60,6 +60,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void HandleSetLearningRate(uint64_t id, double lr);
   void HandleCheckpoint(uint64_t id);
   void HandlePlace(uint64_t id, proto::Place::Reader r);
+  void HandleReduce(uint64_t id, proto::Reduce::Reader r);
+  void HandleUpdate(uint64_t id, proto::Update::Reader r);
+  // Arms a deadline for a parked collective: `expire` runs on the strand if it passes first.
+  void ArmDeadline(int64_t timeout_ms, std::shared_ptr<bool> answered, std::function<void()> expire);
   void HandleGetPlacement(uint64_t id);
   // Cluster: this daemon's shard, the chief and the epoch of `engine_epoch`.
   template <typename B>

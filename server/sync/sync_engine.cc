@@ -19,7 +19,59 @@ enum class GradKind { kUnknown, kDense, kSparse };
 
 const char* KindName(GradKind k) { return k == GradKind::kSparse ? "sparse" : "dense"; }
 
+// dst[i] += src[i] (or dst[i] = src[i] * scale when `assign_scaled`), over n elements of dtype.
+void AddInto(DType dtype, void* dst, const void* src, int64_t n) {
+  if (dtype == DType::kFloat32) {
+    float* d = static_cast<float*>(dst);
+    const float* s = static_cast<const float*>(src);
+    for (int64_t i = 0; i < n; ++i) d[i] += s[i];
+  } else {
+    double* d = static_cast<double*>(dst);
+    const double* s = static_cast<const double*>(src);
+    for (int64_t i = 0; i < n; ++i) d[i] += s[i];
+  }
+}
+
+void Scale(DType dtype, void* data, int64_t n, double factor) {
+  if (dtype == DType::kFloat32) {
+    float* d = static_cast<float*>(data);
+    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(d[i] * factor);
+  } else {
+    double* d = static_cast<double*>(data);
+    for (int64_t i = 0; i < n; ++i) d[i] *= factor;
+  }
+}
+
 }  // namespace
+
+const char* AggregationName(Aggregation a) {
+  switch (a) {
+    case Aggregation::kNone:
+      return "NONE";
+    case Aggregation::kSum:
+      return "SUM";
+    case Aggregation::kMean:
+      return "MEAN";
+    case Aggregation::kOnlyFirstReplica:
+      return "ONLY_FIRST_REPLICA";
+  }
+  return "NONE";
+}
+
+// One round of replica contributions to a variable (reduce_to, or an aggregated assignment):
+// the sum (and, for NONE, the first value and whether any differed) of the values tagged with
+// this round's step or later. Guarded by the variable's `mu`.
+struct Round {
+  using Waiter = std::function<void(const Status&, int64_t step, std::shared_ptr<const Buffer> value)>;
+  int64_t step = 0;
+  int count = 0;
+  bool mean = false;                // reduce: the first contributor's op
+  UpdateOp op = UpdateOp::kAssign;  // update: the first contributor's op
+  std::vector<uint64_t> sum;        // 8-byte aligned
+  std::vector<uint64_t> first;      // aggregation NONE: the first value
+  bool disagree = false;
+  std::vector<Waiter> waiters;
+};
 
 struct SyncEngine::Variable {
   Variable(const VariableDef& def, const Optimizer* optimizer, int64_t step)
@@ -30,6 +82,8 @@ struct SyncEngine::Variable {
         average(def.average),
         optimizer_name(def.optimizer),
         placement(def.placement),
+        aggregation(def.aggregation),
+        sync_on_read(def.sync_on_read),
         bytes(static_cast<size_t>(NumElements(def.shape)) * DTypeSize(def.dtype)),
         row_elements(def.shape.empty() ? 1 : NumElements(Shape(def.shape.begin() + 1, def.shape.end()))),
         opt(optimizer),
@@ -54,6 +108,8 @@ struct SyncEngine::Variable {
   const bool average;
   const std::string optimizer_name;
   const VarPlacement placement;
+  const Aggregation aggregation;
+  const bool sync_on_read;
   const size_t bytes;
   const int64_t row_elements;
   const Optimizer* const opt;
@@ -72,6 +128,12 @@ struct SyncEngine::Variable {
   bool sparse_pending = false;          // guarded by SyncEngine::mu_
   std::vector<int64_t> pending_rows;    // guarded by SyncEngine::mu_
   std::vector<uint8_t> pending_values;  // guarded by SyncEngine::mu_
+
+  Round reduce_round;  // guarded by mu
+  Round update_round;  // guarded by mu
+  // Sync-on-read: each replica's own value (a replica that never wrote has `replica_base`).
+  std::map<uint32_t, std::shared_ptr<Buffer>> replica_values;  // guarded by SyncEngine::mu_
+  std::shared_ptr<Buffer> replica_base;                        // guarded by SyncEngine::mu_
 
   int64_t acc_step() const { return dense ? dense->step() : sparse ? sparse->step() : next_take_step; }
 };
@@ -116,6 +178,13 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
                            " bytes, shape " + ShapeString(def.shape) + " of " + DTypeName(def.dtype) + " needs " +
                            std::to_string(bytes));
   }
+  if (def.sync_on_read && def.trainable) {
+    return InvalidArgument("variable '" + def.name + "' is sync-on-read: create it with trainable = false");
+  }
+  if (def.sync_on_read && def.aggregation == Aggregation::kNone) {
+    return InvalidArgument("sync-on-read variable '" + def.name +
+                           "' needs aggregation SUM, MEAN or ONLY_FIRST_REPLICA");
+  }
   if (def.average && config_.ema_decay <= 0) {
     return FailedPrecondition("variable '" + def.name +
                               "' asks for a moving average but psd runs without "
@@ -124,7 +193,8 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
   std::unique_lock<std::mutex> lock(mu_);
   if (Variable* v = FindLocked(def.name)) {
     if (v->dtype != def.dtype || v->shape != def.shape || v->trainable != def.trainable || v->average != def.average ||
-        v->optimizer_name != def.optimizer) {
+        v->optimizer_name != def.optimizer || v->aggregation != def.aggregation ||
+        v->sync_on_read != def.sync_on_read) {
       auto describe = [](DType d, const Shape& s, bool t, bool a, const std::string& o) {
         return std::string(DTypeName(d)) + " " + ShapeString(s) + (t ? " trainable" : " non-trainable") +
                (a ? " averaged" : "") + (o.empty() ? "" : " optimizer=" + o);
@@ -160,6 +230,8 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
   v->published = std::make_shared<Buffer>(bytes);
   if (def.initial != nullptr && bytes) std::memcpy(v->published->data(), def.initial, bytes);
   if (v->average) v->shadow = std::make_shared<Buffer>(*v->published);  // TF: shadow = initial value
+  if (v->sync_on_read) v->replica_base = std::make_shared<Buffer>(*v->published);
+  v->reduce_round.step = v->update_round.step = global_step_.load();
   if (v->trainable && config_.mode == Mode::kSync) {
     if (prepared_ && step_takes_ > 0) {
       v->next_take_step = global_step_.load() + 1;  // the open step is reported: it joins the next one
@@ -594,8 +666,10 @@ ShardSnapshot SyncEngine::SnapshotLocked() {
     vs.trainable = v->trainable;
     vs.average = v->average;
     vs.optimizer = v->optimizer_name;
-    vs.value = v->published;
+    vs.value = ReadValueLocked(v.get());
     vs.shadow = v->shadow;
+    vs.aggregation = static_cast<int>(v->aggregation);
+    vs.sync_on_read = v->sync_on_read;
     vs.placement = v->placement;
     auto names = v->opt->SlotNames();
     for (size_t k = 0; k < v->slots.size(); ++k) {
@@ -655,6 +729,8 @@ Status SyncEngine::Restore(const ShardSnapshot& snap) {
     def.average = vs.average && config_.ema_decay > 0;
     def.optimizer = vs.optimizer;
     def.placement = vs.placement;
+    def.aggregation = static_cast<Aggregation>(vs.aggregation);
+    def.sync_on_read = vs.sync_on_read;
     auto created = CreateVariable(def);
     if (!created.ok()) return created.status();
   }
@@ -671,6 +747,12 @@ Status SyncEngine::Restore(const ShardSnapshot& snap) {
       std::memcpy(v->slots[it - names.begin()].data(), buf->data(), std::min(buf->bytes(), v->bytes));
     }
     if (v->shadow && vs.shadow) v->shadow = std::make_shared<Buffer>(*vs.shadow);
+    v->reduce_round.step = v->update_round.step = snap.step;
+    if (v->sync_on_read && v->aggregation == Aggregation::kSum) {
+      // The seed's rule: a SUM sync-on-read variable is restored by dividing by the replicas.
+      Scale(v->dtype, v->replica_base->data(), NumElements(v->shape),
+            1.0 / static_cast<double>(std::max(1, config_.total_replicas)));
+    }
   }
   global_step_.store(snap.step);
   next_lr_.store(snap.learning_rate);
@@ -684,7 +766,7 @@ Status SyncEngine::Pull(const std::vector<std::string>& names, std::vector<Pulle
   std::lock_guard<std::mutex> lock(mu_);
   auto pick = [&](Variable* v) -> Status {
     if (!averages) {
-      out->push_back({v->published, v->dtype, v->shape});
+      out->push_back({ReadValueLocked(v), v->dtype, v->shape});
       return Status::Ok();
     }
     if (!v->shadow) return NotFound("variable '" + v->name + "' has no moving average");
@@ -723,13 +805,260 @@ Result<PulledValue> SyncEngine::PullRows(const std::string& name, const std::vec
     }
   }
   auto buf = std::make_shared<Buffer>(rows.size() * row_bytes);
-  const uint8_t* src = static_cast<const uint8_t*>(v->published->data());
+  std::shared_ptr<Buffer> value = ReadValueLocked(v);
+  const uint8_t* src = static_cast<const uint8_t*>(value->data());
   uint8_t* dst = static_cast<uint8_t*>(buf->data());
   for (size_t i = 0; i < rows.size(); ++i) std::memcpy(dst + i * row_bytes, src + rows[i] * row_bytes, row_bytes);
   Shape shape = v->shape;
   shape[0] = static_cast<int64_t>(rows.size());
   *step = global_step_.load();
   return PulledValue{std::move(buf), v->dtype, std::move(shape)};
+}
+
+std::shared_ptr<Buffer> SyncEngine::ReadValueLocked(Variable* v) {
+  if (!v->sync_on_read) return v->published;
+  const int n = std::max(1, config_.total_replicas);
+  auto out = std::make_shared<Buffer>(v->bytes);
+  auto value_of = [&](uint32_t r) {
+    auto it = v->replica_values.find(r);
+    return it == v->replica_values.end() ? v->replica_base : it->second;
+  };
+  if (v->aggregation == Aggregation::kOnlyFirstReplica) {
+    std::memcpy(out->data(), value_of(0)->data(), v->bytes);
+    return out;
+  }
+  std::memset(out->data(), 0, v->bytes);
+  const int64_t elems = NumElements(v->shape);
+  for (int r = 0; r < n; ++r) AddInto(v->dtype, out->data(), value_of(static_cast<uint32_t>(r))->data(), elems);
+  if (v->aggregation == Aggregation::kMean) Scale(v->dtype, out->data(), elems, 1.0 / n);
+  return out;
+}
+
+namespace {
+
+// `old` with `op` applied (a new buffer: the old one may still be read).
+std::shared_ptr<Buffer> Updated(const Buffer& old, DType dtype, int64_t elems, UpdateOp op, const void* value,
+                                double factor) {
+  auto next = std::make_shared<Buffer>(old);
+  switch (op) {
+    case UpdateOp::kAssign:
+      std::memcpy(next->data(), value, old.bytes());
+      break;
+    case UpdateOp::kAssignAdd:
+      AddInto(dtype, next->data(), value, elems);
+      break;
+    case UpdateOp::kAssignSub: {
+      Buffer neg(old.bytes());
+      std::memcpy(neg.data(), value, old.bytes());
+      Scale(dtype, neg.data(), elems, -1);
+      AddInto(dtype, next->data(), neg.data(), elems);
+      break;
+    }
+    case UpdateOp::kScale:
+      Scale(dtype, next->data(), elems, factor);
+      break;
+  }
+  return next;
+}
+
+}  // namespace
+
+void SyncEngine::ApplyUpdateLocked(Variable* v, UpdateOp op, const void* value, double factor) {
+  v->published = Updated(*v->published, v->dtype, NumElements(v->shape), op, value, factor);
+}
+
+Status SyncEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values, ReduceDone done) {
+  std::vector<Variable*> targets;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const GradRef& g : values) {
+      Variable* v = FindLocked(g.name);
+      if (v == nullptr) return NotFound("reduce_to: no variable named '" + std::string(g.name) + "'");
+      if (v->trainable) {
+        return InvalidArgument("reduce_to: destination '" + v->name +
+                               "' is trainable (its optimizer owns it); reduce into a non-trainable variable");
+      }
+      if (v->sync_on_read) return InvalidArgument("reduce_to: destination '" + v->name + "' is sync-on-read");
+      if (std::find(targets.begin(), targets.end(), v) != targets.end()) {
+        return InvalidArgument("reduce_to: destination '" + v->name + "' appears twice in one call");
+      }
+      targets.push_back(v);
+    }
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (values[i].sparse()) return InvalidArgument("reduce_to takes dense values");
+    Status s = DenseAccumulator::Check(targets[i]->dtype, targets[i]->shape, values[i].dtype, values[i].shape,
+                                       values[i].bytes);
+    if (!s.ok()) return Status(s.code(), "reduce_to '" + targets[i]->name + "': " + s.message());
+  }
+  // Completion of the whole call: the last entry's round to finish answers it.
+  struct Call {
+    std::mutex mu;
+    size_t remaining;
+    std::vector<ReduceOutcome> outcomes;
+    ReduceDone done;
+  };
+  auto call = std::make_shared<Call>();
+  call->remaining = values.size();
+  call->outcomes.resize(values.size());
+  call->done = std::move(done);
+  auto finish_one = [call](size_t i, ReduceOutcome outcome) {
+    std::unique_lock<std::mutex> lock(call->mu);
+    call->outcomes[i] = std::move(outcome);
+    if (--call->remaining > 0) return;
+    auto outcomes = std::move(call->outcomes);
+    lock.unlock();
+    call->done(std::move(outcomes));
+  };
+  const int required = required_.load();
+  for (size_t i = 0; i < values.size(); ++i) {
+    Variable* v = targets[i];
+    const GradRef& g = values[i];
+    std::vector<Round::Waiter> ready;
+    std::shared_ptr<const Buffer> result;
+    int64_t round_step = 0;
+    {
+      std::lock_guard<std::mutex> vlock(v->mu);
+      Round& r = v->reduce_round;
+      if (local_step < r.step) {
+        std::shared_ptr<Buffer> current;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          current = v->published;
+        }
+        finish_one(i, {false, r.step, current, v->dtype, v->shape});
+        continue;
+      }
+      if (r.count == 0) {
+        r.sum.assign((v->bytes + 7) / 8, 0);
+        r.mean = mean;
+      }
+      AddInto(v->dtype, r.sum.data(), g.data, NumElements(v->shape));
+      ++r.count;
+      DType dtype = v->dtype;
+      Shape shape = v->shape;
+      r.waiters.push_back(
+          [finish_one, i, dtype, shape](const Status&, int64_t step, std::shared_ptr<const Buffer> value) {
+            finish_one(i, {true, step, std::move(value), dtype, shape});
+          });
+      if (r.count < required) continue;
+      auto out = std::make_shared<Buffer>(v->bytes);
+      std::memcpy(out->data(), r.sum.data(), v->bytes);
+      if (r.mean) Scale(v->dtype, out->data(), NumElements(v->shape), 1.0 / r.count);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        v->published = out;
+      }
+      result = out;
+      round_step = r.step;
+      ready.swap(r.waiters);
+      r.count = 0;
+      ++r.step;
+    }
+    for (auto& w : ready) w(Status::Ok(), round_step, result);
+  }
+  return Status::Ok();
+}
+
+Status SyncEngine::Update(const UpdateArgs& a, UpdateDone done) {
+  Variable* v = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    v = FindLocked(a.name);
+  }
+  if (v == nullptr) return NotFound("update: no variable named '" + std::string(a.name) + "'");
+  if (v->trainable) {
+    return InvalidArgument("update: variable '" + v->name +
+                           "' is trainable: its optimizer updates it from pushed gradients");
+  }
+  if (a.op == UpdateOp::kScale) {
+    if (!std::isfinite(a.factor)) return InvalidArgument("update: scale factor must be finite");
+  } else {
+    PSD_RETURN_IF_ERROR(DenseAccumulator::Check(v->dtype, v->shape, a.dtype, a.shape, a.bytes));
+  }
+  const int n = std::max(1, config_.total_replicas);
+  if (a.cross_replica || v->sync_on_read) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!v->sync_on_read) {
+      ApplyUpdateLocked(v, a.op, a.data, a.factor);
+    } else if (!a.cross_replica) {
+      // This replica's own value.
+      auto& mine = v->replica_values[a.replica];
+      mine = Updated(mine ? *mine : *v->replica_base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
+    } else {
+      // Cross-replica on a sync-on-read variable: every replica gets the share that reads back
+      // as the value (SUM: value / N each).
+      Buffer share(v->bytes);
+      if (a.op != UpdateOp::kScale) {
+        std::memcpy(share.data(), a.data, v->bytes);
+        if (v->aggregation == Aggregation::kSum) Scale(v->dtype, share.data(), NumElements(v->shape), 1.0 / n);
+      }
+      std::vector<std::shared_ptr<Buffer>*> all{&v->replica_base};
+      for (auto& [r, b] : v->replica_values) all.push_back(&b);
+      for (auto* b : all) *b = Updated(**b, v->dtype, NumElements(v->shape), a.op, share.data(), a.factor);
+    }
+    done(Status::Ok(), true, 0);
+    return Status::Ok();
+  }
+  if (v->aggregation == Aggregation::kOnlyFirstReplica) {
+    bool first = a.replica == 0;
+    if (first) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ApplyUpdateLocked(v, a.op, a.data, a.factor);
+    }
+    done(Status::Ok(), first, 0);
+    return Status::Ok();
+  }
+  if (a.op == UpdateOp::kScale) {
+    return InvalidArgument("update: scale of '" + v->name +
+                           "' in a replica context needs ONLY_FIRST_REPLICA "
+                           "aggregation (or a cross-replica call)");
+  }
+  // SUM / MEAN / NONE: this replica's share of the round.
+  std::vector<Round::Waiter> ready;
+  Status outcome;
+  int64_t round_step = 0;
+  {
+    std::lock_guard<std::mutex> vlock(v->mu);
+    Round& r = v->update_round;
+    if (a.local_step < r.step) {
+      done(Status::Ok(), false, r.step);  // stale: dropped
+      return Status::Ok();
+    }
+    if (r.count > 0 && r.op != a.op) {
+      return InvalidArgument("update: replicas use different operations on '" + v->name + "' in one round");
+    }
+    if (r.count == 0) {
+      r.sum.assign((v->bytes + 7) / 8, 0);
+      r.first.assign((v->bytes + 7) / 8, 0);
+      std::memcpy(r.first.data(), a.data, v->bytes);
+      r.op = a.op;
+      r.disagree = false;
+    } else if (std::memcmp(r.first.data(), a.data, v->bytes) != 0) {
+      r.disagree = true;
+    }
+    AddInto(v->dtype, r.sum.data(), a.data, NumElements(v->shape));
+    ++r.count;
+    r.waiters.push_back(
+        [done](const Status& s, int64_t step, std::shared_ptr<const Buffer>) { done(s, s.ok(), step); });
+    if (r.count < required_.load()) return Status::Ok();
+    if (v->aggregation == Aggregation::kNone && r.disagree) {
+      outcome = InvalidArgument("replicas assigned different values to '" + v->name +
+                                "' (aggregation NONE); nothing was changed");
+    } else {
+      const void* value = v->aggregation == Aggregation::kNone ? static_cast<const void*>(r.first.data())
+                                                               : static_cast<const void*>(r.sum.data());
+      if (v->aggregation == Aggregation::kMean) Scale(v->dtype, r.sum.data(), NumElements(v->shape), 1.0 / r.count);
+      std::lock_guard<std::mutex> lock(mu_);
+      ApplyUpdateLocked(v, r.op, value, 1);
+    }
+    round_step = r.step;
+    ready.swap(r.waiters);
+    r.count = 0;
+    ++r.step;
+  }
+  for (auto& w : ready) w(outcome, round_step, nullptr);
+  return Status::Ok();
 }
 
 std::vector<std::string> SyncEngine::SlotNames(const std::string& variable) const {

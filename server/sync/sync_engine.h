@@ -53,6 +53,12 @@
 
 namespace psd::server {
 
+// How replicas' assignments to a variable combine (TF VariableAggregation); for a sync-on-read
+// variable, how a read combines the replicas' values.
+enum class Aggregation { kNone, kSum, kMean, kOnlyFirstReplica };
+enum class UpdateOp { kAssign, kAssignAdd, kAssignSub, kScale };
+const char* AggregationName(Aggregation a);
+
 struct VariableDef {
   std::string name;
   DType dtype = DType::kFloat32;
@@ -63,6 +69,30 @@ struct VariableDef {
   bool average = false;    // keep an exponential moving average (--ema-decay)
   std::string optimizer;   // empty: the job's optimizer; else a name with the job's hyper-parameters
   VarPlacement placement;  // cluster: the whole variable this is a part of (name empty: none); kept and checkpointed
+  Aggregation aggregation = Aggregation::kNone;
+  bool sync_on_read = false;  // non-trainable; each replica keeps its own value; reads combine them
+};
+
+// One reduce_to destination's outcome.
+struct ReduceOutcome {
+  bool accepted = false;  // false: stale (value: the destination's current value)
+  int64_t step = 0;       // the round it counted for
+  std::shared_ptr<const Buffer> value;
+  DType dtype = DType::kFloat32;
+  Shape shape;
+};
+
+struct UpdateArgs {
+  std::string_view name;
+  UpdateOp op = UpdateOp::kAssign;
+  DType dtype = DType::kFloat32;  // of the value (assign, assign_add, assign_sub)
+  Shape shape;
+  const void* data = nullptr;
+  size_t bytes = 0;
+  double factor = 1;          // scale
+  bool cross_replica = true;  // one caller for all replicas: applied at once
+  uint32_t replica = 0;       // replica context: whose share this is
+  int64_t local_step = 0;     // replica context: staleness as for gradients
 };
 
 struct VariableDesc {
@@ -145,6 +175,25 @@ class SyncEngine {
   // Copies the listed rows (any order, repeats allowed) of a variable: [n, row dims...].
   Result<PulledValue> PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step);
 
+  // reduce_to / batch_reduce_to. Each value is a replica's contribution to its destination (a
+  // non-trainable variable) for the destination's current round; a value tagged with an older
+  // local step is dropped (stale). Once required_replicas() contributions arrived, their sum (or
+  // mean) becomes the destination's value, the round advances, and every contributor waiting on
+  // it is answered. All values are validated first (an invalid call changes nothing); `done`
+  // runs exactly once, outside all locks, when every accepted value's round completed.
+  using ReduceDone = std::function<void(std::vector<ReduceOutcome>)>;
+  Status Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values, ReduceDone done);
+
+  // update(variable, fn): assign / assign_add / assign_sub / scale where the variable lives.
+  // Cross-replica: applied at once (on a sync-on-read variable, assign gives every replica
+  // value / N for SUM, value for MEAN). Replica context: a sync-on-read variable changes this
+  // replica's own value at once; otherwise the variable's aggregation decides — SUM/MEAN/NONE
+  // collect required_replicas() values for the round (NONE: they must be equal) and apply the
+  // combined one, ONLY_FIRST_REPLICA applies replica 0's and ignores the others. `done` runs
+  // exactly once, outside all locks: (status, applied, round).
+  using UpdateDone = std::function<void(const Status&, bool applied, int64_t step)>;
+  Status Update(const UpdateArgs& args, UpdateDone done);
+
   // Copy of an optimizer slot ("momentum", ...) of a variable.
   Result<PulledValue> GetSlot(const std::string& variable, const std::string& slot);
   std::vector<std::string> SlotNames(const std::string& variable) const;
@@ -224,6 +273,10 @@ class SyncEngine {
   void UpdateAverages(int64_t step);
   void ApplyDense(const Optimizer& opt, const ApplyArgs& args);
   ShardSnapshot SnapshotLocked();  // mu_ held; every variable's slots consistent with its value
+  // mu_ held: the value a read sees (a sync-on-read variable's combined replica values).
+  std::shared_ptr<Buffer> ReadValueLocked(Variable* v);
+  // mu_ held: applies `op` with `value` (host bytes of v's dtype and shape) to v's value.
+  void ApplyUpdateLocked(Variable* v, UpdateOp op, const void* value, double factor);
 
   const ServerConfig config_;
   std::unique_ptr<Optimizer> optimizer_;

@@ -90,6 +90,13 @@ int64_t WorkerRegistry::IndexOf(uint64_t conn) const {
   return -1;
 }
 
+std::vector<std::string> WorkerRegistry::Names() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  for (const Worker& w : workers_) out.push_back(w.name);
+  return out;
+}
+
 bool WorkerRegistry::AllFinished() const {
   std::lock_guard<std::mutex> lock(mu_);
   return AllFinishedLocked();

@@ -52,6 +52,8 @@ class WorkerRegistry {
   // The index of the worker on `conn`, or -1.
   int64_t IndexOf(uint64_t conn) const;
   bool AllFinished() const;
+  // Workers' names in first-hello order (the index is the worker's id).
+  std::vector<std::string> Names() const;
   // Fresh gradients a step needs given how many workers have finished.
   int RequiredReplicas() const;
   WorkerCounts Counts() const;

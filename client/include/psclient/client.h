@@ -87,11 +87,51 @@ struct JobConfig {
   double ema_decay = 0;
 };
 
+// How replicas' assignments to a variable combine (TF VariableAggregation); for a sync-on-read
+// variable, how a read combines the replicas' own values.
+enum class Aggregation { kNone, kSum, kMean, kOnlyFirstReplica };
+
 struct VariableOptions {
   bool trainable = true;
   bool average = false;       // keep an exponential moving average on the daemon (psd --ema-decay)
   std::string optimizer;      // empty: the job's optimizer; else one of psd's, with the job's hyper-parameters
   std::string colocate_with;  // cluster: place on the same shard(s) as this existing variable
+  Aggregation aggregation = Aggregation::kNone;
+  // Each replica keeps its own value on the daemon (metrics, counters, batch-norm statistics);
+  // a read combines them by `aggregation` (SUM, MEAN or ONLY_FIRST_REPLICA). Not trainable.
+  bool sync_on_read = false;
+};
+
+// Distribution-aware primitives (README "Writing distribution-aware algorithms").
+enum class ReduceOp { kSum, kMean };
+
+struct ReduceResult {
+  bool accepted = false;  // false: stale (tagged with an older step than the round), dropped
+  int64_t step = 0;       // the destination's round it counted for
+};
+
+struct ReduceItem {
+  ConstTensorView value;    // this replica's contribution
+  std::string destination;  // a non-trainable variable, where the result lands
+  TensorView result;        // the reduced value is written here (data == nullptr: not wanted)
+};
+
+// TF's CollectiveHints: values are packed into messages of at most bytes_per_pack per shard
+// (0: one message per shard); timeout_ms bounds the wait for the other replicas (0: psd's).
+struct CollectiveHints {
+  uint64_t bytes_per_pack = 0;
+  int64_t timeout_ms = 0;
+};
+
+enum class UpdateOp { kAssign, kAssignAdd, kAssignSub, kScale };
+
+struct UpdateOptions {
+  // true: one caller speaks for all replicas (applied at once). false: this replica's share —
+  // combined by the variable's aggregation (or, sync-on-read, this replica's own value).
+  bool cross_replica = true;
+  int64_t local_step = 0;  // replica context: staleness as for gradients
+  int64_t timeout_ms = 0;  // replica context: wait for the other replicas at most this long
+  double factor = 1;       // kScale
 };
 
 // Where a variable lives in a cluster.
@@ -253,6 +293,33 @@ class Client {
   // Optimizer slots: names come from the handshake; values are read from the daemon.
   std::vector<std::string> SlotNames() const;
   Status GetSlot(const std::string& variable, const std::string& slot, TensorView out);
+
+  // --- distribution-aware primitives (TF StrategyExtended) -----------------------------------
+  // reduce_to: this replica's `value` for `destination` (a non-trainable variable) at local_step.
+  // Returns once the round's required replicas contributed (the destination then holds their
+  // sum or mean, also written to `result` if given), or DEADLINE_EXCEEDED.
+  Result<ReduceResult> ReduceTo(ReduceOp op, int64_t local_step, ConstTensorView value, const std::string& destination,
+                                TensorView result = {}, int64_t timeout_ms = 0);
+  // batch_reduce_to: many reductions in one round trip per shard (packed per `hints`).
+  Result<std::vector<ReduceResult>> BatchReduceTo(ReduceOp op, int64_t local_step, const std::vector<ReduceItem>& items,
+                                                  const CollectiveHints& hints = {});
+  // broadcast_to: sets `value` on every destination at once (one worker, typically the chief);
+  // every replica reading after this returns sees it.
+  Status BroadcastTo(ConstTensorView value, const std::vector<std::string>& destinations);
+  // update(variable, fn): assign / assign_add / assign_sub / scale computed where the variable
+  // lives. Returns whether this call's value was applied (ONLY_FIRST_REPLICA ignores replicas
+  // other than 0; a stale replica-context call is dropped).
+  Result<bool> Update(const std::string& variable, UpdateOp op, ConstTensorView value,
+                      const UpdateOptions& options = {});
+
+  // Role queries. This worker's replica id is worker_id() (order of first hello at the chief).
+  Result<std::vector<std::string>> WorkerDevices();   // the job's workers, by replica id
+  std::vector<std::string> ParameterDevices() const;  // the shards, "host:port"
+  bool should_init() const { return is_chief(); }
+  bool should_checkpoint() const { return is_chief(); }
+  bool should_save_summary() const { return is_chief(); }
+  // Requests sent so far over all shards (to check batching).
+  uint64_t requests_sent() const;
 
   // Declares this worker done. With --exit-when-done the daemon exits once all workers did.
   Status Finish();
