@@ -590,7 +590,8 @@ class Client::Impl {
   std::atomic<uint64_t> cluster_epoch_{0};
   std::atomic<uint64_t> epoch_bumps_{0};
   std::atomic<bool> is_chief_{false};
-  bool refresh_chief_ = false;  // guarded by mu_: a call failed in a way that may mean a new chief
+  bool refresh_chief_ = false;    // guarded by mu_: a call failed in a way that may mean a new chief
+  std::string colocate_default_;  // guarded by mu_: the innermost ColocateVarsWith scope's variable
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -681,7 +682,7 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
           p.setDtype(psd::wire::ToWire(initial.dtype));
           auto shape = p.initShape(static_cast<unsigned>(initial.shape.size()));
           for (size_t i = 0; i < initial.shape.size(); ++i) shape.set(static_cast<unsigned>(i), initial.shape[i]);
-          p.setColocateWith(options.colocate_with);
+          p.setColocateWith(options.colocate_with.empty() ? im.colocate_default_ : options.colocate_with);
           p.setTrainable(options.trainable);
         },
         &resp);
@@ -1418,6 +1419,19 @@ uint64_t Client::requests_sent() const {
   uint64_t n = 0;
   for (const auto& c : impl_->conns_) n += c->requests.load();
   return n;
+}
+
+Client::ColocationScope Client::ColocateVarsWith(const std::string& variable) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  std::string previous = impl_->colocate_default_;
+  impl_->colocate_default_ = variable;
+  return ColocationScope(this, std::move(previous));
+}
+
+Client::ColocationScope::~ColocationScope() {
+  if (client_ == nullptr) return;
+  std::lock_guard<std::mutex> lock(client_->impl_->mu_);
+  client_->impl_->colocate_default_ = previous_;
 }
 
 Status Client::Finish() {

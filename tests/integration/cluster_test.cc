@@ -181,6 +181,17 @@ TEST_CASE("colocate_with is honoured across 3 shards", "[cluster]") {
     CHECK(acc->parts[i].row_begin == table->parts[i].row_begin);
   }
   CHECK(bias->parts[0].shard == z->parts[0].shard);
+  {
+    auto scope = c->ColocateVarsWith("x");  // colocate_vars_with(x): a scope for the creations inside it
+    REQUIRE(c->CreateVariable("x_m", View(zeros, {4})).ok());
+    REQUIRE(c->CreateVariable("x_v", View(zeros, {4})).ok());
+  }
+  REQUIRE(c->CreateVariable("after", View(zeros, {64 * 32})).ok());  // 8192 bytes: sliced again, no scope
+  auto x = c->Placement("x"), xm = c->Placement("x_m"), xv = c->Placement("x_v"), after = c->Placement("after");
+  REQUIRE((x.ok() && xm.ok() && xv.ok() && after.ok()));
+  CHECK(xm->parts[0].shard == x->parts[0].shard);
+  CHECK(xv->parts[0].shard == x->parts[0].shard);
+  CHECK(after->sliced);
   psclient::VariableOptions missing;
   missing.colocate_with = "nope";
   CHECK(c->CreateVariable("orphan", View(zeros, {1}), missing).status().code() == Code::kNotFound);

@@ -312,6 +312,23 @@ class Client {
   Result<bool> Update(const std::string& variable, UpdateOp op, ConstTensorView value,
                       const UpdateOptions& options = {});
 
+  // colocate_vars_with(v): while the returned scope lives, variables this client creates without
+  // an explicit colocate_with are placed on the same shard(s) as `variable`.
+  class ColocationScope {
+   public:
+    ColocationScope(ColocationScope&& other) noexcept : client_(other.client_), previous_(std::move(other.previous_)) {
+      other.client_ = nullptr;
+    }
+    ~ColocationScope();
+
+   private:
+    friend class Client;
+    ColocationScope(Client* client, std::string previous) : client_(client), previous_(std::move(previous)) {}
+    Client* client_;
+    std::string previous_;
+  };
+  ColocationScope ColocateVarsWith(const std::string& variable);
+
   // Role queries. This worker's replica id is worker_id() (order of first hello at the chief).
   Result<std::vector<std::string>> WorkerDevices();   // the job's workers, by replica id
   std::vector<std::string> ParameterDevices() const;  // the shards, "host:port"
