@@ -251,6 +251,7 @@ struct Update {
   replica @5 :UInt32;
   localStep @6 :Int64;
   timeoutMs @7 :Int64;
+  atNextStep @8 :Bool;    # cross-replica, sync mode: published with the next step's commit
 }
 
 struct UpdateReply {

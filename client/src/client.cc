@@ -1376,6 +1376,7 @@ Result<bool> Client::Update(const std::string& variable, UpdateOp op, ConstTenso
     u.setReplica(im.chief().worker_id);
     u.setLocalStep(options.local_step);
     u.setTimeoutMs(options.timeout_ms);
+    u.setAtNextStep(options.at_next_step);
   }
   PSD_RETURN_IF_ERROR(im.Run(calls));
   bool applied = true;
@@ -1387,9 +1388,11 @@ Result<bool> Client::Update(const std::string& variable, UpdateOp op, ConstTenso
   return applied;
 }
 
-Status Client::BroadcastTo(ConstTensorView value, const std::vector<std::string>& destinations) {
+Status Client::BroadcastTo(ConstTensorView value, const std::vector<std::string>& destinations, bool at_next_step) {
+  UpdateOptions options;
+  options.at_next_step = at_next_step;
   for (const std::string& d : destinations) {
-    auto applied = Update(d, UpdateOp::kAssign, value, {});
+    auto applied = Update(d, UpdateOp::kAssign, value, options);
     if (!applied.ok()) return applied.status();
   }
   return Status::Ok();

@@ -698,6 +698,7 @@ void Connection::HandleUpdate(uint64_t id, proto::Update::Reader r) {
   a.cross_replica = r.getCrossReplica();
   a.replica = r.getReplica();
   a.local_step = r.getLocalStep();
+  a.at_next_step = r.getAtNextStep();
   auto answered = std::make_shared<bool>(false);
   auto completed = std::make_shared<std::atomic<bool>>(false);
   auto self = shared_from_this();

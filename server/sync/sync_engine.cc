@@ -134,6 +134,7 @@ struct SyncEngine::Variable {
   // Sync-on-read: each replica's own value (a replica that never wrote has `replica_base`).
   std::map<uint32_t, std::shared_ptr<Buffer>> replica_values;  // guarded by SyncEngine::mu_
   std::shared_ptr<Buffer> replica_base;                        // guarded by SyncEngine::mu_
+  std::shared_ptr<Buffer> staged_update;  // guarded by SyncEngine::mu_: published at the next commit
 
   int64_t acc_step() const { return dense ? dense->step() : sparse ? sparse->step() : next_take_step; }
 };
@@ -528,6 +529,9 @@ void SyncEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
       v->pending_rows.clear();
       v->pending_values.clear();
     }
+  }
+  for (auto& [name, var] : vars_) {
+    if (var->staged_update) var->published = std::move(var->staged_update);  // at_next_step updates
   }
   pending_takes_ = trainable;
   global_step_.store(step);
@@ -977,6 +981,14 @@ Status SyncEngine::Update(const UpdateArgs& a, UpdateDone done) {
     PSD_RETURN_IF_ERROR(DenseAccumulator::Check(v->dtype, v->shape, a.dtype, a.shape, a.bytes));
   }
   const int n = std::max(1, config_.total_replicas);
+  if (a.cross_replica && a.at_next_step && config_.mode == Mode::kSync && !v->sync_on_read) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Buffer& base = v->staged_update ? *v->staged_update : *v->published;
+    v->staged_update = Updated(base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
+    int64_t lands = global_step_.load() + 1;
+    done(Status::Ok(), true, lands);
+    return Status::Ok();
+  }
   if (a.cross_replica || v->sync_on_read) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!v->sync_on_read) {

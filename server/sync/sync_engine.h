@@ -93,6 +93,7 @@ struct UpdateArgs {
   bool cross_replica = true;  // one caller for all replicas: applied at once
   uint32_t replica = 0;       // replica context: whose share this is
   int64_t local_step = 0;     // replica context: staleness as for gradients
+  bool at_next_step = false;  // cross-replica, sync mode: staged, published with the next commit
 };
 
 struct VariableDesc {
@@ -190,7 +191,9 @@ class SyncEngine {
   // replica's own value at once; otherwise the variable's aggregation decides — SUM/MEAN/NONE
   // collect required_replicas() values for the round (NONE: they must be equal) and apply the
   // combined one, ONLY_FIRST_REPLICA applies replica 0's and ignores the others. `done` runs
-  // exactly once, outside all locks: (status, applied, round).
+  // exactly once, outside all locks: (status, applied, round). With at_next_step (sync mode,
+  // cross-replica) the new value is staged and published by the next commit, so every replica
+  // reading after its token sees it at the same step (round = the step it lands at).
   using UpdateDone = std::function<void(const Status&, bool applied, int64_t step)>;
   Status Update(const UpdateArgs& args, UpdateDone done);
 

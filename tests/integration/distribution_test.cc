@@ -226,6 +226,24 @@ TEST_CASE("update ops and broadcast_to act where the variable lives", "[distribu
     REQUIRE(chief.CreateVariable("trained", View(one, {1})).ok());
     CHECK(chief.Update("trained", psclient::UpdateOp::kAssign, View(one, {1})).status().code() ==
           Code::kInvalidArgument);
+    // broadcast_to at the next step: staged until the step commits, then every replica (and
+    // every shard) reads it at that same step.
+    std::vector<float> nine(2000, 9.f);
+    REQUIRE(chief.BroadcastTo(View(nine, {1000, 2}), {"lr_scale"}, /*at_next_step=*/true).ok());
+    REQUIRE(other.Pull("lr_scale", Out(got, {1000, 2})).ok());
+    CHECK(got[0] == 7);  // not yet
+    auto pushed = OnEveryReplica(2, [&](int r) {
+      return job.replicas[static_cast<size_t>(r)]->Push(0, {{"trained", View(one, {1})}}).ok();
+    });
+    CHECK(pushed == std::vector<bool>{true, true});
+    for (int i = 0; i < 500 && *chief.GlobalStep() < 1; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    for (auto* c : {&chief, &other}) {
+      auto step = c->Pull("lr_scale", Out(got, {1000, 2}));
+      REQUIRE(step.ok());
+      CHECK(*step == 1);
+      CHECK(got[0] == 9);
+      CHECK(got[1999] == 9);
+    }
   }
 }
 

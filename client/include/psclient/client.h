@@ -132,6 +132,9 @@ struct UpdateOptions {
   int64_t local_step = 0;  // replica context: staleness as for gradients
   int64_t timeout_ms = 0;  // replica context: wait for the other replicas at most this long
   double factor = 1;       // kScale
+  // Cross-replica, sync mode: staged and published with the next step's commit (on every shard),
+  // so every replica reading after its token sees the new value at the same step.
+  bool at_next_step = false;
 };
 
 // Where a variable lives in a cluster.
@@ -303,9 +306,10 @@ class Client {
   // batch_reduce_to: many reductions in one round trip per shard (packed per `hints`).
   Result<std::vector<ReduceResult>> BatchReduceTo(ReduceOp op, int64_t local_step, const std::vector<ReduceItem>& items,
                                                   const CollectiveHints& hints = {});
-  // broadcast_to: sets `value` on every destination at once (one worker, typically the chief);
-  // every replica reading after this returns sees it.
-  Status BroadcastTo(ConstTensorView value, const std::vector<std::string>& destinations);
+  // broadcast_to: one worker (typically the chief) sets `value` on every destination. By default
+  // at once (a replica reading after this returns sees it); with at_next_step (sync mode) it is
+  // published with the next step's commit, so every replica reads it at that same step.
+  Status BroadcastTo(ConstTensorView value, const std::vector<std::string>& destinations, bool at_next_step = false);
   // update(variable, fn): assign / assign_add / assign_sub / scale computed where the variable
   // lives. Returns whether this call's value was applied (ONLY_FIRST_REPLICA ignores replicas
   // other than 0; a stale replica-context call is dropped).
