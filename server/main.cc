@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
   auto* port_opt = app.add_option("--port", cfg.port,
                                   "TCP port to listen on; 0 picks a free one (see --port-file); a cluster shard: "
                                   "its --cluster entry's")
-      ->capture_default_str();
+                       ->capture_default_str();
   app.add_option("--port-file", cfg.port_file, "write the bound port to this file once listening");
   app.add_option("--threads", cfg.io_threads, "I/O threads serving connections")->capture_default_str();
   app.add_option("--replicas-to-aggregate,-R", cfg.replicas_to_aggregate,
