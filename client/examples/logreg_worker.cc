@@ -101,12 +101,7 @@ int main(int argc, char** argv) {
   app.add_option("--retry-s", retry_s, "keep retrying this long while psd is unavailable (restarting)")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  for (size_t pos = 0; pos < cluster.size();) {
-    size_t comma = cluster.find(',', pos);
-    if (comma == std::string::npos) comma = cluster.size();
-    if (comma > pos) opts.cluster.push_back(cluster.substr(pos, comma - pos));
-    pos = comma + 1;
-  }
+  opts.cluster = psclient::ParseClusterList(cluster);
   if (!token_file.empty()) {
     auto token = psd::ReadSecretFile(token_file);
     if (!token.ok()) {

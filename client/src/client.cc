@@ -594,6 +594,17 @@ class Client::Impl {
   std::string colocate_default_;  // guarded by mu_: the innermost ColocateVarsWith scope's variable
 };
 
+std::vector<std::string> ParseClusterList(const std::string& list) {
+  std::vector<std::string> out;
+  for (size_t pos = 0; pos < list.size();) {
+    size_t comma = list.find(',', pos);
+    if (comma == std::string::npos) comma = list.size();
+    if (comma > pos) out.push_back(list.substr(pos, comma - pos));
+    pos = comma + 1;
+  }
+  return out;
+}
+
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 

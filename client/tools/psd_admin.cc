@@ -30,12 +30,7 @@ int main(int argc, char** argv) {
   auto* checkpoint = app.add_subcommand("checkpoint", "ask for a checkpoint at the next step boundary");
   auto* placement = app.add_subcommand("placement", "where each variable lives, and bytes per shard");
   CLI11_PARSE(app, argc, argv);
-  for (size_t pos = 0; pos < cluster.size();) {
-    size_t comma = cluster.find(',', pos);
-    if (comma == std::string::npos) comma = cluster.size();
-    if (comma > pos) opts.cluster.push_back(cluster.substr(pos, comma - pos));
-    pos = comma + 1;
-  }
+  opts.cluster = psclient::ParseClusterList(cluster);
   if (!token_file.empty()) {
     auto token = psd::ReadSecretFile(token_file);
     if (!token.ok()) {

@@ -24,13 +24,7 @@ cleanup() {
   rm -rf "$run"
 }
 trap cleanup EXIT
-fail() {
-  echo "FAIL: $*"
-  # A sanitizer report's first lines say what and where; the tails below may not reach them.
-  grep -h -A40 "ERROR: AddressSanitizer\|runtime error:" "$run"/*.log 2>/dev/null | head -60 || true
-  for f in "$run"/*.log; do echo "== $f"; tail -n 25 "$f"; done
-  exit 1
-}
+source "$(dirname "$0")/cluster_lib.sh"
 if ! ip netns add "$router" 2>/dev/null; then
   echo "SKIP: cannot create network namespaces here"
   exit 77
@@ -67,14 +61,6 @@ for w in 0 1 2 3; do
     --features 4096 --slow-ms 2 --print-every 0 --retry-s 90 > "$run/w$w.log" 2>&1 &
   wp+=($!); pids+=($!)
 done
-wait_for() {
-  local deadline=$((SECONDS + $3))
-  while [ $SECONDS -lt $deadline ]; do
-    grep -qE "$2" $1 2>/dev/null && return 0
-    sleep 0.05
-  done
-  return 1
-}
 wait_for "$run/s0.log" "checkpoint at step ([3-9]|[1-9][0-9])0 sealed" 120 || fail "no checkpoint sealed"
 ip netns exec "$router" "$admin" --cluster "$cluster" placement > "$run/placement.txt" || fail "psd_admin placement"
 grep -q "logreg/w .* shard [0-9] rows \[0, " "$run/placement.txt" || fail "logreg/w is not sliced: $(cat "$run/placement.txt")"

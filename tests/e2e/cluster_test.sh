@@ -12,25 +12,10 @@ psd=$1 worker=$2
 run=$(mktemp -d)
 pids=()
 trap 'for p in "${pids[@]}"; do kill -9 $(pgrep -P "$p") "$p" 2>/dev/null || true; done; rm -rf "$run"' EXIT
-fail() {
-  echo "FAIL: $*"
-  # A sanitizer report's first lines say what and where; the tails below may not reach them.
-  grep -h -A40 "ERROR: AddressSanitizer\|runtime error:" "$run"/*.log 2>/dev/null | head -60 || true
-  for f in "$run"/*.log; do echo "== $f"; tail -n 30 "$f"; done
-  exit 1
-}
+source "$(dirname "$0")/cluster_lib.sh"
 
 free_base() { echo $((20000 + (RANDOM * 7 + $$) % 40000)); }
 cluster_of() { seq -s, -f "127.0.0.1:%g" "$1" $(($1 + $2 - 1)); }
-# Waits (up to $3 s) for a line matching $2 in file(s) $1.
-wait_for() {
-  local deadline=$((SECONDS + $3))
-  while [ $SECONDS -lt $deadline ]; do
-    grep -qE "$2" $1 2>/dev/null && return 0
-    sleep 0.05
-  done
-  return 1
-}
 # Milliseconds since the epoch of a psd log line's timestamp.
 log_ms() { date -d "$(echo "$1" | cut -c 1-23)" +%s%3N; }
 real_pid() { pgrep -P "$1"; }  # the psd under `timeout`

@@ -137,6 +137,9 @@ struct UpdateOptions {
   bool at_next_step = false;
 };
 
+// "h:p,h:p,..." (psd's --cluster syntax) as ClientOptions::cluster entries; empty items skipped.
+std::vector<std::string> ParseClusterList(const std::string& list);
+
 // Where a variable lives in a cluster.
 struct SlicePart {
   int shard = 0;
