@@ -286,6 +286,9 @@ struct JobStatus {
   clusterState @18 :Text;         # "running", or what the cluster waits for
   missingShards @19 :List(UInt32);
   workers @20 :List(Text);        # workers' names in first-hello order (index = replica id)
+  version @21 :Text;              # psd's version
+  uptimeS @22 :Float64;           # seconds since this psd started
+  ready @23 :Bool;                # restored, formed and serving workers (what /readyz says)
 }
 
 # --- shard to shard (cluster) -----------------------------------------------------------------

@@ -51,6 +51,10 @@ Result<int> ResolveInitTokens(int num_tokens, int replicas_to_aggregate, int tot
 }
 
 Status ServerConfig::Validate() {
+  if (metrics_port < -1 || metrics_port > 65535) {
+    return InvalidArgument("--metrics-port must be -1 (off), 0 (any free port) or a port up to 65535, got " +
+                           std::to_string(metrics_port));
+  }
   if (replicas_to_aggregate < 1) {
     return InvalidArgument("--replicas-to-aggregate must be >= 1, got " + std::to_string(replicas_to_aggregate));
   }

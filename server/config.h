@@ -12,6 +12,9 @@
 
 namespace psd::server {
 
+// psd's version (the project's, from CMake), reported by --version, status replies and /metrics.
+inline constexpr char kPsdVersion[] = PSD_VERSION;
+
 enum class Reduction { kMean, kSum };
 
 // Consistency modes (README "Consistency modes").
@@ -74,6 +77,12 @@ struct ServerConfig {
   int64_t heartbeat_ms = 100;          // shard-to-shard heartbeat period
   int64_t election_timeout_ms = 1000;  // a shard silent this long counts as gone
   uint64_t slice_bytes = 64ull << 20;  // variables bigger than this are split by rows over several shards
+
+  // Operations (README "Monitoring"): /metrics, /healthz, /readyz and the status page over HTTP.
+  std::string metrics_host = "127.0.0.1";
+  int metrics_port = -1;          // -1: off; 0: the kernel picks (see metrics_port_file)
+  std::string metrics_port_file;  // if set, the bound metrics port is written there
+  std::string notify_socket;      // systemd's $NOTIFY_SOCKET (main reads it): READY=1 once ready
 
   // Waits and lifetime.
   int64_t default_token_timeout_ms = 60000;

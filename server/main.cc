@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 #include <csignal>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -23,7 +24,7 @@ std::atomic<psd::server::Server*> g_server{nullptr};
 int main(int argc, char** argv) {
   psd::server::ServerConfig cfg;
   CLI::App app{"psd — parameter-server daemon for synchronous (SyncReplicasOptimizer-style) training"};
-  app.set_version_flag("--version", "psd 0.1.0");
+  app.set_version_flag("--version", std::string("psd ") + psd::server::kPsdVersion);
   app.set_config("--config", "",
                  "read flags from this file (TOML/INI: `replicas-to-aggregate = 2`); command-line "
                  "flags win");
@@ -130,6 +131,15 @@ int main(int argc, char** argv) {
   app.add_option("--slice-bytes", cfg.slice_bytes,
                  "variables bigger than this are split along their first dimension over several shards")
       ->capture_default_str();
+  app.add_option("--metrics-port", cfg.metrics_port,
+                 "HTTP port for /metrics (Prometheus), /healthz, /readyz and the status page at / (-1: off; 0: a "
+                 "free port, see --metrics-port-file)")
+      ->capture_default_str();
+  app.add_option("--metrics-host", cfg.metrics_host,
+                 "IP address the metrics port listens on (loopback by default; 0.0.0.0 for scrapers and probes "
+                 "from other hosts)")
+      ->capture_default_str();
+  app.add_option("--metrics-port-file", cfg.metrics_port_file, "write the bound metrics port to this file");
   app.add_flag("--exit-when-done", cfg.exit_when_done, "exit with status 0 once every worker has finished");
   app.add_option("--worker-grace-s", cfg.worker_grace_s,
                  "seconds a worker may stay disconnected without finishing before steps stop waiting for its "
@@ -198,6 +208,9 @@ int main(int argc, char** argv) {
     }
     cfg.auth_token = *token;
   }
+
+  // systemd's readiness protocol (Type=notify): the one variable psd reads, systemd's contract.
+  if (const char* notify = std::getenv("NOTIFY_SOCKET")) cfg.notify_socket = notify;
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("psd"));
   spdlog::set_level(spdlog::level::from_str(cfg.log_level));

@@ -118,9 +118,22 @@ class Conn {
   Conn(const ClientOptions& options, std::string host, uint16_t port, int index)
       : options_(options), host_(std::move(host)), port_(port), index_(index), socket_(io_) {}
 
+  // Connects and says hello. A daemon that answers UNAVAILABLE (restoring a checkpoint) is asked
+  // again until connect_timeout_ms has passed.
   Status Connect() {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+    for (;;) {
+      Status s = ConnectOnce(deadline);
+      if (s.ok() || s.code() != Code::kUnavailable || !answered_ || std::chrono::steady_clock::now() >= deadline) {
+        return s;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+
+  Status ConnectOnce(std::chrono::steady_clock::time_point deadline) {
     boost::system::error_code ec;
+    answered_ = false;
     for (;;) {
       // Names are resolved on every try: a restarted daemon (a Kubernetes pod, say) may have
       // come back at another address.
@@ -1155,6 +1168,9 @@ Result<JobStatus> ReadStatus(proto::JobStatus::Reader s) {
   st.cluster_epoch = s.getClusterEpoch();
   st.cluster_state = s.getClusterState();
   for (uint32_t m : s.getMissingShards()) st.missing_shards.push_back(static_cast<int>(m));
+  st.version = s.getVersion();
+  st.uptime_s = s.getUptimeS();
+  st.ready = s.getReady();
   return st;
 }
 

@@ -5,12 +5,95 @@
 //   psd_admin --port 7070 checkpoint    # ask for a checkpoint at the next step boundary
 //   psd_admin --cluster h:p,h:p placement  # which shard(s) hold each variable, bytes per shard
 // With --cluster, status also lists every shard (the ones that answer) and the election state.
+//
+// Exit status: 0 when psd serves (every shard up, the cluster formed); 3 when it answers but does
+// not serve (restoring, a shard missing or unreachable, the cluster forming); 1 when it cannot be
+// reached or the request failed; 2 on bad arguments. `--json` prints one JSON object either way.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "psclient/client.h"
 #include "psd/secret.h"
+#include "text/json.h"
+
+namespace {
+
+constexpr int kNotServing = 3;
+
+void WritePlacementJson(psd::text::JsonWriter& j, const psclient::PlacementMap& map) {
+  j.BeginObject();
+  j.Key("shard_bytes").BeginArray();
+  for (uint64_t b : map.shard_bytes) j.Int(static_cast<int64_t>(b));
+  j.EndArray();
+  j.Key("variables").BeginArray();
+  for (const auto& v : map.variables) {
+    j.BeginObject();
+    j.Key("name").String(v.name);
+    j.Key("dtype").String(psd::DTypeName(v.dtype));
+    j.Key("shape").BeginArray();
+    for (int64_t d : v.shape) j.Int(d);
+    j.EndArray();
+    j.Key("sliced").Bool(v.sliced);
+    j.Key("parts").BeginArray();
+    for (const auto& p : v.parts) {
+      j.BeginObject().Key("shard").Int(p.shard).Key("row_begin").Int(p.row_begin).Key("row_end").Int(p.row_end);
+      j.EndObject();
+    }
+    j.EndArray();
+    j.EndObject();
+  }
+  j.EndArray();
+  j.EndObject();
+}
+
+// The fields of one daemon's answer (the job's, and the cluster's as that shard sees it).
+void WriteStatusFields(psd::text::JsonWriter& j, const psclient::JobStatus& s) {
+  const psclient::JobConfig& c = s.config;
+  j.Key("version").String(s.version);
+  j.Key("uptime_s").Number(s.uptime_s);
+  j.Key("ready").Bool(s.ready);
+  j.Key("global_step").Int(s.global_step);
+  j.Key("workers_connected").Int(s.workers_connected);
+  j.Key("workers_finished").Int(s.workers_finished);
+  j.Key("tokens_queued").Int(s.tokens_queued);
+  j.Key("replicas_required").Int(s.replicas_required);
+  j.Key("accepted_pushes").Int(s.accepted_pushes);
+  j.Key("stale_pushes").Int(s.stale_pushes);
+  j.Key("last_step_gradients").Int(s.last_step_gradients);
+  j.Key("max_staleness").Int(s.max_staleness);
+  j.Key("learning_rate").Number(s.learning_rate);
+  j.Key("last_checkpoint_step").Int(s.last_checkpoint_step);
+  j.Key("mode").String(c.mode);
+  j.Key("replicas_to_aggregate").Int(c.replicas_to_aggregate);
+  j.Key("total_replicas").Int(c.total_replicas);
+  j.Key("tokens_per_step").Int(c.tokens_per_step);
+  j.Key("optimizer").String(c.optimizer);
+  j.Key("shard_index").Int(s.shard_index);
+  j.Key("shards").Int(s.shards);
+  j.Key("chief_shard").Int(s.chief_shard);
+  j.Key("term").Int(static_cast<int64_t>(s.term));
+  j.Key("cluster_epoch").Int(static_cast<int64_t>(s.cluster_epoch));
+  j.Key("cluster_state").String(s.cluster_state);
+  j.Key("missing_shards").BeginArray();
+  for (int m : s.missing_shards) j.Int(m);
+  j.EndArray();
+}
+
+std::string Duration(double s) {
+  char buf[64];
+  if (s < 120) {
+    std::snprintf(buf, sizeof(buf), "%.0f s", s);
+  } else if (s < 7200) {
+    std::snprintf(buf, sizeof(buf), "%.0f min", s / 60);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f h", s / 3600);
+  }
+  return buf;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"psd_admin: status and checkpoints of a running psd"};
@@ -24,9 +107,9 @@ int main(int argc, char** argv) {
   bool json = false;
   std::string token_file;
   app.add_option("--auth-token-file", token_file, "psd's shared secret, if it runs with one");
-  app.add_flag("--json", json, "status as one JSON object");
+  app.add_flag("--json", json, "status and placement as one JSON object");
   app.require_subcommand(1);
-  auto* status = app.add_subcommand("status", "print the job's state");
+  auto* status = app.add_subcommand("status", "print the job's state (exit 3 if psd does not serve)");
   auto* checkpoint = app.add_subcommand("checkpoint", "ask for a checkpoint at the next step boundary");
   auto* placement = app.add_subcommand("placement", "where each variable lives, and bytes per shard");
   CLI11_PARSE(app, argc, argv);
@@ -42,6 +125,11 @@ int main(int argc, char** argv) {
 
   auto client = psclient::Client::Connect(opts);
   if (!client.ok()) {
+    if (json) {
+      psd::text::JsonWriter j;
+      j.BeginObject().Key("reachable").Bool(false).Key("error").String(client.status().ToString()).EndObject();
+      std::printf("%s\n", j.text().c_str());
+    }
     std::fprintf(stderr, "psd_admin: %s\n", client.status().ToString().c_str());
     return 1;
   }
@@ -58,7 +146,13 @@ int main(int argc, char** argv) {
     auto map = (*client)->GetPlacementMap();
     if (!map.ok()) {
       std::fprintf(stderr, "psd_admin: %s\n", map.status().ToString().c_str());
-      return 1;
+      return map.status().code() == psd::Code::kUnavailable ? kNotServing : 1;
+    }
+    if (json) {
+      psd::text::JsonWriter j;
+      WritePlacementJson(j, *map);
+      std::printf("%s\n", j.text().c_str());
+      return 0;
     }
     for (size_t k = 0; k < map->shard_bytes.size(); ++k) {
       std::printf("shard %zu: %llu bytes\n", k, static_cast<unsigned long long>(map->shard_bytes[k]));
@@ -78,38 +172,67 @@ int main(int argc, char** argv) {
     return 0;
   }
   (void)status;
-  if ((*client)->shards() > 1 && !json) {
-    for (int k = 0; k < (*client)->shards(); ++k) {
-      auto s = (*client)->GetShardStatus(k);
-      if (!s.ok()) {
-        std::printf("shard %d              unreachable: %s\n", k, s.status().message().c_str());
-        continue;
-      }
-      std::printf("shard %d              step %lld, chief %d, term %llu, epoch %llu: %s\n", k,
-                  static_cast<long long>(s->global_step), s->chief_shard, static_cast<unsigned long long>(s->term),
-                  static_cast<unsigned long long>(s->cluster_epoch), s->cluster_state.c_str());
-    }
+  // Every shard's own answer (a cluster), then the job as the chief sees it.
+  bool serving = true;
+  struct ShardAnswer {
+    int shard;
+    psd::Result<psclient::JobStatus> status;
+  };
+  std::vector<ShardAnswer> shards;
+  for (int k = 0; k < (*client)->shards() && (*client)->shards() > 1; ++k) {
+    shards.push_back({k, (*client)->GetShardStatus(k)});
+    const auto& s = shards.back().status;
+    if (!s.ok() || !s->ready || !s->missing_shards.empty()) serving = false;
   }
   auto st = (*client)->GetStatus();
   if (!st.ok()) {
     std::fprintf(stderr, "psd_admin: %s\n", st.status().ToString().c_str());
-    return 1;
+    if (json) {
+      psd::text::JsonWriter j;
+      j.BeginObject().Key("reachable").Bool(true).Key("serving").Bool(false);
+      j.Key("error").String(st.status().ToString()).EndObject();
+      std::printf("%s\n", j.text().c_str());
+    }
+    return st.status().code() == psd::Code::kUnavailable ? kNotServing : 1;
   }
   const psclient::JobStatus& j = *st;
   const psclient::JobConfig& c = j.config;
+  if (!j.ready || !j.missing_shards.empty()) serving = false;
   if (json) {
-    std::printf(
-        "{\"global_step\": %lld, \"workers_connected\": %d, \"workers_finished\": %d, \"tokens_queued\": %lld, "
-        "\"replicas_required\": %d, \"accepted_pushes\": %lld, \"stale_pushes\": %lld, \"last_step_gradients\": %d, "
-        "\"max_staleness\": %lld, \"learning_rate\": %g, \"last_checkpoint_step\": %lld, \"mode\": \"%s\", "
-        "\"replicas_to_aggregate\": %d, \"total_replicas\": %d, \"optimizer\": \"%s\"}\n",
-        static_cast<long long>(j.global_step), j.workers_connected, j.workers_finished,
-        static_cast<long long>(j.tokens_queued), j.replicas_required, static_cast<long long>(j.accepted_pushes),
-        static_cast<long long>(j.stale_pushes), j.last_step_gradients, static_cast<long long>(j.max_staleness),
-        j.learning_rate, static_cast<long long>(j.last_checkpoint_step), c.mode.c_str(), c.replicas_to_aggregate,
-        c.total_replicas, c.optimizer.c_str());
-    return 0;
+    psd::text::JsonWriter w;
+    w.BeginObject();
+    w.Key("reachable").Bool(true);
+    w.Key("serving").Bool(serving);
+    WriteStatusFields(w, j);
+    if (!shards.empty()) {
+      w.Key("shard_status").BeginArray();
+      for (const ShardAnswer& a : shards) {
+        w.BeginObject().Key("shard").Int(a.shard).Key("reachable").Bool(a.status.ok());
+        if (a.status.ok()) {
+          WriteStatusFields(w, *a.status);
+        } else {
+          w.Key("error").String(a.status.status().ToString());
+        }
+        w.EndObject();
+      }
+      w.EndArray();
+    }
+    w.EndObject();
+    std::printf("%s\n", w.text().c_str());
+    return serving ? 0 : kNotServing;
   }
+  for (const ShardAnswer& a : shards) {
+    if (!a.status.ok()) {
+      std::printf("shard %d              unreachable: %s\n", a.shard, a.status.status().message().c_str());
+      continue;
+    }
+    const psclient::JobStatus& s = *a.status;
+    std::printf("shard %d              step %lld, chief %d, term %llu, epoch %llu: %s\n", a.shard,
+                static_cast<long long>(s.global_step), s.chief_shard, static_cast<unsigned long long>(s.term),
+                static_cast<unsigned long long>(s.cluster_epoch), s.cluster_state.c_str());
+  }
+  std::printf("psd                  %s, up %s, %s\n", j.version.c_str(), Duration(j.uptime_s).c_str(),
+              serving ? "serving" : "NOT serving");
   std::printf("global step          %lld\n", static_cast<long long>(j.global_step));
   std::printf("mode                 %s (R=%d of N=%d, %d tokens per step)\n", c.mode.c_str(), c.replicas_to_aggregate,
               c.total_replicas, c.tokens_per_step);
@@ -132,6 +255,8 @@ int main(int argc, char** argv) {
     std::printf("cluster              %d shards, chief %d, term %llu, epoch %llu: %s%s\n", j.shards, j.chief_shard,
                 static_cast<unsigned long long>(j.term), static_cast<unsigned long long>(j.cluster_epoch),
                 j.cluster_state.c_str(), missing.empty() ? "" : (" (missing: " + missing + ")").c_str());
+  } else if (!j.ready) {
+    std::printf("state                %s\n", j.cluster_state.c_str());
   }
-  return 0;
+  return serving ? 0 : kNotServing;
 }

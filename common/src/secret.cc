@@ -15,4 +15,12 @@ Result<std::string> ReadSecretFile(const std::string& path) {
   return token;
 }
 
+bool SecretsEqual(std::string_view want, std::string_view got) {
+  unsigned char diff = want.size() == got.size() ? 0 : 1;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got[i] : 0));
+  }
+  return diff == 0;
+}
+
 }  // namespace psd

@@ -4,18 +4,11 @@
 #include <spdlog/spdlog.h>
 
 #include "net/server.h"
+#include "psd/secret.h"
 
 namespace psd::server {
 namespace {
 
-// Compares secrets in time independent of where they differ.
-bool TokensEqual(const std::string& want, capnp::Text::Reader got) {
-  unsigned char diff = want.size() == got.size() ? 0 : 1;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got[i] : 0));
-  }
-  return diff == 0;
-}
 const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no rows
 }  // namespace
 
@@ -27,6 +20,7 @@ struct Connection::TokenWait {
   std::shared_ptr<SyncEngine> engine;         // whose queue it waits on
   bool done = false;
   TokenDone on_done;
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };
 
 Connection::Connection(Server& server, tcp::socket socket, uint64_t id)
@@ -93,8 +87,9 @@ void Connection::ReadBody(uint32_t segment_count) {
   if (!s.ok()) return FailStream(s);
   capnp::word* body = in_.Prepare(sizes, total);
   asio::async_read(socket_, asio::buffer(body, total * sizeof(capnp::word)),
-                   asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
+                   asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
                      if (ec) return self->CloseNow();
+                     self->server_.metrics().OnBytesIn(n + self->table_.size() * 4 + 4);
                      self->OnFrame();
                      self->in_.MaybeRelease(16u << 20);
                      self->ReadHeader();
@@ -140,8 +135,11 @@ void Connection::Dispatch(proto::Request::Reader req) {
   if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);       // an operator's request
   if (which == proto::Request::GET_PLACEMENT) return HandleGetPlacement(id);  // operators too
   if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
-  if (ClusterCoordinator* c = server_.coordinator(); c != nullptr && which != proto::Request::FINISH) {
-    Status serving = c->Serving();
+  server_.metrics().OnWorkerRequest(worker_index_);
+  if (which != proto::Request::FINISH || server_.coordinator() == nullptr) {
+    // Restoring a checkpoint or a cluster not formed: retry later (a cluster's worker may still
+    // declare itself finished).
+    Status serving = server_.Serving();
     if (!serving.ok()) return SendError(id, serving);
   }
   switch (which) {
@@ -204,7 +202,7 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
                                             std::to_string(proto::PROTOCOL_VERSION)));
   }
   const std::string& want = server_.config().auth_token;
-  if (!want.empty() && !TokensEqual(want, r.getAuthToken())) {
+  if (!want.empty() && !SecretsEqual(want, std::string_view(r.getAuthToken().cStr(), r.getAuthToken().size()))) {
     return FailStream(Unauthenticated("wrong or missing auth token (psd runs with --auth-token-file)"), id);
   }
   authenticated_ = true;
@@ -242,6 +240,12 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
   std::string name = r.getWorkerName();
   Status s = ValidateName(name);
   if (!s.ok()) return SendError(id, InvalidArgument("worker name: " + s.message()));
+  if (server_.coordinator() == nullptr) {
+    // A worker joins once the restore is done, so its hello carries the restored step (the
+    // client asks again until connect_timeout_ms). A cluster's client waits for the formation.
+    Status serving = server_.Serving();
+    if (!serving.ok()) return SendError(id, serving);
+  }
   uint32_t index = server_.OnHello(id_, name, r.getIncarnation());
   worker_index_ = index;
   hello_done_ = true;
@@ -391,6 +395,16 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
   std::vector<GradOutcome> outcomes;
   Status s = engine->Push(r.getLocalStep(), grads, &outcomes);
   if (!s.ok()) return SendError(id, s);
+  {
+    int accepted = 0;
+    int64_t staleness = 0;
+    for (const GradOutcome& o : outcomes) {
+      accepted += o.accepted ? 1 : 0;
+      staleness = std::max(staleness, o.staleness);
+    }
+    server_.metrics().OnPush(worker_index_, r.getLocalStep(), accepted, static_cast<int>(outcomes.size()) - accepted,
+                             staleness);
+  }
 
   auto fill = [outcomes = std::move(outcomes), this, engine](proto::PushReply::Builder p) {
     auto results = p.initResults(static_cast<unsigned>(outcomes.size()));
@@ -475,8 +489,12 @@ void Connection::HandleStatus(uint64_t id) {
     for (size_t i = 0; i < v.missing.size(); ++i)
       missing.set(static_cast<unsigned>(i), static_cast<uint32_t>(v.missing[i]));
   } else {
-    s.setClusterState("running");
+    Status serving = server_.Serving();
+    s.setClusterState(serving.ok() ? "running" : serving.message());
   }
+  s.setVersion(kPsdVersion);
+  s.setUptimeS(server_.uptime_s());
+  s.setReady(server_.Serving().ok());
   auto names = server_.workers().Names();
   auto list = s.initWorkers(static_cast<unsigned>(names.size()));
   for (size_t i = 0; i < names.size(); ++i) list.set(static_cast<unsigned>(i), names[i]);
@@ -584,15 +602,8 @@ void Connection::HandlePlace(uint64_t id, proto::Place::Reader r) {
 void Connection::HandleGetPlacement(uint64_t id) {
   std::vector<VarPlacement> all;
   std::vector<uint64_t> bytes;
-  if (ClusterCoordinator* c = server_.coordinator()) {
-    Status s = c->Placements(&all, &bytes);
-    if (!s.ok()) return SendError(id, s);
-  } else {
-    // A single daemon holds everything.
-    all = server_.engine()->Placements(0);
-    bytes.assign(1, 0);
-    for (const VarPlacement& p : all) bytes[0] += p.bytes();
-  }
+  Status placed = server_.PlacementMap(&all, &bytes);
+  if (!placed.ok()) return SendError(id, placed);
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
   auto m = resp.initPlacementMap();
@@ -777,6 +788,7 @@ void Connection::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Stat
   w->done = true;
   w->timer.cancel();
   parked_.erase(w);
+  server_.metrics().OnTokenWait(std::chrono::duration<double>(std::chrono::steady_clock::now() - w->started).count());
   if (closed_) {
     // The peer is gone: a token delivered to it goes back so no other worker starves.
     if (s.ok() && w->from_queue && w->engine) w->engine->tokens().PushFront(token);
@@ -820,7 +832,8 @@ void Connection::WriteNext() {
   auto frame = write_queue_.front();
   asio::async_write(
       socket_, frame->Buffers(),
-      asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t) {
+      asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t n) {
+        self->server_.metrics().OnBytesOut(n);
         self->write_queue_.pop_front();
         if (ec) {
           self->writing_ = false;

@@ -5,6 +5,8 @@
 #include <fstream>
 
 #include "net/connection.h"
+#include "ops/ops_service.h"
+#include "ops/sd_notify.h"
 
 namespace psd::server {
 
@@ -22,7 +24,9 @@ Result<std::shared_ptr<SyncEngine>> Server::MakeEngine(uint64_t epoch) {
   if (!opt.ok()) return opt.status();
   auto engine = std::make_shared<SyncEngine>(config_, std::move(*opt));
   engine->set_epoch(epoch);
-  engine->set_on_commit([](const StepInfo& info) {
+  engine->set_on_apply([this](double seconds) { metrics_.OnApply(seconds); });
+  engine->set_on_commit([this](const StepInfo& info) {
+    metrics_.OnStepCommitted(info.step, info.min_gradients, info.max_gradients, info.forced);
     if (info.forced) {
       spdlog::info("step {} committed by the step deadline with {}..{} gradient(s) per variable", info.step,
                    info.min_gradients, info.max_gradients);
@@ -94,8 +98,40 @@ Server::Server(ServerConfig config)
       summary_timer_(io_),
       deadline_strand_(asio::make_strand(io_)),
       step_deadline_(deadline_strand_),
+      ready_timer_(io_),
       checkpoint_timer_(io_) {
+  not_ready_ = "psd is starting";
+  not_ready_since_ = start_time_;
   if (config_.clustered()) coordinator_ = std::make_unique<ClusterCoordinator>(*this, config_, io_);
+  ops_ = std::make_unique<ops::OpsService>(*this, io_);
+}
+
+uint16_t Server::metrics_port() const { return ops_->port(); }
+
+double Server::uptime_s() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time_).count();
+}
+
+int Server::connection_count() const {
+  std::lock_guard<std::mutex> lock(conns_mu_);
+  return static_cast<int>(conns_.size());
+}
+
+Status Server::Serving() const {
+  if (coordinator_) return coordinator_->Serving();
+  std::lock_guard<std::mutex> lock(ready_mu_);
+  if (not_ready_.empty()) return Status::Ok();
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - not_ready_since_).count();
+  return Unavailable(fmt::format("{} (for {:.1f} s); retry", not_ready_, secs));
+}
+
+Status Server::PlacementMap(std::vector<VarPlacement>* all, std::vector<uint64_t>* shard_bytes) const {
+  if (coordinator_) return coordinator_->Placements(all, shard_bytes);
+  // A single daemon holds everything.
+  *all = engine()->Placements(0);
+  shard_bytes->assign(1, 0);
+  for (const VarPlacement& p : *all) (*shard_bytes)[0] += p.bytes();
+  return Status::Ok();
 }
 
 void Server::ArmStepDeadline(int64_t step) {
@@ -112,9 +148,12 @@ void Server::WriteSnapshot(const ShardSnapshot& snap) {
   auto info =
       WriteCheckpoint(config_.checkpoint_dir, snap, config_.shard_index, config_.shards(), config_.keep_checkpoints);
   if (!info.ok()) {
+    metrics_.OnCheckpointFailed();
     spdlog::error("checkpoint at step {} failed: {}", snap.step, info.status().message());
     return;
   }
+  metrics_.OnCheckpointWritten(snap.step, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                               info->part_bytes);
   if (coordinator_) {
     // The chief seals it once every shard's part is written.
     coordinator_->OnPartWritten(*info, snap.step);
@@ -193,41 +232,16 @@ Status Server::Start() {
     return Unavailable("cannot listen on " + config_.host + ":" + std::to_string(config_.port) + ": " + ec.message());
   }
   port_ = acceptor_.local_endpoint().port();
-  if (!config_.port_file.empty()) {
-    std::string tmp = config_.port_file + ".tmp";
-    {
-      std::ofstream f(tmp);
-      f << port_ << "\n";
-      if (!f) return Unavailable("cannot write --port-file " + config_.port_file);
-    }
-    if (std::rename(tmp.c_str(), config_.port_file.c_str()) != 0) {
-      return Unavailable("cannot write --port-file " + config_.port_file);
-    }
-  }
-  if (!config_.checkpoint_dir.empty()) {
-    if (config_.restore && !coordinator_) {
-      ShardSnapshot snap;
-      auto found = LoadLatestCheckpoint(config_.checkpoint_dir, 0, &snap);
-      if (found.ok()) {
-        PSD_RETURN_IF_ERROR(engine()->Restore(snap));
-        last_checkpoint_step_ = snap.step;
-        spdlog::info("restored {} variable(s) at global step {} from {}", snap.variables.size(), snap.step,
-                     found->path);
-      } else if (found.status().code() != Code::kNotFound) {
-        return found.status();
-      }
-    }
-    checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
-  }
-  // Init tokens carry the current (possibly restored) global step, as TF's chief does on restart.
-  // (A cluster's chief pushes them once the cluster has formed.)
-  if (!coordinator_) engine()->PushInitTokens(config_.resolved_init_tokens);
+  PSD_RETURN_IF_ERROR(ops_->Start());
+  if (!config_.checkpoint_dir.empty()) checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
   work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
   if (coordinator_) {
     spdlog::info("psd shard {} of {} ({})", config_.shard_index, config_.shards(),
                  config_.cluster[static_cast<size_t>(config_.shard_index)]);
     coordinator_->Start();  // before anything is accepted
   }
+  // Connections are served from now on, so probes, psd_admin and the status page answer while a
+  // restore runs; workers are told to retry until psd is ready (Serving()).
   Accept();
   last_summary_time_ = std::chrono::steady_clock::now();
   ScheduleSummary();
@@ -249,7 +263,77 @@ Status Server::Start() {
                config_.host, port_, ModeName(config_.mode), config_.replicas_to_aggregate, config_.total_replicas,
                config_.tokens_per_step, config_.resolved_init_tokens, config_.optimizer.name,
                config_.optimizer.learning_rate, ReductionName(config_.reduction));
+  if (coordinator_) {
+    // The chief restores and pushes the init tokens once the cluster has formed.
+    WatchReadiness();
+    return Status::Ok();
+  }
+  if (!config_.checkpoint_dir.empty() && config_.restore) PSD_RETURN_IF_ERROR(RestoreAtStart());
+  // Init tokens carry the current (possibly restored) global step, as TF's chief does on restart.
+  engine()->PushInitTokens(config_.resolved_init_tokens);
+  {
+    std::lock_guard<std::mutex> lock(ready_mu_);
+    not_ready_.clear();
+  }
+  return BecomeReady();
+}
+
+Status Server::RestoreAtStart() {
+  {
+    std::lock_guard<std::mutex> lock(ready_mu_);
+    not_ready_ = "restoring the newest checkpoint of " + config_.checkpoint_dir;
+    not_ready_since_ = std::chrono::steady_clock::now();
+  }
+  spdlog::info("restoring the newest good checkpoint of {}; workers are asked to retry until it is done",
+               config_.checkpoint_dir);
+  auto t0 = std::chrono::steady_clock::now();
+  ShardSnapshot snap;
+  auto found = LoadLatestCheckpoint(config_.checkpoint_dir, 0, &snap);
+  if (!found.ok()) {
+    if (found.status().code() == Code::kNotFound) {
+      spdlog::info("no checkpoint in {}: starting at step 0", config_.checkpoint_dir);
+      return Status::Ok();
+    }
+    return found.status();
+  }
+  PSD_RETURN_IF_ERROR(engine()->Restore(snap));
+  last_checkpoint_step_ = snap.step;
+  uint64_t bytes = 0;
+  for (const auto& v : snap.variables) bytes += v.value ? v.value->bytes() : 0;
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  metrics_.OnRestored(snap.step, secs, bytes);
+  spdlog::info("restored {} variable(s) at global step {} from {} ({:.1f} MB of values in {:.2f} s)",
+               snap.variables.size(), snap.step, found->path, static_cast<double>(bytes) / 1e6, secs);
   return Status::Ok();
+}
+
+Status Server::BecomeReady() {
+  if (became_ready_.exchange(true)) return Status::Ok();
+  if (!config_.port_file.empty()) {
+    std::string tmp = config_.port_file + ".tmp";
+    {
+      std::ofstream f(tmp);
+      f << port_ << "\n";
+      if (!f) return Unavailable("cannot write --port-file " + config_.port_file);
+    }
+    if (std::rename(tmp.c_str(), config_.port_file.c_str()) != 0) {
+      return Unavailable("cannot write --port-file " + config_.port_file);
+    }
+  }
+  Status notified = ops::SdNotify(config_.notify_socket, "READY=1\nSTATUS=serving workers");
+  if (!notified.ok()) spdlog::warn("{}", notified.message());
+  spdlog::info("psd is ready: serving workers on {}:{}", config_.host, port_);
+  return Status::Ok();
+}
+
+void Server::WatchReadiness() {
+  ready_timer_.expires_after(std::chrono::milliseconds(20));
+  ready_timer_.async_wait([this](boost::system::error_code ec) {
+    if (ec || stopped_.load()) return;
+    if (!Serving().ok()) return WatchReadiness();
+    Status s = BecomeReady();
+    if (!s.ok()) spdlog::error("{}", s.message());
+  });
 }
 
 void Server::Accept() {
@@ -268,8 +352,10 @@ void Server::Accept() {
       if (!refuse) conns_[id] = conn;
     }
     if (refuse) {
+      metrics_.OnConnectionRefused();
       spdlog::warn("refusing connection: --max-connections {} reached", config_.max_connections);
     } else {
+      metrics_.OnConnectionAccepted();
       conn->Start();
     }
     Accept();
@@ -377,11 +463,14 @@ void Server::RequestStop() {
 void Server::Stop() {
   if (stopped_.exchange(true)) return;
   RequestStop();
+  if (became_ready_.load()) (void)ops::SdNotify(config_.notify_socket, "STOPPING=1");
+  ops_->Stop();
   asio::post(io_, [this] {
     boost::system::error_code ec;
     acceptor_.close(ec);
     summary_timer_.cancel();
     checkpoint_timer_.cancel();
+    ready_timer_.cancel();
   });
   asio::post(deadline_strand_, [this] { step_deadline_.cancel(); });
   if (coordinator_) coordinator_->Stop();

@@ -25,6 +25,7 @@
 
 #include "cluster/coordinator.h"
 #include "config.h"
+#include "ops/metrics.h"
 #include "psd/status.h"
 #include "sync/ssp_gate.h"
 #include "sync/sync_engine.h"
@@ -34,6 +35,9 @@
 namespace psd::server {
 
 class Connection;
+namespace ops {
+class OpsService;
+}
 
 class Server {
  public:
@@ -41,12 +45,28 @@ class Server {
   static Result<std::unique_ptr<Server>> Create(ServerConfig config);
   ~Server();
 
+  // Binds the data port (and the metrics port), starts the I/O threads, restores the newest
+  // checkpoint (single daemon) and then becomes ready: --port-file is written and systemd is
+  // notified only then (a cluster shard: once the cluster has formed and serves).
   Status Start();
   uint16_t port() const { return port_; }
+  // The metrics/status HTTP port (0: --metrics-port is off).
+  uint16_t metrics_port() const;
   // Blocks until a stop is requested. Returns true if the job ended because all workers finished.
   bool Wait();
   void RequestStop();
   void Stop();
+
+  // Whether workers are served now: Ok, or Unavailable saying what psd waits for (restoring a
+  // checkpoint, a missing shard, the cluster forming). /readyz and the readiness signals use it.
+  Status Serving() const;
+  ops::Metrics& metrics() { return metrics_; }
+  int connection_count() const;
+  double uptime_s() const;
+  double start_unix_s() const { return start_unix_s_; }
+  // The whole placement map with bytes per shard (a single daemon, or the chief of a serving
+  // cluster); an error elsewhere (ask the chief).
+  Status PlacementMap(std::vector<VarPlacement>* all, std::vector<uint64_t>* shard_bytes) const;
 
   // The engine serving now. A cluster replaces it when it restores a checkpoint: callers hold the
   // pointer for the duration of one request.
@@ -90,9 +110,21 @@ class Server {
   // has finished or is lost.
   void EndJobIfDone();
   void CheckpointLoop();
+  // Restores the newest good checkpoint of --checkpoint-dir into the (empty) engine.
+  Status RestoreAtStart();
+  // Once ready: writes --port-file and tells systemd. A cluster shard polls until it serves.
+  Status BecomeReady();
+  void WatchReadiness();
   void WriteSnapshot(const ShardSnapshot& snap);
 
   const ServerConfig config_;
+  ops::Metrics metrics_;
+  const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
+  const double start_unix_s_ = ops::UnixNow();
+  mutable std::mutex ready_mu_;
+  std::string not_ready_;  // guarded by ready_mu_: why a single daemon does not serve yet ("": it does)
+  std::chrono::steady_clock::time_point not_ready_since_;  // guarded by ready_mu_
+  std::atomic<bool> became_ready_{false};
   mutable std::mutex engine_mu_;
   std::shared_ptr<SyncEngine> engine_;  // guarded by engine_mu_
   WorkerRegistry workers_;
@@ -106,10 +138,12 @@ class Server {
   asio::steady_timer step_deadline_;  // soft sync; touched only on deadline_strand_
   std::vector<std::thread> threads_;
   std::unique_ptr<ClusterCoordinator> coordinator_;  // after io_: destroyed before it
+  std::unique_ptr<ops::OpsService> ops_;             // after io_: destroyed before it
+  asio::steady_timer ready_timer_;
   uint16_t port_ = 0;
   std::atomic<uint64_t> next_conn_id_{1};
 
-  std::mutex conns_mu_;
+  mutable std::mutex conns_mu_;
   std::map<uint64_t, std::weak_ptr<Connection>> conns_;  // guarded by conns_mu_
 
   std::mutex stop_mu_;

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -352,7 +353,12 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
 }
 
 void SyncEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
-  if (args.num_elements <= kParallelApplyElements) return opt.Apply(args);
+  auto t0 = std::chrono::steady_clock::now();
+  if (args.num_elements <= kParallelApplyElements) {
+    opt.Apply(args);
+    ReportApply(t0);
+    return;
+  }
   // Ranges touch disjoint elements of value/out/slots, so they can run in parallel.
   pool_.ParallelFor(args.num_elements, kParallelApplyElements / 4, [&](int64_t b, int64_t e) {
     size_t es = DTypeSize(args.dtype);
@@ -366,6 +372,11 @@ void SyncEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
     part.slots = slots;
     opt.Apply(part);
   });
+  ReportApply(t0);
+}
+
+void SyncEngine::ReportApply(std::chrono::steady_clock::time_point t0) {
+  if (on_apply_) on_apply_(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 bool SyncEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
@@ -414,10 +425,12 @@ bool SyncEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
 void SyncEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step,
                                    double lr) {
   if (rows.empty()) return;
+  auto t0 = std::chrono::steady_clock::now();
   // In place unless a pull still references the published buffer: then copy first.
   if (v->published.use_count() > 1) v->published = std::make_shared<Buffer>(*v->published);
   v->opt->ApplySparse({v->dtype, v->row_elements, v->published->data(), rows.data(), static_cast<int64_t>(rows.size()),
                        grad, &v->slots, step, lr});
+  ReportApply(t0);
 }
 
 void SyncEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
@@ -1124,6 +1137,7 @@ EngineStats SyncEngine::Stats() const {
   s.max_staleness = max_staleness_.load();
   std::lock_guard<std::mutex> lock(mu_);
   s.variables = static_cast<int>(vars_.size());
+  s.model_bytes = model_bytes_;
   return s;
 }
 

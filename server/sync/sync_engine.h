@@ -32,6 +32,7 @@
 #define PSD_SERVER_SYNC_SYNC_ENGINE_H_
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -146,6 +147,7 @@ struct EngineStats {
   int variables;
   int last_step_gradients;  // min gradients averaged per variable in the last committed step
   int64_t max_staleness;    // async/ssp: the largest staleness seen
+  uint64_t model_bytes;     // what the variables account for against --max-model-bytes
 };
 
 // Names: 1..256 characters from [A-Za-z0-9_./:-].
@@ -253,6 +255,9 @@ class SyncEngine {
 
   // Called after every committed step, outside all locks.
   void set_on_commit(std::function<void(const StepInfo&)> cb) { on_commit_ = std::move(cb); }
+  // Called after every optimizer apply of a variable (or a slice of it) with its duration in
+  // seconds, on the thread that applied it; set before the engine is used.
+  void set_on_apply(std::function<void(double seconds)> cb) { on_apply_ = std::move(cb); }
   // Sync: called (outside all locks) when the first fresh gradient of a step arrives, so the
   // server can arm the step deadline.
   void set_on_step_started(std::function<void(int64_t step)> cb) { on_step_started_ = std::move(cb); }
@@ -275,6 +280,7 @@ class SyncEngine {
   void ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step, double lr);
   void UpdateAverages(int64_t step);
   void ApplyDense(const Optimizer& opt, const ApplyArgs& args);
+  void ReportApply(std::chrono::steady_clock::time_point t0);
   ShardSnapshot SnapshotLocked();  // mu_ held; every variable's slots consistent with its value
   // mu_ held: the value a read sees (a sync-on-read variable's combined replica values).
   std::shared_ptr<Buffer> ReadValueLocked(Variable* v);
@@ -287,6 +293,7 @@ class SyncEngine {
   ThreadPool pool_;
   TokenQueue tokens_;
   std::function<void(const StepInfo&)> on_commit_;
+  std::function<void(double)> on_apply_;
   std::function<void(int64_t)> on_step_started_;
   std::function<void(ShardSnapshot)> on_snapshot_;
   CommitGate commit_gate_;

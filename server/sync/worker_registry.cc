@@ -120,4 +120,13 @@ WorkerCounts WorkerRegistry::Counts() const {
   return c;
 }
 
+std::vector<WorkerInfo> WorkerRegistry::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Worker* chief = ChiefLocked();
+  std::vector<WorkerInfo> out;
+  out.reserve(workers_.size());
+  for (const Worker& w : workers_) out.push_back({w.name, w.conn != 0, w.finished, w.lost, &w == chief});
+  return out;
+}
+
 }  // namespace psd::server

@@ -34,6 +34,15 @@ struct WorkerCounts {
   int lost = 0;
 };
 
+// One worker as operators see it (WorkerRegistry::Snapshot).
+struct WorkerInfo {
+  std::string name;
+  bool connected = false;
+  bool finished = false;
+  bool lost = false;
+  bool chief = false;
+};
+
 class WorkerRegistry {
  public:
   WorkerRegistry(int replicas_to_aggregate, int total_replicas);
@@ -57,6 +66,8 @@ class WorkerRegistry {
   // Fresh gradients a step needs given how many workers have finished.
   int RequiredReplicas() const;
   WorkerCounts Counts() const;
+  // Every worker ever seen, by index (first-hello order).
+  std::vector<WorkerInfo> Snapshot() const;
 
  private:
   struct Worker {

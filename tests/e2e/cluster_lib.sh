@@ -1,4 +1,12 @@
-# Helpers shared by the cluster e2e tests (sourced; the caller sets $run, its log directory).
+# Helpers shared by the e2e tests (sourced; the caller sets $run, its log directory, and lists the
+# processes it started in the array $pids).
+
+# Ends the test's own processes (by PID) and removes $run: the EXIT trap.
+stop_all() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  rm -rf "$run"
+}
 
 # Prints what failed, any sanitizer report, and the tail of every log; exits 1.
 fail() {

@@ -223,6 +223,10 @@ struct JobStatus {
   uint64_t cluster_epoch = 0;
   std::string cluster_state;
   std::vector<int> missing_shards;
+  // The daemon that answered.
+  std::string version;
+  double uptime_s = 0;
+  bool ready = false;  // restored, formed and serving workers
 };
 
 class Client {

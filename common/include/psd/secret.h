@@ -4,6 +4,7 @@
 #define PSD_SECRET_H_
 
 #include <string>
+#include <string_view>
 
 #include "psd/status.h"
 
@@ -11,6 +12,9 @@ namespace psd {
 
 // The file's contents without trailing whitespace; an error if it is unreadable or empty.
 Result<std::string> ReadSecretFile(const std::string& path);
+
+// Compares secrets in time independent of where they differ (and of `got`'s contents).
+bool SecretsEqual(std::string_view want, std::string_view got);
 
 }  // namespace psd
 

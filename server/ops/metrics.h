@@ -1,0 +1,147 @@
+// Metrics: the daemon's instruments for operators — counters, histograms and per-worker figures
+// that the request paths record into, and the step-rate history the status page draws. Rendered
+// in Prometheus' text exposition format by ops/prometheus.h and as JSON by the ops service.
+//
+// Thread-safety: every method may be called from any thread. Counters and histogram buckets are
+// relaxed atomics (the hot path never takes a lock for them); the per-worker table and the step
+// history each have one small mutex, taken once per push / per sample.
+#ifndef PSD_SERVER_OPS_METRICS_H_
+#define PSD_SERVER_OPS_METRICS_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace psd::server::ops {
+
+// A fixed-bucket histogram (Prometheus semantics: `bounds` are the inclusive upper bounds of the
+// buckets, in increasing order; an implicit +Inf bucket follows).
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds);
+  Histogram(const Histogram&) = delete;
+  Histogram& operator=(const Histogram&) = delete;
+
+  void Observe(double value);
+
+  struct Snapshot {
+    std::vector<double> bounds;
+    std::vector<uint64_t> cumulative;  // bounds.size() + 1 entries; the last is the +Inf bucket = count
+    double sum = 0;
+    uint64_t count = 0;
+  };
+  Snapshot Read() const;
+
+ private:
+  const std::vector<double> bounds_;
+  std::vector<std::atomic<uint64_t>> counts_;  // per bucket (not cumulative), bounds_.size() + 1
+  std::atomic<double> sum_{0};
+};
+
+// Latency buckets in seconds, 100 µs .. 60 s.
+std::vector<double> SecondsBuckets();
+
+// What one worker did, by its index in the worker registry (stable per name).
+struct WorkerFigures {
+  uint64_t pushes_accepted = 0;  // gradients accepted (one per variable of a push)
+  uint64_t pushes_stale = 0;     // gradients dropped as stale
+  int64_t last_local_step = -1;  // the local step of its newest push (-1: none yet)
+  int64_t last_staleness = 0;    // global step - local step at its newest push
+  int64_t max_staleness = 0;
+  double last_seen_unix_s = 0;  // its newest request (0: none)
+  uint64_t requests = 0;
+};
+
+class Metrics {
+ public:
+  Metrics();
+
+  // --- recorded by the request paths ------------------------------------------------------
+  void OnBytesIn(uint64_t n) { bytes_in_.fetch_add(n, std::memory_order_relaxed); }
+  void OnBytesOut(uint64_t n) { bytes_out_.fetch_add(n, std::memory_order_relaxed); }
+  void OnConnectionAccepted() { connections_accepted_.fetch_add(1, std::memory_order_relaxed); }
+  void OnConnectionRefused() { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
+  // A request from worker `worker` (its registry index).
+  void OnWorkerRequest(uint32_t worker);
+  // A push of `accepted` + `stale` gradients tagged `local_step`; `staleness` = global - local.
+  void OnPush(uint32_t worker, int64_t local_step, int accepted, int stale, int64_t staleness);
+  // A committed global step that used min..max gradients per variable.
+  void OnStepCommitted(int64_t step, int min_gradients, int max_gradients, bool forced);
+  void OnTokenWait(double seconds) { token_wait_seconds_.Observe(seconds); }
+  void OnApply(double seconds) { apply_seconds_.Observe(seconds); }
+  void OnCheckpointWritten(int64_t step, double seconds, uint64_t bytes);
+  void OnCheckpointFailed() { checkpoints_failed_.fetch_add(1, std::memory_order_relaxed); }
+  void OnRestored(int64_t step, double seconds, uint64_t bytes);
+
+  // --- step-rate history (sampled once a second by the ops service) -----------------------
+  struct Sample {
+    double unix_s;
+    int64_t step;
+  };
+  void AddSample(double unix_s, int64_t step);
+  // Oldest first; at most kHistory samples.
+  std::vector<Sample> History() const;
+  // Steps per second over the last `window_s` seconds of samples (0 with fewer than two).
+  double StepRate(double window_s) const;
+  static constexpr size_t kHistory = 600;
+
+  // --- read by the renderers ---------------------------------------------------------------
+  uint64_t bytes_in() const { return bytes_in_.load(std::memory_order_relaxed); }
+  uint64_t bytes_out() const { return bytes_out_.load(std::memory_order_relaxed); }
+  uint64_t connections_accepted() const { return connections_accepted_.load(std::memory_order_relaxed); }
+  uint64_t connections_refused() const { return connections_refused_.load(std::memory_order_relaxed); }
+  uint64_t steps_forced() const { return steps_forced_.load(std::memory_order_relaxed); }
+  int last_step_min_gradients() const { return last_min_gradients_.load(std::memory_order_relaxed); }
+  int last_step_max_gradients() const { return last_max_gradients_.load(std::memory_order_relaxed); }
+  uint64_t gradients_used() const { return gradients_used_.load(std::memory_order_relaxed); }
+  const Histogram& step_seconds() const { return step_seconds_; }
+  const Histogram& token_wait_seconds() const { return token_wait_seconds_; }
+  const Histogram& apply_seconds() const { return apply_seconds_; }
+  const Histogram& checkpoint_write_seconds() const { return checkpoint_write_seconds_; }
+
+  struct CheckpointFigures {
+    int64_t last_step = -1;
+    double last_seconds = 0;
+    uint64_t last_bytes = 0;
+    double last_unix_s = 0;
+    uint64_t written = 0;
+    uint64_t failed = 0;
+    int64_t restored_step = -1;  // -1: started without a restore
+    double restore_seconds = 0;
+    uint64_t restore_bytes = 0;
+  };
+  CheckpointFigures Checkpoints() const;
+  // Indexed by worker registry index; workers never seen have default figures.
+  std::vector<WorkerFigures> Workers() const;
+
+ private:
+  WorkerFigures& WorkerLocked(uint32_t worker);
+
+  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};
+  std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0};
+  std::atomic<uint64_t> steps_forced_{0}, gradients_used_{0};
+  std::atomic<int> last_min_gradients_{0}, last_max_gradients_{0};
+  std::atomic<uint64_t> checkpoints_failed_{0};
+  Histogram step_seconds_;
+  Histogram token_wait_seconds_;
+  Histogram apply_seconds_;
+  Histogram checkpoint_write_seconds_;
+
+  mutable std::mutex mu_;
+  std::vector<WorkerFigures> workers_;                 // guarded by mu_
+  std::chrono::steady_clock::time_point last_commit_;  // guarded by mu_
+  bool committed_once_ = false;                        // guarded by mu_
+  CheckpointFigures checkpoints_;                      // guarded by mu_
+  std::deque<Sample> history_;                         // guarded by mu_
+};
+
+// Seconds since the Unix epoch (wall clock), for "last seen" and the history's time axis.
+double UnixNow();
+
+}  // namespace psd::server::ops
+
+#endif  // PSD_SERVER_OPS_METRICS_H_

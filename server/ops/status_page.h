@@ -1,0 +1,12 @@
+// The live status page served at / by the ops endpoint: one self-contained HTML document (inline
+// CSS and JS, no external resources) that polls /status.json. Its source is ops/status_page.html.
+#ifndef PSD_SERVER_OPS_STATUS_PAGE_H_
+#define PSD_SERVER_OPS_STATUS_PAGE_H_
+
+namespace psd::server::ops {
+
+extern const char kStatusPageHtml[];
+
+}  // namespace psd::server::ops
+
+#endif  // PSD_SERVER_OPS_STATUS_PAGE_H_
