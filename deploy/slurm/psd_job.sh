@@ -15,9 +15,11 @@
 # PSD_STEPS (5000), PSD_CHECKPOINTS, PSD_METRICS_PORT (9090; empty: off).
 #SBATCH --job-name=psd-train
 #SBATCH --time=01:00:00
-# SIGTERM 3 min before the time limit: psd writes its final checkpoint before Slurm's SIGKILL.
-#SBATCH --signal=TERM@180
-# shellcheck disable=SC2016  # the single-quoted scripts expand in the tasks, on purpose
+# SIGUSR1 to this script 5 min before the time limit: it asks the cluster for a checkpoint
+# (psd_admin checkpoint; a shard stopped by a signal writes none of its own in a cluster), so the
+# resubmitted job loses at most the steps of those last minutes.
+#SBATCH --signal=B:USR1@300
+# shellcheck disable=SC2016,SC2317  # single-quoted scripts expand in the tasks; traps call functions
 set -euo pipefail
 build=${PSD_BUILD:-$PWD/build}
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -71,19 +73,32 @@ else
     --shard "$PSD_WORKER_INDEX" --auth-token-file "$PSD_AUTH_TOKEN_FILE" --steps "$1" --retry-s 300' \
     "$build/client/psd_logreg_worker" "$steps")
 fi
-set +e
+# The worker step runs in the background so that the signal traps below run at once (bash runs a
+# trap only when the foreground command returns; `wait` returns early for it).
 srun --overlap --ntasks="$workers" \
   bash -c 'export PSD_WORKER_INDEX=$SLURM_PROCID PSD_WORKER_NAME=worker-$SLURM_PROCID; exec "$@"' \
-  psd-worker "${trainer[@]}"
-status=$?
-set -e
+  psd-worker "${trainer[@]}" &
+worker_step=$!
+checkpoint_now() {
+  echo "psd_job.sh: time limit near; requesting a checkpoint" >&2
+  "$build/client/psd_admin" --cluster "$PSD_CLUSTER" --auth-token-file "$token" checkpoint || true
+}
+stop_steps() {
+  kill -TERM "$worker_step" "$psd_step" 2>/dev/null || true
+}
+trap checkpoint_now USR1
+trap stop_steps TERM INT
+status=0
+while :; do
+  wait "$worker_step" && status=0 || status=$?
+  kill -0 "$worker_step" 2>/dev/null || break
+done
+trap - USR1 TERM INT
 # --exit-when-done: the shards write a last checkpoint and exit once every worker has finished.
-# If the workers failed (or never connected), stop the shards the same way, by SIGTERM.
-if [ "$status" -ne 0 ]; then
-  kill -TERM "$psd_step" 2>/dev/null || true
-else
+# If the workers failed (or never connected), stop the shards by SIGTERM instead.
+if [ "$status" -eq 0 ]; then
   for _ in $(seq 300); do kill -0 "$psd_step" 2>/dev/null || break; sleep 1; done
-  kill -TERM "$psd_step" 2>/dev/null || true
 fi
+kill -TERM "$psd_step" 2>/dev/null || true
 wait "$psd_step" || true
 exit "$status"

@@ -29,10 +29,8 @@ cleanup() {
   rm -rf "$run"
 }
 trap cleanup EXIT
-fail() {
-  echo "FAIL: $*" >&2
-  exit 1
-}
+# shellcheck source-path=SCRIPTDIR
+. "$here/cluster_lib.sh"  # fail (with the tails of $run/*.log), wait_for
 not_checked=()
 
 # --- Kubernetes --------------------------------------------------------------------------------
@@ -86,10 +84,10 @@ config_starts() {  # $1: config file. psd must start with it and stop cleanly on
     kill -0 "$p" 2>/dev/null || break
     sleep 0.1
   done
-  [ -s "$pf" ] && kill -TERM "$p" 2>/dev/null || {
+  if ! { [ -s "$pf" ] && kill -TERM "$p" 2>/dev/null; }; then
     cat "$dir/log" >&2
     fail "psd does not start with $2"
-  }
+  fi
   wait "$p" || {
     cat "$dir/log" >&2
     fail "psd started with $2 did not stop cleanly"
@@ -127,6 +125,7 @@ if command -v shellcheck >/dev/null; then
   shellcheck "$job" || fail "shellcheck psd_job.sh"
   echo "shellcheck psd_job.sh: ok"
 fi
+# shellcheck disable=SC2016  # a literal $workers
 grep -E '^srun .*--overlap' "$job" | grep -q -- '--ntasks="\$workers"' || fail "psd_job.sh: the worker step needs --overlap"
 grep -q 'SLURM_JOB_ID' "$job" && fail "psd_job.sh: nothing may be keyed by the job id (a resubmission must resume)"
 # A fake Slurm: scontrol lists $FAKE_NODES; srun starts --ntasks copies with SLURM_PROCID and, for
@@ -177,13 +176,11 @@ while True:
     except OSError:
         pass
 print(p)')
+slurm_env=(PATH="$run/bin:$PATH" FAKE_NODES="127.0.0.1 127.0.0.2" SLURM_JOB_NODELIST=fake SLURM_NTASKS=3
+  SLURM_JOB_NAME=deploy-test PSD_BUILD="$(dirname "$(dirname "$psd")")" PSD_PORT="$port" PSD_METRICS_PORT="")
 slurm_run() {  # $1: log name
-  (cd "$run" && PATH="$run/bin:$PATH" FAKE_NODES="127.0.0.1 127.0.0.2" SLURM_JOB_NODELIST=fake SLURM_NTASKS=3 \
-    SLURM_JOB_NAME=deploy-test PSD_BUILD="$(dirname "$(dirname "$psd")")" PSD_PORT=$port PSD_STEPS=60 \
-    PSD_METRICS_PORT="" timeout 180 bash "$job") >"$run/$1.log" 2>&1 || {
-    tail -30 "$run/$1.log" >&2
+  env -C "$run" "${slurm_env[@]}" PSD_STEPS=60 timeout 180 bash "$job" >"$run/$1.log" 2>&1 ||
     fail "psd_job.sh under a fake Slurm ($1) did not exit 0"
-  }
 }
 slurm_run slurm1
 ckpt=$run/psd-checkpoints/deploy-test
@@ -197,6 +194,21 @@ grep -qE "restoring checkpoint step [1-9]" "$run/slurm2.log" || {
   fail "psd_job.sh resubmitted under the same job name did not restore its checkpoint"
 }
 echo "psd_job.sh resubmitted: resumed ($(grep -oE "restoring checkpoint step [0-9]+" "$run/slurm2.log" | head -1))"
+# Near the time limit Slurm sends the script SIGUSR1 (--signal=B:USR1@300): the cluster checkpoints;
+# then SIGTERM (scancel, the limit) stops everything.
+env -C "$run" "${slurm_env[@]}" PSD_STEPS=100000000 bash "$job" >"$run/slurm3.log" 2>&1 &
+job_pid=$!
+pids+=("$job_pid")
+wait_for "$run/slurm3.log" "global step +[0-9]*[1-9]" 60 || fail "psd_job.sh: the long job did not train"
+kill -USR1 "$job_pid"
+wait_for "$run/slurm3.log" "checkpoint at step [0-9]+ sealed" 60 || fail "psd_job.sh: SIGUSR1 did not checkpoint"
+kill -TERM "$job_pid"
+for _ in $(seq 600); do
+  kill -0 "$job_pid" 2>/dev/null || break
+  sleep 0.1
+done
+kill -0 "$job_pid" 2>/dev/null && fail "psd_job.sh did not stop within 60 s of SIGTERM"
+echo "psd_job.sh: SIGUSR1 -> $(grep -oE "checkpoint at step [0-9]+ sealed" "$run/slurm3.log" | tail -1), SIGTERM -> stopped"
 
 for n in "${not_checked[@]}"; do echo "not checked here: $n"; done
 echo "deploy files: ok"
