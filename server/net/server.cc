@@ -287,6 +287,28 @@ Status Server::RestoreAtStart() {
   spdlog::info("restoring the newest good checkpoint of {}; workers are asked to retry until it is done",
                config_.checkpoint_dir);
   auto t0 = std::chrono::steady_clock::now();
+  // A long restore says every 5 s that it is still going.
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  auto progress = std::make_shared<asio::steady_timer>(io_);
+  auto tick = std::make_shared<std::function<void()>>();
+  *tick = [done, progress, t0, weak = std::weak_ptr<std::function<void()>>(tick)] {
+    progress->expires_after(std::chrono::seconds(5));
+    progress->async_wait([done, t0, weak, progress](boost::system::error_code ec) {
+      if (ec || done->load()) return;
+      spdlog::info("still restoring ({:.0f} s so far)",
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (auto next = weak.lock()) (*next)();
+    });
+  };
+  asio::post(io_, *tick);
+  struct Stop {
+    std::shared_ptr<std::atomic<bool>> done;
+    std::shared_ptr<asio::steady_timer> timer;
+    ~Stop() {
+      done->store(true);
+      asio::post(timer->get_executor(), [t = timer] { t->cancel(); });
+    }
+  } stop_progress{done, progress};
   ShardSnapshot snap;
   auto found = LoadLatestCheckpoint(config_.checkpoint_dir, 0, &snap);
   if (!found.ok()) {
