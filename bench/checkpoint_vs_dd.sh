@@ -5,7 +5,9 @@
 # The page cache is dropped before both reads when the kernel lets us (root); otherwise both
 # reads are warm-cache (the file was just written) and the report says so.
 # Usage: bench/checkpoint_vs_dd.sh [--psd-bench PATH] [--dir DIR] [--mib N] [--runs R] [-- psd_bench args...]
-#   defaults: build/bench/psd_bench, /tmp, 1024 MiB, 3 runs. Prints each run and the ratios
+#   defaults: build/bench/psd_bench, /tmp, 1024 MiB, 3 runs, psd_bench args "--variables 8"
+#   (the model in 8 float32 variables; e.g. "-- --variables 64 --optimizer adam" for 64 with
+#   Adam's two slots each, which triples the bytes written). Prints each run and the ratios
 #   (psd / dd; the target is <= 1.1 for both).
 set -euo pipefail
 export LC_ALL=C
@@ -13,7 +15,7 @@ bench=build/bench/psd_bench
 dir=/tmp
 mib=1024
 runs=3
-extra=()
+extra=(--variables 8)
 while [ $# -gt 0 ]; do
   case "$1" in
     --psd-bench) bench=$2; shift 2 ;;
