@@ -3,7 +3,9 @@
 #   write:   dd if=/dev/zero of=DIR/ddtest bs=4M count=N conv=fsync   vs  psd_bench --checkpoint-bytes N*4M
 #   restore: dd if=DIR/ddtest of=/dev/null bs=4M                         vs  the checkpoint's restore
 # The page cache is dropped before both reads when the kernel lets us (root); otherwise both
-# reads are warm-cache (the file was just written) and the report says so.
+# reads are warm-cache (the file was just written) and the report says so. Both reads start after
+# a sync and 3 s (dd: sleep; psd_bench: --restore-after-s 3), so a virtual disk's host-side
+# write-back of the file just written does not run into them (it did here: restores 3x slower).
 # Usage: bench/checkpoint_vs_dd.sh [--psd-bench PATH] [--dir DIR] [--mib N] [--runs R] [-- psd_bench args...]
 #   defaults: build/bench/psd_bench, /tmp, 1024 MiB, 3 runs, psd_bench args "--variables 8"
 #   (the model in 8 float32 variables; e.g. "-- --variables 64 --optimizer adam" for 64 with
@@ -39,6 +41,9 @@ if sync && (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; then
   drop=(--drop-caches)
   cache=cold
 fi
+# Deleting a GiB-sized file on a filesystem mounted with `discard` sends the disk TRIMs at the
+# next journal commit, which slow whatever runs then: commit them and let them pass first.
+settle() { sync; sleep 3; }
 drop_cache() { [ "$cache" = cold ] && sync && echo 3 > /proc/sys/vm/drop_caches; return 0; }
 # Seconds from dd's summary line ("... copied, 2.1 s, 511 MB/s").
 dd_seconds() { tail -n 1 | awk -F', ' '{split($(NF-1), a, " "); print a[1]}'; }
@@ -49,11 +54,14 @@ printf '%-4s %11s %11s %7s   %11s %11s %7s\n' run dd_write_ms psd_write_ms ratio
 wr_ratios=()
 rd_ratios=()
 for ((r = 1; r <= runs; r++)); do
+  settle
   w=$( { timeout 300 dd if=/dev/zero of="$ddfile" bs=4M count="$count" conv=fsync 2>&1 >/dev/null; } | dd_seconds)
+  settle
   drop_cache
   rd=$( { timeout 300 dd if="$ddfile" of=/dev/null bs=4M 2>&1 >/dev/null; } | dd_seconds)
   rm -f "$ddfile"
-  out=$(timeout 600 "$bench" --checkpoint-bytes "${mib}M" --checkpoint-dir "$dir" --json "${drop[@]}" "${extra[@]}")
+  settle
+  out=$(timeout 600 "$bench" --checkpoint-bytes "${mib}M" --checkpoint-dir "$dir" --json --restore-after-s 3 "${drop[@]}" "${extra[@]}")
   pw=$(echo "$out" | json_field write_ms)
   pr=$(echo "$out" | json_field restore_ms)
   dw=$(awk -v s="$w" 'BEGIN{printf "%.1f", s * 1000}')

@@ -133,6 +133,8 @@ struct Options {
   std::string checkpoint_bytes_text;  // non-empty: the checkpoint write/restore bench instead of training
   std::string checkpoint_dir = "/tmp";
   bool drop_caches = false;
+  bool keep_checkpoint = false;
+  double restore_after_s = 0;
 };
 
 struct Endpoint {
@@ -1062,10 +1064,11 @@ int RunCheckpointBench(const Options& opt, uint64_t model_bytes) {
   };
   auto engine = make_engine();
   if (!engine) return 1;
+  // Non-zero values (a varied pattern, so nothing downstream can shortcut zeros).
+  auto value_at = [](size_t i) { return static_cast<float>(i % 9973) * 0.001f - 3.0f; };
   {
-    // Non-zero values (a varied pattern, so nothing downstream can shortcut zeros).
     std::vector<float> pattern(largest / sizeof(float));
-    for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<float>(i % 9973) * 0.001f - 3.0f;
+    for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = value_at(i);
     for (const VarSpec& v : *vars) {
       srv::VariableDef def;
       def.name = v.name;
@@ -1098,7 +1101,9 @@ int RunCheckpointBench(const Options& opt, uint64_t model_bytes) {
     std::fprintf(stderr, "psd_bench: cannot create %s: %s\n", dir.c_str(), ec.message().c_str());
     return 1;
   }
-  auto cleanup = [&] { std::filesystem::remove_all(dir, ec); };
+  auto cleanup = [&] {
+    if (!opt.keep_checkpoint) std::filesystem::remove_all(dir, ec);
+  };
 
   auto t0 = Clock::now();
   auto info = srv::WriteCheckpoint(dir, *snap, 0, 1, 1);
@@ -1108,6 +1113,14 @@ int RunCheckpointBench(const Options& opt, uint64_t model_bytes) {
     cleanup();
     return 1;
   }
+  if (opt.restore_after_s > 0) {
+    sync();
+    std::this_thread::sleep_for(std::chrono::duration<double>(opt.restore_after_s));
+  }
+  // As at a daemon's start, the restore runs with no other model in memory: the written state goes.
+  const size_t nvars = snap->variables.size();
+  snap.reset();
+  engine.reset();
   std::string cache = "warm";
   if (opt.drop_caches) {
     sync();
@@ -1135,11 +1148,17 @@ int RunCheckpointBench(const Options& opt, uint64_t model_bytes) {
     std::fprintf(stderr, "psd_bench: engine restore: %s\n", restored.ToString().c_str());
     return 1;
   }
-  bool same = back.variables.size() == snap->variables.size();
+  // Bit-identical: every restored value is the pattern it was created with.
+  bool same = back.variables.size() == nvars;
   for (size_t i = 0; same && i < back.variables.size(); ++i) {
-    const auto& a = *snap->variables[i].value;
-    const auto& b = *back.variables[i].value;
-    same = a.bytes() == b.bytes() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
+    const srv::VariableSnapshot& v = back.variables[i];
+    auto spec = std::find_if(vars->begin(), vars->end(), [&](const VarSpec& s) { return s.name == v.name; });
+    same = spec != vars->end() && v.value->bytes() == spec->bytes();
+    const float* f = v.value->as<float>();
+    for (size_t k = 0; same && k < spec->bytes() / sizeof(float); ++k) {
+      const float want = value_at(k);
+      same = std::memcmp(&f[k], &want, sizeof(float)) == 0;
+    }
   }
   if (!same) {
     std::fprintf(stderr, "psd_bench: the restored values differ from the written ones\n");
@@ -1258,6 +1277,11 @@ int Run(int argc, char** argv) {
       ->excludes(connect);
   app.add_option("--checkpoint-dir", opt.checkpoint_dir,
                  "--checkpoint-bytes: the directory to write into (a fresh subdirectory, removed after)")
+      ->capture_default_str();
+  app.add_flag("--keep-checkpoint", opt.keep_checkpoint, "--checkpoint-bytes: leave the checkpoint written on disk");
+  app.add_option("--restore-after-s", opt.restore_after_s,
+                 "--checkpoint-bytes: sync and wait this long between the write and the restore (lets a virtual "
+                 "disk's own write-back finish first)")
       ->capture_default_str();
   app.add_flag("--drop-caches", opt.drop_caches,
                "--checkpoint-bytes: drop the page cache before the restore (needs root; else the restore is warm)");
