@@ -6,7 +6,9 @@
 # reads are warm-cache (the file was just written) and the report says so. Both reads start after
 # a sync and 3 s (dd: sleep; psd_bench: --restore-after-s 3), so a virtual disk's host-side
 # write-back of the file just written does not run into them (it did here: restores 3x slower).
-# Usage: bench/checkpoint_vs_dd.sh [--psd-bench PATH] [--dir DIR] [--mib N] [--runs R] [-- psd_bench args...]
+# Usage: bench/checkpoint_vs_dd.sh [--psd-bench PATH] [--dir DIR] [--mib N] [--runs R] [--warm]
+#                                  [-- psd_bench args...]
+#   --warm: keep the page cache even where it could be dropped (warm-to-warm reads).
 #   defaults: build/bench/psd_bench, /tmp, 1024 MiB, 3 runs, psd_bench args "--variables 8"
 #   (the model in 8 float32 variables; e.g. "-- --variables 64 --optimizer adam" for 64 with
 #   Adam's two slots each, which triples the bytes written). Prints each run and the ratios
@@ -18,14 +20,16 @@ dir=/tmp
 mib=1024
 runs=3
 extra=(--variables 8)
+warm=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --psd-bench) bench=$2; shift 2 ;;
     --dir) dir=$2; shift 2 ;;
     --mib) mib=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
+    --warm) warm=1; shift ;;
     --) shift; extra=("$@"); break ;;
-    *) echo "usage: $0 [--psd-bench PATH] [--dir DIR] [--mib N] [--runs R] [-- psd_bench args...]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--psd-bench PATH] [--dir DIR] [--mib N] [--runs R] [--warm] [-- psd_bench args...]" >&2; exit 2 ;;
   esac
 done
 [ -x "$bench" ] || { echo "$0: no psd_bench at $bench (build it, or pass --psd-bench)" >&2; exit 2; }
@@ -37,7 +41,7 @@ trap 'rm -f "$ddfile"' EXIT
 
 drop=()
 cache=warm
-if sync && (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; then
+if [ "$warm" = 0 ] && sync && (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; then
   drop=(--drop-caches)
   cache=cold
 fi

@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <spdlog/spdlog.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -208,16 +207,6 @@ class RecordWriter {
   uint64_t payload_bytes_ = 0;
 };
 
-// Asks for transparent huge pages under a large tensor about to be filled: 512x fewer page faults
-// while the restore writes it (the restore's main cost after the disk). Advisory only.
-void PreferHugePages(void* data, size_t bytes) {
-  constexpr uintptr_t kHuge = 2u << 20;
-  if (bytes < 2 * kHuge) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-}
-
 // Reads a part's records, bounds-checking every read (a corrupt file is an error, not a crash).
 // v1-v3 parts hold their tensors inline; v4 records only their sizes, and Blob() allocates the
 // tensor and lists it in payload() for the caller to fill from the file.
@@ -256,7 +245,6 @@ class Reader {
     if (n > payload_left_) return false;  // more than the file holds
     payload_left_ -= n;
     auto b = std::make_shared<Buffer>(n, Buffer::Uninitialized{});
-    PreferHugePages(b->data(), n);
     if (n > 0) payload_.push_back(b);
     *out = std::move(b);
     return true;
