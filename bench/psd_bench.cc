@@ -30,6 +30,10 @@
 //    workers still in warmup are the slowest and never wait) and ends when the last worker is
 //    done; steps/s = global steps (= applied pushes, W x --steps) / that window.
 //
+// Checkpoints (--checkpoint-bytes SIZE [--checkpoint-dir DIR]): instead of training, writes and
+// restores one checkpoint of a SIZE model (see RunCheckpointBench); bench/checkpoint_vs_dd.sh puts
+// it next to dd on the same directory.
+//
 // Figures: steps/s and step time (worker 0), bytes moved by all workers per second of the
 // measured window (dense: tensor bytes; sparse: values plus int64 row indices), for --sparse rows
 // pushed/pulled per second, per-call latency percentiles over all workers, accepted/stale
@@ -42,6 +46,7 @@
 // interrupted from outside). Errors are printed and the exit status is 1.
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -56,6 +61,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -68,9 +75,12 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "config.h"
 #include "net/server.h"
+#include "optimizer/optimizer.h"
 #include "psclient/client.h"
+#include "sync/sync_engine.h"
 
 #ifndef PSD_BUILD_TYPE
 #define PSD_BUILD_TYPE ""
@@ -120,6 +130,11 @@ struct Options {
   std::string log_level = "warn";
   int collectives = 0;  // > 0: the reduce_to / batch_reduce_to comparison instead of training
   int64_t collective_elements = 16;
+  std::string checkpoint_bytes_text;  // non-empty: the checkpoint write/restore bench instead of training
+  std::string checkpoint_dir = "/tmp";
+  bool drop_caches = false;
+  bool keep_checkpoint = false;
+  double restore_after_s = 0;
 };
 
 struct Endpoint {
@@ -1019,6 +1034,159 @@ int RunCollectives(const Options& opt, const Endpoint& ep, int n, int64_t elemen
   return 0;
 }
 
+// --checkpoint-bytes: builds a sync engine holding that many bytes of float32 variables (split
+// over --variables; --optimizer adds its slots), snapshots it as psd's checkpoint thread gets it,
+// writes the checkpoint to a fresh directory under --checkpoint-dir and restores it: the file
+// part (LoadLatestCheckpoint: read + verify + parse into tensors) and the engine's adoption of it
+// (SyncEngine::Restore) are timed apart. The restored values are compared with the originals.
+// --drop-caches asks the kernel to drop the page cache before the restore (needs root; the report
+// says "cold" or "warm").
+int RunCheckpointBench(const Options& opt, uint64_t model_bytes) {
+  namespace srv = psd::server;
+  auto vars = MakeVariables(model_bytes, opt.variables);
+  if (!vars.ok()) {
+    std::fprintf(stderr, "psd_bench: %s\n", vars.status().message().c_str());
+    return 1;
+  }
+  srv::ServerConfig config;
+  config.optimizer.name = opt.optimizer;
+  config.optimizer.learning_rate = opt.learning_rate;
+  size_t largest = 0;
+  for (const VarSpec& v : *vars) largest = std::max(largest, v.bytes());
+  config.max_frame_bytes = std::max<uint64_t>(config.max_frame_bytes, largest + kFrameOverheadBytes);
+  auto make_engine = [&]() -> std::unique_ptr<srv::SyncEngine> {
+    auto o = srv::MakeOptimizer(config.optimizer);
+    if (!o.ok()) {
+      std::fprintf(stderr, "psd_bench: --optimizer: %s\n", o.status().message().c_str());
+      return nullptr;
+    }
+    return std::make_unique<srv::SyncEngine>(config, std::move(*o));
+  };
+  auto engine = make_engine();
+  if (!engine) return 1;
+  // Non-zero values (a varied pattern, so nothing downstream can shortcut zeros).
+  auto value_at = [](size_t i) { return static_cast<float>(i % 9973) * 0.001f - 3.0f; };
+  {
+    std::vector<float> pattern(largest / sizeof(float));
+    for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = value_at(i);
+    for (const VarSpec& v : *vars) {
+      srv::VariableDef def;
+      def.name = v.name;
+      def.shape = {v.elements};
+      def.initial = pattern.data();
+      def.initial_bytes = v.bytes();
+      auto made = engine->CreateVariable(def);
+      if (!made.ok()) {
+        std::fprintf(stderr, "psd_bench: %s\n", made.status().message().c_str());
+        return 1;
+      }
+    }
+  }
+  auto snap = engine->SnapshotIfAtBoundary();
+  if (!snap) {
+    std::fprintf(stderr, "psd_bench: the engine gave no snapshot\n");
+    return 1;
+  }
+  uint64_t state_bytes = 0;
+  size_t slots = 0;
+  for (const auto& v : snap->variables) {
+    state_bytes += v.value->bytes();
+    for (const auto& s : v.slots) state_bytes += s.second->bytes();
+    slots = v.slots.size();
+  }
+  std::string dir = opt.checkpoint_dir + "/psd_bench_ckpt." + std::to_string(getpid());
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  if (!std::filesystem::create_directories(dir, ec)) {
+    std::fprintf(stderr, "psd_bench: cannot create %s: %s\n", dir.c_str(), ec.message().c_str());
+    return 1;
+  }
+  auto cleanup = [&] {
+    if (!opt.keep_checkpoint) std::filesystem::remove_all(dir, ec);
+  };
+
+  auto t0 = Clock::now();
+  auto info = srv::WriteCheckpoint(dir, *snap, 0, 1, 1);
+  const double write_ms = Ms(Clock::now() - t0);
+  if (!info.ok()) {
+    std::fprintf(stderr, "psd_bench: checkpoint write: %s\n", info.status().ToString().c_str());
+    cleanup();
+    return 1;
+  }
+  if (opt.restore_after_s > 0) {
+    sync();
+    std::this_thread::sleep_for(std::chrono::duration<double>(opt.restore_after_s));
+  }
+  // As at a daemon's start, the restore runs with no other model in memory: the written state goes.
+  const size_t nvars = snap->variables.size();
+  snap.reset();
+  engine.reset();
+  std::string cache = "warm";
+  if (opt.drop_caches) {
+    sync();
+    std::ofstream drop("/proc/sys/vm/drop_caches");
+    drop << "3\n";
+    drop.flush();
+    cache = drop ? "cold" : "warm (dropping the page cache was refused)";
+  }
+  auto fresh = make_engine();
+  if (!fresh) return 1;
+  srv::ShardSnapshot back;
+  t0 = Clock::now();
+  auto loaded = srv::LoadLatestCheckpoint(dir, 0, &back);
+  const double load_ms = Ms(Clock::now() - t0);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "psd_bench: checkpoint restore: %s\n", loaded.status().ToString().c_str());
+    cleanup();
+    return 1;
+  }
+  t0 = Clock::now();
+  Status restored = fresh->Restore(back);
+  const double engine_ms = Ms(Clock::now() - t0);
+  cleanup();
+  if (!restored.ok()) {
+    std::fprintf(stderr, "psd_bench: engine restore: %s\n", restored.ToString().c_str());
+    return 1;
+  }
+  // Bit-identical: every restored value is the pattern it was created with.
+  bool same = back.variables.size() == nvars;
+  for (size_t i = 0; same && i < back.variables.size(); ++i) {
+    const srv::VariableSnapshot& v = back.variables[i];
+    auto spec = std::find_if(vars->begin(), vars->end(), [&](const VarSpec& s) { return s.name == v.name; });
+    same = spec != vars->end() && v.value->bytes() == spec->bytes();
+    const float* f = v.value->as<float>();
+    for (size_t k = 0; same && k < spec->bytes() / sizeof(float); ++k) {
+      const float want = value_at(k);
+      same = std::memcmp(&f[k], &want, sizeof(float)) == 0;
+    }
+  }
+  if (!same) {
+    std::fprintf(stderr, "psd_bench: the restored values differ from the written ones\n");
+    return 1;
+  }
+  const double part = static_cast<double>(info->part_bytes);
+  const double write_mbs = part / 1e6 / (write_ms / 1e3), load_mbs = part / 1e6 / (load_ms / 1e3);
+  if (opt.json) {
+    std::printf("{\"checkpoint_state_bytes\": %" PRIu64 ", \"part_bytes\": %" PRIu64
+                ", \"variables\": %d, \"slots_per_variable\": %zu, "
+                "\"write_ms\": %.1f, \"write_mb_s\": %.1f, \"restore_ms\": %.1f, \"restore_mb_s\": %.1f, "
+                "\"engine_restore_ms\": %.1f, \"cache\": \"%s\", \"dir\": %s}\n",
+                state_bytes, info->part_bytes, opt.variables, slots, write_ms, write_mbs, load_ms, load_mbs, engine_ms,
+                cache.c_str(), JsonString(opt.checkpoint_dir).c_str());
+  } else {
+    std::printf("checkpoint  %" PRIu64 " bytes of state: %d float32 variable(s), optimizer %s (%zu slot(s) each)\n",
+                state_bytes, opt.variables, opt.optimizer.c_str(), slots);
+    std::printf("            part %" PRIu64 " bytes, in %s\n", info->part_bytes, opt.checkpoint_dir.c_str());
+    std::printf("write       %9.1f ms  %8.1f MB/s  (XXH3 + parallel pwrite + fsync + rename + manifest)\n", write_ms,
+                write_mbs);
+    std::printf("restore     %9.1f ms  %8.1f MB/s  (read + verify + parse into tensors; page cache %s)\n", load_ms,
+                load_mbs, cache.c_str());
+    std::printf("engine      %9.1f ms               (SyncEngine::Restore adopting the restored tensors)\n", engine_ms);
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
 int Run(int argc, char** argv) {
   Options opt;
   CLI::App app{"psd_bench: training-step benchmark for psd (in-process daemon or --connect)"};
@@ -1103,6 +1271,20 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--collective-elements", opt.collective_elements, "--collectives: float32 elements per tensor")
       ->capture_default_str();
+  app.add_option("--checkpoint-bytes", opt.checkpoint_bytes_text,
+                 "bench a checkpoint write and restore of this much model state (1G, 256M, ...; --variables "
+                 "splits it, --optimizer adds slots) instead of training")
+      ->excludes(connect);
+  app.add_option("--checkpoint-dir", opt.checkpoint_dir,
+                 "--checkpoint-bytes: the directory to write into (a fresh subdirectory, removed after)")
+      ->capture_default_str();
+  app.add_flag("--keep-checkpoint", opt.keep_checkpoint, "--checkpoint-bytes: leave the checkpoint written on disk");
+  app.add_option("--restore-after-s", opt.restore_after_s,
+                 "--checkpoint-bytes: sync and wait this long between the write and the restore (lets a virtual "
+                 "disk's own write-back finish first)")
+      ->capture_default_str();
+  app.add_flag("--drop-caches", opt.drop_caches,
+               "--checkpoint-bytes: drop the page cache before the restore (needs root; else the restore is warm)");
   app.add_option("--log-level", opt.log_level, "in-process psd's log level")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
       ->capture_default_str();
@@ -1118,6 +1300,17 @@ int Run(int argc, char** argv) {
   if ((replicas->count() > 0 || backups->count() > 0) && opt.mode != "sync") {
     std::fprintf(stderr, "psd_bench: --replicas-to-aggregate and --backup-replicas need --mode sync\n");
     return 1;
+  }
+
+  if (!opt.checkpoint_bytes_text.empty()) {
+    auto bytes = ParseBytes(opt.checkpoint_bytes_text);
+    if (!bytes.ok()) {
+      std::fprintf(stderr, "psd_bench: --checkpoint-bytes: %s\n", bytes.status().message().c_str());
+      return 1;
+    }
+    spdlog::set_default_logger(spdlog::stderr_color_mt("psd"));
+    spdlog::set_level(spdlog::level::from_str(opt.log_level));
+    return RunCheckpointBench(opt, *bytes);
   }
 
   std::vector<VarSpec> vars;

@@ -1,25 +1,39 @@
 #include "checkpoint/checkpoint.h"
 
 #include <fcntl.h>
+#include <limits.h>
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
+#include <system_error>
+#include <thread>
+#include <utility>
 
 namespace psd::server {
 namespace {
 
 constexpr char kMagicV1[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '1'};
 constexpr char kMagicV2[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '2'};  // v2: + placement
-constexpr char kMagic[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '3'};    // v3: + aggregation, sync-on-read
+constexpr char kMagicV3[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '3'};  // v3: + aggregation, sync-on-read
+constexpr char kMagic[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '4'};    // v4: records first, XXH3 blocks
+
+// v4 parts are written and read in blocks of this many bytes, one block per task.
+constexpr uint64_t kBlockBytes = 4ull << 20;
+// Threads writing or reading one part (the caller's among them).
+constexpr unsigned kMaxIoThreads = 4;
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
@@ -45,16 +59,129 @@ Status FsyncPath(const std::string& path) {
   return Status::Ok();
 }
 
-// Streams bytes to a file while hashing them.
-class HashingWriter {
+// A file descriptor closed on scope exit.
+class Fd {
  public:
-  explicit HashingWriter(FILE* f) : f_(f) {}
-  void Bytes(const void* p, size_t n) {
-    if (n == 0 || !ok_) return;
-    ok_ = std::fwrite(p, 1, n, f_) == n;
-    hash_ = Fnv1a64(p, n, hash_);
-    size_ += n;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) close(fd_);
   }
+  int get() const { return fd_; }
+  int Release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+// --- v4 layout ---------------------------------------------------------------------------------
+//   "PSDCKPT4" | u64 R | the records (R bytes) | the payload | u64 checksum (the trailer)
+// The records are v3's with every tensor written as its byte count only; the payload is those
+// tensors' bytes, in the order the records name them. The body (everything before the trailer)
+// is hashed in kBlockBytes blocks: the checksum is XXH3-64 (seed: the body's size) of the blocks'
+// XXH3-64 hashes, so blocks are written, read and verified in parallel, each while it is moved.
+
+// Where a stretch of the file lives in memory.
+struct Segment {
+  uint64_t offset;  // in the file
+  uint8_t* data;    // read: filled; write: only read
+  uint64_t bytes;
+};
+
+// Moves file bytes [begin, end) to (read) or from (write) the segments that hold them with
+// preadv/pwritev, hashing them as they pass. `segs` is sorted by offset and covers the range;
+// empty (read only): the bytes go through `scratch` (kBlockBytes) and are only hashed.
+Status TransferBlock(int fd, bool write, const std::vector<Segment>& segs, uint64_t begin, uint64_t end, uint64_t* hash,
+                     uint8_t* scratch) {
+  if (segs.empty()) return TransferBlock(fd, write, {{begin, scratch, end - begin}}, begin, end, hash, nullptr);
+  auto it =
+      std::upper_bound(segs.begin(), segs.end(), begin, [](uint64_t off, const Segment& s) { return off < s.offset; });
+  --it;  // the segment holding `begin`
+  std::vector<iovec> iov;
+  for (auto s = it; s != segs.end() && s->offset < end; ++s) {
+    uint64_t a = std::max(begin, s->offset), b = std::min(end, s->offset + s->bytes);
+    if (b > a) iov.push_back({s->data + (a - s->offset), static_cast<size_t>(b - a)});
+  }
+  // Transfer, resuming after short transfers.
+  size_t first = 0;
+  uint64_t pos = begin;
+  while (first < iov.size()) {
+    int count = static_cast<int>(std::min<size_t>(iov.size() - first, IOV_MAX));
+    ssize_t n = write ? pwritev(fd, iov.data() + first, count, static_cast<off_t>(pos))
+                      : preadv(fd, iov.data() + first, count, static_cast<off_t>(pos));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Unavailable(Errno(write ? "write" : "read"));
+    if (n == 0) return InvalidArgument("the file is shorter than its records say");
+    pos += static_cast<uint64_t>(n);
+    size_t left = static_cast<size_t>(n);
+    while (first < iov.size() && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+    if (left > 0) {
+      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
+      iov[first].iov_len -= left;
+    }
+  }
+  // Hash the block (hot in cache: it was just copied).
+  XXH3_state_t* st = XXH3_createState();
+  if (st == nullptr) return ResourceExhausted("out of memory hashing a checkpoint block");
+  XXH3_64bits_reset(st);
+  for (auto s = it; s != segs.end() && s->offset < end; ++s) {
+    uint64_t a = std::max(begin, s->offset), b = std::min(end, s->offset + s->bytes);
+    if (b > a) XXH3_64bits_update(st, s->data + (a - s->offset), static_cast<size_t>(b - a));
+  }
+  *hash = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  if (write) {
+    // Start the disk write of this block now, so the final fsync has little left to wait for.
+    sync_file_range(fd, static_cast<off_t>(begin), static_cast<off_t>(end - begin), SYNC_FILE_RANGE_WRITE);
+  }
+  return Status::Ok();
+}
+
+// Transfers the body [0, body_bytes) block by block on up to kMaxIoThreads threads; returns the
+// v4 checksum of the body.
+Result<uint64_t> TransferBody(int fd, bool write, const std::vector<Segment>& segs, uint64_t body_bytes) {
+  const uint64_t blocks = (body_bytes + kBlockBytes - 1) / kBlockBytes;
+  std::vector<uint64_t> hashes(blocks);
+  std::atomic<uint64_t> next{0};
+  std::mutex mu;
+  Status first_error;
+  auto work = [&] {
+    std::unique_ptr<uint8_t[]> scratch;
+    if (segs.empty()) scratch = std::make_unique_for_overwrite<uint8_t[]>(kBlockBytes);
+    for (uint64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
+      Status s = TransferBlock(fd, write, segs, b * kBlockBytes, std::min(body_bytes, (b + 1) * kBlockBytes),
+                               &hashes[b], scratch.get());
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (first_error.ok()) first_error = s;
+        next = blocks;  // the others stop at their next block
+      }
+    }
+  };
+  // Writes copy into the page cache (CPU-bound: one thread per core); reads also wait on the disk,
+  // so they keep kMaxIoThreads requests in flight whatever the core count.
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned threads =
+      static_cast<unsigned>(std::min<uint64_t>({kMaxIoThreads, write ? hw : kMaxIoThreads, blocks}));
+  std::vector<std::thread> helpers;
+  for (unsigned i = 1; i < threads; ++i) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // fewer threads: the work still gets done
+    }
+  }
+  work();
+  for (auto& t : helpers) t.join();
+  if (!first_error.ok()) return first_error;
+  return XXH3_64bits_withSeed(hashes.data(), hashes.size() * sizeof(uint64_t), body_bytes);
+}
+
+// Serializes a part's records (v3 layout; tensors as their byte counts) and lists the payload.
+class RecordWriter {
+ public:
+  void Bytes(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
   template <typename T>
   void Pod(T v) {
     Bytes(&v, sizeof(v));
@@ -65,27 +192,31 @@ class HashingWriter {
   }
   void Blob(const Buffer* b) {
     Pod<uint64_t>(b ? b->bytes() : 0);
-    if (b) Bytes(b->data(), b->bytes());
+    if (b && b->bytes() > 0) {
+      payload_.push_back(b);
+      payload_bytes_ += b->bytes();
+    }
   }
-  bool ok() const { return ok_; }
-  uint64_t hash() const { return hash_; }
-  uint64_t size() const { return size_; }
+  const std::string& records() const { return out_; }
+  const std::vector<const Buffer*>& payload() const { return payload_; }
+  uint64_t payload_bytes() const { return payload_bytes_; }
 
  private:
-  FILE* f_;
-  bool ok_ = true;
-  uint64_t hash_ = 1469598103934665603ull;
-  uint64_t size_ = 0;
+  std::string out_;
+  std::vector<const Buffer*> payload_;
+  uint64_t payload_bytes_ = 0;
 };
 
-// Reads a verified part back; every read is bounds-checked (a corrupt file is an error, not a
-// crash).
+// Reads a part's records, bounds-checking every read (a corrupt file is an error, not a crash).
+// v1-v3 parts hold their tensors inline; v4 records only their sizes, and Blob() allocates the
+// tensor and lists it in payload() for the caller to fill from the file.
 class Reader {
  public:
-  Reader(const std::vector<uint8_t>& data) : data_(data) {}
+  Reader(const uint8_t* data, size_t size, bool inline_blobs, uint64_t payload_limit = 0)
+      : data_(data), size_(size), inline_(inline_blobs), payload_left_(payload_limit) {}
   bool Bytes(void* out, size_t n) {
-    if (n > data_.size() - pos_) return false;
-    std::memcpy(out, data_.data() + pos_, n);
+    if (n > size_ - pos_) return false;
+    std::memcpy(out, data_ + pos_, n);
     pos_ += n;
     return true;
   }
@@ -95,25 +226,40 @@ class Reader {
   }
   bool Str(std::string* s) {
     uint32_t n = 0;
-    if (!Pod(&n) || n > data_.size() - pos_) return false;
-    s->assign(reinterpret_cast<const char*>(data_.data() + pos_), n);
+    if (!Pod(&n) || n > size_ - pos_) return false;
+    s->assign(reinterpret_cast<const char*>(data_ + pos_), n);
     pos_ += n;
     return true;
   }
   bool Blob(std::shared_ptr<const Buffer>* out) {
     uint64_t n = 0;
-    if (!Pod(&n) || n > data_.size() - pos_) return false;
-    auto b = std::make_shared<Buffer>(n);
-    std::memcpy(b->data(), data_.data() + pos_, n);
-    pos_ += n;
+    if (!Pod(&n)) return false;
+    if (inline_) {
+      if (n > size_ - pos_) return false;
+      auto b = std::make_shared<Buffer>(n, Buffer::Uninitialized{});
+      std::memcpy(b->data(), data_ + pos_, n);
+      pos_ += n;
+      *out = std::move(b);
+      return true;
+    }
+    if (n > payload_left_) return false;  // more than the file holds
+    payload_left_ -= n;
+    auto b = std::make_shared<Buffer>(n, Buffer::Uninitialized{});
+    if (n > 0) payload_.push_back(b);
     *out = std::move(b);
     return true;
   }
   size_t pos() const { return pos_; }
+  uint64_t payload_left() const { return payload_left_; }
+  const std::vector<std::shared_ptr<Buffer>>& payload() const { return payload_; }
 
  private:
-  const std::vector<uint8_t>& data_;
+  const uint8_t* data_;
+  size_t size_;
+  bool inline_;
+  uint64_t payload_left_;
   size_t pos_ = 0;
+  std::vector<std::shared_ptr<Buffer>> payload_;
 };
 
 // The checkpoint directories in `dir` ("ckpt-" + 20 digits), oldest first.
@@ -157,9 +303,17 @@ Status ReadFile(const std::string& path, std::vector<uint8_t>* out) {
   return Status::Ok();
 }
 
+// How a manifest checksums itself and its parts: version 1 (parts v1-v3) FNV-1a 64 over whole
+// files; version 2 (parts v4) names its algorithm, "hash xxh3-64": XXH3-64 for its own text and
+// the v4 block checksum (== the part's trailer) for each part.
+enum class HashAlgo { kFnv1a64, kXxh3Blocks };
+
+constexpr char kXxh3Name[] = "xxh3-64";
+
 struct Manifest {
   int64_t step = -1;
   int shards = 0;
+  HashAlgo hash = HashAlgo::kFnv1a64;
   struct Part {
     int shard;
     std::string file;
@@ -176,14 +330,27 @@ Result<Manifest> ReadManifest(const std::string& path) {
   size_t last = text.rfind("checksum ");
   if (last == std::string::npos) return InvalidArgument("manifest has no checksum line");
   uint64_t want = std::strtoull(text.c_str() + last + 9, nullptr, 16);
-  if (Fnv1a64(text.data(), last) != want) return InvalidArgument("manifest checksum mismatch");
   Manifest m;
   std::istringstream in(text.substr(0, last));
   std::string word;
   in >> word;
   int version = 0;
   in >> version;
-  if (word != "psd-checkpoint" || version != 1) return InvalidArgument("not a psd checkpoint manifest (version 1)");
+  if (word != "psd-checkpoint" || (version != 1 && version != 2)) {
+    return InvalidArgument("not a psd checkpoint manifest (versions 1 and 2 are known): a newer psd wrote it?");
+  }
+  if (version == 2) {
+    std::string algo;
+    in >> word >> algo;
+    if (word != "hash") return InvalidArgument("manifest version 2 has no hash line");
+    if (algo != kXxh3Name) {
+      return InvalidArgument("manifest uses checksum '" + algo +
+                             "', which this psd does not know: a newer psd wrote it?");
+    }
+    m.hash = HashAlgo::kXxh3Blocks;
+  }
+  const uint64_t got = m.hash == HashAlgo::kXxh3Blocks ? XXH3_64bits(text.data(), last) : Fnv1a64(text.data(), last);
+  if (got != want) return InvalidArgument("manifest checksum mismatch");
   while (in >> word) {
     if (word == "step") {
       in >> m.step;
@@ -206,19 +373,11 @@ Result<Manifest> ReadManifest(const std::string& path) {
   return m;
 }
 
-Status ParsePart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
-  auto bad = [](const std::string& why) { return InvalidArgument("checkpoint part is malformed: " + why); };
-  if (data.size() < sizeof(kMagic) + 8) return bad("too short");
-  uint64_t trailer = 0;
-  std::memcpy(&trailer, data.data() + data.size() - 8, 8);
-  if (Fnv1a64(data.data(), data.size() - 8) != trailer) return bad("checksum mismatch");
-  std::vector<uint8_t> body(data.begin(), data.end() - 8);
-  Reader r(body);
-  char magic[8];
-  if (!r.Bytes(magic, 8)) return bad("bad magic");
-  const bool v3 = std::memcmp(magic, kMagic, 8) == 0;
-  const bool v2 = v3 || std::memcmp(magic, kMagicV2, 8) == 0;
-  if (!v2 && std::memcmp(magic, kMagicV1, 8) != 0) return bad("bad magic");
+Status BadPart(const std::string& why) { return InvalidArgument("checkpoint part is malformed: " + why); }
+
+// The records of a part, after its magic (`version` 1-4 says which fields there are).
+Status ParseRecords(Reader& r, int version, ShardSnapshot* out) {
+  const auto& bad = BadPart;
   uint32_t nvars = 0;
   if (!r.Pod(&out->step) || !r.Pod(&out->learning_rate) || !r.Str(&out->optimizer) || !r.Pod(&nvars)) {
     return bad("header");
@@ -252,7 +411,7 @@ Status ParsePart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
       if (!r.Blob(&v.shadow) || v.shadow->bytes() != want) return bad("shadow of '" + v.name + "'");
     }
     uint8_t placed = 0;
-    if (v2 && !r.Pod(&placed)) return bad("placement");
+    if (version >= 2 && !r.Pod(&placed)) return bad("placement");
     if (placed) {
       VarPlacement& p = v.placement;
       uint8_t pd = 0, sliced = 0;
@@ -274,7 +433,7 @@ Status ParsePart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
         p.parts.push_back(part);
       }
     }
-    if (v3) {
+    if (version >= 3) {
       uint8_t agg = 0, sor = 0;
       if (!r.Pod(&agg) || agg > 3 || !r.Pod(&sor)) return bad("aggregation of '" + v.name + "'");
       v.aggregation = agg;
@@ -282,8 +441,113 @@ Status ParsePart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
     }
     out->variables.push_back(std::move(v));
   }
-  if (r.pos() != body.size()) return bad("trailing bytes");
   return Status::Ok();
+}
+
+// A v1-v3 part (tensors inline, FNV-1a trailer), already read whole.
+Status ParseOldPart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
+  if (data.size() < sizeof(kMagic) + 8) return BadPart("too short");
+  uint64_t trailer = 0;
+  std::memcpy(&trailer, data.data() + data.size() - 8, 8);
+  if (Fnv1a64(data.data(), data.size() - 8) != trailer) return BadPart("checksum mismatch");
+  int version = 0;
+  if (std::memcmp(data.data(), kMagicV1, 8) == 0) version = 1;
+  if (std::memcmp(data.data(), kMagicV2, 8) == 0) version = 2;
+  if (std::memcmp(data.data(), kMagicV3, 8) == 0) version = 3;
+  if (version == 0) return BadPart("bad magic");
+  const size_t body = data.size() - 8 - sizeof(kMagic);
+  Reader r(data.data() + sizeof(kMagic), body, /*inline_blobs=*/true);
+  PSD_RETURN_IF_ERROR(ParseRecords(r, version, out));
+  if (r.pos() != body) return BadPart("trailing bytes");
+  return Status::Ok();
+}
+
+Status PreadAll(int fd, void* out, size_t n, uint64_t offset) {
+  uint8_t* p = static_cast<uint8_t*>(out);
+  while (n > 0) {
+    ssize_t got = pread(fd, p, n, static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return Unavailable(Errno("read"));
+    if (got == 0) return InvalidArgument("the file is shorter than its records say");
+    p += got;
+    n -= static_cast<size_t>(got);
+    offset += static_cast<uint64_t>(got);
+  }
+  return Status::Ok();
+}
+
+// Reads a v4 part (`bytes` long) from `fd`, verifying it against its trailer and `checksum`
+// while it is read; parses it into *out, or only verifies it when out is null.
+Status ReadV4Part(int fd, uint64_t bytes, uint64_t checksum, ShardSnapshot* out) {
+  uint8_t header[16];
+  if (bytes < sizeof(header) + 8) return BadPart("too short");
+  PSD_RETURN_IF_ERROR(PreadAll(fd, header, sizeof(header), 0));
+  if (std::memcmp(header, kMagic, 8) != 0) return BadPart("bad magic (not a version 4 part)");
+  uint64_t records_bytes = 0;
+  std::memcpy(&records_bytes, header + 8, 8);
+  const uint64_t body = bytes - 8;
+  if (records_bytes > body - sizeof(header)) return BadPart("records larger than the file");
+  std::vector<Segment> segs;
+  std::vector<uint8_t> records(static_cast<size_t>(sizeof(header) + records_bytes));
+  ShardSnapshot snap;
+  if (out != nullptr) {
+    // The records first (small; read again below, hashed with their block), then the payload
+    // goes straight into the tensors they describe.
+    PSD_RETURN_IF_ERROR(PreadAll(fd, records.data(), records.size(), 0));
+    Reader r(records.data() + sizeof(header), records_bytes, /*inline_blobs=*/false,
+             body - sizeof(header) - records_bytes);
+    PSD_RETURN_IF_ERROR(ParseRecords(r, 4, &snap));
+    if (r.pos() != records_bytes) return BadPart("trailing bytes in the records");
+    if (r.payload_left() != 0) return BadPart("the file holds more than its records name");
+    segs.push_back({0, records.data(), records.size()});
+    uint64_t off = records.size();
+    for (const auto& b : r.payload()) {
+      segs.push_back({off, static_cast<uint8_t*>(b->data()), b->bytes()});
+      off += b->bytes();
+    }
+  }
+  auto sum = TransferBody(fd, /*write=*/false, segs, body);
+  if (!sum.ok()) return sum.status();
+  uint64_t trailer = 0;
+  PSD_RETURN_IF_ERROR(PreadAll(fd, &trailer, sizeof(trailer), body));
+  if (*sum != trailer) return BadPart("checksum mismatch (the part's trailer)");
+  if (*sum != checksum) return InvalidArgument("checksum mismatch (the manifest's)");
+  if (out != nullptr) *out = std::move(snap);
+  return Status::Ok();
+}
+
+// Reads part `p` of checkpoint `path` as manifest `m` records it: checks its size, verifies its
+// checksum while it is read, and parses it into *out (null: verify only).
+Status ReadPart(const std::string& path, const Manifest& m, const Manifest::Part& p, ShardSnapshot* out) {
+  const std::string file = path + "/" + p.file;
+  if (m.hash == HashAlgo::kFnv1a64) {
+    // v1-v3: read whole, FNV-1a over the file.
+    std::vector<uint8_t> data;
+    PSD_RETURN_IF_ERROR(ReadFile(file, &data));
+    if (data.size() != p.bytes) {
+      return InvalidArgument(p.file + " has " + std::to_string(data.size()) + " bytes, the manifest says " +
+                             std::to_string(p.bytes));
+    }
+    if (Fnv1a64(data.data(), data.size()) != p.checksum) return InvalidArgument(p.file + " checksum mismatch");
+    return out != nullptr ? ParseOldPart(data, out) : Status::Ok();
+  }
+  Fd fd(open(file.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return NotFound(Errno("cannot open " + file));
+  struct stat st {};
+  if (fstat(fd.get(), &st) != 0) return Unavailable(Errno("stat " + file));
+  if (static_cast<uint64_t>(st.st_size) != p.bytes) {
+    return InvalidArgument(p.file + " has " + std::to_string(st.st_size) + " bytes, the manifest says " +
+                           std::to_string(p.bytes));
+  }
+  posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  Status s = ReadV4Part(fd.get(), p.bytes, p.checksum, out);
+  if (!s.ok()) return Status(s.code(), p.file + ": " + s.message());
+  return Status::Ok();
+}
+
+const Manifest::Part* FindPart(const Manifest& m, int shard) {
+  auto it = std::find_if(m.parts.begin(), m.parts.end(), [&](const auto& p) { return p.shard == shard; });
+  return it == m.parts.end() ? nullptr : &*it;
 }
 
 }  // namespace
@@ -304,10 +568,7 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
   PSD_RETURN_IF_ERROR(MakeDirs(path));
   std::string part = PartName(shard, shards);
   std::string tmp = path + "/" + part + ".tmp";
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) return Unavailable(Errno("create " + tmp));
-  HashingWriter w(f);
-  w.Bytes(kMagic, sizeof(kMagic));
+  RecordWriter w;
   w.Pod<int64_t>(snap.step);
   w.Pod<double>(snap.learning_rate);
   w.Str(snap.optimizer);
@@ -346,14 +607,38 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
     w.Pod<uint8_t>(static_cast<uint8_t>(v.aggregation));
     w.Pod<uint8_t>(v.sync_on_read);
   }
-  uint64_t sum = w.hash();
-  w.Pod<uint64_t>(sum);  // trailer: the checksum of everything before it
-  bool ok = w.ok() && std::fflush(f) == 0 && fsync(fileno(f)) == 0;
-  std::fclose(f);
+  // The file: magic, records size, records, payload, trailer.
+  uint8_t header[16];
+  std::memcpy(header, kMagic, 8);
+  const uint64_t records_bytes = w.records().size();
+  std::memcpy(header + 8, &records_bytes, 8);
+  std::vector<Segment> segs;
+  segs.push_back({0, header, sizeof(header)});
+  segs.push_back({sizeof(header), reinterpret_cast<uint8_t*>(const_cast<char*>(w.records().data())), records_bytes});
+  uint64_t off = sizeof(header) + records_bytes;
+  for (const Buffer* b : w.payload()) {
+    segs.push_back({off, static_cast<uint8_t*>(const_cast<void*>(b->data())), b->bytes()});
+    off += b->bytes();
+  }
+  const uint64_t body = off;
+  Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (fd.get() < 0) return Unavailable(Errno("create " + tmp));
+  // Reserve the space up front: parallel writers then fill one contiguous extent, and a full disk
+  // fails here rather than midway.
+  if (int rc = posix_fallocate(fd.get(), 0, static_cast<off_t>(body + 8)); rc != 0 && rc != EOPNOTSUPP) {
+    errno = rc;
+    return Unavailable(Errno("allocate " + std::to_string(body + 8) + " bytes for " + tmp));
+  }
+  auto sum = TransferBody(fd.get(), /*write=*/true, segs, body);
+  if (!sum.ok()) return Status(sum.status().code(), tmp + ": " + sum.status().message());
+  const uint64_t trailer = *sum;  // the checksum of everything before it
+  bool ok =
+      pwrite(fd.get(), &trailer, sizeof(trailer), static_cast<off_t>(body)) == sizeof(trailer) && fsync(fd.get()) == 0;
   if (!ok) return Unavailable(Errno("write " + tmp));
+  if (close(fd.Release()) != 0) return Unavailable(Errno("close " + tmp));
   if (std::rename(tmp.c_str(), (path + "/" + part).c_str()) != 0) return Unavailable(Errno("rename " + tmp));
-  const uint64_t part_bytes = w.size();
-  const uint64_t part_sum = w.hash();  // the whole file, trailer included
+  const uint64_t part_bytes = body + sizeof(trailer);
+  const uint64_t part_sum = trailer;  // v4: what the manifest records is the trailer's checksum
   if (shards == 1) {
     PSD_RETURN_IF_ERROR(WriteManifest(dir, snap.step, 1, {{0, part, part_bytes, part_sum}}));
   } else {
@@ -376,15 +661,16 @@ Status WriteManifest(const std::string& dir, int64_t step, int shards, const std
   PSD_RETURN_IF_ERROR(MakeDirs(path));
   std::vector<ManifestPart> sorted = parts;
   std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.shard < b.shard; });
-  std::string text = "psd-checkpoint 1\nstep " + std::to_string(step) + "\nshards " + std::to_string(shards) + "\n";
+  std::string text = std::string("psd-checkpoint 2\nhash ") + kXxh3Name + "\nstep " + std::to_string(step) +
+                     "\nshards " + std::to_string(shards) + "\n";
   for (const ManifestPart& p : sorted) {
     text +=
         "part " + std::to_string(p.shard) + " " + p.file + " " + std::to_string(p.bytes) + " " + Hex(p.checksum) + "\n";
   }
-  text += "checksum " + Hex(Fnv1a64(text.data(), text.size())) + "\n";
+  text += "checksum " + Hex(XXH3_64bits(text.data(), text.size())) + "\n";
   // A name of its own per process: shards sharing the directory may seal the same step at once.
   std::string mtmp = path + "/MANIFEST.tmp." + std::to_string(getpid());
-  int fd = open(mtmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  int fd = open(mtmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Unavailable(Errno("create " + mtmp));
   bool wrote = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && fsync(fd) == 0;
   close(fd);
@@ -396,21 +682,34 @@ Status WriteManifest(const std::string& dir, int64_t step, int shards, const std
 
 namespace {
 
-// Verifies the manifest of `path` and shard `shard`'s part; returns the part's file name.
-Result<std::string> VerifyOwnPart(const std::string& path, int shard, int shards) {
+// Verifies the manifest of `path` and shard `shard`'s part.
+Status VerifyOwnPart(const std::string& path, int shard, int shards) {
   auto m = ReadManifest(path);
   if (!m.ok()) return m.status();
   if (m->shards != shards) {
     return FailedPrecondition("written by a cluster of " + std::to_string(m->shards) + " shard(s), not " +
                               std::to_string(shards));
   }
-  auto part = std::find_if(m->parts.begin(), m->parts.end(), [&](const auto& p) { return p.shard == shard; });
-  if (part == m->parts.end()) return NotFound("no part for shard " + std::to_string(shard));
-  std::vector<uint8_t> data;
-  PSD_RETURN_IF_ERROR(ReadFile(path + "/" + part->file, &data));
-  if (data.size() != part->bytes) return InvalidArgument(part->file + " has a wrong size");
-  if (Fnv1a64(data.data(), data.size()) != part->checksum) return InvalidArgument(part->file + " checksum mismatch");
-  return part->file;
+  const Manifest::Part* part = FindPart(*m, shard);
+  if (part == nullptr) return NotFound("no part for shard " + std::to_string(shard));
+  Status s = ReadPart(path, *m, *part, nullptr);
+  // A part the manifest names but that is gone is damage, not "not this shard's".
+  if (s.code() == Code::kNotFound) return InvalidArgument(s.message());
+  return s;
+}
+
+// Loads shard `shard`'s part of checkpoint `path`: the manifest verifies, and the part is read
+// once, verified while it is read.
+Status LoadPart(const std::string& path, int shard, ShardSnapshot* out) {
+  auto m = ReadManifest(path);
+  if (!m.ok()) return m.status();
+  const Manifest::Part* part = FindPart(*m, shard);
+  if (part == nullptr) return NotFound("no part for shard " + std::to_string(shard));
+  ShardSnapshot snap;
+  PSD_RETURN_IF_ERROR(ReadPart(path, *m, *part, &snap));
+  if (snap.step != m->step) return InvalidArgument("part step differs from the manifest's");
+  *out = std::move(snap);
+  return Status::Ok();
 }
 
 }  // namespace
@@ -420,42 +719,24 @@ std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shar
   std::vector<std::string> names = ListCheckpoints(dir);
   std::reverse(names.begin(), names.end());
   for (const std::string& n : names) {
-    auto ok = VerifyOwnPart(dir + "/" + n, shard, shards);
+    Status ok = VerifyOwnPart(dir + "/" + n, shard, shards);
     if (ok.ok()) {
       steps.push_back(std::strtoll(n.c_str() + 5, nullptr, 10));
-    } else if (ok.status().code() != Code::kNotFound) {
-      spdlog::warn("checkpoint {}/{} is unusable for shard {}: {}", dir, n, shard, ok.status().message());
+    } else if (ok.code() != Code::kNotFound) {
+      spdlog::warn("checkpoint {}/{} is unusable for shard {}: {}", dir, n, shard, ok.message());
     }
   }
   return steps;
 }
 
 Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSnapshot* out) {
-  std::string path = dir + "/" + StepDirName(step);
-  auto m = ReadManifest(path);
-  if (!m.ok()) return m.status();
-  auto file = VerifyOwnPart(path, shard, m->shards);
-  if (!file.ok()) return file.status();
-  std::vector<uint8_t> data;
-  PSD_RETURN_IF_ERROR(ReadFile(path + "/" + *file, &data));
-  PSD_RETURN_IF_ERROR(ParsePart(data, out));
-  if (out->step != step) return InvalidArgument("part step differs from the manifest's");
-  return Status::Ok();
+  return LoadPart(dir + "/" + StepDirName(step), shard, out);
 }
 
 Status VerifyCheckpoint(const std::string& path) {
   auto m = ReadManifest(path);
   if (!m.ok()) return m.status();
-  for (const auto& p : m->parts) {
-    std::vector<uint8_t> data;
-    PSD_RETURN_IF_ERROR(ReadFile(path + "/" + p.file, &data));
-    if (data.size() != p.bytes)
-      return InvalidArgument(p.file + " has " + std::to_string(data.size()) +
-                             " bytes, "
-                             "the manifest says " +
-                             std::to_string(p.bytes));
-    if (Fnv1a64(data.data(), data.size()) != p.checksum) return InvalidArgument(p.file + " checksum mismatch");
-  }
+  for (const auto& p : m->parts) PSD_RETURN_IF_ERROR(ReadPart(path, *m, p, nullptr));
   return Status::Ok();
 }
 
@@ -464,19 +745,14 @@ Result<CheckpointInfo> LoadLatestCheckpoint(const std::string& dir, int shard, S
   std::reverse(names.begin(), names.end());  // newest first
   for (const std::string& n : names) {
     std::string path = dir + "/" + n;
-    Status s = VerifyCheckpoint(path);
+    // Every other shard's part verifies (a checkpoint is whole or unused); this shard's is
+    // verified while it is loaded.
     auto m = ReadManifest(path);
-    if (s.ok() && m.ok()) {
-      auto part = std::find_if(m->parts.begin(), m->parts.end(), [&](const auto& p) { return p.shard == shard; });
-      if (part == m->parts.end()) {
-        s = NotFound("no part for shard " + std::to_string(shard));
-      } else {
-        std::vector<uint8_t> data;
-        s = ReadFile(path + "/" + part->file, &data);
-        if (s.ok()) s = ParsePart(data, out);
-        if (s.ok() && out->step != m->step) s = InvalidArgument("part step differs from the manifest's");
-      }
+    Status s = m.status();
+    for (size_t i = 0; s.ok() && i < m->parts.size(); ++i) {
+      if (m->parts[i].shard != shard) s = ReadPart(path, *m, m->parts[i], nullptr);
     }
+    if (s.ok()) s = LoadPart(path, shard, out);
     if (s.ok()) return CheckpointInfo{out->step, path, {}, 0, 0};
     spdlog::warn("checkpoint {} is unusable ({}); trying an older one", path, s.message());
   }

@@ -6,10 +6,21 @@
 //   <dir>/ckpt-<step, 20 digits>/MANIFEST                    written last; names every part
 // Each part and the manifest are written to a temporary file, fsynced and renamed; the
 // checkpoint directory and its parent are fsynced after. The manifest records each part's size
-// and FNV-1a 64 checksum, and carries its own checksum, so a torn or corrupted checkpoint is
-// detected and skipped: Load() returns the newest checkpoint whose manifest and parts verify.
+// and checksum, and carries its own checksum, so a torn or corrupted checkpoint is detected and
+// skipped: Load() returns the newest checkpoint whose manifest and parts verify.
 //
-// Thread-safety: free functions; no shared state. Writing and reading are blocking file I/O.
+// Format v4 (written since issue 12; v1-v3 are still read): a part is
+//   "PSDCKPT4" | u64 R | records (R bytes: names, shapes, flags, placement; tensors as sizes) |
+//   payload (the tensors' bytes, in record order) | u64 checksum
+// and its checksum is XXH3-64 (xxhash) over 4 MiB blocks: XXH3-64, seeded with the body's size,
+// of the blocks' XXH3-64 hashes. Blocks are written (pwritev at their offsets into one
+// preallocated file, writeback started per block, one fsync) and read back (preadv straight into
+// the restored tensors) by a few threads, each hashing its block as it moves it: no second pass.
+// Its manifest says "psd-checkpoint 2" and "hash xxh3-64" and records the part checksum (the
+// trailer); v1-v3 parts sit under a "psd-checkpoint 1" manifest with FNV-1a 64 over whole files.
+//
+// Thread-safety: free functions; no shared state. Writing and reading are blocking file I/O on the
+// caller's thread plus up to 4 short-lived helper threads per part; nothing is locked meanwhile.
 #ifndef PSD_SERVER_CHECKPOINT_CHECKPOINT_H_
 #define PSD_SERVER_CHECKPOINT_CHECKPOINT_H_
 
@@ -54,7 +65,7 @@ struct CheckpointInfo {
   // The part written (WriteCheckpoint): what a cluster's manifest records for it.
   std::string part_file;
   uint64_t part_bytes = 0;
-  uint64_t part_checksum = 0;
+  uint64_t part_checksum = 0;  // v4: the part's XXH3 block checksum (its trailer)
 };
 
 struct ManifestPart {
@@ -89,6 +100,7 @@ Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSn
 // Checks one checkpoint directory (manifest checksum, part sizes and checksums).
 Status VerifyCheckpoint(const std::string& path);
 
+// The checksum of v1-v3 checkpoints (byte at a time: 0.4-0.7 GB/s; v4 uses XXH3).
 uint64_t Fnv1a64(const void* data, size_t bytes, uint64_t seed = 1469598103934665603ull);
 
 }  // namespace psd::server

@@ -995,15 +995,23 @@ void ClusterCoordinator::HandleControl(int from, uint64_t term, proto::PeerContr
     if (step >= 0) snap = engine->SnapshotIfAtBoundary();
     if (snap && snap->step == step) {
       server_.QueueSnapshot(std::move(*snap));
-      // The seal finishes the job; if it never comes (a shard died meanwhile), give up in 10 s.
-      auto timer = std::make_shared<asio::steady_timer>(io_);
-      timer->expires_after(std::chrono::seconds(10));
-      timer->async_wait([this, timer](boost::system::error_code ec) {
-        if (!ec) server_.FinishJob();
-      });
+      FinishJobUnlessSealed();
     } else {
       server_.FinishJob();
     }
+  });
+}
+
+void ClusterCoordinator::FinishJobUnlessSealed() {
+  // The seal finishes the job. If it never comes (a shard died meanwhile), give up 10 s after this
+  // shard's final part is written (or failed): however long a large part takes, it is waited for.
+  const bool busy = server_.CheckpointWriterBusy();
+  auto timer = std::make_shared<asio::steady_timer>(io_);
+  timer->expires_after(busy ? std::chrono::milliseconds(200) : std::chrono::milliseconds(10000));
+  timer->async_wait([this, timer, busy](boost::system::error_code ec) {
+    if (ec) return;
+    if (busy) return FinishJobUnlessSealed();
+    server_.FinishJob();
   });
 }
 

@@ -156,6 +156,8 @@ class ClusterCoordinator {
   void HandleControl(int from, uint64_t term, proto::PeerControl::Reader c, std::vector<Action>* actions);
   void RestoreDone(uint64_t epoch, int64_t step, const Status& status, std::vector<VarPlacement> placements);
   void AddSealedLocked(int64_t step);
+  // Job done: the final part is queued; FinishJob() unless the seal does it first (see .cc).
+  void FinishJobUnlessSealed();
   Status NotChiefLocked() const;
 
   // Builds a peer message (term and sender filled in) under mu_.

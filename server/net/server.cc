@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 
 #include "net/connection.h"
@@ -58,6 +60,11 @@ void Server::QueueSnapshot(ShardSnapshot snap) {
   std::lock_guard<std::mutex> lock(ckpt_mu_);
   ckpt_pending_ = std::move(snap);
   ckpt_cv_.notify_one();
+}
+
+bool Server::CheckpointWriterBusy() const {
+  std::lock_guard<std::mutex> lock(ckpt_mu_);
+  return ckpt_writing_ || ckpt_pending_.has_value();
 }
 
 Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacement>* placements) {
@@ -143,6 +150,7 @@ void Server::ArmStepDeadline(int64_t step) {
   });
 }
 
+// Runs on the checkpoint thread (or in Stop() after it ended): file I/O only, no engine lock held.
 void Server::WriteSnapshot(const ShardSnapshot& snap) {
   auto t0 = std::chrono::steady_clock::now();
   auto info =
@@ -154,16 +162,23 @@ void Server::WriteSnapshot(const ShardSnapshot& snap) {
   }
   metrics_.OnCheckpointWritten(snap.step, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                                info->part_bytes);
-  if (coordinator_) {
-    // The chief seals it once every shard's part is written.
-    coordinator_->OnPartWritten(*info, snap.step);
-    spdlog::info("checkpoint part at step {} written to {} ({:.0f} ms)", snap.step, info->path,
-                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    return;
+  if (coordinator_) coordinator_->OnPartWritten(*info, snap.step);  // the chief seals it once every part is in
+  if (!coordinator_) last_checkpoint_step_ = snap.step;
+  // The stop-window rule (README, "Checkpoints and recovery"): a stop may have to finish a write in
+  // flight and then write the final checkpoint, so it needs two writes at the measured speed + 10 s.
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double mb = static_cast<double>(info->part_bytes) / 1e6;
+  const double window_s = std::ceil(2 * ms / 1000 + 10);
+  spdlog::info(
+      "checkpoint {}at step {} written to {} ({:.0f} MB in {:.0f} ms, {:.0f} MB/s; stop window needed >= {:.0f} s)",
+      coordinator_ ? "part " : "", snap.step, info->path, mb, ms, mb / std::max(ms, 1.0) * 1000, window_s);
+  if (window_s > 30 && !stop_window_warned_.exchange(true)) {
+    spdlog::warn(
+        "a checkpoint of this state takes {:.1f} s here: give psd a stop window of at least {:.0f} s (systemd "
+        "TimeoutStopSec, default 90 s; Kubernetes terminationGracePeriodSeconds, default 30 s), or a stop may kill "
+        "it mid-checkpoint (the previous checkpoint then stays the newest)",
+        ms / 1000, window_s);
   }
-  last_checkpoint_step_ = snap.step;
-  spdlog::info("checkpoint at step {} written to {} ({:.0f} ms)", snap.step, info->path,
-               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
 }
 
 void Server::CheckpointLoop() {
@@ -175,8 +190,11 @@ void Server::CheckpointLoop() {
       if (!ckpt_pending_) return;
       snap = std::move(ckpt_pending_);
       ckpt_pending_.reset();
+      ckpt_writing_ = true;
     }
     WriteSnapshot(*snap);
+    std::lock_guard<std::mutex> lock(ckpt_mu_);
+    ckpt_writing_ = false;
   }
 }
 

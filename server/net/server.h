@@ -83,6 +83,8 @@ class Server {
   void set_last_checkpoint_step(int64_t step) { last_checkpoint_step_ = step; }
   // Hands a snapshot to the checkpoint writer (the newest pending one wins).
   void QueueSnapshot(ShardSnapshot snap);
+  // True while a snapshot is queued or being written.
+  bool CheckpointWriterBusy() const;
 
   // Cluster: replaces the engine with a fresh one for `epoch`, restored from checkpoint `step`
   // (-1: empty at step 0). The old engine's token waits fail ABORTED. *placements: the parts the
@@ -155,11 +157,13 @@ class Server {
   // Checkpoints: snapshots are handed to one writer thread (the newest pending one wins).
   asio::steady_timer checkpoint_timer_;
   std::thread checkpoint_thread_;
-  std::mutex ckpt_mu_;
+  mutable std::mutex ckpt_mu_;
   std::condition_variable ckpt_cv_;
   std::optional<ShardSnapshot> ckpt_pending_;  // guarded by ckpt_mu_
+  bool ckpt_writing_ = false;                  // guarded by ckpt_mu_
   bool ckpt_stop_ = false;                     // guarded by ckpt_mu_
   std::atomic<int64_t> last_checkpoint_step_{-1};
+  std::atomic<bool> stop_window_warned_{false};
 
   // Summary bookkeeping (only touched by the summary timer's handler).
   int64_t last_summary_step_ = 0;

@@ -14,6 +14,13 @@ namespace psd::server {
 class Buffer {
  public:
   explicit Buffer(size_t bytes) : words_(std::make_unique<uint64_t[]>((bytes + 7) / 8)), bytes_(bytes) {}
+  // The bytes are left unset: the caller overwrites all of them (a checkpoint read); the padding
+  // after them is zero. Saves a pass that zeroes memory about to be filled.
+  struct Uninitialized {};
+  Buffer(size_t bytes, Uninitialized)
+      : words_(std::make_unique_for_overwrite<uint64_t[]>((bytes + 7) / 8)), bytes_(bytes) {
+    if (bytes % 8 != 0) words_[bytes / 8] = 0;
+  }
   // A deep copy (copy-on-write of a value a reader still holds).
   Buffer(const Buffer& other) : Buffer(other.bytes_) { std::memcpy(data(), other.data(), (bytes_ + 7) / 8 * 8); }
   Buffer(Buffer&&) = default;

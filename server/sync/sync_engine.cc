@@ -175,6 +175,11 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
   PSD_RETURN_IF_ERROR(ValidateName(def.name));
   PSD_RETURN_IF_ERROR(ValidateShape(def.shape, def.dtype, config_.max_frame_bytes));
   size_t bytes = static_cast<size_t>(NumElements(def.shape)) * DTypeSize(def.dtype);
+  if (def.adopt && def.adopt->bytes() != bytes) {
+    return InvalidArgument("restored value of '" + def.name + "' has " + std::to_string(def.adopt->bytes()) +
+                           " bytes, shape " + ShapeString(def.shape) + " of " + DTypeName(def.dtype) + " needs " +
+                           std::to_string(bytes));
+  }
   if (def.initial != nullptr && def.initial_bytes != bytes) {
     return InvalidArgument("initial value of '" + def.name + "' has " + std::to_string(def.initial_bytes) +
                            " bytes, shape " + ShapeString(def.shape) + " of " + DTypeName(def.dtype) + " needs " +
@@ -229,8 +234,12 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
   }
   model_bytes_ += cost;
   auto v = std::make_unique<Variable>(def, opt, global_step_.load());
-  v->published = std::make_shared<Buffer>(bytes);
-  if (def.initial != nullptr && bytes) std::memcpy(v->published->data(), def.initial, bytes);
+  if (def.adopt) {
+    v->published = std::const_pointer_cast<Buffer>(def.adopt);
+  } else {
+    v->published = std::make_shared<Buffer>(bytes);
+    if (def.initial != nullptr && bytes) std::memcpy(v->published->data(), def.initial, bytes);
+  }
   if (v->average) v->shadow = std::make_shared<Buffer>(*v->published);  // TF: shadow = initial value
   if (v->sync_on_read) v->replica_base = std::make_shared<Buffer>(*v->published);
   v->reduce_round.step = v->update_round.step = global_step_.load();
@@ -740,8 +749,7 @@ Status SyncEngine::Restore(const ShardSnapshot& snap) {
     def.name = vs.name;
     def.dtype = vs.dtype;
     def.shape = vs.shape;
-    def.initial = vs.value->data();
-    def.initial_bytes = vs.value->bytes();
+    def.adopt = vs.value;  // no copy: shared copy-on-write with the snapshot
     def.trainable = vs.trainable;
     def.average = vs.average && config_.ema_decay > 0;
     def.optimizer = vs.optimizer;

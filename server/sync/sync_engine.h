@@ -66,6 +66,10 @@ struct VariableDef {
   Shape shape;
   const void* initial = nullptr;  // nullptr: zeros; else exactly NumElements*DTypeSize bytes
   size_t initial_bytes = 0;
+  // Instead of `initial`: this buffer becomes the value without a copy (a restore adopts the
+  // checkpoint's tensors). Shared copy-on-write like every published value: the engine writes
+  // into it only once it holds the last reference. Must be a Buffer created non-const.
+  std::shared_ptr<const Buffer> adopt;
   bool trainable = true;
   bool average = false;    // keep an exponential moving average (--ema-decay)
   std::string optimizer;   // empty: the job's optimizer; else a name with the job's hyper-parameters

@@ -183,3 +183,173 @@ TEST_CASE("a corrupt part makes that step unrestorable for its shard only", "[ch
   FlipByte(dir.path + "/ckpt-00000000000000000010/MANIFEST", 20);
   CHECK(RestorableSteps(dir.path, 0, 3) == std::vector<int64_t>{20});
 }
+
+// --- format v4: XXH3 block checksums, parallel writes, and the older formats still read ----------
+
+namespace {
+
+std::string ReadText(const std::string& file) {
+  std::ifstream f(file, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// A buffer of `bytes` deterministic pseudo-random bytes (any bit pattern, NaNs included).
+std::shared_ptr<const Buffer> Noise(size_t bytes, uint64_t seed) {
+  auto b = std::make_shared<Buffer>(bytes);
+  uint8_t* p = static_cast<uint8_t*>(b->data());
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < bytes; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    p[i] = static_cast<uint8_t>(x);
+  }
+  return b;
+}
+
+bool SameBytes(const std::shared_ptr<const Buffer>& a, const std::shared_ptr<const Buffer>& b) {
+  return a && b && a->bytes() == b->bytes() && std::memcmp(a->data(), b->data(), a->bytes()) == 0;
+}
+
+// About 20 MB over several variables whose sizes cross the 4 MiB I/O blocks at odd offsets, with
+// Adam-style slots: several blocks, so several writer threads.
+ShardSnapshot LargeSnapshot(int64_t step) {
+  ShardSnapshot s;
+  s.step = step;
+  s.learning_rate = 0.01;
+  s.optimizer = "adam";
+  const int64_t rows[] = {300001, 7, 250000, 1, 123457};
+  for (int i = 0; i < 5; ++i) {
+    VariableSnapshot v;
+    v.name = "layer" + std::to_string(i);
+    v.shape = {rows[i], 4};
+    const size_t bytes = static_cast<size_t>(rows[i]) * 16;
+    v.value = Noise(bytes, static_cast<uint64_t>(3 * i + 1));
+    v.slots = {{"m", Noise(bytes, static_cast<uint64_t>(3 * i + 2))},
+               {"v", Noise(bytes, static_cast<uint64_t>(3 * i + 3))}};
+    s.variables.push_back(std::move(v));
+  }
+  return s;
+}
+
+void CheckSameState(const ShardSnapshot& a, const ShardSnapshot& b) {
+  CHECK(a.step == b.step);
+  CHECK(a.learning_rate == b.learning_rate);
+  CHECK(a.optimizer == b.optimizer);
+  REQUIRE(a.variables.size() == b.variables.size());
+  for (size_t i = 0; i < a.variables.size(); ++i) {
+    const VariableSnapshot& x = a.variables[i];
+    const VariableSnapshot& y = b.variables[i];
+    CHECK(x.name == y.name);
+    CHECK(x.shape == y.shape);
+    CHECK(SameBytes(x.value, y.value));
+    REQUIRE(x.slots.size() == y.slots.size());
+    for (size_t k = 0; k < x.slots.size(); ++k) {
+      CHECK(x.slots[k].first == y.slots[k].first);
+      CHECK(SameBytes(x.slots[k].second, y.slots[k].second));
+    }
+  }
+}
+
+std::string FixtureV3() { return std::string(PSD_TEST_FIXTURES_DIR) + "/ckpt-v3"; }
+
+}  // namespace
+
+TEST_CASE("checkpoint v4: the part and manifest name the format and XXH3; values come back bit-identical",
+          "[checkpoint]") {
+  TempDir dir;
+  auto info = WriteCheckpoint(dir.path, Snapshot(40, 7), 0, 1, 0);
+  REQUIRE(info.ok());
+  CHECK(ReadText(info->path + "/shard-0-of-1.psdckpt").rfind("PSDCKPT4", 0) == 0);
+  std::string manifest = ReadText(info->path + "/MANIFEST");
+  CHECK(manifest.rfind("psd-checkpoint 2\nhash xxh3-64\n", 0) == 0);
+  // The manifest records the part's trailer (its XXH3 block checksum).
+  std::string part = ReadText(info->path + "/shard-0-of-1.psdckpt");
+  uint64_t trailer = 0;
+  std::memcpy(&trailer, part.data() + part.size() - 8, 8);
+  CHECK(trailer == info->part_checksum);
+  CHECK(info->part_bytes == part.size());
+  ShardSnapshot back;
+  REQUIRE(LoadLatestCheckpoint(dir.path, 0, &back).ok());
+  CheckSameState(Snapshot(40, 7), back);
+  CHECK(SameBytes(back.variables[0].shadow, Snapshot(40, 7).variables[0].shadow));
+}
+
+TEST_CASE("checkpoint v4: a large multi-variable part is written in parallel blocks and round-trips", "[checkpoint]") {
+  TempDir dir;
+  ShardSnapshot big = LargeSnapshot(7);
+  auto info = WriteCheckpoint(dir.path, big, 0, 1, 0);
+  REQUIRE(info.ok());
+  CHECK(info->part_bytes > 20'000'000);  // 5+ blocks of 4 MiB
+  CHECK(VerifyCheckpoint(info->path).ok());
+  ShardSnapshot back;
+  REQUIRE(LoadLatestCheckpoint(dir.path, 0, &back).ok());
+  CheckSameState(big, back);
+  ShardSnapshot at;
+  REQUIRE(LoadCheckpointAt(dir.path, 7, 0, &at).ok());
+  CheckSameState(big, at);
+}
+
+TEST_CASE("checkpoint v4: one corrupted byte anywhere in a part is detected", "[checkpoint]") {
+  TempDir dir;
+  REQUIRE(WriteCheckpoint(dir.path, LargeSnapshot(1), 0, 1, 0).ok());
+  auto newest = WriteCheckpoint(dir.path, LargeSnapshot(2), 0, 1, 0);
+  REQUIRE(newest.ok());
+  std::string part = newest->path + "/shard-0-of-1.psdckpt";
+  long where = 0;
+  SECTION("in the records") { where = 20; }
+  SECTION("in a tensor, mid-file (a later I/O block)") { where = 13'000'001; }
+  SECTION("in the last tensor byte") { where = static_cast<long>(newest->part_bytes) - 9; }
+  SECTION("in the trailer") { where = static_cast<long>(newest->part_bytes) - 3; }
+  FlipByte(part, where);
+  CHECK_THAT(VerifyCheckpoint(newest->path).message(), Catch::Contains("checksum"));
+  ShardSnapshot back;
+  CHECK(LoadCheckpointAt(dir.path, 2, 0, &back).code() == Code::kInvalidArgument);
+  CHECK(RestorableSteps(dir.path, 0, 1) == std::vector<int64_t>{1});
+  auto loaded = LoadLatestCheckpoint(dir.path, 0, &back);
+  REQUIRE(loaded.ok());
+  CHECK(loaded->step == 1);  // the older one, which verifies
+  CheckSameState(LargeSnapshot(1), back);
+}
+
+TEST_CASE("a v3 checkpoint (FNV-1a, written by the old writer) still verifies and restores", "[checkpoint]") {
+  TempDir dir;
+  fs::copy(FixtureV3(), dir.path, fs::copy_options::recursive);
+  const std::string step40 = dir.path + "/ckpt-00000000000000000040";
+  CHECK(ReadText(step40 + "/MANIFEST").rfind("psd-checkpoint 1\n", 0) == 0);
+  CHECK(ReadText(step40 + "/shard-0-of-1.psdckpt").rfind("PSDCKPT3", 0) == 0);
+  CHECK(VerifyCheckpoint(step40).ok());
+  CHECK(RestorableSteps(dir.path, 0, 1) == std::vector<int64_t>{40});
+
+  auto check = [](const ShardSnapshot& back) {
+    CHECK(back.step == 40);
+    CHECK(back.learning_rate == 0.25);
+    CHECK(back.optimizer == "adam");
+    REQUIRE(back.variables.size() == 2);
+    const VariableSnapshot& w = back.variables[0];
+    CHECK(At(w.value, 0) == 7);
+    CHECK(At(w.value, 1) == 8);
+    REQUIRE(w.slots.size() == 2);
+    CHECK(At(w.slots[0].second, 1) == 0.25f);
+    REQUIRE(w.shadow);
+    CHECK(At(w.shadow, 0) == 3.5f);
+    CHECK(w.placement.name == "w");
+    CHECK(w.aggregation == 1);
+    CHECK(back.variables[1].sync_on_read);
+    CHECK(*back.variables[1].value->as<double>() == 3.5);
+  };
+  ShardSnapshot back;
+  auto loaded = LoadLatestCheckpoint(dir.path, 0, &back);
+  REQUIRE(loaded.ok());
+  check(back);
+  ShardSnapshot at;
+  REQUIRE(LoadCheckpointAt(dir.path, 40, 0, &at).ok());
+  check(at);
+
+  // A v4 checkpoint written after it is the newest; a corrupt v3 part is still caught.
+  REQUIRE(WriteCheckpoint(dir.path, Snapshot(50, 1), 0, 1, 0).ok());
+  CHECK(RestorableSteps(dir.path, 0, 1) == (std::vector<int64_t>{50, 40}));
+  FlipByte(step40 + "/shard-0-of-1.psdckpt", 60);
+  CHECK_THAT(VerifyCheckpoint(step40).message(), Catch::Contains("checksum"));
+  CHECK(RestorableSteps(dir.path, 0, 1) == std::vector<int64_t>{50});
+}
