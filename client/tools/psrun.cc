@@ -309,7 +309,13 @@ Child* Launcher::Spawn(const std::string& label, bool shard, int index, const st
   envp.push_back(nullptr);
   std::string exec_error = "psrun: cannot run '" + argv[0] + "': ";
 
+  // Signals stay blocked across fork until the child has reset their handlers: a SIGTERM for the
+  // child arriving before that must kill it, not run psrun's handler in it.
+  sigset_t all, old;
+  sigfillset(&all);
+  sigprocmask(SIG_BLOCK, &all, &old);
   pid_t pid = fork();
+  if (pid != 0) sigprocmask(SIG_SETMASK, &old, nullptr);
   if (pid < 0) {
     Say("fork: " + std::string(std::strerror(errno)));
     for (int fd : {out[0], out[1], err[0], err[1]}) close(fd);
@@ -318,6 +324,7 @@ Child* Launcher::Spawn(const std::string& label, bool shard, int index, const st
   if (pid == 0) {
     setpgid(0, 0);
     for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE}) signal(sig, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &old, nullptr);
     int devnull = open("/dev/null", O_RDONLY);
     if (devnull >= 0) dup2(devnull, 0);
     dup2(out[1], 1);

@@ -88,7 +88,7 @@ echo "3. a worker exiting 7: psrun stopped the others and exited 7"
 rc=0
 timeout 60 "$psrun" --psd "$psd" --workers 2 -- /nonexistent/trainer > "$run/missing.log" 2>&1 || rc=$?
 [ "$rc" -eq 127 ] || fail "a missing command: psrun exited $rc"
-grep -q "^\[worker 0\] psrun: cannot run '/nonexistent/trainer': No such file or directory" "$run/missing.log" ||
+grep -qE "^\[worker [01]\] psrun: cannot run '/nonexistent/trainer': No such file or directory" "$run/missing.log" ||
   fail "no clear error for a missing command"
 rc=0
 timeout 60 "$psrun" --psd "$psd" --workers 1 --timeout-s 1 -- sleep 300 > "$run/timeout.log" 2>&1 || rc=$?
