@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -147,6 +148,24 @@ std::optional<std::vector<int>> ReservePorts(int n) {
 std::string Dirname(const std::string& path) {
   size_t slash = path.rfind('/');
   return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+// `arg` as a shell word, on one line (a newline shows as \n): for the log only.
+std::string ShellQuoted(const std::string& arg) {
+  bool plain = !arg.empty();
+  for (char ch : arg) plain &= std::isalnum(static_cast<unsigned char>(ch)) || std::strchr("-_./=:,+@%", ch) != nullptr;
+  if (plain) return arg;
+  std::string out = "'";
+  for (char ch : arg) {
+    if (ch == '\'') {
+      out += "'\\''";
+    } else if (ch == '\n') {
+      out += "\\n";
+    } else {
+      out += ch;
+    }
+  }
+  return out + "'";
 }
 
 bool Executable(const std::string& path) { return access(path.c_str(), X_OK) == 0; }
@@ -360,7 +379,7 @@ Child* Launcher::Spawn(const std::string& label, bool shard, int index, const st
     c.log_fd = open(name.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   }
   std::string cmd;
-  for (const auto& a : argv) cmd += (cmd.empty() ? "" : " ") + a;
+  for (const auto& a : argv) cmd += (cmd.empty() ? "" : " ") + ShellQuoted(a);
   Say(label + ": pid " + std::to_string(pid) + ": " + cmd);
   return &c;
 }
