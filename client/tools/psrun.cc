@@ -836,12 +836,12 @@ int main(int argc, char** argv) {
   for (const auto& a : o.psd_args) {
     for (const char* owned :
          {"--replicas-to-aggregate", "-R", "--backup-replicas", "-B", "--total-replicas", "-N", "--cluster",
-          "--shard-index", "--port", "--port-file", "--exit-when-done", "--auth-token-file", "--checkpoint-dir"}) {
+          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--auth-token-file"}) {
       std::string flag = a.substr(0, a.find('='));
       if (flag == owned) {
         std::fprintf(stderr,
                      "psrun: --psd-arg %s: psrun sets this psd flag itself; use psrun's --replicas, --backup, "
-                     "--workers, --checkpoint-dir or --auth-token-file\n",
+                     "--workers or --auth-token-file (the workers need the token too)\n",
                      a.c_str());
         return 2;
       }
