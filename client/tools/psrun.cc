@@ -709,10 +709,8 @@ int Launcher::Run() {
         Say("a shard's port was taken between reserving and binding it; retrying with new ports (attempt " +
             std::to_string(attempt + 1) + " of " + std::to_string(o_.bind_retries) + ")");
         for (auto& c : children_) {
-          if (!c.reaped) {
-            c.stopped_by_us = true;
-            kill(-c.pid, SIGTERM);
-          }
+          if (!c.reaped) kill(-c.pid, SIGTERM);
+          c.stopped_by_us = true;  // this attempt's shards, the one that could not bind included
         }
         kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_s * 1000));
         WaitAllReaped();

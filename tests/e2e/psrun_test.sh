@@ -7,6 +7,7 @@
 #  3. a failing worker: psrun stops the others and exits with its code; a missing command: 127;
 #     --timeout-s: 124.
 #  4. SIGINT to psrun stops everything it started, the trainers' own subprocesses included.
+#  5. a shard's port taken before it binds: psrun retries on new ports; a psd never ready: named.
 set -euo pipefail
 psrun=$1 psd=$2 worker=$3
 run=$(mktemp -d)
@@ -120,4 +121,36 @@ grep -q "got Interrupt: stopping everything psrun started" "$run/int.log" || fai
 # shellcheck disable=SC2086
 none_alive $pids $children
 echo "4. SIGINT: psrun exited 130, its 5 processes and the trainers' subprocesses are gone"
+
+# --- 5. a shard's port taken between reserving and binding; a psd that never gets ready -----------
+# Shard 1's first launch finds its port taken, as when another process grabs it first.
+cat > "$run/flaky_psd.sh" <<EOF
+#!/bin/sh
+case " \$* " in
+  *" --shard-index 1 "*)
+    if [ ! -e "$run/flaky.once" ]; then
+      : > "$run/flaky.once"
+      echo "psd: cannot listen on 127.0.0.1:1: Address already in use" >&2
+      exit 1
+    fi ;;
+esac
+exec "$psd" "\$@"
+EOF
+chmod +x "$run/flaky_psd.sh"
+rc=0
+timeout 120 "$psrun" --psd "$run/flaky_psd.sh" --shards 2 --workers 2 -- "$worker" --steps 50 --print-every 0 \
+  > "$run/retry.log" 2>&1 || rc=$?
+[ "$rc" -eq 0 ] || fail "psrun exited $rc after a port clash"
+grep -q "retrying with new ports (attempt 2 of 5)" "$run/retry.log" || fail "psrun did not retry on new ports"
+[ "$(grep -c "done: " "$run/retry.log")" -eq 2 ] || fail "the workers did not finish after the retry"
+printf '#!/bin/sh\necho "restoring for a long time"\nexec sleep 300\n' > "$run/slow_psd.sh"
+chmod +x "$run/slow_psd.sh"
+rc=0
+timeout 60 "$psrun" --psd "$run/slow_psd.sh" --start-timeout-s 1 --grace-s 2 -- true > "$run/slow.log" 2>&1 || rc=$?
+[ "$rc" -eq 1 ] || fail "psrun exited $rc when psd never got ready"
+grep -q "psd shard 0 was not ready within --start-timeout-s 1 (no .*psd-0.port): read its output above (\[psd 0\] lines)" \
+  "$run/slow.log" || fail "no clear error for a psd that never got ready"
+# shellcheck disable=SC2046
+none_alive $(started_pids "$run/slow.log")
+echo "5. a port clash: psrun retried on new ports and the job finished; a psd never ready: exit 1, named"
 echo "PASS"
