@@ -15,11 +15,12 @@
 // Processes: every child runs in its own process group (its own subprocesses are stopped with
 // it; Ctrl-C at the terminal reaches only psrun, which stops the children in order). psrun
 // signals only the process groups of the children it started: SIGTERM, then SIGKILL after
-// --grace-s. Single-threaded: one poll loop over the children's pipes and a self-pipe that the
-// signal handlers write to.
+// --grace-s. If psrun itself is killed outright, its children get SIGTERM (PR_SET_PDEATHSIG). Single-threaded: one poll
+// loop over the children's pipes and a self-pipe that the signal handlers write to.
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -330,6 +331,7 @@ Child* Launcher::Spawn(const std::string& label, bool shard, int index, const st
 
   // Signals stay blocked across fork until the child has reset their handlers: a SIGTERM for the
   // child arriving before that must kill it, not run psrun's handler in it.
+  const pid_t parent = getpid();
   sigset_t all, old;
   sigfillset(&all);
   sigprocmask(SIG_BLOCK, &all, &old);
@@ -342,6 +344,9 @@ Child* Launcher::Spawn(const std::string& label, bool shard, int index, const st
   }
   if (pid == 0) {
     setpgid(0, 0);
+    // psrun killed outright (SIGKILL, a crash) still stops its children: they get SIGTERM.
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(128 + SIGTERM);  // psrun died before the line above
     for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE}) signal(sig, SIG_DFL);
     sigprocmask(SIG_SETMASK, &old, nullptr);
     int devnull = open("/dev/null", O_RDONLY);
