@@ -552,13 +552,27 @@ void Launcher::WaitAllReaped() {
     }
     Pump(100);
   }
-  // Output still buffered in the pipes (subprocesses that outlived their parent were killed).
+  // Output still in the pipes; a pipe still open after that is held by a subprocess that
+  // outlived its parent: its process group is stopped like the rest (SIGTERM, then SIGKILL).
+  auto any_open = [this] {
+    for (const auto& c : children_) {
+      if (c.open()) return true;
+    }
+    return false;
+  };
   auto until = Clock::now() + std::chrono::milliseconds(200);
-  for (;;) {
-    bool open = false;
-    for (const auto& c : children_) open |= c.open();
-    if (!open || Clock::now() >= until) break;
-    Pump(20);
+  while (any_open() && Clock::now() < until) Pump(20);
+  if (any_open()) {
+    for (auto& c : children_) {
+      if (!c.open() || killed_) continue;
+      Say(c.label + ": its subprocesses outlived it: stopping its process group");
+      kill(-c.pid, SIGTERM);
+    }
+    if (kill_at_ == Clock::time_point::max()) {
+      kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_s * 1000));
+    }
+    until = std::max(Clock::now(), kill_at_) + std::chrono::seconds(2);
+    while (any_open() && Clock::now() < until) Pump(50);
   }
   for (auto& c : children_) {
     for (Stream* s : {&c.out, &c.err}) {

@@ -5,7 +5,7 @@
 #  2. the environment contract reaches a shell-script trainer with the right values, and lines
 #     written in pieces come out whole, each with its process's prefix.
 #  3. a failing worker: psrun stops the others and exits with its code; a missing command: 127;
-#     --timeout-s: 124.
+#     --timeout-s: 124; a subprocess that outlives its worker is stopped at the end.
 #  4. SIGINT to psrun stops everything it started, the trainers' own subprocesses included.
 #  5. a shard's port taken before it binds: psrun retries on new ports; a psd never ready: named.
 set -euo pipefail
@@ -95,7 +95,15 @@ rc=0
 timeout 60 "$psrun" --psd "$psd" --workers 1 --timeout-s 1 -- sleep 300 > "$run/timeout.log" 2>&1 || rc=$?
 [ "$rc" -eq 124 ] || fail "--timeout-s: psrun exited $rc"
 none_alive $(started_pids "$run/timeout.log")
-echo "   a missing command: 127 with the reason; --timeout-s 1: 124, nothing left"
+rc=0
+timeout 60 "$psrun" --psd "$psd" --workers 1 --grace-s 5 -- sh -c \
+  'sleep 300 & echo "child $!"; exec "$0" --steps 20 --print-every 0' "$worker" > "$run/linger.log" 2>&1 || rc=$?
+[ "$rc" -eq 0 ] || fail "a worker leaving a subprocess behind: psrun exited $rc"
+# (psd normally exits by itself first; on a very slow machine psrun may stop it, and the group, first)
+grep -qE "^\[psrun\] (worker 0: its subprocesses outlived it: stopping its process group|.*: stopping everything)" \
+  "$run/linger.log" || fail "the subprocess that outlived its worker was not stopped"
+none_alive $(sed -n 's/^\[worker 0\] child \([0-9]*\)$/\1/p' "$run/linger.log")
+echo "   a missing command: 127 with the reason; --timeout-s 1: 124, nothing left; a leftover subprocess: stopped"
 
 # --- 4. SIGINT stops everything -----------------------------------------------------------------------
 "$psrun" --psd "$psd" --shards 2 --workers 3 --grace-s 5 -- sh -c 'sleep 300 & echo "child $!"; wait' \
