@@ -751,8 +751,12 @@ int Launcher::Run() {
     StopAll("a worker could not be started");
   }
   Supervise();
-  if (exit_code_ < 0) {
-    Say("all " + std::to_string(o_.workers) + " workers finished");
+  if (!stopping_) {
+    int failed = 0;
+    for (const auto& c : children_) failed += !c.shard && CodeOf(c.status) != 0;
+    Say(failed == 0 ? "all " + std::to_string(o_.workers) + " workers finished"
+                    : std::to_string(o_.workers - failed) + " of " + std::to_string(o_.workers) +
+                          " workers finished, " + std::to_string(failed) + " failed");
   }
   DrainShards();
   WaitAllReaped();

@@ -85,7 +85,13 @@ grep -q "^\[psrun\] worker 1 exited with status 7" "$run/fail.log" || fail "the 
 grep -q "worker 1 failed (--on-failure stop): stopping everything" "$run/fail.log" || fail "the others were not stopped"
 # shellcheck disable=SC2046
 none_alive $(started_pids "$run/fail.log") $(sed -n 's/^\[worker [0-9]\] child \([0-9]*\)$/\1/p' "$run/fail.log")
-echo "3. a worker exiting 7: psrun stopped the others and exited 7"
+rc=0
+timeout 60 "$psrun" --psd "$psd" --workers 3 --on-failure continue -- sh -c \
+  'if [ "$PSD_WORKER_INDEX" = 1 ]; then exit 5; fi; sleep 0.3; echo ok' > "$run/continue.log" 2>&1 || rc=$?
+[ "$rc" -eq 5 ] || fail "--on-failure continue: psrun exited $rc (expected the failure's 5)"
+[ "$(grep -c '^\[worker [02]\] ok$' "$run/continue.log")" -eq 2 ] || fail "--on-failure continue stopped the others"
+grep -q "^\[psrun\] 2 of 3 workers finished, 1 failed" "$run/continue.log" || fail "no summary of the failures"
+echo "3. a worker exiting 7: psrun stopped the others and exited 7; --on-failure continue: the others finished, exit 5"
 rc=0
 timeout 60 "$psrun" --psd "$psd" --workers 2 -- /nonexistent/trainer > "$run/missing.log" 2>&1 || rc=$?
 [ "$rc" -eq 127 ] || fail "a missing command: psrun exited $rc"
