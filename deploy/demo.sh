@@ -2,12 +2,13 @@
 # The main job, from a fresh Debian 12 machine: install the packages, build (Release), then run
 # a local cluster — two psd shards (an elected chief; the weight vector sliced over both) and
 # three workers (2 replicas to aggregate + 1 backup, the last one an artificial straggler)
-# training logistic regression, printing progress and a summary. Arguments replace the defaults
-# (see deploy/local_cluster.sh), e.g. `deploy/demo.sh --shards 1` for a single daemon.
+# training logistic regression, all launched by psrun, printing progress and a summary.
+# Arguments replace the defaults (see deploy/local_cluster.sh), e.g. `deploy/demo.sh --shards 1`
+# for a single daemon.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 "$here/deploy/install_deps.sh"
 cmake -S "$here" -B "$here/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPSD_BUILD_TESTS=OFF >/dev/null
-cmake --build "$here/build" --target psd psd_logreg_worker psd_bench
+cmake --build "$here/build" --target psd psd_logreg_worker psd_bench psrun
 if [ $# -eq 0 ]; then set -- --shards 2 --features 2048 -- --slice-bytes 4096; fi
 exec "$here/deploy/local_cluster.sh" --build "$here/build" "$@"

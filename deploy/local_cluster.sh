@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Starts P local psd shards (one daemon, or a cluster) and W worker processes on 127.0.0.1, trains
-# the example logistic-regression model, prints per-step progress and a summary, and stops
-# everything. Every process is bounded in time; only the processes started here are stopped, by
-# PID.
+# Starts P local psd shards (one daemon, or a cluster) and W worker processes on 127.0.0.1 through
+# psrun (the launcher: README "Launching your trainer (psrun)"), trains the example
+# logistic-regression model, prints per-step progress and a summary, and stops everything. psrun
+# bounds the run in time and stops only the processes it started, by process group.
 #
 #   deploy/local_cluster.sh [--build DIR] [--shards P] [--workers W] [--replicas R] [--backup B]
 #                           [--steps S] [--features F] [--straggler-ms MS] [--lr LR]
 #                           [-- extra psd flags]
 #
-# With --shards P > 1 the shards listen on P consecutive free ports from a random base; variables
-# over --slice-bytes (psd's flag, default 64 MiB) are split over several shards.
+# With --shards P > 1 the shards listen on P free ports that psrun picks; variables over
+# --slice-bytes (psd's flag, default 64 MiB) are split over several shards. The same job with
+# your own trainer: `psrun --shards P --workers W --replicas R --backup B -- ./my_trainer`.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,54 +32,30 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+psrun="$build/client/psrun"
 psd="$build/server/psd"
 worker="$build/client/psd_logreg_worker"
-[ -x "$psd" ] && [ -x "$worker" ] || { echo "build first: $psd / $worker missing" >&2; exit 1; }
-
-run=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  rm -rf "$run"
-}
-trap cleanup EXIT
-
-psd_flags=(--replicas-to-aggregate "$replicas" --backup-replicas "$backup" --init-tokens 0 --learning-rate "$lr"
-  --exit-when-done --summary-interval-s 2)
-psd_pids=()
-if [ "$shards" -le 1 ]; then
-  timeout 600 "$psd" --port 0 --port-file "$run/port" "${psd_flags[@]}" "$@" 2> >(sed 's/^/[psd] /' >&2) &
-  psd_pids+=($!)
-  pids+=($!)
-  for _ in $(seq 100); do [ -s "$run/port" ] && break; sleep 0.05; done
-  target=(--port "$(cat "$run/port")")
-  echo "psd listening on 127.0.0.1:$(cat "$run/port") (replicas_to_aggregate=$replicas, backup replicas=$backup, $workers workers)"
-else
-  base=$((20000 + RANDOM % 30000))
-  cluster=$(seq -s, -f "127.0.0.1:%g" "$base" $((base + shards - 1)))
-  for k in $(seq 0 $((shards - 1))); do
-    timeout 600 "$psd" --cluster "$cluster" --shard-index "$k" "${psd_flags[@]}" "$@" \
-      2> >(sed "s/^/[psd $k] /" >&2) &
-    psd_pids+=($!)
-    pids+=($!)
-  done
-  target=(--cluster "$cluster")
-  echo "psd cluster of $shards shards on $cluster (replicas_to_aggregate=$replicas, backup replicas=$backup, $workers workers)"
-fi
-
-worker_pids=()
-# The straggler (the last worker) starts first, so it takes part from the first step.
-for i in $((workers - 1)) $(seq 0 $((workers - 2))); do
-  slow=0
-  # The last worker is an artificial straggler when there are backups: its gradients arrive late.
-  if [ "$backup" -gt 0 ] && [ "$i" -eq $((workers - 1)) ]; then slow=$straggler_ms; fi
-  timeout 600 "$worker" "${target[@]}" --worker-name "worker-$i" --shard "$i" --steps "$steps" \
-    --features "$features" --batch "$batch" --slow-ms "$slow" --print-every 50 &
-  worker_pids+=($!)
-  pids+=($!)
+for f in "$psrun" "$psd" "$worker"; do
+  [ -x "$f" ] || { echo "build first: $f missing" >&2; exit 1; }
 done
+
+psd_args=(--psd-arg=--learning-rate="$lr" --psd-arg=--summary-interval-s=2)
+for f in "$@"; do psd_args+=("--psd-arg=$f"); done
+if [ "$shards" -le 1 ]; then
+  echo "one psd (replicas_to_aggregate=$replicas, backup replicas=$backup, $workers workers)"
+else
+  echo "psd cluster of $shards shards (replicas_to_aggregate=$replicas, backup replicas=$backup, $workers workers)"
+fi
+# Each worker learns its name, data shard and the cluster from psrun's environment
+# (PSD_WORKER_INDEX, PSD_CLUSTER, ...). With backups, the last worker is an artificial straggler:
+# its gradients arrive late.
+straggler='slow=0
+if [ "$1" -gt 0 ] && [ "$PSD_WORKER_INDEX" -eq $((PSD_NUM_WORKERS - 1)) ]; then slow=$2; fi
+shift 2
+exec "$@" --slow-ms "$slow"'
 status=0
-for p in "${worker_pids[@]}"; do wait "$p" || status=1; done
-for p in "${psd_pids[@]}"; do wait "$p" || status=1; done
-[ $status -eq 0 ] && echo "local cluster finished: all workers done, psd exited cleanly" || echo "local cluster FAILED" >&2
+"$psrun" --psd "$psd" --shards "$shards" --workers "$workers" --replicas "$replicas" --backup "$backup" \
+  --timeout-s 600 "${psd_args[@]}" -- sh -c "$straggler" straggler "$backup" "$straggler_ms" \
+  "$worker" --steps "$steps" --features "$features" --batch "$batch" --print-every 50 || status=$?
+[ $status -eq 0 ] && echo "local cluster finished: all workers done, psd exited cleanly" || echo "local cluster FAILED (psrun exited $status)" >&2
 exit $status

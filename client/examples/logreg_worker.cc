@@ -1,11 +1,13 @@
 // psd_logreg_worker: a real trainer on libpsclient. Logistic regression on a generated but
 // learnable dataset (labels drawn from a fixed "true" model), gradients computed on the CPU,
 // synchronized through psd with the SyncReplicasOptimizer API. Prints one line per step and a
-// summary. Run several of these against one psd (see deploy/local_cluster.sh).
+// summary. Run several of these against one psd, by hand or under psrun
+// (`psrun --workers 3 --replicas 2 -- psd_logreg_worker --steps 300`; see deploy/local_cluster.sh).
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <thread>
 
@@ -81,12 +83,14 @@ int main(int argc, char** argv) {
   int64_t token_timeout_ms = 30000;
   double retry_s = 60;
   std::string token_file;
-  app.add_option("--host", opts.host, "psd address")->capture_default_str();
-  app.add_option("--port", opts.port, "psd port")->capture_default_str();
+  auto* host_opt = app.add_option("--host", opts.host, "psd address")->capture_default_str();
+  auto* port_opt = app.add_option("--port", opts.port, "psd port")->capture_default_str();
   std::string cluster;
-  app.add_option("--cluster", cluster, "a psd cluster: every shard's host:port, comma-separated (instead of --port)");
-  app.add_option("--worker-name", opts.worker_name, "this worker's name (default worker-<pid>)");
-  app.add_option("--shard", shard, "which slice of the generated data this worker trains on")->capture_default_str();
+  auto* cluster_opt = app.add_option("--cluster", cluster,
+                                     "a psd cluster: every shard's host:port, comma-separated (instead of --port)");
+  auto* name_opt = app.add_option("--worker-name", opts.worker_name, "this worker's name (default worker-<pid>)");
+  auto* shard_opt = app.add_option("--shard", shard, "which slice of the generated data this worker trains on")
+                        ->capture_default_str();
   app.add_option("--steps", steps, "train until the global step reaches this")->capture_default_str();
   app.add_option("--batch", batch, "minibatch rows per gradient")->capture_default_str();
   app.add_option("--features", features, "input features")->capture_default_str();
@@ -97,11 +101,28 @@ int main(int argc, char** argv) {
   app.add_option("--slow-ms", slow_ms, "sleep this long per step (an artificial straggler)")->capture_default_str();
   app.add_option("--token-timeout-ms", token_timeout_ms, "token wait deadline")->capture_default_str();
   app.add_option("--print-every", print_every, "print every N-th step")->capture_default_str();
-  app.add_option("--auth-token-file", token_file, "psd's shared secret, if it runs with one");
+  auto* token_opt = app.add_option("--auth-token-file", token_file, "psd's shared secret, if it runs with one");
   app.add_option("--retry-s", retry_s, "keep retrying this long while psd is unavailable (restarting)")
       ->capture_default_str();
+  app.footer(
+      "Under psrun (no --host/--port/--cluster, PSD_CLUSTER set) the worker reads the launcher's environment: "
+      "PSD_CLUSTER, PSD_WORKER_NAME, PSD_WORKER_INDEX (its data shard) and PSD_AUTH_TOKEN_FILE; flags given "
+      "explicitly win.");
   CLI11_PARSE(app, argc, argv);
   opts.cluster = psclient::ParseClusterList(cluster);
+  if (host_opt->count() + port_opt->count() + cluster_opt->count() == 0 && std::getenv("PSD_CLUSTER") != nullptr) {
+    auto env = psclient::ReadLaunchEnvironment();
+    if (!env.ok()) {
+      std::fprintf(stderr, "%s\n", env.status().ToString().c_str());
+      return 2;
+    }
+    opts.host = env->options.host;
+    opts.port = env->options.port;
+    opts.cluster = env->options.cluster;
+    if (name_opt->count() == 0) opts.worker_name = env->options.worker_name;
+    if (shard_opt->count() == 0 && env->worker_index >= 0) shard = env->worker_index;
+    if (token_opt->count() == 0) opts.auth_token = env->options.auth_token;
+  }
   if (!token_file.empty()) {
     auto token = psd::ReadSecretFile(token_file);
     if (!token.ok()) {

@@ -31,6 +31,7 @@
 #define PSCLIENT_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -139,6 +140,35 @@ struct UpdateOptions {
 
 // "h:p,h:p,..." (psd's --cluster syntax) as ClientOptions::cluster entries; empty items skipped.
 std::vector<std::string> ParseClusterList(const std::string& list);
+
+// The environment contract of the psrun launcher (README "Launching your trainer (psrun)"):
+//   PSD_CLUSTER          "host:port[,host:port...]", every shard (one entry: a single daemon)
+//   PSD_WORKER_INDEX     0..N-1               PSD_NUM_WORKERS   N
+//   PSD_WORKER_NAME      "worker-<index>"     PSD_CHIEF_ELIGIBLE "1" for worker 0 only, else "0"
+//   PSD_AUTH_TOKEN_FILE  the shared secret's file (unset: psd runs without one)
+// Read only when a trainer asks (the daemon never reads environment variables).
+struct LaunchEnvironment {
+  // cluster (or host + port for a one-entry list), worker_name, auth_token; the rest defaults.
+  ClientOptions options;
+  int worker_index = -1;  // -1: PSD_WORKER_INDEX unset
+  int num_workers = -1;   // -1: PSD_NUM_WORKERS unset
+  // The launcher's pick for one-off work outside psd (exports, summaries, downloads): worker 0.
+  // psd's own chief (Client::is_chief(), who initializes variables) is the first worker to say
+  // hello; the launcher starts worker 0 first, but the two may differ.
+  bool chief_eligible = false;
+};
+
+// Looks a variable up: its value, or std::nullopt when it is unset.
+using EnvironmentLookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+// Reads the contract through `lookup` (default: the process environment). Errors
+// (kInvalidArgument, naming the variable and what to set): PSD_CLUSTER unset or empty, an entry
+// that is not host:port with a port in 1..65535, an index or count that is not a number, an index
+// outside 0..N-1, PSD_CHIEF_ELIGIBLE other than 0/1, an unreadable or empty token file.
+// PSD_WORKER_NAME defaults to "worker-<index>" when only the index is set.
+Result<LaunchEnvironment> ReadLaunchEnvironment(const EnvironmentLookup& lookup = {});
+// ReadLaunchEnvironment().options: what Client::Connect needs to join the launched job.
+Result<ClientOptions> ClientOptionsFromEnvironment(const EnvironmentLookup& lookup = {});
 
 // Where a variable lives in a cluster.
 struct SlicePart {

@@ -1,0 +1,111 @@
+// The psrun environment contract (see client.h): PSD_* variables -> ClientOptions.
+#include <cerrno>
+#include <cstdlib>
+#include <string>
+
+#include "psclient/client.h"
+#include "psd/secret.h"
+
+namespace psclient {
+
+namespace {
+
+std::optional<std::string> ProcessEnvironment(const std::string& name) {
+  const char* v = std::getenv(name.c_str());
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
+}
+
+// A whole decimal integer in [lo, hi], or an error naming the variable.
+Result<long> ParseInteger(const std::string& name, const std::string& value, long lo, long hi) {
+  errno = 0;
+  char* end = nullptr;
+  long v = std::strtol(value.c_str(), &end, 10);
+  if (value.empty() || end == value.c_str() || *end != '\0' || errno == ERANGE || v < lo || v > hi) {
+    return psd::InvalidArgument(name + "='" + value + "' is not a whole number in " + std::to_string(lo) + ".." +
+                                std::to_string(hi));
+  }
+  return v;
+}
+
+// "host:port" with a non-empty host and a port in 1..65535 (IPv6 literals in brackets: [::1]:7070).
+Status CheckEndpoint(const std::string& entry) {
+  size_t colon = entry.rfind(':');
+  const std::string fix = "; PSD_CLUSTER is a comma-separated list of host:port, e.g. 127.0.0.1:7070,127.0.0.1:7071";
+  if (colon == std::string::npos || colon == 0) {
+    return psd::InvalidArgument("PSD_CLUSTER entry '" + entry + "' is not host:port" + fix);
+  }
+  auto port = ParseInteger("the port of PSD_CLUSTER entry '" + entry + "'", entry.substr(colon + 1), 1, 65535);
+  if (!port.ok()) return psd::InvalidArgument(port.status().message() + fix);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<LaunchEnvironment> ReadLaunchEnvironment(const EnvironmentLookup& lookup) {
+  auto get = [&](const std::string& name) { return lookup ? lookup(name) : ProcessEnvironment(name); };
+  LaunchEnvironment env;
+  ClientOptions& o = env.options;
+
+  auto cluster = get("PSD_CLUSTER");
+  if (!cluster || cluster->empty()) {
+    return psd::InvalidArgument(
+        "PSD_CLUSTER is not set: run the trainer under psrun, or set PSD_CLUSTER to the shards' host:port list "
+        "(e.g. 127.0.0.1:7070)");
+  }
+  std::vector<std::string> entries = ParseClusterList(*cluster);
+  if (entries.empty()) return psd::InvalidArgument("PSD_CLUSTER='" + *cluster + "' lists no host:port");
+  for (const auto& e : entries) PSD_RETURN_IF_ERROR(CheckEndpoint(e));
+  if (entries.size() == 1) {
+    size_t colon = entries[0].rfind(':');
+    std::string host = entries[0].substr(0, colon);
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    o.host = host;
+    o.port = static_cast<uint16_t>(std::atoi(entries[0].c_str() + colon + 1));
+  } else {
+    o.cluster = std::move(entries);
+  }
+
+  if (auto n = get("PSD_NUM_WORKERS")) {
+    auto v = ParseInteger("PSD_NUM_WORKERS", *n, 1, 1 << 20);
+    if (!v.ok()) return v.status();
+    env.num_workers = static_cast<int>(*v);
+  }
+  if (auto i = get("PSD_WORKER_INDEX")) {
+    long hi = env.num_workers > 0 ? env.num_workers - 1 : (1 << 20);
+    auto v = ParseInteger("PSD_WORKER_INDEX", *i, 0, hi);
+    if (!v.ok()) {
+      if (env.num_workers > 0) {
+        return psd::InvalidArgument(v.status().message() + " (PSD_NUM_WORKERS=" + std::to_string(env.num_workers) +
+                                    ")");
+      }
+      return v.status();
+    }
+    env.worker_index = static_cast<int>(*v);
+  }
+  if (auto name = get("PSD_WORKER_NAME"); name && !name->empty()) {
+    o.worker_name = *name;
+  } else if (env.worker_index >= 0) {
+    o.worker_name = "worker-" + std::to_string(env.worker_index);
+  }
+  if (auto chief = get("PSD_CHIEF_ELIGIBLE")) {
+    if (*chief != "0" && *chief != "1") {
+      return psd::InvalidArgument("PSD_CHIEF_ELIGIBLE='" + *chief + "' must be 1 or 0");
+    }
+    env.chief_eligible = *chief == "1";
+  }
+  if (auto token_file = get("PSD_AUTH_TOKEN_FILE"); token_file && !token_file->empty()) {
+    auto token = psd::ReadSecretFile(*token_file);
+    if (!token.ok()) return psd::InvalidArgument("PSD_AUTH_TOKEN_FILE: " + token.status().message());
+    o.auth_token = *token;
+  }
+  return env;
+}
+
+Result<ClientOptions> ClientOptionsFromEnvironment(const EnvironmentLookup& lookup) {
+  auto env = ReadLaunchEnvironment(lookup);
+  if (!env.ok()) return env.status();
+  return env->options;
+}
+
+}  // namespace psclient

@@ -1,0 +1,893 @@
+// psrun: a torchrun-style launcher. Starts a local psd (one daemon, or a cluster of shards on
+// 127.0.0.1), waits until it serves, then starts N copies of any trainer command with the
+// environment contract (PSD_CLUSTER, PSD_WORKER_INDEX, PSD_NUM_WORKERS, PSD_WORKER_NAME,
+// PSD_CHIEF_ELIGIBLE, PSD_AUTH_TOKEN_FILE), streams every process's output line by line with a
+// prefix ("[psd 0] ...", "[worker 2] ..."), stops everything on Ctrl-C, SIGTERM, --timeout-s or
+// a failing worker, and exits with the workers' status.
+//
+//   psrun --shards 2 --workers 4 --replicas 3 -- python3 train.py --epochs 3
+//   psrun --workers 2 --psd-arg=--learning-rate=0.5 --auth auto -- ./my_trainer
+//   psrun --cluster 10.0.0.1:7070,10.0.0.2:7070 --workers 8 -- ./my_trainer   # a running cluster
+//
+// Everything after the first `--` is the trainer's command, untouched (it may contain `--`
+// itself); psd flags go one per --psd-arg (`--psd-arg=--slice-bytes=4096`).
+//
+// Processes: every child runs in its own process group (its own subprocesses are stopped with
+// it; Ctrl-C at the terminal reaches only psrun, which stops the children in order). psrun
+// signals only the process groups of the children it started: SIGTERM, then SIGKILL after
+// --grace-s. If psrun itself is killed outright, its children get SIGTERM (PR_SET_PDEATHSIG). Single-threaded: one poll
+// loop over the children's pipes and a self-pipe that the signal handlers write to.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "psclient/client.h"
+#include "psd/secret.h"
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int g_signal_pipe[2] = {-1, -1};
+
+void OnSignal(int sig) {
+  int saved = errno;
+  unsigned char b = static_cast<unsigned char>(sig);
+  ssize_t n = write(g_signal_pipe[1], &b, 1);
+  (void)n;
+  errno = saved;
+}
+
+// Writes all of `s` to `fd` (one write in the common case, so lines never interleave).
+void WriteAll(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t n = write(fd, s.data() + off, s.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // a closed terminal or pipe: the output is dropped, the job goes on
+    off += static_cast<size_t>(n);
+  }
+}
+
+void Say(const std::string& msg) { WriteAll(2, "[psrun] " + msg + "\n"); }
+
+// "exited with status 3" / "was killed by signal 9 (Killed)".
+std::string Describe(int status) {
+  if (WIFSIGNALED(status)) {
+    return "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
+  }
+  return "exited with status " + std::to_string(WEXITSTATUS(status));
+}
+
+// The shell's convention: the exit status, or 128 + the signal.
+int CodeOf(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
+
+struct Options {
+  int shards = 1;
+  int workers = 1;
+  int replicas = -1;  // -1: every worker
+  int backup = -1;    // -1: --total-replicas = workers
+  std::string psd;
+  std::vector<std::string> psd_args;
+  std::string checkpoint_dir;
+  std::string auth_token_file;
+  std::string auth;  // "auto": a fresh random token for this run
+  std::string cluster;
+  std::string log_dir;
+  std::string on_failure = "stop";
+  double timeout_s = 0;
+  double start_timeout_s = 120;
+  double grace_s = 15;
+  double shard_exit_s = 30;
+  int bind_retries = 5;
+  std::vector<std::string> command;
+};
+
+struct Stream {
+  int fd = -1;
+  int out_fd = 1;  // where prefixed lines go: psrun's stdout or stderr
+  std::string buf;
+};
+
+struct Child {
+  std::string label;  // "psd 0", "worker 2"
+  bool shard = false;
+  int index = 0;
+  pid_t pid = -1;  // also its process group
+  Stream out, err;
+  int log_fd = -1;
+  bool reaped = false;
+  int status = 0;
+  bool address_in_use = false;  // a shard said "Address already in use"
+  bool stopped_by_us = false;
+  bool open() const { return out.fd >= 0 || err.fd >= 0; }
+};
+
+// Free ports on 127.0.0.1 right now: bound together (so they differ), then released. Another
+// process may take one before psd binds it; the caller retries the launch then.
+std::optional<std::vector<int>> ReservePorts(int n) {
+  std::vector<int> fds, ports;
+  bool ok = true;
+  for (int i = 0; i < n && ok; ++i) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = 0;
+    socklen_t len = sizeof(a);
+    ok = fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+         getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+    if (fd >= 0) fds.push_back(fd);
+    if (ok) ports.push_back(ntohs(a.sin_port));
+  }
+  for (int fd : fds) close(fd);
+  if (!ok) return std::nullopt;
+  return ports;
+}
+
+std::string Dirname(const std::string& path) {
+  size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+// `arg` as a shell word, on one line (a newline shows as \n): for the log only.
+std::string ShellQuoted(const std::string& arg) {
+  bool plain = !arg.empty();
+  for (char ch : arg) plain &= std::isalnum(static_cast<unsigned char>(ch)) || std::strchr("-_./=:,+@%", ch) != nullptr;
+  if (plain) return arg;
+  std::string out = "'";
+  for (char ch : arg) {
+    if (ch == '\'') {
+      out += "'\\''";
+    } else if (ch == '\n') {
+      out += "\\n";
+    } else {
+      out += ch;
+    }
+  }
+  return out + "'";
+}
+
+bool Executable(const std::string& path) { return access(path.c_str(), X_OK) == 0; }
+
+std::string Absolute(const std::string& path) {
+  char* r = realpath(path.c_str(), nullptr);
+  if (r == nullptr) return path;
+  std::string s(r);
+  std::free(r);
+  return s;
+}
+
+class Launcher {
+ public:
+  explicit Launcher(Options o) : o_(std::move(o)) {}
+  ~Launcher() { Cleanup(); }
+  int Run();
+
+ private:
+  enum class Started { kReady, kRetry, kFailed };
+
+  bool Setup();
+  std::optional<std::string> FindPsd() const;
+  Started StartShards(std::string* cluster);
+  bool StartWorkers(const std::string& cluster);
+  void Supervise();
+  void DrainShards();
+  void StopAll(const std::string& why);
+  void WaitAllReaped();
+
+  Child* Spawn(const std::string& label, bool shard, int index, const std::vector<std::string>& argv,
+               const std::vector<std::string>& env, bool search_path);
+  // One round of the event loop: output, signals, exits, deadlines. Waits at most timeout_ms.
+  void Pump(int timeout_ms);
+  void Read(Child& c, Stream& s);
+  void Emit(Child& c, const Stream& s, const std::string& line);
+  void Reap();
+  void OnExit(Child& c);
+  void Fail(int code) {
+    if (exit_code_ < 0) exit_code_ = code;
+  }
+  bool WorkersRunning() const;
+  bool ShardsRunning() const;
+  void Cleanup();
+
+  Options o_;
+  std::deque<Child> children_;  // a deque: references stay valid as children are added
+  std::string run_dir_;
+  bool own_run_dir_ = false;
+  std::string token_file_;
+  std::string psd_;
+  std::string cluster_;  // PSD_CLUSTER
+  int exit_code_ = -1;   // the first failure's code (or 128 + signal, 124 on --timeout-s)
+  bool stopping_ = false;
+  bool starting_ = true;
+  Clock::time_point deadline_ = Clock::time_point::max();  // --timeout-s
+  Clock::time_point kill_at_ = Clock::time_point::max();   // SIGKILL what SIGTERM did not stop
+  bool killed_ = false;
+};
+
+bool Launcher::Setup() {
+  if (o_.timeout_s > 0) {
+    deadline_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000));
+  }
+  const char* tmp = std::getenv("TMPDIR");
+  std::string templ = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/psrun.XXXXXX";
+  std::vector<char> buf(templ.begin(), templ.end());
+  buf.push_back('\0');
+  if (mkdtemp(buf.data()) == nullptr) {
+    Say("cannot create a run directory from " + templ + ": " + std::strerror(errno) + "; set TMPDIR");
+    return false;
+  }
+  run_dir_ = buf.data();
+  own_run_dir_ = true;
+  if (!o_.log_dir.empty()) {
+    mkdir(o_.log_dir.c_str(), 0755);
+    struct stat st {};
+    if (stat(o_.log_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      Say("--log-dir " + o_.log_dir + " is not a directory that can be created");
+      return false;
+    }
+  }
+  if (o_.auth == "auto") {
+    std::ifstream rnd("/dev/urandom", std::ios::binary);
+    unsigned char bytes[32];
+    if (!rnd.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
+      Say("cannot read /dev/urandom for --auth auto");
+      return false;
+    }
+    std::string hex;
+    for (unsigned char b : bytes) {
+      static const char* digits = "0123456789abcdef";
+      hex += digits[b >> 4];
+      hex += digits[b & 15];
+    }
+    token_file_ = run_dir_ + "/auth-token";
+    int fd = open(token_file_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      Say("cannot write " + token_file_ + ": " + std::strerror(errno));
+      return false;
+    }
+    WriteAll(fd, hex + "\n");
+    close(fd);
+  } else if (!o_.auth_token_file.empty()) {
+    auto token = psd::ReadSecretFile(o_.auth_token_file);
+    if (!token.ok()) {
+      Say("--auth-token-file: " + token.status().message());
+      return false;
+    }
+    token_file_ = Absolute(o_.auth_token_file);
+  }
+  if (o_.cluster.empty()) {
+    auto psd = FindPsd();
+    if (!psd) return false;
+    psd_ = *psd;
+  }
+  return true;
+}
+
+std::optional<std::string> Launcher::FindPsd() const {
+  if (!o_.psd.empty()) {
+    if (Executable(o_.psd)) return o_.psd;
+    Say("--psd " + o_.psd + " is not an executable file");
+    return std::nullopt;
+  }
+  std::string self = Absolute("/proc/self/exe");
+  std::string dir = Dirname(self);
+  for (const std::string& p : {dir + "/psd", dir + "/../server/psd"}) {
+    if (Executable(p)) return Absolute(p);
+  }
+  Say("cannot find psd next to psrun (" + dir + "/psd) or in the build tree (" + dir +
+      "/../server/psd); pass --psd PATH");
+  return std::nullopt;
+}
+
+Child* Launcher::Spawn(const std::string& label, bool shard, int index, const std::vector<std::string>& argv,
+                       const std::vector<std::string>& env, bool search_path) {
+  int out[2], err[2];
+  if (pipe2(out, O_CLOEXEC) != 0) return nullptr;
+  if (pipe2(err, O_CLOEXEC) != 0) {
+    close(out[0]);
+    close(out[1]);
+    return nullptr;
+  }
+  // Everything the child needs is built before fork (nothing allocates in the child).
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string kv(*e);
+    bool contract = kv.rfind("PSD_CLUSTER=", 0) == 0 || kv.rfind("PSD_WORKER_", 0) == 0 ||
+                    kv.rfind("PSD_NUM_WORKERS=", 0) == 0 || kv.rfind("PSD_CHIEF_ELIGIBLE=", 0) == 0 ||
+                    kv.rfind("PSD_AUTH_TOKEN_FILE=", 0) == 0;
+    if (!contract) env_strings.push_back(std::move(kv));  // an outer launcher's contract is not ours
+  }
+  env_strings.insert(env_strings.end(), env.begin(), env.end());
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string exec_error = "psrun: cannot run '" + argv[0] + "': ";
+
+  // Signals stay blocked across fork until the child has reset their handlers: a SIGTERM for the
+  // child arriving before that must kill it, not run psrun's handler in it.
+  const pid_t parent = getpid();
+  sigset_t all, old;
+  sigfillset(&all);
+  sigprocmask(SIG_BLOCK, &all, &old);
+  pid_t pid = fork();
+  if (pid != 0) sigprocmask(SIG_SETMASK, &old, nullptr);
+  if (pid < 0) {
+    Say("fork: " + std::string(std::strerror(errno)));
+    for (int fd : {out[0], out[1], err[0], err[1]}) close(fd);
+    return nullptr;
+  }
+  if (pid == 0) {
+    setpgid(0, 0);
+    // psrun killed outright (SIGKILL, a crash) still stops its children: they get SIGTERM.
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(128 + SIGTERM);  // psrun died before the line above
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE}) signal(sig, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &old, nullptr);
+    int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, 0);
+    dup2(out[1], 1);
+    dup2(err[1], 2);
+    if (search_path) {
+      execvpe(args[0], args.data(), envp.data());
+    } else {
+      execve(args[0], args.data(), envp.data());
+    }
+    const char* why = std::strerror(errno);
+    ssize_t n = write(2, exec_error.data(), exec_error.size());
+    n = write(2, why, std::strlen(why));
+    n = write(2, "\n", 1);
+    (void)n;
+    _exit(127);
+  }
+  setpgid(pid, pid);  // also here: no race with a signal sent right after fork
+  close(out[1]);
+  close(err[1]);
+  fcntl(out[0], F_SETFL, O_NONBLOCK);
+  fcntl(err[0], F_SETFL, O_NONBLOCK);
+  Child& c = children_.emplace_back();
+  c.label = label;
+  c.shard = shard;
+  c.index = index;
+  c.pid = pid;
+  c.out.fd = out[0];
+  c.out.out_fd = 1;
+  c.err.fd = err[0];
+  c.err.out_fd = 2;
+  if (!o_.log_dir.empty()) {
+    std::string name = o_.log_dir + "/" + (shard ? "psd-" : "worker-") + std::to_string(index) + ".log";
+    c.log_fd = open(name.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  }
+  std::string cmd;
+  for (const auto& a : argv) cmd += (cmd.empty() ? "" : " ") + ShellQuoted(a);
+  Say(label + ": pid " + std::to_string(pid) + ": " + cmd);
+  return &c;
+}
+
+void Launcher::Emit(Child& c, const Stream& s, const std::string& line) {
+  WriteAll(s.out_fd, "[" + c.label + "] " + line + "\n");
+  if (c.log_fd >= 0) WriteAll(c.log_fd, line + "\n");
+  if (c.shard && line.find("Address already in use") != std::string::npos) c.address_in_use = true;
+}
+
+void Launcher::Read(Child& c, Stream& s) {
+  constexpr size_t kMaxLine = 64 * 1024;  // a longer "line" is cut into pieces
+  char buf[16384];
+  for (;;) {
+    ssize_t n = read(s.fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n <= 0) {  // end of stream (or an error): the last partial line, then close
+      if (!s.buf.empty()) Emit(c, s, s.buf);
+      s.buf.clear();
+      close(s.fd);
+      s.fd = -1;
+      return;
+    }
+    s.buf.append(buf, static_cast<size_t>(n));
+    size_t start = 0;
+    for (size_t nl; (nl = s.buf.find('\n', start)) != std::string::npos; start = nl + 1) {
+      Emit(c, s, s.buf.substr(start, nl - start));
+    }
+    s.buf.erase(0, start);
+    while (s.buf.size() >= kMaxLine) {
+      Emit(c, s, s.buf.substr(0, kMaxLine));
+      s.buf.erase(0, kMaxLine);
+    }
+  }
+}
+
+void Launcher::Reap() {
+  for (;;) {
+    int status = 0;
+    pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid <= 0) return;
+    for (auto& c : children_) {
+      if (c.pid != pid || c.reaped) continue;
+      c.reaped = true;
+      c.status = status;
+      // Its last output first, so the exit message follows it.
+      if (c.out.fd >= 0) Read(c, c.out);
+      if (c.err.fd >= 0) Read(c, c.err);
+      OnExit(c);
+    }
+  }
+}
+
+void Launcher::OnExit(Child& c) {
+  const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
+  if (stopping_ || c.stopped_by_us) {
+    Say(c.label + " " + Describe(c.status));
+    return;
+  }
+  if (c.shard && starting_) return;  // StartShards says what happened
+  Say(c.label + " " + Describe(c.status) + (ok ? "" : ": read its output above ([" + c.label + "] lines)"));
+  if (ok) return;
+  Fail(CodeOf(c.status));
+  if (o_.on_failure == "stop") StopAll(c.label + " failed (--on-failure stop)");
+}
+
+void Launcher::Pump(int timeout_ms) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<Child*, Stream*>> who;
+  fds.push_back({g_signal_pipe[0], POLLIN, 0});
+  who.emplace_back(nullptr, nullptr);
+  for (auto& c : children_) {
+    for (Stream* s : {&c.out, &c.err}) {
+      if (s->fd < 0) continue;
+      fds.push_back({s->fd, POLLIN, 0});
+      who.emplace_back(&c, s);
+    }
+  }
+  auto now = Clock::now();
+  for (auto t : {deadline_, kill_at_}) {
+    if (t == Clock::time_point::max()) continue;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1;
+    timeout_ms = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(timeout_ms, left)));
+  }
+  int n = poll(fds.data(), fds.size(), timeout_ms);
+  if (n > 0) {
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents != 0 && who[i].second->fd >= 0) Read(*who[i].first, *who[i].second);
+    }
+    if (fds[0].revents != 0) {
+      unsigned char sigs[64];
+      ssize_t got = read(g_signal_pipe[0], sigs, sizeof(sigs));
+      for (ssize_t i = 0; i < got; ++i) {
+        int sig = sigs[i];
+        if (sig == SIGCHLD) continue;
+        if (!stopping_) {
+          Fail(128 + sig);
+          StopAll(std::string("got ") + strsignal(sig));
+        } else if (!killed_) {
+          Say(std::string("got ") + strsignal(sig) + " again: killing everything now");
+          kill_at_ = Clock::now();
+        }
+      }
+    }
+  }
+  Reap();
+  now = Clock::now();
+  if (now >= deadline_ && !stopping_) {
+    Fail(124);
+    StopAll("--timeout-s " + std::to_string(static_cast<int64_t>(o_.timeout_s)) + " passed");
+  }
+  if (now >= kill_at_ && !killed_) {
+    killed_ = true;
+    for (auto& c : children_) {
+      if (!c.reaped || c.open()) {
+        if (!c.reaped) Say(c.label + " did not stop within --grace-s: SIGKILL");
+        kill(-c.pid, SIGKILL);
+      }
+    }
+  }
+}
+
+void Launcher::StopAll(const std::string& why) {
+  if (!stopping_) Say(why + ": stopping everything psrun started");
+  stopping_ = true;
+  for (auto& c : children_) {
+    // A reaped child whose pipes are still open has subprocesses left in its group (the group
+    // id cannot be reused while they live): they are stopped too.
+    if (c.reaped && !c.open()) continue;
+    c.stopped_by_us = true;
+    kill(-c.pid, SIGTERM);
+  }
+  if (kill_at_ == Clock::time_point::max()) {
+    kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_s * 1000));
+  }
+}
+
+bool Launcher::WorkersRunning() const {
+  for (const auto& c : children_) {
+    if (!c.shard && !c.reaped) return true;
+  }
+  return false;
+}
+
+bool Launcher::ShardsRunning() const {
+  for (const auto& c : children_) {
+    if (c.shard && !c.reaped) return true;
+  }
+  return false;
+}
+
+void Launcher::WaitAllReaped() {
+  auto give_up = Clock::time_point::max();
+  for (;;) {
+    bool running = false;
+    for (const auto& c : children_) running |= !c.reaped;
+    if (!running) break;
+    if (killed_ && give_up == Clock::time_point::max()) give_up = Clock::now() + std::chrono::seconds(10);
+    if (Clock::now() >= give_up) {
+      for (const auto& c : children_) {
+        if (!c.reaped) Say(c.label + " (pid " + std::to_string(c.pid) + ") survived SIGKILL; giving up on it");
+      }
+      break;
+    }
+    Pump(100);
+  }
+  // Output still in the pipes; a pipe still open after that is held by a subprocess that
+  // outlived its parent: its process group is stopped like the rest (SIGTERM, then SIGKILL).
+  auto any_open = [this] {
+    for (const auto& c : children_) {
+      if (c.open()) return true;
+    }
+    return false;
+  };
+  auto until = Clock::now() + std::chrono::milliseconds(200);
+  while (any_open() && Clock::now() < until) Pump(20);
+  if (any_open()) {
+    for (auto& c : children_) {
+      if (!c.open() || killed_) continue;
+      Say(c.label + ": its subprocesses outlived it: stopping its process group");
+      kill(-c.pid, SIGTERM);
+    }
+    if (kill_at_ == Clock::time_point::max()) {
+      kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_s * 1000));
+    }
+    until = std::max(Clock::now(), kill_at_) + std::chrono::seconds(2);
+    while (any_open() && Clock::now() < until) Pump(50);
+  }
+  for (auto& c : children_) {
+    for (Stream* s : {&c.out, &c.err}) {
+      if (s->fd < 0) continue;
+      if (!s->buf.empty()) Emit(c, *s, s->buf);
+      close(s->fd);
+      s->fd = -1;
+    }
+  }
+}
+
+Launcher::Started Launcher::StartShards(std::string* cluster) {
+  auto ports = ReservePorts(o_.shards);
+  if (!ports) {
+    Say("cannot reserve " + std::to_string(o_.shards) + " free port(s) on 127.0.0.1: " + std::strerror(errno));
+    return Started::kFailed;
+  }
+  std::string list;
+  for (int p : *ports) list += (list.empty() ? "" : ",") + std::string("127.0.0.1:") + std::to_string(p);
+  std::vector<std::string> job;
+  job.insert(job.end(), {"-R", std::to_string(o_.replicas)});
+  if (o_.backup >= 0) {
+    job.insert(job.end(), {"-B", std::to_string(o_.backup)});
+  } else {
+    job.insert(job.end(), {"-N", std::to_string(o_.workers)});
+  }
+  bool init_tokens = false;
+  for (const auto& a : o_.psd_args) init_tokens |= a.rfind("--init-tokens", 0) == 0;
+  if (!init_tokens) job.insert(job.end(), {"--init-tokens", "0"});
+  job.push_back("--exit-when-done");
+  if (!o_.checkpoint_dir.empty()) job.insert(job.end(), {"--checkpoint-dir", o_.checkpoint_dir});
+  if (!token_file_.empty()) job.insert(job.end(), {"--auth-token-file", token_file_});
+  job.insert(job.end(), o_.psd_args.begin(), o_.psd_args.end());
+
+  const size_t first = children_.size();
+  std::vector<std::string> port_files;
+  for (int k = 0; k < o_.shards; ++k) {
+    std::string port_file = run_dir_ + "/psd-" + std::to_string(k) + ".port";
+    std::remove(port_file.c_str());
+    port_files.push_back(port_file);
+    std::vector<std::string> argv{psd_};
+    if (o_.shards == 1) {
+      argv.insert(argv.end(), {"--port", "0"});
+    } else {
+      argv.insert(argv.end(), {"--cluster", list, "--shard-index", std::to_string(k)});
+    }
+    argv.insert(argv.end(), {"--port-file", port_file});
+    argv.insert(argv.end(), job.begin(), job.end());
+    if (Spawn("psd " + std::to_string(k), true, k, argv, {}, false) == nullptr) return Started::kFailed;
+  }
+  // psd writes its --port-file once it serves (older psd: once it listens; the workers' Connect
+  // then waits for a forming cluster by itself).
+  auto ready_by = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.start_timeout_s * 1000));
+  std::vector<bool> ready(o_.shards, false);
+  for (;;) {
+    Pump(50);
+    if (stopping_) return Started::kFailed;  // a signal or --timeout-s
+    int waiting = -1;
+    for (int k = 0; k < o_.shards; ++k) {
+      Child& c = children_[first + k];
+      if (c.reaped) {
+        if (c.address_in_use) return Started::kRetry;
+        Say("psd shard " + std::to_string(k) + " " + Describe(c.status) +
+            " before it was ready: read its output above ([psd " + std::to_string(k) + "] lines)" +
+            (o_.log_dir.empty() ? "" : " or " + o_.log_dir + "/psd-" + std::to_string(k) + ".log"));
+        return Started::kFailed;
+      }
+      if (!ready[k]) {
+        std::ifstream f(port_files[k]);
+        int port = 0;
+        ready[k] = static_cast<bool>(f >> port) && port > 0;
+        if (ready[k] && o_.shards == 1) list = "127.0.0.1:" + std::to_string(port);
+      }
+      if (!ready[k] && waiting < 0) waiting = k;
+    }
+    if (waiting < 0) break;
+    if (Clock::now() >= ready_by) {
+      Say("psd shard " + std::to_string(waiting) + " was not ready within --start-timeout-s " +
+          std::to_string(static_cast<int64_t>(o_.start_timeout_s)) + " (no " + port_files[waiting] +
+          "): read its output above ([psd " + std::to_string(waiting) + "] lines)" +
+          (o_.log_dir.empty() ? "" : " or " + o_.log_dir + "/psd-" + std::to_string(waiting) + ".log"));
+      return Started::kFailed;
+    }
+  }
+  Say(std::string(o_.shards == 1 ? "psd serves on "
+                                 : "psd cluster of " + std::to_string(o_.shards) + " shards serves on ") +
+      list);
+  *cluster = list;
+  return Started::kReady;
+}
+
+bool Launcher::StartWorkers(const std::string& cluster) {
+  // Worker 0 first: it is the one the contract marks chief-eligible, and the first hello usually
+  // makes it psd's chief too.
+  for (int i = 0; i < o_.workers; ++i) {
+    std::vector<std::string> env{"PSD_CLUSTER=" + cluster, "PSD_WORKER_INDEX=" + std::to_string(i),
+                                 "PSD_NUM_WORKERS=" + std::to_string(o_.workers),
+                                 "PSD_WORKER_NAME=worker-" + std::to_string(i),
+                                 std::string("PSD_CHIEF_ELIGIBLE=") + (i == 0 ? "1" : "0")};
+    if (!token_file_.empty()) env.push_back("PSD_AUTH_TOKEN_FILE=" + token_file_);
+    if (Spawn("worker " + std::to_string(i), false, i, o_.command, env, true) == nullptr) return false;
+  }
+  return true;
+}
+
+void Launcher::Supervise() {
+  while (WorkersRunning()) Pump(200);
+}
+
+void Launcher::DrainShards() {
+  if (stopping_ || !ShardsRunning()) return;
+  // With --exit-when-done psd exits once every worker has finished; a worker that failed
+  // without finishing keeps it waiting (for --worker-grace-s), so the wait is bounded.
+  auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.shard_exit_s * 1000));
+  auto ask_at = Clock::now() + std::chrono::seconds(1);
+  while (ShardsRunning() && !stopping_ && Clock::now() < until) {
+    Pump(100);
+    if (Clock::now() < ask_at || !ShardsRunning() || stopping_) continue;
+    ask_at = Clock::time_point::max();
+    // A trainer that never joined psd (or left without finishing) leaves it waiting: when no
+    // worker is connected any more, nothing will make it exit by itself.
+    psclient::ClientOptions opts;
+    opts.observer = true;
+    opts.connect_timeout_ms = 2000;
+    opts.request_timeout_ms = 5000;
+    opts.cluster = psclient::ParseClusterList(cluster_);
+    if (!token_file_.empty()) {
+      auto token = psd::ReadSecretFile(token_file_);
+      if (token.ok()) opts.auth_token = *token;
+    }
+    auto client = psclient::Client::Connect(opts);
+    if (!client.ok()) continue;
+    auto status = (*client)->GetStatus();
+    if (status.ok() && status->workers_connected == 0) {
+      StopAll("no worker is connected to psd any more (" + std::to_string(status->workers_finished) +
+              " finished): psd will not exit by itself");
+    }
+  }
+  if (ShardsRunning() && !stopping_) {
+    StopAll("the workers are done but psd did not exit within --shard-exit-s " +
+            std::to_string(static_cast<int64_t>(o_.shard_exit_s)));
+  }
+}
+
+int Launcher::Run() {
+  if (!Setup()) return 2;
+  std::string cluster = o_.cluster;
+  if (cluster.empty()) {
+    for (int attempt = 1;; ++attempt) {
+      Started s = StartShards(&cluster);
+      if (s == Started::kReady) break;
+      if (s == Started::kRetry && attempt < o_.bind_retries) {
+        Say("a shard's port was taken between reserving and binding it; retrying with new ports (attempt " +
+            std::to_string(attempt + 1) + " of " + std::to_string(o_.bind_retries) + ")");
+        for (auto& c : children_) {
+          if (!c.reaped) kill(-c.pid, SIGTERM);
+          c.stopped_by_us = true;  // this attempt's shards, the one that could not bind included
+        }
+        kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_s * 1000));
+        WaitAllReaped();
+        kill_at_ = Clock::time_point::max();
+        killed_ = false;
+        if (stopping_) return exit_code_;  // a signal or --timeout-s meanwhile
+        continue;
+      }
+      Fail(1);
+      StopAll("psd did not start");
+      WaitAllReaped();
+      return exit_code_;
+    }
+  }
+  starting_ = false;
+  cluster_ = cluster;
+  if (!StartWorkers(cluster)) {
+    Fail(1);
+    StopAll("a worker could not be started");
+  }
+  Supervise();
+  if (!stopping_) {
+    int failed = 0;
+    for (const auto& c : children_) failed += !c.shard && CodeOf(c.status) != 0;
+    Say(failed == 0 ? "all " + std::to_string(o_.workers) + " workers finished"
+                    : std::to_string(o_.workers - failed) + " of " + std::to_string(o_.workers) +
+                          " workers finished, " + std::to_string(failed) + " failed");
+  }
+  DrainShards();
+  WaitAllReaped();
+  // A shard that failed by itself after the workers succeeded (its final checkpoint, say).
+  for (const auto& c : children_) {
+    if (c.shard && !c.stopped_by_us && c.reaped && CodeOf(c.status) != 0) Fail(CodeOf(c.status));
+  }
+  return exit_code_ < 0 ? 0 : exit_code_;
+}
+
+void Launcher::Cleanup() {
+  for (auto& c : children_) {
+    if (c.log_fd >= 0) close(c.log_fd);
+    c.log_fd = -1;
+  }
+  if (own_run_dir_) {
+    for (const char* name : {"auth-token"}) std::remove((run_dir_ + "/" + name).c_str());
+    for (int k = 0; k < o_.shards; ++k) {
+      std::string f = run_dir_ + "/psd-" + std::to_string(k) + ".port";
+      std::remove(f.c_str());
+      std::remove((f + ".tmp").c_str());
+    }
+    rmdir(run_dir_.c_str());
+    own_run_dir_ = false;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Everything after the first "--" is the trainer's command, kept as is.
+  std::vector<std::string> command;
+  int own = argc;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--") == 0) {
+      own = i;
+      command.assign(argv + i + 1, argv + argc);
+      break;
+    }
+  }
+  CLI::App app{
+      "psrun: start a local psd (one daemon or a cluster of shards) and N copies of a trainer with the "
+      "environment contract PSD_CLUSTER, PSD_WORKER_INDEX, PSD_NUM_WORKERS, PSD_WORKER_NAME, PSD_CHIEF_ELIGIBLE, "
+      "PSD_AUTH_TOKEN_FILE; stream their output; stop everything on Ctrl-C or a failure; exit with the workers' "
+      "status.\n\n  psrun [options] -- COMMAND [ARGS...]"};
+  Options o;
+  auto* shards = app.add_option("--shards", o.shards, "psd processes: 1 = one daemon, more = a cluster on 127.0.0.1")
+                     ->check(CLI::Range(1, 256))
+                     ->capture_default_str();
+  app.add_option("--workers", o.workers, "copies of the command to start")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  app.add_option("--replicas", o.replicas, "psd -R: gradients that complete a step (default: every worker)")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--backup", o.backup, "psd -B: backup replicas (default: psd -N = --workers)")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--psd", o.psd, "the psd binary (default: next to psrun, or ../server/psd in a build tree)");
+  app.add_option("--psd-arg", o.psd_args,
+                 "one more psd flag, repeatable: --psd-arg=--learning-rate=0.5 (--init-tokens overrides psrun's 0)")
+      ->allow_extra_args(false);
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "psd --checkpoint-dir (every shard; a rerun resumes)");
+  auto* token = app.add_option("--auth-token-file", o.auth_token_file,
+                               "a shared secret for psd and the workers (PSD_AUTH_TOKEN_FILE)");
+  app.add_option("--auth", o.auth, "auto: a fresh random secret for this run, in a 0600 file")
+      ->check(CLI::IsMember({"auto"}))
+      ->excludes(token);
+  app.add_option("--cluster", o.cluster, "start no psd: the workers join this running cluster (host:port,...)")
+      ->excludes(shards);
+  app.add_option("--on-failure", o.on_failure, "a failing worker: stop everything, or let the others go on")
+      ->check(CLI::IsMember({"stop", "continue"}))
+      ->capture_default_str();
+  app.add_option("--timeout-s", o.timeout_s, "stop everything after this many seconds (0: no limit; exit 124)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--start-timeout-s", o.start_timeout_s, "wait this long for psd to serve (a restore counts)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--grace-s", o.grace_s, "seconds between SIGTERM and SIGKILL when stopping")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--shard-exit-s", o.shard_exit_s, "after the workers, wait this long for psd to exit by itself")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--log-dir", o.log_dir, "also write each process's output to DIR/psd-K.log, DIR/worker-I.log");
+  app.footer(
+      "Everything after the first -- is the command (it may contain -- itself). Exit status: 0 when every "
+      "worker exited 0; else the first failing worker's (or shard's) status, 128+signal for a signal, 124 "
+      "after --timeout-s, 1 when psd did not start, 2 for bad arguments.");
+  try {
+    app.parse(own, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (command.empty()) {
+    std::fprintf(stderr, "psrun: no command: psrun [options] -- COMMAND [ARGS...] (see --help)\n");
+    return 2;
+  }
+  for (const auto& a : o.psd_args) {
+    for (const char* owned :
+         {"--replicas-to-aggregate", "-R", "--backup-replicas", "-B", "--total-replicas", "-N", "--cluster",
+          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--auth-token-file"}) {
+      std::string flag = a.substr(0, a.find('='));
+      if (flag == owned) {
+        std::fprintf(stderr,
+                     "psrun: --psd-arg %s: psrun sets this psd flag itself; use psrun's --replicas, --backup, "
+                     "--workers or --auth-token-file (the workers need the token too)\n",
+                     a.c_str());
+        return 2;
+      }
+    }
+  }
+  if (!o.cluster.empty()) {
+    if (psclient::ParseClusterList(o.cluster).empty()) {
+      std::fprintf(stderr, "psrun: --cluster '%s' lists no host:port\n", o.cluster.c_str());
+      return 2;
+    }
+    o.shards = 0;
+  }
+  if (o.replicas < 0) o.replicas = o.workers;
+  o.command = std::move(command);
+
+  if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    std::perror("psrun: pipe");
+    return 1;
+  }
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaction(sig, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  Launcher launcher(std::move(o));
+  return launcher.Run();
+}
