@@ -89,6 +89,12 @@ std::vector<asio::const_buffer> OutFrame::Buffers() {
   return out;
 }
 
+uint64_t OutFrame::BodyBytes() {
+  uint64_t words = 0;
+  for (auto& s : builder.getSegmentsForOutput()) words += s.size();
+  return words * sizeof(capnp::word);
+}
+
 namespace {
 
 // Waits until the socket can be read (POLLIN) or written (POLLOUT), or the deadline passes.

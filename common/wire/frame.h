@@ -66,6 +66,8 @@ struct OutFrame {
 
   // Finalizes the table and returns the scatter-gather buffers (table + segments).
   std::vector<asio::const_buffer> Buffers();
+  // The bytes of the message's segments: what the receiver compares with its --max-frame-bytes.
+  uint64_t BodyBytes();
 };
 
 // Blocking helpers (client side and tests), bounded by `deadline` (DeadlineExceeded past it; the

@@ -138,6 +138,7 @@ struct UpdateOptions {
 };
 
 // "h:p,h:p,..." (psd's --cluster syntax) as ClientOptions::cluster entries; empty items skipped.
+// Client::Connect validates the entries (psd/cluster_list.h: ports 1..65535, no duplicates).
 std::vector<std::string> ParseClusterList(const std::string& list);
 
 // Where a variable lives in a cluster.
