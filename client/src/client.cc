@@ -215,7 +215,8 @@ class Conn {
   Status Receive(OutFrame& frame, proto::Response::Reader* resp) {
     uint64_t id = frame.builder.getRoot<proto::Request>().getId();
     answered_ = false;
-    Status s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_);
+    Status s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_,
+                                    "the client's ClientOptions::max_frame_bytes");
     if (!s.ok()) {
       // The stream is out of step (or gone): the next call reconnects.
       Drop();

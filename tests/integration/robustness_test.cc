@@ -94,7 +94,7 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
     p.SendBytes(Words({0, 0x40000000u}));  // claims 8 GiB
     REQUIRE(p.Read(&code, &msg));
     CHECK(code == Code::kResourceExhausted);
-    CHECK_THAT(msg, Catch::Contains("--max-frame-bytes"));
+    CHECK_THAT(msg, Catch::Contains("is over psd's --max-frame-bytes (65536 bytes): raise it"));
     CHECK(p.ClosedByPeer());
   }
   SECTION("a truncated frame and a vanished peer") {
