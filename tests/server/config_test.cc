@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -109,6 +110,8 @@ TEST_CASE("every numeric flag is range-checked with the flag and its range in th
   CHECK_THAT(with([](ServerConfig& c) { c.optimizer.learning_rate = 0; }),
              Catch::Contains("--learning-rate must be > 0"));
   CHECK_THAT(with([](ServerConfig& c) { c.optimizer.momentum = 1; }), Catch::Contains("--momentum must be in [0, 1)"));
+  CHECK_THAT(with([](ServerConfig& c) { c.optimizer.beta2 = std::nan(""); }),
+             Catch::Contains("--beta1/--beta2 must be in [0, 1)"));  // NaN is out of every range
   CHECK_THAT(with([](ServerConfig& c) { c.default_token_timeout_ms = 0; }),
              Catch::Contains("--token-timeout-ms must be >= 1, got 0"));
 }
