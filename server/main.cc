@@ -113,6 +113,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-frame-bytes", max_frame_bytes,
                  "largest accepted message (bytes, or with K/M/G/T: 64M, 1G; powers of 1024); bigger frames are "
                  "refused before allocation, and workers learn the limit at hello")
+      ->type_name("SIZE")
       ->capture_default_str();
   app.add_option("--max-connections", cfg.max_connections, "most concurrent connections")->capture_default_str();
   app.add_option("--auth-token-file", auth_token_file,
@@ -123,6 +124,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-model-bytes", max_model_bytes,
                  "memory the variables may take (bytes, or 16G...), counting their slots, averages and update "
                  "buffers; creating more is refused")
+      ->type_name("SIZE")
       ->capture_default_str();
   std::string cluster, cluster_file;
   app.add_option("--cluster", cluster,
@@ -136,6 +138,7 @@ int main(int argc, char** argv) {
   app.add_option("--slice-bytes", slice_bytes,
                  "variables bigger than this (bytes, or 64M...) are split along their first dimension over several "
                  "shards")
+      ->type_name("SIZE")
       ->capture_default_str();
   app.add_option("--metrics-port", cfg.metrics_port,
                  "HTTP port for /metrics (Prometheus), /healthz, /readyz and the status page at / (-1: off; 0: a "
