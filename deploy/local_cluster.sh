@@ -15,7 +15,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 build="$here/build"
-workers=3 replicas=2 backup=1 steps=1000 straggler_ms=3 lr=0.5 features=128 batch=256 shards=1
+workers=3 replicas=2 backup="" steps=1000 straggler_ms=3 lr=0.5 features=128 batch=256 shards=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -31,6 +31,15 @@ while [ $# -gt 0 ]; do
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+
+# psd admits N = R + B workers and refuses the others: without --backup, the workers beyond
+# --replicas are the backups.
+if [ -z "$backup" ]; then backup=$((workers > replicas ? workers - replicas : 0)); fi
+if [ "$workers" -ne $((replicas + backup)) ]; then
+  echo "--workers $workers must equal --replicas $replicas + --backup $backup (psd runs N = R + B workers):" \
+    "change --workers, or leave --backup out to make every worker beyond R a backup" >&2
+  exit 2
+fi
 
 psrun="$build/client/psrun"
 psd="$build/server/psd"

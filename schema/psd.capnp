@@ -102,6 +102,7 @@ struct HelloReply {
   shards @6 :UInt32;      # shards in the cluster (1 for a single daemon)
   chiefShard @7 :Int32;   # the elected chief shard (-1: none right now)
   clusterEpoch @8 :UInt64;  # bumps whenever the cluster restores a checkpoint as one (0: single daemon)
+  maxFrameBytes @9 :UInt64;  # psd's --max-frame-bytes: clients refuse to send bigger requests (0: unknown)
 }
 
 struct CreateVariable {

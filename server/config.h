@@ -39,7 +39,10 @@ struct ServerConfig {
   int io_threads = 2;
   uint64_t max_frame_bytes = 256ull << 20;
   int max_connections = 1024;
-  std::string auth_token;                  // non-empty: every connection must present it in its hello
+  std::string auth_token;  // non-empty: every connection must present it in its hello
+  // Protected mode (README "Protected mode"): listening beyond loopback (--host, a cluster entry's
+  // address, --metrics-host) needs a secret (auth_token) or TLS, unless `insecure` says so.
+  bool insecure = false;
   uint64_t max_model_bytes = 16ull << 30;  // all variables with their slots, averages and buffers
 
   // Synchronous training (TF SyncReplicasOptimizer semantics).
@@ -91,6 +94,11 @@ struct ServerConfig {
   double summary_interval_s = 10.0;
   std::string log_level = "info";
 
+  // Whether the listeners are protected by TLS. Hook for TLS (issue 11 item 2): no TLS yet, so
+  // protected mode counts only the shared secret. When TLS lands, return true when the data port
+  // (and the metrics port, for metrics_host) serve TLS.
+  bool tls_enabled() const { return false; }
+
   int shards() const { return cluster.empty() ? 1 : static_cast<int>(cluster.size()); }
   bool clustered() const { return shards() > 1; }
 
@@ -98,11 +106,44 @@ struct ServerConfig {
   int tokens_per_step = 0;
   int resolved_init_tokens = 0;
 
-  // Resolves N, tokens per step and init tokens; returns an error naming the flag to change.
+  // A shard (or a one-entry --cluster) listens on its own cluster entry: its port unless
+  // `port_given`, its address (when the entry is an IP address; else 0.0.0.0) unless `host_given`.
+  // An error when shard_index is outside the list.
+  Status ResolveListenAddress(bool host_given, bool port_given);
+  // Resolves N, tokens per step and init tokens, range-checks every numeric setting and enforces
+  // protected mode; returns an error naming the flag to change and its allowed range.
   Status Validate();
+  // The protected-mode part of Validate(): an error when a listener is beyond loopback without
+  // auth_token, TLS or `insecure`.
+  Status CheckProtectedMode() const;
   // Fresh gradients a sync step needs before any worker finished: R, or ceil(f * N).
   int InitialRequiredReplicas() const;
 };
+
+// Whether `ip` is a loopback address (127.0.0.0/8 or ::1). An error when it is not an IP address.
+Result<bool> IsLoopbackAddress(const std::string& ip);
+
+// A size flag's value: bytes, or a number with a suffix K, M, G or T (powers of 1024; "KiB",
+// "MB"... are accepted as the same), e.g. "64M". The error names `flag`.
+Result<uint64_t> ParseByteSize(const std::string& text, const std::string& flag);
+// The size in the largest unit that divides it ("256 MiB", "4097 bytes").
+std::string FormatByteSize(uint64_t bytes);
+
+// Strict config files: every line of `path` must be blank, a comment ('#' or ';') or
+// `key = value` with `key` one of `known_keys` (flag names without dashes). Errors name the line:
+// "psd.conf:7: unknown key 'replicas-to-agregate' (did you mean replicas-to-aggregate?)";
+// `[section]` headers and snake_case spellings of known keys are errors too.
+Status CheckConfigFile(const std::string& path, const std::vector<std::string>& known_keys);
+
+// Creates `dir` (and its parents) if missing and checks that a file can be written, synced and
+// removed there. The error says what is wrong and which flag to change.
+Status PrepareCheckpointDir(const std::string& dir);
+
+// File descriptors psd needs besides its connections (listeners, checkpoint files, logs).
+inline constexpr uint64_t kReservedFds = 64;
+// Makes room for `max_connections` descriptors: raises the soft RLIMIT_NOFILE up to the hard one
+// if needed; an error naming both numbers when even the hard limit is too low.
+Status EnsureFdLimit(int max_connections);
 
 const char* ReductionName(Reduction r);
 const char* ModeName(Mode m);

@@ -6,13 +6,13 @@
 #include <CLI/CLI.hpp>
 #include <csignal>
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "config.h"
 #include "net/server.h"
+#include "psd/cluster_list.h"
 #include "psd/secret.h"
 
 namespace {
@@ -25,9 +25,9 @@ int main(int argc, char** argv) {
   psd::server::ServerConfig cfg;
   CLI::App app{"psd — parameter-server daemon for synchronous (SyncReplicasOptimizer-style) training"};
   app.set_version_flag("--version", std::string("psd ") + psd::server::kPsdVersion);
-  app.set_config("--config", "",
-                 "read flags from this file (TOML/INI: `replicas-to-aggregate = 2`); command-line "
-                 "flags win");
+  auto* config_opt = app.set_config("--config", "",
+                                    "read flags from this file (TOML/INI: `replicas-to-aggregate = 2`); command-line "
+                                    "flags win; unknown keys and [sections] are errors");
   std::string reduction = "mean";
   std::string mode = "sync";
   std::string staleness_lr = "none";
@@ -49,9 +49,9 @@ int main(int argc, char** argv) {
   auto* backup = app.add_option("--backup-replicas,-B", cfg.backup_replicas,
                                 "backup replicas: workers beyond R whose late gradients are dropped "
                                 "(default 0; alternative to --total-replicas)");
-  app.add_option("--total-replicas,-N", cfg.total_replicas,
-                 "total workers (TF total_num_replicas; default R + backup replicas)")
-      ->excludes(backup);
+  auto* total = app.add_option("--total-replicas,-N", cfg.total_replicas,
+                               "total workers (TF total_num_replicas; default R + backup replicas)")
+                    ->excludes(backup);
   app.add_option("--init-tokens", cfg.init_tokens,
                  "tokens queued at start (TF get_init_tokens_op num_tokens); -1 = R; must be >= R - N")
       ->capture_default_str();
@@ -109,15 +109,22 @@ int main(int argc, char** argv) {
   app.add_option("--token-timeout-ms", cfg.default_token_timeout_ms,
                  "deadline in milliseconds for a token wait when the worker gives none")
       ->capture_default_str();
-  app.add_option("--max-frame-bytes", cfg.max_frame_bytes,
-                 "largest accepted message in bytes; bigger frames are refused before allocation")
+  std::string max_frame_bytes = "256M", max_model_bytes = "16G", slice_bytes = "64M";
+  app.add_option("--max-frame-bytes", max_frame_bytes,
+                 "largest accepted message (bytes, or with K/M/G/T: 64M, 1G; powers of 1024); bigger frames are "
+                 "refused before allocation, and workers learn the limit at hello")
+      ->type_name("SIZE")
       ->capture_default_str();
   app.add_option("--max-connections", cfg.max_connections, "most concurrent connections")->capture_default_str();
   app.add_option("--auth-token-file", auth_token_file,
                  "file holding a shared secret every worker and tool must present (none: no authentication)");
-  app.add_option("--max-model-bytes", cfg.max_model_bytes,
-                 "memory the variables may take in bytes, counting their slots, averages and update buffers; "
-                 "creating more is refused")
+  app.add_flag("--insecure", cfg.insecure,
+               "allow listening beyond loopback (--host, a cluster entry, --metrics-host) without "
+               "--auth-token-file (protected mode refuses it otherwise)");
+  app.add_option("--max-model-bytes", max_model_bytes,
+                 "memory the variables may take (bytes, or 16G...), counting their slots, averages and update "
+                 "buffers; creating more is refused")
+      ->type_name("SIZE")
       ->capture_default_str();
   std::string cluster, cluster_file;
   app.add_option("--cluster", cluster,
@@ -128,8 +135,10 @@ int main(int argc, char** argv) {
   app.add_option("--election-timeout-ms", cfg.election_timeout_ms,
                  "a shard silent this long counts as gone (a new chief is elected if it was the chief)")
       ->capture_default_str();
-  app.add_option("--slice-bytes", cfg.slice_bytes,
-                 "variables bigger than this are split along their first dimension over several shards")
+  app.add_option("--slice-bytes", slice_bytes,
+                 "variables bigger than this (bytes, or 64M...) are split along their first dimension over several "
+                 "shards")
+      ->type_name("SIZE")
       ->capture_default_str();
   app.add_option("--metrics-port", cfg.metrics_port,
                  "HTTP port for /metrics (Prometheus), /healthz, /readyz and the status page at / (-1: off; 0: a "
@@ -164,42 +173,45 @@ int main(int argc, char** argv) {
   cfg.reduction = reduction == "sum" ? psd::server::Reduction::kSum : psd::server::Reduction::kMean;
   cfg.mode = *psd::server::ParseMode(mode);  // CLI11 checked the value
   cfg.staleness_lr = *psd::server::ParseStalenessLr(staleness_lr);
-  if (!cluster.empty() && !cluster_file.empty()) {
-    std::cerr << "psd: give --cluster or --cluster-file, not both\n";
+  auto fail = [](const std::string& message) {
+    std::cerr << "psd: " << message << "\n";
     return 2;
+  };
+  if (config_opt->count() > 0) {
+    // CLI11 ignores unknown keys and [sections] silently; psd refuses them, naming the line.
+    std::vector<std::string> known;
+    for (const CLI::Option* o : app.get_options()) {
+      for (const std::string& n : o->get_lnames()) {
+        if (n != "help" && n != "version" && n != "config") known.push_back(n);
+      }
+      for (const std::string& n : o->get_snames()) known.push_back(n);
+    }
+    psd::Status s = psd::server::CheckConfigFile(config_opt->as<std::string>(), known);
+    if (!s.ok()) return fail(s.message());
   }
-  if (!cluster_file.empty()) {
-    std::ifstream f(cluster_file);
-    if (!f) {
-      std::cerr << "psd: cannot read --cluster-file " << cluster_file << "\n";
-      return 2;
-    }
-    std::string line;
-    while (std::getline(f, line)) {
-      auto hash = line.find('#');
-      if (hash != std::string::npos) line.resize(hash);
-      line.erase(0, line.find_first_not_of(" \t\r"));
-      line.erase(line.find_last_not_of(" \t\r") + 1);
-      if (!line.empty()) cfg.cluster.push_back(line);
-    }
-  } else if (!cluster.empty()) {
-    std::stringstream ss(cluster);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-      if (!item.empty()) cfg.cluster.push_back(item);
-    }
+  // -1 means "not given" in ServerConfig; given, it must be in range.
+  if (backup->count() > 0 && cfg.backup_replicas < 0) {
+    return fail("-B/--backup-replicas must be >= 0, got " + std::to_string(cfg.backup_replicas));
   }
-  if (cfg.cluster.size() > 1 && cfg.shard_index >= 0 && cfg.shard_index < static_cast<int>(cfg.cluster.size())) {
-    // A shard listens where the cluster list says, unless told otherwise.
-    const std::string& me = cfg.cluster[static_cast<size_t>(cfg.shard_index)];
-    size_t colon = me.rfind(':');
-    if (colon != std::string::npos) {
-      if (port_opt->count() == 0) cfg.port = static_cast<uint16_t>(std::atoi(me.c_str() + colon + 1));
-      boost::system::error_code ec;
-      boost::asio::ip::make_address(me.substr(0, colon), ec);
-      if (host_opt->count() == 0) cfg.host = ec ? "0.0.0.0" : me.substr(0, colon);
-    }
+  if (total->count() > 0 && cfg.total_replicas < 1) {
+    return fail("-N/--total-replicas must be >= 1, got " + std::to_string(cfg.total_replicas));
   }
+  for (auto [flag, text, out] : {std::tuple{"--max-frame-bytes", &max_frame_bytes, &cfg.max_frame_bytes},
+                                 std::tuple{"--max-model-bytes", &max_model_bytes, &cfg.max_model_bytes},
+                                 std::tuple{"--slice-bytes", &slice_bytes, &cfg.slice_bytes}}) {
+    auto bytes = psd::server::ParseByteSize(*text, flag);
+    if (!bytes.ok()) return fail(bytes.status().message());
+    *out = *bytes;
+  }
+  if (!cluster.empty() && !cluster_file.empty()) return fail("give --cluster or --cluster-file, not both");
+  if (!cluster_file.empty() || !cluster.empty()) {
+    auto list = cluster_file.empty() ? psd::ParseClusterList(cluster) : psd::ReadClusterFile(cluster_file);
+    if (!list.ok()) return fail(list.status().message());
+    cfg.cluster = std::move(*list);
+  }
+  // A shard (or a one-entry --cluster) listens where the cluster list says, unless told otherwise.
+  psd::Status listen = cfg.ResolveListenAddress(host_opt->count() > 0, port_opt->count() > 0);
+  if (!listen.ok()) return fail(listen.message());
   if (!auth_token_file.empty()) {
     auto token = psd::ReadSecretFile(auth_token_file);
     if (!token.ok()) {

@@ -1,11 +1,13 @@
 #include "psclient/client.h"
 
+#include <capnp/dynamic.h>
 #include <kj/exception.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -13,6 +15,7 @@
 #include <thread>
 
 #include "device_memory.h"
+#include "psd/cluster_list.h"
 #include "wire/frame.h"
 
 namespace psclient {
@@ -30,6 +33,19 @@ int PushOutcome::accepted() const {
 int PushOutcome::stale() const { return static_cast<int>(results.size()) - accepted(); }
 
 namespace {
+
+// "300 MiB", "1.5 GiB", "4096 bytes" for size errors.
+std::string HumanBytes(uint64_t bytes) {
+  static const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB"};
+  if (bytes < 1024) return std::to_string(bytes) + " bytes";
+  double v = static_cast<double>(bytes);
+  int u = -1;
+  while (v >= 1024 && u < 3) v /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), v == static_cast<double>(static_cast<uint64_t>(v)) ? "%.0f %s" : "%.1f %s", v,
+                kUnits[u]);
+  return buf;
+}
 
 JobConfig ReadConfig(proto::JobConfig::Reader c) {
   JobConfig cfg;
@@ -172,6 +188,7 @@ class Conn {
     chief_shard = hr.getChiefShard();
     cluster_epoch = hr.getClusterEpoch();
     shards_reported = static_cast<int>(hr.getShards());
+    daemon_max_frame_bytes = hr.getMaxFrameBytes();
     ++connects;
     return Status::Ok();
   }
@@ -187,6 +204,7 @@ class Conn {
   // wait_ms + 10 s, counted from now.
   Status Send(OutFrame& frame, int64_t wait_ms = 0) {
     if (!socket_.is_open()) PSD_RETURN_IF_ERROR(Connect());
+    PSD_RETURN_IF_ERROR(CheckFrameSize(frame));
     ++requests;
     limit_ms_ = std::max<int64_t>(options_.request_timeout_ms, wait_ms > 0 ? wait_ms + 10000 : 0);
     return SendNoReconnect(frame);
@@ -197,7 +215,8 @@ class Conn {
   Status Receive(OutFrame& frame, proto::Response::Reader* resp) {
     uint64_t id = frame.builder.getRoot<proto::Request>().getId();
     answered_ = false;
-    Status s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_);
+    Status s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_,
+                                    "the client's ClientOptions::max_frame_bytes");
     if (!s.ok()) {
       // The stream is out of step (or gone): the next call reconnects.
       Drop();
@@ -234,6 +253,22 @@ class Conn {
     socket_.close(ec);
   }
 
+  // A request the daemon would refuse for its size fails here, before a byte is sent (the daemon
+  // would close the connection mid-write, which reads as a retryable "Broken pipe").
+  Status CheckFrameSize(OutFrame& frame) {
+    if (daemon_max_frame_bytes == 0) return Status::Ok();
+    uint64_t bytes = frame.BodyBytes();
+    if (bytes <= daemon_max_frame_bytes) return Status::Ok();
+    std::string kind = "request";
+    KJ_IF_MAYBE (field, capnp::toDynamic(frame.builder.getRoot<proto::Request>().asReader()).which()) {
+      kind = field->getProto().getName().cStr();
+      kind = kind == "createVariable" ? "create" : kind + " request";
+    }
+    return psd::ResourceExhausted("the " + kind + " is " + HumanBytes(bytes) + ", over psd's --max-frame-bytes " +
+                                  HumanBytes(daemon_max_frame_bytes) + " (" + Where() +
+                                  "): raise it on every shard, or send fewer or smaller variables per call");
+  }
+
   std::string Where() const { return host_ + ":" + std::to_string(port_); }
   // Whether the last Receive got a reply from the daemon (else the connection failed).
   bool last_answered() const { return answered_; }
@@ -247,6 +282,7 @@ class Conn {
   int chief_shard = 0;
   uint64_t cluster_epoch = 0;
   int shards_reported = 1;
+  uint64_t daemon_max_frame_bytes = 0;  // psd's --max-frame-bytes from the hello (0: not announced)
   uint64_t connects = 0;
   std::atomic<uint64_t> requests{0};
 
@@ -288,11 +324,9 @@ class Client::Impl {
       conns_.push_back(std::make_unique<Conn>(options_, options_.host, options_.port, 0));
     } else {
       for (size_t i = 0; i < options_.cluster.size(); ++i) {
-        const std::string& a = options_.cluster[i];
-        size_t colon = a.rfind(':');
-        std::string host = colon == std::string::npos ? a : a.substr(0, colon);
-        uint16_t port = static_cast<uint16_t>(colon == std::string::npos ? 0 : std::atoi(a.c_str() + colon + 1));
-        conns_.push_back(std::make_unique<Conn>(options_, host, port, static_cast<int>(i)));
+        // Connect() validated the list.
+        psd::HostPort hp = *psd::ParseHostPort(options_.cluster[i]);
+        conns_.push_back(std::make_unique<Conn>(options_, hp.host, hp.port, static_cast<int>(i)));
       }
     }
   }
@@ -607,16 +641,7 @@ class Client::Impl {
   std::string colocate_default_;  // guarded by mu_: the innermost ColocateVarsWith scope's variable
 };
 
-std::vector<std::string> ParseClusterList(const std::string& list) {
-  std::vector<std::string> out;
-  for (size_t pos = 0; pos < list.size();) {
-    size_t comma = list.find(',', pos);
-    if (comma == std::string::npos) comma = list.size();
-    if (comma > pos) out.push_back(list.substr(pos, comma - pos));
-    pos = comma + 1;
-  }
-  return out;
-}
+std::vector<std::string> ParseClusterList(const std::string& list) { return psd::SplitClusterList(list); }
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
@@ -627,12 +652,7 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (o.incarnation == 0) {
     o.incarnation = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
   }
-  for (const std::string& a : o.cluster) {
-    size_t colon = a.rfind(':');
-    if (colon == std::string::npos || colon == 0 || std::atoi(a.c_str() + colon + 1) <= 0) {
-      return psd::InvalidArgument("cluster entry '" + a + "' is not host:port");
-    }
-  }
+  PSD_RETURN_IF_ERROR(psd::ValidateClusterList(o.cluster, "the cluster list"));
   auto impl = std::make_unique<Impl>(std::move(o));
   Status s = impl->ConnectAll();
   if (!s.ok()) return s;

@@ -21,15 +21,15 @@ Status ParseFirstWord(const uint32_t first[2], uint32_t* segment_count, size_t* 
 }
 
 Status ParseSegmentSizes(const uint32_t* table, uint32_t segment_count, uint64_t max_frame_bytes,
-                         std::vector<uint32_t>* sizes, uint64_t* total_words) {
+                         std::vector<uint32_t>* sizes, uint64_t* total_words, const std::string& limit_name) {
   sizes->assign(table, table + segment_count);
   uint64_t total = 0;
   for (uint32_t s : *sizes) total += s;
   if (total == 0) return InvalidArgument("empty frame");
   if (total * sizeof(capnp::word) > max_frame_bytes) {
-    return ResourceExhausted("frame of " + std::to_string(total * sizeof(capnp::word)) +
-                             " bytes exceeds the limit of " + std::to_string(max_frame_bytes) +
-                             " bytes (--max-frame-bytes)");
+    return ResourceExhausted("a message of " + std::to_string(total * sizeof(capnp::word)) + " bytes is over " +
+                             limit_name + " (" + std::to_string(max_frame_bytes) +
+                             " bytes): raise it (on every shard), or move fewer or smaller variables per call");
   }
   *total_words = total;
   return Status::Ok();
@@ -87,6 +87,12 @@ std::vector<asio::const_buffer> OutFrame::Buffers() {
   out.emplace_back(table.data(), table.size() * sizeof(uint32_t));
   for (auto& s : segs) out.emplace_back(s.begin(), s.size() * sizeof(capnp::word));
   return out;
+}
+
+uint64_t OutFrame::BodyBytes() {
+  uint64_t words = 0;
+  for (auto& s : builder.getSegmentsForOutput()) words += s.size();
+  return words * sizeof(capnp::word);
 }
 
 namespace {
@@ -152,7 +158,8 @@ Status WriteFrame(tcp::socket& socket, OutFrame& frame, Deadline deadline) {
   return Status::Ok();
 }
 
-Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline) {
+Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline,
+                 const std::string& limit_name) {
   MakeNonBlocking(socket);
   uint32_t first[2];
   PSD_RETURN_IF_ERROR(ReadExactly(socket, first, sizeof(first), deadline));
@@ -164,7 +171,7 @@ Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Dea
   if (rest) PSD_RETURN_IF_ERROR(ReadExactly(socket, table.data() + 1, rest, deadline));
   std::vector<uint32_t> sizes;
   uint64_t total = 0;
-  PSD_RETURN_IF_ERROR(ParseSegmentSizes(table.data(), count, max_frame_bytes, &sizes, &total));
+  PSD_RETURN_IF_ERROR(ParseSegmentSizes(table.data(), count, max_frame_bytes, &sizes, &total, limit_name));
   capnp::word* body = in.Prepare(sizes, total);
   return ReadExactly(socket, body, total * sizeof(capnp::word), deadline);
 }

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "psd.capnp.h"
@@ -33,9 +34,11 @@ constexpr uint64_t kDefaultMaxFrameBytes = 1ull << 30;  // 1 GiB
 Status ParseFirstWord(const uint32_t first[2], uint32_t* segment_count, size_t* rest_header_bytes);
 
 // Given the whole segment table (segment_count sizes in words), checks the total against
-// max_frame_bytes and returns the per-segment word counts and the total.
+// max_frame_bytes and returns the per-segment word counts and the total. A bigger frame is
+// RESOURCE_EXHAUSTED naming `limit_name`, the setting to raise.
 Status ParseSegmentSizes(const uint32_t* table, uint32_t segment_count, uint64_t max_frame_bytes,
-                         std::vector<uint32_t>* sizes, uint64_t* total_words);
+                         std::vector<uint32_t>* sizes, uint64_t* total_words,
+                         const std::string& limit_name = "psd's --max-frame-bytes");
 
 // An incoming frame: the body lives in a word-aligned buffer that the FrameReader reuses.
 class InFrame {
@@ -66,6 +69,8 @@ struct OutFrame {
 
   // Finalizes the table and returns the scatter-gather buffers (table + segments).
   std::vector<asio::const_buffer> Buffers();
+  // The bytes of the message's segments: what the receiver compares with its --max-frame-bytes.
+  uint64_t BodyBytes();
 };
 
 // Blocking helpers (client side and tests), bounded by `deadline` (DeadlineExceeded past it; the
@@ -74,8 +79,9 @@ struct OutFrame {
 using Deadline = std::chrono::steady_clock::time_point;
 constexpr Deadline kNoDeadline = Deadline::max();
 Status WriteFrame(tcp::socket& socket, OutFrame& frame, Deadline deadline = kNoDeadline);
-// Reads one frame into `in`; max_frame_bytes bounds the allocation.
-Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline = kNoDeadline);
+// Reads one frame into `in`; max_frame_bytes (named `limit_name` in errors) bounds the allocation.
+Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline = kNoDeadline,
+                 const std::string& limit_name = "psd's --max-frame-bytes");
 
 // Enum conversions between the wire and psd types.
 Code FromWire(proto::Code code);

@@ -235,6 +235,7 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
     h.setGlobalStep(server_.engine()->global_step());
     FillConfig(h.initConfig(), server_.config(), *server_.engine());
     FillCluster(h, server_.engine()->epoch());
+    h.setMaxFrameBytes(server_.config().max_frame_bytes);
     return Send(std::move(frame));
   }
   std::string name = r.getWorkerName();
@@ -246,8 +247,9 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
     Status serving = server_.Serving();
     if (!serving.ok()) return SendError(id, serving);
   }
-  uint32_t index = server_.OnHello(id_, name, r.getIncarnation());
-  worker_index_ = index;
+  auto index = server_.OnHello(id_, name, r.getIncarnation());
+  if (!index.ok()) return FailStream(index.status(), id);
+  worker_index_ = *index;
   hello_done_ = true;
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
@@ -255,10 +257,11 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
   h.setProtocolVersion(proto::PROTOCOL_VERSION);
   h.setIsChief(server_.workers().IsChief(id_));
   h.setGlobalStep(server_.engine()->global_step());
-  h.setWorkerId(index);
+  h.setWorkerId(*index);
   FillConfig(h.initConfig(), server_.config(), *server_.engine());
   FillCluster(h, server_.engine()->epoch());
-  spdlog::info("worker '{}' (incarnation {}) connected as #{}{}", name, r.getIncarnation(), index,
+  h.setMaxFrameBytes(server_.config().max_frame_bytes);
+  spdlog::info("worker '{}' (incarnation {}) connected as #{}{}", name, r.getIncarnation(), *index,
                h.getIsChief() ? ", chief" : "");
   Send(std::move(frame));
 }

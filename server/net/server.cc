@@ -222,11 +222,15 @@ void Server::ScheduleCheckpointTimer() {
   });
 }
 
-uint32_t Server::OnHello(uint64_t conn, const std::string& name, uint64_t incarnation) {
-  uint32_t index = workers_.Hello(conn, name, incarnation);
-  if (config_.mode == Mode::kSsp) ssp_.Join(index);
+Result<uint32_t> Server::OnHello(uint64_t conn, const std::string& name, uint64_t incarnation) {
+  auto index = workers_.Hello(conn, name, incarnation);
+  if (!index.ok()) {
+    spdlog::warn("{}", index.status().message());
+    return index.status();
+  }
+  if (config_.mode == Mode::kSsp) ssp_.Join(*index);
   UpdateRequired();
-  return index;
+  return *index;
 }
 
 void Server::UpdateRequired() {
@@ -238,6 +242,9 @@ void Server::UpdateRequired() {
 Server::~Server() { Stop(); }
 
 Status Server::Start() {
+  // Start-up checks that touch the system (Validate() checked the values).
+  PSD_RETURN_IF_ERROR(EnsureFdLimit(config_.max_connections));
+  if (!config_.checkpoint_dir.empty()) PSD_RETURN_IF_ERROR(PrepareCheckpointDir(config_.checkpoint_dir));
   boost::system::error_code ec;
   auto addr = asio::ip::make_address(config_.host, ec);
   if (ec) return InvalidArgument("--host '" + config_.host + "' is not an IP address: " + ec.message());

@@ -93,8 +93,9 @@ class Server {
   // The job is over (cluster: after the final checkpoint): stops if --exit-when-done.
   void FinishJob();
 
-  // Called by connections. OnHello returns the worker's index.
-  uint32_t OnHello(uint64_t conn, const std::string& name, uint64_t incarnation);
+  // Called by connections. OnHello returns the worker's index, or RESOURCE_EXHAUSTED when the
+  // job's N worker slots are taken (WorkerRegistry::Hello).
+  Result<uint32_t> OnHello(uint64_t conn, const std::string& name, uint64_t incarnation);
   void OnWorkerFinished(uint64_t conn);
   void OnConnectionClosed(uint64_t conn);
 

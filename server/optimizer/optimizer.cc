@@ -161,14 +161,16 @@ Status OptimizerParams::Validate() const {
                            "rmsprop, ftrl)");
   }
   if (!(learning_rate > 0) || !std::isfinite(learning_rate)) return InvalidArgument("--learning-rate must be > 0");
-  if (momentum < 0 || momentum >= 1) return InvalidArgument("--momentum must be in [0, 1)");
-  if (beta1 < 0 || beta1 >= 1 || beta2 < 0 || beta2 >= 1) return InvalidArgument("--beta1/--beta2 must be in [0, 1)");
+  if (!(momentum >= 0 && momentum < 1)) return InvalidArgument("--momentum must be in [0, 1)");
+  if (!(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1)) {
+    return InvalidArgument("--beta1/--beta2 must be in [0, 1)");
+  }
   if (!(epsilon > 0)) return InvalidArgument("--epsilon must be > 0");
   if (!(initial_accumulator > 0)) return InvalidArgument("--initial-accumulator must be > 0");
-  if (rho < 0 || rho >= 1) return InvalidArgument("--rho must be in [0, 1)");
-  if (rms_momentum < 0 || rms_momentum >= 1) return InvalidArgument("--rms-momentum must be in [0, 1)");
-  if (l1 < 0 || l2 < 0) return InvalidArgument("--l1 and --l2 must be >= 0");
-  if (lr_power > 0) return InvalidArgument("--lr-power must be <= 0");
+  if (!(rho >= 0 && rho < 1)) return InvalidArgument("--rho must be in [0, 1)");
+  if (!(rms_momentum >= 0 && rms_momentum < 1)) return InvalidArgument("--rms-momentum must be in [0, 1)");
+  if (!(l1 >= 0 && l2 >= 0)) return InvalidArgument("--l1 and --l2 must be >= 0");
+  if (!(lr_power <= 0)) return InvalidArgument("--lr-power must be <= 0");
   return Status::Ok();
 }
 

@@ -7,9 +7,11 @@
 namespace psd::server {
 
 WorkerRegistry::WorkerRegistry(int replicas_to_aggregate, int total_replicas)
-    : replicas_to_aggregate_(replicas_to_aggregate), backups_(std::max(0, total_replicas - replicas_to_aggregate)) {}
+    : replicas_to_aggregate_(replicas_to_aggregate),
+      backups_(std::max(0, total_replicas - replicas_to_aggregate)),
+      total_(std::max(total_replicas, replicas_to_aggregate)) {}
 
-uint32_t WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t incarnation) {
+Result<uint32_t> WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t incarnation) {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < workers_.size(); ++i) {
     Worker& w = workers_[i];
@@ -25,8 +27,31 @@ uint32_t WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t 
     w.lost = false;
     return static_cast<uint32_t>(i);
   }
-  workers_.push_back({name, incarnation, conn, false, false, 0});
-  return static_cast<uint32_t>(workers_.size() - 1);
+  if (static_cast<int>(workers_.size()) < total_) {
+    workers_.push_back({name, incarnation, conn, false, false, 0});
+    return static_cast<uint32_t>(workers_.size() - 1);
+  }
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    Worker& w = workers_[i];
+    if (!w.lost) continue;
+    spdlog::warn("worker '{}' takes the slot of worker '{}', lost (gone past --worker-grace-s)", name, w.name);
+    w = Worker{name, incarnation, conn, false, false, 0};
+    return static_cast<uint32_t>(i);
+  }
+  int connected = 0, finished = 0;
+  std::string names;
+  for (const Worker& w : workers_) {
+    connected += w.conn != 0 ? 1 : 0;
+    finished += w.finished ? 1 : 0;
+    names += (names.empty() ? "" : ", ") + w.name;
+  }
+  int gone = static_cast<int>(workers_.size()) - connected - finished;
+  return ResourceExhausted("psd runs a job of N=" + std::to_string(total_) + " workers (-R " +
+                           std::to_string(replicas_to_aggregate_) + " -B " + std::to_string(backups_) + ") and all " +
+                           std::to_string(total_) + " slots are taken (" + names + ": " + std::to_string(connected) +
+                           " connected, " + std::to_string(finished) + " finished, " + std::to_string(gone) +
+                           " disconnected within --worker-grace-s): worker '" + name +
+                           "' is refused; raise --total-replicas/-B (on every shard) or stop a worker");
 }
 
 std::optional<std::pair<uint32_t, uint64_t>> WorkerRegistry::Disconnected(uint64_t conn) {

@@ -5,6 +5,13 @@
 // of their next reply). A worker is identified by name; a reconnect with the same name
 // replaces the old connection (its incarnation is logged).
 //
+// Slots: the job has N = total_replicas workers (README "Worker limit"). A known name is always
+// admitted (a reconnect or a restart). A new name gets a free slot while fewer than N workers are
+// known; otherwise it takes over the slot of a lost worker (gone past the grace period: a
+// replacement); otherwise it is refused with RESOURCE_EXHAUSTED naming -N/-B. A finished
+// worker keeps its slot (it declared its part of the job done), so the registry never holds more
+// than N workers.
+//
 // Finishing: when a worker declares itself finished, the number of fresh gradients a step
 // needs shrinks once the backups are used up: required = max(1, R - max(0, finished - B)), so
 // the remaining workers never wait for gradients that cannot come (TF hung here, #20342).
@@ -47,8 +54,9 @@ class WorkerRegistry {
  public:
   WorkerRegistry(int replicas_to_aggregate, int total_replicas);
 
-  // Registers `conn` as worker `name`. Returns the worker's index (stable per name).
-  uint32_t Hello(uint64_t conn, const std::string& name, uint64_t incarnation);
+  // Registers `conn` as worker `name`. Returns the worker's index (stable per name; a replacement
+  // takes the lost worker's index), or RESOURCE_EXHAUSTED when the job's N slots are taken.
+  Result<uint32_t> Hello(uint64_t conn, const std::string& name, uint64_t incarnation);
   // Returns the worker's index and disconnect generation if it left without finishing.
   std::optional<std::pair<uint32_t, uint64_t>> Disconnected(uint64_t conn);
   // Marks worker `index` lost if it is still gone since disconnect `generation`. Returns its name
@@ -83,6 +91,7 @@ class WorkerRegistry {
 
   const int replicas_to_aggregate_;
   const int backups_;
+  const int total_;  // N
   mutable std::mutex mu_;
   std::vector<Worker> workers_;  // guarded by mu_, in first-hello order
 };

@@ -45,7 +45,8 @@ for k in 0 1 2; do
   ip -n "$ns" route add default via "10.77.$k.1"
 done
 cluster="10.77.0.2:7070,10.77.1.2:7070,10.77.2.2:7070"
-flags=(--cluster "$cluster" -R 3 -B 1 --init-tokens 0 --learning-rate 0.5 --exit-when-done --slice-bytes 8192
+# Shards listen on 10.77.k.2, beyond loopback: protected mode needs a secret or --insecure.
+flags=(--cluster "$cluster" --insecure -R 3 -B 1 --init-tokens 0 --learning-rate 0.5 --exit-when-done --slice-bytes 8192
   --checkpoint-every-steps 10 --summary-interval-s 0)
 declare -A shard_pid
 for k in 0 1 2; do

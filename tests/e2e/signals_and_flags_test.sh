@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # e2e: psd --help documents the flags; contradictory flags are refused at start with a message
-# naming the flag; SIGTERM and SIGINT stop a running psd cleanly with status 0; psd_admin reads
+# naming the flag (config-file mistakes name the line; protected mode refuses listening beyond
+# loopback without a secret unless --insecure); SIGTERM and SIGINT stop a running psd cleanly with status 0; psd_admin reads
 # the status and asks for a checkpoint without joining the job as a worker.
 set -euo pipefail
 psd=$1 admin=$2
@@ -20,6 +21,48 @@ if out=$(timeout 10 "$psd" -R 4 -N 2 --init-tokens 1 2>&1); then echo "too few t
 grep -q "Too few tokens to finish the first step: 1 (given) vs 2 (needed)" <<< "$out" || { echo "unclear: $out"; exit 1; }
 if out=$(timeout 10 "$psd" --optimizer nope 2>&1); then echo "bad optimizer accepted"; exit 1; fi
 grep -q -- "--optimizer" <<< "$out" || { echo "unclear: $out"; exit 1; }
+
+# Refused at start, each with a message naming the flag (or the config file's line) and what to do.
+refused() {  # refused "expected text" psd-args...
+  local want=$1 out
+  shift
+  if out=$(timeout 10 "$psd" "$@" 2>&1); then echo "accepted: $*"; exit 1; fi
+  grep -qF -- "$want" <<< "$out" || { echo "psd $*: unclear message: $out"; exit 1; }
+}
+refused "-B/--backup-replicas must be >= 0, got -1" -B -1
+refused "--summary-interval-s must be in [0, " --summary-interval-s -5
+refused "--cluster entry 0 '127.0.0.1:x' is not host:port" --cluster 127.0.0.1:x
+refused "lists '127.0.0.1:7001' twice" --cluster 127.0.0.1:7001,127.0.0.1:7001 --shard-index 1
+refused "--shard-index 2 is outside the --cluster list of 2 shard(s)" --cluster 127.0.0.1:7001,127.0.0.1:7002 --shard-index 2
+refused "--max-frame-bytes '64X' is not a size" --max-frame-bytes 64X
+refused "--max-frame-bytes must be in [4 KiB, 16 GiB], got 1 KiB" --max-frame-bytes 1K
+touch "$run/a-file"
+refused "--checkpoint-dir $run/a-file/ckpt cannot be created" --port 0 --checkpoint-dir "$run/a-file/ckpt"
+# --max-connections against the process's file descriptor limit (both numbers named).
+out=$(ulimit -n 256; timeout 10 "$psd" --port 0 --max-connections 1000 2>&1) && { echo "fd limit ignored"; exit 1; }
+grep -qF "needs 1064 file descriptors" <<< "$out" && grep -qF "at most 256" <<< "$out" || { echo "fd: $out"; exit 1; }
+# Config files are strict: the line is named, with a suggestion.
+printf '# psd\nlearning-rate = 0.1\nreplicas-to-agregate = 4\n' > "$run/typo.conf"
+refused "typo.conf:3: unknown key 'replicas-to-agregate' (did you mean replicas-to-aggregate?)" --config "$run/typo.conf"
+printf '[server]\nport = 7070\n' > "$run/section.conf"
+refused "section.conf:1: section [server] is not supported" --config "$run/section.conf"
+printf 'backup_replicas = 1\n' > "$run/snake.conf"
+refused "snake.conf:1: key 'backup_replicas' is spelled 'backup-replicas'" --config "$run/snake.conf"
+# Protected mode: beyond loopback needs --auth-token-file (or --insecure, deliberately).
+refused "protected mode: psd would listen on --host 0.0.0.0" --host 0.0.0.0 --port 0
+refused "pass --insecure to allow it deliberately" --metrics-host 0.0.0.0 --metrics-port 0 --port 0
+printf 'host = "0.0.0.0"\n' > "$run/open.conf"
+refused "protected mode" --config "$run/open.conf" --port 0
+printf 's3cret\n' > "$run/token"
+for allowed in "--auth-token-file $run/token" "--insecure"; do
+  rm -f "$run/port"
+  # shellcheck disable=SC2086 # the words of $allowed are flags
+  timeout 30 "$psd" --host 0.0.0.0 --port 0 --port-file "$run/port" --max-frame-bytes 64M $allowed 2> "$run/psd.log" &
+  pid=$!
+  for _ in $(seq 200); do [ -s "$run/port" ] && break; sleep 0.05; done
+  [ -s "$run/port" ] || { echo "psd $allowed did not start"; cat "$run/psd.log"; exit 1; }
+  kill -TERM "$pid"; wait "$pid"; pid=""
+done
 
 for sig in TERM INT; do
   rm -f "$run/port"

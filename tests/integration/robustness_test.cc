@@ -71,7 +71,7 @@ void ExpectHealthy(uint16_t port) {
 }  // namespace
 
 TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]") {
-  auto cfg = TestConfig(1, 1, 0);
+  auto cfg = TestConfig(1, 3, 0);  // N=3: "owner", "healthy" and a raw peer "raw" say hello
   cfg.max_frame_bytes = 1 << 16;
   auto server = StartServer(cfg);
   {
@@ -94,7 +94,7 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
     p.SendBytes(Words({0, 0x40000000u}));  // claims 8 GiB
     REQUIRE(p.Read(&code, &msg));
     CHECK(code == Code::kResourceExhausted);
-    CHECK_THAT(msg, Catch::Contains("--max-frame-bytes"));
+    CHECK_THAT(msg, Catch::Contains("is over psd's --max-frame-bytes (65536 bytes): raise it"));
     CHECK(p.ClosedByPeer());
   }
   SECTION("a truncated frame and a vanished peer") {
@@ -254,4 +254,62 @@ TEST_CASE("a daemon that never answers cannot hang a client: calls end at their 
   CHECK(c.status().code() == Code::kDeadlineExceeded);
   CHECK_THAT(c.status().message(), Catch::Contains("200 ms"));
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+}
+
+TEST_CASE("a worker beyond N is refused at hello naming -N/-B; reconnects and observers are not",
+          "[robustness][hello]") {
+  auto server = StartServer(TestConfig(2, 3));  // R=2, N=3 (B=1)
+  auto w0 = ConnectWorker(server->port(), "w0");
+  auto w1 = ConnectWorker(server->port(), "w1");
+  auto w2 = ConnectWorker(server->port(), "w2");
+  psclient::ClientOptions o;
+  o.port = server->port();
+  o.worker_name = "w3";
+  o.connect_timeout_ms = 5000;
+  auto extra = psclient::Client::Connect(o);
+  REQUIRE_FALSE(extra.ok());
+  CHECK(extra.status().code() == Code::kResourceExhausted);
+  CHECK_THAT(extra.status().message(), Catch::Contains("N=3 workers (-R 2 -B 1)") &&
+                                           Catch::Contains("worker 'w3' is refused") &&
+                                           Catch::Contains("--total-replicas/-B"));
+  // The same name again (a restarted worker process) is always admitted.
+  auto again = ConnectWorker(server->port(), "w1");
+  CHECK(again->worker_id() == 1);
+  // An operator's tool is not a worker.
+  o.observer = true;
+  auto observer = psclient::Client::Connect(o);
+  REQUIRE(observer.ok());
+  auto st = (*observer)->GetStatus();
+  REQUIRE(st.ok());
+  CHECK(st->workers_connected == 3);
+}
+
+TEST_CASE("the hello announces --max-frame-bytes; the client refuses bigger requests before sending",
+          "[robustness][limits]") {
+  auto cfg = TestConfig(1);
+  cfg.max_frame_bytes = 64 << 10;
+  auto server = StartServer(cfg);
+  auto w = ConnectWorker(server->port(), "w");
+  std::vector<float> big(100000, 1.0f);  // 400 KB
+  auto created =
+      w->CreateVariable("big", {big.data(), DType::kFloat32, {static_cast<int64_t>(big.size())}, MemoryKind::kHost});
+  REQUIRE_FALSE(created.ok());
+  CHECK(created.status().code() == Code::kResourceExhausted);
+  CHECK_THAT(created.status().message(), Catch::Contains("the create is 39") &&
+                                             Catch::Contains("over psd's --max-frame-bytes 64 KiB") &&
+                                             Catch::Contains("raise it on every shard"));
+  // The connection is intact: small variables are created, and a push too big is refused the same way.
+  std::vector<float> small(1000, 0.0f);
+  std::vector<psclient::Gradient> grads;
+  for (int i = 0; i < 20; ++i) {
+    std::string name = "s" + std::to_string(i);
+    REQUIRE(w->CreateVariable(name, {small.data(), DType::kFloat32, {1000}, MemoryKind::kHost}).ok());
+    grads.push_back({name, {small.data(), DType::kFloat32, {1000}, MemoryKind::kHost}});
+  }
+  auto pushed = w->Push(0, grads);  // 80 KB
+  REQUIRE_FALSE(pushed.ok());
+  CHECK(pushed.status().code() == Code::kResourceExhausted);
+  CHECK_THAT(pushed.status().message(), Catch::Contains("the push request is") && Catch::Contains("--max-frame-bytes"));
+  auto one = w->Push(0, {{"s0", {small.data(), DType::kFloat32, {1000}, MemoryKind::kHost}}});
+  CHECK(one.ok());
 }

@@ -1,6 +1,14 @@
 #include "config.h"
 
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "psd/cluster_list.h"
 
 using namespace psd;
 using psd::server::ServerConfig;
@@ -54,4 +62,210 @@ TEST_CASE("init tokens follow get_init_tokens_op", "[config]") {
   Status s = c.Validate();
   CHECK_THAT(s.message(), Catch::StartsWith("Too few tokens to finish the first step: 1 (given) vs 2 (needed)"));
   CHECK_THAT(s.message(), Catch::Contains("--init-tokens"));
+}
+
+namespace {
+
+// Validate()'s message for `c`, or "" when it passes.
+std::string ValidateMessage(ServerConfig c) {
+  Status s = c.Validate();
+  return s.ok() ? "" : s.message();
+}
+
+}  // namespace
+
+TEST_CASE("every numeric flag is range-checked with the flag and its range in the message", "[config]") {
+  auto with = [](auto set) {
+    ServerConfig c;
+    set(c);
+    return ValidateMessage(c);
+  };
+  CHECK(with([](ServerConfig&) {}) == "");
+  CHECK_THAT(with([](ServerConfig& c) { c.backup_replicas = -2; }),
+             Catch::Contains("-B/--backup-replicas must be >= -1"));
+  CHECK_THAT(with([](ServerConfig& c) { c.total_replicas = 0; }), Catch::Contains("-N/--total-replicas must be >= 1"));
+  CHECK_THAT(with([](ServerConfig& c) { c.summary_interval_s = -5; }),
+             Catch::Contains("--summary-interval-s must be in [0, 1000000000] (0: none), got -5"));
+  CHECK_THAT(with([](ServerConfig& c) { c.io_threads = 0; }), Catch::Contains("--threads must be in [1, 256], got 0"));
+  CHECK_THAT(with([](ServerConfig& c) { c.apply_threads = 0; }),
+             Catch::Contains("--apply-threads must be in [1, 256]"));
+  CHECK_THAT(with([](ServerConfig& c) { c.heartbeat_ms = 0; }), Catch::Contains("--heartbeat-ms must be in [1,"));
+  CHECK_THAT(with([](ServerConfig& c) { c.election_timeout_ms = 100; }),
+             Catch::Contains("--election-timeout-ms must be > --heartbeat-ms (100), got 100"));
+  CHECK_THAT(with([](ServerConfig& c) { c.staleness_bound = -1; }), Catch::Contains("--staleness must be >= 0"));
+  CHECK_THAT(with([](ServerConfig& c) { c.soft_sync_fraction = 1.5; }),
+             Catch::Contains("--soft-sync-fraction must be in [0, 1]"));
+  CHECK_THAT(with([](ServerConfig& c) { c.worker_grace_s = -1; }), Catch::Contains("--worker-grace-s must be in [0,"));
+  CHECK_THAT(with([](ServerConfig& c) { c.keep_checkpoints = -1; }),
+             Catch::Contains("--keep-checkpoints must be >= 0"));
+  CHECK_THAT(with([](ServerConfig& c) { c.max_connections = 0; }), Catch::Contains("--max-connections must be in [1,"));
+  CHECK_THAT(with([](ServerConfig& c) { c.max_frame_bytes = 100; }),
+             Catch::Contains("--max-frame-bytes must be in [4 KiB, 16 GiB], got 100 bytes"));
+  CHECK_THAT(with([](ServerConfig& c) { c.max_frame_bytes = 32ull << 30; }), Catch::Contains("got 32 GiB"));
+  CHECK_THAT(with([](ServerConfig& c) { c.slice_bytes = 1; }), Catch::Contains("--slice-bytes must be in [4 KiB"));
+  CHECK_THAT(with([](ServerConfig& c) { c.checkpoint_every_steps = -1; }),
+             Catch::Contains("--checkpoint-every-steps must be >= 0"));
+  CHECK_THAT(with([](ServerConfig& c) { c.checkpoint_every_s = -1; }),
+             Catch::Contains("--checkpoint-every-s must be in [0,"));
+  CHECK_THAT(with([](ServerConfig& c) { c.optimizer.learning_rate = 0; }),
+             Catch::Contains("--learning-rate must be > 0"));
+  CHECK_THAT(with([](ServerConfig& c) { c.optimizer.momentum = 1; }), Catch::Contains("--momentum must be in [0, 1)"));
+  CHECK_THAT(with([](ServerConfig& c) { c.optimizer.beta2 = std::nan(""); }),
+             Catch::Contains("--beta1/--beta2 must be in [0, 1)"));  // NaN is out of every range
+  CHECK_THAT(with([](ServerConfig& c) { c.default_token_timeout_ms = 0; }),
+             Catch::Contains("--token-timeout-ms must be >= 1, got 0"));
+}
+
+TEST_CASE("size flags take K, M, G, T suffixes (powers of 1024)", "[config]") {
+  using psd::server::ParseByteSize;
+  CHECK(*ParseByteSize("4096", "--max-frame-bytes") == 4096);
+  CHECK(*ParseByteSize("512K", "--max-frame-bytes") == 512ull << 10);
+  CHECK(*ParseByteSize("64M", "--max-frame-bytes") == 64ull << 20);
+  CHECK(*ParseByteSize("64m", "--max-frame-bytes") == 64ull << 20);
+  CHECK(*ParseByteSize("1G", "--max-frame-bytes") == 1ull << 30);
+  CHECK(*ParseByteSize("1GiB", "--max-frame-bytes") == 1ull << 30);
+  CHECK(*ParseByteSize("2T", "--max-model-bytes") == 2ull << 40);
+  for (const char* bad : {"", "M", "64X", "1.5G", "-1", "64 MB extra", "99999999999999999999"}) {
+    auto r = ParseByteSize(bad, "--slice-bytes");
+    INFO(bad);
+    REQUIRE_FALSE(r.ok());
+    CHECK_THAT(r.status().message(), Catch::StartsWith("--slice-bytes '"));
+  }
+  CHECK_THAT(ParseByteSize("64X", "--slice-bytes").status().message(),
+             Catch::Contains("K, M, G or T (powers of 1024), e.g. 64M"));
+  CHECK_FALSE(ParseByteSize("16777216T", "--max-model-bytes").ok());  // 2^64: overflows
+  CHECK(psd::server::FormatByteSize(256ull << 20) == "256 MiB");
+  CHECK(psd::server::FormatByteSize(4097) == "4097 bytes");
+}
+
+namespace {
+
+struct TempDir {
+  TempDir() {
+    char tmpl[] = "/tmp/psd_config_test.XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+  std::string Write(const std::string& name, const std::string& text) const {
+    std::ofstream(path + "/" + name) << text;
+    return path + "/" + name;
+  }
+  std::string path;
+};
+
+const std::vector<std::string> kKeys = {"replicas-to-aggregate", "backup-replicas", "learning-rate", "host", "R"};
+
+}  // namespace
+
+TEST_CASE("config files are strict: unknown keys, sections and snake_case are errors naming the line", "[config]") {
+  TempDir dir;
+  using psd::server::CheckConfigFile;
+  std::string ok = dir.Write("ok.conf",
+                             "# comment\n; comment\n\nreplicas-to-aggregate = 2\n  learning-rate=0.1  \n"
+                             "host = \"0.0.0.0\"  # trailing\nR = 3\n");
+  CHECK(CheckConfigFile(ok, kKeys).ok());
+  std::string typo = dir.Write("psd.conf", "# c\n\nreplicas-to-agregate = 4\n");
+  Status s = CheckConfigFile(typo, kKeys);
+  CHECK(s.code() == Code::kInvalidArgument);
+  CHECK(s.message() == typo + ":3: unknown key 'replicas-to-agregate' (did you mean replicas-to-aggregate?)");
+  s = CheckConfigFile(dir.Write("a.conf", "learning-rate = 1\n[server]\nhost = \"x\"\n"), kKeys);
+  CHECK_THAT(s.message(), Catch::Contains("a.conf:2: section [server] is not supported"));
+  s = CheckConfigFile(dir.Write("b.conf", "replicas_to_aggregate = 2\n"), kKeys);
+  CHECK_THAT(s.message(),
+             Catch::EndsWith("b.conf:1: key 'replicas_to_aggregate' is spelled 'replicas-to-aggregate' (keys are the "
+                             "flags without their leading dashes)"));
+  s = CheckConfigFile(dir.Write("c.conf", "zzzzzzzzzz = 1\n"), kKeys);
+  CHECK_THAT(s.message(), Catch::Contains("c.conf:1: unknown key 'zzzzzzzzzz' (psd --help lists the flags"));
+  s = CheckConfigFile(dir.Write("d.conf", "host\n"), kKeys);
+  CHECK_THAT(s.message(), Catch::Contains("d.conf:1: expected `key = value`"));
+  CHECK_FALSE(CheckConfigFile(dir.path + "/missing.conf", kKeys).ok());
+}
+
+TEST_CASE("protected mode: beyond loopback needs a token (or TLS) or --insecure", "[config]") {
+  ServerConfig c;
+  c.host = "0.0.0.0";
+  std::string m = ValidateMessage(c);
+  CHECK_THAT(m, Catch::StartsWith("protected mode: psd would listen on --host 0.0.0.0") &&
+                    Catch::Contains("--auth-token-file") && Catch::Contains("--insecure"));
+  c.insecure = true;
+  CHECK(ValidateMessage(c) == "");
+  c.insecure = false;
+  c.auth_token = "s3cret";
+  CHECK(ValidateMessage(c) == "");
+  for (const char* loopback : {"127.0.0.1", "127.8.9.10", "::1"}) {
+    ServerConfig l;
+    l.host = loopback;
+    l.metrics_host = loopback;
+    l.metrics_port = 0;
+    INFO(loopback);
+    CHECK(ValidateMessage(l) == "");
+  }
+  ServerConfig metrics;
+  metrics.metrics_host = "0.0.0.0";
+  CHECK(ValidateMessage(metrics) == "");  // the metrics port is off
+  metrics.metrics_port = 9090;
+  CHECK_THAT(ValidateMessage(metrics), Catch::Contains("--metrics-host 0.0.0.0"));
+  ServerConfig v6;
+  v6.host = "::";
+  CHECK_THAT(ValidateMessage(v6), Catch::Contains("--host ::"));
+  // A shard listens on its cluster entry's address.
+  ServerConfig shard;
+  shard.cluster = {"10.0.0.1:7071", "10.0.0.2:7072"};
+  shard.shard_index = 1;
+  REQUIRE(shard.ResolveListenAddress(false, false).ok());
+  CHECK(shard.host == "10.0.0.2");
+  CHECK(shard.port == 7072);
+  CHECK_THAT(ValidateMessage(shard), Catch::Contains("--host 10.0.0.2 (this shard's --cluster entry)"));
+}
+
+TEST_CASE("the cluster list: one parser, validated; a one-entry list is a single daemon on its port", "[config]") {
+  CHECK(*psd::ParseClusterList("a:1, b:2,,c:65535") == std::vector<std::string>{"a:1", "b:2", "c:65535"});
+  CHECK_THAT(
+      psd::ParseClusterList("127.0.0.1:x").status().message(),
+      Catch::Contains("--cluster entry 0 '127.0.0.1:x' is not host:port (the port must be a number in 1..65535)"));
+  CHECK_FALSE(psd::ParseClusterList("h:0").ok());
+  CHECK_FALSE(psd::ParseClusterList("h:65536").ok());
+  CHECK_FALSE(psd::ParseClusterList("h").ok());
+  CHECK_FALSE(psd::ParseClusterList(":7070").ok());
+  CHECK_FALSE(psd::ParseClusterList("").ok());
+  CHECK_THAT(psd::ParseClusterList("h:1,g:2,h:1").status().message(), Catch::Contains("lists 'h:1' twice"));
+  auto v6 = psd::ParseHostPort("[::1]:7070");
+  REQUIRE(v6.ok());
+  CHECK(v6->host == "::1");
+  CHECK(v6->port == 7070);
+  CHECK_FALSE(psd::ParseHostPort("::1:7070").ok());
+
+  ServerConfig one;
+  one.cluster = {"127.0.0.1:7171"};
+  REQUIRE(one.ResolveListenAddress(false, false).ok());
+  CHECK(one.port == 7171);
+  CHECK(one.host == "127.0.0.1");
+  CHECK_FALSE(one.clustered());
+  CHECK(ValidateMessage(one) == "");
+  ServerConfig named;  // a host name: listen on every interface
+  named.cluster = {"psd-0.psd:7070", "psd-1.psd:7070"};
+  REQUIRE(named.ResolveListenAddress(false, true).ok());
+  CHECK(named.host == "0.0.0.0");
+  CHECK(named.port == 7070);  // --port given: kept (the default here)
+  ServerConfig out;
+  out.cluster = {"a:1", "b:2"};
+  out.shard_index = 2;
+  CHECK_THAT(out.ResolveListenAddress(false, false).message(), Catch::Contains("--shard-index 2 is outside"));
+  CHECK_THAT(ValidateMessage(out), Catch::Contains("use 0..1"));
+  ServerConfig dup;
+  dup.cluster = {"127.0.0.1:1", "127.0.0.1:1"};
+  CHECK_THAT(ValidateMessage(dup), Catch::Contains("twice"));
+}
+
+TEST_CASE("the checkpoint directory is created and probed for writing at start", "[config]") {
+  TempDir dir;
+  std::string nested = dir.path + "/a/b/ckpt";
+  REQUIRE(psd::server::PrepareCheckpointDir(nested).ok());
+  CHECK(std::filesystem::is_directory(nested));
+  CHECK(std::filesystem::is_empty(nested));  // the probe is gone
+  std::string file = dir.Write("file", "x");
+  Status s = psd::server::PrepareCheckpointDir(file + "/ckpt");
+  CHECK(s.code() == Code::kInvalidArgument);
+  CHECK_THAT(s.message(), Catch::StartsWith("--checkpoint-dir " + file + "/ckpt cannot be created"));
+  CHECK_THAT(psd::server::PrepareCheckpointDir(file).message(), Catch::Contains("Not a directory"));
 }

@@ -6,9 +6,9 @@ using psd::server::WorkerRegistry;
 
 TEST_CASE("the first connected worker is chief; another takes over when it leaves", "[workers]") {
   WorkerRegistry r(2, 3);
-  CHECK(r.Hello(10, "a", 1) == 0);
-  CHECK(r.Hello(11, "b", 1) == 1);
-  CHECK(r.Hello(12, "c", 1) == 2);
+  CHECK(*r.Hello(10, "a", 1) == 0);
+  CHECK(*r.Hello(11, "b", 1) == 1);
+  CHECK(*r.Hello(12, "c", 1) == 2);
   CHECK(r.IsChief(10));
   CHECK_FALSE(r.IsChief(11));
   r.Disconnected(10);
@@ -16,16 +16,16 @@ TEST_CASE("the first connected worker is chief; another takes over when it leave
   CHECK_FALSE(r.IsChief(12));
   // "a" comes back with a new incarnation on a new connection: it keeps its index, and is chief
   // again since it said hello first.
-  CHECK(r.Hello(13, "a", 2) == 0);
+  CHECK(*r.Hello(13, "a", 2) == 0);
   CHECK(r.IsChief(13));
   CHECK(r.Counts().connected == 3);
 }
 
 TEST_CASE("finishing workers shrink the requirement once backups are used up", "[workers]") {
   WorkerRegistry r(2, 3);  // one backup
-  r.Hello(1, "a", 1);
-  r.Hello(2, "b", 1);
-  r.Hello(3, "c", 1);
+  REQUIRE(r.Hello(1, "a", 1).ok());
+  REQUIRE(r.Hello(2, "b", 1).ok());
+  REQUIRE(r.Hello(3, "c", 1).ok());
   CHECK(r.RequiredReplicas() == 2);
   CHECK_FALSE(r.Finished(1));
   CHECK(r.RequiredReplicas() == 2);  // the backup covers it
@@ -39,8 +39,8 @@ TEST_CASE("finishing workers shrink the requirement once backups are used up", "
 
 TEST_CASE("a worker gone past its grace counts as gone until it says hello again", "[workers]") {
   WorkerRegistry r(2, 2);
-  r.Hello(1, "a", 1);
-  r.Hello(2, "b", 1);
+  REQUIRE(r.Hello(1, "a", 1).ok());
+  REQUIRE(r.Hello(2, "b", 1).ok());
   auto gone = r.Disconnected(2);
   REQUIRE(gone.has_value());
   CHECK(r.RequiredReplicas() == 2);  // not yet: it may come back
@@ -50,7 +50,7 @@ TEST_CASE("a worker gone past its grace counts as gone until it says hello again
   CHECK(r.RequiredReplicas() == 1);
   CHECK(r.Counts().lost == 1);
   CHECK_FALSE(r.AllFinished());  // a lost worker alone does not end the job
-  r.Hello(3, "b", 2);
+  REQUIRE(r.Hello(3, "b", 2).ok());
   CHECK(r.RequiredReplicas() == 2);
   // A stale timer (the worker came back and left again since) marks nothing.
   auto again = r.Disconnected(3);
@@ -59,7 +59,35 @@ TEST_CASE("a worker gone past its grace counts as gone until it says hello again
   CHECK(r.Finished(1));  // a finished, b lost: the job is over
   // A finished worker that disconnects is not "lost".
   WorkerRegistry f(1, 1);
-  f.Hello(1, "a", 1);
+  REQUIRE(f.Hello(1, "a", 1).ok());
   f.Finished(1);
   CHECK_FALSE(f.Disconnected(1).has_value());
+}
+
+TEST_CASE("a worker beyond N is refused naming -N/-B; a reconnect or a lost worker's replacement is not", "[workers]") {
+  WorkerRegistry r(2, 3);  // R=2, B=1: N=3
+  REQUIRE(r.Hello(1, "w0", 1).ok());
+  REQUIRE(r.Hello(2, "w1", 1).ok());
+  REQUIRE(r.Hello(3, "w2", 1).ok());
+  auto refused = r.Hello(4, "w3", 1);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == psd::Code::kResourceExhausted);
+  CHECK_THAT(refused.status().message(), Catch::Contains("N=3 workers (-R 2 -B 1)") &&
+                                             Catch::Contains("worker 'w3' is refused") &&
+                                             Catch::Contains("raise --total-replicas/-B"));
+  CHECK(r.Snapshot().size() == 3);
+  // A known name always comes back, even on a new connection while its old one lingers.
+  CHECK(*r.Hello(5, "w1", 2) == 1);
+  // A finished worker keeps its slot.
+  r.Finished(1);
+  CHECK_FALSE(r.Hello(6, "w3", 1).ok());
+  // A lost worker's slot goes to a replacement, which takes its index.
+  auto gone = r.Disconnected(3);
+  REQUIRE(gone.has_value());
+  CHECK_FALSE(r.Hello(6, "w3", 1).ok());  // not yet lost: it may come back
+  REQUIRE(r.MarkLostIfStillGone(gone->first, gone->second).has_value());
+  CHECK(*r.Hello(6, "w3", 1) == 2);
+  CHECK(r.Names() == std::vector<std::string>{"w0", "w1", "w3"});
+  CHECK(r.Counts().lost == 0);
+  CHECK(r.RequiredReplicas() == 2);  // w0 finished, covered by the backup
 }

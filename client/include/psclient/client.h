@@ -139,6 +139,7 @@ struct UpdateOptions {
 };
 
 // "h:p,h:p,..." (psd's --cluster syntax) as ClientOptions::cluster entries; empty items skipped.
+// Client::Connect validates the entries (psd/cluster_list.h: ports 1..65535, no duplicates).
 std::vector<std::string> ParseClusterList(const std::string& list);
 
 // The environment contract of the psrun launcher (README "Launching your trainer (psrun)"):
