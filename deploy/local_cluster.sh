@@ -48,7 +48,8 @@ for f in "$psrun" "$psd" "$worker"; do
   [ -x "$f" ] || { echo "build first: $f missing" >&2; exit 1; }
 done
 
-psd_args=(--psd-arg=--learning-rate="$lr" --psd-arg=--summary-interval-s=2)
+# Every shard serves its status page and /metrics on a free port (the log names it).
+psd_args=(--psd-arg=--learning-rate="$lr" --psd-arg=--summary-interval-s=2 --psd-arg=--metrics-port=0)
 for f in "$@"; do psd_args+=("--psd-arg=$f"); done
 if [ "$shards" -le 1 ]; then
   echo "one psd (replicas_to_aggregate=$replicas, backup replicas=$backup, $workers workers)"

@@ -364,7 +364,7 @@ def check_docker(repo, binaries):
     btext = " ".join(a for _, a in build)
     check(re.search(r"install_deps\.sh", btext), "Dockerfile build stage: run deploy/install_deps.sh")
     check("-G Ninja" in btext and "CMAKE_BUILD_TYPE=Release" in btext, "Dockerfile build stage: Release build with Ninja")
-    for exe in ("psd_logreg_worker", "psrun", "cmake --install"):
+    for exe in ("psd_logreg_worker", "cmake --install"):  # psrun, psd, psd_admin: install() targets
         check(exe in btext, f"Dockerfile build stage: stages '{exe}' for the runtime image")
 
     # COPY sources: files of the context (present, not ignored) or a named earlier stage.
