@@ -322,6 +322,8 @@ Status ServerConfig::Validate() {
   PSD_RETURN_IF_ERROR(AtLeast("--keep-checkpoints", keep_checkpoints, 0, " (0: keep all)"));
   PSD_RETURN_IF_ERROR(AtLeast("--token-timeout-ms", default_token_timeout_ms, 1));
   PSD_RETURN_IF_ERROR(InRange("--max-connections", max_connections, 1, 1 << 20));
+  PSD_RETURN_IF_ERROR(InRange("--hello-timeout-ms", hello_timeout_ms, int64_t{1}, int64_t{3600000}));
+  PSD_RETURN_IF_ERROR(InRange("--idle-timeout-s", idle_timeout_s, int64_t{0}, int64_t{1} << 30, " (0: never)"));
   PSD_RETURN_IF_ERROR(InRange("--worker-grace-s", worker_grace_s, 0.0, 1e9, " (0: wait forever)"));
   PSD_RETURN_IF_ERROR(InRange("--summary-interval-s", summary_interval_s, 0.0, 1e9, " (0: none)"));
   PSD_RETURN_IF_ERROR(InRange("--heartbeat-ms", heartbeat_ms, int64_t{1}, int64_t{3600000}));

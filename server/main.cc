@@ -116,6 +116,13 @@ int main(int argc, char** argv) {
       ->type_name("SIZE")
       ->capture_default_str();
   app.add_option("--max-connections", cfg.max_connections, "most concurrent connections")->capture_default_str();
+  app.add_option("--hello-timeout-ms", cfg.hello_timeout_ms,
+                 "close a connection that has not completed its hello within this many milliseconds")
+      ->capture_default_str();
+  app.add_option("--idle-timeout-s", cfg.idle_timeout_s,
+                 "close a connection that sent nothing and has nothing parked for this many seconds (0: never; "
+                 "a client reconnects on its next call)")
+      ->capture_default_str();
   app.add_option("--auth-token-file", auth_token_file,
                  "file holding a shared secret every worker and tool must present (none: no authentication)");
   app.add_flag("--insecure", cfg.insecure,

@@ -27,12 +27,49 @@ Connection::Connection(Server& server, tcp::socket socket, uint64_t id)
     : server_(server),
       socket_(std::move(socket)),
       strand_(asio::make_strand(static_cast<asio::io_context&>(socket_.get_executor().context()))),
-      id_(id) {}
+      id_(id),
+      timer_(strand_) {}
 
 void Connection::Start() {
   boost::system::error_code ec;
   socket_.set_option(tcp::no_delay(true), ec);
-  asio::dispatch(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+  asio::dispatch(strand_, [self = shared_from_this()] {
+    auto hello = std::chrono::milliseconds(self->server_.config().hello_timeout_ms);
+    self->hello_deadline_ = std::chrono::steady_clock::now() + hello;
+    self->ArmTimer(hello);
+    self->ReadHeader();
+  });
+}
+
+void Connection::ArmTimer(std::chrono::steady_clock::duration after) {
+  timer_.expires_after(after);
+  timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+    if (!ec) self->OnTimer();
+  });
+}
+
+bool Connection::Busy() {
+  for (auto it = collectives_.begin(); it != collectives_.end();) it = **it ? collectives_.erase(it) : std::next(it);
+  return writing_ || !parked_.empty() || !collectives_.empty();
+}
+
+void Connection::OnTimer() {
+  if (closed_) return;
+  auto now = std::chrono::steady_clock::now();
+  if (!greeted_) {
+    if (now < hello_deadline_) return ArmTimer(hello_deadline_ - now);
+    spdlog::warn("connection {}: no hello within --hello-timeout-ms {}; closing it", id_,
+                 server_.config().hello_timeout_ms);
+    return CloseNow();
+  }
+  int64_t idle_s = server_.config().idle_timeout_s;
+  if (idle_s <= 0) return;
+  auto idle = std::chrono::seconds(idle_s);
+  if (Busy()) last_frame_ = now;  // a parked wait is activity: the idle time counts from its end
+  if (now - last_frame_ < idle) return ArmTimer(last_frame_ + idle - now);
+  spdlog::warn("connection {}: idle for --idle-timeout-s {} s; closing it (a client reconnects on its next call)", id_,
+               idle_s);
+  CloseNow();
 }
 
 void Connection::CloseGracefully() {
@@ -45,6 +82,7 @@ void Connection::CloseGracefully() {
 void Connection::CloseNow() {
   if (closed_) return;
   closed_ = true;
+  timer_.cancel();
   boost::system::error_code ec;
   socket_.shutdown(tcp::socket::shutdown_both, ec);
   socket_.close(ec);
@@ -85,11 +123,18 @@ void Connection::ReadBody(uint32_t segment_count) {
   uint64_t total = 0;
   Status s = wire::ParseSegmentSizes(table_.data(), segment_count, server_.config().max_frame_bytes, &sizes, &total);
   if (!s.ok()) return FailStream(s);
+  if (!greeted_ && total * sizeof(capnp::word) > kPreHelloFrameBytes) {
+    // Nothing bigger than a hello is allocated for a peer that has not said who it is.
+    return FailStream(ResourceExhausted(
+        "a message of " + std::to_string(total * sizeof(capnp::word)) + " bytes before the hello: psd reads at most " +
+        std::to_string(kPreHelloFrameBytes) + " bytes from a connection until its hello is accepted; say hello first"));
+  }
   capnp::word* body = in_.Prepare(sizes, total);
   asio::async_read(socket_, asio::buffer(body, total * sizeof(capnp::word)),
                    asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
                      if (ec) return self->CloseNow();
                      self->server_.metrics().OnBytesIn(n + self->table_.size() * 4 + 4);
+                     self->last_frame_ = std::chrono::steady_clock::now();
                      self->OnFrame();
                      self->in_.MaybeRelease(16u << 20);
                      self->ReadHeader();
@@ -126,6 +171,7 @@ void Connection::Dispatch(proto::Request::Reader req) {
   if (!authenticated_ && !server_.config().auth_token.empty()) {
     return SendError(id, Unauthenticated("say hello with the auth token first"));
   }
+  if (!greeted_) return SendError(id, FailedPrecondition("say hello first (as a worker, an observer or a peer)"));
   if (which == proto::Request::PEER) {
     // Never answered: peers' messages are one-way.
     if (peer_shard_ < 0) return SendError(id, FailedPrecondition("peer messages need a peer hello"));
@@ -222,12 +268,14 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
       peer_shard_ = idx;
       c->OnPeerHello(idx);
     }
+    greeted_ = true;
     proto::Response::Builder resp(nullptr);
     auto frame = NewReply(id, &resp);
     resp.initHello().setProtocolVersion(proto::PROTOCOL_VERSION);
     return Send(std::move(frame));
   }
   if (r.getObserver()) {
+    greeted_ = true;
     proto::Response::Builder resp(nullptr);
     auto frame = NewReply(id, &resp);
     auto h = resp.initHello();
@@ -245,12 +293,17 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
     // A worker joins once the restore is done, so its hello carries the restored step (the
     // client asks again until connect_timeout_ms). A cluster's client waits for the formation.
     Status serving = server_.Serving();
-    if (!serving.ok()) return SendError(id, serving);
+    if (!serving.ok()) {
+      // psd asked for the retry: the hello deadline starts again.
+      hello_deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(server_.config().hello_timeout_ms);
+      return SendError(id, serving);
+    }
   }
   auto index = server_.OnHello(id_, name, r.getIncarnation());
   if (!index.ok()) return FailStream(index.status(), id);
   worker_index_ = *index;
   hello_done_ = true;
+  greeted_ = true;
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
   auto h = resp.initHello();
@@ -619,6 +672,7 @@ void Connection::HandleGetPlacement(uint64_t id) {
 
 void Connection::ArmDeadline(int64_t timeout_ms, std::shared_ptr<bool> answered, std::function<void()> expire) {
   if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
+  collectives_.insert(answered);  // not idle while it is parked
   auto timer = std::make_shared<asio::steady_timer>(strand_);
   timer->expires_after(std::chrono::milliseconds(timeout_ms));
   timer->async_wait(

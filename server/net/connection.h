@@ -2,6 +2,11 @@
 // requests to the engine and writes replies with scatter-gather writes. All members are touched
 // only on the connection's strand.
 //
+// Before its hello is accepted (worker, observer or peer), a connection may send only a hello, in
+// a frame of at most kPreHelloFrameBytes (refused from the header, before any allocation), and must
+// complete it within --hello-timeout-ms; afterwards it is closed when idle (no frame received and
+// nothing parked) past --idle-timeout-s.
+//
 // Malformed input: a frame whose header is bad or over --max-frame-bytes gets an error reply and
 // the connection is closed (the stream cannot be resynchronised); a well-framed message that
 // fails to decode or validate gets an error reply and the connection stays usable. Nothing a
@@ -9,6 +14,7 @@
 #ifndef PSD_SERVER_NET_CONNECTION_H_
 #define PSD_SERVER_NET_CONNECTION_H_
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -26,6 +32,9 @@ class Server;
 
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
+  // The largest frame read before the hello is accepted (a hello is well under 1 KiB).
+  static constexpr uint64_t kPreHelloFrameBytes = 64 << 10;
+
   Connection(Server& server, tcp::socket socket, uint64_t id);
   uint64_t id() const { return id_; }
   void Start();
@@ -43,6 +52,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Answers `id` with `status` and closes once the reply is written.
   void FailStream(const Status& status, uint64_t id = 0);
   void CloseNow();
+  // The per-connection timer: the hello deadline until greeted_, then the idle check.
+  void ArmTimer(std::chrono::steady_clock::duration after);
+  void OnTimer();
+  bool Busy();  // a token wait or a collective is parked
 
   void Dispatch(proto::Request::Reader req);
   void HandleHello(uint64_t id, proto::Hello::Reader r);
@@ -86,8 +99,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   uint32_t first_[2] = {0, 0};
   std::vector<uint32_t> table_;
   wire::InFrame in_;
-  bool hello_done_ = false;     // a worker's hello was accepted
-  bool authenticated_ = false;  // a hello with the right token (or no token required)
+  bool hello_done_ = false;  // a worker's hello was accepted
+  bool greeted_ = false;     // any hello (worker, observer, peer) was accepted
+  asio::steady_timer timer_;
+  std::chrono::steady_clock::time_point hello_deadline_;
+  std::chrono::steady_clock::time_point last_frame_ = std::chrono::steady_clock::now();
+  std::set<std::shared_ptr<bool>> collectives_;  // parked reduce/update: their `answered` flags
+  bool authenticated_ = false;                   // a hello with the right token (or no token required)
   uint32_t worker_index_ = 0;
   int peer_shard_ = -1;   // another shard of the cluster (after its peer hello)
   bool closing_ = false;  // close once the write queue drains

@@ -102,6 +102,7 @@ Server::Server(ServerConfig config)
       workers_(config_.replicas_to_aggregate, config_.total_replicas),
       ssp_(config_.staleness_bound),
       acceptor_(io_),
+      accept_backoff_(io_),
       summary_timer_(io_),
       deadline_strand_(asio::make_strand(io_)),
       step_deadline_(deadline_strand_),
@@ -387,8 +388,25 @@ void Server::Accept() {
   acceptor_.async_accept(asio::make_strand(io_), [this](boost::system::error_code ec, tcp::socket socket) {
     if (ec) {
       if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
+      if (ec == asio::error::no_descriptors || ec == boost::system::errc::too_many_files_open_in_system ||
+          ec == asio::error::no_buffer_space || ec == asio::error::no_memory) {
+        // Out of descriptors (or kernel memory): retrying at once would spin. Back off 100 ms
+        // doubling to 1 s, and say so once per episode.
+        if (accept_backoff_ms_ == 0) {
+          spdlog::error("accept failed: {}; backing off; raise the fd limit or lower --max-connections", ec.message());
+        }
+        accept_backoff_ms_ = std::clamp(accept_backoff_ms_ * 2, 100, 1000);
+        accept_backoff_.expires_after(std::chrono::milliseconds(accept_backoff_ms_));
+        return accept_backoff_.async_wait([this](boost::system::error_code tec) {
+          if (!tec && acceptor_.is_open()) Accept();
+        });
+      }
       spdlog::warn("accept failed: {}", ec.message());
       return Accept();
+    }
+    if (accept_backoff_ms_ > 0) {
+      spdlog::info("accepting connections again after running out of descriptors");
+      accept_backoff_ms_ = 0;
     }
     uint64_t id = next_conn_id_.fetch_add(1);
     auto conn = std::make_shared<Connection>(*this, std::move(socket), id);
@@ -515,6 +533,7 @@ void Server::Stop() {
   asio::post(io_, [this] {
     boost::system::error_code ec;
     acceptor_.close(ec);
+    accept_backoff_.cancel();
     summary_timer_.cancel();
     checkpoint_timer_.cancel();
     ready_timer_.cancel();

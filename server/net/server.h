@@ -136,6 +136,9 @@ class Server {
   asio::io_context io_;
   std::unique_ptr<asio::executor_work_guard<asio::io_context::executor_type>> work_;
   tcp::acceptor acceptor_;
+  // Accept loop state (touched only by the single outstanding accept's handler and its timer).
+  asio::steady_timer accept_backoff_;
+  int accept_backoff_ms_ = 0;  // > 0: in an episode of running out of descriptors
   asio::steady_timer summary_timer_;
   asio::strand<asio::io_context::executor_type> deadline_strand_;
   asio::steady_timer step_deadline_;  // soft sync; touched only on deadline_strand_

@@ -37,6 +37,17 @@ struct RawPeer {
     socket.read_some(asio::buffer(&c, 1), ec);
     return ec == asio::error::eof || ec == asio::error::connection_reset;
   }
+  // True if psd closes the connection within `limit` (a test bound, not a timing assert).
+  bool ClosedWithin(std::chrono::seconds limit) {
+    char c;
+    bool closed = false;
+    socket.async_read_some(asio::buffer(&c, 1), [&](boost::system::error_code ec, size_t) {
+      closed = ec == asio::error::eof || ec == asio::error::connection_reset;
+    });
+    io.restart();
+    io.run_for(limit);
+    return closed;
+  }
   void Hello() {
     wire::OutFrame f;
     auto h = f.builder.initRoot<proto::Request>();
@@ -59,6 +70,15 @@ std::string Words(std::vector<uint32_t> words) {
   return std::string(reinterpret_cast<const char*>(words.data()), words.size() * 4);
 }
 
+// A daemon where worker "owner" created the scalar "w" = 5.
+std::unique_ptr<server::Server> StartWithVariable(const server::ServerConfig& cfg) {
+  auto server = StartServer(cfg);
+  auto w = ConnectWorker(server->port(), "owner");
+  float five = 5;
+  REQUIRE(w->CreateVariable("w", {&five, DType::kFloat32, {}, MemoryKind::kHost}).ok());
+  return server;
+}
+
 // After any abuse, a normal worker still gets served and the variable is intact.
 void ExpectHealthy(uint16_t port) {
   auto w = ConnectWorker(port, "healthy");
@@ -73,12 +93,7 @@ void ExpectHealthy(uint16_t port) {
 TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]") {
   auto cfg = TestConfig(1, 3, 0);  // N=3: "owner", "healthy" and a raw peer "raw" say hello
   cfg.max_frame_bytes = 1 << 16;
-  auto server = StartServer(cfg);
-  {
-    auto w = ConnectWorker(server->port(), "owner");
-    float five = 5;
-    REQUIRE(w->CreateVariable("w", {&five, DType::kFloat32, {}, MemoryKind::kHost}).ok());
-  }
+  auto server = StartWithVariable(cfg);
   Code code;
   std::string msg;
 
@@ -312,4 +327,77 @@ TEST_CASE("the hello announces --max-frame-bytes; the client refuses bigger requ
   CHECK_THAT(pushed.status().message(), Catch::Contains("the push request is") && Catch::Contains("--max-frame-bytes"));
   auto one = w->Push(0, {{"s0", {small.data(), DType::kFloat32, {1000}, MemoryKind::kHost}}});
   CHECK(one.ok());
+}
+
+TEST_CASE("before its hello a connection may send only a small hello, and must send it soon", "[robustness][dos]") {
+  auto cfg = TestConfig(1, 3, 0);  // N=3: "owner", "raw" and "healthy"
+  cfg.hello_timeout_ms = 300;      // the default is 5000
+  cfg.max_connections = 4;
+  auto server = StartWithVariable(cfg);
+  Code code;
+  std::string msg;
+  SECTION("a frame announcing 200 MB before the hello is refused from its header") {
+    // Under --max-frame-bytes (256 MiB), so only the pre-hello bound stops it.
+    RawPeer p(server->port());
+    p.SendBytes(Words({0, (200u << 20) / 8}));
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kResourceExhausted);
+    CHECK_THAT(msg, Catch::Contains("before the hello") && Catch::Contains("say hello first"));
+    CHECK(p.ClosedWithin(std::chrono::seconds(30)));
+  }
+  SECTION("a request other than a hello before the hello is refused") {
+    RawPeer p(server->port());
+    wire::OutFrame f;
+    f.builder.initRoot<proto::Request>().setId(4);
+    f.builder.getRoot<proto::Request>().setStatus();
+    p.Send(f);
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kFailedPrecondition);
+    CHECK_THAT(msg, Catch::Contains("say hello first"));
+  }
+  SECTION("a connection that never says hello is closed after --hello-timeout-ms") {
+    RawPeer p(server->port());
+    CHECK(p.ClosedWithin(std::chrono::seconds(30)));
+  }
+  SECTION("silent connections filling --max-connections do not lock a worker out for long") {
+    std::vector<std::unique_ptr<RawPeer>> silent;
+    for (int i = 0; i < cfg.max_connections; ++i) silent.push_back(std::make_unique<RawPeer>(server->port()));
+    for (auto& p : silent) CHECK(p->ClosedWithin(std::chrono::seconds(30)));
+  }
+  SECTION("a connection that said hello stays open past the hello timeout") {
+    RawPeer p(server->port());
+    p.Hello();
+    CHECK_FALSE(p.ClosedWithin(std::chrono::seconds(1)));
+  }
+  psclient::ClientOptions o;
+  o.port = server->port();
+  o.worker_name = "healthy";
+  o.connect_timeout_ms = 30000;
+  auto w = psclient::Client::Connect(o);
+  INFO(w.status().ToString());
+  REQUIRE(w.ok());
+  float v = -1;
+  REQUIRE((*w)->Pull("w", {&v, DType::kFloat32, {}, MemoryKind::kHost}).ok());
+  CHECK(v == 5.0f);
+  REQUIRE((*w)->Push(0, {{"w", {&v, DType::kFloat32, {}, MemoryKind::kHost}}}).ok());
+}
+
+TEST_CASE("an idle connection is closed after --idle-timeout-s; a parked wait is not idle", "[robustness][dos]") {
+  auto cfg = TestConfig(1, 2, 0);
+  cfg.idle_timeout_s = 1;
+  auto server = StartServer(cfg);
+  Code code;
+  std::string msg;
+  RawPeer p(server->port());
+  p.Hello();
+  wire::OutFrame wait;
+  auto r = wait.builder.initRoot<proto::Request>();
+  r.setId(7);
+  r.initWaitToken().setTimeoutMs(2500);  // parked past the idle bound: answered, not cut off
+  p.Send(wait);
+  uint64_t id = 0;
+  REQUIRE(p.Read(&code, &msg, &id));
+  CHECK(id == 7);
+  CHECK(code == Code::kDeadlineExceeded);
+  CHECK(p.ClosedWithin(std::chrono::seconds(60)));
 }
