@@ -40,7 +40,7 @@ struct ServerConfig {
   uint64_t max_frame_bytes = 256ull << 20;
   int max_connections = 1024;
   int64_t hello_timeout_ms = 5000;  // a connection must complete its hello within this
-  int64_t idle_timeout_s = 600;     // close a connection idle this long (nothing parked); 0: never
+  int64_t idle_timeout_s = 0;       // close a connection idle this long (nothing parked); 0: never
   std::string auth_token;           // non-empty: every connection must present it in its hello
   // Protected mode (README "Protected mode"): listening beyond loopback (--host, a cluster entry's
   // address, --metrics-host) needs a secret (auth_token) or TLS, unless `insecure` says so.
