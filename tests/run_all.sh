@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs the whole test suite, from a fresh Debian 12 machine: installs the packages,
 # then a Release build with -Werror and an ASan+UBSan build, each running every test (unit,
-# integration, e2e). Exits non-zero on any failure. Bounded: every test has a CTest timeout.
+# integration, e2e), then the fuzz targets briefly (tests/fuzz/run.sh). Exits non-zero on any
+# failure. Bounded: every test has a CTest timeout, every fuzz target a time limit.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 "$here/deploy/install_deps.sh"
@@ -20,3 +21,6 @@ cmake -S "$here" -B "$here/build-asan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInf
 cmake --build "$here/build-asan" -j "$jobs"
 (cd "$here/build-asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --output-on-failure --timeout 300 -j 2)
+
+echo "== Fuzzing (clang + libFuzzer: regressions, then 60 s per target) =="
+"$here/tests/fuzz/run.sh" --seconds 60 --build "$here/build-fuzz" --jobs "$jobs"

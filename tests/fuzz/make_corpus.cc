@@ -1,0 +1,355 @@
+// psd_fuzz_corpus: writes the seed corpus of the fuzz targets (tests/fuzz/corpus/<target>/),
+// valid frames of every request and peer message kind built with the schema's own builders, so
+// the seeds follow the schema. `psd_fuzz_corpus DIR` (re)writes DIR/<target>/*; `--check DIR`
+// exits 1, naming the files, when DIR differs from what it would write (the fuzz.corpus_current
+// test: a schema change without regenerated seeds).
+#include <capnp/message.h>
+#include <capnp/serialize.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "psd.capnp.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using psd::proto::PeerMessage;
+using psd::proto::Request;
+using Bytes = std::string;
+
+// One frame holding a Request built by `fill`.
+Bytes Frame(uint64_t id, const std::function<void(Request::Builder)>& fill) {
+  capnp::MallocMessageBuilder msg;
+  auto req = msg.initRoot<Request>();
+  req.setId(id);
+  fill(req);
+  auto words = capnp::messageToFlatArray(msg);
+  auto bytes = words.asBytes();
+  return Bytes(reinterpret_cast<const char*>(bytes.begin()), bytes.size());
+}
+
+void SetTensor(psd::proto::Tensor::Builder t, std::initializer_list<int64_t> shape, float fill) {
+  t.setDtype(psd::proto::DType::FLOAT32);
+  auto s = t.initShape(static_cast<unsigned>(shape.size()));
+  size_t n = 1;
+  unsigned i = 0;
+  for (int64_t d : shape) {
+    s.set(i++, d);
+    n *= static_cast<size_t>(d);
+  }
+  std::vector<float> v(n, fill);
+  auto data = t.initData(static_cast<unsigned>(n * sizeof(float)));
+  std::memcpy(data.begin(), v.data(), n * sizeof(float));
+}
+
+Bytes Hello(bool observer = false) {
+  return Frame(1, [&](Request::Builder r) {
+    auto h = r.initHello();
+    h.setProtocolVersion(psd::proto::PROTOCOL_VERSION);
+    h.setWorkerName("worker-0");
+    h.setIncarnation(1);
+    h.setObserver(observer);
+  });
+}
+
+Bytes Create(const char* name = "w", bool sync_on_read = false) {
+  return Frame(2, [&](Request::Builder r) {
+    auto c = r.initCreateVariable();
+    c.setName(name);
+    SetTensor(c.initInitial(), {4, 2}, 0.5f);
+    c.setAverage(true);
+    if (sync_on_read) {
+      c.setSyncOnRead(true);
+      c.setAggregation(psd::proto::Aggregation::MEAN);
+    }
+  });
+}
+
+Bytes Push(bool sparse) {
+  return Frame(3, [&](Request::Builder r) {
+    auto p = r.initPush();
+    p.setLocalStep(0);
+    p.setWaitToken(true);
+    p.setTimeoutMs(10);
+    p.initPullAfter(1).set(0, "w");
+    auto g = p.initGrads(1)[0];
+    g.setName("w");
+    if (sparse) {
+      g.setSparse(true);
+      SetTensor(g.initGrad(), {2, 2}, 1.0f);
+      auto idx = g.initIndices(2);
+      idx.set(0, 0);
+      idx.set(1, 3);
+      g.setHasDenseShape(true);
+      auto ds = g.initDenseShape(2);
+      ds.set(0, 4);
+      ds.set(1, 2);
+    } else {
+      SetTensor(g.initGrad(), {4, 2}, 1.0f);
+    }
+  });
+}
+
+// A worker session: hello, a variable, then `rest`, then finish.
+Bytes Session(std::initializer_list<Bytes> rest) {
+  Bytes out = Hello() + Create();
+  for (const Bytes& b : rest) out += b;
+  return out + Frame(99, [](Request::Builder r) { r.setFinish(); });
+}
+
+std::map<std::string, Bytes> WorkerSeeds() {
+  std::map<std::string, Bytes> s;
+  s["hello"] = Hello();
+  s["hello_observer_status"] = Hello(true) + Frame(2, [](Request::Builder r) { r.setStatus(); });
+  s["no_hello"] = Create();
+  s["create"] = Session({});
+  s["create_sync_on_read"] = Hello() + Create("r", true);
+  s["pull"] = Session({Frame(3, [](Request::Builder r) {
+    auto p = r.initPull();
+    p.initNames(1).set(0, "w");
+    p.setAverages(true);
+  })});
+  s["push_dense"] = Session({Push(false)});
+  s["push_sparse"] = Session({Push(true)});
+  s["wait_token"] = Session({Frame(3, [](Request::Builder r) { r.initWaitToken().setTimeoutMs(10); })});
+  s["get_slot"] = Session({Frame(3, [](Request::Builder r) {
+    auto g = r.initGetSlot();
+    g.setVariable("w");
+    g.setSlot("momentum");
+  })});
+  s["pull_rows"] = Session({Frame(3, [](Request::Builder r) {
+    auto p = r.initPullRows();
+    p.setName("w");
+    auto rows = p.initRows(3);
+    rows.set(0, 3);
+    rows.set(1, 0);
+    rows.set(2, 3);
+  })});
+  s["set_learning_rate"] = Session({Frame(3, [](Request::Builder r) { r.setSetLearningRate(0.5); })});
+  s["checkpoint"] = Session({Frame(3, [](Request::Builder r) { r.setCheckpoint(); })});
+  s["place"] = Session({Frame(3, [](Request::Builder r) {
+    auto p = r.initPlace();
+    p.setName("p");
+    p.initShape(1).set(0, 8);
+  })});
+  s["get_placement"] = Session({Frame(3, [](Request::Builder r) { r.setGetPlacement(); })});
+  s["peer_without_hello"] = Session({Frame(3, [](Request::Builder r) { r.initPeer().initHeartbeat(); })});
+  s["reduce"] = Session({Frame(3, [](Request::Builder r) {
+    auto red = r.initReduce();
+    red.setOp(psd::proto::Reduction::SUM);
+    red.setTimeoutMs(10);
+    auto e = red.initEntries(1)[0];
+    e.setDestination("w");
+    SetTensor(e.initValue(), {4, 2}, 2.0f);
+  })});
+  s["update"] = Session({Frame(3, [](Request::Builder r) {
+    auto u = r.initUpdate();
+    u.setVariable("w");
+    u.setOp(psd::proto::UpdateOp::ASSIGN_ADD);
+    SetTensor(u.initValue(), {4, 2}, 1.0f);
+    u.setCrossReplica(true);
+    u.setTimeoutMs(10);
+  })});
+  s["steps"] = Session({Push(false), Push(false), Push(true),
+                        Frame(7, [](Request::Builder r) { r.initPull().initNames(1).set(0, "w"); })});
+  return s;
+}
+
+// A peer message from shard `from` at `term`.
+Bytes Peer(uint32_t from, uint64_t term, const std::function<void(PeerMessage::Builder)>& fill) {
+  return Frame(0, [&](Request::Builder r) {
+    auto m = r.initPeer();
+    m.setFrom(from);
+    m.setTerm(term);
+    fill(m);
+  });
+}
+
+Bytes Heartbeat(uint32_t from, uint64_t term, int32_t chief, bool running) {
+  return Peer(from, term, [&](PeerMessage::Builder m) {
+    auto hb = m.initHeartbeat();
+    hb.setChief(chief);
+    hb.setEpoch(term);
+    hb.setRunning(running);
+    hb.setReady(true);
+    hb.setRequired(1);
+    hb.initSealedSteps(1).set(0, 10);
+  });
+}
+
+Bytes Restore(uint32_t from, uint64_t term, int64_t step) {
+  return Peer(from, term, [&](PeerMessage::Builder m) {
+    auto r = m.initRestore();
+    r.setEpoch(term);
+    r.setStep(step);
+  });
+}
+
+Bytes Restored(uint32_t from, uint64_t term) {
+  return Peer(from, term, [&](PeerMessage::Builder m) {
+    auto r = m.initRestored();
+    r.setEpoch(term);
+    r.setStep(-1);
+    r.setOk(true);
+    auto p = r.initPlacements(1)[0];
+    p.setName("w");
+    p.initShape(2).set(0, 8);
+    p.getShape().set(1, 2);
+    p.setSliced(true);
+    auto parts = p.initParts(2);
+    parts[0].setShard(from);
+    parts[0].setRowBegin(0);
+    parts[0].setRowEnd(4);
+    parts[1].setShard(0);
+    parts[1].setRowBegin(4);
+    parts[1].setRowEnd(8);
+  });
+}
+
+Bytes Step(uint32_t from, uint64_t term, int64_t step, bool committed) {
+  return Peer(from, term, [&](PeerMessage::Builder m) {
+    auto s = committed ? m.initCommitted() : m.initPrepared();
+    s.setEpoch(term);
+    s.setStep(step);
+    s.setMinGradients(1);
+    s.setMaxGradients(2);
+    s.setTakes(1);
+  });
+}
+
+Bytes Part(uint32_t from, uint64_t term, int64_t step) {
+  return Peer(from, term, [&](PeerMessage::Builder m) {
+    auto p = m.initPartWritten();
+    p.setEpoch(term);
+    p.setStep(step);
+    p.setShard(from);
+    p.setFile("part-1-of-3");
+    p.setBytes(128);
+    p.setChecksum(0x1234);
+  });
+}
+
+std::map<std::string, Bytes> PeerSeeds() {
+  std::map<std::string, Bytes> s;
+  // Shard 1 is chief at term 5 (a higher term than ours: adopted), then drives shard 0.
+  s["heartbeat"] = Heartbeat(1, 5, 1, true);
+  s["follower_restore"] = Heartbeat(1, 5, 1, false) + Restore(1, 5, -1);
+  s["follower_restore_step"] = Heartbeat(1, 5, 1, false) + Restore(1, 5, 10);
+  s["follower_commit"] = Heartbeat(1, 5, 1, true) + Peer(1, 5, [](PeerMessage::Builder m) {
+                           auto c = m.initCommit();
+                           c.setEpoch(5);
+                           c.setStep(0);
+                           c.setLearningRate(0.1);
+                         });
+  s["follower_control"] = Heartbeat(1, 5, 1, true) + Peer(1, 5, [](PeerMessage::Builder m) {
+                            auto c = m.initControl();
+                            c.setEpoch(5);
+                            c.setJobDone(true);
+                            c.setSnapshotStep(-1);
+                            c.setForceStep(-1);
+                          });
+  s["follower_seal"] = Heartbeat(1, 5, 1, true) + Peer(1, 5, [](PeerMessage::Builder m) {
+                         auto seal = m.initSeal();
+                         seal.setStep(10);
+                         auto parts = seal.initParts(1);
+                         parts[0].setStep(10);
+                         parts[0].setFile("part-0-of-3");
+                       });
+  // Messages a chief receives (shard 0 is chief only after its own tick; the seeds still reach
+  // the term and role checks).
+  s["prepared"] = Step(1, 1, 0, false) + Step(2, 1, 0, false);
+  s["committed"] = Step(1, 1, 0, true) + Step(2, 1, 0, true);
+  s["restored"] = Restored(1, 1) + Restored(2, 1);
+  s["part_written"] = Part(1, 1, 10) + Part(2, 1, 10);
+  s["checkpoint_request"] = Peer(2, 0, [](PeerMessage::Builder m) { m.setCheckpointRequest(); });
+  s["stale_term"] = Heartbeat(2, 7, 2, true) + Restore(1, 3, -1);
+  return s;
+}
+
+std::map<std::string, std::map<std::string, Bytes>> AllSeeds() {
+  auto worker = WorkerSeeds();
+  auto peer = PeerSeeds();
+  std::map<std::string, Bytes> frame = worker;
+  for (auto& [name, bytes] : peer) frame["peer_" + name] = bytes;
+  return {{"frame", frame}, {"worker_request", worker}, {"peer_message", peer}};
+}
+
+bool ReadFile(const fs::path& p, Bytes* out) {
+  std::ifstream f(p, std::ios::binary);
+  if (!f) return false;
+  out->assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  return true;
+}
+
+int Check(const fs::path& dir) {
+  int bad = 0;
+  for (auto& [target, seeds] : AllSeeds()) {
+    std::set<std::string> on_disk;
+    if (fs::is_directory(dir / target)) {
+      for (auto& e : fs::directory_iterator(dir / target)) on_disk.insert(e.path().filename().string());
+    }
+    for (auto& [name, bytes] : seeds) {
+      Bytes have;
+      if (!ReadFile(dir / target / name, &have) || have != bytes) {
+        std::fprintf(stderr, "%s/%s/%s is missing or out of date\n", dir.c_str(), target.c_str(), name.c_str());
+        ++bad;
+      }
+      on_disk.erase(name);
+    }
+    for (auto& extra : on_disk) {
+      std::fprintf(stderr, "%s/%s/%s is not a seed psd_fuzz_corpus writes\n", dir.c_str(), target.c_str(),
+                   extra.c_str());
+      ++bad;
+    }
+  }
+  if (bad) {
+    std::fprintf(stderr, "the seed corpus does not match the schema: run psd_fuzz_corpus %s and commit it\n",
+                 dir.c_str());
+    return 1;
+  }
+  std::printf("seed corpus in %s is current\n", dir.c_str());
+  return 0;
+}
+
+int Write(const fs::path& dir) {
+  for (auto& [target, seeds] : AllSeeds()) {
+    fs::path sub = dir / target;
+    std::error_code ec;
+    fs::remove_all(sub, ec);
+    fs::create_directories(sub, ec);
+    if (ec) {
+      std::fprintf(stderr, "cannot create %s: %s\n", sub.c_str(), ec.message().c_str());
+      return 1;
+    }
+    for (auto& [name, bytes] : seeds) {
+      std::ofstream f(sub / name, std::ios::binary);
+      f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+      if (!f) {
+        std::fprintf(stderr, "cannot write %s\n", (sub / name).c_str());
+        return 1;
+      }
+    }
+    std::printf("%zu seeds in %s\n", seeds.size(), sub.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::strcmp(argv[1], "--check") == 0) return Check(argv[2]);
+  if (argc == 2 && argv[1][0] != '-') return Write(argv[1]);
+  std::fprintf(stderr,
+               "usage: psd_fuzz_corpus DIR   (writes DIR/<target>/*)\n"
+               "       psd_fuzz_corpus --check DIR\n");
+  return 2;
+}

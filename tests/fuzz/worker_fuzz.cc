@@ -1,0 +1,46 @@
+// Fuzz target `worker_request`: a worker connection of a live single psd. The input is the byte
+// stream a worker sends; it goes, through a local socket pair, into a real Connection of a real
+// Server (started on 127.0.0.1:0, so it is restored and serving), which frames it, enforces the
+// pre-hello limit, dispatches every request to the engine and writes its replies. A fresh Server
+// per input keeps runs reproducible. The connection runs on an io_context driven by this thread
+// only (poll, never run), so an input's processing is deterministic and ends when nothing is
+// left to do: the input ends with end of stream, which closes the connection and cancels what it
+// parked. Nothing may crash, leak or hit undefined behaviour.
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "fuzz_support.h"
+#include "net/connection.h"
+#include "net/server.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  namespace asio = boost::asio;
+  using psd::tcp;
+  psd::server::ServerConfig config = psd::fuzz::FuzzConfig();
+  config.default_token_timeout_ms = 50;
+  std::unique_ptr<psd::server::Server> server = psd::fuzz::MakeServer(std::move(config), /*start=*/true);
+  {
+    asio::io_context io;
+    tcp::socket psd_end(io), worker_end(io);
+    psd::fuzz::MakeSocketPair(io, &psd_end, &worker_end);
+    std::make_shared<psd::server::Connection>(*server, std::move(psd_end), /*id=*/1)->Start();
+    psd::fuzz::Feed(worker_end, data, size);
+    // Until two rounds in a row run no handler and read no reply (replies are read as they come,
+    // so the connection's writes never block). Bounded: an input has at most kMaxInputBytes.
+    for (int quiet = 0, round = 0; quiet < 2 && round < 100000; ++round) {
+      size_t ran = io.poll();
+      size_t read = psd::fuzz::Drain(worker_end);
+      quiet = (ran == 0 && read == 0) ? quiet + 1 : 0;
+      if (io.stopped()) io.restart();
+    }
+    // Stopping the server cancels what is still parked in its engine (their handlers are posted
+    // to `io`); they run while the server still exists, and the connection's remaining handlers
+    // are dropped with `io`, before the server goes.
+    server->Stop();
+    io.restart();
+    io.poll();
+  }
+  server.reset();
+  return 0;
+}
