@@ -1,8 +1,8 @@
 // psd_fuzz_corpus: writes the seed corpus of the fuzz targets (tests/fuzz/corpus/<target>/),
 // valid frames of every request and peer message kind built with the schema's own builders, so
-// the seeds follow the schema. `psd_fuzz_corpus DIR` (re)writes DIR/<target>/*; `--check DIR`
-// exits 1, naming the files, when DIR differs from what it would write (the fuzz.corpus_current
-// test: a schema change without regenerated seeds).
+// the seeds follow the schema (worker_request seeds start with worker_fuzz.cc's settings byte). `psd_fuzz_corpus DIR`
+// (re)writes DIR/<target>/*; `--check DIR` exits 1, naming the files, when DIR differs from what it would write (the
+// fuzz.corpus_current test: a schema change without regenerated seeds).
 #include <capnp/message.h>
 #include <capnp/serialize.h>
 
@@ -280,7 +280,18 @@ std::map<std::string, std::map<std::string, Bytes>> AllSeeds() {
   auto peer = PeerSeeds();
   std::map<std::string, Bytes> frame = worker;
   for (auto& [name, bytes] : peer) frame["peer_" + name] = bytes;
-  return {{"frame", frame}, {"worker_request", worker}, {"peer_message", peer}};
+  // worker_request inputs start with the daemon's settings byte (worker_fuzz.cc): sync for every
+  // seed, and the step sequence again under each other mode and option.
+  std::map<std::string, Bytes> worker_request;
+  for (auto& [name, bytes] : worker) worker_request[name] = Bytes(1, '\0') + bytes;
+  const std::pair<const char*, char> variants[] = {
+      {"async", 1}, {"ssp", 2}, {"soft_sync", 3}, {"sum_ema", 4 | 8}, {"two_replicas", 16}};
+  for (auto& [variant, settings] : variants) {
+    for (const char* seed : {"steps", "push_sparse", "reduce", "update", "wait_token"}) {
+      worker_request[std::string(seed) + "_" + variant] = Bytes(1, settings) + worker[seed];
+    }
+  }
+  return {{"frame", frame}, {"worker_request", worker_request}, {"peer_message", peer}};
 }
 
 bool ReadFile(const fs::path& p, Bytes* out) {
