@@ -38,6 +38,11 @@ struct ServerConfig {
   std::string port_file;  // if set, the bound port is written there once listening
   int io_threads = 2;
   uint64_t max_frame_bytes = 256ull << 20;
+  // Memory for incoming frames across all connections (README "Hardening"): a frame waits for its
+  // share (backpressure) instead of failing; a frame must arrive within frame_timeout_ms once it
+  // holds its share.
+  uint64_t max_inflight_bytes = 1ull << 30;
+  int64_t frame_timeout_ms = 60000;
   int max_connections = 1024;
   int64_t hello_timeout_ms = 5000;  // a connection must complete its hello within this
   int64_t idle_timeout_s = 0;       // close a connection idle this long (nothing parked); 0: never

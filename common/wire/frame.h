@@ -51,6 +51,10 @@ class InFrame {
   // one-off big frame does not pin memory, while steady big pushes reuse one buffer.
   void MaybeRelease(size_t keep_bytes);
   size_t body_bytes() const { return total_words_ * sizeof(capnp::word); }
+  // The memory the buffer holds (what Prepare allocated and has not given back).
+  size_t capacity_bytes() const { return buffer_.size() * sizeof(capnp::word); }
+  // Gives the buffer's memory back now.
+  void Release() { buffer_ = nullptr; }
 
  private:
   kj::Array<capnp::word> buffer_;

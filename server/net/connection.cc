@@ -28,6 +28,7 @@ Connection::Connection(Server& server, tcp::socket socket, uint64_t id)
       socket_(std::move(socket)),
       strand_(asio::make_strand(static_cast<asio::io_context&>(socket_.get_executor().context()))),
       id_(id),
+      frame_timer_(strand_),
       timer_(strand_) {}
 
 void Connection::Start() {
@@ -83,6 +84,8 @@ void Connection::CloseNow() {
   if (closed_) return;
   closed_ = true;
   timer_.cancel();
+  frame_timer_.cancel();
+  ReleaseCharge();  // the buffer itself goes with the connection (a cancelled read may still name it)
   boost::system::error_code ec;
   socket_.shutdown(tcp::socket::shutdown_both, ec);
   socket_.close(ec);
@@ -129,16 +132,68 @@ void Connection::ReadBody(uint32_t segment_count) {
         "a message of " + std::to_string(total * sizeof(capnp::word)) + " bytes before the hello: psd reads at most " +
         std::to_string(kPreHelloFrameBytes) + " bytes from a connection until its hello is accepted; say hello first"));
   }
-  capnp::word* body = in_.Prepare(sizes, total);
-  asio::async_read(socket_, asio::buffer(body, total * sizeof(capnp::word)),
+  uint64_t bytes = total * sizeof(capnp::word);
+  if (greeted_ && !hello_done_ && peer_shard_ < 0 && bytes > kPreHelloFrameBytes) {
+    return FailStream(ResourceExhausted("a message of " + std::to_string(bytes) +
+                                        " bytes from an observer: tools' requests are at most " +
+                                        std::to_string(kPreHelloFrameBytes) +
+                                        " bytes; only workers and shards send bigger ones"));
+  }
+  body_sizes_ = std::move(sizes);
+  body_words_ = total;
+  // Workers' and shards' frames are charged to the budget. The others (before a hello, or from an
+  // observer) are at most kPreHelloFrameBytes each, bounded by --max-connections, and never wait:
+  // nobody who has not said hello can hold up a real worker.
+  bool charge = hello_done_ || peer_shard_ >= 0;
+  if (!charge || charged_ >= bytes) return ReadGrantedBody();  // a kept buffer is charged already
+  ReleaseBuffer();  // a bigger one replaces it: never hold both
+  server_.frame_budget().Acquire(bytes, [self = shared_from_this(), bytes] {
+    asio::post(self->strand_, [self, bytes] {
+      self->charged_ = bytes;
+      if (self->closed_) return self->ReleaseBuffer();
+      self->ReadGrantedBody();
+    });
+  });
+}
+
+void Connection::ReadGrantedBody() {
+  capnp::word* body = in_.Prepare(body_sizes_, body_words_);
+  uint64_t gen = ++body_gen_;
+  reading_body_ = true;
+  frame_timer_.expires_after(std::chrono::milliseconds(server_.config().frame_timeout_ms));
+  frame_timer_.async_wait([self = shared_from_this(), gen](boost::system::error_code ec) {
+    if (ec || self->closed_ || !self->reading_body_ || gen != self->body_gen_) return;
+    spdlog::warn("connection {}: a frame of {} bytes did not arrive within --frame-timeout-ms {}; closing it", self->id_,
+                 self->body_words_ * sizeof(capnp::word), self->server_.config().frame_timeout_ms);
+    self->server_.metrics().OnFrameTimeout();
+    self->CloseNow();
+  });
+  asio::async_read(socket_, asio::buffer(body, body_words_ * sizeof(capnp::word)),
                    asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
+                     self->reading_body_ = false;
+                     self->frame_timer_.cancel();
                      if (ec) return self->CloseNow();
                      self->server_.metrics().OnBytesIn(n + self->table_.size() * 4 + 4);
                      self->last_frame_ = std::chrono::steady_clock::now();
                      self->OnFrame();
                      self->in_.MaybeRelease(16u << 20);
+                     if (self->in_.capacity_bytes() == 0 || self->server_.frame_budget().waiting() > 0) {
+                       self->ReleaseBuffer();  // others wait: a buffer kept for reuse must not hold them up
+                     }
                      self->ReadHeader();
                    }));
+}
+
+void Connection::ReleaseBuffer() {
+  in_.Release();
+  ReleaseCharge();
+}
+
+void Connection::ReleaseCharge() {
+  if (charged_ == 0) return;
+  uint64_t bytes = charged_;
+  charged_ = 0;
+  server_.frame_budget().Release(bytes);
 }
 
 void Connection::FailStream(const Status& status, uint64_t id) {

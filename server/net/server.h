@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "net/frame_budget.h"
 #include "cluster/coordinator.h"
 #include "config.h"
 #include "ops/metrics.h"
@@ -61,6 +62,8 @@ class Server {
   // checkpoint, a missing shard, the cluster forming). /readyz and the readiness signals use it.
   Status Serving() const;
   ops::Metrics& metrics() { return metrics_; }
+  // Memory for incoming frames across all connections (--max-inflight-bytes).
+  FrameBudget& frame_budget() { return frame_budget_; }
   int connection_count() const;
   double uptime_s() const;
   double start_unix_s() const { return start_unix_s_; }
@@ -122,6 +125,7 @@ class Server {
 
   const ServerConfig config_;
   ops::Metrics metrics_;
+  FrameBudget frame_budget_{config_.max_inflight_bytes};
   const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
   const double start_unix_s_ = ops::UnixNow();
   mutable std::mutex ready_mu_;
