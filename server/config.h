@@ -101,10 +101,13 @@ struct ServerConfig {
   double summary_interval_s = 10.0;
   std::string log_level = "info";
 
-  // Whether the listeners are protected by TLS. Hook for TLS (issue 11 item 2): no TLS yet, so
-  // protected mode counts only the shared secret. When TLS lands, return true when the data port
-  // (and the metrics port, for metrics_host) serve TLS.
-  bool tls_enabled() const { return false; }
+  // TLS on the data port, worker and peer links alike (README "TLS"). A shard dials its peers with
+  // the same files: cert/key as its client certificate, ca to verify them.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_ca_file;
+  bool tls_require_client_cert = false;  // mutual TLS: every worker, tool and shard presents a certificate
+  bool tls_enabled() const { return !tls_cert_file.empty(); }
 
   int shards() const { return cluster.empty() ? 1 : static_cast<int>(cluster.size()); }
   bool clustered() const { return shards() > 1; }

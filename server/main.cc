@@ -137,9 +137,18 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--auth-token-file", auth_token_file,
                  "file holding a shared secret every worker and tool must present (none: no authentication)");
+  app.add_option("--tls-cert-file", cfg.tls_cert_file,
+                 "PEM certificate chain: serve TLS on the data port (workers, tools and shards must then use TLS); "
+                 "a shard also presents it to the shards it dials");
+  app.add_option("--tls-key-file", cfg.tls_key_file, "PEM private key of --tls-cert-file");
+  app.add_option("--tls-ca-file", cfg.tls_ca_file,
+                 "PEM CA certificates that verify clients' certificates (--tls-require-client-cert) and the other "
+                 "shards' (default for shards: the system's trust store)");
+  app.add_flag("--tls-require-client-cert", cfg.tls_require_client_cert,
+               "mutual TLS: every worker, tool and shard must present a certificate signed by --tls-ca-file");
   app.add_flag("--insecure", cfg.insecure,
                "allow listening beyond loopback (--host, a cluster entry, --metrics-host) without "
-               "--auth-token-file (protected mode refuses it otherwise)");
+               "--auth-token-file or mutual TLS (protected mode refuses it otherwise)");
   app.add_option("--max-model-bytes", max_model_bytes,
                  "memory the variables may take (bytes, or 16G...), counting their slots, averages and update "
                  "buffers; creating more is refused")

@@ -107,6 +107,11 @@ int main(int argc, char** argv) {
   bool json = false;
   std::string token_file;
   app.add_option("--auth-token-file", token_file, "psd's shared secret, if it runs with one");
+  app.add_flag("--tls", opts.tls, "psd runs with --tls-cert-file: speak TLS (implied by the --tls-* files)");
+  app.add_option("--tls-ca-file", opts.tls_ca_file, "CA that signed psd's certificate (default: the system's)");
+  app.add_option("--tls-cert-file", opts.tls_cert_file, "this tool's certificate (psd --tls-require-client-cert)");
+  app.add_option("--tls-key-file", opts.tls_key_file, "its private key");
+  app.add_option("--tls-server-name", opts.tls_server_name, "the name psd's certificate carries, if not --host");
   app.add_flag("--json", json, "status and placement as one JSON object");
   app.require_subcommand(1);
   auto* status = app.add_subcommand("status", "print the job's state (exit 3 if psd does not serve)");

@@ -7,6 +7,7 @@
 #include <deque>
 
 #include "cluster/election.h"
+#include "net/byte_stream.h"
 #include "net/server.h"
 #include "sync/sync_engine.h"
 
@@ -31,9 +32,11 @@ Bytes Flatten(const std::shared_ptr<wire::OutFrame>& frame) {
 // dead peer is noticed. All members are touched on the link's strand.
 class PeerLink : public std::enable_shared_from_this<PeerLink> {
  public:
-  PeerLink(asio::io_context& io, std::string address, Bytes hello)
+  // `tls` null: plain TCP; else the shard's client context (verifies the other shard's certificate
+  // against --tls-ca-file and the host of `address`, presents this shard's).
+  PeerLink(asio::io_context& io, std::string address, Bytes hello, std::shared_ptr<wire::ssl::context> tls)
       : strand_(asio::make_strand(io)),
-        socket_(strand_),
+        tls_(std::move(tls)),
         resolver_(strand_),
         retry_(strand_),
         address_(std::move(address)),
@@ -71,14 +74,28 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
         address_.substr(0, colon), address_.substr(colon + 1),
         [self = shared_from_this()](boost::system::error_code ec, tcp::resolver::results_type results) {
           if (ec) return self->Retry();
-          asio::async_connect(self->socket_, results, [self](boost::system::error_code ec, const tcp::endpoint&) {
+          self->stream_ = std::make_shared<ByteStream>(tcp::socket(self->strand_), self->tls_);
+          asio::async_connect(self->stream_->lowest(), results, [self, stream = self->stream_](boost::system::error_code ec, const tcp::endpoint&) {
             if (ec) return self->Retry();
             boost::system::error_code ignored;
-            self->socket_.set_option(tcp::no_delay(true), ignored);
-            self->up_ = true;
-            self->queue_.push_front(self->hello_);
-            self->WriteNext();
-            self->ReadLoop();
+            self->stream_->lowest().set_option(tcp::no_delay(true), ignored);
+            if (self->stream_->tls()) {
+              Status s = wire::SetTlsServerName(self->stream_->tls_stream(), self->address_.substr(0, self->address_.rfind(':')));
+              if (!s.ok()) {
+                spdlog::error("peer link to {}: {}", self->address_, s.message());
+                return self->Retry();
+              }
+            }
+            self->stream_->async_handshake(wire::ssl::stream_base::client, asio::bind_executor(self->strand_, [self, stream](const boost::system::error_code& ec) {
+              if (ec) {
+                self->LogHandshakeError(ec);
+                return self->Retry();
+              }
+              self->up_ = true;
+              self->queue_.push_front(self->hello_);
+              self->WriteNext();
+              self->ReadLoop();
+            }));
           });
         });
   }
@@ -95,19 +112,25 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   void Close() {
     up_ = false;
     queue_.clear();
-    boost::system::error_code ec;
-    socket_.shutdown(tcp::socket::shutdown_both, ec);
-    socket_.close(ec);
+    if (stream_) stream_->Close();
+  }
+
+  // A TLS failure is a configuration error: say so once per cause, not every 100 ms.
+  void LogHandshakeError(const boost::system::error_code& ec) {
+    std::string text = wire::TlsErrorText(ec);
+    if (text == last_tls_error_) return;
+    last_tls_error_ = text;
+    spdlog::error("peer link to {}: TLS handshake failed: {}", address_, text);
   }
 
   void ReadLoop() {
-    socket_.async_read_some(asio::buffer(scratch_), [self = shared_from_this()](boost::system::error_code ec, size_t) {
+    stream_->async_read_some(asio::buffer(scratch_), asio::bind_executor(strand_, [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
       if (ec) {
         if (self->up_) self->Retry();
         return;
       }
       self->ReadLoop();
-    });
+    }));
   }
 
   void WriteNext() {
@@ -118,8 +141,8 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     }
     writing_ = true;
     auto frame = queue_.front();
-    asio::async_write(socket_, asio::buffer(frame->begin(), frame->size() * sizeof(capnp::word)),
-                      [self = shared_from_this(), frame](boost::system::error_code ec, size_t) {
+    asio::async_write(*stream_, asio::buffer(frame->begin(), frame->size() * sizeof(capnp::word)),
+                      asio::bind_executor(strand_, [self = shared_from_this(), frame, stream = stream_](boost::system::error_code ec, size_t) {
                         if (!self->queue_.empty()) self->queue_.pop_front();
                         if (ec) {
                           self->writing_ = false;
@@ -127,11 +150,15 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                           return;
                         }
                         self->WriteNext();
-                      });
+                      }));
   }
 
   asio::strand<asio::io_context::executor_type> strand_;
-  tcp::socket socket_;
+  const std::shared_ptr<wire::ssl::context> tls_;
+  // A fresh one per connection attempt (TLS state cannot be reused); pending operations' handlers
+  // hold theirs until they have run.
+  std::shared_ptr<ByteStream> stream_;
+  std::string last_tls_error_;
   tcp::resolver resolver_;
   asio::steady_timer retry_;
   const std::string address_;
@@ -221,7 +248,7 @@ ClusterCoordinator::ClusterCoordinator(Server& server, const ServerConfig& confi
   h.setClusterSize(static_cast<uint32_t>(shards_));
   links_.resize(static_cast<size_t>(shards_));
   for (int i = 0; i < shards_; ++i) {
-    if (i != me_) links_[static_cast<size_t>(i)] = std::make_shared<PeerLink>(io_, AddressOf(i), Flatten(hello));
+    if (i != me_) links_[static_cast<size_t>(i)] = std::make_shared<PeerLink>(io_, AddressOf(i), Flatten(hello), server_.peer_tls_context());
   }
 }
 

@@ -25,20 +25,28 @@ struct Connection::TokenWait {
 
 Connection::Connection(Server& server, tcp::socket socket, uint64_t id)
     : server_(server),
-      socket_(std::move(socket)),
-      strand_(asio::make_strand(static_cast<asio::io_context&>(socket_.get_executor().context()))),
+      stream_(std::move(socket), server.tls_context()),
+      strand_(asio::make_strand(static_cast<asio::io_context&>(stream_.get_executor().context()))),
       id_(id),
       frame_timer_(strand_),
       timer_(strand_) {}
 
 void Connection::Start() {
   boost::system::error_code ec;
-  socket_.set_option(tcp::no_delay(true), ec);
+  stream_.lowest().set_option(tcp::no_delay(true), ec);
   asio::dispatch(strand_, [self = shared_from_this()] {
     auto hello = std::chrono::milliseconds(self->server_.config().hello_timeout_ms);
     self->hello_deadline_ = std::chrono::steady_clock::now() + hello;
-    self->ArmTimer(hello);
-    self->ReadHeader();
+    self->ArmTimer(hello);  // bounds the TLS handshake too
+    self->stream_.async_handshake(
+        wire::ssl::stream_base::server,
+        asio::bind_executor(self->strand_, [self](const boost::system::error_code& ec) {
+          if (ec) {
+            spdlog::warn("connection {}: TLS handshake failed: {}; closing it", self->id_, wire::TlsErrorText(ec));
+            return self->CloseNow();
+          }
+          self->ReadHeader();
+        }));
   });
 }
 
@@ -86,9 +94,7 @@ void Connection::CloseNow() {
   timer_.cancel();
   frame_timer_.cancel();
   ReleaseCharge();  // the buffer itself goes with the connection (a cancelled read may still name it)
-  boost::system::error_code ec;
-  socket_.shutdown(tcp::socket::shutdown_both, ec);
-  socket_.close(ec);
+  stream_.Close();
   for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
   if (peer_shard_ >= 0) server_.coordinator()->OnPeerClosed(peer_shard_);
   server_.OnConnectionClosed(id_);
@@ -98,7 +104,7 @@ void Connection::CloseNow() {
 
 void Connection::ReadHeader() {
   if (closed_ || closing_) return;
-  asio::async_read(socket_, asio::buffer(first_, sizeof(first_)),
+  asio::async_read(stream_, asio::buffer(first_, sizeof(first_)),
                    asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
                      if (ec) return self->CloseNow();
                      uint32_t count = 0;
@@ -114,7 +120,7 @@ void Connection::ReadTable(uint32_t segment_count, size_t rest) {
   table_[0] = first_[1];
   if (rest == 0) return ReadBody(segment_count);
   asio::async_read(
-      socket_, asio::buffer(table_.data() + 1, rest),
+      stream_, asio::buffer(table_.data() + 1, rest),
       asio::bind_executor(strand_, [self = shared_from_this(), segment_count](boost::system::error_code ec, size_t) {
         if (ec) return self->CloseNow();
         self->ReadBody(segment_count);
@@ -168,7 +174,7 @@ void Connection::ReadGrantedBody() {
     self->server_.metrics().OnFrameTimeout();
     self->CloseNow();
   });
-  asio::async_read(socket_, asio::buffer(body, body_words_ * sizeof(capnp::word)),
+  asio::async_read(stream_, asio::buffer(body, body_words_ * sizeof(capnp::word)),
                    asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
                      self->reading_body_ = false;
                      self->frame_timer_.cancel();
@@ -943,7 +949,7 @@ void Connection::WriteNext() {
   writing_ = true;
   auto frame = write_queue_.front();
   asio::async_write(
-      socket_, frame->Buffers(),
+      stream_, frame->Buffers(),
       asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t n) {
         self->server_.metrics().OnBytesOut(n);
         self->write_queue_.pop_front();

@@ -30,6 +30,7 @@
 #include <memory>
 #include <set>
 
+#include "net/byte_stream.h"
 #include "psd.capnp.h"
 #include "sync/token_queue.h"
 #include "wire/asio.h"
@@ -107,7 +108,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void WriteNext();
 
   Server& server_;
-  tcp::socket socket_;
+  ByteStream stream_;  // plain TCP, or TLS with --tls-cert-file
   asio::strand<asio::io_context::executor_type> strand_;
   const uint64_t id_;
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "net/frame_budget.h"
+#include "wire/tls.h"
 #include "cluster/coordinator.h"
 #include "config.h"
 #include "ops/metrics.h"
@@ -79,6 +80,10 @@ class Server {
   WorkerRegistry& workers() { return workers_; }
   SspGate& ssp() { return ssp_; }
   const ServerConfig& config() const { return config_; }
+  // TLS contexts (null without --tls-cert-file): the data port's, and the one a shard dials its
+  // peers with.
+  const std::shared_ptr<wire::ssl::context>& tls_context() const { return tls_; }
+  const std::shared_ptr<wire::ssl::context>& peer_tls_context() const { return peer_tls_; }
 
   // Schedules a checkpoint (at the next step boundary). No-op without --checkpoint-dir.
   Status RequestCheckpoint();
@@ -103,7 +108,8 @@ class Server {
   void OnConnectionClosed(uint64_t conn);
 
  private:
-  Server(ServerConfig config);
+  // The TLS contexts are made (and checked) by Create.
+  Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls, std::shared_ptr<wire::ssl::context> peer_tls);
   // A new engine with the server's callbacks wired.
   Result<std::shared_ptr<SyncEngine>> MakeEngine(uint64_t epoch);
   void Accept();
@@ -125,6 +131,7 @@ class Server {
 
   const ServerConfig config_;
   ops::Metrics metrics_;
+  std::shared_ptr<wire::ssl::context> tls_, peer_tls_;
   FrameBudget frame_budget_{config_.max_inflight_bytes};
   const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
   const double start_unix_s_ = ops::UnixNow();

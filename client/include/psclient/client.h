@@ -69,6 +69,17 @@ struct ClientOptions {
   // RequestCheckpoint, never becomes chief and does not count for the job.
   bool observer = false;
   std::string auth_token;  // psd's shared secret when it runs with --auth-token-file
+  // TLS, for a psd that runs with --tls-cert-file: set `tls` (or any tls_* file). psd's certificate
+  // is always verified: against tls_ca_file (default: the system's trust store) and the host dialled
+  // (or tls_server_name).
+  bool tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;    // this client's certificate and key, for psd --tls-require-client-cert
+  std::string tls_key_file;
+  std::string tls_server_name;  // the name psd's certificate must carry when it differs from the host
+  bool tls_enabled() const {
+    return tls || !tls_ca_file.empty() || !tls_cert_file.empty() || !tls_server_name.empty();
+  }
 };
 
 // The daemon's job settings, as announced in the handshake.
