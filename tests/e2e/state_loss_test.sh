@@ -30,13 +30,14 @@ else
 fi
 flags=(--cluster "$cluster" -R 3 -B 1 --init-tokens 0 --learning-rate 0.5 --exit-when-done --checkpoint-every-steps 10
   --slice-bytes 8192 --summary-interval-s 0)
-start_shard() {  # $1: index, $2: log name
-  launch "$1" "${flags[@]}" --shard-index "$1" --checkpoint-dir "$run/ckpt$1" 2> "$run/$2.log" &
+start_shard() {  # $1: index, $2: log name, then more flags
+  launch "$1" "${flags[@]}" --shard-index "$1" --checkpoint-dir "$run/ckpt$1" "${@:3}" 2> "$run/$2.log" &
   shard_pid[$1]=$!
   pids+=($!)
 }
 admin() { timeout 20 "$admin" --cluster "$cluster" "$@"; }
-for k in 0 1 2; do start_shard $k "s$k"; done
+start_shard 0 s0 --metrics-port 0 --metrics-port-file "$run/metrics0"
+for k in 1 2; do start_shard $k "s$k"; done
 wp=()
 for w in 0 1 2 3; do
   timeout 240 "$worker" --cluster "$cluster" --worker-name "w$w" --shard "$w" --steps 600 --features 1024 --slow-ms 10 \
@@ -53,6 +54,9 @@ expect_refusal() {  # $1: the shard that lost checkpoints, $2: the chief's log
   [ "$rc" -eq 3 ] || fail "psd_admin status exit $rc while the cluster waits (want 3): $st"
   echo "$st" | grep -q "refusing to form the cluster.*shard(s) $1 " || fail "psd_admin status does not say why: $st"
   wait_for "$run/w*.log" "UNAVAILABLE.*refusing to form the cluster.*psd_admin" 30 || fail "the workers were not told why"
+  local ready
+  ready=$(curl -s -w ' %{http_code}' "http://127.0.0.1:$(cat "$run/metrics0")/readyz" | tr '\n' ' ')
+  echo "$ready" | grep -q "refusing to form the cluster.* 503$" || fail "/readyz does not say why: $ready"
   echo "a worker was told: $(grep -h "refusing to form" "$run"/w*.log | tail -1)"
   # Logged once, however many heartbeats pass.
   local n
