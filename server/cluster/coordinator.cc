@@ -445,6 +445,8 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
         for (int m : missing) list += (list.empty() ? "" : ", ") + std::to_string(m) + " (" + AddressOf(m) + ")";
         spdlog::info("cluster: shard {} is the chief for term {}{}", me_, term_,
                      missing.empty() ? "" : "; missing shard(s): " + list);
+        // The job may have ended under the last chief without every shard hearing it.
+        actions->push_back([this] { server_.EndJobIfDone(); });
       }
     }
   }

@@ -8,6 +8,9 @@
 #  B. shard 1 is killed, its whole checkpoint directory deleted, and it is restarted: the same
 #     refusal; `recover` (no common step) is refused, `recover --empty` starts empty; the workers'
 #     chief re-creates the variables from its latest values, the others wait for them, and the job
+#     goes on.
+#  C. shard 2 loses its whole directory again and is restarted with --allow-state-loss: the chief
+#     forms empty without asking (logged at error), the variables come back again, and the job
 #     ends (--exit-when-done).
 set -euo pipefail
 psd=$1 worker=$2 admin=$3
@@ -24,8 +27,11 @@ if declare -F reserve_ports > /dev/null; then
   cluster=$(cat "$run/ports")
   launch() { exec timeout 240 "${serve_on[@]}" "$(port_of "$cluster" "$1")" -- "$psd" --listen-fd 3 "${@:2}"; }
 else
-  base=$((20000 + (RANDOM * 7 + $$) % 40000))
-  cluster=$(seq -s, -f "127.0.0.1:%g" "$base" $((base + 2)))
+  # Until listen.py is there: ports the kernel picked just now (released again, so a small race).
+  cluster=$(/usr/bin/python3 -c 'import socket
+ss = [socket.socket() for _ in range(3)]
+for s in ss: s.bind(("127.0.0.1", 0))
+print(",".join("127.0.0.1:%d" % s.getsockname()[1] for s in ss))')
   launch() { exec timeout 240 "$psd" "${@:2}"; }
 fi
 flags=(--cluster "$cluster" -R 3 -B 1 --init-tokens 0 --learning-rate 0.5 --exit-when-done --checkpoint-every-steps 10
@@ -36,6 +42,14 @@ start_shard() {  # $1: index, $2: log name, then more flags
   pids+=($!)
 }
 admin() { timeout 20 "$admin" --cluster "$cluster" "$@"; }
+# Waits (up to $3 s) until the extended regex $2 matches at least $4 lines of file(s) $1.
+wait_count() {
+  local deadline=$((SECONDS + $3))
+  until [ "$(cat $1 | grep -cE "$2")" -ge "$4" ]; do
+    [ $SECONDS -lt $deadline ] || return 1
+    sleep 0.05
+  done
+}
 start_shard 0 s0 --metrics-port 0 --metrics-port-file "$run/metrics0"
 for k in 1 2; do start_shard $k "s$k"; done
 wp=()
@@ -106,6 +120,19 @@ wait_for "$run/s0.log" "running at epoch .* from an empty state" 30 || fail "no 
 echo "psd_admin recover --empty: $(grep -h "running at epoch" "$run/s0.log" | tail -1 | sed 's/.*cluster: //')"
 wait_for "$run/w*.log" "re-created them from this worker's latest values" 60 || fail "nobody re-created the variables"
 echo "$(grep -h "re-created them" "$run"/w*.log | head -1)"
+
+# --- C. decided in advance: --allow-state-loss ---------------------------------------------------
+wait_for "$run/s1b.log" "checkpoint at step [0-9]+ sealed" 60 || fail "no checkpoint after the second recovery"
+kill -9 "$(real_pid "${shard_pid[2]}")"
+wait "${shard_pid[2]}" 2>/dev/null || true
+rm -rf "$run/ckpt2"
+start_shard 2 s2c --allow-state-loss
+wait_for "$run/s0.log" "forming empty at step 0 with --allow-state-loss, losing checkpoint" 30 ||
+  fail "--allow-state-loss did not let the chief form"
+grep "with --allow-state-loss" "$run/s0.log" | grep -q "\[error\]" || fail "the loss is not logged at error level"
+wait_count "$run/s0.log" "running at epoch .* from an empty state" 30 2 || fail "no second empty formation"
+wait_count "$run/w*.log" "re-created them from this worker's latest values" 60 2 || fail "nobody re-created them again"
+echo "--allow-state-loss: $(grep -h "forming empty at step 0 with --allow-state-loss" "$run/s0.log" | sed 's/.*cluster: //' | cut -c 1-120)..."
 for p in "${wp[@]}"; do wait "$p" || fail "a worker failed"; done
 for k in 0 1 2; do wait "${shard_pid[$k]}" || fail "shard $k did not exit 0"; done
 if grep -h "NOT_FOUND" "$run"/w*.log; then fail "a worker saw NOT_FOUND"; fi
@@ -113,5 +140,5 @@ for w in 0 1 2 3; do
   final=$(sed -n 's/.*loss [0-9.]* -> \([0-9.]*\),.*/\1/p' "$run/w$w.log")
   awk -v f="$final" 'BEGIN { exit !(f != "" && f < 0.45) }' || fail "w$w: final loss '$final'"
 done
-echo "training finished after both decisions: $(grep done: "$run/w0.log")"
+echo "training finished after the three losses: $(grep done: "$run/w0.log")"
 echo "PASS"
