@@ -865,6 +865,9 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, proto::PeerResto
   serving_ = false;
   missing_reason_ = step < 0 ? "starting empty" : "restoring checkpoint step " + std::to_string(step);
   missing_since_ = Clock::now();
+  // Newer checkpoints belong to a timeline the cluster leaves now (an operator's decision, or a
+  // part unusable elsewhere): never offered again (on disk, the next ones overwrite them).
+  sealed_.erase(std::remove_if(sealed_.begin(), sealed_.end(), [step](int64_t t) { return t > step; }), sealed_.end());
   if (restore_thread_.joinable()) {
     // A previous restore still loading: it finishes first (its result is for an older epoch).
     actions->push_back([this, epoch, step] {
