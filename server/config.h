@@ -80,6 +80,9 @@ struct ServerConfig {
   double checkpoint_every_s = 0;       // 0: not by time
   int keep_checkpoints = 3;
   bool restore = true;  // load the newest good checkpoint at start
+  // Cluster: the chief may form at an older checkpoint (or empty) than some shard's newest sealed
+  // one without an operator's psd_admin recover (README "Losing a shard's checkpoints").
+  bool allow_state_loss = false;
 
   // Cluster (README "Running a cluster"). One entry, or none: a single daemon.
   std::vector<std::string> cluster;    // every shard's host:port, the same list on every shard

@@ -107,6 +107,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--keep-checkpoints", cfg.keep_checkpoints, "checkpoints to keep (0: all)")->capture_default_str();
   app.add_flag("!--no-restore", cfg.restore, "start fresh even if --checkpoint-dir has a checkpoint");
+  app.add_flag("--allow-state-loss", cfg.allow_state_loss,
+               "cluster: when some shard lacks the newest sealed checkpoint, form at the newest one every shard "
+               "has (or empty) instead of waiting for `psd_admin recover` (logged at error level)");
   app.add_option("--token-timeout-ms", cfg.default_token_timeout_ms,
                  "deadline in milliseconds for a token wait when the worker gives none")
       ->capture_default_str();

@@ -212,6 +212,7 @@ int main(int argc, char** argv) {
   double last_loss = 0;
   auto unavailable_since = std::chrono::steady_clock::time_point::max();
   std::string last_error;
+  int64_t recreated = 0;
   while (global_step.value < steps) {
     auto step = opt.minimize(loss_fn, &global_step, vars);
     if (!step.ok()) {
@@ -242,6 +243,15 @@ int main(int argc, char** argv) {
     last_error.clear();
     ++my_steps;
     last_loss = opt.last_loss();
+    if (opt.recreated_total() != recreated) {
+      // psd came back empty and this worker (the chief) gave it the variables back.
+      recreated = opt.recreated_total();
+      std::printf(
+          "[%s] psd had lost the variables: re-created them from this worker's latest values (%lld so far); "
+          "global step %lld, loss %.4f\n",
+          me.c_str(), static_cast<long long>(recreated), static_cast<long long>(*step), last_loss);
+      std::fflush(stdout);
+    }
     if (print_every > 0 && my_steps % print_every == 0) {
       const auto& p = opt.last_push();
       std::printf("[%s] global step %4lld  loss %.4f  pushes accepted %d stale %d%s\n", me.c_str(),

@@ -1305,6 +1305,19 @@ Status Client::RequestCheckpoint() {
   return impl_->CallChief([](proto::Request::Builder req) { req.setCheckpoint(); }, &resp);
 }
 
+Status Client::Recover(int64_t step, bool empty) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
+  proto::Response::Reader resp;
+  return impl_->CallChief(
+      [step, empty](proto::Request::Builder req) {
+        auto r = req.initRecover();
+        r.setStep(step);
+        r.setEmpty(empty);
+      },
+      &resp);
+}
+
 namespace {
 
 // A host copy of a view when it lives on a device (kept alive by `keep`).

@@ -240,6 +240,7 @@ void Connection::Dispatch(proto::Request::Reader req) {
   }
   if (which == proto::Request::STATUS) return HandleStatus(id);
   if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);       // an operator's request
+  if (which == proto::Request::RECOVER) return HandleRecover(id, req.getRecover());  // an operator's too
   if (which == proto::Request::GET_PLACEMENT) return HandleGetPlacement(id);  // operators too
   if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
   server_.metrics().OnWorkerRequest(worker_index_);
@@ -657,6 +658,20 @@ void Connection::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
 
 void Connection::HandleCheckpoint(uint64_t id) {
   Status s = server_.RequestCheckpoint();
+  if (!s.ok()) return SendError(id, s);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setNone();
+  Send(std::move(frame));
+}
+
+void Connection::HandleRecover(uint64_t id, proto::Recover::Reader r) {
+  ClusterCoordinator* c = server_.coordinator();
+  if (c == nullptr) {
+    return SendError(id, FailedPrecondition("psd_admin recover is for a cluster whose chief waits for a decision; a "
+                                            "single psd starts from its newest good checkpoint, or empty"));
+  }
+  Status s = c->Recover(r.getStep(), r.getEmpty());
   if (!s.ok()) return SendError(id, s);
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);

@@ -88,6 +88,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void HandlePullRows(uint64_t id, proto::PullRows::Reader r);
   void HandleSetLearningRate(uint64_t id, double lr);
   void HandleCheckpoint(uint64_t id);
+  void HandleRecover(uint64_t id, proto::Recover::Reader r);  // an operator's (README "Losing a shard's checkpoints")
   void HandlePlace(uint64_t id, proto::Place::Reader r);
   void HandleReduce(uint64_t id, proto::Reduce::Reader r);
   void HandleUpdate(uint64_t id, proto::Update::Reader r);

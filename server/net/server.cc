@@ -488,7 +488,15 @@ void Server::OnWorkerFinished(uint64_t conn) {
 }
 
 void Server::EndJobIfDone() {
-  if (!workers_.AllFinished()) return;
+  if (!workers_.AllFinished()) {
+    // Workers that all gave up (none finished, none came back within --worker-grace-s) end the
+    // job too with --exit-when-done; without it psd waits for a worker to come back.
+    if (!config_.exit_when_done || !workers_.AllGone()) return;
+    spdlog::error(
+        "every worker is gone without finishing (none came back within --worker-grace-s {} s): the job "
+        "ends (--exit-when-done)",
+        config_.worker_grace_s);
+  }
   if (coordinator_) {
     // The chief's registry decides for the cluster; the others hear it from the chief.
     if (coordinator_->is_chief()) coordinator_->OnJobDone();

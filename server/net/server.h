@@ -100,6 +100,10 @@ class Server {
   Status RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacement>* placements);
   // The job is over (cluster: after the final checkpoint): stops if --exit-when-done.
   void FinishJob();
+  // Ends the job (closes the token queue and gate; with --exit-when-done, stops) if every worker
+  // has finished (or, with --exit-when-done, every one is gone). A cluster's chief tells the
+  // others; a shard that becomes chief checks again (the last chief may have gone first).
+  void EndJobIfDone();
 
   // Called by connections. OnHello returns the worker's index, or RESOURCE_EXHAUSTED when the
   // job's N worker slots are taken (WorkerRegistry::Hello).
@@ -118,9 +122,6 @@ class Server {
   void UpdateRequired();
   void ArmStepDeadline(int64_t step);
   void ScheduleCheckpointTimer();
-  // Ends the job (closes the token queue and gate; with --exit-when-done, stops) if every worker
-  // has finished or is lost.
-  void EndJobIfDone();
   void CheckpointLoop();
   // Restores the newest good checkpoint of --checkpoint-dir into the (empty) engine.
   Status RestoreAtStart();

@@ -319,6 +319,13 @@ class Client {
   // --checkpoint-dir). GetStatus().last_checkpoint_step tells when it is written.
   Status RequestCheckpoint();
 
+  // Cluster, an operator's decision (psd_admin recover; README "Losing a shard's checkpoints"):
+  // the chief refuses to form because a shard lacks checkpoints that others hold; form anyway,
+  // at checkpoint `step` (< 0: the newest every shard can restore), or `empty` at step 0. The
+  // newer checkpoints are then lost. kFailedPrecondition: no decision is awaited (or a single
+  // psd); kInvalidArgument: a step not every shard can restore (the message lists those that are).
+  Status Recover(int64_t step, bool empty);
+
   // Bumps on every (re)connection and whenever the cluster restored a checkpoint: a trainer that
   // sees it change re-reads the global step.
   uint64_t connection_epoch() const;
