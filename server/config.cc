@@ -15,6 +15,7 @@
 #include <set>
 #include <type_traits>
 
+#include "cluster/peer_auth.h"
 #include "psd/cluster_list.h"
 
 namespace psd::server {
@@ -345,12 +346,13 @@ Status ServerConfig::Validate() {
     }
   }
   PSD_RETURN_IF_ERROR(SizeInRange("--slice-bytes", slice_bytes, 4ull << 10, 1ull << 50));
+  if (!cluster_secret.empty()) PSD_RETURN_IF_ERROR(peer_auth::ValidateClusterSecret(cluster_secret, auth_token));
   return CheckProtectedMode();
 }
 
 Status ServerConfig::CheckProtectedMode() const {
   // Protected mode, as Redis does it: a daemon reachable beyond this host must be protected.
-  if (insecure || !auth_token.empty() || tls_enabled()) return Status::Ok();
+  if (insecure) return Status::Ok();
   struct Listener {
     const char* flag;
     const std::string* ip;
@@ -358,6 +360,7 @@ Status ServerConfig::CheckProtectedMode() const {
   std::vector<Listener> listeners = {{"--host", &host}};
   if (metrics_port >= 0) listeners.push_back({"--metrics-host", &metrics_host});
   for (const Listener& l : listeners) {
+    if (!auth_token.empty() || tls_enabled()) break;
     auto loopback = IsLoopbackAddress(*l.ip);
     if (!loopback.ok()) return InvalidArgument(std::string(l.flag) + ": " + loopback.status().message());
     if (*loopback) continue;
@@ -367,6 +370,20 @@ Status ServerConfig::CheckProtectedMode() const {
                            ", beyond loopback, without authentication. Give every worker, tool and shard a shared "
                            "secret with --auth-token-file FILE, or, on a network you trust, pass --insecure to allow "
                            "it deliberately (or listen on 127.0.0.1)");
+  }
+  // The shards' links: the workers' token does not protect them (every worker knows it), and a
+  // server-only TLS would not say which shard dials; only the cluster secret proves a shard.
+  if (!clustered() || !cluster_secret.empty()) return Status::Ok();
+  for (const std::string& entry : cluster) {
+    auto hp = psd::ParseHostPort(entry, "--cluster entry");
+    if (!hp.ok()) return hp.status();
+    auto loopback = IsLoopbackAddress(hp->host);
+    if (loopback.ok() && *loopback) continue;
+    return InvalidArgument("protected mode: the --cluster list has " + entry +
+                           ", beyond loopback, and no cluster secret: anyone who reaches a shard's port could act "
+                           "as a shard. Give every shard the same secret with --cluster-secret-file FILE (not the "
+                           "workers' --auth-token-file; `openssl rand -hex 32 > FILE`), or, on a network you trust, "
+                           "pass --insecure to allow it deliberately");
   }
   return Status::Ok();
 }

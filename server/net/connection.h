@@ -59,6 +59,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   void Dispatch(proto::Request::Reader req);
   void HandleHello(uint64_t id, proto::Hello::Reader r);
+  // A shard's hello: with a cluster secret, answered with this shard's challenge and proof; the
+  // link is a peer's only once HandlePeerProof verified the dialer's (cluster/peer_auth.h).
+  void HandlePeerHello(uint64_t id, proto::Hello::Reader r);
+  void HandlePeerProof(uint64_t id, capnp::Data::Reader proof);
+  // Logs a refused impersonation attempt (rate-limited across connections).
+  void LogSpoof(const std::string& what);
   void HandleCreate(uint64_t id, proto::CreateVariable::Reader r);
   void HandlePull(uint64_t id, proto::Pull::Reader r);
   // Puts the named variables' current values (one step) into a reply, referencing them in place.
@@ -107,7 +113,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::set<std::shared_ptr<bool>> collectives_;  // parked reduce/update: their `answered` flags
   bool authenticated_ = false;                   // a hello with the right token (or no token required)
   uint32_t worker_index_ = 0;
-  int peer_shard_ = -1;   // another shard of the cluster (after its peer hello)
+  int peer_shard_ = -1;   // another shard of the cluster (after its peer hello, and proof with a cluster secret)
+  int peer_claim_ = -1;   // the shard a peer hello claims while its proof is awaited
+  std::string peer_nonces_;  // then: the dialer's nonce followed by this shard's
   bool closing_ = false;  // close once the write queue drains
   bool closed_ = false;
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cluster/coordinator.h"
+#include "cluster/peer_auth.h"
 #include "config.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
@@ -76,6 +77,8 @@ class Server {
   WorkerRegistry& workers() { return workers_; }
   SspGate& ssp() { return ssp_; }
   const ServerConfig& config() const { return config_; }
+  // Rate limit of the log lines about refused peer impersonations (all connections).
+  peer_auth::LogLimiter& spoof_log() { return spoof_log_; }
 
   // Schedules a checkpoint (at the next step boundary). No-op without --checkpoint-dir.
   Status RequestCheckpoint();
@@ -122,6 +125,7 @@ class Server {
 
   const ServerConfig config_;
   ops::Metrics metrics_;
+  peer_auth::LogLimiter spoof_log_;
   const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
   const double start_unix_s_ = ops::UnixNow();
   mutable std::mutex ready_mu_;
