@@ -70,7 +70,13 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     asio::dispatch(strand_, [self = shared_from_this()] {
       self->stopped_ = true;
       self->retry_.cancel();
-      if (!self->writing_ || self->handshaking_) self->Close();
+      if (self->handshaking_) {  // nothing was sent yet that the other side would act on
+        self->handshaking_ = false;
+        self->writing_ = false;
+        self->Close();
+      } else if (!self->writing_) {
+        self->Close();
+      }
     });
   }
 
