@@ -142,7 +142,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   void ReadReplyHeader() {
     asio::async_read(socket_, asio::buffer(first_, sizeof(first_)),
                      [self = shared_from_this()](boost::system::error_code ec, size_t) {
-                       if (ec) return self->Fail("the hello was not answered (" + ec.message() + ")");
+                       if (ec) return self->Fail("no answer to the hello: " + ec.message());
                        uint32_t count = 0;
                        size_t rest = 0;
                        Status s = wire::ParseFirstWord(self->first_, &count, &rest);
@@ -151,7 +151,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                        self->table_[0] = self->first_[1];
                        asio::async_read(self->socket_, asio::buffer(self->table_.data() + 1, rest),
                                         [self, count](boost::system::error_code ec, size_t) {
-                                          if (ec) return self->Fail("the hello was not answered (" + ec.message() + ")");
+                                          if (ec) return self->Fail("no answer to the hello: " + ec.message());
                                           self->ReadReplyBody(count);
                                         });
                      });
@@ -165,7 +165,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     capnp::word* body = in_.Prepare(sizes, total);
     asio::async_read(socket_, asio::buffer(body, total * sizeof(capnp::word)),
                      [self = shared_from_this()](boost::system::error_code ec, size_t) {
-                       if (ec) return self->Fail("the hello was not answered (" + ec.message() + ")");
+                       if (ec) return self->Fail("no answer to the hello: " + ec.message());
                        std::string why;
                        try {
                          auto reader = self->in_.Reader();

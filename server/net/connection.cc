@@ -324,12 +324,21 @@ void Connection::LogSpoof(const std::string& what) {
                suppressed > 0 ? fmt::format(" ({} similar lines suppressed)", suppressed) : "");
 }
 
+peer_auth::Transcript Connection::PendingTranscript() const {
+  const ServerConfig& cfg = server_.config();
+  std::string_view nonces(peer_nonces_);
+  return {static_cast<uint32_t>(cfg.shards()), static_cast<uint32_t>(peer_claim_),
+          static_cast<uint32_t>(cfg.shard_index), nonces.substr(0, peer_auth::kNonceBytes),
+          nonces.substr(peer_auth::kNonceBytes)};
+}
+
 void Connection::HandlePeerHello(uint64_t id, proto::Hello::Reader r) {
   ClusterCoordinator* c = server_.coordinator();
   const ServerConfig& cfg = server_.config();
   if (c == nullptr) return FailStream(FailedPrecondition("this psd is a single daemon, not a cluster shard"), id);
   int idx = static_cast<int>(r.getShardIndex());
-  if (static_cast<int>(r.getClusterSize()) != cfg.shards() || idx >= cfg.shards() || idx == cfg.shard_index) {
+  if (r.getClusterSize() != static_cast<uint32_t>(cfg.shards()) || r.getShardIndex() >= r.getClusterSize() ||
+      idx == cfg.shard_index) {
     LogSpoof("said hello as shard " + std::to_string(r.getShardIndex()) + " of " + std::to_string(r.getClusterSize()));
     return FailStream(
         InvalidArgument("a peer says it is shard " + std::to_string(idx) + " of " + std::to_string(r.getClusterSize()) +
@@ -361,11 +370,7 @@ void Connection::HandlePeerHello(uint64_t id, proto::Hello::Reader r) {
   peer_claim_ = idx;
   peer_nonces_.assign(reinterpret_cast<const char*>(theirs.begin()), theirs.size());
   peer_nonces_ += *mine;
-  std::string_view nonces(peer_nonces_);
-  peer_auth::Transcript t{static_cast<uint32_t>(cfg.shards()), static_cast<uint32_t>(idx),
-                          static_cast<uint32_t>(cfg.shard_index), nonces.substr(0, peer_auth::kNonceBytes),
-                          nonces.substr(peer_auth::kNonceBytes)};
-  std::string proof = peer_auth::Proof(cfg.cluster_secret, peer_auth::Role::kAcceptor, t);
+  std::string proof = peer_auth::Proof(cfg.cluster_secret, peer_auth::Role::kAcceptor, PendingTranscript());
   h.setShardIndex(static_cast<uint32_t>(cfg.shard_index));
   h.setShards(static_cast<uint32_t>(cfg.shards()));
   h.setPeerNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine->data()), mine->size()));
@@ -379,12 +384,8 @@ void Connection::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
     LogSpoof("sent a peer proof without a pending challenge");
     return FailStream(FailedPrecondition("a peer proof answers this shard's challenge to a peer hello; closing"), id);
   }
-  std::string_view nonces(peer_nonces_);
-  peer_auth::Transcript t{static_cast<uint32_t>(cfg.shards()), static_cast<uint32_t>(peer_claim_),
-                          static_cast<uint32_t>(cfg.shard_index), nonces.substr(0, peer_auth::kNonceBytes),
-                          nonces.substr(peer_auth::kNonceBytes)};
   std::string_view got(reinterpret_cast<const char*>(proof.begin()), proof.size());
-  if (!peer_auth::Verify(cfg.cluster_secret, peer_auth::Role::kDialer, t, got)) {
+  if (!peer_auth::Verify(cfg.cluster_secret, peer_auth::Role::kDialer, PendingTranscript(), got)) {
     LogSpoof("failed the cluster-secret proof as shard " + std::to_string(peer_claim_) +
              " (a wrong --cluster-secret-file, or not a shard)");
     return FailStream(Unauthenticated("wrong cluster secret: give every shard the same --cluster-secret-file"), id);

@@ -312,6 +312,10 @@ TEST_CASE("peer links: every impersonation of a shard is refused and the cluster
     r2.PeerHello(static_cast<uint32_t>(chief), 4, *pa::NewNonce());
     CHECK(r2.ReadReply() == Code::kInvalidArgument);
     CHECK(r2.Closed());
+    Raw r3(at);  // an index that is negative as an int
+    r3.PeerHello(0xffffffffu, 3, *pa::NewNonce());
+    CHECK(r3.ReadReply() == Code::kInvalidArgument);
+    CHECK(r3.Closed());
   }
 
   // The cluster is unaffected: same term, epoch, chief and step everywhere, same value; and it
