@@ -386,6 +386,11 @@ void ClusterCoordinator::Start() {
   }
   spdlog::info("shard {} of {}: {} restorable checkpoint(s){}", me_, shards_, sealed.size(),
                sealed.empty() ? "" : fmt::format(", newest at step {}", sealed.front()));
+  if (config_.cluster_secret.empty()) {
+    spdlog::info("shard links: a peer's hello is believed (no --cluster-secret-file)");
+  } else {
+    spdlog::info("shard links: each end proves the cluster secret (--cluster-secret-file)");
+  }
   for (auto& l : links_) {
     if (l) l->Start();
   }
