@@ -74,6 +74,7 @@ struct Hello {
   peer @5 :Bool;          # another psd shard of the cluster (then shardIndex and clusterSize)
   shardIndex @6 :UInt32;
   clusterSize @7 :UInt32;
+  peerNonce @8 :Data;     # a peer, with --cluster-secret-file: the dialer's challenge (32 random bytes)
 }
 
 struct JobConfig {
@@ -103,6 +104,8 @@ struct HelloReply {
   chiefShard @7 :Int32;   # the elected chief shard (-1: none right now)
   clusterEpoch @8 :UInt64;  # bumps whenever the cluster restores a checkpoint as one (0: single daemon)
   maxFrameBytes @9 :UInt64;  # psd's --max-frame-bytes: clients refuse to send bigger requests (0: unknown)
+  peerNonce @10 :Data;    # to a peer's hello, with --cluster-secret-file: the acceptor's challenge
+  peerProof @11 :Data;    # ... and its proof (HMAC-SHA256, server/cluster/peer_auth.h)
 }
 
 struct CreateVariable {
@@ -396,6 +399,7 @@ struct Request {
     reduce @15 :Reduce;
     update @16 :Update;
     recover @17 :Recover;         # cluster, chief only: an operator's decision to lose checkpointed state
+    peerProof @18 :Data;          # a peer's answer to the acceptor's challenge (before any peer message)
   }
 }
 

@@ -15,6 +15,7 @@
 #include <set>
 #include <type_traits>
 
+#include "cluster/peer_auth.h"
 #include "psd/cluster_list.h"
 
 namespace psd::server {
@@ -362,6 +363,7 @@ Status ServerConfig::Validate() {
   if (tls_require_client_cert && tls_ca_file.empty()) {
     return InvalidArgument("--tls-require-client-cert needs --tls-ca-file (the CA that signs the clients' certificates)");
   }
+  if (!cluster_secret.empty()) PSD_RETURN_IF_ERROR(peer_auth::ValidateClusterSecret(cluster_secret, auth_token));
   return CheckProtectedMode();
 }
 
@@ -369,7 +371,7 @@ Status ServerConfig::CheckProtectedMode() const {
   // Protected mode, as Redis does it: a daemon reachable beyond this host must be protected.
   // The data port is protected by the shared secret or by mutual TLS (a client certificate signed
   // by --tls-ca-file); the metrics port only by the secret.
-  if (insecure || !auth_token.empty()) return Status::Ok();
+  if (insecure) return Status::Ok();
   bool mutual_tls = tls_enabled() && tls_require_client_cert;
   struct Listener {
     const char* flag;
@@ -378,6 +380,7 @@ Status ServerConfig::CheckProtectedMode() const {
   std::vector<Listener> listeners = {{"--host", &host}};
   if (metrics_port >= 0) listeners.push_back({"--metrics-host", &metrics_host});
   for (const Listener& l : listeners) {
+    if (!auth_token.empty()) break;
     auto loopback = IsLoopbackAddress(*l.ip);
     if (!loopback.ok()) return InvalidArgument(std::string(l.flag) + ": " + loopback.status().message());
     if (*loopback || (l.ip == &host && mutual_tls)) continue;
@@ -387,8 +390,21 @@ Status ServerConfig::CheckProtectedMode() const {
                            ", beyond loopback, without authentication. Give every worker, tool and shard a shared "
                            "secret with --auth-token-file FILE (or, for the data port, mutual TLS: --tls-cert-file, "
                            "--tls-key-file, --tls-ca-file and --tls-require-client-cert), or, on a network you trust, "
-                           "pass --insecure to allow "
-                           "it deliberately (or listen on 127.0.0.1)");
+                           "pass --insecure to allow it deliberately (or listen on 127.0.0.1)");
+  }
+  // The shards' links: the workers' token does not protect them (every worker knows it), and a
+  // server-only TLS would not say which shard dials; only the cluster secret proves a shard.
+  if (!clustered() || !cluster_secret.empty()) return Status::Ok();
+  for (const std::string& entry : cluster) {
+    auto hp = psd::ParseHostPort(entry, "--cluster entry");
+    if (!hp.ok()) return hp.status();
+    auto loopback = IsLoopbackAddress(hp->host);
+    if (loopback.ok() && *loopback) continue;
+    return InvalidArgument("protected mode: the --cluster list has " + entry +
+                           ", beyond loopback, and no cluster secret: anyone who reaches a shard's port could act "
+                           "as a shard. Give every shard the same secret with --cluster-secret-file FILE (not the "
+                           "workers' --auth-token-file; `openssl rand -hex 32 > FILE`), or, on a network you trust, "
+                           "pass --insecure to allow it deliberately");
   }
   return Status::Ok();
 }

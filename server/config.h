@@ -47,8 +47,12 @@ struct ServerConfig {
   int64_t hello_timeout_ms = 5000;  // a connection must complete its hello within this
   int64_t idle_timeout_s = 0;       // close a connection idle this long (nothing parked); 0: never
   std::string auth_token;           // non-empty: every connection must present it in its hello
+  // Non-empty: shards prove to each other that they know it (cluster/peer_auth.h) before a peer
+  // link carries messages. Distinct from auth_token, which every worker knows.
+  std::string cluster_secret;
   // Protected mode (README "Protected mode"): listening beyond loopback (--host, a cluster entry's
-  // address, --metrics-host) needs a secret (auth_token) or TLS, unless `insecure` says so.
+  // address, --metrics-host) needs a secret (auth_token) or TLS, and a cluster with an entry beyond
+  // loopback needs cluster_secret, unless `insecure` says so.
   bool insecure = false;
   uint64_t max_model_bytes = 16ull << 30;  // all variables with their slots, averages and buffers
 
@@ -127,7 +131,8 @@ struct ServerConfig {
   // protected mode; returns an error naming the flag to change and its allowed range.
   Status Validate();
   // The protected-mode part of Validate(): an error when a listener is beyond loopback without
-  // auth_token, TLS or `insecure`.
+  // auth_token, TLS or `insecure`, or a cluster has an entry beyond loopback (a host name counts)
+  // without cluster_secret or `insecure`.
   Status CheckProtectedMode() const;
   // Fresh gradients a sync step needs before any worker finished: R, or ceil(f * N).
   int InitialRequiredReplicas() const;

@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   std::string mode = "sync";
   std::string staleness_lr = "none";
   std::string auth_token_file;
+  std::string cluster_secret_file;
   psd::server::OptimizerParams& opt = cfg.optimizer;
 
   auto* host_opt = app.add_option("--host", cfg.host,
@@ -149,9 +150,13 @@ int main(int argc, char** argv) {
                  "shards' (default for shards: the system's trust store)");
   app.add_flag("--tls-require-client-cert", cfg.tls_require_client_cert,
                "mutual TLS: every worker, tool and shard must present a certificate signed by --tls-ca-file");
+  app.add_option("--cluster-secret-file", cluster_secret_file,
+                 "file holding the cluster's own secret (not the workers' token; the same file on every shard): "
+                 "shards prove they know it before a peer link carries messages");
   app.add_flag("--insecure", cfg.insecure,
                "allow listening beyond loopback (--host, a cluster entry, --metrics-host) without "
-               "--auth-token-file or mutual TLS (protected mode refuses it otherwise)");
+               "--auth-token-file or mutual TLS, and a cluster beyond loopback without --cluster-secret-file "
+               "(protected mode refuses them otherwise)");
   app.add_option("--max-model-bytes", max_model_bytes,
                  "memory the variables may take (bytes, or 16G...), counting their slots, averages and update "
                  "buffers; creating more is refused")
@@ -252,6 +257,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     cfg.auth_token = *token;
+  }
+  if (!cluster_secret_file.empty()) {
+    auto secret = psd::ReadSecretFile(cluster_secret_file);
+    if (!secret.ok()) return fail("--cluster-secret-file: " + secret.status().message());
+    cfg.cluster_secret = *secret;
   }
 
   // systemd's readiness protocol (Type=notify): the one variable psd reads, systemd's contract.

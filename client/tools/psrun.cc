@@ -190,6 +190,8 @@ class Launcher {
   enum class Started { kReady, kRetry, kFailed };
 
   bool Setup();
+  // Writes 32 random bytes as hex to a new 0600 file; false (said why) on failure.
+  bool WriteRandomSecret(const std::string& path, const std::string& what) const;
   std::optional<std::string> FindPsd() const;
   Started StartShards(std::string* cluster);
   bool StartWorkers(const std::string& cluster);
@@ -221,6 +223,7 @@ class Launcher {
   std::string tls_dir_;  // absolute --tls-dir ("": no TLS)
   // --tls-dir holds a client certificate: psd requires one, and the workers present it.
   bool MutualTls() const { return access((tls_dir_ + "/client.pem").c_str(), R_OK) == 0; }
+  std::string cluster_secret_file_;  // shards > 1: a fresh secret for their links
   std::string psd_;
   std::string cluster_;  // PSD_CLUSTER
   int exit_code_ = -1;   // the first failure's code (or 128 + signal, 124 on --timeout-s)
@@ -230,6 +233,29 @@ class Launcher {
   Clock::time_point kill_at_ = Clock::time_point::max();   // SIGKILL what SIGTERM did not stop
   bool killed_ = false;
 };
+
+bool Launcher::WriteRandomSecret(const std::string& path, const std::string& what) const {
+  std::ifstream rnd("/dev/urandom", std::ios::binary);
+  unsigned char bytes[32];
+  if (!rnd.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
+    Say("cannot read /dev/urandom for " + what);
+    return false;
+  }
+  std::string hex;
+  for (unsigned char b : bytes) {
+    static const char* digits = "0123456789abcdef";
+    hex += digits[b >> 4];
+    hex += digits[b & 15];
+  }
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    Say("cannot write " + path + ": " + std::strerror(errno));
+    return false;
+  }
+  WriteAll(fd, hex + "\n");
+  close(fd);
+  return true;
+}
 
 bool Launcher::Setup() {
   if (o_.timeout_s > 0) {
@@ -254,26 +280,8 @@ bool Launcher::Setup() {
     }
   }
   if (o_.auth == "auto") {
-    std::ifstream rnd("/dev/urandom", std::ios::binary);
-    unsigned char bytes[32];
-    if (!rnd.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
-      Say("cannot read /dev/urandom for --auth auto");
-      return false;
-    }
-    std::string hex;
-    for (unsigned char b : bytes) {
-      static const char* digits = "0123456789abcdef";
-      hex += digits[b >> 4];
-      hex += digits[b & 15];
-    }
     token_file_ = run_dir_ + "/auth-token";
-    int fd = open(token_file_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) {
-      Say("cannot write " + token_file_ + ": " + std::strerror(errno));
-      return false;
-    }
-    WriteAll(fd, hex + "\n");
-    close(fd);
+    if (!WriteRandomSecret(token_file_, "--auth auto")) return false;
   } else if (!o_.auth_token_file.empty()) {
     auto token = psd::ReadSecretFile(o_.auth_token_file);
     if (!token.ok()) {
@@ -290,6 +298,11 @@ bool Launcher::Setup() {
         return false;
       }
     }
+  }
+  if (o_.cluster.empty() && o_.shards > 1) {
+    // The shards' own secret (never the workers'): they prove it to each other on every link.
+    cluster_secret_file_ = run_dir_ + "/cluster-secret";
+    if (!WriteRandomSecret(cluster_secret_file_, "the cluster secret")) return false;
   }
   if (o_.cluster.empty()) {
     auto psd = FindPsd();
@@ -623,6 +636,7 @@ Launcher::Started Launcher::StartShards(std::string* cluster) {
                            "--tls-ca-file", tls_dir_ + "/ca.pem"});
     if (MutualTls()) job.push_back("--tls-require-client-cert");
   }
+  if (!cluster_secret_file_.empty()) job.insert(job.end(), {"--cluster-secret-file", cluster_secret_file_});
   job.insert(job.end(), o_.psd_args.begin(), o_.psd_args.end());
 
   const size_t first = children_.size();
@@ -805,7 +819,7 @@ void Launcher::Cleanup() {
     c.log_fd = -1;
   }
   if (own_run_dir_) {
-    for (const char* name : {"auth-token"}) std::remove((run_dir_ + "/" + name).c_str());
+    for (const char* name : {"auth-token", "cluster-secret"}) std::remove((run_dir_ + "/" + name).c_str());
     for (int k = 0; k < o_.shards; ++k) {
       std::string f = run_dir_ + "/psd-" + std::to_string(k) + ".port";
       std::remove(f.c_str());
@@ -892,12 +906,14 @@ int main(int argc, char** argv) {
   for (const auto& a : o.psd_args) {
     for (const char* owned :
          {"--replicas-to-aggregate", "-R", "--backup-replicas", "-B", "--total-replicas", "-N", "--cluster",
-          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--auth-token-file"}) {
+          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--auth-token-file",
+          "--cluster-secret-file"}) {
       std::string flag = a.substr(0, a.find('='));
       if (flag == owned) {
         std::fprintf(stderr,
                      "psrun: --psd-arg %s: psrun sets this psd flag itself; use psrun's --replicas, --backup, "
-                     "--workers or --auth-token-file (the workers need the token too)\n",
+                     "--workers or --auth-token-file (the workers need the token too; a cluster gets a fresh "
+                     "--cluster-secret-file)\n",
                      a.c_str());
         return 2;
       }

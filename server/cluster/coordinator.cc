@@ -8,6 +8,7 @@
 
 #include "cluster/election.h"
 #include "net/byte_stream.h"
+#include "cluster/peer_auth.h"
 #include "net/server.h"
 #include "sync/sync_engine.h"
 
@@ -28,19 +29,31 @@ Bytes Flatten(const std::shared_ptr<wire::OutFrame>& frame) {
 // An outgoing link to one other shard: connects (and reconnects every 100 ms while it is down),
 // says hello as a peer, then writes messages in order. Messages given while the link is down
 // are dropped: the receiver has seen the link close and counts this shard as gone anyway.
-// Replies from the other side (its hello reply) are read and discarded; a read error is how a
-// dead peer is noticed. All members are touched on the link's strand.
+// With a cluster secret the hello carries a challenge: the other side's reply must prove it
+// knows the secret and is the shard dialed, this side's proof follows, and only then are the
+// messages given meanwhile written (cluster/peer_auth.h). Later replies (errors) are read and
+// discarded; a read error is how a dead peer is noticed. All members are touched on the
+// link's strand.
 class PeerLink : public std::enable_shared_from_this<PeerLink> {
  public:
+  struct Identity {
+    std::string auth_token;      // the workers' token (psd checks it in every hello)
+    std::string cluster_secret;  // empty: no challenge
+    uint32_t me = 0;
+    uint32_t target = 0;
+    uint32_t shards = 0;
+  };
+
   // `tls` null: plain TCP; else the shard's client context (verifies the other shard's certificate
   // against --tls-ca-file and the host of `address`, presents this shard's).
-  PeerLink(asio::io_context& io, std::string address, Bytes hello, std::shared_ptr<wire::ssl::context> tls)
+  PeerLink(asio::io_context& io, std::string address, Identity id, std::shared_ptr<wire::ssl::context> tls)
       : strand_(asio::make_strand(io)),
         tls_(std::move(tls)),
         resolver_(strand_),
         retry_(strand_),
         address_(std::move(address)),
-        hello_(std::move(hello)) {}
+        id_(std::move(id)),
+        log_(1, std::chrono::seconds(30)) {}
 
   void Start() {
     asio::dispatch(strand_, [self = shared_from_this()] { self->Connect(); });
@@ -60,13 +73,34 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     asio::dispatch(strand_, [self = shared_from_this()] {
       self->stopped_ = true;
       self->retry_.cancel();
-      if (!self->writing_) self->Close();
+      if (self->handshaking_) {  // nothing was sent yet that the other side would act on
+        self->handshaking_ = false;
+        self->writing_ = false;
+        self->Close();
+      } else if (!self->writing_) {
+        self->Close();
+      }
     });
   }
 
   bool idle() const { return !writing_.load(); }
 
  private:
+  Bytes Hello(const std::string& nonce) const {
+    auto hello = std::make_shared<wire::OutFrame>();
+    auto req = hello->builder.initRoot<proto::Request>();
+    req.setId(0);
+    auto h = req.initHello();
+    h.setProtocolVersion(proto::PROTOCOL_VERSION);
+    h.setWorkerName("shard-" + std::to_string(id_.me));
+    h.setAuthToken(id_.auth_token);
+    h.setPeer(true);
+    h.setShardIndex(id_.me);
+    h.setClusterSize(id_.shards);
+    if (!nonce.empty()) h.setPeerNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(nonce.data()), nonce.size()));
+    return Flatten(hello);
+  }
+
   void Connect() {
     if (stopped_) return;
     size_t colon = address_.rfind(':');
@@ -80,24 +114,132 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
             boost::system::error_code ignored;
             self->stream_->lowest().set_option(tcp::no_delay(true), ignored);
             if (self->stream_->tls()) {
-              Status s = wire::SetTlsServerName(self->stream_->tls_stream(), self->address_.substr(0, self->address_.rfind(':')));
+              Status s = wire::SetTlsServerName(self->stream_->tls_stream(),
+                                                self->address_.substr(0, self->address_.rfind(':')));
               if (!s.ok()) {
                 spdlog::error("peer link to {}: {}", self->address_, s.message());
                 return self->Retry();
               }
             }
-            self->stream_->async_handshake(wire::ssl::stream_base::client, asio::bind_executor(self->strand_, [self, stream](const boost::system::error_code& ec) {
-              if (ec) {
-                self->LogHandshakeError(ec);
-                return self->Retry();
-              }
-              self->up_ = true;
-              self->queue_.push_front(self->hello_);
-              self->WriteNext();
-              self->ReadLoop();
-            }));
+            self->stream_->async_handshake(
+                wire::ssl::stream_base::client,
+                asio::bind_executor(self->strand_, [self, stream](const boost::system::error_code& ec) {
+                  if (ec) {
+                    self->LogHandshakeError(ec);
+                    return self->Retry();
+                  }
+                  self->up_ = true;
+                  if (self->id_.cluster_secret.empty()) {
+                    self->queue_.push_front(self->Hello(""));
+                    self->WriteNext();
+                    return self->ReadLoop();
+                  }
+                  self->StartHandshake();
+                }));
           });
         });
+  }
+
+  // With a cluster secret: hello with a challenge, then the reply (bounded in size and time).
+  void StartHandshake() {
+    auto nonce = peer_auth::NewNonce();
+    if (!nonce.ok()) return Fail(nonce.status().message());
+    nonce_ = *nonce;
+    handshaking_ = true;
+    writing_ = true;  // messages given meanwhile wait in the queue
+    retry_.expires_after(kHandshakeTimeout);
+    retry_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      if (!ec && self->handshaking_) self->Fail("no answer to the peer hello within 5 s");
+    });
+    Bytes hello = Hello(nonce_);
+    asio::async_write(*stream_, asio::buffer(hello->begin(), hello->size() * sizeof(capnp::word)),
+                      [self = shared_from_this(), hello, stream = stream_](boost::system::error_code ec, size_t) {
+                        if (ec) return self->Fail("cannot send the hello: " + ec.message());
+                        self->ReadReplyHeader();
+                      });
+  }
+
+  void ReadReplyHeader() {
+    asio::async_read(*stream_, asio::buffer(first_, sizeof(first_)),
+                     [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
+                       if (ec) return self->Fail("no answer to the hello: " + ec.message());
+                       uint32_t count = 0;
+                       size_t rest = 0;
+                       Status s = wire::ParseFirstWord(self->first_, &count, &rest);
+                       if (!s.ok()) return self->Fail(s.message());
+                       self->table_.assign(1 + rest / 4, 0);
+                       self->table_[0] = self->first_[1];
+                       asio::async_read(*stream, asio::buffer(self->table_.data() + 1, rest),
+                                        [self, count, stream](boost::system::error_code ec, size_t) {
+                                          if (ec) return self->Fail("no answer to the hello: " + ec.message());
+                                          self->ReadReplyBody(count);
+                                        });
+                     });
+  }
+
+  void ReadReplyBody(uint32_t count) {
+    std::vector<uint32_t> sizes;
+    uint64_t total = 0;
+    Status s = wire::ParseSegmentSizes(table_.data(), count, kMaxReplyBytes, &sizes, &total);
+    if (!s.ok()) return Fail(s.message());
+    capnp::word* body = in_.Prepare(sizes, total);
+    asio::async_read(*stream_, asio::buffer(body, total * sizeof(capnp::word)),
+                     [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
+                       if (ec) return self->Fail("no answer to the hello: " + ec.message());
+                       std::string why;
+                       try {
+                         auto reader = self->in_.Reader();
+                         why = self->CheckReply(reader->getRoot<proto::Response>());
+                       } catch (const kj::Exception& e) {
+                         why = std::string("a malformed reply: ") + e.getDescription().cStr();
+                       }
+                       if (!why.empty()) return self->Fail(why);
+                       self->handshaking_ = false;
+                       self->retry_.cancel();
+                       self->queue_.push_front(self->proof_);
+                       self->WriteNext();
+                       self->ReadLoop();
+                     });
+  }
+
+  // The acceptor's answer: "" when it proved it is shard `target` of this cluster (and proof_ is
+  // this side's answer), else why not.
+  std::string CheckReply(proto::Response::Reader r) {
+    if (r.getCode() != proto::Code::OK) return "it refused the hello: " + std::string(r.getMessage().cStr());
+    if (r.which() != proto::Response::HELLO) return "it answered the hello with something else";
+    auto h = r.getHello();
+    if (h.getShardIndex() != id_.target || h.getShards() != id_.shards) {
+      return "it says it is shard " + std::to_string(h.getShardIndex()) + " of " + std::to_string(h.getShards());
+    }
+    auto nonce = h.getPeerNonce();
+    auto proof = h.getPeerProof();
+    if (nonce.size() != peer_auth::kNonceBytes || proof.size() != peer_auth::kProofBytes) {
+      return "it answered without a proof (does it run with the same --cluster-secret-file?)";
+    }
+    std::string theirs(reinterpret_cast<const char*>(nonce.begin()), nonce.size());
+    peer_auth::Transcript t{id_.shards, id_.me, id_.target, nonce_, theirs};
+    std::string_view got(reinterpret_cast<const char*>(proof.begin()), proof.size());
+    if (!peer_auth::Verify(id_.cluster_secret, peer_auth::Role::kAcceptor, t, got)) {
+      return "its proof is wrong: it does not know this cluster's secret (the same --cluster-secret-file on every "
+             "shard?)";
+    }
+    std::string mine = peer_auth::Proof(id_.cluster_secret, peer_auth::Role::kDialer, t);
+    auto frame = std::make_shared<wire::OutFrame>();
+    auto req = frame->builder.initRoot<proto::Request>();
+    req.setId(0);
+    req.setPeerProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine.data()), mine.size()));
+    proof_ = Flatten(frame);
+    return "";
+  }
+
+  void Fail(const std::string& why) {
+    if (!up_) return;  // already closed (the deadline and a failed read both end here)
+    handshaking_ = false;
+    writing_ = false;
+    if (!stopped_ && log_.Allow() >= 0) {
+      spdlog::warn("cluster: the link to shard {} ({}) is not trusted: {}; retrying", id_.target, address_, why);
+    }
+    Retry();
   }
 
   void Retry() {
@@ -153,6 +295,9 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                       }));
   }
 
+  static constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+  static constexpr uint64_t kMaxReplyBytes = 64 << 10;  // a hello reply is far smaller
+
   asio::strand<asio::io_context::executor_type> strand_;
   const std::shared_ptr<wire::ssl::context> tls_;
   // A fresh one per connection attempt (TLS state cannot be reused); pending operations' handlers
@@ -160,13 +305,20 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   std::shared_ptr<ByteStream> stream_;
   std::string last_tls_error_;
   tcp::resolver resolver_;
-  asio::steady_timer retry_;
+  asio::steady_timer retry_;  // the reconnect delay, and the handshake's deadline
   const std::string address_;
-  const Bytes hello_;
+  const Identity id_;
+  peer_auth::LogLimiter log_;
   std::deque<Bytes> queue_;
   std::atomic<bool> writing_{false};
   bool up_ = false;
   bool stopped_ = false;
+  bool handshaking_ = false;
+  std::string nonce_;  // this side's challenge on the current connection
+  Bytes proof_;        // this side's answer, once the other side proved itself
+  uint32_t first_[2] = {0, 0};
+  std::vector<uint32_t> table_;
+  wire::InFrame in_;
   char scratch_[4096];
 };
 
@@ -236,19 +388,13 @@ ClusterCoordinator::ClusterCoordinator(Server& server, const ServerConfig& confi
       peers_(static_cast<size_t>(config.shards())),
       placement_(config.shards(), config.slice_bytes) {
   // The links exist before anything can call in (started by Start()).
-  auto hello = std::make_shared<wire::OutFrame>();
-  auto req = hello->builder.initRoot<proto::Request>();
-  req.setId(0);
-  auto h = req.initHello();
-  h.setProtocolVersion(proto::PROTOCOL_VERSION);
-  h.setWorkerName("shard-" + std::to_string(me_));
-  h.setAuthToken(config_.auth_token);
-  h.setPeer(true);
-  h.setShardIndex(static_cast<uint32_t>(me_));
-  h.setClusterSize(static_cast<uint32_t>(shards_));
   links_.resize(static_cast<size_t>(shards_));
   for (int i = 0; i < shards_; ++i) {
-    if (i != me_) links_[static_cast<size_t>(i)] = std::make_shared<PeerLink>(io_, AddressOf(i), Flatten(hello), server_.peer_tls_context());
+    if (i == me_) continue;
+    PeerLink::Identity id{config_.auth_token, config_.cluster_secret, static_cast<uint32_t>(me_),
+                          static_cast<uint32_t>(i), static_cast<uint32_t>(shards_)};
+    links_[static_cast<size_t>(i)] =
+        std::make_shared<PeerLink>(io_, AddressOf(i), std::move(id), server_.peer_tls_context());
   }
 }
 
@@ -272,6 +418,11 @@ void ClusterCoordinator::Start() {
   }
   spdlog::info("shard {} of {}: {} restorable checkpoint(s){}", me_, shards_, sealed.size(),
                sealed.empty() ? "" : fmt::format(", newest at step {}", sealed.front()));
+  if (config_.cluster_secret.empty()) {
+    spdlog::info("shard links: a peer's hello is believed (no --cluster-secret-file)");
+  } else {
+    spdlog::info("shard links: each end proves the cluster secret (--cluster-secret-file)");
+  }
   for (auto& l : links_) {
     if (l) l->Start();
   }
@@ -314,7 +465,8 @@ void ClusterCoordinator::SendTo(int shard, const std::shared_ptr<wire::OutFrame>
   if (shard < 0 || shard >= shards_) return;
   if (shard == me_) {
     // Handled like a received message, on the io_context (never inside the caller's stack).
-    asio::post(io_, [this, frame] { OnPeerMessage(frame->builder.getRoot<proto::Request>().asReader().getPeer()); });
+    asio::post(io_,
+               [this, frame] { OnPeerMessage(me_, frame->builder.getRoot<proto::Request>().asReader().getPeer()); });
     return;
   }
   if (auto& l = links_[static_cast<size_t>(shard)]) l->Send(Flatten(frame));
@@ -715,8 +867,7 @@ bool ClusterCoordinator::AcceptChiefLocked(int from, uint64_t term, std::vector<
   return false;
 }
 
-void ClusterCoordinator::OnPeerMessage(proto::PeerMessage::Reader msg) {
-  int from = static_cast<int>(msg.getFrom());
+void ClusterCoordinator::OnPeerMessage(int from, proto::PeerMessage::Reader msg) {
   if (from < 0 || from >= shards_) return;
   uint64_t term = msg.getTerm();
   std::vector<Action> actions;

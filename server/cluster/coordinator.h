@@ -104,7 +104,9 @@ class ClusterCoordinator {
   // Peer connections (from Connection).
   void OnPeerHello(int shard);
   void OnPeerClosed(int shard);
-  void OnPeerMessage(proto::PeerMessage::Reader msg);
+  // `from`: the shard the message came from (the link's proven shard, or this shard itself); the
+  // message's own sender field is not trusted here.
+  void OnPeerMessage(int from, proto::PeerMessage::Reader msg);
 
   // From the engine created for `epoch` (no engine lock held).
   void OnPrepared(uint64_t epoch, int64_t step, int min_gradients, int max_gradients, int takes, bool forced);

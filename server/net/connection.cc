@@ -3,6 +3,7 @@
 #include <kj/exception.h>
 #include <spdlog/spdlog.h>
 
+#include "cluster/peer_auth.h"
 #include "net/server.h"
 #include "psd/secret.h"
 
@@ -229,14 +230,25 @@ void Connection::Dispatch(proto::Request::Reader req) {
   uint64_t id = req.getId();
   auto which = req.which();
   if (which == proto::Request::HELLO) return HandleHello(id, req.getHello());
+  if (which == proto::Request::PEER_PROOF) return HandlePeerProof(id, req.getPeerProof());
   if (!authenticated_ && !server_.config().auth_token.empty()) {
     return SendError(id, Unauthenticated("say hello with the auth token first"));
   }
   if (!greeted_) return SendError(id, FailedPrecondition("say hello first (as a worker, an observer or a peer)"));
   if (which == proto::Request::PEER) {
+    // Only a shard's (proven) peer link carries peer messages, and only in its own name.
+    if (peer_shard_ < 0) {
+      LogSpoof("sent a peer message on a worker or observer connection");
+      return FailStream(FailedPrecondition("peer messages travel only on a shard's peer link; closing"), id);
+    }
+    auto msg = req.getPeer();
+    if (msg.getFrom() != static_cast<uint32_t>(peer_shard_)) {
+      LogSpoof("(the link of shard " + std::to_string(peer_shard_) + ") sent a peer message as shard " +
+               std::to_string(msg.getFrom()));
+      return FailStream(InvalidArgument("a peer message's sender must be the link's shard; closing"), id);
+    }
     // Never answered: peers' messages are one-way.
-    if (peer_shard_ < 0) return SendError(id, FailedPrecondition("peer messages need a peer hello"));
-    return server_.coordinator()->OnPeerMessage(req.getPeer());
+    return server_.coordinator()->OnPeerMessage(peer_shard_, msg);
   }
   if (which == proto::Request::STATUS) return HandleStatus(id);
   if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);       // an operator's request
@@ -314,28 +326,12 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
     return FailStream(Unauthenticated("wrong or missing auth token (psd runs with --auth-token-file)"), id);
   }
   authenticated_ = true;
-  if (r.getPeer()) {
-    ClusterCoordinator* c = server_.coordinator();
-    const ServerConfig& cfg = server_.config();
-    if (c == nullptr) return FailStream(FailedPrecondition("this psd is a single daemon, not a cluster shard"), id);
-    int idx = static_cast<int>(r.getShardIndex());
-    if (static_cast<int>(r.getClusterSize()) != cfg.shards() || idx >= cfg.shards() || idx == cfg.shard_index) {
-      return FailStream(
-          InvalidArgument("a peer says it is shard " + std::to_string(idx) + " of " +
-                          std::to_string(r.getClusterSize()) + "; this is shard " + std::to_string(cfg.shard_index) +
-                          " of " + std::to_string(cfg.shards()) + ": check --cluster and --shard-index"),
-          id);
-    }
-    if (peer_shard_ < 0) {
-      peer_shard_ = idx;
-      c->OnPeerHello(idx);
-    }
-    greeted_ = true;
-    proto::Response::Builder resp(nullptr);
-    auto frame = NewReply(id, &resp);
-    resp.initHello().setProtocolVersion(proto::PROTOCOL_VERSION);
-    return Send(std::move(frame));
+  // A connection has one identity: a shard's link never becomes a worker's, nor the reverse.
+  if ((greeted_ || peer_claim_ >= 0) && (r.getPeer() || peer_shard_ >= 0 || peer_claim_ >= 0)) {
+    if (r.getPeer()) LogSpoof("sent a second hello as a peer");
+    return FailStream(FailedPrecondition("this connection already said hello; open a new one"), id);
   }
+  if (r.getPeer()) return HandlePeerHello(id, r);
   if (r.getObserver()) {
     greeted_ = true;
     proto::Response::Builder resp(nullptr);
@@ -379,6 +375,88 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
   spdlog::info("worker '{}' (incarnation {}) connected as #{}{}", name, r.getIncarnation(), *index,
                h.getIsChief() ? ", chief" : "");
   Send(std::move(frame));
+}
+
+void Connection::LogSpoof(const std::string& what) {
+  int64_t suppressed = server_.spoof_log().Allow();
+  if (suppressed < 0) return;
+  boost::system::error_code ec;
+  auto remote = stream_.lowest().remote_endpoint(ec);
+  spdlog::warn("connection {} from {}: {}; refused{}", id_, ec ? std::string("?") : remote.address().to_string(), what,
+               suppressed > 0 ? fmt::format(" ({} similar lines suppressed)", suppressed) : "");
+}
+
+peer_auth::Transcript Connection::PendingTranscript() const {
+  const ServerConfig& cfg = server_.config();
+  std::string_view nonces(peer_nonces_);
+  return {static_cast<uint32_t>(cfg.shards()), static_cast<uint32_t>(peer_claim_),
+          static_cast<uint32_t>(cfg.shard_index), nonces.substr(0, peer_auth::kNonceBytes),
+          nonces.substr(peer_auth::kNonceBytes)};
+}
+
+void Connection::HandlePeerHello(uint64_t id, proto::Hello::Reader r) {
+  ClusterCoordinator* c = server_.coordinator();
+  const ServerConfig& cfg = server_.config();
+  if (c == nullptr) return FailStream(FailedPrecondition("this psd is a single daemon, not a cluster shard"), id);
+  int idx = static_cast<int>(r.getShardIndex());
+  if (r.getClusterSize() != static_cast<uint32_t>(cfg.shards()) || r.getShardIndex() >= r.getClusterSize() ||
+      idx == cfg.shard_index) {
+    LogSpoof("said hello as shard " + std::to_string(r.getShardIndex()) + " of " + std::to_string(r.getClusterSize()));
+    return FailStream(
+        InvalidArgument("a peer says it is shard " + std::to_string(idx) + " of " + std::to_string(r.getClusterSize()) +
+                        "; this is shard " + std::to_string(cfg.shard_index) + " of " + std::to_string(cfg.shards()) +
+                        ": check --cluster and --shard-index"),
+        id);
+  }
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto h = resp.initHello();
+  h.setProtocolVersion(proto::PROTOCOL_VERSION);
+  if (cfg.cluster_secret.empty()) {
+    // No cluster secret (loopback only, or --insecure): the hello's index is believed, and binds
+    // the link's messages to it.
+    peer_shard_ = idx;
+    greeted_ = true;
+    c->OnPeerHello(idx);
+    return Send(std::move(frame));
+  }
+  auto theirs = r.getPeerNonce();
+  if (theirs.size() != peer_auth::kNonceBytes) {
+    LogSpoof("said hello as shard " + std::to_string(idx) + " without a challenge");
+    return FailStream(Unauthenticated("this shard runs with --cluster-secret-file: a peer must prove it knows the "
+                                      "cluster secret (give every shard the same --cluster-secret-file)"),
+                      id);
+  }
+  auto mine = peer_auth::NewNonce();
+  if (!mine.ok()) return FailStream(mine.status(), id);
+  peer_claim_ = idx;
+  peer_nonces_.assign(reinterpret_cast<const char*>(theirs.begin()), theirs.size());
+  peer_nonces_ += *mine;
+  std::string proof = peer_auth::Proof(cfg.cluster_secret, peer_auth::Role::kAcceptor, PendingTranscript());
+  h.setShardIndex(static_cast<uint32_t>(cfg.shard_index));
+  h.setShards(static_cast<uint32_t>(cfg.shards()));
+  h.setPeerNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine->data()), mine->size()));
+  h.setPeerProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(proof.data()), proof.size()));
+  Send(std::move(frame));
+}
+
+void Connection::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
+  const ServerConfig& cfg = server_.config();
+  if (peer_claim_ < 0 || greeted_ || cfg.cluster_secret.empty()) {
+    LogSpoof("sent a peer proof without a pending challenge");
+    return FailStream(FailedPrecondition("a peer proof answers this shard's challenge to a peer hello; closing"), id);
+  }
+  std::string_view got(reinterpret_cast<const char*>(proof.begin()), proof.size());
+  if (!peer_auth::Verify(cfg.cluster_secret, peer_auth::Role::kDialer, PendingTranscript(), got)) {
+    LogSpoof("failed the cluster-secret proof as shard " + std::to_string(peer_claim_) +
+             " (a wrong --cluster-secret-file, or not a shard)");
+    return FailStream(Unauthenticated("wrong cluster secret: give every shard the same --cluster-secret-file"), id);
+  }
+  peer_shard_ = peer_claim_;
+  peer_claim_ = -1;
+  peer_nonces_.clear();
+  greeted_ = true;
+  server_.coordinator()->OnPeerHello(peer_shard_);
 }
 
 void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {

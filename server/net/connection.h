@@ -31,6 +31,7 @@
 #include <set>
 
 #include "net/byte_stream.h"
+#include "cluster/peer_auth.h"
 #include "psd.capnp.h"
 #include "sync/token_queue.h"
 #include "wire/asio.h"
@@ -75,6 +76,14 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   void Dispatch(proto::Request::Reader req);
   void HandleHello(uint64_t id, proto::Hello::Reader r);
+  // A shard's hello: with a cluster secret, answered with this shard's challenge and proof; the
+  // link is a peer's only once HandlePeerProof verified the dialer's (cluster/peer_auth.h).
+  void HandlePeerHello(uint64_t id, proto::Hello::Reader r);
+  void HandlePeerProof(uint64_t id, capnp::Data::Reader proof);
+  // The transcript of the pending challenge (peer_claim_, peer_nonces_).
+  peer_auth::Transcript PendingTranscript() const;
+  // Logs a refused impersonation attempt (rate-limited across connections).
+  void LogSpoof(const std::string& what);
   void HandleCreate(uint64_t id, proto::CreateVariable::Reader r);
   void HandlePull(uint64_t id, proto::Pull::Reader r);
   // Puts the named variables' current values (one step) into a reply, referencing them in place.
@@ -130,9 +139,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::set<std::shared_ptr<bool>> collectives_;  // parked reduce/update: their `answered` flags
   bool authenticated_ = false;                   // a hello with the right token (or no token required)
   uint32_t worker_index_ = 0;
-  int peer_shard_ = -1;   // another shard of the cluster (after its peer hello)
+  int peer_shard_ = -1;   // another shard of the cluster (after its peer hello; its proof with a secret)
+  int peer_claim_ = -1;   // the shard a peer hello claims while its proof is awaited
   bool closing_ = false;  // close once the write queue drains
   bool closed_ = false;
+  // While a peer's proof is awaited: the dialer's nonce followed by this shard's.
+  std::string peer_nonces_;
 
   std::deque<std::shared_ptr<wire::OutFrame>> write_queue_;
   bool writing_ = false;

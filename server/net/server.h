@@ -26,6 +26,7 @@
 #include "net/frame_budget.h"
 #include "wire/tls.h"
 #include "cluster/coordinator.h"
+#include "cluster/peer_auth.h"
 #include "config.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
@@ -84,6 +85,8 @@ class Server {
   // peers with.
   const std::shared_ptr<wire::ssl::context>& tls_context() const { return tls_; }
   const std::shared_ptr<wire::ssl::context>& peer_tls_context() const { return peer_tls_; }
+  // Rate limit of the log lines about refused peer impersonations (all connections).
+  peer_auth::LogLimiter& spoof_log() { return spoof_log_; }
 
   // Schedules a checkpoint (at the next step boundary). No-op without --checkpoint-dir.
   Status RequestCheckpoint();
@@ -134,6 +137,7 @@ class Server {
   ops::Metrics metrics_;
   std::shared_ptr<wire::ssl::context> tls_, peer_tls_;
   FrameBudget frame_budget_{config_.max_inflight_bytes};
+  peer_auth::LogLimiter spoof_log_;
   const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
   const double start_unix_s_ = ops::UnixNow();
   mutable std::mutex ready_mu_;
