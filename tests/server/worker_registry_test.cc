@@ -91,3 +91,19 @@ TEST_CASE("a worker beyond N is refused naming -N/-B; a reconnect or a lost work
   CHECK(r.Counts().lost == 0);
   CHECK(r.RequiredReplicas() == 2);  // w0 finished, covered by the backup
 }
+
+TEST_CASE("the registry stays bounded by N however many distinct workers come and go", "[workers]") {
+  WorkerRegistry r(2, 3);  // N=3
+  // Three workers that finish, then a thousand short-lived ones that vanish and are replaced.
+  for (uint64_t c = 1; c <= 2; ++c) REQUIRE(r.Hello(c, "steady-" + std::to_string(c), 1).ok());
+  for (uint64_t c = 10; c < 1010; ++c) {
+    auto index = r.Hello(c, "ephemeral-" + std::to_string(c), 1);
+    REQUIRE(index.ok());
+    auto gone = r.Disconnected(c);
+    REQUIRE(gone.has_value());
+    REQUIRE(r.MarkLostIfStillGone(gone->first, gone->second).has_value());
+    REQUIRE(r.Snapshot().size() <= 3);
+  }
+  CHECK(r.Snapshot().size() == 3);
+  CHECK(r.Counts().lost == 1);
+}
