@@ -106,7 +106,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::steady_timer timer_;
   std::chrono::steady_clock::time_point hello_deadline_;
   std::chrono::steady_clock::time_point last_frame_ = std::chrono::steady_clock::now();
-  std::set<std::shared_ptr<ParkedReply>> collectives_;  // parked reduce/update replies
+  // Parked reduce/update replies.
+  std::set<std::shared_ptr<ParkedReply>> collectives_;
   bool authenticated_ = false;                   // a hello with the right token (or no token required)
   uint32_t worker_index_ = 0;
   int peer_shard_ = -1;   // another shard of the cluster (after its peer hello)
