@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 
+#include "connect.h"
 #include "device_memory.h"
 #include "psd/cluster_list.h"
 #include "wire/frame.h"
@@ -147,22 +148,27 @@ class Conn {
     }
   }
 
+  // Resolve, connect and hello, all before `deadline` (connect_timeout_ms from the first try).
   Status ConnectOnce(std::chrono::steady_clock::time_point deadline) {
     boost::system::error_code ec;
     answered_ = false;
+    const std::string gave_up =
+        " (gave up after ClientOptions::connect_timeout_ms = " + std::to_string(options_.connect_timeout_ms) + " ms)";
     for (;;) {
       // Names are resolved on every try: a restarted daemon (a Kubernetes pod, say) may have
       // come back at another address.
-      psd::tcp::resolver resolver(io_);
-      auto endpoints = resolver.resolve(host_, std::to_string(port_), ec);
       socket_ = psd::tcp::socket(io_);
-      if (!ec) psd::asio::connect(socket_, endpoints, ec);
-      if (!ec) break;
-      if (std::chrono::steady_clock::now() >= deadline) {
-        return psd::Unavailable("cannot connect to psd at " + Where() + ": " + ec.message());
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      Status c = internal::ConnectBefore(socket_, host_, port_, deadline);
+      if (c.ok()) break;
+      auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) return psd::Unavailable(c.message() + gave_up);
+      std::this_thread::sleep_for(
+          std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), deadline - now));
     }
+    // The hello's answer is bounded by the same deadline (a daemon that accepts but never answers).
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const bool connect_bound = left.count() < options_.request_timeout_ms;
+    limit_ms_ = std::max<int64_t>(1, std::min<int64_t>(left.count(), options_.request_timeout_ms));
     socket_.set_option(psd::tcp::no_delay(true), ec);
     OutFrame frame;
     auto req = NewRequest(frame);
@@ -177,6 +183,10 @@ class Conn {
     if (s.ok()) s = Receive(frame, &resp);
     if (!s.ok()) {
       Drop();
+      if (s.code() == Code::kDeadlineExceeded && !answered_ && connect_bound) {
+        return psd::Unavailable("psd at " + Where() + " accepted the connection but did not answer its hello in time" +
+                                gave_up);
+      }
       return s;
     }
     if (resp.which() != proto::Response::HELLO) return psd::Internal("unexpected reply to hello");

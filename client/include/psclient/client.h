@@ -59,7 +59,8 @@ struct ClientOptions {
   std::vector<std::string> cluster;
   std::string worker_name;         // stable identity; default "worker-<pid>"
   uint64_t incarnation = 0;        // bump on every restart; default: derived from the clock
-  int connect_timeout_ms = 10000;  // keeps retrying a refused connect until then
+  int connect_timeout_ms = 10000;  // bounds each (re)connect: name lookup, TCP connect, hello;
+                                   // a refused connect is retried until then; then kUnavailable
   // No call waits longer than this for its reply (a token wait: its own timeout + 10 s if longer);
   // past it the call fails with kDeadlineExceeded and the connection is reset. Keep it above
   // psd's --token-timeout-ms when waits use the daemon's default.
