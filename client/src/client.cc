@@ -191,10 +191,13 @@ class Conn {
     }
     if (resp.which() != proto::Response::HELLO) return psd::Internal("unexpected reply to hello");
     auto hr = resp.getHello();
-    config = ReadConfig(hr.getConfig());
-    worker_id = hr.getWorkerId();
+    {
+      std::lock_guard<std::mutex> lock(hello_mu);
+      config = ReadConfig(hr.getConfig());
+      worker_id = hr.getWorkerId();
+      initial_step = hr.getGlobalStep();
+    }
     is_chief = hr.getIsChief();
-    initial_step = hr.getGlobalStep();
     chief_shard = hr.getChiefShard();
     cluster_epoch = hr.getClusterEpoch();
     shards_reported = static_cast<int>(hr.getShards());
@@ -284,16 +287,19 @@ class Conn {
   bool last_answered() const { return answered_; }
   int index() const { return index_; }
 
-  // From the last handshake.
-  JobConfig config;
-  uint32_t worker_id = 0;
+  // From the last handshake. A reconnect (on a call thread, under the client's call lock)
+  // rewrites them: the Client's lock-free getters read config, worker_id and initial_step under
+  // hello_mu, and connects is atomic.
+  mutable std::mutex hello_mu;
+  JobConfig config;          // guarded by hello_mu for writes and lock-free readers
+  uint32_t worker_id = 0;    // guarded by hello_mu for writes and lock-free readers
+  int64_t initial_step = 0;  // guarded by hello_mu for writes and lock-free readers
   bool is_chief = false;
-  int64_t initial_step = 0;
   int chief_shard = 0;
   uint64_t cluster_epoch = 0;
   int shards_reported = 1;
   uint64_t daemon_max_frame_bytes = 0;  // psd's --max-frame-bytes from the hello (0: not announced)
-  uint64_t connects = 0;
+  std::atomic<uint64_t> connects{0};
   std::atomic<uint64_t> requests{0};
 
  private:
@@ -669,16 +675,28 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
-const JobConfig& Client::config() const { return impl_->chief().config; }
-uint32_t Client::worker_id() const { return impl_->chief().worker_id; }
+JobConfig Client::config() const {
+  const Conn& c = impl_->chief();
+  std::lock_guard<std::mutex> lock(c.hello_mu);
+  return c.config;
+}
+uint32_t Client::worker_id() const {
+  const Conn& c = impl_->chief();
+  std::lock_guard<std::mutex> lock(c.hello_mu);
+  return c.worker_id;
+}
 bool Client::is_chief() const { return impl_->is_chief_.load(); }
-int64_t Client::initial_global_step() const { return impl_->chief().initial_step; }
+int64_t Client::initial_global_step() const {
+  const Conn& c = impl_->chief();
+  std::lock_guard<std::mutex> lock(c.hello_mu);
+  return c.initial_step;
+}
 uint64_t Client::connection_epoch() const {
   uint64_t n = impl_->epoch_bumps_.load();
   for (const auto& c : impl_->conns_) n += c->connects;
   return n;
 }
-std::vector<std::string> Client::SlotNames() const { return impl_->chief().config.slot_names; }
+std::vector<std::string> Client::SlotNames() const { return config().slot_names; }
 int Client::shards() const { return impl_->shards(); }
 int Client::chief_shard() const { return impl_->chief_.load(); }
 uint64_t Client::cluster_epoch() const { return impl_->cluster_epoch_.load(); }

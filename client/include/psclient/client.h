@@ -269,7 +269,9 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  const JobConfig& config() const;
+  // The job settings of the last handshake — a copy: a reconnect on another thread may change
+  // them. These getters and connection_epoch() may be called from any thread, during any call.
+  JobConfig config() const;
   uint32_t worker_id() const;
   // Whether the daemon designated this worker as chief (as of the last reply that said so).
   bool is_chief() const;
