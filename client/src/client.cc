@@ -17,6 +17,7 @@
 #include "connect.h"
 #include "device_memory.h"
 #include "psd/cluster_list.h"
+#include "sparse_check.h"
 #include "wire/frame.h"
 
 namespace psclient {
@@ -1000,11 +1001,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   }
   for (size_t j = 0; j < sparse.size(); ++j) {
     const SparseGradient& g = sparse[j];
-    if (g.values.shape.empty() || g.values.shape[0] != static_cast<int64_t>(g.indices.size())) {
-      return psd::InvalidArgument("sparse gradient for '" + g.name + "': values need shape [" +
-                                  std::to_string(g.indices.size()) + ", row dims...], got " +
-                                  psd::ShapeString(g.values.shape));
-    }
+    PSD_RETURN_IF_ERROR(internal::CheckSparseGradient(g, nullptr));
     if (g.values.data == nullptr && g.values.bytes() > 0) {
       return psd::InvalidArgument("sparse gradient for '" + g.name + "' has no data");
     }
@@ -1022,6 +1019,8 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
                        psd::DTypeSize(g.values.dtype);
     auto loc = im.Locate(g.name);
     if (!loc.ok()) return loc.status();
+    // A cluster's client knows the whole shape: rows outside it would fall outside every slice.
+    if (cluster) PSD_RETURN_IF_ERROR(internal::CheckSparseGradient(g, &loc->shape));
     for (size_t k = 0; k < loc->parts.size(); ++k) {
       SparsePart part;
       size_t first = 0, last = indices.size();

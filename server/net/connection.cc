@@ -331,7 +331,9 @@ void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   def.trainable = r.getTrainable();
   def.average = r.getAverage();
   def.optimizer = r.getOptimizer();
-  def.aggregation = static_cast<Aggregation>(std::min<int>(static_cast<int>(r.getAggregation()), 3));
+  auto aggregation = AggregationFromNumber(static_cast<int>(r.getAggregation()));
+  if (!aggregation.ok()) return SendError(id, aggregation.status());
+  def.aggregation = *aggregation;
   def.sync_on_read = r.getSyncOnRead();
   if (r.hasPlacement()) {
     // One part of a cluster variable: it must be the part the placement puts on this shard.

@@ -59,6 +59,12 @@ const char* AggregationName(Aggregation a) {
   return "NONE";
 }
 
+Result<Aggregation> AggregationFromNumber(int value) {
+  if (value >= 0 && value <= static_cast<int>(Aggregation::kOnlyFirstReplica)) return static_cast<Aggregation>(value);
+  return InvalidArgument("unknown variable aggregation " + std::to_string(value) +
+                         "; the valid ones are NONE (0), SUM (1), MEAN (2) and ONLY_FIRST_REPLICA (3)");
+}
+
 // One round of replica contributions to a variable (reduce_to, or an aggregated assignment):
 // the sum (and, for NONE, the first value and whether any differed) of the values tagged with
 // this round's step or later. Guarded by the variable's `mu`.
@@ -316,9 +322,14 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
 
 Status SyncEngine::ValidateGrad(Variable* v, const GradRef& g) const {
   if (g.sparse()) {
+    // Once gradients are accumulating TF words the values checks against the accumulated ones.
+    bool accumulating = false;
+    {
+      std::lock_guard<std::mutex> lock(v->mu);
+      accumulating = v->sparse && v->sparse->num_accumulated() > 0;
+    }
     return SparseAccumulator::Check(v->dtype, v->shape,
-                                    {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape},
-                                    /*accumulating=*/false);
+                                    {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape}, accumulating);
   }
   return DenseAccumulator::Check(v->dtype, v->shape, g.dtype, g.shape, g.bytes);
 }
@@ -805,7 +816,9 @@ Status SyncEngine::Restore(const ShardSnapshot& snap) {
     def.average = vs.average && config_.ema_decay > 0;
     def.optimizer = vs.optimizer;
     def.placement = vs.placement;
-    def.aggregation = static_cast<Aggregation>(vs.aggregation);
+    auto aggregation = AggregationFromNumber(vs.aggregation);
+    if (!aggregation.ok()) return aggregation.status();
+    def.aggregation = *aggregation;
     def.sync_on_read = vs.sync_on_read;
     auto created = CreateVariable(def);
     if (!created.ok()) return created.status();

@@ -59,6 +59,9 @@ namespace psd::server {
 enum class Aggregation { kNone, kSum, kMean, kOnlyFirstReplica };
 enum class UpdateOp { kAssign, kAssignAdd, kAssignSub, kScale };
 const char* AggregationName(Aggregation a);
+// The Aggregation numbered `value` (the wire's and the checkpoint's numbering: NONE 0, SUM 1,
+// MEAN 2, ONLY_FIRST_REPLICA 3); INVALID_ARGUMENT naming the valid values otherwise.
+Result<Aggregation> AggregationFromNumber(int value);
 
 struct VariableDef {
   std::string name;
