@@ -304,6 +304,9 @@ struct PeerHeartbeat {
   sealedSteps @4 :List(Int64);  # checkpoints this shard can restore (manifest + own part verified)
   ready @5 :Bool;           # the sender has scanned its checkpoints
   required @6 :Int32;       # from the chief: fresh gradients a step needs
+  allowStateLoss @7 :Bool;  # the sender runs with --allow-state-loss (README "Losing a shard's checkpoints")
+  waiting @8 :Text;         # from the chief: why it does not form the cluster (""): an operator must decide
+  unusableSteps @9 :List(Int64);  # checkpoint directories present here that this shard cannot restore
 }
 
 struct PeerStep {
@@ -392,7 +395,15 @@ struct Request {
     peer @14 :PeerMessage;        # shard to shard; never answered
     reduce @15 :Reduce;
     update @16 :Update;
+    recover @17 :Recover;         # cluster, chief only: an operator's decision to lose checkpointed state
   }
+}
+
+# An operator's answer to a chief that refuses to form because some shard's newest checkpoint is
+# newer than what every shard can restore (README "Losing a shard's checkpoints").
+struct Recover {
+  step @0 :Int64;           # restore this checkpoint step on every shard; < 0: the newest every shard has
+  empty @1 :Bool;           # start empty at step 0 instead (step ignored)
 }
 
 struct Response {

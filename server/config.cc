@@ -301,6 +301,14 @@ Status ServerConfig::Validate() {
   PSD_RETURN_IF_ERROR(InRange("--threads", io_threads, 1, 256));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-frame-bytes", max_frame_bytes, 4ull << 10, 16ull << 30));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-model-bytes", max_model_bytes, 4ull << 10, 1ull << 50));
+  PSD_RETURN_IF_ERROR(SizeInRange("--max-inflight-bytes", max_inflight_bytes, 64ull << 10, 1ull << 50));
+  if (max_inflight_bytes < max_frame_bytes) {
+    return InvalidArgument("--max-inflight-bytes (" + std::to_string(max_inflight_bytes) +
+                           ") must be at least --max-frame-bytes (" + std::to_string(max_frame_bytes) +
+                           "): one frame of the largest size must fit; raise --max-inflight-bytes or lower "
+                           "--max-frame-bytes");
+  }
+  PSD_RETURN_IF_ERROR(InRange("--frame-timeout-ms", frame_timeout_ms, int64_t{1}, int64_t{86400000}));
   PSD_RETURN_IF_ERROR(optimizer.Validate());
   PSD_RETURN_IF_ERROR(InRange("--apply-threads", apply_threads, 1, 256));
   PSD_RETURN_IF_ERROR(AtLeast("--staleness", staleness_bound, 0));
@@ -345,12 +353,24 @@ Status ServerConfig::Validate() {
     }
   }
   PSD_RETURN_IF_ERROR(SizeInRange("--slice-bytes", slice_bytes, 4ull << 10, 1ull << 50));
+  if (tls_cert_file.empty() != tls_key_file.empty()) {
+    return InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file");
+  }
+  if (!tls_enabled() && (tls_require_client_cert || !tls_ca_file.empty())) {
+    return InvalidArgument("--tls-ca-file and --tls-require-client-cert need --tls-cert-file and --tls-key-file");
+  }
+  if (tls_require_client_cert && tls_ca_file.empty()) {
+    return InvalidArgument("--tls-require-client-cert needs --tls-ca-file (the CA that signs the clients' certificates)");
+  }
   return CheckProtectedMode();
 }
 
 Status ServerConfig::CheckProtectedMode() const {
   // Protected mode, as Redis does it: a daemon reachable beyond this host must be protected.
-  if (insecure || !auth_token.empty() || tls_enabled()) return Status::Ok();
+  // The data port is protected by the shared secret or by mutual TLS (a client certificate signed
+  // by --tls-ca-file); the metrics port only by the secret.
+  if (insecure || !auth_token.empty()) return Status::Ok();
+  bool mutual_tls = tls_enabled() && tls_require_client_cert;
   struct Listener {
     const char* flag;
     const std::string* ip;
@@ -360,12 +380,14 @@ Status ServerConfig::CheckProtectedMode() const {
   for (const Listener& l : listeners) {
     auto loopback = IsLoopbackAddress(*l.ip);
     if (!loopback.ok()) return InvalidArgument(std::string(l.flag) + ": " + loopback.status().message());
-    if (*loopback) continue;
+    if (*loopback || (l.ip == &host && mutual_tls)) continue;
     std::string what = std::string(l.flag) + " " + *l.ip;
     if (l.ip == &host && !cluster.empty()) what += " (this shard's --cluster entry)";
     return InvalidArgument("protected mode: psd would listen on " + what +
                            ", beyond loopback, without authentication. Give every worker, tool and shard a shared "
-                           "secret with --auth-token-file FILE, or, on a network you trust, pass --insecure to allow "
+                           "secret with --auth-token-file FILE (or, for the data port, mutual TLS: --tls-cert-file, "
+                           "--tls-key-file, --tls-ca-file and --tls-require-client-cert), or, on a network you trust, "
+                           "pass --insecure to allow "
                            "it deliberately (or listen on 127.0.0.1)");
   }
   return Status::Ok();

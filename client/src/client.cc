@@ -19,6 +19,7 @@
 #include "psd/cluster_list.h"
 #include "sparse_check.h"
 #include "wire/frame.h"
+#include "wire/tls.h"
 
 namespace psclient {
 
@@ -158,6 +159,7 @@ class Conn {
     for (;;) {
       // Names are resolved on every try: a restarted daemon (a Kubernetes pod, say) may have
       // come back at another address.
+      tls_.reset();
       socket_ = psd::tcp::socket(io_);
       Status c = internal::ConnectBefore(socket_, host_, port_, deadline);
       if (c.ok()) break;
@@ -166,11 +168,12 @@ class Conn {
       std::this_thread::sleep_for(
           std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), deadline - now));
     }
+    socket_.set_option(psd::tcp::no_delay(true), ec);
+    if (options_.tls_enabled()) PSD_RETURN_IF_ERROR(StartTls(deadline));
     // The hello's answer is bounded by the same deadline (a daemon that accepts but never answers).
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     const bool connect_bound = left.count() < options_.request_timeout_ms;
     limit_ms_ = std::max<int64_t>(1, std::min<int64_t>(left.count(), options_.request_timeout_ms));
-    socket_.set_option(psd::tcp::no_delay(true), ec);
     OutFrame frame;
     auto req = NewRequest(frame);
     auto h = req.initHello();
@@ -217,7 +220,7 @@ class Conn {
   // hold the reply (a token wait); the reply deadline is the longer of request_timeout_ms and
   // wait_ms + 10 s, counted from now.
   Status Send(OutFrame& frame, int64_t wait_ms = 0) {
-    if (!socket_.is_open()) PSD_RETURN_IF_ERROR(Connect());
+    if (!IsOpen()) PSD_RETURN_IF_ERROR(Connect());
     PSD_RETURN_IF_ERROR(CheckFrameSize(frame));
     ++requests;
     limit_ms_ = std::max<int64_t>(options_.request_timeout_ms, wait_ms > 0 ? wait_ms + 10000 : 0);
@@ -229,8 +232,9 @@ class Conn {
   Status Receive(OutFrame& frame, proto::Response::Reader* resp) {
     uint64_t id = frame.builder.getRoot<proto::Request>().getId();
     answered_ = false;
-    Status s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_,
-                                    "the client's ClientOptions::max_frame_bytes");
+    const char* limit = "the client's ClientOptions::max_frame_bytes";
+    Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit)
+                    : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit);
     if (!s.ok()) {
       // The stream is out of step (or gone): the next call reconnects.
       Drop();
@@ -264,8 +268,9 @@ class Conn {
 
   void Drop() {
     boost::system::error_code ec;
-    socket_.close(ec);
+    (tls_ ? tls_->next_layer() : socket_).close(ec);
   }
+  bool IsOpen() const { return tls_ ? tls_->next_layer().is_open() : socket_.is_open(); }
 
   // A request the daemon would refuse for its size fails here, before a byte is sent (the daemon
   // would close the connection mid-write, which reads as a retryable "Broken pipe").
@@ -307,9 +312,29 @@ class Conn {
   Status SendNoReconnect(OutFrame& frame) {
     if (limit_ms_ == 0) limit_ms_ = options_.request_timeout_ms;
     deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms_);
-    Status s = psd::wire::WriteFrame(socket_, frame, deadline_);
+    Status s = tls_ ? psd::wire::WriteFrame(*tls_, frame, deadline_) : psd::wire::WriteFrame(socket_, frame, deadline_);
     if (!s.ok()) Drop();
     return s;
+  }
+
+  // Wraps the connected socket in TLS and shakes hands, verifying psd's certificate.
+  Status StartTls(std::chrono::steady_clock::time_point deadline) {
+    if (!tls_context_) {
+      auto ctx = psd::wire::MakeClientTlsContext({options_.tls_cert_file, options_.tls_key_file, options_.tls_ca_file});
+      if (!ctx.ok()) return ctx.status();
+      tls_context_ = std::move(*ctx);
+    }
+    tls_ = std::make_unique<psd::wire::ssl::stream<psd::tcp::socket>>(std::move(socket_), *tls_context_);
+    socket_ = psd::tcp::socket(io_);
+    PSD_RETURN_IF_ERROR(
+        psd::wire::SetTlsServerName(*tls_, options_.tls_server_name.empty() ? host_ : options_.tls_server_name));
+    Status s = psd::wire::TlsHandshake(*tls_, deadline);
+    if (!s.ok()) {
+      Drop();
+      // Verification failures are not worth retrying: say what to fix.
+      return s.code() == Code::kUnavailable ? psd::Unavailable("TLS with psd at " + Where() + ": " + s.message()) : s;
+    }
+    return Status::Ok();
   }
 
   const ClientOptions& options_;
@@ -318,6 +343,8 @@ class Conn {
   const int index_;
   psd::asio::io_context io_;
   psd::tcp::socket socket_;
+  std::shared_ptr<psd::wire::ssl::context> tls_context_;
+  std::unique_ptr<psd::wire::ssl::stream<psd::tcp::socket>> tls_;  // set once TLS is up (then socket_ is unused)
   InFrame in_;
   std::unique_ptr<capnp::MessageReader> reader_;
   uint64_t next_id_ = 0;
@@ -1303,6 +1330,19 @@ Status Client::RequestCheckpoint() {
   impl_->Begin();
   proto::Response::Reader resp;
   return impl_->CallChief([](proto::Request::Builder req) { req.setCheckpoint(); }, &resp);
+}
+
+Status Client::Recover(int64_t step, bool empty) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
+  proto::Response::Reader resp;
+  return impl_->CallChief(
+      [step, empty](proto::Request::Builder req) {
+        auto r = req.initRecover();
+        r.setStep(step);
+        r.setEmpty(empty);
+      },
+      &resp);
 }
 
 namespace {

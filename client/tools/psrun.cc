@@ -93,6 +93,7 @@ struct Options {
   std::string checkpoint_dir;
   std::string auth_token_file;
   std::string auth;  // "auto": a fresh random token for this run
+  std::string tls_dir;  // ca.pem, server.pem/.key [, client.pem/.key] as deploy/make_tls_certs.sh makes them
   std::string cluster;
   std::string log_dir;
   std::string on_failure = "stop";
@@ -217,6 +218,9 @@ class Launcher {
   std::string run_dir_;
   bool own_run_dir_ = false;
   std::string token_file_;
+  std::string tls_dir_;  // absolute --tls-dir ("": no TLS)
+  // --tls-dir holds a client certificate: psd requires one, and the workers present it.
+  bool MutualTls() const { return access((tls_dir_ + "/client.pem").c_str(), R_OK) == 0; }
   std::string psd_;
   std::string cluster_;  // PSD_CLUSTER
   int exit_code_ = -1;   // the first failure's code (or 128 + signal, 124 on --timeout-s)
@@ -277,6 +281,15 @@ bool Launcher::Setup() {
       return false;
     }
     token_file_ = Absolute(o_.auth_token_file);
+  }
+  if (!o_.tls_dir.empty()) {
+    tls_dir_ = Absolute(o_.tls_dir);
+    for (const char* f : {"ca.pem", "server.pem", "server.key"}) {
+      if (access((tls_dir_ + "/" + f).c_str(), R_OK) != 0) {
+        Say("--tls-dir: " + tls_dir_ + "/" + f + " is missing; make the files with deploy/make_tls_certs.sh " + o_.tls_dir);
+        return false;
+      }
+    }
   }
   if (o_.cluster.empty()) {
     auto psd = FindPsd();
@@ -605,6 +618,11 @@ Launcher::Started Launcher::StartShards(std::string* cluster) {
   job.push_back("--exit-when-done");
   if (!o_.checkpoint_dir.empty()) job.insert(job.end(), {"--checkpoint-dir", o_.checkpoint_dir});
   if (!token_file_.empty()) job.insert(job.end(), {"--auth-token-file", token_file_});
+  if (!tls_dir_.empty()) {
+    job.insert(job.end(), {"--tls-cert-file", tls_dir_ + "/server.pem", "--tls-key-file", tls_dir_ + "/server.key",
+                           "--tls-ca-file", tls_dir_ + "/ca.pem"});
+    if (MutualTls()) job.push_back("--tls-require-client-cert");
+  }
   job.insert(job.end(), o_.psd_args.begin(), o_.psd_args.end());
 
   const size_t first = children_.size();
@@ -673,6 +691,13 @@ bool Launcher::StartWorkers(const std::string& cluster) {
                                  "PSD_WORKER_NAME=worker-" + std::to_string(i),
                                  std::string("PSD_CHIEF_ELIGIBLE=") + (i == 0 ? "1" : "0")};
     if (!token_file_.empty()) env.push_back("PSD_AUTH_TOKEN_FILE=" + token_file_);
+    if (!tls_dir_.empty()) {
+      env.push_back("PSD_TLS_CA_FILE=" + tls_dir_ + "/ca.pem");
+      if (MutualTls()) {
+        env.push_back("PSD_TLS_CERT_FILE=" + tls_dir_ + "/client.pem");
+        env.push_back("PSD_TLS_KEY_FILE=" + tls_dir_ + "/client.key");
+      }
+    }
     if (Spawn("worker " + std::to_string(i), false, i, o_.command, env, true) == nullptr) return false;
   }
   return true;
@@ -702,6 +727,13 @@ void Launcher::DrainShards() {
     if (!token_file_.empty()) {
       auto token = psd::ReadSecretFile(token_file_);
       if (token.ok()) opts.auth_token = *token;
+    }
+    if (!tls_dir_.empty()) {
+      opts.tls_ca_file = tls_dir_ + "/ca.pem";
+      if (MutualTls()) {
+        opts.tls_cert_file = tls_dir_ + "/client.pem";
+        opts.tls_key_file = tls_dir_ + "/client.key";
+      }
     }
     auto client = psclient::Client::Connect(opts);
     if (!client.ok()) continue;
@@ -823,6 +855,9 @@ int main(int argc, char** argv) {
   app.add_option("--auth", o.auth, "auto: a fresh random secret for this run, in a 0600 file")
       ->check(CLI::IsMember({"auto"}))
       ->excludes(token);
+  app.add_option("--tls-dir", o.tls_dir,
+                 "TLS for psd and the workers: a directory with ca.pem, server.pem, server.key (and client.pem, "
+                 "client.key for mutual TLS), as deploy/make_tls_certs.sh DIR makes them");
   app.add_option("--cluster", o.cluster, "start no psd: the workers join this running cluster (host:port,...)")
       ->excludes(shards);
   app.add_option("--on-failure", o.on_failure, "a failing worker: stop everything, or let the others go on")

@@ -25,19 +25,28 @@ struct Connection::TokenWait {
 
 Connection::Connection(Server& server, tcp::socket socket, uint64_t id)
     : server_(server),
-      socket_(std::move(socket)),
-      strand_(asio::make_strand(static_cast<asio::io_context&>(socket_.get_executor().context()))),
+      stream_(std::move(socket), server.tls_context()),
+      strand_(asio::make_strand(static_cast<asio::io_context&>(stream_.get_executor().context()))),
       id_(id),
+      frame_timer_(strand_),
       timer_(strand_) {}
 
 void Connection::Start() {
   boost::system::error_code ec;
-  socket_.set_option(tcp::no_delay(true), ec);
+  stream_.lowest().set_option(tcp::no_delay(true), ec);
   asio::dispatch(strand_, [self = shared_from_this()] {
     auto hello = std::chrono::milliseconds(self->server_.config().hello_timeout_ms);
     self->hello_deadline_ = std::chrono::steady_clock::now() + hello;
-    self->ArmTimer(hello);
-    self->ReadHeader();
+    self->ArmTimer(hello);  // bounds the TLS handshake too
+    self->stream_.async_handshake(
+        wire::ssl::stream_base::server,
+        asio::bind_executor(self->strand_, [self](const boost::system::error_code& ec) {
+          if (ec) {
+            spdlog::warn("connection {}: TLS handshake failed: {}; closing it", self->id_, wire::TlsErrorText(ec));
+            return self->CloseNow();
+          }
+          self->ReadHeader();
+        }));
   });
 }
 
@@ -85,9 +94,9 @@ void Connection::CloseNow() {
   if (closed_) return;
   closed_ = true;
   timer_.cancel();
-  boost::system::error_code ec;
-  socket_.shutdown(tcp::socket::shutdown_both, ec);
-  socket_.close(ec);
+  frame_timer_.cancel();
+  ReleaseCharge();  // the buffer itself goes with the connection (a cancelled read may still name it)
+  stream_.Close();
   for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
   if (peer_shard_ >= 0) server_.coordinator()->OnPeerClosed(peer_shard_);
   server_.OnConnectionClosed(id_);
@@ -97,7 +106,7 @@ void Connection::CloseNow() {
 
 void Connection::ReadHeader() {
   if (closed_ || closing_) return;
-  asio::async_read(socket_, asio::buffer(first_, sizeof(first_)),
+  asio::async_read(stream_, asio::buffer(first_, sizeof(first_)),
                    asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
                      if (ec) return self->CloseNow();
                      uint32_t count = 0;
@@ -113,7 +122,7 @@ void Connection::ReadTable(uint32_t segment_count, size_t rest) {
   table_[0] = first_[1];
   if (rest == 0) return ReadBody(segment_count);
   asio::async_read(
-      socket_, asio::buffer(table_.data() + 1, rest),
+      stream_, asio::buffer(table_.data() + 1, rest),
       asio::bind_executor(strand_, [self = shared_from_this(), segment_count](boost::system::error_code ec, size_t) {
         if (ec) return self->CloseNow();
         self->ReadBody(segment_count);
@@ -131,16 +140,68 @@ void Connection::ReadBody(uint32_t segment_count) {
         "a message of " + std::to_string(total * sizeof(capnp::word)) + " bytes before the hello: psd reads at most " +
         std::to_string(kPreHelloFrameBytes) + " bytes from a connection until its hello is accepted; say hello first"));
   }
-  capnp::word* body = in_.Prepare(sizes, total);
-  asio::async_read(socket_, asio::buffer(body, total * sizeof(capnp::word)),
+  uint64_t bytes = total * sizeof(capnp::word);
+  if (greeted_ && !hello_done_ && peer_shard_ < 0 && bytes > kPreHelloFrameBytes) {
+    return FailStream(ResourceExhausted("a message of " + std::to_string(bytes) +
+                                        " bytes from an observer: tools' requests are at most " +
+                                        std::to_string(kPreHelloFrameBytes) +
+                                        " bytes; only workers and shards send bigger ones"));
+  }
+  body_sizes_ = std::move(sizes);
+  body_words_ = total;
+  // Workers' and shards' frames are charged to the budget. The others (before a hello, or from an
+  // observer) are at most kPreHelloFrameBytes each, bounded by --max-connections, and never wait:
+  // nobody who has not said hello can hold up a real worker.
+  bool charge = hello_done_ || peer_shard_ >= 0;
+  if (!charge || charged_ >= bytes) return ReadGrantedBody();  // a kept buffer is charged already
+  ReleaseBuffer();  // a bigger one replaces it: never hold both
+  server_.frame_budget().Acquire(bytes, [self = shared_from_this(), bytes] {
+    asio::post(self->strand_, [self, bytes] {
+      self->charged_ = bytes;
+      if (self->closed_) return self->ReleaseBuffer();
+      self->ReadGrantedBody();
+    });
+  });
+}
+
+void Connection::ReadGrantedBody() {
+  capnp::word* body = in_.Prepare(body_sizes_, body_words_);
+  uint64_t gen = ++body_gen_;
+  reading_body_ = true;
+  frame_timer_.expires_after(std::chrono::milliseconds(server_.config().frame_timeout_ms));
+  frame_timer_.async_wait([self = shared_from_this(), gen](boost::system::error_code ec) {
+    if (ec || self->closed_ || !self->reading_body_ || gen != self->body_gen_) return;
+    spdlog::warn("connection {}: a frame of {} bytes did not arrive within --frame-timeout-ms {}; closing it", self->id_,
+                 self->body_words_ * sizeof(capnp::word), self->server_.config().frame_timeout_ms);
+    self->server_.metrics().OnFrameTimeout();
+    self->CloseNow();
+  });
+  asio::async_read(stream_, asio::buffer(body, body_words_ * sizeof(capnp::word)),
                    asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
+                     self->reading_body_ = false;
+                     self->frame_timer_.cancel();
                      if (ec) return self->CloseNow();
                      self->server_.metrics().OnBytesIn(n + self->table_.size() * 4 + 4);
                      self->last_frame_ = std::chrono::steady_clock::now();
                      self->OnFrame();
                      self->in_.MaybeRelease(16u << 20);
+                     if (self->in_.capacity_bytes() == 0 || self->server_.frame_budget().waiting() > 0) {
+                       self->ReleaseBuffer();  // others wait: a buffer kept for reuse must not hold them up
+                     }
                      self->ReadHeader();
                    }));
+}
+
+void Connection::ReleaseBuffer() {
+  in_.Release();
+  ReleaseCharge();
+}
+
+void Connection::ReleaseCharge() {
+  if (charged_ == 0) return;
+  uint64_t bytes = charged_;
+  charged_ = 0;
+  server_.frame_budget().Release(bytes);
 }
 
 void Connection::FailStream(const Status& status, uint64_t id) {
@@ -181,6 +242,7 @@ void Connection::Dispatch(proto::Request::Reader req) {
   }
   if (which == proto::Request::STATUS) return HandleStatus(id);
   if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);       // an operator's request
+  if (which == proto::Request::RECOVER) return HandleRecover(id, req.getRecover());  // an operator's too
   if (which == proto::Request::GET_PLACEMENT) return HandleGetPlacement(id);  // operators too
   if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
   server_.metrics().OnWorkerRequest(worker_index_);
@@ -607,6 +669,20 @@ void Connection::HandleCheckpoint(uint64_t id) {
   Send(std::move(frame));
 }
 
+void Connection::HandleRecover(uint64_t id, proto::Recover::Reader r) {
+  ClusterCoordinator* c = server_.coordinator();
+  if (c == nullptr) {
+    return SendError(id, FailedPrecondition("psd_admin recover is for a cluster whose chief waits for a decision; a "
+                                            "single psd starts from its newest good checkpoint, or empty"));
+  }
+  Status s = c->Recover(r.getStep(), r.getEmpty());
+  if (!s.ok()) return SendError(id, s);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setNone();
+  Send(std::move(frame));
+}
+
 void Connection::HandleSetLearningRate(uint64_t id, double lr) {
   if (ClusterCoordinator* c = server_.coordinator(); c != nullptr && !c->is_chief()) {
     return SendError(id,
@@ -884,7 +960,7 @@ void Connection::WriteNext() {
   writing_ = true;
   auto frame = write_queue_.front();
   asio::async_write(
-      socket_, frame->Buffers(),
+      stream_, frame->Buffers(),
       asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t n) {
         self->server_.metrics().OnBytesOut(n);
         self->write_queue_.pop_front();

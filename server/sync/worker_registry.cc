@@ -127,6 +127,12 @@ bool WorkerRegistry::AllFinished() const {
   return AllFinishedLocked();
 }
 
+bool WorkerRegistry::AllGone() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !workers_.empty() &&
+         std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished || w.lost; });
+}
+
 int WorkerRegistry::RequiredReplicas() const {
   std::lock_guard<std::mutex> lock(mu_);
   int finished = static_cast<int>(

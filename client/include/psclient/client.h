@@ -70,6 +70,17 @@ struct ClientOptions {
   // RequestCheckpoint, never becomes chief and does not count for the job.
   bool observer = false;
   std::string auth_token;  // psd's shared secret when it runs with --auth-token-file
+  // TLS, for a psd that runs with --tls-cert-file: set `tls` (or any tls_* file). psd's certificate
+  // is always verified: against tls_ca_file (default: the system's trust store) and the host dialled
+  // (or tls_server_name).
+  bool tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;    // this client's certificate and key, for psd --tls-require-client-cert
+  std::string tls_key_file;
+  std::string tls_server_name;  // the name psd's certificate must carry when it differs from the host
+  bool tls_enabled() const {
+    return tls || !tls_ca_file.empty() || !tls_cert_file.empty() || !tls_server_name.empty();
+  }
 };
 
 // The daemon's job settings, as announced in the handshake.
@@ -310,6 +321,13 @@ class Client {
   // Asks psd for a checkpoint at the next step boundary (FailedPrecondition without
   // --checkpoint-dir). GetStatus().last_checkpoint_step tells when it is written.
   Status RequestCheckpoint();
+
+  // Cluster, an operator's decision (psd_admin recover; README "Losing a shard's checkpoints"):
+  // the chief refuses to form because a shard lacks checkpoints that others hold; form anyway,
+  // at checkpoint `step` (< 0: the newest every shard can restore), or `empty` at step 0. The
+  // newer checkpoints are then lost. kFailedPrecondition: no decision is awaited (or a single
+  // psd); kInvalidArgument: a step not every shard can restore (the message lists those that are).
+  Status Recover(int64_t step, bool empty);
 
   // Bumps on every (re)connection and whenever the cluster restored a checkpoint: a trainer that
   // sees it change re-reads the global step.
