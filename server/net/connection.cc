@@ -59,7 +59,9 @@ void Connection::ArmTimer(std::chrono::steady_clock::duration after) {
 }
 
 bool Connection::Busy() {
-  for (auto it = collectives_.begin(); it != collectives_.end();) it = **it ? collectives_.erase(it) : std::next(it);
+  for (auto it = collectives_.begin(); it != collectives_.end();) {
+    it = (*it)->answered() ? collectives_.erase(it) : std::next(it);
+  }
   return writing_ || !parked_.empty() || !collectives_.empty();
 }
 
@@ -469,7 +471,9 @@ void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   def.trainable = r.getTrainable();
   def.average = r.getAverage();
   def.optimizer = r.getOptimizer();
-  def.aggregation = static_cast<Aggregation>(std::min<int>(static_cast<int>(r.getAggregation()), 3));
+  auto aggregation = AggregationFromNumber(static_cast<int>(r.getAggregation()));
+  if (!aggregation.ok()) return SendError(id, aggregation.status());
+  def.aggregation = *aggregation;
   def.sync_on_read = r.getSyncOnRead();
   if (r.hasPlacement()) {
     // One part of a cluster variable: it must be the part the placement puts on this shard.
@@ -824,17 +828,11 @@ void Connection::HandleGetPlacement(uint64_t id) {
   Send(std::move(frame));
 }
 
-void Connection::ArmDeadline(int64_t timeout_ms, std::shared_ptr<bool> answered, std::function<void()> expire) {
+void Connection::ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply,
+                             std::function<void()> expire) {
   if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
-  collectives_.insert(answered);  // not idle while it is parked
-  auto timer = std::make_shared<asio::steady_timer>(strand_);
-  timer->expires_after(std::chrono::milliseconds(timeout_ms));
-  timer->async_wait(
-      [self = shared_from_this(), timer, answered, expire = std::move(expire)](boost::system::error_code ec) {
-        if (ec || *answered) return;
-        *answered = true;
-        expire();
-      });
+  collectives_.insert(reply);  // not idle while it is parked
+  ParkedReply::ArmDeadline(reply, std::chrono::milliseconds(timeout_ms), std::move(expire));
 }
 
 void Connection::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
@@ -849,15 +847,14 @@ void Connection::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
   if (values.empty()) return SendError(id, InvalidArgument("reduce_to needs at least one value"));
   // The reply is built when every destination's round completed, or at the deadline; whichever
   // comes first answers, on this connection's strand.
-  auto answered = std::make_shared<bool>(false);
+  auto parked = std::make_shared<ParkedReply>(strand_);
   int64_t timeout_ms = r.getTimeoutMs();
   auto self = shared_from_this();
   auto completed = std::make_shared<std::atomic<bool>>(false);
-  auto reply = [self, id, answered, engine, completed](std::vector<ReduceOutcome> outcomes) {
+  auto reply = [self, id, parked, engine, completed](std::vector<ReduceOutcome> outcomes) {
     completed->store(true);
-    asio::post(self->strand_, [self, id, answered, engine, outcomes = std::move(outcomes)] {
-      if (*answered) return;
-      *answered = true;
+    asio::post(self->strand_, [self, id, parked, engine, outcomes = std::move(outcomes)] {
+      if (!parked->Answer()) return;
       proto::Response::Builder resp(nullptr);
       auto frame = self->NewReply(id, &resp);
       auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
@@ -875,11 +872,11 @@ void Connection::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
   };
   Status s = engine->Reduce(r.getOp() == proto::Reduction::MEAN, r.getLocalStep(), values, std::move(reply));
   if (!s.ok()) {
-    *answered = true;
+    parked->Answer();
     return SendError(id, s);
   }
   if (completed->load()) return;  // answered already (the last contribution, or all stale)
-  ArmDeadline(timeout_ms, answered, [self, id, timeout_ms, engine] {
+  ArmDeadline(timeout_ms, parked, [self, id, timeout_ms, engine] {
     self->SendError(id,
                     DeadlineExceeded("reduce_to: not every replica contributed within " + std::to_string(timeout_ms) +
                                      " ms (a round needs " + std::to_string(engine->required_replicas()) +
@@ -921,14 +918,13 @@ void Connection::HandleUpdate(uint64_t id, proto::Update::Reader r) {
   a.replica = r.getReplica();
   a.local_step = r.getLocalStep();
   a.at_next_step = r.getAtNextStep();
-  auto answered = std::make_shared<bool>(false);
+  auto parked = std::make_shared<ParkedReply>(strand_);
   auto completed = std::make_shared<std::atomic<bool>>(false);
   auto self = shared_from_this();
-  Status s = engine->Update(a, [self, id, answered, completed](const Status& st, bool applied, int64_t step) {
+  Status s = engine->Update(a, [self, id, parked, completed](const Status& st, bool applied, int64_t step) {
     completed->store(true);
-    asio::post(self->strand_, [self, id, answered, st, applied, step] {
-      if (*answered) return;
-      *answered = true;
+    asio::post(self->strand_, [self, id, parked, st, applied, step] {
+      if (!parked->Answer()) return;
       if (!st.ok()) return self->SendError(id, st);
       proto::Response::Builder resp(nullptr);
       auto frame = self->NewReply(id, &resp);
@@ -939,12 +935,12 @@ void Connection::HandleUpdate(uint64_t id, proto::Update::Reader r) {
     });
   });
   if (!s.ok()) {
-    *answered = true;
+    parked->Answer();
     return SendError(id, s);
   }
   if (completed->load()) return;
   int64_t timeout_ms = r.getTimeoutMs();
-  ArmDeadline(timeout_ms, answered, [self, id, timeout_ms] {
+  ArmDeadline(timeout_ms, parked, [self, id, timeout_ms] {
     self->SendError(id, DeadlineExceeded("update: not every replica assigned within " + std::to_string(timeout_ms) +
                                          " ms; this replica's share still counts"));
   });

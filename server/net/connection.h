@@ -32,6 +32,7 @@
 
 #include "net/byte_stream.h"
 #include "cluster/peer_auth.h"
+#include "net/parked_reply.h"
 #include "psd.capnp.h"
 #include "sync/token_queue.h"
 #include "wire/asio.h"
@@ -101,8 +102,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void HandlePlace(uint64_t id, proto::Place::Reader r);
   void HandleReduce(uint64_t id, proto::Reduce::Reader r);
   void HandleUpdate(uint64_t id, proto::Update::Reader r);
-  // Arms a deadline for a parked collective: `expire` runs on the strand if it passes first.
-  void ArmDeadline(int64_t timeout_ms, std::shared_ptr<bool> answered, std::function<void()> expire);
+  // Arms a deadline for a parked collective: `expire` runs on the strand if it passes first; a
+  // reply sent before it cancels it (ParkedReply::Answer).
+  void ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply, std::function<void()> expire);
   void HandleGetPlacement(uint64_t id);
   // Cluster: this daemon's shard, the chief and the epoch of `engine_epoch`.
   template <typename B>
@@ -136,7 +138,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::steady_timer timer_;
   std::chrono::steady_clock::time_point hello_deadline_;
   std::chrono::steady_clock::time_point last_frame_ = std::chrono::steady_clock::now();
-  std::set<std::shared_ptr<bool>> collectives_;  // parked reduce/update: their `answered` flags
+  // Parked reduce/update replies.
+  std::set<std::shared_ptr<ParkedReply>> collectives_;
   bool authenticated_ = false;                   // a hello with the right token (or no token required)
   uint32_t worker_index_ = 0;
   int peer_shard_ = -1;   // another shard of the cluster (after its peer hello; its proof with a secret)

@@ -59,7 +59,10 @@ struct ClientOptions {
   std::vector<std::string> cluster;
   std::string worker_name;         // stable identity; default "worker-<pid>"
   uint64_t incarnation = 0;        // bump on every restart; default: derived from the clock
-  int connect_timeout_ms = 10000;  // keeps retrying a refused connect until then
+  int connect_timeout_ms = 10000;  // bounds each (re)connect: name lookup, TCP connect, hello;
+                                   // a refused connect is retried until then; then kUnavailable
+                                   // (a cluster's shard lost after its first connect: 500 ms a
+                                   // call, so the other shards' answers come through at once)
   // No call waits longer than this for its reply (a token wait: its own timeout + 10 s if longer);
   // past it the call fails with kDeadlineExceeded and the connection is reset. Keep it above
   // psd's --token-timeout-ms when waits use the daemon's default.
@@ -279,7 +282,9 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  const JobConfig& config() const;
+  // The job settings of the last handshake — a copy: a reconnect on another thread may change
+  // them. These getters and connection_epoch() may be called from any thread, during any call.
+  JobConfig config() const;
   uint32_t worker_id() const;
   // Whether the daemon designated this worker as chief (as of the last reply that said so).
   bool is_chief() const;
