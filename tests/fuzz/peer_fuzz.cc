@@ -1,7 +1,7 @@
 // Fuzz target `peer_message`: the shard-to-shard protocol (server/cluster/coordinator.cc). The
 // input is the byte stream of a peer link: its frames are read with wire::ReadFrame and every
 // Request that carries a PeerMessage goes to ClusterCoordinator::OnPeerMessage, as Connection
-// hands it over after a peer hello. The coordinator is shard 0 of a 3-shard cluster whose other
+// hands it over from a proven peer link. The coordinator is shard 0 of a 3-shard cluster whose other
 // shards (1 and 2) have live links; its Server is not started, so nothing runs but the messages
 // (its own sends and ticks stay queued): a run is deterministic except for a restore, which runs
 // on the coordinator's thread and is joined when the server stops. A fresh Server per input.
@@ -24,7 +24,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   coordinator->OnPeerHello(2);
   psd::fuzz::ForEachFrame(data, size, 1 << 20, /*max_frames=*/64, [&](capnp::MessageReader& reader) {
     auto req = reader.getRoot<psd::proto::Request>();
-    if (req.isPeer()) coordinator->OnPeerMessage(req.getPeer());
+    if (!req.isPeer()) return;
+    // The link it arrives on is a proven shard: here the sender field (which psd does not trust)
+    // picks it, 2 for shard 2's link and anything else for shard 1's.
+    auto msg = req.getPeer();
+    coordinator->OnPeerMessage(msg.getFrom() == 2 ? 2 : 1, msg);
   });
   coordinator->OnPeerClosed(1);
   coordinator->OnPeerClosed(2);
