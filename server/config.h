@@ -38,8 +38,8 @@ struct ServerConfig {
   std::string port_file;  // if set, the bound port is written there once listening
   // A listening TCP socket to serve on instead of binding host:port (--listen-fd, systemd's
   // LISTEN_FDS; README "Socket activation and --listen-fd"); -1: none. Its bound address must be
-  // host:port (port 0: any). From Server::Start() on, the Server owns it (closed on Stop(), also
-  // when Start() fails).
+  // host:port (port 0: any). From Server::Start() on, the Server owns it (closed with the Server,
+  // or by Start() when it fails).
   int listen_fd = -1;
   std::string listen_fd_source = "the passed listening socket";  // names it in errors: "--listen-fd 3"
   int io_threads = 2;

@@ -50,7 +50,8 @@ int main(int argc, char** argv) {
   auto* listen_fd_opt =
       app.add_option("--listen-fd", cfg.listen_fd,
                      "serve on this inherited listening TCP socket instead of binding (launchers: psrun, tests); it "
-                     "must be bound to --host/--port, or this shard's --cluster entry (systemd: see LISTEN_FDS)");
+                     "must be bound to --host/--port, or this shard's --cluster entry. systemd socket activation "
+                     "(LISTEN_PID/LISTEN_FDS, one ListenStream=) passes it without this flag");
   app.add_option("--threads", cfg.io_threads, "I/O threads serving connections")->capture_default_str();
   app.add_option("--replicas-to-aggregate,-R", cfg.replicas_to_aggregate,
                  "fresh gradients per variable that complete a step (TF replicas_to_aggregate)")

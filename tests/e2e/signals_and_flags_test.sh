@@ -11,7 +11,8 @@ trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$run"' EXIT
 
 help=$(timeout 10 "$psd" --help)
 for flag in --host --port --replicas-to-aggregate --backup-replicas --total-replicas --init-tokens \
-            --optimizer --learning-rate --log-level --max-frame-bytes --exit-when-done --token-timeout-ms; do
+            --optimizer --learning-rate --log-level --max-frame-bytes --exit-when-done --token-timeout-ms \
+            --listen-fd LISTEN_FDS; do
   grep -q -- "$flag" <<< "$help" || { echo "--help does not document $flag"; exit 1; }
 done
 
@@ -41,6 +42,34 @@ refused "--checkpoint-dir $run/a-file/ckpt cannot be created" --port 0 --checkpo
 # --max-connections against the process's file descriptor limit (both numbers named).
 out=$(ulimit -n 256; timeout 10 "$psd" --port 0 --max-connections 1000 2>&1) && { echo "fd limit ignored"; exit 1; }
 grep -qF "needs 1064 file descriptors" <<< "$out" && grep -qF "at most 256" <<< "$out" || { echo "fd: $out"; exit 1; }
+# A passed socket (--listen-fd, systemd's LISTEN_FDS) must be a listening TCP socket where psd is
+# to listen (tests/e2e/listen.py binds one, on ports this test reserved).
+refused "--listen-fd 5: descriptor 5 is not a socket" --listen-fd 5 5< "$run/a-file"
+refused "--listen-fd 9: descriptor 9 is not open in psd" --listen-fd 9
+if out=$(sh -c 'LISTEN_PID=$$ LISTEN_FDS=2 exec "$0" --port 0' "$psd" 2>&1); then echo "2 sockets accepted"; exit 1; fi
+grep -qF "give the .socket unit a single ListenStream=" <<< "$out" || { echo "LISTEN_FDS=2: unclear: $out"; exit 1; }
+listen_py=$(dirname "$0")/listen.py
+/usr/bin/python3 "$listen_py" reserve 2 "$run/ports" &
+holder=$!
+for _ in $(seq 100); do [ -s "$run/ports" ] && break; sleep 0.05; done
+p0=$(cut -d, -f1 "$run/ports" | sed 's/.*://') p1=$(cut -d, -f2 "$run/ports" | sed 's/.*://')
+served_refused() {  # served_refused "expected text" listen.py-serve-args -- psd-args...
+  local want=$1 out
+  shift
+  if out=$(timeout 10 /usr/bin/python3 "$listen_py" serve "$@" 2>&1); then echo "accepted: $*"; exit 1; fi
+  grep -qF -- "$want" <<< "$out" || { echo "$*: unclear message: $out"; exit 1; }
+}
+served_refused "--listen-fd 3 is bound to 127.0.0.1:$p0, but psd is to listen on 127.0.0.1:$p1" \
+  "$p0" -- "$psd" --cluster "127.0.0.1:$p0,127.0.0.1:$p1" --shard-index 1 --listen-fd 3
+served_refused "--listen-fd and systemd's LISTEN_FDS both pass a socket" --systemd "$p0" -- "$psd" --listen-fd 3
+# systemd's way: a single daemon serves on the socket, at its address.
+timeout 30 /usr/bin/python3 "$listen_py" serve --systemd "$p1" -- "$psd" --port-file "$run/sd.port" 2> "$run/sd.log" &
+sd=$!
+for _ in $(seq 200); do [ -s "$run/sd.port" ] && break; sleep 0.05; done
+[ "$(cat "$run/sd.port" 2>/dev/null)" = "$p1" ] || { echo "LISTEN_FDS: not serving on $p1"; cat "$run/sd.log"; exit 1; }
+timeout 10 "$admin" --port "$p1" status > /dev/null || { echo "LISTEN_FDS: psd_admin got no answer"; exit 1; }
+kill -TERM "$sd"; wait "$sd" || { echo "psd on a systemd socket did not stop cleanly"; exit 1; }
+kill "$holder"; wait "$holder" 2>/dev/null || true
 # Config files are strict: the line is named, with a suggestion.
 printf '# psd\nlearning-rate = 0.1\nreplicas-to-agregate = 4\n' > "$run/typo.conf"
 refused "typo.conf:3: unknown key 'replicas-to-agregate' (did you mean replicas-to-aggregate?)" --config "$run/typo.conf"
