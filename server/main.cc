@@ -1,9 +1,8 @@
 // psd: the parameter-server daemon. Parses flags into a ServerConfig, starts the Server and
 // runs until SIGINT/SIGTERM or, with --exit-when-done, until every worker has finished.
+#include <fcntl.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
-
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -236,8 +235,8 @@ int main(int argc, char** argv) {
   if (!sd_fd.ok()) return fail(sd_fd.status().message());
   if (listen_fd_opt->count() > 0) {
     if (*sd_fd >= 0) return fail("--listen-fd and systemd's LISTEN_FDS both pass a socket: give one");
-    if (cfg.listen_fd < 0) return fail("--listen-fd must be an open descriptor number (>= 0), got " +
-                                       std::to_string(cfg.listen_fd));
+    if (cfg.listen_fd < 0)
+      return fail("--listen-fd must be an open descriptor number (>= 0), got " + std::to_string(cfg.listen_fd));
     cfg.listen_fd_source = "--listen-fd " + std::to_string(cfg.listen_fd);
   } else if (*sd_fd >= 0) {
     cfg.listen_fd = *sd_fd;

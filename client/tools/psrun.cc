@@ -844,8 +844,7 @@ int main(int argc, char** argv) {
   for (const auto& a : o.psd_args) {
     for (const char* owned :
          {"--replicas-to-aggregate", "-R", "--backup-replicas", "-B", "--total-replicas", "-N", "--cluster",
-          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--listen-fd",
-          "--auth-token-file"}) {
+          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--listen-fd", "--auth-token-file"}) {
       std::string flag = a.substr(0, a.find('='));
       if (flag == owned) {
         std::fprintf(stderr,

@@ -107,8 +107,7 @@ Result<SocketAddress> InspectListeningSocket(int fd, const std::string& what) {
   return FromSockaddr(ss);
 }
 
-Status CheckListenAddress(const SocketAddress& bound, const std::string& host, uint16_t port,
-                          const std::string& what) {
+Status CheckListenAddress(const SocketAddress& bound, const std::string& host, uint16_t port, const std::string& what) {
   bool host_wildcard = host == "0.0.0.0" || host == "::";
   bool same_ip = bound.ip == host || (bound.wildcard() && host_wildcard);
   if (!same_ip) {

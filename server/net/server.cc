@@ -1,8 +1,7 @@
 #include "net/server.h"
 
-#include <unistd.h>
-
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -277,8 +276,7 @@ Status Server::Start() {
     if (!ec) acceptor_.bind(ep, ec);
     if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
     if (ec) {
-      return Unavailable("cannot listen on " + config_.host + ":" + std::to_string(config_.port) + ": " +
-                         ec.message());
+      return Unavailable("cannot listen on " + config_.host + ":" + std::to_string(config_.port) + ": " + ec.message());
     }
   }
   port_ = acceptor_.local_endpoint().port();

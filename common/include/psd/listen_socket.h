@@ -34,8 +34,7 @@ Result<SocketAddress> InspectListeningSocket(int fd, const std::string& what);
 // own --cluster entry) ask for: the same port (port 0 asks for none in particular) and the same
 // IP, where a wildcard socket (0.0.0.0, ::) serves a wildcard host. The error says both addresses
 // and what to change.
-Status CheckListenAddress(const SocketAddress& bound, const std::string& host, uint16_t port,
-                          const std::string& what);
+Status CheckListenAddress(const SocketAddress& bound, const std::string& host, uint16_t port, const std::string& what);
 
 }  // namespace psd
 
