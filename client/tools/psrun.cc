@@ -587,10 +587,11 @@ Launcher::Started Launcher::StartShards(std::string* cluster) {
     auto fd = psd::ListenTcp("127.0.0.1", 0, &bound);
     // Above the descriptors the child rearranges (0-2, kShardListenFd), for Spawn's dup2.
     int high = fd.ok() ? fcntl(*fd, F_DUPFD_CLOEXEC, 10) : -1;
+    const int dup_errno = errno;
     if (fd.ok()) close(*fd);
     if (!fd.ok() || high < 0) {
       Say("cannot listen on 127.0.0.1 for shard " + std::to_string(k) + ": " +
-          (fd.ok() ? std::string("fcntl: ") + std::strerror(errno) : fd.status().message()));
+          (fd.ok() ? std::string("fcntl: ") + std::strerror(dup_errno) : fd.status().message()));
       close_sockets();
       return Started::kFailed;
     }
