@@ -101,6 +101,7 @@ constexpr char kEmbeddingName[] = "bench/emb";
 
 struct Options {
   std::string connect;           // HOST:PORT; empty: start psd in this process
+  std::string tls_dir;           // TLS (deploy/make_tls_certs.sh DIR): psd serves it, workers verify it
   int shards = 1;                // in-process: a cluster of this many psd shards
   std::string slice_bytes_text;  // in-process cluster: --slice-bytes (empty: each variable over every shard)
   int workers = 2;
@@ -529,6 +530,12 @@ class SparseWorkload : public Workload {
   std::vector<psclient::SparseGradient> sparse_;
 };
 
+// --tls-dir: the workers speak TLS and verify psd against DIR/ca.pem.
+void ApplyTls(const Options& opt, psclient::ClientOptions& co) {
+  if (opt.tls_dir.empty()) return;
+  co.tls_ca_file = opt.tls_dir + "/ca.pem";
+}
+
 // One worker: connect, (chief) create the variables, then warmup + measured steps.
 void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame_limit,
                const std::vector<VarSpec>& vars, RunState* state, WorkerStats* stats) {
@@ -541,6 +548,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   co.cluster = ep.cluster;
   co.worker_name = who;
   co.max_frame_bytes = std::max<uint64_t>(co.max_frame_bytes, frame_limit);
+  ApplyTls(opt, co);
   auto connected = psclient::Client::Connect(co);
   if (!connected.ok()) return fail("connect to " + ep.host + ":" + std::to_string(ep.port), connected.status());
   psclient::Client& c = **connected;
@@ -950,6 +958,7 @@ int RunCollectives(const Options& opt, const Endpoint& ep, int n, int64_t elemen
       co.port = ep.port;
       co.cluster = ep.cluster;
       co.worker_name = "bench-" + std::to_string(w);
+      ApplyTls(opt, co);
       auto c = psclient::Client::Connect(co);
       if (!c.ok()) {
         std::fprintf(stderr, "psd_bench: %s\n", c.status().ToString().c_str());
@@ -1266,6 +1275,8 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--finish", opt.finish, "with --connect: declare the workers done at the end (always done in-process)");
   app.add_flag("--json", opt.json, "print one JSON object instead of the table");
+  app.add_option("--tls-dir", opt.tls_dir,
+                 "TLS on every link: DIR holds ca.pem, server.pem and server.key (deploy/make_tls_certs.sh DIR)");
   app.add_option("--collectives", opt.collectives,
                  "compare one batch_reduce_to of N small tensors with N reduce_to calls per round (0: off)")
       ->capture_default_str();
@@ -1381,6 +1392,11 @@ int Run(int argc, char** argv) {
     config.host = "127.0.0.1";
     config.port = 0;
     config.io_threads = opt.io_threads;
+    if (!opt.tls_dir.empty()) {
+      config.tls_cert_file = opt.tls_dir + "/server.pem";
+      config.tls_key_file = opt.tls_dir + "/server.key";
+      config.tls_ca_file = opt.tls_dir + "/ca.pem";
+    }
     auto parsed_mode = psd::server::ParseMode(opt.mode);
     if (!parsed_mode.ok()) {
       std::fprintf(stderr, "psd_bench: %s\n", parsed_mode.status().message().c_str());

@@ -2,8 +2,8 @@
 # Installs the Debian 12 packages psd needs to build and test (skips apt when all are present).
 set -euo pipefail
 pkgs=(cmake ninja-build g++ ccache pkg-config capnproto libcapnp-dev libboost-dev libboost-system-dev
-      libspdlog-dev libfmt-dev libcli11-dev libxxhash-dev catch2 iproute2 procps
-      curl python3 python3-prometheus-client chromium python3-yaml yamllint shellcheck)
+      libspdlog-dev libfmt-dev libcli11-dev libxxhash-dev libssl-dev catch2 iproute2 procps
+      curl python3 python3-prometheus-client chromium python3-yaml yamllint shellcheck openssl)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

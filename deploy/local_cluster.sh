@@ -9,7 +9,8 @@
 #                           [-- extra psd flags]
 #
 # With --shards P > 1 the shards listen on P free ports that psrun picks; variables over
-# --slice-bytes (psd's flag, default 64 MiB) are split over several shards. The same job with
+# --slice-bytes (psd's flag, default 64 MiB) are split over several shards; psrun gives the shards
+# a fresh cluster secret (--cluster-secret-file) for their links. The same job with
 # your own trainer: `psrun --shards P --workers W --replicas R --backup B -- ./my_trainer`.
 set -euo pipefail
 

@@ -74,6 +74,7 @@ struct Hello {
   peer @5 :Bool;          # another psd shard of the cluster (then shardIndex and clusterSize)
   shardIndex @6 :UInt32;
   clusterSize @7 :UInt32;
+  peerNonce @8 :Data;     # a peer, with --cluster-secret-file: the dialer's challenge (32 random bytes)
 }
 
 struct JobConfig {
@@ -103,6 +104,8 @@ struct HelloReply {
   chiefShard @7 :Int32;   # the elected chief shard (-1: none right now)
   clusterEpoch @8 :UInt64;  # bumps whenever the cluster restores a checkpoint as one (0: single daemon)
   maxFrameBytes @9 :UInt64;  # psd's --max-frame-bytes: clients refuse to send bigger requests (0: unknown)
+  peerNonce @10 :Data;    # to a peer's hello, with --cluster-secret-file: the acceptor's challenge
+  peerProof @11 :Data;    # ... and its proof (HMAC-SHA256, server/cluster/peer_auth.h)
 }
 
 struct CreateVariable {
@@ -304,6 +307,9 @@ struct PeerHeartbeat {
   sealedSteps @4 :List(Int64);  # checkpoints this shard can restore (manifest + own part verified)
   ready @5 :Bool;           # the sender has scanned its checkpoints
   required @6 :Int32;       # from the chief: fresh gradients a step needs
+  allowStateLoss @7 :Bool;  # the sender runs with --allow-state-loss (README "Losing a shard's checkpoints")
+  waiting @8 :Text;         # from the chief: why it does not form the cluster (""): an operator must decide
+  unusableSteps @9 :List(Int64);  # checkpoint directories present here that this shard cannot restore
 }
 
 struct PeerStep {
@@ -392,7 +398,16 @@ struct Request {
     peer @14 :PeerMessage;        # shard to shard; never answered
     reduce @15 :Reduce;
     update @16 :Update;
+    recover @17 :Recover;         # cluster, chief only: an operator's decision to lose checkpointed state
+    peerProof @18 :Data;          # a peer's answer to the acceptor's challenge (before any peer message)
   }
+}
+
+# An operator's answer to a chief that refuses to form because some shard's newest checkpoint is
+# newer than what every shard can restore (README "Losing a shard's checkpoints").
+struct Recover {
+  step @0 :Int64;           # restore this checkpoint step on every shard; < 0: the newest every shard has
+  empty @1 :Bool;           # start empty at step 0 instead (step ignored)
 }
 
 struct Response {

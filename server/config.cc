@@ -15,6 +15,7 @@
 #include <set>
 #include <type_traits>
 
+#include "cluster/peer_auth.h"
 #include "psd/cluster_list.h"
 
 namespace psd::server {
@@ -301,6 +302,14 @@ Status ServerConfig::Validate() {
   PSD_RETURN_IF_ERROR(InRange("--threads", io_threads, 1, 256));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-frame-bytes", max_frame_bytes, 4ull << 10, 16ull << 30));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-model-bytes", max_model_bytes, 4ull << 10, 1ull << 50));
+  PSD_RETURN_IF_ERROR(SizeInRange("--max-inflight-bytes", max_inflight_bytes, 64ull << 10, 1ull << 50));
+  if (max_inflight_bytes < max_frame_bytes) {
+    return InvalidArgument("--max-inflight-bytes (" + std::to_string(max_inflight_bytes) +
+                           ") must be at least --max-frame-bytes (" + std::to_string(max_frame_bytes) +
+                           "): one frame of the largest size must fit; raise --max-inflight-bytes or lower "
+                           "--max-frame-bytes");
+  }
+  PSD_RETURN_IF_ERROR(InRange("--frame-timeout-ms", frame_timeout_ms, int64_t{1}, int64_t{86400000}));
   PSD_RETURN_IF_ERROR(optimizer.Validate());
   PSD_RETURN_IF_ERROR(InRange("--apply-threads", apply_threads, 1, 256));
   PSD_RETURN_IF_ERROR(AtLeast("--staleness", staleness_bound, 0));
@@ -345,12 +354,25 @@ Status ServerConfig::Validate() {
     }
   }
   PSD_RETURN_IF_ERROR(SizeInRange("--slice-bytes", slice_bytes, 4ull << 10, 1ull << 50));
+  if (tls_cert_file.empty() != tls_key_file.empty()) {
+    return InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file");
+  }
+  if (!tls_enabled() && (tls_require_client_cert || !tls_ca_file.empty())) {
+    return InvalidArgument("--tls-ca-file and --tls-require-client-cert need --tls-cert-file and --tls-key-file");
+  }
+  if (tls_require_client_cert && tls_ca_file.empty()) {
+    return InvalidArgument("--tls-require-client-cert needs --tls-ca-file (the CA that signs the clients' certificates)");
+  }
+  if (!cluster_secret.empty()) PSD_RETURN_IF_ERROR(peer_auth::ValidateClusterSecret(cluster_secret, auth_token));
   return CheckProtectedMode();
 }
 
 Status ServerConfig::CheckProtectedMode() const {
   // Protected mode, as Redis does it: a daemon reachable beyond this host must be protected.
-  if (insecure || !auth_token.empty() || tls_enabled()) return Status::Ok();
+  // The data port is protected by the shared secret or by mutual TLS (a client certificate signed
+  // by --tls-ca-file); the metrics port only by the secret.
+  if (insecure) return Status::Ok();
+  bool mutual_tls = tls_enabled() && tls_require_client_cert;
   struct Listener {
     const char* flag;
     const std::string* ip;
@@ -358,15 +380,31 @@ Status ServerConfig::CheckProtectedMode() const {
   std::vector<Listener> listeners = {{"--host", &host}};
   if (metrics_port >= 0) listeners.push_back({"--metrics-host", &metrics_host});
   for (const Listener& l : listeners) {
+    if (!auth_token.empty()) break;
     auto loopback = IsLoopbackAddress(*l.ip);
     if (!loopback.ok()) return InvalidArgument(std::string(l.flag) + ": " + loopback.status().message());
-    if (*loopback) continue;
+    if (*loopback || (l.ip == &host && mutual_tls)) continue;
     std::string what = std::string(l.flag) + " " + *l.ip;
     if (l.ip == &host && !cluster.empty()) what += " (this shard's --cluster entry)";
     return InvalidArgument("protected mode: psd would listen on " + what +
                            ", beyond loopback, without authentication. Give every worker, tool and shard a shared "
-                           "secret with --auth-token-file FILE, or, on a network you trust, pass --insecure to allow "
-                           "it deliberately (or listen on 127.0.0.1)");
+                           "secret with --auth-token-file FILE (or, for the data port, mutual TLS: --tls-cert-file, "
+                           "--tls-key-file, --tls-ca-file and --tls-require-client-cert), or, on a network you trust, "
+                           "pass --insecure to allow it deliberately (or listen on 127.0.0.1)");
+  }
+  // The shards' links: the workers' token does not protect them (every worker knows it), and a
+  // server-only TLS would not say which shard dials; only the cluster secret proves a shard.
+  if (!clustered() || !cluster_secret.empty()) return Status::Ok();
+  for (const std::string& entry : cluster) {
+    auto hp = psd::ParseHostPort(entry, "--cluster entry");
+    if (!hp.ok()) return hp.status();
+    auto loopback = IsLoopbackAddress(hp->host);
+    if (loopback.ok() && *loopback) continue;
+    return InvalidArgument("protected mode: the --cluster list has " + entry +
+                           ", beyond loopback, and no cluster secret: anyone who reaches a shard's port could act "
+                           "as a shard. Give every shard the same secret with --cluster-secret-file FILE (not the "
+                           "workers' --auth-token-file; `openssl rand -hex 32 > FILE`), or, on a network you trust, "
+                           "pass --insecure to allow it deliberately");
   }
   return Status::Ok();
 }

@@ -44,12 +44,21 @@ struct ServerConfig {
   std::string listen_fd_source = "the passed listening socket";  // names it in errors: "--listen-fd 3"
   int io_threads = 2;
   uint64_t max_frame_bytes = 256ull << 20;
+  // Memory for incoming frames across all connections (README "Hardening"): a frame waits for its
+  // share (backpressure) instead of failing; a frame must arrive within frame_timeout_ms once it
+  // holds its share.
+  uint64_t max_inflight_bytes = 1ull << 30;
+  int64_t frame_timeout_ms = 60000;
   int max_connections = 1024;
   int64_t hello_timeout_ms = 5000;  // a connection must complete its hello within this
   int64_t idle_timeout_s = 0;       // close a connection idle this long (nothing parked); 0: never
   std::string auth_token;           // non-empty: every connection must present it in its hello
+  // Non-empty: shards prove to each other that they know it (cluster/peer_auth.h) before a peer
+  // link carries messages. Distinct from auth_token, which every worker knows.
+  std::string cluster_secret;
   // Protected mode (README "Protected mode"): listening beyond loopback (--host, a cluster entry's
-  // address, --metrics-host) needs a secret (auth_token) or TLS, unless `insecure` says so.
+  // address, --metrics-host) needs a secret (auth_token) or TLS, and a cluster with an entry beyond
+  // loopback needs cluster_secret, unless `insecure` says so.
   bool insecure = false;
   uint64_t max_model_bytes = 16ull << 30;  // all variables with their slots, averages and buffers
 
@@ -81,6 +90,9 @@ struct ServerConfig {
   double checkpoint_every_s = 0;       // 0: not by time
   int keep_checkpoints = 3;
   bool restore = true;  // load the newest good checkpoint at start
+  // Cluster: the chief may form at an older checkpoint (or empty) than some shard's newest sealed
+  // one without an operator's psd_admin recover (README "Losing a shard's checkpoints").
+  bool allow_state_loss = false;
 
   // Cluster (README "Running a cluster"). One entry, or none: a single daemon.
   std::vector<std::string> cluster;    // every shard's host:port, the same list on every shard
@@ -102,10 +114,13 @@ struct ServerConfig {
   double summary_interval_s = 10.0;
   std::string log_level = "info";
 
-  // Whether the listeners are protected by TLS. Hook for TLS (issue 11 item 2): no TLS yet, so
-  // protected mode counts only the shared secret. When TLS lands, return true when the data port
-  // (and the metrics port, for metrics_host) serve TLS.
-  bool tls_enabled() const { return false; }
+  // TLS on the data port, worker and peer links alike (README "TLS"). A shard dials its peers with
+  // the same files: cert/key as its client certificate, ca to verify them.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_ca_file;
+  bool tls_require_client_cert = false;  // mutual TLS: every worker, tool and shard presents a certificate
+  bool tls_enabled() const { return !tls_cert_file.empty(); }
 
   int shards() const { return cluster.empty() ? 1 : static_cast<int>(cluster.size()); }
   bool clustered() const { return shards() > 1; }
@@ -122,7 +137,8 @@ struct ServerConfig {
   // protected mode; returns an error naming the flag to change and its allowed range.
   Status Validate();
   // The protected-mode part of Validate(): an error when a listener is beyond loopback without
-  // auth_token, TLS or `insecure`.
+  // auth_token, TLS or `insecure`, or a cluster has an entry beyond loopback (a host name counts)
+  // without cluster_secret or `insecure`.
   Status CheckProtectedMode() const;
   // Fresh gradients a sync step needs before any worker finished: R, or ceil(f * N).
   int InitialRequiredReplicas() const;

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
   std::string mode = "sync";
   std::string staleness_lr = "none";
   std::string auth_token_file;
+  std::string cluster_secret_file;
   psd::server::OptimizerParams& opt = cfg.optimizer;
 
   auto* host_opt = app.add_option("--host", cfg.host,
@@ -115,14 +117,28 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--keep-checkpoints", cfg.keep_checkpoints, "checkpoints to keep (0: all)")->capture_default_str();
   app.add_flag("!--no-restore", cfg.restore, "start fresh even if --checkpoint-dir has a checkpoint");
+  app.add_flag("--allow-state-loss", cfg.allow_state_loss,
+               "cluster: when some shard lacks the newest sealed checkpoint, form at the newest one every shard "
+               "has (or empty) instead of waiting for `psd_admin recover` (logged at error level)");
   app.add_option("--token-timeout-ms", cfg.default_token_timeout_ms,
                  "deadline in milliseconds for a token wait when the worker gives none")
       ->capture_default_str();
-  std::string max_frame_bytes = "256M", max_model_bytes = "16G", slice_bytes = "64M";
+  std::string max_frame_bytes = "256M", max_model_bytes = "16G", slice_bytes = "64M", max_inflight_bytes = "1G";
   app.add_option("--max-frame-bytes", max_frame_bytes,
                  "largest accepted message (bytes, or with K/M/G/T: 64M, 1G; powers of 1024); bigger frames are "
                  "refused before allocation, and workers learn the limit at hello")
       ->type_name("SIZE")
+      ->capture_default_str();
+  auto* inflight_opt =
+      app.add_option("--max-inflight-bytes", max_inflight_bytes,
+                     "memory for incoming frames across all connections (SIZE, at least --max-frame-bytes; "
+                     "default: 1G or --max-frame-bytes if bigger); a frame that does not fit waits for its share "
+                     "(the sender sees backpressure, not an error)")
+          ->type_name("SIZE")
+          ->capture_default_str();
+  app.add_option("--frame-timeout-ms", cfg.frame_timeout_ms,
+                 "close a connection whose frame has not fully arrived this many milliseconds after it got its "
+                 "share of --max-inflight-bytes (a slow sender cannot hold memory for long)")
       ->capture_default_str();
   app.add_option("--max-connections", cfg.max_connections, "most concurrent connections")->capture_default_str();
   app.add_option("--hello-timeout-ms", cfg.hello_timeout_ms,
@@ -134,9 +150,22 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--auth-token-file", auth_token_file,
                  "file holding a shared secret every worker and tool must present (none: no authentication)");
+  app.add_option("--tls-cert-file", cfg.tls_cert_file,
+                 "PEM certificate chain: serve TLS on the data port (workers, tools and shards must then use TLS); "
+                 "a shard also presents it to the shards it dials");
+  app.add_option("--tls-key-file", cfg.tls_key_file, "PEM private key of --tls-cert-file");
+  app.add_option("--tls-ca-file", cfg.tls_ca_file,
+                 "PEM CA certificates that verify clients' certificates (--tls-require-client-cert) and the other "
+                 "shards' (default for shards: the system's trust store)");
+  app.add_flag("--tls-require-client-cert", cfg.tls_require_client_cert,
+               "mutual TLS: every worker, tool and shard must present a certificate signed by --tls-ca-file");
+  app.add_option("--cluster-secret-file", cluster_secret_file,
+                 "file holding the cluster's own secret (not the workers' token; the same file on every shard): "
+                 "shards prove they know it before a peer link carries messages");
   app.add_flag("--insecure", cfg.insecure,
                "allow listening beyond loopback (--host, a cluster entry, --metrics-host) without "
-               "--auth-token-file (protected mode refuses it otherwise)");
+               "--auth-token-file or mutual TLS, and a cluster beyond loopback without --cluster-secret-file "
+               "(protected mode refuses them otherwise)");
   app.add_option("--max-model-bytes", max_model_bytes,
                  "memory the variables may take (bytes, or 16G...), counting their slots, averages and update "
                  "buffers; creating more is refused")
@@ -214,11 +243,13 @@ int main(int argc, char** argv) {
   }
   for (auto [flag, text, out] : {std::tuple{"--max-frame-bytes", &max_frame_bytes, &cfg.max_frame_bytes},
                                  std::tuple{"--max-model-bytes", &max_model_bytes, &cfg.max_model_bytes},
-                                 std::tuple{"--slice-bytes", &slice_bytes, &cfg.slice_bytes}}) {
+                                 std::tuple{"--slice-bytes", &slice_bytes, &cfg.slice_bytes},
+                                 std::tuple{"--max-inflight-bytes", &max_inflight_bytes, &cfg.max_inflight_bytes}}) {
     auto bytes = psd::server::ParseByteSize(*text, flag);
     if (!bytes.ok()) return fail(bytes.status().message());
     *out = *bytes;
   }
+  if (inflight_opt->count() == 0) cfg.max_inflight_bytes = std::max(cfg.max_inflight_bytes, cfg.max_frame_bytes);
   if (!cluster.empty() && !cluster_file.empty()) return fail("give --cluster or --cluster-file, not both");
   if (!cluster_file.empty() || !cluster.empty()) {
     auto list = cluster_file.empty() ? psd::ParseClusterList(cluster) : psd::ReadClusterFile(cluster_file);
@@ -258,6 +289,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     cfg.auth_token = *token;
+  }
+  if (!cluster_secret_file.empty()) {
+    auto secret = psd::ReadSecretFile(cluster_secret_file);
+    if (!secret.ok()) return fail("--cluster-secret-file: " + secret.status().message());
+    cfg.cluster_secret = *secret;
   }
 
   // systemd's readiness protocol (Type=notify): the one variable psd reads, systemd's contract.

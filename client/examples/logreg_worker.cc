@@ -102,11 +102,14 @@ int main(int argc, char** argv) {
   app.add_option("--token-timeout-ms", token_timeout_ms, "token wait deadline")->capture_default_str();
   app.add_option("--print-every", print_every, "print every N-th step")->capture_default_str();
   auto* token_opt = app.add_option("--auth-token-file", token_file, "psd's shared secret, if it runs with one");
+  app.add_option("--tls-ca-file", opts.tls_ca_file, "psd runs with TLS: the CA that signed its certificate");
+  app.add_option("--tls-cert-file", opts.tls_cert_file, "this worker's certificate (psd --tls-require-client-cert)");
+  app.add_option("--tls-key-file", opts.tls_key_file, "its private key");
   app.add_option("--retry-s", retry_s, "keep retrying this long while psd is unavailable (restarting)")
       ->capture_default_str();
   app.footer(
       "Under psrun (no --host/--port/--cluster, PSD_CLUSTER set) the worker reads the launcher's environment: "
-      "PSD_CLUSTER, PSD_WORKER_NAME, PSD_WORKER_INDEX (its data shard) and PSD_AUTH_TOKEN_FILE; flags given "
+      "PSD_CLUSTER, PSD_WORKER_NAME, PSD_WORKER_INDEX (its data shard), PSD_AUTH_TOKEN_FILE and PSD_TLS_*; flags given "
       "explicitly win.");
   CLI11_PARSE(app, argc, argv);
   opts.cluster = psclient::ParseClusterList(cluster);
@@ -122,6 +125,13 @@ int main(int argc, char** argv) {
     if (name_opt->count() == 0) opts.worker_name = env->options.worker_name;
     if (shard_opt->count() == 0 && env->worker_index >= 0) shard = env->worker_index;
     if (token_opt->count() == 0) opts.auth_token = env->options.auth_token;
+    if (!opts.tls_enabled()) {  // PSD_TLS_* from psrun --tls-dir
+      opts.tls = env->options.tls;
+      opts.tls_ca_file = env->options.tls_ca_file;
+      opts.tls_cert_file = env->options.tls_cert_file;
+      opts.tls_key_file = env->options.tls_key_file;
+      opts.tls_server_name = env->options.tls_server_name;
+    }
   }
   if (!token_file.empty()) {
     auto token = psd::ReadSecretFile(token_file);
@@ -202,6 +212,7 @@ int main(int argc, char** argv) {
   double last_loss = 0;
   auto unavailable_since = std::chrono::steady_clock::time_point::max();
   std::string last_error;
+  int64_t recreated = 0;
   while (global_step.value < steps) {
     auto step = opt.minimize(loss_fn, &global_step, vars);
     if (!step.ok()) {
@@ -232,6 +243,15 @@ int main(int argc, char** argv) {
     last_error.clear();
     ++my_steps;
     last_loss = opt.last_loss();
+    if (opt.recreated_total() != recreated) {
+      // psd came back empty and this worker (the chief) gave it the variables back.
+      recreated = opt.recreated_total();
+      std::printf(
+          "[%s] psd had lost the variables: re-created them from this worker's latest values (%lld so far); "
+          "global step %lld, loss %.4f\n",
+          me.c_str(), static_cast<long long>(recreated), static_cast<long long>(*step), last_loss);
+      std::fflush(stdout);
+    }
     if (print_every > 0 && my_steps % print_every == 0) {
       const auto& p = opt.last_push();
       std::printf("[%s] global step %4lld  loss %.4f  pushes accepted %d stale %d%s\n", me.c_str(),

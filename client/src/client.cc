@@ -14,9 +14,12 @@
 #include <mutex>
 #include <thread>
 
+#include "connect.h"
 #include "device_memory.h"
 #include "psd/cluster_list.h"
+#include "sparse_check.h"
 #include "wire/frame.h"
+#include "wire/tls.h"
 
 namespace psclient {
 
@@ -136,8 +139,10 @@ class Conn {
 
   // Connects and says hello. A daemon that answers UNAVAILABLE (restoring a checkpoint) is asked
   // again until connect_timeout_ms has passed.
-  Status Connect() {
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+  // `limit_ms` (0: connect_timeout_ms) bounds it.
+  Status Connect(int64_t limit_ms = 0) {
+    auto deadline = std::chrono::steady_clock::now() +
+                    std::chrono::milliseconds(limit_ms > 0 ? limit_ms : options_.connect_timeout_ms);
     for (;;) {
       Status s = ConnectOnce(deadline);
       if (s.ok() || s.code() != Code::kUnavailable || !answered_ || std::chrono::steady_clock::now() >= deadline) {
@@ -147,23 +152,30 @@ class Conn {
     }
   }
 
+  // Resolve, connect and hello, all before `deadline` (connect_timeout_ms from the first try).
   Status ConnectOnce(std::chrono::steady_clock::time_point deadline) {
     boost::system::error_code ec;
     answered_ = false;
+    const std::string gave_up =
+        " (gave up after ClientOptions::connect_timeout_ms = " + std::to_string(options_.connect_timeout_ms) + " ms)";
     for (;;) {
       // Names are resolved on every try: a restarted daemon (a Kubernetes pod, say) may have
       // come back at another address.
-      psd::tcp::resolver resolver(io_);
-      auto endpoints = resolver.resolve(host_, std::to_string(port_), ec);
+      tls_.reset();
       socket_ = psd::tcp::socket(io_);
-      if (!ec) psd::asio::connect(socket_, endpoints, ec);
-      if (!ec) break;
-      if (std::chrono::steady_clock::now() >= deadline) {
-        return psd::Unavailable("cannot connect to psd at " + Where() + ": " + ec.message());
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      Status c = internal::ConnectBefore(socket_, host_, port_, deadline);
+      if (c.ok()) break;
+      auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) return psd::Unavailable(c.message() + gave_up);
+      std::this_thread::sleep_for(
+          std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), deadline - now));
     }
     socket_.set_option(psd::tcp::no_delay(true), ec);
+    if (options_.tls_enabled()) PSD_RETURN_IF_ERROR(StartTls(deadline));
+    // The hello's answer is bounded by the same deadline (a daemon that accepts but never answers).
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const bool connect_bound = left.count() < options_.request_timeout_ms;
+    limit_ms_ = std::max<int64_t>(1, std::min<int64_t>(left.count(), options_.request_timeout_ms));
     OutFrame frame;
     auto req = NewRequest(frame);
     auto h = req.initHello();
@@ -177,14 +189,21 @@ class Conn {
     if (s.ok()) s = Receive(frame, &resp);
     if (!s.ok()) {
       Drop();
+      if (s.code() == Code::kDeadlineExceeded && !answered_ && connect_bound) {
+        return psd::Unavailable("psd at " + Where() + " accepted the connection but did not answer its hello in time" +
+                                gave_up);
+      }
       return s;
     }
     if (resp.which() != proto::Response::HELLO) return psd::Internal("unexpected reply to hello");
     auto hr = resp.getHello();
-    config = ReadConfig(hr.getConfig());
-    worker_id = hr.getWorkerId();
+    {
+      std::lock_guard<std::mutex> lock(hello_mu);
+      config = ReadConfig(hr.getConfig());
+      worker_id = hr.getWorkerId();
+      initial_step = hr.getGlobalStep();
+    }
     is_chief = hr.getIsChief();
-    initial_step = hr.getGlobalStep();
     chief_shard = hr.getChiefShard();
     cluster_epoch = hr.getClusterEpoch();
     shards_reported = static_cast<int>(hr.getShards());
@@ -203,7 +222,10 @@ class Conn {
   // hold the reply (a token wait); the reply deadline is the longer of request_timeout_ms and
   // wait_ms + 10 s, counted from now.
   Status Send(OutFrame& frame, int64_t wait_ms = 0) {
-    if (!socket_.is_open()) PSD_RETURN_IF_ERROR(Connect());
+    // A cluster's shard that was lost is tried briefly: the other shards' answers say what the
+    // cluster waits for, and the caller retries (a single daemon gets the whole connect_timeout_ms
+    // to come back).
+    if (!IsOpen()) PSD_RETURN_IF_ERROR(Connect(quick_reconnect && connects > 0 ? kQuickReconnectMs : 0));
     PSD_RETURN_IF_ERROR(CheckFrameSize(frame));
     ++requests;
     limit_ms_ = std::max<int64_t>(options_.request_timeout_ms, wait_ms > 0 ? wait_ms + 10000 : 0);
@@ -215,8 +237,9 @@ class Conn {
   Status Receive(OutFrame& frame, proto::Response::Reader* resp) {
     uint64_t id = frame.builder.getRoot<proto::Request>().getId();
     answered_ = false;
-    Status s = psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_,
-                                    "the client's ClientOptions::max_frame_bytes");
+    const char* limit = "the client's ClientOptions::max_frame_bytes";
+    Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit)
+                    : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit);
     if (!s.ok()) {
       // The stream is out of step (or gone): the next call reconnects.
       Drop();
@@ -250,8 +273,9 @@ class Conn {
 
   void Drop() {
     boost::system::error_code ec;
-    socket_.close(ec);
+    (tls_ ? tls_->next_layer() : socket_).close(ec);
   }
+  bool IsOpen() const { return tls_ ? tls_->next_layer().is_open() : socket_.is_open(); }
 
   // A request the daemon would refuse for its size fails here, before a byte is sent (the daemon
   // would close the connection mid-write, which reads as a retryable "Broken pipe").
@@ -274,25 +298,50 @@ class Conn {
   bool last_answered() const { return answered_; }
   int index() const { return index_; }
 
-  // From the last handshake.
-  JobConfig config;
-  uint32_t worker_id = 0;
+  // From the last handshake. A reconnect (on a call thread, under the client's call lock)
+  // rewrites them: the Client's lock-free getters read config, worker_id and initial_step under
+  // hello_mu, and connects is atomic.
+  mutable std::mutex hello_mu;
+  JobConfig config;          // guarded by hello_mu for writes and lock-free readers
+  uint32_t worker_id = 0;    // guarded by hello_mu for writes and lock-free readers
+  int64_t initial_step = 0;  // guarded by hello_mu for writes and lock-free readers
   bool is_chief = false;
-  int64_t initial_step = 0;
   int chief_shard = 0;
   uint64_t cluster_epoch = 0;
   int shards_reported = 1;
+  bool quick_reconnect = false;  // a cluster's shard (see Send)
+  static constexpr int64_t kQuickReconnectMs = 500;
   uint64_t daemon_max_frame_bytes = 0;  // psd's --max-frame-bytes from the hello (0: not announced)
-  uint64_t connects = 0;
+  std::atomic<uint64_t> connects{0};
   std::atomic<uint64_t> requests{0};
 
  private:
   Status SendNoReconnect(OutFrame& frame) {
     if (limit_ms_ == 0) limit_ms_ = options_.request_timeout_ms;
     deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms_);
-    Status s = psd::wire::WriteFrame(socket_, frame, deadline_);
+    Status s = tls_ ? psd::wire::WriteFrame(*tls_, frame, deadline_) : psd::wire::WriteFrame(socket_, frame, deadline_);
     if (!s.ok()) Drop();
     return s;
+  }
+
+  // Wraps the connected socket in TLS and shakes hands, verifying psd's certificate.
+  Status StartTls(std::chrono::steady_clock::time_point deadline) {
+    if (!tls_context_) {
+      auto ctx = psd::wire::MakeClientTlsContext({options_.tls_cert_file, options_.tls_key_file, options_.tls_ca_file});
+      if (!ctx.ok()) return ctx.status();
+      tls_context_ = std::move(*ctx);
+    }
+    tls_ = std::make_unique<psd::wire::ssl::stream<psd::tcp::socket>>(std::move(socket_), *tls_context_);
+    socket_ = psd::tcp::socket(io_);
+    PSD_RETURN_IF_ERROR(
+        psd::wire::SetTlsServerName(*tls_, options_.tls_server_name.empty() ? host_ : options_.tls_server_name));
+    Status s = psd::wire::TlsHandshake(*tls_, deadline);
+    if (!s.ok()) {
+      Drop();
+      // Verification failures are not worth retrying: say what to fix.
+      return s.code() == Code::kUnavailable ? psd::Unavailable("TLS with psd at " + Where() + ": " + s.message()) : s;
+    }
+    return Status::Ok();
   }
 
   const ClientOptions& options_;
@@ -301,6 +350,8 @@ class Conn {
   const int index_;
   psd::asio::io_context io_;
   psd::tcp::socket socket_;
+  std::shared_ptr<psd::wire::ssl::context> tls_context_;
+  std::unique_ptr<psd::wire::ssl::stream<psd::tcp::socket>> tls_;  // set once TLS is up (then socket_ is unused)
   InFrame in_;
   std::unique_ptr<capnp::MessageReader> reader_;
   uint64_t next_id_ = 0;
@@ -327,6 +378,7 @@ class Client::Impl {
         // Connect() validated the list.
         psd::HostPort hp = *psd::ParseHostPort(options_.cluster[i]);
         conns_.push_back(std::make_unique<Conn>(options_, hp.host, hp.port, static_cast<int>(i)));
+        conns_.back()->quick_reconnect = options_.cluster.size() > 1;
       }
     }
   }
@@ -659,16 +711,28 @@ Result<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
-const JobConfig& Client::config() const { return impl_->chief().config; }
-uint32_t Client::worker_id() const { return impl_->chief().worker_id; }
+JobConfig Client::config() const {
+  const Conn& c = impl_->chief();
+  std::lock_guard<std::mutex> lock(c.hello_mu);
+  return c.config;
+}
+uint32_t Client::worker_id() const {
+  const Conn& c = impl_->chief();
+  std::lock_guard<std::mutex> lock(c.hello_mu);
+  return c.worker_id;
+}
 bool Client::is_chief() const { return impl_->is_chief_.load(); }
-int64_t Client::initial_global_step() const { return impl_->chief().initial_step; }
+int64_t Client::initial_global_step() const {
+  const Conn& c = impl_->chief();
+  std::lock_guard<std::mutex> lock(c.hello_mu);
+  return c.initial_step;
+}
 uint64_t Client::connection_epoch() const {
   uint64_t n = impl_->epoch_bumps_.load();
   for (const auto& c : impl_->conns_) n += c->connects;
   return n;
 }
-std::vector<std::string> Client::SlotNames() const { return impl_->chief().config.slot_names; }
+std::vector<std::string> Client::SlotNames() const { return config().slot_names; }
 int Client::shards() const { return impl_->shards(); }
 int Client::chief_shard() const { return impl_->chief_.load(); }
 uint64_t Client::cluster_epoch() const { return impl_->cluster_epoch_.load(); }
@@ -972,11 +1036,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   }
   for (size_t j = 0; j < sparse.size(); ++j) {
     const SparseGradient& g = sparse[j];
-    if (g.values.shape.empty() || g.values.shape[0] != static_cast<int64_t>(g.indices.size())) {
-      return psd::InvalidArgument("sparse gradient for '" + g.name + "': values need shape [" +
-                                  std::to_string(g.indices.size()) + ", row dims...], got " +
-                                  psd::ShapeString(g.values.shape));
-    }
+    PSD_RETURN_IF_ERROR(internal::CheckSparseGradient(g, nullptr));
     if (g.values.data == nullptr && g.values.bytes() > 0) {
       return psd::InvalidArgument("sparse gradient for '" + g.name + "' has no data");
     }
@@ -994,6 +1054,8 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
                        psd::DTypeSize(g.values.dtype);
     auto loc = im.Locate(g.name);
     if (!loc.ok()) return loc.status();
+    // A cluster's client knows the whole shape: rows outside it would fall outside every slice.
+    if (cluster) PSD_RETURN_IF_ERROR(internal::CheckSparseGradient(g, &loc->shape));
     for (size_t k = 0; k < loc->parts.size(); ++k) {
       SparsePart part;
       size_t first = 0, last = indices.size();
@@ -1276,6 +1338,19 @@ Status Client::RequestCheckpoint() {
   impl_->Begin();
   proto::Response::Reader resp;
   return impl_->CallChief([](proto::Request::Builder req) { req.setCheckpoint(); }, &resp);
+}
+
+Status Client::Recover(int64_t step, bool empty) {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  impl_->Begin();
+  proto::Response::Reader resp;
+  return impl_->CallChief(
+      [step, empty](proto::Request::Builder req) {
+        auto r = req.initRecover();
+        r.setStep(step);
+        r.setEmpty(empty);
+      },
+      &resp);
 }
 
 namespace {

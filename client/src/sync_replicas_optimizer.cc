@@ -1,5 +1,6 @@
 #include "psclient/sync_replicas_optimizer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -14,6 +15,7 @@ Status Variable::Create(Client& client, bool trainable) {
 }
 
 Status Variable::Create(Client& client, const VariableOptions& options) {
+  options_ = options;
   auto info = client.CreateVariable(name_, value_.view(), options);
   return info.ok() ? Status::Ok() : info.status();
 }
@@ -51,10 +53,7 @@ Result<std::vector<GradAndVar>> SyncReplicasOptimizer::compute_gradients(const G
   bool fresh = values_fresh_ && var_list == var_list_;
   values_fresh_ = false;
   var_list_ = var_list;
-  if (!fresh) {
-    auto step = client_.Pull(outs);
-    if (!step.ok()) return step.status();
-  }
+  if (!fresh) PSD_RETURN_IF_ERROR(PullVariables(outs));
   std::vector<std::optional<Tensor>> grads(var_list.size());
   double loss = 0;
   PSD_RETURN_IF_ERROR(fn(var_list, &grads, &loss));
@@ -99,6 +98,14 @@ Result<int64_t> SyncReplicasOptimizer::apply_gradients(const std::vector<GradAnd
   for (Variable* v : var_list_) pull_after.emplace_back(v->name(), v->value().view());
   values_fresh_ = false;
   auto out = client_.Push(local_step_, grads, sparse, /*wait_token=*/true, token_timeout_ms_, &pull_after);
+  if (!out.ok() && out.status().code() == Code::kNotFound && local_init_done_) {
+    // psd came back without the variables between the pull and this push: bring them back (or
+    // wait for them); these gradients were computed on values psd no longer has, so they go.
+    PSD_RETURN_IF_ERROR(PullVariables(pull_after));
+    values_fresh_ = true;
+    return psd::Aborted("psd lost the variables (" + out.status().message() +
+                        "); they are back: compute the gradients again from the values pulled");
+  }
   if (!out.ok()) return out.status();
   values_fresh_ = out->pulled_step >= 0;
   last_push_ = std::move(*out);
@@ -115,6 +122,40 @@ Result<int64_t> SyncReplicasOptimizer::minimize(const GradientFn& fn, GlobalStep
   auto gv = compute_gradients(fn, var_list);
   if (!gv.ok()) return gv.status();
   return apply_gradients(*gv, global_step);
+}
+
+Status SyncReplicasOptimizer::RecreateVariables() {
+  for (Variable* v : var_list_) {
+    auto info = client_.CreateVariable(v->name(), v->value().view(), v->options());
+    if (!info.ok()) return info.status();
+    if (info->created) ++recreated_total_;
+  }
+  return Status::Ok();
+}
+
+Status SyncReplicasOptimizer::PullVariables(const std::vector<std::pair<std::string, TensorView>>& outs) {
+  auto step = client_.Pull(outs);
+  if (step.ok() || step.status().code() != Code::kNotFound || !local_init_done_) return step.status();
+  // The variables existed at the local init: psd came back empty.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(variables_timeout_ms_);
+  auto backoff = std::chrono::milliseconds(20);
+  for (;;) {
+    bool chief = client_.is_chief();
+    Status made = chief ? RecreateVariables() : Status::Ok();
+    step = made.ok() ? client_.Pull(outs) : Result<int64_t>(made);
+    if (step.ok()) return Status::Ok();
+    Code code = step.status().code();
+    // kUnavailable: psd (or the cluster) is not serving yet; kNotFound: not re-created yet.
+    if ((code != Code::kNotFound && code != Code::kUnavailable) || std::chrono::steady_clock::now() >= deadline) {
+      return psd::Status(
+          code, std::string("psd lost the variables (it came back without its checkpoints) and ") +
+                    (chief ? "this chief worker could not re-create them" : "the chief worker did not re-create them") +
+                    " within " + std::to_string(variables_timeout_ms_) +
+                    " ms (set_variables_timeout_ms): " + step.status().message());
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+  }
 }
 
 Result<int> SyncReplicasOptimizer::get_init_tokens(int num_tokens) const {

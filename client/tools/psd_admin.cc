@@ -4,6 +4,10 @@
 //   psd_admin --port 7070 status        # global step, workers, tokens, pushes, checkpoint, config
 //   psd_admin --port 7070 checkpoint    # ask for a checkpoint at the next step boundary
 //   psd_admin --cluster h:p,h:p placement  # which shard(s) hold each variable, bytes per shard
+//   psd_admin --cluster h:p,h:p recover [--step S | --empty]
+//                                       # the chief waits because a shard lost checkpoints: form at the
+//                                       # newest common (or given) step, or empty (README "Losing a
+//                                       # shard's checkpoints")
 // With --cluster, status also lists every shard (the ones that answer) and the election state.
 //
 // Exit status: 0 when psd serves (every shard up, the cluster formed); 3 when it answers but does
@@ -107,11 +111,27 @@ int main(int argc, char** argv) {
   bool json = false;
   std::string token_file;
   app.add_option("--auth-token-file", token_file, "psd's shared secret, if it runs with one");
+  app.add_flag("--tls", opts.tls, "psd runs with --tls-cert-file: speak TLS (implied by the --tls-* files)");
+  app.add_option("--tls-ca-file", opts.tls_ca_file, "CA that signed psd's certificate (default: the system's)");
+  app.add_option("--tls-cert-file", opts.tls_cert_file, "this tool's certificate (psd --tls-require-client-cert)");
+  app.add_option("--tls-key-file", opts.tls_key_file, "its private key");
+  app.add_option("--tls-server-name", opts.tls_server_name, "the name psd's certificate carries, if not --host");
   app.add_flag("--json", json, "status and placement as one JSON object");
   app.require_subcommand(1);
   auto* status = app.add_subcommand("status", "print the job's state (exit 3 if psd does not serve)");
   auto* checkpoint = app.add_subcommand("checkpoint", "ask for a checkpoint at the next step boundary");
   auto* placement = app.add_subcommand("placement", "where each variable lives, and bytes per shard");
+  auto* recover = app.add_subcommand(
+      "recover",
+      "cluster: the chief refuses to form because a shard lacks checkpoints others hold; decide to lose them and "
+      "form at the newest checkpoint every shard can restore (or --step, or --empty)");
+  int64_t recover_step = -1;
+  bool recover_empty = false;
+  auto* step_opt =
+      recover->add_option("--step", recover_step, "restore this checkpoint step (every shard must have it)")
+          ->check(CLI::NonNegativeNumber);
+  recover->add_flag("--empty", recover_empty, "start empty at step 0 (the workers' chief re-creates the variables)")
+      ->excludes(step_opt);
   CLI11_PARSE(app, argc, argv);
   opts.cluster = psclient::ParseClusterList(cluster);
   if (!token_file.empty()) {
@@ -140,6 +160,18 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::printf("checkpoint requested\n");
+    return 0;
+  }
+  if (recover->parsed()) {
+    psclient::Status s = (*client)->Recover(recover_step, recover_empty);
+    if (!s.ok()) {
+      std::fprintf(stderr, "psd_admin: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    std::printf("the chief forms the cluster %s; `psd_admin status` shows when it serves\n",
+                recover_empty      ? "empty at step 0"
+                : recover_step < 0 ? "at the newest checkpoint every shard can restore"
+                                   : ("at checkpoint step " + std::to_string(recover_step)).c_str());
     return 0;
   }
   if (placement->parsed()) {

@@ -101,6 +101,7 @@ struct Options {
   std::string checkpoint_dir;
   std::string auth_token_file;
   std::string auth;  // "auto": a fresh random token for this run
+  std::string tls_dir;  // ca.pem, server.pem/.key [, client.pem/.key] as deploy/make_tls_certs.sh makes them
   std::string cluster;
   std::string log_dir;
   std::string on_failure = "stop";
@@ -173,6 +174,8 @@ class Launcher {
   enum class Started { kReady, kFailed };
 
   bool Setup();
+  // Writes 32 random bytes as hex to a new 0600 file; false (said why) on failure.
+  bool WriteRandomSecret(const std::string& path, const std::string& what) const;
   std::optional<std::string> FindPsd() const;
   Started StartShards(std::string* cluster);
   bool StartWorkers(const std::string& cluster);
@@ -203,6 +206,10 @@ class Launcher {
   std::string run_dir_;
   bool own_run_dir_ = false;
   std::string token_file_;
+  std::string tls_dir_;  // absolute --tls-dir ("": no TLS)
+  // --tls-dir holds a client certificate: psd requires one, and the workers present it.
+  bool MutualTls() const { return access((tls_dir_ + "/client.pem").c_str(), R_OK) == 0; }
+  std::string cluster_secret_file_;  // shards > 1: a fresh secret for their links
   std::string psd_;
   std::string cluster_;  // PSD_CLUSTER
   int exit_code_ = -1;   // the first failure's code (or 128 + signal, 124 on --timeout-s)
@@ -212,6 +219,29 @@ class Launcher {
   Clock::time_point kill_at_ = Clock::time_point::max();   // SIGKILL what SIGTERM did not stop
   bool killed_ = false;
 };
+
+bool Launcher::WriteRandomSecret(const std::string& path, const std::string& what) const {
+  std::ifstream rnd("/dev/urandom", std::ios::binary);
+  unsigned char bytes[32];
+  if (!rnd.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
+    Say("cannot read /dev/urandom for " + what);
+    return false;
+  }
+  std::string hex;
+  for (unsigned char b : bytes) {
+    static const char* digits = "0123456789abcdef";
+    hex += digits[b >> 4];
+    hex += digits[b & 15];
+  }
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    Say("cannot write " + path + ": " + std::strerror(errno));
+    return false;
+  }
+  WriteAll(fd, hex + "\n");
+  close(fd);
+  return true;
+}
 
 bool Launcher::Setup() {
   if (o_.timeout_s > 0) {
@@ -236,26 +266,8 @@ bool Launcher::Setup() {
     }
   }
   if (o_.auth == "auto") {
-    std::ifstream rnd("/dev/urandom", std::ios::binary);
-    unsigned char bytes[32];
-    if (!rnd.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
-      Say("cannot read /dev/urandom for --auth auto");
-      return false;
-    }
-    std::string hex;
-    for (unsigned char b : bytes) {
-      static const char* digits = "0123456789abcdef";
-      hex += digits[b >> 4];
-      hex += digits[b & 15];
-    }
     token_file_ = run_dir_ + "/auth-token";
-    int fd = open(token_file_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) {
-      Say("cannot write " + token_file_ + ": " + std::strerror(errno));
-      return false;
-    }
-    WriteAll(fd, hex + "\n");
-    close(fd);
+    if (!WriteRandomSecret(token_file_, "--auth auto")) return false;
   } else if (!o_.auth_token_file.empty()) {
     auto token = psd::ReadSecretFile(o_.auth_token_file);
     if (!token.ok()) {
@@ -263,6 +275,20 @@ bool Launcher::Setup() {
       return false;
     }
     token_file_ = Absolute(o_.auth_token_file);
+  }
+  if (!o_.tls_dir.empty()) {
+    tls_dir_ = Absolute(o_.tls_dir);
+    for (const char* f : {"ca.pem", "server.pem", "server.key"}) {
+      if (access((tls_dir_ + "/" + f).c_str(), R_OK) != 0) {
+        Say("--tls-dir: " + tls_dir_ + "/" + f + " is missing; make the files with deploy/make_tls_certs.sh " + o_.tls_dir);
+        return false;
+      }
+    }
+  }
+  if (o_.cluster.empty() && o_.shards > 1) {
+    // The shards' own secret (never the workers'): they prove it to each other on every link.
+    cluster_secret_file_ = run_dir_ + "/cluster-secret";
+    if (!WriteRandomSecret(cluster_secret_file_, "the cluster secret")) return false;
   }
   if (o_.cluster.empty()) {
     auto psd = FindPsd();
@@ -611,6 +637,12 @@ Launcher::Started Launcher::StartShards(std::string* cluster) {
   job.push_back("--exit-when-done");
   if (!o_.checkpoint_dir.empty()) job.insert(job.end(), {"--checkpoint-dir", o_.checkpoint_dir});
   if (!token_file_.empty()) job.insert(job.end(), {"--auth-token-file", token_file_});
+  if (!tls_dir_.empty()) {
+    job.insert(job.end(), {"--tls-cert-file", tls_dir_ + "/server.pem", "--tls-key-file", tls_dir_ + "/server.key",
+                           "--tls-ca-file", tls_dir_ + "/ca.pem"});
+    if (MutualTls()) job.push_back("--tls-require-client-cert");
+  }
+  if (!cluster_secret_file_.empty()) job.insert(job.end(), {"--cluster-secret-file", cluster_secret_file_});
   job.insert(job.end(), o_.psd_args.begin(), o_.psd_args.end());
 
   const size_t first = children_.size();
@@ -677,6 +709,13 @@ bool Launcher::StartWorkers(const std::string& cluster) {
                                  "PSD_WORKER_NAME=worker-" + std::to_string(i),
                                  std::string("PSD_CHIEF_ELIGIBLE=") + (i == 0 ? "1" : "0")};
     if (!token_file_.empty()) env.push_back("PSD_AUTH_TOKEN_FILE=" + token_file_);
+    if (!tls_dir_.empty()) {
+      env.push_back("PSD_TLS_CA_FILE=" + tls_dir_ + "/ca.pem");
+      if (MutualTls()) {
+        env.push_back("PSD_TLS_CERT_FILE=" + tls_dir_ + "/client.pem");
+        env.push_back("PSD_TLS_KEY_FILE=" + tls_dir_ + "/client.key");
+      }
+    }
     if (Spawn("worker " + std::to_string(i), false, i, o_.command, env, true) == nullptr) return false;
   }
   return true;
@@ -706,6 +745,13 @@ void Launcher::DrainShards() {
     if (!token_file_.empty()) {
       auto token = psd::ReadSecretFile(token_file_);
       if (token.ok()) opts.auth_token = *token;
+    }
+    if (!tls_dir_.empty()) {
+      opts.tls_ca_file = tls_dir_ + "/ca.pem";
+      if (MutualTls()) {
+        opts.tls_cert_file = tls_dir_ + "/client.pem";
+        opts.tls_key_file = tls_dir_ + "/client.key";
+      }
     }
     auto client = psclient::Client::Connect(opts);
     if (!client.ok()) continue;
@@ -761,7 +807,7 @@ void Launcher::Cleanup() {
     c.log_fd = -1;
   }
   if (own_run_dir_) {
-    for (const char* name : {"auth-token"}) std::remove((run_dir_ + "/" + name).c_str());
+    for (const char* name : {"auth-token", "cluster-secret"}) std::remove((run_dir_ + "/" + name).c_str());
     for (int k = 0; k < o_.shards; ++k) {
       std::string f = run_dir_ + "/psd-" + std::to_string(k) + ".port";
       std::remove(f.c_str());
@@ -811,6 +857,9 @@ int main(int argc, char** argv) {
   app.add_option("--auth", o.auth, "auto: a fresh random secret for this run, in a 0600 file")
       ->check(CLI::IsMember({"auto"}))
       ->excludes(token);
+  app.add_option("--tls-dir", o.tls_dir,
+                 "TLS for psd and the workers: a directory with ca.pem, server.pem, server.key (and client.pem, "
+                 "client.key for mutual TLS), as deploy/make_tls_certs.sh DIR makes them");
   app.add_option("--cluster", o.cluster, "start no psd: the workers join this running cluster (host:port,...)")
       ->excludes(shards);
   app.add_option("--on-failure", o.on_failure, "a failing worker: stop everything, or let the others go on")
@@ -845,12 +894,14 @@ int main(int argc, char** argv) {
   for (const auto& a : o.psd_args) {
     for (const char* owned :
          {"--replicas-to-aggregate", "-R", "--backup-replicas", "-B", "--total-replicas", "-N", "--cluster",
-          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--listen-fd", "--auth-token-file"}) {
+          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--listen-fd", "--auth-token-file",
+          "--cluster-secret-file"}) {
       std::string flag = a.substr(0, a.find('='));
       if (flag == owned) {
         std::fprintf(stderr,
                      "psrun: --psd-arg %s: psrun sets this psd flag itself; use psrun's --replicas, --backup, "
-                     "--workers or --auth-token-file (the workers need the token too)\n",
+                     "--workers or --auth-token-file (the workers need the token too; a cluster gets a fresh "
+                     "--cluster-secret-file)\n",
                      a.c_str());
         return 2;
       }

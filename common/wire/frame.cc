@@ -158,22 +158,28 @@ Status WriteFrame(tcp::socket& socket, OutFrame& frame, Deadline deadline) {
   return Status::Ok();
 }
 
-Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline,
-                 const std::string& limit_name) {
-  MakeNonBlocking(socket);
+Status ReadFrameWith(const std::function<Status(void*, size_t)>& read_exactly, InFrame& in, uint64_t max_frame_bytes,
+                     const std::string& limit_name) {
   uint32_t first[2];
-  PSD_RETURN_IF_ERROR(ReadExactly(socket, first, sizeof(first), deadline));
+  PSD_RETURN_IF_ERROR(read_exactly(first, sizeof(first)));
   uint32_t count = 0;
   size_t rest = 0;
   PSD_RETURN_IF_ERROR(ParseFirstWord(first, &count, &rest));
   std::vector<uint32_t> table(1 + rest / 4);
   table[0] = first[1];
-  if (rest) PSD_RETURN_IF_ERROR(ReadExactly(socket, table.data() + 1, rest, deadline));
+  if (rest) PSD_RETURN_IF_ERROR(read_exactly(table.data() + 1, rest));
   std::vector<uint32_t> sizes;
   uint64_t total = 0;
   PSD_RETURN_IF_ERROR(ParseSegmentSizes(table.data(), count, max_frame_bytes, &sizes, &total, limit_name));
   capnp::word* body = in.Prepare(sizes, total);
-  return ReadExactly(socket, body, total * sizeof(capnp::word), deadline);
+  return read_exactly(body, total * sizeof(capnp::word));
+}
+
+Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline,
+                 const std::string& limit_name) {
+  MakeNonBlocking(socket);
+  return ReadFrameWith([&](void* p, size_t n) { return ReadExactly(socket, p, n, deadline); }, in, max_frame_bytes,
+                       limit_name);
 }
 
 Code FromWire(proto::Code code) {

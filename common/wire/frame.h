@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -51,6 +52,10 @@ class InFrame {
   // one-off big frame does not pin memory, while steady big pushes reuse one buffer.
   void MaybeRelease(size_t keep_bytes);
   size_t body_bytes() const { return total_words_ * sizeof(capnp::word); }
+  // The memory the buffer holds (what Prepare allocated and has not given back).
+  size_t capacity_bytes() const { return buffer_.size() * sizeof(capnp::word); }
+  // Gives the buffer's memory back now.
+  void Release() { buffer_ = nullptr; }
 
  private:
   kj::Array<capnp::word> buffer_;
@@ -82,6 +87,11 @@ Status WriteFrame(tcp::socket& socket, OutFrame& frame, Deadline deadline = kNoD
 // Reads one frame into `in`; max_frame_bytes (named `limit_name` in errors) bounds the allocation.
 Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline = kNoDeadline,
                  const std::string& limit_name = "psd's --max-frame-bytes");
+
+// Reads one frame with `read_exactly` (n bytes or an error): the framing shared by the socket and
+// the TLS versions.
+Status ReadFrameWith(const std::function<Status(void*, size_t)>& read_exactly, InFrame& in, uint64_t max_frame_bytes,
+                     const std::string& limit_name);
 
 // Enum conversions between the wire and psd types.
 Code FromWire(proto::Code code);

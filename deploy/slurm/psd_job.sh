@@ -47,9 +47,13 @@ mkdir -p "$ckpt"
 token=$ckpt/token
 (umask 077 && od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >"$token")
 export PSD_CLUSTER=$cluster PSD_NUM_WORKERS=$workers PSD_AUTH_TOKEN_FILE=$token
+# The shards' own secret (--cluster-secret-file: they prove it to each other on every link; the
+# workers are not told where it is), fresh per run as well.
+cluster_secret=$ckpt/cluster-secret
+(umask 077 && od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >"$cluster_secret")
 
 psd_flags=(-R "$replicas" -B "$backup" --init-tokens 0 --checkpoint-every-s 600 --exit-when-done
-           --auth-token-file "$token")
+           --auth-token-file "$token" --cluster-secret-file "$cluster_secret")
 # One shard listens on all interfaces; in a cluster each shard listens on its own entry's port.
 [ "$shards" -eq 1 ] && psd_flags+=(--host 0.0.0.0 --port "$port")
 [ -n "$metrics_port" ] && psd_flags+=(--metrics-host 0.0.0.0 --metrics-port "$metrics_port")

@@ -714,15 +714,19 @@ Status LoadPart(const std::string& path, int shard, ShardSnapshot* out) {
 
 }  // namespace
 
-std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shards) {
+std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shards, std::vector<int64_t>* unusable) {
   std::vector<int64_t> steps;
   std::vector<std::string> names = ListCheckpoints(dir);
   std::reverse(names.begin(), names.end());
   for (const std::string& n : names) {
     Status ok = VerifyOwnPart(dir + "/" + n, shard, shards);
+    int64_t step = std::strtoll(n.c_str() + 5, nullptr, 10);
     if (ok.ok()) {
-      steps.push_back(std::strtoll(n.c_str() + 5, nullptr, 10));
-    } else if (ok.code() != Code::kNotFound) {
+      steps.push_back(step);
+      continue;
+    }
+    if (unusable != nullptr) unusable->push_back(step);
+    if (ok.code() != Code::kNotFound) {
       spdlog::warn("checkpoint {}/{} is unusable for shard {}: {}", dir, n, shard, ok.message());
     }
   }

@@ -91,8 +91,10 @@ Status WriteManifest(const std::string& dir, int64_t step, int shards, const std
 
 // The checkpoints in `dir` that shard `shard` of `shards` can restore: the manifest verifies,
 // names `shards` parts, and this shard's part is present with the recorded size and checksum.
-// Newest first.
-std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shards);
+// Newest first. `unusable` (if given) gets the other checkpoint directories' steps, newest first:
+// present for this shard but not restorable by it (corrupt, or never sealed here).
+std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shards,
+                                     std::vector<int64_t>* unusable = nullptr);
 
 // Loads shard `shard`'s part of checkpoint `step` (verified first).
 Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSnapshot* out);

@@ -7,6 +7,8 @@
 #include <deque>
 
 #include "cluster/election.h"
+#include "net/byte_stream.h"
+#include "cluster/peer_auth.h"
 #include "net/server.h"
 #include "sync/sync_engine.h"
 
@@ -27,17 +29,31 @@ Bytes Flatten(const std::shared_ptr<wire::OutFrame>& frame) {
 // An outgoing link to one other shard: connects (and reconnects every 100 ms while it is down),
 // says hello as a peer, then writes messages in order. Messages given while the link is down
 // are dropped: the receiver has seen the link close and counts this shard as gone anyway.
-// Replies from the other side (its hello reply) are read and discarded; a read error is how a
-// dead peer is noticed. All members are touched on the link's strand.
+// With a cluster secret the hello carries a challenge: the other side's reply must prove it
+// knows the secret and is the shard dialed, this side's proof follows, and only then are the
+// messages given meanwhile written (cluster/peer_auth.h). Later replies (errors) are read and
+// discarded; a read error is how a dead peer is noticed. All members are touched on the
+// link's strand.
 class PeerLink : public std::enable_shared_from_this<PeerLink> {
  public:
-  PeerLink(asio::io_context& io, std::string address, Bytes hello)
+  struct Identity {
+    std::string auth_token;      // the workers' token (psd checks it in every hello)
+    std::string cluster_secret;  // empty: no challenge
+    uint32_t me = 0;
+    uint32_t target = 0;
+    uint32_t shards = 0;
+  };
+
+  // `tls` null: plain TCP; else the shard's client context (verifies the other shard's certificate
+  // against --tls-ca-file and the host of `address`, presents this shard's).
+  PeerLink(asio::io_context& io, std::string address, Identity id, std::shared_ptr<wire::ssl::context> tls)
       : strand_(asio::make_strand(io)),
-        socket_(strand_),
+        tls_(std::move(tls)),
         resolver_(strand_),
         retry_(strand_),
         address_(std::move(address)),
-        hello_(std::move(hello)) {}
+        id_(std::move(id)),
+        log_(1, std::chrono::seconds(30)) {}
 
   void Start() {
     asio::dispatch(strand_, [self = shared_from_this()] { self->Connect(); });
@@ -57,13 +73,34 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     asio::dispatch(strand_, [self = shared_from_this()] {
       self->stopped_ = true;
       self->retry_.cancel();
-      if (!self->writing_) self->Close();
+      if (self->handshaking_) {  // nothing was sent yet that the other side would act on
+        self->handshaking_ = false;
+        self->writing_ = false;
+        self->Close();
+      } else if (!self->writing_) {
+        self->Close();
+      }
     });
   }
 
   bool idle() const { return !writing_.load(); }
 
  private:
+  Bytes Hello(const std::string& nonce) const {
+    auto hello = std::make_shared<wire::OutFrame>();
+    auto req = hello->builder.initRoot<proto::Request>();
+    req.setId(0);
+    auto h = req.initHello();
+    h.setProtocolVersion(proto::PROTOCOL_VERSION);
+    h.setWorkerName("shard-" + std::to_string(id_.me));
+    h.setAuthToken(id_.auth_token);
+    h.setPeer(true);
+    h.setShardIndex(id_.me);
+    h.setClusterSize(id_.shards);
+    if (!nonce.empty()) h.setPeerNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(nonce.data()), nonce.size()));
+    return Flatten(hello);
+  }
+
   void Connect() {
     if (stopped_) return;
     size_t colon = address_.rfind(':');
@@ -71,16 +108,138 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
         address_.substr(0, colon), address_.substr(colon + 1),
         [self = shared_from_this()](boost::system::error_code ec, tcp::resolver::results_type results) {
           if (ec) return self->Retry();
-          asio::async_connect(self->socket_, results, [self](boost::system::error_code ec, const tcp::endpoint&) {
+          self->stream_ = std::make_shared<ByteStream>(tcp::socket(self->strand_), self->tls_);
+          asio::async_connect(self->stream_->lowest(), results, [self, stream = self->stream_](boost::system::error_code ec, const tcp::endpoint&) {
             if (ec) return self->Retry();
             boost::system::error_code ignored;
-            self->socket_.set_option(tcp::no_delay(true), ignored);
-            self->up_ = true;
-            self->queue_.push_front(self->hello_);
-            self->WriteNext();
-            self->ReadLoop();
+            self->stream_->lowest().set_option(tcp::no_delay(true), ignored);
+            if (self->stream_->tls()) {
+              Status s = wire::SetTlsServerName(self->stream_->tls_stream(),
+                                                self->address_.substr(0, self->address_.rfind(':')));
+              if (!s.ok()) {
+                spdlog::error("peer link to {}: {}", self->address_, s.message());
+                return self->Retry();
+              }
+            }
+            self->stream_->async_handshake(
+                wire::ssl::stream_base::client,
+                asio::bind_executor(self->strand_, [self, stream](const boost::system::error_code& ec) {
+                  if (ec) {
+                    self->LogHandshakeError(ec);
+                    return self->Retry();
+                  }
+                  self->up_ = true;
+                  if (self->id_.cluster_secret.empty()) {
+                    self->queue_.push_front(self->Hello(""));
+                    self->WriteNext();
+                    return self->ReadLoop();
+                  }
+                  self->StartHandshake();
+                }));
           });
         });
+  }
+
+  // With a cluster secret: hello with a challenge, then the reply (bounded in size and time).
+  void StartHandshake() {
+    auto nonce = peer_auth::NewNonce();
+    if (!nonce.ok()) return Fail(nonce.status().message());
+    nonce_ = *nonce;
+    handshaking_ = true;
+    writing_ = true;  // messages given meanwhile wait in the queue
+    retry_.expires_after(kHandshakeTimeout);
+    retry_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      if (!ec && self->handshaking_) self->Fail("no answer to the peer hello within 5 s");
+    });
+    Bytes hello = Hello(nonce_);
+    asio::async_write(*stream_, asio::buffer(hello->begin(), hello->size() * sizeof(capnp::word)),
+                      [self = shared_from_this(), hello, stream = stream_](boost::system::error_code ec, size_t) {
+                        if (ec) return self->Fail("cannot send the hello: " + ec.message());
+                        self->ReadReplyHeader();
+                      });
+  }
+
+  void ReadReplyHeader() {
+    asio::async_read(*stream_, asio::buffer(first_, sizeof(first_)),
+                     [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
+                       if (ec) return self->Fail("no answer to the hello: " + ec.message());
+                       uint32_t count = 0;
+                       size_t rest = 0;
+                       Status s = wire::ParseFirstWord(self->first_, &count, &rest);
+                       if (!s.ok()) return self->Fail(s.message());
+                       self->table_.assign(1 + rest / 4, 0);
+                       self->table_[0] = self->first_[1];
+                       asio::async_read(*stream, asio::buffer(self->table_.data() + 1, rest),
+                                        [self, count, stream](boost::system::error_code ec, size_t) {
+                                          if (ec) return self->Fail("no answer to the hello: " + ec.message());
+                                          self->ReadReplyBody(count);
+                                        });
+                     });
+  }
+
+  void ReadReplyBody(uint32_t count) {
+    std::vector<uint32_t> sizes;
+    uint64_t total = 0;
+    Status s = wire::ParseSegmentSizes(table_.data(), count, kMaxReplyBytes, &sizes, &total);
+    if (!s.ok()) return Fail(s.message());
+    capnp::word* body = in_.Prepare(sizes, total);
+    asio::async_read(*stream_, asio::buffer(body, total * sizeof(capnp::word)),
+                     [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
+                       if (ec) return self->Fail("no answer to the hello: " + ec.message());
+                       std::string why;
+                       try {
+                         auto reader = self->in_.Reader();
+                         why = self->CheckReply(reader->getRoot<proto::Response>());
+                       } catch (const kj::Exception& e) {
+                         why = std::string("a malformed reply: ") + e.getDescription().cStr();
+                       }
+                       if (!why.empty()) return self->Fail(why);
+                       self->handshaking_ = false;
+                       self->retry_.cancel();
+                       self->queue_.push_front(self->proof_);
+                       self->WriteNext();
+                       self->ReadLoop();
+                     });
+  }
+
+  // The acceptor's answer: "" when it proved it is shard `target` of this cluster (and proof_ is
+  // this side's answer), else why not.
+  std::string CheckReply(proto::Response::Reader r) {
+    if (r.getCode() != proto::Code::OK) return "it refused the hello: " + std::string(r.getMessage().cStr());
+    if (r.which() != proto::Response::HELLO) return "it answered the hello with something else";
+    auto h = r.getHello();
+    if (h.getShardIndex() != id_.target || h.getShards() != id_.shards) {
+      return "it says it is shard " + std::to_string(h.getShardIndex()) + " of " + std::to_string(h.getShards());
+    }
+    auto nonce = h.getPeerNonce();
+    auto proof = h.getPeerProof();
+    if (nonce.size() != peer_auth::kNonceBytes || proof.size() != peer_auth::kProofBytes) {
+      return "it answered without a proof (does it run with the same --cluster-secret-file?)";
+    }
+    std::string theirs(reinterpret_cast<const char*>(nonce.begin()), nonce.size());
+    peer_auth::Transcript t{id_.shards, id_.me, id_.target, nonce_, theirs};
+    std::string_view got(reinterpret_cast<const char*>(proof.begin()), proof.size());
+    if (!peer_auth::Verify(id_.cluster_secret, peer_auth::Role::kAcceptor, t, got)) {
+      return "its proof is wrong: it does not know this cluster's secret (the same --cluster-secret-file on every "
+             "shard?)";
+    }
+    std::string mine = peer_auth::Proof(id_.cluster_secret, peer_auth::Role::kDialer, t);
+    auto frame = std::make_shared<wire::OutFrame>();
+    auto req = frame->builder.initRoot<proto::Request>();
+    req.setId(0);
+    req.setPeerProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine.data()), mine.size()));
+    proof_ = Flatten(frame);
+    return "";
+  }
+
+  void Fail(const std::string& why) {
+    if (!up_) return;  // already closed (the deadline and a failed read both end here)
+    handshaking_ = false;
+    writing_ = false;
+    if (!stopped_ && log_.Allow() >= 0) {
+      spdlog::warn("cluster: the link to shard {} ({}) is not trusted: {}; retrying", id_.target, address_, why);
+    }
+    Retry();
   }
 
   void Retry() {
@@ -95,19 +254,25 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   void Close() {
     up_ = false;
     queue_.clear();
-    boost::system::error_code ec;
-    socket_.shutdown(tcp::socket::shutdown_both, ec);
-    socket_.close(ec);
+    if (stream_) stream_->Close();
+  }
+
+  // A TLS failure is a configuration error: say so once per cause, not every 100 ms.
+  void LogHandshakeError(const boost::system::error_code& ec) {
+    std::string text = wire::TlsErrorText(ec);
+    if (text == last_tls_error_) return;
+    last_tls_error_ = text;
+    spdlog::error("peer link to {}: TLS handshake failed: {}", address_, text);
   }
 
   void ReadLoop() {
-    socket_.async_read_some(asio::buffer(scratch_), [self = shared_from_this()](boost::system::error_code ec, size_t) {
+    stream_->async_read_some(asio::buffer(scratch_), asio::bind_executor(strand_, [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
       if (ec) {
         if (self->up_) self->Retry();
         return;
       }
       self->ReadLoop();
-    });
+    }));
   }
 
   void WriteNext() {
@@ -118,8 +283,8 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     }
     writing_ = true;
     auto frame = queue_.front();
-    asio::async_write(socket_, asio::buffer(frame->begin(), frame->size() * sizeof(capnp::word)),
-                      [self = shared_from_this(), frame](boost::system::error_code ec, size_t) {
+    asio::async_write(*stream_, asio::buffer(frame->begin(), frame->size() * sizeof(capnp::word)),
+                      asio::bind_executor(strand_, [self = shared_from_this(), frame, stream = stream_](boost::system::error_code ec, size_t) {
                         if (!self->queue_.empty()) self->queue_.pop_front();
                         if (ec) {
                           self->writing_ = false;
@@ -127,19 +292,33 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                           return;
                         }
                         self->WriteNext();
-                      });
+                      }));
   }
 
+  static constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+  static constexpr uint64_t kMaxReplyBytes = 64 << 10;  // a hello reply is far smaller
+
   asio::strand<asio::io_context::executor_type> strand_;
-  tcp::socket socket_;
+  const std::shared_ptr<wire::ssl::context> tls_;
+  // A fresh one per connection attempt (TLS state cannot be reused); pending operations' handlers
+  // hold theirs until they have run.
+  std::shared_ptr<ByteStream> stream_;
+  std::string last_tls_error_;
   tcp::resolver resolver_;
-  asio::steady_timer retry_;
+  asio::steady_timer retry_;  // the reconnect delay, and the handshake's deadline
   const std::string address_;
-  const Bytes hello_;
+  const Identity id_;
+  peer_auth::LogLimiter log_;
   std::deque<Bytes> queue_;
   std::atomic<bool> writing_{false};
   bool up_ = false;
   bool stopped_ = false;
+  bool handshaking_ = false;
+  std::string nonce_;  // this side's challenge on the current connection
+  Bytes proof_;        // this side's answer, once the other side proved itself
+  uint32_t first_[2] = {0, 0};
+  std::vector<uint32_t> table_;
+  wire::InFrame in_;
   char scratch_[4096];
 };
 
@@ -209,19 +388,13 @@ ClusterCoordinator::ClusterCoordinator(Server& server, const ServerConfig& confi
       peers_(static_cast<size_t>(config.shards())),
       placement_(config.shards(), config.slice_bytes) {
   // The links exist before anything can call in (started by Start()).
-  auto hello = std::make_shared<wire::OutFrame>();
-  auto req = hello->builder.initRoot<proto::Request>();
-  req.setId(0);
-  auto h = req.initHello();
-  h.setProtocolVersion(proto::PROTOCOL_VERSION);
-  h.setWorkerName("shard-" + std::to_string(me_));
-  h.setAuthToken(config_.auth_token);
-  h.setPeer(true);
-  h.setShardIndex(static_cast<uint32_t>(me_));
-  h.setClusterSize(static_cast<uint32_t>(shards_));
   links_.resize(static_cast<size_t>(shards_));
   for (int i = 0; i < shards_; ++i) {
-    if (i != me_) links_[static_cast<size_t>(i)] = std::make_shared<PeerLink>(io_, AddressOf(i), Flatten(hello));
+    if (i == me_) continue;
+    PeerLink::Identity id{config_.auth_token, config_.cluster_secret, static_cast<uint32_t>(me_),
+                          static_cast<uint32_t>(i), static_cast<uint32_t>(shards_)};
+    links_[static_cast<size_t>(i)] =
+        std::make_shared<PeerLink>(io_, AddressOf(i), std::move(id), server_.peer_tls_context());
   }
 }
 
@@ -231,19 +404,25 @@ ClusterCoordinator::~ClusterCoordinator() {
 }
 
 void ClusterCoordinator::Start() {
-  std::vector<int64_t> sealed;
+  std::vector<int64_t> sealed, unusable;
   if (!config_.checkpoint_dir.empty() && config_.restore) {
-    sealed = RestorableSteps(config_.checkpoint_dir, me_, shards_);
+    sealed = RestorableSteps(config_.checkpoint_dir, me_, shards_, &unusable);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
     sealed_ = sealed;
+    unusable_ = unusable;
     ready_ = true;
     missing_since_ = Clock::now();
     missing_reason_ = "electing a chief";
   }
   spdlog::info("shard {} of {}: {} restorable checkpoint(s){}", me_, shards_, sealed.size(),
                sealed.empty() ? "" : fmt::format(", newest at step {}", sealed.front()));
+  if (config_.cluster_secret.empty()) {
+    spdlog::info("shard links: a peer's hello is believed (no --cluster-secret-file)");
+  } else {
+    spdlog::info("shard links: each end proves the cluster secret (--cluster-secret-file)");
+  }
   for (auto& l : links_) {
     if (l) l->Start();
   }
@@ -286,7 +465,8 @@ void ClusterCoordinator::SendTo(int shard, const std::shared_ptr<wire::OutFrame>
   if (shard < 0 || shard >= shards_) return;
   if (shard == me_) {
     // Handled like a received message, on the io_context (never inside the caller's stack).
-    asio::post(io_, [this, frame] { OnPeerMessage(frame->builder.getRoot<proto::Request>().asReader().getPeer()); });
+    asio::post(io_,
+               [this, frame] { OnPeerMessage(me_, frame->builder.getRoot<proto::Request>().asReader().getPeer()); });
     return;
   }
   if (auto& l = links_[static_cast<size_t>(shard)]) l->Send(Flatten(frame));
@@ -315,6 +495,11 @@ std::shared_ptr<wire::OutFrame> ClusterCoordinator::HeartbeatLocked() const {
   for (size_t i = 0; i < sealed_.size(); ++i) sealed.set(static_cast<unsigned>(i), sealed_[i]);
   hb.setReady(ready_);
   hb.setRequired(required_);
+  hb.setAllowStateLoss(config_.allow_state_loss || !config_.restore);
+  auto unusable = hb.initUnusableSteps(static_cast<unsigned>(unusable_.size()));
+  for (size_t i = 0; i < unusable_.size(); ++i) unusable.set(static_cast<unsigned>(i), unusable_[i]);
+  // Followers show the chief's refusal as their own reason (workers may ask any shard).
+  if (chief_ == me_ && !refusal_.empty() && missing_reason_ == refusal_) hb.setWaiting(refusal_);
   return frame;
 }
 
@@ -439,6 +624,8 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
         for (int m : missing) list += (list.empty() ? "" : ", ") + std::to_string(m) + " (" + AddressOf(m) + ")";
         spdlog::info("cluster: shard {} is the chief for term {}{}", me_, term_,
                      missing.empty() ? "" : "; missing shard(s): " + list);
+        // The job may have ended under the last chief without every shard hearing it.
+        actions->push_back([this] { server_.EndJobIfDone(); });
       }
     }
   }
@@ -474,8 +661,7 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
   StartFormationLocked(actions);
 }
 
-void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
-  // The newest checkpoint every shard can restore.
+std::set<int64_t> ClusterCoordinator::CommonStepsLocked() const {
   std::set<int64_t> common(sealed_.begin(), sealed_.end());
   for (int i = 0; i < shards_; ++i) {
     if (i == me_) continue;
@@ -485,7 +671,133 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
                           std::inserter(both, both.begin()));
     common.swap(both);
   }
+  return common;
+}
+
+namespace {
+
+// "150, 140 and 2 more" (newest first).
+std::string StepList(const std::vector<int64_t>& steps) {
+  if (steps.empty()) return "none";
+  std::string out;
+  for (size_t i = 0; i < steps.size() && i < 4; ++i) out += (i == 0 ? "" : ", ") + std::to_string(steps[i]);
+  if (steps.size() > 4) out += " and " + std::to_string(steps.size() - 4) + " more";
+  return out;
+}
+
+}  // namespace
+
+std::string ClusterCoordinator::DescribeCheckpointsLocked() const {
+  std::string out;
+  for (int i = 0; i < shards_; ++i) {
+    const auto& sealed = i == me_ ? sealed_ : peers_[static_cast<size_t>(i)].sealed;
+    const auto& unusable = i == me_ ? unusable_ : peers_[static_cast<size_t>(i)].unusable;
+    out +=
+        (i == 0 ? "" : "; ") + fmt::format("shard {} ({}) can restore step(s) {}", i, AddressOf(i), StepList(sealed));
+    if (!unusable.empty()) out += " (unusable there: " + StepList(unusable) + ")";
+  }
+  return out;
+}
+
+std::optional<int64_t> ClusterCoordinator::FormationStepLocked(std::vector<Action>* actions) {
+  std::set<int64_t> common = CommonStepsLocked();
   int64_t step = common.empty() ? -1 : *common.rbegin();
+  // Newer steps that a shard can restore and another shard has lost: no trace of them there (a
+  // directory it cannot restore — a corrupt part, a seal it missed — makes the step unusable for
+  // good, skipped as before).
+  auto has = [](const std::vector<int64_t>& v, int64_t t) { return std::find(v.begin(), v.end(), t) != v.end(); };
+  std::set<int64_t> lost;
+  std::set<int> losers;
+  bool allowed = config_.allow_state_loss || !config_.restore;
+  for (int i = 0; i < shards_; ++i) {
+    if (i != me_ && peers_[static_cast<size_t>(i)].allow_state_loss) allowed = true;
+    for (int64_t t : i == me_ ? sealed_ : peers_[static_cast<size_t>(i)].sealed) {
+      if (t <= step) continue;
+      for (int j = 0; j < shards_; ++j) {
+        const auto& sealed = j == me_ ? sealed_ : peers_[static_cast<size_t>(j)].sealed;
+        const auto& unusable = j == me_ ? unusable_ : peers_[static_cast<size_t>(j)].unusable;
+        if (!has(sealed, t) && !has(unusable, t)) {
+          lost.insert(t);
+          losers.insert(j);
+        }
+      }
+    }
+  }
+  if (lost.empty()) return step;
+  std::string at = step < 0 ? std::string("empty at step 0") : "at checkpoint step " + std::to_string(step);
+  std::string newest = "step " + std::to_string(*lost.rbegin());
+  if (decision_) {
+    if (*decision_ < 0 || common.count(*decision_) > 0) {
+      spdlog::error(
+          "cluster: forming {} by an operator's decision (psd_admin recover), losing checkpoint {}: {}",
+          *decision_ < 0 ? std::string("empty at step 0") : "at checkpoint step " + std::to_string(*decision_), newest,
+          DescribeCheckpointsLocked());
+      return *decision_;
+    }
+    spdlog::error(
+        "cluster: the operator's decision (checkpoint step {}) no longer holds: not every shard can restore it",
+        *decision_);
+    decision_.reset();
+  }
+  if (allowed) {
+    spdlog::error("cluster: forming {} with --allow-state-loss, losing checkpoint {}: {}", at, newest,
+                  DescribeCheckpointsLocked());
+    return step;
+  }
+  std::string who;
+  for (int j : losers) who += (who.empty() ? "" : ", ") + std::to_string(j) + " (" + AddressOf(j) + ")";
+  std::string why = "refusing to form the cluster " + at + ": shard(s) " + who + " lack checkpoint " + newest +
+                    " that other shards hold (" + DescribeCheckpointsLocked() +
+                    "). Bring back the lost --checkpoint-dir and restart that shard to keep it, or decide to lose it: "
+                    "`psd_admin --cluster ... recover` (" +
+                    (step < 0 ? std::string("with --empty") : "the newest common step, " + std::to_string(step)) +
+                    "), `recover --empty`, or a shard restarted with --allow-state-loss (README \"Losing a shard's "
+                    "checkpoints\")";
+  if (why != refusal_) spdlog::error("cluster: {}", why);
+  refusal_ = why;
+  DegradeLocked(why, actions);
+  return std::nullopt;
+}
+
+Status ClusterCoordinator::Recover(int64_t step, bool empty) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (chief_ != me_) return NotChiefLocked();
+    if (running_ || forming_ || refusal_.empty() || missing_reason_ != refusal_) {
+      std::string state = running_ ? std::string("running") : (missing_reason_.empty() ? "forming" : missing_reason_);
+      return FailedPrecondition("the cluster is not waiting for an operator's decision (it is " + state +
+                                "); nothing to recover");
+    }
+    std::set<int64_t> common = CommonStepsLocked();
+    std::vector<int64_t> list(common.rbegin(), common.rend());
+    if (empty) {
+      decision_ = -1;
+    } else if (step < 0) {
+      if (common.empty()) {
+        return InvalidArgument(
+            "no checkpoint can be restored by every shard: `psd_admin recover --empty` starts at "
+            "step 0");
+      }
+      decision_ = *common.rbegin();
+    } else if (common.count(step) == 0) {
+      return InvalidArgument("checkpoint step " + std::to_string(step) +
+                             " cannot be restored by every shard; those that can: " + StepList(list) +
+                             (common.empty() ? " (use --empty)" : ""));
+    } else {
+      decision_ = step;
+    }
+    spdlog::error("cluster: an operator decided (psd_admin recover) to form {}",
+                  *decision_ < 0 ? std::string("empty at step 0") : "at checkpoint step " + std::to_string(*decision_));
+  }
+  asio::post(strand_, [this] { Tick(); });
+  return Status::Ok();
+}
+
+void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
+  std::optional<int64_t> chosen = FormationStepLocked(actions);
+  if (!chosen) return;  // an operator must decide
+  int64_t step = *chosen;
+  refusal_.clear();
   term_ = std::max(term_, max_term_seen_) + 1;
   max_term_seen_ = term_;
   forming_ = true;
@@ -555,8 +867,7 @@ bool ClusterCoordinator::AcceptChiefLocked(int from, uint64_t term, std::vector<
   return false;
 }
 
-void ClusterCoordinator::OnPeerMessage(proto::PeerMessage::Reader msg) {
-  int from = static_cast<int>(msg.getFrom());
+void ClusterCoordinator::OnPeerMessage(int from, proto::PeerMessage::Reader msg) {
   if (from < 0 || from >= shards_) return;
   uint64_t term = msg.getTerm();
   std::vector<Action> actions;
@@ -636,6 +947,9 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, proto::PeerHea
   p.ready = hb.getReady();
   p.sealed.clear();
   for (int64_t s : hb.getSealedSteps()) p.sealed.push_back(s);
+  p.unusable.clear();
+  for (int64_t s : hb.getUnusableSteps()) p.unusable.push_back(s);
+  p.allow_state_loss = hb.getAllowStateLoss();
   max_term_seen_ = std::max(max_term_seen_, term);
   election::View after = election::OnClaim({term_, chief_}, term, hb.getChief(), shards_);
   if (after.term != term_ || after.chief != chief_) {
@@ -651,6 +965,11 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, proto::PeerHea
     if (serving_ && !was) missing_reason_.clear();
     if (!hb.getRunning() && missing_reason_.empty()) {
       missing_reason_ = "the chief (shard " + std::to_string(from) + ") is forming the cluster";
+      missing_since_ = Clock::now();
+    }
+    std::string waiting = hb.getWaiting();
+    if (!waiting.empty() && !serving_ && missing_reason_ != waiting) {
+      missing_reason_ = waiting;
       missing_since_ = Clock::now();
     }
     int required = hb.getRequired();
@@ -724,6 +1043,9 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, proto::PeerResto
   serving_ = false;
   missing_reason_ = step < 0 ? "starting empty" : "restoring checkpoint step " + std::to_string(step);
   missing_since_ = Clock::now();
+  // Newer checkpoints belong to a timeline the cluster leaves now (an operator's decision, or a
+  // part unusable elsewhere): never offered again (on disk, the next ones overwrite them).
+  sealed_.erase(std::remove_if(sealed_.begin(), sealed_.end(), [step](int64_t t) { return t > step; }), sealed_.end());
   if (restore_thread_.joinable()) {
     // A previous restore still loading: it finishes first (its result is for an older epoch).
     actions->push_back([this, epoch, step] {
@@ -762,6 +1084,7 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
     } else {
       spdlog::error("cluster: shard {} cannot restore checkpoint step {}: {}", me_, step, status.message());
       sealed_.erase(std::remove(sealed_.begin(), sealed_.end(), step), sealed_.end());
+      if (step >= 0) unusable_.push_back(step);
     }
     proto::PeerMessage::Builder msg(nullptr);
     reply = NewMessageLocked(&msg);
@@ -797,6 +1120,7 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, proto::PeerRest
   forming_ = false;
   running_ = true;
   missing_reason_.clear();
+  decision_.reset();
   spdlog::info(
       "cluster: running at epoch {} with {} shard(s) from {} ({} variable(s) placed)", term_, shards_,
       formation_step_ < 0 ? std::string("an empty state") : "checkpoint step " + std::to_string(formation_step_),
@@ -978,8 +1302,10 @@ void ClusterCoordinator::OnJobDone() {
 
 void ClusterCoordinator::HandleControl(int from, uint64_t term, proto::PeerControl::Reader c,
                                        std::vector<Action>* actions) {
-  if (!AcceptChiefLocked(from, term, actions) || c.getEpoch() != epoch_) return;
-  if (c.getForceStep() >= 0) {
+  if (!AcceptChiefLocked(from, term, actions)) return;
+  // The job's end counts at any epoch: a shard that never joined the chief's epoch (the cluster
+  // waits for an operator, say) ends with the others.
+  if (c.getEpoch() == epoch_ && c.getForceStep() >= 0) {
     int64_t step = c.getForceStep();
     actions->push_back([this, step] { server_.engine()->ForceStep(step); });
   }

@@ -19,7 +19,13 @@
 // state for its epoch. Whenever that is not the case (a shard went missing, a new chief) it
 // forms the cluster again: new term = new epoch, every shard restores the newest checkpoint that
 // every shard can restore (or starts empty when there is none), the chief pushes the init tokens
-// at that step, and only then do shards serve again. Losing any shard therefore rolls the whole
+// at that step, and only then do shards serve again. State is never thrown away silently: when
+// that common step is older than some shard's newest sealed checkpoint (a shard lost its
+// --checkpoint-dir, say), the chief does not form: it logs at error level which shard has which
+// steps, says so in Serving() (workers: UNAVAILABLE, /readyz, psd_admin status) and waits for an
+// operator's decision — Recover() (psd_admin recover) or --allow-state-loss (or --no-restore) on
+// a live shard. A step that a shard holds but cannot restore (a corrupt part, a seal it missed)
+// is unusable for good and skipped without asking. Losing any shard therefore rolls the whole
 // cluster back to its last consistent checkpoint; no update is applied twice (workers' pushes
 // carry the epoch they computed in, and another epoch's are refused ABORTED).
 //
@@ -46,6 +52,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -97,7 +104,9 @@ class ClusterCoordinator {
   // Peer connections (from Connection).
   void OnPeerHello(int shard);
   void OnPeerClosed(int shard);
-  void OnPeerMessage(proto::PeerMessage::Reader msg);
+  // `from`: the shard the message came from (the link's proven shard, or this shard itself); the
+  // message's own sender field is not trusted here.
+  void OnPeerMessage(int from, proto::PeerMessage::Reader msg);
 
   // From the engine created for `epoch` (no engine lock held).
   void OnPrepared(uint64_t epoch, int64_t step, int min_gradients, int max_gradients, int takes, bool forced);
@@ -115,6 +124,11 @@ class ClusterCoordinator {
   void SetLocalRequired(int required);
   // The chief's registry says every worker finished.
   void OnJobDone();
+  // An operator's decision (psd_admin recover) while the chief refuses to form: start `empty` at
+  // step 0, or restore checkpoint `step` on every shard (< 0: the newest every shard can restore).
+  // Errors: UNAVAILABLE not the chief (ask it), FAILED_PRECONDITION no decision is awaited,
+  // INVALID_ARGUMENT a step not every shard can restore (the message lists those that are).
+  Status Recover(int64_t step, bool empty);
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -126,6 +140,8 @@ class ClusterCoordinator {
     uint64_t epoch = 0;
     bool ready = false;
     std::vector<int64_t> sealed;
+    std::vector<int64_t> unusable;  // checkpoint directories it has but cannot restore
+    bool allow_state_loss = false;  // it runs with --allow-state-loss or --no-restore
   };
   struct Vote {
     int takes = 0;
@@ -144,6 +160,13 @@ class ClusterCoordinator {
   bool AcceptChiefLocked(int from, uint64_t term, std::vector<Action>* actions);
   void BecomeFollowerLocked(std::vector<Action>* actions);
   void StartFormationLocked(std::vector<Action>* actions);
+  // The checkpoint steps every shard can restore.
+  std::set<int64_t> CommonStepsLocked() const;
+  // The step to form at (-1: empty), or nullopt when an operator must decide first (then the
+  // refusal is logged once and becomes the not-serving reason).
+  std::optional<int64_t> FormationStepLocked(std::vector<Action>* actions);
+  // Which checkpoints each shard can restore, for the logs and the refusal.
+  std::string DescribeCheckpointsLocked() const;
   void MaybeCommitLocked(std::vector<Action>* actions);
   void DegradeLocked(const std::string& why, std::vector<Action>* actions);
 
@@ -187,6 +210,7 @@ class ClusterCoordinator {
   bool serving_ = false;               // guarded by mu_: the chief says the cluster runs at epoch_
   bool ready_ = false;                 // guarded by mu_: checkpoints scanned
   std::vector<int64_t> sealed_;        // guarded by mu_: restorable checkpoint steps, newest first
+  std::vector<int64_t> unusable_;      // guarded by mu_: checkpoint steps present but not restorable
   std::vector<Peer> peers_;            // guarded by mu_
   int required_ = 0;                   // guarded by mu_: the chief's requirement (as last heard)
   int local_required_ = 0;             // guarded by mu_
@@ -211,6 +235,8 @@ class ClusterCoordinator {
   std::map<int64_t, std::map<int, Vote>> votes_;  // step -> shard -> its report
   bool checkpoint_next_ = false;
   std::map<int64_t, std::map<int, ManifestPart>> parts_;  // checkpoint step -> written parts
+  std::string refusal_;              // why the chief does not form ("": it may), announced to followers
+  std::optional<int64_t> decision_;  // an operator's Recover() step (-1: empty), until the cluster runs
 };
 
 }  // namespace psd::server

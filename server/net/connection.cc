@@ -3,6 +3,7 @@
 #include <kj/exception.h>
 #include <spdlog/spdlog.h>
 
+#include "cluster/peer_auth.h"
 #include "net/server.h"
 #include "psd/secret.h"
 
@@ -25,19 +26,28 @@ struct Connection::TokenWait {
 
 Connection::Connection(Server& server, tcp::socket socket, uint64_t id)
     : server_(server),
-      socket_(std::move(socket)),
-      strand_(asio::make_strand(static_cast<asio::io_context&>(socket_.get_executor().context()))),
+      stream_(std::move(socket), server.tls_context()),
+      strand_(asio::make_strand(static_cast<asio::io_context&>(stream_.get_executor().context()))),
       id_(id),
+      frame_timer_(strand_),
       timer_(strand_) {}
 
 void Connection::Start() {
   boost::system::error_code ec;
-  socket_.set_option(tcp::no_delay(true), ec);
+  stream_.lowest().set_option(tcp::no_delay(true), ec);
   asio::dispatch(strand_, [self = shared_from_this()] {
     auto hello = std::chrono::milliseconds(self->server_.config().hello_timeout_ms);
     self->hello_deadline_ = std::chrono::steady_clock::now() + hello;
-    self->ArmTimer(hello);
-    self->ReadHeader();
+    self->ArmTimer(hello);  // bounds the TLS handshake too
+    self->stream_.async_handshake(
+        wire::ssl::stream_base::server,
+        asio::bind_executor(self->strand_, [self](const boost::system::error_code& ec) {
+          if (ec) {
+            spdlog::warn("connection {}: TLS handshake failed: {}; closing it", self->id_, wire::TlsErrorText(ec));
+            return self->CloseNow();
+          }
+          self->ReadHeader();
+        }));
   });
 }
 
@@ -49,7 +59,9 @@ void Connection::ArmTimer(std::chrono::steady_clock::duration after) {
 }
 
 bool Connection::Busy() {
-  for (auto it = collectives_.begin(); it != collectives_.end();) it = **it ? collectives_.erase(it) : std::next(it);
+  for (auto it = collectives_.begin(); it != collectives_.end();) {
+    it = (*it)->answered() ? collectives_.erase(it) : std::next(it);
+  }
   return writing_ || !parked_.empty() || !collectives_.empty();
 }
 
@@ -83,9 +95,9 @@ void Connection::CloseNow() {
   if (closed_) return;
   closed_ = true;
   timer_.cancel();
-  boost::system::error_code ec;
-  socket_.shutdown(tcp::socket::shutdown_both, ec);
-  socket_.close(ec);
+  frame_timer_.cancel();
+  ReleaseCharge();  // the buffer itself goes with the connection (a cancelled read may still name it)
+  stream_.Close();
   for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
   if (peer_shard_ >= 0) server_.coordinator()->OnPeerClosed(peer_shard_);
   server_.OnConnectionClosed(id_);
@@ -95,7 +107,7 @@ void Connection::CloseNow() {
 
 void Connection::ReadHeader() {
   if (closed_ || closing_) return;
-  asio::async_read(socket_, asio::buffer(first_, sizeof(first_)),
+  asio::async_read(stream_, asio::buffer(first_, sizeof(first_)),
                    asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
                      if (ec) return self->CloseNow();
                      uint32_t count = 0;
@@ -111,7 +123,7 @@ void Connection::ReadTable(uint32_t segment_count, size_t rest) {
   table_[0] = first_[1];
   if (rest == 0) return ReadBody(segment_count);
   asio::async_read(
-      socket_, asio::buffer(table_.data() + 1, rest),
+      stream_, asio::buffer(table_.data() + 1, rest),
       asio::bind_executor(strand_, [self = shared_from_this(), segment_count](boost::system::error_code ec, size_t) {
         if (ec) return self->CloseNow();
         self->ReadBody(segment_count);
@@ -129,16 +141,68 @@ void Connection::ReadBody(uint32_t segment_count) {
         "a message of " + std::to_string(total * sizeof(capnp::word)) + " bytes before the hello: psd reads at most " +
         std::to_string(kPreHelloFrameBytes) + " bytes from a connection until its hello is accepted; say hello first"));
   }
-  capnp::word* body = in_.Prepare(sizes, total);
-  asio::async_read(socket_, asio::buffer(body, total * sizeof(capnp::word)),
+  uint64_t bytes = total * sizeof(capnp::word);
+  if (greeted_ && !hello_done_ && peer_shard_ < 0 && bytes > kPreHelloFrameBytes) {
+    return FailStream(ResourceExhausted("a message of " + std::to_string(bytes) +
+                                        " bytes from an observer: tools' requests are at most " +
+                                        std::to_string(kPreHelloFrameBytes) +
+                                        " bytes; only workers and shards send bigger ones"));
+  }
+  body_sizes_ = std::move(sizes);
+  body_words_ = total;
+  // Workers' and shards' frames are charged to the budget. The others (before a hello, or from an
+  // observer) are at most kPreHelloFrameBytes each, bounded by --max-connections, and never wait:
+  // nobody who has not said hello can hold up a real worker.
+  bool charge = hello_done_ || peer_shard_ >= 0;
+  if (!charge || charged_ >= bytes) return ReadGrantedBody();  // a kept buffer is charged already
+  ReleaseBuffer();  // a bigger one replaces it: never hold both
+  server_.frame_budget().Acquire(bytes, [self = shared_from_this(), bytes] {
+    asio::post(self->strand_, [self, bytes] {
+      self->charged_ = bytes;
+      if (self->closed_) return self->ReleaseBuffer();
+      self->ReadGrantedBody();
+    });
+  });
+}
+
+void Connection::ReadGrantedBody() {
+  capnp::word* body = in_.Prepare(body_sizes_, body_words_);
+  uint64_t gen = ++body_gen_;
+  reading_body_ = true;
+  frame_timer_.expires_after(std::chrono::milliseconds(server_.config().frame_timeout_ms));
+  frame_timer_.async_wait([self = shared_from_this(), gen](boost::system::error_code ec) {
+    if (ec || self->closed_ || !self->reading_body_ || gen != self->body_gen_) return;
+    spdlog::warn("connection {}: a frame of {} bytes did not arrive within --frame-timeout-ms {}; closing it", self->id_,
+                 self->body_words_ * sizeof(capnp::word), self->server_.config().frame_timeout_ms);
+    self->server_.metrics().OnFrameTimeout();
+    self->CloseNow();
+  });
+  asio::async_read(stream_, asio::buffer(body, body_words_ * sizeof(capnp::word)),
                    asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
+                     self->reading_body_ = false;
+                     self->frame_timer_.cancel();
                      if (ec) return self->CloseNow();
                      self->server_.metrics().OnBytesIn(n + self->table_.size() * 4 + 4);
                      self->last_frame_ = std::chrono::steady_clock::now();
                      self->OnFrame();
                      self->in_.MaybeRelease(16u << 20);
+                     if (self->in_.capacity_bytes() == 0 || self->server_.frame_budget().waiting() > 0) {
+                       self->ReleaseBuffer();  // others wait: a buffer kept for reuse must not hold them up
+                     }
                      self->ReadHeader();
                    }));
+}
+
+void Connection::ReleaseBuffer() {
+  in_.Release();
+  ReleaseCharge();
+}
+
+void Connection::ReleaseCharge() {
+  if (charged_ == 0) return;
+  uint64_t bytes = charged_;
+  charged_ = 0;
+  server_.frame_budget().Release(bytes);
 }
 
 void Connection::FailStream(const Status& status, uint64_t id) {
@@ -168,17 +232,29 @@ void Connection::Dispatch(proto::Request::Reader req) {
   uint64_t id = req.getId();
   auto which = req.which();
   if (which == proto::Request::HELLO) return HandleHello(id, req.getHello());
+  if (which == proto::Request::PEER_PROOF) return HandlePeerProof(id, req.getPeerProof());
   if (!authenticated_ && !server_.config().auth_token.empty()) {
     return SendError(id, Unauthenticated("say hello with the auth token first"));
   }
   if (!greeted_) return SendError(id, FailedPrecondition("say hello first (as a worker, an observer or a peer)"));
   if (which == proto::Request::PEER) {
+    // Only a shard's (proven) peer link carries peer messages, and only in its own name.
+    if (peer_shard_ < 0) {
+      LogSpoof("sent a peer message on a worker or observer connection");
+      return FailStream(FailedPrecondition("peer messages travel only on a shard's peer link; closing"), id);
+    }
+    auto msg = req.getPeer();
+    if (msg.getFrom() != static_cast<uint32_t>(peer_shard_)) {
+      LogSpoof("(the link of shard " + std::to_string(peer_shard_) + ") sent a peer message as shard " +
+               std::to_string(msg.getFrom()));
+      return FailStream(InvalidArgument("a peer message's sender must be the link's shard; closing"), id);
+    }
     // Never answered: peers' messages are one-way.
-    if (peer_shard_ < 0) return SendError(id, FailedPrecondition("peer messages need a peer hello"));
-    return server_.coordinator()->OnPeerMessage(req.getPeer());
+    return server_.coordinator()->OnPeerMessage(peer_shard_, msg);
   }
   if (which == proto::Request::STATUS) return HandleStatus(id);
   if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);       // an operator's request
+  if (which == proto::Request::RECOVER) return HandleRecover(id, req.getRecover());  // an operator's too
   if (which == proto::Request::GET_PLACEMENT) return HandleGetPlacement(id);  // operators too
   if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
   server_.metrics().OnWorkerRequest(worker_index_);
@@ -252,28 +328,12 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
     return FailStream(Unauthenticated("wrong or missing auth token (psd runs with --auth-token-file)"), id);
   }
   authenticated_ = true;
-  if (r.getPeer()) {
-    ClusterCoordinator* c = server_.coordinator();
-    const ServerConfig& cfg = server_.config();
-    if (c == nullptr) return FailStream(FailedPrecondition("this psd is a single daemon, not a cluster shard"), id);
-    int idx = static_cast<int>(r.getShardIndex());
-    if (static_cast<int>(r.getClusterSize()) != cfg.shards() || idx >= cfg.shards() || idx == cfg.shard_index) {
-      return FailStream(
-          InvalidArgument("a peer says it is shard " + std::to_string(idx) + " of " +
-                          std::to_string(r.getClusterSize()) + "; this is shard " + std::to_string(cfg.shard_index) +
-                          " of " + std::to_string(cfg.shards()) + ": check --cluster and --shard-index"),
-          id);
-    }
-    if (peer_shard_ < 0) {
-      peer_shard_ = idx;
-      c->OnPeerHello(idx);
-    }
-    greeted_ = true;
-    proto::Response::Builder resp(nullptr);
-    auto frame = NewReply(id, &resp);
-    resp.initHello().setProtocolVersion(proto::PROTOCOL_VERSION);
-    return Send(std::move(frame));
+  // A connection has one identity: a shard's link never becomes a worker's, nor the reverse.
+  if ((greeted_ || peer_claim_ >= 0) && (r.getPeer() || peer_shard_ >= 0 || peer_claim_ >= 0)) {
+    if (r.getPeer()) LogSpoof("sent a second hello as a peer");
+    return FailStream(FailedPrecondition("this connection already said hello; open a new one"), id);
   }
+  if (r.getPeer()) return HandlePeerHello(id, r);
   if (r.getObserver()) {
     greeted_ = true;
     proto::Response::Builder resp(nullptr);
@@ -319,6 +379,88 @@ void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
   Send(std::move(frame));
 }
 
+void Connection::LogSpoof(const std::string& what) {
+  int64_t suppressed = server_.spoof_log().Allow();
+  if (suppressed < 0) return;
+  boost::system::error_code ec;
+  auto remote = stream_.lowest().remote_endpoint(ec);
+  spdlog::warn("connection {} from {}: {}; refused{}", id_, ec ? std::string("?") : remote.address().to_string(), what,
+               suppressed > 0 ? fmt::format(" ({} similar lines suppressed)", suppressed) : "");
+}
+
+peer_auth::Transcript Connection::PendingTranscript() const {
+  const ServerConfig& cfg = server_.config();
+  std::string_view nonces(peer_nonces_);
+  return {static_cast<uint32_t>(cfg.shards()), static_cast<uint32_t>(peer_claim_),
+          static_cast<uint32_t>(cfg.shard_index), nonces.substr(0, peer_auth::kNonceBytes),
+          nonces.substr(peer_auth::kNonceBytes)};
+}
+
+void Connection::HandlePeerHello(uint64_t id, proto::Hello::Reader r) {
+  ClusterCoordinator* c = server_.coordinator();
+  const ServerConfig& cfg = server_.config();
+  if (c == nullptr) return FailStream(FailedPrecondition("this psd is a single daemon, not a cluster shard"), id);
+  int idx = static_cast<int>(r.getShardIndex());
+  if (r.getClusterSize() != static_cast<uint32_t>(cfg.shards()) || r.getShardIndex() >= r.getClusterSize() ||
+      idx == cfg.shard_index) {
+    LogSpoof("said hello as shard " + std::to_string(r.getShardIndex()) + " of " + std::to_string(r.getClusterSize()));
+    return FailStream(
+        InvalidArgument("a peer says it is shard " + std::to_string(idx) + " of " + std::to_string(r.getClusterSize()) +
+                        "; this is shard " + std::to_string(cfg.shard_index) + " of " + std::to_string(cfg.shards()) +
+                        ": check --cluster and --shard-index"),
+        id);
+  }
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto h = resp.initHello();
+  h.setProtocolVersion(proto::PROTOCOL_VERSION);
+  if (cfg.cluster_secret.empty()) {
+    // No cluster secret (loopback only, or --insecure): the hello's index is believed, and binds
+    // the link's messages to it.
+    peer_shard_ = idx;
+    greeted_ = true;
+    c->OnPeerHello(idx);
+    return Send(std::move(frame));
+  }
+  auto theirs = r.getPeerNonce();
+  if (theirs.size() != peer_auth::kNonceBytes) {
+    LogSpoof("said hello as shard " + std::to_string(idx) + " without a challenge");
+    return FailStream(Unauthenticated("this shard runs with --cluster-secret-file: a peer must prove it knows the "
+                                      "cluster secret (give every shard the same --cluster-secret-file)"),
+                      id);
+  }
+  auto mine = peer_auth::NewNonce();
+  if (!mine.ok()) return FailStream(mine.status(), id);
+  peer_claim_ = idx;
+  peer_nonces_.assign(reinterpret_cast<const char*>(theirs.begin()), theirs.size());
+  peer_nonces_ += *mine;
+  std::string proof = peer_auth::Proof(cfg.cluster_secret, peer_auth::Role::kAcceptor, PendingTranscript());
+  h.setShardIndex(static_cast<uint32_t>(cfg.shard_index));
+  h.setShards(static_cast<uint32_t>(cfg.shards()));
+  h.setPeerNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine->data()), mine->size()));
+  h.setPeerProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(proof.data()), proof.size()));
+  Send(std::move(frame));
+}
+
+void Connection::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
+  const ServerConfig& cfg = server_.config();
+  if (peer_claim_ < 0 || greeted_ || cfg.cluster_secret.empty()) {
+    LogSpoof("sent a peer proof without a pending challenge");
+    return FailStream(FailedPrecondition("a peer proof answers this shard's challenge to a peer hello; closing"), id);
+  }
+  std::string_view got(reinterpret_cast<const char*>(proof.begin()), proof.size());
+  if (!peer_auth::Verify(cfg.cluster_secret, peer_auth::Role::kDialer, PendingTranscript(), got)) {
+    LogSpoof("failed the cluster-secret proof as shard " + std::to_string(peer_claim_) +
+             " (a wrong --cluster-secret-file, or not a shard)");
+    return FailStream(Unauthenticated("wrong cluster secret: give every shard the same --cluster-secret-file"), id);
+  }
+  peer_shard_ = peer_claim_;
+  peer_claim_ = -1;
+  peer_nonces_.clear();
+  greeted_ = true;
+  server_.coordinator()->OnPeerHello(peer_shard_);
+}
+
 void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   auto t = wire::ReadTensor(r.getInitial(), server_.config().max_frame_bytes);
   if (!t.ok()) return SendError(id, t.status());
@@ -329,7 +471,9 @@ void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   def.trainable = r.getTrainable();
   def.average = r.getAverage();
   def.optimizer = r.getOptimizer();
-  def.aggregation = static_cast<Aggregation>(std::min<int>(static_cast<int>(r.getAggregation()), 3));
+  auto aggregation = AggregationFromNumber(static_cast<int>(r.getAggregation()));
+  if (!aggregation.ok()) return SendError(id, aggregation.status());
+  def.aggregation = *aggregation;
   def.sync_on_read = r.getSyncOnRead();
   if (r.hasPlacement()) {
     // One part of a cluster variable: it must be the part the placement puts on this shard.
@@ -603,6 +747,20 @@ void Connection::HandleCheckpoint(uint64_t id) {
   Send(std::move(frame));
 }
 
+void Connection::HandleRecover(uint64_t id, proto::Recover::Reader r) {
+  ClusterCoordinator* c = server_.coordinator();
+  if (c == nullptr) {
+    return SendError(id, FailedPrecondition("psd_admin recover is for a cluster whose chief waits for a decision; a "
+                                            "single psd starts from its newest good checkpoint, or empty"));
+  }
+  Status s = c->Recover(r.getStep(), r.getEmpty());
+  if (!s.ok()) return SendError(id, s);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setNone();
+  Send(std::move(frame));
+}
+
 void Connection::HandleSetLearningRate(uint64_t id, double lr) {
   if (ClusterCoordinator* c = server_.coordinator(); c != nullptr && !c->is_chief()) {
     return SendError(id,
@@ -670,17 +828,11 @@ void Connection::HandleGetPlacement(uint64_t id) {
   Send(std::move(frame));
 }
 
-void Connection::ArmDeadline(int64_t timeout_ms, std::shared_ptr<bool> answered, std::function<void()> expire) {
+void Connection::ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply,
+                             std::function<void()> expire) {
   if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
-  collectives_.insert(answered);  // not idle while it is parked
-  auto timer = std::make_shared<asio::steady_timer>(strand_);
-  timer->expires_after(std::chrono::milliseconds(timeout_ms));
-  timer->async_wait(
-      [self = shared_from_this(), timer, answered, expire = std::move(expire)](boost::system::error_code ec) {
-        if (ec || *answered) return;
-        *answered = true;
-        expire();
-      });
+  collectives_.insert(reply);  // not idle while it is parked
+  ParkedReply::ArmDeadline(reply, std::chrono::milliseconds(timeout_ms), std::move(expire));
 }
 
 void Connection::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
@@ -695,15 +847,14 @@ void Connection::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
   if (values.empty()) return SendError(id, InvalidArgument("reduce_to needs at least one value"));
   // The reply is built when every destination's round completed, or at the deadline; whichever
   // comes first answers, on this connection's strand.
-  auto answered = std::make_shared<bool>(false);
+  auto parked = std::make_shared<ParkedReply>(strand_);
   int64_t timeout_ms = r.getTimeoutMs();
   auto self = shared_from_this();
   auto completed = std::make_shared<std::atomic<bool>>(false);
-  auto reply = [self, id, answered, engine, completed](std::vector<ReduceOutcome> outcomes) {
+  auto reply = [self, id, parked, engine, completed](std::vector<ReduceOutcome> outcomes) {
     completed->store(true);
-    asio::post(self->strand_, [self, id, answered, engine, outcomes = std::move(outcomes)] {
-      if (*answered) return;
-      *answered = true;
+    asio::post(self->strand_, [self, id, parked, engine, outcomes = std::move(outcomes)] {
+      if (!parked->Answer()) return;
       proto::Response::Builder resp(nullptr);
       auto frame = self->NewReply(id, &resp);
       auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
@@ -721,11 +872,11 @@ void Connection::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
   };
   Status s = engine->Reduce(r.getOp() == proto::Reduction::MEAN, r.getLocalStep(), values, std::move(reply));
   if (!s.ok()) {
-    *answered = true;
+    parked->Answer();
     return SendError(id, s);
   }
   if (completed->load()) return;  // answered already (the last contribution, or all stale)
-  ArmDeadline(timeout_ms, answered, [self, id, timeout_ms, engine] {
+  ArmDeadline(timeout_ms, parked, [self, id, timeout_ms, engine] {
     self->SendError(id,
                     DeadlineExceeded("reduce_to: not every replica contributed within " + std::to_string(timeout_ms) +
                                      " ms (a round needs " + std::to_string(engine->required_replicas()) +
@@ -767,14 +918,13 @@ void Connection::HandleUpdate(uint64_t id, proto::Update::Reader r) {
   a.replica = r.getReplica();
   a.local_step = r.getLocalStep();
   a.at_next_step = r.getAtNextStep();
-  auto answered = std::make_shared<bool>(false);
+  auto parked = std::make_shared<ParkedReply>(strand_);
   auto completed = std::make_shared<std::atomic<bool>>(false);
   auto self = shared_from_this();
-  Status s = engine->Update(a, [self, id, answered, completed](const Status& st, bool applied, int64_t step) {
+  Status s = engine->Update(a, [self, id, parked, completed](const Status& st, bool applied, int64_t step) {
     completed->store(true);
-    asio::post(self->strand_, [self, id, answered, st, applied, step] {
-      if (*answered) return;
-      *answered = true;
+    asio::post(self->strand_, [self, id, parked, st, applied, step] {
+      if (!parked->Answer()) return;
       if (!st.ok()) return self->SendError(id, st);
       proto::Response::Builder resp(nullptr);
       auto frame = self->NewReply(id, &resp);
@@ -785,12 +935,12 @@ void Connection::HandleUpdate(uint64_t id, proto::Update::Reader r) {
     });
   });
   if (!s.ok()) {
-    *answered = true;
+    parked->Answer();
     return SendError(id, s);
   }
   if (completed->load()) return;
   int64_t timeout_ms = r.getTimeoutMs();
-  ArmDeadline(timeout_ms, answered, [self, id, timeout_ms] {
+  ArmDeadline(timeout_ms, parked, [self, id, timeout_ms] {
     self->SendError(id, DeadlineExceeded("update: not every replica assigned within " + std::to_string(timeout_ms) +
                                          " ms; this replica's share still counts"));
   });
@@ -888,7 +1038,7 @@ void Connection::WriteNext() {
   writing_ = true;
   auto frame = write_queue_.front();
   asio::async_write(
-      socket_, frame->Buffers(),
+      stream_, frame->Buffers(),
       asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t n) {
         self->server_.metrics().OnBytesOut(n);
         self->write_queue_.pop_front();

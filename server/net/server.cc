@@ -16,7 +16,18 @@ namespace psd::server {
 
 Result<std::unique_ptr<Server>> Server::Create(ServerConfig config) {
   PSD_RETURN_IF_ERROR(config.Validate());
-  auto server = std::unique_ptr<Server>(new Server(std::move(config)));
+  std::shared_ptr<wire::ssl::context> tls, peer_tls;
+  if (config.tls_enabled()) {
+    wire::TlsFiles files{config.tls_cert_file, config.tls_key_file, config.tls_ca_file};
+    auto server_ctx = wire::MakeServerTlsContext(files, config.tls_require_client_cert);
+    if (!server_ctx.ok()) return server_ctx.status();
+    tls = std::move(*server_ctx);
+    // A shard dials the others as a TLS client with the same files (its certificate as the client's).
+    auto client_ctx = wire::MakeClientTlsContext(files);
+    if (!client_ctx.ok()) return client_ctx.status();
+    peer_tls = std::move(*client_ctx);
+  }
+  auto server = std::unique_ptr<Server>(new Server(std::move(config), std::move(tls), std::move(peer_tls)));
   auto engine = server->MakeEngine(0);
   if (!engine.ok()) return engine.status();
   server->engine_ = std::move(*engine);
@@ -99,8 +110,11 @@ void Server::FinishJob() {
   stop_cv_.notify_all();
 }
 
-Server::Server(ServerConfig config)
+Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
+               std::shared_ptr<wire::ssl::context> peer_tls)
     : config_(std::move(config)),
+      tls_(std::move(tls)),
+      peer_tls_(std::move(peer_tls)),
       workers_(config_.replicas_to_aggregate, config_.total_replicas),
       ssp_(config_.staleness_bound),
       acceptor_(io_),
@@ -496,7 +510,15 @@ void Server::OnWorkerFinished(uint64_t conn) {
 }
 
 void Server::EndJobIfDone() {
-  if (!workers_.AllFinished()) return;
+  if (!workers_.AllFinished()) {
+    // Workers that all gave up (none finished, none came back within --worker-grace-s) end the
+    // job too with --exit-when-done; without it psd waits for a worker to come back.
+    if (!config_.exit_when_done || !workers_.AllGone()) return;
+    spdlog::error(
+        "every worker is gone without finishing (none came back within --worker-grace-s {} s): the job "
+        "ends (--exit-when-done)",
+        config_.worker_grace_s);
+  }
   if (coordinator_) {
     // The chief's registry decides for the cluster; the others hear it from the chief.
     if (coordinator_->is_chief()) coordinator_->OnJobDone();

@@ -23,7 +23,10 @@
 #include <thread>
 #include <vector>
 
+#include "net/frame_budget.h"
+#include "wire/tls.h"
 #include "cluster/coordinator.h"
+#include "cluster/peer_auth.h"
 #include "config.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
@@ -61,6 +64,8 @@ class Server {
   // checkpoint, a missing shard, the cluster forming). /readyz and the readiness signals use it.
   Status Serving() const;
   ops::Metrics& metrics() { return metrics_; }
+  // Memory for incoming frames across all connections (--max-inflight-bytes).
+  FrameBudget& frame_budget() { return frame_budget_; }
   int connection_count() const;
   double uptime_s() const;
   double start_unix_s() const { return start_unix_s_; }
@@ -76,6 +81,12 @@ class Server {
   WorkerRegistry& workers() { return workers_; }
   SspGate& ssp() { return ssp_; }
   const ServerConfig& config() const { return config_; }
+  // TLS contexts (null without --tls-cert-file): the data port's, and the one a shard dials its
+  // peers with.
+  const std::shared_ptr<wire::ssl::context>& tls_context() const { return tls_; }
+  const std::shared_ptr<wire::ssl::context>& peer_tls_context() const { return peer_tls_; }
+  // Rate limit of the log lines about refused peer impersonations (all connections).
+  peer_auth::LogLimiter& spoof_log() { return spoof_log_; }
 
   // Schedules a checkpoint (at the next step boundary). No-op without --checkpoint-dir.
   Status RequestCheckpoint();
@@ -92,6 +103,10 @@ class Server {
   Status RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacement>* placements);
   // The job is over (cluster: after the final checkpoint): stops if --exit-when-done.
   void FinishJob();
+  // Ends the job (closes the token queue and gate; with --exit-when-done, stops) if every worker
+  // has finished (or, with --exit-when-done, every one is gone). A cluster's chief tells the
+  // others; a shard that becomes chief checks again (the last chief may have gone first).
+  void EndJobIfDone();
 
   // Called by connections. OnHello returns the worker's index, or RESOURCE_EXHAUSTED when the
   // job's N worker slots are taken (WorkerRegistry::Hello).
@@ -100,7 +115,8 @@ class Server {
   void OnConnectionClosed(uint64_t conn);
 
  private:
-  Server(ServerConfig config);
+  // The TLS contexts are made (and checked) by Create.
+  Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls, std::shared_ptr<wire::ssl::context> peer_tls);
   // A new engine with the server's callbacks wired.
   Result<std::shared_ptr<SyncEngine>> MakeEngine(uint64_t epoch);
   void Accept();
@@ -109,9 +125,6 @@ class Server {
   void UpdateRequired();
   void ArmStepDeadline(int64_t step);
   void ScheduleCheckpointTimer();
-  // Ends the job (closes the token queue and gate; with --exit-when-done, stops) if every worker
-  // has finished or is lost.
-  void EndJobIfDone();
   void CheckpointLoop();
   // Restores the newest good checkpoint of --checkpoint-dir into the (empty) engine.
   Status RestoreAtStart();
@@ -124,6 +137,9 @@ class Server {
 
   const ServerConfig config_;
   ops::Metrics metrics_;
+  std::shared_ptr<wire::ssl::context> tls_, peer_tls_;
+  FrameBudget frame_budget_{config_.max_inflight_bytes};
+  peer_auth::LogLimiter spoof_log_;
   const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
   const double start_unix_s_ = ops::UnixNow();
   mutable std::mutex ready_mu_;

@@ -65,6 +65,8 @@ class Metrics {
   void OnBytesOut(uint64_t n) { bytes_out_.fetch_add(n, std::memory_order_relaxed); }
   void OnConnectionAccepted() { connections_accepted_.fetch_add(1, std::memory_order_relaxed); }
   void OnConnectionRefused() { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
+  // A connection closed because its frame did not arrive within --frame-timeout-ms.
+  void OnFrameTimeout() { frame_timeouts_.fetch_add(1, std::memory_order_relaxed); }
   // A request from worker `worker` (its registry index).
   void OnWorkerRequest(uint32_t worker);
   // A push of `accepted` + `stale` gradients tagged `local_step`; `staleness` = global - local.
@@ -94,6 +96,7 @@ class Metrics {
   uint64_t bytes_out() const { return bytes_out_.load(std::memory_order_relaxed); }
   uint64_t connections_accepted() const { return connections_accepted_.load(std::memory_order_relaxed); }
   uint64_t connections_refused() const { return connections_refused_.load(std::memory_order_relaxed); }
+  uint64_t frame_timeouts() const { return frame_timeouts_.load(std::memory_order_relaxed); }
   uint64_t steps_forced() const { return steps_forced_.load(std::memory_order_relaxed); }
   int last_step_min_gradients() const { return last_min_gradients_.load(std::memory_order_relaxed); }
   int last_step_max_gradients() const { return last_max_gradients_.load(std::memory_order_relaxed); }
@@ -122,7 +125,7 @@ class Metrics {
   WorkerFigures& WorkerLocked(uint32_t worker);
 
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};
-  std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0};
+  std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0}, frame_timeouts_{0};
   std::atomic<uint64_t> steps_forced_{0}, gradients_used_{0};
   std::atomic<int> last_min_gradients_{0}, last_max_gradients_{0};
   std::atomic<uint64_t> checkpoints_failed_{0};

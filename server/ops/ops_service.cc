@@ -238,6 +238,18 @@ std::string OpsService::RenderMetrics() const {
   w.Counter("psd_connections_accepted_total", "connections accepted", static_cast<double>(m.connections_accepted()));
   w.Counter("psd_connections_refused_total", "connections refused by --max-connections",
             static_cast<double>(m.connections_refused()));
+  const FrameBudget& budget = server_.frame_budget();
+  w.Gauge("psd_inflight_frame_bytes", "memory held by incoming frames now (all connections)",
+          static_cast<double>(budget.in_use()));
+  w.Gauge("psd_inflight_frame_bytes_peak", "the most memory incoming frames have held at once",
+          static_cast<double>(budget.peak()));
+  w.Gauge("psd_inflight_frame_bytes_limit", "--max-inflight-bytes", static_cast<double>(budget.limit()));
+  w.Gauge("psd_inflight_frames_waiting", "frames waiting for their share of --max-inflight-bytes",
+          static_cast<double>(budget.waiting()));
+  w.Counter("psd_inflight_frame_waits_total", "frames that had to wait for their share of --max-inflight-bytes",
+            static_cast<double>(budget.waits()));
+  w.Counter("psd_frame_timeouts_total", "connections closed because a frame did not arrive within --frame-timeout-ms",
+            static_cast<double>(m.frame_timeouts()));
   w.Gauge("psd_variables", "variables (or variable slices) held by this shard", st.variables);
   w.Gauge("psd_model_bytes", "bytes the variables of this shard account for (values, slots, averages, buffers)",
           static_cast<double>(st.model_bytes));
@@ -310,6 +322,8 @@ std::string OpsService::RenderStatusJson() const {
   j.Key("connections").Int(server_.connection_count());
   j.Key("bytes_in").Int(static_cast<int64_t>(m.bytes_in()));
   j.Key("bytes_out").Int(static_cast<int64_t>(m.bytes_out()));
+  j.Key("inflight_frame_bytes").Int(static_cast<int64_t>(server_.frame_budget().in_use()));
+  j.Key("inflight_frame_bytes_limit").Int(static_cast<int64_t>(server_.frame_budget().limit()));
   j.Key("rss_bytes").Number(ReadProcess().rss_bytes);
 
   j.Key("history").BeginArray();

@@ -46,9 +46,13 @@ Status SparseAccumulator::Check(DType dtype, const Shape& declared, const Sparse
                              " after " + S(g.indices[i - 1]));
     }
   }
-  // The variable's row shape is fully known, so values must be [nnz, declared[1:]...].
+  // The variable's row shape is fully known, so values must be [nnz, declared[1:]...]. TF's
+  // texts: against the accumulated gradient's rank once gradients are accumulating, else "at
+  // least" the declared rank (a higher rank, which TF would let through until the apply, gets
+  // the exact rank psd needs).
   if (g.values_shape.size() != declared.size()) {
-    return InvalidArgument(std::string("Shape mismatch: expected values rank ") + (accumulating ? "" : "at least ") +
+    const bool at_least = !accumulating && g.values_shape.size() < declared.size();
+    return InvalidArgument(std::string("Shape mismatch: expected values rank ") + (at_least ? "at least " : "") +
                            S(declared.size()) + ", got " + S(g.values_shape.size()));
   }
   for (size_t i = 1; i < declared.size(); ++i) {

@@ -59,6 +59,12 @@ const char* AggregationName(Aggregation a) {
   return "NONE";
 }
 
+Result<Aggregation> AggregationFromNumber(int value) {
+  if (value >= 0 && value <= static_cast<int>(Aggregation::kOnlyFirstReplica)) return static_cast<Aggregation>(value);
+  return InvalidArgument("unknown variable aggregation " + std::to_string(value) +
+                         "; the valid ones are NONE (0), SUM (1), MEAN (2) and ONLY_FIRST_REPLICA (3)");
+}
+
 // One round of replica contributions to a variable (reduce_to, or an aggregated assignment):
 // the sum (and, for NONE, the first value and whether any differed) of the values tagged with
 // this round's step or later. Guarded by the variable's `mu`.
@@ -116,7 +122,13 @@ struct SyncEngine::Variable {
   const Optimizer* const opt;
 
   std::mutex mu;
+  // Dense or sparse: claimed under `mu` by the first push that validates against an unknown kind,
+  // so two first pushes of different kinds cannot both pass validation (both accumulators would
+  // be created). A claim is dropped again when its push fails validation later on, unless another
+  // push holds one too or a gradient of that kind was used (kind_fixed).
   GradKind kind = GradKind::kUnknown;         // guarded by mu
+  int kind_claims = 0;                        // guarded by mu: validated pushes that have not yet used `kind`
+  bool kind_fixed = false;                    // guarded by mu: a gradient of `kind` was accumulated or applied
   std::unique_ptr<DenseAccumulator> dense;    // guarded by mu
   std::unique_ptr<SparseAccumulator> sparse;  // guarded by mu
   int64_t next_take_step;                     // guarded by mu: the step this variable is taken for next
@@ -138,6 +150,54 @@ struct SyncEngine::Variable {
   std::shared_ptr<Buffer> staged_update;  // guarded by SyncEngine::mu_: published at the next commit
 
   int64_t acc_step() const { return dense ? dense->step() : sparse ? sparse->step() : next_take_step; }
+};
+
+// The gradient kinds one push claimed (SyncEngine::Push). Claim and Use run with no variable
+// lock held / with the variable's lock held respectively; unused claims are released when the
+// push returns, each under its own variable's lock (never two variable locks at once).
+class SyncEngine::KindClaims {
+ public:
+  explicit KindClaims(const std::vector<Variable*>& vars) : vars_(vars), held_(vars.size(), false) {}
+  KindClaims(const KindClaims&) = delete;
+  KindClaims& operator=(const KindClaims&) = delete;
+  ~KindClaims() {
+    for (size_t i = 0; i < vars_.size(); ++i) {
+      if (!held_[i]) continue;
+      Variable* v = vars_[i];
+      std::lock_guard<std::mutex> lock(v->mu);
+      if (--v->kind_claims == 0 && !v->kind_fixed) v->kind = GradKind::kUnknown;
+    }
+  }
+
+  // Claims `want` for variable i (locks it), or InvalidArgument if it takes the other kind.
+  Status Claim(size_t i, GradKind want) {
+    Variable* v = vars_[i];
+    std::lock_guard<std::mutex> lock(v->mu);
+    if (v->kind != GradKind::kUnknown && v->kind != want) {
+      return InvalidArgument("variable '" + v->name + "' takes " + KindName(v->kind) + " gradients; got a " +
+                             KindName(want) + " one");
+    }
+    v->kind = want;
+    if (!v->kind_fixed) {
+      ++v->kind_claims;
+      held_[i] = true;
+    }
+    return Status::Ok();
+  }
+
+  // With variable i's lock held: its gradient is being used, so its kind is fixed for good.
+  void Use(size_t i) {
+    Variable* v = vars_[i];
+    if (held_[i]) {
+      --v->kind_claims;
+      held_[i] = false;
+    }
+    v->kind_fixed = true;
+  }
+
+ private:
+  const std::vector<Variable*>& vars_;
+  std::vector<bool> held_;
 };
 
 Status ValidateName(std::string_view name) {
@@ -262,9 +322,14 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
 
 Status SyncEngine::ValidateGrad(Variable* v, const GradRef& g) const {
   if (g.sparse()) {
+    // Once gradients are accumulating TF words the values checks against the accumulated ones.
+    bool accumulating = false;
+    {
+      std::lock_guard<std::mutex> lock(v->mu);
+      accumulating = v->sparse && v->sparse->num_accumulated() > 0;
+    }
     return SparseAccumulator::Check(v->dtype, v->shape,
-                                    {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape},
-                                    /*accumulating=*/false);
+                                    {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape}, accumulating);
   }
   return DenseAccumulator::Check(v->dtype, v->shape, g.dtype, g.shape, g.bytes);
 }
@@ -284,17 +349,15 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
       targets.push_back(v);
     }
   }
-  // Validate everything before touching any accumulator: a bad push changes nothing.
+  // Validate everything before touching any accumulator: a bad push changes nothing. Each
+  // variable's gradient kind is claimed while its lock is held (released on every way out).
+  KindClaims claims(targets);
   for (size_t i = 0; i < grads.size(); ++i) {
     Status s = ValidateGrad(targets[i], grads[i]);
     if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
-    GradKind want = grads[i].sparse() ? GradKind::kSparse : GradKind::kDense;
-    std::lock_guard<std::mutex> lock(targets[i]->mu);
-    if (targets[i]->kind != GradKind::kUnknown && targets[i]->kind != want) {
-      return InvalidArgument("variable '" + targets[i]->name + "' takes " + KindName(targets[i]->kind) +
-                             " gradients; got a " + KindName(want) + " one");
-    }
+    PSD_RETURN_IF_ERROR(claims.Claim(i, grads[i].sparse() ? GradKind::kSparse : GradKind::kDense));
   }
+  if (test_hook_) test_hook_("push.validated");
   out->clear();
   out->reserve(grads.size());
   if (config_.mode != Mode::kSync) {
@@ -309,7 +372,7 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
     for (size_t i = 0; i < grads.size(); ++i) {
       Variable* v = targets[i];
       std::lock_guard<std::mutex> vlock(v->mu);
-      v->kind = grads[i].sparse() ? GradKind::kSparse : GradKind::kDense;
+      claims.Use(i);
       ApplyNowLocked(v, grads[i], step, lr);
       out->push_back({true, global, staleness});
     }
@@ -328,17 +391,16 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
     int count = 0;
     {
       std::lock_guard<std::mutex> lock(v->mu);
+      claims.Use(i);
       Result<bool> accepted = false;
       if (g.sparse()) {
         if (!v->sparse)
           v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
-        v->kind = GradKind::kSparse;
         accepted =
             v->sparse->ApplyGrad(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape});
       } else {
         if (!v->dense)
           v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
-        v->kind = GradKind::kDense;
         accepted = v->dense->ApplyGrad(local_step, g.dtype, g.shape, g.data, g.bytes);
       }
       if (!accepted.ok()) return accepted.status();  // unreachable: validated above
@@ -754,15 +816,23 @@ Status SyncEngine::Restore(const ShardSnapshot& snap) {
     def.average = vs.average && config_.ema_decay > 0;
     def.optimizer = vs.optimizer;
     def.placement = vs.placement;
-    def.aggregation = static_cast<Aggregation>(vs.aggregation);
+    auto aggregation = AggregationFromNumber(vs.aggregation);
+    if (!aggregation.ok()) return aggregation.status();
+    def.aggregation = *aggregation;
     def.sync_on_read = vs.sync_on_read;
     auto created = CreateVariable(def);
     if (!created.ok()) return created.status();
   }
-  std::lock_guard<std::mutex> lock(mu_);
   for (const VariableSnapshot& vs : snap.variables) {
-    Variable* v = FindLocked(vs.name);
+    Variable* v = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      v = FindLocked(vs.name);
+    }
+    if (test_hook_) test_hook_("restore.variable");
+    // The documented order: the variable's lock, then the engine's.
     std::lock_guard<std::mutex> vlock(v->mu);
+    std::lock_guard<std::mutex> lock(mu_);
     v->next_take_step = snap.step;
     auto names = v->opt->SlotNames();
     for (auto& [slot, buf] : vs.slots) {
@@ -779,6 +849,7 @@ Status SyncEngine::Restore(const ShardSnapshot& snap) {
             1.0 / static_cast<double>(std::max(1, config_.total_replicas)));
     }
   }
+  std::lock_guard<std::mutex> lock(mu_);
   global_step_.store(snap.step);
   next_lr_.store(snap.learning_rate);
   step_lr_ = snap.learning_rate;

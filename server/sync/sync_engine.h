@@ -59,6 +59,9 @@ namespace psd::server {
 enum class Aggregation { kNone, kSum, kMean, kOnlyFirstReplica };
 enum class UpdateOp { kAssign, kAssignAdd, kAssignSub, kScale };
 const char* AggregationName(Aggregation a);
+// The Aggregation numbered `value` (the wire's and the checkpoint's numbering: NONE 0, SUM 1,
+// MEAN 2, ONLY_FIRST_REPLICA 3); INVALID_ARGUMENT naming the valid values otherwise.
+Result<Aggregation> AggregationFromNumber(int value);
 
 struct VariableDef {
   std::string name;
@@ -228,7 +231,9 @@ class SyncEngine {
   // The snapshot now if the state is at a step boundary (sync: no take has begun), else nullopt.
   std::optional<ShardSnapshot> SnapshotIfAtBoundary();
   void set_on_snapshot(std::function<void(ShardSnapshot)> cb) { on_snapshot_ = std::move(cb); }
-  // Replaces the (empty) state with a checkpoint's. Call before workers connect.
+  // Replaces the (empty) state with a checkpoint's. Call before workers connect. Takes the locks
+  // in the documented order (each variable's `mu`, then `mu_`), so a request that reaches a
+  // restored variable early cannot deadlock against it.
   Status Restore(const ShardSnapshot& snapshot);
 
   int64_t global_step() const { return global_step_.load(); }
@@ -257,6 +262,12 @@ class SyncEngine {
   // (a single daemon's) is reported whole on `shard`.
   std::vector<VarPlacement> Placements(int shard) const;
 
+  // Tests only: called at named points to provoke interleavings deterministically — "push.validated"
+  // (a push validated its gradients and claimed their kinds, no lock held) and "restore.variable"
+  // (Restore is about to set a restored variable's state; it must hold no lock there). Set before
+  // the engine is used.
+  void set_test_hook(std::function<void(std::string_view point)> hook) { test_hook_ = std::move(hook); }
+
   // Called after every committed step, outside all locks.
   void set_on_commit(std::function<void(const StepInfo&)> cb) { on_commit_ = std::move(cb); }
   // Called after every optimizer apply of a variable (or a slice of it) with its duration in
@@ -268,6 +279,7 @@ class SyncEngine {
 
  private:
   struct Variable;
+  class KindClaims;
   Variable* FindLocked(std::string_view name) const;
   Status ValidateGrad(Variable* v, const GradRef& g) const;
   // With v->mu held: takes (and applies, for dense) if the step is ready. Returns true if it took.
@@ -301,6 +313,7 @@ class SyncEngine {
   std::function<void(int64_t)> on_step_started_;
   std::function<void(ShardSnapshot)> on_snapshot_;
   CommitGate commit_gate_;
+  std::function<void(std::string_view)> test_hook_;
 
   uint64_t epoch_ = 0;                   // set before the engine is shared
   std::atomic<int64_t> global_step_{0};  // sync: written under mu_; async/ssp: claimed per push

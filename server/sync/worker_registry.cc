@@ -86,6 +86,8 @@ bool WorkerRegistry::Finished(uint64_t conn) {
 }
 
 bool WorkerRegistry::AllFinishedLocked() const {
+  // Not before all N workers have said hello: a slow starter would find the job over.
+  if (static_cast<int>(workers_.size()) < total_) return false;
   bool any_finished = false;
   for (const Worker& w : workers_) {
     if (!w.finished && !w.lost) return false;
@@ -125,6 +127,12 @@ std::vector<std::string> WorkerRegistry::Names() const {
 bool WorkerRegistry::AllFinished() const {
   std::lock_guard<std::mutex> lock(mu_);
   return AllFinishedLocked();
+}
+
+bool WorkerRegistry::AllGone() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(workers_.size()) >= total_ && !workers_.empty() &&
+         std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished || w.lost; });
 }
 
 int WorkerRegistry::RequiredReplicas() const {

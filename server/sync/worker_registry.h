@@ -69,6 +69,9 @@ class WorkerRegistry {
   // The index of the worker on `conn`, or -1.
   int64_t IndexOf(uint64_t conn) const;
   bool AllFinished() const;
+  // All N workers said hello, and each finished or was lost (gone past the grace period): a job
+  // whose workers all gave up (--exit-when-done ends it too).
+  bool AllGone() const;
   // Workers' names in first-hello order (the index is the worker's id).
   std::vector<std::string> Names() const;
   // Fresh gradients a step needs given how many workers have finished.

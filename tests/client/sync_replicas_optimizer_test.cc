@@ -135,3 +135,82 @@ TEST_CASE("two trainers minimize a quadratic through psd", "[wrapper]") {
   CHECK(w[0] == Approx(3.0).margin(1e-4));
   CHECK(losses[0] < 1e-6);
 }
+
+TEST_CASE("a daemon back from nothing: the chief re-creates the variables, the others wait for them", "[wrapper]") {
+  auto cfg = TestConfig(2, 2, 0);
+  cfg.optimizer.learning_rate = 0.5;
+  auto server = StartServer(cfg);
+  const uint16_t port = server->port();
+  auto c0 = ConnectWorker(port, "w0");
+  auto c1 = ConnectWorker(port, "w1");
+  REQUIRE(c0->is_chief());
+  psclient::Variable w0("w", DType::kFloat32, {4}), w1("w", DType::kFloat32, {4});
+  REQUIRE(w0.Create(*c0).ok());  // zeros: loss 0.5 * 4 * 3^2 = 18
+  psclient::SyncReplicasOptimizer opt0(*c0, 2, 2), opt1(*c1, 2, 2);
+  psclient::GlobalStep gs0, gs1;
+  // Trains both until the global step reaches `until`; retries what a restart answers.
+  auto train = [](psclient::SyncReplicasOptimizer& opt, psclient::Variable& w, psclient::GlobalStep& gs,
+                  int64_t until) {
+    Status s;
+    for (int tries = 0; gs.value < until && tries < 200; ++tries) {
+      auto step = opt.minimize(Quadratic(3.f), &gs, {&w});
+      s = step.ok() ? Status::Ok() : step.status();
+      if (!s.ok() && s.code() != Code::kUnavailable && s.code() != Code::kAborted) return s;
+    }
+    return gs.value >= until ? Status::Ok() : s;
+  };
+  Status r0, r1;
+  {
+    REQUIRE(opt0.compute_gradients(Quadratic(3.f), {&w0}).ok());
+    REQUIRE(opt1.compute_gradients(Quadratic(3.f), {&w1}).ok());
+    REQUIRE(opt0.make_session_run_hook(true, 0).after_create_session(5000).ok());
+    REQUIRE(opt1.make_session_run_hook(false, 0).after_create_session(5000).ok());
+    std::thread t0([&] { r0 = train(opt0, w0, gs0, 6); });
+    std::thread t1([&] { r1 = train(opt1, w1, gs1, 6); });
+    t0.join();
+    t1.join();
+    INFO(r0.ToString() << " / " << r1.ToString());
+    REQUIRE(r0.ok());
+    REQUIRE(r1.ok());
+  }
+  const float trained = w0.value().data<float>()[0];
+  CHECK(trained > 2.9f);  // the distance to 3 halves every step
+
+  // psd restarts on the same port without its state.
+  server->Stop();
+  server.reset();
+  cfg.port = port;
+  server = StartServer(cfg);
+  // The chief says hello first (the first hello is the chief); the other, alone, waits for the
+  // variables and gives up at its deadline with what it waited for.
+  for (int tries = 0; tries < 100 && !c0->GlobalStep().ok(); ++tries) {
+  }
+  REQUIRE(c0->is_chief());
+  opt1.set_variables_timeout_ms(200);
+  for (int tries = 0; tries < 100; ++tries) {
+    auto step = opt1.minimize(Quadratic(3.f), &gs1, {&w1});
+    r1 = step.ok() ? Status::Ok() : step.status();
+    if (r1.code() != Code::kUnavailable && r1.code() != Code::kAborted) break;
+  }
+  CHECK(r1.code() == Code::kNotFound);
+  CHECK_THAT(r1.message(), Catch::Contains("the chief worker did not re-create them within 200 ms"));
+  CHECK(opt1.recreated_total() == 0);
+  // Now both: the chief brings the variables back from its latest values, training goes on (the
+  // global step starts again at 0).
+  opt1.set_variables_timeout_ms(10000);
+  gs0.value = gs1.value = 0;
+  std::thread t0([&] { r0 = train(opt0, w0, gs0, 4); });
+  std::thread t1([&] { r1 = train(opt1, w1, gs1, 4); });
+  t0.join();
+  t1.join();
+  INFO(r0.ToString() << " / " << r1.ToString());
+  REQUIRE(r0.ok());
+  REQUIRE(r1.ok());
+  CHECK(opt0.recreated_total() == 1);
+  CHECK(opt1.recreated_total() == 0);
+  // The loss goes on from the trained values (18 for the zeros psd would otherwise hold).
+  CHECK(opt0.last_loss() < 0.5 * 4 * (3 - trained) * (3 - trained) + 1e-6);
+  std::vector<float> w(4);
+  REQUIRE(c0->Pull("w", {w.data(), DType::kFloat32, {4}, MemoryKind::kHost}).ok());
+  CHECK(w[0] > trained);
+}

@@ -91,6 +91,15 @@ def port_number(container, port):
     return None
 
 
+def secret_name_at(pod_spec, container, path):
+    """The name of the Secret volume mounted into CONTAINER that holds PATH (None if none)."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    for m in container.get("volumeMounts", []):
+        if path.startswith(m["mountPath"].rstrip("/") + "/") and "secret" in volumes.get(m["name"], {}):
+            return volumes[m["name"]]["secret"].get("secretName")
+    return None
+
+
 def secret_mount_for(pod_spec, container, path, secrets):
     """True when PATH is a key of a Secret (in SECRETS) mounted into CONTAINER."""
     volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
@@ -240,6 +249,15 @@ def check_k8s(repo, help_file, worker_help_file):
     token = flag_value(words, "--auth-token-file")
     if check(token, "psd: --auth-token-file must be given (from the Secret)"):
         secret_mount_for(tmpl["spec"], c, token, secrets)
+    # The shards' own secret (protected mode refuses a cluster beyond loopback without it): a key
+    # of another Secret, which the workers never mount.
+    cluster_secret = flag_value(words, "--cluster-secret-file")
+    cluster_secret_name = None
+    if check(cluster_secret, "psd: --cluster-secret-file must be given (from a Secret of its own)"):
+        secret_mount_for(tmpl["spec"], c, cluster_secret, secrets)
+        cluster_secret_name = secret_name_at(tmpl["spec"], c, cluster_secret)
+        check(cluster_secret_name != secret_name_at(tmpl["spec"], c, token or ""),
+              "psd: --cluster-secret-file must come from another Secret than --auth-token-file (workers get that one)")
 
     # The config file: a mounted ConfigMap whose psd.conf is a valid psd config.
     conf_path = flag_value(words, "--config")
@@ -283,6 +301,9 @@ def check_k8s(repo, help_file, worker_help_file):
         check("$(PSD_WORKER_INDEX)" in value("PSD_WORKER_NAME"), f"Job {jname}: PSD_WORKER_NAME from the index")
         if check("PSD_AUTH_TOKEN_FILE" in wenv, f"Job {jname}: PSD_AUTH_TOKEN_FILE must be set"):
             secret_mount_for(jpod, wc, value("PSD_AUTH_TOKEN_FILE"), secrets)
+    mounted = {v["secret"].get("secretName") for v in jpod.get("volumes", []) if "secret" in v}
+    check(cluster_secret_name is None or cluster_secret_name not in mounted,
+          f"Job {jname}: the workers must not mount the shards' Secret '{cluster_secret_name}'")
 
 
 def check_psd_conf(repo, help_file):

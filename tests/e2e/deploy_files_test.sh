@@ -190,6 +190,7 @@ ckpt=$run/psd-checkpoints/deploy-test
 ls -d "$ckpt"/shard-0/ckpt-* "$ckpt"/shard-1/ckpt-* >/dev/null 2>&1 ||
   fail "psd_job.sh: no checkpoint of both shards under psd-checkpoints/<job name>/shard-K"
 [ "$(stat -c %a "$ckpt/token")" = 600 ] || fail "psd_job.sh: the token must be readable by the user only"
+[ "$(stat -c %a "$ckpt/cluster-secret")" = 600 ] || fail "psd_job.sh: the cluster secret must be readable by the user only"
 echo "psd_job.sh (fake Slurm, 2 shards, 3 workers): ok, $(grep -c 'done:' "$run/slurm1.log") workers done"
 slurm_run slurm2
 grep -qE "restoring checkpoint step [1-9]" "$run/slurm2.log" || {

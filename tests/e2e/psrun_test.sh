@@ -44,6 +44,11 @@ for k in 0 1; do
   grep -q "psd stopped: all workers finished" "$run/logs/psd-$k.log" || fail "psd $k log: no clean exit"
 done
 grep -q "\-\-auth-token-file" "$run/train.log" || fail "--auth auto did not give psd a token"
+grep -q "\-\-cluster-secret-file" "$run/train.log" || fail "psrun did not give the shards a cluster secret"
+for k in 0 1; do
+  grep -q "shard links: each end proves the cluster secret" "$run/logs/psd-$k.log" ||
+    fail "psd $k: its links are not proven by a cluster secret"
+done
 echo "1. 2 shards + 3 logreg workers: exit 0; $(grep -h 'done:' "$run/train.log" | head -1)"
 
 # --- 2. the environment contract and whole lines --------------------------------------------------

@@ -84,6 +84,13 @@ refused "pass --insecure to allow it deliberately" --metrics-host 0.0.0.0 --metr
 printf 'host = "0.0.0.0"\n' > "$run/open.conf"
 refused "protected mode" --config "$run/open.conf" --port 0
 printf 's3cret\n' > "$run/token"
+# A cluster beyond loopback needs the shards' own secret: the workers' token does not vouch for a shard.
+refused "protected mode: the --cluster list has 10.0.0.2:7070, beyond loopback, and no cluster secret" \
+  --cluster 127.0.0.1:7070,10.0.0.2:7070 --auth-token-file "$run/token"
+refused "has psd-1.example:7070, beyond loopback" --cluster 127.0.0.1:7070,psd-1.example:7070
+refused "--cluster-secret-file holds 6 characters; use at least 16" \
+  --cluster 127.0.0.1:7070,10.0.0.2:7070 --cluster-secret-file "$run/token"
+refused "--cluster-secret-file: cannot read the secret file $run/none" --cluster-secret-file "$run/none"
 for allowed in "--auth-token-file $run/token" "--insecure"; do
   rm -f "$run/port"
   # shellcheck disable=SC2086 # the words of $allowed are flags

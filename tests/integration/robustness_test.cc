@@ -1,7 +1,9 @@
 // Hostile peers: malformed, oversized, truncated and unknown frames never crash psd or corrupt
 // its state; each gets an error reply or a closed connection.
 #include <catch2/catch.hpp>
+#include <atomic>
 #include <random>
+#include <thread>
 
 #include "support/test_server.h"
 #include "wire/frame.h"
@@ -48,13 +50,14 @@ struct RawPeer {
     io.run_for(limit);
     return closed;
   }
-  void Hello() {
+  void Hello(const std::string& name = "raw", const std::string& token = "") {
     wire::OutFrame f;
     auto h = f.builder.initRoot<proto::Request>();
     h.setId(1);
     auto hello = h.initHello();
     hello.setProtocolVersion(proto::PROTOCOL_VERSION);
-    hello.setWorkerName("raw");
+    hello.setWorkerName(name);
+    hello.setAuthToken(token);
     Send(f);
     Code code;
     std::string msg;
@@ -400,4 +403,117 @@ TEST_CASE("an idle connection is closed after --idle-timeout-s; a parked wait is
   CHECK(id == 7);
   CHECK(code == Code::kDeadlineExceeded);
   CHECK(p.ClosedWithin(std::chrono::seconds(60)));
+}
+
+namespace {
+
+// Polls `cond` (a state psd reaches by itself) for at most 60 s; the bound is a test's, not a timing assert.
+template <typename F>
+bool Eventually(F cond) {
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!cond()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("frames in flight share --max-inflight-bytes: a worker over it waits, a stalled frame is cut off",
+          "[robustness][dos][budget]") {
+  auto cfg = TestConfig(1, 4, 0);  // "owner", two greedy insiders and "healthy"
+  cfg.max_frame_bytes = 4ull << 20;
+  cfg.max_inflight_bytes = 8ull << 20;
+  cfg.frame_timeout_ms = 1000;
+  auto server = StartWithVariable(cfg);
+  server::FrameBudget& budget = server->frame_budget();
+  // Two workers each announce a frame of just under 4 MiB and never send it: together they hold the whole budget.
+  std::vector<std::unique_ptr<RawPeer>> greedy;
+  for (const char* name : {"greedy-1", "greedy-2"}) {
+    greedy.push_back(std::make_unique<RawPeer>(server->port()));
+    greedy.back()->Hello(name);
+    greedy.back()->SendBytes(Words({0, (4u << 20) / 8 - 64}) + "partial");
+  }
+  REQUIRE(Eventually([&] { return budget.in_use() + (1 << 10) >= budget.limit(); }));
+  // A real worker's push does not fit: it waits (backpressure, not an error) until psd closes the
+  // stalled senders after --frame-timeout-ms, then goes through.
+  auto healthy = ConnectWorker(server->port(), "healthy");
+  std::vector<float> grad(256 << 10, 1.0f);  // 1 MiB
+  float v = -1;
+  REQUIRE(healthy->Pull("w", {&v, DType::kFloat32, {}, MemoryKind::kHost}).ok());
+  std::vector<float> big(256 << 10, 0.0f);
+  auto s = healthy->CreateVariable("big", {big.data(), DType::kFloat32, {int64_t(big.size())}, MemoryKind::kHost});
+  INFO(s.status().ToString());
+  REQUIRE(s.ok());
+  CHECK(budget.waits() >= 1);
+  for (auto& g : greedy) CHECK(g->ClosedWithin(std::chrono::seconds(30)));
+  CHECK(server->metrics().frame_timeouts() == 2);
+  REQUIRE(healthy->Push(0, {{"big", {grad.data(), DType::kFloat32, {int64_t(grad.size())}, MemoryKind::kHost}}}).ok());
+  CHECK(budget.peak() <= budget.limit());
+  healthy.reset();
+  CHECK(Eventually([&] { return budget.in_use() == 0; }));  // every connection gave its share back
+}
+
+TEST_CASE("an unauthenticated flood never touches the frame budget; a worker trains through it",
+          "[robustness][dos][budget]") {
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.auth_token = "s3cret";
+  cfg.max_frame_bytes = 4ull << 20;
+  cfg.max_inflight_bytes = 4ull << 20;
+  cfg.hello_timeout_ms = 500;
+  cfg.max_connections = 64;
+  auto server = StartServer(cfg);
+  std::atomic<bool> stop{false};
+  std::atomic<int> attacks{0};
+  // The attacker: connections that announce 200 MB before a hello, silent ones, half-sent hellos,
+  // hellos with a wrong token followed by a big frame — over and over while the worker trains.
+  std::thread attacker([&] {
+    while (!stop) {
+      std::vector<std::unique_ptr<RawPeer>> conns;
+      for (int i = 0; i < 8 && !stop; ++i) {
+        try {
+          auto p = std::make_unique<RawPeer>(server->port());
+          switch (i % 4) {
+            case 0: p->SendBytes(Words({0, (200u << 20) / 8})); break;
+            case 1: break;  // silent
+            case 2: p->SendBytes(Words({0, 1000}) + "half"); break;
+            case 3: {
+              wire::OutFrame f;
+              auto h = f.builder.initRoot<proto::Request>();
+              h.initHello().setAuthToken("wrong");
+              (void)wire::WriteFrame(p->socket, f);
+              p->SendBytes(Words({0, (4u << 20) / 8 - 64}));
+              break;
+            }
+          }
+          conns.push_back(std::move(p));
+        } catch (const std::exception&) {
+          // refused at --max-connections: fine, try again
+        }
+        ++attacks;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  psclient::ClientOptions o;
+  o.port = server->port();
+  o.worker_name = "worker";
+  o.auth_token = "s3cret";
+  o.connect_timeout_ms = 30000;
+  auto w = psclient::Client::Connect(o);
+  INFO(w.status().ToString());
+  REQUIRE(w.ok());
+  std::vector<float> value(256 << 10, 0.0f), grad(256 << 10, 0.5f);  // 1 MiB
+  REQUIRE((*w)->CreateVariable("v", {value.data(), DType::kFloat32, {int64_t(value.size())}, MemoryKind::kHost}).ok());
+  for (int step = 0; step < 20; ++step) {
+    REQUIRE((*w)->Push(step, {{"v", {grad.data(), DType::kFloat32, {int64_t(grad.size())}, MemoryKind::kHost}}}).ok());
+  }
+  stop = true;
+  attacker.join();
+  CHECK(attacks > 0);
+  CHECK(server->frame_budget().waits() == 0);
+  CHECK(server->frame_budget().peak() <= (2u << 20));  // only the worker's own frames
+  REQUIRE((*w)->Pull("v", {value.data(), DType::kFloat32, {int64_t(value.size())}, MemoryKind::kHost}).ok());
+  CHECK(value[0] < 0);  // 20 steps of sgd on a positive gradient
 }

@@ -177,6 +177,13 @@ TEST_CASE("a corrupt part makes that step unrestorable for its shard only", "[ch
   FlipByte(part, 40);
   CHECK(RestorableSteps(dir.path, 2, 3) == std::vector<int64_t>{10});
   CHECK(RestorableSteps(dir.path, 0, 3) == (std::vector<int64_t>{20, 10}));
+  // Present but unusable (not lost: the cluster falls back without asking an operator).
+  std::vector<int64_t> unusable;
+  CHECK(RestorableSteps(dir.path, 2, 3, &unusable) == std::vector<int64_t>{10});
+  CHECK(unusable == std::vector<int64_t>{20});
+  unusable.clear();
+  RestorableSteps(dir.path, 0, 3, &unusable);
+  CHECK(unusable.empty());
   ShardSnapshot back;
   CHECK(LoadCheckpointAt(dir.path, 20, 2, &back).code() == Code::kInvalidArgument);
   // A tampered manifest is rejected as a whole.

@@ -37,6 +37,19 @@ TEST_CASE("finishing workers shrink the requirement once backups are used up", "
   CHECK(r.RequiredReplicas() == 1);  // never below one
 }
 
+TEST_CASE("the job is not over before all N workers have said hello", "[workers]") {
+  WorkerRegistry r(1, 3);  // async-style: R=1, N=3
+  REQUIRE(r.Hello(1, "a", 1).ok());
+  REQUIRE(r.Hello(2, "b", 1).ok());
+  CHECK_FALSE(r.Finished(1));
+  CHECK_FALSE(r.Finished(2));  // "c" has not started yet: it must not find the job over
+  CHECK_FALSE(r.AllFinished());
+  CHECK_FALSE(r.AllGone());
+  REQUIRE(r.Hello(3, "c", 1).ok());
+  CHECK(r.Finished(3));
+  CHECK(r.AllFinished());
+}
+
 TEST_CASE("a worker gone past its grace counts as gone until it says hello again", "[workers]") {
   WorkerRegistry r(2, 2);
   REQUIRE(r.Hello(1, "a", 1).ok());
@@ -90,4 +103,20 @@ TEST_CASE("a worker beyond N is refused naming -N/-B; a reconnect or a lost work
   CHECK(r.Names() == std::vector<std::string>{"w0", "w1", "w3"});
   CHECK(r.Counts().lost == 0);
   CHECK(r.RequiredReplicas() == 2);  // w0 finished, covered by the backup
+}
+
+TEST_CASE("the registry stays bounded by N however many distinct workers come and go", "[workers]") {
+  WorkerRegistry r(2, 3);  // N=3
+  // Three workers that finish, then a thousand short-lived ones that vanish and are replaced.
+  for (uint64_t c = 1; c <= 2; ++c) REQUIRE(r.Hello(c, "steady-" + std::to_string(c), 1).ok());
+  for (uint64_t c = 10; c < 1010; ++c) {
+    auto index = r.Hello(c, "ephemeral-" + std::to_string(c), 1);
+    REQUIRE(index.ok());
+    auto gone = r.Disconnected(c);
+    REQUIRE(gone.has_value());
+    REQUIRE(r.MarkLostIfStillGone(gone->first, gone->second).has_value());
+    REQUIRE(r.Snapshot().size() <= 3);
+  }
+  CHECK(r.Snapshot().size() == 3);
+  CHECK(r.Counts().lost == 1);
 }

@@ -59,7 +59,10 @@ struct ClientOptions {
   std::vector<std::string> cluster;
   std::string worker_name;         // stable identity; default "worker-<pid>"
   uint64_t incarnation = 0;        // bump on every restart; default: derived from the clock
-  int connect_timeout_ms = 10000;  // keeps retrying a refused connect until then
+  int connect_timeout_ms = 10000;  // bounds each (re)connect: name lookup, TCP connect, hello;
+                                   // a refused connect is retried until then; then kUnavailable
+                                   // (a cluster's shard lost after its first connect: 500 ms a
+                                   // call, so the other shards' answers come through at once)
   // No call waits longer than this for its reply (a token wait: its own timeout + 10 s if longer);
   // past it the call fails with kDeadlineExceeded and the connection is reset. Keep it above
   // psd's --token-timeout-ms when waits use the daemon's default.
@@ -69,6 +72,17 @@ struct ClientOptions {
   // RequestCheckpoint, never becomes chief and does not count for the job.
   bool observer = false;
   std::string auth_token;  // psd's shared secret when it runs with --auth-token-file
+  // TLS, for a psd that runs with --tls-cert-file: set `tls` (or any tls_* file). psd's certificate
+  // is always verified: against tls_ca_file (default: the system's trust store) and the host dialled
+  // (or tls_server_name).
+  bool tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;    // this client's certificate and key, for psd --tls-require-client-cert
+  std::string tls_key_file;
+  std::string tls_server_name;  // the name psd's certificate must carry when it differs from the host
+  bool tls_enabled() const {
+    return tls || !tls_ca_file.empty() || !tls_cert_file.empty() || !tls_server_name.empty();
+  }
 };
 
 // The daemon's job settings, as announced in the handshake.
@@ -268,7 +282,9 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  const JobConfig& config() const;
+  // The job settings of the last handshake — a copy: a reconnect on another thread may change
+  // them. These getters and connection_epoch() may be called from any thread, during any call.
+  JobConfig config() const;
   uint32_t worker_id() const;
   // Whether the daemon designated this worker as chief (as of the last reply that said so).
   bool is_chief() const;
@@ -307,6 +323,13 @@ class Client {
   // Asks psd for a checkpoint at the next step boundary (FailedPrecondition without
   // --checkpoint-dir). GetStatus().last_checkpoint_step tells when it is written.
   Status RequestCheckpoint();
+
+  // Cluster, an operator's decision (psd_admin recover; README "Losing a shard's checkpoints"):
+  // the chief refuses to form because a shard lacks checkpoints that others hold; form anyway,
+  // at checkpoint `step` (< 0: the newest every shard can restore), or `empty` at step 0. The
+  // newer checkpoints are then lost. kFailedPrecondition: no decision is awaited (or a single
+  // psd); kInvalidArgument: a step not every shard can restore (the message lists those that are).
+  Status Recover(int64_t step, bool empty);
 
   // Bumps on every (re)connection and whenever the cluster restored a checkpoint: a trainer that
   // sees it change re-reads the global step.

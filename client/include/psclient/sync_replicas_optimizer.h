@@ -12,6 +12,14 @@
 // step, tokens) and the init tokens (psd --init-tokens). What stays here: the worker's local step
 // (TF sync_rep_local_step), the pull -> compute -> push -> token loop, TF's argument errors.
 //
+// psd coming back empty (restarted without its checkpoints, or a cluster an operator told to
+// start empty; README "Losing a shard's checkpoints"): once the hook ran (or the first
+// apply_gradients), a variable the daemon no longer has is re-created by the chief worker from
+// its host value — the latest values pulled, or the trainer's init — with the options it was
+// created with; the other workers wait for it (retrying with backoff, up to
+// set_variables_timeout_ms) instead of failing with kNotFound. Optimizer slots start again from
+// zero and the global step from the daemon's (0).
+//
 // Thread-safety: not thread-safe; one optimizer per worker thread, over its own Client.
 #ifndef PSCLIENT_SYNC_REPLICAS_OPTIMIZER_H_
 #define PSCLIENT_SYNC_REPLICAS_OPTIMIZER_H_
@@ -67,10 +75,13 @@ class Variable {
   // With options: TF's variables_to_average is `options.average = true` (psd --ema-decay is
   // TF's variable_averages); a per-variable optimizer is `options.optimizer`.
   Status Create(Client& client, const VariableOptions& options);
+  // The options of the last Create (what a re-creation uses).
+  const VariableOptions& options() const { return options_; }
 
  private:
   std::string name_;
   Tensor value_;
+  VariableOptions options_;
 };
 
 // TF's global_step variable: read after every apply_gradients.
@@ -159,11 +170,20 @@ class SyncReplicasOptimizer {
   int64_t accepted_total() const { return accepted_total_; }
   int64_t stale_total() const { return stale_total_; }
   void set_token_timeout_ms(int64_t ms) { token_timeout_ms_ = ms; }
+  // How long a worker waits for the chief to re-create variables psd lost (default 60 s).
+  void set_variables_timeout_ms(int64_t ms) { variables_timeout_ms_ = ms; }
+  // Variables this worker re-created after psd came back empty (as the chief), over its life.
+  int64_t recreated_total() const { return recreated_total_; }
   double last_loss() const { return last_loss_; }
   Client& client() { return client_; }
 
  private:
   friend class SyncReplicasHook;
+  // Pulls var_list_'s values into `outs`. kNotFound after the local init means psd lost them:
+  // the chief re-creates them from the host values, the others wait (see the file comment).
+  Status PullVariables(const std::vector<std::pair<std::string, TensorView>>& outs);
+  Status RecreateVariables();
+
   Client& client_;
   Status status_;
   int replicas_to_aggregate_;
@@ -176,6 +196,8 @@ class SyncReplicasOptimizer {
   std::vector<Variable*> var_list_;
   int64_t local_step_ = 0;
   int64_t token_timeout_ms_ = 0;
+  int64_t variables_timeout_ms_ = 60000;
+  int64_t recreated_total_ = 0;
   PushOutcome last_push_;
   int64_t accepted_total_ = 0;
   int64_t stale_total_ = 0;

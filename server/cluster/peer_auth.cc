@@ -1,0 +1,85 @@
+#include "cluster/peer_auth.h"
+
+#include <openssl/crypto.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+namespace psd::server::peer_auth {
+namespace {
+
+void PutU32(std::string* out, uint32_t v) {
+  for (int shift = 24; shift >= 0; shift -= 8) out->push_back(static_cast<char>((v >> shift) & 0xff));
+}
+
+}  // namespace
+
+Result<std::string> NewNonce() {
+  std::string nonce(kNonceBytes, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), static_cast<int>(nonce.size())) != 1) {
+    char why[256];
+    ERR_error_string_n(ERR_get_error(), why, sizeof(why));
+    return Internal(std::string("OpenSSL RAND_bytes failed: ") + why);
+  }
+  return nonce;
+}
+
+std::string Proof(std::string_view secret, Role who, const Transcript& t) {
+  if (t.dialer_nonce.size() != kNonceBytes || t.acceptor_nonce.size() != kNonceBytes) return "";
+  // Fixed-length fields after a NUL-terminated label: no two transcripts encode alike.
+  std::string msg = "psd-peer-link-v1";
+  msg.push_back('\0');
+  msg += who == Role::kDialer ? "dialer" : "acceptor";
+  msg.push_back('\0');
+  PutU32(&msg, t.cluster_size);
+  PutU32(&msg, t.dialer);
+  PutU32(&msg, t.acceptor);
+  msg.append(t.dialer_nonce);
+  msg.append(t.acceptor_nonce);
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
+           reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), mac, &len) == nullptr ||
+      len != kProofBytes) {
+    return "";
+  }
+  return std::string(reinterpret_cast<const char*>(mac), len);
+}
+
+bool Verify(std::string_view secret, Role who, const Transcript& t, std::string_view proof) {
+  std::string want = Proof(secret, who, t);
+  if (want.size() != kProofBytes || proof.size() != kProofBytes) return false;
+  return CRYPTO_memcmp(want.data(), proof.data(), kProofBytes) == 0;
+}
+
+Status ValidateClusterSecret(std::string_view secret, std::string_view auth_token) {
+  if (secret.size() < kMinSecretBytes) {
+    return InvalidArgument("--cluster-secret-file holds " + std::to_string(secret.size()) +
+                           " characters; use at least " + std::to_string(kMinSecretBytes) +
+                           " random ones, e.g. `openssl rand -hex 32 > FILE` (the same file on every shard)");
+  }
+  if (!auth_token.empty() && secret == auth_token) {
+    return InvalidArgument(
+        "--cluster-secret-file holds the same secret as --auth-token-file: every worker knows that one and could act "
+        "as a shard; give the shards their own secret (`openssl rand -hex 32 > FILE`)");
+  }
+  return Status::Ok();
+}
+
+int64_t LogLimiter::Allow() {
+  int64_t now =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count();
+  int64_t start = window_start_ms_.load();
+  if (start == INT64_MIN || now - start >= period_ms_) {
+    if (window_start_ms_.compare_exchange_strong(start, now)) in_window_ = 0;
+  }
+  if (in_window_.fetch_add(1) >= burst_) {
+    ++suppressed_;
+    return -1;
+  }
+  return suppressed_.exchange(0);
+}
+
+}  // namespace psd::server::peer_auth

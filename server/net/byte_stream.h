@@ -1,0 +1,73 @@
+// ByteStream: a connection's byte stream, plain TCP or TLS over it, behind one interface that
+// Asio's composed operations (async_read, async_write) accept. The TLS choice is made once, when
+// the daemon starts (--tls-cert-file): a TLS daemon speaks only TLS.
+//
+// Thread-safety: as Asio's sockets: one outstanding read and one outstanding write at a time,
+// handlers on the caller's strand.
+#ifndef PSD_SERVER_NET_BYTE_STREAM_H_
+#define PSD_SERVER_NET_BYTE_STREAM_H_
+
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "wire/asio.h"
+#include "wire/tls.h"
+
+namespace psd::server {
+
+class ByteStream {
+ public:
+  using executor_type = tcp::socket::executor_type;
+
+  // `tls` null: plain TCP.
+  ByteStream(tcp::socket socket, const std::shared_ptr<wire::ssl::context>& tls) {
+    if (tls) {
+      tls_context_ = tls;
+      tls_.emplace(std::move(socket), *tls);
+    } else {
+      plain_.emplace(std::move(socket));
+    }
+  }
+
+  executor_type get_executor() { return lowest().get_executor(); }
+  tcp::socket& lowest() { return tls_ ? tls_->next_layer() : *plain_; }
+  bool tls() const { return tls_.has_value(); }
+  // The TLS stream (tls() only), e.g. for a client's server name.
+  wire::ssl::stream<tcp::socket>& tls_stream() { return *tls_; }
+
+  // The TLS handshake as `type` (plain TCP: none, `handler` runs at once with success).
+  template <typename Handler>
+  void async_handshake(wire::ssl::stream_base::handshake_type type, Handler&& handler) {
+    if (tls_) return tls_->async_handshake(type, std::forward<Handler>(handler));
+    asio::post(get_executor(), [h = std::forward<Handler>(handler)]() mutable { h(boost::system::error_code()); });
+  }
+
+  template <typename Buffers, typename Handler>
+  void async_read_some(const Buffers& buffers, Handler&& handler) {
+    if (tls_) return tls_->async_read_some(buffers, std::forward<Handler>(handler));
+    plain_->async_read_some(buffers, std::forward<Handler>(handler));
+  }
+
+  template <typename Buffers, typename Handler>
+  void async_write_some(const Buffers& buffers, Handler&& handler) {
+    if (tls_) return tls_->async_write_some(buffers, std::forward<Handler>(handler));
+    plain_->async_write_some(buffers, std::forward<Handler>(handler));
+  }
+
+  // Shuts the socket down and closes it (no TLS close_notify: the other side sees a reset).
+  void Close() {
+    boost::system::error_code ec;
+    lowest().shutdown(tcp::socket::shutdown_both, ec);
+    lowest().close(ec);
+  }
+
+ private:
+  std::shared_ptr<wire::ssl::context> tls_context_;  // declared first: outlives tls_
+  std::optional<tcp::socket> plain_;
+  std::optional<wire::ssl::stream<tcp::socket>> tls_;
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_NET_BYTE_STREAM_H_

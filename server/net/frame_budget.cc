@@ -1,0 +1,60 @@
+#include "net/frame_budget.h"
+
+#include <algorithm>
+
+namespace psd::server {
+
+void FrameBudget::Acquire(uint64_t bytes, std::function<void()> granted) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!waiters_.empty() || in_use_ + bytes > limit_) {
+      ++waits_;
+      waiters_.push_back({bytes, std::move(granted)});
+      return;
+    }
+    in_use_ += bytes;
+    peak_ = std::max(peak_, in_use_);
+  }
+  granted();
+}
+
+void FrameBudget::Release(uint64_t bytes) {
+  std::deque<Waiter> ready;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_use_ -= std::min(bytes, in_use_);
+    GrantLocked(&ready);
+  }
+  for (auto& w : ready) w.granted();
+}
+
+void FrameBudget::GrantLocked(std::deque<Waiter>* ready) {
+  while (!waiters_.empty() && in_use_ + waiters_.front().bytes <= limit_) {
+    in_use_ += waiters_.front().bytes;
+    peak_ = std::max(peak_, in_use_);
+    ready->push_back(std::move(waiters_.front()));
+    waiters_.pop_front();
+  }
+}
+
+uint64_t FrameBudget::in_use() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_use_;
+}
+
+uint64_t FrameBudget::peak() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_;
+}
+
+uint64_t FrameBudget::waits() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waits_;
+}
+
+size_t FrameBudget::waiting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return waiters_.size();
+}
+
+}  // namespace psd::server

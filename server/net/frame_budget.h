@@ -1,0 +1,61 @@
+// FrameBudget: the daemon-wide bound on memory held by incoming frames (--max-inflight-bytes).
+//
+// A connection acquires a frame's body size before it allocates the body and releases it once
+// the request has been handled. When the budget is spent the connection waits (its socket is not
+// read, so TCP pushes back on the sender) instead of failing: real workers see backpressure, not
+// errors. Waiters are granted strictly first come, first served, so a big frame is never starved
+// by a stream of small ones. A single frame is never bigger than the budget (the configuration
+// refuses --max-frame-bytes > --max-inflight-bytes), so every waiter is eventually granted once
+// the frames ahead of it have been handled or their connections closed (--frame-timeout-ms bounds
+// how long a slow sender may hold its share).
+//
+// Thread-safety: every method may be called from any thread (one mutex). Grants run their
+// callback outside the lock, on the thread that released the bytes or on the caller's thread;
+// callers post to their own executor from the callback.
+#ifndef PSD_SERVER_NET_FRAME_BUDGET_H_
+#define PSD_SERVER_NET_FRAME_BUDGET_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+
+namespace psd::server {
+
+class FrameBudget {
+ public:
+  explicit FrameBudget(uint64_t limit_bytes) : limit_(limit_bytes) {}
+  FrameBudget(const FrameBudget&) = delete;
+  FrameBudget& operator=(const FrameBudget&) = delete;
+
+  // Takes `bytes` (<= limit()) and calls `granted` once they are held: at once when they fit and
+  // nobody waits ahead, otherwise when enough has been released. The caller owns the bytes from
+  // then on and must Release() them exactly once, even if it no longer needs them.
+  void Acquire(uint64_t bytes, std::function<void()> granted);
+  void Release(uint64_t bytes);
+
+  uint64_t limit() const { return limit_; }
+  uint64_t in_use() const;
+  uint64_t peak() const;           // the most ever held at once (never above limit())
+  uint64_t waits() const;          // acquisitions that had to wait
+  size_t waiting() const;          // acquisitions waiting now
+
+ private:
+  struct Waiter {
+    uint64_t bytes;
+    std::function<void()> granted;
+  };
+  // Moves the waiters that now fit (in order) to `ready`; mu_ held.
+  void GrantLocked(std::deque<Waiter>* ready);
+
+  const uint64_t limit_;
+  mutable std::mutex mu_;
+  uint64_t in_use_ = 0;         // guarded by mu_
+  uint64_t peak_ = 0;           // guarded by mu_
+  uint64_t waits_ = 0;          // guarded by mu_
+  std::deque<Waiter> waiters_;  // guarded by mu_; first come, first served
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_NET_FRAME_BUDGET_H_

@@ -1,0 +1,162 @@
+// TLS on the data port: certificates made here by deploy/make_tls_certs.sh; workers and tools
+// connect with TLS, verify psd's certificate, and present their own with mutual TLS.
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include "support/test_server.h"
+#include "wire/frame.h"
+
+using namespace psd;
+using psd::testing::StartServer;
+using psd::testing::TestConfig;
+
+namespace {
+
+// A fresh directory with a CA, a server and a client certificate.
+std::string MakeCerts() {
+  char tmpl[] = "/tmp/psd-tls-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  std::string dir = tmpl;
+  std::string cmd = std::string("bash ") + PSD_SOURCE_DIR + "/deploy/make_tls_certs.sh " + dir + " >/dev/null";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  return dir;
+}
+
+struct Certs {
+  Certs() : dir(MakeCerts()), other(MakeCerts()) {}
+  ~Certs() {
+    std::filesystem::remove_all(dir);
+    std::filesystem::remove_all(other);
+  }
+  std::string dir;    // the cluster's CA and certificates
+  std::string other;  // another CA's: not trusted by psd
+};
+
+server::ServerConfig TlsConfig(const Certs& c, bool mutual) {
+  auto cfg = TestConfig(1, 4, 0);
+  cfg.tls_cert_file = c.dir + "/server.pem";
+  cfg.tls_key_file = c.dir + "/server.key";
+  cfg.tls_ca_file = c.dir + "/ca.pem";
+  cfg.tls_require_client_cert = mutual;
+  return cfg;
+}
+
+psclient::ClientOptions TlsClient(uint16_t port, const std::string& name, const std::string& ca) {
+  psclient::ClientOptions o;
+  o.port = port;
+  o.worker_name = name;
+  o.connect_timeout_ms = 5000;
+  o.tls_ca_file = ca;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("a worker trains over TLS; psd's certificate is verified", "[tls]") {
+  Certs certs;
+  auto server = StartServer(TlsConfig(certs, false));
+  auto o = TlsClient(server->port(), "w0", certs.dir + "/ca.pem");
+  auto w = psclient::Client::Connect(o);
+  INFO(w.status().ToString());
+  REQUIRE(w.ok());
+  std::vector<float> v(300000, 1.0f), g(300000, 0.5f);  // 1.2 MB: many TLS records each way
+  REQUIRE((*w)->CreateVariable("v", {v.data(), DType::kFloat32, {int64_t(v.size())}, MemoryKind::kHost}).ok());
+  REQUIRE((*w)->Push(0, {{"v", {g.data(), DType::kFloat32, {int64_t(g.size())}, MemoryKind::kHost}}}).ok());
+  std::vector<float> out(v.size(), 0);
+  REQUIRE((*w)->Pull("v", {out.data(), DType::kFloat32, {int64_t(out.size())}, MemoryKind::kHost}).ok());
+  CHECK(out[0] < 1.0f);
+  CHECK(out[0] == out[out.size() - 1]);
+
+  SECTION("a client that trusts another CA refuses psd's certificate") {
+    auto bad = psclient::Client::Connect(TlsClient(server->port(), "w1", certs.other + "/ca.pem"));
+    REQUIRE_FALSE(bad.ok());
+    CHECK_THAT(bad.status().message(), Catch::Contains("certificate verify failed"));
+  }
+  SECTION("a certificate that does not name the host dialled is refused") {
+    auto o2 = TlsClient(server->port(), "w1", certs.dir + "/ca.pem");
+    o2.tls_server_name = "psd.example.com";
+    auto bad = psclient::Client::Connect(o2);
+    REQUIRE_FALSE(bad.ok());
+    CHECK_THAT(bad.status().message(), Catch::Contains("certificate verify failed"));
+  }
+  SECTION("a plaintext client gets nowhere and psd keeps serving") {
+    psclient::ClientOptions plain;
+    plain.port = server->port();
+    plain.worker_name = "w1";
+    plain.connect_timeout_ms = 2000;
+    plain.request_timeout_ms = 5000;
+    auto bad = psclient::Client::Connect(plain);
+    REQUIRE_FALSE(bad.ok());
+  }
+  SECTION("garbage bytes on the TLS port are refused and psd keeps serving") {
+    asio::io_context io;
+    tcp::socket s(io);
+    s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), server->port()));
+    std::string junk(4096, '\x16');
+    boost::system::error_code ec;
+    asio::write(s, asio::buffer(junk), ec);
+    char c;
+    s.read_some(asio::buffer(&c, 1), ec);  // psd answers with an alert or closes
+  }
+  REQUIRE((*w)->Pull("v", {out.data(), DType::kFloat32, {int64_t(out.size())}, MemoryKind::kHost}).ok());
+}
+
+TEST_CASE("mutual TLS: psd refuses clients without a certificate signed by its CA", "[tls]") {
+  Certs certs;
+  auto server = StartServer(TlsConfig(certs, true));
+  auto o = TlsClient(server->port(), "w0", certs.dir + "/ca.pem");
+  SECTION("no client certificate") {
+    auto c = psclient::Client::Connect(o);
+    REQUIRE_FALSE(c.ok());
+  }
+  SECTION("a certificate from another CA") {
+    o.tls_cert_file = certs.other + "/client.pem";
+    o.tls_key_file = certs.other + "/client.key";
+    auto c = psclient::Client::Connect(o);
+    REQUIRE_FALSE(c.ok());
+  }
+  SECTION("the cluster's client certificate") {
+    o.tls_cert_file = certs.dir + "/client.pem";
+    o.tls_key_file = certs.dir + "/client.key";
+    auto c = psclient::Client::Connect(o);
+    INFO(c.status().ToString());
+    REQUIRE(c.ok());
+    float x = 3;
+    REQUIRE((*c)->CreateVariable("x", {&x, DType::kFloat32, {}, MemoryKind::kHost}).ok());
+  }
+}
+
+TEST_CASE("TLS settings are checked at start and say what to fix", "[tls]") {
+  Certs certs;
+  auto cfg = TlsConfig(certs, false);
+  SECTION("a key that does not match the certificate") {
+    cfg.tls_key_file = certs.other + "/server.key";
+    auto s = server::Server::Create(cfg);
+    REQUIRE_FALSE(s.ok());
+    CHECK_THAT(s.status().message(), Catch::Contains("does not match the certificate"));
+  }
+  SECTION("a missing file") {
+    cfg.tls_cert_file = certs.dir + "/nope.pem";
+    auto s = server::Server::Create(cfg);
+    REQUIRE_FALSE(s.ok());
+    CHECK_THAT(s.status().message(), Catch::Contains("cannot be read"));
+  }
+  SECTION("mutual TLS without a CA") {
+    cfg.tls_ca_file.clear();
+    cfg.tls_require_client_cert = true;
+    auto s = server::Server::Create(cfg);
+    REQUIRE_FALSE(s.ok());
+    CHECK_THAT(s.status().message(), Catch::Contains("--tls-require-client-cert needs --tls-ca-file"));
+  }
+  SECTION("a client's TLS handshake with a daemon that never answers ends at its deadline") {
+    asio::io_context io;
+    tcp::acceptor silent(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+    auto o = TlsClient(silent.local_endpoint().port(), "w0", certs.dir + "/ca.pem");
+    o.connect_timeout_ms = 300;
+    auto c = psclient::Client::Connect(o);  // the kernel accepts; nobody answers the ClientHello
+    REQUIRE_FALSE(c.ok());
+    CHECK(c.status().code() == Code::kDeadlineExceeded);
+  }
+}
