@@ -36,6 +36,12 @@ struct ServerConfig {
   std::string host = "127.0.0.1";
   uint16_t port = 7070;   // 0 picks a free port (see port_file)
   std::string port_file;  // if set, the bound port is written there once listening
+  // A listening TCP socket to serve on instead of binding host:port (--listen-fd, systemd's
+  // LISTEN_FDS; README "Socket activation and --listen-fd"); -1: none. Its bound address must be
+  // host:port (port 0: any). From Server::Start() on, the Server owns it (closed with the Server,
+  // or by Start() when it fails).
+  int listen_fd = -1;
+  std::string listen_fd_source = "the passed listening socket";  // names it in errors: "--listen-fd 3"
   int io_threads = 2;
   uint64_t max_frame_bytes = 256ull << 20;
   // Memory for incoming frames across all connections (README "Hardening"): a frame waits for its

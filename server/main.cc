@@ -1,7 +1,9 @@
 // psd: the parameter-server daemon. Parses flags into a ServerConfig, starts the Server and
 // runs until SIGINT/SIGTERM or, with --exit-when-done, until every worker has finished.
+#include <fcntl.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -13,7 +15,9 @@
 
 #include "config.h"
 #include "net/server.h"
+#include "ops/sd_listen.h"
 #include "psd/cluster_list.h"
+#include "psd/listen_socket.h"
 #include "psd/secret.h"
 
 namespace {
@@ -44,6 +48,11 @@ int main(int argc, char** argv) {
                                   "its --cluster entry's")
                        ->capture_default_str();
   app.add_option("--port-file", cfg.port_file, "write the bound port to this file once listening");
+  auto* listen_fd_opt =
+      app.add_option("--listen-fd", cfg.listen_fd,
+                     "serve on this inherited listening TCP socket instead of binding (launchers: psrun, tests); it "
+                     "must be bound to --host/--port, or this shard's --cluster entry. systemd socket activation "
+                     "(LISTEN_PID/LISTEN_FDS, one ListenStream=) passes it without this flag");
   app.add_option("--threads", cfg.io_threads, "I/O threads serving connections")->capture_default_str();
   app.add_option("--replicas-to-aggregate,-R", cfg.replicas_to_aggregate,
                  "fresh gradients per variable that complete a step (TF replicas_to_aggregate)")
@@ -250,6 +259,29 @@ int main(int argc, char** argv) {
   // A shard (or a one-entry --cluster) listens where the cluster list says, unless told otherwise.
   psd::Status listen = cfg.ResolveListenAddress(host_opt->count() > 0, port_opt->count() > 0);
   if (!listen.ok()) return fail(listen.message());
+  // A socket bound by the launcher: --listen-fd, or systemd's socket activation (LISTEN_PID and
+  // LISTEN_FDS: systemd's contract, read here as sd_listen_fds(3) does, then unset).
+  auto sd_fd = psd::server::ops::SdListenFd(std::getenv("LISTEN_PID"), std::getenv("LISTEN_FDS"), ::getpid());
+  for (const char* var : {"LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"}) ::unsetenv(var);
+  if (!sd_fd.ok()) return fail(sd_fd.status().message());
+  if (listen_fd_opt->count() > 0) {
+    if (*sd_fd >= 0) return fail("--listen-fd and systemd's LISTEN_FDS both pass a socket: give one");
+    if (cfg.listen_fd < 0)
+      return fail("--listen-fd must be an open descriptor number (>= 0), got " + std::to_string(cfg.listen_fd));
+    cfg.listen_fd_source = "--listen-fd " + std::to_string(cfg.listen_fd);
+  } else if (*sd_fd >= 0) {
+    cfg.listen_fd = *sd_fd;
+    cfg.listen_fd_source = "the socket systemd passed (LISTEN_FDS)";
+  }
+  if (cfg.listen_fd >= 0) {
+    ::fcntl(cfg.listen_fd, F_SETFD, FD_CLOEXEC);
+    auto bound = psd::InspectListeningSocket(cfg.listen_fd, cfg.listen_fd_source);
+    if (!bound.ok()) return fail(bound.status().message());
+    // A single daemon listens where the socket is bound unless --host/--port say otherwise (then
+    // they must agree: Server::Start checks); protected mode judges the socket's real address.
+    if (cfg.cluster.empty() && host_opt->count() == 0) cfg.host = bound->ip;
+    if (cfg.cluster.empty() && port_opt->count() == 0) cfg.port = bound->port;
+  }
   if (!auth_token_file.empty()) {
     auto token = psd::ReadSecretFile(auth_token_file);
     if (!token.ok()) {

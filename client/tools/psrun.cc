@@ -17,6 +17,10 @@
 // signals only the process groups of the children it started: SIGTERM, then SIGKILL after
 // --grace-s. If psrun itself is killed outright, its children get SIGTERM (PR_SET_PDEATHSIG). Single-threaded: one poll
 // loop over the children's pipes and a self-pipe that the signal handlers write to.
+//
+// Ports: psrun binds each shard's listening socket itself on 127.0.0.1 port 0 (the kernel picks
+// free ports; nothing is guessed, nothing can clash) and hands it to the shard as descriptor 3
+// (`psd --listen-fd 3`); the cluster list is made of the ports it got.
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -41,11 +45,15 @@
 #include <vector>
 
 #include "psclient/client.h"
+#include "psd/listen_socket.h"
 #include "psd/secret.h"
 
 extern char** environ;
 
 namespace {
+
+// Where a shard finds the listening socket psrun bound for it (`psd --listen-fd 3`).
+constexpr int kShardListenFd = 3;
 
 using Clock = std::chrono::steady_clock;
 
@@ -101,7 +109,6 @@ struct Options {
   double start_timeout_s = 120;
   double grace_s = 15;
   double shard_exit_s = 30;
-  int bind_retries = 5;
   std::vector<std::string> command;
 };
 
@@ -120,32 +127,9 @@ struct Child {
   int log_fd = -1;
   bool reaped = false;
   int status = 0;
-  bool address_in_use = false;  // a shard said "Address already in use"
   bool stopped_by_us = false;
   bool open() const { return out.fd >= 0 || err.fd >= 0; }
 };
-
-// Free ports on 127.0.0.1 right now: bound together (so they differ), then released. Another
-// process may take one before psd binds it; the caller retries the launch then.
-std::optional<std::vector<int>> ReservePorts(int n) {
-  std::vector<int> fds, ports;
-  bool ok = true;
-  for (int i = 0; i < n && ok; ++i) {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = 0;
-    socklen_t len = sizeof(a);
-    ok = fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-         getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-    if (fd >= 0) fds.push_back(fd);
-    if (ok) ports.push_back(ntohs(a.sin_port));
-  }
-  for (int fd : fds) close(fd);
-  if (!ok) return std::nullopt;
-  return ports;
-}
 
 std::string Dirname(const std::string& path) {
   size_t slash = path.rfind('/');
@@ -187,7 +171,7 @@ class Launcher {
   int Run();
 
  private:
-  enum class Started { kReady, kRetry, kFailed };
+  enum class Started { kReady, kFailed };
 
   bool Setup();
   // Writes 32 random bytes as hex to a new 0600 file; false (said why) on failure.
@@ -200,8 +184,10 @@ class Launcher {
   void StopAll(const std::string& why);
   void WaitAllReaped();
 
+  // `listen_fd` >= 0: the child gets that socket as its descriptor kShardListenFd (psrun keeps
+  // its own copy; the caller closes it).
   Child* Spawn(const std::string& label, bool shard, int index, const std::vector<std::string>& argv,
-               const std::vector<std::string>& env, bool search_path);
+               const std::vector<std::string>& env, bool search_path, int listen_fd = -1);
   // One round of the event loop: output, signals, exits, deadlines. Waits at most timeout_ms.
   void Pump(int timeout_ms);
   void Read(Child& c, Stream& s);
@@ -329,7 +315,7 @@ std::optional<std::string> Launcher::FindPsd() const {
 }
 
 Child* Launcher::Spawn(const std::string& label, bool shard, int index, const std::vector<std::string>& argv,
-                       const std::vector<std::string>& env, bool search_path) {
+                       const std::vector<std::string>& env, bool search_path, int listen_fd) {
   int out[2], err[2];
   if (pipe2(out, O_CLOEXEC) != 0) return nullptr;
   if (pipe2(err, O_CLOEXEC) != 0) {
@@ -379,6 +365,9 @@ Child* Launcher::Spawn(const std::string& label, bool shard, int index, const st
     if (devnull >= 0) dup2(devnull, 0);
     dup2(out[1], 1);
     dup2(err[1], 2);
+    // The shard's listening socket (above 2: StartShards moved it there), without close-on-exec.
+    if (listen_fd >= 0) dup2(listen_fd, kShardListenFd);
+    if (listen_fd == kShardListenFd) fcntl(kShardListenFd, F_SETFD, 0);
     if (search_path) {
       execvpe(args[0], args.data(), envp.data());
     } else {
@@ -418,7 +407,6 @@ Child* Launcher::Spawn(const std::string& label, bool shard, int index, const st
 void Launcher::Emit(Child& c, const Stream& s, const std::string& line) {
   WriteAll(s.out_fd, "[" + c.label + "] " + line + "\n");
   if (c.log_fd >= 0) WriteAll(c.log_fd, line + "\n");
-  if (c.shard && line.find("Address already in use") != std::string::npos) c.address_in_use = true;
 }
 
 void Launcher::Read(Child& c, Stream& s) {
@@ -611,13 +599,31 @@ void Launcher::WaitAllReaped() {
 }
 
 Launcher::Started Launcher::StartShards(std::string* cluster) {
-  auto ports = ReservePorts(o_.shards);
-  if (!ports) {
-    Say("cannot reserve " + std::to_string(o_.shards) + " free port(s) on 127.0.0.1: " + std::strerror(errno));
-    return Started::kFailed;
-  }
+  // Every shard's listening socket, bound here on port 0 and inherited by its psd: the ports are
+  // the kernel's, so they cannot clash, and they are known before any shard starts. psrun closes
+  // its copies once the shards are spawned (a shard that dies then refuses connections).
+  std::vector<int> sockets;
+  auto close_sockets = [&sockets] {
+    for (int fd : sockets) close(fd);
+    sockets.clear();
+  };
   std::string list;
-  for (int p : *ports) list += (list.empty() ? "" : ",") + std::string("127.0.0.1:") + std::to_string(p);
+  for (int k = 0; k < o_.shards; ++k) {
+    psd::SocketAddress bound;
+    auto fd = psd::ListenTcp("127.0.0.1", 0, &bound);
+    // Above the descriptors the child rearranges (0-2, kShardListenFd), for Spawn's dup2.
+    int high = fd.ok() ? fcntl(*fd, F_DUPFD_CLOEXEC, 10) : -1;
+    const int dup_errno = errno;
+    if (fd.ok()) close(*fd);
+    if (!fd.ok() || high < 0) {
+      Say("cannot listen on 127.0.0.1 for shard " + std::to_string(k) + ": " +
+          (fd.ok() ? std::string("fcntl: ") + std::strerror(dup_errno) : fd.status().message()));
+      close_sockets();
+      return Started::kFailed;
+    }
+    sockets.push_back(high);
+    list += (list.empty() ? "" : ",") + bound.ToString();
+  }
   std::vector<std::string> job;
   job.insert(job.end(), {"-R", std::to_string(o_.replicas)});
   if (o_.backup >= 0) {
@@ -645,16 +651,16 @@ Launcher::Started Launcher::StartShards(std::string* cluster) {
     std::string port_file = run_dir_ + "/psd-" + std::to_string(k) + ".port";
     std::remove(port_file.c_str());
     port_files.push_back(port_file);
-    std::vector<std::string> argv{psd_};
-    if (o_.shards == 1) {
-      argv.insert(argv.end(), {"--port", "0"});
-    } else {
-      argv.insert(argv.end(), {"--cluster", list, "--shard-index", std::to_string(k)});
-    }
+    std::vector<std::string> argv{psd_, "--listen-fd", std::to_string(kShardListenFd)};
+    if (o_.shards > 1) argv.insert(argv.end(), {"--cluster", list, "--shard-index", std::to_string(k)});
     argv.insert(argv.end(), {"--port-file", port_file});
     argv.insert(argv.end(), job.begin(), job.end());
-    if (Spawn("psd " + std::to_string(k), true, k, argv, {}, false) == nullptr) return Started::kFailed;
+    if (Spawn("psd " + std::to_string(k), true, k, argv, {}, false, sockets[static_cast<size_t>(k)]) == nullptr) {
+      close_sockets();
+      return Started::kFailed;
+    }
   }
+  close_sockets();
   // psd writes its --port-file once it serves (older psd: once it listens; the workers' Connect
   // then waits for a forming cluster by itself).
   auto ready_by = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.start_timeout_s * 1000));
@@ -666,7 +672,6 @@ Launcher::Started Launcher::StartShards(std::string* cluster) {
     for (int k = 0; k < o_.shards; ++k) {
       Child& c = children_[first + k];
       if (c.reaped) {
-        if (c.address_in_use) return Started::kRetry;
         Say("psd shard " + std::to_string(k) + " " + Describe(c.status) +
             " before it was ready: read its output above ([psd " + std::to_string(k) + "] lines)" +
             (o_.log_dir.empty() ? "" : " or " + o_.log_dir + "/psd-" + std::to_string(k) + ".log"));
@@ -676,7 +681,6 @@ Launcher::Started Launcher::StartShards(std::string* cluster) {
         std::ifstream f(port_files[k]);
         int port = 0;
         ready[k] = static_cast<bool>(f >> port) && port > 0;
-        if (ready[k] && o_.shards == 1) list = "127.0.0.1:" + std::to_string(port);
       }
       if (!ready[k] && waiting < 0) waiting = k;
     }
@@ -767,23 +771,7 @@ int Launcher::Run() {
   if (!Setup()) return 2;
   std::string cluster = o_.cluster;
   if (cluster.empty()) {
-    for (int attempt = 1;; ++attempt) {
-      Started s = StartShards(&cluster);
-      if (s == Started::kReady) break;
-      if (s == Started::kRetry && attempt < o_.bind_retries) {
-        Say("a shard's port was taken between reserving and binding it; retrying with new ports (attempt " +
-            std::to_string(attempt + 1) + " of " + std::to_string(o_.bind_retries) + ")");
-        for (auto& c : children_) {
-          if (!c.reaped) kill(-c.pid, SIGTERM);
-          c.stopped_by_us = true;  // this attempt's shards, the one that could not bind included
-        }
-        kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_s * 1000));
-        WaitAllReaped();
-        kill_at_ = Clock::time_point::max();
-        killed_ = false;
-        if (stopping_) return exit_code_;  // a signal or --timeout-s meanwhile
-        continue;
-      }
+    if (StartShards(&cluster) != Started::kReady) {
       Fail(1);
       StopAll("psd did not start");
       WaitAllReaped();
@@ -906,7 +894,7 @@ int main(int argc, char** argv) {
   for (const auto& a : o.psd_args) {
     for (const char* owned :
          {"--replicas-to-aggregate", "-R", "--backup-replicas", "-B", "--total-replicas", "-N", "--cluster",
-          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--auth-token-file",
+          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--listen-fd", "--auth-token-file",
           "--cluster-secret-file"}) {
       std::string flag = a.substr(0, a.find('='));
       if (flag == owned) {

@@ -1,6 +1,7 @@
 #include "net/server.h"
 
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -9,6 +10,7 @@
 #include "net/connection.h"
 #include "ops/ops_service.h"
 #include "ops/sd_notify.h"
+#include "psd/listen_socket.h"
 
 namespace psd::server {
 
@@ -256,20 +258,40 @@ void Server::UpdateRequired() {
 
 Server::~Server() { Stop(); }
 
+Status Server::AdoptListenFd() {
+  const int fd = config_.listen_fd;
+  auto bound = psd::InspectListeningSocket(fd, config_.listen_fd_source);
+  Status ok = bound.ok() ? psd::CheckListenAddress(*bound, config_.host, config_.port, config_.listen_fd_source)
+                         : bound.status();
+  boost::system::error_code ec;
+  if (ok.ok()) {
+    bool v6 = bound->ip.find(':') != std::string::npos;
+    acceptor_.assign(v6 ? tcp::v6() : tcp::v4(), fd, ec);
+    if (ec) ok = Unavailable(config_.listen_fd_source + ": " + ec.message());
+  }
+  if (!ok.ok() && !acceptor_.is_open()) ::close(fd);  // owned from Start() on, even when refused
+  return ok;
+}
+
 Status Server::Start() {
+  // A socket bound by the launcher (psrun, a test, systemd) is served as it is, once checked; first,
+  // so that it is owned (and closed) whatever fails below.
+  if (config_.listen_fd >= 0) PSD_RETURN_IF_ERROR(AdoptListenFd());
   // Start-up checks that touch the system (Validate() checked the values).
   PSD_RETURN_IF_ERROR(EnsureFdLimit(config_.max_connections));
   if (!config_.checkpoint_dir.empty()) PSD_RETURN_IF_ERROR(PrepareCheckpointDir(config_.checkpoint_dir));
   boost::system::error_code ec;
   auto addr = asio::ip::make_address(config_.host, ec);
   if (ec) return InvalidArgument("--host '" + config_.host + "' is not an IP address: " + ec.message());
-  tcp::endpoint ep(addr, config_.port);
-  acceptor_.open(ep.protocol(), ec);
-  if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
-  if (!ec) acceptor_.bind(ep, ec);
-  if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
-  if (ec) {
-    return Unavailable("cannot listen on " + config_.host + ":" + std::to_string(config_.port) + ": " + ec.message());
+  if (config_.listen_fd < 0) {
+    tcp::endpoint ep(addr, config_.port);
+    acceptor_.open(ep.protocol(), ec);
+    if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
+    if (!ec) acceptor_.bind(ep, ec);
+    if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) {
+      return Unavailable("cannot listen on " + config_.host + ":" + std::to_string(config_.port) + ": " + ec.message());
+    }
   }
   port_ = acceptor_.local_endpoint().port();
   PSD_RETURN_IF_ERROR(ops_->Start());

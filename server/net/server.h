@@ -128,6 +128,8 @@ class Server {
   void CheckpointLoop();
   // Restores the newest good checkpoint of --checkpoint-dir into the (empty) engine.
   Status RestoreAtStart();
+  // Serves on config_.listen_fd after checking that it listens on host:port; closes it on error.
+  Status AdoptListenFd();
   // Once ready: writes --port-file and tells systemd. A cluster shard polls until it serves.
   Status BecomeReady();
   void WatchReadiness();

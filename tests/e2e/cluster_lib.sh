@@ -26,3 +26,20 @@ wait_for() {
   done
   return 1
 }
+
+# Ports are owned, never guessed (tests/e2e/listen.py says how):
+listen_py="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/listen.py"
+# Reserves $1 ports on 127.0.0.1 for the rest of the test (the holder is in $pids) and prints
+# their list, "127.0.0.1:P1,127.0.0.1:P2,..."; $2 names the file it goes through. Call it as
+# `reserve_ports N FILE; list=$(cat FILE)` — not in $(...), whose subshell would end the holder.
+reserve_ports() {
+  /usr/bin/python3 "$listen_py" reserve "$1" "$2" &
+  pids+=($!)
+  wait_for "$2" . 10 || fail "could not reserve $1 port(s) on 127.0.0.1"
+}
+# `"${serve_on[@]}" PORT -- CMD...` runs CMD (exec: the same PID, so `timeout S "${serve_on[@]}" ...`
+# has CMD as its child) with a socket listening on the reserved 127.0.0.1:PORT as its
+# descriptor 3: give psd `--listen-fd 3`.
+serve_on=(/usr/bin/python3 "$listen_py" serve)
+# The port of entry $2 (from 0) of a list "host:port,host:port,...".
+port_of() { echo "$1" | cut -d, -f$(($2 + 1)) | sed 's/.*://'; }

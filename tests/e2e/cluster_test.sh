@@ -14,16 +14,17 @@ pids=()
 trap 'for p in "${pids[@]}"; do kill -9 $(pgrep -P "$p") "$p" 2>/dev/null || true; done; rm -rf "$run"' EXIT
 source "$(dirname "$0")/cluster_lib.sh"
 
-free_base() { echo $((20000 + (RANDOM * 7 + $$) % 40000)); }
-cluster_of() { seq -s, -f "127.0.0.1:%g" "$1" $(($1 + $2 - 1)); }
+# The 3 shards' ports, the test's until it ends: every cluster below (and every restarted shard)
+# serves on them, each shard on a socket bound for it (serve_on, --listen-fd).
+reserve_ports 3 "$run/ports"
+cluster=$(cat "$run/ports")
 # Milliseconds since the epoch of a psd log line's timestamp.
 log_ms() { date -d "$(echo "$1" | cut -c 1-23)" +%s%3N; }
 real_pid() { pgrep -P "$1"; }  # the psd under `timeout`
 
 # --- 1. 3 shards give the parameters of 1 shard -------------------------------------------------
 train() {  # $1: shards, $2: tag
-  local base cluster target wp=() sp=()
-  base=$(free_base)
+  local target wp=() sp=()
   local common=(-R 4 --init-tokens 0 --learning-rate 0.5 --exit-when-done --slice-bytes 8192 --summary-interval-s 0)
   if [ "$1" -eq 1 ]; then
     timeout 120 "$psd" --port 0 --port-file "$run/$2.port" "${common[@]}" 2> "$run/$2-psd.log" &
@@ -31,9 +32,9 @@ train() {  # $1: shards, $2: tag
     wait_for "$run/$2.port" . 10 || fail "psd did not start"
     target=(--port "$(cat "$run/$2.port")")
   else
-    cluster=$(cluster_of "$base" "$1")
     for k in $(seq 0 $(($1 - 1))); do
-      timeout 120 "$psd" --cluster "$cluster" --shard-index "$k" "${common[@]}" 2> "$run/$2-psd$k.log" &
+      timeout 120 "${serve_on[@]}" "$(port_of "$cluster" "$k")" -- "$psd" --cluster "$cluster" --shard-index "$k" --listen-fd 3 \
+        "${common[@]}" 2> "$run/$2-psd$k.log" &
       sp+=($!); pids+=($!)
     done
     target=(--cluster "$cluster")
@@ -69,14 +70,12 @@ awk -v a="$one" -v b="$three" 'BEGIN { d = a - b; if (d < 0) d = -d; m = a < 0 ?
 grep -q "created variable 'logreg/w' float32 \[2048\]" "$run"/sharded-*psd*.log || fail "logreg/w was not sliced over two shards"
 
 # --- 2-3. kill -9 the chief, then a non-chief shard ----------------------------------------------
-base=$(free_base)
-cluster=$(cluster_of "$base" 3)
 ckpt="$run/ckpt"
 flags=(--cluster "$cluster" -R 3 -B 1 --init-tokens 0 --learning-rate 0.5 --exit-when-done --checkpoint-dir "$ckpt"
   --checkpoint-every-steps 10 --slice-bytes 8192 --summary-interval-s 0)
 declare -A shard_pid
 start_shard() {  # $1: index, $2: log name
-  timeout 240 "$psd" "${flags[@]}" --shard-index "$1" 2> "$run/$2.log" &
+  timeout 240 "${serve_on[@]}" "$(port_of "$cluster" "$1")" -- "$psd" "${flags[@]}" --shard-index "$1" --listen-fd 3 2> "$run/$2.log" &
   shard_pid[$1]=$!
   pids+=($!)
 }

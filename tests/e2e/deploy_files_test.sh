@@ -129,7 +129,8 @@ fi
 grep -E '^srun .*--overlap' "$job" | grep -q -- '--ntasks="\$workers"' || fail "psd_job.sh: the worker step needs --overlap"
 grep -q 'SLURM_JOB_ID' "$job" && fail "psd_job.sh: nothing may be keyed by the job id (a resubmission must resume)"
 # A fake Slurm: scontrol lists $FAKE_NODES; srun starts --ntasks copies with SLURM_PROCID and, for
-# a step given --nodelist, SLURMD_NODENAME; it forwards SIGTERM to them.
+# a step given --nodelist (the shards), SLURMD_NODENAME and a socket listening on that node's
+# $PSD_PORT (LISTEN_FDS); it forwards SIGTERM to them.
 mkdir -p "$run/bin"
 cat >"$run/bin/scontrol" <<'EOF'
 #!/usr/bin/env bash
@@ -150,7 +151,12 @@ done
 IFS=, read -ra nodes <<<"$nodelist"
 pids=()
 for ((i = 0; i < n; i++)); do
-  SLURM_PROCID=$i SLURMD_NODENAME=${nodes[i]:-127.0.0.1} "$@" &
+  if [ -n "$nodelist" ]; then  # the shard step: its socket on the node's reserved $PSD_PORT
+    SLURM_PROCID=$i SLURMD_NODENAME=${nodes[i]} /usr/bin/python3 "$FAKE_LISTEN_PY" serve --host "${nodes[i]}" \
+      --systemd "$PSD_PORT" -- "$@" &
+  else
+    SLURM_PROCID=$i SLURMD_NODENAME=${nodes[i]:-127.0.0.1} "$@" &
+  fi
   pids+=($!)
 done
 trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
@@ -166,18 +172,15 @@ done
 exit "$status"
 EOF
 chmod +x "$run/bin/scontrol" "$run/bin/srun"
-port=$($py -c '
-import socket
-while True:
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]
-    t = socket.socket()
-    try:
-        t.bind(("127.0.0.2", p)); break
-    except OSError:
-        pass
-print(p)')
+# The shards' port, the same on both fake nodes, is the test's own (tests/e2e/listen.py): the fake
+# srun hands each shard a socket listening on it, as systemd's socket activation does (LISTEN_FDS).
+$py "$listen_py" reserve-shared 127.0.0.1,127.0.0.2 "$run/shard.port" &
+pids+=($!)
+wait_for "$run/shard.port" . 10 || fail "could not reserve a port on 127.0.0.1 and 127.0.0.2"
+port=$(cat "$run/shard.port")
 slurm_env=(PATH="$run/bin:$PATH" FAKE_NODES="127.0.0.1 127.0.0.2" SLURM_JOB_NODELIST=fake SLURM_NTASKS=3
-  SLURM_JOB_NAME=deploy-test PSD_BUILD="$(dirname "$(dirname "$psd")")" PSD_PORT="$port" PSD_METRICS_PORT="")
+  SLURM_JOB_NAME=deploy-test PSD_BUILD="$(dirname "$(dirname "$psd")")" PSD_PORT="$port" PSD_METRICS_PORT=""
+  FAKE_LISTEN_PY="$listen_py")
 slurm_run() {  # $1: log name
   env -C "$run" "${slurm_env[@]}" PSD_STEPS=60 timeout 180 bash "$job" >"$run/$1.log" 2>&1 ||
     fail "psd_job.sh under a fake Slurm ($1) did not exit 0"

@@ -17,21 +17,13 @@ ckpt="$run/ckpt"
 flags=(-R 2 -B 1 --init-tokens 0 --learning-rate 0.5 --checkpoint-dir "$ckpt" --checkpoint-every-steps 10 --exit-when-done
   --summary-interval-s 0)
 
-if declare -F reserve_ports > /dev/null; then
-  # Owned port (tests/e2e/listen.py): the restarted psd gets it back.
-  reserve_ports 1 "$run/reserved"
-  port=$(port_of "$(cat "$run/reserved")" 0)
-  launch() { exec timeout 120 "${serve_on[@]}" "$port" -- "$psd" --listen-fd 3 "$@"; }
-  launch "${flags[@]}" 2> "$run/psd1.log" &
-  psd1=$!; pids+=($psd1)
-  wait_for "$run/psd1.log" "listening" 10 || fail "psd did not start"
-else
-  timeout 120 "$psd" --port 0 --port-file "$run/port" "${flags[@]}" 2> "$run/psd1.log" &
-  psd1=$!; pids+=($psd1)
-  wait_for "$run/port" . 10 || fail "psd did not start"
-  port=$(cat "$run/port")
-  launch() { exec timeout 120 "$psd" --port "$port" "$@"; }
-fi
+# Owned port (tests/e2e/listen.py): the restarted psd gets it back.
+reserve_ports 1 "$run/reserved"
+port=$(port_of "$(cat "$run/reserved")" 0)
+launch() { exec timeout 120 "${serve_on[@]}" "$port" -- "$psd" --listen-fd 3 "$@"; }
+launch "${flags[@]}" 2> "$run/psd1.log" &
+psd1=$!; pids+=($psd1)
+wait_for "$run/psd1.log" "listening" 10 || fail "psd did not start"
 
 # --- 1. psd restarted without its checkpoints --------------------------------------------------
 wpids=()

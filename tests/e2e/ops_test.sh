@@ -90,16 +90,13 @@ kill -TERM "$pid"
 wait "$pid" || fail "psd did not stop cleanly"
 
 # --- 3. psd_admin's exit status ---------------------------------------------------------------
-free_ports() {
-  /usr/bin/python3 -c '
-import socket
-socks = [socket.socket() for _ in range(2)]
-for s in socks: s.bind(("127.0.0.1", 0))
-print(",".join("127.0.0.1:%d" % s.getsockname()[1] for s in socks))'
-}
-cluster=$(free_ports)
-timeout 60 "$psd" --cluster "$cluster" --shard-index 0 --port-file "$run/c0.port" --metrics-port 0 \
-  --metrics-port-file "$run/c0.mport" --election-timeout-ms 300 2> "$run/c0.log" &
+# Three ports of the test's own (tests/e2e/listen.py): two shards, and one nobody listens on.
+reserve_ports 3 "$run/ports"
+cluster=$(cut -d, -f1,2 "$run/ports")
+silent=$(port_of "$(cat "$run/ports")" 2)
+timeout 60 "${serve_on[@]}" "$(port_of "$cluster" 0)" -- "$psd" --cluster "$cluster" --shard-index 0 --listen-fd 3 \
+  --port-file "$run/c0.port" --metrics-port 0 --metrics-port-file "$run/c0.mport" --election-timeout-ms 300 \
+  2> "$run/c0.log" &
 pids+=($!)
 wait_file "$run/c0.mport" 100 || fail "shard 0 did not start"
 sleep 1
@@ -112,14 +109,14 @@ grep -q '"serving":false' <<< "$out" || fail "JSON does not say not serving: $ou
 grep -q '"shard":1,"reachable":false' <<< "$out" || fail "JSON does not say shard 1 is unreachable: $out"
 [ ! -e "$run/c0.port" ] || fail "shard 0 wrote its port file before the cluster formed"
 [ "$(get "$(cat "$run/c0.mport")" /readyz)" = 503 ] || fail "/readyz of a lone shard"
-timeout 60 "$psd" --cluster "$cluster" --shard-index 1 --port-file "$run/c1.port" --election-timeout-ms 300 \
-  2> "$run/c1.log" &
+timeout 60 "${serve_on[@]}" "$(port_of "$cluster" 1)" -- "$psd" --cluster "$cluster" --shard-index 1 --listen-fd 3 \
+  --port-file "$run/c1.port" --election-timeout-ms 300 2> "$run/c1.log" &
 pids+=($!)
 wait_file "$run/c0.port" 200 && wait_file "$run/c1.port" 200 || fail "the cluster did not become ready"
 out=$(timeout 10 "$admin" --cluster "$cluster" --json status) || fail "psd_admin exit $? once the cluster serves: $out"
 grep -q '"serving":true' <<< "$out" && grep -q '"shards":2' <<< "$out" || fail "JSON: $out"
 set +e
-timeout 10 "$admin" --port 1 status > /dev/null 2>&1
+timeout 10 "$admin" --port "$silent" status > /dev/null 2>&1
 rc=$?
 set -e
 [ "$rc" = 1 ] || fail "psd_admin exit $rc when nothing answers (want 1)"

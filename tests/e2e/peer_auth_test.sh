@@ -10,27 +10,24 @@ pids=()
 trap 'for p in "${pids[@]}"; do kill -9 $(pgrep -P "$p") "$p" 2>/dev/null || true; done; rm -rf "$run"' EXIT
 source "$(dirname "$0")/cluster_lib.sh"
 
-# Two ports the kernel picked for sockets bound and released here.
-read -r p0 p1 < <(/usr/bin/python3 -c '
-import socket
-a, b = socket.socket(), socket.socket()
-a.bind(("127.0.0.1", 0)); b.bind(("127.0.0.1", 0))
-print(a.getsockname()[1], b.getsockname()[1])')
-cluster=127.0.0.1:$p0,127.0.0.1:$p1
+# Two ports of this test's own (tests/e2e/listen.py): a restarted shard serves on its port again.
+reserve_ports 2 "$run/ports"
+cluster=$(cat "$run/ports")
 (umask 077 && od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > "$run/secret" &&
   od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > "$run/other")
 common=(--cluster "$cluster" -R 1 -N 1 --init-tokens 0 --exit-when-done --summary-interval-s 0 --heartbeat-ms 50
         --election-timeout-ms 500)
 shard() {  # $1: index, $2: secret file, $3: log name
-  timeout 120 "$psd" "${common[@]}" --shard-index "$1" --cluster-secret-file "$2" --port-file "$run/$3.port" \
-    2> "$run/$3.log" &
+  timeout 120 "${serve_on[@]}" "$(port_of "$cluster" "$1")" -- "$psd" --listen-fd 3 "${common[@]}" --shard-index "$1" \
+    --cluster-secret-file "$2" --port-file "$run/$3.port" 2> "$run/$3.log" &
   pids+=($!)
 }
 
 # --- 1. a wrong secret: no link is trusted, nothing serves --------------------------------------
 shard 0 "$run/secret" psd0
+s0=${pids[-1]}
 shard 1 "$run/other" bad1
-bad=${pids[1]}
+bad=${pids[-1]}
 wait_for "$run/psd0.log" "the link to shard 1 .* is not trusted: its proof is wrong" 20 ||
   fail "shard 0 did not refuse shard 1's proof"
 wait_for "$run/bad1.log" "the link to shard 0 .* is not trusted: its proof is wrong" 20 ||
@@ -42,9 +39,10 @@ wait "$bad" || true
 
 # --- 2. the right secret: the cluster forms and trains --------------------------------------------
 shard 1 "$run/secret" psd1
+s1=${pids[-1]}
 wait_for "$run/psd0.port" . 30 || fail "the cluster did not form with the right secret"
 timeout 120 "$worker" --cluster "$cluster" --worker-name w0 --steps 20 --features 64 --batch 32 --print-every 0 \
   --retry-s 30 > "$run/w0.log" 2>&1 || fail "the worker failed"
 grep -q "done: 20 local steps" "$run/w0.log" || fail "the worker did not finish its steps"
-for p in "${pids[0]}" "${pids[2]}"; do wait "$p" || fail "a shard did not exit 0"; done
+for p in "$s0" "$s1"; do wait "$p" || fail "a shard did not exit 0"; done
 echo "right secret: the cluster formed and trained 20 steps; both shards exited 0"

@@ -7,7 +7,8 @@
 #  3. a failing worker: psrun stops the others and exits with its code; a missing command: 127;
 #     --timeout-s: 124; a subprocess that outlives its worker is stopped at the end.
 #  4. SIGINT to psrun stops everything it started, the trainers' own subprocesses included.
-#  5. a shard's port taken before it binds: psrun retries on new ports; a psd never ready: named.
+#  5. psrun binds every shard's socket itself (port 0) and hands it over as descriptor 3, so no
+#     port is guessed; a psd never ready: named.
 set -euo pipefail
 psrun=$1 psd=$2 worker=$3
 run=$(mktemp -d)
@@ -142,27 +143,21 @@ grep -q "got Interrupt: stopping everything psrun started" "$run/int.log" || fai
 none_alive $pids $children
 echo "4. SIGINT: psrun exited 130, its 5 processes and the trainers' subprocesses are gone"
 
-# --- 5. a shard's port taken between reserving and binding; a psd that never gets ready -----------
-# Shard 1's first launch finds its port taken, as when another process grabs it first.
-cat > "$run/flaky_psd.sh" <<EOF
+# --- 5. the shards' sockets come from psrun; a psd that never gets ready ----------------------------
+# A wrapper records what each shard inherits as descriptor 3: the socket psrun bound for it.
+cat > "$run/fd_psd.sh" <<EOF
 #!/bin/sh
-case " \$* " in
-  *" --shard-index 1 "*)
-    if [ ! -e "$run/flaky.once" ]; then
-      : > "$run/flaky.once"
-      echo "psd: cannot listen on 127.0.0.1:1: Address already in use" >&2
-      exit 1
-    fi ;;
-esac
+echo "\$* fd3=\$(readlink /proc/self/fd/3)" >> "$run/fd3.txt"
 exec "$psd" "\$@"
 EOF
-chmod +x "$run/flaky_psd.sh"
+chmod +x "$run/fd_psd.sh"
 rc=0
-timeout 120 "$psrun" --psd "$run/flaky_psd.sh" --shards 2 --workers 2 -- "$worker" --steps 50 --print-every 0 \
-  > "$run/retry.log" 2>&1 || rc=$?
-[ "$rc" -eq 0 ] || fail "psrun exited $rc after a port clash"
-grep -q "retrying with new ports (attempt 2 of 5)" "$run/retry.log" || fail "psrun did not retry on new ports"
-[ "$(grep -c "done: " "$run/retry.log")" -eq 2 ] || fail "the workers did not finish after the retry"
+timeout 120 "$psrun" --psd "$run/fd_psd.sh" --shards 2 --workers 2 -- "$worker" --steps 50 --print-every 0 \
+  > "$run/fds.log" 2>&1 || rc=$?
+[ "$rc" -eq 0 ] || fail "psrun exited $rc with 2 shards"
+[ "$(grep -c "done: " "$run/fds.log")" -eq 2 ] || fail "the workers did not finish"
+[ "$(grep -cE -- "--listen-fd 3 --cluster 127\.0\.0\.1:[0-9]+,127\.0\.0\.1:[0-9]+ .* fd3=socket:" "$run/fd3.txt")" -eq 2 ] ||
+  fail "the shards did not get their listening sockets as descriptor 3: $(cat "$run/fd3.txt")"
 printf '#!/bin/sh\necho "restoring for a long time"\nexec sleep 300\n' > "$run/slow_psd.sh"
 chmod +x "$run/slow_psd.sh"
 rc=0
@@ -172,5 +167,5 @@ grep -q "psd shard 0 was not ready within --start-timeout-s 1 (no .*psd-0.port):
   "$run/slow.log" || fail "no clear error for a psd that never got ready"
 # shellcheck disable=SC2046
 none_alive $(started_pids "$run/slow.log")
-echo "5. a port clash: psrun retried on new ports and the job finished; a psd never ready: exit 1, named"
+echo "5. the shards served on the sockets psrun bound for them; a psd never ready: exit 1, named"
 echo "PASS"

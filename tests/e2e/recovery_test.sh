@@ -8,13 +8,16 @@ psd=$1 worker=$2
 run=$(mktemp -d)
 pids=()
 trap 'for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; rm -rf "$run"' EXIT
+source "$(dirname "$0")/cluster_lib.sh"
 ckpt="$run/ckpt"
 flags=(-R 2 -B 1 --init-tokens 0 --learning-rate 0.5 --checkpoint-dir "$ckpt" --checkpoint-every-steps 10 --exit-when-done)
 
-timeout 120 "$psd" --port 0 --port-file "$run/port" "${flags[@]}" 2> "$run/psd1.log" &
+# The port is the test's for its whole length (tests/e2e/listen.py): the restarted psd gets it back.
+reserve_ports 1 "$run/reserved"
+port=$(port_of "$(cat "$run/reserved")" 0)
+timeout 120 "${serve_on[@]}" "$port" -- "$psd" --listen-fd 3 --port-file "$run/port" "${flags[@]}" 2> "$run/psd1.log" &
 psd1=$!; pids+=($psd1)
 for _ in $(seq 200); do [ -s "$run/port" ] && break; sleep 0.05; done
-port=$(cat "$run/port")
 wpids=()
 for i in 0 1 2; do
   timeout 120 "$worker" --port "$port" --worker-name "w$i" --shard $i --steps 400 --slow-ms 2 --print-every 0 \
@@ -29,7 +32,7 @@ kill -9 "$real_psd"
 wait "$psd1" 2>/dev/null || true
 echo "killed psd after: $(grep 'checkpoint at step' "$run/psd1.log" | tail -1 | sed 's/.*checkpoint/checkpoint/')"
 sleep 0.3
-timeout 120 "$psd" --port "$port" "${flags[@]}" 2> "$run/psd2.log" &
+timeout 120 "${serve_on[@]}" "$port" -- "$psd" --listen-fd 3 "${flags[@]}" 2> "$run/psd2.log" &
 psd2=$!; pids+=($psd2)
 for p in "${wpids[@]}"; do wait "$p" || { echo "a worker failed"; cat "$run"/w*.log "$run/psd2.log"; exit 1; }; done
 wait "$psd2" || { echo "restarted psd did not exit 0"; cat "$run/psd2.log"; exit 1; }

@@ -11,7 +11,8 @@ trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$run"' EXIT
 
 help=$(timeout 10 "$psd" --help)
 for flag in --host --port --replicas-to-aggregate --backup-replicas --total-replicas --init-tokens \
-            --optimizer --learning-rate --log-level --max-frame-bytes --exit-when-done --token-timeout-ms; do
+            --optimizer --learning-rate --log-level --max-frame-bytes --exit-when-done --token-timeout-ms \
+            --listen-fd LISTEN_FDS; do
   grep -q -- "$flag" <<< "$help" || { echo "--help does not document $flag"; exit 1; }
 done
 
@@ -29,11 +30,17 @@ refused() {  # refused "expected text" psd-args...
   if out=$(timeout 10 "$psd" "$@" 2>&1); then echo "accepted: $*"; exit 1; fi
   grep -qF -- "$want" <<< "$out" || { echo "psd $*: unclear message: $out"; exit 1; }
 }
+# Two ports of this test's own (tests/e2e/listen.py), for cluster lists and passed sockets.
+listen_py=$(dirname "$0")/listen.py
+/usr/bin/python3 "$listen_py" reserve 2 "$run/ports" &
+holder=$!
+for _ in $(seq 100); do [ -s "$run/ports" ] && break; sleep 0.05; done
+p0=$(cut -d, -f1 "$run/ports" | sed 's/.*://') p1=$(cut -d, -f2 "$run/ports" | sed 's/.*://')
 refused "-B/--backup-replicas must be >= 0, got -1" -B -1
 refused "--summary-interval-s must be in [0, " --summary-interval-s -5
 refused "--cluster entry 0 '127.0.0.1:x' is not host:port" --cluster 127.0.0.1:x
-refused "lists '127.0.0.1:7001' twice" --cluster 127.0.0.1:7001,127.0.0.1:7001 --shard-index 1
-refused "--shard-index 2 is outside the --cluster list of 2 shard(s)" --cluster 127.0.0.1:7001,127.0.0.1:7002 --shard-index 2
+refused "lists '127.0.0.1:$p0' twice" --cluster "127.0.0.1:$p0,127.0.0.1:$p0" --shard-index 1
+refused "--shard-index 2 is outside the --cluster list of 2 shard(s)" --cluster "127.0.0.1:$p0,127.0.0.1:$p1" --shard-index 2
 refused "--max-frame-bytes '64X' is not a size" --max-frame-bytes 64X
 refused "--max-frame-bytes must be in [4 KiB, 16 GiB], got 1 KiB" --max-frame-bytes 1K
 touch "$run/a-file"
@@ -41,10 +48,33 @@ refused "--checkpoint-dir $run/a-file/ckpt cannot be created" --port 0 --checkpo
 # --max-connections against the process's file descriptor limit (both numbers named).
 out=$(ulimit -n 256; timeout 10 "$psd" --port 0 --max-connections 1000 2>&1) && { echo "fd limit ignored"; exit 1; }
 grep -qF "needs 1064 file descriptors" <<< "$out" && grep -qF "at most 256" <<< "$out" || { echo "fd: $out"; exit 1; }
+# A passed socket (--listen-fd, systemd's LISTEN_FDS) must be a listening TCP socket where psd is
+# to listen (tests/e2e/listen.py binds one, on ports this test reserved).
+refused "--listen-fd 5: descriptor 5 is not a socket" --listen-fd 5 5< "$run/a-file"
+refused "--listen-fd 9: descriptor 9 is not open in psd" --listen-fd 9
+if out=$(sh -c 'LISTEN_PID=$$ LISTEN_FDS=2 exec "$0" --port 0' "$psd" 2>&1); then echo "2 sockets accepted"; exit 1; fi
+grep -qF "give the .socket unit a single ListenStream=" <<< "$out" || { echo "LISTEN_FDS=2: unclear: $out"; exit 1; }
+served_refused() {  # served_refused "expected text" listen.py-serve-args -- psd-args...
+  local want=$1 out
+  shift
+  if out=$(timeout 10 /usr/bin/python3 "$listen_py" serve "$@" 2>&1); then echo "accepted: $*"; exit 1; fi
+  grep -qF -- "$want" <<< "$out" || { echo "$*: unclear message: $out"; exit 1; }
+}
+served_refused "--listen-fd 3 is bound to 127.0.0.1:$p0, but psd is to listen on 127.0.0.1:$p1" \
+  "$p0" -- "$psd" --cluster "127.0.0.1:$p0,127.0.0.1:$p1" --shard-index 1 --listen-fd 3
+served_refused "--listen-fd and systemd's LISTEN_FDS both pass a socket" --systemd "$p0" -- "$psd" --listen-fd 3
+# systemd's way: a single daemon serves on the socket, at its address.
+timeout 30 /usr/bin/python3 "$listen_py" serve --systemd "$p1" -- "$psd" --port-file "$run/sd.port" 2> "$run/sd.log" &
+sd=$!
+for _ in $(seq 200); do [ -s "$run/sd.port" ] && break; sleep 0.05; done
+[ "$(cat "$run/sd.port" 2>/dev/null)" = "$p1" ] || { echo "LISTEN_FDS: not serving on $p1"; cat "$run/sd.log"; exit 1; }
+timeout 10 "$admin" --port "$p1" status > /dev/null || { echo "LISTEN_FDS: psd_admin got no answer"; exit 1; }
+kill -TERM "$sd"; wait "$sd" || { echo "psd on a systemd socket did not stop cleanly"; exit 1; }
+kill "$holder"; wait "$holder" 2>/dev/null || true
 # Config files are strict: the line is named, with a suggestion.
 printf '# psd\nlearning-rate = 0.1\nreplicas-to-agregate = 4\n' > "$run/typo.conf"
 refused "typo.conf:3: unknown key 'replicas-to-agregate' (did you mean replicas-to-aggregate?)" --config "$run/typo.conf"
-printf '[server]\nport = 7070\n' > "$run/section.conf"
+printf '[server]\nport = 0\n' > "$run/section.conf"
 refused "section.conf:1: section [server] is not supported" --config "$run/section.conf"
 printf 'backup_replicas = 1\n' > "$run/snake.conf"
 refused "snake.conf:1: key 'backup_replicas' is spelled 'backup-replicas'" --config "$run/snake.conf"

@@ -21,19 +21,10 @@ source "$(dirname "$0")/cluster_lib.sh"
 real_pid() { pgrep -P "$1"; }  # the psd under `timeout`
 
 declare -A shard_pid
-if declare -F reserve_ports > /dev/null; then
-  # Owned ports (tests/e2e/listen.py): every (re)started shard serves on its reserved port.
-  reserve_ports 3 "$run/ports"
-  cluster=$(cat "$run/ports")
-  launch() { exec timeout 240 "${serve_on[@]}" "$(port_of "$cluster" "$1")" -- "$psd" --listen-fd 3 "${@:2}"; }
-else
-  # Until listen.py is there: ports the kernel picked just now (released again, so a small race).
-  cluster=$(/usr/bin/python3 -c 'import socket
-ss = [socket.socket() for _ in range(3)]
-for s in ss: s.bind(("127.0.0.1", 0))
-print(",".join("127.0.0.1:%d" % s.getsockname()[1] for s in ss))')
-  launch() { exec timeout 240 "$psd" "${@:2}"; }
-fi
+# Owned ports (tests/e2e/listen.py): every (re)started shard serves on its reserved port.
+reserve_ports 3 "$run/ports"
+cluster=$(cat "$run/ports")
+launch() { exec timeout 240 "${serve_on[@]}" "$(port_of "$cluster" "$1")" -- "$psd" --listen-fd 3 "${@:2}"; }
 flags=(--cluster "$cluster" -R 3 -B 1 --init-tokens 0 --learning-rate 0.5 --exit-when-done --checkpoint-every-steps 10
   --slice-bytes 8192 --summary-interval-s 0)
 start_shard() {  # $1: index, $2: log name, then more flags

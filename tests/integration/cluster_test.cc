@@ -4,9 +4,9 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
-#include <random>
 #include <thread>
 
+#include "support/test_cluster.h"
 #include "support/test_server.h"
 
 using namespace psd;
@@ -16,34 +16,9 @@ using psd::testing::TestConfig;
 
 namespace {
 
-struct Cluster {
-  std::vector<std::unique_ptr<server::Server>> shards;
-  std::vector<std::string> addresses;
-};
+using Cluster = psd::testing::TestCluster;
 
-// P shards on consecutive ports from a random base (another base if one is taken).
-Cluster StartCluster(server::ServerConfig cfg, int shards) {
-  std::random_device rd;
-  for (int attempt = 0; attempt < 10; ++attempt) {
-    Cluster c;
-    int base = 20000 + static_cast<int>(rd() % 40000);
-    for (int k = 0; k < shards; ++k) c.addresses.push_back("127.0.0.1:" + std::to_string(base + k));
-    cfg.cluster = c.addresses;
-    bool ok = true;
-    for (int k = 0; k < shards && ok; ++k) {
-      server::ServerConfig shard = cfg;
-      shard.shard_index = k;
-      shard.port = static_cast<uint16_t>(base + k);
-      auto s = server::Server::Create(shard);
-      REQUIRE(s.ok());
-      ok = (*s)->Start().ok();
-      if (ok) c.shards.push_back(std::move(*s));
-    }
-    if (ok) return c;
-  }
-  FAIL("could not start a cluster");
-  return {};
-}
+Cluster StartCluster(server::ServerConfig cfg, int shards) { return psd::testing::StartTestCluster(cfg, shards); }
 
 std::unique_ptr<psclient::Client> ConnectCluster(const Cluster& c, const std::string& name) {
   psclient::ClientOptions o;

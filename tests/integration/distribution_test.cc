@@ -5,9 +5,9 @@
 
 #include <catch2/catch.hpp>
 #include <filesystem>
-#include <random>
 #include <thread>
 
+#include "support/test_cluster.h"
 #include "support/test_server.h"
 
 using namespace psd;
@@ -37,25 +37,9 @@ Job StartJob(server::ServerConfig cfg, int shards, int replicas) {
   if (shards == 1) {
     job.servers.push_back(StartServer(cfg));
   } else {
-    std::random_device rd;
-    for (int attempt = 0; attempt < 10 && job.servers.empty(); ++attempt) {
-      int base = 20000 + static_cast<int>(rd() % 40000);
-      job.cluster.clear();
-      for (int k = 0; k < shards; ++k) job.cluster.push_back("127.0.0.1:" + std::to_string(base + k));
-      cfg.cluster = job.cluster;
-      std::vector<std::unique_ptr<server::Server>> made;
-      for (int k = 0; k < shards; ++k) {
-        server::ServerConfig s = cfg;
-        s.shard_index = k;
-        s.port = static_cast<uint16_t>(base + k);
-        auto created = server::Server::Create(s);
-        REQUIRE(created.ok());
-        if (!(*created)->Start().ok()) break;
-        made.push_back(std::move(*created));
-      }
-      if (static_cast<int>(made.size()) == shards) job.servers = std::move(made);
-    }
-    REQUIRE(!job.servers.empty());
+    auto cluster = psd::testing::StartTestCluster(cfg, shards);
+    job.servers = std::move(cluster.shards);
+    job.cluster = std::move(cluster.addresses);
   }
   for (int r = 0; r < replicas; ++r) {
     if (shards == 1) {

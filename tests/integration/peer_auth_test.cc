@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 #include <optional>
 
+#include "support/test_cluster.h"
 #include "support/test_server.h"
 #include "wire/frame.h"
 
@@ -20,41 +21,10 @@ namespace {
 
 const std::string kSecret = "the-cluster-secret-0123456789abcdef";
 
-struct Cluster {
-  std::vector<std::unique_ptr<server::Server>> shards;
-  std::vector<std::string> addresses;
-};
+using Cluster = psd::testing::TestCluster;
 
-// P shards on ports the kernel picked for sockets bound and released here (another set of
-// ports if one was taken meanwhile).
-Cluster StartCluster(server::ServerConfig cfg, int shards) {
-  for (int attempt = 0; attempt < 10; ++attempt) {
-    Cluster c;
-    {
-      asio::io_context io;
-      std::vector<tcp::acceptor> probes;
-      for (int k = 0; k < shards; ++k) {
-        probes.emplace_back(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-        c.addresses.push_back("127.0.0.1:" + std::to_string(probes.back().local_endpoint().port()));
-      }
-    }
-    cfg.cluster = c.addresses;
-    bool ok = true;
-    for (int k = 0; k < shards && ok; ++k) {
-      server::ServerConfig shard = cfg;
-      shard.shard_index = k;
-      shard.port = 0;
-      REQUIRE(shard.ResolveListenAddress(false, false).ok());
-      auto s = server::Server::Create(shard);
-      REQUIRE(s.ok());
-      ok = (*s)->Start().ok();
-      if (ok) c.shards.push_back(std::move(*s));
-    }
-    if (ok) return c;
-  }
-  FAIL("could not start a cluster");
-  return {};
-}
+// P shards, each serving on a socket bound on port 0 for it (no port is guessed).
+Cluster StartCluster(server::ServerConfig cfg, int shards) { return psd::testing::StartTestCluster(cfg, shards); }
 
 std::unique_ptr<psclient::Client> ConnectCluster(const Cluster& c, const std::string& name) {
   psclient::ClientOptions o;
