@@ -75,6 +75,7 @@
 #include <utility>
 #include <vector>
 
+#include "psd/listen_socket.h"
 #include "checkpoint/checkpoint.h"
 #include "config.h"
 #include "net/server.h"
@@ -1420,7 +1421,7 @@ int Run(int argc, char** argv) {
     config.summary_interval_s = 0;
     config.log_level = opt.log_level;
     if (opt.shards > 1) {
-      // A cluster in this process: P shards on consecutive ports from a random free-looking base.
+      // A cluster in this process: P shards on sockets bound on port 0 (below).
       if (!opt.slice_bytes_text.empty()) {
         auto sb = ParseBytes(opt.slice_bytes_text);
         if (!sb.ok()) {
@@ -1435,42 +1436,41 @@ int Run(int argc, char** argv) {
             4096, (largest + static_cast<uint64_t>(opt.shards) - 1) / static_cast<uint64_t>(opt.shards));
       }
     }
-    for (int attempt = 0; servers.empty() && attempt < 5; ++attempt) {
-      std::vector<std::unique_ptr<psd::server::Server>> made;
-      if (opt.shards > 1) {
-        std::random_device rd;
-        int base = 20000 + static_cast<int>(rd() % 40000);
-        config.cluster.clear();
-        for (int k = 0; k < opt.shards; ++k) config.cluster.push_back("127.0.0.1:" + std::to_string(base + k));
-      }
-      bool ok = true;
-      for (int k = 0; k < opt.shards && ok; ++k) {
-        psd::server::ServerConfig shard = config;
-        if (opt.shards > 1) {
-          shard.shard_index = k;
-          shard.port = static_cast<uint16_t>(std::atoi(config.cluster[static_cast<size_t>(k)].c_str() + 10));
-        }
-        auto created = psd::server::Server::Create(shard);  // runs config.Validate()
-        if (!created.ok()) {
-          std::fprintf(stderr, "psd_bench: in-process psd: %s\n", created.status().ToString().c_str());
+    // A cluster's shards get sockets bound on port 0 first (their addresses make the --cluster
+    // list), so no port is guessed.
+    std::vector<int> sockets;
+    std::vector<psd::SocketAddress> bound(static_cast<size_t>(opt.shards));
+    if (opt.shards > 1) {
+      config.cluster.clear();
+      for (int k = 0; k < opt.shards; ++k) {
+        auto fd = psd::ListenTcp("127.0.0.1", 0, &bound[static_cast<size_t>(k)]);
+        if (!fd.ok()) {
+          std::fprintf(stderr, "psd_bench: in-process shard %d: %s\n", k, fd.status().ToString().c_str());
+          for (int open_fd : sockets) ::close(open_fd);
           return 1;
         }
-        Status started = (*created)->Start();
-        if (!started.ok()) {
-          ok = false;  // the port is taken: another base
-          if (opt.shards == 1) {
-            std::fprintf(stderr, "psd_bench: in-process psd: %s\n", started.ToString().c_str());
-            return 1;
-          }
-          break;
-        }
-        made.push_back(std::move(*created));
+        sockets.push_back(*fd);
+        config.cluster.push_back(bound[static_cast<size_t>(k)].ToString());
       }
-      if (ok) servers = std::move(made);
     }
-    if (servers.empty()) {
-      std::fprintf(stderr, "psd_bench: could not start %d in-process shards\n", opt.shards);
-      return 1;
+    for (int k = 0; k < opt.shards; ++k) {
+      psd::server::ServerConfig shard = config;
+      if (opt.shards > 1) {
+        shard.shard_index = k;
+        shard.host = bound[static_cast<size_t>(k)].ip;
+        shard.port = bound[static_cast<size_t>(k)].port;
+        shard.listen_fd = sockets[static_cast<size_t>(k)];  // the Server owns it from Start() on
+      }
+      auto created = psd::server::Server::Create(shard);  // runs config.Validate()
+      Status started = created.ok() ? (*created)->Start() : created.status();
+      if (!started.ok()) {
+        std::fprintf(stderr, "psd_bench: in-process psd: %s\n", started.ToString().c_str());
+        if (!created.ok()) {
+          for (size_t j = static_cast<size_t>(k); j < sockets.size(); ++j) ::close(sockets[j]);
+        }
+        return 1;
+      }
+      servers.push_back(std::move(*created));
     }
     ep = {"127.0.0.1", servers[0]->port(), config.cluster};
     report.daemon = "in-process";
