@@ -1144,6 +1144,10 @@ void ClusterCoordinator::OnPartWritten(const CheckpointInfo& info, int64_t step)
   int chief = -1;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // A trace of `step` on this shard until its seal arrives: if the seal never does (the cluster
+    // re-formed first), the step is unusable here, not lost — a chief that did seal it must not
+    // ask an operator to give it up (FormationStepLocked).
+    if (std::find(unusable_.begin(), unusable_.end(), step) == unusable_.end()) unusable_.push_back(step);
     proto::PeerMessage::Builder msg(nullptr);
     frame = NewMessageLocked(&msg);
     auto p = msg.initPartWritten();
@@ -1159,6 +1163,7 @@ void ClusterCoordinator::OnPartWritten(const CheckpointInfo& info, int64_t step)
 }
 
 void ClusterCoordinator::AddSealedLocked(int64_t step) {
+  unusable_.erase(std::remove(unusable_.begin(), unusable_.end(), step), unusable_.end());
   if (std::find(sealed_.begin(), sealed_.end(), step) == sealed_.end()) sealed_.push_back(step);
   std::sort(sealed_.rbegin(), sealed_.rend());
   if (config_.keep_checkpoints > 0 && sealed_.size() > static_cast<size_t>(config_.keep_checkpoints)) {
