@@ -75,12 +75,12 @@
 #include <utility>
 #include <vector>
 
-#include "psd/listen_socket.h"
 #include "checkpoint/checkpoint.h"
 #include "config.h"
 #include "net/server.h"
 #include "optimizer/optimizer.h"
 #include "psclient/client.h"
+#include "psd/listen_socket.h"
 #include "sync/sync_engine.h"
 
 #ifndef PSD_BUILD_TYPE

@@ -361,7 +361,8 @@ Status ServerConfig::Validate() {
     return InvalidArgument("--tls-ca-file and --tls-require-client-cert need --tls-cert-file and --tls-key-file");
   }
   if (tls_require_client_cert && tls_ca_file.empty()) {
-    return InvalidArgument("--tls-require-client-cert needs --tls-ca-file (the CA that signs the clients' certificates)");
+    return InvalidArgument(
+        "--tls-require-client-cert needs --tls-ca-file (the CA that signs the clients' certificates)");
   }
   if (!cluster_secret.empty()) PSD_RETURN_IF_ERROR(peer_auth::ValidateClusterSecret(cluster_secret, auth_token));
   return CheckProtectedMode();

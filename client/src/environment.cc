@@ -103,9 +103,9 @@ Result<LaunchEnvironment> ReadLaunchEnvironment(const EnvironmentLookup& lookup)
     if (*tls != "1" && *tls != "0") return psd::InvalidArgument("PSD_TLS='" + *tls + "' must be 1 or 0");
     o.tls = *tls == "1";
   }
-  for (auto [name, out] : {std::pair{"PSD_TLS_CA_FILE", &o.tls_ca_file}, std::pair{"PSD_TLS_CERT_FILE", &o.tls_cert_file},
-                           std::pair{"PSD_TLS_KEY_FILE", &o.tls_key_file},
-                           std::pair{"PSD_TLS_SERVER_NAME", &o.tls_server_name}}) {
+  for (auto [name, out] :
+       {std::pair{"PSD_TLS_CA_FILE", &o.tls_ca_file}, std::pair{"PSD_TLS_CERT_FILE", &o.tls_cert_file},
+        std::pair{"PSD_TLS_KEY_FILE", &o.tls_key_file}, std::pair{"PSD_TLS_SERVER_NAME", &o.tls_server_name}}) {
     if (auto v = get(name)) *out = *v;
   }
   return env;

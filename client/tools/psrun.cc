@@ -100,7 +100,7 @@ struct Options {
   std::vector<std::string> psd_args;
   std::string checkpoint_dir;
   std::string auth_token_file;
-  std::string auth;  // "auto": a fresh random token for this run
+  std::string auth;     // "auto": a fresh random token for this run
   std::string tls_dir;  // ca.pem, server.pem/.key [, client.pem/.key] as deploy/make_tls_certs.sh makes them
   std::string cluster;
   std::string log_dir;
@@ -280,7 +280,8 @@ bool Launcher::Setup() {
     tls_dir_ = Absolute(o_.tls_dir);
     for (const char* f : {"ca.pem", "server.pem", "server.key"}) {
       if (access((tls_dir_ + "/" + f).c_str(), R_OK) != 0) {
-        Say("--tls-dir: " + tls_dir_ + "/" + f + " is missing; make the files with deploy/make_tls_certs.sh " + o_.tls_dir);
+        Say("--tls-dir: " + tls_dir_ + "/" + f + " is missing; make the files with deploy/make_tls_certs.sh " +
+            o_.tls_dir);
         return false;
       }
     }
@@ -892,10 +893,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   for (const auto& a : o.psd_args) {
-    for (const char* owned :
-         {"--replicas-to-aggregate", "-R", "--backup-replicas", "-B", "--total-replicas", "-N", "--cluster",
-          "--cluster-file", "--shard-index", "--port", "--port-file", "--host", "--listen-fd", "--auth-token-file",
-          "--cluster-secret-file"}) {
+    for (const char* owned : {"--replicas-to-aggregate", "-R", "--backup-replicas", "-B", "--total-replicas", "-N",
+                              "--cluster", "--cluster-file", "--shard-index", "--port", "--port-file", "--host",
+                              "--listen-fd", "--auth-token-file", "--cluster-secret-file"}) {
       std::string flag = a.substr(0, a.find('='));
       if (flag == owned) {
         std::fprintf(stderr,

@@ -31,16 +31,18 @@ Status Load(ssl::context& ctx, const TlsFiles& f, const char* who) {
   if (!f.cert_file.empty()) {
     PSD_RETURN_IF_ERROR(Readable(f.cert_file, "the TLS certificate file"));
     ctx.use_certificate_chain_file(f.cert_file, ec);
-    if (ec) return InvalidArgument(std::string(who) + ": the TLS certificate file '" + f.cert_file +
-                                   "' is not a PEM certificate chain: " + OpenSslText(ec));
+    if (ec)
+      return InvalidArgument(std::string(who) + ": the TLS certificate file '" + f.cert_file +
+                             "' is not a PEM certificate chain: " + OpenSslText(ec));
     PSD_RETURN_IF_ERROR(Readable(f.key_file, "the TLS key file"));
     ctx.use_private_key_file(f.key_file, ssl::context::pem, ec);
     if (ec && OpenSslText(ec).find("key values mismatch") != std::string::npos) {
       mismatch = true;  // a readable key, but not this certificate's
       ec.clear();
     }
-    if (ec) return InvalidArgument(std::string(who) + ": the TLS key file '" + f.key_file +
-                                   "' is not a PEM private key: " + OpenSslText(ec));
+    if (ec)
+      return InvalidArgument(std::string(who) + ": the TLS key file '" + f.key_file +
+                             "' is not a PEM private key: " + OpenSslText(ec));
     if (mismatch || SSL_CTX_check_private_key(ctx.native_handle()) != 1) {
       return InvalidArgument(std::string(who) + ": the TLS key file '" + f.key_file +
                              "' does not match the certificate '" + f.cert_file + "'");
@@ -49,8 +51,9 @@ Status Load(ssl::context& ctx, const TlsFiles& f, const char* who) {
   if (!f.ca_file.empty()) {
     PSD_RETURN_IF_ERROR(Readable(f.ca_file, "the TLS CA file"));
     ctx.load_verify_file(f.ca_file, ec);
-    if (ec) return InvalidArgument(std::string(who) + ": the TLS CA file '" + f.ca_file +
-                                   "' holds no PEM certificate: " + OpenSslText(ec));
+    if (ec)
+      return InvalidArgument(std::string(who) + ": the TLS CA file '" + f.ca_file +
+                             "' holds no PEM certificate: " + OpenSslText(ec));
   }
   return Status::Ok();
 }
@@ -69,7 +72,8 @@ Result<std::shared_ptr<ssl::context>> MakeServerTlsContext(const TlsFiles& files
     return InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file");
   }
   if (require_client_cert && files.ca_file.empty()) {
-    return InvalidArgument("--tls-require-client-cert needs --tls-ca-file (the CA that signs the clients' certificates)");
+    return InvalidArgument(
+        "--tls-require-client-cert needs --tls-ca-file (the CA that signs the clients' certificates)");
   }
   auto ctx = std::make_shared<ssl::context>(ssl::context::tls_server);
   Harden(*ctx);
@@ -102,7 +106,8 @@ Status SetTlsServerName(ssl::stream<tcp::socket>& stream, const std::string& nam
   }
   X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
   X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
-  int ok = is_ip ? X509_VERIFY_PARAM_set1_ip_asc(param, name.c_str()) : X509_VERIFY_PARAM_set1_host(param, name.c_str(), 0);
+  int ok =
+      is_ip ? X509_VERIFY_PARAM_set1_ip_asc(param, name.c_str()) : X509_VERIFY_PARAM_set1_host(param, name.c_str(), 0);
   if (ok != 1) return InvalidArgument("TLS: cannot verify the daemon's certificate against '" + name + "'");
   return Status::Ok();
 }
@@ -153,8 +158,7 @@ Status TlsHandshake(ssl::stream<tcp::socket>& stream, Deadline deadline) {
 
 Status WriteFrame(ssl::stream<tcp::socket>& stream, OutFrame& frame, Deadline deadline) {
   auto buffers = frame.Buffers();
-  return RunUntil(stream, deadline, "TLS write",
-                  [&](auto done) { asio::async_write(stream, buffers, done); });
+  return RunUntil(stream, deadline, "TLS write", [&](auto done) { asio::async_write(stream, buffers, done); });
 }
 
 Status ReadFrame(ssl::stream<tcp::socket>& stream, InFrame& in, uint64_t max_frame_bytes, Deadline deadline,
@@ -169,11 +173,14 @@ Status ReadFrame(ssl::stream<tcp::socket>& stream, InFrame& in, uint64_t max_fra
 std::string TlsErrorText(const boost::system::error_code& ec) {
   std::string text = OpenSslText(ec);
   if (text.find("certificate verify failed") != std::string::npos) {
-    text += " (the other side's certificate is not signed by the CA file given, has expired, or does not name the "
-            "host dialled: check --tls-ca-file / tls_ca_file and tls_server_name)";
-  } else if (text.find("wrong version number") != std::string::npos || text.find("packet length too long") != std::string::npos) {
+    text +=
+        " (the other side's certificate is not signed by the CA file given, has expired, or does not name the "
+        "host dialled: check --tls-ca-file / tls_ca_file and tls_server_name)";
+  } else if (text.find("wrong version number") != std::string::npos ||
+             text.find("packet length too long") != std::string::npos) {
     text += " (one side speaks TLS and the other does not: give both the TLS settings, or neither)";
-  } else if (text.find("certificate required") != std::string::npos || text.find("peer did not return a certificate") != std::string::npos) {
+  } else if (text.find("certificate required") != std::string::npos ||
+             text.find("peer did not return a certificate") != std::string::npos) {
     text += " (psd runs with --tls-require-client-cert: give the client a certificate and key)";
   }
   return text;

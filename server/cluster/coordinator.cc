@@ -7,8 +7,8 @@
 #include <deque>
 
 #include "cluster/election.h"
-#include "net/byte_stream.h"
 #include "cluster/peer_auth.h"
+#include "net/byte_stream.h"
 #include "net/server.h"
 #include "sync/sync_engine.h"
 
@@ -109,34 +109,36 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
         [self = shared_from_this()](boost::system::error_code ec, tcp::resolver::results_type results) {
           if (ec) return self->Retry();
           self->stream_ = std::make_shared<ByteStream>(tcp::socket(self->strand_), self->tls_);
-          asio::async_connect(self->stream_->lowest(), results, [self, stream = self->stream_](boost::system::error_code ec, const tcp::endpoint&) {
-            if (ec) return self->Retry();
-            boost::system::error_code ignored;
-            self->stream_->lowest().set_option(tcp::no_delay(true), ignored);
-            if (self->stream_->tls()) {
-              Status s = wire::SetTlsServerName(self->stream_->tls_stream(),
-                                                self->address_.substr(0, self->address_.rfind(':')));
-              if (!s.ok()) {
-                spdlog::error("peer link to {}: {}", self->address_, s.message());
-                return self->Retry();
-              }
-            }
-            self->stream_->async_handshake(
-                wire::ssl::stream_base::client,
-                asio::bind_executor(self->strand_, [self, stream](const boost::system::error_code& ec) {
-                  if (ec) {
-                    self->LogHandshakeError(ec);
+          asio::async_connect(
+              self->stream_->lowest(), results,
+              [self, stream = self->stream_](boost::system::error_code ec, const tcp::endpoint&) {
+                if (ec) return self->Retry();
+                boost::system::error_code ignored;
+                self->stream_->lowest().set_option(tcp::no_delay(true), ignored);
+                if (self->stream_->tls()) {
+                  Status s = wire::SetTlsServerName(self->stream_->tls_stream(),
+                                                    self->address_.substr(0, self->address_.rfind(':')));
+                  if (!s.ok()) {
+                    spdlog::error("peer link to {}: {}", self->address_, s.message());
                     return self->Retry();
                   }
-                  self->up_ = true;
-                  if (self->id_.cluster_secret.empty()) {
-                    self->queue_.push_front(self->Hello(""));
-                    self->WriteNext();
-                    return self->ReadLoop();
-                  }
-                  self->StartHandshake();
-                }));
-          });
+                }
+                self->stream_->async_handshake(
+                    wire::ssl::stream_base::client,
+                    asio::bind_executor(self->strand_, [self, stream](const boost::system::error_code& ec) {
+                      if (ec) {
+                        self->LogHandshakeError(ec);
+                        return self->Retry();
+                      }
+                      self->up_ = true;
+                      if (self->id_.cluster_secret.empty()) {
+                        self->queue_.push_front(self->Hello(""));
+                        self->WriteNext();
+                        return self->ReadLoop();
+                      }
+                      self->StartHandshake();
+                    }));
+              });
         });
   }
 
@@ -266,13 +268,15 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   }
 
   void ReadLoop() {
-    stream_->async_read_some(asio::buffer(scratch_), asio::bind_executor(strand_, [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
-      if (ec) {
-        if (self->up_) self->Retry();
-        return;
-      }
-      self->ReadLoop();
-    }));
+    stream_->async_read_some(asio::buffer(scratch_),
+                             asio::bind_executor(strand_, [self = shared_from_this(), stream = stream_](
+                                                              boost::system::error_code ec, size_t) {
+                               if (ec) {
+                                 if (self->up_) self->Retry();
+                                 return;
+                               }
+                               self->ReadLoop();
+                             }));
   }
 
   void WriteNext() {
@@ -284,7 +288,8 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     writing_ = true;
     auto frame = queue_.front();
     asio::async_write(*stream_, asio::buffer(frame->begin(), frame->size() * sizeof(capnp::word)),
-                      asio::bind_executor(strand_, [self = shared_from_this(), frame, stream = stream_](boost::system::error_code ec, size_t) {
+                      asio::bind_executor(strand_, [self = shared_from_this(), frame, stream = stream_](
+                                                       boost::system::error_code ec, size_t) {
                         if (!self->queue_.empty()) self->queue_.pop_front();
                         if (ec) {
                           self->writing_ = false;

@@ -40,8 +40,7 @@ void Connection::Start() {
     self->hello_deadline_ = std::chrono::steady_clock::now() + hello;
     self->ArmTimer(hello);  // bounds the TLS handshake too
     self->stream_.async_handshake(
-        wire::ssl::stream_base::server,
-        asio::bind_executor(self->strand_, [self](const boost::system::error_code& ec) {
+        wire::ssl::stream_base::server, asio::bind_executor(self->strand_, [self](const boost::system::error_code& ec) {
           if (ec) {
             spdlog::warn("connection {}: TLS handshake failed: {}; closing it", self->id_, wire::TlsErrorText(ec));
             return self->CloseNow();
@@ -143,10 +142,9 @@ void Connection::ReadBody(uint32_t segment_count) {
   }
   uint64_t bytes = total * sizeof(capnp::word);
   if (greeted_ && !hello_done_ && peer_shard_ < 0 && bytes > kPreHelloFrameBytes) {
-    return FailStream(ResourceExhausted("a message of " + std::to_string(bytes) +
-                                        " bytes from an observer: tools' requests are at most " +
-                                        std::to_string(kPreHelloFrameBytes) +
-                                        " bytes; only workers and shards send bigger ones"));
+    return FailStream(ResourceExhausted(
+        "a message of " + std::to_string(bytes) + " bytes from an observer: tools' requests are at most " +
+        std::to_string(kPreHelloFrameBytes) + " bytes; only workers and shards send bigger ones"));
   }
   body_sizes_ = std::move(sizes);
   body_words_ = total;
@@ -155,7 +153,7 @@ void Connection::ReadBody(uint32_t segment_count) {
   // nobody who has not said hello can hold up a real worker.
   bool charge = hello_done_ || peer_shard_ >= 0;
   if (!charge || charged_ >= bytes) return ReadGrantedBody();  // a kept buffer is charged already
-  ReleaseBuffer();  // a bigger one replaces it: never hold both
+  ReleaseBuffer();                                             // a bigger one replaces it: never hold both
   server_.frame_budget().Acquire(bytes, [self = shared_from_this(), bytes] {
     asio::post(self->strand_, [self, bytes] {
       self->charged_ = bytes;
@@ -172,8 +170,8 @@ void Connection::ReadGrantedBody() {
   frame_timer_.expires_after(std::chrono::milliseconds(server_.config().frame_timeout_ms));
   frame_timer_.async_wait([self = shared_from_this(), gen](boost::system::error_code ec) {
     if (ec || self->closed_ || !self->reading_body_ || gen != self->body_gen_) return;
-    spdlog::warn("connection {}: a frame of {} bytes did not arrive within --frame-timeout-ms {}; closing it", self->id_,
-                 self->body_words_ * sizeof(capnp::word), self->server_.config().frame_timeout_ms);
+    spdlog::warn("connection {}: a frame of {} bytes did not arrive within --frame-timeout-ms {}; closing it",
+                 self->id_, self->body_words_ * sizeof(capnp::word), self->server_.config().frame_timeout_ms);
     self->server_.metrics().OnFrameTimeout();
     self->CloseNow();
   });
@@ -253,9 +251,9 @@ void Connection::Dispatch(proto::Request::Reader req) {
     return server_.coordinator()->OnPeerMessage(peer_shard_, msg);
   }
   if (which == proto::Request::STATUS) return HandleStatus(id);
-  if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);       // an operator's request
+  if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);              // an operator's request
   if (which == proto::Request::RECOVER) return HandleRecover(id, req.getRecover());  // an operator's too
-  if (which == proto::Request::GET_PLACEMENT) return HandleGetPlacement(id);  // operators too
+  if (which == proto::Request::GET_PLACEMENT) return HandleGetPlacement(id);         // operators too
   if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
   server_.metrics().OnWorkerRequest(worker_index_);
   if (which != proto::Request::FINISH || server_.coordinator() == nullptr) {

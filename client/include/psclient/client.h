@@ -77,12 +77,10 @@ struct ClientOptions {
   // (or tls_server_name).
   bool tls = false;
   std::string tls_ca_file;
-  std::string tls_cert_file;    // this client's certificate and key, for psd --tls-require-client-cert
+  std::string tls_cert_file;  // this client's certificate and key, for psd --tls-require-client-cert
   std::string tls_key_file;
   std::string tls_server_name;  // the name psd's certificate must carry when it differs from the host
-  bool tls_enabled() const {
-    return tls || !tls_ca_file.empty() || !tls_cert_file.empty() || !tls_server_name.empty();
-  }
+  bool tls_enabled() const { return tls || !tls_ca_file.empty() || !tls_cert_file.empty() || !tls_server_name.empty(); }
 };
 
 // The daemon's job settings, as announced in the handshake.
