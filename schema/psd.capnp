@@ -36,6 +36,8 @@ enum Code {
 enum DType {
   float32 @0;
   float64 @1;
+  bfloat16 @2;            # 16-bit patterns, little-endian
+  float16 @3;             # IEEE 754 binary16
 }
 
 enum Reduction {

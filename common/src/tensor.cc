@@ -8,6 +8,9 @@ size_t DTypeSize(DType dtype) {
       return 4;
     case DType::kFloat64:
       return 8;
+    case DType::kBFloat16:
+    case DType::kFloat16:
+      return 2;
   }
   return 0;
 }
@@ -18,6 +21,10 @@ const char* DTypeName(DType dtype) {
       return "float32";
     case DType::kFloat64:
       return "float64";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
   }
   return "unknown";
 }
@@ -25,7 +32,9 @@ const char* DTypeName(DType dtype) {
 Result<DType> ParseDType(const std::string& name) {
   if (name == "float32" || name == "float") return DType::kFloat32;
   if (name == "float64" || name == "double") return DType::kFloat64;
-  return InvalidArgument("unsupported dtype '" + name + "' (supported: float32, float64)");
+  if (name == "bfloat16" || name == "bf16") return DType::kBFloat16;
+  if (name == "float16" || name == "half" || name == "fp16") return DType::kFloat16;
+  return InvalidArgument("unsupported dtype '" + name + "' (supported: float32, float64, bfloat16, float16)");
 }
 
 int64_t NumElements(const Shape& shape) {

@@ -196,17 +196,35 @@ Result<DType> FromWire(proto::DType dtype) {
       return DType::kFloat32;
     case proto::DType::FLOAT64:
       return DType::kFloat64;
+    case proto::DType::BFLOAT16:
+      return DType::kBFloat16;
+    case proto::DType::FLOAT16:
+      return DType::kFloat16;
   }
   return InvalidArgument("unknown dtype " + std::to_string(static_cast<int>(dtype)));
 }
 
-proto::DType ToWire(DType dtype) { return dtype == DType::kFloat64 ? proto::DType::FLOAT64 : proto::DType::FLOAT32; }
+proto::DType ToWire(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64:
+      return proto::DType::FLOAT64;
+    case DType::kBFloat16:
+      return proto::DType::BFLOAT16;
+    case DType::kFloat16:
+      return proto::DType::FLOAT16;
+    case DType::kFloat32:
+      break;
+  }
+  return proto::DType::FLOAT32;
+}
 
 Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes) {
   auto dtype = FromWire(t.getDtype());
   if (!dtype.ok()) return dtype.status();
   TensorRef ref;
   ref.dtype = *dtype;
+  // TODO(dtypes): removed when the daemon and the client convert halves (the next commits).
+  if (IsHalf(ref.dtype)) return Unimplemented(std::string(DTypeName(ref.dtype)) + " tensors are not supported yet");
   auto shape = t.getShape();
   if (shape.size() > 32) return InvalidArgument("tensor rank " + std::to_string(shape.size()) + " exceeds 32");
   ref.shape.reserve(shape.size());

@@ -11,6 +11,8 @@
 #include <string>
 #include <utility>
 
+#include "psd/export.h"
+
 namespace psd {
 
 // Mirrors the wire enum `Code` in schema/psd.capnp (same order, same values).
@@ -31,9 +33,9 @@ enum class Code {
   kAborted = 13,            // the cluster restored a checkpoint: re-read the step and the values, go on
 };
 
-const char* CodeName(Code code);
+PSD_EXPORT const char* CodeName(Code code);
 
-class Status {
+class PSD_EXPORT Status {
  public:
   Status() = default;
   Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}

@@ -8,25 +8,31 @@
 #include <string>
 #include <vector>
 
+#include "psd/export.h"
 #include "psd/status.h"
 
 namespace psd {
 
-// Mirrors the wire enum `DType` in schema/psd.capnp.
-enum class DType { kFloat32 = 0, kFloat64 = 1 };
+// Mirrors the wire enum `DType` in schema/psd.capnp. bfloat16 and float16 are IEEE-style halves
+// (bfloat16: float32's exponent, 7 mantissa bits; float16: IEEE 754 binary16), stored as their
+// 16-bit patterns; psd/half.h converts them (round to nearest even).
+enum class DType { kFloat32 = 0, kFloat64 = 1, kBFloat16 = 2, kFloat16 = 3 };
 
-size_t DTypeSize(DType dtype);
-const char* DTypeName(DType dtype);  // "float32", "float64"
-Result<DType> ParseDType(const std::string& name);
+PSD_EXPORT size_t DTypeSize(DType dtype);
+PSD_EXPORT const char* DTypeName(DType dtype);  // "float32", "float64", "bfloat16", "float16"
+// Also accepts "float", "double", "bf16", "half", "fp16".
+PSD_EXPORT Result<DType> ParseDType(const std::string& name);
+// bfloat16 or float16.
+inline bool IsHalf(DType dtype) { return dtype == DType::kBFloat16 || dtype == DType::kFloat16; }
 
 using Shape = std::vector<int64_t>;
 
 // Number of elements; 1 for a scalar (rank 0).
-int64_t NumElements(const Shape& shape);
+PSD_EXPORT int64_t NumElements(const Shape& shape);
 // TF-style text: "[3,2]", "[]" for a scalar.
-std::string ShapeString(const Shape& shape);
+PSD_EXPORT std::string ShapeString(const Shape& shape);
 // Rejects negative dimensions and element counts whose byte size would exceed max_bytes.
-Status ValidateShape(const Shape& shape, DType dtype, uint64_t max_bytes);
+PSD_EXPORT Status ValidateShape(const Shape& shape, DType dtype, uint64_t max_bytes);
 
 // Where a view's bytes live. Device memory is accepted by the API so that GPU trainers can
 // hand device pointers; a build without PSD_WITH_CUDA answers kUnimplemented for kCuda.
@@ -38,6 +44,9 @@ struct ConstTensorView {
   DType dtype = DType::kFloat32;
   Shape shape;
   MemoryKind memory = MemoryKind::kHost;
+  // kCuda: the CUDA stream (a cudaStream_t) the copies are ordered on; the call waits for the work
+  // already queued on it, and no other stream. nullptr: the default stream.
+  void* stream = nullptr;
 
   size_t bytes() const { return static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype); }
 };
@@ -48,9 +57,10 @@ struct TensorView {
   DType dtype = DType::kFloat32;
   Shape shape;
   MemoryKind memory = MemoryKind::kHost;
+  void* stream = nullptr;  // kCuda: as in ConstTensorView
 
   size_t bytes() const { return static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype); }
-  operator ConstTensorView() const { return {data, dtype, shape, memory}; }  // NOLINT
+  operator ConstTensorView() const { return {data, dtype, shape, memory, stream}; }  // NOLINT
 };
 
 }  // namespace psd

@@ -1,0 +1,28 @@
+// bfloat16 and float16 <-> float32, rounding to nearest even (IEEE 754's default, and what
+// PyTorch, numpy and CUDA's __float2half_rn / __float2bfloat16_rn do). NaN stays NaN (quiet),
+// infinities stay infinite, values beyond the half type's range round to infinity, float16
+// subnormals are produced and read exactly. Halves are passed as their 16-bit patterns.
+#ifndef PSD_HALF_H_
+#define PSD_HALF_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "psd/export.h"
+#include "psd/tensor.h"
+
+namespace psd {
+
+PSD_EXPORT uint16_t FloatToBFloat16(float f);
+PSD_EXPORT float BFloat16ToFloat(uint16_t h);
+PSD_EXPORT uint16_t FloatToFloat16(float f);
+PSD_EXPORT float Float16ToFloat(uint16_t h);
+
+// n elements from `src` (of dtype `from`) into `dst` (of dtype `to`), for any pair of psd's dtypes
+// (float64 -> float32 and -> halves round once, to nearest even). src and dst must not overlap
+// unless they are the same pointer and the dtypes have the same size.
+PSD_EXPORT void ConvertElements(const void* src, DType from, void* dst, DType to, size_t n);
+
+}  // namespace psd
+
+#endif  // PSD_HALF_H_
