@@ -80,6 +80,7 @@
 #include "net/server.h"
 #include "optimizer/optimizer.h"
 #include "psclient/client.h"
+#include "psd/half.h"
 #include "psd/listen_socket.h"
 #include "sync/sync_engine.h"
 
@@ -112,6 +113,7 @@ struct Options {
   int64_t staleness = -1;          // in-process psd, ssp: -1: psd's default
   std::string optimizer = "sgd";   // in-process psd
   std::string model_bytes_text = "4M";
+  psd::DType grad_dtype = psd::DType::kFloat32;
   uint64_t model_bytes = 0;
   int variables = 1;
   bool sparse = false;
@@ -396,25 +398,28 @@ std::string CreateHint(const Status& s, const char* flags) {
 
 class DenseWorkload : public Workload {
  public:
-  DenseWorkload(int index, const std::vector<VarSpec>& vars, bool pull_in_push)
+  // grad_dtype: what travels: the float32 variables' gradients are pushed, and their values pulled,
+  // in it (bfloat16/float16: the daemon sums in float32 and rounds the pulled values).
+  DenseWorkload(int index, const std::vector<VarSpec>& vars, bool pull_in_push, psd::DType grad_dtype)
       : vars_(vars), pull_in_push_(pull_in_push) {
     grad_storage_.resize(vars.size());
     value_storage_.resize(vars.size());
     grads_.reserve(vars.size());
     outs_.reserve(vars.size());
     for (size_t i = 0; i < vars.size(); ++i) {
-      const size_t words = (vars[i].bytes() + 7) / 8;
+      const size_t wire_bytes = static_cast<size_t>(vars[i].elements) * psd::DTypeSize(grad_dtype);
+      const size_t words = (wire_bytes + 7) / 8;
       // Small per-worker constants: the model drifts slowly and stays finite for any step count.
       const float g = 1e-3f * static_cast<float>(index + 1);
-      const float pair[2] = {g, g};
-      uint64_t pattern = 0;
-      std::memcpy(&pattern, pair, sizeof(pattern));
+      const float four[4] = {g, g, g, g};
+      uint64_t pattern = 0;  // one word of g in grad_dtype
+      psd::ConvertElements(four, psd::DType::kFloat32, &pattern, grad_dtype, 8 / psd::DTypeSize(grad_dtype));
       grad_storage_[i].assign(words, pattern);
       value_storage_[i].assign(words, 0);
       const psd::Shape shape{vars[i].elements};
-      grads_.push_back({vars[i].name, psclient::ConstTensorView{grad_storage_[i].data(), psd::DType::kFloat32, shape}});
-      outs_.emplace_back(vars[i].name, psclient::TensorView{value_storage_[i].data(), psd::DType::kFloat32, shape});
-      model_bytes_ += vars[i].bytes();
+      grads_.push_back({vars[i].name, psclient::ConstTensorView{grad_storage_[i].data(), grad_dtype, shape}});
+      outs_.emplace_back(vars[i].name, psclient::TensorView{value_storage_[i].data(), grad_dtype, shape});
+      model_bytes_ += wire_bytes;
     }
   }
   Status Create(psclient::Client& c) override {
@@ -568,7 +573,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   if (opt.sparse) {
     work = std::make_unique<SparseWorkload>(index, opt);
   } else {
-    work = std::make_unique<DenseWorkload>(index, vars, opt.pull_in_push);
+    work = std::make_unique<DenseWorkload>(index, vars, opt.pull_in_push, opt.grad_dtype);
   }
 
   // TF's chief creates the variables; the others wait for them by pulling until they exist.
@@ -727,6 +732,7 @@ struct Report {
   int steps = 0;
   bool fused = false;
   bool pull_in_push = false;
+  psd::DType grad_dtype = psd::DType::kFloat32;
   int shards = 1;
   double wall_s = 0;
   int64_t global_steps = 0;
@@ -758,6 +764,7 @@ Report Summarize(const Options& opt, const Window& window, std::vector<WorkerSta
   r.steps = opt.steps;
   r.fused = opt.fused;
   r.pull_in_push = opt.pull_in_push;
+  r.grad_dtype = opt.grad_dtype;
   r.mode = w0.job.mode.empty() ? "sync" : w0.job.mode;
   r.staleness_bound = r.mode == "ssp" ? w0.job.staleness_bound : -1;
   r.optimizer = w0.job.optimizer;
@@ -853,6 +860,7 @@ void PrintJson(const Report& r) {
   field("step_ms_p50", JsonNumber(r.step_p50));
   field("step_ms_p99", JsonNumber(r.step_p99));
   field("shards", std::to_string(r.shards));
+  field("grad_dtype", JsonString(psd::DTypeName(r.grad_dtype)));
   field("push_gb_per_s", JsonNumber(r.push_gbps));
   field("pull_gb_per_s", JsonNumber(r.pull_gbps));
   field("push_rows_per_s", r.sparse ? JsonNumber(r.push_rows_per_s) : null);
@@ -902,8 +910,11 @@ void PrintTable(const Report& r, const std::string& build_warning_line) {
                 " distinct rows per batch: PullRows, gradient, SparseGradient push\n",
                 r.embedding_rows, r.embedding_dim, var_mib, var_mib * (1 + r.slots), r.batch_rows);
   } else {
-    std::printf("workload   dense: model %" PRIu64 " bytes (%.2f MiB) in %d float32 variable(s)\n", r.model_bytes,
-                static_cast<double>(r.model_bytes) / (1 << 20), r.variables);
+    std::printf("workload   dense: model %" PRIu64 " bytes (%.2f MiB) in %d float32 variable(s)%s\n", r.model_bytes,
+                static_cast<double>(r.model_bytes) / (1 << 20), r.variables,
+                r.grad_dtype == psd::DType::kFloat32
+                    ? ""
+                    : (std::string(", gradients pushed and values pulled as ") + psd::DTypeName(r.grad_dtype)).c_str());
   }
   std::printf("run        %d workers, %d warmup + %d measured %s, %s\n", r.workers, r.warmup, r.steps,
               sync ? "global steps" : "iterations per worker",
@@ -1235,6 +1246,12 @@ int Run(int argc, char** argv) {
   auto* variables_opt = app.add_option("--variables", opt.variables, "dense: float32 variables the model is split into")
                             ->check(CLI::PositiveNumber)
                             ->capture_default_str();
+  std::string grad_dtype = "float32";
+  app.add_option("--grad-dtype", grad_dtype,
+                 "dense: the dtype gradients are pushed and values pulled in (the variables are float32): "
+                 "float32, bfloat16 or float16")
+      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}))
+      ->capture_default_str();
   auto* sparse = app.add_flag("--sparse", opt.sparse,
                               "sparse workload: one embedding, PullRows + SparseGradient pushes of --batch-rows rows");
   sparse->excludes(model_bytes_opt)->excludes(variables_opt);
@@ -1305,6 +1322,7 @@ int Run(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 1;  // --help is a success; every usage error is status 1
   }
+  opt.grad_dtype = *psd::ParseDType(grad_dtype);  // checked by IsMember above
   if (staleness->count() > 0 && opt.mode != "ssp") {
     std::fprintf(stderr, "psd_bench: --staleness needs --mode ssp\n");
     return 1;

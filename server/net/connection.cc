@@ -14,20 +14,22 @@ namespace {
 const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no rows
 
 // Puts a value the engine handed out into a reply tensor as dtype `want`: referenced in place
-// (kept alive by the frame) when it already is, else converted into a buffer the frame owns —
-// how half-precision variables leave the daemon, and how a reader asks for another dtype.
+// (kept alive by the frame) when it already is, else converted — how half-precision variables
+// leave the daemon, and how a reader asks for another dtype. With `cache` (a published value of
+// `variable`), the conversion is shared by every reader of that value.
 void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared_ptr<const Buffer>& value, DType dtype,
-              const Shape& shape, DType want) {
-  if (want == dtype) {
-    wire::SetTensor(frame.builder, t, dtype, shape, value->data(), value->bytes(), /*padded=*/true);
-    frame.keepalive.push_back(value);
-    return;
+              const Shape& shape, DType want, ConvertedValues* cache = nullptr, std::string_view variable = {}) {
+  std::shared_ptr<const Buffer> out = value;
+  if (want != dtype && cache != nullptr && !variable.empty()) {
+    out = cache->Get(variable, value, dtype, want);
+  } else if (want != dtype) {
+    size_t n = value->bytes() / DTypeSize(dtype);
+    auto converted = std::make_shared<Buffer>(n * DTypeSize(want), Buffer::Uninitialized{});
+    ConvertElements(value->data(), dtype, converted->data(), want, n);
+    out = std::move(converted);
   }
-  size_t n = value->bytes() / DTypeSize(dtype);
-  auto converted = std::make_shared<Buffer>(n * DTypeSize(want));
-  ConvertElements(value->data(), dtype, converted->data(), want, n);
-  wire::SetTensor(frame.builder, t, want, shape, converted->data(), converted->bytes(), /*padded=*/true);
-  frame.keepalive.push_back(std::move(converted));
+  wire::SetTensor(frame.builder, t, want, shape, out->data(), out->bytes(), /*padded=*/true);
+  frame.keepalive.push_back(std::move(out));
 }
 
 // The dtypes a request asks for, one per name (empty list: each variable's own). Errors name the
@@ -572,7 +574,7 @@ Status Connection::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p,
     const PulledValue& v = values[i];
     // Zero-copy where no conversion is asked for: the reply references the immutable published buffer.
     SetValue(frame, list[static_cast<unsigned>(i)], v.value, v.dtype, v.shape,
-             i < want.size() && want[i] ? *want[i] : v.declared);
+             i < want.size() && want[i] ? *want[i] : v.declared, &server_.converted_values(), v.variable);
   }
   return Status::Ok();
 }

@@ -23,17 +23,18 @@
 #include <thread>
 #include <vector>
 
-#include "net/frame_budget.h"
-#include "wire/tls.h"
 #include "cluster/coordinator.h"
 #include "cluster/peer_auth.h"
 #include "config.h"
+#include "net/converted_values.h"
+#include "net/frame_budget.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
 #include "sync/ssp_gate.h"
 #include "sync/sync_engine.h"
 #include "sync/worker_registry.h"
 #include "wire/asio.h"
+#include "wire/tls.h"
 
 namespace psd::server {
 
@@ -64,6 +65,8 @@ class Server {
   // checkpoint, a missing shard, the cluster forming). /readyz and the readiness signals use it.
   Status Serving() const;
   ops::Metrics& metrics() { return metrics_; }
+  // Published values converted to the dtypes readers ask for (shared by all connections).
+  ConvertedValues& converted_values() { return converted_values_; }
   // Memory for incoming frames across all connections (--max-inflight-bytes).
   FrameBudget& frame_budget() { return frame_budget_; }
   int connection_count() const;
@@ -137,6 +140,7 @@ class Server {
 
   const ServerConfig config_;
   ops::Metrics metrics_;
+  ConvertedValues converted_values_;
   std::shared_ptr<wire::ssl::context> tls_, peer_tls_;
   FrameBudget frame_budget_{config_.max_inflight_bytes};
   peer_auth::LogLimiter spoof_log_;

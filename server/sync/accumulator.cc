@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "psd/half.h"
+
 namespace psd::server {
 namespace {
 
@@ -22,6 +24,8 @@ DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction
 
 Status CheckGradientDType(DType want, DType got) {
   if (got == want) return Status::Ok();
+  // A float32 accumulator (a float32 or half variable's) takes half gradients, converted as added.
+  if (want == DType::kFloat32 && IsHalf(got)) return Status::Ok();
   return InvalidArgument(std::string("dtype mismatch: accumulator is ") + DTypeName(want) + ", gradient is " +
                          DTypeName(got));
 }
@@ -32,7 +36,7 @@ Status DenseAccumulator::Check(DType want_dtype, const Shape& want_shape, DType 
   if (shape != want_shape) {
     return InvalidArgument("Shape mismatch: expected " + ShapeString(want_shape) + ", got " + ShapeString(shape));
   }
-  size_t need = static_cast<size_t>(NumElements(want_shape)) * DTypeSize(want_dtype);
+  size_t need = static_cast<size_t>(NumElements(want_shape)) * DTypeSize(dtype);
   if (bytes != need) {
     return InvalidArgument("gradient data has " + std::to_string(bytes) + " bytes, shape " + ShapeString(shape) +
                            " of " + DTypeName(dtype) + " needs " + std::to_string(need));
@@ -44,7 +48,13 @@ Result<bool> DenseAccumulator::ApplyGrad(int64_t local_step, DType dtype, const 
                                          size_t bytes) {
   PSD_RETURN_IF_ERROR(Validate(dtype, shape, bytes));
   if (local_step < step_) return false;
-  if (counter_ == 0) {
+  if (dtype != dtype_) {  // a half gradient into float32: converted while it is added
+    if (counter_ == 0) {
+      ConvertElements(data, dtype, sum_.data(), dtype_, static_cast<size_t>(num_elements_));
+    } else {
+      AddConvertedInto(sum_.as<float>(), data, dtype, static_cast<size_t>(num_elements_));
+    }
+  } else if (counter_ == 0) {
     if (bytes) std::memcpy(sum_.data(), data, bytes);
   } else if (dtype_ == DType::kFloat32) {
     AddInto(sum_.as<float>(), static_cast<const float*>(data), num_elements_);

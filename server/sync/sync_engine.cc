@@ -386,12 +386,15 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
       targets.push_back(v);
     }
   }
-  // Half-precision gradients become float32 before anything else looks at them.
+  // Half-precision gradients for float32 accumulation: sparse ones, and async/ssp applies, are
+  // converted to float32 first (once, here).
   ConvertedInputs converted;
   std::vector<GradRef> mixed;
   const std::vector<GradRef>* use = &grads;
   for (size_t i = 0; i < grads.size(); ++i) {
     if (grads[i].dtype == targets[i]->dtype) continue;
+    // Sync dense gradients are converted by the accumulator as they are added (one pass).
+    if (config_.mode == Mode::kSync && !grads[i].sparse()) continue;
     if (mixed.empty()) mixed = grads;
     Status s = converted.Convert(&mixed[i], targets[i]->declared, targets[i]->dtype);
     if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
@@ -915,11 +918,11 @@ Status SyncEngine::Pull(const std::vector<std::string>& names, std::vector<Pulle
   std::lock_guard<std::mutex> lock(mu_);
   auto pick = [&](Variable* v) -> Status {
     if (!averages) {
-      out->push_back({ReadValueLocked(v), v->dtype, v->shape, v->declared});
+      out->push_back({ReadValueLocked(v), v->dtype, v->shape, v->declared, v->name});
       return Status::Ok();
     }
     if (!v->shadow) return NotFound("variable '" + v->name + "' has no moving average");
-    out->push_back({v->shadow, v->dtype, v->shape, v->declared});
+    out->push_back({v->shadow, v->dtype, v->shape, v->declared, {}});  // averages: not cached
     return Status::Ok();
   };
   if (names.empty()) {

@@ -144,6 +144,7 @@ struct PulledValue {
   DType dtype;                          // of `value`: the variable's compute dtype (float32 for the halves)
   Shape shape;
   DType declared;  // the variable's own dtype: what a reader gets unless it asks for another
+  std::string_view variable = {};  // Pull: the variable's name (valid while the engine lives)
 };
 
 struct StepInfo {

@@ -31,6 +31,9 @@ inline bool ConvertibleDTypes(DType from, DType dtype) {
   return from == dtype || (from != DType::kFloat64 && dtype != DType::kFloat64);
 }
 
+// dst[i] += src[i] converted to float32, for n elements of `from` (float32, bfloat16 or float16).
+PSD_EXPORT void AddConvertedInto(float* dst, const void* src, DType from, size_t n);
+
 PSD_EXPORT void ConvertElements(const void* src, DType from, void* dst, DType to, size_t n);
 
 }  // namespace psd

@@ -1,0 +1,35 @@
+#include "net/converted_values.h"
+
+#include "psd/half.h"
+
+namespace psd::server {
+
+std::shared_ptr<const Buffer> ConvertedValues::Get(std::string_view variable,
+                                                   const std::shared_ptr<const Buffer>& source, DType from, DType to) {
+  std::shared_ptr<Entry> entry;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& slot = entries_[{std::string(variable), to}];
+    if (!slot) slot = std::make_shared<Entry>();
+    entry = slot;
+  }
+  std::lock_guard<std::mutex> lock(entry->mu);
+  // The same value (not merely a buffer at the same address: its owner is compared).
+  bool same = entry->converted && !entry->source.owner_before(source) && !source.owner_before(entry->source) &&
+              !entry->source.expired();
+  if (!same) {
+    size_t n = source->bytes() / DTypeSize(from);
+    auto out = std::make_shared<Buffer>(n * DTypeSize(to), Buffer::Uninitialized{});
+    ConvertElements(source->data(), from, out->data(), to, n);
+    entry->source = source;
+    entry->converted = std::move(out);
+  }
+  return entry->converted;
+}
+
+size_t ConvertedValues::entries() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return entries_.size();
+}
+
+}  // namespace psd::server
