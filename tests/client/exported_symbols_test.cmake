@@ -3,7 +3,7 @@
 #
 # Allowed (demangled, from `nm -D --defined-only -C`):
 #   psclient::... and psd::...                                  the API marked PSD_EXPORT
-#   typeinfo / typeinfo name / vtable / VTT / guard variable for psclient:: or psd:: classes
+#   typeinfo / typeinfo name / vtable / VTT / guard variable for, and thunks to, psclient:: or psd::
 #   _init _fini _edata _end __bss_start                           what older binutils put in every
 #                                                                 shared object's .dynsym (none with
 #                                                                 Debian 12's ld; allowed by name only)
@@ -32,7 +32,7 @@ foreach(line IN LISTS lines)
   string(REGEX REPLACE "^[0-9a-fA-F]* *[A-Za-z] " "" name "${line}")
   math(EXPR count "${count} + 1")
   set(ns "${name}")
-  string(REGEX REPLACE "^(typeinfo name|typeinfo|vtable|VTT|guard variable) for " "" ns "${ns}")
+  string(REGEX REPLACE "^(typeinfo name for|typeinfo for|vtable for|VTT for|guard variable for|non-virtual thunk to|virtual thunk to|covariant return thunk to) " "" ns "${ns}")
   if(ns MATCHES "(^|[^A-Za-z0-9_])(capnp|kj|boost|fmt|asio|spdlog)::")
     list(APPEND bad_third_party "${name}")
   elseif(ns MATCHES "^psclient::internal::")

@@ -163,6 +163,8 @@ int main(int argc, char** argv) {
     std::printf("SKIP: no CUDA device (%s)\n", probe == cudaSuccess ? "0 devices" : cudaGetErrorString(probe));
     return kSkip;
   }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) std::printf("device 0: %s\n", prop.name);
 
   Daemon psd;
   if (!psd.Start(argv[1])) return 1;
@@ -299,6 +301,18 @@ int main(int argc, char** argv) {
   EXPECT(emb_a == emb_b, "embeddings through device memory == through host memory");
   EXPECT(emb_b[3 * kCols] != 0.5f && emb_b[0] == 0.5f, "picked rows trained, others untouched");
   const double loss_after = loss_of(d_w_dev);
+  // Figures, not checks: pulls of the same 4 MiB variable into device and into host memory.
+  for (int device_view = 1; device_view >= 0; --device_view) {
+    constexpr int kReps = 20;
+    auto start = std::chrono::steady_clock::now();
+    for (int r = 0; r < kReps; ++r) {
+      auto got = device_view ? c.Pull("w_dev", Dev(d_w_dev, {kDim}, train)) : c.Pull("w_host", Host(h_w, {kDim}));
+      if (!Ok(got.status(), "timed Pull")) break;
+    }
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("pull into %s memory: %.2f GB/s (%d x %.1f MiB, %.2f ms each)\n", device_view ? "device" : "host",
+                kReps * kDim * 4.0 / s / 1e9, kReps, kDim * 4.0 / (1 << 20), s / kReps * 1e3);
+  }
   std::printf("loss %.6f -> %.6f after %d steps; w %d floats (%.1f MiB) per push and pull\n", loss_before, loss_after,
               steps, kDim, kDim * 4.0 / (1 << 20));
   EXPECT(loss_after < 0.1 * loss_before, "the loss fell tenfold");
