@@ -70,6 +70,11 @@ class DeviceScope {
 psd::Result<int> DeviceOf(const void* ptr) {
   cudaPointerAttributes attr{};
   cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
+    cudaGetLastError();
+    return psd::FailedPrecondition(std::string("a view with MemoryKind::kCuda, but CUDA has no usable device here (") +
+                                   cudaGetErrorString(err) + "): check the driver and CUDA_VISIBLE_DEVICES");
+  }
   if (err != cudaSuccess) return CudaFailed("cudaPointerGetAttributes", err);
   if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged && attr.type != cudaMemoryTypeHost) {
     return psd::InvalidArgument(

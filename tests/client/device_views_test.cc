@@ -1,6 +1,7 @@
 // Every libpsclient call that takes a view refuses MemoryKind::kCuda views cleanly where it cannot
 // copy them: a CPU-only build answers UNIMPLEMENTED (naming -DPSD_WITH_CUDA=ON); a CUDA build given
-// host memory labelled kCuda answers an error too (INVALID_ARGUMENT, or INTERNAL without a device).
+// host memory labelled kCuda answers an error too (INVALID_ARGUMENT; FAILED_PRECONDITION without a
+// device).
 // Nothing is sent or changed, and the connection stays usable. The GPU path itself is tested by
 // tests/gpu (label gpu) where a device is at hand.
 #include <catch2/catch.hpp>
