@@ -10,14 +10,9 @@
 
 namespace psclient::internal {
 
-namespace {
+using Segment = DeviceStaging::Segment;
 
-// One contiguous piece of a copy: host <-> `kind` memory.
-struct Segment {
-  char* dst;
-  const char* src;
-  size_t bytes;
-};
+namespace {
 
 // Row j of src (row_bytes each) to row rows[j] of dst.
 std::vector<Segment> RowSegments(void* dst, const std::vector<size_t>& rows, const void* src, size_t row_bytes) {
@@ -28,12 +23,6 @@ std::vector<Segment> RowSegments(void* dst, const std::vector<size_t>& rows, con
         {static_cast<char*>(dst) + rows[j] * row_bytes, static_cast<const char*>(src) + j * row_bytes, row_bytes});
   }
   return segments;
-}
-
-void HostCopy(const std::vector<Segment>& segments) {
-  for (const Segment& s : segments) {
-    if (s.bytes) std::memcpy(s.dst, s.src, s.bytes);
-  }
 }
 
 }  // namespace
@@ -260,27 +249,18 @@ psd::Status DeviceStaging::OnDevice(const void* ptr, const std::function<psd::St
   return st;
 }
 
-psd::Status DeviceStaging::ToHost(void* dst, const void* src, size_t bytes, psd::MemoryKind kind, void* stream) {
-  Segment s{static_cast<char*>(dst), static_cast<const char*>(src), bytes};
-  if (kind == psd::MemoryKind::kHost) {
-    HostCopy({s});
-    return psd::Status::Ok();
-  }
+psd::Status DeviceStaging::DeviceToHost(void* dst, const void* src, size_t bytes, void* stream) {
   if (bytes == 0) return psd::Status::Ok();
+  Segment s{static_cast<char*>(dst), static_cast<const char*>(src), bytes};
   return OnDevice(src,
                   [&](Cuda& cuda, int device) { return cuda.ToHost(s, static_cast<cudaStream_t>(stream), device); });
 }
 
-psd::Status DeviceStaging::RowsFromHost(void* dst, const std::vector<size_t>& rows, const void* src, size_t row_bytes,
-                                        psd::MemoryKind kind, void* stream) {
-  std::vector<Segment> segments = RowSegments(dst, rows, src, row_bytes);
-  if (kind == psd::MemoryKind::kHost) {
-    HostCopy(segments);
-    return psd::Status::Ok();
-  }
-  if (segments.empty() || row_bytes == 0) return psd::Status::Ok();
-  return OnDevice(
-      dst, [&](Cuda& cuda, int device) { return cuda.FromHost(segments, static_cast<cudaStream_t>(stream), device); });
+psd::Status DeviceStaging::HostToDevice(const std::vector<Segment>& segments, void* stream) {
+  if (segments.empty()) return psd::Status::Ok();
+  return OnDevice(segments.front().dst, [&](Cuda& cuda, int device) {
+    return cuda.FromHost(segments, static_cast<cudaStream_t>(stream), device);
+  });
 }
 
 #else  // !PSD_WITH_CUDA
@@ -300,23 +280,37 @@ psd::Status NoCuda() {
 }
 }  // namespace
 
-psd::Status DeviceStaging::ToHost(void* dst, const void* src, size_t bytes, psd::MemoryKind kind, void*) {
-  if (kind != psd::MemoryKind::kHost) return NoCuda();
-  HostCopy({{static_cast<char*>(dst), static_cast<const char*>(src), bytes}});
+psd::Status DeviceStaging::DeviceToHost(void*, const void*, size_t, void*) { return NoCuda(); }
+
+psd::Status DeviceStaging::HostToDevice(const std::vector<Segment>&, void*) { return NoCuda(); }
+
+#endif  // PSD_WITH_CUDA
+
+psd::Status DeviceStaging::ToHost(void* dst, const void* src, size_t bytes, psd::MemoryKind kind, void* stream) {
+  if (kind != psd::MemoryKind::kHost) return DeviceToHost(dst, src, bytes, stream);
+  if (bytes) std::memcpy(dst, src, bytes);
+  return psd::Status::Ok();
+}
+
+psd::Status DeviceStaging::FromHost(void* dst, const void* src, size_t bytes, psd::MemoryKind kind, void* stream) {
+  if (kind != psd::MemoryKind::kHost) {
+    if (bytes == 0) return HostToDevice({}, stream);
+    return HostToDevice({{static_cast<char*>(dst), static_cast<const char*>(src), bytes}}, stream);
+  }
+  if (bytes) std::memcpy(dst, src, bytes);
   return psd::Status::Ok();
 }
 
 psd::Status DeviceStaging::RowsFromHost(void* dst, const std::vector<size_t>& rows, const void* src, size_t row_bytes,
-                                        psd::MemoryKind kind, void*) {
-  if (kind != psd::MemoryKind::kHost) return NoCuda();
-  HostCopy(RowSegments(dst, rows, src, row_bytes));
+                                        psd::MemoryKind kind, void* stream) {
+  if (kind != psd::MemoryKind::kHost) {
+    return HostToDevice(row_bytes ? RowSegments(dst, rows, src, row_bytes) : std::vector<Segment>{}, stream);
+  }
+  for (size_t j = 0; j < rows.size() && row_bytes; ++j) {
+    std::memcpy(static_cast<char*>(dst) + rows[j] * row_bytes, static_cast<const char*>(src) + j * row_bytes,
+                row_bytes);
+  }
   return psd::Status::Ok();
-}
-
-#endif  // PSD_WITH_CUDA
-
-psd::Status DeviceStaging::FromHost(void* dst, const void* src, size_t bytes, psd::MemoryKind kind, void* stream) {
-  return RowsFromHost(dst, {0}, src, bytes, kind, stream);
 }
 
 }  // namespace psclient::internal

@@ -46,11 +46,21 @@ class DeviceStaging {
   psd::Status RowsFromHost(void* dst, const std::vector<size_t>& rows, const void* src, size_t row_bytes,
                            psd::MemoryKind kind, void* stream);
 
+  // One contiguous piece of a copy between host memory and device memory.
+  struct Segment {
+    char* dst;
+    const char* src;
+    size_t bytes;
+  };
+
   // Pinned bytes held now (0 until a CUDA view has been copied, then kStagingChunks * kStagingChunkBytes).
   size_t pinned_bytes() const;
 
  private:
   struct Cuda;  // CUDA state (PSD_WITH_CUDA builds)
+  // The device side of the copies above (a CPU-only build: UNIMPLEMENTED).
+  psd::Status DeviceToHost(void* dst, const void* src, size_t bytes, void* stream);
+  psd::Status HostToDevice(const std::vector<Segment>& segments, void* stream);
   // Runs `copy` with the device that owns `ptr` current; waits out what it left in flight on error.
   psd::Status OnDevice(const void* ptr, const std::function<psd::Status(Cuda&, int device)>& copy);
 
