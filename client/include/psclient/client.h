@@ -22,7 +22,9 @@
 // Memory: tensors are passed as views of caller memory; gradients are sent without an extra
 // copy when they are 8-byte aligned and a multiple of 8 bytes long, and pulled values are written
 // straight into the caller's view. Views with MemoryKind::kCuda need a PSD_WITH_CUDA build and
-// answer kUnimplemented otherwise.
+// answer kUnimplemented otherwise; they are copied on the view's `stream` (after the work queued
+// there, waiting for no other stream) through pinned buffers the Client owns, and the copies are
+// complete when the call returns (README "GPU trainers").
 //
 // Thread-safety: a Client may be shared between threads; calls are serialized on its single
 // connection (a token wait blocks other calls on the same Client). Use one Client per thread for
