@@ -596,7 +596,7 @@ class Client::Impl {
         const TensorView& out = outs[i].second;
         PSD_RETURN_IF_ERROR(CheckView("'" + outs[i].first + "'", t->dtype, t->shape, out));
         if (t->bytes != out.bytes()) return psd::Internal("pull reply for '" + outs[i].first + "' has a wrong size");
-        PSD_RETURN_IF_ERROR(internal::CopyFromHost(out.data, t->data, t->bytes, out.memory));
+        PSD_RETURN_IF_ERROR(staging_.FromHost(out.data, t->data, t->bytes, out.memory, out.stream));
       }
       return p.getStep();
     } catch (const kj::Exception& e) {
@@ -692,6 +692,7 @@ class Client::Impl {
   ClientOptions options_;
   std::vector<std::unique_ptr<Conn>> conns_;
   std::mutex mu_;                                        // serializes calls
+  internal::DeviceStaging staging_;                      // guarded by mu_: device views' pinned buffers
   std::map<std::string, VariablePlacement> placements_;  // guarded by mu_
   std::atomic<int> chief_{0};
   std::atomic<uint64_t> cluster_epoch_{0};
@@ -781,7 +782,7 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
   size_t bytes = initial.data ? initial.bytes() : 0;
   if (initial.data && initial.memory != MemoryKind::kHost) {
     staged.resize(bytes);
-    PSD_RETURN_IF_ERROR(internal::CopyToHost(staged.data(), initial.data, bytes, initial.memory));
+    PSD_RETURN_IF_ERROR(im.staging_.ToHost(staged.data(), initial.data, bytes, initial.memory, initial.stream));
     data = staged.data();
   }
   ConstTensorView host = initial;
@@ -935,11 +936,7 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
       if (!t.ok()) return t.status();
       const auto& pos = positions[part_of_call[c]];
       if (t->bytes != pos.size() * row_bytes) return psd::Internal("rows reply has a wrong size");
-      for (size_t j = 0; j < pos.size(); ++j) {
-        PSD_RETURN_IF_ERROR(internal::CopyFromHost(static_cast<uint8_t*>(out.data) + pos[j] * row_bytes,
-                                                   static_cast<const uint8_t*>(t->data) + j * row_bytes, row_bytes,
-                                                   out.memory));
-      }
+      PSD_RETURN_IF_ERROR(im.staging_.RowsFromHost(out.data, pos, t->data, row_bytes, out.memory, out.stream));
     }
   } catch (const kj::Exception& e) {
     return Malformed(e);
@@ -1046,7 +1043,8 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     ConstTensorView host = g.grad;
     if (g.grad.memory != MemoryKind::kHost) {
       staged.emplace_back((g.grad.bytes() + 7) / 8);
-      PSD_RETURN_IF_ERROR(internal::CopyToHost(staged.back().data(), g.grad.data, g.grad.bytes(), g.grad.memory));
+      PSD_RETURN_IF_ERROR(
+          im.staging_.ToHost(staged.back().data(), g.grad.data, g.grad.bytes(), g.grad.memory, g.grad.stream));
       host.data = staged.back().data();
       host.memory = MemoryKind::kHost;
     }
@@ -1071,7 +1069,8 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     const void* values = g.values.data;
     if (g.values.memory != MemoryKind::kHost) {
       staged.emplace_back((g.values.bytes() + 7) / 8);
-      PSD_RETURN_IF_ERROR(internal::CopyToHost(staged.back().data(), values, g.values.bytes(), g.values.memory));
+      PSD_RETURN_IF_ERROR(
+          im.staging_.ToHost(staged.back().data(), values, g.values.bytes(), g.values.memory, g.values.stream));
       values = staged.back().data();
     }
     std::vector<int64_t> indices;
@@ -1349,7 +1348,7 @@ Status Client::GetSlot(const std::string& variable, const std::string& slot, Ten
       if (!t.ok()) return t.status();
       TensorView part = SliceOf(out, *loc, k);
       PSD_RETURN_IF_ERROR(CheckView("slot '" + slot + "' of '" + variable + "'", t->dtype, t->shape, part));
-      PSD_RETURN_IF_ERROR(internal::CopyFromHost(part.data, t->data, t->bytes, part.memory));
+      PSD_RETURN_IF_ERROR(im.staging_.FromHost(part.data, t->data, t->bytes, part.memory, part.stream));
     }
   } catch (const kj::Exception& e) {
     return Malformed(e);
@@ -1387,10 +1386,11 @@ Status Client::Recover(int64_t step, bool empty) {
 namespace {
 
 // A host copy of a view when it lives on a device (kept alive by `keep`).
-ConstTensorView OnHost(const ConstTensorView& v, std::deque<std::vector<uint64_t>>* keep, Status* status) {
+ConstTensorView OnHost(internal::DeviceStaging& staging, const ConstTensorView& v,
+                       std::deque<std::vector<uint64_t>>* keep, Status* status) {
   if (v.memory == MemoryKind::kHost || v.data == nullptr) return v;
   keep->emplace_back((v.bytes() + 7) / 8);
-  *status = internal::CopyToHost(keep->back().data(), v.data, v.bytes(), v.memory);
+  *status = staging.ToHost(keep->back().data(), v.data, v.bytes(), v.memory, v.stream);
   ConstTensorView h = v;
   h.data = keep->back().data();
   h.memory = MemoryKind::kHost;
@@ -1425,7 +1425,7 @@ Result<std::vector<ReduceResult>> Client::BatchReduceTo(ReduceOp op, int64_t loc
   std::vector<std::vector<std::vector<Entry>>> packs(static_cast<size_t>(im.shards()));
   for (size_t i = 0; i < items.size(); ++i) {
     Status copied;
-    ConstTensorView host = OnHost(items[i].value, &keep, &copied);
+    ConstTensorView host = OnHost(im.staging_, items[i].value, &keep, &copied);
     PSD_RETURN_IF_ERROR(copied);
     auto loc = im.Locate(items[i].destination);
     if (!loc.ok()) return loc.status();
@@ -1487,8 +1487,8 @@ Result<std::vector<ReduceResult>> Client::BatchReduceTo(ReduceOp op, int64_t loc
           auto t = psd::wire::ReadTensor(g.getValue(), im.options_.max_frame_bytes);
           if (!t.ok()) return t.status();
           PSD_RETURN_IF_ERROR(CheckView("reduce_to result", t->dtype, t->shape, entries[e].result));
-          PSD_RETURN_IF_ERROR(
-              internal::CopyFromHost(entries[e].result.data, t->data, t->bytes, entries[e].result.memory));
+          PSD_RETURN_IF_ERROR(im.staging_.FromHost(entries[e].result.data, t->data, t->bytes, entries[e].result.memory,
+                                                   entries[e].result.stream));
         }
       }
     } catch (const kj::Exception& e) {
@@ -1505,7 +1505,7 @@ Result<bool> Client::Update(const std::string& variable, UpdateOp op, ConstTenso
   Impl& im = *impl_;
   std::deque<std::vector<uint64_t>> keep;
   Status copied;
-  ConstTensorView host = OnHost(value, &keep, &copied);
+  ConstTensorView host = OnHost(im.staging_, value, &keep, &copied);
   PSD_RETURN_IF_ERROR(copied);
   auto loc = im.Locate(variable);
   if (!loc.ok()) return loc.status();

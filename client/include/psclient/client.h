@@ -22,7 +22,9 @@
 // Memory: tensors are passed as views of caller memory; gradients are sent without an extra
 // copy when they are 8-byte aligned and a multiple of 8 bytes long, and pulled values are written
 // straight into the caller's view. Views with MemoryKind::kCuda need a PSD_WITH_CUDA build and
-// answer kUnimplemented otherwise.
+// answer kUnimplemented otherwise; they are copied on the view's `stream` (after the work queued
+// there, waiting for no other stream) through pinned buffers the Client owns, and the copies are
+// complete when the call returns (README "GPU trainers").
 //
 // Thread-safety: a Client may be shared between threads; calls are serialized on its single
 // connection (a token wait blocks other calls on the same Client). Use one Client per thread for
@@ -38,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "psd/export.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
 
@@ -152,7 +155,7 @@ struct UpdateOptions {
 
 // "h:p,h:p,..." (psd's --cluster syntax) as ClientOptions::cluster entries; empty items skipped.
 // Client::Connect validates the entries (psd/cluster_list.h: ports 1..65535, no duplicates).
-std::vector<std::string> ParseClusterList(const std::string& list);
+PSD_EXPORT std::vector<std::string> ParseClusterList(const std::string& list);
 
 // The environment contract of the psrun launcher (README "Launching your trainer (psrun)"):
 //   PSD_CLUSTER          "host:port[,host:port...]", every shard (one entry: a single daemon)
@@ -179,9 +182,9 @@ using EnvironmentLookup = std::function<std::optional<std::string>(const std::st
 // that is not host:port with a port in 1..65535, an index or count that is not a number, an index
 // outside 0..N-1, PSD_CHIEF_ELIGIBLE other than 0/1, an unreadable or empty token file.
 // PSD_WORKER_NAME defaults to "worker-<index>" when only the index is set.
-Result<LaunchEnvironment> ReadLaunchEnvironment(const EnvironmentLookup& lookup = {});
+PSD_EXPORT Result<LaunchEnvironment> ReadLaunchEnvironment(const EnvironmentLookup& lookup = {});
 // ReadLaunchEnvironment().options: what Client::Connect needs to join the launched job.
-Result<ClientOptions> ClientOptionsFromEnvironment(const EnvironmentLookup& lookup = {});
+PSD_EXPORT Result<ClientOptions> ClientOptionsFromEnvironment(const EnvironmentLookup& lookup = {});
 
 // Where a variable lives in a cluster.
 struct SlicePart {
@@ -231,7 +234,7 @@ struct PushResult {
   int64_t staleness;  // global step - local step when it was handled
 };
 
-struct PushOutcome {
+struct PSD_EXPORT PushOutcome {
   std::vector<PushResult> results;  // one per gradient, in push order
   bool waited = false;              // a token wait was requested
   Status token_status;              // its outcome (kDeadlineExceeded, kOutOfRange, ...)
@@ -272,7 +275,7 @@ struct JobStatus {
   bool ready = false;  // restored, formed and serving workers
 };
 
-class Client {
+class PSD_EXPORT Client {
  public:
   // Connects and performs the handshake (protocol version, worker identity).
   static Result<std::unique_ptr<Client>> Connect(const ClientOptions& options);

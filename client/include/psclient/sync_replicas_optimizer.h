@@ -32,11 +32,12 @@
 #include <vector>
 
 #include "psclient/client.h"
+#include "psd/export.h"
 
 namespace psclient {
 
 // An owned dense tensor in host memory (8-byte aligned, so pushes are zero-copy).
-class Tensor {
+class PSD_EXPORT Tensor {
  public:
   Tensor() = default;
   Tensor(DType dtype, Shape shape);
@@ -63,7 +64,7 @@ class Tensor {
 
 // A trainable variable as a worker sees it: its name on the daemon and a host copy of its value,
 // refreshed by compute_gradients (one pull per step for all variables).
-class Variable {
+class PSD_EXPORT Variable {
  public:
   Variable(std::string name, DType dtype, Shape shape) : name_(std::move(name)), value_(dtype, std::move(shape)) {}
   const std::string& name() const { return name_; }
@@ -111,7 +112,7 @@ using GradientFn =
 class SyncReplicasOptimizer;
 
 // TF's SyncReplicasHook (make_session_run_hook).
-class SyncReplicasHook {
+class PSD_EXPORT SyncReplicasHook {
  public:
   // FailedPrecondition "SyncReplicasOptimizer.apply_gradient should be called before using the
   // hook." until the optimizer has seen its variables (compute_gradients, apply_gradients or
@@ -131,7 +132,7 @@ class SyncReplicasHook {
   int num_tokens_;
 };
 
-class SyncReplicasOptimizer {
+class PSD_EXPORT SyncReplicasOptimizer {
  public:
   // replicas_to_aggregate / total_num_replicas must match the daemon's (-1: take the daemon's);
   // a mismatch is reported by ok() / status().

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "psd/export.h"
 #include "psd/status.h"
 
 namespace psd {
@@ -22,21 +23,21 @@ struct HostPort {
 };
 
 // Splits "host:port" or "[v6]:port"; InvalidArgument naming `what` (e.g. "--cluster entry") otherwise.
-Result<HostPort> ParseHostPort(const std::string& entry, const std::string& what = "cluster entry");
+PSD_EXPORT Result<HostPort> ParseHostPort(const std::string& entry, const std::string& what = "cluster entry");
 
 // Splits a comma-separated list (whitespace around entries is ignored, empty items skipped)
 // without validating the entries.
-std::vector<std::string> SplitClusterList(const std::string& list);
+PSD_EXPORT std::vector<std::string> SplitClusterList(const std::string& list);
 
 // Every entry is host:port with a port in 1..65535 and appears once. `flag` names the source
 // in errors ("--cluster", "--cluster-file /etc/psd/cluster", "ClientOptions::cluster").
-Status ValidateClusterList(const std::vector<std::string>& entries, const std::string& flag);
+PSD_EXPORT Status ValidateClusterList(const std::vector<std::string>& entries, const std::string& flag);
 
 // SplitClusterList + ValidateClusterList.
-Result<std::vector<std::string>> ParseClusterList(const std::string& list, const std::string& flag = "--cluster");
+PSD_EXPORT Result<std::vector<std::string>> ParseClusterList(const std::string& list, const std::string& flag = "--cluster");
 
 // Reads a --cluster-file (one entry per line, '#' comments) and validates it.
-Result<std::vector<std::string>> ReadClusterFile(const std::string& path);
+PSD_EXPORT Result<std::vector<std::string>> ReadClusterFile(const std::string& path);
 
 }  // namespace psd
 

@@ -6,15 +6,16 @@
 #include <string>
 #include <string_view>
 
+#include "psd/export.h"
 #include "psd/status.h"
 
 namespace psd {
 
 // The file's contents without trailing whitespace; an error if it is unreadable or empty.
-Result<std::string> ReadSecretFile(const std::string& path);
+PSD_EXPORT Result<std::string> ReadSecretFile(const std::string& path);
 
 // Compares secrets in time independent of where they differ (and of `got`'s contents).
-bool SecretsEqual(std::string_view want, std::string_view got);
+PSD_EXPORT bool SecretsEqual(std::string_view want, std::string_view got);
 
 }  // namespace psd
 
