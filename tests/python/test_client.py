@@ -291,3 +291,23 @@ def test_close_while_another_thread_waits(start_psd):
     assert isinstance(outcome[0], (psclient.DeadlineExceeded, psclient.FailedPrecondition)), outcome
     with connect(daemon) as again:
         assert again.global_step() == 0
+
+
+def test_slots_averages_and_shard_status(start_psd):
+    daemon = start_psd("--optimizer", "momentum", "--momentum", "0.9", "--learning-rate", "0.5",
+                       "--ema-decay", "0.5", "--init-tokens", "0")
+    with connect(daemon) as c:
+        assert c.slot_names == c.config.slot_names and len(c.slot_names) == 1
+        c.create_variable("w", np.ones(3, np.float32), average=True)
+        grad = np.array([1.0, 2.0, -2.0], np.float32)
+        assert c.push(0, {"w": grad}, wait_token=True).token == 1
+        slot = np.zeros(3, np.float32)
+        c.get_slot("w", c.slot_names[0], slot)
+        np.testing.assert_allclose(slot, grad)  # the first momentum accumulator is the gradient
+        value, average = np.empty(3, np.float32), np.empty(3, np.float32)
+        c.pull("w", value)
+        assert c.pull_averages({"w": average}) == 1
+        assert not np.array_equal(average, value)  # the average lags the value
+        status = c.get_shard_status(0)
+        assert status.shard_index == 0 and status.global_step == 1
+        assert c.config.ema_decay == 0.5
