@@ -311,3 +311,25 @@ def test_slots_averages_and_shard_status(start_psd):
         status = c.get_shard_status(0)
         assert status.shard_index == 0 and status.global_step == 1
         assert c.config.ema_decay == 0.5
+
+
+def test_cluster_of_two_shards(start_cluster):
+    # A variable sliced by rows over both shards: the client fans every call out and back.
+    cluster = start_cluster(2, "--slice-bytes", "4K", "--init-tokens", "0", "--learning-rate", "0.5")
+    with psclient.Client(cluster=cluster.split(","), connect_timeout_ms=20000, request_timeout_ms=30000) as c:
+        assert c.shards == 2 and c.chief_shard >= 0
+        assert c.parameter_devices == cluster.split(",")
+        init = np.arange(4096, dtype=np.float32).reshape(1024, 4)
+        c.create_variable("w", init)
+        placement = c.placement("w")
+        assert placement.sliced and [p.shard for p in placement.parts] == [0, 1]
+        assert [(p.row_begin, p.row_end) for p in placement.parts] == [(0, 512), (512, 1024)]
+        assert sum(c.placement_map().shard_bytes) == init.nbytes
+        values = np.empty_like(init)
+        out = c.push(0, {"w": np.ones_like(init)}, wait_token=True, pull_after={"w": values})
+        assert out.token == 1 and out.pulled_step == 1
+        np.testing.assert_array_equal(values, init - 0.5)
+        rows = np.empty((2, 4), np.float32)
+        c.pull_rows("w", [1023, 0], rows)
+        np.testing.assert_array_equal(rows, (init - 0.5)[[1023, 0]])
+        assert c.get_status().cluster_state == "running"
