@@ -1,5 +1,7 @@
 """psclient against a real psd: round trips, zero-copy, the sync barrier, sparse pushes, the API."""
+import subprocess
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ import pytest
 import psclient
 
 LR = 0.5  # the `psd` fixture's learning rate (SGD)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def connect(daemon, **kwargs):
@@ -333,3 +336,16 @@ def test_cluster_of_two_shards(start_cluster):
         c.pull_rows("w", [1023, 0], rows)
         np.testing.assert_array_equal(rows, (init - 0.5)[[1023, 0]])
         assert c.get_status().cluster_state == "running"
+
+
+def test_tls_and_client_certificates(start_psd, tmp_path):
+    certs = tmp_path / "certs"
+    subprocess.run([str(REPO / "deploy" / "make_tls_certs.sh"), str(certs)], check=True, timeout=60)
+    daemon = start_psd("--tls-cert-file", certs / "server.pem", "--tls-key-file", certs / "server.key",
+                       "--tls-ca-file", certs / "ca.pem", "--tls-require-client-cert")
+    with connect(daemon, tls_ca_file=str(certs / "ca.pem"), tls_cert_file=str(certs / "client.pem"),
+                 tls_key_file=str(certs / "client.key")) as c:
+        c.create_variable("w", np.ones(2, np.float32))
+        assert c.global_step() == 0
+    with pytest.raises(psclient.Unavailable, match="certificate"):  # no client certificate: refused
+        connect(daemon, tls_ca_file=str(certs / "ca.pem"), connect_timeout_ms=2000)
