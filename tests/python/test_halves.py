@@ -2,8 +2,7 @@
 half gradients into float32 variables and pulls converted to a half dtype, against references
 computed here (numpy's float16 and a bfloat16 rounding written below both round to nearest even).
 
-These need the daemon and libpsclient to convert halves (the lead's part of issue 9). Until that
-has landed, they FAIL (not skip) with a message saying so.
+A psd/libpsclient without half conversions makes them FAIL (not skip) with a message saying so.
 """
 import contextlib
 
@@ -119,3 +118,23 @@ def test_float16_sparse_gradient(psd):
         got = np.empty_like(table)
         c.pull("emb", got)
         np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_half_outputs_of_rows_pull_after_and_slots(start_psd):
+    daemon = start_psd("--optimizer", "momentum", "--learning-rate", "0.5", "--init-tokens", "0")
+    with connect(daemon) as c, halves_landed():
+        table = (np.arange(12, dtype=np.float32).reshape(4, 3) / 3).astype(np.float32)
+        c.create_variable("emb", table)
+        rows = np.zeros((2, 3), np.float16)
+        c.pull_rows("emb", [3, 0], rows)
+        np.testing.assert_array_equal(rows, table[[3, 0]].astype(np.float16))
+        grad = np.full((4, 3), 0.3, np.float32)
+        after = np.zeros((4, 3), np.uint16)
+        out = c.push(0, {"emb": bf16(to_bfloat16_bits(grad))}, wait_token=True, pull_after={"emb": bf16(after)})
+        assert out.token_status is None and out.pulled_step == 1
+        exact = np.empty_like(table)
+        c.pull("emb", exact)
+        np.testing.assert_array_equal(after, to_bfloat16_bits(exact))  # the float32 values, rounded once
+        slot = np.zeros((4, 3), np.float16)
+        c.get_slot("emb", c.slot_names[0], slot)
+        np.testing.assert_array_equal(slot, from_bfloat16_bits(to_bfloat16_bits(grad)).astype(np.float16))
