@@ -1,0 +1,499 @@
+"""psclient.torch against torch's own optimizers: a model trained through psd ends where one process
+training on the full batch ends (README "Python": "PyTorch").
+
+Every test owns its psd (127.0.0.1, port 0, --port-file) and its worker threads, each with its
+own psclient.Client (the binding releases the GIL during calls). Deterministic: the workers
+synchronise through psd's tokens; the straggler of the backup test waits for a condition (the
+global step moving past its gradients), never for a time.
+"""
+
+import copy
+import math
+import os
+import subprocess
+import tempfile
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+psclient = pytest.importorskip("psclient")
+pst = pytest.importorskip("psclient.torch")
+
+torch.set_num_threads(1)
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEADLINE_S = 60  # every wait in this file is bounded by this
+
+
+def _psd_binary():
+    path = os.environ.get("PSD_BINARY") or os.path.join(HERE, "..", "..", "build", "server", "psd")
+    if not os.access(path, os.X_OK):
+        pytest.skip("no psd binary (set PSD_BINARY; ctest does)")
+    return path
+
+
+class _Psd:
+    """One psd on 127.0.0.1:0; stopped (by its PID) when the test ends."""
+
+    def __init__(self, *flags):
+        self.dir = tempfile.TemporaryDirectory(prefix="psd-torch-")
+        port_file = os.path.join(self.dir.name, "port")
+        self.log = open(os.path.join(self.dir.name, "psd.log"), "w+")
+        self.proc = subprocess.Popen([_psd_binary(), "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
+                                      "--log-level", "warn"] + [str(f) for f in flags],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + DEADLINE_S
+        while not (os.path.exists(port_file) and open(port_file).read().strip()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                raise RuntimeError("psd did not start: " + self.log.read())
+            time.sleep(0.01)  # a file appearing: nothing to block on
+        self.port = int(open(port_file).read().strip())
+
+    def client(self, name):
+        return psclient.Client("127.0.0.1", self.port, worker_name=name)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=DEADLINE_S)
+        self.log.close()
+        self.dir.cleanup()
+
+
+@pytest.fixture
+def psd():
+    started = []
+
+    def start(*flags):
+        d = _Psd(*flags)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def _run_workers(fns):
+    """Runs fns[i]() in a thread each; re-raises the first failure; bounded in time."""
+    errors, results = [None] * len(fns), [None] * len(fns)
+
+    def body(i):
+        try:
+            results[i] = fns[i]()
+        except BaseException as e:  # noqa: B902 - reported in the main thread
+            errors[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S * 2)
+        assert not t.is_alive(), "a worker thread did not finish (psd's waits are bounded: see its errors)"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+# ----------------------------------------------------------------------------- models and data
+def _mlp():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _batches(steps, rows, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)) for _ in range(steps)]
+
+
+def _reference(model, batches, make_opt):
+    """One process, the full batch, a torch optimizer."""
+    model = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
+
+
+def _train_sync(d, model, batches, workers=2, grad_dtype=None):
+    """`workers` threads, each on its share of every batch, through SyncReplicasOptimizer.
+    Returns the workers' models and their step outcomes."""
+    clients = [d.client("worker-%d" % i) for i in range(workers)]  # worker 0 says hello first: chief
+    assert clients[0].is_chief
+
+    def worker(i):
+        m = copy.deepcopy(model)
+        if i > 0:  # the non-chief workers' own values are overwritten by the chief's
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(1.0)
+        opt = pst.SyncReplicasOptimizer(clients[i], m.named_parameters(), prefix="m/", timeout_ms=DEADLINE_S * 1000,
+                                        grad_dtype=grad_dtype)
+        opt.initialize()
+        outcomes = []
+        for x, y in batches:
+            part = x.shape[0] // workers
+            xs, ys = x[i * part:(i + 1) * part], y[i * part:(i + 1) * part]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(xs), ys).backward()
+            outcomes.append(opt.step())
+        return m, outcomes, opt
+
+    try:
+        return _run_workers([lambda i=i: worker(i) for i in range(workers)])
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _assert_params_close(model, ref, atol, rtol=0):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        diff = (p.detach().double() - q.detach().double()).abs().max().item()
+        assert torch.allclose(p.detach().double(), q.detach().double(), atol=atol, rtol=rtol), \
+            "%s differs from the reference by %g (atol %g)" % (name, diff, atol)
+
+
+# ----------------------------------------------------------------------------- (a) SGD
+def test_sgd_two_workers_match_full_batch_torch_sgd(psd):
+    lr, steps = 0.1, 6
+    d = psd("-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
+    model, batches = _mlp(), _batches(steps, 32)
+    results = _train_sync(d, model, batches)
+    ref = _reference(model, batches, lambda ps: torch.optim.SGD(ps, lr=lr))
+    for m, outcomes, opt in results:
+        assert len(outcomes) == steps and all(o is not None and o.stale == 0 for o in outcomes)
+        assert [o.token for o in outcomes] == list(range(1, steps + 1))
+        assert opt.local_step == steps and opt.stale_total == 0
+        # float32 sums in another order than torch's full-batch kernels: a few ulps per step.
+        _assert_params_close(m, ref, atol=2e-6)
+    # and what psd holds is what the workers hold
+    m0 = results[0][0]
+    with psclient.Client("127.0.0.1", d.port, observer=True) as c:
+        for name, p in m0.named_parameters():
+            v = np.empty(tuple(p.shape), np.float32)
+            c.pull("m/" + name, v)
+            assert np.array_equal(v, p.detach().numpy())
+
+
+# ----------------------------------------------------------------------------- (b) Adam
+def _tf_adam_reference(model, batches, lr, b1, b2, eps):
+    """psd's Adam is TF's ApplyAdam (README "Optimizers"): lr_t = lr sqrt(1-b2^t)/(1-b1^t);
+    v -= lr_t m / (sqrt(v) + eps) -- TF's epsilon-hat. Computed in float64 here."""
+    model = copy.deepcopy(model)
+    params = list(model.parameters())
+    w = [p.detach().double().clone() for p in params]
+    m = [torch.zeros_like(x) for x in w]
+    v = [torch.zeros_like(x) for x in w]
+    for t, (x, y) in enumerate(batches, start=1):
+        with torch.no_grad():
+            for p, wi in zip(params, w):
+                p.copy_(wi)
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        lr_t = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        for i, p in enumerate(params):
+            g = p.grad.double()
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            w[i] = w[i] - lr_t * m[i] / (v[i].sqrt() + eps)
+    with torch.no_grad():
+        for p, wi in zip(params, w):
+            p.copy_(wi)
+    return model
+
+
+def test_adam_two_workers_match_tf_adam_and_torch_adam(psd):
+    lr, b1, b2, eps, steps = 0.01, 0.9, 0.999, 1e-8, 6
+    d = psd("-R", 2, "-N", 2, "--optimizer", "adam", "--learning-rate", lr, "--beta1", b1, "--beta2", b2,
+            "--epsilon", eps)
+    model, batches = _mlp(), _batches(steps, 32)
+    results = _train_sync(d, model, batches)
+    tf_ref = _tf_adam_reference(model, batches, lr, b1, b2, eps)
+    torch_ref = _reference(model, batches, lambda ps: torch.optim.Adam(ps, lr=lr, betas=(b1, b2), eps=eps))
+    # torch.optim.Adam divides by sqrt(v)/sqrt(1-b2^t) + eps, i.e. TF's formula with
+    # eps_hat = eps * sqrt(1 - b2^t): the two agree up to that epsilon's placement. With eps = 1e-8
+    # and gradients ~1e-3..1e-1 the difference per step is ~lr * eps / |g| (<= 1e-7 here), far
+    # below float32's rounding of the parameters (~1e-7 relative) over 6 steps.
+    tf_vs_torch = max((p.detach().double() - q.detach().double()).abs().max().item()
+                      for p, q in zip(tf_ref.parameters(), torch_ref.parameters()))
+    assert tf_vs_torch < 1e-6
+    for m, outcomes, _ in results:
+        assert all(o.stale == 0 for o in outcomes)
+        # psd computes in float32 from float32 gradients (summed in another order than the
+        # full-batch reference): Adam's m/sqrt(v) magnifies relative rounding of small gradients,
+        # so 1e-5 absolute on parameters of size ~0.3 after 6 steps of 0.01.
+        _assert_params_close(m, tf_ref, atol=1e-5)
+        _assert_params_close(m, torch_ref, atol=1e-5)
+    # psd's Adam state: m and v slots exist
+    opt = results[0][2]
+    assert opt.get_slot("m/0.weight", "m") is not None
+    assert opt.get_slot("m/0.weight", "nope") is None
+
+
+# ----------------------------------------------------------------------------- (c) backups
+def test_backup_workers_loss_falls_and_stale_pushes_reported(psd):
+    lr, steps, workers = 0.5, 20, 4
+    d = psd("-R", 2, "-B", 2, "--optimizer", "sgd", "--learning-rate", lr)
+    model = _mlp()
+    g = torch.Generator().manual_seed(5)
+    x_all = torch.randn(512, 8, generator=g)
+    y_all = (x_all[:, :3] * torch.tensor([1.0, -1.0, 0.5])).argmax(1)  # learnable labels
+    clients = [d.client("worker-%d" % i) for i in range(workers)]
+    straggler = workers - 1
+
+    def loss_of(m):
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(m(x_all), y_all).item()
+
+    initial_loss = loss_of(model)
+
+    def worker(i):
+        m = copy.deepcopy(model)
+        opt = pst.SyncReplicasOptimizer(clients[i], m.named_parameters(), timeout_ms=DEADLINE_S * 1000)
+        opt.initialize()
+        gen = torch.Generator().manual_seed(100 + i)
+        outcomes = []
+        while opt.local_step < steps:
+            rows = torch.randint(0, 512, (32,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(x_all[rows]), y_all[rows]).backward()
+            if i == straggler:
+                # The straggler's gradients arrive after the step they were computed for has
+                # committed (the other three make it: R = 2): a condition, awaited with a bound.
+                deadline = time.monotonic() + DEADLINE_S
+                while clients[i].global_step() <= opt.local_step:
+                    assert time.monotonic() < deadline, "the other workers did not complete a step"
+                    time.sleep(0.002)
+            outcomes.append(opt.step())
+        return m, outcomes, opt
+
+    try:
+        results = _run_workers([lambda i=i: worker(i) for i in range(workers)])
+    finally:
+        for c in clients:
+            c.close()
+    final_losses = [loss_of(m) for m, _, _ in results]
+    # Every worker ends holding a model that learned (the last token's values; the workers stop at
+    # slightly different steps only if a token carried an older step).
+    assert max(final_losses) < 0.7 * initial_loss, (initial_loss, final_losses)
+    _, s_outcomes, s_opt = results[straggler]
+    # Every push of the straggler came too late: reported as stale, per gradient, with staleness.
+    assert len(s_outcomes) >= 1
+    for o in s_outcomes:
+        assert o.accepted == 0 and o.stale == len(o.results)
+        assert all(not r.accepted and r.staleness >= 1 for r in o.results)
+    assert s_opt.stale_total == sum(len(o.results) for o in s_outcomes) and s_opt.accepted_total == 0
+    # The others' pushes made the steps: at least R fresh ones per variable per step.
+    accepted = sum(opt.accepted_total for _, _, opt in results)
+    n_vars = len(list(model.parameters()))
+    assert accepted >= 2 * steps * n_vars
+
+
+# ----------------------------------------------------------------------------- (d) sparse
+class _EmbModel(torch.nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(4)
+        self.emb = torch.nn.Embedding(10, 4, sparse=sparse)
+        self.out = torch.nn.Linear(4, 3)
+
+    def forward(self, idx):
+        return self.out(self.emb(idx))
+
+
+def test_sparse_embedding_matches_dense_full_batch(psd):
+    lr, steps = 0.5, 5
+    d = psd("-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
+    g = torch.Generator().manual_seed(8)
+    # psd averages each row over the gradients that contained it (TF's SparseConditionalAccumulator):
+    # the full-batch mean equals it when every row a worker touches is touched by the other too,
+    # so each half holds every index (in its own order, with repeats).
+    batches = []
+    for _ in range(steps):
+        halves = [torch.cat([torch.randperm(10, generator=g), torch.randint(0, 10, (6,), generator=g)])
+                  for _ in range(2)]
+        idx = torch.cat(halves)
+        batches.append((idx, torch.randint(0, 3, (idx.shape[0],), generator=g)))
+    model = _EmbModel(sparse=True)
+    dense_model = _EmbModel(sparse=False)
+    dense_model.load_state_dict(model.state_dict())
+    clients = [d.client("worker-%d" % i) for i in range(2)]
+
+    def worker(i):
+        m = copy.deepcopy(model)
+        opt = pst.SyncReplicasOptimizer(clients[i], m.named_parameters(), timeout_ms=DEADLINE_S * 1000)
+        opt.initialize()
+        for idx, y in batches:
+            half = idx.shape[0] // 2
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(idx[i * half:(i + 1) * half]), y[i * half:(i + 1) * half]).backward()
+            assert m.emb.weight.grad.is_sparse
+            o = opt.step()
+            assert o.stale == 0
+        return m
+
+    try:
+        results = _run_workers([lambda i=i: worker(i) for i in range(2)])
+    finally:
+        for c in clients:
+            c.close()
+    ref = dense_model
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for idx, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(idx), y).backward()
+        opt.step()
+    for m in results:
+        _assert_params_close(m, ref, atol=2e-6)
+
+
+def test_sparse_gradient_of_a_sparse_embedding_goes_as_indexed_slices(psd):
+    """Only the touched rows move (psd applies sparse updates lazily, to the rows it got)."""
+    d = psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
+    with d.client("w") as c:
+        emb = torch.nn.Embedding(6, 2, sparse=True)
+        before = emb.weight.detach().clone()
+        opt = pst.SyncReplicasOptimizer(c, [("emb", emb.weight)])
+        opt.initialize()
+        emb(torch.tensor([4, 1, 4])).sum().backward()
+        o = opt.step()
+        assert o.accepted == 1 and o.stale == 0
+        after = emb.weight.detach()
+        expected = before.clone()
+        expected[1] -= 1.0
+        expected[4] -= 2.0  # two lookups of row 4 sum in the coalesced gradient
+        assert torch.equal(after, expected)
+
+
+# ----------------------------------------------------------------------------- (e) half precision
+def _round_to(x32, dtype):
+    """float32 -> dtype, round to nearest even (torch's conversion), computed in the test."""
+    return x32.to(dtype)
+
+
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+def test_half_gradients_into_float32_variables_pulled_as_half(psd, half):
+    """Master weights: the parameters and gradients are half precision; psd keeps float32
+    variables, sums the gradients in float32 and hands the values back rounded to the half dtype."""
+    dtype = getattr(torch, half)
+    lr, steps = 0.25, 4
+    d = psd("-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
+    g = torch.Generator().manual_seed(21)
+    init = torch.randn(3, 5, generator=g).to(dtype)
+    # gradients with bits below the half dtype's precision once summed: rounding matters
+    grads = [[(torch.randn(3, 5, generator=g) * 0.37).to(dtype) for _ in range(2)] for _ in range(steps)]
+    clients = [d.client("worker-%d" % i) for i in range(2)]
+
+    def worker(i):
+        p = torch.nn.Parameter(init.clone())
+        opt = pst.SyncReplicasOptimizer(clients[i], [("w", p)], timeout_ms=DEADLINE_S * 1000)
+        opt.initialize()
+        seen = []
+        for s in range(steps):
+            p.grad = grads[s][i].clone()
+            opt.step()
+            assert p.dtype == dtype
+            seen.append(p.detach().clone())
+        return seen, opt
+
+    try:
+        results = _run_workers([lambda i=i: worker(i) for i in range(2)])
+    finally:
+        for c in clients:
+            c.close()
+    # The reference: float32 master, float32 sum of the half gradients, mean, sgd, round to dtype.
+    master = init.to(torch.float32)
+    expected = []
+    for s in range(steps):
+        total = grads[s][0].to(torch.float32) + grads[s][1].to(torch.float32)
+        master = master - torch.tensor(lr, dtype=torch.float32) * (total / 2)
+        expected.append(_round_to(master, dtype))
+    for seen, opt in results:
+        for s in range(steps):
+            assert torch.equal(seen[s], expected[s]), "step %d: %s vs %s" % (s + 1, seen[s], expected[s])
+        # psd holds the float32 master
+        state = opt.state_dict()
+        assert state["w"].dtype == torch.float32
+        assert torch.equal(state["w"], master)
+
+
+def test_bfloat16_grad_dtype_for_float32_parameters(psd):
+    """grad_dtype=torch.bfloat16: float32 parameters push bfloat16 gradients (half the bytes)."""
+    d = psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
+    with d.client("w") as c:
+        p = torch.nn.Parameter(torch.zeros(4))
+        opt = pst.SyncReplicasOptimizer(c, [("w", p)], grad_dtype=torch.bfloat16)
+        opt.initialize()
+        p.grad = torch.tensor([1.0 + 2 ** -9, 1.0 + 3 * 2 ** -9, -0.1, 3.0])
+        opt.step()
+        expected = -p.grad.to(torch.bfloat16).to(torch.float32)
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), expected)
+
+
+# ----------------------------------------------------------------------------- API edges
+def test_non_contiguous_parameter_is_staged_and_written_back(psd):
+    d = psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
+    with d.client("w") as c:
+        base = torch.zeros(4, 3)
+        p = torch.nn.Parameter(base.t())  # 3 x 4, not contiguous
+        assert not p.is_contiguous()
+        opt = pst.SyncReplicasOptimizer(c, [("w", p)])
+        opt.initialize()
+        p.grad = torch.ones(3, 4)
+        opt.step()
+        assert torch.equal(p.detach(), -torch.ones(3, 4))
+
+
+def test_errors_are_clear(psd):
+    d = psd("-R", 2, "-N", 2)
+    with d.client("w") as c:
+        p = torch.nn.Parameter(torch.zeros(2))
+        with pytest.raises(ValueError, match="replicas_to_aggregate=3"):
+            pst.SyncReplicasOptimizer(c, [("w", p)], replicas_to_aggregate=3)
+        with pytest.raises(TypeError, match="psd holds"):
+            pst.SyncReplicasOptimizer(c, [("i", torch.zeros(2, dtype=torch.int32))])
+        with pytest.raises(ValueError, match="at least one"):
+            pst.SyncReplicasOptimizer(c, [])
+        opt = pst.SyncReplicasOptimizer(c, [("w", p)])
+        opt.initialize()
+        with pytest.raises(ValueError, match="backward"):
+            opt.step()
+        assert opt.get_init_tokens() == 2
+        with pytest.raises(ValueError, match="Too few tokens"):
+            opt.get_init_tokens(-5)
+
+
+def test_initialize_waits_for_the_chief_and_times_out_with_a_clear_error(psd):
+    d = psd("-R", 2, "-N", 2)
+    chief = d.client("chief")
+    other = d.client("other")
+    try:
+        p = torch.nn.Parameter(torch.zeros(2))
+        opt = pst.SyncReplicasOptimizer(other, [("never", p)])
+        assert not opt.is_chief
+        with pytest.raises(psclient.NotFound, match="chief worker creates the variables"):
+            opt.initialize(timeout_ms=200)
+    finally:
+        other.close()
+        chief.close()
+
+
+def test_cuda_memory_on_a_cpu_build_is_a_clear_unimplemented(psd):
+    """The CPU-only client answers Unimplemented for device memory; the wrapper says what to do."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the CUDA path is exercised instead")
+    d = psd("-R", 1, "-N", 1)
+    with d.client("w") as c:
+        host = torch.zeros(4)
+        c.create_variable("w", host.numpy())
+        fake = psclient.RawTensor(host.data_ptr(), "float32", (4,), device="cuda", stream=0, owner=host)
+        with pytest.raises(psclient.Unimplemented) as e:
+            c.pull("w", fake)
+        with pytest.raises(psclient.Unimplemented, match="PSD_WITH_CUDA=ON"):
+            pst._cuda_hint(e.value, "pull")
