@@ -91,9 +91,9 @@ def _view(t):
     return raw_tensor(t)
 
 
-def _cuda_hint(err, what):
+def _cuda_hint(err, what, cuda=True):
     """The CPU-only build's answer to a device view, with what to do about it."""
-    if isinstance(err, _ps.Unimplemented):
+    if cuda and isinstance(err, _ps.Unimplemented):
         raise _ps.Unimplemented(
             "%s: this psclient was built without CUDA, so it cannot move CUDA tensors (%s). Rebuild "
             "psd with -DPSD_WITH_CUDA=ON on a machine with the CUDA toolkit, or keep the model on the "
@@ -177,6 +177,7 @@ class SyncReplicasOptimizer:
             self._params.append(_Param(full, p, vd, gd))
         if not self._params:
             raise ValueError("Must supply at least one variable")
+        self._any_cuda = any(p.param.is_cuda for p in self._params)
         self.local_step = client.initial_global_step
         self.last_push = None
         self.accepted_total = 0
@@ -279,7 +280,7 @@ class SyncReplicasOptimizer:
         try:
             step = self.client.pull_many(outs)
         except _ps.Unimplemented as e:
-            _cuda_hint(e, "pull")
+            _cuda_hint(e, "pull", self._any_cuda)
         self._copy_staged(staged)
         return step
 
@@ -421,7 +422,7 @@ class SyncReplicasOptimizer:
             out = self.client.push(self.local_step, dense, sparse=sparse, wait_token=True,
                                    timeout_ms=self.timeout_ms, pull_after=outs)
         except _ps.Unimplemented as e:
-            _cuda_hint(e, "push")
+            _cuda_hint(e, "push", self._any_cuda)
         except (_ps.Aborted, _ps.NotFound):
             # Aborted: the cluster restored a checkpoint; NotFound: psd lost the variables.
             # These gradients were computed on values psd no longer has: drop them, re-pull.
