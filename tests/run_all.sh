@@ -17,7 +17,7 @@ cmake --build "$here/build-ci" -j "$jobs"
 
 echo "== ASan + UBSan build =="
 cmake -S "$here" -B "$here/build-asan" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPSD_WERROR=ON \
-  -DPSD_SANITIZE=ON -DPSD_BUILD_BENCH=OFF >/dev/null
+  -DPSD_SANITIZE=ON -DPSD_BUILD_BENCH=OFF -DPSD_BUILD_PYTHON=OFF >/dev/null
 cmake --build "$here/build-asan" -j "$jobs"
 (cd "$here/build-asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --output-on-failure --timeout 300 -j 2)

@@ -1,0 +1,869 @@
+// psclient._core: the Python binding of libpsclient (README "Python").
+//
+// Uses only libpsclient's public headers (psclient/*.h, psd/*.h), so it builds against an
+// installed libpsclient too. Conventions:
+// - Every psd::Status that is not OK becomes an exception of psclient._errors (one class per
+//   code, carrying the code and the message); bad Python argument types raise TypeError.
+// - Tensors are numpy arrays (anything with the buffer protocol: C-contiguous float32, float64 or
+//   float16) or psclient.RawTensor (a raw pointer: bfloat16, CUDA memory). Views are built over
+//   the caller's memory — no copies: a pull writes into the caller's array, a push reads from it.
+//   The exported buffers are held until the call returns, so numpy cannot resize them meanwhile.
+// - The GIL is released during every call that talks to the daemon.
+// - A Client may be shared between threads (libpsclient serializes the calls). close() drops this
+//   object's reference: calls already running on other threads finish first; later calls raise
+//   FailedPrecondition.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "psclient/client.h"
+#include "psd/status.h"
+#include "psd/tensor.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// A non-OK status on its way to Python (translated into psclient._errors' classes).
+class StatusError : public std::exception {
+ public:
+  explicit StatusError(psd::Status status) : status_(std::move(status)) {}
+  const char* what() const noexcept override { return status_.message().c_str(); }
+  const psd::Status& status() const { return status_; }
+
+ private:
+  psd::Status status_;
+};
+
+[[noreturn]] void Raise(psd::Status status) { throw StatusError(std::move(status)); }
+[[noreturn]] void RaiseInvalid(std::string message) { Raise(psd::InvalidArgument(std::move(message))); }
+
+void Check(const psd::Status& status) {
+  if (!status.ok()) Raise(status);
+}
+template <typename T>
+T Check(psd::Result<T> result) {
+  if (!result.ok()) Raise(result.status());
+  return std::move(result).value();
+}
+
+// The psclient exception instance for `status` (an OK status: None).
+py::object ErrorObject(const psd::Status& status) {
+  if (status.ok()) return py::none();
+  return py::module_::import("psclient._errors").attr("error_for")(static_cast<int>(status.code()), status.message());
+}
+
+py::tuple ShapeTuple(const psd::Shape& shape) {
+  py::tuple t(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) t[i] = py::int_(shape[i]);
+  return t;
+}
+
+psd::DType ParseDTypeOrRaise(const std::string& name) { return Check(psd::ParseDType(name)); }
+
+// A raw tensor: a pointer the caller vouches for (bfloat16 host memory, CUDA device memory).
+struct RawTensor {
+  uintptr_t ptr = 0;
+  psd::DType dtype = psd::DType::kFloat32;
+  psd::Shape shape;
+  psd::MemoryKind memory = psd::MemoryKind::kHost;
+  uintptr_t stream = 0;  // a cudaStream_t as an integer (torch: torch.cuda.current_stream().cuda_stream)
+  py::object owner;      // kept alive while the RawTensor is
+};
+
+// One exported Py_buffer, released (with the GIL held) when this goes away.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+  // Returns false with a Python error set when `obj` cannot export a buffer with `flags`.
+  bool Get(PyObject* obj, int flags) {
+    if (PyObject_GetBuffer(obj, &view_, flags) != 0) return false;
+    held_ = true;
+    return true;
+  }
+  const Py_buffer& view() const { return view_; }
+
+ private:
+  Py_buffer view_{};
+  bool held_ = false;
+};
+
+// A tensor argument: the psd view over the caller's memory plus what keeps that memory alive.
+struct Held {
+  std::unique_ptr<Buffer> buffer;
+  py::object keep;
+  psd::TensorView view;
+};
+
+std::string TypeName(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
+
+// What a numpy/buffer format string means for psd ('f', 'd', 'e', with a native/little-endian prefix).
+std::optional<psd::DType> FormatDType(const char* format, Py_ssize_t itemsize) {
+  if (format == nullptr) return std::nullopt;  // plain bytes
+  std::string f(format);
+  if (!f.empty() && (f[0] == '@' || f[0] == '=' || f[0] == '<')) f.erase(0, 1);
+  if (f == "f" && itemsize == 4) return psd::DType::kFloat32;
+  if (f == "d" && itemsize == 8) return psd::DType::kFloat64;
+  if (f == "e" && itemsize == 2) return psd::DType::kFloat16;
+  return std::nullopt;
+}
+
+// Builds a view over `obj` (a buffer or a RawTensor). `what` names the argument in errors.
+Held MakeView(py::handle obj, bool writable, const std::string& what) {
+  Held held;
+  if (py::isinstance<RawTensor>(obj)) {
+    const auto& raw = obj.cast<const RawTensor&>();
+    held.keep = py::reinterpret_borrow<py::object>(obj);
+    held.view = {reinterpret_cast<void*>(raw.ptr), raw.dtype, raw.shape, raw.memory,
+                 reinterpret_cast<void*>(raw.stream)};
+    return held;
+  }
+  if (!PyObject_CheckBuffer(obj.ptr())) {
+    throw py::type_error(what +
+                         ": expected a numpy array (C-contiguous float32, float64 or float16) or a "
+                         "psclient.RawTensor, got " +
+                         TypeName(obj));
+  }
+  held.buffer = std::make_unique<Buffer>();
+  const int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+  if (!held.buffer->Get(obj.ptr(), flags)) {
+    py::error_already_set original;  // takes the Python error
+    Buffer probe;
+    if (writable && probe.Get(obj.ptr(), PyBUF_STRIDES | PyBUF_FORMAT)) {
+      RaiseInvalid(what +
+                   " is read-only: pulls write into the caller's array, so pass a writable one "
+                   "(numpy.array(x) makes a writable copy)");
+    }
+    PyErr_Clear();
+    throw py::type_error(what + ": cannot read its buffer (" + std::string(py::str(original.value())) + ")");
+  }
+  const Py_buffer& b = held.buffer->view();
+  std::optional<psd::DType> dtype = FormatDType(b.format, b.itemsize);
+  if (!dtype) {
+    RaiseInvalid(what + ": unsupported element type (buffer format '" + std::string(b.format ? b.format : "B") +
+                 "'): use float32, float64 or float16 arrays (numpy.asarray(x, dtype=numpy.float32)); "
+                 "bfloat16 and device memory go through psclient.RawTensor");
+  }
+  if (!PyBuffer_IsContiguous(&b, 'C')) {
+    RaiseInvalid(what +
+                 " is not C-contiguous: psd reads and writes arrays in place, without copies; pass "
+                 "numpy.ascontiguousarray(x) (one explicit copy) — and for a pull, copy the result back");
+  }
+  held.keep = py::reinterpret_borrow<py::object>(obj);
+  held.view.data = b.buf;
+  held.view.dtype = *dtype;
+  held.view.shape.assign(b.shape, b.shape + b.ndim);
+  return held;
+}
+
+std::vector<int64_t> ToInt64s(py::handle obj, const std::string& what) {
+  std::vector<int64_t> out;
+  if (PyObject_CheckBuffer(obj.ptr())) {
+    Buffer b;
+    if (b.Get(obj.ptr(), PyBUF_STRIDES | PyBUF_FORMAT) && PyBuffer_IsContiguous(&b.view(), 'C') &&
+        b.view().format != nullptr) {
+      std::string f(b.view().format);
+      if (!f.empty() && (f[0] == '@' || f[0] == '=' || f[0] == '<')) f.erase(0, 1);
+      const Py_ssize_t n = b.view().itemsize > 0 ? b.view().len / b.view().itemsize : 0;
+      if ((f == "q" || f == "l") && b.view().itemsize == 8) {
+        out.resize(n);
+        std::memcpy(out.data(), b.view().buf, n * sizeof(int64_t));
+        return out;
+      }
+      if ((f == "i" || f == "l") && b.view().itemsize == 4) {
+        const auto* p = static_cast<const int32_t*>(b.view().buf);
+        out.assign(p, p + n);
+        return out;
+      }
+    }
+    PyErr_Clear();
+  }
+  if (!py::isinstance<py::iterable>(obj) || py::isinstance<py::str>(obj)) {
+    throw py::type_error(what + ": expected a sequence or array of integers, got " + TypeName(obj));
+  }
+  for (py::handle item : obj) out.push_back(py::cast<int64_t>(py::reinterpret_borrow<py::object>(item)));
+  return out;
+}
+
+// (name, tensor) pairs from a dict or a sequence of pairs.
+std::vector<std::pair<std::string, Held>> NamedViews(py::handle obj, bool writable, const char* what) {
+  std::vector<std::pair<std::string, Held>> out;
+  if (obj.is_none()) return out;
+  auto add = [&](py::handle name, py::handle value) {
+    auto n = py::cast<std::string>(name);
+    out.emplace_back(n, MakeView(value, writable, std::string(what) + " '" + n + "'"));
+  };
+  if (py::isinstance<py::dict>(obj)) {
+    for (auto item : py::reinterpret_borrow<py::dict>(obj)) add(item.first, item.second);
+    return out;
+  }
+  if (!py::isinstance<py::iterable>(obj) || py::isinstance<py::str>(obj)) {
+    throw py::type_error(std::string(what) + ": expected a dict {name: array} or a list of (name, array) pairs");
+  }
+  for (py::handle item : obj) {
+    auto pair = py::reinterpret_borrow<py::sequence>(item);
+    if (py::len(pair) != 2) {
+      throw py::type_error(std::string(what) + ": expected (name, array) pairs");
+    }
+    add(pair[0], pair[1]);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, psd::TensorView>> Views(const std::vector<std::pair<std::string, Held>>& held) {
+  std::vector<std::pair<std::string, psd::TensorView>> out;
+  out.reserve(held.size());
+  for (const auto& [name, h] : held) out.emplace_back(name, h.view);
+  return out;
+}
+
+std::vector<std::string> ClusterEntries(py::handle obj) {
+  std::vector<std::string> out;
+  if (obj.is_none()) return out;
+  if (py::isinstance<py::str>(obj)) return psclient::ParseClusterList(py::cast<std::string>(obj));
+  for (py::handle item : obj) {
+    for (auto& e : psclient::ParseClusterList(py::cast<std::string>(item))) out.push_back(std::move(e));
+  }
+  return out;
+}
+
+psclient::Aggregation ParseAggregation(const std::string& s) {
+  if (s == "none") return psclient::Aggregation::kNone;
+  if (s == "sum") return psclient::Aggregation::kSum;
+  if (s == "mean") return psclient::Aggregation::kMean;
+  if (s == "only_first_replica") return psclient::Aggregation::kOnlyFirstReplica;
+  RaiseInvalid("aggregation '" + s + "': use 'none', 'sum', 'mean' or 'only_first_replica'");
+}
+
+psclient::ReduceOp ParseReduceOp(const std::string& s) {
+  if (s == "sum") return psclient::ReduceOp::kSum;
+  if (s == "mean") return psclient::ReduceOp::kMean;
+  RaiseInvalid("reduce op '" + s + "': use 'sum' or 'mean'");
+}
+
+psclient::UpdateOp ParseUpdateOp(const std::string& s) {
+  if (s == "assign") return psclient::UpdateOp::kAssign;
+  if (s == "assign_add") return psclient::UpdateOp::kAssignAdd;
+  if (s == "assign_sub") return psclient::UpdateOp::kAssignSub;
+  if (s == "scale") return psclient::UpdateOp::kScale;
+  RaiseInvalid("update op '" + s + "': use 'assign', 'assign_add', 'assign_sub' or 'scale'");
+}
+
+// PushOutcome with the token status as a psclient exception instance (None when OK).
+struct PushOutcome {
+  std::vector<psclient::PushResult> results;
+  bool waited = false;
+  py::object token_status;
+  int64_t token = 0;
+  bool is_chief = false;
+  int step_gradients = 0;
+  int64_t pulled_step = -1;
+  int accepted = 0;
+  int stale = 0;
+};
+
+// The active colocate_vars_with scope (a context manager).
+struct ColocationScope {
+  std::shared_ptr<psclient::Client> client;
+  std::string variable;
+  std::unique_ptr<psclient::Client::ColocationScope> scope;
+};
+
+// The Python Client. Holds the C++ Client through a shared_ptr so close() on one thread cannot
+// destroy it under a call running on another.
+class PyClient {
+ public:
+  explicit PyClient(std::shared_ptr<psclient::Client> client) : client_(std::move(client)) {}
+
+  static std::unique_ptr<PyClient> Connect(const psclient::ClientOptions& options) {
+    psd::Result<std::unique_ptr<psclient::Client>> result = psd::Unavailable("not connected");
+    {
+      py::gil_scoped_release release;
+      result = psclient::Client::Connect(options);
+    }
+    return std::make_unique<PyClient>(std::shared_ptr<psclient::Client>(Check(std::move(result))));
+  }
+
+  std::shared_ptr<psclient::Client> Get() const {
+    if (!client_) Raise(psd::FailedPrecondition("this psclient.Client is closed: connect a new one"));
+    return client_;
+  }
+
+  void Close() {
+    std::shared_ptr<psclient::Client> c = std::move(client_);
+    client_.reset();
+    py::gil_scoped_release release;
+    c.reset();  // the connection closes here unless another thread's call still runs
+  }
+  bool closed() const { return !client_; }
+
+ private:
+  std::shared_ptr<psclient::Client> client_;
+};
+
+// Runs `f` on the C++ client with the GIL released.
+template <typename F>
+auto Call(const PyClient& self, F&& f) {
+  std::shared_ptr<psclient::Client> c = self.Get();
+  py::gil_scoped_release release;
+  return f(*c);
+}
+
+psclient::ClientOptions MakeOptions(const std::string& host, int port, py::object cluster, py::object worker_name,
+                                    uint64_t incarnation, int connect_timeout_ms, int64_t request_timeout_ms,
+                                    uint64_t max_frame_bytes, bool observer, py::object auth_token, bool tls,
+                                    py::object tls_ca_file, py::object tls_cert_file, py::object tls_key_file,
+                                    py::object tls_server_name) {
+  if (port < 0 || port > 65535) RaiseInvalid("port " + std::to_string(port) + " is outside 0..65535");
+  auto str = [](py::object o) { return o.is_none() ? std::string() : py::cast<std::string>(py::str(o)); };
+  psclient::ClientOptions o;
+  o.host = host;
+  o.port = static_cast<uint16_t>(port);
+  o.cluster = ClusterEntries(cluster);
+  o.worker_name = str(worker_name);
+  o.incarnation = incarnation;
+  o.connect_timeout_ms = connect_timeout_ms;
+  o.request_timeout_ms = request_timeout_ms;
+  o.max_frame_bytes = max_frame_bytes;
+  o.observer = observer;
+  o.auth_token = str(auth_token);
+  o.tls = tls;
+  o.tls_ca_file = str(tls_ca_file);
+  o.tls_cert_file = str(tls_cert_file);
+  o.tls_key_file = str(tls_key_file);
+  o.tls_server_name = str(tls_server_name);
+  return o;
+}
+
+py::dict OptionsDict(const psclient::ClientOptions& o) {
+  py::dict d;
+  d["host"] = o.host;
+  d["port"] = o.port;
+  d["cluster"] = o.cluster;
+  d["worker_name"] = o.worker_name;
+  d["auth_token"] = o.auth_token.empty() ? py::object(py::none()) : py::object(py::str(o.auth_token));
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "psclient's binding of libpsclient (see the psclient package)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      py::object error = ErrorObject(e.status());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    }
+  });
+
+  m.def(
+      "code_name", [](int code) { return std::string(psd::CodeName(static_cast<psd::Code>(code))); }, py::arg("code"),
+      "psd's name of a status code number (psd::CodeName).");
+  m.def(
+      "_raise_status",
+      [](int code, const std::string& message) { Raise(psd::Status(static_cast<psd::Code>(code), message)); },
+      py::arg("code"), py::arg("message"), "Raises what a libpsclient call failing with this status raises (tests).");
+  m.def(
+      "dtype_size", [](const std::string& dtype) { return psd::DTypeSize(ParseDTypeOrRaise(dtype)); },
+      py::arg("dtype"));
+  m.def("parse_cluster_list", &psclient::ParseClusterList, py::arg("cluster"),
+        "'h:p,h:p,...' (psd's --cluster syntax) as a list of entries.");
+
+  py::class_<RawTensor>(m, "RawTensor",
+                        "A tensor at a raw address: bfloat16 host memory, or CUDA device memory "
+                        "(device='cuda', ordered on `stream`, a cudaStream_t as an int). The caller keeps the "
+                        "memory alive and unchanged during the call; `owner` is kept alive as long as this.")
+      .def(py::init([](uintptr_t ptr, const std::string& dtype, py::object shape, const std::string& device,
+                       uintptr_t stream, py::object owner) {
+             RawTensor t;
+             t.ptr = ptr;
+             t.dtype = ParseDTypeOrRaise(dtype);
+             t.shape = ToInt64s(shape, "RawTensor shape");
+             for (int64_t d : t.shape) {
+               if (d < 0) RaiseInvalid("RawTensor shape " + psd::ShapeString(t.shape) + " has a negative dimension");
+             }
+             if (device == "cpu") {
+               t.memory = psd::MemoryKind::kHost;
+             } else if (device.rfind("cuda", 0) == 0) {
+               t.memory = psd::MemoryKind::kCuda;
+             } else {
+               RaiseInvalid("RawTensor device '" + device + "': use 'cpu' or 'cuda'");
+             }
+             if (ptr == 0 && psd::NumElements(t.shape) > 0) RaiseInvalid("RawTensor: a null pointer with elements");
+             t.stream = stream;
+             t.owner = std::move(owner);
+             return t;
+           }),
+           py::arg("ptr"), py::arg("dtype"), py::arg("shape"), py::arg("device") = "cpu", py::arg("stream") = 0,
+           py::arg("owner") = py::none())
+      .def_readonly("ptr", &RawTensor::ptr)
+      .def_property_readonly("dtype", [](const RawTensor& t) { return std::string(psd::DTypeName(t.dtype)); })
+      .def_property_readonly("shape", [](const RawTensor& t) { return ShapeTuple(t.shape); })
+      .def_property_readonly("device",
+                             [](const RawTensor& t) { return t.memory == psd::MemoryKind::kCuda ? "cuda" : "cpu"; })
+      .def_readonly("stream", &RawTensor::stream)
+      .def_readonly("owner", &RawTensor::owner)
+      .def_property_readonly("nbytes",
+                             [](const RawTensor& t) { return psd::NumElements(t.shape) * psd::DTypeSize(t.dtype); })
+      .def("__repr__", [](const RawTensor& t) {
+        return "RawTensor(ptr=" + std::to_string(t.ptr) + ", dtype='" + psd::DTypeName(t.dtype) +
+               "', shape=" + psd::ShapeString(t.shape) + ", device='" +
+               (t.memory == psd::MemoryKind::kCuda ? "cuda" : "cpu") + "')";
+      });
+
+  py::class_<psclient::JobConfig>(m, "JobConfig", "The daemon's job settings, as announced in the handshake.")
+      .def_readonly("replicas_to_aggregate", &psclient::JobConfig::replicas_to_aggregate)
+      .def_readonly("total_replicas", &psclient::JobConfig::total_replicas)
+      .def_readonly("tokens_per_step", &psclient::JobConfig::tokens_per_step)
+      .def_readonly("init_tokens", &psclient::JobConfig::init_tokens)
+      .def_readonly("optimizer", &psclient::JobConfig::optimizer)
+      .def_readonly("learning_rate", &psclient::JobConfig::learning_rate)
+      .def_readonly("reduction_sum", &psclient::JobConfig::reduction_sum)
+      .def_readonly("slot_names", &psclient::JobConfig::slot_names)
+      .def_readonly("mode", &psclient::JobConfig::mode)
+      .def_readonly("staleness_bound", &psclient::JobConfig::staleness_bound)
+      .def_readonly("soft_sync_fraction", &psclient::JobConfig::soft_sync_fraction)
+      .def_readonly("step_deadline_ms", &psclient::JobConfig::step_deadline_ms)
+      .def_readonly("ema_decay", &psclient::JobConfig::ema_decay)
+      .def("__repr__", [](const psclient::JobConfig& c) {
+        return "JobConfig(replicas_to_aggregate=" + std::to_string(c.replicas_to_aggregate) +
+               ", total_replicas=" + std::to_string(c.total_replicas) + ", optimizer='" + c.optimizer + "', mode='" +
+               c.mode + "', learning_rate=" + std::to_string(c.learning_rate) + ")";
+      });
+
+  py::class_<psclient::JobStatus>(m, "JobStatus", "GetStatus(): the job as the answering shard sees it.")
+      .def_readonly("global_step", &psclient::JobStatus::global_step)
+      .def_readonly("is_chief", &psclient::JobStatus::is_chief)
+      .def_readonly("tokens_queued", &psclient::JobStatus::tokens_queued)
+      .def_readonly("workers_connected", &psclient::JobStatus::workers_connected)
+      .def_readonly("workers_finished", &psclient::JobStatus::workers_finished)
+      .def_readonly("replicas_required", &psclient::JobStatus::replicas_required)
+      .def_readonly("accepted_pushes", &psclient::JobStatus::accepted_pushes)
+      .def_readonly("stale_pushes", &psclient::JobStatus::stale_pushes)
+      .def_readonly("last_step_gradients", &psclient::JobStatus::last_step_gradients)
+      .def_readonly("max_staleness", &psclient::JobStatus::max_staleness)
+      .def_readonly("learning_rate", &psclient::JobStatus::learning_rate)
+      .def_readonly("last_checkpoint_step", &psclient::JobStatus::last_checkpoint_step)
+      .def_readonly("config", &psclient::JobStatus::config)
+      .def_readonly("shard_index", &psclient::JobStatus::shard_index)
+      .def_readonly("shards", &psclient::JobStatus::shards)
+      .def_readonly("chief_shard", &psclient::JobStatus::chief_shard)
+      .def_readonly("term", &psclient::JobStatus::term)
+      .def_readonly("cluster_epoch", &psclient::JobStatus::cluster_epoch)
+      .def_readonly("cluster_state", &psclient::JobStatus::cluster_state)
+      .def_readonly("missing_shards", &psclient::JobStatus::missing_shards)
+      .def_readonly("version", &psclient::JobStatus::version)
+      .def_readonly("uptime_s", &psclient::JobStatus::uptime_s)
+      .def_readonly("ready", &psclient::JobStatus::ready)
+      .def("__repr__", [](const psclient::JobStatus& s) {
+        return "JobStatus(global_step=" + std::to_string(s.global_step) +
+               ", workers_connected=" + std::to_string(s.workers_connected) +
+               ", workers_finished=" + std::to_string(s.workers_finished) +
+               ", accepted_pushes=" + std::to_string(s.accepted_pushes) +
+               ", stale_pushes=" + std::to_string(s.stale_pushes) + ", cluster_state='" + s.cluster_state + "')";
+      });
+
+  py::class_<psclient::VariableInfo>(m, "VariableInfo")
+      .def_readonly("name", &psclient::VariableInfo::name)
+      .def_property_readonly("dtype",
+                             [](const psclient::VariableInfo& v) { return std::string(psd::DTypeName(v.dtype)); })
+      .def_property_readonly("shape", [](const psclient::VariableInfo& v) { return ShapeTuple(v.shape); })
+      .def_readonly("created", &psclient::VariableInfo::created)
+      .def_readonly("trainable", &psclient::VariableInfo::trainable)
+      .def("__repr__", [](const psclient::VariableInfo& v) {
+        return "VariableInfo(name='" + v.name + "', dtype='" + psd::DTypeName(v.dtype) +
+               "', shape=" + psd::ShapeString(v.shape) + ", created=" + (v.created ? "True" : "False") +
+               ", trainable=" + (v.trainable ? "True" : "False") + ")";
+      });
+
+  py::class_<psclient::SlicePart>(m, "SlicePart")
+      .def_readonly("shard", &psclient::SlicePart::shard)
+      .def_readonly("row_begin", &psclient::SlicePart::row_begin)
+      .def_readonly("row_end", &psclient::SlicePart::row_end);
+  py::class_<psclient::VariablePlacement>(m, "VariablePlacement")
+      .def_readonly("name", &psclient::VariablePlacement::name)
+      .def_property_readonly("dtype",
+                             [](const psclient::VariablePlacement& v) { return std::string(psd::DTypeName(v.dtype)); })
+      .def_property_readonly("shape", [](const psclient::VariablePlacement& v) { return ShapeTuple(v.shape); })
+      .def_readonly("sliced", &psclient::VariablePlacement::sliced)
+      .def_readonly("parts", &psclient::VariablePlacement::parts);
+  py::class_<psclient::PlacementMap>(m, "PlacementMap")
+      .def_readonly("variables", &psclient::PlacementMap::variables)
+      .def_readonly("shard_bytes", &psclient::PlacementMap::shard_bytes);
+
+  py::class_<psclient::PushResult>(m, "PushResult")
+      .def_readonly("accepted", &psclient::PushResult::accepted)
+      .def_readonly("step", &psclient::PushResult::step)
+      .def_readonly("staleness", &psclient::PushResult::staleness)
+      .def("__repr__", [](const psclient::PushResult& r) {
+        return std::string("PushResult(accepted=") + (r.accepted ? "True" : "False") +
+               ", step=" + std::to_string(r.step) + ", staleness=" + std::to_string(r.staleness) + ")";
+      });
+  py::class_<PushOutcome>(m, "PushOutcome",
+                          "What push() did: one PushResult per gradient (dense first, then sparse); with "
+                          "wait_token, token_status is None (token holds the new local step) or the "
+                          "psclient.Error the wait ended with (DeadlineExceeded, OutOfRange, ...): not raised.")
+      .def_readonly("results", &PushOutcome::results)
+      .def_readonly("waited", &PushOutcome::waited)
+      .def_readonly("token_status", &PushOutcome::token_status)
+      .def_readonly("token", &PushOutcome::token)
+      .def_readonly("is_chief", &PushOutcome::is_chief)
+      .def_readonly("step_gradients", &PushOutcome::step_gradients)
+      .def_readonly("pulled_step", &PushOutcome::pulled_step)
+      .def_readonly("accepted", &PushOutcome::accepted)
+      .def_readonly("stale", &PushOutcome::stale)
+      .def("__repr__", [](const PushOutcome& o) {
+        return "PushOutcome(accepted=" + std::to_string(o.accepted) + ", stale=" + std::to_string(o.stale) +
+               ", waited=" + (o.waited ? "True" : "False") + ", token=" + std::to_string(o.token) +
+               ", token_status=" + std::string(py::repr(o.token_status)) + ")";
+      });
+  py::class_<psclient::ReduceResult>(m, "ReduceResult")
+      .def_readonly("accepted", &psclient::ReduceResult::accepted)
+      .def_readonly("step", &psclient::ReduceResult::step)
+      .def("__repr__", [](const psclient::ReduceResult& r) {
+        return std::string("ReduceResult(accepted=") + (r.accepted ? "True" : "False") +
+               ", step=" + std::to_string(r.step) + ")";
+      });
+
+  py::class_<psclient::LaunchEnvironment>(m, "LaunchEnvironment", "psrun's environment contract.")
+      .def_property_readonly(
+          "client_options", [](const psclient::LaunchEnvironment& e) { return OptionsDict(e.options); },
+          "keyword arguments for psclient.Client(**...)")
+      .def_readonly("worker_index", &psclient::LaunchEnvironment::worker_index)
+      .def_readonly("num_workers", &psclient::LaunchEnvironment::num_workers)
+      .def_readonly("chief_eligible", &psclient::LaunchEnvironment::chief_eligible);
+  m.def(
+      "read_launch_environment", [] { return Check(psclient::ReadLaunchEnvironment()); },
+      "Reads psrun's PSD_* variables (InvalidArgument naming the variable when one is wrong).");
+
+  py::class_<ColocationScope>(m, "ColocationScope",
+                              "colocate_vars_with(name): use as `with client.colocate_vars_with('w'):`")
+      .def("__enter__",
+           [](ColocationScope& s) -> ColocationScope& {
+             if (s.scope) Raise(psd::FailedPrecondition("colocate_vars_with scope entered twice"));
+             s.scope = std::make_unique<psclient::Client::ColocationScope>(s.client->ColocateVarsWith(s.variable));
+             return s;
+           })
+      .def("__exit__", [](ColocationScope& s, py::args) {
+        s.scope.reset();
+        return false;
+      });
+
+  py::class_<PyClient>(m, "Client",
+                       "A connection to psd (one daemon or a cluster). Calls block until the daemon answers "
+                       "(bounded by the client's deadlines) with the GIL released; errors raise psclient.Error "
+                       "subclasses. Use as a context manager, or call close().")
+      .def(py::init([](const std::string& host, int port, py::object cluster, py::object worker_name,
+                       uint64_t incarnation, int connect_timeout_ms, int64_t request_timeout_ms,
+                       uint64_t max_frame_bytes, bool observer, py::object auth_token, bool tls, py::object tls_ca_file,
+                       py::object tls_cert_file, py::object tls_key_file, py::object tls_server_name) {
+             return PyClient::Connect(MakeOptions(host, port, cluster, worker_name, incarnation, connect_timeout_ms,
+                                                  request_timeout_ms, max_frame_bytes, observer, auth_token, tls,
+                                                  tls_ca_file, tls_cert_file, tls_key_file, tls_server_name));
+           }),
+           py::arg("host") = "127.0.0.1", py::arg("port") = 7070, py::kw_only(), py::arg("cluster") = py::none(),
+           py::arg("worker_name") = py::none(), py::arg("incarnation") = 0, py::arg("connect_timeout_ms") = 10000,
+           py::arg("request_timeout_ms") = 300000, py::arg("max_frame_bytes") = uint64_t{1} << 30,
+           py::arg("observer") = false, py::arg("auth_token") = py::none(), py::arg("tls") = false,
+           py::arg("tls_ca_file") = py::none(), py::arg("tls_cert_file") = py::none(),
+           py::arg("tls_key_file") = py::none(), py::arg("tls_server_name") = py::none())
+      .def_static(
+          "from_environment", [] { return PyClient::Connect(Check(psclient::ClientOptionsFromEnvironment())); },
+          "Connects as psrun's environment says (PSD_CLUSTER, PSD_WORKER_NAME, PSD_AUTH_TOKEN_FILE).")
+      .def("close", &PyClient::Close, "Closes the connection (idempotent); later calls raise FailedPrecondition.")
+      .def_property_readonly("closed", &PyClient::closed)
+      .def("__enter__", [](PyClient& self) -> PyClient& { return self; })
+      .def("__exit__",
+           [](PyClient& self, py::args) {
+             self.Close();
+             return false;
+           })
+      // --- the handshake's facts ---------------------------------------------------------------
+      .def_property_readonly("config", [](const PyClient& self) { return self.Get()->config(); })
+      .def_property_readonly("worker_id", [](const PyClient& self) { return self.Get()->worker_id(); })
+      .def_property_readonly("is_chief", [](const PyClient& self) { return self.Get()->is_chief(); })
+      .def_property_readonly("initial_global_step",
+                             [](const PyClient& self) { return self.Get()->initial_global_step(); })
+      .def_property_readonly("connection_epoch", [](const PyClient& self) { return self.Get()->connection_epoch(); })
+      .def_property_readonly("shards", [](const PyClient& self) { return self.Get()->shards(); })
+      .def_property_readonly("chief_shard", [](const PyClient& self) { return self.Get()->chief_shard(); })
+      .def_property_readonly("cluster_epoch", [](const PyClient& self) { return self.Get()->cluster_epoch(); })
+      .def_property_readonly("slot_names", [](const PyClient& self) { return self.Get()->SlotNames(); })
+      .def_property_readonly("requests_sent", [](const PyClient& self) { return self.Get()->requests_sent(); })
+      .def_property_readonly("parameter_devices", [](const PyClient& self) { return self.Get()->ParameterDevices(); })
+      .def_property_readonly("should_init", [](const PyClient& self) { return self.Get()->should_init(); })
+      .def_property_readonly("should_checkpoint", [](const PyClient& self) { return self.Get()->should_checkpoint(); })
+      .def_property_readonly("should_save_summary",
+                             [](const PyClient& self) { return self.Get()->should_save_summary(); })
+      // --- variables ----------------------------------------------------------------------------
+      .def(
+          "create_variable",
+          [](const PyClient& self, const std::string& name, py::object initial, py::object shape, py::object dtype,
+             bool trainable, bool average, const std::string& optimizer, const std::string& colocate_with,
+             const std::string& aggregation, bool sync_on_read) {
+            Held held;
+            if (!initial.is_none()) {
+              held = MakeView(initial, false, "create_variable('" + name + "') initial value");
+              if (!dtype.is_none() && ParseDTypeOrRaise(py::cast<std::string>(dtype)) != held.view.dtype) {
+                RaiseInvalid("create_variable('" + name + "'): dtype '" + py::cast<std::string>(dtype) +
+                             "' but the initial value is " + psd::DTypeName(held.view.dtype) +
+                             " (give one or make them agree)");
+              }
+              if (!shape.is_none() && ToInt64s(shape, "shape") != held.view.shape) {
+                RaiseInvalid("create_variable('" + name + "'): shape " + psd::ShapeString(ToInt64s(shape, "shape")) +
+                             " but the initial value's is " + psd::ShapeString(held.view.shape));
+              }
+            } else {
+              if (shape.is_none()) RaiseInvalid("create_variable('" + name + "'): give an initial value or a shape");
+              held.view.dtype =
+                  dtype.is_none() ? psd::DType::kFloat32 : ParseDTypeOrRaise(py::cast<std::string>(dtype));
+              held.view.shape = ToInt64s(shape, "shape");
+            }
+            psclient::VariableOptions options;
+            options.trainable = trainable;
+            options.average = average;
+            options.optimizer = optimizer;
+            options.colocate_with = colocate_with;
+            options.aggregation = ParseAggregation(aggregation);
+            options.sync_on_read = sync_on_read;
+            psd::ConstTensorView view = held.view;
+            return Check(Call(self, [&](psclient::Client& c) { return c.CreateVariable(name, view, options); }));
+          },
+          py::arg("name"), py::arg("initial") = py::none(), py::kw_only(), py::arg("shape") = py::none(),
+          py::arg("dtype") = py::none(), py::arg("trainable") = true, py::arg("average") = false,
+          py::arg("optimizer") = "", py::arg("colocate_with") = "", py::arg("aggregation") = "none",
+          py::arg("sync_on_read") = false,
+          "Create-or-get. Without `initial`: zeros of `shape` and `dtype` (default float32). AlreadyExists when "
+          "the name exists with another dtype, shape or trainability.")
+      .def(
+          "pull",
+          [](const PyClient& self, const std::string& name, py::object out) {
+            Held held = MakeView(out, true, "pull('" + name + "') out");
+            return Check(Call(self, [&](psclient::Client& c) { return c.Pull(name, held.view); }));
+          },
+          py::arg("name"), py::arg("out"), "Writes the variable's value into `out`; returns its global step.")
+      .def(
+          "pull_many",
+          [](const PyClient& self, py::object outs) {
+            auto held = NamedViews(outs, true, "pull_many out");
+            auto views = Views(held);
+            return Check(Call(self, [&](psclient::Client& c) { return c.Pull(views); }));
+          },
+          py::arg("outs"), "Pulls several variables at one global step: a dict {name: out} or [(name, out), ...].")
+      .def(
+          "pull_averages",
+          [](const PyClient& self, py::object outs) {
+            auto held = NamedViews(outs, true, "pull_averages out");
+            auto views = Views(held);
+            return Check(Call(self, [&](psclient::Client& c) { return c.PullAverages(views); }));
+          },
+          py::arg("outs"), "The moving averages of variables created with average=True (as pull_many).")
+      .def(
+          "pull_rows",
+          [](const PyClient& self, const std::string& name, py::object rows, py::object out) {
+            std::vector<int64_t> r = ToInt64s(rows, "pull_rows rows");
+            Held held = MakeView(out, true, "pull_rows('" + name + "') out");
+            return Check(Call(self, [&](psclient::Client& c) { return c.PullRows(name, r, held.view); }));
+          },
+          py::arg("name"), py::arg("rows"), py::arg("out"))
+      .def(
+          "push",
+          [](const PyClient& self, int64_t local_step, py::object grads, py::object sparse, bool wait_token,
+             int64_t timeout_ms, py::object pull_after) {
+            auto dense_held = NamedViews(grads, false, "gradient");
+            std::vector<psclient::Gradient> dense;
+            dense.reserve(dense_held.size());
+            for (const auto& [name, h] : dense_held) dense.push_back({name, h.view});
+            std::vector<Held> sparse_held;
+            std::vector<psclient::SparseGradient> sparse_grads;
+            if (!sparse.is_none()) {
+              for (py::handle item : sparse) {
+                py::object name, indices, values, dense_shape = py::none();
+                if (py::isinstance<py::tuple>(item) || py::isinstance<py::list>(item)) {
+                  auto seq = py::reinterpret_borrow<py::sequence>(item);
+                  if (py::len(seq) != 3 && py::len(seq) != 4) {
+                    throw py::type_error("sparse: expected (name, indices, values[, dense_shape]) or SparseGradient");
+                  }
+                  name = seq[0], indices = seq[1], values = seq[2];
+                  if (py::len(seq) == 4) dense_shape = seq[3];
+                } else {
+                  name = item.attr("name"), indices = item.attr("indices"), values = item.attr("values");
+                  if (py::hasattr(item, "dense_shape")) dense_shape = item.attr("dense_shape");
+                }
+                psclient::SparseGradient g;
+                g.name = py::cast<std::string>(name);
+                g.indices = ToInt64s(indices, "sparse gradient '" + g.name + "' indices");
+                sparse_held.push_back(MakeView(values, false, "sparse gradient '" + g.name + "' values"));
+                g.values = sparse_held.back().view;
+                if (!dense_shape.is_none()) g.dense_shape = ToInt64s(dense_shape, "dense_shape");
+                sparse_grads.push_back(std::move(g));
+              }
+            }
+            auto after_held = NamedViews(pull_after, true, "pull_after out");
+            auto after = Views(after_held);
+            const bool has_after = !pull_after.is_none();
+            psclient::PushOutcome o = Check(Call(self, [&](psclient::Client& c) {
+              return c.Push(local_step, dense, sparse_grads, wait_token, timeout_ms, has_after ? &after : nullptr);
+            }));
+            PushOutcome out;
+            out.results = std::move(o.results);
+            out.waited = o.waited;
+            out.token_status = ErrorObject(o.token_status);
+            out.token = o.token;
+            out.is_chief = o.is_chief;
+            out.step_gradients = o.step_gradients;
+            out.pulled_step = o.pulled_step;
+            for (const auto& r : out.results) (r.accepted ? out.accepted : out.stale)++;
+            return out;
+          },
+          py::arg("local_step"), py::arg("grads") = py::none(), py::kw_only(), py::arg("sparse") = py::none(),
+          py::arg("wait_token") = false, py::arg("timeout_ms") = 0, py::arg("pull_after") = py::none(),
+          "Pushes dense gradients ({name: array} or [(name, array)]) and sparse ones (SparseGradient or "
+          "(name, indices, values[, dense_shape])) tagged with local_step. With wait_token, also waits for the "
+          "token (its outcome in token_status: not raised); with pull_after, writes those variables' new "
+          "values into the given arrays once the token is in.")
+      .def(
+          "wait_token",
+          [](const PyClient& self, int64_t timeout_ms) {
+            return Check(Call(self, [&](psclient::Client& c) { return c.WaitToken(timeout_ms); }));
+          },
+          py::arg("timeout_ms") = 0,
+          "Waits for a token (the barrier); returns its step. DeadlineExceeded after timeout_ms (<= 0: the "
+          "daemon's --token-timeout-ms), OutOfRange once training is over.")
+      .def(
+          "set_learning_rate",
+          [](const PyClient& self, double lr) {
+            Check(Call(self, [&](psclient::Client& c) { return c.SetLearningRate(lr); }));
+          },
+          py::arg("learning_rate"))
+      .def("request_checkpoint",
+           [](const PyClient& self) { Check(Call(self, [&](psclient::Client& c) { return c.RequestCheckpoint(); })); })
+      .def(
+          "recover",
+          [](const PyClient& self, int64_t step, bool empty) {
+            Check(Call(self, [&](psclient::Client& c) { return c.Recover(step, empty); }));
+          },
+          py::arg("step") = -1, py::arg("empty") = false)
+      .def("get_status",
+           [](const PyClient& self) { return Check(Call(self, [&](psclient::Client& c) { return c.GetStatus(); })); })
+      .def(
+          "get_shard_status",
+          [](const PyClient& self, int shard) {
+            return Check(Call(self, [&](psclient::Client& c) { return c.GetShardStatus(shard); }));
+          },
+          py::arg("shard"))
+      .def("global_step",
+           [](const PyClient& self) { return Check(Call(self, [&](psclient::Client& c) { return c.GlobalStep(); })); })
+      .def(
+          "placement",
+          [](const PyClient& self, const std::string& name) {
+            return Check(Call(self, [&](psclient::Client& c) { return c.Placement(name); }));
+          },
+          py::arg("name"))
+      .def("placement_map",
+           [](const PyClient& self) {
+             return Check(Call(self, [&](psclient::Client& c) { return c.GetPlacementMap(); }));
+           })
+      .def(
+          "get_slot",
+          [](const PyClient& self, const std::string& variable, const std::string& slot, py::object out) {
+            Held held = MakeView(out, true, "get_slot('" + variable + "', '" + slot + "') out");
+            Check(Call(self, [&](psclient::Client& c) { return c.GetSlot(variable, slot, held.view); }));
+          },
+          py::arg("variable"), py::arg("slot"), py::arg("out"))
+      // --- distribution-aware primitives ----------------------------------------------------------
+      .def(
+          "reduce_to",
+          [](const PyClient& self, const std::string& op, int64_t local_step, py::object value,
+             const std::string& destination, py::object result, int64_t timeout_ms) {
+            psclient::ReduceOp rop = ParseReduceOp(op);
+            Held v = MakeView(value, false, "reduce_to('" + destination + "') value");
+            Held r;
+            if (!result.is_none()) r = MakeView(result, true, "reduce_to('" + destination + "') result");
+            return Check(Call(self, [&](psclient::Client& c) {
+              return c.ReduceTo(rop, local_step, v.view, destination, r.view, timeout_ms);
+            }));
+          },
+          py::arg("op"), py::arg("local_step"), py::arg("value"), py::arg("destination"),
+          py::arg("result") = py::none(), py::arg("timeout_ms") = 0)
+      .def(
+          "batch_reduce_to",
+          [](const PyClient& self, const std::string& op, int64_t local_step, py::object items, uint64_t bytes_per_pack,
+             int64_t timeout_ms) {
+            psclient::ReduceOp rop = ParseReduceOp(op);
+            std::vector<Held> held;
+            std::vector<psclient::ReduceItem> list;
+            for (py::handle item : items) {
+              auto seq = py::reinterpret_borrow<py::sequence>(item);
+              if (py::len(seq) != 2 && py::len(seq) != 3) {
+                throw py::type_error("batch_reduce_to: expected (value, destination[, result]) items");
+              }
+              psclient::ReduceItem ri;
+              ri.destination = py::cast<std::string>(seq[1]);
+              held.push_back(MakeView(seq[0], false, "batch_reduce_to('" + ri.destination + "') value"));
+              ri.value = held.back().view;
+              if (py::len(seq) == 3 && !py::object(seq[2]).is_none()) {
+                held.push_back(MakeView(seq[2], true, "batch_reduce_to('" + ri.destination + "') result"));
+                ri.result = held.back().view;
+              }
+              list.push_back(std::move(ri));
+            }
+            psclient::CollectiveHints hints{bytes_per_pack, timeout_ms};
+            return Check(
+                Call(self, [&](psclient::Client& c) { return c.BatchReduceTo(rop, local_step, list, hints); }));
+          },
+          py::arg("op"), py::arg("local_step"), py::arg("items"), py::arg("bytes_per_pack") = 0,
+          py::arg("timeout_ms") = 0)
+      .def(
+          "broadcast_to",
+          [](const PyClient& self, py::object value, std::vector<std::string> destinations, bool at_next_step) {
+            Held v = MakeView(value, false, "broadcast_to value");
+            Check(Call(self, [&](psclient::Client& c) { return c.BroadcastTo(v.view, destinations, at_next_step); }));
+          },
+          py::arg("value"), py::arg("destinations"), py::arg("at_next_step") = false)
+      .def(
+          "update",
+          [](const PyClient& self, const std::string& variable, const std::string& op, py::object value,
+             bool cross_replica, int64_t local_step, int64_t timeout_ms, double factor, bool at_next_step) {
+            psclient::UpdateOp uop = ParseUpdateOp(op);
+            Held v;
+            if (!value.is_none()) v = MakeView(value, false, "update('" + variable + "') value");
+            psclient::UpdateOptions options{cross_replica, local_step, timeout_ms, factor, at_next_step};
+            return Check(Call(self, [&](psclient::Client& c) { return c.Update(variable, uop, v.view, options); }));
+          },
+          py::arg("variable"), py::arg("op"), py::arg("value") = py::none(), py::kw_only(),
+          py::arg("cross_replica") = true, py::arg("local_step") = 0, py::arg("timeout_ms") = 0,
+          py::arg("factor") = 1.0, py::arg("at_next_step") = false)
+      .def(
+          "colocate_vars_with",
+          [](const PyClient& self, const std::string& name) {
+            ColocationScope s;
+            s.client = self.Get();
+            s.variable = name;
+            return s;
+          },
+          py::arg("name"))
+      .def("worker_devices",
+           [](const PyClient& self) {
+             return Check(Call(self, [&](psclient::Client& c) { return c.WorkerDevices(); }));
+           })
+      .def(
+          "finish", [](const PyClient& self) { Check(Call(self, [&](psclient::Client& c) { return c.Finish(); })); },
+          "Declares this worker done (psd --exit-when-done exits once all workers did).");
+}
