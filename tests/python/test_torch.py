@@ -1,7 +1,7 @@
 """psclient.torch against torch's own optimizers: a model trained through psd ends where one process
 training on the full batch ends (README "Python": "PyTorch").
 
-Every test owns its psd (127.0.0.1, port 0, --port-file) and its worker threads, each with its
+Every test owns its psd (conftest's start_psd: 127.0.0.1, port 0, --port-file) and its worker threads, each with its
 own psclient.Client (the binding releases the GIL during calls). Deterministic: the workers
 synchronise through psd's tokens; the straggler of the backup test waits for a condition (the
 global step moving past its gradients), never for a time.
@@ -10,8 +10,6 @@ global step moving past its gradients), never for a time.
 import copy
 import math
 import os
-import subprocess
-import tempfile
 import threading
 import time
 
@@ -27,54 +25,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEADLINE_S = 60  # every wait in this file is bounded by this
 
 
-def _psd_binary():
-    path = os.environ.get("PSD_BINARY") or os.path.join(HERE, "..", "..", "build", "server", "psd")
-    if not os.access(path, os.X_OK):
-        pytest.skip("no psd binary (set PSD_BINARY; ctest does)")
-    return path
-
-
-class _Psd:
-    """One psd on 127.0.0.1:0; stopped (by its PID) when the test ends."""
-
-    def __init__(self, *flags):
-        self.dir = tempfile.TemporaryDirectory(prefix="psd-torch-")
-        port_file = os.path.join(self.dir.name, "port")
-        self.log = open(os.path.join(self.dir.name, "psd.log"), "w+")
-        self.proc = subprocess.Popen([_psd_binary(), "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-                                      "--log-level", "warn"] + [str(f) for f in flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + DEADLINE_S
-        while not (os.path.exists(port_file) and open(port_file).read().strip()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.log.seek(0)
-                raise RuntimeError("psd did not start: " + self.log.read())
-            time.sleep(0.01)  # a file appearing: nothing to block on
-        self.port = int(open(port_file).read().strip())
-
-    def client(self, name):
-        return psclient.Client("127.0.0.1", self.port, worker_name=name)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=DEADLINE_S)
-        self.log.close()
-        self.dir.cleanup()
-
-
-@pytest.fixture
-def psd():
-    started = []
-
-    def start(*flags):
-        d = _Psd(*flags)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.stop()
+def _client(d, name):
+    """A worker's own Client to daemon d (conftest's start_psd)."""
+    return psclient.Client("127.0.0.1", d.port, worker_name=name)
 
 
 # Lockstep: without init tokens (psd --init-tokens 0, the least TF allows when R = N) a worker's
@@ -130,7 +83,7 @@ def _reference(model, batches, make_opt):
 def _train_sync(d, model, batches, workers=2, grad_dtype=None, after=None):
     """`workers` threads, each on its share of every batch, through SyncReplicasOptimizer.
     Returns the workers' models and their step outcomes."""
-    clients = [d.client("worker-%d" % i) for i in range(workers)]  # worker 0 says hello first: chief
+    clients = [_client(d, "worker-%d" % i) for i in range(workers)]  # worker 0 says hello first: chief
     assert clients[0].is_chief
 
     def worker(i):
@@ -171,9 +124,9 @@ def _assert_params_close(model, ref, atol, rtol=0):
 
 
 # ----------------------------------------------------------------------------- (a) SGD
-def test_sgd_two_workers_match_full_batch_torch_sgd(psd):
+def test_sgd_two_workers_match_full_batch_torch_sgd(start_psd):
     lr, steps = 0.1, 6
-    d = psd(*LOCKSTEP, "-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
+    d = start_psd(*LOCKSTEP, "-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
     model, batches = _mlp(), _batches(steps, 32)
     results = _train_sync(d, model, batches)
     ref = _reference(model, batches, lambda ps: torch.optim.SGD(ps, lr=lr))
@@ -218,7 +171,7 @@ def _max_diff(a, b):
 
 
 @pytest.mark.parametrize("eps", [1e-8, 1e-12])
-def test_adam_two_workers_match_tf_adam_and_torch_adam(psd, eps):
+def test_adam_two_workers_match_tf_adam_and_torch_adam(start_psd, eps):
     """psd's Adam is TF's: v -= lr sqrt(1-b2^t)/(1-b1^t) m / (sqrt(v) + eps) (epsilon-hat).
     torch.optim.Adam divides by sqrt(v)/sqrt(1-b2^t) + eps, which is TF's formula with
     eps_hat = eps sqrt(1-b2^t): the two differ only where eps is not small against sqrt(v), i.e.
@@ -227,7 +180,7 @@ def test_adam_two_workers_match_tf_adam_and_torch_adam(psd, eps):
     gradient is ~1e-5); with eps = 1e-12 the placement is immaterial and psd matches
     torch.optim.Adam(eps=1e-12) as tightly as the TF reference."""
     lr, b1, b2, steps = 0.01, 0.9, 0.999, 6
-    d = psd(*LOCKSTEP, "-R", 2, "-N", 2, "--optimizer", "adam", "--learning-rate", lr, "--beta1", b1, "--beta2", b2,
+    d = start_psd(*LOCKSTEP, "-R", 2, "-N", 2, "--optimizer", "adam", "--learning-rate", lr, "--beta1", b1, "--beta2", b2,
             "--epsilon", eps)
     model, batches = _mlp(), _batches(steps, 32)
     def slots(opt):  # psd's Adam state: the m and v slots
@@ -252,14 +205,14 @@ def test_adam_two_workers_match_tf_adam_and_torch_adam(psd, eps):
 
 
 # ----------------------------------------------------------------------------- (c) backups
-def test_backup_workers_loss_falls_and_stale_pushes_reported(psd):
+def test_backup_workers_loss_falls_and_stale_pushes_reported(start_psd):
     lr, steps, workers = 0.5, 20, 4
-    d = psd("-R", 2, "-B", 2, "--optimizer", "sgd", "--learning-rate", lr)
+    d = start_psd("-R", 2, "-B", 2, "--optimizer", "sgd", "--learning-rate", lr)
     model = _mlp()
     g = torch.Generator().manual_seed(5)
     x_all = torch.randn(512, 8, generator=g)
     y_all = (x_all[:, :3] * torch.tensor([1.0, -1.0, 0.5])).argmax(1)  # learnable labels
-    clients = [d.client("worker-%d" % i) for i in range(workers)]
+    clients = [_client(d, "worker-%d" % i) for i in range(workers)]
     straggler = workers - 1
 
     def loss_of(m):
@@ -322,9 +275,9 @@ class _EmbModel(torch.nn.Module):
         return self.out(self.emb(idx))
 
 
-def test_sparse_embedding_matches_dense_full_batch(psd):
+def test_sparse_embedding_matches_dense_full_batch(start_psd):
     lr, steps = 0.5, 5
-    d = psd(*LOCKSTEP, "-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
+    d = start_psd(*LOCKSTEP, "-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
     g = torch.Generator().manual_seed(8)
     # psd averages each row over the gradients that contained it (TF's SparseConditionalAccumulator):
     # the full-batch mean equals it when every row a worker touches is touched by the other too,
@@ -338,7 +291,7 @@ def test_sparse_embedding_matches_dense_full_batch(psd):
     model = _EmbModel(sparse=True)
     dense_model = _EmbModel(sparse=False)
     dense_model.load_state_dict(model.state_dict())
-    clients = [d.client("worker-%d" % i) for i in range(2)]
+    clients = [_client(d, "worker-%d" % i) for i in range(2)]
 
     def worker(i):
         m = copy.deepcopy(model)
@@ -368,10 +321,10 @@ def test_sparse_embedding_matches_dense_full_batch(psd):
         _assert_params_close(m, ref, atol=2e-6)
 
 
-def test_sparse_gradient_of_a_sparse_embedding_goes_as_indexed_slices(psd):
+def test_sparse_gradient_of_a_sparse_embedding_goes_as_indexed_slices(start_psd):
     """Only the touched rows move (psd applies sparse updates lazily, to the rows it got)."""
-    d = psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
-    with d.client("w") as c:
+    d = start_psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
+    with _client(d, "w") as c:
         emb = torch.nn.Embedding(6, 2, sparse=True)
         before = emb.weight.detach().clone()
         opt = pst.SyncReplicasOptimizer(c, [("emb", emb.weight)])
@@ -389,7 +342,7 @@ def test_sparse_gradient_of_a_sparse_embedding_goes_as_indexed_slices(psd):
 # ----------------------------------------------------------------------------- (e) half precision
 def _needs_halves(d):
     """Skips while psd refuses half-precision tensors (before the daemon's bf16/fp16 support)."""
-    with d.client("probe") as c:
+    with _client(d, "probe") as c:
         try:
             c.create_variable("probe/bf16", np.zeros(1, np.float16))
         except psclient.Unimplemented as e:
@@ -402,18 +355,18 @@ def _round_to(x32, dtype):
 
 
 @pytest.mark.parametrize("half", ["bfloat16", "float16"])
-def test_half_gradients_into_float32_variables_pulled_as_half(psd, half):
+def test_half_gradients_into_float32_variables_pulled_as_half(start_psd, half):
     """Master weights: the parameters and gradients are half precision; psd keeps float32
     variables, sums the gradients in float32 and hands the values back rounded to the half dtype."""
     dtype = getattr(torch, half)
     lr, steps = 0.25, 4
-    d = psd(*LOCKSTEP, "-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
+    d = start_psd(*LOCKSTEP, "-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
     _needs_halves(d)
     g = torch.Generator().manual_seed(21)
     init = torch.randn(3, 5, generator=g).to(dtype)
     # gradients with bits below the half dtype's precision once summed: rounding matters
     grads = [[(torch.randn(3, 5, generator=g) * 0.37).to(dtype) for _ in range(2)] for _ in range(steps)]
-    clients = [d.client("worker-%d" % i) for i in range(2)]
+    clients = [_client(d, "worker-%d" % i) for i in range(2)]
 
     def worker(i):
         p = torch.nn.Parameter(init.clone())
@@ -448,11 +401,11 @@ def test_half_gradients_into_float32_variables_pulled_as_half(psd, half):
         assert torch.equal(state["w"], master)
 
 
-def test_bfloat16_grad_dtype_for_float32_parameters(psd):
+def test_bfloat16_grad_dtype_for_float32_parameters(start_psd):
     """grad_dtype=torch.bfloat16: float32 parameters push bfloat16 gradients (half the bytes)."""
-    d = psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
+    d = start_psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
     _needs_halves(d)
-    with d.client("w") as c:
+    with _client(d, "w") as c:
         p = torch.nn.Parameter(torch.zeros(4))
         opt = pst.SyncReplicasOptimizer(c, [("w", p)], grad_dtype=torch.bfloat16)
         opt.initialize()
@@ -463,9 +416,9 @@ def test_bfloat16_grad_dtype_for_float32_parameters(psd):
 
 
 # ----------------------------------------------------------------------------- API edges
-def test_non_contiguous_parameter_is_staged_and_written_back(psd):
-    d = psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
-    with d.client("w") as c:
+def test_non_contiguous_parameter_is_staged_and_written_back(start_psd):
+    d = start_psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
+    with _client(d, "w") as c:
         base = torch.zeros(4, 3)
         p = torch.nn.Parameter(base.t())  # 3 x 4, not contiguous
         assert not p.is_contiguous()
@@ -476,9 +429,9 @@ def test_non_contiguous_parameter_is_staged_and_written_back(psd):
         assert torch.equal(p.detach(), -torch.ones(3, 4))
 
 
-def test_errors_are_clear(psd):
-    d = psd("-R", 2, "-N", 2)
-    with d.client("w") as c:
+def test_errors_are_clear(start_psd):
+    d = start_psd("-R", 2, "-N", 2)
+    with _client(d, "w") as c:
         p = torch.nn.Parameter(torch.zeros(2))
         with pytest.raises(ValueError, match="replicas_to_aggregate=3"):
             pst.SyncReplicasOptimizer(c, [("w", p)], replicas_to_aggregate=3)
@@ -495,10 +448,10 @@ def test_errors_are_clear(psd):
             opt.get_init_tokens(-5)
 
 
-def test_initialize_waits_for_the_chief_and_times_out_with_a_clear_error(psd):
-    d = psd("-R", 2, "-N", 2)
-    chief = d.client("chief")
-    other = d.client("other")
+def test_initialize_waits_for_the_chief_and_times_out_with_a_clear_error(start_psd):
+    d = start_psd("-R", 2, "-N", 2)
+    chief = _client(d, "chief")
+    other = _client(d, "other")
     try:
         p = torch.nn.Parameter(torch.zeros(2))
         opt = pst.SyncReplicasOptimizer(other, [("never", p)])
@@ -510,12 +463,12 @@ def test_initialize_waits_for_the_chief_and_times_out_with_a_clear_error(psd):
         chief.close()
 
 
-def test_cuda_memory_on_a_cpu_build_is_a_clear_unimplemented(psd):
+def test_cuda_memory_on_a_cpu_build_is_a_clear_unimplemented(start_psd):
     """The CPU-only client answers Unimplemented for device memory; the wrapper says what to do."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the CUDA path is exercised instead")
-    d = psd("-R", 1, "-N", 1)
-    with d.client("w") as c:
+    d = start_psd("-R", 1, "-N", 1)
+    with _client(d, "w") as c:
         host = torch.zeros(4)
         c.create_variable("w", host.numpy())
         fake = psclient.RawTensor(host.data_ptr(), "float32", (4,), device="cuda", stream=0, owner=host)
