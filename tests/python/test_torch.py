@@ -415,6 +415,53 @@ def test_bfloat16_grad_dtype_for_float32_parameters(start_psd):
         assert p.dtype == torch.float32 and torch.equal(p.detach(), expected)
 
 
+# ----------------------------------------------------------------------------- psd lost the variables
+def test_psd_restarted_empty_chief_recreates_from_its_parameters(start_psd, tmp_path):
+    """psd came back without its checkpoints (same address): step() drops the batch, the chief
+    re-creates the variables from its parameters, every parameter is re-pulled, training goes on."""
+    import signal
+    import subprocess
+    d = start_psd("-R", 1, "-N", 1, "--init-tokens", 0, "--learning-rate", 1.0)
+    port = d.port
+    binary = d.proc.args[0]
+    with _client(d, "w") as c:
+        p = torch.nn.Parameter(torch.zeros(3))
+        opt = pst.SyncReplicasOptimizer(c, [("w", p)], timeout_ms=DEADLINE_S * 1000)
+        opt.initialize()
+        p.grad = torch.ones(3)
+        assert opt.step().accepted == 1
+        assert torch.equal(p.detach(), -torch.ones(3))
+        d.kill()
+        port_file = tmp_path / "port2"
+        again = subprocess.Popen([binary, "--port", str(port), "--port-file", str(port_file), "-R", "1",
+                                  "--init-tokens", "0", "--learning-rate", "1.0"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + DEADLINE_S
+            while not (port_file.exists() and port_file.read_text().strip()):
+                if again.poll() is not None:  # someone took the freed port in between: rare
+                    pytest.skip("port %d was taken before psd could restart on it" % port)
+                assert time.monotonic() < deadline, "psd did not restart"
+                time.sleep(0.01)
+            p.grad = torch.full((3,), 5.0)
+            out = None
+            for _ in range(50):  # the client reconnects by itself; Unavailable while it does
+                try:
+                    out = opt.step()
+                    break
+                except psclient.Unavailable:
+                    time.sleep(0.05)
+            assert out is None  # the batch computed on the lost values is dropped
+            assert opt.aborted_total == 1 and opt.recreated_total == 1
+            assert torch.equal(p.detach(), -torch.ones(3))  # the chief's values, now psd's again
+            p.grad = torch.ones(3)
+            assert opt.step().accepted == 1
+            assert torch.equal(p.detach(), -2 * torch.ones(3))
+        finally:
+            again.send_signal(signal.SIGKILL)
+            again.wait(timeout=DEADLINE_S)
+
+
 # ----------------------------------------------------------------------------- API edges
 def test_non_contiguous_parameter_is_staged_and_written_back(start_psd):
     d = start_psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
