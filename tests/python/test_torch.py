@@ -523,3 +523,30 @@ def test_cuda_memory_on_a_cpu_build_is_a_clear_unimplemented(start_psd):
             c.pull("w", fake)
         with pytest.raises(psclient.Unimplemented, match="PSD_WITH_CUDA=ON"):
             pst._cuda_hint(e.value, "pull")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (torch.cuda.is_available() is False)")
+def test_cuda_parameters_train_like_cpu(start_psd):
+    """Where a GPU is at hand: a CUDA model through the wrapper (RawTensor on the current stream)
+    ends where the CPU full-batch SGD reference ends; a client built without CUDA answers
+    Unimplemented with the hint instead."""
+    lr, steps = 0.1, 4
+    d = start_psd(*LOCKSTEP, "-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", lr)
+    model, batches = _mlp(), _batches(steps, 16)
+    ref = _reference(model, batches, lambda ps: torch.optim.SGD(ps, lr=lr))
+    m = copy.deepcopy(model).cuda()
+    with _client(d, "w") as c:
+        opt = pst.SyncReplicasOptimizer(c, m.named_parameters(), timeout_ms=DEADLINE_S * 1000)
+        try:
+            opt.initialize()
+        except psclient.Unimplemented as e:
+            assert "PSD_WITH_CUDA=ON" in str(e)
+            pytest.skip("psclient built without CUDA: " + str(e))
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # the wrapper uses whatever stream is current
+            for x, y in batches:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(m(x.cuda()), y.cuda()).backward()
+                assert opt.step().stale == 0
+        torch.cuda.synchronize()
+    _assert_params_close(m.cpu(), ref, atol=1e-5)
