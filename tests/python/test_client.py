@@ -268,3 +268,26 @@ def test_launch_environment(monkeypatch, psd):
     monkeypatch.setenv("PSD_WORKER_INDEX", "x")
     with pytest.raises(psclient.InvalidArgument, match="PSD_WORKER_INDEX"):
         psclient.read_launch_environment()
+
+
+def test_close_while_another_thread_waits(start_psd):
+    # close() on one thread while a call blocks on another: the call ends by its own deadline
+    # (or, if close() came first, with FailedPrecondition) — never a crash or a hang.
+    daemon = start_psd("-R", "2", "-N", "2", "--init-tokens", "0")
+    c = connect(daemon)
+    outcome = []
+
+    def wait():
+        try:
+            outcome.append(c.wait_token(timeout_ms=300))
+        except psclient.Error as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    c.close()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert isinstance(outcome[0], (psclient.DeadlineExceeded, psclient.FailedPrecondition)), outcome
+    with connect(daemon) as again:
+        assert again.global_step() == 0
