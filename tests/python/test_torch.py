@@ -80,7 +80,7 @@ def _reference(model, batches, make_opt):
     return model
 
 
-def _train_sync(d, model, batches, workers=2, grad_dtype=None, after=None):
+def _train_sync(d, model, batches, workers=2, grad_dtype=None, after=None, overlap=False):
     """`workers` threads, each on its share of every batch, through SyncReplicasOptimizer.
     Returns the workers' models and their step outcomes."""
     clients = [_client(d, "worker-%d" % i) for i in range(workers)]  # worker 0 says hello first: chief
@@ -93,7 +93,7 @@ def _train_sync(d, model, batches, workers=2, grad_dtype=None, after=None):
                 for p in m.parameters():
                     p.add_(1.0)
         opt = pst.SyncReplicasOptimizer(clients[i], m.named_parameters(), prefix="m/", timeout_ms=DEADLINE_S * 1000,
-                                        grad_dtype=grad_dtype)
+                                        grad_dtype=grad_dtype, overlap=overlap)
         opt.initialize()
         outcomes = []
         for x, y in batches:
@@ -107,6 +107,7 @@ def _train_sync(d, model, batches, workers=2, grad_dtype=None, after=None):
             assert torch.equal(value, dict(m.named_parameters())[name[len("m/"):]].detach()), name
         if after is not None:
             after(opt)
+        opt.close()
         return m, outcomes, opt
 
     try:
@@ -124,14 +125,18 @@ def _assert_params_close(model, ref, atol, rtol=0):
 
 
 # ----------------------------------------------------------------------------- (a) SGD
-def test_sgd_two_workers_match_full_batch_torch_sgd(start_psd):
+@pytest.mark.parametrize("overlap", [False, True], ids=["push_in_step", "overlap"])
+def test_sgd_two_workers_match_full_batch_torch_sgd(start_psd, overlap):
     lr, steps = 0.1, 6
     d = start_psd(*LOCKSTEP, "-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
     model, batches = _mlp(), _batches(steps, 32)
-    results = _train_sync(d, model, batches)
+    results = _train_sync(d, model, batches, overlap=overlap)
     ref = _reference(model, batches, lambda ps: torch.optim.SGD(ps, lr=lr))
     for m, outcomes, opt in results:
         assert len(outcomes) == steps and all(o is not None and o.stale == 0 for o in outcomes)
+        assert all(o.accepted == 4 for o in outcomes)  # every parameter's gradient, once
+        if overlap:  # three pushed during backward, the last with the token
+            assert all(isinstance(o, pst.StepOutcome) and o.pushes == 4 for o in outcomes)
         assert [o.token for o in outcomes] == list(range(1, steps + 1))
         assert opt.local_step == steps and opt.stale_total == 0
         # float32 sums in another order than torch's full-batch kernels: a few ulps per step.
@@ -275,7 +280,8 @@ class _EmbModel(torch.nn.Module):
         return self.out(self.emb(idx))
 
 
-def test_sparse_embedding_matches_dense_full_batch(start_psd):
+@pytest.mark.parametrize("overlap", [False, True], ids=["push_in_step", "overlap"])
+def test_sparse_embedding_matches_dense_full_batch(start_psd, overlap):
     lr, steps = 0.5, 5
     d = start_psd(*LOCKSTEP, "-R", 2, "-N", 2, "--optimizer", "sgd", "--learning-rate", lr)
     g = torch.Generator().manual_seed(8)
@@ -295,7 +301,8 @@ def test_sparse_embedding_matches_dense_full_batch(start_psd):
 
     def worker(i):
         m = copy.deepcopy(model)
-        opt = pst.SyncReplicasOptimizer(clients[i], m.named_parameters(), timeout_ms=DEADLINE_S * 1000)
+        opt = pst.SyncReplicasOptimizer(clients[i], m.named_parameters(), timeout_ms=DEADLINE_S * 1000,
+                                        overlap=overlap)
         opt.initialize()
         for idx, y in batches:
             half = idx.shape[0] // 2
@@ -303,7 +310,8 @@ def test_sparse_embedding_matches_dense_full_batch(start_psd):
             torch.nn.functional.cross_entropy(m(idx[i * half:(i + 1) * half]), y[i * half:(i + 1) * half]).backward()
             assert m.emb.weight.grad.is_sparse
             o = opt.step()
-            assert o.stale == 0
+            assert o.stale == 0 and o.accepted == 3
+        opt.close()
         return m
 
     try:
@@ -464,6 +472,27 @@ def test_psd_restarted_empty_chief_recreates_from_its_parameters(start_psd, tmp_
 
 
 # ----------------------------------------------------------------------------- API edges
+def test_overlap_needs_one_backward_per_step(start_psd):
+    d = start_psd("-R", 1, "-N", 1, "--init-tokens", 0, "--optimizer", "sgd", "--learning-rate", 1.0)
+    with _client(d, "w") as c:
+        lin = torch.nn.Linear(2, 1)
+        opt = pst.SyncReplicasOptimizer(c, lin.named_parameters(), overlap=True)
+        opt.initialize()
+        x = torch.ones(1, 2)
+        lin(x).sum().backward()
+        lin(x).sum().backward()  # gradient accumulation: the first backward's grads already went
+        with pytest.raises(RuntimeError, match="one backward per step"):
+            opt.step()
+        # The wrapper's state was reset (psd may hold the part of that step pushed early): the
+        # next steps go through.
+        for _ in range(2):
+            opt.zero_grad()
+            lin(x).sum().backward()
+            assert opt.step() is not None
+        opt.close()
+
+
+
 def test_non_contiguous_parameter_is_staged_and_written_back(start_psd):
     d = start_psd("-R", 1, "-N", 1, "--optimizer", "sgd", "--learning-rate", 1.0)
     with _client(d, "w") as c:

@@ -89,6 +89,7 @@ def main():
     ap.add_argument("--token-timeout-ms", type=int, default=30000)
     ap.add_argument("--retry-s", type=float, default=60, help="keep retrying this long while psd is unavailable")
     ap.add_argument("--min-accuracy", type=float, default=0.0, help="exit 3 if the final test accuracy is below")
+    ap.add_argument("--overlap", action="store_true", help="push each gradient as backward produces it")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -96,7 +97,8 @@ def main():
     x, y = make_data(args.rows, 1000 + shard)
     x_test, y_test = make_data(4096, 999)
     model = make_model(args.hidden)
-    opt = pst.SyncReplicasOptimizer(client, model.named_parameters(), prefix="mlp/", timeout_ms=args.token_timeout_ms)
+    opt = pst.SyncReplicasOptimizer(client, model.named_parameters(), prefix="mlp/", timeout_ms=args.token_timeout_ms,
+                                    overlap=args.overlap)
     opt.initialize()
     acc0 = accuracy(model, x_test, y_test)
     print("[%s] %s; model initialised at global step %d, test accuracy %.3f"
@@ -158,6 +160,7 @@ def main():
         client.finish()
     except psclient.Error as e:
         print("[%s] finish: %s" % (me, e), file=sys.stderr, flush=True)
+    opt.close()
     client.close()
     if acc < args.min_accuracy:
         print("[%s] test accuracy %.3f is below --min-accuracy %.3f" % (me, acc, args.min_accuracy),

@@ -46,7 +46,7 @@ import torch as _torch
 
 import psclient as _ps
 
-__all__ = ["SyncReplicasOptimizer", "SyncReplicasHook", "torch_dtype_name", "raw_tensor"]
+__all__ = ["SyncReplicasOptimizer", "SyncReplicasHook", "StepOutcome", "torch_dtype_name", "raw_tensor"]
 
 _DTYPE_NAMES = {
     _torch.float32: "float32",
@@ -129,11 +129,17 @@ class SyncReplicasOptimizer:
       float16/bfloat16 parameters (master weights kept by psd).
     variables_timeout_ms: how long initialize() waits for the chief to create the variables, and
       how long a worker waits for the chief to re-create variables psd lost.
+    overlap: push each gradient as soon as autograd has accumulated it (a hook on the parameter's
+      AccumulateGrad node, as Horovod/DDP do), on a background thread while backward goes on; the
+      last one goes with the token wait and the pull in step() (one fused round trip). step() then
+      returns a StepOutcome summing every push. One backward per step: a gradient accumulated twice
+      before step() is a RuntimeError from step() (the first part went already: psd may hold it in
+      that step's accumulators).
     """
 
     def __init__(self, client, named_parameters, *, prefix="", timeout_ms=0, grad_dtype=None,
                  variable_dtype=None, replicas_to_aggregate=-1, total_num_replicas=-1,
-                 variables_timeout_ms=60000):
+                 variables_timeout_ms=60000, overlap=False):
         self.client = client
         self.timeout_ms = int(timeout_ms)
         self.variables_timeout_ms = int(variables_timeout_ms)
@@ -178,6 +184,15 @@ class SyncReplicasOptimizer:
         if not self._params:
             raise ValueError("Must supply at least one variable")
         self._any_cuda = any(p.param.is_cuda for p in self._params)
+        self._overlap = bool(overlap)
+        self._early_pushed = set()  # indices whose gradient went before step() (overlap)
+        self._early = []            # (future, keep-alive) of those pushes
+        self._held = None           # the latest ready gradient, held back for step()'s fused push
+        self._overlap_error = None
+        self._hooks = []
+        self._pool = None
+        if self._overlap:
+            self._install_hooks()
         self.local_step = client.initial_global_step
         self.last_push = None
         self.accepted_total = 0
@@ -345,6 +360,70 @@ class SyncReplicasOptimizer:
         self.client.get_slot(name, slot, _view(t))
         return t
 
+    # ---------------------------------------------------------------- overlap (gradient hooks)
+    def _install_hooks(self):
+        import concurrent.futures
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="psd-push")
+        for i, p in enumerate(self._params):
+            if not p.param.requires_grad:
+                continue
+            with _torch.enable_grad():
+                acc = p.param.expand_as(p.param).grad_fn.next_functions[0][0]
+            acc.register_hook(self._make_hook(i))
+            self._hooks.append(acc)  # the node must outlive this call for its hook to stay
+
+    def _make_hook(self, i):
+        def hook(*_):
+            # Runs in autograd's thread once param i's .grad is final for this backward.
+            if i in self._early_pushed or i == self._held:
+                self._overlap_error = ("parameter %r got a gradient twice before step(): overlap=True "
+                                       "pushes each gradient as soon as it is ready, so it needs one "
+                                       "backward per step (use overlap=False to accumulate)"
+                                       % self._params[i].name)
+                return
+            if self._held is not None:
+                self._push_early(self._held)
+            self._held = i
+        return hook
+
+    def _push_early(self, i):
+        dense, sparse, keep = self._gradients([self._params[i]])
+        self._early_pushed.add(i)
+        if not dense and not sparse:
+            return
+        fut = self._pool.submit(self.client.push, self.local_step, dense, sparse=sparse)
+        self._early.append((fut, keep))
+
+    def _collect_early_pushes(self):
+        """(outcomes of the pushes made during backward, the parameter indices they covered); the
+        held-back gradient goes with step()'s token. Outcomes None when one met Aborted/NotFound
+        (psd restored / lost the variables). The overlap state is reset whatever happens."""
+        self._held = None
+        early, self._early = self._early, []
+        pushed, self._early_pushed = self._early_pushed, set()
+        error, self._overlap_error = self._overlap_error, None
+        outs, lost, failure = [], False, None
+        for fut, _keep in early:  # wait for every one, even after a failure: none is left running
+            try:
+                outs.append(fut.result())
+            except (_ps.Aborted, _ps.NotFound):
+                lost = True
+            except BaseException as e:  # noqa: B902 - re-raised below, after the others finished
+                failure = failure or e
+        if error is not None:
+            raise RuntimeError(error)
+        if failure is not None:
+            if isinstance(failure, _ps.Unimplemented):
+                _cuda_hint(failure, "push", self._any_cuda)
+            raise failure
+        return (None if lost else outs), pushed
+
+    def close(self):
+        """Stops the overlap pusher thread (if any); the client stays open."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     # ---------------------------------------------------------------- the step
     def zero_grad(self, set_to_none=False):
         """Like torch.optim.Optimizer.zero_grad; sparse gradients are always set to None."""
@@ -361,10 +440,10 @@ class SyncReplicasOptimizer:
                     g.requires_grad_(False)
                 g.zero_()
 
-    def _gradients(self):
+    def _gradients(self, params=None):
         """(dense [(name, view)], sparse [(name, indices, values)], keep-alive tensors)."""
         dense, sparse, keep = [], [], []
-        for p in self._params:
+        for p in self._params if params is None else params:
             g = p.param.grad
             if g is None:
                 continue  # TF's None gradient: no accumulator, the variable passes through
@@ -407,14 +486,20 @@ class SyncReplicasOptimizer:
         if closure is not None:
             with _torch.enable_grad():
                 loss = closure()
+        early, pushed = self._collect_early_pushes() if self._overlap else ([], set())
         if not self._initialized or self._epoch != self.client.connection_epoch:
             # No initialize(), or the client reconnected (psd may have restarted from a
             # checkpoint): TF's local_step_init_op, so the gradients are tagged fresh.
             self.local_step = self.client.global_step()
             self._epoch = self.client.connection_epoch
             self._initialized = True
-        dense, sparse, keep = self._gradients()
-        if not dense and not sparse:
+        if early is None:  # an early push met Aborted / NotFound
+            self.aborted_total += 1
+            self.resync()
+            return None
+        rest = [p for i, p in enumerate(self._params) if i not in pushed] if pushed else None
+        dense, sparse, keep = self._gradients(rest)
+        if not dense and not sparse and not early:
             raise ValueError("Must supply at least one variable (no parameter has a .grad: call "
                              "loss.backward() before step())")
         outs, staged = self._pull_targets()
@@ -431,6 +516,8 @@ class SyncReplicasOptimizer:
             return None
         finally:
             del keep
+        if early:
+            out = StepOutcome(early + [out])
         self.last_push = out
         self.accepted_total += out.accepted
         self.stale_total += out.stale
@@ -446,6 +533,28 @@ class SyncReplicasOptimizer:
             self._pull_all()
         self.last_loss = loss
         return out
+
+
+class StepOutcome:
+    """step()'s outcome with overlap=True: the pushes made during backward and step()'s fused
+    push + token + pull, summed (the attributes of psclient.PushOutcome)."""
+
+    def __init__(self, outcomes):
+        last = outcomes[-1]
+        self.pushes = len(outcomes)
+        self.results = [r for o in outcomes for r in o.results]
+        self.accepted = sum(o.accepted for o in outcomes)
+        self.stale = sum(o.stale for o in outcomes)
+        self.waited = last.waited
+        self.token_status = last.token_status
+        self.token = last.token
+        self.is_chief = last.is_chief
+        self.step_gradients = last.step_gradients
+        self.pulled_step = last.pulled_step
+
+    def __repr__(self):
+        return "StepOutcome(pushes=%d, accepted=%d, stale=%d, token=%d, token_status=%r)" % (
+            self.pushes, self.accepted, self.stale, self.token, self.token_status)
 
 
 class SyncReplicasHook:
