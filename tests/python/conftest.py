@@ -26,22 +26,31 @@ def _die_with_parent():
 
 
 class Daemon:
-    """One psd process: .port, .pid, .log (its stderr), stop(), kill()."""
+    """One psd process (started; wait_ready() waits for it): .port, .pid, .log (its output), kill(), wait()."""
 
-    def __init__(self, directory, args):
+    def __init__(self, directory, args, listen_socket=None):
         self.dir = directory
         self.log_path = directory / "psd.log"
         port_file = directory / "port"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([PSD, "--port", "0", "--port-file", str(port_file), *args],
+        if listen_socket is None:
+            where, fds = ["--port", "0"], ()
+        else:  # a socket the test bound (a cluster's addresses must be known before its shards start)
+            where, fds = ["--listen-fd", str(listen_socket.fileno())], (listen_socket.fileno(),)
+        self.proc = subprocess.Popen([PSD, *where, "--port-file", str(port_file), *args],
                                      stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=_die_with_parent)
+                                     pass_fds=fds, preexec_fn=_die_with_parent)
         self.pid = self.proc.pid
+        self._port_file = port_file
+        self.port = None
+
+    def wait_ready(self):
+        """Waits (bounded) until psd wrote its port file: restored, formed and serving."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            if port_file.exists() and port_file.read_text().strip():
-                self.port = int(port_file.read_text().strip())
-                break
+            if self._port_file.exists() and self._port_file.read_text().strip():
+                self.port = int(self._port_file.read_text().strip())
+                return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"psd exited with status {self.proc.returncode} before it was ready:\n{self.log}")
             if time.monotonic() > deadline:
@@ -76,11 +85,42 @@ def start_psd(tmp_path):
         d.mkdir()
         daemon = Daemon(d, [str(a) for a in args])
         daemons.append(daemon)
-        return daemon
+        return daemon.wait_ready()
 
     yield start
     for daemon in daemons:
         daemon.kill()
+
+
+@pytest.fixture
+def start_cluster(tmp_path):
+    """start_cluster(shards, *flags) -> "h:p,h:p" of a psd cluster, each shard serving a socket the
+    test bound on port 0 and handed over (--listen-fd); every shard is killed at teardown."""
+    daemons, sockets = [], []
+
+    def start(shards, *args):
+        bound = []
+        for _ in range(shards):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            s.listen(128)
+            bound.append(s)
+        sockets.extend(bound)
+        cluster = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in bound)
+        # Every shard is started before any is waited for: a cluster is ready once it has formed.
+        for i, s in enumerate(bound):
+            d = tmp_path / f"shard{len(daemons)}"
+            d.mkdir()
+            daemons.append(Daemon(d, ["--cluster", cluster, "--shard-index", str(i), *map(str, args)], s))
+        for daemon in daemons[-shards:]:
+            daemon.wait_ready()
+        return cluster
+
+    yield start
+    for daemon in daemons:
+        daemon.kill()
+    for s in sockets:
+        s.close()
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """psclient against a real psd: round trips, zero-copy, the sync barrier, sparse pushes, the API."""
+import subprocess
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ import pytest
 import psclient
 
 LR = 0.5  # the `psd` fixture's learning rate (SGD)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def connect(daemon, **kwargs):
@@ -291,3 +294,58 @@ def test_close_while_another_thread_waits(start_psd):
     assert isinstance(outcome[0], (psclient.DeadlineExceeded, psclient.FailedPrecondition)), outcome
     with connect(daemon) as again:
         assert again.global_step() == 0
+
+
+def test_slots_averages_and_shard_status(start_psd):
+    daemon = start_psd("--optimizer", "momentum", "--momentum", "0.9", "--learning-rate", "0.5",
+                       "--ema-decay", "0.5", "--init-tokens", "0")
+    with connect(daemon) as c:
+        assert c.slot_names == c.config.slot_names and len(c.slot_names) == 1
+        c.create_variable("w", np.ones(3, np.float32), average=True)
+        grad = np.array([1.0, 2.0, -2.0], np.float32)
+        assert c.push(0, {"w": grad}, wait_token=True).token == 1
+        slot = np.zeros(3, np.float32)
+        c.get_slot("w", c.slot_names[0], slot)
+        np.testing.assert_allclose(slot, grad)  # the first momentum accumulator is the gradient
+        value, average = np.empty(3, np.float32), np.empty(3, np.float32)
+        c.pull("w", value)
+        assert c.pull_averages({"w": average}) == 1
+        assert not np.array_equal(average, value)  # the average lags the value
+        status = c.get_shard_status(0)
+        assert status.shard_index == 0 and status.global_step == 1
+        assert c.config.ema_decay == 0.5
+
+
+def test_cluster_of_two_shards(start_cluster):
+    # A variable sliced by rows over both shards: the client fans every call out and back.
+    cluster = start_cluster(2, "--slice-bytes", "4K", "--init-tokens", "0", "--learning-rate", "0.5")
+    with psclient.Client(cluster=cluster.split(","), connect_timeout_ms=20000, request_timeout_ms=30000) as c:
+        assert c.shards == 2 and c.chief_shard >= 0
+        assert c.parameter_devices == cluster.split(",")
+        init = np.arange(4096, dtype=np.float32).reshape(1024, 4)
+        c.create_variable("w", init)
+        placement = c.placement("w")
+        assert placement.sliced and [p.shard for p in placement.parts] == [0, 1]
+        assert [(p.row_begin, p.row_end) for p in placement.parts] == [(0, 512), (512, 1024)]
+        assert sum(c.placement_map().shard_bytes) == init.nbytes
+        values = np.empty_like(init)
+        out = c.push(0, {"w": np.ones_like(init)}, wait_token=True, pull_after={"w": values})
+        assert out.token == 1 and out.pulled_step == 1
+        np.testing.assert_array_equal(values, init - 0.5)
+        rows = np.empty((2, 4), np.float32)
+        c.pull_rows("w", [1023, 0], rows)
+        np.testing.assert_array_equal(rows, (init - 0.5)[[1023, 0]])
+        assert c.get_status().cluster_state == "running"
+
+
+def test_tls_and_client_certificates(start_psd, tmp_path):
+    certs = tmp_path / "certs"
+    subprocess.run([str(REPO / "deploy" / "make_tls_certs.sh"), str(certs)], check=True, timeout=60)
+    daemon = start_psd("--tls-cert-file", certs / "server.pem", "--tls-key-file", certs / "server.key",
+                       "--tls-ca-file", certs / "ca.pem", "--tls-require-client-cert")
+    with connect(daemon, tls_ca_file=str(certs / "ca.pem"), tls_cert_file=str(certs / "client.pem"),
+                 tls_key_file=str(certs / "client.key")) as c:
+        c.create_variable("w", np.ones(2, np.float32))
+        assert c.global_step() == 0
+    with pytest.raises(psclient.Unavailable, match="certificate"):  # no client certificate: refused
+        connect(daemon, tls_ca_file=str(certs / "ca.pem"), connect_timeout_ms=2000)
