@@ -104,15 +104,13 @@ def _cuda_hint(err, what, cuda=True):
 class _Param:
     """One parameter as psd sees it."""
 
-    __slots__ = ("name", "param", "var_dtype", "grad_dtype", "direct")
+    __slots__ = ("name", "param", "var_dtype", "grad_dtype")
 
     def __init__(self, name, param, var_dtype, grad_dtype):
         self.name = name
         self.param = param
         self.var_dtype = var_dtype    # the variable's dtype on psd
         self.grad_dtype = grad_dtype  # what its gradients are pushed as
-        # Pulled straight into the parameter's memory (no staging tensor).
-        self.direct = param.is_contiguous()
 
 
 class SyncReplicasOptimizer:
@@ -122,7 +120,7 @@ class SyncReplicasOptimizer:
     named_parameters: iterable of (name, torch.nn.Parameter), e.g. model.named_parameters(); the
       variable on psd is ``prefix + name``.
     replicas_to_aggregate / total_num_replicas: must match psd's (-1: take psd's), as in TF.
-    timeout_ms: the token wait's deadline per step (0: the client's request timeout).
+    timeout_ms: the token wait's deadline per step (0: psd's --token-timeout-ms).
     grad_dtype: push gradients converted to this dtype (e.g. torch.bfloat16) when it is narrower
       than the parameter's; None: the parameter's dtype.
     variable_dtype: the variables' dtype on psd; None: the parameter's, except float32 for
@@ -275,7 +273,7 @@ class SyncReplicasOptimizer:
         outs, staged = [], []
         for p in self._params:
             t = p.param.data
-            if p.direct:
+            if t.is_contiguous():
                 v = _view(t)
             else:
                 s = _torch.empty(t.shape, dtype=t.dtype, device=t.device)
