@@ -471,6 +471,52 @@ def test_psd_restarted_empty_chief_recreates_from_its_parameters(start_psd, tmp_
             again.wait(timeout=DEADLINE_S)
 
 
+class _AbortingClient:
+    """A stand-in Client whose push answers Aborted once (a cluster restored a checkpoint at
+    step 7 with w = 3): what a real one does is covered by the tests above; this pins the
+    wrapper's reaction."""
+
+    class config:  # noqa: N801 - mirrors Client.config's attributes
+        replicas_to_aggregate, total_replicas, init_tokens = 1, 1, 0
+
+    is_chief, initial_global_step, connection_epoch = True, 0, 1
+
+    def __init__(self):
+        self.value, self.step, self.aborts, self.pushed_steps = 0.0, 0, 1, []
+
+    def create_variable(self, name, initial):
+        self.value = float(np.asarray(initial)[0])
+
+    def pull_many(self, outs):
+        for _, out in outs:
+            out[...] = self.value
+        return self.step
+
+    def global_step(self):
+        return self.step
+
+    def push(self, local_step, grads, *, sparse, wait_token, timeout_ms, pull_after):
+        self.pushed_steps.append(local_step)
+        if self.aborts:
+            self.aborts -= 1
+            self.value, self.step = 3.0, 7  # the restored checkpoint
+            raise psclient.Aborted("the cluster restored the checkpoint of step 7: pull the variables again")
+        raise AssertionError("not reached in this test")
+
+
+def test_aborted_push_repulls_values_and_step():
+    c = _AbortingClient()
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = pst.SyncReplicasOptimizer(c, [("w", p)])
+    opt.initialize()
+    p.grad = torch.ones(2)
+    with torch.no_grad():
+        p.add_(5.0)  # whatever the worker holds is replaced by psd's values
+    assert opt.step() is None
+    assert opt.aborted_total == 1 and opt.local_step == 7 and c.pushed_steps == [0]
+    assert torch.equal(p.detach(), torch.full((2,), 3.0))
+
+
 # ----------------------------------------------------------------------------- API edges
 def test_overlap_needs_one_backward_per_step(start_psd):
     d = start_psd("-R", 1, "-N", 1, "--init-tokens", 0, "--optimizer", "sgd", "--learning-rate", 1.0)
