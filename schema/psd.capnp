@@ -162,11 +162,14 @@ struct VariableInfo {
 struct Pull {
   names @0 :List(Text);
   averages @1 :Bool;      # the moving averages instead of the values
+  dtypes @2 :List(DType); # empty, or one per name: deliver the values converted to it (round to nearest even)
 }
 
 struct PullRows {
   name @0 :Text;
   rows @1 :List(Int64);   # any order, repeats allowed
+  hasDtype @2 :Bool;      # deliver the rows converted to `dtype` (else the variable's own)
+  dtype @3 :DType;
 }
 
 struct PullReply {
@@ -191,6 +194,7 @@ struct Push {
   timeoutMs @3 :Int64;    # deadline for the token wait; <= 0 means the daemon's default
   pullAfter @4 :List(Text);  # after the token, also return these variables' values (one round trip per step)
   clusterEpoch @5 :UInt64;   # the epoch the gradients were computed in; another one is ABORTED (0: unchecked)
+  pullAfterDtypes @6 :List(DType);  # empty, or one per pullAfter name, as Pull.dtypes
 }
 
 struct GradResult {
@@ -268,6 +272,8 @@ struct UpdateReply {
 struct GetSlot {
   variable @0 :Text;
   slot @1 :Text;
+  hasDtype @2 :Bool;      # deliver the slot converted to `dtype` (else the variable's own)
+  dtype @3 :DType;
 }
 
 struct JobStatus {

@@ -17,6 +17,7 @@
 #include "connect.h"
 #include "device_memory.h"
 #include "psd/cluster_list.h"
+#include "psd/half.h"
 #include "sparse_check.h"
 #include "wire/frame.h"
 #include "wire/tls.h"
@@ -66,6 +67,12 @@ JobConfig ReadConfig(proto::JobConfig::Reader c) {
   cfg.step_deadline_ms = c.getStepDeadlineMs();
   cfg.ema_decay = c.getEmaDecay();
   return cfg;
+}
+
+// Asks the daemon to deliver each value in its view's dtype (it converts halves and float32 both ways).
+void SetWantedDTypes(const std::vector<std::pair<std::string, TensorView>>& outs,
+                     capnp::List<proto::DType>::Builder b) {
+  for (size_t i = 0; i < outs.size(); ++i) b.set(static_cast<unsigned>(i), psd::wire::ToWire(outs[i].second.dtype));
 }
 
 Status CheckView(const std::string& what, DType want_dtype, const Shape& want_shape, const TensorView& out) {
@@ -604,7 +611,7 @@ class Client::Impl {
     for (const auto& [name, view] : outs) {
       auto loc = Locate(name);
       if (!loc.ok()) return loc.status();
-      if (loc->sliced && (view.shape != loc->shape || view.dtype != loc->dtype)) {
+      if (loc->sliced && (view.shape != loc->shape || !psd::ConvertibleDTypes(view.dtype, loc->dtype))) {
         return CheckView("'" + name + "'", loc->dtype, loc->shape, view);
       }
       for (size_t i = 0; i < loc->parts.size(); ++i) {
@@ -630,6 +637,7 @@ class Client::Impl {
         pull.setAverages(averages);
         auto names = pull.initNames(static_cast<unsigned>(per_shard[k].size()));
         for (size_t i = 0; i < per_shard[k].size(); ++i) names.set(static_cast<unsigned>(i), per_shard[k][i].first);
+        SetWantedDTypes(per_shard[k], pull.initDtypes(static_cast<unsigned>(per_shard[k].size())));
       }
       Status s = Run(calls);
       if (s.code() == Code::kAborted) placements_.clear();
@@ -869,6 +877,8 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
     OutFrame frame;
     auto p = im.conn(loc->parts[0].shard).NewRequest(frame).initPullRows();
     p.setName(name);
+    p.setHasDtype(true);
+    p.setDtype(psd::wire::ToWire(out.dtype));
     auto list = p.initRows(static_cast<unsigned>(rows.size()));
     for (size_t i = 0; i < rows.size(); ++i) list.set(static_cast<unsigned>(i), rows[i]);
     proto::Response::Reader resp;
@@ -882,8 +892,9 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
   // Sliced: each shard reads its rows; they are scattered back into the caller's order.
   Shape want = loc->shape;
   want[0] = static_cast<int64_t>(rows.size());
-  PSD_RETURN_IF_ERROR(CheckView("rows of '" + name + "'", loc->dtype, want, out));
-  size_t row_bytes = loc->shape[0] ? static_cast<size_t>(psd::NumElements(loc->shape)) * psd::DTypeSize(loc->dtype) /
+  PSD_RETURN_IF_ERROR(CheckView("rows of '" + name + "'",
+                                psd::ConvertibleDTypes(out.dtype, loc->dtype) ? out.dtype : loc->dtype, want, out));
+  size_t row_bytes = loc->shape[0] ? static_cast<size_t>(psd::NumElements(loc->shape)) * psd::DTypeSize(out.dtype) /
                                          static_cast<size_t>(loc->shape[0])
                                    : 0;
   std::vector<std::vector<size_t>> positions(loc->parts.size());
@@ -905,6 +916,8 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
     part_of_call.push_back(k);
     auto p = req.initPullRows();
     p.setName(name);
+    p.setHasDtype(true);
+    p.setDtype(psd::wire::ToWire(out.dtype));
     auto list = p.initRows(static_cast<unsigned>(positions[k].size()));
     for (size_t j = 0; j < positions[k].size(); ++j) {
       list.set(static_cast<unsigned>(j), rows[positions[k][j]] - loc->parts[k].row_begin);
@@ -942,13 +955,26 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
 namespace {
 
 // Sorts the rows of a sparse gradient by index and sums repeated rows (the daemon takes strictly
-// increasing indices). `values` is host memory.
-void Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>* indices, std::vector<uint64_t>* out) {
+// increasing indices). `values` is host memory. Returns the dtype of the rows in `out`: the
+// values' own, except that half-precision rows with repeated indices are summed and sent in
+// float32 (the daemon accumulates halves in float32 too, so no sum is rounded on the way).
+DType Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>* indices, std::vector<uint64_t>* out) {
   size_t n = g.indices.size();
-  size_t row_bytes = n ? g.values.bytes() / n : 0;
   std::vector<size_t> order(n);
   for (size_t i = 0; i < n; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return g.indices[a] < g.indices[b]; });
+  if (psd::IsHalf(g.values.dtype) && std::adjacent_find(order.begin(), order.end(), [&](size_t a, size_t b) {
+                                       return g.indices[a] == g.indices[b];
+                                     }) != order.end()) {
+    size_t count = static_cast<size_t>(psd::NumElements(g.values.shape));
+    std::vector<uint64_t> widened((count * sizeof(float) + 7) / 8);
+    psd::ConvertElements(values, g.values.dtype, widened.data(), DType::kFloat32, count);
+    SparseGradient as_float{g.name, g.indices, g.values, g.dense_shape};
+    as_float.values.dtype = DType::kFloat32;
+    as_float.values.data = widened.data();
+    return Coalesce(as_float, widened.data(), indices, out);
+  }
+  size_t row_bytes = n ? g.values.bytes() / n : 0;
   indices->clear();
   out->assign((n * row_bytes + 7) / 8, 0);
   uint8_t* dst = reinterpret_cast<uint8_t*>(out->data());
@@ -972,6 +998,7 @@ void Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>*
     std::memcpy(dst + indices->size() * row_bytes, src + i * row_bytes, row_bytes);
     indices->push_back(g.indices[i]);
   }
+  return g.values.dtype;
 }
 
 // Sorts and coalesces sparse gradients' rows, then splits them by the variable's slices:
@@ -982,6 +1009,7 @@ struct SparsePart {
   size_t bytes = 0;
   Shape shape;
   std::optional<Shape> dense_shape;
+  DType dtype = DType::kFloat32;  // of `values`
 };
 
 }  // namespace
@@ -1024,7 +1052,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     }
     auto loc = im.Locate(g.name);
     if (!loc.ok()) return loc.status();
-    if (loc->sliced && (host.shape != loc->shape || host.dtype != loc->dtype)) {
+    if (loc->sliced && (host.shape != loc->shape || !psd::ConvertibleDTypes(host.dtype, loc->dtype))) {
       return psd::InvalidArgument("gradient for '" + g.name + "' is " + psd::DTypeName(host.dtype) + " " +
                                   psd::ShapeString(host.shape) + "; the variable is " + psd::DTypeName(loc->dtype) +
                                   " " + psd::ShapeString(loc->shape));
@@ -1048,10 +1076,10 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     }
     std::vector<int64_t> indices;
     staged.emplace_back();
-    Coalesce(g, values, &indices, &staged.back());
+    DType rows_dtype = Coalesce(g, values, &indices, &staged.back());
     const uint8_t* rows = reinterpret_cast<const uint8_t*>(staged.back().data());
     size_t row_bytes = static_cast<size_t>(psd::NumElements(Shape(g.values.shape.begin() + 1, g.values.shape.end()))) *
-                       psd::DTypeSize(g.values.dtype);
+                       psd::DTypeSize(rows_dtype);
     auto loc = im.Locate(g.name);
     if (!loc.ok()) return loc.status();
     // A cluster's client knows the whole shape: rows outside it would fall outside every slice.
@@ -1073,6 +1101,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       part.bytes = (last - first) * row_bytes;
       part.shape = g.values.shape;
       part.shape[0] = static_cast<int64_t>(last - first);
+      part.dtype = rows_dtype;
       part.dense_shape = g.dense_shape;
       if (loc->sliced && part.dense_shape && !part.dense_shape->empty()) {
         (*part.dense_shape)[0] = loc->parts[k].row_end - loc->parts[k].row_begin;
@@ -1116,6 +1145,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     if (pull_in_push) {
       auto names = p.initPullAfter(static_cast<unsigned>(pull_after->size()));
       for (size_t i = 0; i < pull_after->size(); ++i) names.set(static_cast<unsigned>(i), (*pull_after)[i].first);
+      SetWantedDTypes(*pull_after, p.initPullAfterDtypes(static_cast<unsigned>(pull_after->size())));
     }
     auto list = p.initGrads(static_cast<unsigned>(dense.size() + sp.size()));
     slots_of_call.emplace_back();
@@ -1139,8 +1169,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
         for (size_t k2 = 0; k2 < part.dense_shape->size(); ++k2)
           ds.set(static_cast<unsigned>(k2), (*part.dense_shape)[k2]);
       }
-      psd::wire::SetTensor(c.frame.builder, e.initGrad(), sparse[sp[j].slot - grads.size()].values.dtype, part.shape,
-                           part.values, part.bytes);
+      psd::wire::SetTensor(c.frame.builder, e.initGrad(), part.dtype, part.shape, part.values, part.bytes);
       slots_of_call.back().push_back(sp[j].slot);
     }
   }
@@ -1300,7 +1329,7 @@ Status Client::GetSlot(const std::string& variable, const std::string& slot, Ten
   Impl& im = *impl_;
   auto loc = im.Locate(variable);
   if (!loc.ok()) return loc.status();
-  if (loc->sliced) {
+  if (loc->sliced && (out.shape != loc->shape || !psd::ConvertibleDTypes(out.dtype, loc->dtype))) {
     PSD_RETURN_IF_ERROR(CheckView("slot '" + slot + "' of '" + variable + "'", loc->dtype, loc->shape, out));
   }
   Impl::Calls calls;
@@ -1310,6 +1339,8 @@ Status Client::GetSlot(const std::string& variable, const std::string& slot, Ten
     auto g = req.initGetSlot();
     g.setVariable(variable);
     g.setSlot(slot);
+    g.setHasDtype(true);
+    g.setDtype(psd::wire::ToWire(out.dtype));
   }
   PSD_RETURN_IF_ERROR(im.Run(calls));
   try {

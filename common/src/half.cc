@@ -53,7 +53,7 @@ float ToFloat(DType from, const void* src, size_t i) {
 uint16_t FloatToBFloat16(float f) {
   uint32_t u = Bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-  uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);  // ties to even
+  uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);                                        // ties to even
   return static_cast<uint16_t>((u + rounding) >> 16);
 }
 

@@ -223,8 +223,6 @@ Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes) {
   if (!dtype.ok()) return dtype.status();
   TensorRef ref;
   ref.dtype = *dtype;
-  // TODO(dtypes): removed when the daemon and the client convert halves (the next commits).
-  if (IsHalf(ref.dtype)) return Unimplemented(std::string(DTypeName(ref.dtype)) + " tensors are not supported yet");
   auto shape = t.getShape();
   if (shape.size() > 32) return InvalidArgument("tensor rank " + std::to_string(shape.size()) + " exceeds 32");
   ref.shape.reserve(shape.size());

@@ -22,8 +22,12 @@
 #include <thread>
 #include <utility>
 
+#include "psd/half.h"
+
 namespace psd::server {
 namespace {
+
+constexpr uint8_t kMaxDType = static_cast<uint8_t>(DType::kFloat16);  // the dtypes psd knows: 0..3
 
 constexpr char kMagicV1[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '1'};
 constexpr char kMagicV2[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '2'};  // v2: + placement
@@ -387,7 +391,8 @@ Status ParseRecords(Reader& r, int version, ShardSnapshot* out) {
     VariableSnapshot v;
     uint8_t dtype = 0, trainable = 0, average = 0, has_shadow = 0;
     uint32_t rank = 0, nslots = 0;
-    if (!r.Str(&v.name) || !r.Pod(&dtype) || dtype > 1 || !r.Pod(&rank) || rank > 32) return bad("variable header");
+    if (!r.Str(&v.name) || !r.Pod(&dtype) || dtype > kMaxDType || !r.Pod(&rank) || rank > 32)
+      return bad("variable header");
     v.dtype = static_cast<DType>(dtype);
     for (uint32_t k = 0; k < rank; ++k) {
       int64_t d = 0;
@@ -397,7 +402,8 @@ Status ParseRecords(Reader& r, int version, ShardSnapshot* out) {
     if (!r.Pod(&trainable) || !r.Pod(&average) || !r.Str(&v.optimizer) || !r.Blob(&v.value)) return bad("value");
     v.trainable = trainable != 0;
     v.average = average != 0;
-    uint64_t want = static_cast<uint64_t>(NumElements(v.shape)) * DTypeSize(v.dtype);
+    // Half-precision variables are checkpointed as the daemon keeps them: float32 master values.
+    uint64_t want = static_cast<uint64_t>(NumElements(v.shape)) * DTypeSize(ComputeDType(v.dtype));
     if (v.value->bytes() != want) return bad("value size of '" + v.name + "'");
     if (!r.Pod(&nslots) || nslots > 16) return bad("slots");
     for (uint32_t k = 0; k < nslots; ++k) {
@@ -416,7 +422,7 @@ Status ParseRecords(Reader& r, int version, ShardSnapshot* out) {
       VarPlacement& p = v.placement;
       uint8_t pd = 0, sliced = 0;
       uint32_t prank = 0, nparts = 0;
-      if (!r.Str(&p.name) || !r.Pod(&pd) || pd > 1 || !r.Pod(&prank) || prank > 32) return bad("placement");
+      if (!r.Str(&p.name) || !r.Pod(&pd) || pd > kMaxDType || !r.Pod(&prank) || prank > 32) return bad("placement");
       p.dtype = static_cast<DType>(pd);
       for (uint32_t k = 0; k < prank; ++k) {
         int64_t d = 0;

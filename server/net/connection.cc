@@ -5,12 +5,63 @@
 
 #include "cluster/peer_auth.h"
 #include "net/server.h"
+#include "psd/half.h"
 #include "psd/secret.h"
 
 namespace psd::server {
 namespace {
 
 const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no rows
+
+// Puts a value the engine handed out into a reply tensor as dtype `want`: referenced in place
+// (kept alive by the frame) when it already is, else converted into a buffer the frame owns —
+// how half-precision variables leave the daemon, and how a reader asks for another dtype.
+void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared_ptr<const Buffer>& value, DType dtype,
+              const Shape& shape, DType want) {
+  if (want == dtype) {
+    wire::SetTensor(frame.builder, t, dtype, shape, value->data(), value->bytes(), /*padded=*/true);
+    frame.keepalive.push_back(value);
+    return;
+  }
+  size_t n = value->bytes() / DTypeSize(dtype);
+  auto converted = std::make_shared<Buffer>(n * DTypeSize(want));
+  ConvertElements(value->data(), dtype, converted->data(), want, n);
+  wire::SetTensor(frame.builder, t, want, shape, converted->data(), converted->bytes(), /*padded=*/true);
+  frame.keepalive.push_back(std::move(converted));
+}
+
+// The dtypes a request asks for, one per name (empty list: each variable's own). Errors name the
+// mismatch; an unknown dtype is INVALID_ARGUMENT.
+Result<std::vector<std::optional<DType>>> WantedDTypes(capnp::List<proto::DType>::Reader in, size_t names) {
+  std::vector<std::optional<DType>> out(names);
+  if (in.size() == 0) return out;
+  if (in.size() != names) {
+    return InvalidArgument("the request names " + std::to_string(names) + " variables but " +
+                           std::to_string(in.size()) + " dtypes");
+  }
+  for (unsigned i = 0; i < in.size(); ++i) {
+    auto d = wire::FromWire(in[i]);
+    if (!d.ok()) return d.status();
+    out[i] = *d;
+  }
+  return out;
+}
+
+// A float dtype a reader may ask a variable of `declared` to be delivered in.
+Status CheckWanted(const std::string& what, DType declared, DType want) {
+  if (ConvertibleDTypes(want, declared)) return Status::Ok();
+  return InvalidArgument(what + " is " + DTypeName(declared) + " and cannot be delivered as " + DTypeName(want) +
+                         " (float32, bfloat16 and float16 convert to one another; float64 only to itself)");
+}
+
+// The dtype to deliver one value in: the request's (has/wire) when set and valid, else `declared`.
+Result<DType> WantedDType(bool has, proto::DType wire_dtype, const std::string& name, DType declared) {
+  if (!has) return declared;
+  auto d = wire::FromWire(wire_dtype);
+  if (!d.ok()) return d.status();
+  PSD_RETURN_IF_ERROR(CheckWanted("variable '" + name + "'", declared, *d));
+  return *d;
+}
 }  // namespace
 
 struct Connection::TokenWait {
@@ -506,20 +557,22 @@ void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
 }
 
 Status Connection::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p, const std::vector<std::string>& names,
-                             bool averages) {
+                             bool averages, const std::vector<std::optional<DType>>& want) {
   std::vector<PulledValue> values;
   int64_t step = 0;
   auto engine = server_.engine();
   PSD_RETURN_IF_ERROR(engine->Pull(names, &values, &step, averages));
+  for (size_t i = 0; i < values.size() && i < want.size(); ++i) {
+    if (want[i]) PSD_RETURN_IF_ERROR(CheckWanted("variable '" + names[i] + "'", values[i].declared, *want[i]));
+  }
   p.setStep(step);
   p.setClusterEpoch(engine->epoch());
   auto list = p.initValues(static_cast<unsigned>(values.size()));
   for (size_t i = 0; i < values.size(); ++i) {
     const PulledValue& v = values[i];
-    // Zero-copy: the reply references the immutable published buffer, kept alive by the frame.
-    wire::SetTensor(frame.builder, list[static_cast<unsigned>(i)], v.dtype, v.shape, v.value->data(), v.value->bytes(),
-                    /*padded=*/true);
-    frame.keepalive.push_back(v.value);
+    // Zero-copy where no conversion is asked for: the reply references the immutable published buffer.
+    SetValue(frame, list[static_cast<unsigned>(i)], v.value, v.dtype, v.shape,
+             i < want.size() && want[i] ? *want[i] : v.declared);
   }
   return Status::Ok();
 }
@@ -527,9 +580,11 @@ Status Connection::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p,
 void Connection::HandlePull(uint64_t id, proto::Pull::Reader r) {
   std::vector<std::string> names;
   for (auto n : r.getNames()) names.emplace_back(n);
+  auto want = WantedDTypes(r.getDtypes(), names.size());
+  if (!want.ok()) return SendError(id, want.status());
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
-  Status s = AddValues(*frame, resp.initPull(), names, r.getAverages());
+  Status s = AddValues(*frame, resp.initPull(), names, r.getAverages(), *want);
   if (!s.ok()) return SendError(id, s);
   Send(std::move(frame));
 }
@@ -582,12 +637,17 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
   }
   std::vector<std::string> pull_after;
   for (auto n : r.getPullAfter()) pull_after.emplace_back(n);
+  auto want = WantedDTypes(r.getPullAfterDtypes(), pull_after.size());
+  if (!want.ok()) return SendError(id, want.status());
   if (!pull_after.empty()) {
     // Checked before anything is pushed, so the pull after the token cannot fail (variables are
     // never deleted) and a bad name changes nothing.
     std::vector<PulledValue> probe;
     int64_t step = 0;
     Status known = engine->Pull(pull_after, &probe, &step);
+    for (size_t i = 0; known.ok() && i < probe.size(); ++i) {
+      if ((*want)[i]) known = CheckWanted("variable '" + pull_after[i] + "'", probe[i].declared, *(*want)[i]);
+    }
     if (!known.ok()) return SendError(id, known);
   }
   std::vector<GradOutcome> outcomes;
@@ -621,26 +681,26 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
     auto p = resp.initPush();
     fill(p);
     if (!pull_after.empty()) {
-      Status pulled = AddValues(*frame, p.initPulled(), pull_after, false);
+      Status pulled = AddValues(*frame, p.initPulled(), pull_after, false, *want);
       if (!pulled.ok()) return SendError(id, pulled);
     }
     return Send(std::move(frame));
   }
-  WaitForToken(r.getTimeoutMs(),
-               [this, id, fill = std::move(fill), pull_after = std::move(pull_after)](const Status& st, int64_t token) {
-                 proto::Response::Builder resp(nullptr);
-                 auto frame = NewReply(id, &resp);
-                 auto p = resp.initPush();
-                 fill(p);
-                 p.setToken(token);
-                 p.setTokenCode(wire::ToWire(st.code()));
-                 p.setTokenMessage(st.message());
-                 if (st.ok() && !pull_after.empty()) {
-                   Status pulled = AddValues(*frame, p.initPulled(), pull_after, false);
-                   if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
-                 }
-                 Send(std::move(frame));
-               });
+  WaitForToken(r.getTimeoutMs(), [this, id, fill = std::move(fill), pull_after = std::move(pull_after),
+                                  want = std::move(*want)](const Status& st, int64_t token) {
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    auto p = resp.initPush();
+    fill(p);
+    p.setToken(token);
+    p.setTokenCode(wire::ToWire(st.code()));
+    p.setTokenMessage(st.message());
+    if (st.ok() && !pull_after.empty()) {
+      Status pulled = AddValues(*frame, p.initPulled(), pull_after, false, want);
+      if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
+    }
+    Send(std::move(frame));
+  });
 }
 
 void Connection::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
@@ -710,11 +770,11 @@ void Connection::HandleFinish(uint64_t id) {
 void Connection::HandleGetSlot(uint64_t id, proto::GetSlot::Reader r) {
   auto slot = server_.engine()->GetSlot(r.getVariable(), r.getSlot());
   if (!slot.ok()) return SendError(id, slot.status());
+  auto want = WantedDType(r.getHasDtype(), r.getDtype(), r.getVariable(), slot->declared);
+  if (!want.ok()) return SendError(id, want.status());
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
-  wire::SetTensor(frame->builder, resp.initSlot(), slot->dtype, slot->shape, slot->value->data(), slot->value->bytes(),
-                  /*padded=*/true);
-  frame->keepalive.push_back(slot->value);
+  SetValue(*frame, resp.initSlot(), slot->value, slot->dtype, slot->shape, *want);
   Send(std::move(frame));
 }
 
@@ -726,13 +786,13 @@ void Connection::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
   int64_t step = 0;
   auto got = server_.engine()->PullRows(r.getName(), rows, &step);
   if (!got.ok()) return SendError(id, got.status());
+  auto want = WantedDType(r.getHasDtype(), r.getDtype(), r.getName(), got->declared);
+  if (!want.ok()) return SendError(id, want.status());
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
   auto p = resp.initPull();
   p.setStep(step);
-  wire::SetTensor(frame->builder, p.initValues(1)[0], got->dtype, got->shape, got->value->data(), got->value->bytes(),
-                  /*padded=*/true);
-  frame->keepalive.push_back(got->value);
+  SetValue(*frame, p.initValues(1)[0], got->value, got->dtype, got->shape, *want);
   Send(std::move(frame));
 }
 
@@ -861,9 +921,7 @@ void Connection::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
         auto e = list[static_cast<unsigned>(i)];
         e.setAccepted(o.accepted);
         e.setStep(o.step);
-        wire::SetTensor(frame->builder, e.initValue(), o.dtype, o.shape, o.value->data(), o.value->bytes(),
-                        /*padded=*/true);
-        frame->keepalive.push_back(o.value);
+        SetValue(*frame, e.initValue(), o.value, o.dtype, o.shape, o.declared);
       }
       self->Send(std::move(frame));
     });

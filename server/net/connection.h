@@ -88,8 +88,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void HandleCreate(uint64_t id, proto::CreateVariable::Reader r);
   void HandlePull(uint64_t id, proto::Pull::Reader r);
   // Puts the named variables' current values (one step) into a reply, referencing them in place.
+  // want: empty, or per name the dtype to deliver (unset: the variable's own).
   Status AddValues(wire::OutFrame& frame, proto::PullReply::Builder p, const std::vector<std::string>& names,
-                   bool averages);
+                   bool averages, const std::vector<std::optional<DType>>& want = {});
   void HandlePush(uint64_t id, proto::Push::Reader r);
   void HandleWaitToken(uint64_t id, proto::WaitToken::Reader r);
   void HandleStatus(uint64_t id);

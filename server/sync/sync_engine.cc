@@ -7,7 +7,9 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <deque>
 
+#include "psd/half.h"
 #include "sync/accumulator.h"
 #include "sync/sparse_accumulator.h"
 
@@ -42,6 +44,32 @@ void Scale(DType dtype, void* data, int64_t n, double factor) {
     for (int64_t i = 0; i < n; ++i) d[i] *= factor;
   }
 }
+
+// Values that arrive in another dtype than their variable computes in (half-precision gradients or
+// values for float32 variables, float32 ones for half variables) are converted once, here, before
+// validation and accumulation; the copies live as long as this object.
+class ConvertedInputs {
+ public:
+  // Points `g` at a copy in `compute` when its dtype differs and converts (ConvertibleDTypes);
+  // leaves it alone otherwise (validation then reports a mismatch in TF's words).
+  Status Convert(GradRef* g, DType declared, DType compute) {
+    if (g->dtype == compute || !ConvertibleDTypes(g->dtype, declared)) return Status::Ok();
+    uint64_t n = static_cast<uint64_t>(NumElements(g->shape));
+    if (g->bytes != n * DTypeSize(g->dtype)) {
+      return InvalidArgument("data has " + std::to_string(g->bytes) + " bytes, shape " + ShapeString(g->shape) +
+                             " of " + DTypeName(g->dtype) + " needs " + std::to_string(n * DTypeSize(g->dtype)));
+    }
+    store_.emplace_back((n * DTypeSize(compute) + 7) / 8);  // 8-byte aligned
+    ConvertElements(g->data, g->dtype, store_.back().data(), compute, n);
+    g->data = store_.back().data();
+    g->bytes = n * DTypeSize(compute);
+    g->dtype = compute;
+    return Status::Ok();
+  }
+
+ private:
+  std::deque<std::vector<uint64_t>> store_;
+};
 
 }  // namespace
 
@@ -83,7 +111,8 @@ struct Round {
 struct SyncEngine::Variable {
   Variable(const VariableDef& def, const Optimizer* optimizer, int64_t step)
       : name(def.name),
-        dtype(def.dtype),
+        dtype(ComputeDType(def.dtype)),
+        declared(def.dtype),
         shape(def.shape),
         trainable(def.trainable),
         average(def.average),
@@ -91,7 +120,7 @@ struct SyncEngine::Variable {
         placement(def.placement),
         aggregation(def.aggregation),
         sync_on_read(def.sync_on_read),
-        bytes(static_cast<size_t>(NumElements(def.shape)) * DTypeSize(def.dtype)),
+        bytes(static_cast<size_t>(NumElements(def.shape)) * DTypeSize(ComputeDType(def.dtype))),
         row_elements(def.shape.empty() ? 1 : NumElements(Shape(def.shape.begin() + 1, def.shape.end()))),
         opt(optimizer),
         next_take_step(step) {
@@ -109,7 +138,8 @@ struct SyncEngine::Variable {
   }
 
   const std::string name;
-  const DType dtype;
+  const DType dtype;     // what the engine keeps and computes in (ComputeDType(declared))
+  const DType declared;  // the variable's dtype as created
   const Shape shape;
   const bool trainable;
   const bool average;
@@ -234,16 +264,23 @@ SyncEngine::Variable* SyncEngine::FindLocked(std::string_view name) const {
 Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
   PSD_RETURN_IF_ERROR(ValidateName(def.name));
   PSD_RETURN_IF_ERROR(ValidateShape(def.shape, def.dtype, config_.max_frame_bytes));
-  size_t bytes = static_cast<size_t>(NumElements(def.shape)) * DTypeSize(def.dtype);
+  const DType compute = ComputeDType(def.dtype);
+  const size_t elements = static_cast<size_t>(NumElements(def.shape));
+  size_t bytes = elements * DTypeSize(compute);
   if (def.adopt && def.adopt->bytes() != bytes) {
     return InvalidArgument("restored value of '" + def.name + "' has " + std::to_string(def.adopt->bytes()) +
-                           " bytes, shape " + ShapeString(def.shape) + " of " + DTypeName(def.dtype) + " needs " +
+                           " bytes, shape " + ShapeString(def.shape) + " of " + DTypeName(compute) + " needs " +
                            std::to_string(bytes));
   }
-  if (def.initial != nullptr && def.initial_bytes != bytes) {
+  const DType initial_dtype = def.initial_dtype.value_or(def.dtype);
+  if (def.initial != nullptr && !ConvertibleDTypes(initial_dtype, def.dtype)) {
+    return InvalidArgument("initial value of '" + def.name + "' is " + DTypeName(initial_dtype) + "; the variable is " +
+                           DTypeName(def.dtype));
+  }
+  if (def.initial != nullptr && def.initial_bytes != elements * DTypeSize(initial_dtype)) {
     return InvalidArgument("initial value of '" + def.name + "' has " + std::to_string(def.initial_bytes) +
-                           " bytes, shape " + ShapeString(def.shape) + " of " + DTypeName(def.dtype) + " needs " +
-                           std::to_string(bytes));
+                           " bytes, shape " + ShapeString(def.shape) + " of " + DTypeName(initial_dtype) + " needs " +
+                           std::to_string(elements * DTypeSize(initial_dtype)));
   }
   if (def.sync_on_read && def.trainable) {
     return InvalidArgument("variable '" + def.name + "' is sync-on-read: create it with trainable = false");
@@ -259,18 +296,18 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
   }
   std::unique_lock<std::mutex> lock(mu_);
   if (Variable* v = FindLocked(def.name)) {
-    if (v->dtype != def.dtype || v->shape != def.shape || v->trainable != def.trainable || v->average != def.average ||
-        v->optimizer_name != def.optimizer || v->aggregation != def.aggregation ||
+    if (v->declared != def.dtype || v->shape != def.shape || v->trainable != def.trainable ||
+        v->average != def.average || v->optimizer_name != def.optimizer || v->aggregation != def.aggregation ||
         v->sync_on_read != def.sync_on_read) {
       auto describe = [](DType d, const Shape& s, bool t, bool a, const std::string& o) {
         return std::string(DTypeName(d)) + " " + ShapeString(s) + (t ? " trainable" : " non-trainable") +
                (a ? " averaged" : "") + (o.empty() ? "" : " optimizer=" + o);
       };
       return AlreadyExists("variable '" + def.name + "' exists as " +
-                           describe(v->dtype, v->shape, v->trainable, v->average, v->optimizer_name) + "; requested " +
-                           describe(def.dtype, def.shape, def.trainable, def.average, def.optimizer));
+                           describe(v->declared, v->shape, v->trainable, v->average, v->optimizer_name) +
+                           "; requested " + describe(def.dtype, def.shape, def.trainable, def.average, def.optimizer));
     }
-    return VariableDesc{v->name, v->dtype, v->shape, v->trainable, false};
+    return VariableDesc{v->name, v->declared, v->shape, v->trainable, false};
   }
   const Optimizer* opt = optimizer_.get();
   if (!def.optimizer.empty() && def.optimizer != optimizer_->name()) {
@@ -298,7 +335,7 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
     v->published = std::const_pointer_cast<Buffer>(def.adopt);
   } else {
     v->published = std::make_shared<Buffer>(bytes);
-    if (def.initial != nullptr && bytes) std::memcpy(v->published->data(), def.initial, bytes);
+    if (def.initial != nullptr) ConvertElements(def.initial, initial_dtype, v->published->data(), compute, elements);
   }
   if (v->average) v->shadow = std::make_shared<Buffer>(*v->published);  // TF: shadow = initial value
   if (v->sync_on_read) v->replica_base = std::make_shared<Buffer>(*v->published);
@@ -312,7 +349,7 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
       ++pending_takes_;
     }
   }
-  VariableDesc desc{v->name, v->dtype, v->shape, v->trainable, true};
+  VariableDesc desc{v->name, v->declared, v->shape, v->trainable, true};
   vars_.emplace(def.name, std::move(v));
   lock.unlock();
   spdlog::info("created variable '{}' {} {}{}{}", def.name, DTypeName(def.dtype), ShapeString(def.shape),
@@ -349,6 +386,22 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
       targets.push_back(v);
     }
   }
+  // Half-precision gradients become float32 before anything else looks at them.
+  ConvertedInputs converted;
+  std::vector<GradRef> mixed;
+  const std::vector<GradRef>* use = &grads;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].dtype == targets[i]->dtype) continue;
+    if (mixed.empty()) mixed = grads;
+    Status s = converted.Convert(&mixed[i], targets[i]->declared, targets[i]->dtype);
+    if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
+    use = &mixed;
+  }
+  return PushValidated(local_step, *use, targets, out);
+}
+
+Status SyncEngine::PushValidated(int64_t local_step, const std::vector<GradRef>& grads,
+                                 const std::vector<Variable*>& targets, std::vector<GradOutcome>* out) {
   // Validate everything before touching any accumulator: a bad push changes nothing. Each
   // variable's gradient kind is claimed while its lock is held (released on every way out).
   KindClaims claims(targets);
@@ -589,7 +642,7 @@ std::vector<VarPlacement> SyncEngine::Placements(int shard) const {
     if (!v->placement.name.empty()) {
       out.push_back(v->placement);
     } else {
-      out.push_back({v->name, v->dtype, v->shape, false, {{shard, 0, v->shape.empty() ? 1 : v->shape[0]}}, true});
+      out.push_back({v->name, v->declared, v->shape, false, {{shard, 0, v->shape.empty() ? 1 : v->shape[0]}}, true});
     }
     out.back().trainable = v->trainable;
   }
@@ -749,7 +802,7 @@ ShardSnapshot SyncEngine::SnapshotLocked() {
   for (auto& [name, v] : vars_) {
     VariableSnapshot vs;
     vs.name = v->name;
-    vs.dtype = v->dtype;
+    vs.dtype = v->declared;  // the buffers are of ComputeDType(declared)
     vs.shape = v->shape;
     vs.trainable = v->trainable;
     vs.average = v->average;
@@ -862,11 +915,11 @@ Status SyncEngine::Pull(const std::vector<std::string>& names, std::vector<Pulle
   std::lock_guard<std::mutex> lock(mu_);
   auto pick = [&](Variable* v) -> Status {
     if (!averages) {
-      out->push_back({ReadValueLocked(v), v->dtype, v->shape});
+      out->push_back({ReadValueLocked(v), v->dtype, v->shape, v->declared});
       return Status::Ok();
     }
     if (!v->shadow) return NotFound("variable '" + v->name + "' has no moving average");
-    out->push_back({v->shadow, v->dtype, v->shape});
+    out->push_back({v->shadow, v->dtype, v->shape, v->declared});
     return Status::Ok();
   };
   if (names.empty()) {
@@ -908,7 +961,7 @@ Result<PulledValue> SyncEngine::PullRows(const std::string& name, const std::vec
   Shape shape = v->shape;
   shape[0] = static_cast<int64_t>(rows.size());
   *step = global_step_.load();
-  return PulledValue{std::move(buf), v->dtype, std::move(shape)};
+  return PulledValue{std::move(buf), v->dtype, std::move(shape), v->declared};
 }
 
 std::shared_ptr<Buffer> SyncEngine::ReadValueLocked(Variable* v) {
@@ -963,11 +1016,11 @@ void SyncEngine::ApplyUpdateLocked(Variable* v, UpdateOp op, const void* value, 
   v->published = Updated(*v->published, v->dtype, NumElements(v->shape), op, value, factor);
 }
 
-Status SyncEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values, ReduceDone done) {
+Status SyncEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values_in, ReduceDone done) {
   std::vector<Variable*> targets;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const GradRef& g : values) {
+    for (const GradRef& g : values_in) {
       Variable* v = FindLocked(g.name);
       if (v == nullptr) return NotFound("reduce_to: no variable named '" + std::string(g.name) + "'");
       if (v->trainable) {
@@ -980,6 +1033,12 @@ Status SyncEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradR
       }
       targets.push_back(v);
     }
+  }
+  ConvertedInputs converted;
+  std::vector<GradRef> values = values_in;
+  for (size_t i = 0; i < values.size(); ++i) {
+    Status s = converted.Convert(&values[i], targets[i]->declared, targets[i]->dtype);
+    if (!s.ok()) return Status(s.code(), "reduce_to '" + targets[i]->name + "': " + s.message());
   }
   for (size_t i = 0; i < values.size(); ++i) {
     if (values[i].sparse()) return InvalidArgument("reduce_to takes dense values");
@@ -1022,7 +1081,7 @@ Status SyncEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradR
           std::lock_guard<std::mutex> lock(mu_);
           current = v->published;
         }
-        finish_one(i, {false, r.step, current, v->dtype, v->shape});
+        finish_one(i, {false, r.step, current, v->dtype, v->declared, v->shape});
         continue;
       }
       if (r.count == 0) {
@@ -1031,11 +1090,11 @@ Status SyncEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradR
       }
       AddInto(v->dtype, r.sum.data(), g.data, NumElements(v->shape));
       ++r.count;
-      DType dtype = v->dtype;
+      DType dtype = v->dtype, declared = v->declared;
       Shape shape = v->shape;
       r.waiters.push_back(
-          [finish_one, i, dtype, shape](const Status&, int64_t step, std::shared_ptr<const Buffer> value) {
-            finish_one(i, {true, step, std::move(value), dtype, shape});
+          [finish_one, i, dtype, declared, shape](const Status&, int64_t step, std::shared_ptr<const Buffer> value) {
+            finish_one(i, {true, step, std::move(value), dtype, declared, shape});
           });
       if (r.count < required) continue;
       auto out = std::make_shared<Buffer>(v->bytes);
@@ -1056,13 +1115,23 @@ Status SyncEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradR
   return Status::Ok();
 }
 
-Status SyncEngine::Update(const UpdateArgs& a, UpdateDone done) {
+Status SyncEngine::Update(const UpdateArgs& args, UpdateDone done) {
   Variable* v = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    v = FindLocked(a.name);
+    v = FindLocked(args.name);
   }
-  if (v == nullptr) return NotFound("update: no variable named '" + std::string(a.name) + "'");
+  if (v == nullptr) return NotFound("update: no variable named '" + std::string(args.name) + "'");
+  UpdateArgs a = args;
+  ConvertedInputs converted;
+  if (a.op != UpdateOp::kScale && a.dtype != v->dtype) {
+    GradRef g{a.name, a.dtype, a.shape, a.data, a.bytes};
+    Status s = converted.Convert(&g, v->declared, v->dtype);
+    if (!s.ok()) return Status(s.code(), "update '" + v->name + "': " + s.message());
+    a.dtype = g.dtype;
+    a.data = g.data;
+    a.bytes = g.bytes;
+  }
   if (v->trainable) {
     return InvalidArgument("update: variable '" + v->name +
                            "' is trainable: its optimizer updates it from pushed gradients");
@@ -1187,7 +1256,7 @@ Result<PulledValue> SyncEngine::GetSlot(const std::string& variable, const std::
   std::lock_guard<std::mutex> vlock(v->mu);
   std::lock_guard<std::mutex> lock(mu_);  // sparse variables' slots are guarded by mu_
   std::memcpy(copy->data(), v->slots[it - names.begin()].data(), v->bytes);
-  return PulledValue{std::move(copy), v->dtype, v->shape};
+  return PulledValue{std::move(copy), v->dtype, v->shape, v->declared};
 }
 
 void SyncEngine::SetRequiredReplicas(int required) {

@@ -63,15 +63,21 @@ const char* AggregationName(Aggregation a);
 // MEAN 2, ONLY_FIRST_REPLICA 3); INVALID_ARGUMENT naming the valid values otherwise.
 Result<Aggregation> AggregationFromNumber(int value);
 
+// Half-precision variables (bfloat16, float16) are kept in float32 (ComputeDType, psd/half.h): the
+// value, accumulators, slots and averages are float32 master copies; what a read returns is
+// rounded to the variable's dtype (or to the dtype a reader asks for) where it leaves the daemon.
 struct VariableDef {
   std::string name;
   DType dtype = DType::kFloat32;
   Shape shape;
-  const void* initial = nullptr;  // nullptr: zeros; else exactly NumElements*DTypeSize bytes
+  // nullptr: zeros; else exactly NumElements * DTypeSize(initial_dtype) bytes, converted when
+  // initial_dtype is not the variable's compute dtype (ConvertibleDTypes).
+  const void* initial = nullptr;
   size_t initial_bytes = 0;
-  // Instead of `initial`: this buffer becomes the value without a copy (a restore adopts the
-  // checkpoint's tensors). Shared copy-on-write like every published value: the engine writes
-  // into it only once it holds the last reference. Must be a Buffer created non-const.
+  std::optional<DType> initial_dtype;  // unset: `dtype`
+  // Instead of `initial`: this buffer (of the compute dtype) becomes the value without a copy (a
+  // restore adopts the checkpoint's tensors). Shared copy-on-write like every published value: the
+  // engine writes into it only once it holds the last reference. Must be a Buffer created non-const.
   std::shared_ptr<const Buffer> adopt;
   bool trainable = true;
   bool average = false;    // keep an exponential moving average (--ema-decay)
@@ -86,7 +92,8 @@ struct ReduceOutcome {
   bool accepted = false;  // false: stale (value: the destination's current value)
   int64_t step = 0;       // the round it counted for
   std::shared_ptr<const Buffer> value;
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFloat32;     // of `value`: the compute dtype
+  DType declared = DType::kFloat32;  // the destination's own dtype
   Shape shape;
 };
 
@@ -134,8 +141,9 @@ struct GradOutcome {
 
 struct PulledValue {
   std::shared_ptr<const Buffer> value;  // immutable; hold it while the bytes are in use
-  DType dtype;
+  DType dtype;                          // of `value`: the variable's compute dtype (float32 for the halves)
   Shape shape;
+  DType declared;  // the variable's own dtype: what a reader gets unless it asks for another
 };
 
 struct StepInfo {
@@ -282,6 +290,9 @@ class SyncEngine {
   class KindClaims;
   Variable* FindLocked(std::string_view name) const;
   Status ValidateGrad(Variable* v, const GradRef& g) const;
+  // Push once every gradient is of its variable's compute dtype.
+  Status PushValidated(int64_t local_step, const std::vector<GradRef>& grads, const std::vector<Variable*>& targets,
+                       std::vector<GradOutcome>* out);
   // With v->mu held: takes (and applies, for dense) if the step is ready. Returns true if it took.
   bool MaybeTakeLocked(Variable* v, bool force, int* count);
   // After a take (no variable lock held): records it; commits if it was the last.

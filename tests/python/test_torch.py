@@ -52,9 +52,13 @@ def _run_workers(fns):
     for t in threads:
         t.join(DEADLINE_S * 2)
         assert not t.is_alive(), "a worker thread did not finish (psd's waits are bounded: see its errors)"
-    for e in errors:
-        if e is not None:
-            raise e
+    failed = [(i, e) for i, e in enumerate(errors) if e is not None]
+    if failed:
+        # The cause first: a worker that failed makes the others time out waiting for its push.
+        failed.sort(key=lambda ie: isinstance(ie[1], psclient.DeadlineExceeded))
+        i, e = failed[0]
+        raise AssertionError("worker %d failed: %r; all failures: %s"
+                             % (i, e, ["worker %d: %r" % f for f in failed])) from e
     return results
 
 
