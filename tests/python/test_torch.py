@@ -100,6 +100,7 @@ def _train_sync(d, model, batches, workers=2, grad_dtype=None, after=None, overl
                                         grad_dtype=grad_dtype, overlap=overlap)
         opt.initialize()
         outcomes = []
+        progress[i] = outcomes
         for x, y in batches:
             part = x.shape[0] // workers
             xs, ys = x[i * part:(i + 1) * part], y[i * part:(i + 1) * part]
@@ -114,8 +115,11 @@ def _train_sync(d, model, batches, workers=2, grad_dtype=None, after=None, overl
         opt.close()
         return m, outcomes, opt
 
+    progress = [None] * workers
     try:
         return _run_workers([lambda i=i: worker(i) for i in range(workers)])
+    except AssertionError as e:
+        raise AssertionError("%s; the workers' step outcomes: %s" % (e, progress)) from e
     finally:
         for c in clients:
             c.close()
