@@ -4,11 +4,29 @@
 # three workers (2 replicas to aggregate + 1 backup, the last one an artificial straggler)
 # training logistic regression, all launched by psrun, printing progress and a summary.
 # Arguments replace the defaults (see deploy/local_cluster.sh), e.g. `deploy/demo.sh --shards 1`
-# for a single daemon.
+# for a single daemon. `deploy/demo.sh --python [options]` runs the same job with the Python
+# workers instead (client/python/examples/mlp_classifier.py: a PyTorch MLP classifier through
+# psclient.torch); `deploy/demo.sh --both` runs the C++ job, then the Python one.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 "$here/deploy/install_deps.sh"
 cmake -S "$here" -B "$here/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPSD_BUILD_TESTS=OFF >/dev/null
-cmake --build "$here/build" --target psd psd_logreg_worker psd_bench psrun
+mode=cpp
+case "${1:-}" in
+  --python) mode=python; shift ;;
+  --both) mode=both; shift ;;
+esac
+targets=(psd psd_logreg_worker psd_bench psrun)
+if [ "$mode" != cpp ]; then targets+=(psclient_python); fi
+cmake --build "$here/build" --target "${targets[@]}"
+if [ "$mode" = python ]; then
+  if [ $# -eq 0 ]; then set -- --shards 2 -- --slice-bytes 4096; fi
+  exec "$here/deploy/local_cluster.sh" --build "$here/build" --python "$@"
+fi
 if [ $# -eq 0 ]; then set -- --shards 2 --features 2048 -- --slice-bytes 4096; fi
+if [ "$mode" = both ]; then
+  "$here/deploy/local_cluster.sh" --build "$here/build" "$@"
+  echo "--- the same job with the Python workers (PyTorch MLP classifier) ---"
+  exec "$here/deploy/local_cluster.sh" --build "$here/build" --python --shards 2 -- --slice-bytes 4096
+fi
 exec "$here/deploy/local_cluster.sh" --build "$here/build" "$@"

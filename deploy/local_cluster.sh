@@ -5,8 +5,12 @@
 # bounds the run in time and stops only the processes it started, by process group.
 #
 #   deploy/local_cluster.sh [--build DIR] [--shards P] [--workers W] [--replicas R] [--backup B]
-#                           [--steps S] [--features F] [--straggler-ms MS] [--lr LR]
+#                           [--steps S] [--features F] [--straggler-ms MS] [--lr LR] [--python]
 #                           [-- extra psd flags]
+#
+# --python: the workers are the Python example instead (client/python/examples/mlp_classifier.py:
+# an MLP classifier in PyTorch through psclient.torch; Debian's /usr/bin/python3 with python3-torch,
+# the package from the build's python/ directory); it checks a held-out accuracy of 0.93 at the end.
 #
 # With --shards P > 1 the shards listen on P free ports that psrun picks; variables over
 # --slice-bytes (psd's flag, default 64 MiB) are split over several shards; psrun gives the shards
@@ -16,7 +20,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 build="$here/build"
-workers=3 replicas=2 backup="" steps=1000 straggler_ms=3 lr=0.5 features=128 batch=256 shards=1
+workers=3 replicas=2 backup="" steps="" straggler_ms=3 lr="" features=128 batch=256 shards=1 python=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -28,6 +32,7 @@ while [ $# -gt 0 ]; do
     --steps) steps=$2; shift 2 ;;
     --straggler-ms) straggler_ms=$2; shift 2 ;;
     --lr) lr=$2; shift 2 ;;
+    --python) python=1; shift ;;
     --) shift; break ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -44,10 +49,25 @@ fi
 
 psrun="$build/client/psrun"
 psd="$build/server/psd"
-worker="$build/client/psd_logreg_worker"
-for f in "$psrun" "$psd" "$worker"; do
-  [ -x "$f" ] || { echo "build first: $f missing" >&2; exit 1; }
-done
+if [ "$python" -eq 1 ]; then
+  steps=${steps:-600} lr=${lr:-0.2}
+  py=/usr/bin/python3
+  [ -d "$build/python/psclient" ] || { echo "build first: $build/python/psclient missing (cmake --build $build --target psclient_python)" >&2; exit 1; }
+  "$py" -c "import torch" 2>/dev/null || { echo "--python needs torch for $py: apt-get install python3-torch" >&2; exit 1; }
+  export PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}"
+  trainer=("$py" "$here/client/python/examples/mlp_classifier.py" --steps "$steps" --print-every 50
+    --eval-every 200 --min-accuracy 0.93)
+  for f in "$psrun" "$psd"; do
+    [ -x "$f" ] || { echo "build first: $f missing" >&2; exit 1; }
+  done
+else
+  steps=${steps:-1000} lr=${lr:-0.5}
+  worker="$build/client/psd_logreg_worker"
+  trainer=("$worker" --steps "$steps" --features "$features" --batch "$batch" --print-every 50)
+  for f in "$psrun" "$psd" "$worker"; do
+    [ -x "$f" ] || { echo "build first: $f missing" >&2; exit 1; }
+  done
+fi
 
 # Every shard serves its status page and /metrics on a free port (the log names it).
 psd_args=(--psd-arg=--learning-rate="$lr" --psd-arg=--summary-interval-s=2 --psd-arg=--metrics-port=0)
@@ -67,6 +87,6 @@ exec "$@" --slow-ms "$slow"'
 status=0
 "$psrun" --psd "$psd" --shards "$shards" --workers "$workers" --replicas "$replicas" --backup "$backup" \
   --timeout-s 600 "${psd_args[@]}" -- sh -c "$straggler" straggler "$backup" "$straggler_ms" \
-  "$worker" --steps "$steps" --features "$features" --batch "$batch" --print-every 50 || status=$?
+  "${trainer[@]}" || status=$?
 [ $status -eq 0 ] && echo "local cluster finished: all workers done, psd exited cleanly" || echo "local cluster FAILED (psrun exited $status)" >&2
 exit $status
