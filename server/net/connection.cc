@@ -652,21 +652,17 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
     }
     if (!known.ok()) return SendError(id, known);
   }
-  std::vector<GradOutcome> outcomes;
-  Status s = engine->Push(r.getLocalStep(), grads, &outcomes);
-  if (!s.ok()) return SendError(id, s);
-  {
-    int accepted = 0;
-    int64_t staleness = 0;
-    for (const GradOutcome& o : outcomes) {
-      accepted += o.accepted ? 1 : 0;
-      staleness = std::max(staleness, o.staleness);
-    }
-    server_.metrics().OnPush(worker_index_, r.getLocalStep(), accepted, static_cast<int>(outcomes.size()) - accepted,
-                             staleness);
-  }
-
-  auto fill = [outcomes = std::move(outcomes), this, engine](proto::PushReply::Builder p) {
+  // A sync push that waits parks its wait before the gradients are applied: when they complete a
+  // step, the step's tokens go to the waiters parked at that moment, this one included, so a fast
+  // worker's next push cannot take the token this worker is owed (two back-to-back waits of
+  // one worker would otherwise leave the other without a token until its wait timed out).
+  struct Pending {
+    bool failed = false;  // the push was refused: the wait answers nothing (a token goes back)
+    std::vector<GradOutcome> outcomes;
+  };
+  auto pending = std::make_shared<Pending>();
+  auto fill = [pending, this, engine](proto::PushReply::Builder p) {
+    const std::vector<GradOutcome>& outcomes = pending->outcomes;
     auto results = p.initResults(static_cast<unsigned>(outcomes.size()));
     for (size_t i = 0; i < outcomes.size(); ++i) {
       results[static_cast<unsigned>(i)].setAccepted(outcomes[i].accepted);
@@ -677,19 +673,12 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
     p.setStepGradients(engine->Stats().last_step_gradients);
     FillCluster(p, engine->epoch());
   };
-  if (!r.getWaitToken()) {
-    proto::Response::Builder resp(nullptr);
-    auto frame = NewReply(id, &resp);
-    auto p = resp.initPush();
-    fill(p);
-    if (!pull_after.empty()) {
-      Status pulled = AddValues(*frame, p.initPulled(), pull_after, false, *want);
-      if (!pulled.ok()) return SendError(id, pulled);
+  auto answer = [this, id, engine, pending, fill, pull_after = std::move(pull_after), want = std::move(*want)](
+                    const Status& st, int64_t token) {
+    if (pending->failed) {
+      if (st.ok()) engine->tokens().PushFront(token);  // not this worker's: the push was refused
+      return;
     }
-    return Send(std::move(frame));
-  }
-  WaitForToken(r.getTimeoutMs(), [this, id, fill = std::move(fill), pull_after = std::move(pull_after),
-                                  want = std::move(*want)](const Status& st, int64_t token) {
     proto::Response::Builder resp(nullptr);
     auto frame = NewReply(id, &resp);
     auto p = resp.initPush();
@@ -702,7 +691,41 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
       if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
     }
     Send(std::move(frame));
-  });
+  };
+  const bool wait_first = r.getWaitToken() && server_.config().mode == Mode::kSync;
+  std::shared_ptr<TokenWait> parked;
+  // The answer runs on this strand, after this handler: the outcomes are in by then.
+  if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer);
+  Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes);
+  if (!s.ok()) {
+    pending->failed = true;
+    if (parked) parked->cancel(Cancelled("the push was refused"));
+    return SendError(id, s);
+  }
+  {
+    int accepted = 0;
+    int64_t staleness = 0;
+    for (const GradOutcome& o : pending->outcomes) {
+      accepted += o.accepted ? 1 : 0;
+      staleness = std::max(staleness, o.staleness);
+    }
+    server_.metrics().OnPush(worker_index_, r.getLocalStep(), accepted,
+                             static_cast<int>(pending->outcomes.size()) - accepted, staleness);
+  }
+  if (wait_first) return;
+  if (r.getWaitToken()) {
+    WaitForToken(r.getTimeoutMs(), answer);
+    return;
+  }
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto p = resp.initPush();
+  fill(p);
+  if (!pull_after.empty()) {
+    Status pulled = AddValues(*frame, p.initPulled(), pull_after, false, *want);
+    if (!pulled.ok()) return SendError(id, pulled);
+  }
+  Send(std::move(frame));
 }
 
 void Connection::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
@@ -1006,14 +1029,15 @@ void Connection::HandleUpdate(uint64_t id, proto::Update::Reader r) {
 
 // --- token waits ------------------------------------------------------------------------------
 
-void Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
+std::shared_ptr<Connection::TokenWait> Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
   if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
   std::shared_ptr<SyncEngine> engine = server_.engine();
   Mode mode = server_.config().mode;
   if (mode == Mode::kAsync) {
     // No barrier: the "token" is the current global step.
-    return done(engine->tokens().closed() ? OutOfRange("training is over: all workers finished") : Status::Ok(),
-                engine->global_step());
+    done(engine->tokens().closed() ? OutOfRange("training is over: all workers finished") : Status::Ok(),
+         engine->global_step());
+    return nullptr;
   }
   auto w = std::make_shared<TokenWait>(strand_);
   w->on_done = std::move(done);
@@ -1034,7 +1058,7 @@ void Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
     wid = gate.Advance(worker_index_, [post, engine](Status s, int64_t) { post(std::move(s), engine->global_step()); });
     w->cancel = [&gate, wid](const Status& why) { return gate.Cancel(wid, why); };
   }
-  if (wid == 0) return;  // answered at once (the callback is already posted)
+  if (wid == 0) return nullptr;  // answered at once (the callback is already posted)
   parked_.insert(w);
   w->timer.expires_after(std::chrono::milliseconds(timeout_ms));
   w->timer.async_wait([self, w, timeout_ms](boost::system::error_code ec) {
@@ -1046,6 +1070,7 @@ void Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
     w->cancel(DeadlineExceeded("no token within " + std::to_string(timeout_ms) + " ms (global step " +
                                std::to_string(st.global_step) + ", " + what + ")"));
   });
+  return w;
 }
 
 void Connection::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token) {

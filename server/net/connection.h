@@ -112,7 +112,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void FillCluster(B b, uint64_t engine_epoch);
 
   // Waits for a token with a deadline; `done` runs on the strand exactly once.
-  void WaitForToken(int64_t timeout_ms, TokenDone done);
+  // Parks a token wait bounded by timeout_ms (<= 0: psd's default); `done` runs on the strand.
+  // Returns the parked wait (its cancel answers `done` with a status), or nullptr when answered
+  // at once.
+  std::shared_ptr<TokenWait> WaitForToken(int64_t timeout_ms, TokenDone done);
   void FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token);
 
   std::shared_ptr<wire::OutFrame> NewReply(uint64_t id, proto::Response::Builder* resp);
