@@ -19,17 +19,7 @@ namespace {
 using Cluster = psd::testing::TestCluster;
 
 Cluster StartCluster(server::ServerConfig cfg, int shards) { return psd::testing::StartTestCluster(cfg, shards); }
-
-std::unique_ptr<psclient::Client> ConnectCluster(const Cluster& c, const std::string& name) {
-  psclient::ClientOptions o;
-  o.cluster = c.addresses;
-  o.worker_name = name;
-  o.connect_timeout_ms = 10000;
-  auto client = psclient::Client::Connect(o);
-  INFO(client.status().ToString());
-  REQUIRE(client.ok());
-  return std::move(*client);
-}
+using psd::testing::ConnectCluster;
 
 psclient::ConstTensorView View(const std::vector<float>& v, Shape shape) {
   return {v.data(), DType::kFloat32, std::move(shape), MemoryKind::kHost};

@@ -164,28 +164,23 @@ TEST_CASE("a 3-shard cluster slices, pushes and pulls bfloat16 like one daemon",
   cfg.optimizer.learning_rate = 0.5;
   cfg.slice_bytes = 4096;
   auto cluster = psd::testing::StartTestCluster(cfg, 3);
-  psclient::ClientOptions o;
-  o.cluster = cluster.addresses;
-  o.worker_name = "w0";
-  o.connect_timeout_ms = 10000;
-  auto c = psclient::Client::Connect(o);
-  REQUIRE(c.ok());
+  auto c = psd::testing::ConnectCluster(cluster, "w0");
   std::vector<float> init(1200 * 4);
   for (size_t i = 0; i < init.size(); ++i) init[i] = static_cast<float>(i % 17) * 0.125f;
   auto init_b = ToHalf(init, DType::kBFloat16);
-  REQUIRE((*c)->CreateVariable("w", View(init_b, DType::kBFloat16, {1200, 4})).ok());
-  auto placed = (*c)->Placement("w");
+  REQUIRE(c->CreateVariable("w", View(init_b, DType::kBFloat16, {1200, 4})).ok());
+  auto placed = c->Placement("w");
   REQUIRE(placed.ok());
   CHECK(placed->sliced);
   CHECK(placed->dtype == DType::kBFloat16);
   std::vector<float> g(init.size());
   for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(i % 5) - 2.0f;
   auto g_b = ToHalf(g, DType::kBFloat16);
-  Steps(**c, "w", View(g_b, DType::kBFloat16, {1200, 4}), 2);
+  Steps(*c, "w", View(g_b, DType::kBFloat16, {1200, 4}), 2);
   std::vector<float> w(init.size());
-  REQUIRE((*c)->Pull("w", Out(w, {1200, 4})).ok());
+  REQUIRE(c->Pull("w", Out(w, {1200, 4})).ok());
   std::vector<uint16_t> wb(init.size());
-  REQUIRE((*c)->Pull("w", Out(wb, DType::kBFloat16, {1200, 4})).ok());
+  REQUIRE(c->Pull("w", Out(wb, DType::kBFloat16, {1200, 4})).ok());
   // Momentum (TF ApplyMomentum, momentum 0.9): accum = 0.9 accum + g; w -= lr * accum.
   for (size_t i = 0; i < w.size(); ++i) {
     float accum = g[i];

@@ -25,17 +25,7 @@ using Cluster = psd::testing::TestCluster;
 
 // P shards, each serving on a socket bound on port 0 for it (no port is guessed).
 Cluster StartCluster(server::ServerConfig cfg, int shards) { return psd::testing::StartTestCluster(cfg, shards); }
-
-std::unique_ptr<psclient::Client> ConnectCluster(const Cluster& c, const std::string& name) {
-  psclient::ClientOptions o;
-  o.cluster = c.addresses;
-  o.worker_name = name;
-  o.connect_timeout_ms = 20000;
-  auto client = psclient::Client::Connect(o);
-  INFO(client.status().ToString());
-  REQUIRE(client.ok());
-  return std::move(*client);
-}
+using psd::testing::ConnectCluster;
 
 std::string Bytes(capnp::Data::Reader d) { return std::string(reinterpret_cast<const char*>(d.begin()), d.size()); }
 kj::ArrayPtr<const kj::byte> Data(const std::string& s) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "net/server.h"
+#include "psclient/client.h"
 #include "psd/listen_socket.h"
 
 namespace psd::testing {
@@ -51,6 +52,19 @@ inline TestCluster StartTestCluster(server::ServerConfig cfg, int shards) {
     c.shards.push_back(std::move(*s));
   }
   return c;
+}
+
+// A worker of the cluster (every shard listed); fails the test case if it cannot connect.
+inline std::unique_ptr<psclient::Client> ConnectCluster(const TestCluster& c, const std::string& name,
+                                                        int connect_timeout_ms = 20000) {
+  psclient::ClientOptions o;
+  o.cluster = c.addresses;
+  o.worker_name = name;
+  o.connect_timeout_ms = connect_timeout_ms;
+  auto client = psclient::Client::Connect(o);
+  INFO(client.status().ToString());
+  REQUIRE(client.ok());
+  return std::move(*client);
 }
 
 }  // namespace psd::testing
