@@ -30,8 +30,8 @@
 #include <memory>
 #include <set>
 
-#include "net/byte_stream.h"
 #include "cluster/peer_auth.h"
+#include "net/byte_stream.h"
 #include "net/parked_reply.h"
 #include "psd.capnp.h"
 #include "sync/token_queue.h"
@@ -133,9 +133,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   wire::InFrame in_;
   std::vector<uint32_t> body_sizes_;  // the frame whose body is awaited
   uint64_t body_words_ = 0;
-  uint64_t charged_ = 0;         // bytes of the server's FrameBudget this connection holds
+  uint64_t charged_ = 0;            // bytes of the server's FrameBudget this connection holds
   asio::steady_timer frame_timer_;  // --frame-timeout-ms for the body being read
-  uint64_t body_gen_ = 0;        // bumped per body read: a stale frame-timer expiry is ignored
+  uint64_t body_gen_ = 0;           // bumped per body read: a stale frame-timer expiry is ignored
   bool reading_body_ = false;
   bool hello_done_ = false;  // a worker's hello was accepted
   bool greeted_ = false;     // any hello (worker, observer, peer) was accepted
@@ -144,7 +144,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::chrono::steady_clock::time_point last_frame_ = std::chrono::steady_clock::now();
   // Parked reduce/update replies.
   std::set<std::shared_ptr<ParkedReply>> collectives_;
-  bool authenticated_ = false;                   // a hello with the right token (or no token required)
+  bool authenticated_ = false;  // a hello with the right token (or no token required)
   uint32_t worker_index_ = 0;
   int peer_shard_ = -1;   // another shard of the cluster (after its peer hello; its proof with a secret)
   int peer_claim_ = -1;   // the shard a peer hello claims while its proof is awaited

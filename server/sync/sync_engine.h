@@ -143,7 +143,7 @@ struct PulledValue {
   std::shared_ptr<const Buffer> value;  // immutable; hold it while the bytes are in use
   DType dtype;                          // of `value`: the variable's compute dtype (float32 for the halves)
   Shape shape;
-  DType declared;  // the variable's own dtype: what a reader gets unless it asks for another
+  DType declared;                  // the variable's own dtype: what a reader gets unless it asks for another
   std::string_view variable = {};  // Pull: the variable's name (valid while the engine lives)
 };
 

@@ -34,7 +34,8 @@ PSD_EXPORT std::vector<std::string> SplitClusterList(const std::string& list);
 PSD_EXPORT Status ValidateClusterList(const std::vector<std::string>& entries, const std::string& flag);
 
 // SplitClusterList + ValidateClusterList.
-PSD_EXPORT Result<std::vector<std::string>> ParseClusterList(const std::string& list, const std::string& flag = "--cluster");
+PSD_EXPORT Result<std::vector<std::string>> ParseClusterList(const std::string& list,
+                                                             const std::string& flag = "--cluster");
 
 // Reads a --cluster-file (one entry per line, '#' comments) and validates it.
 PSD_EXPORT Result<std::vector<std::string>> ReadClusterFile(const std::string& path);
