@@ -27,9 +27,4 @@ std::shared_ptr<const Buffer> ConvertedValues::Get(std::string_view variable,
   return entry->converted;
 }
 
-size_t ConvertedValues::entries() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return entries_.size();
-}
-
 }  // namespace psd::server

@@ -29,7 +29,6 @@ class ConvertedValues {
   // caller while it is the newest value of `variable` asked for in `to`.
   std::shared_ptr<const Buffer> Get(std::string_view variable, const std::shared_ptr<const Buffer>& source, DType from,
                                     DType to);
-  size_t entries() const;
 
  private:
   struct Entry {
@@ -37,7 +36,7 @@ class ConvertedValues {
     std::weak_ptr<const Buffer> source;       // guarded by mu
     std::shared_ptr<const Buffer> converted;  // guarded by mu: `source` as the entry's dtype
   };
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::map<std::pair<std::string, DType>, std::shared_ptr<Entry>, std::less<>> entries_;  // guarded by mu_
 };
 

@@ -400,10 +400,10 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
     if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
     use = &mixed;
   }
-  return PushValidated(local_step, *use, targets, out);
+  return PushConverted(local_step, *use, targets, out);
 }
 
-Status SyncEngine::PushValidated(int64_t local_step, const std::vector<GradRef>& grads,
+Status SyncEngine::PushConverted(int64_t local_step, const std::vector<GradRef>& grads,
                                  const std::vector<Variable*>& targets, std::vector<GradOutcome>* out) {
   // Validate everything before touching any accumulator: a bad push changes nothing. Each
   // variable's gradient kind is claimed while its lock is held (released on every way out).

@@ -291,8 +291,9 @@ class SyncEngine {
   class KindClaims;
   Variable* FindLocked(std::string_view name) const;
   Status ValidateGrad(Variable* v, const GradRef& g) const;
-  // Push once every gradient is of its variable's compute dtype.
-  Status PushValidated(int64_t local_step, const std::vector<GradRef>& grads, const std::vector<Variable*>& targets,
+  // Push once the gradients its accumulators cannot take as they are (sparse or async/ssp halves)
+  // are converted to their variable's compute dtype.
+  Status PushConverted(int64_t local_step, const std::vector<GradRef>& grads, const std::vector<Variable*>& targets,
                        std::vector<GradOutcome>* out);
   // With v->mu held: takes (and applies, for dense) if the step is ready. Returns true if it took.
   bool MaybeTakeLocked(Variable* v, bool force, int* count);
