@@ -10,7 +10,8 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 "$here/deploy/install_deps.sh"
-cmake -S "$here" -B "$here/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPSD_BUILD_TESTS=OFF >/dev/null
+# Only the targets below are built; the cache keeps whatever a developer configured (tests stay on).
+cmake -S "$here" -B "$here/build" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 mode=cpp
 case "${1:-}" in
   --python) mode=python; shift ;;
