@@ -1210,7 +1210,10 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       if (&call == token_call) {
         out.token_status = Status(psd::wire::FromWire(r.getTokenCode()), r.getTokenMessage());
         out.token = r.getToken();
-        if (pull_in_push && r.hasPulled() && out.token_status.ok()) {
+      }
+      // A single daemon's reply carries the values: after the token when it waited, else at once.
+      if (pull_in_push && (&call == token_call || !wait_token)) {
+        if (r.hasPulled() && out.token_status.ok()) {
           auto step = im.ReadValues(r.getPulled(), *pull_after);
           if (!step.ok()) return step.status();
           out.pulled_step = *step;
@@ -1230,7 +1233,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     if (r.step == INT64_MAX) r.step = 0;
   }
   im.is_chief_ = out.is_chief;
-  if (cluster && wait_token && out.token_status.ok() && pull_after && !pull_after->empty()) {
+  if (cluster && out.token_status.ok() && pull_after && !pull_after->empty()) {
     // A cluster's values come from every shard: read them now that the step is in.
     auto step = im.PullLocked(*pull_after, false);
     if (!step.ok()) return step.status();

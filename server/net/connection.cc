@@ -659,8 +659,12 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
   struct Pending {
     bool failed = false;  // the push was refused: the wait answers nothing (a token goes back)
     std::vector<GradOutcome> outcomes;
+    std::vector<std::string> pull_after;            // the values the reply carries too
+    std::vector<std::optional<DType>> pull_dtypes;  // ... and the dtypes they are asked in
   };
   auto pending = std::make_shared<Pending>();
+  pending->pull_after = std::move(pull_after);
+  pending->pull_dtypes = std::move(*want);
   auto fill = [pending, this, engine](proto::PushReply::Builder p) {
     const std::vector<GradOutcome>& outcomes = pending->outcomes;
     auto results = p.initResults(static_cast<unsigned>(outcomes.size()));
@@ -673,8 +677,7 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
     p.setStepGradients(engine->Stats().last_step_gradients);
     FillCluster(p, engine->epoch());
   };
-  auto answer = [this, id, engine, pending, fill, pull_after = std::move(pull_after), want = std::move(*want)](
-                    const Status& st, int64_t token) {
+  auto answer = [this, id, engine, pending, fill](const Status& st, int64_t token) {
     if (pending->failed) {
       if (st.ok()) engine->tokens().PushFront(token);  // not this worker's: the push was refused
       return;
@@ -686,8 +689,8 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
     p.setToken(token);
     p.setTokenCode(wire::ToWire(st.code()));
     p.setTokenMessage(st.message());
-    if (st.ok() && !pull_after.empty()) {
-      Status pulled = AddValues(*frame, p.initPulled(), pull_after, false, want);
+    if (st.ok() && !pending->pull_after.empty()) {
+      Status pulled = AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes);
       if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
     }
     Send(std::move(frame));
@@ -721,8 +724,8 @@ void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
   auto frame = NewReply(id, &resp);
   auto p = resp.initPush();
   fill(p);
-  if (!pull_after.empty()) {
-    Status pulled = AddValues(*frame, p.initPulled(), pull_after, false, *want);
+  if (!pending->pull_after.empty()) {
+    Status pulled = AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes);
     if (!pulled.ok()) return SendError(id, pulled);
   }
   Send(std::move(frame));

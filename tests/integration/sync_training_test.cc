@@ -288,6 +288,11 @@ TEST_CASE("push, barrier and the next pull in one round trip", "[integration]") 
   CHECK(refused.status().code() == Code::kNotFound);
   CHECK(*w->GlobalStep() == 1);
   CHECK(PullScalar(*w, "w") == 3.0f);
+  // Without a token wait the reply still carries the values (the step the push completed).
+  auto no_wait = w->Push(1, {{"w", Scalar(g)}}, {}, false, 0, &pull);
+  REQUIRE(no_wait.ok());
+  CHECK(no_wait->pulled_step == 2);
+  CHECK(after == 1.0f);
 }
 
 TEST_CASE("a worker that vanishes without finishing stops holding the steps after the grace period", "[integration]") {

@@ -311,9 +311,9 @@ class PSD_EXPORT Client {
   Result<PushOutcome> Push(int64_t local_step, const std::vector<Gradient>& grads, bool wait_token = false,
                            int64_t timeout_ms = 0);
   // Dense and sparse gradients in one message; results are dense ones first, then sparse ones.
-  // With `pull_after`, the reply also carries those variables' values once the token is in
-  // (written into the views; pulled_step says their step): push, barrier and the next step's
-  // pull in one round trip.
+  // With `pull_after`, the reply also carries those variables' values — once the token is in when
+  // it waits, else as they are after this push (written into the views; pulled_step says their
+  // step): push, barrier and the next step's pull in one round trip.
   Result<PushOutcome> Push(int64_t local_step, const std::vector<Gradient>& grads,
                            const std::vector<SparseGradient>& sparse, bool wait_token = false, int64_t timeout_ms = 0,
                            const std::vector<std::pair<std::string, TensorView>>* pull_after = nullptr);
