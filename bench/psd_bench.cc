@@ -78,11 +78,11 @@
 #include "checkpoint/checkpoint.h"
 #include "config.h"
 #include "net/server.h"
-#include "optimizer/optimizer.h"
+#include "core/optimizer.h"
 #include "psclient/client.h"
 #include "psd/half.h"
 #include "psd/listen_socket.h"
-#include "sync/sync_engine.h"
+#include "core/training_engine.h"
 
 #ifndef PSD_BUILD_TYPE
 #define PSD_BUILD_TYPE ""
@@ -1059,7 +1059,7 @@ int RunCollectives(const Options& opt, const Endpoint& ep, int n, int64_t elemen
 // over --variables; --optimizer adds its slots), snapshots it as psd's checkpoint thread gets it,
 // writes the checkpoint to a fresh directory under --checkpoint-dir and restores it: the file
 // part (LoadLatestCheckpoint: read + verify + parse into tensors) and the engine's adoption of it
-// (SyncEngine::Restore) are timed apart. The restored values are compared with the originals.
+// (TrainingEngine::Restore) are timed apart. The restored values are compared with the originals.
 // --drop-caches asks the kernel to drop the page cache before the restore (needs root; the report
 // says "cold" or "warm").
 int RunCheckpointBench(const Options& opt, uint64_t model_bytes) {
@@ -1075,13 +1075,13 @@ int RunCheckpointBench(const Options& opt, uint64_t model_bytes) {
   size_t largest = 0;
   for (const VarSpec& v : *vars) largest = std::max(largest, v.bytes());
   config.max_frame_bytes = std::max<uint64_t>(config.max_frame_bytes, largest + kFrameOverheadBytes);
-  auto make_engine = [&]() -> std::unique_ptr<srv::SyncEngine> {
+  auto make_engine = [&]() -> std::unique_ptr<srv::TrainingEngine> {
     auto o = srv::MakeOptimizer(config.optimizer);
     if (!o.ok()) {
       std::fprintf(stderr, "psd_bench: --optimizer: %s\n", o.status().message().c_str());
       return nullptr;
     }
-    return std::make_unique<srv::SyncEngine>(config, std::move(*o));
+    return std::make_unique<srv::TrainingEngine>(config, std::move(*o));
   };
   auto engine = make_engine();
   if (!engine) return 1;
@@ -1202,7 +1202,7 @@ int RunCheckpointBench(const Options& opt, uint64_t model_bytes) {
                 write_mbs);
     std::printf("restore     %9.1f ms  %8.1f MB/s  (read + verify + parse into tensors; page cache %s)\n", load_ms,
                 load_mbs, cache.c_str());
-    std::printf("engine      %9.1f ms               (SyncEngine::Restore adopting the restored tensors)\n", engine_ms);
+    std::printf("engine      %9.1f ms               (TrainingEngine::Restore adopting the restored tensors)\n", engine_ms);
   }
   std::fflush(stdout);
   return 0;

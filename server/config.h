@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "optimizer/optimizer.h"
+#include "core/training_config.h"
 #include "psd/status.h"
 
 namespace psd::server {
@@ -15,23 +15,7 @@ namespace psd::server {
 // psd's version (the project's, from CMake), reported by --version, status replies and /metrics.
 inline constexpr char kPsdVersion[] = PSD_VERSION;
 
-enum class Reduction { kMean, kSum };
-
-// Consistency modes (README "Consistency modes").
-enum class Mode {
-  kSync,   // N-of-M with backup replicas (TF SyncReplicasOptimizer); soft sync via the fraction/deadline
-  kAsync,  // every gradient applied on arrival
-  kSsp,    // bounded staleness: a worker more than `staleness_bound` clocks ahead of the slowest waits
-};
-
-// Async/ssp learning-rate scaling by staleness.
-enum class StalenessLr {
-  kNone,
-  kInverse,  // lr / max(1, staleness)
-  kWorkers,  // lr / N
-};
-
-struct ServerConfig {
+struct ServerConfig : TrainingConfig {
   // Network.
   std::string host = "127.0.0.1";
   uint16_t port = 7070;   // 0 picks a free port (see port_file)
@@ -43,7 +27,6 @@ struct ServerConfig {
   int listen_fd = -1;
   std::string listen_fd_source = "the passed listening socket";  // names it in errors: "--listen-fd 3"
   int io_threads = 2;
-  uint64_t max_frame_bytes = 256ull << 20;
   // Memory for incoming frames across all connections (README "Hardening"): a frame waits for its
   // share (backpressure) instead of failing; a frame must arrive within frame_timeout_ms once it
   // holds its share.
@@ -60,33 +43,11 @@ struct ServerConfig {
   // address, --metrics-host) needs a secret (auth_token) or TLS, and a cluster with an entry beyond
   // loopback needs cluster_secret, unless `insecure` says so.
   bool insecure = false;
-  uint64_t max_model_bytes = 16ull << 30;  // all variables with their slots, averages and buffers
 
-  // Synchronous training (TF SyncReplicasOptimizer semantics).
-  int replicas_to_aggregate = 1;  // R
-  int backup_replicas = -1;       // B; -1: not given
-  int total_replicas = -1;        // N; -1: not given (then N = R + max(B, 0))
-  int init_tokens = -1;           // -1: TF default (R); must be >= R - N
-  Reduction reduction = Reduction::kMean;
 
-  // Optimizer (job-wide; variables may name another one with the same hyper-parameters).
-  OptimizerParams optimizer;
-  int apply_threads = 2;  // threads that split the apply of big variables
-
-  // Consistency.
-  Mode mode = Mode::kSync;
-  int64_t staleness_bound = 3;  // ssp
-  StalenessLr staleness_lr = StalenessLr::kNone;
-  double soft_sync_fraction = 0;  // sync: a step needs ceil(f * N) gradients (0: R)
-  int64_t step_deadline_ms = 0;   // sync: commit a step this long after its first gradient (0: never)
-
-  // Exponential moving averages of the variables created with average=true.
-  double ema_decay = 0;          // 0: off
-  bool ema_num_updates = false;  // decay = min(decay, (1 + step) / (10 + step))
 
   // Checkpoints (see checkpoint/checkpoint.h). Empty dir: none.
   std::string checkpoint_dir;
-  int64_t checkpoint_every_steps = 0;  // 0: not by steps
   double checkpoint_every_s = 0;       // 0: not by time
   int keep_checkpoints = 3;
   bool restore = true;  // load the newest good checkpoint at start
@@ -125,9 +86,6 @@ struct ServerConfig {
   int shards() const { return cluster.empty() ? 1 : static_cast<int>(cluster.size()); }
   bool clustered() const { return shards() > 1; }
 
-  // Derived by Validate().
-  int tokens_per_step = 0;
-  int resolved_init_tokens = 0;
 
   // A shard (or a one-entry --cluster) listens on its own cluster entry: its port unless
   // `port_given`, its address (when the entry is an IP address; else 0.0.0.0) unless `host_given`.
@@ -140,8 +98,6 @@ struct ServerConfig {
   // auth_token, TLS or `insecure`, or a cluster has an entry beyond loopback (a host name counts)
   // without cluster_secret or `insecure`.
   Status CheckProtectedMode() const;
-  // Fresh gradients a sync step needs before any worker finished: R, or ceil(f * N).
-  int InitialRequiredReplicas() const;
 };
 
 // Whether `ip` is a loopback address (127.0.0.0/8 or ::1). An error when it is not an IP address.
@@ -169,13 +125,7 @@ inline constexpr uint64_t kReservedFds = 64;
 // if needed; an error naming both numbers when even the hard limit is too low.
 Status EnsureFdLimit(int max_connections);
 
-const char* ReductionName(Reduction r);
-const char* ModeName(Mode m);
-Result<Mode> ParseMode(const std::string& name);
-Result<StalenessLr> ParseStalenessLr(const std::string& name);
 
-// TF get_init_tokens_op rule: -1 -> R; fewer than R - N -> the "Too few tokens" error.
-Result<int> ResolveInitTokens(int num_tokens, int replicas_to_aggregate, int total_replicas);
 
 }  // namespace psd::server
 

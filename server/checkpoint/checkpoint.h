@@ -29,35 +29,10 @@
 #include <string>
 #include <vector>
 
-#include "cluster/placement.h"
+#include "core/snapshot.h"
 #include "psd/status.h"
-#include "psd/tensor.h"
-#include "sync/buffer.h"
 
 namespace psd::server {
-
-struct VariableSnapshot {
-  std::string name;
-  DType dtype = DType::kFloat32;
-  Shape shape;
-  bool trainable = true;
-  bool average = false;
-  std::string optimizer;  // empty: the job's
-  std::shared_ptr<const Buffer> value;
-  std::vector<std::pair<std::string, std::shared_ptr<const Buffer>>> slots;
-  std::shared_ptr<const Buffer> shadow;  // moving average, if `average`
-  VarPlacement placement;                // cluster: the whole variable's placement (name empty: none)
-  int aggregation = 0;                   // psd::server::Aggregation
-  bool sync_on_read = false;             // `value` is the replicas' combined value
-};
-
-// One shard's part of a checkpoint.
-struct ShardSnapshot {
-  int64_t step = 0;  // the global step the state reflects
-  double learning_rate = 0;
-  std::string optimizer;  // the job's optimizer (restoring under another one is refused)
-  std::vector<VariableSnapshot> variables;
-};
 
 struct CheckpointInfo {
   int64_t step = -1;

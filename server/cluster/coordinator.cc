@@ -10,7 +10,7 @@
 #include "cluster/peer_auth.h"
 #include "net/byte_stream.h"
 #include "net/server.h"
-#include "sync/sync_engine.h"
+#include "core/training_engine.h"
 
 namespace psd::server {
 

@@ -71,7 +71,7 @@ struct Connection::TokenWait {
   asio::steady_timer timer;
   std::function<bool(const Status&)> cancel;  // removes the parked wait; false if already released
   bool from_queue = false;                    // a token-queue wait (a delivered token goes back if unused)
-  std::shared_ptr<SyncEngine> engine;         // whose queue it waits on
+  std::shared_ptr<TrainingEngine> engine;         // whose queue it waits on
   bool done = false;
   TokenDone on_done;
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
@@ -347,7 +347,7 @@ void Connection::Dispatch(proto::Request::Reader req) {
 
 namespace {
 
-void FillConfig(proto::JobConfig::Builder c, const ServerConfig& cfg, const SyncEngine& engine) {
+void FillConfig(proto::JobConfig::Builder c, const ServerConfig& cfg, const TrainingEngine& engine) {
   const Optimizer& opt = engine.optimizer();
   c.setReplicasToAggregate(cfg.replicas_to_aggregate);
   c.setTotalReplicas(cfg.total_replicas);
@@ -1034,7 +1034,7 @@ void Connection::HandleUpdate(uint64_t id, proto::Update::Reader r) {
 
 std::shared_ptr<Connection::TokenWait> Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
   if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
-  std::shared_ptr<SyncEngine> engine = server_.engine();
+  std::shared_ptr<TrainingEngine> engine = server_.engine();
   Mode mode = server_.config().mode;
   if (mode == Mode::kAsync) {
     // No barrier: the "token" is the current global step.

@@ -34,7 +34,7 @@
 #include "net/byte_stream.h"
 #include "net/parked_reply.h"
 #include "psd.capnp.h"
-#include "sync/token_queue.h"
+#include "core/token_queue.h"
 #include "wire/asio.h"
 #include "wire/frame.h"
 

@@ -34,10 +34,10 @@ Result<std::unique_ptr<Server>> Server::Create(ServerConfig config) {
   return server;
 }
 
-Result<std::shared_ptr<SyncEngine>> Server::MakeEngine(uint64_t epoch) {
+Result<std::shared_ptr<TrainingEngine>> Server::MakeEngine(uint64_t epoch) {
   auto opt = MakeOptimizer(config_.optimizer);
   if (!opt.ok()) return opt.status();
-  auto engine = std::make_shared<SyncEngine>(config_, std::move(*opt));
+  auto engine = std::make_shared<TrainingEngine>(config_, std::move(*opt));
   engine->set_epoch(epoch);
   engine->set_on_apply([this](double seconds) { metrics_.OnApply(seconds); });
   engine->set_on_commit([this](const StepInfo& info) {
@@ -64,7 +64,7 @@ Result<std::shared_ptr<SyncEngine>> Server::MakeEngine(uint64_t epoch) {
   return engine;
 }
 
-std::shared_ptr<SyncEngine> Server::engine() const {
+std::shared_ptr<TrainingEngine> Server::engine() const {
   std::lock_guard<std::mutex> lock(engine_mu_);
   return engine_;
 }
@@ -90,7 +90,7 @@ Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacem
     last_checkpoint_step_ = step;
   }
   *placements = (*fresh)->Placements(config_.shard_index);
-  std::shared_ptr<SyncEngine> old;
+  std::shared_ptr<TrainingEngine> old;
   {
     std::lock_guard<std::mutex> lock(engine_mu_);
     old = std::move(engine_);

@@ -1,9 +1,9 @@
 // Server: psd's network front. Owns the io_context, its thread pool, the acceptor and the live
-// connections, and wires them to the SyncEngine and WorkerRegistry.
+// connections, and wires them to the TrainingEngine and WorkerRegistry.
 //
 // Threading model: `config.io_threads` threads run one io_context. Each connection's handlers
 // run on that connection's strand, so they never run concurrently with each other; shared
-// state lives in SyncEngine/WorkerRegistry behind their own locks. A blocked token wait is a
+// state lives in TrainingEngine/WorkerRegistry behind their own locks. A blocked token wait is a
 // parked callback plus a timer, never a parked thread, so 64 waiting workers need no 64 threads.
 //
 // Lifetime: Start() binds and starts the threads; Wait() blocks until a stop is requested
@@ -26,13 +26,13 @@
 #include "cluster/coordinator.h"
 #include "cluster/peer_auth.h"
 #include "config.h"
-#include "net/converted_values.h"
+#include "core/converted_values.h"
 #include "net/frame_budget.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
-#include "sync/ssp_gate.h"
-#include "sync/sync_engine.h"
-#include "sync/worker_registry.h"
+#include "core/ssp_gate.h"
+#include "core/training_engine.h"
+#include "core/worker_registry.h"
 #include "wire/asio.h"
 #include "wire/tls.h"
 
@@ -78,7 +78,7 @@ class Server {
 
   // The engine serving now. A cluster replaces it when it restores a checkpoint: callers hold the
   // pointer for the duration of one request.
-  std::shared_ptr<SyncEngine> engine() const;
+  std::shared_ptr<TrainingEngine> engine() const;
   // Null for a single daemon.
   ClusterCoordinator* coordinator() { return coordinator_.get(); }
   WorkerRegistry& workers() { return workers_; }
@@ -121,7 +121,7 @@ class Server {
   // The TLS contexts are made (and checked) by Create.
   Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls, std::shared_ptr<wire::ssl::context> peer_tls);
   // A new engine with the server's callbacks wired.
-  Result<std::shared_ptr<SyncEngine>> MakeEngine(uint64_t epoch);
+  Result<std::shared_ptr<TrainingEngine>> MakeEngine(uint64_t epoch);
   void Accept();
   void ScheduleSummary();
   void LogSummary();
@@ -151,7 +151,7 @@ class Server {
   std::chrono::steady_clock::time_point not_ready_since_;  // guarded by ready_mu_
   std::atomic<bool> became_ready_{false};
   mutable std::mutex engine_mu_;
-  std::shared_ptr<SyncEngine> engine_;  // guarded by engine_mu_
+  std::shared_ptr<TrainingEngine> engine_;  // guarded by engine_mu_
   WorkerRegistry workers_;
   SspGate ssp_;
 

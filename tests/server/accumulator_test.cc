@@ -1,5 +1,5 @@
 // TF ConditionalAccumulator cases (tf_semantics.md section 1).
-#include "sync/accumulator.h"
+#include "core/accumulator.h"
 
 #include <catch2/catch.hpp>
 

@@ -1,5 +1,5 @@
 // ConvertedValues: one conversion per published value and dtype, shared by every reader.
-#include "net/converted_values.h"
+#include "core/converted_values.h"
 
 #include <catch2/catch.hpp>
 

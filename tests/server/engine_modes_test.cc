@@ -3,7 +3,8 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 
-#include "sync/sync_engine.h"
+#include "config.h"
+#include "core/training_engine.h"
 
 using namespace psd;
 using namespace psd::server;
@@ -19,12 +20,12 @@ ServerConfig Cfg(int replicas, int total, double lr = 1.0) {
   return c;
 }
 
-std::unique_ptr<SyncEngine> Make(ServerConfig c) {
+std::unique_ptr<TrainingEngine> Make(ServerConfig c) {
   REQUIRE(c.Validate().ok());
-  return std::make_unique<SyncEngine>(c, std::move(*MakeOptimizer(c.optimizer)));
+  return std::make_unique<TrainingEngine>(c, std::move(*MakeOptimizer(c.optimizer)));
 }
 
-void Create(SyncEngine& e, const std::string& name, std::vector<float> init, Shape shape, bool average = false,
+void Create(TrainingEngine& e, const std::string& name, std::vector<float> init, Shape shape, bool average = false,
             std::string optimizer = "") {
   VariableDef d;
   d.name = name;
@@ -38,7 +39,7 @@ void Create(SyncEngine& e, const std::string& name, std::vector<float> init, Sha
   REQUIRE(r.ok());
 }
 
-std::vector<float> Read(SyncEngine& e, const std::string& name, bool averages = false) {
+std::vector<float> Read(TrainingEngine& e, const std::string& name, bool averages = false) {
   std::vector<PulledValue> v;
   int64_t step;
   REQUIRE(e.Pull({name}, &v, &step, averages).ok());
@@ -46,7 +47,7 @@ std::vector<float> Read(SyncEngine& e, const std::string& name, bool averages = 
   return std::vector<float>(p, p + v[0].value->bytes() / 4);
 }
 
-GradOutcome PushDense(SyncEngine& e, int64_t local, const std::string& name, std::vector<float> g, Shape shape) {
+GradOutcome PushDense(TrainingEngine& e, int64_t local, const std::string& name, std::vector<float> g, Shape shape) {
   std::vector<GradOutcome> out;
   std::vector<GradRef> refs{{name, DType::kFloat32, shape, g.data(), g.size() * 4}};
   Status s = e.Push(local, refs, &out);
@@ -55,7 +56,7 @@ GradOutcome PushDense(SyncEngine& e, int64_t local, const std::string& name, std
   return out[0];
 }
 
-GradOutcome PushSparse(SyncEngine& e, int64_t local, const std::string& name, std::vector<int64_t> idx,
+GradOutcome PushSparse(TrainingEngine& e, int64_t local, const std::string& name, std::vector<int64_t> idx,
                        std::vector<float> values, int64_t row) {
   std::vector<GradOutcome> out;
   GradRef ref{name, DType::kFloat32, {static_cast<int64_t>(idx.size()), row}, values.data(), values.size() * 4};

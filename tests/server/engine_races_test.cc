@@ -7,7 +7,8 @@
 #include <memory>
 #include <thread>
 
-#include "sync/sync_engine.h"
+#include "config.h"
+#include "core/training_engine.h"
 
 using namespace psd;
 using namespace psd::server;
@@ -23,13 +24,13 @@ ServerConfig Config(int replicas) {
   return c;
 }
 
-std::unique_ptr<SyncEngine> MakeEngine(const ServerConfig& c) {
-  auto e = std::make_unique<SyncEngine>(c, std::move(*MakeOptimizer(c.optimizer)));
+std::unique_ptr<TrainingEngine> MakeEngine(const ServerConfig& c) {
+  auto e = std::make_unique<TrainingEngine>(c, std::move(*MakeOptimizer(c.optimizer)));
   e->PushInitTokens(c.resolved_init_tokens);
   return e;
 }
 
-void Create(SyncEngine& e, const std::string& name, Shape shape) {
+void Create(TrainingEngine& e, const std::string& name, Shape shape) {
   VariableDef d;
   d.name = name;
   d.shape = std::move(shape);
@@ -95,7 +96,7 @@ TEST_CASE("a restore takes each variable's lock before the engine's: a push in f
   // Heap state shared with the threads: if the lock order were reversed, they would deadlock and
   // the test reports it and exits without unwinding them.
   struct State {
-    std::unique_ptr<SyncEngine> engine;
+    std::unique_ptr<TrainingEngine> engine;
     std::promise<void> in_apply, resume, restored;
     std::thread pusher;
     Status restore_status, push_status;

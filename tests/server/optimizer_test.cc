@@ -1,6 +1,6 @@
 // Every optimizer against a reference computed independently here, element by element in double
 // precision from the TF/PyTorch formulas, for several steps, float32 and float64.
-#include "optimizer/optimizer.h"
+#include "core/optimizer.h"
 
 #include <catch2/catch.hpp>
 #include <cmath>

@@ -1,5 +1,5 @@
 // TF SparseConditionalAccumulator cases (tf_semantics.md section 2).
-#include "sync/sparse_accumulator.h"
+#include "core/sparse_accumulator.h"
 
 #include <catch2/catch.hpp>
 

@@ -3,7 +3,8 @@
 #include <catch2/catch.hpp>
 #include <memory>
 
-#include "sync/sync_engine.h"
+#include "config.h"
+#include "core/training_engine.h"
 
 using namespace psd;
 using namespace psd::server;
@@ -16,7 +17,7 @@ struct SparseEngine {
     c.replicas_to_aggregate = 2;  // a gradient stays accumulated until a second one arrives
     c.total_replicas = 2;
     REQUIRE(c.Validate().ok());
-    engine = std::make_unique<SyncEngine>(c, std::move(*MakeOptimizer(c.optimizer)));
+    engine = std::make_unique<TrainingEngine>(c, std::move(*MakeOptimizer(c.optimizer)));
     VariableDef d;
     d.name = "emb";
     d.shape = {4, 2};
@@ -35,7 +36,7 @@ struct SparseEngine {
               dense_shape};
     return engine->Push(0, {g}, &out);
   }
-  std::unique_ptr<SyncEngine> engine;
+  std::unique_ptr<TrainingEngine> engine;
 };
 
 }  // namespace

@@ -1,4 +1,4 @@
-#include "sync/token_queue.h"
+#include "core/token_queue.h"
 
 #include <catch2/catch.hpp>
 #include <vector>

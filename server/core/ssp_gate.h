@@ -4,8 +4,8 @@
 // slowest catches up. Finished or disconnected workers do not hold anyone back.
 //
 // Thread-safety: one internal mutex; callbacks run outside it, on the thread that released them.
-#ifndef PSD_SERVER_SYNC_SSP_GATE_H_
-#define PSD_SERVER_SYNC_SSP_GATE_H_
+#ifndef PSD_SERVER_CORE_SSP_GATE_H_
+#define PSD_SERVER_CORE_SSP_GATE_H_
 
 #include <cstdint>
 #include <functional>
@@ -14,7 +14,7 @@
 #include <mutex>
 
 #include "psd/status.h"
-#include "sync/parked_waits.h"
+#include "core/parked_waits.h"
 
 namespace psd::server {
 
@@ -52,4 +52,4 @@ class SspGate {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_SYNC_SSP_GATE_H_
+#endif  // PSD_SERVER_CORE_SSP_GATE_H_

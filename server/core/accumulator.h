@@ -1,5 +1,5 @@
 // DenseAccumulator: TensorFlow's ConditionalAccumulator semantics for one variable
-// (shared/reference/tf_semantics.md section 1), without the blocking: the SyncEngine decides
+// (shared/reference/tf_semantics.md section 1), without the blocking: the TrainingEngine decides
 // when to take.
 //
 //   apply: stale iff local_step < step(); stale gradients are dropped (counter unchanged).
@@ -11,16 +11,16 @@
 // Deliberate deviation from TF: shape/dtype/size are validated even for stale gradients, so a
 // malformed push always gets an error.
 //
-// Thread-safety: none; the owner serializes all calls (SyncEngine: the variable's mutex).
-#ifndef PSD_SERVER_SYNC_ACCUMULATOR_H_
-#define PSD_SERVER_SYNC_ACCUMULATOR_H_
+// Thread-safety: none; the owner serializes all calls (TrainingEngine: the variable's mutex).
+#ifndef PSD_SERVER_CORE_ACCUMULATOR_H_
+#define PSD_SERVER_CORE_ACCUMULATOR_H_
 
 #include <cstdint>
 
-#include "config.h"
+#include "core/training_config.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
-#include "sync/buffer.h"
+#include "core/buffer.h"
 
 namespace psd::server {
 
@@ -79,4 +79,4 @@ class DenseAccumulator {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_SYNC_ACCUMULATOR_H_
+#endif  // PSD_SERVER_CORE_ACCUMULATOR_H_

@@ -1,4 +1,4 @@
-#include "sync/ssp_gate.h"
+#include "core/ssp_gate.h"
 
 #include <algorithm>
 #include <vector>

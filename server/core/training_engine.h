@@ -1,8 +1,8 @@
-// SyncEngine: the daemon-side training state and its update rules. It owns the variables, their
+// TrainingEngine: the daemon-side training state and its update rules. It owns the variables, their
 // accumulators, optimizer slots and moving averages, the global step and the token queue, and
 // runs what TF called the chief queue runner — so no worker has to.
 //
-// Modes (ServerConfig::mode):
+// Modes (TrainingConfig::mode):
 //  - sync (TF SyncReplicasOptimizer, tf_semantics.md 3.2): every trainable variable's
 //    accumulator reaches `required_replicas()` fresh gradients and is taken (its step += 1; MEAN
 //    over the count actually accumulated) -> the optimizer writes the variable's next value into
@@ -28,8 +28,8 @@
 //     slots and pending rows, the global step and the step's bookkeeping.
 //   - Published values are immutable shared buffers: a pull reply holds a reference while it is
 //     being written; no apply writes into a buffer a reader may hold.
-#ifndef PSD_SERVER_SYNC_SYNC_ENGINE_H_
-#define PSD_SERVER_SYNC_SYNC_ENGINE_H_
+#ifndef PSD_SERVER_CORE_TRAINING_ENGINE_H_
+#define PSD_SERVER_CORE_TRAINING_ENGINE_H_
 
 #include <atomic>
 #include <chrono>
@@ -42,15 +42,15 @@
 #include <string_view>
 #include <vector>
 
-#include "checkpoint/checkpoint.h"
-#include "cluster/placement.h"
-#include "config.h"
-#include "optimizer/optimizer.h"
+#include "core/snapshot.h"
+#include "core/var_placement.h"
+#include "core/training_config.h"
+#include "core/optimizer.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
-#include "sync/buffer.h"
-#include "sync/thread_pool.h"
-#include "sync/token_queue.h"
+#include "core/buffer.h"
+#include "core/thread_pool.h"
+#include "core/token_queue.h"
 
 namespace psd::server {
 
@@ -169,12 +169,12 @@ struct EngineStats {
 // Names: 1..256 characters from [A-Za-z0-9_./:-].
 Status ValidateName(std::string_view name);
 
-class SyncEngine {
+class TrainingEngine {
  public:
-  SyncEngine(const ServerConfig& config, std::unique_ptr<Optimizer> optimizer);
-  ~SyncEngine();
-  SyncEngine(const SyncEngine&) = delete;
-  SyncEngine& operator=(const SyncEngine&) = delete;
+  TrainingEngine(const TrainingConfig& config, std::unique_ptr<Optimizer> optimizer);
+  ~TrainingEngine();
+  TrainingEngine(const TrainingEngine&) = delete;
+  TrainingEngine& operator=(const TrainingEngine&) = delete;
 
   // Pushes the init tokens (carrying the current global step). Call once at job start.
   void PushInitTokens(int count);
@@ -251,7 +251,7 @@ class SyncEngine {
   void set_epoch(uint64_t epoch) { epoch_ = epoch; }
   TokenQueue& tokens() { return tokens_; }
   const Optimizer& optimizer() const { return *optimizer_; }
-  const ServerConfig& config() const { return config_; }
+  const TrainingConfig& config() const { return config_; }
   EngineStats Stats() const;
 
   // Cluster (the chief decides when a step commits). With a gate set, the engine does not commit
@@ -316,7 +316,7 @@ class SyncEngine {
   // mu_ held: applies `op` with `value` (host bytes of v's dtype and shape) to v's value.
   void ApplyUpdateLocked(Variable* v, UpdateOp op, const void* value, double factor);
 
-  const ServerConfig config_;
+  const TrainingConfig config_;
   std::unique_ptr<Optimizer> optimizer_;
   std::map<std::string, std::unique_ptr<Optimizer>> per_variable_optimizers_;  // guarded by mu_
   ThreadPool pool_;
@@ -354,4 +354,4 @@ class SyncEngine {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_SYNC_SYNC_ENGINE_H_
+#endif  // PSD_SERVER_CORE_TRAINING_ENGINE_H_

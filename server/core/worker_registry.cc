@@ -1,4 +1,4 @@
-#include "sync/worker_registry.h"
+#include "core/worker_registry.h"
 
 #include <spdlog/spdlog.h>
 

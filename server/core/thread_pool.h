@@ -2,8 +2,8 @@
 // variable's update uses every core instead of one I/O thread.
 //
 // Thread-safety: ParallelFor may be called from any thread; calls are independent.
-#ifndef PSD_SERVER_SYNC_THREAD_POOL_H_
-#define PSD_SERVER_SYNC_THREAD_POOL_H_
+#ifndef PSD_SERVER_CORE_THREAD_POOL_H_
+#define PSD_SERVER_CORE_THREAD_POOL_H_
 
 #include <condition_variable>
 #include <cstdint>
@@ -38,4 +38,4 @@ class ThreadPool {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_SYNC_THREAD_POOL_H_
+#endif  // PSD_SERVER_CORE_THREAD_POOL_H_

@@ -5,8 +5,8 @@
 // Thread-safety: all methods may be called from any thread; one internal mutex. Callbacks run
 // outside the lock, on the thread that delivered the token (Push, Close, Cancel) — they must be
 // cheap (post to an executor).
-#ifndef PSD_SERVER_SYNC_TOKEN_QUEUE_H_
-#define PSD_SERVER_SYNC_TOKEN_QUEUE_H_
+#ifndef PSD_SERVER_CORE_TOKEN_QUEUE_H_
+#define PSD_SERVER_CORE_TOKEN_QUEUE_H_
 
 #include <cstdint>
 #include <deque>
@@ -15,7 +15,7 @@
 #include <mutex>
 
 #include "psd/status.h"
-#include "sync/parked_waits.h"
+#include "core/parked_waits.h"
 
 namespace psd::server {
 
@@ -56,4 +56,4 @@ class TokenQueue {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_SYNC_TOKEN_QUEUE_H_
+#endif  // PSD_SERVER_CORE_TOKEN_QUEUE_H_

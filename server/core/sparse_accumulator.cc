@@ -1,8 +1,8 @@
-#include "sync/sparse_accumulator.h"
+#include "core/sparse_accumulator.h"
 
 #include <cstring>
 
-#include "sync/accumulator.h"
+#include "core/accumulator.h"
 
 namespace psd::server {
 

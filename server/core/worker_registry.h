@@ -21,8 +21,8 @@
 // When every known worker has finished (or is lost, with at least one finished), training is over.
 //
 // Thread-safety: all methods lock one internal mutex.
-#ifndef PSD_SERVER_SYNC_WORKER_REGISTRY_H_
-#define PSD_SERVER_SYNC_WORKER_REGISTRY_H_
+#ifndef PSD_SERVER_CORE_WORKER_REGISTRY_H_
+#define PSD_SERVER_CORE_WORKER_REGISTRY_H_
 
 #include <cstdint>
 #include <mutex>
@@ -101,4 +101,4 @@ class WorkerRegistry {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_SYNC_WORKER_REGISTRY_H_
+#endif  // PSD_SERVER_CORE_WORKER_REGISTRY_H_

@@ -1,8 +1,8 @@
 // Buffer: a word-aligned, zero-padded byte buffer for tensor values, accumulators and slots.
 // Word alignment and zeroed padding let pull replies reference the bytes in place
 // (capnp referenceExternalData). Not thread-safe; owners say who guards it.
-#ifndef PSD_SERVER_SYNC_BUFFER_H_
-#define PSD_SERVER_SYNC_BUFFER_H_
+#ifndef PSD_SERVER_CORE_BUFFER_H_
+#define PSD_SERVER_CORE_BUFFER_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -45,4 +45,4 @@ class Buffer {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_SYNC_BUFFER_H_
+#endif  // PSD_SERVER_CORE_BUFFER_H_

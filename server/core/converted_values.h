@@ -7,8 +7,8 @@
 //
 // Thread-safety: Get may be called from any thread; `mu_` guards the map, each entry's own mutex
 // its conversion (different values convert in parallel, one value converts once).
-#ifndef PSD_SERVER_NET_CONVERTED_VALUES_H_
-#define PSD_SERVER_NET_CONVERTED_VALUES_H_
+#ifndef PSD_SERVER_CORE_CONVERTED_VALUES_H_
+#define PSD_SERVER_CORE_CONVERTED_VALUES_H_
 
 #include <cstddef>
 #include <map>
@@ -19,7 +19,7 @@
 #include <utility>
 
 #include "psd/tensor.h"
-#include "sync/buffer.h"
+#include "core/buffer.h"
 
 namespace psd::server {
 
@@ -42,4 +42,4 @@ class ConvertedValues {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_NET_CONVERTED_VALUES_H_
+#endif  // PSD_SERVER_CORE_CONVERTED_VALUES_H_

@@ -1,4 +1,4 @@
-#include "optimizer/optimizer.h"
+#include "core/optimizer.h"
 
 #include <cmath>
 

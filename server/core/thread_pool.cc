@@ -1,4 +1,4 @@
-#include "sync/thread_pool.h"
+#include "core/thread_pool.h"
 
 #include <algorithm>
 #include <atomic>

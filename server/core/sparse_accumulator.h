@@ -9,14 +9,14 @@
 //   hold unsorted or duplicated indices coalesce them first (psclient does).
 //
 // Thread-safety: none; the owner serializes all calls.
-#ifndef PSD_SERVER_SYNC_SPARSE_ACCUMULATOR_H_
-#define PSD_SERVER_SYNC_SPARSE_ACCUMULATOR_H_
+#ifndef PSD_SERVER_CORE_SPARSE_ACCUMULATOR_H_
+#define PSD_SERVER_CORE_SPARSE_ACCUMULATOR_H_
 
 #include <cstdint>
 #include <optional>
 #include <vector>
 
-#include "config.h"
+#include "core/training_config.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
 
@@ -82,4 +82,4 @@ class SparseAccumulator {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_SYNC_SPARSE_ACCUMULATOR_H_
+#endif  // PSD_SERVER_CORE_SPARSE_ACCUMULATOR_H_

@@ -2,8 +2,8 @@
 // cancellation, FIFO order, and a closed state that fails present and future waits.
 //
 // Thread-safety: none; the owner guards it with its own lock and runs callbacks outside it.
-#ifndef PSD_SERVER_SYNC_PARKED_WAITS_H_
-#define PSD_SERVER_SYNC_PARKED_WAITS_H_
+#ifndef PSD_SERVER_CORE_PARKED_WAITS_H_
+#define PSD_SERVER_CORE_PARKED_WAITS_H_
 
 #include <cstdint>
 #include <functional>
@@ -73,4 +73,4 @@ class ParkedWaits {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_SYNC_PARKED_WAITS_H_
+#endif  // PSD_SERVER_CORE_PARKED_WAITS_H_

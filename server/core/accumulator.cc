@@ -1,4 +1,4 @@
-#include "sync/accumulator.h"
+#include "core/accumulator.h"
 
 #include <cstring>
 

@@ -6,8 +6,8 @@
 //
 // Thread-safety: Apply/ApplySparse may run concurrently for different variables. Hyper-parameters
 // are immutable after construction except the learning rate, which the engine passes per call.
-#ifndef PSD_SERVER_OPTIMIZER_OPTIMIZER_H_
-#define PSD_SERVER_OPTIMIZER_OPTIMIZER_H_
+#ifndef PSD_SERVER_CORE_OPTIMIZER_H_
+#define PSD_SERVER_CORE_OPTIMIZER_H_
 
 #include <memory>
 #include <string>
@@ -15,7 +15,7 @@
 
 #include "psd/status.h"
 #include "psd/tensor.h"
-#include "sync/buffer.h"
+#include "core/buffer.h"
 
 namespace psd::server {
 
@@ -100,4 +100,4 @@ Result<std::unique_ptr<Optimizer>> MakeOptimizer(const OptimizerParams& params);
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_OPTIMIZER_OPTIMIZER_H_
+#endif  // PSD_SERVER_CORE_OPTIMIZER_H_

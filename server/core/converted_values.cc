@@ -1,4 +1,4 @@
-#include "net/converted_values.h"
+#include "core/converted_values.h"
 
 #include "psd/half.h"
 

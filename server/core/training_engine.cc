@@ -1,4 +1,4 @@
-#include "sync/sync_engine.h"
+#include "core/training_engine.h"
 
 #include <spdlog/spdlog.h>
 
@@ -10,8 +10,8 @@
 #include <deque>
 
 #include "psd/half.h"
-#include "sync/accumulator.h"
-#include "sync/sparse_accumulator.h"
+#include "core/accumulator.h"
+#include "core/sparse_accumulator.h"
 
 namespace psd::server {
 namespace {
@@ -108,7 +108,7 @@ struct Round {
   std::vector<Waiter> waiters;
 };
 
-struct SyncEngine::Variable {
+struct TrainingEngine::Variable {
   Variable(const VariableDef& def, const Optimizer* optimizer, int64_t step)
       : name(def.name),
         dtype(ComputeDType(def.dtype)),
@@ -162,30 +162,30 @@ struct SyncEngine::Variable {
   std::unique_ptr<DenseAccumulator> dense;    // guarded by mu
   std::unique_ptr<SparseAccumulator> sparse;  // guarded by mu
   int64_t next_take_step;                     // guarded by mu: the step this variable is taken for next
-  std::vector<Buffer> slots;                  // guarded by mu (dense) / SyncEngine::mu_ (sparse)
+  std::vector<Buffer> slots;                  // guarded by mu (dense) / TrainingEngine::mu_ (sparse)
 
-  std::shared_ptr<Buffer> published;    // guarded by SyncEngine::mu_
-  std::shared_ptr<Buffer> staged;       // guarded by SyncEngine::mu_ (dense take result)
-  std::shared_ptr<Buffer> spare;        // guarded by SyncEngine::mu_
-  std::shared_ptr<Buffer> shadow;       // guarded by SyncEngine::mu_ (moving average)
-  bool sparse_pending = false;          // guarded by SyncEngine::mu_
-  std::vector<int64_t> pending_rows;    // guarded by SyncEngine::mu_
-  std::vector<uint8_t> pending_values;  // guarded by SyncEngine::mu_
+  std::shared_ptr<Buffer> published;    // guarded by TrainingEngine::mu_
+  std::shared_ptr<Buffer> staged;       // guarded by TrainingEngine::mu_ (dense take result)
+  std::shared_ptr<Buffer> spare;        // guarded by TrainingEngine::mu_
+  std::shared_ptr<Buffer> shadow;       // guarded by TrainingEngine::mu_ (moving average)
+  bool sparse_pending = false;          // guarded by TrainingEngine::mu_
+  std::vector<int64_t> pending_rows;    // guarded by TrainingEngine::mu_
+  std::vector<uint8_t> pending_values;  // guarded by TrainingEngine::mu_
 
   Round reduce_round;  // guarded by mu
   Round update_round;  // guarded by mu
   // Sync-on-read: each replica's own value (a replica that never wrote has `replica_base`).
-  std::map<uint32_t, std::shared_ptr<Buffer>> replica_values;  // guarded by SyncEngine::mu_
-  std::shared_ptr<Buffer> replica_base;                        // guarded by SyncEngine::mu_
-  std::shared_ptr<Buffer> staged_update;  // guarded by SyncEngine::mu_: published at the next commit
+  std::map<uint32_t, std::shared_ptr<Buffer>> replica_values;  // guarded by TrainingEngine::mu_
+  std::shared_ptr<Buffer> replica_base;                        // guarded by TrainingEngine::mu_
+  std::shared_ptr<Buffer> staged_update;  // guarded by TrainingEngine::mu_: published at the next commit
 
   int64_t acc_step() const { return dense ? dense->step() : sparse ? sparse->step() : next_take_step; }
 };
 
-// The gradient kinds one push claimed (SyncEngine::Push). Claim and Use run with no variable
+// The gradient kinds one push claimed (TrainingEngine::Push). Claim and Use run with no variable
 // lock held / with the variable's lock held respectively; unused claims are released when the
 // push returns, each under its own variable's lock (never two variable locks at once).
-class SyncEngine::KindClaims {
+class TrainingEngine::KindClaims {
  public:
   explicit KindClaims(const std::vector<Variable*>& vars) : vars_(vars), held_(vars.size(), false) {}
   KindClaims(const KindClaims&) = delete;
@@ -242,7 +242,7 @@ Status ValidateName(std::string_view name) {
   return Status::Ok();
 }
 
-SyncEngine::SyncEngine(const ServerConfig& config, std::unique_ptr<Optimizer> optimizer)
+TrainingEngine::TrainingEngine(const TrainingConfig& config, std::unique_ptr<Optimizer> optimizer)
     : config_(config),
       optimizer_(std::move(optimizer)),
       pool_(std::max(0, config.apply_threads - 1)),
@@ -250,18 +250,18 @@ SyncEngine::SyncEngine(const ServerConfig& config, std::unique_ptr<Optimizer> op
       next_lr_(config.optimizer.learning_rate),
       step_lr_(config.optimizer.learning_rate) {}
 
-SyncEngine::~SyncEngine() = default;
+TrainingEngine::~TrainingEngine() = default;
 
-void SyncEngine::PushInitTokens(int count) {
+void TrainingEngine::PushInitTokens(int count) {
   if (count > 0) tokens_.Push(global_step_.load(), count);
 }
 
-SyncEngine::Variable* SyncEngine::FindLocked(std::string_view name) const {
+TrainingEngine::Variable* TrainingEngine::FindLocked(std::string_view name) const {
   auto it = vars_.find(name);
   return it == vars_.end() ? nullptr : it->second.get();
 }
 
-Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
+Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
   PSD_RETURN_IF_ERROR(ValidateName(def.name));
   PSD_RETURN_IF_ERROR(ValidateShape(def.shape, def.dtype, config_.max_frame_bytes));
   const DType compute = ComputeDType(def.dtype);
@@ -357,7 +357,7 @@ Result<VariableDesc> SyncEngine::CreateVariable(const VariableDef& def) {
   return desc;
 }
 
-Status SyncEngine::ValidateGrad(Variable* v, const GradRef& g) const {
+Status TrainingEngine::ValidateGrad(Variable* v, const GradRef& g) const {
   if (g.sparse()) {
     // Once gradients are accumulating TF words the values checks against the accumulated ones.
     bool accumulating = false;
@@ -371,7 +371,7 @@ Status SyncEngine::ValidateGrad(Variable* v, const GradRef& g) const {
   return DenseAccumulator::Check(v->dtype, v->shape, g.dtype, g.shape, g.bytes);
 }
 
-Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out) {
+Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out) {
   std::vector<Variable*> targets;
   targets.reserve(grads.size());
   {
@@ -403,7 +403,7 @@ Status SyncEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, s
   return PushConverted(local_step, *use, targets, out);
 }
 
-Status SyncEngine::PushConverted(int64_t local_step, const std::vector<GradRef>& grads,
+Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradRef>& grads,
                                  const std::vector<Variable*>& targets, std::vector<GradOutcome>* out) {
   // Validate everything before touching any accumulator: a bad push changes nothing. Each
   // variable's gradient kind is claimed while its lock is held (released on every way out).
@@ -479,7 +479,7 @@ Status SyncEngine::PushConverted(int64_t local_step, const std::vector<GradRef>&
   return Status::Ok();
 }
 
-void SyncEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
+void TrainingEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
   auto t0 = std::chrono::steady_clock::now();
   if (args.num_elements <= kParallelApplyElements) {
     opt.Apply(args);
@@ -502,11 +502,11 @@ void SyncEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
   ReportApply(t0);
 }
 
-void SyncEngine::ReportApply(std::chrono::steady_clock::time_point t0) {
+void TrainingEngine::ReportApply(std::chrono::steady_clock::time_point t0) {
   if (on_apply_) on_apply_(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
-bool SyncEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
+bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   if (v->next_take_step != global_step_.load()) return false;  // already taken this step
   if (force) {
     *count = 0;
@@ -549,7 +549,7 @@ bool SyncEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   return true;
 }
 
-void SyncEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step,
+void TrainingEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step,
                                    double lr) {
   if (rows.empty()) return;
   auto t0 = std::chrono::steady_clock::now();
@@ -560,7 +560,7 @@ void SyncEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows
   ReportApply(t0);
 }
 
-void SyncEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
+void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
   if (g.sparse()) {
     std::vector<int64_t> rows(g.indices, g.indices + g.nnz);
     std::lock_guard<std::mutex> lock(mu_);
@@ -581,7 +581,7 @@ void SyncEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, dou
   v->published = std::move(out);
 }
 
-void SyncEngine::OnTaken(int count) {
+void TrainingEngine::OnTaken(int count) {
   std::unique_lock<std::mutex> lock(mu_);
   step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
   step_max_count_ = std::max(step_max_count_, count);
@@ -590,7 +590,7 @@ void SyncEngine::OnTaken(int count) {
   StepReadyLocked(lock, false);
 }
 
-void SyncEngine::StepReadyLocked(std::unique_lock<std::mutex>& lock, bool forced) {
+void TrainingEngine::StepReadyLocked(std::unique_lock<std::mutex>& lock, bool forced) {
   if (!commit_gate_) return CommitLocked(lock, forced);
   if (prepared_) return;
   prepared_ = true;
@@ -601,12 +601,12 @@ void SyncEngine::StepReadyLocked(std::unique_lock<std::mutex>& lock, bool forced
   commit_gate_(step, min, max, takes, forced);
 }
 
-void SyncEngine::ReportIfIdle() {
+void TrainingEngine::ReportIfIdle() {
   std::unique_lock<std::mutex> lock(mu_);
   if (commit_gate_ && !prepared_ && pending_takes_ == 0 && config_.mode == Mode::kSync) StepReadyLocked(lock, false);
 }
 
-Status SyncEngine::CommitPrepared(int64_t step, bool snapshot, double next_lr) {
+Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_lr) {
   // Every variable lock is held while untaken variables are looked for, so no take runs half-way
   // through: a variable created after this shard reported an idle step (the chief may commit
   // before it hears the report withdrawn) skips the step — its accumulated gradients are dropped.
@@ -638,7 +638,7 @@ Status SyncEngine::CommitPrepared(int64_t step, bool snapshot, double next_lr) {
   return Status::Ok();
 }
 
-std::vector<VarPlacement> SyncEngine::Placements(int shard) const {
+std::vector<VarPlacement> TrainingEngine::Placements(int shard) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<VarPlacement> out;
   for (auto& [name, v] : vars_) {
@@ -652,7 +652,7 @@ std::vector<VarPlacement> SyncEngine::Placements(int shard) const {
   return out;
 }
 
-void SyncEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
+void TrainingEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
   int64_t step = global_step_.load() + 1;
   int trainable = 0;
   for (auto& [name, var] : vars_) {
@@ -708,7 +708,7 @@ void SyncEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
   ReportIfIdle();
 }
 
-void SyncEngine::UpdateAverages(int64_t step) {
+void TrainingEngine::UpdateAverages(int64_t step) {
   // TF ExponentialMovingAverage: decay = min(decay, (1 + n) / (10 + n)) with num_updates n.
   double decay = config_.ema_decay;
   if (config_.ema_num_updates) {
@@ -747,7 +747,7 @@ void SyncEngine::UpdateAverages(int64_t step) {
   }
 }
 
-void SyncEngine::ReevaluateAll() {
+void TrainingEngine::ReevaluateAll() {
   if (config_.mode != Mode::kSync) return;
   std::vector<Variable*> all;
   {
@@ -767,7 +767,7 @@ void SyncEngine::ReevaluateAll() {
   }
 }
 
-void SyncEngine::ForceStep(int64_t step) {
+void TrainingEngine::ForceStep(int64_t step) {
   if (config_.mode != Mode::kSync || global_step_.load() != step) return;
   std::vector<Variable*> all;
   {
@@ -797,7 +797,7 @@ void SyncEngine::ForceStep(int64_t step) {
   if (forced > 0) spdlog::info("step {} forced by the step deadline", step + 1);
 }
 
-ShardSnapshot SyncEngine::SnapshotLocked() {
+ShardSnapshot TrainingEngine::SnapshotLocked() {
   ShardSnapshot snap;
   snap.step = global_step_.load();
   snap.learning_rate = next_lr_.load();
@@ -824,7 +824,7 @@ ShardSnapshot SyncEngine::SnapshotLocked() {
   return snap;
 }
 
-std::optional<ShardSnapshot> SyncEngine::SnapshotIfAtBoundary() {
+std::optional<ShardSnapshot> TrainingEngine::SnapshotIfAtBoundary() {
   if (config_.mode != Mode::kSync) {
     // Each variable's slots are updated under its own mutex: hold all of them (in name order,
     // the map's order, so two snapshots cannot deadlock) to copy every slot with its value.
@@ -843,7 +843,7 @@ std::optional<ShardSnapshot> SyncEngine::SnapshotIfAtBoundary() {
   return SnapshotLocked();
 }
 
-void SyncEngine::RequestSnapshot() {
+void TrainingEngine::RequestSnapshot() {
   auto snap = SnapshotIfAtBoundary();
   if (!snap) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -853,7 +853,7 @@ void SyncEngine::RequestSnapshot() {
   if (on_snapshot_) on_snapshot_(std::move(*snap));
 }
 
-Status SyncEngine::Restore(const ShardSnapshot& snap) {
+Status TrainingEngine::Restore(const ShardSnapshot& snap) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!vars_.empty()) return FailedPrecondition("restore needs an empty daemon");
@@ -912,7 +912,7 @@ Status SyncEngine::Restore(const ShardSnapshot& snap) {
   return Status::Ok();
 }
 
-Status SyncEngine::Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out, int64_t* step,
+Status TrainingEngine::Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out, int64_t* step,
                         bool averages) {
   out->clear();
   std::lock_guard<std::mutex> lock(mu_);
@@ -941,7 +941,7 @@ Status SyncEngine::Pull(const std::vector<std::string>& names, std::vector<Pulle
   return Status::Ok();
 }
 
-Result<PulledValue> SyncEngine::PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step) {
+Result<PulledValue> TrainingEngine::PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step) {
   std::lock_guard<std::mutex> lock(mu_);
   Variable* v = FindLocked(name);
   if (v == nullptr) return NotFound("no variable named '" + name + "'");
@@ -967,7 +967,7 @@ Result<PulledValue> SyncEngine::PullRows(const std::string& name, const std::vec
   return PulledValue{std::move(buf), v->dtype, std::move(shape), v->declared};
 }
 
-std::shared_ptr<Buffer> SyncEngine::ReadValueLocked(Variable* v) {
+std::shared_ptr<Buffer> TrainingEngine::ReadValueLocked(Variable* v) {
   if (!v->sync_on_read) return v->published;
   const int n = std::max(1, config_.total_replicas);
   auto out = std::make_shared<Buffer>(v->bytes);
@@ -1015,11 +1015,11 @@ std::shared_ptr<Buffer> Updated(const Buffer& old, DType dtype, int64_t elems, U
 
 }  // namespace
 
-void SyncEngine::ApplyUpdateLocked(Variable* v, UpdateOp op, const void* value, double factor) {
+void TrainingEngine::ApplyUpdateLocked(Variable* v, UpdateOp op, const void* value, double factor) {
   v->published = Updated(*v->published, v->dtype, NumElements(v->shape), op, value, factor);
 }
 
-Status SyncEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values_in, ReduceDone done) {
+Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values_in, ReduceDone done) {
   std::vector<Variable*> targets;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1118,7 +1118,7 @@ Status SyncEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradR
   return Status::Ok();
 }
 
-Status SyncEngine::Update(const UpdateArgs& args, UpdateDone done) {
+Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
   Variable* v = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1237,13 +1237,13 @@ Status SyncEngine::Update(const UpdateArgs& args, UpdateDone done) {
   return Status::Ok();
 }
 
-std::vector<std::string> SyncEngine::SlotNames(const std::string& variable) const {
+std::vector<std::string> TrainingEngine::SlotNames(const std::string& variable) const {
   std::lock_guard<std::mutex> lock(mu_);
   Variable* v = FindLocked(variable);
   return v ? v->opt->SlotNames() : optimizer_->SlotNames();
 }
 
-Result<PulledValue> SyncEngine::GetSlot(const std::string& variable, const std::string& slot) {
+Result<PulledValue> TrainingEngine::GetSlot(const std::string& variable, const std::string& slot) {
   Variable* v = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1262,7 +1262,7 @@ Result<PulledValue> SyncEngine::GetSlot(const std::string& variable, const std::
   return PulledValue{std::move(copy), v->dtype, v->shape, v->declared};
 }
 
-void SyncEngine::SetRequiredReplicas(int required) {
+void TrainingEngine::SetRequiredReplicas(int required) {
   required = std::max(required, 1);
   if (required_.exchange(required) != required) {
     spdlog::info("a step now needs {} fresh gradient(s) per variable", required);
@@ -1270,14 +1270,14 @@ void SyncEngine::SetRequiredReplicas(int required) {
   }
 }
 
-Status SyncEngine::SetLearningRate(double lr) {
+Status TrainingEngine::SetLearningRate(double lr) {
   if (!(lr > 0) || !std::isfinite(lr)) return InvalidArgument("learning rate must be a positive number");
   next_lr_.store(lr);
   spdlog::info("learning rate set to {} from step {}", lr, global_step_.load() + (config_.mode == Mode::kSync ? 2 : 1));
   return Status::Ok();
 }
 
-EngineStats SyncEngine::Stats() const {
+EngineStats TrainingEngine::Stats() const {
   EngineStats s{};
   s.global_step = global_step_.load();
   s.accepted = accepted_.load();

@@ -1,5 +1,6 @@
 // The daemon-side SyncReplicasOptimizer, step by step (tf_semantics.md sections 1 and 3).
-#include "sync/sync_engine.h"
+#include "config.h"
+#include "core/training_engine.h"
 
 #include <catch2/catch.hpp>
 #include <cstring>
@@ -68,7 +69,7 @@ struct Engine {
     return vals[0].value->as<T>()[0];
   }
 
-  SyncEngine engine;
+  TrainingEngine engine;
 };
 
 }  // namespace
