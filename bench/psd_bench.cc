@@ -76,8 +76,8 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
-#include "config.h"
-#include "net/server.h"
+#include "config/server_config.h"
+#include "daemon/server.h"
 #include "core/optimizer.h"
 #include "psclient/client.h"
 #include "psd/half.h"

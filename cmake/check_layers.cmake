@@ -10,10 +10,18 @@
 cmake_policy(SET CMP0057 NEW)
 set(PSD_LAYER_RULES
   "core:core"
-  "checkpoint:checkpoint core")
+  "checkpoint:checkpoint core"
+  "config:config core"
+  "ops:ops"
+  "net:net"
+  "service:service net core config ops cluster")
 # Header prefixes no file of these layers may include (besides other layers' folders).
 set(PSD_LAYER_FORBIDDEN_core "boost/asio;asio;capnp/;kj/;openssl/;wire/;text/;psd.capnp.h")
 set(PSD_LAYER_FORBIDDEN_checkpoint "boost/asio;asio;capnp/;kj/;openssl/;wire/;text/;psd.capnp.h")
+set(PSD_LAYER_FORBIDDEN_config "capnp/;kj/;openssl/;wire/;psd.capnp.h")
+set(PSD_LAYER_FORBIDDEN_ops "capnp/;kj/;psd.capnp.h")
+# The transport reads and writes frames; what they say is the service's.
+set(PSD_LAYER_FORBIDDEN_net "psd.capnp.h")
 
 file(GLOB PSD_ALL_LAYERS LIST_DIRECTORIES true RELATIVE ${SERVER_DIR} ${SERVER_DIR}/*)
 set(errors "")

@@ -13,8 +13,8 @@
 #include <thread>
 #include <tuple>
 
-#include "config.h"
-#include "net/server.h"
+#include "config/server_config.h"
+#include "daemon/server.h"
 #include "ops/sd_listen.h"
 #include "psd/cluster_list.h"
 #include "psd/listen_socket.h"

@@ -9,7 +9,7 @@
 #include "cluster/election.h"
 #include "cluster/peer_auth.h"
 #include "net/byte_stream.h"
-#include "net/server.h"
+#include "daemon/server.h"
 #include "core/training_engine.h"
 
 namespace psd::server {

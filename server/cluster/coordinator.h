@@ -60,7 +60,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "cluster/placement.h"
-#include "config.h"
+#include "config/server_config.h"
 #include "psd.capnp.h"
 #include "psd/status.h"
 #include "wire/asio.h"

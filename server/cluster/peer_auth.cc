@@ -53,20 +53,6 @@ bool Verify(std::string_view secret, Role who, const Transcript& t, std::string_
   return CRYPTO_memcmp(want.data(), proof.data(), kProofBytes) == 0;
 }
 
-Status ValidateClusterSecret(std::string_view secret, std::string_view auth_token) {
-  if (secret.size() < kMinSecretBytes) {
-    return InvalidArgument("--cluster-secret-file holds " + std::to_string(secret.size()) +
-                           " characters; use at least " + std::to_string(kMinSecretBytes) +
-                           " random ones, e.g. `openssl rand -hex 32 > FILE` (the same file on every shard)");
-  }
-  if (!auth_token.empty() && secret == auth_token) {
-    return InvalidArgument(
-        "--cluster-secret-file holds the same secret as --auth-token-file: every worker knows that one and could act "
-        "as a shard; give the shards their own secret (`openssl rand -hex 32 > FILE`)");
-  }
-  return Status::Ok();
-}
-
 int64_t LogLimiter::Allow() {
   int64_t now =
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())

@@ -33,9 +33,6 @@ namespace psd::server::peer_auth {
 
 inline constexpr size_t kNonceBytes = 32;
 inline constexpr size_t kProofBytes = 32;  // SHA-256
-// A cluster secret shorter than this is refused at start (an HMAC over captured nonces can be
-// brute-forced offline when the secret is guessable).
-inline constexpr size_t kMinSecretBytes = 16;
 
 enum class Role { kDialer, kAcceptor };
 
@@ -57,8 +54,6 @@ std::string Proof(std::string_view secret, Role who, const Transcript& t);
 // Whether `proof` is `who`'s proof over `t`, compared in constant time (CRYPTO_memcmp).
 bool Verify(std::string_view secret, Role who, const Transcript& t, std::string_view proof);
 
-// Checks a cluster secret read from --cluster-secret-file: long enough and not the workers' secret.
-Status ValidateClusterSecret(std::string_view secret, std::string_view auth_token);
 
 // Rate limit for security logs fed by the network (spoofing attempts): at most `burst` lines per
 // `period`; Allow() returns how many were suppressed since the last allowed line (>= 0), or -1

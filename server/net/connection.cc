@@ -1,95 +1,23 @@
 #include "net/connection.h"
 
-#include <kj/exception.h>
 #include <spdlog/spdlog.h>
 
-#include "cluster/peer_auth.h"
-#include "net/server.h"
-#include "psd/half.h"
-#include "psd/secret.h"
-
 namespace psd::server {
-namespace {
 
-const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no rows
-
-// Puts a value the engine handed out into a reply tensor as dtype `want`: referenced in place
-// (kept alive by the frame) when it already is, else converted — how half-precision variables
-// leave the daemon, and how a reader asks for another dtype. With `cache` (a published value of
-// `variable`), the conversion is shared by every reader of that value.
-void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared_ptr<const Buffer>& value, DType dtype,
-              const Shape& shape, DType want, ConvertedValues* cache = nullptr, std::string_view variable = {}) {
-  std::shared_ptr<const Buffer> out = value;
-  if (want != dtype && cache != nullptr && !variable.empty()) {
-    out = cache->Get(variable, value, dtype, want);
-  } else if (want != dtype) {
-    size_t n = value->bytes() / DTypeSize(dtype);
-    auto converted = std::make_shared<Buffer>(n * DTypeSize(want), Buffer::Uninitialized{});
-    ConvertElements(value->data(), dtype, converted->data(), want, n);
-    out = std::move(converted);
-  }
-  wire::SetTensor(frame.builder, t, want, shape, out->data(), out->bytes(), /*padded=*/true);
-  frame.keepalive.push_back(std::move(out));
-}
-
-// The dtypes a request asks for, one per name (empty list: each variable's own). Errors name the
-// mismatch; an unknown dtype is INVALID_ARGUMENT.
-Result<std::vector<std::optional<DType>>> WantedDTypes(capnp::List<proto::DType>::Reader in, size_t names) {
-  std::vector<std::optional<DType>> out(names);
-  if (in.size() == 0) return out;
-  if (in.size() != names) {
-    return InvalidArgument("the request names " + std::to_string(names) + " variables but " +
-                           std::to_string(in.size()) + " dtypes");
-  }
-  for (unsigned i = 0; i < in.size(); ++i) {
-    auto d = wire::FromWire(in[i]);
-    if (!d.ok()) return d.status();
-    out[i] = *d;
-  }
-  return out;
-}
-
-// A float dtype a reader may ask a variable of `declared` to be delivered in.
-Status CheckWanted(const std::string& what, DType declared, DType want) {
-  if (ConvertibleDTypes(want, declared)) return Status::Ok();
-  return InvalidArgument(what + " is " + DTypeName(declared) + " and cannot be delivered as " + DTypeName(want) +
-                         " (float32, bfloat16 and float16 convert to one another; float64 only to itself)");
-}
-
-// The dtype to deliver one value in: the request's (has/wire) when set and valid, else `declared`.
-Result<DType> WantedDType(bool has, proto::DType wire_dtype, const std::string& name, DType declared) {
-  if (!has) return declared;
-  auto d = wire::FromWire(wire_dtype);
-  if (!d.ok()) return d.status();
-  PSD_RETURN_IF_ERROR(CheckWanted("variable '" + name + "'", declared, *d));
-  return *d;
-}
-}  // namespace
-
-struct Connection::TokenWait {
-  TokenWait(asio::strand<asio::io_context::executor_type>& strand) : timer(strand) {}
-  asio::steady_timer timer;
-  std::function<bool(const Status&)> cancel;  // removes the parked wait; false if already released
-  bool from_queue = false;                    // a token-queue wait (a delivered token goes back if unused)
-  std::shared_ptr<TrainingEngine> engine;         // whose queue it waits on
-  bool done = false;
-  TokenDone on_done;
-  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
-};
-
-Connection::Connection(Server& server, tcp::socket socket, uint64_t id)
-    : server_(server),
-      stream_(std::move(socket), server.tls_context()),
+Connection::Connection(tcp::socket socket, const ConnectionEnv& env, uint64_t id)
+    : env_(env),
+      stream_(std::move(socket), env.tls),
       strand_(asio::make_strand(static_cast<asio::io_context&>(stream_.get_executor().context()))),
       id_(id),
       frame_timer_(strand_),
       timer_(strand_) {}
 
-void Connection::Start() {
+void Connection::Start(std::shared_ptr<FrameHandler> handler) {
+  handler_ = std::move(handler);
   boost::system::error_code ec;
   stream_.lowest().set_option(tcp::no_delay(true), ec);
   asio::dispatch(strand_, [self = shared_from_this()] {
-    auto hello = std::chrono::milliseconds(self->server_.config().hello_timeout_ms);
+    auto hello = std::chrono::milliseconds(self->env_.hello_timeout_ms);
     self->hello_deadline_ = std::chrono::steady_clock::now() + hello;
     self->ArmTimer(hello);  // bounds the TLS handshake too
     self->stream_.async_handshake(
@@ -110,26 +38,18 @@ void Connection::ArmTimer(std::chrono::steady_clock::duration after) {
   });
 }
 
-bool Connection::Busy() {
-  for (auto it = collectives_.begin(); it != collectives_.end();) {
-    it = (*it)->answered() ? collectives_.erase(it) : std::next(it);
-  }
-  return writing_ || !parked_.empty() || !collectives_.empty();
-}
-
 void Connection::OnTimer() {
   if (closed_) return;
   auto now = std::chrono::steady_clock::now();
-  if (!greeted_) {
+  if (role_ == Role::kNone) {
     if (now < hello_deadline_) return ArmTimer(hello_deadline_ - now);
-    spdlog::warn("connection {}: no hello within --hello-timeout-ms {}; closing it", id_,
-                 server_.config().hello_timeout_ms);
+    spdlog::warn("connection {}: no hello within --hello-timeout-ms {}; closing it", id_, env_.hello_timeout_ms);
     return CloseNow();
   }
-  int64_t idle_s = server_.config().idle_timeout_s;
+  int64_t idle_s = env_.idle_timeout_s;
   if (idle_s <= 0) return;
   auto idle = std::chrono::seconds(idle_s);
-  if (Busy()) last_frame_ = now;  // a parked wait is activity: the idle time counts from its end
+  if (writing_ || handler_->Busy()) last_frame_ = now;  // a parked wait is activity: idle counts from its end
   if (now - last_frame_ < idle) return ArmTimer(last_frame_ + idle - now);
   spdlog::warn("connection {}: idle for --idle-timeout-s {} s; closing it (a client reconnects on its next call)", id_,
                idle_s);
@@ -150,9 +70,10 @@ void Connection::CloseNow() {
   frame_timer_.cancel();
   ReleaseCharge();  // the buffer itself goes with the connection (a cancelled read may still name it)
   stream_.Close();
-  for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
-  if (peer_shard_ >= 0) server_.coordinator()->OnPeerClosed(peer_shard_);
-  server_.OnConnectionClosed(id_);
+  if (handler_) {
+    handler_->OnClosed();
+    handler_.reset();  // it may hold this connection: no cycle outlives the close
+  }
 }
 
 // --- reading ----------------------------------------------------------------------------------
@@ -185,16 +106,16 @@ void Connection::ReadTable(uint32_t segment_count, size_t rest) {
 void Connection::ReadBody(uint32_t segment_count) {
   std::vector<uint32_t> sizes;
   uint64_t total = 0;
-  Status s = wire::ParseSegmentSizes(table_.data(), segment_count, server_.config().max_frame_bytes, &sizes, &total);
+  Status s = wire::ParseSegmentSizes(table_.data(), segment_count, env_.max_frame_bytes, &sizes, &total);
   if (!s.ok()) return FailStream(s);
-  if (!greeted_ && total * sizeof(capnp::word) > kPreHelloFrameBytes) {
+  uint64_t bytes = total * sizeof(capnp::word);
+  if (role_ == Role::kNone && bytes > kPreHelloFrameBytes) {
     // Nothing bigger than a hello is allocated for a peer that has not said who it is.
     return FailStream(ResourceExhausted(
-        "a message of " + std::to_string(total * sizeof(capnp::word)) + " bytes before the hello: psd reads at most " +
+        "a message of " + std::to_string(bytes) + " bytes before the hello: psd reads at most " +
         std::to_string(kPreHelloFrameBytes) + " bytes from a connection until its hello is accepted; say hello first"));
   }
-  uint64_t bytes = total * sizeof(capnp::word);
-  if (greeted_ && !hello_done_ && peer_shard_ < 0 && bytes > kPreHelloFrameBytes) {
+  if (role_ == Role::kObserver && bytes > kPreHelloFrameBytes) {
     return FailStream(ResourceExhausted(
         "a message of " + std::to_string(bytes) + " bytes from an observer: tools' requests are at most " +
         std::to_string(kPreHelloFrameBytes) + " bytes; only workers and shards send bigger ones"));
@@ -204,10 +125,10 @@ void Connection::ReadBody(uint32_t segment_count) {
   // Workers' and shards' frames are charged to the budget. The others (before a hello, or from an
   // observer) are at most kPreHelloFrameBytes each, bounded by --max-connections, and never wait:
   // nobody who has not said hello can hold up a real worker.
-  bool charge = hello_done_ || peer_shard_ >= 0;
+  bool charge = role_ == Role::kWorker || role_ == Role::kShard;
   if (!charge || charged_ >= bytes) return ReadGrantedBody();  // a kept buffer is charged already
   ReleaseBuffer();                                             // a bigger one replaces it: never hold both
-  server_.frame_budget().Acquire(bytes, [self = shared_from_this(), bytes] {
+  env_.budget->Acquire(bytes, [self = shared_from_this(), bytes] {
     asio::post(self->strand_, [self, bytes] {
       self->charged_ = bytes;
       if (self->closed_) return self->ReleaseBuffer();
@@ -220,12 +141,12 @@ void Connection::ReadGrantedBody() {
   capnp::word* body = in_.Prepare(body_sizes_, body_words_);
   uint64_t gen = ++body_gen_;
   reading_body_ = true;
-  frame_timer_.expires_after(std::chrono::milliseconds(server_.config().frame_timeout_ms));
+  frame_timer_.expires_after(std::chrono::milliseconds(env_.frame_timeout_ms));
   frame_timer_.async_wait([self = shared_from_this(), gen](boost::system::error_code ec) {
     if (ec || self->closed_ || !self->reading_body_ || gen != self->body_gen_) return;
     spdlog::warn("connection {}: a frame of {} bytes did not arrive within --frame-timeout-ms {}; closing it",
-                 self->id_, self->body_words_ * sizeof(capnp::word), self->server_.config().frame_timeout_ms);
-    self->server_.metrics().OnFrameTimeout();
+                 self->id_, self->body_words_ * sizeof(capnp::word), self->env_.frame_timeout_ms);
+    if (self->env_.on_frame_timeout) self->env_.on_frame_timeout();
     self->CloseNow();
   });
   asio::async_read(stream_, asio::buffer(body, body_words_ * sizeof(capnp::word)),
@@ -233,11 +154,11 @@ void Connection::ReadGrantedBody() {
                      self->reading_body_ = false;
                      self->frame_timer_.cancel();
                      if (ec) return self->CloseNow();
-                     self->server_.metrics().OnBytesIn(n + self->table_.size() * 4 + 4);
+                     if (self->env_.on_bytes_in) self->env_.on_bytes_in(n + self->table_.size() * 4 + 4);
                      self->last_frame_ = std::chrono::steady_clock::now();
-                     self->OnFrame();
+                     if (self->handler_) self->handler_->OnFrame(self->in_);
                      self->in_.MaybeRelease(16u << 20);
-                     if (self->in_.capacity_bytes() == 0 || self->server_.frame_budget().waiting() > 0) {
+                     if (self->in_.capacity_bytes() == 0 || self->env_.budget->waiting() > 0) {
                        self->ReleaseBuffer();  // others wait: a buffer kept for reuse must not hold them up
                      }
                      self->ReadHeader();
@@ -253,866 +174,29 @@ void Connection::ReleaseCharge() {
   if (charged_ == 0) return;
   uint64_t bytes = charged_;
   charged_ = 0;
-  server_.frame_budget().Release(bytes);
+  env_.budget->Release(bytes);
 }
 
-void Connection::FailStream(const Status& status, uint64_t id) {
+void Connection::FailStream(const Status& status) {
   spdlog::warn("connection {}: {}; closing it", id_, status.ToString());
-  SendError(id, status);
-  closing_ = true;
-  if (!writing_) CloseNow();
-}
-
-void Connection::OnFrame() {
-  uint64_t id = 0;
-  try {
-    auto reader = in_.Reader();
-    auto req = reader->getRoot<proto::Request>();
-    id = req.getId();
-    Dispatch(req);
-  } catch (const kj::Exception& e) {
-    SendError(id, InvalidArgument(std::string("malformed request: ") + e.getDescription().cStr()));
-  } catch (const std::bad_alloc&) {
-    SendError(id, ResourceExhausted("out of memory while handling the request"));
-  }
-}
-
-// --- dispatch ---------------------------------------------------------------------------------
-
-void Connection::Dispatch(proto::Request::Reader req) {
-  uint64_t id = req.getId();
-  auto which = req.which();
-  if (which == proto::Request::HELLO) return HandleHello(id, req.getHello());
-  if (which == proto::Request::PEER_PROOF) return HandlePeerProof(id, req.getPeerProof());
-  if (!authenticated_ && !server_.config().auth_token.empty()) {
-    return SendError(id, Unauthenticated("say hello with the auth token first"));
-  }
-  if (!greeted_) return SendError(id, FailedPrecondition("say hello first (as a worker, an observer or a peer)"));
-  if (which == proto::Request::PEER) {
-    // Only a shard's (proven) peer link carries peer messages, and only in its own name.
-    if (peer_shard_ < 0) {
-      LogSpoof("sent a peer message on a worker or observer connection");
-      return FailStream(FailedPrecondition("peer messages travel only on a shard's peer link; closing"), id);
-    }
-    auto msg = req.getPeer();
-    if (msg.getFrom() != static_cast<uint32_t>(peer_shard_)) {
-      LogSpoof("(the link of shard " + std::to_string(peer_shard_) + ") sent a peer message as shard " +
-               std::to_string(msg.getFrom()));
-      return FailStream(InvalidArgument("a peer message's sender must be the link's shard; closing"), id);
-    }
-    // Never answered: peers' messages are one-way.
-    return server_.coordinator()->OnPeerMessage(peer_shard_, msg);
-  }
-  if (which == proto::Request::STATUS) return HandleStatus(id);
-  if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);              // an operator's request
-  if (which == proto::Request::RECOVER) return HandleRecover(id, req.getRecover());  // an operator's too
-  if (which == proto::Request::GET_PLACEMENT) return HandleGetPlacement(id);         // operators too
-  if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
-  server_.metrics().OnWorkerRequest(worker_index_);
-  if (which != proto::Request::FINISH || server_.coordinator() == nullptr) {
-    // Restoring a checkpoint or a cluster not formed: retry later (a cluster's worker may still
-    // declare itself finished).
-    Status serving = server_.Serving();
-    if (!serving.ok()) return SendError(id, serving);
-  }
-  switch (which) {
-    case proto::Request::CREATE_VARIABLE:
-      return HandleCreate(id, req.getCreateVariable());
-    case proto::Request::PULL:
-      return HandlePull(id, req.getPull());
-    case proto::Request::PUSH:
-      return HandlePush(id, req.getPush());
-    case proto::Request::WAIT_TOKEN:
-      return HandleWaitToken(id, req.getWaitToken());
-    case proto::Request::FINISH:
-      return HandleFinish(id);
-    case proto::Request::GET_SLOT:
-      return HandleGetSlot(id, req.getGetSlot());
-    case proto::Request::PULL_ROWS:
-      return HandlePullRows(id, req.getPullRows());
-    case proto::Request::SET_LEARNING_RATE:
-      return HandleSetLearningRate(id, req.getSetLearningRate());
-    case proto::Request::CHECKPOINT:
-      return HandleCheckpoint(id);
-    case proto::Request::PLACE:
-      return HandlePlace(id, req.getPlace());
-    case proto::Request::REDUCE:
-      return HandleReduce(id, req.getReduce());
-    case proto::Request::UPDATE:
-      return HandleUpdate(id, req.getUpdate());
-    default:
-      return SendError(id, Unimplemented("unknown request type " + std::to_string(static_cast<int>(which))));
-  }
-}
-
-namespace {
-
-void FillConfig(proto::JobConfig::Builder c, const ServerConfig& cfg, const TrainingEngine& engine) {
-  const Optimizer& opt = engine.optimizer();
-  c.setReplicasToAggregate(cfg.replicas_to_aggregate);
-  c.setTotalReplicas(cfg.total_replicas);
-  c.setTokensPerStep(cfg.tokens_per_step);
-  c.setInitTokens(cfg.resolved_init_tokens);
-  c.setOptimizer(opt.name());
-  c.setLearningRate(engine.learning_rate());
-  c.setMode(ModeName(cfg.mode));
-  c.setStalenessBound(cfg.staleness_bound);
-  c.setSoftSyncFraction(cfg.soft_sync_fraction);
-  c.setStepDeadlineMs(cfg.step_deadline_ms);
-  c.setEmaDecay(cfg.ema_decay);
-  c.setReduction(cfg.reduction == Reduction::kSum ? proto::Reduction::SUM : proto::Reduction::MEAN);
-  auto slots = opt.SlotNames();
-  auto list = c.initSlotNames(static_cast<unsigned>(slots.size()));
-  for (size_t i = 0; i < slots.size(); ++i) list.set(static_cast<unsigned>(i), slots[i]);
-}
-
-}  // namespace
-
-void Connection::HandleHello(uint64_t id, proto::Hello::Reader r) {
-  if (r.getProtocolVersion() != proto::PROTOCOL_VERSION) {
-    return SendError(id, FailedPrecondition("protocol version " + std::to_string(r.getProtocolVersion()) +
-                                            " is not supported; this psd speaks version " +
-                                            std::to_string(proto::PROTOCOL_VERSION)));
-  }
-  const std::string& want = server_.config().auth_token;
-  if (!want.empty() && !SecretsEqual(want, std::string_view(r.getAuthToken().cStr(), r.getAuthToken().size()))) {
-    return FailStream(Unauthenticated("wrong or missing auth token (psd runs with --auth-token-file)"), id);
-  }
-  authenticated_ = true;
-  // A connection has one identity: a shard's link never becomes a worker's, nor the reverse.
-  if ((greeted_ || peer_claim_ >= 0) && (r.getPeer() || peer_shard_ >= 0 || peer_claim_ >= 0)) {
-    if (r.getPeer()) LogSpoof("sent a second hello as a peer");
-    return FailStream(FailedPrecondition("this connection already said hello; open a new one"), id);
-  }
-  if (r.getPeer()) return HandlePeerHello(id, r);
-  if (r.getObserver()) {
-    greeted_ = true;
-    proto::Response::Builder resp(nullptr);
-    auto frame = NewReply(id, &resp);
-    auto h = resp.initHello();
-    h.setProtocolVersion(proto::PROTOCOL_VERSION);
-    h.setGlobalStep(server_.engine()->global_step());
-    FillConfig(h.initConfig(), server_.config(), *server_.engine());
-    FillCluster(h, server_.engine()->epoch());
-    h.setMaxFrameBytes(server_.config().max_frame_bytes);
-    return Send(std::move(frame));
-  }
-  std::string name = r.getWorkerName();
-  Status s = ValidateName(name);
-  if (!s.ok()) return SendError(id, InvalidArgument("worker name: " + s.message()));
-  if (server_.coordinator() == nullptr) {
-    // A worker joins once the restore is done, so its hello carries the restored step (the
-    // client asks again until connect_timeout_ms). A cluster's client waits for the formation.
-    Status serving = server_.Serving();
-    if (!serving.ok()) {
-      // psd asked for the retry: the hello deadline starts again.
-      hello_deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(server_.config().hello_timeout_ms);
-      return SendError(id, serving);
-    }
-  }
-  auto index = server_.OnHello(id_, name, r.getIncarnation());
-  if (!index.ok()) return FailStream(index.status(), id);
-  worker_index_ = *index;
-  hello_done_ = true;
-  greeted_ = true;
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  auto h = resp.initHello();
-  h.setProtocolVersion(proto::PROTOCOL_VERSION);
-  h.setIsChief(server_.workers().IsChief(id_));
-  h.setGlobalStep(server_.engine()->global_step());
-  h.setWorkerId(*index);
-  FillConfig(h.initConfig(), server_.config(), *server_.engine());
-  FillCluster(h, server_.engine()->epoch());
-  h.setMaxFrameBytes(server_.config().max_frame_bytes);
-  spdlog::info("worker '{}' (incarnation {}) connected as #{}{}", name, r.getIncarnation(), *index,
-               h.getIsChief() ? ", chief" : "");
-  Send(std::move(frame));
-}
-
-void Connection::LogSpoof(const std::string& what) {
-  int64_t suppressed = server_.spoof_log().Allow();
-  if (suppressed < 0) return;
-  boost::system::error_code ec;
-  auto remote = stream_.lowest().remote_endpoint(ec);
-  spdlog::warn("connection {} from {}: {}; refused{}", id_, ec ? std::string("?") : remote.address().to_string(), what,
-               suppressed > 0 ? fmt::format(" ({} similar lines suppressed)", suppressed) : "");
-}
-
-peer_auth::Transcript Connection::PendingTranscript() const {
-  const ServerConfig& cfg = server_.config();
-  std::string_view nonces(peer_nonces_);
-  return {static_cast<uint32_t>(cfg.shards()), static_cast<uint32_t>(peer_claim_),
-          static_cast<uint32_t>(cfg.shard_index), nonces.substr(0, peer_auth::kNonceBytes),
-          nonces.substr(peer_auth::kNonceBytes)};
-}
-
-void Connection::HandlePeerHello(uint64_t id, proto::Hello::Reader r) {
-  ClusterCoordinator* c = server_.coordinator();
-  const ServerConfig& cfg = server_.config();
-  if (c == nullptr) return FailStream(FailedPrecondition("this psd is a single daemon, not a cluster shard"), id);
-  int idx = static_cast<int>(r.getShardIndex());
-  if (r.getClusterSize() != static_cast<uint32_t>(cfg.shards()) || r.getShardIndex() >= r.getClusterSize() ||
-      idx == cfg.shard_index) {
-    LogSpoof("said hello as shard " + std::to_string(r.getShardIndex()) + " of " + std::to_string(r.getClusterSize()));
-    return FailStream(
-        InvalidArgument("a peer says it is shard " + std::to_string(idx) + " of " + std::to_string(r.getClusterSize()) +
-                        "; this is shard " + std::to_string(cfg.shard_index) + " of " + std::to_string(cfg.shards()) +
-                        ": check --cluster and --shard-index"),
-        id);
-  }
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  auto h = resp.initHello();
-  h.setProtocolVersion(proto::PROTOCOL_VERSION);
-  if (cfg.cluster_secret.empty()) {
-    // No cluster secret (loopback only, or --insecure): the hello's index is believed, and binds
-    // the link's messages to it.
-    peer_shard_ = idx;
-    greeted_ = true;
-    c->OnPeerHello(idx);
-    return Send(std::move(frame));
-  }
-  auto theirs = r.getPeerNonce();
-  if (theirs.size() != peer_auth::kNonceBytes) {
-    LogSpoof("said hello as shard " + std::to_string(idx) + " without a challenge");
-    return FailStream(Unauthenticated("this shard runs with --cluster-secret-file: a peer must prove it knows the "
-                                      "cluster secret (give every shard the same --cluster-secret-file)"),
-                      id);
-  }
-  auto mine = peer_auth::NewNonce();
-  if (!mine.ok()) return FailStream(mine.status(), id);
-  peer_claim_ = idx;
-  peer_nonces_.assign(reinterpret_cast<const char*>(theirs.begin()), theirs.size());
-  peer_nonces_ += *mine;
-  std::string proof = peer_auth::Proof(cfg.cluster_secret, peer_auth::Role::kAcceptor, PendingTranscript());
-  h.setShardIndex(static_cast<uint32_t>(cfg.shard_index));
-  h.setShards(static_cast<uint32_t>(cfg.shards()));
-  h.setPeerNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine->data()), mine->size()));
-  h.setPeerProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(proof.data()), proof.size()));
-  Send(std::move(frame));
-}
-
-void Connection::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
-  const ServerConfig& cfg = server_.config();
-  if (peer_claim_ < 0 || greeted_ || cfg.cluster_secret.empty()) {
-    LogSpoof("sent a peer proof without a pending challenge");
-    return FailStream(FailedPrecondition("a peer proof answers this shard's challenge to a peer hello; closing"), id);
-  }
-  std::string_view got(reinterpret_cast<const char*>(proof.begin()), proof.size());
-  if (!peer_auth::Verify(cfg.cluster_secret, peer_auth::Role::kDialer, PendingTranscript(), got)) {
-    LogSpoof("failed the cluster-secret proof as shard " + std::to_string(peer_claim_) +
-             " (a wrong --cluster-secret-file, or not a shard)");
-    return FailStream(Unauthenticated("wrong cluster secret: give every shard the same --cluster-secret-file"), id);
-  }
-  peer_shard_ = peer_claim_;
-  peer_claim_ = -1;
-  peer_nonces_.clear();
-  greeted_ = true;
-  server_.coordinator()->OnPeerHello(peer_shard_);
-}
-
-void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
-  auto t = wire::ReadTensor(r.getInitial(), server_.config().max_frame_bytes);
-  if (!t.ok()) return SendError(id, t.status());
-  VariableDef def;
-  def.name = r.getName();
-  def.dtype = t->dtype;
-  def.shape = t->shape;
-  def.trainable = r.getTrainable();
-  def.average = r.getAverage();
-  def.optimizer = r.getOptimizer();
-  auto aggregation = AggregationFromNumber(static_cast<int>(r.getAggregation()));
-  if (!aggregation.ok()) return SendError(id, aggregation.status());
-  def.aggregation = *aggregation;
-  def.sync_on_read = r.getSyncOnRead();
-  if (r.hasPlacement()) {
-    // One part of a cluster variable: it must be the part the placement puts on this shard.
-    const ServerConfig& cfg = server_.config();
-    auto placed = PlacementFromWire(r.getPlacement(), cfg.shards());
-    if (!placed.ok()) return SendError(id, placed.status());
-    size_t part = r.getPart();
-    if (placed->name != def.name || part >= placed->parts.size() || placed->parts[part].shard != cfg.shard_index ||
-        placed->dtype != def.dtype || placed->PartShape(part) != def.shape) {
-      return SendError(id,
-                       InvalidArgument("variable '" + def.name + "': part " + std::to_string(part) +
-                                       " does not match its placement on shard " + std::to_string(cfg.shard_index)));
-    }
-    def.placement = std::move(*placed);
-  }
-  if (t->bytes > 0) {
-    def.initial = t->data;
-    def.initial_bytes = t->bytes;
-  }
-  auto desc = server_.engine()->CreateVariable(def);
-  if (!desc.ok()) return SendError(id, desc.status());
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  auto v = resp.initVariable();
-  v.setName(desc->name);
-  v.setDtype(wire::ToWire(desc->dtype));
-  auto shape = v.initShape(static_cast<unsigned>(desc->shape.size()));
-  for (size_t i = 0; i < desc->shape.size(); ++i) shape.set(static_cast<unsigned>(i), desc->shape[i]);
-  v.setCreated(desc->created);
-  v.setTrainable(desc->trainable);
-  Send(std::move(frame));
-}
-
-Status Connection::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p, const std::vector<std::string>& names,
-                             bool averages, const std::vector<std::optional<DType>>& want) {
-  std::vector<PulledValue> values;
-  int64_t step = 0;
-  auto engine = server_.engine();
-  PSD_RETURN_IF_ERROR(engine->Pull(names, &values, &step, averages));
-  for (size_t i = 0; i < values.size() && i < want.size(); ++i) {
-    if (want[i]) PSD_RETURN_IF_ERROR(CheckWanted("variable '" + names[i] + "'", values[i].declared, *want[i]));
-  }
-  p.setStep(step);
-  p.setClusterEpoch(engine->epoch());
-  auto list = p.initValues(static_cast<unsigned>(values.size()));
-  for (size_t i = 0; i < values.size(); ++i) {
-    const PulledValue& v = values[i];
-    // Zero-copy where no conversion is asked for: the reply references the immutable published buffer.
-    SetValue(frame, list[static_cast<unsigned>(i)], v.value, v.dtype, v.shape,
-             i < want.size() && want[i] ? *want[i] : v.declared, &server_.converted_values(), v.variable);
-  }
-  return Status::Ok();
-}
-
-void Connection::HandlePull(uint64_t id, proto::Pull::Reader r) {
-  std::vector<std::string> names;
-  for (auto n : r.getNames()) names.emplace_back(n);
-  auto want = WantedDTypes(r.getDtypes(), names.size());
-  if (!want.ok()) return SendError(id, want.status());
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  Status s = AddValues(*frame, resp.initPull(), names, r.getAverages(), *want);
-  if (!s.ok()) return SendError(id, s);
-  Send(std::move(frame));
-}
-
-void Connection::HandlePush(uint64_t id, proto::Push::Reader r) {
-  auto grads_in = r.getGrads();
-  if (grads_in.size() == 0) return SendError(id, InvalidArgument("Must supply at least one variable"));
-  auto engine = server_.engine();
-  if (ClusterCoordinator* c = server_.coordinator()) {
-    uint64_t epoch = r.getClusterEpoch();
-    if (epoch != 0 && epoch != engine->epoch()) {
-      return SendError(id, Aborted("gradients computed at cluster epoch " + std::to_string(epoch) +
-                                   "; the cluster restored a checkpoint and runs epoch " +
-                                   std::to_string(engine->epoch()) + ": pull the variables and go on from there"));
-    }
-    if (r.getWaitToken() && !c->is_chief()) {
-      return SendError(id, Unavailable("tokens live on the chief shard " + std::to_string(c->chief()) + "; retry"));
-    }
-  }
-  std::vector<GradRef> grads;
-  grads.reserve(grads_in.size());
-  std::deque<std::vector<int64_t>> index_storage;  // stable addresses for sparse indices
-  for (auto g : grads_in) {
-    auto t = wire::ReadTensor(g.getGrad(), server_.config().max_frame_bytes);
-    if (!t.ok()) return SendError(id, t.status());
-    auto name = g.getName();
-    GradRef ref{std::string_view(name.cStr(), name.size()),
-                t->dtype,
-                std::move(t->shape),
-                t->data,
-                t->bytes,
-                nullptr,
-                0,
-                std::nullopt};
-    if (g.getSparse()) {
-      // Copied out of the message: a peer may encode the list with another element size.
-      auto idx = g.getIndices();
-      index_storage.emplace_back(idx.size());
-      for (unsigned k = 0; k < idx.size(); ++k) index_storage.back()[k] = idx[k];
-      ref.nnz = idx.size();
-      ref.indices = idx.size() ? index_storage.back().data() : &kNoIndex;
-      if (g.getHasDenseShape()) {
-        Shape ds;
-        for (int64_t d : g.getDenseShape()) ds.push_back(d);
-        if (ds.size() > 32) return SendError(id, InvalidArgument("dense_shape rank exceeds 32"));
-        ref.dense_shape = std::move(ds);
-      }
-    }
-    grads.push_back(std::move(ref));
-  }
-  std::vector<std::string> pull_after;
-  for (auto n : r.getPullAfter()) pull_after.emplace_back(n);
-  auto want = WantedDTypes(r.getPullAfterDtypes(), pull_after.size());
-  if (!want.ok()) return SendError(id, want.status());
-  if (!pull_after.empty()) {
-    // Checked before anything is pushed, so the pull after the token cannot fail (variables are
-    // never deleted) and a bad name changes nothing.
-    std::vector<PulledValue> probe;
-    int64_t step = 0;
-    Status known = engine->Pull(pull_after, &probe, &step);
-    for (size_t i = 0; known.ok() && i < probe.size(); ++i) {
-      if ((*want)[i]) known = CheckWanted("variable '" + pull_after[i] + "'", probe[i].declared, *(*want)[i]);
-    }
-    if (!known.ok()) return SendError(id, known);
-  }
-  // A sync push that waits parks its wait before the gradients are applied: when they complete a
-  // step, the step's tokens go to the waiters parked at that moment, this one included, so a fast
-  // worker's next push cannot take the token this worker is owed (two back-to-back waits of
-  // one worker would otherwise leave the other without a token until its wait timed out).
-  struct Pending {
-    bool failed = false;  // the push was refused: the wait answers nothing (a token goes back)
-    std::vector<GradOutcome> outcomes;
-    std::vector<std::string> pull_after;            // the values the reply carries too
-    std::vector<std::optional<DType>> pull_dtypes;  // ... and the dtypes they are asked in
-  };
-  auto pending = std::make_shared<Pending>();
-  pending->pull_after = std::move(pull_after);
-  pending->pull_dtypes = std::move(*want);
-  auto fill = [pending, this, engine](proto::PushReply::Builder p) {
-    const std::vector<GradOutcome>& outcomes = pending->outcomes;
-    auto results = p.initResults(static_cast<unsigned>(outcomes.size()));
-    for (size_t i = 0; i < outcomes.size(); ++i) {
-      results[static_cast<unsigned>(i)].setAccepted(outcomes[i].accepted);
-      results[static_cast<unsigned>(i)].setStep(outcomes[i].step);
-      results[static_cast<unsigned>(i)].setStaleness(outcomes[i].staleness);
-    }
-    p.setIsChief(server_.workers().IsChief(id_));
-    p.setStepGradients(engine->Stats().last_step_gradients);
-    FillCluster(p, engine->epoch());
-  };
-  auto answer = [this, id, engine, pending, fill](const Status& st, int64_t token) {
-    if (pending->failed) {
-      if (st.ok()) engine->tokens().PushFront(token);  // not this worker's: the push was refused
-      return;
-    }
-    proto::Response::Builder resp(nullptr);
-    auto frame = NewReply(id, &resp);
-    auto p = resp.initPush();
-    fill(p);
-    p.setToken(token);
-    p.setTokenCode(wire::ToWire(st.code()));
-    p.setTokenMessage(st.message());
-    if (st.ok() && !pending->pull_after.empty()) {
-      Status pulled = AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes);
-      if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
-    }
-    Send(std::move(frame));
-  };
-  const bool wait_first = r.getWaitToken() && server_.config().mode == Mode::kSync;
-  std::shared_ptr<TokenWait> parked;
-  // The answer runs on this strand, after this handler: the outcomes are in by then.
-  if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer);
-  Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes);
-  if (!s.ok()) {
-    pending->failed = true;
-    if (parked) parked->cancel(Cancelled("the push was refused"));
-    return SendError(id, s);
-  }
-  {
-    int accepted = 0;
-    int64_t staleness = 0;
-    for (const GradOutcome& o : pending->outcomes) {
-      accepted += o.accepted ? 1 : 0;
-      staleness = std::max(staleness, o.staleness);
-    }
-    server_.metrics().OnPush(worker_index_, r.getLocalStep(), accepted,
-                             static_cast<int>(pending->outcomes.size()) - accepted, staleness);
-  }
-  if (wait_first) return;
-  if (r.getWaitToken()) {
-    WaitForToken(r.getTimeoutMs(), answer);
-    return;
-  }
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  auto p = resp.initPush();
-  fill(p);
-  if (!pending->pull_after.empty()) {
-    Status pulled = AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes);
-    if (!pulled.ok()) return SendError(id, pulled);
-  }
-  Send(std::move(frame));
-}
-
-void Connection::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
-  if (ClusterCoordinator* c = server_.coordinator(); c != nullptr && !c->is_chief()) {
-    return SendError(id, Unavailable("tokens live on the chief shard " + std::to_string(c->chief()) + "; retry"));
-  }
-  WaitForToken(r.getTimeoutMs(), [this, id](const Status& st, int64_t token) {
-    if (!st.ok()) return SendError(id, st);
-    proto::Response::Builder resp(nullptr);
-    auto frame = NewReply(id, &resp);
-    auto t = resp.initToken();
-    t.setToken(token);
-    t.setIsChief(server_.workers().IsChief(id_));
-    t.setStepGradients(server_.engine()->Stats().last_step_gradients);
-    Send(std::move(frame));
-  });
-}
-
-void Connection::HandleStatus(uint64_t id) {
-  EngineStats st = server_.engine()->Stats();
-  WorkerCounts wc = server_.workers().Counts();
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  auto s = resp.initStatus();
-  s.setGlobalStep(st.global_step);
-  s.setIsChief(server_.workers().IsChief(id_));
-  s.setTokensQueued(st.tokens_queued);
-  s.setWorkersConnected(wc.connected);
-  s.setWorkersFinished(wc.finished);
-  s.setReplicasRequired(st.required_replicas);
-  s.setAcceptedPushes(st.accepted);
-  s.setStalePushes(st.stale);
-  s.setLastStepGradients(st.last_step_gradients);
-  s.setMaxStaleness(st.max_staleness);
-  s.setLearningRate(server_.engine()->learning_rate());
-  s.setLastCheckpointStep(server_.last_checkpoint_step());
-  FillConfig(s.initConfig(), server_.config(), *server_.engine());
-  FillCluster(s, server_.engine()->epoch());
-  if (ClusterCoordinator* c = server_.coordinator()) {
-    auto v = c->Describe();
-    s.setTerm(v.term);
-    s.setClusterState(v.state);
-    auto missing = s.initMissingShards(static_cast<unsigned>(v.missing.size()));
-    for (size_t i = 0; i < v.missing.size(); ++i)
-      missing.set(static_cast<unsigned>(i), static_cast<uint32_t>(v.missing[i]));
-  } else {
-    Status serving = server_.Serving();
-    s.setClusterState(serving.ok() ? "running" : serving.message());
-  }
-  s.setVersion(kPsdVersion);
-  s.setUptimeS(server_.uptime_s());
-  s.setReady(server_.Serving().ok());
-  auto names = server_.workers().Names();
-  auto list = s.initWorkers(static_cast<unsigned>(names.size()));
-  for (size_t i = 0; i < names.size(); ++i) list.set(static_cast<unsigned>(i), names[i]);
-  Send(std::move(frame));
-}
-
-void Connection::HandleFinish(uint64_t id) {
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  resp.setNone();
-  Send(std::move(frame));
-  server_.OnWorkerFinished(id_);
-}
-
-void Connection::HandleGetSlot(uint64_t id, proto::GetSlot::Reader r) {
-  auto slot = server_.engine()->GetSlot(r.getVariable(), r.getSlot());
-  if (!slot.ok()) return SendError(id, slot.status());
-  auto want = WantedDType(r.getHasDtype(), r.getDtype(), r.getVariable(), slot->declared);
-  if (!want.ok()) return SendError(id, want.status());
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  SetValue(*frame, resp.initSlot(), slot->value, slot->dtype, slot->shape, *want);
-  Send(std::move(frame));
-}
-
-void Connection::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
-  std::vector<int64_t> rows;
-  auto in = r.getRows();
-  rows.reserve(in.size());
-  for (int64_t x : in) rows.push_back(x);
-  int64_t step = 0;
-  auto got = server_.engine()->PullRows(r.getName(), rows, &step);
-  if (!got.ok()) return SendError(id, got.status());
-  auto want = WantedDType(r.getHasDtype(), r.getDtype(), r.getName(), got->declared);
-  if (!want.ok()) return SendError(id, want.status());
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  auto p = resp.initPull();
-  p.setStep(step);
-  SetValue(*frame, p.initValues(1)[0], got->value, got->dtype, got->shape, *want);
-  Send(std::move(frame));
-}
-
-void Connection::HandleCheckpoint(uint64_t id) {
-  Status s = server_.RequestCheckpoint();
-  if (!s.ok()) return SendError(id, s);
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  resp.setNone();
-  Send(std::move(frame));
-}
-
-void Connection::HandleRecover(uint64_t id, proto::Recover::Reader r) {
-  ClusterCoordinator* c = server_.coordinator();
-  if (c == nullptr) {
-    return SendError(id, FailedPrecondition("psd_admin recover is for a cluster whose chief waits for a decision; a "
-                                            "single psd starts from its newest good checkpoint, or empty"));
-  }
-  Status s = c->Recover(r.getStep(), r.getEmpty());
-  if (!s.ok()) return SendError(id, s);
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  resp.setNone();
-  Send(std::move(frame));
-}
-
-void Connection::HandleSetLearningRate(uint64_t id, double lr) {
-  if (ClusterCoordinator* c = server_.coordinator(); c != nullptr && !c->is_chief()) {
-    return SendError(id,
-                     Unavailable("set the learning rate on the chief shard " + std::to_string(c->chief()) + "; retry"));
-  }
-  if (!server_.workers().IsChief(id_)) {
-    return SendError(id, FailedPrecondition("only the chief worker may change the learning rate"));
-  }
-  Status s = server_.engine()->SetLearningRate(lr);
-  if (!s.ok()) return SendError(id, s);
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  resp.setNone();
-  Send(std::move(frame));
-}
-
-template <typename B>
-void Connection::FillCluster(B b, uint64_t engine_epoch) {
-  const ServerConfig& cfg = server_.config();
-  if constexpr (requires { b.setShards(0u); }) {  // push replies carry only the chief and the epoch
-    b.setShardIndex(static_cast<uint32_t>(cfg.shard_index));
-    b.setShards(static_cast<uint32_t>(cfg.shards()));
-  }
-  b.setChiefShard(server_.coordinator() ? server_.coordinator()->chief() : 0);
-  b.setClusterEpoch(engine_epoch);
-}
-
-void Connection::HandlePlace(uint64_t id, proto::Place::Reader r) {
-  ClusterCoordinator* c = server_.coordinator();
-  std::string name = r.getName();
-  Status s = ValidateName(name);
-  if (!s.ok()) return SendError(id, s);
-  auto dtype = wire::FromWire(r.getDtype());
-  if (!dtype.ok()) return SendError(id, dtype.status());
-  Shape shape;
-  for (int64_t d : r.getShape()) shape.push_back(d);
-  s = ValidateShape(shape, *dtype, UINT64_MAX);
-  if (!s.ok()) return SendError(id, s);
-  VarPlacement placed;
-  if (c == nullptr) {
-    placed = {name, *dtype, shape, false, {{0, 0, shape.empty() ? 1 : shape[0]}}, r.getTrainable()};
-  } else {
-    auto p = c->Place(name, *dtype, shape, r.getColocateWith(), r.getTrainable());
-    if (!p.ok()) return SendError(id, p.status());
-    placed = std::move(*p);
-  }
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  PlacementToWire(resp.initPlacement(), placed);
-  Send(std::move(frame));
-}
-
-void Connection::HandleGetPlacement(uint64_t id) {
-  std::vector<VarPlacement> all;
-  std::vector<uint64_t> bytes;
-  Status placed = server_.PlacementMap(&all, &bytes);
-  if (!placed.ok()) return SendError(id, placed);
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  auto m = resp.initPlacementMap();
-  auto list = m.initVariables(static_cast<unsigned>(all.size()));
-  for (size_t i = 0; i < all.size(); ++i) PlacementToWire(list[static_cast<unsigned>(i)], all[i]);
-  auto b = m.initShardBytes(static_cast<unsigned>(bytes.size()));
-  for (size_t i = 0; i < bytes.size(); ++i) b.set(static_cast<unsigned>(i), bytes[i]);
-  Send(std::move(frame));
-}
-
-void Connection::ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply,
-                             std::function<void()> expire) {
-  if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
-  collectives_.insert(reply);  // not idle while it is parked
-  ParkedReply::ArmDeadline(reply, std::chrono::milliseconds(timeout_ms), std::move(expire));
-}
-
-void Connection::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
-  auto engine = server_.engine();
-  std::vector<GradRef> values;
-  for (auto e : r.getEntries()) {
-    auto t = wire::ReadTensor(e.getValue(), server_.config().max_frame_bytes);
-    if (!t.ok()) return SendError(id, t.status());
-    auto name = e.getDestination();
-    values.push_back({std::string_view(name.cStr(), name.size()), t->dtype, std::move(t->shape), t->data, t->bytes});
-  }
-  if (values.empty()) return SendError(id, InvalidArgument("reduce_to needs at least one value"));
-  // The reply is built when every destination's round completed, or at the deadline; whichever
-  // comes first answers, on this connection's strand.
-  auto parked = std::make_shared<ParkedReply>(strand_);
-  int64_t timeout_ms = r.getTimeoutMs();
-  auto self = shared_from_this();
-  auto completed = std::make_shared<std::atomic<bool>>(false);
-  auto reply = [self, id, parked, engine, completed](std::vector<ReduceOutcome> outcomes) {
-    completed->store(true);
-    asio::post(self->strand_, [self, id, parked, engine, outcomes = std::move(outcomes)] {
-      if (!parked->Answer()) return;
-      proto::Response::Builder resp(nullptr);
-      auto frame = self->NewReply(id, &resp);
-      auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
-      for (size_t i = 0; i < outcomes.size(); ++i) {
-        const ReduceOutcome& o = outcomes[i];
-        auto e = list[static_cast<unsigned>(i)];
-        e.setAccepted(o.accepted);
-        e.setStep(o.step);
-        SetValue(*frame, e.initValue(), o.value, o.dtype, o.shape, o.declared);
-      }
-      self->Send(std::move(frame));
-    });
-  };
-  Status s = engine->Reduce(r.getOp() == proto::Reduction::MEAN, r.getLocalStep(), values, std::move(reply));
-  if (!s.ok()) {
-    parked->Answer();
-    return SendError(id, s);
-  }
-  if (completed->load()) return;  // answered already (the last contribution, or all stale)
-  ArmDeadline(timeout_ms, parked, [self, id, timeout_ms, engine] {
-    self->SendError(id,
-                    DeadlineExceeded("reduce_to: not every replica contributed within " + std::to_string(timeout_ms) +
-                                     " ms (a round needs " + std::to_string(engine->required_replicas()) +
-                                     "); this call's values still count"));
-  });
-}
-
-void Connection::HandleUpdate(uint64_t id, proto::Update::Reader r) {
-  auto engine = server_.engine();
-  UpdateArgs a;
-  auto name = r.getVariable();
-  a.name = std::string_view(name.cStr(), name.size());
-  switch (r.getOp()) {
-    case proto::UpdateOp::ASSIGN:
-      a.op = UpdateOp::kAssign;
-      break;
-    case proto::UpdateOp::ASSIGN_ADD:
-      a.op = UpdateOp::kAssignAdd;
-      break;
-    case proto::UpdateOp::ASSIGN_SUB:
-      a.op = UpdateOp::kAssignSub;
-      break;
-    case proto::UpdateOp::SCALE:
-      a.op = UpdateOp::kScale;
-      break;
-    default:
-      return SendError(id, InvalidArgument("unknown update op"));
-  }
-  if (a.op != UpdateOp::kScale) {
-    auto t = wire::ReadTensor(r.getValue(), server_.config().max_frame_bytes);
-    if (!t.ok()) return SendError(id, t.status());
-    a.dtype = t->dtype;
-    a.shape = std::move(t->shape);
-    a.data = t->data;
-    a.bytes = t->bytes;
-  }
-  a.factor = r.getFactor();
-  a.cross_replica = r.getCrossReplica();
-  a.replica = r.getReplica();
-  a.local_step = r.getLocalStep();
-  a.at_next_step = r.getAtNextStep();
-  auto parked = std::make_shared<ParkedReply>(strand_);
-  auto completed = std::make_shared<std::atomic<bool>>(false);
-  auto self = shared_from_this();
-  Status s = engine->Update(a, [self, id, parked, completed](const Status& st, bool applied, int64_t step) {
-    completed->store(true);
-    asio::post(self->strand_, [self, id, parked, st, applied, step] {
-      if (!parked->Answer()) return;
-      if (!st.ok()) return self->SendError(id, st);
-      proto::Response::Builder resp(nullptr);
-      auto frame = self->NewReply(id, &resp);
-      auto u = resp.initUpdate();
-      u.setApplied(applied);
-      u.setStep(step);
-      self->Send(std::move(frame));
-    });
-  });
-  if (!s.ok()) {
-    parked->Answer();
-    return SendError(id, s);
-  }
-  if (completed->load()) return;
-  int64_t timeout_ms = r.getTimeoutMs();
-  ArmDeadline(timeout_ms, parked, [self, id, timeout_ms] {
-    self->SendError(id, DeadlineExceeded("update: not every replica assigned within " + std::to_string(timeout_ms) +
-                                         " ms; this replica's share still counts"));
-  });
-}
-
-// --- token waits ------------------------------------------------------------------------------
-
-std::shared_ptr<Connection::TokenWait> Connection::WaitForToken(int64_t timeout_ms, TokenDone done) {
-  if (timeout_ms <= 0) timeout_ms = server_.config().default_token_timeout_ms;
-  std::shared_ptr<TrainingEngine> engine = server_.engine();
-  Mode mode = server_.config().mode;
-  if (mode == Mode::kAsync) {
-    // No barrier: the "token" is the current global step.
-    done(engine->tokens().closed() ? OutOfRange("training is over: all workers finished") : Status::Ok(),
-         engine->global_step());
-    return nullptr;
-  }
-  auto w = std::make_shared<TokenWait>(strand_);
-  w->on_done = std::move(done);
-  auto self = shared_from_this();
-  auto post = [self, w](Status s, int64_t value) {
-    asio::post(self->strand_, [self, w, s = std::move(s), value] { self->FinishTokenWait(w, s, value); });
-  };
-  uint64_t wid = 0;
-  if (mode == Mode::kSync) {
-    w->from_queue = true;
-    wid = engine->tokens().Wait(post);
-    w->cancel = [engine, wid](const Status& why) { return engine->tokens().Cancel(wid, why); };
-    w->engine = engine;
-  } else {
-    // Bounded staleness: the barrier releases with the current global step once this worker's
-    // clock is within the bound of the slowest live worker.
-    SspGate& gate = server_.ssp();
-    wid = gate.Advance(worker_index_, [post, engine](Status s, int64_t) { post(std::move(s), engine->global_step()); });
-    w->cancel = [&gate, wid](const Status& why) { return gate.Cancel(wid, why); };
-  }
-  if (wid == 0) return nullptr;  // answered at once (the callback is already posted)
-  parked_.insert(w);
-  w->timer.expires_after(std::chrono::milliseconds(timeout_ms));
-  w->timer.async_wait([self, w, timeout_ms](boost::system::error_code ec) {
-    if (ec || w->done) return;
-    EngineStats st = self->server_.engine()->Stats();
-    std::string what = self->server_.config().mode == Mode::kSync
-                           ? "a step needs " + std::to_string(st.required_replicas) + " fresh gradient(s) per variable"
-                           : "waiting for the slowest worker to come within the staleness bound";
-    w->cancel(DeadlineExceeded("no token within " + std::to_string(timeout_ms) + " ms (global step " +
-                               std::to_string(st.global_step) + ", " + what + ")"));
-  });
-  return w;
-}
-
-void Connection::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token) {
-  if (w->done) return;
-  w->done = true;
-  w->timer.cancel();
-  parked_.erase(w);
-  server_.metrics().OnTokenWait(std::chrono::duration<double>(std::chrono::steady_clock::now() - w->started).count());
-  if (closed_) {
-    // The peer is gone: a token delivered to it goes back so no other worker starves.
-    if (s.ok() && w->from_queue && w->engine) w->engine->tokens().PushFront(token);
-    return;
-  }
-  w->on_done(s, token);
+  if (handler_)
+    SendAndClose(handler_->ErrorReply(0, status));
+  else
+    CloseNow();
 }
 
 // --- writing ----------------------------------------------------------------------------------
-
-std::shared_ptr<wire::OutFrame> Connection::NewReply(uint64_t id, proto::Response::Builder* resp) {
-  auto frame = std::make_shared<wire::OutFrame>();
-  *resp = frame->builder.initRoot<proto::Response>();
-  resp->setId(id);
-  resp->setCode(proto::Code::OK);
-  return frame;
-}
-
-void Connection::SendError(uint64_t id, const Status& status) {
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  resp.setCode(wire::ToWire(status.code()));
-  resp.setMessage(status.message());
-  spdlog::debug("connection {}: request {} failed: {}", id_, id, status.ToString());
-  Send(std::move(frame));
-}
 
 void Connection::Send(std::shared_ptr<wire::OutFrame> frame) {
   if (closed_) return;
   write_queue_.push_back(std::move(frame));
   if (!writing_) WriteNext();
+}
+
+void Connection::SendAndClose(std::shared_ptr<wire::OutFrame> frame) {
+  Send(std::move(frame));
+  closing_ = true;
+  if (!writing_) CloseNow();
 }
 
 void Connection::WriteNext() {
@@ -1126,7 +210,7 @@ void Connection::WriteNext() {
   asio::async_write(
       stream_, frame->Buffers(),
       asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t n) {
-        self->server_.metrics().OnBytesOut(n);
+        if (self->env_.on_bytes_out) self->env_.on_bytes_out(n);
         self->write_queue_.pop_front();
         if (ec) {
           self->writing_ = false;

@@ -11,8 +11,8 @@
 #include <functional>
 #include <memory>
 
-#include "config.h"
-#include "net/server.h"
+#include "config/server_config.h"
+#include "daemon/server.h"
 #include "wire/asio.h"
 #include "wire/frame.h"
 

@@ -11,7 +11,7 @@
 #include <memory>
 
 #include "fuzz_support.h"
-#include "net/server.h"
+#include "daemon/server.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   psd::server::ServerConfig config = psd::fuzz::FuzzConfig();

@@ -11,7 +11,7 @@
 
 #include "fuzz_support.h"
 #include "net/connection.h"
-#include "net/server.h"
+#include "daemon/server.h"
 
 namespace {
 

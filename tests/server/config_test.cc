@@ -1,4 +1,4 @@
-#include "config.h"
+#include "config/server_config.h"
 
 #include <unistd.h>
 

@@ -3,7 +3,7 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 
-#include "config.h"
+#include "config/server_config.h"
 #include "core/training_engine.h"
 
 using namespace psd;

@@ -7,7 +7,7 @@
 #include <memory>
 #include <thread>
 
-#include "config.h"
+#include "config/server_config.h"
 #include "core/training_engine.h"
 
 using namespace psd;

@@ -8,7 +8,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "net/server.h"
+#include "daemon/server.h"
 #include "ops/sd_listen.h"
 
 using psd::server::ops::SdListenFd;

@@ -11,7 +11,7 @@
 
 #include "ops/http_server.h"
 #include "ops/metrics.h"
-#include "ops/ops_service.h"
+#include "daemon/ops_service.h"
 #include "ops/sd_notify.h"
 #include "ops/text_format.h"
 #include "support/http_get.h"

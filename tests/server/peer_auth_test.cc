@@ -3,7 +3,7 @@
 #include <catch2/catch.hpp>
 #include <set>
 
-#include "config.h"
+#include "config/server_config.h"
 
 using namespace psd;
 using namespace psd::server::peer_auth;
@@ -53,10 +53,10 @@ TEST_CASE("peer proofs bind the secret, the direction, both shards, the cluster 
 }
 
 TEST_CASE("the cluster secret is long enough and not the workers' token", "[peer_auth][config]") {
-  CHECK(ValidateClusterSecret(kSecret, "").ok());
-  CHECK(ValidateClusterSecret(kSecret, "worker-token").ok());
-  CHECK_THAT(ValidateClusterSecret("short", "").message(), Catch::Contains("use at least 16"));
-  CHECK_THAT(ValidateClusterSecret(kSecret, kSecret).message(), Catch::Contains("same secret as --auth-token-file"));
+  CHECK(server::ValidateClusterSecret(kSecret, "").ok());
+  CHECK(server::ValidateClusterSecret(kSecret, "worker-token").ok());
+  CHECK_THAT(server::ValidateClusterSecret("short", "").message(), Catch::Contains("use at least 16"));
+  CHECK_THAT(server::ValidateClusterSecret(kSecret, kSecret).message(), Catch::Contains("same secret as --auth-token-file"));
   ServerConfig c;
   c.cluster = {"127.0.0.1:7001", "127.0.0.1:7002"};
   c.cluster_secret = "short";

@@ -1,5 +1,5 @@
 // The daemon-side SyncReplicasOptimizer, step by step (tf_semantics.md sections 1 and 3).
-#include "config.h"
+#include "config/server_config.h"
 #include "core/training_engine.h"
 
 #include <catch2/catch.hpp>

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "net/server.h"
+#include "daemon/server.h"
 #include "psclient/client.h"
 #include "psd/listen_socket.h"
 

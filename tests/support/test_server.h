@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "net/server.h"
+#include "daemon/server.h"
 #include "psclient/client.h"
 
 namespace psd::testing {

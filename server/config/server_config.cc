@@ -1,4 +1,4 @@
-#include "config.h"
+#include "config/server_config.h"
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -15,7 +15,6 @@
 #include <set>
 #include <type_traits>
 
-#include "cluster/peer_auth.h"
 #include "psd/cluster_list.h"
 
 namespace psd::server {
@@ -182,6 +181,20 @@ Status EnsureFdLimit(int max_connections) {
   return Status::Ok();
 }
 
+Status ValidateClusterSecret(std::string_view secret, std::string_view auth_token) {
+  if (secret.size() < kMinSecretBytes) {
+    return InvalidArgument("--cluster-secret-file holds " + std::to_string(secret.size()) +
+                           " characters; use at least " + std::to_string(kMinSecretBytes) +
+                           " random ones, e.g. `openssl rand -hex 32 > FILE` (the same file on every shard)");
+  }
+  if (!auth_token.empty() && secret == auth_token) {
+    return InvalidArgument(
+        "--cluster-secret-file holds the same secret as --auth-token-file: every worker knows that one and could act "
+        "as a shard; give the shards their own secret (`openssl rand -hex 32 > FILE`)");
+  }
+  return Status::Ok();
+}
+
 Status ServerConfig::ResolveListenAddress(bool host_given, bool port_given) {
   if (cluster.empty()) return Status::Ok();
   if (shard_index < 0 || shard_index >= shards()) {
@@ -319,7 +332,7 @@ Status ServerConfig::Validate() {
     return InvalidArgument(
         "--tls-require-client-cert needs --tls-ca-file (the CA that signs the clients' certificates)");
   }
-  if (!cluster_secret.empty()) PSD_RETURN_IF_ERROR(peer_auth::ValidateClusterSecret(cluster_secret, auth_token));
+  if (!cluster_secret.empty()) PSD_RETURN_IF_ERROR(ValidateClusterSecret(cluster_secret, auth_token));
   return CheckProtectedMode();
 }
 

@@ -1,10 +1,11 @@
 // ServerConfig: everything psd is told at start-up, parsed from flags by main() and validated
 // here so that contradictory settings are rejected before anything starts.
-#ifndef PSD_SERVER_CONFIG_H_
-#define PSD_SERVER_CONFIG_H_
+#ifndef PSD_SERVER_CONFIG_SERVER_CONFIG_H_
+#define PSD_SERVER_CONFIG_SERVER_CONFIG_H_
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/training_config.h"
@@ -44,11 +45,9 @@ struct ServerConfig : TrainingConfig {
   // loopback needs cluster_secret, unless `insecure` says so.
   bool insecure = false;
 
-
-
   // Checkpoints (see checkpoint/checkpoint.h). Empty dir: none.
   std::string checkpoint_dir;
-  double checkpoint_every_s = 0;       // 0: not by time
+  double checkpoint_every_s = 0;  // 0: not by time
   int keep_checkpoints = 3;
   bool restore = true;  // load the newest good checkpoint at start
   // Cluster: the chief may form at an older checkpoint (or empty) than some shard's newest sealed
@@ -85,7 +84,6 @@ struct ServerConfig : TrainingConfig {
 
   int shards() const { return cluster.empty() ? 1 : static_cast<int>(cluster.size()); }
   bool clustered() const { return shards() > 1; }
-
 
   // A shard (or a one-entry --cluster) listens on its own cluster entry: its port unless
   // `port_given`, its address (when the entry is an IP address; else 0.0.0.0) unless `host_given`.
@@ -125,8 +123,12 @@ inline constexpr uint64_t kReservedFds = 64;
 // if needed; an error naming both numbers when even the hard limit is too low.
 Status EnsureFdLimit(int max_connections);
 
-
+// A cluster secret shorter than this is refused at start (an HMAC over captured nonces can be
+// brute-forced offline when the secret is guessable).
+inline constexpr size_t kMinSecretBytes = 16;
+// Checks a cluster secret read from --cluster-secret-file: long enough and not the workers' secret.
+Status ValidateClusterSecret(std::string_view secret, std::string_view auth_token);
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_CONFIG_H_
+#endif  // PSD_SERVER_CONFIG_SERVER_CONFIG_H_

@@ -1,5 +1,8 @@
-// Server: psd's network front. Owns the io_context, its thread pool, the acceptor and the live
-// connections, and wires them to the TrainingEngine and WorkerRegistry.
+// Server: the daemon (README "Architecture"). Owns the io_context, its thread pool, the acceptor and
+// the live connections (each a net/ Connection whose frames go to a service/ WorkerSession), the
+// engine slot (a new TrainingEngine per cluster epoch), the worker registry, the checkpoint writer,
+// the ops endpoints and the job's lifecycle, and wires them; the service sees it only as a
+// ServiceHost.
 //
 // Threading model: `config.io_threads` threads run one io_context. Each connection's handlers
 // run on that connection's strand, so they never run concurrently with each other; shared
@@ -10,8 +13,8 @@
 // (RequestStop(), a signal handled by the caller, or --exit-when-done once every worker has
 // finished); Stop() closes the acceptor and the connections (after flushing their replies, at
 // most ~2 s) and joins the threads. Several Servers can live in one process (tests).
-#ifndef PSD_SERVER_NET_SERVER_H_
-#define PSD_SERVER_NET_SERVER_H_
+#ifndef PSD_SERVER_DAEMON_SERVER_H_
+#define PSD_SERVER_DAEMON_SERVER_H_
 
 #include <atomic>
 #include <condition_variable>
@@ -25,14 +28,16 @@
 
 #include "cluster/coordinator.h"
 #include "cluster/peer_auth.h"
-#include "config.h"
+#include "config/server_config.h"
 #include "core/converted_values.h"
-#include "net/frame_budget.h"
-#include "ops/metrics.h"
-#include "psd/status.h"
 #include "core/ssp_gate.h"
 #include "core/training_engine.h"
 #include "core/worker_registry.h"
+#include "net/connection.h"
+#include "net/frame_budget.h"
+#include "ops/metrics.h"
+#include "psd/status.h"
+#include "service/service_host.h"
 #include "wire/asio.h"
 #include "wire/tls.h"
 
@@ -43,7 +48,7 @@ namespace ops {
 class OpsService;
 }
 
-class Server {
+class Server : public ServiceHost {
  public:
   // `config` must have passed Validate().
   static Result<std::unique_ptr<Server>> Create(ServerConfig config);
@@ -63,37 +68,37 @@ class Server {
 
   // Whether workers are served now: Ok, or Unavailable saying what psd waits for (restoring a
   // checkpoint, a missing shard, the cluster forming). /readyz and the readiness signals use it.
-  Status Serving() const;
-  ops::Metrics& metrics() { return metrics_; }
+  Status Serving() const override;
+  ops::Metrics& metrics() override { return metrics_; }
   // Published values converted to the dtypes readers ask for (shared by all connections).
-  ConvertedValues& converted_values() { return converted_values_; }
+  ConvertedValues& converted_values() override { return converted_values_; }
   // Memory for incoming frames across all connections (--max-inflight-bytes).
   FrameBudget& frame_budget() { return frame_budget_; }
   int connection_count() const;
-  double uptime_s() const;
+  double uptime_s() const override;
   double start_unix_s() const { return start_unix_s_; }
   // The whole placement map with bytes per shard (a single daemon, or the chief of a serving
   // cluster); an error elsewhere (ask the chief).
-  Status PlacementMap(std::vector<VarPlacement>* all, std::vector<uint64_t>* shard_bytes) const;
+  Status PlacementMap(std::vector<VarPlacement>* all, std::vector<uint64_t>* shard_bytes) const override;
 
   // The engine serving now. A cluster replaces it when it restores a checkpoint: callers hold the
   // pointer for the duration of one request.
-  std::shared_ptr<TrainingEngine> engine() const;
+  std::shared_ptr<TrainingEngine> engine() const override;
   // Null for a single daemon.
-  ClusterCoordinator* coordinator() { return coordinator_.get(); }
-  WorkerRegistry& workers() { return workers_; }
-  SspGate& ssp() { return ssp_; }
-  const ServerConfig& config() const { return config_; }
+  ClusterCoordinator* coordinator() override { return coordinator_.get(); }
+  WorkerRegistry& workers() override { return workers_; }
+  SspGate& ssp() override { return ssp_; }
+  const ServerConfig& config() const override { return config_; }
   // TLS contexts (null without --tls-cert-file): the data port's, and the one a shard dials its
   // peers with.
   const std::shared_ptr<wire::ssl::context>& tls_context() const { return tls_; }
   const std::shared_ptr<wire::ssl::context>& peer_tls_context() const { return peer_tls_; }
   // Rate limit of the log lines about refused peer impersonations (all connections).
-  peer_auth::LogLimiter& spoof_log() { return spoof_log_; }
+  peer_auth::LogLimiter& spoof_log() override { return spoof_log_; }
 
   // Schedules a checkpoint (at the next step boundary). No-op without --checkpoint-dir.
-  Status RequestCheckpoint();
-  int64_t last_checkpoint_step() const { return last_checkpoint_step_.load(); }
+  Status RequestCheckpoint() override;
+  int64_t last_checkpoint_step() const override { return last_checkpoint_step_.load(); }
   void set_last_checkpoint_step(int64_t step) { last_checkpoint_step_ = step; }
   // Hands a snapshot to the checkpoint writer (the newest pending one wins).
   void QueueSnapshot(ShardSnapshot snap);
@@ -113,9 +118,9 @@ class Server {
 
   // Called by connections. OnHello returns the worker's index, or RESOURCE_EXHAUSTED when the
   // job's N worker slots are taken (WorkerRegistry::Hello).
-  Result<uint32_t> OnHello(uint64_t conn, const std::string& name, uint64_t incarnation);
-  void OnWorkerFinished(uint64_t conn);
-  void OnConnectionClosed(uint64_t conn);
+  Result<uint32_t> OnHello(uint64_t conn, const std::string& name, uint64_t incarnation) override;
+  void OnWorkerFinished(uint64_t conn) override;
+  void OnConnectionClosed(uint64_t conn) override;
 
  private:
   // The TLS contexts are made (and checked) by Create.
@@ -137,6 +142,7 @@ class Server {
   Status BecomeReady();
   void WatchReadiness();
   void WriteSnapshot(const ShardSnapshot& snap);
+  ConnectionEnv MakeConnectionEnv();
 
   const ServerConfig config_;
   ops::Metrics metrics_;
@@ -144,6 +150,7 @@ class Server {
   std::shared_ptr<wire::ssl::context> tls_, peer_tls_;
   FrameBudget frame_budget_{config_.max_inflight_bytes};
   peer_auth::LogLimiter spoof_log_;
+  const ConnectionEnv conn_env_;  // what every accepted connection is told (limits, budget, counters)
   const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
   const double start_unix_s_ = ops::UnixNow();
   mutable std::mutex ready_mu_;
@@ -198,4 +205,4 @@ class Server {
 
 }  // namespace psd::server
 
-#endif  // PSD_SERVER_NET_SERVER_H_
+#endif  // PSD_SERVER_DAEMON_SERVER_H_

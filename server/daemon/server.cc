@@ -1,4 +1,4 @@
-#include "net/server.h"
+#include "daemon/server.h"
 
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -7,10 +7,10 @@
 #include <cmath>
 #include <fstream>
 
-#include "net/connection.h"
-#include "ops/ops_service.h"
+#include "daemon/ops_service.h"
 #include "ops/sd_notify.h"
 #include "psd/listen_socket.h"
+#include "service/worker_session.h"
 
 namespace psd::server {
 
@@ -115,6 +115,7 @@ Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
     : config_(std::move(config)),
       tls_(std::move(tls)),
       peer_tls_(std::move(peer_tls)),
+      conn_env_(MakeConnectionEnv()),
       workers_(config_.replicas_to_aggregate, config_.total_replicas),
       ssp_(config_.staleness_bound),
       acceptor_(io_),
@@ -128,6 +129,20 @@ Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
   not_ready_since_ = start_time_;
   if (config_.clustered()) coordinator_ = std::make_unique<ClusterCoordinator>(*this, config_, io_);
   ops_ = std::make_unique<ops::OpsService>(*this, io_);
+}
+
+ConnectionEnv Server::MakeConnectionEnv() {
+  ConnectionEnv env;
+  env.hello_timeout_ms = config_.hello_timeout_ms;
+  env.idle_timeout_s = config_.idle_timeout_s;
+  env.frame_timeout_ms = config_.frame_timeout_ms;
+  env.max_frame_bytes = config_.max_frame_bytes;
+  env.budget = &frame_budget_;
+  env.tls = tls_;
+  env.on_bytes_in = [this](uint64_t n) { metrics_.OnBytesIn(n); };
+  env.on_bytes_out = [this](uint64_t n) { metrics_.OnBytesOut(n); };
+  env.on_frame_timeout = [this] { metrics_.OnFrameTimeout(); };
+  return env;
 }
 
 uint16_t Server::metrics_port() const { return ops_->port(); }
@@ -445,7 +460,7 @@ void Server::Accept() {
       accept_backoff_ms_ = 0;
     }
     uint64_t id = next_conn_id_.fetch_add(1);
-    auto conn = std::make_shared<Connection>(*this, std::move(socket), id);
+    auto conn = std::make_shared<Connection>(std::move(socket), conn_env_, id);
     bool refuse = false;
     {
       std::lock_guard<std::mutex> lock(conns_mu_);
@@ -457,7 +472,7 @@ void Server::Accept() {
       spdlog::warn("refusing connection: --max-connections {} reached", config_.max_connections);
     } else {
       metrics_.OnConnectionAccepted();
-      conn->Start();
+      conn->Start(std::make_shared<WorkerSession>(*this, conn));
     }
     Accept();
   });

@@ -13,8 +13,8 @@
 // It also samples the global step once a second for the step-rate history. Threading: the
 // handler runs on the server's I/O threads and only reads thread-safe state (engine stats, the
 // registry, the coordinator's view, Metrics).
-#ifndef PSD_SERVER_OPS_OPS_SERVICE_H_
-#define PSD_SERVER_OPS_OPS_SERVICE_H_
+#ifndef PSD_SERVER_DAEMON_OPS_SERVICE_H_
+#define PSD_SERVER_DAEMON_OPS_SERVICE_H_
 
 #include <memory>
 #include <string>
@@ -59,4 +59,4 @@ bool Base64Decode(std::string_view in, std::string* out);
 
 }  // namespace psd::server::ops
 
-#endif  // PSD_SERVER_OPS_OPS_SERVICE_H_
+#endif  // PSD_SERVER_DAEMON_OPS_SERVICE_H_

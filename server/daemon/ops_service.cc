@@ -1,4 +1,4 @@
-#include "ops/ops_service.h"
+#include "daemon/ops_service.h"
 
 #include <dirent.h>
 #include <spdlog/spdlog.h>
@@ -7,8 +7,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "net/server.h"
-#include "ops/status_page.h"
+#include "daemon/server.h"
+#include "daemon/status_page.h"
 #include "ops/text_format.h"
 #include "psd/secret.h"
 #include "text/json.h"

@@ -1,0 +1,957 @@
+#include "service/worker_session.h"
+
+#include <kj/exception.h>
+#include <spdlog/spdlog.h>
+
+#include "cluster/coordinator.h"
+#include "cluster/peer_auth.h"
+#include "psd/half.h"
+#include "psd/secret.h"
+#include "service/service_host.h"
+
+namespace psd::server {
+namespace {
+
+const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no rows
+
+// Puts a value the engine handed out into a reply tensor as dtype `want`: referenced in place
+// (kept alive by the frame) when it already is, else converted — how half-precision variables
+// leave the daemon, and how a reader asks for another dtype. With `cache` (a published value of
+// `variable`), the conversion is shared by every reader of that value.
+void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared_ptr<const Buffer>& value, DType dtype,
+              const Shape& shape, DType want, ConvertedValues* cache = nullptr, std::string_view variable = {}) {
+  std::shared_ptr<const Buffer> out = value;
+  if (want != dtype && cache != nullptr && !variable.empty()) {
+    out = cache->Get(variable, value, dtype, want);
+  } else if (want != dtype) {
+    size_t n = value->bytes() / DTypeSize(dtype);
+    auto converted = std::make_shared<Buffer>(n * DTypeSize(want), Buffer::Uninitialized{});
+    ConvertElements(value->data(), dtype, converted->data(), want, n);
+    out = std::move(converted);
+  }
+  wire::SetTensor(frame.builder, t, want, shape, out->data(), out->bytes(), /*padded=*/true);
+  frame.keepalive.push_back(std::move(out));
+}
+
+// The dtypes a request asks for, one per name (empty list: each variable's own). Errors name the
+// mismatch; an unknown dtype is INVALID_ARGUMENT.
+Result<std::vector<std::optional<DType>>> WantedDTypes(capnp::List<proto::DType>::Reader in, size_t names) {
+  std::vector<std::optional<DType>> out(names);
+  if (in.size() == 0) return out;
+  if (in.size() != names) {
+    return InvalidArgument("the request names " + std::to_string(names) + " variables but " +
+                           std::to_string(in.size()) + " dtypes");
+  }
+  for (unsigned i = 0; i < in.size(); ++i) {
+    auto d = wire::FromWire(in[i]);
+    if (!d.ok()) return d.status();
+    out[i] = *d;
+  }
+  return out;
+}
+
+// A float dtype a reader may ask a variable of `declared` to be delivered in.
+Status CheckWanted(const std::string& what, DType declared, DType want) {
+  if (ConvertibleDTypes(want, declared)) return Status::Ok();
+  return InvalidArgument(what + " is " + DTypeName(declared) + " and cannot be delivered as " + DTypeName(want) +
+                         " (float32, bfloat16 and float16 convert to one another; float64 only to itself)");
+}
+
+// The dtype to deliver one value in: the request's (has/wire) when set and valid, else `declared`.
+Result<DType> WantedDType(bool has, proto::DType wire_dtype, const std::string& name, DType declared) {
+  if (!has) return declared;
+  auto d = wire::FromWire(wire_dtype);
+  if (!d.ok()) return d.status();
+  PSD_RETURN_IF_ERROR(CheckWanted("variable '" + name + "'", declared, *d));
+  return *d;
+}
+}  // namespace
+
+struct WorkerSession::TokenWait {
+  explicit TokenWait(const asio::strand<asio::io_context::executor_type>& strand) : timer(strand) {}
+  asio::steady_timer timer;
+  std::function<bool(const Status&)> cancel;  // removes the parked wait; false if already released
+  bool from_queue = false;                    // a token-queue wait (a delivered token goes back if unused)
+  std::shared_ptr<TrainingEngine> engine;     // whose queue it waits on
+  bool done = false;
+  TokenDone on_done;
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+};
+
+WorkerSession::WorkerSession(ServiceHost& host, std::shared_ptr<Connection> conn)
+    : host_(host), conn_(std::move(conn)), id_(conn_->id()) {}
+
+bool WorkerSession::Busy() {
+  for (auto it = collectives_.begin(); it != collectives_.end();) {
+    it = (*it)->answered() ? collectives_.erase(it) : std::next(it);
+  }
+  return !parked_.empty() || !collectives_.empty();
+}
+
+void WorkerSession::OnClosed() {
+  for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
+  if (peer_shard_ >= 0) host_.coordinator()->OnPeerClosed(peer_shard_);
+  host_.OnConnectionClosed(id_);
+}
+
+void WorkerSession::FailStream(const Status& status, uint64_t id) {
+  spdlog::warn("connection {}: {}; closing it", id_, status.ToString());
+  conn_->SendAndClose(ErrorReply(id, status));
+}
+
+void WorkerSession::OnFrame(const wire::InFrame& in) {
+  uint64_t id = 0;
+  try {
+    auto reader = in.Reader();
+    auto req = reader->getRoot<proto::Request>();
+    id = req.getId();
+    Dispatch(req);
+  } catch (const kj::Exception& e) {
+    SendError(id, InvalidArgument(std::string("malformed request: ") + e.getDescription().cStr()));
+  } catch (const std::bad_alloc&) {
+    SendError(id, ResourceExhausted("out of memory while handling the request"));
+  }
+}
+
+// --- dispatch ---------------------------------------------------------------------------------
+
+void WorkerSession::Dispatch(proto::Request::Reader req) {
+  uint64_t id = req.getId();
+  auto which = req.which();
+  if (which == proto::Request::HELLO) return HandleHello(id, req.getHello());
+  if (which == proto::Request::PEER_PROOF) return HandlePeerProof(id, req.getPeerProof());
+  if (!authenticated_ && !host_.config().auth_token.empty()) {
+    return SendError(id, Unauthenticated("say hello with the auth token first"));
+  }
+  if (!greeted_) return SendError(id, FailedPrecondition("say hello first (as a worker, an observer or a peer)"));
+  if (which == proto::Request::PEER) {
+    // Only a shard's (proven) peer link carries peer messages, and only in its own name.
+    if (peer_shard_ < 0) {
+      LogSpoof("sent a peer message on a worker or observer connection");
+      return FailStream(FailedPrecondition("peer messages travel only on a shard's peer link; closing"), id);
+    }
+    auto msg = req.getPeer();
+    if (msg.getFrom() != static_cast<uint32_t>(peer_shard_)) {
+      LogSpoof("(the link of shard " + std::to_string(peer_shard_) + ") sent a peer message as shard " +
+               std::to_string(msg.getFrom()));
+      return FailStream(InvalidArgument("a peer message's sender must be the link's shard; closing"), id);
+    }
+    // Never answered: peers' messages are one-way.
+    return host_.coordinator()->OnPeerMessage(peer_shard_, msg);
+  }
+  if (which == proto::Request::STATUS) return HandleStatus(id);
+  if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);              // an operator's request
+  if (which == proto::Request::RECOVER) return HandleRecover(id, req.getRecover());  // an operator's too
+  if (which == proto::Request::GET_PLACEMENT) return HandleGetPlacement(id);         // operators too
+  if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
+  host_.metrics().OnWorkerRequest(worker_index_);
+  if (which != proto::Request::FINISH || host_.coordinator() == nullptr) {
+    // Restoring a checkpoint or a cluster not formed: retry later (a cluster's worker may still
+    // declare itself finished).
+    Status serving = host_.Serving();
+    if (!serving.ok()) return SendError(id, serving);
+  }
+  switch (which) {
+    case proto::Request::CREATE_VARIABLE:
+      return HandleCreate(id, req.getCreateVariable());
+    case proto::Request::PULL:
+      return HandlePull(id, req.getPull());
+    case proto::Request::PUSH:
+      return HandlePush(id, req.getPush());
+    case proto::Request::WAIT_TOKEN:
+      return HandleWaitToken(id, req.getWaitToken());
+    case proto::Request::FINISH:
+      return HandleFinish(id);
+    case proto::Request::GET_SLOT:
+      return HandleGetSlot(id, req.getGetSlot());
+    case proto::Request::PULL_ROWS:
+      return HandlePullRows(id, req.getPullRows());
+    case proto::Request::SET_LEARNING_RATE:
+      return HandleSetLearningRate(id, req.getSetLearningRate());
+    case proto::Request::CHECKPOINT:
+      return HandleCheckpoint(id);
+    case proto::Request::PLACE:
+      return HandlePlace(id, req.getPlace());
+    case proto::Request::REDUCE:
+      return HandleReduce(id, req.getReduce());
+    case proto::Request::UPDATE:
+      return HandleUpdate(id, req.getUpdate());
+    default:
+      return SendError(id, Unimplemented("unknown request type " + std::to_string(static_cast<int>(which))));
+  }
+}
+
+namespace {
+
+void FillConfig(proto::JobConfig::Builder c, const ServerConfig& cfg, const TrainingEngine& engine) {
+  const Optimizer& opt = engine.optimizer();
+  c.setReplicasToAggregate(cfg.replicas_to_aggregate);
+  c.setTotalReplicas(cfg.total_replicas);
+  c.setTokensPerStep(cfg.tokens_per_step);
+  c.setInitTokens(cfg.resolved_init_tokens);
+  c.setOptimizer(opt.name());
+  c.setLearningRate(engine.learning_rate());
+  c.setMode(ModeName(cfg.mode));
+  c.setStalenessBound(cfg.staleness_bound);
+  c.setSoftSyncFraction(cfg.soft_sync_fraction);
+  c.setStepDeadlineMs(cfg.step_deadline_ms);
+  c.setEmaDecay(cfg.ema_decay);
+  c.setReduction(cfg.reduction == Reduction::kSum ? proto::Reduction::SUM : proto::Reduction::MEAN);
+  auto slots = opt.SlotNames();
+  auto list = c.initSlotNames(static_cast<unsigned>(slots.size()));
+  for (size_t i = 0; i < slots.size(); ++i) list.set(static_cast<unsigned>(i), slots[i]);
+}
+
+}  // namespace
+
+void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
+  if (r.getProtocolVersion() != proto::PROTOCOL_VERSION) {
+    return SendError(id, FailedPrecondition("protocol version " + std::to_string(r.getProtocolVersion()) +
+                                            " is not supported; this psd speaks version " +
+                                            std::to_string(proto::PROTOCOL_VERSION)));
+  }
+  const std::string& want = host_.config().auth_token;
+  if (!want.empty() && !SecretsEqual(want, std::string_view(r.getAuthToken().cStr(), r.getAuthToken().size()))) {
+    return FailStream(Unauthenticated("wrong or missing auth token (psd runs with --auth-token-file)"), id);
+  }
+  authenticated_ = true;
+  // A connection has one identity: a shard's link never becomes a worker's, nor the reverse.
+  if ((greeted_ || peer_claim_ >= 0) && (r.getPeer() || peer_shard_ >= 0 || peer_claim_ >= 0)) {
+    if (r.getPeer()) LogSpoof("sent a second hello as a peer");
+    return FailStream(FailedPrecondition("this connection already said hello; open a new one"), id);
+  }
+  if (r.getPeer()) return HandlePeerHello(id, r);
+  if (r.getObserver()) {
+    greeted_ = true;
+    conn_->set_role(Connection::Role::kObserver);
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    auto h = resp.initHello();
+    h.setProtocolVersion(proto::PROTOCOL_VERSION);
+    h.setGlobalStep(host_.engine()->global_step());
+    FillConfig(h.initConfig(), host_.config(), *host_.engine());
+    FillCluster(h, host_.engine()->epoch());
+    h.setMaxFrameBytes(host_.config().max_frame_bytes);
+    return Send(std::move(frame));
+  }
+  std::string name = r.getWorkerName();
+  Status s = ValidateName(name);
+  if (!s.ok()) return SendError(id, InvalidArgument("worker name: " + s.message()));
+  if (host_.coordinator() == nullptr) {
+    // A worker joins once the restore is done, so its hello carries the restored step (the
+    // client asks again until connect_timeout_ms). A cluster's client waits for the formation.
+    Status serving = host_.Serving();
+    if (!serving.ok()) {
+      // psd asked for the retry: the hello deadline starts again.
+      conn_->RestartHelloDeadline();
+      return SendError(id, serving);
+    }
+  }
+  auto index = host_.OnHello(id_, name, r.getIncarnation());
+  if (!index.ok()) return FailStream(index.status(), id);
+  worker_index_ = *index;
+  hello_done_ = true;
+  greeted_ = true;
+  conn_->set_role(Connection::Role::kWorker);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto h = resp.initHello();
+  h.setProtocolVersion(proto::PROTOCOL_VERSION);
+  h.setIsChief(host_.workers().IsChief(id_));
+  h.setGlobalStep(host_.engine()->global_step());
+  h.setWorkerId(*index);
+  FillConfig(h.initConfig(), host_.config(), *host_.engine());
+  FillCluster(h, host_.engine()->epoch());
+  h.setMaxFrameBytes(host_.config().max_frame_bytes);
+  spdlog::info("worker '{}' (incarnation {}) connected as #{}{}", name, r.getIncarnation(), *index,
+               h.getIsChief() ? ", chief" : "");
+  Send(std::move(frame));
+}
+
+void WorkerSession::LogSpoof(const std::string& what) {
+  int64_t suppressed = host_.spoof_log().Allow();
+  if (suppressed < 0) return;
+  boost::system::error_code ec;
+  auto remote = conn_->stream().lowest().remote_endpoint(ec);
+  spdlog::warn("connection {} from {}: {}; refused{}", id_, ec ? std::string("?") : remote.address().to_string(), what,
+               suppressed > 0 ? fmt::format(" ({} similar lines suppressed)", suppressed) : "");
+}
+
+peer_auth::Transcript WorkerSession::PendingTranscript() const {
+  const ServerConfig& cfg = host_.config();
+  std::string_view nonces(peer_nonces_);
+  return {static_cast<uint32_t>(cfg.shards()), static_cast<uint32_t>(peer_claim_),
+          static_cast<uint32_t>(cfg.shard_index), nonces.substr(0, peer_auth::kNonceBytes),
+          nonces.substr(peer_auth::kNonceBytes)};
+}
+
+void WorkerSession::HandlePeerHello(uint64_t id, proto::Hello::Reader r) {
+  ClusterCoordinator* c = host_.coordinator();
+  const ServerConfig& cfg = host_.config();
+  if (c == nullptr) return FailStream(FailedPrecondition("this psd is a single daemon, not a cluster shard"), id);
+  int idx = static_cast<int>(r.getShardIndex());
+  if (r.getClusterSize() != static_cast<uint32_t>(cfg.shards()) || r.getShardIndex() >= r.getClusterSize() ||
+      idx == cfg.shard_index) {
+    LogSpoof("said hello as shard " + std::to_string(r.getShardIndex()) + " of " + std::to_string(r.getClusterSize()));
+    return FailStream(
+        InvalidArgument("a peer says it is shard " + std::to_string(idx) + " of " + std::to_string(r.getClusterSize()) +
+                        "; this is shard " + std::to_string(cfg.shard_index) + " of " + std::to_string(cfg.shards()) +
+                        ": check --cluster and --shard-index"),
+        id);
+  }
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto h = resp.initHello();
+  h.setProtocolVersion(proto::PROTOCOL_VERSION);
+  if (cfg.cluster_secret.empty()) {
+    // No cluster secret (loopback only, or --insecure): the hello's index is believed, and binds
+    // the link's messages to it.
+    peer_shard_ = idx;
+    greeted_ = true;
+    conn_->set_role(Connection::Role::kShard);
+    c->OnPeerHello(idx);
+    return Send(std::move(frame));
+  }
+  auto theirs = r.getPeerNonce();
+  if (theirs.size() != peer_auth::kNonceBytes) {
+    LogSpoof("said hello as shard " + std::to_string(idx) + " without a challenge");
+    return FailStream(Unauthenticated("this shard runs with --cluster-secret-file: a peer must prove it knows the "
+                                      "cluster secret (give every shard the same --cluster-secret-file)"),
+                      id);
+  }
+  auto mine = peer_auth::NewNonce();
+  if (!mine.ok()) return FailStream(mine.status(), id);
+  peer_claim_ = idx;
+  peer_nonces_.assign(reinterpret_cast<const char*>(theirs.begin()), theirs.size());
+  peer_nonces_ += *mine;
+  std::string proof = peer_auth::Proof(cfg.cluster_secret, peer_auth::Role::kAcceptor, PendingTranscript());
+  h.setShardIndex(static_cast<uint32_t>(cfg.shard_index));
+  h.setShards(static_cast<uint32_t>(cfg.shards()));
+  h.setPeerNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine->data()), mine->size()));
+  h.setPeerProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(proof.data()), proof.size()));
+  Send(std::move(frame));
+}
+
+void WorkerSession::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
+  const ServerConfig& cfg = host_.config();
+  if (peer_claim_ < 0 || greeted_ || cfg.cluster_secret.empty()) {
+    LogSpoof("sent a peer proof without a pending challenge");
+    return FailStream(FailedPrecondition("a peer proof answers this shard's challenge to a peer hello; closing"), id);
+  }
+  std::string_view got(reinterpret_cast<const char*>(proof.begin()), proof.size());
+  if (!peer_auth::Verify(cfg.cluster_secret, peer_auth::Role::kDialer, PendingTranscript(), got)) {
+    LogSpoof("failed the cluster-secret proof as shard " + std::to_string(peer_claim_) +
+             " (a wrong --cluster-secret-file, or not a shard)");
+    return FailStream(Unauthenticated("wrong cluster secret: give every shard the same --cluster-secret-file"), id);
+  }
+  peer_shard_ = peer_claim_;
+  peer_claim_ = -1;
+  peer_nonces_.clear();
+  greeted_ = true;
+  conn_->set_role(Connection::Role::kShard);
+  host_.coordinator()->OnPeerHello(peer_shard_);
+}
+
+void WorkerSession::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
+  auto t = wire::ReadTensor(r.getInitial(), host_.config().max_frame_bytes);
+  if (!t.ok()) return SendError(id, t.status());
+  VariableDef def;
+  def.name = r.getName();
+  def.dtype = t->dtype;
+  def.shape = t->shape;
+  def.trainable = r.getTrainable();
+  def.average = r.getAverage();
+  def.optimizer = r.getOptimizer();
+  auto aggregation = AggregationFromNumber(static_cast<int>(r.getAggregation()));
+  if (!aggregation.ok()) return SendError(id, aggregation.status());
+  def.aggregation = *aggregation;
+  def.sync_on_read = r.getSyncOnRead();
+  if (r.hasPlacement()) {
+    // One part of a cluster variable: it must be the part the placement puts on this shard.
+    const ServerConfig& cfg = host_.config();
+    auto placed = PlacementFromWire(r.getPlacement(), cfg.shards());
+    if (!placed.ok()) return SendError(id, placed.status());
+    size_t part = r.getPart();
+    if (placed->name != def.name || part >= placed->parts.size() || placed->parts[part].shard != cfg.shard_index ||
+        placed->dtype != def.dtype || placed->PartShape(part) != def.shape) {
+      return SendError(id,
+                       InvalidArgument("variable '" + def.name + "': part " + std::to_string(part) +
+                                       " does not match its placement on shard " + std::to_string(cfg.shard_index)));
+    }
+    def.placement = std::move(*placed);
+  }
+  if (t->bytes > 0) {
+    def.initial = t->data;
+    def.initial_bytes = t->bytes;
+  }
+  auto desc = host_.engine()->CreateVariable(def);
+  if (!desc.ok()) return SendError(id, desc.status());
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto v = resp.initVariable();
+  v.setName(desc->name);
+  v.setDtype(wire::ToWire(desc->dtype));
+  auto shape = v.initShape(static_cast<unsigned>(desc->shape.size()));
+  for (size_t i = 0; i < desc->shape.size(); ++i) shape.set(static_cast<unsigned>(i), desc->shape[i]);
+  v.setCreated(desc->created);
+  v.setTrainable(desc->trainable);
+  Send(std::move(frame));
+}
+
+Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p,
+                                const std::vector<std::string>& names, bool averages,
+                                const std::vector<std::optional<DType>>& want) {
+  std::vector<PulledValue> values;
+  int64_t step = 0;
+  auto engine = host_.engine();
+  PSD_RETURN_IF_ERROR(engine->Pull(names, &values, &step, averages));
+  for (size_t i = 0; i < values.size() && i < want.size(); ++i) {
+    if (want[i]) PSD_RETURN_IF_ERROR(CheckWanted("variable '" + names[i] + "'", values[i].declared, *want[i]));
+  }
+  p.setStep(step);
+  p.setClusterEpoch(engine->epoch());
+  auto list = p.initValues(static_cast<unsigned>(values.size()));
+  for (size_t i = 0; i < values.size(); ++i) {
+    const PulledValue& v = values[i];
+    // Zero-copy where no conversion is asked for: the reply references the immutable published buffer.
+    SetValue(frame, list[static_cast<unsigned>(i)], v.value, v.dtype, v.shape,
+             i < want.size() && want[i] ? *want[i] : v.declared, &host_.converted_values(), v.variable);
+  }
+  return Status::Ok();
+}
+
+void WorkerSession::HandlePull(uint64_t id, proto::Pull::Reader r) {
+  std::vector<std::string> names;
+  for (auto n : r.getNames()) names.emplace_back(n);
+  auto want = WantedDTypes(r.getDtypes(), names.size());
+  if (!want.ok()) return SendError(id, want.status());
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  Status s = AddValues(*frame, resp.initPull(), names, r.getAverages(), *want);
+  if (!s.ok()) return SendError(id, s);
+  Send(std::move(frame));
+}
+
+void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
+  auto grads_in = r.getGrads();
+  if (grads_in.size() == 0) return SendError(id, InvalidArgument("Must supply at least one variable"));
+  auto engine = host_.engine();
+  if (ClusterCoordinator* c = host_.coordinator()) {
+    uint64_t epoch = r.getClusterEpoch();
+    if (epoch != 0 && epoch != engine->epoch()) {
+      return SendError(id, Aborted("gradients computed at cluster epoch " + std::to_string(epoch) +
+                                   "; the cluster restored a checkpoint and runs epoch " +
+                                   std::to_string(engine->epoch()) + ": pull the variables and go on from there"));
+    }
+    if (r.getWaitToken() && !c->is_chief()) {
+      return SendError(id, Unavailable("tokens live on the chief shard " + std::to_string(c->chief()) + "; retry"));
+    }
+  }
+  std::vector<GradRef> grads;
+  grads.reserve(grads_in.size());
+  std::deque<std::vector<int64_t>> index_storage;  // stable addresses for sparse indices
+  for (auto g : grads_in) {
+    auto t = wire::ReadTensor(g.getGrad(), host_.config().max_frame_bytes);
+    if (!t.ok()) return SendError(id, t.status());
+    auto name = g.getName();
+    GradRef ref{std::string_view(name.cStr(), name.size()),
+                t->dtype,
+                std::move(t->shape),
+                t->data,
+                t->bytes,
+                nullptr,
+                0,
+                std::nullopt};
+    if (g.getSparse()) {
+      // Copied out of the message: a peer may encode the list with another element size.
+      auto idx = g.getIndices();
+      index_storage.emplace_back(idx.size());
+      for (unsigned k = 0; k < idx.size(); ++k) index_storage.back()[k] = idx[k];
+      ref.nnz = idx.size();
+      ref.indices = idx.size() ? index_storage.back().data() : &kNoIndex;
+      if (g.getHasDenseShape()) {
+        Shape ds;
+        for (int64_t d : g.getDenseShape()) ds.push_back(d);
+        if (ds.size() > 32) return SendError(id, InvalidArgument("dense_shape rank exceeds 32"));
+        ref.dense_shape = std::move(ds);
+      }
+    }
+    grads.push_back(std::move(ref));
+  }
+  std::vector<std::string> pull_after;
+  for (auto n : r.getPullAfter()) pull_after.emplace_back(n);
+  auto want = WantedDTypes(r.getPullAfterDtypes(), pull_after.size());
+  if (!want.ok()) return SendError(id, want.status());
+  if (!pull_after.empty()) {
+    // Checked before anything is pushed, so the pull after the token cannot fail (variables are
+    // never deleted) and a bad name changes nothing.
+    std::vector<PulledValue> probe;
+    int64_t step = 0;
+    Status known = engine->Pull(pull_after, &probe, &step);
+    for (size_t i = 0; known.ok() && i < probe.size(); ++i) {
+      if ((*want)[i]) known = CheckWanted("variable '" + pull_after[i] + "'", probe[i].declared, *(*want)[i]);
+    }
+    if (!known.ok()) return SendError(id, known);
+  }
+  // A sync push that waits parks its wait before the gradients are applied: when they complete a
+  // step, the step's tokens go to the waiters parked at that moment, this one included, so a fast
+  // worker's next push cannot take the token this worker is owed (two back-to-back waits of
+  // one worker would otherwise leave the other without a token until its wait timed out).
+  struct Pending {
+    bool failed = false;  // the push was refused: the wait answers nothing (a token goes back)
+    std::vector<GradOutcome> outcomes;
+    std::vector<std::string> pull_after;            // the values the reply carries too
+    std::vector<std::optional<DType>> pull_dtypes;  // ... and the dtypes they are asked in
+  };
+  auto pending = std::make_shared<Pending>();
+  pending->pull_after = std::move(pull_after);
+  pending->pull_dtypes = std::move(*want);
+  auto fill = [pending, this, engine](proto::PushReply::Builder p) {
+    const std::vector<GradOutcome>& outcomes = pending->outcomes;
+    auto results = p.initResults(static_cast<unsigned>(outcomes.size()));
+    for (size_t i = 0; i < outcomes.size(); ++i) {
+      results[static_cast<unsigned>(i)].setAccepted(outcomes[i].accepted);
+      results[static_cast<unsigned>(i)].setStep(outcomes[i].step);
+      results[static_cast<unsigned>(i)].setStaleness(outcomes[i].staleness);
+    }
+    p.setIsChief(host_.workers().IsChief(id_));
+    p.setStepGradients(engine->Stats().last_step_gradients);
+    FillCluster(p, engine->epoch());
+  };
+  auto answer = [this, id, engine, pending, fill](const Status& st, int64_t token) {
+    if (pending->failed) {
+      if (st.ok()) engine->tokens().PushFront(token);  // not this worker's: the push was refused
+      return;
+    }
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    auto p = resp.initPush();
+    fill(p);
+    p.setToken(token);
+    p.setTokenCode(wire::ToWire(st.code()));
+    p.setTokenMessage(st.message());
+    if (st.ok() && !pending->pull_after.empty()) {
+      Status pulled = AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes);
+      if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
+    }
+    Send(std::move(frame));
+  };
+  const bool wait_first = r.getWaitToken() && host_.config().mode == Mode::kSync;
+  std::shared_ptr<TokenWait> parked;
+  // The answer runs on this strand, after this handler: the outcomes are in by then.
+  if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer);
+  Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes);
+  if (!s.ok()) {
+    pending->failed = true;
+    if (parked) parked->cancel(Cancelled("the push was refused"));
+    return SendError(id, s);
+  }
+  {
+    int accepted = 0;
+    int64_t staleness = 0;
+    for (const GradOutcome& o : pending->outcomes) {
+      accepted += o.accepted ? 1 : 0;
+      staleness = std::max(staleness, o.staleness);
+    }
+    host_.metrics().OnPush(worker_index_, r.getLocalStep(), accepted,
+                           static_cast<int>(pending->outcomes.size()) - accepted, staleness);
+  }
+  if (wait_first) return;
+  if (r.getWaitToken()) {
+    WaitForToken(r.getTimeoutMs(), answer);
+    return;
+  }
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto p = resp.initPush();
+  fill(p);
+  if (!pending->pull_after.empty()) {
+    Status pulled = AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes);
+    if (!pulled.ok()) return SendError(id, pulled);
+  }
+  Send(std::move(frame));
+}
+
+void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
+  if (ClusterCoordinator* c = host_.coordinator(); c != nullptr && !c->is_chief()) {
+    return SendError(id, Unavailable("tokens live on the chief shard " + std::to_string(c->chief()) + "; retry"));
+  }
+  WaitForToken(r.getTimeoutMs(), [this, id](const Status& st, int64_t token) {
+    if (!st.ok()) return SendError(id, st);
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    auto t = resp.initToken();
+    t.setToken(token);
+    t.setIsChief(host_.workers().IsChief(id_));
+    t.setStepGradients(host_.engine()->Stats().last_step_gradients);
+    Send(std::move(frame));
+  });
+}
+
+void WorkerSession::HandleStatus(uint64_t id) {
+  EngineStats st = host_.engine()->Stats();
+  WorkerCounts wc = host_.workers().Counts();
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto s = resp.initStatus();
+  s.setGlobalStep(st.global_step);
+  s.setIsChief(host_.workers().IsChief(id_));
+  s.setTokensQueued(st.tokens_queued);
+  s.setWorkersConnected(wc.connected);
+  s.setWorkersFinished(wc.finished);
+  s.setReplicasRequired(st.required_replicas);
+  s.setAcceptedPushes(st.accepted);
+  s.setStalePushes(st.stale);
+  s.setLastStepGradients(st.last_step_gradients);
+  s.setMaxStaleness(st.max_staleness);
+  s.setLearningRate(host_.engine()->learning_rate());
+  s.setLastCheckpointStep(host_.last_checkpoint_step());
+  FillConfig(s.initConfig(), host_.config(), *host_.engine());
+  FillCluster(s, host_.engine()->epoch());
+  if (ClusterCoordinator* c = host_.coordinator()) {
+    auto v = c->Describe();
+    s.setTerm(v.term);
+    s.setClusterState(v.state);
+    auto missing = s.initMissingShards(static_cast<unsigned>(v.missing.size()));
+    for (size_t i = 0; i < v.missing.size(); ++i)
+      missing.set(static_cast<unsigned>(i), static_cast<uint32_t>(v.missing[i]));
+  } else {
+    Status serving = host_.Serving();
+    s.setClusterState(serving.ok() ? "running" : serving.message());
+  }
+  s.setVersion(kPsdVersion);
+  s.setUptimeS(host_.uptime_s());
+  s.setReady(host_.Serving().ok());
+  auto names = host_.workers().Names();
+  auto list = s.initWorkers(static_cast<unsigned>(names.size()));
+  for (size_t i = 0; i < names.size(); ++i) list.set(static_cast<unsigned>(i), names[i]);
+  Send(std::move(frame));
+}
+
+void WorkerSession::HandleFinish(uint64_t id) {
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setNone();
+  Send(std::move(frame));
+  host_.OnWorkerFinished(id_);
+}
+
+void WorkerSession::HandleGetSlot(uint64_t id, proto::GetSlot::Reader r) {
+  auto slot = host_.engine()->GetSlot(r.getVariable(), r.getSlot());
+  if (!slot.ok()) return SendError(id, slot.status());
+  auto want = WantedDType(r.getHasDtype(), r.getDtype(), r.getVariable(), slot->declared);
+  if (!want.ok()) return SendError(id, want.status());
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  SetValue(*frame, resp.initSlot(), slot->value, slot->dtype, slot->shape, *want);
+  Send(std::move(frame));
+}
+
+void WorkerSession::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
+  std::vector<int64_t> rows;
+  auto in = r.getRows();
+  rows.reserve(in.size());
+  for (int64_t x : in) rows.push_back(x);
+  int64_t step = 0;
+  auto got = host_.engine()->PullRows(r.getName(), rows, &step);
+  if (!got.ok()) return SendError(id, got.status());
+  auto want = WantedDType(r.getHasDtype(), r.getDtype(), r.getName(), got->declared);
+  if (!want.ok()) return SendError(id, want.status());
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto p = resp.initPull();
+  p.setStep(step);
+  SetValue(*frame, p.initValues(1)[0], got->value, got->dtype, got->shape, *want);
+  Send(std::move(frame));
+}
+
+void WorkerSession::HandleCheckpoint(uint64_t id) {
+  Status s = host_.RequestCheckpoint();
+  if (!s.ok()) return SendError(id, s);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setNone();
+  Send(std::move(frame));
+}
+
+void WorkerSession::HandleRecover(uint64_t id, proto::Recover::Reader r) {
+  ClusterCoordinator* c = host_.coordinator();
+  if (c == nullptr) {
+    return SendError(id, FailedPrecondition("psd_admin recover is for a cluster whose chief waits for a decision; a "
+                                            "single psd starts from its newest good checkpoint, or empty"));
+  }
+  Status s = c->Recover(r.getStep(), r.getEmpty());
+  if (!s.ok()) return SendError(id, s);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setNone();
+  Send(std::move(frame));
+}
+
+void WorkerSession::HandleSetLearningRate(uint64_t id, double lr) {
+  if (ClusterCoordinator* c = host_.coordinator(); c != nullptr && !c->is_chief()) {
+    return SendError(id,
+                     Unavailable("set the learning rate on the chief shard " + std::to_string(c->chief()) + "; retry"));
+  }
+  if (!host_.workers().IsChief(id_)) {
+    return SendError(id, FailedPrecondition("only the chief worker may change the learning rate"));
+  }
+  Status s = host_.engine()->SetLearningRate(lr);
+  if (!s.ok()) return SendError(id, s);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setNone();
+  Send(std::move(frame));
+}
+
+template <typename B>
+void WorkerSession::FillCluster(B b, uint64_t engine_epoch) {
+  const ServerConfig& cfg = host_.config();
+  if constexpr (requires { b.setShards(0u); }) {  // push replies carry only the chief and the epoch
+    b.setShardIndex(static_cast<uint32_t>(cfg.shard_index));
+    b.setShards(static_cast<uint32_t>(cfg.shards()));
+  }
+  b.setChiefShard(host_.coordinator() ? host_.coordinator()->chief() : 0);
+  b.setClusterEpoch(engine_epoch);
+}
+
+void WorkerSession::HandlePlace(uint64_t id, proto::Place::Reader r) {
+  ClusterCoordinator* c = host_.coordinator();
+  std::string name = r.getName();
+  Status s = ValidateName(name);
+  if (!s.ok()) return SendError(id, s);
+  auto dtype = wire::FromWire(r.getDtype());
+  if (!dtype.ok()) return SendError(id, dtype.status());
+  Shape shape;
+  for (int64_t d : r.getShape()) shape.push_back(d);
+  s = ValidateShape(shape, *dtype, UINT64_MAX);
+  if (!s.ok()) return SendError(id, s);
+  VarPlacement placed;
+  if (c == nullptr) {
+    placed = {name, *dtype, shape, false, {{0, 0, shape.empty() ? 1 : shape[0]}}, r.getTrainable()};
+  } else {
+    auto p = c->Place(name, *dtype, shape, r.getColocateWith(), r.getTrainable());
+    if (!p.ok()) return SendError(id, p.status());
+    placed = std::move(*p);
+  }
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  PlacementToWire(resp.initPlacement(), placed);
+  Send(std::move(frame));
+}
+
+void WorkerSession::HandleGetPlacement(uint64_t id) {
+  std::vector<VarPlacement> all;
+  std::vector<uint64_t> bytes;
+  Status placed = host_.PlacementMap(&all, &bytes);
+  if (!placed.ok()) return SendError(id, placed);
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto m = resp.initPlacementMap();
+  auto list = m.initVariables(static_cast<unsigned>(all.size()));
+  for (size_t i = 0; i < all.size(); ++i) PlacementToWire(list[static_cast<unsigned>(i)], all[i]);
+  auto b = m.initShardBytes(static_cast<unsigned>(bytes.size()));
+  for (size_t i = 0; i < bytes.size(); ++i) b.set(static_cast<unsigned>(i), bytes[i]);
+  Send(std::move(frame));
+}
+
+void WorkerSession::ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply,
+                                std::function<void()> expire) {
+  if (timeout_ms <= 0) timeout_ms = host_.config().default_token_timeout_ms;
+  collectives_.insert(reply);  // not idle while it is parked
+  ParkedReply::ArmDeadline(reply, std::chrono::milliseconds(timeout_ms), std::move(expire));
+}
+
+void WorkerSession::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
+  auto engine = host_.engine();
+  std::vector<GradRef> values;
+  for (auto e : r.getEntries()) {
+    auto t = wire::ReadTensor(e.getValue(), host_.config().max_frame_bytes);
+    if (!t.ok()) return SendError(id, t.status());
+    auto name = e.getDestination();
+    values.push_back({std::string_view(name.cStr(), name.size()), t->dtype, std::move(t->shape), t->data, t->bytes});
+  }
+  if (values.empty()) return SendError(id, InvalidArgument("reduce_to needs at least one value"));
+  // The reply is built when every destination's round completed, or at the deadline; whichever
+  // comes first answers, on this connection's strand.
+  auto parked = std::make_shared<ParkedReply>(conn_->strand());
+  int64_t timeout_ms = r.getTimeoutMs();
+  auto self = shared_from_this();
+  auto completed = std::make_shared<std::atomic<bool>>(false);
+  auto reply = [self, id, parked, engine, completed](std::vector<ReduceOutcome> outcomes) {
+    completed->store(true);
+    asio::post(self->conn_->strand(), [self, id, parked, engine, outcomes = std::move(outcomes)] {
+      if (!parked->Answer()) return;
+      proto::Response::Builder resp(nullptr);
+      auto frame = self->NewReply(id, &resp);
+      auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
+      for (size_t i = 0; i < outcomes.size(); ++i) {
+        const ReduceOutcome& o = outcomes[i];
+        auto e = list[static_cast<unsigned>(i)];
+        e.setAccepted(o.accepted);
+        e.setStep(o.step);
+        SetValue(*frame, e.initValue(), o.value, o.dtype, o.shape, o.declared);
+      }
+      self->Send(std::move(frame));
+    });
+  };
+  Status s = engine->Reduce(r.getOp() == proto::Reduction::MEAN, r.getLocalStep(), values, std::move(reply));
+  if (!s.ok()) {
+    parked->Answer();
+    return SendError(id, s);
+  }
+  if (completed->load()) return;  // answered already (the last contribution, or all stale)
+  ArmDeadline(timeout_ms, parked, [self, id, timeout_ms, engine] {
+    self->SendError(id,
+                    DeadlineExceeded("reduce_to: not every replica contributed within " + std::to_string(timeout_ms) +
+                                     " ms (a round needs " + std::to_string(engine->required_replicas()) +
+                                     "); this call's values still count"));
+  });
+}
+
+void WorkerSession::HandleUpdate(uint64_t id, proto::Update::Reader r) {
+  auto engine = host_.engine();
+  UpdateArgs a;
+  auto name = r.getVariable();
+  a.name = std::string_view(name.cStr(), name.size());
+  switch (r.getOp()) {
+    case proto::UpdateOp::ASSIGN:
+      a.op = UpdateOp::kAssign;
+      break;
+    case proto::UpdateOp::ASSIGN_ADD:
+      a.op = UpdateOp::kAssignAdd;
+      break;
+    case proto::UpdateOp::ASSIGN_SUB:
+      a.op = UpdateOp::kAssignSub;
+      break;
+    case proto::UpdateOp::SCALE:
+      a.op = UpdateOp::kScale;
+      break;
+    default:
+      return SendError(id, InvalidArgument("unknown update op"));
+  }
+  if (a.op != UpdateOp::kScale) {
+    auto t = wire::ReadTensor(r.getValue(), host_.config().max_frame_bytes);
+    if (!t.ok()) return SendError(id, t.status());
+    a.dtype = t->dtype;
+    a.shape = std::move(t->shape);
+    a.data = t->data;
+    a.bytes = t->bytes;
+  }
+  a.factor = r.getFactor();
+  a.cross_replica = r.getCrossReplica();
+  a.replica = r.getReplica();
+  a.local_step = r.getLocalStep();
+  a.at_next_step = r.getAtNextStep();
+  auto parked = std::make_shared<ParkedReply>(conn_->strand());
+  auto completed = std::make_shared<std::atomic<bool>>(false);
+  auto self = shared_from_this();
+  Status s = engine->Update(a, [self, id, parked, completed](const Status& st, bool applied, int64_t step) {
+    completed->store(true);
+    asio::post(self->conn_->strand(), [self, id, parked, st, applied, step] {
+      if (!parked->Answer()) return;
+      if (!st.ok()) return self->SendError(id, st);
+      proto::Response::Builder resp(nullptr);
+      auto frame = self->NewReply(id, &resp);
+      auto u = resp.initUpdate();
+      u.setApplied(applied);
+      u.setStep(step);
+      self->Send(std::move(frame));
+    });
+  });
+  if (!s.ok()) {
+    parked->Answer();
+    return SendError(id, s);
+  }
+  if (completed->load()) return;
+  int64_t timeout_ms = r.getTimeoutMs();
+  ArmDeadline(timeout_ms, parked, [self, id, timeout_ms] {
+    self->SendError(id, DeadlineExceeded("update: not every replica assigned within " + std::to_string(timeout_ms) +
+                                         " ms; this replica's share still counts"));
+  });
+}
+
+// --- token waits ------------------------------------------------------------------------------
+
+std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t timeout_ms, TokenDone done) {
+  if (timeout_ms <= 0) timeout_ms = host_.config().default_token_timeout_ms;
+  std::shared_ptr<TrainingEngine> engine = host_.engine();
+  Mode mode = host_.config().mode;
+  if (mode == Mode::kAsync) {
+    // No barrier: the "token" is the current global step.
+    done(engine->tokens().closed() ? OutOfRange("training is over: all workers finished") : Status::Ok(),
+         engine->global_step());
+    return nullptr;
+  }
+  auto w = std::make_shared<TokenWait>(conn_->strand());
+  w->on_done = std::move(done);
+  auto self = shared_from_this();
+  auto post = [self, w](Status s, int64_t value) {
+    asio::post(self->conn_->strand(), [self, w, s = std::move(s), value] { self->FinishTokenWait(w, s, value); });
+  };
+  uint64_t wid = 0;
+  if (mode == Mode::kSync) {
+    w->from_queue = true;
+    wid = engine->tokens().Wait(post);
+    w->cancel = [engine, wid](const Status& why) { return engine->tokens().Cancel(wid, why); };
+    w->engine = engine;
+  } else {
+    // Bounded staleness: the barrier releases with the current global step once this worker's
+    // clock is within the bound of the slowest live worker.
+    SspGate& gate = host_.ssp();
+    wid = gate.Advance(worker_index_, [post, engine](Status s, int64_t) { post(std::move(s), engine->global_step()); });
+    w->cancel = [&gate, wid](const Status& why) { return gate.Cancel(wid, why); };
+  }
+  if (wid == 0) return nullptr;  // answered at once (the callback is already posted)
+  parked_.insert(w);
+  w->timer.expires_after(std::chrono::milliseconds(timeout_ms));
+  w->timer.async_wait([self, w, timeout_ms](boost::system::error_code ec) {
+    if (ec || w->done) return;
+    EngineStats st = self->host_.engine()->Stats();
+    std::string what = self->host_.config().mode == Mode::kSync
+                           ? "a step needs " + std::to_string(st.required_replicas) + " fresh gradient(s) per variable"
+                           : "waiting for the slowest worker to come within the staleness bound";
+    w->cancel(DeadlineExceeded("no token within " + std::to_string(timeout_ms) + " ms (global step " +
+                               std::to_string(st.global_step) + ", " + what + ")"));
+  });
+  return w;
+}
+
+void WorkerSession::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token) {
+  if (w->done) return;
+  w->done = true;
+  w->timer.cancel();
+  parked_.erase(w);
+  host_.metrics().OnTokenWait(std::chrono::duration<double>(std::chrono::steady_clock::now() - w->started).count());
+  if (conn_->closed()) {
+    // The peer is gone: a token delivered to it goes back so no other worker starves.
+    if (s.ok() && w->from_queue && w->engine) w->engine->tokens().PushFront(token);
+    return;
+  }
+  w->on_done(s, token);
+}
+
+// --- writing ----------------------------------------------------------------------------------
+
+std::shared_ptr<wire::OutFrame> WorkerSession::NewReply(uint64_t id, proto::Response::Builder* resp) {
+  auto frame = std::make_shared<wire::OutFrame>();
+  *resp = frame->builder.initRoot<proto::Response>();
+  resp->setId(id);
+  resp->setCode(proto::Code::OK);
+  return frame;
+}
+
+std::shared_ptr<wire::OutFrame> WorkerSession::ErrorReply(uint64_t id, const Status& status) {
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  resp.setCode(wire::ToWire(status.code()));
+  resp.setMessage(status.message());
+  return frame;
+}
+
+void WorkerSession::SendError(uint64_t id, const Status& status) {
+  spdlog::debug("connection {}: request {} failed: {}", id_, id, status.ToString());
+  Send(ErrorReply(id, status));
+}
+
+}  // namespace psd::server

@@ -1,0 +1,117 @@
+// WorkerSession: the wire service of one connection (README "Architecture"): where a frame's
+// Cap'n Proto request becomes calls on the training core, the worker registry and the cluster, and
+// their results become the reply. It never touches the socket: its Connection (net/connection.h)
+// reads and writes the frames, and the session tells it which role the hello admitted (worker,
+// observer, shard), which sets what the connection may send.
+//
+// Malformed input: a well-framed message that fails to decode or validate gets an error reply
+// and the connection stays usable; a peer message from anything but a proven shard link, or in
+// another shard's name, closes it. Nothing a peer sends reaches an assertion.
+//
+// Thread-safety: every member is touched only on the connection's strand.
+#ifndef PSD_SERVER_SERVICE_WORKER_SESSION_H_
+#define PSD_SERVER_SERVICE_WORKER_SESSION_H_
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <set>
+
+#include "cluster/peer_auth.h"
+#include "core/token_queue.h"
+#include "net/connection.h"
+#include "net/parked_reply.h"
+#include "psd.capnp.h"
+#include "wire/asio.h"
+#include "wire/frame.h"
+
+namespace psd::server {
+
+class ServiceHost;
+
+class WorkerSession : public FrameHandler, public std::enable_shared_from_this<WorkerSession> {
+ public:
+  // `host` outlives the session.
+  WorkerSession(ServiceHost& host, std::shared_ptr<Connection> conn);
+
+  // FrameHandler (on the connection's strand).
+  void OnFrame(const wire::InFrame& frame) override;
+  std::shared_ptr<wire::OutFrame> ErrorReply(uint64_t id, const Status& status) override;
+  bool Busy() override;
+  void OnClosed() override;
+
+ private:
+  struct TokenWait;
+  using TokenDone = std::function<void(const Status&, int64_t token)>;
+
+  // Answers `id` with `status` and closes once the reply is written.
+  void FailStream(const Status& status, uint64_t id);
+  void Send(std::shared_ptr<wire::OutFrame> frame) { conn_->Send(std::move(frame)); }
+
+  void Dispatch(proto::Request::Reader req);
+  void HandleHello(uint64_t id, proto::Hello::Reader r);
+  // A shard's hello: with a cluster secret, answered with this shard's challenge and proof; the
+  // link is a peer's only once HandlePeerProof verified the dialer's (cluster/peer_auth.h).
+  void HandlePeerHello(uint64_t id, proto::Hello::Reader r);
+  void HandlePeerProof(uint64_t id, capnp::Data::Reader proof);
+  // The transcript of the pending challenge (peer_claim_, peer_nonces_).
+  peer_auth::Transcript PendingTranscript() const;
+  // Logs a refused impersonation attempt (rate-limited across connections).
+  void LogSpoof(const std::string& what);
+  void HandleCreate(uint64_t id, proto::CreateVariable::Reader r);
+  void HandlePull(uint64_t id, proto::Pull::Reader r);
+  // Puts the named variables' current values (one step) into a reply, referencing them in place.
+  // want: empty, or per name the dtype to deliver (unset: the variable's own).
+  Status AddValues(wire::OutFrame& frame, proto::PullReply::Builder p, const std::vector<std::string>& names,
+                   bool averages, const std::vector<std::optional<DType>>& want = {});
+  void HandlePush(uint64_t id, proto::Push::Reader r);
+  void HandleWaitToken(uint64_t id, proto::WaitToken::Reader r);
+  void HandleStatus(uint64_t id);
+  void HandleFinish(uint64_t id);
+  void HandleGetSlot(uint64_t id, proto::GetSlot::Reader r);
+  void HandlePullRows(uint64_t id, proto::PullRows::Reader r);
+  void HandleSetLearningRate(uint64_t id, double lr);
+  void HandleCheckpoint(uint64_t id);
+  void HandleRecover(uint64_t id, proto::Recover::Reader r);  // an operator's (README "Losing a shard's checkpoints")
+  void HandlePlace(uint64_t id, proto::Place::Reader r);
+  void HandleReduce(uint64_t id, proto::Reduce::Reader r);
+  void HandleUpdate(uint64_t id, proto::Update::Reader r);
+  // Arms a deadline for a parked collective: `expire` runs on the strand if it passes first; a
+  // reply sent before it cancels it (ParkedReply::Answer).
+  void ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply, std::function<void()> expire);
+  void HandleGetPlacement(uint64_t id);
+  // Cluster: this daemon's shard, the chief and the epoch of `engine_epoch`.
+  template <typename B>
+  void FillCluster(B b, uint64_t engine_epoch);
+
+  // Waits for a token with a deadline; `done` runs on the strand exactly once.
+  // Parks a token wait bounded by timeout_ms (<= 0: psd's default); `done` runs on the strand.
+  // Returns the parked wait (its cancel answers `done` with a status), or nullptr when answered
+  // at once.
+  std::shared_ptr<TokenWait> WaitForToken(int64_t timeout_ms, TokenDone done);
+  void FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token);
+
+  std::shared_ptr<wire::OutFrame> NewReply(uint64_t id, proto::Response::Builder* resp);
+  void SendError(uint64_t id, const Status& status);
+
+  ServiceHost& host_;
+  const std::shared_ptr<Connection> conn_;
+  const uint64_t id_;        // the connection's
+  bool hello_done_ = false;  // a worker's hello was accepted
+  bool greeted_ = false;     // any hello (worker, observer, peer) was accepted
+  // Parked reduce/update replies.
+  std::set<std::shared_ptr<ParkedReply>> collectives_;
+  bool authenticated_ = false;  // a hello with the right token (or no token required)
+  uint32_t worker_index_ = 0;
+  int peer_shard_ = -1;  // another shard of the cluster (after its peer hello; its proof with a secret)
+  int peer_claim_ = -1;  // the shard a peer hello claims while its proof is awaited
+  // While a peer's proof is awaited: the dialer's nonce followed by this shard's.
+  std::string peer_nonces_;
+  std::set<std::shared_ptr<TokenWait>> parked_;
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_SERVICE_WORKER_SESSION_H_
