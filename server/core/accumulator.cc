@@ -8,11 +8,19 @@ namespace psd::server {
 namespace {
 
 template <typename T>
-void AddInto(T* __restrict dst, const T* __restrict src, int64_t n) {
+void AddTyped(T* __restrict dst, const T* __restrict src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
 }  // namespace
+
+void AddInto(DType dtype, void* dst, const void* src, int64_t n) {
+  if (dtype == DType::kFloat32) {
+    AddTyped(static_cast<float*>(dst), static_cast<const float*>(src), n);
+  } else {
+    AddTyped(static_cast<double*>(dst), static_cast<const double*>(src), n);
+  }
+}
 
 DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction, int64_t initial_step)
     : dtype_(dtype),
@@ -47,7 +55,12 @@ Status DenseAccumulator::Check(DType want_dtype, const Shape& want_shape, DType 
 Result<bool> DenseAccumulator::ApplyGrad(int64_t local_step, DType dtype, const Shape& shape, const void* data,
                                          size_t bytes) {
   PSD_RETURN_IF_ERROR(Validate(dtype, shape, bytes));
+  return AddChecked(local_step, dtype, data);
+}
+
+bool DenseAccumulator::AddChecked(int64_t local_step, DType dtype, const void* data) {
   if (local_step < step_) return false;
+  const size_t bytes = static_cast<size_t>(num_elements_) * DTypeSize(dtype_);
   if (dtype != dtype_) {  // a half gradient into float32: converted while it is added
     if (counter_ == 0) {
       ConvertElements(data, dtype, sum_.data(), dtype_, static_cast<size_t>(num_elements_));
@@ -56,10 +69,8 @@ Result<bool> DenseAccumulator::ApplyGrad(int64_t local_step, DType dtype, const 
     }
   } else if (counter_ == 0) {
     if (bytes) std::memcpy(sum_.data(), data, bytes);
-  } else if (dtype_ == DType::kFloat32) {
-    AddInto(sum_.as<float>(), static_cast<const float*>(data), num_elements_);
   } else {
-    AddInto(sum_.as<double>(), static_cast<const double*>(data), num_elements_);
+    AddInto(dtype_, sum_.data(), data, num_elements_);
   }
   ++counter_;
   return true;

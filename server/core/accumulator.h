@@ -27,6 +27,9 @@ namespace psd::server {
 // "dtype mismatch: accumulator is float32, gradient is float64", shared by both accumulators.
 Status CheckGradientDType(DType want, DType got);
 
+// dst[i] += src[i] over n elements of dtype (float32 or float64), dst and src not overlapping.
+void AddInto(DType dtype, void* dst, const void* src, int64_t n);
+
 class DenseAccumulator {
  public:
   DenseAccumulator(DType dtype, Shape shape, Reduction reduction, int64_t initial_step);
@@ -42,6 +45,9 @@ class DenseAccumulator {
 
   // TF apply_grad. Returns true when accepted, false when stale (dropped).
   Result<bool> ApplyGrad(int64_t local_step, DType dtype, const Shape& shape, const void* data, size_t bytes);
+  // ApplyGrad for a gradient that already passed Check against this accumulator's dtype and
+  // shape (the engine validates a whole push first): no second validation on the hot path.
+  bool AddChecked(int64_t local_step, DType dtype, const void* data);
 
   // TF take_grad without the wait. Errors with "Argument num_required must be positive, but was
   // <n>" for num_required <= 0. Returns false (nothing changes) while counter < num_required.

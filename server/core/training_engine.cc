@@ -22,19 +22,6 @@ enum class GradKind { kUnknown, kDense, kSparse };
 
 const char* KindName(GradKind k) { return k == GradKind::kSparse ? "sparse" : "dense"; }
 
-// dst[i] += src[i] (or dst[i] = src[i] * scale when `assign_scaled`), over n elements of dtype.
-void AddInto(DType dtype, void* dst, const void* src, int64_t n) {
-  if (dtype == DType::kFloat32) {
-    float* d = static_cast<float*>(dst);
-    const float* s = static_cast<const float*>(src);
-    for (int64_t i = 0; i < n; ++i) d[i] += s[i];
-  } else {
-    double* d = static_cast<double*>(dst);
-    const double* s = static_cast<const double*>(src);
-    for (int64_t i = 0; i < n; ++i) d[i] += s[i];
-  }
-}
-
 void Scale(DType dtype, void* data, int64_t n, double factor) {
   if (dtype == DType::kFloat32) {
     float* d = static_cast<float*>(data);
@@ -457,7 +444,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
       } else {
         if (!v->dense)
           v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
-        accepted = v->dense->ApplyGrad(local_step, g.dtype, g.shape, g.data, g.bytes);
+        accepted = v->dense->AddChecked(local_step, g.dtype, g.data);  // validated above
       }
       if (!accepted.ok()) return accepted.status();  // unreachable: validated above
       int64_t acc_step = v->acc_step();
@@ -939,6 +926,18 @@ Status TrainingEngine::Pull(const std::vector<std::string>& names, std::vector<P
   }
   *step = global_step_.load();
   return Status::Ok();
+}
+
+Result<std::vector<DType>> TrainingEngine::DeclaredDTypes(const std::vector<std::string>& names) const {
+  std::vector<DType> out;
+  out.reserve(names.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const std::string& name : names) {
+    Variable* v = FindLocked(name);
+    if (v == nullptr) return NotFound("no variable named '" + name + "'");
+    out.push_back(v->declared);
+  }
+  return out;
 }
 
 Result<PulledValue> TrainingEngine::PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step) {

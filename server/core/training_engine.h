@@ -191,6 +191,9 @@ class TrainingEngine {
   // global step, returned in *step. With `averages`, the moving averages instead.
   Status Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out, int64_t* step,
               bool averages = false);
+  // The declared dtypes of the named variables (NotFound naming the first unknown one): checks a
+  // later read's names without reading (no value is combined or referenced).
+  Result<std::vector<DType>> DeclaredDTypes(const std::vector<std::string>& names) const;
   // Copies the listed rows (any order, repeats allowed) of a variable: [n, row dims...].
   Result<PulledValue> PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step);
 

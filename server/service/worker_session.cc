@@ -485,11 +485,10 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   if (!pull_after.empty()) {
     // Checked before anything is pushed, so the pull after the token cannot fail (variables are
     // never deleted) and a bad name changes nothing.
-    std::vector<PulledValue> probe;
-    int64_t step = 0;
-    Status known = engine->Pull(pull_after, &probe, &step);
-    for (size_t i = 0; known.ok() && i < probe.size(); ++i) {
-      if ((*want)[i]) known = CheckWanted("variable '" + pull_after[i] + "'", probe[i].declared, *(*want)[i]);
+    auto declared = engine->DeclaredDTypes(pull_after);
+    Status known = declared.status();
+    for (size_t i = 0; known.ok() && i < declared->size(); ++i) {
+      if ((*want)[i]) known = CheckWanted("variable '" + pull_after[i] + "'", (*declared)[i], *(*want)[i]);
     }
     if (!known.ok()) return SendError(id, known);
   }
