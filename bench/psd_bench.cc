@@ -80,6 +80,7 @@
 #include "daemon/server.h"
 #include "core/optimizer.h"
 #include "psclient/client.h"
+#include "psd/cluster_list.h"
 #include "psd/half.h"
 #include "psd/listen_socket.h"
 #include "core/training_engine.h"
@@ -287,21 +288,11 @@ Result<uint64_t> ParseBytes(const std::string& text) {
 }
 
 Result<Endpoint> ParseEndpoint(const std::string& text) {
-  size_t colon = text.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == text.size()) {
-    return psd::InvalidArgument("--connect wants HOST:PORT, got '" + text + "'");
-  }
+  auto hp = psd::ParseHostPort(text, "--connect");
+  if (!hp.ok()) return hp.status();
   Endpoint ep;
-  ep.host = text.substr(0, colon);
-  unsigned long port = 0;
-  for (size_t i = colon + 1; i < text.size(); ++i) {
-    if (text[i] < '0' || text[i] > '9' || port > 65535) {
-      return psd::InvalidArgument("--connect: '" + text.substr(colon + 1) + "' is not a port");
-    }
-    port = port * 10 + static_cast<unsigned long>(text[i] - '0');
-  }
-  if (port == 0 || port > 65535) return psd::InvalidArgument("--connect: port must be in [1, 65535]");
-  ep.port = static_cast<uint16_t>(port);
+  ep.host = hp->host;
+  ep.port = hp->port;
   return ep;
 }
 

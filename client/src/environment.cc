@@ -4,6 +4,7 @@
 #include <string>
 
 #include "psclient/client.h"
+#include "psd/cluster_list.h"
 #include "psd/secret.h"
 
 namespace psclient {
@@ -28,18 +29,6 @@ Result<long> ParseInteger(const std::string& name, const std::string& value, lon
   return v;
 }
 
-// "host:port" with a non-empty host and a port in 1..65535 (IPv6 literals in brackets: [::1]:7070).
-Status CheckEndpoint(const std::string& entry) {
-  size_t colon = entry.rfind(':');
-  const std::string fix = "; PSD_CLUSTER is a comma-separated list of host:port, e.g. 127.0.0.1:7070,127.0.0.1:7071";
-  if (colon == std::string::npos || colon == 0) {
-    return psd::InvalidArgument("PSD_CLUSTER entry '" + entry + "' is not host:port" + fix);
-  }
-  auto port = ParseInteger("the port of PSD_CLUSTER entry '" + entry + "'", entry.substr(colon + 1), 1, 65535);
-  if (!port.ok()) return psd::InvalidArgument(port.status().message() + fix);
-  return Status::Ok();
-}
-
 }  // namespace
 
 Result<LaunchEnvironment> ReadLaunchEnvironment(const EnvironmentLookup& lookup) {
@@ -55,13 +44,16 @@ Result<LaunchEnvironment> ReadLaunchEnvironment(const EnvironmentLookup& lookup)
   }
   std::vector<std::string> entries = ParseClusterList(*cluster);
   if (entries.empty()) return psd::InvalidArgument("PSD_CLUSTER='" + *cluster + "' lists no host:port");
-  for (const auto& e : entries) PSD_RETURN_IF_ERROR(CheckEndpoint(e));
+  const std::string fix = "; PSD_CLUSTER is a comma-separated list of host:port, e.g. 127.0.0.1:7070,127.0.0.1:7071";
+  std::vector<psd::HostPort> endpoints;
+  for (const auto& e : entries) {
+    auto hp = psd::ParseHostPort(e, "PSD_CLUSTER entry");
+    if (!hp.ok()) return psd::InvalidArgument(hp.status().message() + fix);
+    endpoints.push_back(std::move(*hp));
+  }
   if (entries.size() == 1) {
-    size_t colon = entries[0].rfind(':');
-    std::string host = entries[0].substr(0, colon);
-    if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-    o.host = host;
-    o.port = static_cast<uint16_t>(std::atoi(entries[0].c_str() + colon + 1));
+    o.host = endpoints[0].host;
+    o.port = endpoints[0].port;
   } else {
     o.cluster = std::move(entries);
   }

@@ -87,7 +87,7 @@ TEST_CASE("the launch environment: malformed values are refused with what to set
   CHECK_THAT(ErrorOf({{"PSD_CLUSTER", ",,"}}), Catch::Contains("lists no host:port"));
   CHECK_THAT(ErrorOf({{"PSD_CLUSTER", "127.0.0.1"}}), Catch::Contains("'127.0.0.1' is not host:port"));
   CHECK_THAT(ErrorOf({{"PSD_CLUSTER", "h:1,h:99999"}}), Catch::Contains("'h:99999'") && Catch::Contains("1..65535"));
-  CHECK_THAT(ErrorOf({{"PSD_CLUSTER", "h:x"}}), Catch::Contains("not a whole number"));
+  CHECK_THAT(ErrorOf({{"PSD_CLUSTER", "h:x"}}), Catch::Contains("the port must be a number in 1..65535"));
   CHECK_THAT(ErrorOf({{"PSD_CLUSTER", "h:1"}, {"PSD_WORKER_INDEX", "1x"}}), Catch::Contains("PSD_WORKER_INDEX='1x'"));
   CHECK_THAT(ErrorOf({{"PSD_CLUSTER", "h:1"}, {"PSD_WORKER_INDEX", "4"}, {"PSD_NUM_WORKERS", "4"}}),
              Catch::Contains("PSD_WORKER_INDEX='4'") && Catch::Contains("0..3"));
