@@ -236,7 +236,7 @@ struct ReduceEntry {
 struct Reduce {
   op @0 :Reduction;
   localStep @1 :Int64;    # staleness as for gradients: older than the destination's round is dropped
-  replica @2 :UInt32;
+  replica @2 :UInt32;     # unused (ignored; not sent since 0.1): the daemon knows the sender from its hello
   entries @3 :List(ReduceEntry);
   timeoutMs @4 :Int64;    # <= 0: the daemon's token timeout
 }

@@ -1462,7 +1462,6 @@ Result<std::vector<ReduceResult>> Client::BatchReduceTo(ReduceOp op, int64_t loc
       auto r = req.initReduce();
       r.setOp(op == ReduceOp::kMean ? proto::Reduction::MEAN : proto::Reduction::SUM);
       r.setLocalStep(local_step);
-      r.setReplica(im.chief().worker_id);
       r.setTimeoutMs(hints.timeout_ms);
       const auto& entries = shard_packs[wave];
       auto list = r.initEntries(static_cast<unsigned>(entries.size()));
