@@ -625,6 +625,18 @@ void Server::Stop() {
     if (t.joinable()) t.join();
   }
   threads_.clear();
+  // Connections still open (a write stuck past the drain): closed here, with no thread left to
+  // race, so each lets go of its session (they hold each other until the close).
+  {
+    std::vector<std::shared_ptr<Connection>> stuck;
+    {
+      std::lock_guard<std::mutex> lock(conns_mu_);
+      for (auto& [id, weak] : conns_) {
+        if (auto c = weak.lock()) stuck.push_back(c);
+      }
+    }
+    for (auto& c : stuck) c->CloseNow();
+  }
   if (checkpoint_thread_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(ckpt_mu_);
