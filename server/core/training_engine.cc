@@ -1091,7 +1091,9 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
           MutexLock lock(&mu_);
           current = v->published;
         }
-        finish_one(i, {false, r.step, current, v->dtype, v->declared, v->shape});
+        int64_t stale_step = r.step;
+        vlock.Unlock();  // `done` runs outside all locks
+        finish_one(i, {false, stale_step, current, v->dtype, v->declared, v->shape});
         continue;
       }
       if (r.count == 0) {
@@ -1153,32 +1155,37 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
   }
   const int n = std::max(1, config_.total_replicas);
   if (a.cross_replica && a.at_next_step && config_.mode == Mode::kSync && !v->sync_on_read) {
-    MutexLock lock(&mu_);
-    const Buffer& base = v->staged_update ? *v->staged_update : *v->published;
-    v->staged_update = Updated(base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
-    int64_t lands = global_step_.load() + 1;
+    int64_t lands = 0;
+    {
+      MutexLock lock(&mu_);
+      const Buffer& base = v->staged_update ? *v->staged_update : *v->published;
+      v->staged_update = Updated(base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
+      lands = global_step_.load() + 1;
+    }
     done(Status::Ok(), true, lands);
     return Status::Ok();
   }
   if (a.cross_replica || v->sync_on_read) {
-    MutexLock lock(&mu_);
-    if (!v->sync_on_read) {
-      ApplyUpdateLocked(v, a.op, a.data, a.factor);
-    } else if (!a.cross_replica) {
-      // This replica's own value.
-      auto& mine = v->replica_values[a.replica];
-      mine = Updated(mine ? *mine : *v->replica_base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
-    } else {
-      // Cross-replica on a sync-on-read variable: every replica gets the share that reads back
-      // as the value (SUM: value / N each).
-      Buffer share(v->bytes);
-      if (a.op != UpdateOp::kScale) {
-        std::memcpy(share.data(), a.data, v->bytes);
-        if (v->aggregation == Aggregation::kSum) Scale(v->dtype, share.data(), NumElements(v->shape), 1.0 / n);
+    {
+      MutexLock lock(&mu_);
+      if (!v->sync_on_read) {
+        ApplyUpdateLocked(v, a.op, a.data, a.factor);
+      } else if (!a.cross_replica) {
+        // This replica's own value.
+        auto& mine = v->replica_values[a.replica];
+        mine = Updated(mine ? *mine : *v->replica_base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
+      } else {
+        // Cross-replica on a sync-on-read variable: every replica gets the share that reads back
+        // as the value (SUM: value / N each).
+        Buffer share(v->bytes);
+        if (a.op != UpdateOp::kScale) {
+          std::memcpy(share.data(), a.data, v->bytes);
+          if (v->aggregation == Aggregation::kSum) Scale(v->dtype, share.data(), NumElements(v->shape), 1.0 / n);
+        }
+        std::vector<std::shared_ptr<Buffer>*> all{&v->replica_base};
+        for (auto& [r, b] : v->replica_values) all.push_back(&b);
+        for (auto* b : all) *b = Updated(**b, v->dtype, NumElements(v->shape), a.op, share.data(), a.factor);
       }
-      std::vector<std::shared_ptr<Buffer>*> all{&v->replica_base};
-      for (auto& [r, b] : v->replica_values) all.push_back(&b);
-      for (auto* b : all) *b = Updated(**b, v->dtype, NumElements(v->shape), a.op, share.data(), a.factor);
     }
     done(Status::Ok(), true, 0);
     return Status::Ok();
@@ -1205,7 +1212,9 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
     MutexLock vlock(&v->mu);
     Round& r = v->update_round;
     if (a.local_step < r.step) {
-      done(Status::Ok(), false, r.step);  // stale: dropped
+      int64_t current = r.step;
+      vlock.Unlock();
+      done(Status::Ok(), false, current);  // stale: dropped
       return Status::Ok();
     }
     if (r.count > 0 && r.op != a.op) {
