@@ -23,7 +23,6 @@
 #define PSD_COMMON_BASE_MUTEX_H_
 
 #include <cassert>
-#include <chrono>
 #include <condition_variable>
 #include <mutex>
 
@@ -98,14 +97,6 @@ class CondVar {
     std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
     cv_.wait(lock);
     lock.release();  // still held: the caller's
-  }
-  // As Wait, until `deadline` at the latest; false if the deadline passed.
-  template <typename Clock, typename Duration>
-  bool WaitUntil(Mutex* mu, const std::chrono::time_point<Clock, Duration>& deadline) REQUIRES(mu) {
-    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
-    bool notified = cv_.wait_until(lock, deadline) == std::cv_status::no_timeout;
-    lock.release();
-    return notified;
   }
   void NotifyOne() { cv_.notify_one(); }
   void NotifyAll() { cv_.notify_all(); }

@@ -5,7 +5,7 @@
 // annotated Mutex of base/mutex.h: libstdc++'s std::mutex carries no annotations.
 //
 // The daemon's threads and locks, and the order they are taken in: docs/THREADING.md. The CI's
-// clang build (tests/thread_safety.sh) compiles the daemon with -Wthread-safety -Werror.
+// clang build (tests/thread_safety/build.sh) fails on a -Wthread-safety warning.
 #ifndef PSD_COMMON_BASE_THREAD_ANNOTATIONS_H_
 #define PSD_COMMON_BASE_THREAD_ANNOTATIONS_H_
 
@@ -23,10 +23,6 @@
 #define GUARDED_BY(mu) PSD_THREAD_ANNOTATION(guarded_by(mu))
 // A pointer member whose pointee is read or written only with the lock held.
 #define PT_GUARDED_BY(mu) PSD_THREAD_ANNOTATION(pt_guarded_by(mu))
-// Lock order: this lock is taken after / before the listed ones (documentation for
-// -Wthread-safety-beta; clang 14 does not check it by default).
-#define ACQUIRED_AFTER(...) PSD_THREAD_ANNOTATION(acquired_after(__VA_ARGS__))
-#define ACQUIRED_BEFORE(...) PSD_THREAD_ANNOTATION(acquired_before(__VA_ARGS__))
 // The caller holds the lock(s) (the *Locked functions).
 #define REQUIRES(...) PSD_THREAD_ANNOTATION(requires_capability(__VA_ARGS__))
 // The caller must not hold the lock(s): the function takes them itself (or runs callbacks that may).

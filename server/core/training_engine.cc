@@ -160,16 +160,15 @@ struct TrainingEngine::Variable {
   // be created). A claim is dropped again when its push fails validation later on, unless another
   // push holds one too or a gradient of that kind was used (kind_fixed).
   GradKind kind GUARDED_BY(mu) = GradKind::kUnknown;
-  int kind_claims GUARDED_BY(mu) = 0;       // validated pushes that have not yet used `kind`
-  bool kind_fixed GUARDED_BY(mu) = false;   // a gradient of `kind` was accumulated or applied
+  int kind_claims GUARDED_BY(mu) = 0;      // validated pushes that have not yet used `kind`
+  bool kind_fixed GUARDED_BY(mu) = false;  // a gradient of `kind` was accumulated or applied
   std::unique_ptr<DenseAccumulator> dense GUARDED_BY(mu);
   std::unique_ptr<SparseAccumulator> sparse GUARDED_BY(mu);
-  int64_t next_take_step GUARDED_BY(mu);    // the step this variable is taken for next
+  int64_t next_take_step GUARDED_BY(mu);  // the step this variable is taken for next
   // Guarded by mu (dense) / TrainingEngine::mu_ (sparse): not expressible as an annotation.
   std::vector<Buffer> slots;
-  // The engine's mu_ guards the rest. (An annotation cannot name the engine's mutex from here:
-  // clang resolves GUARDED_BY against this struct.)
-
+  // The fields "guarded by TrainingEngine::mu_" stay comments: an annotation here cannot name the
+  // engine's mutex (clang resolves GUARDED_BY against this struct).
   std::shared_ptr<Buffer> published;    // guarded by TrainingEngine::mu_
   std::shared_ptr<Buffer> staged;       // guarded by TrainingEngine::mu_ (dense take result)
   std::shared_ptr<Buffer> spare;        // guarded by TrainingEngine::mu_

@@ -344,17 +344,17 @@ class TrainingEngine {
 
   mutable Mutex mu_;
   std::map<std::string, std::unique_ptr<Variable>, std::less<>> vars_ GUARDED_BY(mu_);
-  int pending_takes_ GUARDED_BY(mu_) = 0;            // trainable variables not yet taken this step
-  uint64_t model_bytes_ GUARDED_BY(mu_) = 0;         // the memory the variables account for
+  int pending_takes_ GUARDED_BY(mu_) = 0;     // trainable variables not yet taken this step
+  uint64_t model_bytes_ GUARDED_BY(mu_) = 0;  // the memory the variables account for
   int step_min_count_ GUARDED_BY(mu_) = 0;
   int step_max_count_ GUARDED_BY(mu_) = 0;
-  bool step_started_ GUARDED_BY(mu_) = false;        // a fresh gradient arrived for the open step
-  double step_lr_ GUARDED_BY(mu_);                   // learning rate of the open step
-  int step_takes_begun_ GUARDED_BY(mu_) = 0;         // variables whose take for the open step has begun
-  int step_takes_ GUARDED_BY(mu_) = 0;               // variables taken for the open step
+  bool step_started_ GUARDED_BY(mu_) = false;  // a fresh gradient arrived for the open step
+  double step_lr_ GUARDED_BY(mu_);             // learning rate of the open step
+  int step_takes_begun_ GUARDED_BY(mu_) = 0;   // variables whose take for the open step has begun
+  int step_takes_ GUARDED_BY(mu_) = 0;         // variables taken for the open step
   bool snapshot_requested_ GUARDED_BY(mu_) = false;
-  bool prepared_ GUARDED_BY(mu_) = false;            // cluster: reported the open step to the gate
-  bool step_forced_ GUARDED_BY(mu_) = false;         // the open step was forced by a deadline
+  bool prepared_ GUARDED_BY(mu_) = false;     // cluster: reported the open step to the gate
+  bool step_forced_ GUARDED_BY(mu_) = false;  // the open step was forced by a deadline
 };
 
 }  // namespace psd::server

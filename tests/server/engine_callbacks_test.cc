@@ -58,20 +58,20 @@ TEST_CASE("update and reduce callbacks may call the engine again (they run outsi
     a.at_next_step = true;
     int64_t lands = -1;
     REQUIRE(e->Update(a, [&](const Status& s, bool applied, int64_t step) {
-      REQUIRE(s.ok());
-      REQUIRE(applied);
-      CHECK(First(*e) == 0);  // staged: published by the next commit
-      lands = step;
-    }).ok());
+               REQUIRE(s.ok());
+               REQUIRE(applied);
+               CHECK(First(*e) == 0);  // staged: published by the next commit
+               lands = step;
+             }).ok());
     CHECK(lands == 1);
   }
 
   SECTION("a cross-replica update applied at once") {
     float seen = -1;
     REQUIRE(e->Update(Assign(two), [&](const Status& s, bool, int64_t) {
-      REQUIRE(s.ok());
-      seen = First(*e);
-    }).ok());
+               REQUIRE(s.ok());
+               seen = First(*e);
+             }).ok());
     CHECK(seen == 2);
   }
 
@@ -84,13 +84,13 @@ TEST_CASE("update and reduce callbacks may call the engine again (they run outsi
     int inner = 0;
     bool outer = false;
     REQUIRE(e->Update(a, [&](const Status& s, bool applied, int64_t step) {
-      REQUIRE(s.ok());
-      CHECK_FALSE(applied);
-      CHECK(step == 1);
-      // The same variable's round again, from inside the callback.
-      REQUIRE(e->Update(a, [&](const Status&, bool again, int64_t) { inner += again ? 100 : 1; }).ok());
-      outer = true;
-    }).ok());
+               REQUIRE(s.ok());
+               CHECK_FALSE(applied);
+               CHECK(step == 1);
+               // The same variable's round again, from inside the callback.
+               REQUIRE(e->Update(a, [&](const Status&, bool again, int64_t) { inner += again ? 100 : 1; }).ok());
+               outer = true;
+             }).ok());
     CHECK(outer);
     CHECK(inner == 1);
   }
@@ -103,13 +103,13 @@ TEST_CASE("update and reduce callbacks may call the engine again (they run outsi
     int inner = 0;
     bool outer = false;
     REQUIRE(e->Reduce(false, 0, values, [&](std::vector<ReduceOutcome> o) {
-      CHECK_FALSE(o[0].accepted);
-      CHECK(o[0].step == 1);
-      REQUIRE(e->Reduce(false, 0, values, [&](std::vector<ReduceOutcome> again) {
-        inner += again[0].accepted ? 100 : 1;
-      }).ok());
-      outer = true;
-    }).ok());
+               CHECK_FALSE(o[0].accepted);
+               CHECK(o[0].step == 1);
+               REQUIRE(e->Reduce(false, 0, values, [&](std::vector<ReduceOutcome> again) {
+                          inner += again[0].accepted ? 100 : 1;
+                        }).ok());
+               outer = true;
+             }).ok());
     CHECK(outer);
     CHECK(inner == 1);
   }
