@@ -16,12 +16,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <mutex>
 #include <sstream>
 #include <system_error>
 #include <thread>
 #include <utility>
 
+#include "base/mutex.h"
 #include "psd/half.h"
 
 namespace psd::server {
@@ -148,8 +148,8 @@ Result<uint64_t> TransferBody(int fd, bool write, const std::vector<Segment>& se
   const uint64_t blocks = (body_bytes + kBlockBytes - 1) / kBlockBytes;
   std::vector<uint64_t> hashes(blocks);
   std::atomic<uint64_t> next{0};
-  std::mutex mu;
-  Status first_error;
+  Mutex mu;
+  Status first_error;  // guarded by mu while the helpers run (a local cannot be annotated)
   auto work = [&] {
     std::unique_ptr<uint8_t[]> scratch;
     if (segs.empty()) scratch = std::make_unique_for_overwrite<uint8_t[]>(kBlockBytes);
@@ -157,7 +157,7 @@ Result<uint64_t> TransferBody(int fd, bool write, const std::vector<Segment>& se
       Status s = TransferBlock(fd, write, segs, b * kBlockBytes, std::min(body_bytes, (b + 1) * kBlockBytes),
                                &hashes[b], scratch.get());
       if (!s.ok()) {
-        std::lock_guard<std::mutex> lock(mu);
+        MutexLock lock(&mu);
         if (first_error.ok()) first_error = s;
         next = blocks;  // the others stop at their next block
       }

@@ -8,12 +8,12 @@ std::shared_ptr<const Buffer> ConvertedValues::Get(std::string_view variable,
                                                    const std::shared_ptr<const Buffer>& source, DType from, DType to) {
   std::shared_ptr<Entry> entry;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto& slot = entries_[{std::string(variable), to}];
     if (!slot) slot = std::make_shared<Entry>();
     entry = slot;
   }
-  std::lock_guard<std::mutex> lock(entry->mu);
+  MutexLock lock(&entry->mu);
   // The same value (not merely a buffer at the same address: its owner is compared).
   bool same = entry->converted && !entry->source.owner_before(source) && !source.owner_before(entry->source) &&
               !entry->source.expired();

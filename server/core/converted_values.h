@@ -13,13 +13,13 @@
 #include <cstddef>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
 
 #include "psd/tensor.h"
 #include "core/buffer.h"
+#include "base/mutex.h"
 
 namespace psd::server {
 
@@ -28,16 +28,16 @@ class ConvertedValues {
   // `source`, the value of `variable` (elements of `from`), as `to`: the same buffer for every
   // caller while it is the newest value of `variable` asked for in `to`.
   std::shared_ptr<const Buffer> Get(std::string_view variable, const std::shared_ptr<const Buffer>& source, DType from,
-                                    DType to);
+                                    DType to) EXCLUDES(mu_);
 
  private:
   struct Entry {
-    std::mutex mu;
-    std::weak_ptr<const Buffer> source;       // guarded by mu
-    std::shared_ptr<const Buffer> converted;  // guarded by mu: `source` as the entry's dtype
+    Mutex mu;
+    std::weak_ptr<const Buffer> source GUARDED_BY(mu);
+    std::shared_ptr<const Buffer> converted GUARDED_BY(mu);  // `source` as the entry's dtype
   };
-  std::mutex mu_;
-  std::map<std::pair<std::string, DType>, std::shared_ptr<Entry>, std::less<>> entries_;  // guarded by mu_
+  Mutex mu_;
+  std::map<std::pair<std::string, DType>, std::shared_ptr<Entry>, std::less<>> entries_ GUARDED_BY(mu_);
 };
 
 }  // namespace psd::server

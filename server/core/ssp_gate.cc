@@ -13,7 +13,7 @@ int64_t SspGate::MinClockLocked() const {
 }
 
 void SspGate::Join(uint32_t worker) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (clocks_.count(worker)) return;
   int64_t start = clocks_.empty() ? 0 : MinClockLocked();
   auto it = left_.find(worker);
@@ -25,7 +25,7 @@ void SspGate::Join(uint32_t worker) {
 }
 
 void SspGate::Leave(uint32_t worker) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = clocks_.find(worker);
   if (it == clocks_.end()) return;
   left_[worker] = it->second;
@@ -34,16 +34,16 @@ void SspGate::Leave(uint32_t worker) {
 }
 
 SspGate::WaitId SspGate::Advance(uint32_t worker, Callback cb) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (parked_.closed()) {
     Status why = parked_.close_status();
-    lock.unlock();
+    lock.Unlock();
     cb(why, 0);
     return 0;
   }
   auto it = clocks_.find(worker);
   if (it == clocks_.end()) {
-    lock.unlock();
+    lock.Unlock();
     cb(FailedPrecondition("worker is not registered for bounded-staleness training"), 0);
     return 0;
   }
@@ -51,11 +51,11 @@ SspGate::WaitId SspGate::Advance(uint32_t worker, Callback cb) {
   // Others may have been waiting for this worker to move.
   WaitId id = parked_.Park(worker, std::move(cb));
   ReleaseLocked(lock);
-  std::lock_guard<std::mutex> again(mu_);
+  MutexLock again(&mu_);
   return parked_.Contains(id) ? id : 0;  // 0: released at once
 }
 
-void SspGate::ReleaseLocked(std::unique_lock<std::mutex>& lock) {
+void SspGate::ReleaseLocked(MutexLock& lock) {
   int64_t min_clock = MinClockLocked();
   std::vector<std::pair<Callback, int64_t>> ready;
   auto& waiters = parked_.waiters();
@@ -70,37 +70,37 @@ void SspGate::ReleaseLocked(std::unique_lock<std::mutex>& lock) {
       ++it;
     }
   }
-  lock.unlock();
+  lock.UnlockFor(&mu_);
   for (auto& [cb, clock] : ready) cb(Status::Ok(), clock);
 }
 
 bool SspGate::Cancel(WaitId id, const Status& why) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto w = parked_.Remove(id);
   if (!w) return false;
   // The wait did not complete: the clock step is given back.
   auto c = clocks_.find(w->key);
   if (c != clocks_.end()) --c->second;
-  lock.unlock();
+  lock.Unlock();
   w->cb(why, 0);
   return true;
 }
 
 void SspGate::Close(Status why) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::list<ParkedWaits<uint32_t>::Waiter> parked;
   if (!parked_.Close(why, &parked)) return;
-  lock.unlock();
+  lock.Unlock();
   for (auto& w : parked) w.cb(why, 0);
 }
 
 int64_t SspGate::MinClock() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return MinClockLocked();
 }
 
 int64_t SspGate::Clock(uint32_t worker) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = clocks_.find(worker);
   return it == clocks_.end() ? -1 : it->second;
 }

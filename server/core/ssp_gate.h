@@ -11,9 +11,9 @@
 #include <functional>
 #include <list>
 #include <map>
-#include <mutex>
 
 #include "psd/status.h"
+#include "base/mutex.h"
 #include "core/parked_waits.h"
 
 namespace psd::server {
@@ -26,28 +26,29 @@ class SspGate {
   explicit SspGate(int64_t bound) : bound_(bound) {}
 
   // Adds a live worker (or revives one) at clock max(current, slowest live clock).
-  void Join(uint32_t worker);
+  void Join(uint32_t worker) EXCLUDES(mu_);
   // The worker is finished or gone: it no longer holds others back.
-  void Leave(uint32_t worker);
+  void Leave(uint32_t worker) EXCLUDES(mu_);
 
   // Advances `worker`'s clock and calls back with the new clock once it is within the bound
   // (at once, returning 0, or later, returning an id for Cancel).
-  WaitId Advance(uint32_t worker, Callback cb);
-  bool Cancel(WaitId id, const Status& why);
-  void Close(Status why);
+  WaitId Advance(uint32_t worker, Callback cb) EXCLUDES(mu_);
+  bool Cancel(WaitId id, const Status& why) EXCLUDES(mu_);
+  void Close(Status why) EXCLUDES(mu_);
 
-  int64_t MinClock() const;
-  int64_t Clock(uint32_t worker) const;
+  int64_t MinClock() const EXCLUDES(mu_);
+  int64_t Clock(uint32_t worker) const EXCLUDES(mu_);
 
  private:
-  int64_t MinClockLocked() const;
-  void ReleaseLocked(std::unique_lock<std::mutex>& lock);
+  int64_t MinClockLocked() const REQUIRES(mu_);
+  // Releases the waits now within the bound, unlocks, then runs their callbacks.
+  void ReleaseLocked(MutexLock& lock) RELEASE(mu_);
 
   const int64_t bound_;
-  mutable std::mutex mu_;
-  std::map<uint32_t, int64_t> clocks_;  // guarded by mu_: live workers only
-  std::map<uint32_t, int64_t> left_;    // guarded by mu_: clocks of workers that left
-  ParkedWaits<uint32_t> parked_;        // guarded by mu_: keyed by worker
+  mutable Mutex mu_;
+  std::map<uint32_t, int64_t> clocks_ GUARDED_BY(mu_);  // live workers only
+  std::map<uint32_t, int64_t> left_ GUARDED_BY(mu_);    // clocks of workers that left
+  ParkedWaits<uint32_t> parked_ GUARDED_BY(mu_);        // keyed by worker
 };
 
 }  // namespace psd::server

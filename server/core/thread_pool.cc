@@ -11,10 +11,10 @@ ThreadPool::ThreadPool(int threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   for (auto& t : threads_) t.join();
 }
 
@@ -22,8 +22,8 @@ void ThreadPool::Run() {
   for (;;) {
     std::function<void()> task;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+      MutexLock lock(&mu_);
+      while (!stop_ && tasks_.empty()) cv_.Wait(&mu_);
       if (tasks_.empty()) return;
       task = std::move(tasks_.front());
       tasks_.pop_front();
@@ -38,23 +38,23 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(
     fn(0, n);
     return;
   }
-  std::mutex done_mu;
-  std::condition_variable done_cv;
-  int64_t remaining = parts - 1;
+  Mutex done_mu;
+  CondVar done_cv;
+  int64_t remaining = parts - 1;  // guarded by done_mu
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (int64_t p = 1; p < parts; ++p) {
       tasks_.push_back([&, p] {
         fn(n * p / parts, n * (p + 1) / parts);
-        std::lock_guard<std::mutex> l(done_mu);
-        if (--remaining == 0) done_cv.notify_one();
+        MutexLock l(&done_mu);
+        if (--remaining == 0) done_cv.NotifyOne();
       });
     }
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   fn(0, n / parts);
-  std::unique_lock<std::mutex> lock(done_mu);
-  done_cv.wait(lock, [&] { return remaining == 0; });
+  MutexLock lock(&done_mu);
+  while (remaining != 0) done_cv.Wait(&done_mu);
 }
 
 }  // namespace psd::server

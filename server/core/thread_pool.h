@@ -5,13 +5,13 @@
 #ifndef PSD_SERVER_CORE_THREAD_POOL_H_
 #define PSD_SERVER_CORE_THREAD_POOL_H_
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "base/mutex.h"
 
 namespace psd::server {
 
@@ -25,14 +25,14 @@ class ThreadPool {
 
   // Splits [0, n) into chunks of at least `grain` and runs fn(begin, end) on them, the caller
   // included; returns when all are done.
-  void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+  void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) EXCLUDES(mu_);
 
  private:
-  void Run();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;  // guarded by mu_
-  bool stop_ = false;                        // guarded by mu_
+  void Run() EXCLUDES(mu_);
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<std::function<void()>> tasks_ GUARDED_BY(mu_);
+  bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };
 

@@ -5,18 +5,18 @@
 namespace psd::server {
 
 void TokenQueue::Push(int64_t value, int count) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (int i = 0; i < count; ++i) tokens_.push_back(value);
   DeliverLocked(lock);
 }
 
 void TokenQueue::PushFront(int64_t value) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   tokens_.push_front(value);
   DeliverLocked(lock);
 }
 
-void TokenQueue::DeliverLocked(std::unique_lock<std::mutex>& lock) {
+void TokenQueue::DeliverLocked(MutexLock& lock) {
   std::vector<std::pair<Callback, int64_t>> ready;
   auto& waiters = parked_.waiters();
   while (!tokens_.empty() && !waiters.empty()) {
@@ -24,22 +24,22 @@ void TokenQueue::DeliverLocked(std::unique_lock<std::mutex>& lock) {
     waiters.pop_front();
     tokens_.pop_front();
   }
-  lock.unlock();
+  lock.UnlockFor(&mu_);
   for (auto& [cb, token] : ready) cb(Status::Ok(), token);
 }
 
 TokenQueue::WaitId TokenQueue::Wait(Callback cb) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (parked_.closed()) {
     Status why = parked_.close_status();
-    lock.unlock();
+    lock.Unlock();
     cb(why, 0);
     return 0;
   }
   if (!tokens_.empty() && parked_.waiters().empty()) {
     int64_t token = tokens_.front();
     tokens_.pop_front();
-    lock.unlock();
+    lock.Unlock();
     cb(Status::Ok(), token);
     return 0;
   }
@@ -47,42 +47,42 @@ TokenQueue::WaitId TokenQueue::Wait(Callback cb) {
 }
 
 bool TokenQueue::Cancel(WaitId id, const Status& why) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto w = parked_.Remove(id);
-  lock.unlock();
+  lock.Unlock();
   if (!w) return false;
   w->cb(why, 0);
   return true;
 }
 
 void TokenQueue::FailWaiters(const Status& why) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::list<ParkedWaits<NoKey>::Waiter> parked;
   parked.swap(parked_.waiters());
-  lock.unlock();
+  lock.Unlock();
   for (auto& w : parked) w.cb(why, 0);
 }
 
 void TokenQueue::Close(Status why) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::list<ParkedWaits<NoKey>::Waiter> parked;
   if (!parked_.Close(why, &parked)) return;
-  lock.unlock();
+  lock.Unlock();
   for (auto& w : parked) w.cb(why, 0);
 }
 
 int64_t TokenQueue::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return static_cast<int64_t>(tokens_.size());
 }
 
 int64_t TokenQueue::waiters() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return static_cast<int64_t>(parked_.waiters().size());
 }
 
 bool TokenQueue::closed() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return parked_.closed();
 }
 

@@ -12,9 +12,9 @@
 #include <deque>
 #include <functional>
 #include <list>
-#include <mutex>
 
 #include "psd/status.h"
+#include "base/mutex.h"
 #include "core/parked_waits.h"
 
 namespace psd::server {
@@ -25,33 +25,34 @@ class TokenQueue {
   using WaitId = uint64_t;
 
   // Appends `count` tokens carrying `value` and hands them to parked waiters in FIFO order.
-  void Push(int64_t value, int count);
+  void Push(int64_t value, int count) EXCLUDES(mu_);
   // Puts a token back at the head (a waiter died between delivery and reply).
-  void PushFront(int64_t value);
+  void PushFront(int64_t value) EXCLUDES(mu_);
 
   // Takes a token now (callback runs before Wait returns, returns 0) or parks the callback and
   // returns a non-zero id for Cancel. After Close, fails at once with the close status.
-  WaitId Wait(Callback cb);
+  WaitId Wait(Callback cb) EXCLUDES(mu_);
   // Removes a parked wait and runs its callback with `why`. False if it was already delivered.
-  bool Cancel(WaitId id, const Status& why);
+  bool Cancel(WaitId id, const Status& why) EXCLUDES(mu_);
 
   // Fails the waits parked now with `why`; later waits park as usual (the cluster lost a shard).
-  void FailWaiters(const Status& why);
+  void FailWaiters(const Status& why) EXCLUDES(mu_);
 
   // Fails every parked and future wait with `why` (e.g. OutOfRange "training is over").
-  void Close(Status why);
+  void Close(Status why) EXCLUDES(mu_);
 
-  int64_t size() const;
-  int64_t waiters() const;
-  bool closed() const;
+  int64_t size() const EXCLUDES(mu_);
+  int64_t waiters() const EXCLUDES(mu_);
+  bool closed() const EXCLUDES(mu_);
 
  private:
   struct NoKey {};
-  void DeliverLocked(std::unique_lock<std::mutex>& lock);
+  // Hands tokens to parked waits, unlocks, then runs their callbacks.
+  void DeliverLocked(MutexLock& lock) RELEASE(mu_);
 
-  mutable std::mutex mu_;
-  std::deque<int64_t> tokens_;  // guarded by mu_
-  ParkedWaits<NoKey> parked_;   // guarded by mu_
+  mutable Mutex mu_;
+  std::deque<int64_t> tokens_ GUARDED_BY(mu_);
+  ParkedWaits<NoKey> parked_ GUARDED_BY(mu_);
 };
 
 }  // namespace psd::server

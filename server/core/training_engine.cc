@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cassert>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -96,7 +97,8 @@ struct Round {
 };
 
 struct TrainingEngine::Variable {
-  Variable(const VariableDef& def, const Optimizer* optimizer, int64_t step)
+  // `step`: the global step now (rounds start there); `take_step`: the step it is taken for first.
+  Variable(const VariableDef& def, const Optimizer* optimizer, int64_t step, int64_t take_step)
       : name(def.name),
         dtype(ComputeDType(def.dtype)),
         declared(def.dtype),
@@ -110,7 +112,8 @@ struct TrainingEngine::Variable {
         bytes(static_cast<size_t>(NumElements(def.shape)) * DTypeSize(ComputeDType(def.dtype))),
         row_elements(def.shape.empty() ? 1 : NumElements(Shape(def.shape.begin() + 1, def.shape.end()))),
         opt(optimizer),
-        next_take_step(step) {
+        next_take_step(take_step) {
+    reduce_round.step = update_round.step = step;
     for (const SlotSpec& spec : opt->Slots()) {
       slots.emplace_back(bytes);
       if (spec.initial != 0) {
@@ -138,19 +141,21 @@ struct TrainingEngine::Variable {
   const int64_t row_elements;
   const Optimizer* const opt;
 
-  std::mutex mu;
+  Mutex mu;
   // Dense or sparse: claimed under `mu` by the first push that validates against an unknown kind,
   // so two first pushes of different kinds cannot both pass validation (both accumulators would
   // be created). A claim is dropped again when its push fails validation later on, unless another
   // push holds one too or a gradient of that kind was used (kind_fixed).
-  GradKind kind = GradKind::kUnknown;         // guarded by mu
-  int kind_claims = 0;                        // guarded by mu: validated pushes that have not yet used `kind`
-  bool kind_fixed = false;                    // guarded by mu: a gradient of `kind` was accumulated or applied
-  std::unique_ptr<DenseAccumulator> dense;    // guarded by mu
-  std::unique_ptr<SparseAccumulator> sparse;  // guarded by mu
-  int64_t next_take_step;                     // guarded by mu: the step this variable is taken for next
-  std::vector<Buffer> slots;                  // guarded by mu (dense) / TrainingEngine::mu_ (sparse)
-
+  GradKind kind GUARDED_BY(mu) = GradKind::kUnknown;
+  int kind_claims GUARDED_BY(mu) = 0;      // validated pushes that have not yet used `kind`
+  bool kind_fixed GUARDED_BY(mu) = false;  // a gradient of `kind` was accumulated or applied
+  std::unique_ptr<DenseAccumulator> dense GUARDED_BY(mu);
+  std::unique_ptr<SparseAccumulator> sparse GUARDED_BY(mu);
+  int64_t next_take_step GUARDED_BY(mu);  // the step this variable is taken for next
+  // Guarded by mu (dense) / TrainingEngine::mu_ (sparse): not expressible as an annotation.
+  std::vector<Buffer> slots;
+  // The fields "guarded by TrainingEngine::mu_" stay comments: an annotation here cannot name the
+  // engine's mutex (clang resolves GUARDED_BY against this struct).
   std::shared_ptr<Buffer> published;    // guarded by TrainingEngine::mu_
   std::shared_ptr<Buffer> staged;       // guarded by TrainingEngine::mu_ (dense take result)
   std::shared_ptr<Buffer> spare;        // guarded by TrainingEngine::mu_
@@ -159,15 +164,17 @@ struct TrainingEngine::Variable {
   std::vector<int64_t> pending_rows;    // guarded by TrainingEngine::mu_
   std::vector<uint8_t> pending_values;  // guarded by TrainingEngine::mu_
 
-  Round reduce_round;  // guarded by mu
-  Round update_round;  // guarded by mu
+  Round reduce_round GUARDED_BY(mu);
+  Round update_round GUARDED_BY(mu);
   // Sync-on-read: each replica's own value (a replica that never wrote has `replica_base`).
   std::map<uint32_t, std::shared_ptr<Buffer>> replica_values;  // guarded by TrainingEngine::mu_
   std::shared_ptr<Buffer> replica_base;                        // guarded by TrainingEngine::mu_
   std::shared_ptr<Buffer> staged_update;  // guarded by TrainingEngine::mu_: published at the next commit
 
-  int64_t acc_step() const { return dense ? dense->step() : sparse ? sparse->step() : next_take_step; }
+  int64_t acc_step() const REQUIRES(mu) { return dense ? dense->step() : sparse ? sparse->step() : next_take_step; }
 };
+
+Mutex& TrainingEngine::VariableMutex(Variable* v) RETURN_CAPABILITY(v->mu) { return v->mu; }
 
 // The gradient kinds one push claimed (TrainingEngine::Push). Claim and Use run with no variable
 // lock held / with the variable's lock held respectively; unused claims are released when the
@@ -181,7 +188,7 @@ class TrainingEngine::KindClaims {
     for (size_t i = 0; i < vars_.size(); ++i) {
       if (!held_[i]) continue;
       Variable* v = vars_[i];
-      std::lock_guard<std::mutex> lock(v->mu);
+      MutexLock lock(&v->mu);
       if (--v->kind_claims == 0 && !v->kind_fixed) v->kind = GradKind::kUnknown;
     }
   }
@@ -189,7 +196,7 @@ class TrainingEngine::KindClaims {
   // Claims `want` for variable i (locks it), or InvalidArgument if it takes the other kind.
   Status Claim(size_t i, GradKind want) {
     Variable* v = vars_[i];
-    std::lock_guard<std::mutex> lock(v->mu);
+    MutexLock lock(&v->mu);
     if (v->kind != GradKind::kUnknown && v->kind != want) {
       return InvalidArgument("variable '" + v->name + "' takes " + KindName(v->kind) + " gradients; got a " +
                              KindName(want) + " one");
@@ -203,8 +210,8 @@ class TrainingEngine::KindClaims {
   }
 
   // With variable i's lock held: its gradient is being used, so its kind is fixed for good.
-  void Use(size_t i) {
-    Variable* v = vars_[i];
+  void Use(size_t i, Variable* v) REQUIRES(v->mu) {
+    assert(v == vars_[i]);
     if (held_[i]) {
       --v->kind_claims;
       held_[i] = false;
@@ -281,7 +288,7 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
                               "' asks for a moving average but psd runs without "
                               "--ema-decay");
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (Variable* v = FindLocked(def.name)) {
     if (v->declared != def.dtype || v->shape != def.shape || v->trainable != def.trainable ||
         v->average != def.average || v->optimizer_name != def.optimizer || v->aggregation != def.aggregation ||
@@ -317,7 +324,10 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
                              std::to_string(config_.max_model_bytes));
   }
   model_bytes_ += cost;
-  auto v = std::make_unique<Variable>(def, opt, global_step_.load());
+  // A trainable variable created after the open step was reported joins the next step.
+  const int64_t step = global_step_.load();
+  const bool joins_next = def.trainable && config_.mode == Mode::kSync && prepared_ && step_takes_ > 0;
+  auto v = std::make_unique<Variable>(def, opt, step, joins_next ? step + 1 : step);
   if (def.adopt) {
     v->published = std::const_pointer_cast<Buffer>(def.adopt);
   } else {
@@ -326,19 +336,14 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
   }
   if (v->average) v->shadow = std::make_shared<Buffer>(*v->published);  // TF: shadow = initial value
   if (v->sync_on_read) v->replica_base = std::make_shared<Buffer>(*v->published);
-  v->reduce_round.step = v->update_round.step = global_step_.load();
-  if (v->trainable && config_.mode == Mode::kSync) {
-    if (prepared_ && step_takes_ > 0) {
-      v->next_take_step = global_step_.load() + 1;  // the open step is reported: it joins the next one
-    } else {
-      // An idle report (nothing to take) is withdrawn: this variable's take will report again.
-      prepared_ = false;
-      ++pending_takes_;
-    }
+  if (v->trainable && config_.mode == Mode::kSync && !joins_next) {
+    // An idle report (nothing to take) is withdrawn: this variable's take will report again.
+    prepared_ = false;
+    ++pending_takes_;
   }
   VariableDesc desc{v->name, v->declared, v->shape, v->trainable, true};
   vars_.emplace(def.name, std::move(v));
-  lock.unlock();
+  lock.Unlock();
   spdlog::info("created variable '{}' {} {}{}{}", def.name, DTypeName(def.dtype), ShapeString(def.shape),
                def.trainable ? "" : " (non-trainable)", def.average ? " (averaged)" : "");
   return desc;
@@ -349,7 +354,7 @@ Status TrainingEngine::ValidateGrad(Variable* v, const GradRef& g) const {
     // Once gradients are accumulating TF words the values checks against the accumulated ones.
     bool accumulating = false;
     {
-      std::lock_guard<std::mutex> lock(v->mu);
+      MutexLock lock(&v->mu);
       accumulating = v->sparse && v->sparse->num_accumulated() > 0;
     }
     return SparseAccumulator::Check(v->dtype, v->shape,
@@ -362,7 +367,7 @@ Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grad
   std::vector<Variable*> targets;
   targets.reserve(grads.size());
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const GradRef& g : grads) {
       Variable* v = FindLocked(g.name);
       if (v == nullptr) return NotFound("no variable named '" + std::string(g.name) + "'");
@@ -414,8 +419,8 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
     if (config_.staleness_lr == StalenessLr::kWorkers) lr /= static_cast<double>(std::max(1, config_.total_replicas));
     for (size_t i = 0; i < grads.size(); ++i) {
       Variable* v = targets[i];
-      std::lock_guard<std::mutex> vlock(v->mu);
-      claims.Use(i);
+      MutexLock vlock(&v->mu);
+      claims.Use(i, v);
       ApplyNowLocked(v, grads[i], step, lr);
       out->push_back({true, global, staleness});
     }
@@ -433,8 +438,8 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
     bool took = false, started = false;
     int count = 0;
     {
-      std::lock_guard<std::mutex> lock(v->mu);
-      claims.Use(i);
+      MutexLock lock(&v->mu);
+      claims.Use(i, v);
       Result<bool> accepted = false;
       if (g.sparse()) {
         if (!v->sparse)
@@ -453,7 +458,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
         accepted_.fetch_add(1);
         took = MaybeTakeLocked(v, false, &count);
         if (!took && on_step_started_) {
-          std::lock_guard<std::mutex> elock(mu_);
+          MutexLock elock(&mu_);
           if (!step_started_) started = step_started_ = true;
         }
       } else {
@@ -511,7 +516,7 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     std::vector<int64_t> rows;
     std::vector<uint8_t> values;
     v->sparse->ReleaseTaken(&rows, &values);
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     v->pending_rows.swap(rows);
     v->pending_values.swap(values);
     v->sparse_pending = true;
@@ -521,7 +526,7 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   std::shared_ptr<Buffer> value, out;
   double lr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     value = v->published;
     if (v->spare && v->spare.use_count() == 1) out = std::move(v->spare);
     v->spare.reset();
@@ -531,7 +536,7 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   if (!out) out = std::make_shared<Buffer>(v->bytes);
   ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), v->dense->grad().data(), out->data(), &v->slots,
                        0, v->next_take_step, lr, v->dense->divisor()});
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   v->staged = std::move(out);
   return true;
 }
@@ -550,26 +555,26 @@ void TrainingEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& 
 void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
   if (g.sparse()) {
     std::vector<int64_t> rows(g.indices, g.indices + g.nnz);
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     ApplySparseLocked(v, rows, g.data, step, lr);
     return;
   }
   std::shared_ptr<Buffer> value, out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     value = v->published;
     if (v->spare && v->spare.use_count() == 1) out = std::move(v->spare);
     v->spare.reset();
   }
   if (!out) out = std::make_shared<Buffer>(v->bytes);
   ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), g.data, out->data(), &v->slots, 0, step, lr});
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   v->spare = std::move(v->published);
   v->published = std::move(out);
 }
 
 void TrainingEngine::OnTaken(int count) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
   step_max_count_ = std::max(step_max_count_, count);
   ++step_takes_;
@@ -577,20 +582,21 @@ void TrainingEngine::OnTaken(int count) {
   StepReadyLocked(lock, false);
 }
 
-void TrainingEngine::StepReadyLocked(std::unique_lock<std::mutex>& lock, bool forced) {
+void TrainingEngine::StepReadyLocked(MutexLock& lock, bool forced) {
   if (!commit_gate_) return CommitLocked(lock, forced);
-  if (prepared_) return;
+  if (prepared_) return lock.UnlockFor(&mu_);
   prepared_ = true;
   step_forced_ = forced;
   int64_t step = global_step_.load();
   int min = step_min_count_ == INT_MAX ? 0 : step_min_count_, max = step_max_count_, takes = step_takes_;
-  lock.unlock();
+  lock.UnlockFor(&mu_);
   commit_gate_(step, min, max, takes, forced);
 }
 
 void TrainingEngine::ReportIfIdle() {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (commit_gate_ && !prepared_ && pending_takes_ == 0 && config_.mode == Mode::kSync) StepReadyLocked(lock, false);
+  MutexLock lock(&mu_);
+  if (!commit_gate_ || prepared_ || pending_takes_ != 0 || config_.mode != Mode::kSync) return;
+  StepReadyLocked(lock, false);
 }
 
 Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_lr) {
@@ -599,17 +605,18 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
   // before it hears the report withdrawn) skips the step — its accumulated gradients are dropped.
   std::vector<Variable*> all;  // variables are never deleted while the engine lives
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& [name, v] : vars_) all.push_back(v.get());
   }
-  std::vector<std::unique_lock<std::mutex>> vlocks;
+  std::vector<std::unique_lock<Mutex>> vlocks;
   for (Variable* v : all) vlocks.emplace_back(v->mu);
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (global_step_.load() != step) {
     return FailedPrecondition("asked to commit step " + std::to_string(step) + " at step " +
                               std::to_string(global_step_.load()));
   }
   for (Variable* v : all) {
+    v->mu.AssertHeld();  // in vlocks
     if (!v->trainable || v->next_take_step != step) continue;
     spdlog::warn("variable '{}' was created while step {} was closing; it joins step {}", v->name, step, step + 1);
     v->next_take_step = step + 1;
@@ -626,7 +633,7 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
 }
 
 std::vector<VarPlacement> TrainingEngine::Placements(int shard) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<VarPlacement> out;
   for (auto& [name, v] : vars_) {
     if (!v->placement.name.empty()) {
@@ -639,7 +646,7 @@ std::vector<VarPlacement> TrainingEngine::Placements(int shard) const {
   return out;
 }
 
-void TrainingEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool forced) {
+void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
   int64_t step = global_step_.load() + 1;
   int trainable = 0;
   for (auto& [name, var] : vars_) {
@@ -675,17 +682,17 @@ void TrainingEngine::CommitLocked(std::unique_lock<std::mutex>& lock, bool force
   step_min_count_ = step_max_count_ = 0;
   step_started_ = false;
   step_lr_ = next_lr_.load();
-  lock.unlock();
+  lock.UnlockFor(&mu_);
   if (!commit_gate_) tokens_.Push(step, config_.tokens_per_step);  // cluster: the chief's coordinator does
   if (config_.ema_decay > 0) UpdateAverages(step);
   if (snapshot && on_snapshot_) {
     // Averages are updated after the tokens (TF's order); the snapshot takes the new ones.
-    std::unique_lock<std::mutex> relock(mu_);
+    MutexLock relock(&mu_);
     for (auto& vs : snapshot->variables) {
       Variable* v = FindLocked(vs.name);
       if (v && v->shadow) vs.shadow = v->shadow;
     }
-    relock.unlock();
+    relock.Unlock();
     on_snapshot_(std::move(*snapshot));
   }
   if (on_commit_) on_commit_(info);
@@ -704,7 +711,7 @@ void TrainingEngine::UpdateAverages(int64_t step) {
   }
   std::vector<std::pair<Variable*, std::shared_ptr<Buffer>>> todo;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& [name, v] : vars_) {
       if (v->average) todo.emplace_back(v.get(), v->published);
     }
@@ -712,7 +719,7 @@ void TrainingEngine::UpdateAverages(int64_t step) {
   for (auto& [v, value] : todo) {
     std::shared_ptr<Buffer> old;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       old = v->shadow;
     }
     auto next = std::make_shared<Buffer>(v->bytes);
@@ -729,7 +736,7 @@ void TrainingEngine::UpdateAverages(int64_t step) {
       double* o = next->as<double>();
       for (int64_t i = 0; i < n; ++i) o[i] = s[i] - (1 - decay) * (s[i] - x[i]);
     }
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     v->shadow = std::move(next);
   }
 }
@@ -738,7 +745,7 @@ void TrainingEngine::ReevaluateAll() {
   if (config_.mode != Mode::kSync) return;
   std::vector<Variable*> all;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& [name, var] : vars_) {
       if (var->trainable) all.push_back(var.get());
     }
@@ -747,7 +754,7 @@ void TrainingEngine::ReevaluateAll() {
     bool took = false;
     int count = 0;
     {
-      std::lock_guard<std::mutex> lock(v->mu);
+      MutexLock lock(&v->mu);
       took = MaybeTakeLocked(v, false, &count);
     }
     if (took) OnTaken(count);
@@ -758,7 +765,7 @@ void TrainingEngine::ForceStep(int64_t step) {
   if (config_.mode != Mode::kSync || global_step_.load() != step) return;
   std::vector<Variable*> all;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& [name, var] : vars_) {
       if (var->trainable) all.push_back(var.get());
     }
@@ -768,17 +775,18 @@ void TrainingEngine::ForceStep(int64_t step) {
     bool took = false;
     int count = 0;
     {
-      std::lock_guard<std::mutex> lock(v->mu);
+      MutexLock lock(&v->mu);
       if (global_step_.load() != step) return;
       took = MaybeTakeLocked(v, true, &count);
     }
     if (took) {
       ++forced;
-      std::unique_lock<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
       step_max_count_ = std::max(step_max_count_, count);
       ++step_takes_;
-      if (--pending_takes_ == 0) StepReadyLocked(lock, true);
+      if (--pending_takes_ > 0) continue;
+      StepReadyLocked(lock, true);
     }
   }
   if (forced > 0) spdlog::info("step {} forced by the step deadline", step + 1);
@@ -817,15 +825,15 @@ std::optional<ShardSnapshot> TrainingEngine::SnapshotIfAtBoundary() {
     // the map's order, so two snapshots cannot deadlock) to copy every slot with its value.
     std::vector<Variable*> all;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       for (auto& [name, v] : vars_) all.push_back(v.get());
     }
-    std::vector<std::unique_lock<std::mutex>> locks;
+    std::vector<std::unique_lock<Mutex>> locks;
     for (Variable* v : all) locks.emplace_back(v->mu);
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return SnapshotLocked();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (step_takes_begun_ > 0) return std::nullopt;
   return SnapshotLocked();
 }
@@ -833,7 +841,7 @@ std::optional<ShardSnapshot> TrainingEngine::SnapshotIfAtBoundary() {
 void TrainingEngine::RequestSnapshot() {
   auto snap = SnapshotIfAtBoundary();
   if (!snap) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     snapshot_requested_ = true;  // taken inside the next commit
     return;
   }
@@ -842,7 +850,7 @@ void TrainingEngine::RequestSnapshot() {
 
 Status TrainingEngine::Restore(const ShardSnapshot& snap) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!vars_.empty()) return FailedPrecondition("restore needs an empty daemon");
   }
   if (snap.optimizer != optimizer_->name()) {
@@ -869,13 +877,13 @@ Status TrainingEngine::Restore(const ShardSnapshot& snap) {
   for (const VariableSnapshot& vs : snap.variables) {
     Variable* v = nullptr;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       v = FindLocked(vs.name);
     }
     if (test_hook_) test_hook_("restore.variable");
     // The documented order: the variable's lock, then the engine's.
-    std::lock_guard<std::mutex> vlock(v->mu);
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock vlock(&v->mu);
+    MutexLock lock(&mu_);
     v->next_take_step = snap.step;
     auto names = v->opt->SlotNames();
     for (auto& [slot, buf] : vs.slots) {
@@ -892,7 +900,7 @@ Status TrainingEngine::Restore(const ShardSnapshot& snap) {
             1.0 / static_cast<double>(std::max(1, config_.total_replicas)));
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   global_step_.store(snap.step);
   next_lr_.store(snap.learning_rate);
   step_lr_ = snap.learning_rate;
@@ -902,8 +910,8 @@ Status TrainingEngine::Restore(const ShardSnapshot& snap) {
 Status TrainingEngine::Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out, int64_t* step,
                         bool averages) {
   out->clear();
-  std::lock_guard<std::mutex> lock(mu_);
-  auto pick = [&](Variable* v) -> Status {
+  MutexLock lock(&mu_);
+  auto pick = [&](Variable* v) REQUIRES(mu_) -> Status {
     if (!averages) {
       out->push_back({ReadValueLocked(v), v->dtype, v->shape, v->declared, v->name});
       return Status::Ok();
@@ -931,7 +939,7 @@ Status TrainingEngine::Pull(const std::vector<std::string>& names, std::vector<P
 Result<std::vector<DType>> TrainingEngine::DeclaredDTypes(const std::vector<std::string>& names) const {
   std::vector<DType> out;
   out.reserve(names.size());
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const std::string& name : names) {
     Variable* v = FindLocked(name);
     if (v == nullptr) return NotFound("no variable named '" + name + "'");
@@ -941,7 +949,7 @@ Result<std::vector<DType>> TrainingEngine::DeclaredDTypes(const std::vector<std:
 }
 
 Result<PulledValue> TrainingEngine::PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Variable* v = FindLocked(name);
   if (v == nullptr) return NotFound("no variable named '" + name + "'");
   if (v->shape.empty()) return InvalidArgument("variable '" + name + "' is a scalar: it has no rows");
@@ -1021,7 +1029,7 @@ void TrainingEngine::ApplyUpdateLocked(Variable* v, UpdateOp op, const void* val
 Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values_in, ReduceDone done) {
   std::vector<Variable*> targets;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     for (const GradRef& g : values_in) {
       Variable* v = FindLocked(g.name);
       if (v == nullptr) return NotFound("reduce_to: no variable named '" + std::string(g.name) + "'");
@@ -1050,21 +1058,19 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
   }
   // Completion of the whole call: the last entry's round to finish answers it.
   struct Call {
-    std::mutex mu;
-    size_t remaining;
-    std::vector<ReduceOutcome> outcomes;
-    ReduceDone done;
+    Call(size_t n, ReduceDone d) : remaining(n), outcomes(n), done(std::move(d)) {}
+    Mutex mu;
+    size_t remaining GUARDED_BY(mu);
+    std::vector<ReduceOutcome> outcomes GUARDED_BY(mu);
+    const ReduceDone done;
   };
-  auto call = std::make_shared<Call>();
-  call->remaining = values.size();
-  call->outcomes.resize(values.size());
-  call->done = std::move(done);
+  auto call = std::make_shared<Call>(values.size(), std::move(done));
   auto finish_one = [call](size_t i, ReduceOutcome outcome) {
-    std::unique_lock<std::mutex> lock(call->mu);
+    MutexLock lock(&call->mu);
     call->outcomes[i] = std::move(outcome);
     if (--call->remaining > 0) return;
     auto outcomes = std::move(call->outcomes);
-    lock.unlock();
+    lock.Unlock();
     call->done(std::move(outcomes));
   };
   const int required = required_.load();
@@ -1075,15 +1081,17 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
     std::shared_ptr<const Buffer> result;
     int64_t round_step = 0;
     {
-      std::lock_guard<std::mutex> vlock(v->mu);
+      MutexLock vlock(&v->mu);
       Round& r = v->reduce_round;
       if (local_step < r.step) {
         std::shared_ptr<Buffer> current;
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(&mu_);
           current = v->published;
         }
-        finish_one(i, {false, r.step, current, v->dtype, v->declared, v->shape});
+        int64_t stale_step = r.step;
+        vlock.Unlock();  // `done` runs outside all locks
+        finish_one(i, {false, stale_step, current, v->dtype, v->declared, v->shape});
         continue;
       }
       if (r.count == 0) {
@@ -1103,7 +1111,7 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
       std::memcpy(out->data(), r.sum.data(), v->bytes);
       if (r.mean) Scale(v->dtype, out->data(), NumElements(v->shape), 1.0 / r.count);
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         v->published = out;
       }
       result = out;
@@ -1120,7 +1128,7 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
 Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
   Variable* v = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     v = FindLocked(args.name);
   }
   if (v == nullptr) return NotFound("update: no variable named '" + std::string(args.name) + "'");
@@ -1145,32 +1153,37 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
   }
   const int n = std::max(1, config_.total_replicas);
   if (a.cross_replica && a.at_next_step && config_.mode == Mode::kSync && !v->sync_on_read) {
-    std::lock_guard<std::mutex> lock(mu_);
-    const Buffer& base = v->staged_update ? *v->staged_update : *v->published;
-    v->staged_update = Updated(base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
-    int64_t lands = global_step_.load() + 1;
+    int64_t lands = 0;
+    {
+      MutexLock lock(&mu_);
+      const Buffer& base = v->staged_update ? *v->staged_update : *v->published;
+      v->staged_update = Updated(base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
+      lands = global_step_.load() + 1;
+    }
     done(Status::Ok(), true, lands);
     return Status::Ok();
   }
   if (a.cross_replica || v->sync_on_read) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!v->sync_on_read) {
-      ApplyUpdateLocked(v, a.op, a.data, a.factor);
-    } else if (!a.cross_replica) {
-      // This replica's own value.
-      auto& mine = v->replica_values[a.replica];
-      mine = Updated(mine ? *mine : *v->replica_base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
-    } else {
-      // Cross-replica on a sync-on-read variable: every replica gets the share that reads back
-      // as the value (SUM: value / N each).
-      Buffer share(v->bytes);
-      if (a.op != UpdateOp::kScale) {
-        std::memcpy(share.data(), a.data, v->bytes);
-        if (v->aggregation == Aggregation::kSum) Scale(v->dtype, share.data(), NumElements(v->shape), 1.0 / n);
+    {
+      MutexLock lock(&mu_);
+      if (!v->sync_on_read) {
+        ApplyUpdateLocked(v, a.op, a.data, a.factor);
+      } else if (!a.cross_replica) {
+        // This replica's own value.
+        auto& mine = v->replica_values[a.replica];
+        mine = Updated(mine ? *mine : *v->replica_base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
+      } else {
+        // Cross-replica on a sync-on-read variable: every replica gets the share that reads back
+        // as the value (SUM: value / N each).
+        Buffer share(v->bytes);
+        if (a.op != UpdateOp::kScale) {
+          std::memcpy(share.data(), a.data, v->bytes);
+          if (v->aggregation == Aggregation::kSum) Scale(v->dtype, share.data(), NumElements(v->shape), 1.0 / n);
+        }
+        std::vector<std::shared_ptr<Buffer>*> all{&v->replica_base};
+        for (auto& [r, b] : v->replica_values) all.push_back(&b);
+        for (auto* b : all) *b = Updated(**b, v->dtype, NumElements(v->shape), a.op, share.data(), a.factor);
       }
-      std::vector<std::shared_ptr<Buffer>*> all{&v->replica_base};
-      for (auto& [r, b] : v->replica_values) all.push_back(&b);
-      for (auto* b : all) *b = Updated(**b, v->dtype, NumElements(v->shape), a.op, share.data(), a.factor);
     }
     done(Status::Ok(), true, 0);
     return Status::Ok();
@@ -1178,7 +1191,7 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
   if (v->aggregation == Aggregation::kOnlyFirstReplica) {
     bool first = a.replica == 0;
     if (first) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       ApplyUpdateLocked(v, a.op, a.data, a.factor);
     }
     done(Status::Ok(), first, 0);
@@ -1194,10 +1207,12 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
   Status outcome;
   int64_t round_step = 0;
   {
-    std::lock_guard<std::mutex> vlock(v->mu);
+    MutexLock vlock(&v->mu);
     Round& r = v->update_round;
     if (a.local_step < r.step) {
-      done(Status::Ok(), false, r.step);  // stale: dropped
+      int64_t current = r.step;
+      vlock.Unlock();
+      done(Status::Ok(), false, current);  // stale: dropped
       return Status::Ok();
     }
     if (r.count > 0 && r.op != a.op) {
@@ -1224,7 +1239,7 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
       const void* value = v->aggregation == Aggregation::kNone ? static_cast<const void*>(r.first.data())
                                                                : static_cast<const void*>(r.sum.data());
       if (v->aggregation == Aggregation::kMean) Scale(v->dtype, r.sum.data(), NumElements(v->shape), 1.0 / r.count);
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       ApplyUpdateLocked(v, r.op, value, 1);
     }
     round_step = r.step;
@@ -1237,7 +1252,7 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
 }
 
 std::vector<std::string> TrainingEngine::SlotNames(const std::string& variable) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Variable* v = FindLocked(variable);
   return v ? v->opt->SlotNames() : optimizer_->SlotNames();
 }
@@ -1245,7 +1260,7 @@ std::vector<std::string> TrainingEngine::SlotNames(const std::string& variable) 
 Result<PulledValue> TrainingEngine::GetSlot(const std::string& variable, const std::string& slot) {
   Variable* v = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     v = FindLocked(variable);
   }
   if (v == nullptr) return NotFound("no variable named '" + variable + "'");
@@ -1255,8 +1270,8 @@ Result<PulledValue> TrainingEngine::GetSlot(const std::string& variable, const s
     return NotFound("optimizer '" + v->opt->name() + "' of '" + variable + "' has no slot '" + slot + "'");
   }
   auto copy = std::make_shared<Buffer>(v->bytes);
-  std::lock_guard<std::mutex> vlock(v->mu);
-  std::lock_guard<std::mutex> lock(mu_);  // sparse variables' slots are guarded by mu_
+  MutexLock vlock(&v->mu);
+  MutexLock lock(&mu_);  // sparse variables' slots are guarded by mu_
   std::memcpy(copy->data(), v->slots[it - names.begin()].data(), v->bytes);
   return PulledValue{std::move(copy), v->dtype, v->shape, v->declared};
 }
@@ -1285,7 +1300,7 @@ EngineStats TrainingEngine::Stats() const {
   s.required_replicas = required_.load();
   s.last_step_gradients = last_step_gradients_.load();
   s.max_staleness = max_staleness_.load();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   s.variables = static_cast<int>(vars_.size());
   s.model_bytes = model_bytes_;
   return s;

@@ -20,7 +20,8 @@
 // place at commit, under the engine lock, copying the value first only if a pull still holds it.
 //
 // Threading and locks (lock order: a Variable's `mu` before the engine's `mu_`, never the
-// reverse):
+// reverse; docs/THREADING.md has the daemon's whole picture; clang's -Wthread-safety checks the
+// annotations):
 //   - `Variable::mu` guards the variable's accumulators, take state and (dense variables) slots;
 //     pushes to different variables accumulate in parallel, and a dense apply runs on the thread
 //     of the push that completed the take (big ones split over the apply pool).
@@ -36,7 +37,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -49,6 +49,7 @@
 #include "psd/status.h"
 #include "psd/tensor.h"
 #include "core/buffer.h"
+#include "base/mutex.h"
 #include "core/thread_pool.h"
 #include "core/token_queue.h"
 
@@ -181,21 +182,21 @@ class TrainingEngine {
 
   // Create-or-get: idempotent for the same definition; a different dtype, shape, trainability,
   // averaging or optimizer for an existing name is AlreadyExists with both definitions.
-  Result<VariableDesc> CreateVariable(const VariableDef& def);
+  Result<VariableDesc> CreateVariable(const VariableDef& def) EXCLUDES(mu_);
 
   // Applies each gradient (validated all first: an invalid push changes nothing). `out` gets one
   // outcome per gradient, in order.
-  Status Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out);
+  Status Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out) EXCLUDES(mu_);
 
   // Snapshot of the named variables (all of them, sorted by name, if `names` is empty) at one
   // global step, returned in *step. With `averages`, the moving averages instead.
   Status Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out, int64_t* step,
-              bool averages = false);
+              bool averages = false) EXCLUDES(mu_);
   // The declared dtypes of the named variables (NotFound naming the first unknown one): checks a
   // later read's names without reading (no value is combined or referenced).
-  Result<std::vector<DType>> DeclaredDTypes(const std::vector<std::string>& names) const;
+  Result<std::vector<DType>> DeclaredDTypes(const std::vector<std::string>& names) const EXCLUDES(mu_);
   // Copies the listed rows (any order, repeats allowed) of a variable: [n, row dims...].
-  Result<PulledValue> PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step);
+  Result<PulledValue> PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step) EXCLUDES(mu_);
 
   // reduce_to / batch_reduce_to. Each value is a replica's contribution to its destination (a
   // non-trainable variable) for the destination's current round; a value tagged with an older
@@ -204,7 +205,7 @@ class TrainingEngine {
   // it is answered. All values are validated first (an invalid call changes nothing); `done`
   // runs exactly once, outside all locks, when every accepted value's round completed.
   using ReduceDone = std::function<void(std::vector<ReduceOutcome>)>;
-  Status Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values, ReduceDone done);
+  Status Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values, ReduceDone done) EXCLUDES(mu_);
 
   // update(variable, fn): assign / assign_add / assign_sub / scale where the variable lives.
   // Cross-replica: applied at once (on a sync-on-read variable, assign gives every replica
@@ -216,16 +217,16 @@ class TrainingEngine {
   // cross-replica) the new value is staged and published by the next commit, so every replica
   // reading after its token sees it at the same step (round = the step it lands at).
   using UpdateDone = std::function<void(const Status&, bool applied, int64_t step)>;
-  Status Update(const UpdateArgs& args, UpdateDone done);
+  Status Update(const UpdateArgs& args, UpdateDone done) EXCLUDES(mu_);
 
   // Copy of an optimizer slot ("momentum", ...) of a variable.
-  Result<PulledValue> GetSlot(const std::string& variable, const std::string& slot);
-  std::vector<std::string> SlotNames(const std::string& variable) const;
+  Result<PulledValue> GetSlot(const std::string& variable, const std::string& slot) EXCLUDES(mu_);
+  std::vector<std::string> SlotNames(const std::string& variable) const EXCLUDES(mu_);
 
   // How many fresh gradients a sync step waits for: replicas_to_aggregate (or the soft-sync
   // fraction of the workers), lowered as workers declare themselves finished. Re-evaluates
   // pending takes.
-  void SetRequiredReplicas(int required);
+  void SetRequiredReplicas(int required) EXCLUDES(mu_);
   int required_replicas() const { return required_.load(); }
 
   // Sync: the learning rate of the steps after the current one. Async/ssp: from the next push.
@@ -233,20 +234,20 @@ class TrainingEngine {
   double learning_rate() const { return next_lr_.load(); }
 
   // Soft sync: commits step `step` with whatever gradients arrived, if it is still open.
-  void ForceStep(int64_t step);
+  void ForceStep(int64_t step) EXCLUDES(mu_);
 
   // Checkpoints. A snapshot is a consistent cut at a step boundary: in sync mode it is taken at
   // once if no variable has begun the open step, else inside the next commit; in async/ssp each
   // variable is copied consistently with its slots. Values and averages are shared (immutable),
   // slots are copied. The snapshot is handed to the on_snapshot callback (outside all locks).
-  void RequestSnapshot();
+  void RequestSnapshot() EXCLUDES(mu_);
   // The snapshot now if the state is at a step boundary (sync: no take has begun), else nullopt.
-  std::optional<ShardSnapshot> SnapshotIfAtBoundary();
+  std::optional<ShardSnapshot> SnapshotIfAtBoundary() EXCLUDES(mu_);
   void set_on_snapshot(std::function<void(ShardSnapshot)> cb) { on_snapshot_ = std::move(cb); }
   // Replaces the (empty) state with a checkpoint's. Call before workers connect. Takes the locks
   // in the documented order (each variable's `mu`, then `mu_`), so a request that reaches a
   // restored variable early cannot deadlock against it.
-  Status Restore(const ShardSnapshot& snapshot);
+  Status Restore(const ShardSnapshot& snapshot) EXCLUDES(mu_);
 
   int64_t global_step() const { return global_step_.load(); }
   // Cluster: the epoch this engine's state belongs to (0 for a single daemon).
@@ -255,7 +256,7 @@ class TrainingEngine {
   TokenQueue& tokens() { return tokens_; }
   const Optimizer& optimizer() const { return *optimizer_; }
   const TrainingConfig& config() const { return config_; }
-  EngineStats Stats() const;
+  EngineStats Stats() const EXCLUDES(mu_);
 
   // Cluster (the chief decides when a step commits). With a gate set, the engine does not commit
   // when its last variable is taken: it calls the gate (outside all locks) with the step, the
@@ -267,12 +268,12 @@ class TrainingEngine {
   // Commits prepared step `step` (publishes step + 1); `snapshot`: also hand a snapshot of the
   // new state to on_snapshot. `next_lr` (> 0) is the learning rate of the steps after it.
   // FailedPrecondition if the engine is not prepared for `step`.
-  Status CommitPrepared(int64_t step, bool snapshot, double next_lr);
+  Status CommitPrepared(int64_t step, bool snapshot, double next_lr) EXCLUDES(mu_);
   // Reports the open step to the gate if this engine has nothing to take (call after Restore).
-  void ReportIfIdle();
+  void ReportIfIdle() EXCLUDES(mu_);
   // The placements of the variable parts this engine holds; a variable created without one
   // (a single daemon's) is reported whole on `shard`.
-  std::vector<VarPlacement> Placements(int shard) const;
+  std::vector<VarPlacement> Placements(int shard) const EXCLUDES(mu_);
 
   // Tests only: called at named points to provoke interleavings deterministically — "push.validated"
   // (a push validated its gradients and claimed their kinds, no lock held) and "restore.variable"
@@ -292,36 +293,40 @@ class TrainingEngine {
  private:
   struct Variable;
   class KindClaims;
-  Variable* FindLocked(std::string_view name) const;
+  // A variable's own lock (`Variable::mu`), for annotations written where Variable is incomplete.
+  static Mutex& VariableMutex(Variable* v);
+  Variable* FindLocked(std::string_view name) const REQUIRES(mu_);
   Status ValidateGrad(Variable* v, const GradRef& g) const;
   // Push once the gradients its accumulators cannot take as they are (sparse or async/ssp halves)
   // are converted to their variable's compute dtype.
   Status PushConverted(int64_t local_step, const std::vector<GradRef>& grads, const std::vector<Variable*>& targets,
-                       std::vector<GradOutcome>* out);
+                       std::vector<GradOutcome>* out) EXCLUDES(mu_);
   // With v->mu held: takes (and applies, for dense) if the step is ready. Returns true if it took.
-  bool MaybeTakeLocked(Variable* v, bool force, int* count);
+  bool MaybeTakeLocked(Variable* v, bool force, int* count) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
   // After a take (no variable lock held): records it; commits if it was the last.
-  void OnTaken(int count);
-  void CommitLocked(std::unique_lock<std::mutex>& lock, bool forced);
+  void OnTaken(int count) EXCLUDES(mu_);
+  // Publishes the step, unlocks (`lock` holds mu_), then pushes tokens and runs the callbacks.
+  void CommitLocked(MutexLock& lock, bool forced) RELEASE(mu_);
   // Every trainable variable is taken: commits, or (cluster) reports to the gate. Unlocks.
-  void StepReadyLocked(std::unique_lock<std::mutex>& lock, bool forced);
-  void ReevaluateAll();
+  void StepReadyLocked(MutexLock& lock, bool forced) RELEASE(mu_);
+  void ReevaluateAll() EXCLUDES(mu_);
   // Async/ssp: applies one gradient now (v->mu held).
-  void ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr);
+  void ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
   // Applies pending sparse rows in place (mu_ held).
-  void ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step, double lr);
-  void UpdateAverages(int64_t step);
+  void ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step, double lr)
+      REQUIRES(mu_);
+  void UpdateAverages(int64_t step) EXCLUDES(mu_);
   void ApplyDense(const Optimizer& opt, const ApplyArgs& args);
   void ReportApply(std::chrono::steady_clock::time_point t0);
-  ShardSnapshot SnapshotLocked();  // mu_ held; every variable's slots consistent with its value
+  ShardSnapshot SnapshotLocked() REQUIRES(mu_);  // every variable's slots consistent with its value
   // mu_ held: the value a read sees (a sync-on-read variable's combined replica values).
-  std::shared_ptr<Buffer> ReadValueLocked(Variable* v);
+  std::shared_ptr<Buffer> ReadValueLocked(Variable* v) REQUIRES(mu_);
   // mu_ held: applies `op` with `value` (host bytes of v's dtype and shape) to v's value.
-  void ApplyUpdateLocked(Variable* v, UpdateOp op, const void* value, double factor);
+  void ApplyUpdateLocked(Variable* v, UpdateOp op, const void* value, double factor) REQUIRES(mu_);
 
   const TrainingConfig config_;
   std::unique_ptr<Optimizer> optimizer_;
-  std::map<std::string, std::unique_ptr<Optimizer>> per_variable_optimizers_;  // guarded by mu_
+  std::map<std::string, std::unique_ptr<Optimizer>> per_variable_optimizers_ GUARDED_BY(mu_);
   ThreadPool pool_;
   TokenQueue tokens_;
   std::function<void(const StepInfo&)> on_commit_;
@@ -340,19 +345,19 @@ class TrainingEngine {
   std::atomic<double> next_lr_;
   std::atomic<int> last_step_gradients_{0};
 
-  mutable std::mutex mu_;
-  std::map<std::string, std::unique_ptr<Variable>, std::less<>> vars_;  // guarded by mu_
-  int pending_takes_ = 0;            // guarded by mu_: trainable variables not yet taken this step
-  uint64_t model_bytes_ = 0;         // guarded by mu_: the memory the variables account for
-  int step_min_count_ = 0;           // guarded by mu_
-  int step_max_count_ = 0;           // guarded by mu_
-  bool step_started_ = false;        // guarded by mu_: a fresh gradient arrived for the open step
-  double step_lr_;                   // guarded by mu_: learning rate of the open step
-  int step_takes_begun_ = 0;         // guarded by mu_: variables whose take for the open step has begun
-  int step_takes_ = 0;               // guarded by mu_: variables taken for the open step
-  bool snapshot_requested_ = false;  // guarded by mu_
-  bool prepared_ = false;            // guarded by mu_: cluster: reported the open step to the gate
-  bool step_forced_ = false;         // guarded by mu_: the open step was forced by a deadline
+  mutable Mutex mu_;
+  std::map<std::string, std::unique_ptr<Variable>, std::less<>> vars_ GUARDED_BY(mu_);
+  int pending_takes_ GUARDED_BY(mu_) = 0;     // trainable variables not yet taken this step
+  uint64_t model_bytes_ GUARDED_BY(mu_) = 0;  // the memory the variables account for
+  int step_min_count_ GUARDED_BY(mu_) = 0;
+  int step_max_count_ GUARDED_BY(mu_) = 0;
+  bool step_started_ GUARDED_BY(mu_) = false;  // a fresh gradient arrived for the open step
+  double step_lr_ GUARDED_BY(mu_);             // learning rate of the open step
+  int step_takes_begun_ GUARDED_BY(mu_) = 0;   // variables whose take for the open step has begun
+  int step_takes_ GUARDED_BY(mu_) = 0;         // variables taken for the open step
+  bool snapshot_requested_ GUARDED_BY(mu_) = false;
+  bool prepared_ GUARDED_BY(mu_) = false;     // cluster: reported the open step to the gate
+  bool step_forced_ GUARDED_BY(mu_) = false;  // the open step was forced by a deadline
 };
 
 }  // namespace psd::server

@@ -12,7 +12,7 @@ WorkerRegistry::WorkerRegistry(int replicas_to_aggregate, int total_replicas)
       total_(std::max(total_replicas, replicas_to_aggregate)) {}
 
 Result<uint32_t> WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t incarnation) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (size_t i = 0; i < workers_.size(); ++i) {
     Worker& w = workers_[i];
     if (w.name != name) continue;
@@ -55,7 +55,7 @@ Result<uint32_t> WorkerRegistry::Hello(uint64_t conn, const std::string& name, u
 }
 
 std::optional<std::pair<uint32_t, uint64_t>> WorkerRegistry::Disconnected(uint64_t conn) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (size_t i = 0; i < workers_.size(); ++i) {
     Worker& w = workers_[i];
     if (w.conn != conn) continue;
@@ -69,7 +69,7 @@ std::optional<std::pair<uint32_t, uint64_t>> WorkerRegistry::Disconnected(uint64
 }
 
 std::optional<std::string> WorkerRegistry::MarkLostIfStillGone(uint32_t index, uint64_t generation) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (index >= workers_.size()) return std::nullopt;
   Worker& w = workers_[index];
   if (w.conn != 0 || w.finished || w.lost || w.disconnects != generation) return std::nullopt;
@@ -78,7 +78,7 @@ std::optional<std::string> WorkerRegistry::MarkLostIfStillGone(uint32_t index, u
 }
 
 bool WorkerRegistry::Finished(uint64_t conn) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (Worker& w : workers_) {
     if (w.conn == conn) w.finished = true;
   }
@@ -104,13 +104,13 @@ const WorkerRegistry::Worker* WorkerRegistry::ChiefLocked() const {
 }
 
 bool WorkerRegistry::IsChief(uint64_t conn) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const Worker* chief = ChiefLocked();
   return chief != nullptr && chief->conn == conn;
 }
 
 int64_t WorkerRegistry::IndexOf(uint64_t conn) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (size_t i = 0; i < workers_.size(); ++i) {
     if (workers_[i].conn == conn) return static_cast<int64_t>(i);
   }
@@ -118,32 +118,32 @@ int64_t WorkerRegistry::IndexOf(uint64_t conn) const {
 }
 
 std::vector<std::string> WorkerRegistry::Names() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<std::string> out;
   for (const Worker& w : workers_) out.push_back(w.name);
   return out;
 }
 
 bool WorkerRegistry::AllFinished() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return AllFinishedLocked();
 }
 
 bool WorkerRegistry::AllGone() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return static_cast<int>(workers_.size()) >= total_ && !workers_.empty() &&
          std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished || w.lost; });
 }
 
 int WorkerRegistry::RequiredReplicas() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   int finished = static_cast<int>(
       std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished || w.lost; }));
   return std::max(1, replicas_to_aggregate_ - std::max(0, finished - backups_));
 }
 
 WorkerCounts WorkerRegistry::Counts() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   WorkerCounts c;
   for (const Worker& w : workers_) {
     if (w.conn != 0) ++c.connected;
@@ -154,7 +154,7 @@ WorkerCounts WorkerRegistry::Counts() const {
 }
 
 std::vector<WorkerInfo> WorkerRegistry::Snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const Worker* chief = ChiefLocked();
   std::vector<WorkerInfo> out;
   out.reserve(workers_.size());

@@ -25,13 +25,13 @@
 #define PSD_SERVER_CORE_WORKER_REGISTRY_H_
 
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "psd/status.h"
+#include "base/mutex.h"
 
 namespace psd::server {
 
@@ -89,14 +89,14 @@ class WorkerRegistry {
     bool lost = false;
     uint64_t disconnects = 0;
   };
-  const Worker* ChiefLocked() const;
-  bool AllFinishedLocked() const;
+  const Worker* ChiefLocked() const REQUIRES(mu_);
+  bool AllFinishedLocked() const REQUIRES(mu_);
 
   const int replicas_to_aggregate_;
   const int backups_;
   const int total_;  // N
-  mutable std::mutex mu_;
-  std::vector<Worker> workers_;  // guarded by mu_, in first-hello order
+  mutable Mutex mu_;
+  std::vector<Worker> workers_ GUARDED_BY(mu_);  // in first-hello order
 };
 
 }  // namespace psd::server

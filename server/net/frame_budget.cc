@@ -6,7 +6,7 @@ namespace psd::server {
 
 void FrameBudget::Acquire(uint64_t bytes, std::function<void()> granted) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!waiters_.empty() || in_use_ + bytes > limit_) {
       ++waits_;
       waiters_.push_back({bytes, std::move(granted)});
@@ -21,7 +21,7 @@ void FrameBudget::Acquire(uint64_t bytes, std::function<void()> granted) {
 void FrameBudget::Release(uint64_t bytes) {
   std::deque<Waiter> ready;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     in_use_ -= std::min(bytes, in_use_);
     GrantLocked(&ready);
   }
@@ -38,22 +38,22 @@ void FrameBudget::GrantLocked(std::deque<Waiter>* ready) {
 }
 
 uint64_t FrameBudget::in_use() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return in_use_;
 }
 
 uint64_t FrameBudget::peak() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return peak_;
 }
 
 uint64_t FrameBudget::waits() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return waits_;
 }
 
 size_t FrameBudget::waiting() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return waiters_.size();
 }
 

@@ -18,7 +18,8 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <mutex>
+
+#include "base/mutex.h"
 
 namespace psd::server {
 
@@ -31,8 +32,8 @@ class FrameBudget {
   // Takes `bytes` (<= limit()) and calls `granted` once they are held: at once when they fit and
   // nobody waits ahead, otherwise when enough has been released. The caller owns the bytes from
   // then on and must Release() them exactly once, even if it no longer needs them.
-  void Acquire(uint64_t bytes, std::function<void()> granted);
-  void Release(uint64_t bytes);
+  void Acquire(uint64_t bytes, std::function<void()> granted) EXCLUDES(mu_);
+  void Release(uint64_t bytes) EXCLUDES(mu_);
 
   uint64_t limit() const { return limit_; }
   uint64_t in_use() const;
@@ -45,15 +46,15 @@ class FrameBudget {
     uint64_t bytes;
     std::function<void()> granted;
   };
-  // Moves the waiters that now fit (in order) to `ready`; mu_ held.
-  void GrantLocked(std::deque<Waiter>* ready);
+  // Moves the waiters that now fit (in order) to `ready`.
+  void GrantLocked(std::deque<Waiter>* ready) REQUIRES(mu_);
 
   const uint64_t limit_;
-  mutable std::mutex mu_;
-  uint64_t in_use_ = 0;         // guarded by mu_
-  uint64_t peak_ = 0;           // guarded by mu_
-  uint64_t waits_ = 0;          // guarded by mu_
-  std::deque<Waiter> waiters_;  // guarded by mu_; first come, first served
+  mutable Mutex mu_;
+  uint64_t in_use_ GUARDED_BY(mu_) = 0;
+  uint64_t peak_ GUARDED_BY(mu_) = 0;
+  uint64_t waits_ GUARDED_BY(mu_) = 0;
+  std::deque<Waiter> waiters_ GUARDED_BY(mu_);  // first come, first served
 };
 
 }  // namespace psd::server

@@ -48,14 +48,14 @@ WorkerFigures& Metrics::WorkerLocked(uint32_t worker) {
 
 void Metrics::OnWorkerRequest(uint32_t worker) {
   double now = UnixNow();
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   WorkerFigures& w = WorkerLocked(worker);
   w.last_seen_unix_s = now;
   ++w.requests;
 }
 
 void Metrics::OnPush(uint32_t worker, int64_t local_step, int accepted, int stale, int64_t staleness) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   WorkerFigures& w = WorkerLocked(worker);
   w.pushes_accepted += static_cast<uint64_t>(accepted);
   w.pushes_stale += static_cast<uint64_t>(stale);
@@ -72,7 +72,7 @@ void Metrics::OnStepCommitted(int64_t /*step*/, int min_gradients, int max_gradi
   if (forced) steps_forced_.fetch_add(1, std::memory_order_relaxed);
   double seconds = -1;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (committed_once_) seconds = std::chrono::duration<double>(now - last_commit_).count();
     committed_once_ = true;
     last_commit_ = now;
@@ -83,7 +83,7 @@ void Metrics::OnStepCommitted(int64_t /*step*/, int min_gradients, int max_gradi
 
 void Metrics::OnCheckpointWritten(int64_t step, double seconds, uint64_t bytes) {
   checkpoint_write_seconds_.Observe(seconds);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   checkpoints_.last_step = step;
   checkpoints_.last_seconds = seconds;
   checkpoints_.last_bytes = bytes;
@@ -92,37 +92,37 @@ void Metrics::OnCheckpointWritten(int64_t step, double seconds, uint64_t bytes) 
 }
 
 void Metrics::OnRestored(int64_t step, double seconds, uint64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   checkpoints_.restored_step = step;
   checkpoints_.restore_seconds = seconds;
   checkpoints_.restore_bytes = bytes;
 }
 
 Metrics::CheckpointFigures Metrics::Checkpoints() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   CheckpointFigures c = checkpoints_;
   c.failed = checkpoints_failed_.load(std::memory_order_relaxed);
   return c;
 }
 
 std::vector<WorkerFigures> Metrics::Workers() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return workers_;
 }
 
 void Metrics::AddSample(double unix_s, int64_t step) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   history_.push_back({unix_s, step});
   while (history_.size() > kHistory) history_.pop_front();
 }
 
 std::vector<Metrics::Sample> Metrics::History() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return {history_.begin(), history_.end()};
 }
 
 double Metrics::StepRate(double window_s) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (history_.size() < 2) return 0;
   const Sample& last = history_.back();
   const Sample* first = &history_.front();

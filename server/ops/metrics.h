@@ -12,9 +12,10 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
-#include <mutex>
 #include <string>
 #include <vector>
+
+#include "base/mutex.h"
 
 namespace psd::server::ops {
 
@@ -122,7 +123,7 @@ class Metrics {
   std::vector<WorkerFigures> Workers() const;
 
  private:
-  WorkerFigures& WorkerLocked(uint32_t worker);
+  WorkerFigures& WorkerLocked(uint32_t worker) REQUIRES(mu_);
 
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};
   std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0}, frame_timeouts_{0};
@@ -134,12 +135,12 @@ class Metrics {
   Histogram apply_seconds_;
   Histogram checkpoint_write_seconds_;
 
-  mutable std::mutex mu_;
-  std::vector<WorkerFigures> workers_;                 // guarded by mu_
-  std::chrono::steady_clock::time_point last_commit_;  // guarded by mu_
-  bool committed_once_ = false;                        // guarded by mu_
-  CheckpointFigures checkpoints_;                      // guarded by mu_
-  std::deque<Sample> history_;                         // guarded by mu_
+  mutable Mutex mu_;
+  std::vector<WorkerFigures> workers_ GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point last_commit_ GUARDED_BY(mu_);
+  bool committed_once_ GUARDED_BY(mu_) = false;
+  CheckpointFigures checkpoints_ GUARDED_BY(mu_);
+  std::deque<Sample> history_ GUARDED_BY(mu_);
 };
 
 // Seconds since the Unix epoch (wall clock), for "last seen" and the history's time axis.

@@ -1,0 +1,116 @@
+// The engine's collective callbacks (Reduce and Update `done`) run outside all of its locks, as
+// training_engine.h promises (docs/THREADING.md): a callback may call the engine again. Before
+// this held, each case below deadlocked on the engine's or the variable's mutex.
+#include <catch2/catch.hpp>
+
+#include "config/server_config.h"
+#include "core/training_engine.h"
+
+using namespace psd;
+using namespace psd::server;
+
+namespace {
+
+std::unique_ptr<TrainingEngine> MakeSyncEngine() {
+  ServerConfig c;
+  c.replicas_to_aggregate = 1;
+  c.total_replicas = 1;
+  c.init_tokens = 0;
+  REQUIRE(c.Validate().ok());
+  return std::make_unique<TrainingEngine>(c, std::move(*MakeOptimizer(c.optimizer)));
+}
+
+void CreateNonTrainable(TrainingEngine& e, const std::string& name) {
+  VariableDef d;
+  d.name = name;
+  d.shape = {2};
+  d.trainable = false;
+  REQUIRE(e.CreateVariable(d).ok());
+}
+
+UpdateArgs Assign(const std::vector<float>& value) {
+  UpdateArgs a;
+  a.name = "acc";
+  a.op = UpdateOp::kAssign;
+  a.shape = {2};
+  a.data = value.data();
+  a.bytes = value.size() * sizeof(float);
+  return a;
+}
+
+float First(TrainingEngine& e) {
+  std::vector<PulledValue> out;
+  int64_t step = 0;
+  REQUIRE(e.Pull({"acc"}, &out, &step).ok());
+  return out[0].value->as<float>()[0];
+}
+
+}  // namespace
+
+TEST_CASE("update and reduce callbacks may call the engine again (they run outside its locks)",
+          "[engine][collectives]") {
+  auto e = MakeSyncEngine();
+  CreateNonTrainable(*e, "acc");
+  std::vector<float> one{1, 1}, two{2, 2};
+
+  SECTION("a cross-replica update staged for the next step") {
+    UpdateArgs a = Assign(two);
+    a.at_next_step = true;
+    int64_t lands = -1;
+    REQUIRE(e->Update(a, [&](const Status& s, bool applied, int64_t step) {
+               REQUIRE(s.ok());
+               REQUIRE(applied);
+               CHECK(First(*e) == 0);  // staged: published by the next commit
+               lands = step;
+             }).ok());
+    CHECK(lands == 1);
+  }
+
+  SECTION("a cross-replica update applied at once") {
+    float seen = -1;
+    REQUIRE(e->Update(Assign(two), [&](const Status& s, bool, int64_t) {
+               REQUIRE(s.ok());
+               seen = First(*e);
+             }).ok());
+    CHECK(seen == 2);
+  }
+
+  SECTION("a stale replica-context update") {
+    UpdateArgs a = Assign(one);
+    a.cross_replica = false;
+    bool first = false;
+    REQUIRE(e->Update(a, [&](const Status& s, bool applied, int64_t) { first = s.ok() && applied; }).ok());
+    REQUIRE(first);  // round 0 complete (one replica): local step 0 is stale from now on
+    int inner = 0;
+    bool outer = false;
+    REQUIRE(e->Update(a, [&](const Status& s, bool applied, int64_t step) {
+               REQUIRE(s.ok());
+               CHECK_FALSE(applied);
+               CHECK(step == 1);
+               // The same variable's round again, from inside the callback.
+               REQUIRE(e->Update(a, [&](const Status&, bool again, int64_t) { inner += again ? 100 : 1; }).ok());
+               outer = true;
+             }).ok());
+    CHECK(outer);
+    CHECK(inner == 1);
+  }
+
+  SECTION("a stale reduce") {
+    std::vector<GradRef> values{{"acc", DType::kFloat32, {2}, one.data(), one.size() * sizeof(float)}};
+    bool first = false;
+    REQUIRE(e->Reduce(false, 0, values, [&](std::vector<ReduceOutcome> o) { first = o[0].accepted; }).ok());
+    REQUIRE(first);  // round 0 complete: local step 0 is stale from now on
+    int inner = 0;
+    bool outer = false;
+    REQUIRE(e->Reduce(false, 0, values, [&](std::vector<ReduceOutcome> o) {
+               CHECK_FALSE(o[0].accepted);
+               CHECK(o[0].step == 1);
+               REQUIRE(e->Reduce(false, 0, values, [&](std::vector<ReduceOutcome> again) {
+                          inner += again[0].accepted ? 100 : 1;
+                        }).ok());
+               outer = true;
+             }).ok());
+    CHECK(outer);
+    CHECK(inner == 1);
+  }
+}
