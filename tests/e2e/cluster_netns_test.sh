@@ -77,7 +77,7 @@ sleep 1
 ip -n "$router" link set "$tag-p2" up
 for p in "${wp[@]}"; do wait "$p" || fail "a worker failed"; done
 for k in 0 1 2; do wait "${shard_pid[$k]}" || fail "shard $k did not exit 0"; done
-grep -h "running at epoch" "$run"/s*.log | grep -q "from checkpoint step" || fail "the cluster did not restore after the partition"
+grep -q "from checkpoint step" <<< "$(grep -h "running at epoch" "$run"/s*.log)" || fail "the cluster did not restore after the partition"
 echo "after the partition: $(grep -h "running at epoch .* from checkpoint" "$run"/s*.log | tail -1 | sed 's/.*cluster: //')"
 for w in 0 1 2 3; do
   final=$(sed -n 's/.*loss [0-9.]* -> \([0-9.]*\),.*/\1/p' "$run/w$w.log")

@@ -131,7 +131,7 @@ out=$(timeout 10 "$admin" --host localhost --port "$port" status)  # a name, res
 grep -q "global step          0" <<< "$out" || { echo "psd_admin status: $out"; exit 1; }
 grep -q "workers              0 connected" <<< "$out" || { echo "psd_admin counted as a worker: $out"; exit 1; }
 timeout 10 "$admin" --port "$port" checkpoint | grep -q "checkpoint requested"
-for _ in $(seq 100); do timeout 10 "$admin" --port "$port" --json status | grep -q '"last_checkpoint_step":0' && break; sleep 0.05; done
-timeout 10 "$admin" --port "$port" --json status | grep -q '"last_checkpoint_step":0' || { echo "no checkpoint"; exit 1; }
+for _ in $(seq 100); do grep -q '"last_checkpoint_step":0' <<< "$(timeout 10 "$admin" --port "$port" --json status)" && break; sleep 0.05; done
+grep -q '"last_checkpoint_step":0' <<< "$(timeout 10 "$admin" --port "$port" --json status)" || { echo "no checkpoint"; exit 1; }
 kill -TERM "$pid"; wait "$pid"; pid=""
 echo "PASS"

@@ -57,11 +57,11 @@ expect_refusal() {  # $1: the shard that lost checkpoints, $2: the chief's log
   local st rc=0
   st=$(admin status 2>&1) || rc=$?
   [ "$rc" -eq 3 ] || fail "psd_admin status exit $rc while the cluster waits (want 3): $st"
-  echo "$st" | grep -q "refusing to form the cluster.*shard(s) $1 " || fail "psd_admin status does not say why: $st"
+  grep -q "refusing to form the cluster.*shard(s) $1 " <<< "$st" || fail "psd_admin status does not say why: $st"
   wait_for "$run/w*.log" "UNAVAILABLE.*refusing to form the cluster.*psd_admin" 30 || fail "the workers were not told why"
   local ready
   ready=$(curl -s -w ' %{http_code}' "http://127.0.0.1:$(cat "$run/metrics0")/readyz" | tr '\n' ' ')
-  echo "$ready" | grep -q "refusing to form the cluster.* 503$" || fail "/readyz does not say why: $ready"
+  grep -q "refusing to form the cluster.* 503$" <<< "$ready" || fail "/readyz does not say why: $ready"
   echo "a worker was told: $(grep -h "refusing to form" "$run"/w*.log | tail -1)"
   # Logged once, however many heartbeats pass.
   local n
@@ -84,7 +84,7 @@ expect_refusal 2 "$run/s0.log"
 [ "$(grep -c "running at epoch" "$run/s0.log")" -eq "$formed_before" ] || fail "the cluster formed without a decision"
 [ -d "$run/ckpt0/$(basename "$newest")" ] || fail "shard 0's checkpoint step $lost is gone"
 out=$(admin recover --step 999999 2>&1) && fail "recover --step 999999 was accepted: $out"
-echo "$out" | grep -q "cannot be restored by every shard; those that can: $previous" || fail "bad refusal: $out"
+grep -q "cannot be restored by every shard; those that can: $previous" <<< "$out" || fail "bad refusal: $out"
 admin recover > "$run/recover-a.out" 2>&1 || fail "psd_admin recover: $(cat "$run/recover-a.out")"
 wait_for "$run/s0.log" "running at epoch .* from checkpoint step $previous " 30 || fail "no formation at step $previous"
 grep -q "by an operator's decision" "$run/s0.log" || fail "the decision was not logged"
@@ -102,10 +102,10 @@ start_shard 1 s1b
 wait_for "$run/s0.log" "refusing to form the cluster.*shard\(s\) 1 " 30 || fail "no refusal for shard 1"
 [ "$(grep -c "refusing to form the cluster.*shard(s) 1 " "$run/s0.log")" -eq 1 ] || fail "the refusal was logged more than once"
 st=$(admin status 2>&1) && fail "psd_admin status exit 0 while the cluster waits"
-echo "$st" | grep -q "refusing to form the cluster.*shard(s) 1 " || fail "psd_admin status does not say why: $st"
+grep -q "refusing to form the cluster.*shard(s) 1 " <<< "$st" || fail "psd_admin status does not say why: $st"
 [ "$(grep -c "running at epoch" "$run/s0.log")" -eq "$formed_before" ] || fail "the cluster formed without a decision"
 out=$(admin recover 2>&1) && fail "recover without a common step was accepted: $out"
-echo "$out" | grep -q "recover --empty" || fail "bad refusal: $out"
+grep -q "recover --empty" <<< "$out" || fail "bad refusal: $out"
 admin recover --empty > "$run/recover-b.out" 2>&1 || fail "psd_admin recover --empty: $(cat "$run/recover-b.out")"
 wait_for "$run/s0.log" "running at epoch .* from an empty state" 30 || fail "no empty formation"
 echo "psd_admin recover --empty: $(grep -h "running at epoch" "$run/s0.log" | tail -1 | sed 's/.*cluster: //')"

@@ -1,0 +1,286 @@
+// TrainingEngine: the distribution-aware primitives (reduce_to, update) and sync-on-read values.
+#include "core/training_engine.h"
+#include "core/training_engine_internal.h"
+
+namespace psd::server {
+
+using namespace engine_internal;
+
+std::shared_ptr<Buffer> TrainingEngine::ReadValueLocked(Variable* v) {
+  if (!v->sync_on_read) return v->published;
+  const int n = std::max(1, config_.total_replicas);
+  auto out = std::make_shared<Buffer>(v->bytes);
+  auto value_of = [&](uint32_t r) {
+    auto it = v->replica_values.find(r);
+    return it == v->replica_values.end() ? v->replica_base : it->second;
+  };
+  if (v->aggregation == Aggregation::kOnlyFirstReplica) {
+    std::memcpy(out->data(), value_of(0)->data(), v->bytes);
+    return out;
+  }
+  std::memset(out->data(), 0, v->bytes);
+  const int64_t elems = NumElements(v->shape);
+  for (int r = 0; r < n; ++r) AddInto(v->dtype, out->data(), value_of(static_cast<uint32_t>(r))->data(), elems);
+  if (v->aggregation == Aggregation::kMean) Scale(v->dtype, out->data(), elems, 1.0 / n);
+  return out;
+}
+
+namespace {
+
+// `old` with `op` applied (a new buffer: the old one may still be read).
+std::shared_ptr<Buffer> Updated(const Buffer& old, DType dtype, int64_t elems, UpdateOp op, const void* value,
+                                double factor) {
+  auto next = std::make_shared<Buffer>(old);
+  switch (op) {
+    case UpdateOp::kAssign:
+      std::memcpy(next->data(), value, old.bytes());
+      break;
+    case UpdateOp::kAssignAdd:
+      AddInto(dtype, next->data(), value, elems);
+      break;
+    case UpdateOp::kAssignSub: {
+      Buffer neg(old.bytes());
+      std::memcpy(neg.data(), value, old.bytes());
+      Scale(dtype, neg.data(), elems, -1);
+      AddInto(dtype, next->data(), neg.data(), elems);
+      break;
+    }
+    case UpdateOp::kScale:
+      Scale(dtype, next->data(), elems, factor);
+      break;
+  }
+  return next;
+}
+
+}  // namespace
+
+void TrainingEngine::ApplyUpdateLocked(Variable* v, UpdateOp op, const void* value, double factor) {
+  v->published = Updated(*v->published, v->dtype, NumElements(v->shape), op, value, factor);
+}
+
+Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values_in, ReduceDone done) {
+  std::vector<Variable*> targets;
+  {
+    MutexLock lock(&mu_);
+    for (const GradRef& g : values_in) {
+      Variable* v = FindLocked(g.name);
+      if (v == nullptr) return NotFound("reduce_to: no variable named '" + std::string(g.name) + "'");
+      if (v->trainable) {
+        return InvalidArgument("reduce_to: destination '" + v->name +
+                               "' is trainable (its optimizer owns it); reduce into a non-trainable variable");
+      }
+      if (v->sync_on_read) return InvalidArgument("reduce_to: destination '" + v->name + "' is sync-on-read");
+      if (std::find(targets.begin(), targets.end(), v) != targets.end()) {
+        return InvalidArgument("reduce_to: destination '" + v->name + "' appears twice in one call");
+      }
+      targets.push_back(v);
+    }
+  }
+  ConvertedInputs converted;
+  std::vector<GradRef> values = values_in;
+  for (size_t i = 0; i < values.size(); ++i) {
+    Status s = converted.Convert(&values[i], targets[i]->declared, targets[i]->dtype);
+    if (!s.ok()) return Status(s.code(), "reduce_to '" + targets[i]->name + "': " + s.message());
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (values[i].sparse()) return InvalidArgument("reduce_to takes dense values");
+    Status s = DenseAccumulator::Check(targets[i]->dtype, targets[i]->shape, values[i].dtype, values[i].shape,
+                                       values[i].bytes);
+    if (!s.ok()) return Status(s.code(), "reduce_to '" + targets[i]->name + "': " + s.message());
+  }
+  // Completion of the whole call: the last entry's round to finish answers it.
+  struct Call {
+    Call(size_t n, ReduceDone d) : remaining(n), outcomes(n), done(std::move(d)) {}
+    Mutex mu;
+    size_t remaining GUARDED_BY(mu);
+    std::vector<ReduceOutcome> outcomes GUARDED_BY(mu);
+    const ReduceDone done;
+  };
+  auto call = std::make_shared<Call>(values.size(), std::move(done));
+  auto finish_one = [call](size_t i, ReduceOutcome outcome) {
+    MutexLock lock(&call->mu);
+    call->outcomes[i] = std::move(outcome);
+    if (--call->remaining > 0) return;
+    auto outcomes = std::move(call->outcomes);
+    lock.Unlock();
+    call->done(std::move(outcomes));
+  };
+  const int required = required_.load();
+  for (size_t i = 0; i < values.size(); ++i) {
+    Variable* v = targets[i];
+    const GradRef& g = values[i];
+    std::vector<Round::Waiter> ready;
+    std::shared_ptr<const Buffer> result;
+    int64_t round_step = 0;
+    {
+      MutexLock vlock(&v->mu);
+      Round& r = v->reduce_round;
+      if (local_step < r.step) {
+        std::shared_ptr<Buffer> current;
+        {
+          MutexLock lock(&mu_);
+          current = v->published;
+        }
+        int64_t stale_step = r.step;
+        vlock.Unlock();  // `done` runs outside all locks
+        finish_one(i, {false, stale_step, current, v->dtype, v->declared, v->shape});
+        continue;
+      }
+      if (r.count == 0) {
+        r.sum.assign((v->bytes + 7) / 8, 0);
+        r.mean = mean;
+      }
+      AddInto(v->dtype, r.sum.data(), g.data, NumElements(v->shape));
+      ++r.count;
+      DType dtype = v->dtype, declared = v->declared;
+      Shape shape = v->shape;
+      r.waiters.push_back(
+          [finish_one, i, dtype, declared, shape](const Status&, int64_t step, std::shared_ptr<const Buffer> value) {
+            finish_one(i, {true, step, std::move(value), dtype, declared, shape});
+          });
+      if (r.count < required) continue;
+      auto out = std::make_shared<Buffer>(v->bytes);
+      std::memcpy(out->data(), r.sum.data(), v->bytes);
+      if (r.mean) Scale(v->dtype, out->data(), NumElements(v->shape), 1.0 / r.count);
+      {
+        MutexLock lock(&mu_);
+        v->published = out;
+      }
+      result = out;
+      round_step = r.step;
+      ready.swap(r.waiters);
+      r.count = 0;
+      ++r.step;
+    }
+    for (auto& w : ready) w(Status::Ok(), round_step, result);
+  }
+  return Status::Ok();
+}
+
+Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
+  Variable* v = nullptr;
+  {
+    MutexLock lock(&mu_);
+    v = FindLocked(args.name);
+  }
+  if (v == nullptr) return NotFound("update: no variable named '" + std::string(args.name) + "'");
+  UpdateArgs a = args;
+  ConvertedInputs converted;
+  if (a.op != UpdateOp::kScale && a.dtype != v->dtype) {
+    GradRef g{a.name, a.dtype, a.shape, a.data, a.bytes};
+    Status s = converted.Convert(&g, v->declared, v->dtype);
+    if (!s.ok()) return Status(s.code(), "update '" + v->name + "': " + s.message());
+    a.dtype = g.dtype;
+    a.data = g.data;
+    a.bytes = g.bytes;
+  }
+  if (v->trainable) {
+    return InvalidArgument("update: variable '" + v->name +
+                           "' is trainable: its optimizer updates it from pushed gradients");
+  }
+  if (a.op == UpdateOp::kScale) {
+    if (!std::isfinite(a.factor)) return InvalidArgument("update: scale factor must be finite");
+  } else {
+    PSD_RETURN_IF_ERROR(DenseAccumulator::Check(v->dtype, v->shape, a.dtype, a.shape, a.bytes));
+  }
+  const int n = std::max(1, config_.total_replicas);
+  if (a.cross_replica && a.at_next_step && config_.mode == Mode::kSync && !v->sync_on_read) {
+    int64_t lands = 0;
+    {
+      MutexLock lock(&mu_);
+      const Buffer& base = v->staged_update ? *v->staged_update : *v->published;
+      v->staged_update = Updated(base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
+      lands = global_step_.load() + 1;
+    }
+    done(Status::Ok(), true, lands);
+    return Status::Ok();
+  }
+  if (a.cross_replica || v->sync_on_read) {
+    {
+      MutexLock lock(&mu_);
+      if (!v->sync_on_read) {
+        ApplyUpdateLocked(v, a.op, a.data, a.factor);
+      } else if (!a.cross_replica) {
+        // This replica's own value.
+        auto& mine = v->replica_values[a.replica];
+        mine = Updated(mine ? *mine : *v->replica_base, v->dtype, NumElements(v->shape), a.op, a.data, a.factor);
+      } else {
+        // Cross-replica on a sync-on-read variable: every replica gets the share that reads back
+        // as the value (SUM: value / N each).
+        Buffer share(v->bytes);
+        if (a.op != UpdateOp::kScale) {
+          std::memcpy(share.data(), a.data, v->bytes);
+          if (v->aggregation == Aggregation::kSum) Scale(v->dtype, share.data(), NumElements(v->shape), 1.0 / n);
+        }
+        std::vector<std::shared_ptr<Buffer>*> all{&v->replica_base};
+        for (auto& [r, b] : v->replica_values) all.push_back(&b);
+        for (auto* b : all) *b = Updated(**b, v->dtype, NumElements(v->shape), a.op, share.data(), a.factor);
+      }
+    }
+    done(Status::Ok(), true, 0);
+    return Status::Ok();
+  }
+  if (v->aggregation == Aggregation::kOnlyFirstReplica) {
+    bool first = a.replica == 0;
+    if (first) {
+      MutexLock lock(&mu_);
+      ApplyUpdateLocked(v, a.op, a.data, a.factor);
+    }
+    done(Status::Ok(), first, 0);
+    return Status::Ok();
+  }
+  if (a.op == UpdateOp::kScale) {
+    return InvalidArgument("update: scale of '" + v->name +
+                           "' in a replica context needs ONLY_FIRST_REPLICA "
+                           "aggregation (or a cross-replica call)");
+  }
+  // SUM / MEAN / NONE: this replica's share of the round.
+  std::vector<Round::Waiter> ready;
+  Status outcome;
+  int64_t round_step = 0;
+  {
+    MutexLock vlock(&v->mu);
+    Round& r = v->update_round;
+    if (a.local_step < r.step) {
+      int64_t current = r.step;
+      vlock.Unlock();
+      done(Status::Ok(), false, current);  // stale: dropped
+      return Status::Ok();
+    }
+    if (r.count > 0 && r.op != a.op) {
+      return InvalidArgument("update: replicas use different operations on '" + v->name + "' in one round");
+    }
+    if (r.count == 0) {
+      r.sum.assign((v->bytes + 7) / 8, 0);
+      r.first.assign((v->bytes + 7) / 8, 0);
+      std::memcpy(r.first.data(), a.data, v->bytes);
+      r.op = a.op;
+      r.disagree = false;
+    } else if (std::memcmp(r.first.data(), a.data, v->bytes) != 0) {
+      r.disagree = true;
+    }
+    AddInto(v->dtype, r.sum.data(), a.data, NumElements(v->shape));
+    ++r.count;
+    r.waiters.push_back(
+        [done](const Status& s, int64_t step, std::shared_ptr<const Buffer>) { done(s, s.ok(), step); });
+    if (r.count < required_.load()) return Status::Ok();
+    if (v->aggregation == Aggregation::kNone && r.disagree) {
+      outcome = InvalidArgument("replicas assigned different values to '" + v->name +
+                                "' (aggregation NONE); nothing was changed");
+    } else {
+      const void* value = v->aggregation == Aggregation::kNone ? static_cast<const void*>(r.first.data())
+                                                               : static_cast<const void*>(r.sum.data());
+      if (v->aggregation == Aggregation::kMean) Scale(v->dtype, r.sum.data(), NumElements(v->shape), 1.0 / r.count);
+      MutexLock lock(&mu_);
+      ApplyUpdateLocked(v, r.op, value, 1);
+    }
+    round_step = r.step;
+    ready.swap(r.waiters);
+    r.count = 0;
+    ++r.step;
+  }
+  for (auto& w : ready) w(outcome, round_step, nullptr);
+  return Status::Ok();
+}
+
+}  // namespace psd::server

@@ -1,0 +1,138 @@
+// TrainingEngine: consistent snapshots at step boundaries, restore, and the placements it holds.
+#include "core/training_engine.h"
+#include "core/training_engine_internal.h"
+
+namespace psd::server {
+
+using namespace engine_internal;
+
+std::vector<VarPlacement> TrainingEngine::Placements(int shard) const {
+  MutexLock lock(&mu_);
+  std::vector<VarPlacement> out;
+  for (auto& [name, v] : vars_) {
+    if (!v->placement.name.empty()) {
+      out.push_back(v->placement);
+    } else {
+      out.push_back({v->name, v->declared, v->shape, false, {{shard, 0, v->shape.empty() ? 1 : v->shape[0]}}, true});
+    }
+    out.back().trainable = v->trainable;
+  }
+  return out;
+}
+
+ShardSnapshot TrainingEngine::SnapshotLocked() {
+  ShardSnapshot snap;
+  snap.step = global_step_.load();
+  snap.learning_rate = next_lr_.load();
+  snap.optimizer = optimizer_->name();
+  for (auto& [name, v] : vars_) {
+    VariableSnapshot vs;
+    vs.name = v->name;
+    vs.dtype = v->declared;  // the buffers are of ComputeDType(declared)
+    vs.shape = v->shape;
+    vs.trainable = v->trainable;
+    vs.average = v->average;
+    vs.optimizer = v->optimizer_name;
+    vs.value = ReadValueLocked(v.get());
+    vs.shadow = v->shadow;
+    vs.aggregation = static_cast<int>(v->aggregation);
+    vs.sync_on_read = v->sync_on_read;
+    vs.placement = v->placement;
+    auto names = v->opt->SlotNames();
+    for (size_t k = 0; k < v->slots.size(); ++k) {
+      vs.slots.emplace_back(names[k], std::make_shared<Buffer>(v->slots[k]));
+    }
+    snap.variables.push_back(std::move(vs));
+  }
+  return snap;
+}
+
+std::optional<ShardSnapshot> TrainingEngine::SnapshotIfAtBoundary() {
+  if (config_.mode != Mode::kSync) {
+    // Each variable's slots are updated under its own mutex: hold all of them (in name order,
+    // the map's order, so two snapshots cannot deadlock) to copy every slot with its value.
+    std::vector<Variable*> all;
+    {
+      MutexLock lock(&mu_);
+      for (auto& [name, v] : vars_) all.push_back(v.get());
+    }
+    std::vector<std::unique_lock<Mutex>> locks;
+    for (Variable* v : all) locks.emplace_back(v->mu);
+    MutexLock lock(&mu_);
+    return SnapshotLocked();
+  }
+  MutexLock lock(&mu_);
+  if (step_takes_begun_ > 0) return std::nullopt;
+  return SnapshotLocked();
+}
+
+void TrainingEngine::RequestSnapshot() {
+  auto snap = SnapshotIfAtBoundary();
+  if (!snap) {
+    MutexLock lock(&mu_);
+    snapshot_requested_ = true;  // taken inside the next commit
+    return;
+  }
+  if (on_snapshot_) on_snapshot_(std::move(*snap));
+}
+
+Status TrainingEngine::Restore(const ShardSnapshot& snap) {
+  {
+    MutexLock lock(&mu_);
+    if (!vars_.empty()) return FailedPrecondition("restore needs an empty daemon");
+  }
+  if (snap.optimizer != optimizer_->name()) {
+    return FailedPrecondition("the checkpoint was written with --optimizer " + snap.optimizer + ", psd runs " +
+                              optimizer_->name());
+  }
+  for (const VariableSnapshot& vs : snap.variables) {
+    VariableDef def;
+    def.name = vs.name;
+    def.dtype = vs.dtype;
+    def.shape = vs.shape;
+    def.adopt = vs.value;  // no copy: shared copy-on-write with the snapshot
+    def.trainable = vs.trainable;
+    def.average = vs.average && config_.ema_decay > 0;
+    def.optimizer = vs.optimizer;
+    def.placement = vs.placement;
+    auto aggregation = AggregationFromNumber(vs.aggregation);
+    if (!aggregation.ok()) return aggregation.status();
+    def.aggregation = *aggregation;
+    def.sync_on_read = vs.sync_on_read;
+    auto created = CreateVariable(def);
+    if (!created.ok()) return created.status();
+  }
+  for (const VariableSnapshot& vs : snap.variables) {
+    Variable* v = nullptr;
+    {
+      MutexLock lock(&mu_);
+      v = FindLocked(vs.name);
+    }
+    if (test_hook_) test_hook_("restore.variable");
+    // The documented order: the variable's lock, then the engine's.
+    MutexLock vlock(&v->mu);
+    MutexLock lock(&mu_);
+    v->next_take_step = snap.step;
+    auto names = v->opt->SlotNames();
+    for (auto& [slot, buf] : vs.slots) {
+      auto it = std::find(names.begin(), names.end(), slot);
+      if (it == names.end())
+        return FailedPrecondition("checkpoint slot '" + slot + "' of '" + vs.name + "' is unknown");
+      std::memcpy(v->slots[it - names.begin()].data(), buf->data(), std::min(buf->bytes(), v->bytes));
+    }
+    if (v->shadow && vs.shadow) v->shadow = std::make_shared<Buffer>(*vs.shadow);
+    v->reduce_round.step = v->update_round.step = snap.step;
+    if (v->sync_on_read && v->aggregation == Aggregation::kSum) {
+      // The seed's rule: a SUM sync-on-read variable is restored by dividing by the replicas.
+      Scale(v->dtype, v->replica_base->data(), NumElements(v->shape),
+            1.0 / static_cast<double>(std::max(1, config_.total_replicas)));
+    }
+  }
+  MutexLock lock(&mu_);
+  global_step_.store(snap.step);
+  next_lr_.store(snap.learning_rate);
+  step_lr_ = snap.learning_rate;
+  return Status::Ok();
+}
+
+}  // namespace psd::server

@@ -1,0 +1,317 @@
+// TrainingEngine: takes, optimizer applies, the sync commit and its cluster gate, async/ssp
+// applies, soft-sync forcing and moving averages.
+#include "core/training_engine.h"
+#include "core/training_engine_internal.h"
+
+namespace psd::server {
+
+using namespace engine_internal;
+
+void TrainingEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
+  auto t0 = std::chrono::steady_clock::now();
+  if (args.num_elements <= kParallelApplyElements) {
+    opt.Apply(args);
+    ReportApply(t0);
+    return;
+  }
+  // Ranges touch disjoint elements of value/out/slots, so they can run in parallel.
+  pool_.ParallelFor(args.num_elements, kParallelApplyElements / 4, [&](int64_t b, int64_t e) {
+    size_t es = DTypeSize(args.dtype);
+    std::vector<Buffer>* slots = args.slots;
+    ApplyArgs part = args;
+    part.num_elements = e - b;
+    part.value = static_cast<const uint8_t*>(args.value) + b * es;
+    part.grad = static_cast<const uint8_t*>(args.grad) + b * es;
+    part.out = static_cast<uint8_t*>(args.out) + b * es;
+    part.slot_offset = b;
+    part.slots = slots;
+    opt.Apply(part);
+  });
+  ReportApply(t0);
+}
+
+void TrainingEngine::ReportApply(std::chrono::steady_clock::time_point t0) {
+  if (on_apply_) on_apply_(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
+  if (v->next_take_step != global_step_.load()) return false;  // already taken this step
+  if (force) {
+    *count = 0;
+    if (v->dense) v->dense->ForceTake(count);
+    if (v->sparse) v->sparse->ForceTake(count);
+  } else {
+    Result<bool> taken = false;
+    if (v->dense) taken = v->dense->TryTakeGrad(required_.load(), count);
+    if (v->sparse) taken = v->sparse->TryTakeGrad(required_.load(), count);
+    if (!taken.ok() || !*taken) return false;
+  }
+  ++v->next_take_step;
+  if (*count == 0) return true;  // forced with nothing: the value stays
+  if (v->kind == GradKind::kSparse) {
+    std::vector<int64_t> rows;
+    std::vector<uint8_t> values;
+    v->sparse->ReleaseTaken(&rows, &values);
+    MutexLock lock(&mu_);
+    v->pending_rows.swap(rows);
+    v->pending_values.swap(values);
+    v->sparse_pending = true;
+    ++step_takes_begun_;
+    return true;
+  }
+  std::shared_ptr<Buffer> value, out;
+  double lr;
+  {
+    MutexLock lock(&mu_);
+    value = v->published;
+    if (v->spare && v->spare.use_count() == 1) out = std::move(v->spare);
+    v->spare.reset();
+    lr = step_lr_;
+    ++step_takes_begun_;  // from here on this variable's slots belong to the open step
+  }
+  if (!out) out = std::make_shared<Buffer>(v->bytes);
+  ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), v->dense->grad().data(), out->data(), &v->slots,
+                       0, v->next_take_step, lr, v->dense->divisor()});
+  MutexLock lock(&mu_);
+  v->staged = std::move(out);
+  return true;
+}
+
+void TrainingEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step,
+                                       double lr) {
+  if (rows.empty()) return;
+  auto t0 = std::chrono::steady_clock::now();
+  // In place unless a pull still references the published buffer: then copy first.
+  if (v->published.use_count() > 1) v->published = std::make_shared<Buffer>(*v->published);
+  v->opt->ApplySparse({v->dtype, v->row_elements, v->published->data(), rows.data(), static_cast<int64_t>(rows.size()),
+                       grad, &v->slots, step, lr});
+  ReportApply(t0);
+}
+
+void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
+  if (g.sparse()) {
+    std::vector<int64_t> rows(g.indices, g.indices + g.nnz);
+    MutexLock lock(&mu_);
+    ApplySparseLocked(v, rows, g.data, step, lr);
+    return;
+  }
+  std::shared_ptr<Buffer> value, out;
+  {
+    MutexLock lock(&mu_);
+    value = v->published;
+    if (v->spare && v->spare.use_count() == 1) out = std::move(v->spare);
+    v->spare.reset();
+  }
+  if (!out) out = std::make_shared<Buffer>(v->bytes);
+  ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), g.data, out->data(), &v->slots, 0, step, lr});
+  MutexLock lock(&mu_);
+  v->spare = std::move(v->published);
+  v->published = std::move(out);
+}
+
+void TrainingEngine::OnTaken(int count) {
+  MutexLock lock(&mu_);
+  step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
+  step_max_count_ = std::max(step_max_count_, count);
+  ++step_takes_;
+  if (--pending_takes_ > 0) return;
+  StepReadyLocked(lock, false);
+}
+
+void TrainingEngine::StepReadyLocked(MutexLock& lock, bool forced) {
+  if (!commit_gate_) return CommitLocked(lock, forced);
+  if (prepared_) return lock.UnlockFor(&mu_);
+  prepared_ = true;
+  step_forced_ = forced;
+  int64_t step = global_step_.load();
+  int min = step_min_count_ == INT_MAX ? 0 : step_min_count_, max = step_max_count_, takes = step_takes_;
+  lock.UnlockFor(&mu_);
+  commit_gate_(step, min, max, takes, forced);
+}
+
+void TrainingEngine::ReportIfIdle() {
+  MutexLock lock(&mu_);
+  if (!commit_gate_ || prepared_ || pending_takes_ != 0 || config_.mode != Mode::kSync) return;
+  StepReadyLocked(lock, false);
+}
+
+Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_lr) {
+  // Every variable lock is held while untaken variables are looked for, so no take runs half-way
+  // through: a variable created after this shard reported an idle step (the chief may commit
+  // before it hears the report withdrawn) skips the step — its accumulated gradients are dropped.
+  std::vector<Variable*> all;  // variables are never deleted while the engine lives
+  {
+    MutexLock lock(&mu_);
+    for (auto& [name, v] : vars_) all.push_back(v.get());
+  }
+  std::vector<std::unique_lock<Mutex>> vlocks;
+  for (Variable* v : all) vlocks.emplace_back(v->mu);
+  MutexLock lock(&mu_);
+  if (global_step_.load() != step) {
+    return FailedPrecondition("asked to commit step " + std::to_string(step) + " at step " +
+                              std::to_string(global_step_.load()));
+  }
+  for (Variable* v : all) {
+    v->mu.AssertHeld();  // in vlocks
+    if (!v->trainable || v->next_take_step != step) continue;
+    spdlog::warn("variable '{}' was created while step {} was closing; it joins step {}", v->name, step, step + 1);
+    v->next_take_step = step + 1;
+    if (v->dense) v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
+    if (v->sparse) v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
+    --pending_takes_;
+  }
+  vlocks.clear();
+  prepared_ = false;
+  if (snapshot) snapshot_requested_ = true;
+  if (next_lr > 0) next_lr_.store(next_lr);
+  CommitLocked(lock, step_forced_);
+  return Status::Ok();
+}
+
+void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
+  int64_t step = global_step_.load() + 1;
+  int trainable = 0;
+  for (auto& [name, var] : vars_) {
+    Variable* v = var.get();
+    if (!v->trainable) continue;
+    ++trainable;
+    if (v->staged) {
+      v->spare = std::move(v->published);
+      v->published = std::move(v->staged);
+    }
+    if (v->sparse_pending) {
+      ApplySparseLocked(v, v->pending_rows, v->pending_values.data(), step, step_lr_);
+      v->sparse_pending = false;
+      v->pending_rows.clear();
+      v->pending_values.clear();
+    }
+  }
+  for (auto& [name, var] : vars_) {
+    if (var->staged_update) var->published = std::move(var->staged_update);  // at_next_step updates
+  }
+  pending_takes_ = trainable;
+  global_step_.store(step);
+  step_takes_begun_ = 0;
+  step_takes_ = 0;
+  step_forced_ = false;
+  std::optional<ShardSnapshot> snapshot;
+  if (snapshot_requested_ || (config_.checkpoint_every_steps > 0 && step % config_.checkpoint_every_steps == 0)) {
+    snapshot = SnapshotLocked();  // no take for the next step can touch slots while mu_ is held
+    snapshot_requested_ = false;
+  }
+  StepInfo info{step, step_min_count_ == INT_MAX ? 0 : step_min_count_, step_max_count_, forced};
+  last_step_gradients_ = info.min_gradients;
+  step_min_count_ = step_max_count_ = 0;
+  step_started_ = false;
+  step_lr_ = next_lr_.load();
+  lock.UnlockFor(&mu_);
+  if (!commit_gate_) tokens_.Push(step, config_.tokens_per_step);  // cluster: the chief's coordinator does
+  if (config_.ema_decay > 0) UpdateAverages(step);
+  if (snapshot && on_snapshot_) {
+    // Averages are updated after the tokens (TF's order); the snapshot takes the new ones.
+    MutexLock relock(&mu_);
+    for (auto& vs : snapshot->variables) {
+      Variable* v = FindLocked(vs.name);
+      if (v && v->shadow) vs.shadow = v->shadow;
+    }
+    relock.Unlock();
+    on_snapshot_(std::move(*snapshot));
+  }
+  if (on_commit_) on_commit_(info);
+  // Gradients for the new step may already be waiting (pushed with a future local step, or the
+  // requirement shrank); take them now rather than on the next push.
+  ReevaluateAll();
+  ReportIfIdle();
+}
+
+void TrainingEngine::UpdateAverages(int64_t step) {
+  // TF ExponentialMovingAverage: decay = min(decay, (1 + n) / (10 + n)) with num_updates n.
+  double decay = config_.ema_decay;
+  if (config_.ema_num_updates) {
+    float n = static_cast<float>(step);
+    decay = std::min(decay, static_cast<double>((1.0f + n) / (10.0f + n)));
+  }
+  std::vector<std::pair<Variable*, std::shared_ptr<Buffer>>> todo;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [name, v] : vars_) {
+      if (v->average) todo.emplace_back(v.get(), v->published);
+    }
+  }
+  for (auto& [v, value] : todo) {
+    std::shared_ptr<Buffer> old;
+    {
+      MutexLock lock(&mu_);
+      old = v->shadow;
+    }
+    auto next = std::make_shared<Buffer>(v->bytes);
+    int64_t n = NumElements(v->shape);
+    if (v->dtype == DType::kFloat32) {
+      const float* s = old->as<float>();
+      const float* x = value->as<float>();
+      float* o = next->as<float>();
+      float a = static_cast<float>(1 - decay);
+      for (int64_t i = 0; i < n; ++i) o[i] = s[i] - a * (s[i] - x[i]);
+    } else {
+      const double* s = old->as<double>();
+      const double* x = value->as<double>();
+      double* o = next->as<double>();
+      for (int64_t i = 0; i < n; ++i) o[i] = s[i] - (1 - decay) * (s[i] - x[i]);
+    }
+    MutexLock lock(&mu_);
+    v->shadow = std::move(next);
+  }
+}
+
+void TrainingEngine::ReevaluateAll() {
+  if (config_.mode != Mode::kSync) return;
+  std::vector<Variable*> all;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [name, var] : vars_) {
+      if (var->trainable) all.push_back(var.get());
+    }
+  }
+  for (Variable* v : all) {
+    bool took = false;
+    int count = 0;
+    {
+      MutexLock lock(&v->mu);
+      took = MaybeTakeLocked(v, false, &count);
+    }
+    if (took) OnTaken(count);
+  }
+}
+
+void TrainingEngine::ForceStep(int64_t step) {
+  if (config_.mode != Mode::kSync || global_step_.load() != step) return;
+  std::vector<Variable*> all;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [name, var] : vars_) {
+      if (var->trainable) all.push_back(var.get());
+    }
+  }
+  int forced = 0;
+  for (Variable* v : all) {
+    bool took = false;
+    int count = 0;
+    {
+      MutexLock lock(&v->mu);
+      if (global_step_.load() != step) return;
+      took = MaybeTakeLocked(v, true, &count);
+    }
+    if (took) {
+      ++forced;
+      MutexLock lock(&mu_);
+      step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
+      step_max_count_ = std::max(step_max_count_, count);
+      ++step_takes_;
+      if (--pending_takes_ > 0) continue;
+      StepReadyLocked(lock, true);
+    }
+  }
+  if (forced > 0) spdlog::info("step {} forced by the step deadline", step + 1);
+}
+
+}  // namespace psd::server
