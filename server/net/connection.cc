@@ -7,6 +7,7 @@
 #include "net/server.h"
 #include "psd/half.h"
 #include "psd/secret.h"
+#include "service/peer_codec.h"
 
 namespace psd::server {
 namespace {
@@ -151,7 +152,7 @@ void Connection::CloseNow() {
   ReleaseCharge();  // the buffer itself goes with the connection (a cancelled read may still name it)
   stream_.Close();
   for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
-  if (peer_shard_ >= 0) server_.coordinator()->OnPeerClosed(peer_shard_);
+  if (peer_shard_ >= 0) server_.coordinator()->OnPeerDown(peer_shard_);
   server_.OnConnectionClosed(id_);
 }
 
@@ -300,8 +301,14 @@ void Connection::Dispatch(proto::Request::Reader req) {
                std::to_string(msg.getFrom()));
       return FailStream(InvalidArgument("a peer message's sender must be the link's shard; closing"), id);
     }
-    // Never answered: peers' messages are one-way.
-    return server_.coordinator()->OnPeerMessage(peer_shard_, msg);
+    // Never answered: peers' messages are one-way. A malformed one is dropped.
+    auto decoded = PeerMessageFromWire(msg, server_.config().shards());
+    if (!decoded.ok()) {
+      LogSpoof("(the link of shard " + std::to_string(peer_shard_) +
+               ") sent a malformed peer message: " + decoded.status().message());
+      return;
+    }
+    return server_.coordinator()->OnMessage(peer_shard_, *decoded);
   }
   if (which == proto::Request::STATUS) return HandleStatus(id);
   if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);              // an operator's request
@@ -470,7 +477,7 @@ void Connection::HandlePeerHello(uint64_t id, proto::Hello::Reader r) {
     // the link's messages to it.
     peer_shard_ = idx;
     greeted_ = true;
-    c->OnPeerHello(idx);
+    c->OnPeerUp(idx);
     return Send(std::move(frame));
   }
   auto theirs = r.getPeerNonce();
@@ -509,7 +516,7 @@ void Connection::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
   peer_claim_ = -1;
   peer_nonces_.clear();
   greeted_ = true;
-  server_.coordinator()->OnPeerHello(peer_shard_);
+  server_.coordinator()->OnPeerUp(peer_shard_);
 }
 
 void Connection::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {

@@ -26,8 +26,10 @@
 #include "cluster/coordinator.h"
 #include "cluster/peer_auth.h"
 #include "config.h"
+#include "net/cluster_host.h"
 #include "net/converted_values.h"
 #include "net/frame_budget.h"
+#include "net/peer_link.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
 #include "sync/ssp_gate.h"
@@ -137,6 +139,8 @@ class Server {
   Status BecomeReady();
   void WatchReadiness();
   void WriteSnapshot(const ShardSnapshot& snap);
+  // The coordinator's heartbeat (cluster only).
+  void ScheduleClusterTick();
 
   const ServerConfig config_;
   ops::Metrics metrics_;
@@ -165,8 +169,14 @@ class Server {
   asio::strand<asio::io_context::executor_type> deadline_strand_;
   asio::steady_timer step_deadline_;  // soft sync; touched only on deadline_strand_
   std::vector<std::thread> threads_;
-  std::unique_ptr<ClusterCoordinator> coordinator_;  // after io_: destroyed before it
-  std::unique_ptr<ops::OpsService> ops_;             // after io_: destroyed before it
+  // A cluster shard's protocol, its links and its view of this Server (null for a single daemon);
+  // the coordinator is ticked every --heartbeat-ms on cluster_strand_.
+  std::unique_ptr<ServerShardHost> cluster_host_;
+  std::unique_ptr<TcpPeerNetwork> peer_network_;
+  std::unique_ptr<ClusterCoordinator> coordinator_;  // after io_ and the two above: destroyed before them
+  asio::strand<asio::io_context::executor_type> cluster_strand_;
+  asio::steady_timer cluster_tick_;       // on cluster_strand_
+  std::unique_ptr<ops::OpsService> ops_;  // after io_: destroyed before it
   asio::steady_timer ready_timer_;
   uint16_t port_ = 0;
   std::atomic<uint64_t> next_conn_id_{1};
