@@ -27,8 +27,12 @@ ClusterCoordinator::ClusterCoordinator(ClusterOptions options, ShardHost& host, 
 void ClusterCoordinator::Start() {
   std::vector<int64_t> sealed, unusable;
   if (!options_.checkpoint_dir.empty() && options_.restore) host_.ScanCheckpoints(&sealed, &unusable);
+  const uint64_t saved_term = host_.LoadTerm();
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Terms (and so epochs) go on from the last one this shard knew, even if every shard restarts.
+    max_term_seen_ = std::max(max_term_seen_, saved_term);
+    saved_term_ = saved_term;
     sealed_ = sealed;
     unusable_ = unusable;
     ready_ = true;
@@ -174,6 +178,7 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
       spdlog::warn("cluster: chief shard {} ({}) is gone (term {})", chief_, AddressOf(chief_), term_);
       DegradeLocked("chief shard " + std::to_string(chief_) + " (" + AddressOf(chief_) + ") is missing", actions);
       chief_ = -1;
+      vote_to_ = -1;  // what it was sent may be lost: vote again once a chief is known
     }
     if (now - started_ >= std::chrono::milliseconds(options_.election_timeout_ms)) {
       std::vector<bool> alive(static_cast<size_t>(shards_));
@@ -181,6 +186,7 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
       if (election::Candidate(alive, me_) == me_) {
         term_ = std::max(term_, max_term_seen_) + 1;
         max_term_seen_ = term_;
+        SaveTermLocked(actions);
         chief_ = me_;
         running_ = false;
         forming_ = false;
@@ -195,7 +201,10 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
       }
     }
   }
-  if (chief_ != me_) return;
+  if (chief_ != me_) {
+    ResendVoteLocked(actions);
+    return;
+  }
   // The chief's duties.
   auto missing = MissingLocked(now);
   if (!missing.empty()) {
@@ -359,13 +368,49 @@ Status ClusterCoordinator::Recover(int64_t step, bool empty) {
   return Status::Ok();
 }
 
+bool ClusterCoordinator::SealsSettledLocked(Clock::time_point now) {
+  // A checkpoint that one shard lists as restorable and another only as present (its part
+  // written, the seal not known there) may be news that has not reached this chief yet: a
+  // heartbeat sent before the manifest was written, its own seal not handled yet. Forming now
+  // would skip a checkpoint that every shard holds, as if unusable. So such a step (and one this
+  // chief sealed lately) is waited for until every shard lists it as restorable, or for three
+  // election timeouts (then a shard that still lacks it missed the seal: skipped as before).
+  std::set<int64_t> common = CommonStepsLocked();
+  auto has = [](const std::vector<int64_t>& v, int64_t t) { return std::find(v.begin(), v.end(), t) != v.end(); };
+  for (int i = 0; i < shards_; ++i) {
+    for (int64_t t : i == me_ ? sealed_ : peers_[static_cast<size_t>(i)].sealed) {
+      if (common.count(t) > 0) continue;
+      for (int j = 0; j < shards_; ++j) {
+        if (has(j == me_ ? unusable_ : peers_[static_cast<size_t>(j)].unusable, t)) seals_pending_.emplace(t, now);
+      }
+    }
+  }
+  const auto window = 3 * std::chrono::milliseconds(options_.election_timeout_ms);
+  bool settled = true;
+  for (auto it = seals_pending_.begin(); it != seals_pending_.end();) {
+    if (common.count(it->first) > 0 || now - it->second >= window + std::chrono::hours(1)) {
+      it = seals_pending_.erase(it);  // confirmed, or long forgotten
+      continue;
+    }
+    if (now - it->second < window) settled = false;
+    ++it;
+  }
+  if (!settled && missing_reason_.find("waiting for every shard") == std::string::npos) {
+    missing_reason_ = "waiting for every shard to confirm its newest checkpoint";
+    missing_since_ = now;
+  }
+  return settled;
+}
+
 void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
+  if (!SealsSettledLocked(now_())) return;
   std::optional<int64_t> chosen = FormationStepLocked(actions);
   if (!chosen) return;  // an operator must decide
   int64_t step = *chosen;
   refusal_.clear();
   term_ = std::max(term_, max_term_seen_) + 1;
   max_term_seen_ = term_;
+  SaveTermLocked(actions);  // before the restore order goes out: this epoch is never formed again
   forming_ = true;
   formation_start_ = now_();
   formation_step_ = step;
@@ -423,6 +468,7 @@ bool ClusterCoordinator::AcceptChiefLocked(int from, uint64_t term, std::vector<
     term_ = after.term;
     chief_ = after.chief;
     BecomeFollowerLocked(actions);
+    SaveTermLocked(actions);
   }
   if (accept) return true;
   spdlog::debug("cluster: ignored a chief message from shard {} at term {} (term {} chief {})", from, term, term_,
@@ -519,6 +565,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
     term_ = after.term;
     chief_ = after.chief;
     BecomeFollowerLocked(actions);
+    SaveTermLocked(actions);
     if (newer && chief_ != me_ && chief_ >= 0) spdlog::info("cluster: shard {} is the chief (term {})", chief_, term_);
   }
   if (from == chief_ && term == term_) {
@@ -573,6 +620,7 @@ void ClusterCoordinator::MaybeCommitLocked(std::vector<Action>* actions) {
 void ClusterCoordinator::HandleCommit(int from, uint64_t term, const peer::Commit& c, std::vector<Action>* actions) {
   if (!AcceptChiefLocked(from, term, actions) || c.epoch != epoch_) return;
   int64_t step = c.step;
+  if (vote_ && vote_->step <= step) vote_.reset();
   bool checkpoint = c.checkpoint;
   double lr = c.learning_rate;
   uint64_t epoch = epoch_;
@@ -592,11 +640,21 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   if (!AcceptChiefLocked(from, term, actions)) return;
   uint64_t epoch = r.epoch;
   int64_t step = r.step;
+  // Once per epoch: the same order again (a duplicate) must not reset a state that has moved on.
+  if (epoch <= restore_epoch_) return;
+  restore_epoch_ = epoch;
   serving_ = false;
+  vote_.reset();
   missing_reason_ = step < 0 ? "starting empty" : "restoring checkpoint step " + std::to_string(step);
   missing_since_ = now_();
   // Newer checkpoints belong to a timeline the cluster leaves now (an operator's decision, or a
-  // part unusable elsewhere): never offered again (on disk, the next ones overwrite them).
+  // part unusable elsewhere): never offered again (on disk, the next ones overwrite them). They
+  // stay a trace here, as unusable: a shard that restarts and offers one again (its disk still
+  // has it) must not make the chief ask an operator to give it up a second time.
+  for (int64_t t : sealed_) {
+    if (t > step && std::find(unusable_.begin(), unusable_.end(), t) == unusable_.end()) unusable_.push_back(t);
+  }
+  std::sort(unusable_.rbegin(), unusable_.rend());
   sealed_.erase(std::remove_if(sealed_.begin(), sealed_.end(), [step](int64_t t) { return t > step; }), sealed_.end());
   // The host runs it (after any restore still loading: that one's result is for an older epoch).
   actions->push_back([this, epoch, step] {
@@ -699,6 +757,7 @@ void ClusterCoordinator::HandlePartWritten(int from, uint64_t term, const peer::
   peer::Seal seal{term_, step, {}};
   for (auto& [shard, part] : parts) seal.parts.push_back(part);
   parts_.erase(parts_.begin(), parts_.upper_bound(step));
+  seals_pending_.emplace(step, now_());
   peer::Message msg = MessageLocked(std::move(seal));
   actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
 }
@@ -831,11 +890,32 @@ void ClusterCoordinator::OnPrepared(uint64_t epoch, int64_t step, int min_gradie
   int chief = -1;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (epoch != epoch_ || chief_ < 0) return;  // a stale engine, or no chief: the next formation redoes it
-    msg = MessageLocked(peer::Prepared{epoch, step, min_gradients, max_gradients, takes, forced});
+    if (epoch != epoch_) return;  // a stale engine: the next formation redoes it
+    // Kept until the step commits: the engine reports a step once, and a follower that lost its
+    // chief for a moment and finds it again (same term, nothing re-formed) must still vote, or the
+    // chief waits for it forever (ResendVoteLocked).
+    vote_ = peer::Prepared{epoch, step, min_gradients, max_gradients, takes, forced};
+    vote_to_ = chief_;
+    if (chief_ < 0) return;  // sent once a chief is known
+    msg = MessageLocked(*vote_);
     chief = chief_;
   }
   SendTo(chief, msg);
+}
+
+void ClusterCoordinator::SaveTermLocked(std::vector<Action>* actions) {
+  if (term_ <= saved_term_) return;
+  saved_term_ = term_;
+  uint64_t term = term_;
+  actions->push_back([this, term] { host_.SaveTerm(term); });
+}
+
+void ClusterCoordinator::ResendVoteLocked(std::vector<Action>* actions) {
+  if (!vote_ || vote_->epoch != epoch_ || chief_ < 0 || chief_ == vote_to_) return;
+  vote_to_ = chief_;
+  peer::Message msg = MessageLocked(*vote_);
+  int chief = chief_;
+  actions->push_back([this, chief, msg] { SendTo(chief, msg); });
 }
 
 }  // namespace psd::server

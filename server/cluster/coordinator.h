@@ -182,6 +182,9 @@ class ClusterCoordinator : public PeerEvents {
   bool AcceptChiefLocked(int from, uint64_t term, std::vector<Action>* actions);
   void BecomeFollowerLocked(std::vector<Action>* actions);
   void StartFormationLocked(std::vector<Action>* actions);
+  // False while a checkpoint sealed lately (or sealed on some shards, only present on others) is
+  // not yet known restorable on every shard.
+  bool SealsSettledLocked(Clock::time_point now);
   // The checkpoint steps every shard can restore.
   std::set<int64_t> CommonStepsLocked() const;
   // The step to form at (-1: empty), or nullopt when an operator must decide first (then the
@@ -190,6 +193,11 @@ class ClusterCoordinator : public PeerEvents {
   // Which checkpoints each shard can restore, for the logs and the refusal.
   std::string DescribeCheckpointsLocked() const;
   void MaybeCommitLocked(std::vector<Action>* actions);
+  // Has the host save term_ if it is higher than what was saved (before what the caller sends).
+  void SaveTermLocked(std::vector<Action>* actions);
+  // A follower whose vote (this shard's prepared step) has not reached the chief it knows now
+  // sends it again.
+  void ResendVoteLocked(std::vector<Action>* actions);
   void DegradeLocked(const std::string& why, std::vector<Action>* actions);
 
   void HandleHeartbeat(int from, uint64_t term, const peer::Heartbeat& hb, std::vector<Action>* actions);
@@ -244,7 +252,11 @@ class ClusterCoordinator : public PeerEvents {
   int64_t final_step_ = -1;            // guarded by mu_: the job's last checkpoint step being written
   bool awaiting_final_seal_ = false;   // guarded by mu_: FinishJob() once it is sealed (or timed out)
   std::optional<Clock::time_point> final_seal_deadline_;  // guarded by mu_: set once the writer is idle
-  bool writer_busy_ = false;  // guarded by mu_: the host's checkpoint writer, as of this tick
+  std::optional<peer::Prepared> vote_;  // guarded by mu_: this shard's report of the open step, until it commits
+  int vote_to_ = -1;                    // guarded by mu_: the chief it was sent to (-1: none yet, or lost)
+  uint64_t restore_epoch_ = 0;          // guarded by mu_: the newest epoch a restore was ordered for
+  uint64_t saved_term_ = 0;             // guarded by mu_: the highest term handed to ShardHost::SaveTerm
+  bool writer_busy_ = false;            // guarded by mu_: the host's checkpoint writer, as of this tick
 
   // Chief state, guarded by mu_.
   bool running_ = false;  // the cluster serves at epoch_
@@ -260,6 +272,9 @@ class ClusterCoordinator : public PeerEvents {
   std::map<int64_t, std::map<int, Vote>> votes_;  // step -> shard -> its report
   bool checkpoint_next_ = false;
   std::map<int64_t, std::map<int, peer::PartInfo>> parts_;  // checkpoint step -> written parts
+  // Checkpoint steps not yet restorable on every shard that may only be news in flight (sealed
+  // lately, or sealed on one shard and only present on another) -> since when (SealsSettledLocked).
+  std::map<int64_t, Clock::time_point> seals_pending_;
   std::string refusal_;              // why the chief does not form ("": it may), announced to followers
   std::optional<int64_t> decision_;  // an operator's Recover() step (-1: empty), until the cluster runs
 };

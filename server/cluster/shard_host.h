@@ -56,6 +56,11 @@ class ShardHost {
   virtual Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) = 0;
   // True while a snapshot is queued or being written.
   virtual bool CheckpointWriterBusy() = 0;
+  // The highest term this shard has saved (0: none). Epochs are terms, and workers tell epochs
+  // apart by number: a cluster restarted whole must not form a term again that its workers saw.
+  virtual uint64_t LoadTerm() = 0;
+  // Remembers `term` across restarts (best effort: errors are the host's to log).
+  virtual void SaveTerm(uint64_t term) = 0;
 
   // --- the job ---
   // Every worker finished: closes the token queue; if the engine is at `snapshot_step` (>= 0),

@@ -1,6 +1,11 @@
 #include "net/cluster_host.h"
 
+#include <spdlog/spdlog.h>
+
+#include <cstdio>
+#include <fstream>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "checkpoint/checkpoint.h"
@@ -70,6 +75,37 @@ Status ServerShardHost::SealCheckpoint(int64_t step, const std::vector<peer::Par
 }
 
 bool ServerShardHost::CheckpointWriterBusy() { return server_.CheckpointWriterBusy(); }
+
+namespace {
+std::string TermFile(const ServerConfig& config) { return config.checkpoint_dir + "/cluster-term"; }
+}  // namespace
+
+uint64_t ServerShardHost::LoadTerm() {
+  const ServerConfig& config = server_.config();
+  if (config.checkpoint_dir.empty()) return 0;
+  std::ifstream in(TermFile(config));
+  uint64_t term = 0;
+  if (!(in >> term)) return 0;
+  return term;
+}
+
+void ServerShardHost::SaveTerm(uint64_t term) {
+  const ServerConfig& config = server_.config();
+  if (config.checkpoint_dir.empty()) return;
+  const std::string path = TermFile(config), tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << term << "\n";
+    out.flush();
+    if (!out) {
+      spdlog::warn("cluster: cannot write {}; a restart of every shard may form a term again", tmp);
+      return;
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    spdlog::warn("cluster: cannot write {}; a restart of every shard may form a term again", path);
+  }
+}
 
 bool ServerShardHost::EndTraining(int64_t snapshot_step) {
   auto engine = server_.engine();

@@ -35,6 +35,9 @@ class ServerShardHost : public ShardHost {
   void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable) override;
   Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) override;
   bool CheckpointWriterBusy() override;
+  // In --checkpoint-dir/cluster-term (without a checkpoint directory: not kept).
+  uint64_t LoadTerm() override;
+  void SaveTerm(uint64_t term) override;
   bool EndTraining(int64_t snapshot_step) override;
   void FinishJob() override;
   void EndJobIfDone() override;
