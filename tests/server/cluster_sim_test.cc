@@ -3,6 +3,7 @@
 // (tests/support/cluster_sim.h says what is checked). A failing seed prints its schedule; to
 // replay one with every event and the coordinators' logs:
 //   PSD_CLUSTER_SIM_SEED=1234 PSD_CLUSTER_SIM_SHARDS=4 build/tests/psd_cluster_sim_tests '[.replay]'
+// A longer sweep: PSD_CLUSTER_SIM_RUNS=20000 (schedules per cluster size; default 1000).
 #include "support/cluster_sim.h"
 
 #include <spdlog/spdlog.h>
@@ -69,8 +70,10 @@ TEST_CASE("cluster simulation: without faults one formation serves and the job f
 
 TEST_CASE("cluster simulation: thousands of fault schedules keep the invariants and finish the job", "[cluster][sim]") {
   int64_t runs = 0, formations = 0, commits = 0, events = 0;
+  const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
+  const int per_size = sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize;
   for (int shards = 3; shards <= 5; ++shards) {
-    for (int i = 1; i <= kSeedsPerSize; ++i) {
+    for (int i = 1; i <= per_size; ++i) {
       SimOptions o;
       o.shards = shards;
       o.seed = static_cast<uint64_t>(shards) * 100000 + static_cast<uint64_t>(i);
@@ -105,7 +108,7 @@ TEST_CASE("cluster simulation: long storms of faults", "[cluster][sim]") {
   }
 }
 
-// Seeds that found bugs in the coordinator (README "Testing the cluster protocol" says which).
+// Seeds that found bugs in the coordinator (README "Running a cluster" says which).
 TEST_CASE("cluster simulation: regression seeds", "[cluster][sim]") {
   struct Seed {
     int shards;

@@ -1,6 +1,6 @@
 // A deterministic fault simulation of a psd cluster's protocol (cluster/coordinator.h): P real
 // ClusterCoordinators over an in-memory PeerNetwork, each with a fake ShardHost, driven by one
-// seeded PRNG and a simulated clock (README "Testing the cluster protocol").
+// seeded PRNG and a simulated clock (README "Running a cluster").
 //
 // The network behaves like psd's peer links (one TCP connection per direction): messages on a
 // link arrive in order after a random delay (sometimes a long one), a link can break (the message
