@@ -39,7 +39,13 @@
 //
 // Checkpoints: parts are written by each shard to its own --checkpoint-dir; the chief collects
 // their sizes and checksums and sends the seal; every shard writes the same MANIFEST. A step is
-// restorable by a shard when its manifest verifies and its own part matches it.
+// restorable by a shard when its manifest verifies and its own part matches it. A chief does not
+// form on old news: a step sealed lately, or sealed on some shards and only present on others,
+// is waited for (up to three election timeouts) until every shard lists it as restorable.
+//
+// Terms survive restarts (ShardHost::SaveTerm/LoadTerm): an epoch is never formed twice, even
+// by a cluster restarted whole. A follower keeps its vote (prepared step) until the step
+// commits and sends it again to a chief that may not have had it.
 //
 // Layering: the coordinator is the protocol alone. It talks to the other shards through a
 // PeerNetwork (typed messages, cluster/peer_messages.h; the daemon's is net/peer_link.h), acts on
@@ -84,7 +90,7 @@ struct ClusterOptions {
   uint64_t slice_bytes = 64ull << 20;  // placement: variables bigger than this are split by rows
   bool restore = true;                 // false (--no-restore): also allows state loss
   bool allow_state_loss = false;       // --allow-state-loss
-  // Give-ups (simulated faults shorten nothing: these are the daemon's).
+  // Give-ups (the daemon's defaults; the fault simulation shortens them).
   std::chrono::milliseconds commit_timeout{30000};      // a commit not answered by every shard
   std::chrono::milliseconds formation_timeout{120000};  // a formation not restored everywhere
   std::chrono::milliseconds final_seal_timeout{10000};  // the job's last seal, after the part is written

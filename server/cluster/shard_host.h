@@ -4,8 +4,8 @@
 // in-memory checkpoints (tests/support/cluster_sim.h).
 //
 // Threading: the coordinator calls these without holding its lock, from whatever thread
-// delivered the event (a link's strand, the ticker). They must not call back into the
-// coordinator inside the call, except where said.
+// delivered the event (a link's strand, the ticker), so they may call back into it (the daemon's
+// EndJobIfDone calls OnJobDone); RestoreAsync's completion alone must come later.
 #ifndef PSD_SERVER_CLUSTER_SHARD_HOST_H_
 #define PSD_SERVER_CLUSTER_SHARD_HOST_H_
 

@@ -92,8 +92,10 @@ TEST_CASE("cluster simulation: thousands of fault schedules keep the invariants 
 
 // Harsher: twice the fault rates for longer.
 TEST_CASE("cluster simulation: long storms of faults", "[cluster][sim]") {
+  const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
+  const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / 4;
   for (int shards = 3; shards <= 5; ++shards) {
-    for (int i = 1; i <= kSeedsPerSize / 4; ++i) {
+    for (int i = 1; i <= per_size; ++i) {
       SimOptions o;
       o.shards = shards;
       o.seed = static_cast<uint64_t>(shards) * 100000 + 50000 + static_cast<uint64_t>(i);
