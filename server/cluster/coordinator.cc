@@ -30,7 +30,10 @@ void ClusterCoordinator::Start() {
   const uint64_t saved_term = host_.LoadTerm();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Terms (and so epochs) go on from the last one this shard knew, even if every shard restarts.
+    // Terms (and so epochs) go on from the last one this shard knew, even if every shard restarts;
+    // its heartbeats say so, and a chief's order at a term not above it is refused (a shard that
+    // lost its checkpoint directory, and so its saved term, learns it from the others).
+    term_ = std::max(term_, saved_term);
     max_term_seen_ = std::max(max_term_seen_, saved_term);
     saved_term_ = saved_term;
     sealed_ = sealed;
@@ -369,20 +372,17 @@ Status ClusterCoordinator::Recover(int64_t step, bool empty) {
 }
 
 bool ClusterCoordinator::SealsSettledLocked(Clock::time_point now) {
-  // A checkpoint that one shard lists as restorable and another only as present (its part
-  // written, the seal not known there) may be news that has not reached this chief yet: a
-  // heartbeat sent before the manifest was written, its own seal not handled yet. Forming now
-  // would skip a checkpoint that every shard holds, as if unusable. So such a step (and one this
-  // chief sealed lately) is waited for until every shard lists it as restorable, or for three
-  // election timeouts (then a shard that still lacks it missed the seal: skipped as before).
+  // A checkpoint that one shard lists as restorable and another does not (yet) may be news that
+  // has not reached this chief: a heartbeat sent before the manifest was written, a slow link,
+  // its own seal not handled yet. Forming now would skip a checkpoint that every shard holds, as
+  // if unusable, or ask an operator to give it up. So such a step (and one this chief sealed
+  // lately) is waited for, from when this chief first sees it, until every shard lists it as
+  // restorable or for three election timeouts (then a shard that still lacks it missed the seal
+  // or lost it: skipped, or the operator is asked, as before).
   std::set<int64_t> common = CommonStepsLocked();
-  auto has = [](const std::vector<int64_t>& v, int64_t t) { return std::find(v.begin(), v.end(), t) != v.end(); };
   for (int i = 0; i < shards_; ++i) {
     for (int64_t t : i == me_ ? sealed_ : peers_[static_cast<size_t>(i)].sealed) {
-      if (common.count(t) > 0) continue;
-      for (int j = 0; j < shards_; ++j) {
-        if (has(j == me_ ? unusable_ : peers_[static_cast<size_t>(j)].unusable, t)) seals_pending_.emplace(t, now);
-      }
+      if (common.count(t) == 0) seals_pending_.emplace(t, now);
     }
   }
   const auto window = 3 * std::chrono::milliseconds(options_.election_timeout_ms);

@@ -3,7 +3,8 @@
 // (tests/support/cluster_sim.h says what is checked). A failing seed prints its schedule; to
 // replay one with every event and the coordinators' logs:
 //   PSD_CLUSTER_SIM_SEED=1234 PSD_CLUSTER_SIM_SHARDS=4 build/tests/psd_cluster_sim_tests '[.replay]'
-// A longer sweep: PSD_CLUSTER_SIM_RUNS=20000 (schedules per cluster size; default 1000).
+// (PSD_CLUSTER_SIM_STORM=1 for a seed of the "long storms" case.) A longer sweep:
+// PSD_CLUSTER_SIM_RUNS=20000 (schedules per cluster size; default 1000).
 #include "support/cluster_sim.h"
 
 #include <spdlog/spdlog.h>
@@ -48,6 +49,18 @@ SimResult Check(SimOptions o) {
   return r;
 }
 
+// Harsher: twice the fault rates for longer.
+SimOptions Storm() {
+  SimOptions o;
+  o.fault_ms = 20000;
+  o.target_step = 60;
+  o.crash_rate *= 2;
+  o.partition_rate *= 2;
+  o.break_rate *= 2;
+  o.break_on_send *= 2;
+  return o;
+}
+
 }  // namespace
 
 TEST_CASE("cluster simulation: without faults one formation serves and the job finishes", "[cluster][sim]") {
@@ -90,21 +103,14 @@ TEST_CASE("cluster simulation: thousands of fault schedules keep the invariants 
   CHECK(commits > 20 * runs);
 }
 
-// Harsher: twice the fault rates for longer.
 TEST_CASE("cluster simulation: long storms of faults", "[cluster][sim]") {
   const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
   const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / 4;
   for (int shards = 3; shards <= 5; ++shards) {
     for (int i = 1; i <= per_size; ++i) {
-      SimOptions o;
+      SimOptions o = Storm();
       o.shards = shards;
       o.seed = static_cast<uint64_t>(shards) * 100000 + 50000 + static_cast<uint64_t>(i);
-      o.fault_ms = 20000;
-      o.target_step = 60;
-      o.crash_rate *= 2;
-      o.partition_rate *= 2;
-      o.break_rate *= 2;
-      o.break_on_send *= 2;
       Check(o);
     }
   }
@@ -115,18 +121,22 @@ TEST_CASE("cluster simulation: regression seeds", "[cluster][sim]") {
   struct Seed {
     int shards;
     uint64_t seed;
+    bool storm = false;
   };
   const Seed seeds[] = {
-      {3, 300008},  // a follower lost its chief for a moment and dropped its vote: the step never committed
-      {3, 300009},  // every shard restarted and a term (an epoch workers saw) was formed again
-      {3, 300301},  // the same, with the term learnt from a heartbeat and not saved
-      {3, 300051},  // a restarted shard offered a step the cluster had left: an operator was asked again
-      {3, 300079},  // a re-formation just after a seal skipped the checkpoint every shard held
-      {3, 305506},  // the same from a chief with old news of a shard (a slow link)
-      {4, 400308},  // a duplicated restore order reset a shard that had moved on
+      {3, 300008},        // a follower lost its chief for a moment and dropped its vote: the step never committed
+      {3, 300009},        // every shard restarted and a term (an epoch workers saw) was formed again
+      {3, 300301},        // the same, with the term learnt from a heartbeat and not saved
+      {3, 300051},        // a restarted shard offered a step the cluster had left: an operator was asked again
+      {3, 300079},        // a re-formation just after a seal skipped the checkpoint every shard held
+      {3, 305506},        // the same from a chief with old news of a shard (a slow link)
+      {4, 400308},        // a duplicated restore order reset a shard that had moved on
+      {3, 313428},        // old news of a shard made the chief ask an operator to give up a checkpoint all held
+      {3, 300305},        // a shard that lost its checkpoint directory (and saved term) formed a term again
+      {3, 350086, true},  // the same in a storm
   };
   for (const Seed& s : seeds) {
-    SimOptions o;
+    SimOptions o = s.storm ? Storm() : SimOptions();
     o.shards = s.shards;
     o.seed = s.seed;
     Check(o);
@@ -137,7 +147,7 @@ TEST_CASE("cluster simulation: replay one seed (PSD_CLUSTER_SIM_SEED, PSD_CLUSTE
   const char* seed = std::getenv("PSD_CLUSTER_SIM_SEED");
   if (seed == nullptr) FAIL("set PSD_CLUSTER_SIM_SEED (and PSD_CLUSTER_SIM_SHARDS, default 3)");
   const char* shards = std::getenv("PSD_CLUSTER_SIM_SHARDS");
-  SimOptions o;
+  SimOptions o = std::getenv("PSD_CLUSTER_SIM_STORM") != nullptr ? Storm() : SimOptions();
   o.seed = std::strtoull(seed, nullptr, 10);
   o.shards = shards == nullptr ? 3 : std::atoi(shards);
   o.trace = true;

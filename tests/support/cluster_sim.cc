@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <functional>
 #include <map>
 #include <memory>
@@ -70,6 +71,7 @@ struct DiskEntry {
   uint64_t part_checksum = 0;  // = the engine's value at that step
   bool has_manifest = false;
   uint64_t manifest_checksum = 0;  // what the manifest records for this shard's part
+  bool abandoned = false;          // (the sim's note) an operator approved losing it
   bool restorable() const { return has_part && has_manifest && manifest_checksum == part_checksum; }
 };
 
@@ -183,6 +185,8 @@ class Sim {
   void SchedulePrepares();
   void InjectFault();
   void StopFaults();
+  // The operator: a chief that refuses to form (a shard lost checkpoints) is told to recover.
+  void Operator();
   void StartWrite(int s);
   std::string State();
 
@@ -203,6 +207,9 @@ class Sim {
   std::map<uint64_t, std::map<int, std::pair<int64_t, uint64_t>>> restored_;   // epoch -> shard -> (step, value)
   std::set<uint64_t> formed_;                                                  // epochs whose formation was checked
   bool workers_done_ = false;
+  bool operator_approved_ = false;  // a state loss the next formation may make
+  std::vector<int64_t> disk_losses_ = std::vector<int64_t>(static_cast<size_t>(o_.shards), 0);  // per shard
+  std::map<uint64_t, std::vector<int64_t>> losses_at_serve_;  // epoch -> disk_losses_ when it served
 };
 
 class Endpoint : public PeerNetwork {
@@ -491,6 +498,7 @@ void Sim::StartWrite(int s) {
     DiskEntry& d = sh.disk[step];
     d.has_part = true;
     d.part_checksum = value;  // an older manifest of this step no longer matches it
+    d.abandoned = false;
     sh.writer_busy = false;
     Note(fmt::format("shard {}: part of step {} written", s, step));
     sh.coord->OnPartWritten(step, {s, "part-" + std::to_string(step), 64, value});
@@ -505,6 +513,14 @@ void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
   // either serves (OnStartServing checks that one chief runs each epoch).
   if (!formed_.insert(epoch).second) ++result_.contested;
   Note(fmt::format("shard {} forms epoch {} at step {}", chief, epoch, step));
+  if (operator_approved_) {
+    // What it loses was approved: the newer checkpoints are given up for good.
+    operator_approved_ = false;
+    for (auto& sh : shards_) {
+      for (auto it = sh.disk.upper_bound(step); it != sh.disk.end(); ++it) it->second.abandoned = true;
+    }
+    return;
+  }
   // The newest checkpoint every shard holds sealed: no formation may go back before it.
   int64_t durable = -1;
   std::set<int64_t> common;
@@ -513,7 +529,7 @@ void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
     if (sh.exited) return;
     std::set<int64_t> mine;
     for (auto& [t, d] : sh.disk) {
-      if (d.restorable()) mine.insert(t);
+      if (d.restorable() && !d.abandoned) mine.insert(t);
     }
     if (first) {
       common = mine;
@@ -550,7 +566,24 @@ void Sim::OnStartServing(int s) {
   uint64_t epoch = e.epoch;
   Note(fmt::format("shard {} serves epoch {} from step {}", s, epoch, e.step));
   auto [it, fresh] = server_of_epoch_.emplace(epoch, s);
-  if (!fresh) return Fail(fmt::format("shards {} and {} both ran epoch {} as chief", it->second, s, epoch));
+  if (!fresh) {
+    // Only a cluster with no disk left that remembers the term may form it again.
+    const std::vector<int64_t>& then = losses_at_serve_[epoch];
+    for (int i = 0; i < o_.shards; ++i) {
+      if (disk_losses_[static_cast<size_t>(i)] == then[static_cast<size_t>(i)]) {
+        return Fail(
+            fmt::format("shards {} and {} both ran epoch {} as chief (shard {} still has its checkpoint "
+                        "directory)",
+                        it->second, s, epoch, i));
+      }
+    }
+    Note(fmt::format("epoch {} formed again: every shard lost its checkpoint directory since", epoch));
+    it->second = s;
+    for (auto p = published_.lower_bound({epoch, INT64_MIN}); p != published_.end() && p->first.first == epoch;) {
+      p = published_.erase(p);
+    }
+  }
+  losses_at_serve_[epoch] = disk_losses_;
   auto& r = restored_[epoch];
   if (static_cast<int>(r.size()) != o_.shards) {
     return Fail(fmt::format("shard {} serves epoch {} with {} of {} shards restored", s, epoch, r.size(), o_.shards));
@@ -614,9 +647,16 @@ void Sim::InjectFault() {
       if (!live.empty()) {
         int s = live[static_cast<size_t>(Uniform(0, static_cast<int64_t>(live.size()) - 1))];
         int64_t down = Uniform(100, 3000);
-        result_.faults.push_back(fmt::format("{} ms: shard {} crashes for {} ms", now_, s, down));
+        bool lose = Chance(o_.lose_disk);
+        result_.faults.push_back(fmt::format("{} ms: shard {} crashes for {} ms{}", now_, s, down,
+                                             lose ? ", losing its checkpoint directory" : ""));
         Note(result_.faults.back());
         Crash(s);
+        if (lose) {
+          shard(s).disk.clear();
+          shard(s).saved_term = 0;
+          ++disk_losses_[static_cast<size_t>(s)];
+        }
         At(now_ + down, [this, s] {
           if (!shard(s).up && !shard(s).exited && faulty()) {
             Note(fmt::format("shard {} restarts", s));
@@ -665,6 +705,36 @@ void Sim::StopFaults() {
   }
 }
 
+void Sim::Operator() {
+  for (auto& sh : shards_) {
+    if (!sh.up) continue;
+    auto v = sh.coord->Describe();
+    if (v.chief != sh.index || v.state.rfind("refusing to form", 0) != 0) continue;
+    // Asked only when some shard really lacks (holds no trace of) a checkpoint another can restore.
+    // (A loss approved before is asked again once shards that still hold the step restarted: the
+    // decision is not kept on disk.)
+    bool lacking = false;
+    for (auto& a : shards_) {
+      for (auto& [t, d] : a.disk) {
+        if (!d.restorable()) continue;
+        for (auto& b : shards_) lacking = lacking || b.disk.count(t) == 0;
+      }
+    }
+    if (!lacking) return Fail("shard " + std::to_string(sh.index) + " asks an operator to give up a checkpoint " +
+                              "that every shard holds: " + v.state);
+    // psd_admin recover: the newest step every shard can restore, else empty.
+    Status s = sh.coord->Recover(-1, false);
+    bool empty = !s.ok();
+    if (empty) s = sh.coord->Recover(-1, true);
+    if (!s.ok()) continue;
+    operator_approved_ = true;
+    result_.faults.push_back(
+        fmt::format("{} ms: operator: recover{} on shard {}", now_, empty ? " --empty" : "", sh.index));
+    Note(result_.faults.back());
+  }
+  At(now_ + 500, [this] { Operator(); });
+}
+
 std::string Sim::State() {
   std::string out;
   for (auto& sh : shards_) {
@@ -692,6 +762,7 @@ SimResult Sim::Run() {
     At(now_ + kLinkCheckMs, links);
   };
   At(0, links);
+  At(500, [this] { Operator(); });
   InjectFault();
   At(o_.fault_ms, [this] { StopFaults(); });
   const int64_t deadline = o_.fault_ms + o_.settle_ms;

@@ -17,8 +17,9 @@
 //  - a step's tokens are released at most once per epoch, in order, and only once every shard
 //    published that step with the same value;
 //  - a formation starts only when every shard restored the same checkpoint (same step, value);
-//  - no formation restores to before a checkpoint that every shard holds sealed on disk (the sim
-//    never approves a state loss);
+//  - no formation restores to before a checkpoint that every shard holds sealed on disk, unless
+//    an operator approved it: the sim plays the operator, who answers a chief that refuses to
+//    form (a shard lost its checkpoints) with `psd_admin recover` (ClusterCoordinator::Recover);
 //  - once the faults stop (every shard up, no partition), the job finishes (every shard exits)
 //    within bounded simulated time.
 // A violation ends the run with the reason; RunSimulation with trace = true (same seed) records
@@ -43,6 +44,7 @@ struct SimOptions {
   double crash_rate = 0.4;
   double partition_rate = 0.3;
   double break_rate = 0.6;
+  double lose_disk = 0.15;  // of the crashes: the shard's checkpoint directory is lost too
   // Per message while faults are on.
   double break_on_send = 0.01;  // the link breaks at this message
   double duplicate = 0.02;      // delivered twice
