@@ -720,8 +720,9 @@ void Sim::Operator() {
         for (auto& b : shards_) lacking = lacking || b.disk.count(t) == 0;
       }
     }
-    if (!lacking) return Fail("shard " + std::to_string(sh.index) + " asks an operator to give up a checkpoint " +
-                              "that every shard holds: " + v.state);
+    if (!lacking)
+      return Fail("shard " + std::to_string(sh.index) + " asks an operator to give up a checkpoint " +
+                  "that every shard holds: " + v.state);
     // psd_admin recover: the newest step every shard can restore, else empty.
     Status s = sh.coord->Recover(-1, false);
     bool empty = !s.ok();
