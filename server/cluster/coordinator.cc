@@ -379,17 +379,20 @@ bool ClusterCoordinator::SealsSettledLocked(Clock::time_point now) {
   // lately) is waited for, from when this chief first sees it, until every shard lists it as
   // restorable or for three election timeouts (then a shard that still lacks it missed the seal
   // or lost it: skipped, or the operator is asked, as before).
-  std::set<int64_t> common = CommonStepsLocked();
+  std::set<int64_t> common = CommonStepsLocked(), listed;
   for (int i = 0; i < shards_; ++i) {
     for (int64_t t : i == me_ ? sealed_ : peers_[static_cast<size_t>(i)].sealed) {
+      listed.insert(t);
       if (common.count(t) == 0) seals_pending_.emplace(t, now);
     }
   }
   const auto window = 3 * std::chrono::milliseconds(options_.election_timeout_ms);
   bool settled = true;
   for (auto it = seals_pending_.begin(); it != seals_pending_.end();) {
-    if (common.count(it->first) > 0 || now - it->second >= window + std::chrono::hours(1)) {
-      it = seals_pending_.erase(it);  // confirmed, or long forgotten
+    // Confirmed everywhere, or listed nowhere any more (its seal failed, or its timeline was
+    // left): forgotten, so that a new checkpoint of that step is waited for afresh.
+    if (common.count(it->first) > 0 || (listed.count(it->first) == 0 && now - it->second >= window)) {
+      it = seals_pending_.erase(it);
       continue;
     }
     if (now - it->second < window) settled = false;
@@ -416,6 +419,9 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   formation_step_ = step;
   restored_.clear();
   placement_.Clear();
+  // Parts written in an older epoch belong to its timeline: a seal must never mix them with this
+  // epoch's parts of the same step (the manifest would not match those shards' new parts).
+  parts_.clear();
   votes_.clear();
   committed_.clear();
   commit_in_flight_ = -1;
@@ -757,7 +763,7 @@ void ClusterCoordinator::HandlePartWritten(int from, uint64_t term, const peer::
   peer::Seal seal{term_, step, {}};
   for (auto& [shard, part] : parts) seal.parts.push_back(part);
   parts_.erase(parts_.begin(), parts_.upper_bound(step));
-  seals_pending_.emplace(step, now_());
+  seals_pending_[step] = now_();  // a new checkpoint of this step: waited for afresh
   peer::Message msg = MessageLocked(std::move(seal));
   actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
 }

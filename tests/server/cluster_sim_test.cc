@@ -125,6 +125,7 @@ TEST_CASE("cluster simulation: regression seeds", "[cluster][sim]") {
     int shards;
     uint64_t seed;
     bool storm = false;
+    int64_t fault_ms = 0;  // 0: the default
   };
   const Seed seeds[] = {
       {3, 300008},        // a follower lost its chief for a moment and dropped its vote: the step never committed
@@ -137,9 +138,12 @@ TEST_CASE("cluster simulation: regression seeds", "[cluster][sim]") {
       {3, 313428},        // old news of a shard made the chief ask an operator to give up a checkpoint all held
       {3, 300305},        // a shard that lost its checkpoint directory (and saved term) formed a term again
       {3, 350086, true},  // the same in a storm
+      {3, 300002},        // a seal mixed parts of an older epoch's checkpoint of that step with new ones
+      {3, 301157, false, 15000},  // a new checkpoint of a step waited for long ago was not waited for
   };
   for (const Seed& s : seeds) {
     SimOptions o = s.storm ? Storm() : SimOptions();
+    if (s.fault_ms > 0) o.fault_ms = s.fault_ms;
     o.shards = s.shards;
     o.seed = s.seed;
     Check(o);

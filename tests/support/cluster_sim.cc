@@ -291,6 +291,12 @@ class FakeHost : public ShardHost {
       if (p.shard == me_) d.manifest_checksum = p.checksum;
     }
     sim_.Note(fmt::format("shard {}: sealed step {}{}", me_, step, d.restorable() ? "" : " (its part differs)"));
+    if (d.has_part && !d.restorable()) {
+      sim_.Fail(
+          fmt::format("shard {} sealed checkpoint step {} with a manifest that does not match its part "
+                      "(parts of two timelines mixed)",
+                      me_, step));
+    }
     return Status::Ok();
   }
   bool CheckpointWriterBusy() override { return sh().writer_busy || sh().pending_snapshot.has_value(); }
