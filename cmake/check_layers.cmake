@@ -14,12 +14,14 @@ set(PSD_LAYER_RULES
   "config:config core"
   "ops:ops"
   "net:net"
+  "cluster:cluster core"
   "service:service net core config ops cluster")
 # Header prefixes no file of these layers may include (besides other layers' folders).
 set(PSD_LAYER_FORBIDDEN_core "boost/asio;asio;capnp/;kj/;openssl/;wire/;text/;psd.capnp.h")
 set(PSD_LAYER_FORBIDDEN_checkpoint "boost/asio;asio;capnp/;kj/;openssl/;wire/;text/;psd.capnp.h")
 set(PSD_LAYER_FORBIDDEN_config "capnp/;kj/;openssl/;wire/;psd.capnp.h")
 set(PSD_LAYER_FORBIDDEN_ops "capnp/;kj/;psd.capnp.h")
+set(PSD_LAYER_FORBIDDEN_cluster "boost/asio;asio;capnp/;kj/;openssl/;wire/;text/;psd.capnp.h;thread")
 # The transport reads and writes frames; what they say is the service's.
 set(PSD_LAYER_FORBIDDEN_net "psd.capnp.h")
 

@@ -311,7 +311,7 @@ struct PeerHeartbeat {
   chief @0 :Int32;          # who the sender thinks is chief (-1: nobody)
   epoch @1 :UInt64;         # the epoch the sender's state belongs to
   running @2 :Bool;         # from the chief: the cluster serves workers at `epoch`
-  step @3 :Int64;
+  step @3 :Int64;           # unused (no shard reads it; no longer written); kept for the ordinals
   sealedSteps @4 :List(Int64);  # checkpoints this shard can restore (manifest + own part verified)
   ready @5 :Bool;           # the sender has scanned its checkpoints
   required @6 :Int32;       # from the chief: fresh gradients a step needs
@@ -367,7 +367,8 @@ struct PeerControl {
   epoch @0 :UInt64;
   jobDone @1 :Bool;         # every worker finished: write the final part (if checkpointing), then exit if asked
   snapshotStep @2 :Int64;   # with jobDone: the step of the final checkpoint (-1: none)
-  forceStep @3 :Int64;      # soft sync: commit this step with what arrived (-1: none)
+  forceStep @3 :Int64;      # unused: always -1 (older shards read its default 0 as "force step 0"); the
+                            # step deadline is each shard's own (--step-deadline-ms)
 }
 
 struct PeerMessage {

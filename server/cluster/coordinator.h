@@ -39,10 +39,23 @@
 //
 // Checkpoints: parts are written by each shard to its own --checkpoint-dir; the chief collects
 // their sizes and checksums and sends the seal; every shard writes the same MANIFEST. A step is
-// restorable by a shard when its manifest verifies and its own part matches it.
+// restorable by a shard when its manifest verifies and its own part matches it. A chief does not
+// form on old news: a step sealed lately, or sealed on some shards and only present on others,
+// is waited for (up to three election timeouts) until every shard lists it as restorable.
 //
-// Thread-safety: all methods may be called from any thread. One mutex guards the state; engine
-// calls and sends happen after it is released (the engine calls back into the coordinator).
+// Terms survive restarts (ShardHost::SaveTerm/LoadTerm): an epoch is never formed twice, even
+// by a cluster restarted whole. A follower keeps its vote (prepared step) until the step
+// commits and sends it again to a chief that may not have had it.
+//
+// Layering: the coordinator is the protocol alone. It talks to the other shards through a
+// PeerNetwork (typed messages, cluster/peer_messages.h; the daemon's is net/peer_link.h), acts on
+// its own shard through a ShardHost (cluster/shard_host.h), reads time from an injected clock and
+// is ticked by its owner (the daemon: an Asio timer every --heartbeat-ms; the fault simulation in
+// tests/server/cluster_sim_test.cc: simulated time). It runs no thread and no timer of its own,
+// and includes nothing from net/, service/ or the daemon (its own CMake target, psd_cluster).
+//
+// Thread-safety: all methods may be called from any thread. One mutex guards the state; host
+// calls and sends happen after it is released (the host calls back into the coordinator).
 #ifndef PSD_SERVER_CLUSTER_COORDINATOR_H_
 #define PSD_SERVER_CLUSTER_COORDINATOR_H_
 
@@ -50,41 +63,58 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "checkpoint/checkpoint.h"
+#include "cluster/peer_messages.h"
+#include "cluster/peer_network.h"
 #include "cluster/placement.h"
-#include "config/server_config.h"
-#include "psd.capnp.h"
+#include "cluster/shard_host.h"
 #include "psd/status.h"
-#include "wire/asio.h"
-#include "wire/frame.h"
+#include "psd/tensor.h"
 
 namespace psd::server {
 
-class Server;
-class PeerLink;
+// What a coordinator is configured with (the daemon fills it from its flags).
+struct ClusterOptions {
+  int me = 0;                          // this shard's index (--shard-index)
+  std::vector<std::string> addresses;  // every shard's host:port (--cluster); its size is P
+  int64_t heartbeat_ms = 100;          // how often the owner calls Tick()
+  int64_t election_timeout_ms = 1000;  // a shard silent this long counts as gone
+  std::string checkpoint_dir;          // "": no checkpoints (only named in logs otherwise)
+  int64_t checkpoint_every_steps = 0;
+  int keep_checkpoints = 3;
+  uint64_t slice_bytes = 64ull << 20;  // placement: variables bigger than this are split by rows
+  bool restore = true;                 // false (--no-restore): also allows state loss
+  bool allow_state_loss = false;       // --allow-state-loss
+  // Give-ups (the daemon's defaults; the fault simulation shortens them).
+  std::chrono::milliseconds commit_timeout{30000};      // a commit not answered by every shard
+  std::chrono::milliseconds formation_timeout{120000};  // a formation not restored everywhere
+  std::chrono::milliseconds final_seal_timeout{10000};  // the job's last seal, after the part is written
 
-// Placements on the wire (also used by Connection). FromWire validates a peer's or client's
-// message fully.
-Result<VarPlacement> PlacementFromWire(proto::VariablePlacement::Reader r, int shards);
-void PlacementToWire(proto::VariablePlacement::Builder b, const VarPlacement& p);
+  int shards() const { return static_cast<int>(addresses.size()); }
+};
 
-class ClusterCoordinator {
+class ClusterCoordinator : public PeerEvents {
  public:
-  ClusterCoordinator(Server& server, const ServerConfig& config, asio::io_context& io);
-  ~ClusterCoordinator();
+  using Clock = std::chrono::steady_clock;
+  // `host`, `network` must outlive the coordinator. `now`: the clock (steady_clock::now in the
+  // daemon). `wake`: asks the owner to call Tick() soon, never inside the calling function (a
+  // lost link, an operator's decision: react before the next heartbeat); may be empty.
+  ClusterCoordinator(ClusterOptions options, ShardHost& host, PeerNetwork& network,
+                     std::function<Clock::time_point()> now = &Clock::now, std::function<void()> wake = {});
+  ~ClusterCoordinator() override = default;
 
-  // Scans the checkpoint directory, opens the links and starts the heartbeat.
+  // Scans the checkpoints (through the host). The owner then opens the links and calls Tick()
+  // every heartbeat_ms.
   void Start();
-  // Closes the links (after up to ~1 s for queued messages) and stops the heartbeat.
+  // Ignores every event from now on.
   void Stop();
+  // The heartbeat: the election, the chief's duties, the job's end; sends this shard's heartbeat.
+  void Tick();
 
   // Whether workers are served now; Unavailable with what the cluster waits for otherwise.
   Status Serving() const;
@@ -101,17 +131,18 @@ class ClusterCoordinator {
   };
   View Describe() const;
 
-  // Peer connections (from Connection).
-  void OnPeerHello(int shard);
-  void OnPeerClosed(int shard);
-  // `from`: the shard the message came from (the link's proven shard, or this shard itself); the
-  // message's own sender field is not trusted here.
-  void OnPeerMessage(int from, proto::PeerMessage::Reader msg);
+  // The PeerNetwork's events: a link from `shard` is proven / closed; a message arrived from
+  // `from` (the link's proven shard, or this shard itself: the message's own sender field is not
+  // trusted here).
+  void OnPeerUp(int shard) override;
+  void OnPeerDown(int shard) override;
+  void OnMessage(int from, const peer::Message& msg) override;
 
   // From the engine created for `epoch` (no engine lock held).
   void OnPrepared(uint64_t epoch, int64_t step, int min_gradients, int max_gradients, int takes, bool forced);
-  // From the checkpoint writer: this shard's part of a checkpoint is on disk.
-  void OnPartWritten(const CheckpointInfo& info, int64_t step);
+  // From the checkpoint writer: this shard's part of checkpoint `step` is on disk (part.shard is
+  // this shard).
+  void OnPartWritten(int64_t step, const peer::PartInfo& part);
 
   // Chief only (workers' requests).
   Result<VarPlacement> Place(const std::string& name, DType dtype, const Shape& shape, const std::string& colocate,
@@ -131,7 +162,6 @@ class ClusterCoordinator {
   Status Recover(int64_t step, bool empty);
 
  private:
-  using Clock = std::chrono::steady_clock;
   using Action = std::function<void()>;
   struct Peer {
     int connections = 0;  // open incoming links from it
@@ -150,8 +180,6 @@ class ClusterCoordinator {
     bool forced = false;
   };
 
-  void ScheduleTick();
-  void Tick();
   // Under mu_: runs the election and the chief's duties; appends what to do after unlocking.
   void TickLocked(std::vector<Action>* actions);
   bool AliveLocked(int shard, Clock::time_point now) const;
@@ -160,6 +188,9 @@ class ClusterCoordinator {
   bool AcceptChiefLocked(int from, uint64_t term, std::vector<Action>* actions);
   void BecomeFollowerLocked(std::vector<Action>* actions);
   void StartFormationLocked(std::vector<Action>* actions);
+  // False while a checkpoint sealed lately (or sealed on some shards, only present on others) is
+  // not yet known restorable on every shard.
+  bool SealsSettledLocked(Clock::time_point now);
   // The checkpoint steps every shard can restore.
   std::set<int64_t> CommonStepsLocked() const;
   // The step to form at (-1: empty), or nullopt when an operator must decide first (then the
@@ -168,38 +199,45 @@ class ClusterCoordinator {
   // Which checkpoints each shard can restore, for the logs and the refusal.
   std::string DescribeCheckpointsLocked() const;
   void MaybeCommitLocked(std::vector<Action>* actions);
+  // Has the host save term_ if it is higher than what was saved (before what the caller sends).
+  void SaveTermLocked(std::vector<Action>* actions);
+  // A follower whose vote (this shard's prepared step) has not reached the chief it knows now
+  // sends it again.
+  void ResendVoteLocked(std::vector<Action>* actions);
   void DegradeLocked(const std::string& why, std::vector<Action>* actions);
 
-  void HandleHeartbeat(int from, uint64_t term, proto::PeerHeartbeat::Reader hb, std::vector<Action>* actions);
-  void HandleCommit(int from, uint64_t term, proto::PeerCommit::Reader c, std::vector<Action>* actions);
-  void HandleRestore(int from, uint64_t term, proto::PeerRestore::Reader r, std::vector<Action>* actions);
-  void HandleRestored(int from, uint64_t term, proto::PeerRestored::Reader r, std::vector<Action>* actions);
-  void HandlePartWritten(int from, uint64_t term, proto::PeerPart::Reader p, std::vector<Action>* actions);
-  void HandleSeal(int from, uint64_t term, proto::PeerSeal::Reader s, std::vector<Action>* actions);
-  void HandleControl(int from, uint64_t term, proto::PeerControl::Reader c, std::vector<Action>* actions);
+  void HandleHeartbeat(int from, uint64_t term, const peer::Heartbeat& hb, std::vector<Action>* actions);
+  void HandlePrepared(int from, uint64_t term, const peer::Prepared& p, std::vector<Action>* actions);
+  void HandleCommit(int from, uint64_t term, const peer::Commit& c, std::vector<Action>* actions);
+  void HandleCommitted(int from, uint64_t term, const peer::Committed& c, std::vector<Action>* actions);
+  void HandleRestore(int from, uint64_t term, const peer::Restore& r, std::vector<Action>* actions);
+  void HandleRestored(int from, uint64_t term, const peer::Restored& r, std::vector<Action>* actions);
+  void HandlePartWritten(int from, uint64_t term, const peer::PartWritten& p, std::vector<Action>* actions);
+  void HandleSeal(int from, uint64_t term, const peer::Seal& s, std::vector<Action>* actions);
+  void HandleControl(int from, uint64_t term, const peer::Control& c, std::vector<Action>* actions);
+  void HandleCheckpointRequest(int from, uint64_t term, const peer::CheckpointRequest&, std::vector<Action>*);
   void RestoreDone(uint64_t epoch, int64_t step, const Status& status, std::vector<VarPlacement> placements);
   void AddSealedLocked(int64_t step);
-  // Job done: the final part is queued; FinishJob() unless the seal does it first (see .cc).
-  void FinishJobUnlessSealed();
+  // Job done, the final part queued: FinishJob() once the seal is written, or final_seal_timeout
+  // after the part is written (or failed) if no seal comes (a shard died meanwhile).
+  void FinalSealTickLocked(Clock::time_point now, std::vector<Action>* actions);
   Status NotChiefLocked() const;
 
-  // Builds a peer message (term and sender filled in) under mu_.
-  std::shared_ptr<wire::OutFrame> NewMessageLocked(proto::PeerMessage::Builder* msg) const;
-  // Sends to one shard (itself: handled on the io_context like a received message).
-  void SendTo(int shard, const std::shared_ptr<wire::OutFrame>& frame);
-  void SendToAll(const std::shared_ptr<wire::OutFrame>& frame, bool include_self);
-  std::shared_ptr<wire::OutFrame> HeartbeatLocked() const;
-  std::string AddressOf(int shard) const { return config_.cluster[static_cast<size_t>(shard)]; }
+  // A peer message from this shard at its current term.
+  peer::Message MessageLocked(peer::Body body) const;
+  void SendTo(int shard, const peer::Message& msg);  // itself too (delivered later)
+  void SendToAll(const peer::Message& msg, bool include_self);
+  peer::Message HeartbeatLocked() const;
+  const std::string& AddressOf(int shard) const { return options_.addresses[static_cast<size_t>(shard)]; }
 
-  Server& server_;
-  const ServerConfig& config_;
-  asio::io_context& io_;
+  const ClusterOptions options_;
+  ShardHost& host_;
+  PeerNetwork& network_;
+  const std::function<Clock::time_point()> now_;
+  const std::function<void()> wake_;
   const int me_;
   const int shards_;
-  asio::strand<asio::io_context::executor_type> strand_;
-  asio::steady_timer tick_timer_;                 // on strand_
-  std::vector<std::shared_ptr<PeerLink>> links_;  // [shard]; null for this shard
-  const Clock::time_point started_ = Clock::now();
+  const Clock::time_point started_;
 
   mutable std::mutex mu_;
   bool stopped_ = false;               // guarded by mu_
@@ -214,12 +252,17 @@ class ClusterCoordinator {
   std::vector<Peer> peers_;            // guarded by mu_
   int required_ = 0;                   // guarded by mu_: the chief's requirement (as last heard)
   int local_required_ = 0;             // guarded by mu_
-  bool restoring_ = false;             // guarded by mu_
-  std::thread restore_thread_;         // guarded by mu_
   Clock::time_point missing_since_{};  // guarded by mu_
   std::string missing_reason_;         // guarded by mu_
   bool job_done_ = false;              // guarded by mu_
   int64_t final_step_ = -1;            // guarded by mu_: the job's last checkpoint step being written
+  bool awaiting_final_seal_ = false;   // guarded by mu_: FinishJob() once it is sealed (or timed out)
+  std::optional<Clock::time_point> final_seal_deadline_;  // guarded by mu_: set once the writer is idle
+  std::optional<peer::Prepared> vote_;  // guarded by mu_: this shard's report of the open step, until it commits
+  int vote_to_ = -1;                    // guarded by mu_: the chief it was sent to (-1: none yet, or lost)
+  uint64_t restore_epoch_ = 0;          // guarded by mu_: the newest epoch a restore was ordered for
+  uint64_t saved_term_ = 0;             // guarded by mu_: the highest term handed to ShardHost::SaveTerm
+  bool writer_busy_ = false;            // guarded by mu_: the host's checkpoint writer, as of this tick
 
   // Chief state, guarded by mu_.
   bool running_ = false;  // the cluster serves at epoch_
@@ -234,7 +277,10 @@ class ClusterCoordinator {
   std::set<int> committed_;
   std::map<int64_t, std::map<int, Vote>> votes_;  // step -> shard -> its report
   bool checkpoint_next_ = false;
-  std::map<int64_t, std::map<int, ManifestPart>> parts_;  // checkpoint step -> written parts
+  std::map<int64_t, std::map<int, peer::PartInfo>> parts_;  // checkpoint step -> written parts
+  // Checkpoint steps not yet restorable on every shard that may only be news in flight (sealed
+  // lately, or sealed on one shard and only present on another) -> since when (SealsSettledLocked).
+  std::map<int64_t, Clock::time_point> seals_pending_;
   std::string refusal_;              // why the chief does not form ("": it may), announced to followers
   std::optional<int64_t> decision_;  // an operator's Recover() step (-1: empty), until the cluster runs
 };

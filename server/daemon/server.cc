@@ -123,11 +123,33 @@ Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
       summary_timer_(io_),
       deadline_strand_(asio::make_strand(io_)),
       step_deadline_(deadline_strand_),
+      cluster_strand_(asio::make_strand(io_)),
+      cluster_tick_(cluster_strand_),
       ready_timer_(io_),
       checkpoint_timer_(io_) {
   not_ready_ = "psd is starting";
   not_ready_since_ = start_time_;
-  if (config_.clustered()) coordinator_ = std::make_unique<ClusterCoordinator>(*this, config_, io_);
+  if (config_.clustered()) {
+    cluster_host_ = std::make_unique<ServerShardHost>(*this);
+    peer_network_ = std::make_unique<TcpPeerNetwork>(
+        io_, TcpPeerNetwork::Options{config_.cluster, config_.shard_index, config_.auth_token, config_.cluster_secret,
+                                     peer_tls_});
+    ClusterOptions options;
+    options.me = config_.shard_index;
+    options.addresses = config_.cluster;
+    options.heartbeat_ms = config_.heartbeat_ms;
+    options.election_timeout_ms = config_.election_timeout_ms;
+    options.checkpoint_dir = config_.checkpoint_dir;
+    options.checkpoint_every_steps = config_.checkpoint_every_steps;
+    options.keep_checkpoints = config_.keep_checkpoints;
+    options.slice_bytes = config_.slice_bytes;
+    options.restore = config_.restore;
+    options.allow_state_loss = config_.allow_state_loss;
+    coordinator_ = std::make_unique<ClusterCoordinator>(
+        std::move(options), *cluster_host_, *peer_network_, &std::chrono::steady_clock::now,
+        [this] { asio::post(cluster_strand_, [this] { coordinator_->Tick(); }); });
+    peer_network_->set_events(coordinator_.get());
+  }
   ops_ = std::make_unique<ops::OpsService>(*this, io_);
 }
 
@@ -143,6 +165,15 @@ ConnectionEnv Server::MakeConnectionEnv() {
   env.on_bytes_out = [this](uint64_t n) { metrics_.OnBytesOut(n); };
   env.on_frame_timeout = [this] { metrics_.OnFrameTimeout(); };
   return env;
+}
+
+void Server::ScheduleClusterTick() {
+  cluster_tick_.expires_after(std::chrono::milliseconds(config_.heartbeat_ms));
+  cluster_tick_.async_wait([this](boost::system::error_code ec) {
+    if (ec) return;
+    coordinator_->Tick();
+    ScheduleClusterTick();
+  });
 }
 
 uint16_t Server::metrics_port() const { return ops_->port(); }
@@ -194,7 +225,10 @@ void Server::WriteSnapshot(const ShardSnapshot& snap) {
   }
   metrics_.OnCheckpointWritten(snap.step, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                                info->part_bytes);
-  if (coordinator_) coordinator_->OnPartWritten(*info, snap.step);  // the chief seals it once every part is in
+  if (coordinator_) {  // the chief seals it once every part is in
+    coordinator_->OnPartWritten(snap.step,
+                                {config_.shard_index, info->part_file, info->part_bytes, info->part_checksum});
+  }
   if (!coordinator_) last_checkpoint_step_ = snap.step;
   // The stop-window rule (README, "Checkpoints and recovery"): a stop may have to finish a write in
   // flight and then write the final checkpoint, so it needs two writes at the measured speed + 10 s.
@@ -316,6 +350,8 @@ Status Server::Start() {
     spdlog::info("psd shard {} of {} ({})", config_.shard_index, config_.shards(),
                  config_.cluster[static_cast<size_t>(config_.shard_index)]);
     coordinator_->Start();  // before anything is accepted
+    peer_network_->Start();
+    asio::dispatch(cluster_strand_, [this] { ScheduleClusterTick(); });
   }
   // Connections are served from now on, so probes, psd_admin and the status page answer while a
   // restore runs; workers are told to retry until psd is ready (Serving()).
@@ -598,7 +634,12 @@ void Server::Stop() {
     ready_timer_.cancel();
   });
   asio::post(deadline_strand_, [this] { step_deadline_.cancel(); });
-  if (coordinator_) coordinator_->Stop();
+  if (coordinator_) {
+    coordinator_->Stop();
+    asio::post(cluster_strand_, [this] { cluster_tick_.cancel(); });
+    peer_network_->Stop();  // after up to ~1 s for queued messages
+    cluster_host_->Join();  // a restore's completion calls the coordinator
+  }
   engine()->tokens().Close(Cancelled("psd is shutting down"));
   ssp_.Close(Cancelled("psd is shutting down"));
   std::vector<std::shared_ptr<Connection>> live;

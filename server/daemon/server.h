@@ -26,15 +26,18 @@
 #include <thread>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "cluster/coordinator.h"
-#include "cluster/peer_auth.h"
+#include "net/peer_auth.h"
 #include "config/server_config.h"
 #include "core/converted_values.h"
 #include "core/ssp_gate.h"
 #include "core/training_engine.h"
 #include "core/worker_registry.h"
+#include "daemon/cluster_host.h"
 #include "net/connection.h"
 #include "net/frame_budget.h"
+#include "service/tcp_peer_network.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
 #include "service/service_host.h"
@@ -143,6 +146,8 @@ class Server : public ServiceHost {
   void WatchReadiness();
   void WriteSnapshot(const ShardSnapshot& snap);
   ConnectionEnv MakeConnectionEnv();
+  // The coordinator's heartbeat (cluster only).
+  void ScheduleClusterTick();
 
   const ServerConfig config_;
   ops::Metrics metrics_;
@@ -172,8 +177,14 @@ class Server : public ServiceHost {
   asio::strand<asio::io_context::executor_type> deadline_strand_;
   asio::steady_timer step_deadline_;  // soft sync; touched only on deadline_strand_
   std::vector<std::thread> threads_;
-  std::unique_ptr<ClusterCoordinator> coordinator_;  // after io_: destroyed before it
-  std::unique_ptr<ops::OpsService> ops_;             // after io_: destroyed before it
+  // A cluster shard's protocol, its links and its view of this Server (null for a single daemon);
+  // the coordinator is ticked every --heartbeat-ms on cluster_strand_.
+  std::unique_ptr<ServerShardHost> cluster_host_;
+  std::unique_ptr<TcpPeerNetwork> peer_network_;
+  std::unique_ptr<ClusterCoordinator> coordinator_;  // after io_ and the two above: destroyed before them
+  asio::strand<asio::io_context::executor_type> cluster_strand_;
+  asio::steady_timer cluster_tick_;       // on cluster_strand_
+  std::unique_ptr<ops::OpsService> ops_;  // after io_: destroyed before it
   asio::steady_timer ready_timer_;
   uint16_t port_ = 0;
   std::atomic<uint64_t> next_conn_id_{1};

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "cluster/peer_auth.h"
+#include "net/peer_auth.h"
 #include "config/server_config.h"
 #include "core/converted_values.h"
 #include "core/ssp_gate.h"

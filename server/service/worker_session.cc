@@ -4,9 +4,10 @@
 #include <spdlog/spdlog.h>
 
 #include "cluster/coordinator.h"
-#include "cluster/peer_auth.h"
+#include "net/peer_auth.h"
 #include "psd/half.h"
 #include "psd/secret.h"
+#include "service/peer_codec.h"
 #include "service/service_host.h"
 
 namespace psd::server {
@@ -90,7 +91,7 @@ bool WorkerSession::Busy() {
 
 void WorkerSession::OnClosed() {
   for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
-  if (peer_shard_ >= 0) host_.coordinator()->OnPeerClosed(peer_shard_);
+  if (peer_shard_ >= 0) host_.coordinator()->OnPeerDown(peer_shard_);
   host_.OnConnectionClosed(id_);
 }
 
@@ -136,8 +137,14 @@ void WorkerSession::Dispatch(proto::Request::Reader req) {
                std::to_string(msg.getFrom()));
       return FailStream(InvalidArgument("a peer message's sender must be the link's shard; closing"), id);
     }
-    // Never answered: peers' messages are one-way.
-    return host_.coordinator()->OnPeerMessage(peer_shard_, msg);
+    // Never answered: peers' messages are one-way. A malformed one is dropped.
+    auto decoded = PeerMessageFromWire(msg, host_.config().shards());
+    if (!decoded.ok()) {
+      LogSpoof("(the link of shard " + std::to_string(peer_shard_) +
+               ") sent a malformed peer message: " + decoded.status().message());
+      return;
+    }
+    return host_.coordinator()->OnMessage(peer_shard_, *decoded);
   }
   if (which == proto::Request::STATUS) return HandleStatus(id);
   if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);              // an operator's request
@@ -309,7 +316,7 @@ void WorkerSession::HandlePeerHello(uint64_t id, proto::Hello::Reader r) {
     peer_shard_ = idx;
     greeted_ = true;
     conn_->set_role(Connection::Role::kShard);
-    c->OnPeerHello(idx);
+    c->OnPeerUp(idx);
     return Send(std::move(frame));
   }
   auto theirs = r.getPeerNonce();
@@ -349,7 +356,7 @@ void WorkerSession::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
   peer_nonces_.clear();
   greeted_ = true;
   conn_->set_role(Connection::Role::kShard);
-  host_.coordinator()->OnPeerHello(peer_shard_);
+  host_.coordinator()->OnPeerUp(peer_shard_);
 }
 
 void WorkerSession::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {

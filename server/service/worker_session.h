@@ -19,7 +19,7 @@
 #include <memory>
 #include <set>
 
-#include "cluster/peer_auth.h"
+#include "net/peer_auth.h"
 #include "core/token_queue.h"
 #include "net/connection.h"
 #include "net/parked_reply.h"

@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cluster/coordinator.h"
+#include "service/peer_codec.h"
 #include "fuzz_support.h"
 
 namespace {

@@ -4,7 +4,7 @@
 // reflected or replayed) proof, a proven peer naming another shard as sender — is refused, and
 // the cluster carries on unaffected: same term, epoch, chief, step and values, still serving.
 // Without a cluster secret (loopback), the sender is still bound to the link's hello index.
-#include "cluster/peer_auth.h"
+#include "net/peer_auth.h"
 
 #include <catch2/catch.hpp>
 #include <optional>

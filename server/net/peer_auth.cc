@@ -1,4 +1,4 @@
-#include "cluster/peer_auth.h"
+#include "net/peer_auth.h"
 
 #include <openssl/crypto.h>
 #include <openssl/err.h>

@@ -17,8 +17,8 @@
 //
 // Thread-safety: the functions are pure apart from NewNonce (OpenSSL's generator is thread-safe);
 // LogLimiter is safe from any thread.
-#ifndef PSD_SERVER_CLUSTER_PEER_AUTH_H_
-#define PSD_SERVER_CLUSTER_PEER_AUTH_H_
+#ifndef PSD_SERVER_NET_PEER_AUTH_H_
+#define PSD_SERVER_NET_PEER_AUTH_H_
 
 #include <atomic>
 #include <chrono>
@@ -74,4 +74,4 @@ class LogLimiter {
 
 }  // namespace psd::server::peer_auth
 
-#endif  // PSD_SERVER_CLUSTER_PEER_AUTH_H_
+#endif  // PSD_SERVER_NET_PEER_AUTH_H_

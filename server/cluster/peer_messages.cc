@@ -1,0 +1,12 @@
+#include "cluster/peer_messages.h"
+
+namespace psd::server::peer {
+
+const char* KindName(const Body& body) {
+  static constexpr const char* kNames[] = {"heartbeat", "prepared", "commit", "committed", "restore",
+                                           "restored",  "part",     "seal",   "control",   "checkpoint-request"};
+  static_assert(std::size(kNames) == std::variant_size_v<Body>);
+  return kNames[body.index()];
+}
+
+}  // namespace psd::server::peer

@@ -1,0 +1,132 @@
+// The shard-to-shard messages of a psd cluster as plain values: what the ClusterCoordinator sends
+// and receives over a PeerNetwork (cluster/peer_network.h). No wire types here: the service layer
+// (service/peer_codec.h) turns them into schema/psd.capnp PeerMessages and back, and validates
+// what a peer sent before it becomes one of these. See coordinator.h for the protocol.
+//
+// Every message carries the sender's term (fencing) and its shard index; a receiver trusts the
+// index only as far as its link proves it (the coordinator is told `from` separately).
+#ifndef PSD_SERVER_CLUSTER_PEER_MESSAGES_H_
+#define PSD_SERVER_CLUSTER_PEER_MESSAGES_H_
+
+#include <cstdint>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "cluster/placement.h"
+
+namespace psd::server::peer {
+
+// Periodic, from every shard to every other one: who it thinks is chief and what it can restore.
+struct Heartbeat {
+  int chief = -1;                       // -1: nobody known (a peer may send any value: election.h copes)
+  uint64_t epoch = 0;                   // the epoch the sender's state belongs to
+  bool running = false;                 // from the chief: the cluster serves workers at `epoch`
+  std::vector<int64_t> sealed_steps;    // checkpoints the sender can restore, newest first
+  bool ready = false;                   // the sender has scanned its checkpoints
+  int required = 0;                     // from the chief: fresh gradients a step needs
+  bool allow_state_loss = false;        // the sender runs with --allow-state-loss or --no-restore
+  std::string waiting;                  // from the chief: why it does not form ("": it may)
+  std::vector<int64_t> unusable_steps;  // checkpoint directories the sender has but cannot restore
+
+  bool operator==(const Heartbeat&) const = default;
+};
+
+// To the chief: this shard's part of `step` is staged (sync mode's first phase).
+struct Prepared {
+  uint64_t epoch = 0;
+  int64_t step = 0;
+  int min_gradients = 0;
+  int max_gradients = 0;
+  int takes = 0;  // variables taken (0: nothing to train here)
+  bool forced = false;
+  bool operator==(const Prepared&) const = default;
+};
+
+// From the chief: publish step + 1.
+struct Commit {
+  uint64_t epoch = 0;
+  int64_t step = 0;            // the step being closed
+  bool checkpoint = false;     // snapshot this commit and write the part
+  double learning_rate = 0.0;  // of the steps after this one
+  bool operator==(const Commit&) const = default;
+};
+
+// To the chief: `step` is published here.
+struct Committed {
+  uint64_t epoch = 0;
+  int64_t step = 0;  // the step now published (the commit's step + 1)
+  bool operator==(const Committed&) const = default;
+};
+
+// From the chief: replace the state with checkpoint `step` (-1: empty at step 0) for `epoch`.
+struct Restore {
+  uint64_t epoch = 0;
+  int64_t step = -1;
+  bool operator==(const Restore&) const = default;
+};
+
+// To the chief: the restore's outcome and the parts this shard holds, as placed.
+struct Restored {
+  uint64_t epoch = 0;
+  int64_t step = -1;
+  bool ok = false;
+  std::string message;
+  std::vector<VarPlacement> placements;
+  bool operator==(const Restored&) const = default;
+};
+
+// One shard's file of a checkpoint (a file name, never a path: the codec checks).
+struct PartInfo {
+  int shard = 0;
+  std::string file;
+  uint64_t bytes = 0;
+  uint64_t checksum = 0;
+  bool operator==(const PartInfo&) const = default;
+};
+
+// To the chief: this shard's part of checkpoint `step` is on disk.
+struct PartWritten {
+  uint64_t epoch = 0;
+  int64_t step = 0;
+  PartInfo part;
+  bool operator==(const PartWritten&) const = default;
+};
+
+// From the chief: every part of checkpoint `step` is written; write the manifest.
+struct Seal {
+  uint64_t epoch = 0;  // the chief's term when it sealed (informational)
+  int64_t step = 0;
+  std::vector<PartInfo> parts;
+  bool operator==(const Seal&) const = default;
+};
+
+// From the chief: every worker finished.
+struct Control {
+  uint64_t epoch = 0;
+  bool job_done = false;
+  int64_t snapshot_step = -1;  // with job_done: the final checkpoint's step (-1: none)
+  bool operator==(const Control&) const = default;
+};
+
+// To the chief: a checkpoint at the next commit, please.
+struct CheckpointRequest {
+  bool operator==(const CheckpointRequest&) const = default;
+};
+
+using Body = std::variant<Heartbeat, Prepared, Commit, Committed, Restore, Restored, PartWritten, Seal, Control,
+                          CheckpointRequest>;
+
+struct Message {
+  int from = 0;       // the sender as it says (not trusted: the link's shard is)
+  uint64_t term = 0;  // the sender's term
+  Body body;
+  bool operator==(const Message&) const = default;
+};
+
+// "heartbeat", "commit", ... (logs, the simulation's schedules).
+const char* KindName(const Body& body);
+
+}  // namespace psd::server::peer
+
+#endif  // PSD_SERVER_CLUSTER_PEER_MESSAGES_H_

@@ -1,0 +1,78 @@
+// ShardHost: what the ClusterCoordinator asks of the shard it runs in — its training engine, its
+// checkpoint files and its job — and nothing else. The daemon implements it over its engine slot
+// and checkpoint writer (net/cluster_host.h); the fault simulation with a fake engine and
+// in-memory checkpoints (tests/support/cluster_sim.h).
+//
+// Threading: the coordinator calls these without holding its lock, from whatever thread
+// delivered the event (a link's strand, the ticker), so they may call back into it (the daemon's
+// EndJobIfDone calls OnJobDone); RestoreAsync's completion alone must come later.
+#ifndef PSD_SERVER_CLUSTER_SHARD_HOST_H_
+#define PSD_SERVER_CLUSTER_SHARD_HOST_H_
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "cluster/peer_messages.h"
+#include "cluster/placement.h"
+#include "psd/status.h"
+
+namespace psd::server {
+
+class ShardHost {
+ public:
+  virtual ~ShardHost() = default;
+
+  // --- the engine serving now ---
+  // Publishes step + 1 from what the engine prepared for `step`, on the engine of `epoch` (a
+  // snapshot for a checkpoint if `checkpoint`; `learning_rate` from then on). ABORTED: the engine
+  // serving now belongs to another epoch (nothing done, not an error); other errors are logged.
+  virtual Status CommitStep(uint64_t epoch, int64_t step, bool checkpoint, double learning_rate) = 0;
+  // The learning rate the chief's engine would use next.
+  virtual double learning_rate() = 0;
+  // The chief, once every shard committed: releases the tokens of `step` to the workers.
+  virtual void PushTokens(int64_t step) = 0;
+  // The chief, once the cluster formed: the requirement (if > 0) and the initial tokens.
+  virtual void StartServing(int required) = 0;
+  // Fresh gradients a step needs (the chief's worker registry decides).
+  virtual void SetRequired(int required) = 0;
+  // Fails every parked token wait with `why` (the cluster stopped serving).
+  virtual void FailWaiters(const Status& why) = 0;
+  // Reports this shard's part of the open step at once if it has nothing to train.
+  virtual void ReportIfIdle() = 0;
+
+  // --- restores ---
+  // Replaces the engine with one for `epoch` restored from checkpoint `step` (-1: empty at step
+  // 0), asynchronously; `done` runs once, later (never inside this call), with the outcome and
+  // the parts the new engine holds. A restore asked while one runs starts after it.
+  using RestoreDone = std::function<void(Status status, std::vector<VarPlacement> placements)>;
+  virtual void RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) = 0;
+
+  // --- checkpoints ---
+  // The checkpoint steps this shard can restore (newest first) and those present but unusable.
+  virtual void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable) = 0;
+  // Writes the manifest of checkpoint `step` from every shard's part (and remembers it as the
+  // last checkpoint). Errors are logged by the caller; the step then stays unusable here.
+  virtual Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) = 0;
+  // True while a snapshot is queued or being written.
+  virtual bool CheckpointWriterBusy() = 0;
+  // The highest term this shard has saved (0: none). Epochs are terms, and workers tell epochs
+  // apart by number: a cluster restarted whole must not form a term again that its workers saw.
+  virtual uint64_t LoadTerm() = 0;
+  // Remembers `term` across restarts (best effort: errors are the host's to log).
+  virtual void SaveTerm(uint64_t term) = 0;
+
+  // --- the job ---
+  // Every worker finished: closes the token queue; if the engine is at `snapshot_step` (>= 0),
+  // queues that final snapshot and returns true (the seal or a timeout then finishes the job).
+  virtual bool EndTraining(int64_t snapshot_step) = 0;
+  // The job is over (stops the daemon if --exit-when-done).
+  virtual void FinishJob() = 0;
+  // Ends the job if every worker has finished (a new chief checks: the last one may have gone
+  // before telling everyone).
+  virtual void EndJobIfDone() = 0;
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_CLUSTER_SHARD_HOST_H_

@@ -1,0 +1,124 @@
+#include "daemon/cluster_host.h"
+
+#include <spdlog/spdlog.h>
+
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "checkpoint/checkpoint.h"
+#include "daemon/server.h"
+#include "core/training_engine.h"
+
+namespace psd::server {
+
+ServerShardHost::~ServerShardHost() { Join(); }
+
+void ServerShardHost::Join() {
+  std::thread t;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    t.swap(restore_);
+  }
+  if (t.joinable()) t.join();
+}
+
+Status ServerShardHost::CommitStep(uint64_t epoch, int64_t step, bool checkpoint, double learning_rate) {
+  auto engine = server_.engine();
+  if (engine->epoch() != epoch) return Aborted("the engine belongs to epoch " + std::to_string(engine->epoch()));
+  return engine->CommitPrepared(step, checkpoint, learning_rate);
+}
+
+double ServerShardHost::learning_rate() { return server_.engine()->learning_rate(); }
+
+void ServerShardHost::PushTokens(int64_t step) {
+  server_.engine()->tokens().Push(step, server_.config().tokens_per_step);
+}
+
+void ServerShardHost::StartServing(int required) {
+  auto engine = server_.engine();
+  if (required > 0) engine->SetRequiredReplicas(required);
+  engine->PushInitTokens(server_.config().resolved_init_tokens);
+}
+
+void ServerShardHost::SetRequired(int required) { server_.engine()->SetRequiredReplicas(required); }
+
+void ServerShardHost::FailWaiters(const Status& why) { server_.engine()->tokens().FailWaiters(why); }
+
+void ServerShardHost::ReportIfIdle() { server_.engine()->ReportIfIdle(); }
+
+void ServerShardHost::RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // A previous restore still loading finishes first (its result is for an older epoch).
+  restore_ = std::thread([this, previous = std::move(restore_), epoch, step, done = std::move(done)]() mutable {
+    if (previous.joinable()) previous.join();
+    std::vector<VarPlacement> placements;
+    Status s = server_.RestoreEngine(epoch, step, &placements);
+    done(s, std::move(placements));
+  });
+}
+
+void ServerShardHost::ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable) {
+  const ServerConfig& config = server_.config();
+  *sealed = RestorableSteps(config.checkpoint_dir, config.shard_index, config.shards(), unusable);
+}
+
+Status ServerShardHost::SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) {
+  const ServerConfig& config = server_.config();
+  std::vector<ManifestPart> manifest;
+  for (const peer::PartInfo& p : parts) manifest.push_back({p.shard, p.file, p.bytes, p.checksum});
+  PSD_RETURN_IF_ERROR(WriteManifest(config.checkpoint_dir, step, config.shards(), manifest));
+  server_.set_last_checkpoint_step(step);
+  return Status::Ok();
+}
+
+bool ServerShardHost::CheckpointWriterBusy() { return server_.CheckpointWriterBusy(); }
+
+namespace {
+std::string TermFile(const ServerConfig& config) { return config.checkpoint_dir + "/cluster-term"; }
+}  // namespace
+
+uint64_t ServerShardHost::LoadTerm() {
+  const ServerConfig& config = server_.config();
+  if (config.checkpoint_dir.empty()) return 0;
+  std::ifstream in(TermFile(config));
+  uint64_t term = 0;
+  if (!(in >> term)) return 0;
+  return term;
+}
+
+void ServerShardHost::SaveTerm(uint64_t term) {
+  const ServerConfig& config = server_.config();
+  if (config.checkpoint_dir.empty()) return;
+  const std::string path = TermFile(config), tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << term << "\n";
+    out.flush();
+    if (!out) {
+      spdlog::warn("cluster: cannot write {}; a restart of every shard may form a term again", tmp);
+      return;
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    spdlog::warn("cluster: cannot write {}; a restart of every shard may form a term again", path);
+  }
+}
+
+bool ServerShardHost::EndTraining(int64_t snapshot_step) {
+  auto engine = server_.engine();
+  engine->tokens().Close(OutOfRange("training is over: all workers finished"));
+  std::optional<ShardSnapshot> snap;
+  if (snapshot_step >= 0) snap = engine->SnapshotIfAtBoundary();
+  if (!snap || snap->step != snapshot_step) return false;
+  server_.QueueSnapshot(std::move(*snap));
+  return true;
+}
+
+void ServerShardHost::FinishJob() { server_.FinishJob(); }
+
+void ServerShardHost::EndJobIfDone() { server_.EndJobIfDone(); }
+
+}  // namespace psd::server

@@ -1,0 +1,53 @@
+// ServerShardHost: the daemon's side of the ClusterCoordinator's ShardHost interface — the
+// engine slot (an engine per epoch), the checkpoint writer and files, the job's end — over a
+// Server. Restores run on a thread of their own, one after the other.
+//
+// Thread-safety: every method from any thread. Join() waits for the restores (the Server calls
+// it when it stops, before the coordinator that their completions call goes away).
+#ifndef PSD_SERVER_DAEMON_CLUSTER_HOST_H_
+#define PSD_SERVER_DAEMON_CLUSTER_HOST_H_
+
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "cluster/shard_host.h"
+
+namespace psd::server {
+
+class Server;
+
+class ServerShardHost : public ShardHost {
+ public:
+  explicit ServerShardHost(Server& server) : server_(server) {}
+  ~ServerShardHost() override;
+
+  void Join();
+
+  Status CommitStep(uint64_t epoch, int64_t step, bool checkpoint, double learning_rate) override;
+  double learning_rate() override;
+  void PushTokens(int64_t step) override;
+  void StartServing(int required) override;
+  void SetRequired(int required) override;
+  void FailWaiters(const Status& why) override;
+  void ReportIfIdle() override;
+  void RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) override;
+  void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable) override;
+  Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) override;
+  bool CheckpointWriterBusy() override;
+  // In --checkpoint-dir/cluster-term (without a checkpoint directory: not kept).
+  uint64_t LoadTerm() override;
+  void SaveTerm(uint64_t term) override;
+  bool EndTraining(int64_t snapshot_step) override;
+  void FinishJob() override;
+  void EndJobIfDone() override;
+
+ private:
+  Server& server_;
+  std::mutex mu_;
+  std::thread restore_;  // guarded by mu_: the newest restore (it joins the one before it first)
+};
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_DAEMON_CLUSTER_HOST_H_

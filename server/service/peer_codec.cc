@@ -1,0 +1,249 @@
+#include "service/peer_codec.h"
+
+#include <string>
+#include <type_traits>
+#include <variant>
+
+#include "core/training_engine.h"
+#include "wire/frame.h"
+
+namespace psd::server {
+
+namespace {
+
+// A checkpoint part's file lives in the receiver's --checkpoint-dir: a name, never a path.
+Status CheckPartFile(const std::string& file) {
+  if (file.empty() || file.find('/') != std::string::npos) {
+    return InvalidArgument("a checkpoint part's file must be a plain file name");
+  }
+  return Status::Ok();
+}
+
+Result<peer::PartInfo> PartFromWire(proto::PeerPart::Reader r, int shards) {
+  peer::PartInfo p{static_cast<int>(r.getShard()), r.getFile(), r.getBytes(), r.getChecksum()};
+  if (r.getShard() >= static_cast<uint32_t>(shards)) return InvalidArgument("a checkpoint part names an unknown shard");
+  PSD_RETURN_IF_ERROR(CheckPartFile(p.file));
+  return p;
+}
+
+void PartToWire(proto::PeerPart::Builder b, uint64_t epoch, int64_t step, const peer::PartInfo& p) {
+  b.setEpoch(epoch);
+  b.setStep(step);
+  b.setShard(static_cast<uint32_t>(p.shard));
+  b.setFile(p.file);
+  b.setBytes(p.bytes);
+  b.setChecksum(p.checksum);
+}
+
+std::vector<int64_t> Steps(capnp::List<int64_t>::Reader list) {
+  std::vector<int64_t> steps;
+  steps.reserve(list.size());
+  for (int64_t s : list) steps.push_back(s);
+  return steps;
+}
+
+void SetSteps(capnp::List<int64_t>::Builder b, const std::vector<int64_t>& steps) {
+  for (size_t i = 0; i < steps.size(); ++i) b.set(static_cast<unsigned>(i), steps[i]);
+}
+
+}  // namespace
+
+Result<VarPlacement> PlacementFromWire(proto::VariablePlacement::Reader r, int shards) {
+  VarPlacement p;
+  p.name = r.getName();
+  PSD_RETURN_IF_ERROR(ValidateName(p.name));
+  auto dtype = wire::FromWire(r.getDtype());
+  if (!dtype.ok()) return dtype.status();
+  p.dtype = *dtype;
+  if (r.getShape().size() > 32) return InvalidArgument("placement shape rank exceeds 32");
+  for (int64_t d : r.getShape()) {
+    if (d < 0) return InvalidArgument("placement shape has a negative dimension");
+    p.shape.push_back(d);
+  }
+  p.sliced = r.getSliced();
+  p.trainable = r.getTrainable();
+  if (r.getParts().size() == 0 || static_cast<int>(r.getParts().size()) > shards) {
+    return InvalidArgument("placement of '" + p.name + "' needs 1 to " + std::to_string(shards) + " parts");
+  }
+  int64_t rows = p.shape.empty() ? 1 : p.shape[0];
+  int64_t next = 0;
+  for (auto part : r.getParts()) {
+    if (part.getShard() >= static_cast<uint32_t>(shards)) return InvalidArgument("placement names an unknown shard");
+    SlicePart s{static_cast<int>(part.getShard()), part.getRowBegin(), part.getRowEnd()};
+    if (p.sliced && (s.row_begin != next || s.row_end <= s.row_begin || s.row_end > rows)) {
+      return InvalidArgument("placement slices of '" + p.name + "' do not tile its rows");
+    }
+    next = s.row_end;
+    p.parts.push_back(s);
+  }
+  if (p.sliced && (p.shape.empty() || next != rows)) {
+    return InvalidArgument("placement slices of '" + p.name + "' do not tile its rows");
+  }
+  return p;
+}
+
+void PlacementToWire(proto::VariablePlacement::Builder b, const VarPlacement& p) {
+  b.setName(p.name);
+  b.setDtype(wire::ToWire(p.dtype));
+  auto shape = b.initShape(static_cast<unsigned>(p.shape.size()));
+  for (size_t i = 0; i < p.shape.size(); ++i) shape.set(static_cast<unsigned>(i), p.shape[i]);
+  b.setSliced(p.sliced);
+  b.setTrainable(p.trainable);
+  auto parts = b.initParts(static_cast<unsigned>(p.parts.size()));
+  for (size_t i = 0; i < p.parts.size(); ++i) {
+    parts[static_cast<unsigned>(i)].setShard(static_cast<uint32_t>(p.parts[i].shard));
+    parts[static_cast<unsigned>(i)].setRowBegin(p.parts[i].row_begin);
+    parts[static_cast<unsigned>(i)].setRowEnd(p.parts[i].row_end);
+  }
+}
+
+Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shards) {
+  peer::Message m;
+  m.from = static_cast<int>(r.getFrom());
+  m.term = r.getTerm();
+  switch (r.which()) {
+    case proto::PeerMessage::HEARTBEAT: {
+      auto hb = r.getHeartbeat();
+      // `step` (@3) is not read: no shard of this version acts on it.
+      m.body = peer::Heartbeat{
+          hb.getChief(),    hb.getEpoch(),          hb.getRunning(), Steps(hb.getSealedSteps()),  hb.getReady(),
+          hb.getRequired(), hb.getAllowStateLoss(), hb.getWaiting(), Steps(hb.getUnusableSteps())};
+      return m;
+    }
+    case proto::PeerMessage::PREPARED: {
+      auto p = r.getPrepared();
+      m.body = peer::Prepared{p.getEpoch(),        p.getStep(),  p.getMinGradients(),
+                              p.getMaxGradients(), p.getTakes(), p.getForced()};
+      return m;
+    }
+    case proto::PeerMessage::COMMIT: {
+      auto c = r.getCommit();
+      m.body = peer::Commit{c.getEpoch(), c.getStep(), c.getCheckpoint(), c.getLearningRate()};
+      return m;
+    }
+    case proto::PeerMessage::COMMITTED: {
+      auto c = r.getCommitted();
+      m.body = peer::Committed{c.getEpoch(), c.getStep()};
+      return m;
+    }
+    case proto::PeerMessage::RESTORE: {
+      auto c = r.getRestore();
+      m.body = peer::Restore{c.getEpoch(), c.getStep()};
+      return m;
+    }
+    case proto::PeerMessage::RESTORED: {
+      auto c = r.getRestored();
+      peer::Restored restored{c.getEpoch(), c.getStep(), c.getOk(), c.getMessage(), {}};
+      for (auto p : c.getPlacements()) {
+        auto placed = PlacementFromWire(p, shards);
+        if (!placed.ok()) return placed.status();
+        restored.placements.push_back(std::move(*placed));
+      }
+      m.body = std::move(restored);
+      return m;
+    }
+    case proto::PeerMessage::PART_WRITTEN: {
+      auto p = r.getPartWritten();
+      auto part = PartFromWire(p, shards);
+      if (!part.ok()) return part.status();
+      m.body = peer::PartWritten{p.getEpoch(), p.getStep(), std::move(*part)};
+      return m;
+    }
+    case proto::PeerMessage::SEAL: {
+      auto s = r.getSeal();
+      peer::Seal seal{0, s.getStep(), {}};
+      if (s.getParts().size() > static_cast<unsigned>(shards)) return InvalidArgument("a seal names too many parts");
+      for (auto p : s.getParts()) {
+        auto part = PartFromWire(p, shards);
+        if (!part.ok()) return part.status();
+        seal.epoch = p.getEpoch();
+        seal.parts.push_back(std::move(*part));
+      }
+      m.body = std::move(seal);
+      return m;
+    }
+    case proto::PeerMessage::CONTROL: {
+      auto c = r.getControl();
+      // `forceStep` (@3) is not read: the step deadline is each shard's own.
+      m.body = peer::Control{c.getEpoch(), c.getJobDone(), c.getSnapshotStep()};
+      return m;
+    }
+    case proto::PeerMessage::CHECKPOINT_REQUEST:
+      m.body = peer::CheckpointRequest{};
+      return m;
+  }
+  return InvalidArgument("a peer message of an unknown kind (a newer psd?)");
+}
+
+void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
+  b.setFrom(static_cast<uint32_t>(m.from));
+  b.setTerm(m.term);
+  std::visit(
+      [&](const auto& body) {
+        using T = std::decay_t<decltype(body)>;
+        if constexpr (std::is_same_v<T, peer::Heartbeat>) {
+          auto hb = b.initHeartbeat();
+          hb.setChief(body.chief);
+          hb.setEpoch(body.epoch);
+          hb.setRunning(body.running);
+          SetSteps(hb.initSealedSteps(static_cast<unsigned>(body.sealed_steps.size())), body.sealed_steps);
+          hb.setReady(body.ready);
+          hb.setRequired(body.required);
+          hb.setAllowStateLoss(body.allow_state_loss);
+          hb.setWaiting(body.waiting);
+          SetSteps(hb.initUnusableSteps(static_cast<unsigned>(body.unusable_steps.size())), body.unusable_steps);
+        } else if constexpr (std::is_same_v<T, peer::Prepared>) {
+          auto p = b.initPrepared();
+          p.setEpoch(body.epoch);
+          p.setStep(body.step);
+          p.setMinGradients(body.min_gradients);
+          p.setMaxGradients(body.max_gradients);
+          p.setTakes(body.takes);
+          p.setForced(body.forced);
+        } else if constexpr (std::is_same_v<T, peer::Commit>) {
+          auto c = b.initCommit();
+          c.setEpoch(body.epoch);
+          c.setStep(body.step);
+          c.setCheckpoint(body.checkpoint);
+          c.setLearningRate(body.learning_rate);
+        } else if constexpr (std::is_same_v<T, peer::Committed>) {
+          auto c = b.initCommitted();
+          c.setEpoch(body.epoch);
+          c.setStep(body.step);
+        } else if constexpr (std::is_same_v<T, peer::Restore>) {
+          auto r = b.initRestore();
+          r.setEpoch(body.epoch);
+          r.setStep(body.step);
+        } else if constexpr (std::is_same_v<T, peer::Restored>) {
+          auto r = b.initRestored();
+          r.setEpoch(body.epoch);
+          r.setStep(body.step);
+          r.setOk(body.ok);
+          r.setMessage(body.message);
+          auto list = r.initPlacements(static_cast<unsigned>(body.placements.size()));
+          for (size_t i = 0; i < body.placements.size(); ++i) {
+            PlacementToWire(list[static_cast<unsigned>(i)], body.placements[i]);
+          }
+        } else if constexpr (std::is_same_v<T, peer::PartWritten>) {
+          PartToWire(b.initPartWritten(), body.epoch, body.step, body.part);
+        } else if constexpr (std::is_same_v<T, peer::Seal>) {
+          auto s = b.initSeal();
+          s.setStep(body.step);
+          auto list = s.initParts(static_cast<unsigned>(body.parts.size()));
+          for (size_t i = 0; i < body.parts.size(); ++i) {
+            PartToWire(list[static_cast<unsigned>(i)], body.epoch, body.step, body.parts[i]);
+          }
+        } else if constexpr (std::is_same_v<T, peer::Control>) {
+          auto c = b.initControl();
+          c.setEpoch(body.epoch);
+          c.setJobDone(body.job_done);
+          c.setSnapshotStep(body.snapshot_step);
+          c.setForceStep(-1);  // unused; its default 0 would make an older shard force step 0
+        } else {
+          b.setCheckpointRequest();
+        }
+      },
+      m.body);
+}
+
+}  // namespace psd::server

@@ -1,0 +1,402 @@
+#include "service/tcp_peer_network.h"
+
+#include <capnp/serialize.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <thread>
+
+#include "net/peer_auth.h"
+#include "net/byte_stream.h"
+#include "psd.capnp.h"
+#include "service/peer_codec.h"
+#include "wire/frame.h"
+
+namespace psd::server {
+
+namespace {
+
+// A message as immutable bytes: one serialized copy can go to several links at once (an OutFrame
+// cannot: its segment table is rebuilt by every write). Peer messages are small.
+using Bytes = std::shared_ptr<const kj::Array<capnp::word>>;
+
+Bytes Flatten(const std::shared_ptr<wire::OutFrame>& frame) {
+  return std::make_shared<const kj::Array<capnp::word>>(capnp::messageToFlatArray(frame->builder));
+}
+
+Bytes Encode(const peer::Message& message) {
+  auto frame = std::make_shared<wire::OutFrame>();
+  auto req = frame->builder.initRoot<proto::Request>();
+  req.setId(0);
+  PeerMessageToWire(req.initPeer(), message);
+  return Flatten(frame);
+}
+
+}  // namespace
+
+// An outgoing link to one other shard: connects (and reconnects every 100 ms while it is down),
+// says hello as a peer, then writes messages in order. Messages given while the link is down
+// are dropped: the receiver has seen the link close and counts this shard as gone anyway.
+// With a cluster secret the hello carries a challenge: the other side's reply must prove it
+// knows the secret and is the shard dialed, this side's proof follows, and only then are the
+// messages given meanwhile written (cluster/peer_auth.h). Later replies (errors) are read and
+// discarded; a read error is how a dead peer is noticed. All members are touched on the
+// link's strand.
+class PeerLink : public std::enable_shared_from_this<PeerLink> {
+ public:
+  struct Identity {
+    std::string auth_token;      // the workers' token (psd checks it in every hello)
+    std::string cluster_secret;  // empty: no challenge
+    uint32_t me = 0;
+    uint32_t target = 0;
+    uint32_t shards = 0;
+  };
+
+  // `tls` null: plain TCP; else the shard's client context (verifies the other shard's certificate
+  // against --tls-ca-file and the host of `address`, presents this shard's).
+  PeerLink(asio::io_context& io, std::string address, Identity id, std::shared_ptr<wire::ssl::context> tls)
+      : strand_(asio::make_strand(io)),
+        tls_(std::move(tls)),
+        resolver_(strand_),
+        retry_(strand_),
+        address_(std::move(address)),
+        id_(std::move(id)),
+        log_(1, std::chrono::seconds(30)) {}
+
+  void Start() {
+    asio::dispatch(strand_, [self = shared_from_this()] { self->Connect(); });
+  }
+
+  void Send(Bytes frame) {
+    asio::dispatch(strand_, [self = shared_from_this(), frame = std::move(frame)] {
+      if (!self->up_ || self->stopped_) return;
+      if (self->queue_.size() > 4096) return;  // a peer that reads nothing: it will be seen as gone
+      self->queue_.push_back(frame);
+      if (!self->writing_) self->WriteNext();
+    });
+  }
+
+  // Stops reconnecting; closes once the queue is written (bounded by the caller's wait).
+  void Stop() {
+    asio::dispatch(strand_, [self = shared_from_this()] {
+      self->stopped_ = true;
+      self->retry_.cancel();
+      if (self->handshaking_) {  // nothing was sent yet that the other side would act on
+        self->handshaking_ = false;
+        self->writing_ = false;
+        self->Close();
+      } else if (!self->writing_) {
+        self->Close();
+      }
+    });
+  }
+
+  bool idle() const { return !writing_.load(); }
+
+ private:
+  Bytes Hello(const std::string& nonce) const {
+    auto hello = std::make_shared<wire::OutFrame>();
+    auto req = hello->builder.initRoot<proto::Request>();
+    req.setId(0);
+    auto h = req.initHello();
+    h.setProtocolVersion(proto::PROTOCOL_VERSION);
+    h.setWorkerName("shard-" + std::to_string(id_.me));
+    h.setAuthToken(id_.auth_token);
+    h.setPeer(true);
+    h.setShardIndex(id_.me);
+    h.setClusterSize(id_.shards);
+    if (!nonce.empty()) h.setPeerNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(nonce.data()), nonce.size()));
+    return Flatten(hello);
+  }
+
+  void Connect() {
+    if (stopped_) return;
+    size_t colon = address_.rfind(':');
+    resolver_.async_resolve(
+        address_.substr(0, colon), address_.substr(colon + 1),
+        [self = shared_from_this()](boost::system::error_code ec, tcp::resolver::results_type results) {
+          if (ec) return self->Retry();
+          self->stream_ = std::make_shared<ByteStream>(tcp::socket(self->strand_), self->tls_);
+          asio::async_connect(
+              self->stream_->lowest(), results,
+              [self, stream = self->stream_](boost::system::error_code ec, const tcp::endpoint&) {
+                if (ec) return self->Retry();
+                boost::system::error_code ignored;
+                self->stream_->lowest().set_option(tcp::no_delay(true), ignored);
+                if (self->stream_->tls()) {
+                  Status s = wire::SetTlsServerName(self->stream_->tls_stream(),
+                                                    self->address_.substr(0, self->address_.rfind(':')));
+                  if (!s.ok()) {
+                    spdlog::error("peer link to {}: {}", self->address_, s.message());
+                    return self->Retry();
+                  }
+                }
+                self->stream_->async_handshake(
+                    wire::ssl::stream_base::client,
+                    asio::bind_executor(self->strand_, [self, stream](const boost::system::error_code& ec) {
+                      if (ec) {
+                        self->LogHandshakeError(ec);
+                        return self->Retry();
+                      }
+                      self->up_ = true;
+                      if (self->id_.cluster_secret.empty()) {
+                        self->queue_.push_front(self->Hello(""));
+                        self->WriteNext();
+                        return self->ReadLoop();
+                      }
+                      self->StartHandshake();
+                    }));
+              });
+        });
+  }
+
+  // With a cluster secret: hello with a challenge, then the reply (bounded in size and time).
+  void StartHandshake() {
+    auto nonce = peer_auth::NewNonce();
+    if (!nonce.ok()) return Fail(nonce.status().message());
+    nonce_ = *nonce;
+    handshaking_ = true;
+    writing_ = true;  // messages given meanwhile wait in the queue
+    retry_.expires_after(kHandshakeTimeout);
+    retry_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      if (!ec && self->handshaking_) self->Fail("no answer to the peer hello within 5 s");
+    });
+    Bytes hello = Hello(nonce_);
+    asio::async_write(*stream_, asio::buffer(hello->begin(), hello->size() * sizeof(capnp::word)),
+                      [self = shared_from_this(), hello, stream = stream_](boost::system::error_code ec, size_t) {
+                        if (ec) return self->Fail("cannot send the hello: " + ec.message());
+                        self->ReadReplyHeader();
+                      });
+  }
+
+  void ReadReplyHeader() {
+    asio::async_read(*stream_, asio::buffer(first_, sizeof(first_)),
+                     [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
+                       if (ec) return self->Fail("no answer to the hello: " + ec.message());
+                       uint32_t count = 0;
+                       size_t rest = 0;
+                       Status s = wire::ParseFirstWord(self->first_, &count, &rest);
+                       if (!s.ok()) return self->Fail(s.message());
+                       self->table_.assign(1 + rest / 4, 0);
+                       self->table_[0] = self->first_[1];
+                       asio::async_read(*stream, asio::buffer(self->table_.data() + 1, rest),
+                                        [self, count, stream](boost::system::error_code ec, size_t) {
+                                          if (ec) return self->Fail("no answer to the hello: " + ec.message());
+                                          self->ReadReplyBody(count);
+                                        });
+                     });
+  }
+
+  void ReadReplyBody(uint32_t count) {
+    std::vector<uint32_t> sizes;
+    uint64_t total = 0;
+    Status s = wire::ParseSegmentSizes(table_.data(), count, kMaxReplyBytes, &sizes, &total);
+    if (!s.ok()) return Fail(s.message());
+    capnp::word* body = in_.Prepare(sizes, total);
+    asio::async_read(*stream_, asio::buffer(body, total * sizeof(capnp::word)),
+                     [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
+                       if (ec) return self->Fail("no answer to the hello: " + ec.message());
+                       std::string why;
+                       try {
+                         auto reader = self->in_.Reader();
+                         why = self->CheckReply(reader->getRoot<proto::Response>());
+                       } catch (const kj::Exception& e) {
+                         why = std::string("a malformed reply: ") + e.getDescription().cStr();
+                       }
+                       if (!why.empty()) return self->Fail(why);
+                       self->handshaking_ = false;
+                       self->retry_.cancel();
+                       self->queue_.push_front(self->proof_);
+                       self->WriteNext();
+                       self->ReadLoop();
+                     });
+  }
+
+  // The acceptor's answer: "" when it proved it is shard `target` of this cluster (and proof_ is
+  // this side's answer), else why not.
+  std::string CheckReply(proto::Response::Reader r) {
+    if (r.getCode() != proto::Code::OK) return "it refused the hello: " + std::string(r.getMessage().cStr());
+    if (r.which() != proto::Response::HELLO) return "it answered the hello with something else";
+    auto h = r.getHello();
+    if (h.getShardIndex() != id_.target || h.getShards() != id_.shards) {
+      return "it says it is shard " + std::to_string(h.getShardIndex()) + " of " + std::to_string(h.getShards());
+    }
+    auto nonce = h.getPeerNonce();
+    auto proof = h.getPeerProof();
+    if (nonce.size() != peer_auth::kNonceBytes || proof.size() != peer_auth::kProofBytes) {
+      return "it answered without a proof (does it run with the same --cluster-secret-file?)";
+    }
+    std::string theirs(reinterpret_cast<const char*>(nonce.begin()), nonce.size());
+    peer_auth::Transcript t{id_.shards, id_.me, id_.target, nonce_, theirs};
+    std::string_view got(reinterpret_cast<const char*>(proof.begin()), proof.size());
+    if (!peer_auth::Verify(id_.cluster_secret, peer_auth::Role::kAcceptor, t, got)) {
+      return "its proof is wrong: it does not know this cluster's secret (the same --cluster-secret-file on every "
+             "shard?)";
+    }
+    std::string mine = peer_auth::Proof(id_.cluster_secret, peer_auth::Role::kDialer, t);
+    auto frame = std::make_shared<wire::OutFrame>();
+    auto req = frame->builder.initRoot<proto::Request>();
+    req.setId(0);
+    req.setPeerProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine.data()), mine.size()));
+    proof_ = Flatten(frame);
+    return "";
+  }
+
+  void Fail(const std::string& why) {
+    if (!up_) return;  // already closed (the deadline and a failed read both end here)
+    handshaking_ = false;
+    writing_ = false;
+    if (!stopped_ && log_.Allow() >= 0) {
+      spdlog::warn("cluster: the link to shard {} ({}) is not trusted: {}; retrying", id_.target, address_, why);
+    }
+    Retry();
+  }
+
+  void Retry() {
+    Close();
+    if (stopped_) return;
+    retry_.expires_after(std::chrono::milliseconds(100));
+    retry_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      if (!ec) self->Connect();
+    });
+  }
+
+  void Close() {
+    up_ = false;
+    queue_.clear();
+    if (stream_) stream_->Close();
+  }
+
+  // A TLS failure is a configuration error: say so once per cause, not every 100 ms.
+  void LogHandshakeError(const boost::system::error_code& ec) {
+    std::string text = wire::TlsErrorText(ec);
+    if (text == last_tls_error_) return;
+    last_tls_error_ = text;
+    spdlog::error("peer link to {}: TLS handshake failed: {}", address_, text);
+  }
+
+  void ReadLoop() {
+    stream_->async_read_some(asio::buffer(scratch_),
+                             asio::bind_executor(strand_, [self = shared_from_this(), stream = stream_](
+                                                              boost::system::error_code ec, size_t) {
+                               if (ec) {
+                                 if (self->up_) self->Retry();
+                                 return;
+                               }
+                               self->ReadLoop();
+                             }));
+  }
+
+  void WriteNext() {
+    if (queue_.empty() || !up_) {
+      writing_ = false;
+      if (stopped_) Close();
+      return;
+    }
+    writing_ = true;
+    auto frame = queue_.front();
+    asio::async_write(*stream_, asio::buffer(frame->begin(), frame->size() * sizeof(capnp::word)),
+                      asio::bind_executor(strand_, [self = shared_from_this(), frame, stream = stream_](
+                                                       boost::system::error_code ec, size_t) {
+                        if (!self->queue_.empty()) self->queue_.pop_front();
+                        if (ec) {
+                          self->writing_ = false;
+                          if (self->up_) self->Retry();
+                          return;
+                        }
+                        self->WriteNext();
+                      }));
+  }
+
+  static constexpr auto kHandshakeTimeout = std::chrono::seconds(5);
+  static constexpr uint64_t kMaxReplyBytes = 64 << 10;  // a hello reply is far smaller
+
+  asio::strand<asio::io_context::executor_type> strand_;
+  const std::shared_ptr<wire::ssl::context> tls_;
+  // A fresh one per connection attempt (TLS state cannot be reused); pending operations' handlers
+  // hold theirs until they have run.
+  std::shared_ptr<ByteStream> stream_;
+  std::string last_tls_error_;
+  tcp::resolver resolver_;
+  asio::steady_timer retry_;  // the reconnect delay, and the handshake's deadline
+  const std::string address_;
+  const Identity id_;
+  peer_auth::LogLimiter log_;
+  std::deque<Bytes> queue_;
+  std::atomic<bool> writing_{false};
+  bool up_ = false;
+  bool stopped_ = false;
+  bool handshaking_ = false;
+  std::string nonce_;  // this side's challenge on the current connection
+  Bytes proof_;        // this side's answer, once the other side proved itself
+  uint32_t first_[2] = {0, 0};
+  std::vector<uint32_t> table_;
+  wire::InFrame in_;
+  char scratch_[4096];
+};
+
+TcpPeerNetwork::TcpPeerNetwork(asio::io_context& io, Options options) : io_(io), options_(std::move(options)) {
+  const int shards = static_cast<int>(options_.addresses.size());
+  links_.resize(static_cast<size_t>(shards));
+  for (int i = 0; i < shards; ++i) {
+    if (i == options_.me) continue;
+    PeerLink::Identity id{options_.auth_token, options_.cluster_secret, static_cast<uint32_t>(options_.me),
+                          static_cast<uint32_t>(i), static_cast<uint32_t>(shards)};
+    links_[static_cast<size_t>(i)] =
+        std::make_shared<PeerLink>(io_, options_.addresses[static_cast<size_t>(i)], std::move(id), options_.tls);
+  }
+}
+
+TcpPeerNetwork::~TcpPeerNetwork() = default;
+
+void TcpPeerNetwork::Start() {
+  if (options_.cluster_secret.empty()) {
+    spdlog::info("shard links: a peer's hello is believed (no --cluster-secret-file)");
+  } else {
+    spdlog::info("shard links: each end proves the cluster secret (--cluster-secret-file)");
+  }
+  for (auto& l : links_) {
+    if (l) l->Start();
+  }
+}
+
+void TcpPeerNetwork::Stop() {
+  // Give queued messages (a seal, the last commit) a moment to leave.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (std::chrono::steady_clock::now() < deadline) {
+    bool idle = true;
+    for (auto& l : links_) idle = idle && (!l || l->idle());
+    if (idle) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (auto& l : links_) {
+    if (l) l->Stop();
+  }
+}
+
+void TcpPeerNetwork::Send(int shard, const peer::Message& message) {
+  if (shard < 0 || shard >= static_cast<int>(links_.size())) return;
+  if (shard == options_.me) {
+    // Handled like a received message, on the io_context (never inside the caller's stack).
+    if (events_ != nullptr)
+      asio::post(io_, [events = events_, me = options_.me, message] { events->OnMessage(me, message); });
+    return;
+  }
+  if (auto& l = links_[static_cast<size_t>(shard)]) l->Send(Encode(message));
+}
+
+void TcpPeerNetwork::SendToAll(const peer::Message& message, bool include_self, int shards, int me) {
+  Bytes bytes;
+  for (int i = 0; i < shards && i < static_cast<int>(links_.size()); ++i) {
+    if (i == me) {
+      if (include_self) Send(i, message);
+    } else if (auto& l = links_[static_cast<size_t>(i)]) {
+      if (!bytes) bytes = Encode(message);
+      l->Send(bytes);
+    }
+  }
+}
+
+}  // namespace psd::server

@@ -1,0 +1,165 @@
+// The cluster protocol (server/cluster/coordinator.h) under simulated faults: many seeded
+// schedules of crashes, partitions, broken links, delays and duplicates over 3 to 5 shards
+// (tests/support/cluster_sim.h says what is checked). A failing seed prints its schedule; to
+// replay one with every event and the coordinators' logs:
+//   PSD_CLUSTER_SIM_SEED=1234 PSD_CLUSTER_SIM_SHARDS=4 build/tests/psd_cluster_sim_tests '[.replay]'
+// (PSD_CLUSTER_SIM_STORM=1 for a seed of the "long storms" case.) A longer sweep:
+// PSD_CLUSTER_SIM_RUNS=20000 (schedules per cluster size; default 1000).
+#include "support/cluster_sim.h"
+
+#include <spdlog/spdlog.h>
+
+#include <catch2/catch.hpp>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace {
+
+using psd::sim::RunSimulation;
+using psd::sim::SimOptions;
+using psd::sim::SimResult;
+
+// Schedules per cluster size: ~3 s in all in a Release build; bounded under sanitizers and
+// without optimization.
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define PSD_SIM_SANITIZED 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(PSD_SIM_SANITIZED)
+constexpr int kSeedsPerSize = 80;
+#elif !defined(NDEBUG)
+constexpr int kSeedsPerSize = 200;
+#else
+constexpr int kSeedsPerSize = 1000;
+#endif
+
+// Runs one schedule quietly; on a failure runs it again with the trace and fails with it.
+SimResult Check(SimOptions o) {
+  auto level = spdlog::get_level();
+  spdlog::set_level(spdlog::level::off);
+  SimResult r = RunSimulation(o);
+  spdlog::set_level(level);
+  if (r.ok) return r;
+  o.trace = true;
+  spdlog::set_level(spdlog::level::off);
+  SimResult traced = RunSimulation(o);
+  spdlog::set_level(level);
+  FAIL(psd::sim::Describe(o, traced.ok ? r : traced)
+       << "\nreplay: PSD_CLUSTER_SIM_SEED=" << o.seed << " PSD_CLUSTER_SIM_SHARDS=" << o.shards
+       << " psd_cluster_sim_tests '[.replay]'");
+  return r;
+}
+
+// Harsher: twice the fault rates for longer.
+SimOptions Storm() {
+  SimOptions o;
+  o.fault_ms = 20000;
+  o.target_step = 60;
+  o.crash_rate *= 2;
+  o.partition_rate *= 2;
+  o.break_rate *= 2;
+  o.break_on_send *= 2;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("cluster simulation: without faults one formation serves and the job finishes", "[cluster][sim]") {
+  for (int shards = 3; shards <= 5; ++shards) {
+    SimOptions o;
+    o.shards = shards;
+    o.seed = 7;
+    o.crash_rate = o.partition_rate = o.break_rate = 0;
+    o.break_on_send = o.duplicate = o.slow = 0;
+    spdlog::set_level(spdlog::level::off);
+    SimResult r = RunSimulation(o);
+    spdlog::set_level(spdlog::level::err);
+    INFO(psd::sim::Describe(o, r));
+    REQUIRE(r.ok);
+    CHECK(r.formations == 1);
+    CHECK(r.commits == o.target_step);
+    CHECK(r.end_ms < 10000);
+  }
+}
+
+TEST_CASE("cluster simulation: thousands of fault schedules keep the invariants and finish the job", "[cluster][sim]") {
+  int64_t runs = 0, formations = 0, commits = 0, events = 0;
+  const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
+  const int per_size = sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize;
+  for (int shards = 3; shards <= 5; ++shards) {
+    for (int i = 1; i <= per_size; ++i) {
+      SimOptions o;
+      o.shards = shards;
+      o.seed = static_cast<uint64_t>(shards) * 100000 + static_cast<uint64_t>(i);
+      SimResult r = Check(o);
+      ++runs;
+      formations += r.formations;
+      commits += r.commits;
+      events += r.events;
+    }
+  }
+  // The faults bite: clusters re-form (more than one epoch per run on average) and still train.
+  INFO(runs << " runs, " << formations << " formations, " << commits << " steps, " << events << " events");
+  CHECK(formations > runs + runs / 2);
+  CHECK(commits > 20 * runs);
+}
+
+TEST_CASE("cluster simulation: long storms of faults", "[cluster][sim]") {
+  const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
+  const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / 4;
+  for (int shards = 3; shards <= 5; ++shards) {
+    for (int i = 1; i <= per_size; ++i) {
+      SimOptions o = Storm();
+      o.shards = shards;
+      o.seed = static_cast<uint64_t>(shards) * 100000 + 50000 + static_cast<uint64_t>(i);
+      Check(o);
+    }
+  }
+}
+
+// Seeds that found bugs in the coordinator (README "Running a cluster" says which).
+TEST_CASE("cluster simulation: regression seeds", "[cluster][sim]") {
+  struct Seed {
+    int shards;
+    uint64_t seed;
+    bool storm = false;
+    int64_t fault_ms = 0;  // 0: the default
+  };
+  const Seed seeds[] = {
+      {3, 300008},        // a follower lost its chief for a moment and dropped its vote: the step never committed
+      {3, 300009},        // every shard restarted and a term (an epoch workers saw) was formed again
+      {3, 300301},        // the same, with the term learnt from a heartbeat and not saved
+      {3, 300051},        // a restarted shard offered a step the cluster had left: an operator was asked again
+      {3, 300079},        // a re-formation just after a seal skipped the checkpoint every shard held
+      {3, 305506},        // the same from a chief with old news of a shard (a slow link)
+      {4, 400308},        // a duplicated restore order reset a shard that had moved on
+      {3, 313428},        // old news of a shard made the chief ask an operator to give up a checkpoint all held
+      {3, 300305},        // a shard that lost its checkpoint directory (and saved term) formed a term again
+      {3, 350086, true},  // the same in a storm
+      {3, 300002},        // a seal mixed parts of an older epoch's checkpoint of that step with new ones
+      {3, 301157, false, 15000},  // a new checkpoint of a step waited for long ago was not waited for
+  };
+  for (const Seed& s : seeds) {
+    SimOptions o = s.storm ? Storm() : SimOptions();
+    if (s.fault_ms > 0) o.fault_ms = s.fault_ms;
+    o.shards = s.shards;
+    o.seed = s.seed;
+    Check(o);
+  }
+}
+
+TEST_CASE("cluster simulation: replay one seed (PSD_CLUSTER_SIM_SEED, PSD_CLUSTER_SIM_SHARDS)", "[.replay]") {
+  const char* seed = std::getenv("PSD_CLUSTER_SIM_SEED");
+  if (seed == nullptr) FAIL("set PSD_CLUSTER_SIM_SEED (and PSD_CLUSTER_SIM_SHARDS, default 3)");
+  const char* shards = std::getenv("PSD_CLUSTER_SIM_SHARDS");
+  SimOptions o = std::getenv("PSD_CLUSTER_SIM_STORM") != nullptr ? Storm() : SimOptions();
+  o.seed = std::strtoull(seed, nullptr, 10);
+  o.shards = shards == nullptr ? 3 : std::atoi(shards);
+  o.trace = true;
+  spdlog::set_level(spdlog::level::info);
+  SimResult r = RunSimulation(o);
+  std::printf("%s", psd::sim::Describe(o, r, SIZE_MAX).c_str());
+  CHECK(r.ok);
+}

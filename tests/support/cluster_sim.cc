@@ -1,0 +1,825 @@
+#include "cluster_sim.h"
+
+#include <spdlog/fmt/fmt.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <set>
+#include <utility>
+
+#include "cluster/coordinator.h"
+#include "cluster/peer_network.h"
+#include "cluster/shard_host.h"
+
+namespace psd::sim {
+
+using server::ClusterCoordinator;
+using server::ClusterOptions;
+using server::PeerNetwork;
+using server::ShardHost;
+using server::VarPlacement;
+namespace peer = server::peer;
+
+namespace {
+
+constexpr uint64_t kEmptyValue = 0x9e3779b97f4a7c15ull;
+constexpr int64_t kHeartbeatMs = 100;
+constexpr int64_t kLinkCheckMs = 50;  // how often broken links try to reconnect
+
+uint64_t Mix(uint64_t h, uint64_t v) {
+  uint64_t z = h ^ (v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+std::string Describe(const peer::Message& m) {
+  return std::visit(
+      [&](const auto& b) -> std::string {
+        using T = std::decay_t<decltype(b)>;
+        std::string kind = peer::KindName(m.body);
+        if constexpr (std::is_same_v<T, peer::Heartbeat>) {
+          return fmt::format("{} term {} chief {} epoch {} running {} sealed [{}]", kind, m.term, b.chief, b.epoch,
+                             b.running, fmt::join(b.sealed_steps, ","));
+        } else if constexpr (std::is_same_v<T, peer::Prepared> || std::is_same_v<T, peer::Commit> ||
+                             std::is_same_v<T, peer::Committed> || std::is_same_v<T, peer::Restore>) {
+          return fmt::format("{} term {} epoch {} step {}", kind, m.term, b.epoch, b.step);
+        } else if constexpr (std::is_same_v<T, peer::Restored>) {
+          return fmt::format("{} term {} epoch {} step {} ok {}", kind, m.term, b.epoch, b.step, b.ok);
+        } else if constexpr (std::is_same_v<T, peer::PartWritten> || std::is_same_v<T, peer::Seal>) {
+          return fmt::format("{} term {} step {}", kind, m.term, b.step);
+        } else if constexpr (std::is_same_v<T, peer::Control>) {
+          return fmt::format("{} term {} job_done {} snapshot {}", kind, m.term, b.job_done, b.snapshot_step);
+        } else {
+          return fmt::format("{} term {}", kind, m.term);
+        }
+      },
+      m.body);
+}
+
+class Sim;
+
+// One shard's checkpoint directory for a step.
+struct DiskEntry {
+  bool has_part = false;
+  uint64_t part_checksum = 0;  // = the engine's value at that step
+  bool has_manifest = false;
+  uint64_t manifest_checksum = 0;  // what the manifest records for this shard's part
+  bool abandoned = false;          // (the sim's note) an operator approved losing it
+  bool restorable() const { return has_part && has_manifest && manifest_checksum == part_checksum; }
+};
+
+struct Engine {
+  uint64_t epoch = 0;
+  int64_t step = 0;
+  uint64_t value = kEmptyValue;
+  bool prepared = false;  // the open step is taken (staged), waiting for the commit
+  bool closed = false;    // training is over
+};
+
+class FakeHost;
+class Endpoint;
+
+struct Shard {
+  int index = 0;
+  bool up = false;
+  bool exited = false;  // finished the job (a daemon with --exit-when-done)
+  uint64_t life = 0;    // bumped by every crash, restart and exit: stale events check it
+  std::map<int64_t, DiskEntry> disk;
+  uint64_t saved_term = 0;  // on disk too
+  Engine engine;
+  std::pair<uint64_t, int64_t> prepare_for{0, -1};  // the (epoch, step) a prepare is scheduled for
+  int64_t restores_until = 0;                       // when the last queued restore completes
+  bool writer_busy = false;
+  std::optional<std::pair<int64_t, uint64_t>> pending_snapshot;  // (step, value)
+  std::unique_ptr<FakeHost> host;
+  std::unique_ptr<Endpoint> net;
+  std::unique_ptr<ClusterCoordinator> coord;
+};
+
+// from's outgoing link to `to` (= to's incoming connection from `from`).
+struct Link {
+  bool connected = false;  // `to` has seen OnPeerUp(from)
+  uint64_t gen = 0;        // bumped when it breaks: what was in flight is lost
+  int64_t last_delivery = 0;
+  int64_t down_until = 0;  // broken by a fault: no reconnect before
+};
+
+class Sim {
+ public:
+  explicit Sim(const SimOptions& o) : o_(o), rng_(o.seed), shards_(static_cast<size_t>(o.shards)) {
+    links_.assign(static_cast<size_t>(o.shards), std::vector<Link>(static_cast<size_t>(o.shards)));
+    group_.assign(static_cast<size_t>(o.shards), 0);
+    for (int i = 0; i < o.shards; ++i) shards_[static_cast<size_t>(i)].index = i;
+  }
+
+  SimResult Run();
+
+  // --- used by the fakes ---
+  int64_t now() const { return now_; }
+  std::chrono::steady_clock::time_point clock() const {
+    // Far from the clock's zero, like a real steady clock (a peer never heard from is not "recent").
+    return std::chrono::steady_clock::time_point(std::chrono::milliseconds(now_ + 1000000000));
+  }
+  int64_t Uniform(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng_); }
+  bool Chance(double p) { return p > 0 && std::uniform_real_distribution<double>(0, 1)(rng_) < p; }
+  bool faulty() const { return now_ < o_.fault_ms; }
+  void At(int64_t t, std::function<void()> fn) {
+    queue_.push_back({t, seq_++, std::move(fn)});
+    std::push_heap(queue_.begin(), queue_.end(), EventAfter());
+  }
+  // Runs `fn` later if shard `s` is still in the same life.
+  void Later(int s, int64_t t, std::function<void(Shard&)> fn) {
+    uint64_t life = shard(s).life;
+    At(t, [this, s, life, fn = std::move(fn)] {
+      Shard& sh = shard(s);
+      if (sh.up && sh.life == life) fn(sh);
+    });
+  }
+  void Note(std::string line) {
+    if (o_.trace) result_.trace.push_back(fmt::format("{:>7} ms  {}", now_, line));
+  }
+  bool tracing() const { return o_.trace; }
+  void Fail(const std::string& why) {
+    if (!result_.ok) return;
+    result_.ok = false;
+    result_.failure = fmt::format("at {} ms: {}\n{}", now_, why, State());
+    Note("VIOLATION: " + why);
+  }
+  Shard& shard(int s) { return shards_[static_cast<size_t>(s)]; }
+  int shards() const { return o_.shards; }
+
+  void Send(int from, int to, const peer::Message& m);
+  // Observations from the fakes.
+  void OnFormation(int chief, uint64_t epoch, int64_t step);
+  void OnPublished(int s, uint64_t epoch, int64_t step, uint64_t value);
+  void OnRestored(int s, uint64_t epoch, int64_t step, uint64_t value);
+  void OnStartServing(int s);
+  void OnRelease(int s, int64_t step);
+  void OnWorkersDoneCheck(int s);
+  void Exit(int s);
+  void QueueSnapshot(int s, int64_t step, uint64_t value);
+
+ private:
+  struct Event {
+    int64_t t;
+    uint64_t seq;
+    std::function<void()> fn;
+  };
+  struct EventAfter {
+    bool operator()(const Event& a, const Event& b) const { return a.t != b.t ? a.t > b.t : a.seq > b.seq; }
+  };
+
+  void StartShard(int s);
+  void Crash(int s);
+  void ScheduleTick(int s);
+  bool Allowed(int from, int to) const;
+  void Break(int from, int to, int64_t down_ms);
+  void CheckLinks();
+  void SchedulePrepares();
+  void InjectFault();
+  void StopFaults();
+  // The operator: a chief that refuses to form (a shard lost checkpoints) is told to recover.
+  void Operator();
+  void StartWrite(int s);
+  std::string State();
+
+  const SimOptions o_;
+  std::mt19937_64 rng_;
+  int64_t now_ = 0;
+  uint64_t seq_ = 0;
+  std::vector<Event> queue_;
+  std::vector<Shard> shards_;
+  std::vector<std::vector<Link>> links_;
+  std::vector<int> group_;  // partition: shards talk only within their group
+  SimResult result_;
+
+  // What the invariants remember.
+  std::map<uint64_t, int> server_of_epoch_;                                    // epoch -> the chief that served it
+  std::map<uint64_t, int64_t> released_;                                       // epoch -> last step released
+  std::map<std::pair<uint64_t, int64_t>, std::map<int, uint64_t>> published_;  // (epoch, step) -> shard -> value
+  std::map<uint64_t, std::map<int, std::pair<int64_t, uint64_t>>> restored_;   // epoch -> shard -> (step, value)
+  std::set<uint64_t> formed_;                                                  // epochs whose formation was checked
+  bool workers_done_ = false;
+  bool operator_approved_ = false;  // a state loss the next formation may make
+  std::vector<int64_t> disk_losses_ = std::vector<int64_t>(static_cast<size_t>(o_.shards), 0);  // per shard
+  std::map<uint64_t, std::vector<int64_t>> losses_at_serve_;  // epoch -> disk_losses_ when it served
+};
+
+class Endpoint : public PeerNetwork {
+ public:
+  Endpoint(Sim& sim, int me) : sim_(sim), me_(me) {}
+  void Send(int shard, const peer::Message& m) override {
+    if (auto* r = std::get_if<peer::Restore>(&m.body); r != nullptr && shard == me_) {
+      sim_.OnFormation(me_, r->epoch, r->step);
+    }
+    sim_.Send(me_, shard, m);
+  }
+
+ private:
+  Sim& sim_;
+  const int me_;
+};
+
+class FakeHost : public ShardHost {
+ public:
+  FakeHost(Sim& sim, int me) : sim_(sim), me_(me) {}
+  Shard& sh() { return sim_.shard(me_); }
+
+  Status CommitStep(uint64_t epoch, int64_t step, bool checkpoint, double) override {
+    Engine& e = sh().engine;
+    if (e.epoch != epoch) return Aborted("another epoch");
+    if (!e.prepared || e.step != step) {
+      return FailedPrecondition(
+          fmt::format("asked to commit step {} at step {} (prepared {})", step, e.step, e.prepared));
+    }
+    e.prepared = false;
+    // The gradients of a step differ from one epoch to the next (workers re-pull and recompute).
+    e.value = Mix(Mix(e.value, static_cast<uint64_t>(step)), epoch);
+    e.step = step + 1;
+    sim_.OnPublished(me_, epoch, e.step, e.value);
+    if (checkpoint) sim_.QueueSnapshot(me_, e.step, e.value);
+    return Status::Ok();
+  }
+  double learning_rate() override { return 0.01; }
+  void PushTokens(int64_t step) override { sim_.OnRelease(me_, step); }
+  void StartServing(int) override { sim_.OnStartServing(me_); }
+  void SetRequired(int) override {}
+  void FailWaiters(const Status&) override {}
+  void ReportIfIdle() override {}
+
+  void RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) override {
+    Shard& s = sh();
+    int64_t start = std::max(sim_.now(), s.restores_until);
+    s.restores_until = start + sim_.Uniform(1, 80);
+    sim_.Later(me_, s.restores_until, [this, epoch, step, done = std::move(done)](Shard& s) {
+      uint64_t value = kEmptyValue;
+      if (step >= 0) {
+        auto it = s.disk.find(step);
+        if (it == s.disk.end() || !it->second.restorable()) {
+          sim_.Note(fmt::format("shard {}: restore of step {} for epoch {} fails", me_, step, epoch));
+          return done(NotFound("no restorable checkpoint at that step"), {});
+        }
+        value = it->second.part_checksum;
+      }
+      s.engine = Engine{epoch, std::max<int64_t>(step, 0), value, false, false};
+      sim_.Note(fmt::format("shard {}: restored step {} for epoch {}", me_, step, epoch));
+      sim_.OnRestored(me_, epoch, step, value);
+      VarPlacement p;
+      p.name = "v" + std::to_string(me_);
+      p.shape = {4};
+      p.parts = {{me_, 0, 0}};
+      done(Status::Ok(), {p});
+    });
+  }
+  void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable) override {
+    for (auto it = sh().disk.rbegin(); it != sh().disk.rend(); ++it) {
+      (it->second.restorable() ? sealed : unusable)->push_back(it->first);
+    }
+  }
+  Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) override {
+    DiskEntry& d = sh().disk[step];
+    d.has_manifest = true;
+    d.manifest_checksum = 0;
+    for (const auto& p : parts) {
+      if (p.shard == me_) d.manifest_checksum = p.checksum;
+    }
+    sim_.Note(fmt::format("shard {}: sealed step {}{}", me_, step, d.restorable() ? "" : " (its part differs)"));
+    if (d.has_part && !d.restorable()) {
+      sim_.Fail(
+          fmt::format("shard {} sealed checkpoint step {} with a manifest that does not match its part "
+                      "(parts of two timelines mixed)",
+                      me_, step));
+    }
+    return Status::Ok();
+  }
+  bool CheckpointWriterBusy() override { return sh().writer_busy || sh().pending_snapshot.has_value(); }
+  uint64_t LoadTerm() override { return sh().saved_term; }
+  void SaveTerm(uint64_t term) override { sh().saved_term = std::max(sh().saved_term, term); }
+  bool EndTraining(int64_t snapshot_step) override {
+    Engine& e = sh().engine;
+    e.closed = true;
+    if (snapshot_step < 0 || e.prepared || e.step != snapshot_step) return false;
+    sim_.QueueSnapshot(me_, e.step, e.value);
+    return true;
+  }
+  void FinishJob() override {
+    sim_.Later(me_, sim_.now(), [this](Shard&) { sim_.Exit(me_); });
+  }
+  void EndJobIfDone() override { sim_.OnWorkersDoneCheck(me_); }
+
+ private:
+  Sim& sim_;
+  const int me_;
+};
+
+// --- the network --------------------------------------------------------------------------------
+
+bool Sim::Allowed(int from, int to) const {
+  const Shard& a = shards_[static_cast<size_t>(from)];
+  const Shard& b = shards_[static_cast<size_t>(to)];
+  const Link& l = links_[static_cast<size_t>(from)][static_cast<size_t>(to)];
+  if (a.exited) return now_ <= l.last_delivery;  // what it sent before it exited still arrives
+  return a.up && b.up && group_[static_cast<size_t>(from)] == group_[static_cast<size_t>(to)] && now_ >= l.down_until;
+}
+
+void Sim::Break(int from, int to, int64_t down_ms) {
+  Link& l = links_[static_cast<size_t>(from)][static_cast<size_t>(to)];
+  l.down_until = std::max(l.down_until, now_ + down_ms);
+  if (!l.connected) return;
+  l.connected = false;
+  ++l.gen;
+  l.last_delivery = now_;
+  Shard& b = shard(to);
+  Note(fmt::format("link {} -> {} breaks", from, to));
+  if (b.up) b.coord->OnPeerDown(from);
+}
+
+void Sim::CheckLinks() {
+  for (int i = 0; i < o_.shards; ++i) {
+    for (int j = 0; j < o_.shards; ++j) {
+      if (i == j) continue;
+      Link& l = links_[static_cast<size_t>(i)][static_cast<size_t>(j)];
+      bool allowed = Allowed(i, j);
+      if (l.connected && !allowed) {
+        Break(i, j, 0);
+      } else if (!l.connected && allowed && !shard(i).exited) {
+        l.connected = true;
+        ++l.gen;
+        l.last_delivery = now_;
+        Note(fmt::format("link {} -> {} up", i, j));
+        shard(j).coord->OnPeerUp(i);
+      }
+    }
+  }
+}
+
+void Sim::Send(int from, int to, const peer::Message& m) {
+  if (to < 0 || to >= o_.shards) return;
+  if (from == to) {  // posted to this shard's own loop
+    Later(to, now_ + Uniform(0, 1), [this, from, m](Shard& s) {
+      if (tracing()) Note(fmt::format("{} -> self: {}", from, Describe(m)));
+      s.coord->OnMessage(from, m);
+    });
+    return;
+  }
+  Link& l = links_[static_cast<size_t>(from)][static_cast<size_t>(to)];
+  if (!l.connected) return;  // a link that is down drops what it is given
+  if (faulty() && Chance(o_.break_on_send)) {
+    Note(fmt::format("{} -> {}: {} lost", from, to, Describe(m)));
+    result_.faults.push_back(
+        fmt::format("{} ms: link {} -> {} breaks at a {}", now_, from, to, peer::KindName(m.body)));
+    return Break(from, to, Uniform(20, 600));
+  }
+  int64_t delay = faulty() && Chance(o_.slow) ? Uniform(100, 1500) : Uniform(1, 8);
+  int64_t t = std::max(now_ + delay, l.last_delivery);
+  l.last_delivery = t;
+  int copies = faulty() && Chance(o_.duplicate) ? 2 : 1;
+  uint64_t gen = l.gen;
+  for (int c = 0; c < copies; ++c) {
+    Later(to, t, [this, from, to, gen, m, c](Shard& s) {
+      if (links_[static_cast<size_t>(from)][static_cast<size_t>(to)].gen != gen) return;  // the link broke
+      if (tracing()) Note(fmt::format("{} -> {}: {}{}", from, to, Describe(m), c > 0 ? " (again)" : ""));
+      s.coord->OnMessage(from, m);
+    });
+  }
+}
+
+// --- shards ---------------------------------------------------------------------------------------
+
+void Sim::StartShard(int s) {
+  Shard& sh = shard(s);
+  sh.up = true;
+  ++sh.life;
+  sh.engine = Engine{};
+  sh.prepare_for = {0, -1};
+  sh.restores_until = 0;
+  sh.writer_busy = false;
+  sh.pending_snapshot.reset();
+  sh.host = std::make_unique<FakeHost>(*this, s);
+  sh.net = std::make_unique<Endpoint>(*this, s);
+  ClusterOptions opt;
+  opt.me = s;
+  for (int i = 0; i < o_.shards; ++i) opt.addresses.push_back("shard-" + std::to_string(i) + ":1");
+  opt.heartbeat_ms = kHeartbeatMs;
+  opt.election_timeout_ms = 1000;
+  opt.checkpoint_dir = "sim";
+  opt.checkpoint_every_steps = o_.checkpoint_every;
+  opt.keep_checkpoints = 0;  // the fake disk keeps everything
+  opt.commit_timeout = std::chrono::milliseconds(2000);
+  opt.formation_timeout = std::chrono::milliseconds(3000);
+  opt.final_seal_timeout = std::chrono::milliseconds(1000);
+  uint64_t life = sh.life;
+  sh.coord = std::make_unique<ClusterCoordinator>(
+      std::move(opt), *sh.host, *sh.net, [this] { return clock(); },
+      [this, s, life] {
+        At(now_, [this, s, life] {
+          if (shard(s).up && shard(s).life == life) shard(s).coord->Tick();
+        });
+      });
+  sh.coord->Start();
+  ScheduleTick(s);
+}
+
+void Sim::ScheduleTick(int s) {
+  Later(s, now_ + kHeartbeatMs, [this, s](Shard& sh) {
+    sh.coord->Tick();
+    ScheduleTick(s);
+  });
+}
+
+void Sim::Crash(int s) {
+  Shard& sh = shard(s);
+  sh.coord->Stop();
+  sh.up = false;
+  ++sh.life;
+  for (int i = 0; i < o_.shards; ++i) {
+    if (i == s) continue;
+    Break(s, i, 0);
+    Break(i, s, 0);
+  }
+  // Destroyed only now: the breaks above told the others, not this one.
+  sh.coord.reset();
+  sh.net.reset();
+  sh.host.reset();
+}
+
+void Sim::Exit(int s) {
+  Shard& sh = shard(s);
+  Note(fmt::format("shard {} exits (job finished)", s));
+  sh.coord->Stop();
+  sh.up = false;
+  sh.exited = true;
+  ++sh.life;
+  for (int i = 0; i < o_.shards; ++i) {
+    if (i != s) Break(i, s, 0);  // its own links close once what it sent has arrived (CheckLinks)
+  }
+  bool all = true;
+  for (auto& x : shards_) all = all && x.exited;
+  if (all) result_.end_ms = now_;
+}
+
+// --- the fake engines' work ------------------------------------------------------------------------
+
+void Sim::SchedulePrepares() {
+  if (workers_done_) return;
+  for (auto& sh : shards_) {
+    if (!sh.up || sh.engine.epoch == 0 || sh.engine.prepared || sh.engine.closed) continue;
+    auto key = std::make_pair(sh.engine.epoch, sh.engine.step);
+    if (sh.prepare_for == key) continue;
+    auto r = released_.find(sh.engine.epoch);
+    if (r == released_.end() || r->second < sh.engine.step) continue;  // no worker knows this step yet
+    sh.prepare_for = key;
+    int s = sh.index;
+    Later(s, now_ + Uniform(1, 30), [this, s, key](Shard& sh) {
+      if (sh.engine.epoch != key.first || sh.engine.step != key.second || sh.engine.prepared || sh.engine.closed) {
+        return;
+      }
+      sh.engine.prepared = true;
+      Note(fmt::format("shard {}: prepared step {} (epoch {})", s, key.second, key.first));
+      sh.coord->OnPrepared(key.first, key.second, 1, 1, 1, false);
+    });
+  }
+}
+
+void Sim::QueueSnapshot(int s, int64_t step, uint64_t value) {
+  Shard& sh = shard(s);
+  sh.pending_snapshot = {step, value};
+  if (!sh.writer_busy) StartWrite(s);
+}
+
+void Sim::StartWrite(int s) {
+  Shard& sh = shard(s);
+  if (!sh.pending_snapshot) return;
+  auto [step, value] = *sh.pending_snapshot;
+  sh.pending_snapshot.reset();
+  sh.writer_busy = true;
+  Later(s, now_ + Uniform(5, 150), [this, s, step, value](Shard& sh) {
+    DiskEntry& d = sh.disk[step];
+    d.has_part = true;
+    d.part_checksum = value;  // an older manifest of this step no longer matches it
+    d.abandoned = false;
+    sh.writer_busy = false;
+    Note(fmt::format("shard {}: part of step {} written", s, step));
+    sh.coord->OnPartWritten(step, {s, "part-" + std::to_string(step), 64, value});
+    StartWrite(s);
+  });
+}
+
+// --- invariants ------------------------------------------------------------------------------------
+
+void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
+  // Two shards that claimed at once may both form the same term; the lower index wins before
+  // either serves (OnStartServing checks that one chief runs each epoch).
+  if (!formed_.insert(epoch).second) ++result_.contested;
+  Note(fmt::format("shard {} forms epoch {} at step {}", chief, epoch, step));
+  if (operator_approved_) {
+    // What it loses was approved: the newer checkpoints are given up for good.
+    operator_approved_ = false;
+    for (auto& sh : shards_) {
+      for (auto it = sh.disk.upper_bound(step); it != sh.disk.end(); ++it) it->second.abandoned = true;
+    }
+    return;
+  }
+  // The newest checkpoint every shard holds sealed: no formation may go back before it.
+  int64_t durable = -1;
+  std::set<int64_t> common;
+  bool first = true;
+  for (auto& sh : shards_) {
+    if (sh.exited) return;
+    std::set<int64_t> mine;
+    for (auto& [t, d] : sh.disk) {
+      if (d.restorable() && !d.abandoned) mine.insert(t);
+    }
+    if (first) {
+      common = mine;
+      first = false;
+    } else {
+      std::set<int64_t> both;
+      std::set_intersection(common.begin(), common.end(), mine.begin(), mine.end(), std::inserter(both, both.begin()));
+      common.swap(both);
+    }
+  }
+  if (!common.empty()) durable = *common.rbegin();
+  if (step < durable) {
+    Fail(fmt::format("shard {} forms epoch {} at step {}, before checkpoint {} that every shard holds sealed", chief,
+                     epoch, step, durable));
+  }
+}
+
+void Sim::OnPublished(int s, uint64_t epoch, int64_t step, uint64_t value) {
+  Note(fmt::format("shard {}: published step {} (epoch {})", s, step, epoch));
+  auto& m = published_[{epoch, step}];
+  for (auto& [other, v] : m) {
+    if (v != value) {
+      return Fail(
+          fmt::format("shards {} and {} published different values at step {} of epoch {}", other, s, step, epoch));
+    }
+  }
+  m[s] = value;
+}
+
+void Sim::OnRestored(int s, uint64_t epoch, int64_t step, uint64_t value) { restored_[epoch][s] = {step, value}; }
+
+void Sim::OnStartServing(int s) {
+  const Engine& e = shard(s).engine;
+  uint64_t epoch = e.epoch;
+  Note(fmt::format("shard {} serves epoch {} from step {}", s, epoch, e.step));
+  auto [it, fresh] = server_of_epoch_.emplace(epoch, s);
+  if (!fresh) {
+    // Only a cluster with no disk left that remembers the term may form it again.
+    const std::vector<int64_t>& then = losses_at_serve_[epoch];
+    for (int i = 0; i < o_.shards; ++i) {
+      if (disk_losses_[static_cast<size_t>(i)] == then[static_cast<size_t>(i)]) {
+        return Fail(
+            fmt::format("shards {} and {} both ran epoch {} as chief (shard {} still has its checkpoint "
+                        "directory)",
+                        it->second, s, epoch, i));
+      }
+    }
+    Note(fmt::format("epoch {} formed again: every shard lost its checkpoint directory since", epoch));
+    it->second = s;
+    for (auto p = published_.lower_bound({epoch, INT64_MIN}); p != published_.end() && p->first.first == epoch;) {
+      p = published_.erase(p);
+    }
+  }
+  losses_at_serve_[epoch] = disk_losses_;
+  auto& r = restored_[epoch];
+  if (static_cast<int>(r.size()) != o_.shards) {
+    return Fail(fmt::format("shard {} serves epoch {} with {} of {} shards restored", s, epoch, r.size(), o_.shards));
+  }
+  for (auto& [other, sv] : r) {
+    if (sv != r.begin()->second) {
+      return Fail(fmt::format("epoch {}: shards {} and {} restored different states (steps {} and {})", epoch,
+                              r.begin()->first, other, r.begin()->second.first, sv.first));
+    }
+  }
+  released_[epoch] = e.step;
+  ++result_.formations;
+}
+
+void Sim::OnRelease(int s, int64_t step) {
+  uint64_t epoch = shard(s).engine.epoch;
+  Note(fmt::format("shard {} releases the tokens of step {} (epoch {})", s, step, epoch));
+  auto server = server_of_epoch_.find(epoch);
+  if (server == server_of_epoch_.end() || server->second != s) {
+    return Fail(fmt::format("shard {} releases step {} of epoch {} that it does not run", s, step, epoch));
+  }
+  int64_t& last = released_[epoch];
+  if (step != last + 1) {
+    return Fail(fmt::format("epoch {}: the tokens of step {} released after step {}", epoch, step, last));
+  }
+  last = step;
+  auto& m = published_[{epoch, step}];
+  if (static_cast<int>(m.size()) != o_.shards) {
+    return Fail(
+        fmt::format("epoch {}: step {} released with {} of {} shards published", epoch, step, m.size(), o_.shards));
+  }
+  ++result_.commits;
+  if (step >= o_.target_step && !workers_done_) {
+    workers_done_ = true;
+    Note("every worker finished");
+    OnWorkersDoneCheck(s);
+  }
+}
+
+void Sim::OnWorkersDoneCheck(int s) {
+  if (!workers_done_) return;
+  Later(s, now_, [](Shard& sh) { sh.coord->OnJobDone(); });
+}
+
+// --- faults ------------------------------------------------------------------------------------------
+
+void Sim::InjectFault() {
+  if (!faulty()) return;
+  double total = o_.crash_rate + o_.partition_rate + o_.break_rate;
+  if (total <= 0) return;
+  // The next one after an exponential wait.
+  int64_t wait = static_cast<int64_t>(std::exponential_distribution<double>(total)(rng_) * 1000) + 1;
+  At(now_ + wait, [this, total] {
+    if (!faulty()) return;
+    double pick = std::uniform_real_distribution<double>(0, total)(rng_);
+    std::vector<int> live;
+    for (auto& sh : shards_) {
+      if (sh.up) live.push_back(sh.index);
+    }
+    if (pick < o_.crash_rate) {
+      if (!live.empty()) {
+        int s = live[static_cast<size_t>(Uniform(0, static_cast<int64_t>(live.size()) - 1))];
+        int64_t down = Uniform(100, 3000);
+        bool lose = Chance(o_.lose_disk);
+        result_.faults.push_back(fmt::format("{} ms: shard {} crashes for {} ms{}", now_, s, down,
+                                             lose ? ", losing its checkpoint directory" : ""));
+        Note(result_.faults.back());
+        Crash(s);
+        if (lose) {
+          shard(s).disk.clear();
+          shard(s).saved_term = 0;
+          ++disk_losses_[static_cast<size_t>(s)];
+        }
+        At(now_ + down, [this, s] {
+          if (!shard(s).up && !shard(s).exited && faulty()) {
+            Note(fmt::format("shard {} restarts", s));
+            StartShard(s);
+          }
+        });
+      }
+    } else if (pick < o_.crash_rate + o_.partition_rate) {
+      std::vector<int> groups(static_cast<size_t>(o_.shards));
+      std::string text;
+      for (int i = 0; i < o_.shards; ++i) {
+        groups[static_cast<size_t>(i)] = static_cast<int>(Uniform(0, 1));
+        text += std::to_string(groups[static_cast<size_t>(i)]);
+      }
+      int64_t heal = Uniform(100, 3000);
+      result_.faults.push_back(fmt::format("{} ms: partition {} for {} ms", now_, text, heal));
+      Note(result_.faults.back());
+      group_ = groups;
+      At(now_ + heal, [this, groups] {
+        if (group_ == groups) group_.assign(static_cast<size_t>(o_.shards), 0);
+      });
+    } else {
+      int from = static_cast<int>(Uniform(0, o_.shards - 1));
+      int to = static_cast<int>(Uniform(0, o_.shards - 2));
+      if (to >= from) ++to;
+      int64_t down = Uniform(20, 1500);
+      result_.faults.push_back(fmt::format("{} ms: link {} -> {} down for {} ms", now_, from, to, down));
+      Note(result_.faults.back());
+      Break(from, to, down);
+    }
+    InjectFault();
+  });
+}
+
+void Sim::StopFaults() {
+  Note("faults stop: every shard up, no partition");
+  group_.assign(static_cast<size_t>(o_.shards), 0);
+  for (auto& row : links_) {
+    for (auto& l : row) l.down_until = 0;
+  }
+  for (auto& sh : shards_) {
+    if (!sh.up && !sh.exited) {
+      Note(fmt::format("shard {} restarts", sh.index));
+      StartShard(sh.index);
+    }
+  }
+}
+
+void Sim::Operator() {
+  for (auto& sh : shards_) {
+    if (!sh.up) continue;
+    auto v = sh.coord->Describe();
+    if (v.chief != sh.index || v.state.rfind("refusing to form", 0) != 0) continue;
+    // Asked only when some shard really lacks (holds no trace of) a checkpoint another can restore.
+    // (A loss approved before is asked again once shards that still hold the step restarted: the
+    // decision is not kept on disk.)
+    bool lacking = false;
+    for (auto& a : shards_) {
+      for (auto& [t, d] : a.disk) {
+        if (!d.restorable()) continue;
+        for (auto& b : shards_) lacking = lacking || b.disk.count(t) == 0;
+      }
+    }
+    if (!lacking)
+      return Fail("shard " + std::to_string(sh.index) + " asks an operator to give up a checkpoint " +
+                  "that every shard holds: " + v.state);
+    // psd_admin recover: the newest step every shard can restore, else empty.
+    Status s = sh.coord->Recover(-1, false);
+    bool empty = !s.ok();
+    if (empty) s = sh.coord->Recover(-1, true);
+    if (!s.ok()) continue;
+    operator_approved_ = true;
+    result_.faults.push_back(
+        fmt::format("{} ms: operator: recover{} on shard {}", now_, empty ? " --empty" : "", sh.index));
+    Note(result_.faults.back());
+  }
+  At(now_ + 500, [this] { Operator(); });
+}
+
+std::string Sim::State() {
+  std::string out;
+  for (auto& sh : shards_) {
+    std::string disk;
+    for (auto& [t, d] : sh.disk) disk += fmt::format(" {}{}", t, d.restorable() ? "" : "?");
+    out += fmt::format("  shard {}: {}", sh.index, sh.exited ? "exited" : sh.up ? "up" : "down");
+    if (sh.up) {
+      auto v = sh.coord->Describe();
+      out += fmt::format(", chief {} term {} epoch {} state '{}'", v.chief, v.term, v.epoch, v.state);
+      out += fmt::format(", engine epoch {} step {}{}", sh.engine.epoch, sh.engine.step,
+                         sh.engine.prepared ? " (prepared)" : "");
+    }
+    out += fmt::format(", disk [{} ]\n", disk);
+  }
+  return out;
+}
+
+SimResult Sim::Run() {
+  for (int s = 0; s < o_.shards; ++s) {
+    // Shards start within one heartbeat of each other.
+    At(Uniform(0, kHeartbeatMs), [this, s] { StartShard(s); });
+  }
+  std::function<void()> links = [this, &links] {
+    CheckLinks();
+    At(now_ + kLinkCheckMs, links);
+  };
+  At(0, links);
+  At(500, [this] { Operator(); });
+  InjectFault();
+  At(o_.fault_ms, [this] { StopFaults(); });
+  const int64_t deadline = o_.fault_ms + o_.settle_ms;
+  while (!queue_.empty() && result_.ok) {
+    std::pop_heap(queue_.begin(), queue_.end(), EventAfter());
+    Event e = std::move(queue_.back());
+    queue_.pop_back();
+    now_ = e.t;
+    if (now_ > deadline) break;
+    e.fn();
+    ++result_.events;
+    SchedulePrepares();
+    bool all = true;
+    for (auto& sh : shards_) all = all && sh.exited;
+    if (all) break;
+  }
+  if (result_.ok) {
+    bool all = true;
+    for (auto& sh : shards_) all = all && sh.exited;
+    if (!all) {
+      now_ = deadline;
+      Fail(fmt::format("the job did not finish within {} ms after the faults stopped ({} steps released in all)",
+                       o_.settle_ms, result_.commits));
+    }
+  }
+  queue_.clear();
+  for (auto& sh : shards_) {
+    if (sh.coord) sh.coord->Stop();
+  }
+  return result_;
+}
+
+}  // namespace
+
+SimResult RunSimulation(const SimOptions& options) {
+  Sim sim(options);
+  return sim.Run();
+}
+
+std::string Describe(const SimOptions& o, const SimResult& r, size_t max_trace_lines) {
+  std::string out = fmt::format("cluster simulation: seed {} shards {} fault_ms {} target_step {} -> {}\n", o.seed,
+                                o.shards, o.fault_ms, o.target_step, r.ok ? std::string("ok") : "FAILED " + r.failure);
+  out += fmt::format("faults ({}):\n", r.faults.size());
+  for (auto& f : r.faults) out += "  " + f + "\n";
+  if (!r.trace.empty()) {
+    size_t from = r.trace.size() > max_trace_lines ? r.trace.size() - max_trace_lines : 0;
+    out += fmt::format("events ({} of {}, the last ones):\n", r.trace.size() - from, r.trace.size());
+    for (size_t i = from; i < r.trace.size(); ++i) out += "  " + r.trace[i] + "\n";
+  }
+  return out;
+}
+
+}  // namespace psd::sim

@@ -1,0 +1,74 @@
+// A deterministic fault simulation of a psd cluster's protocol (cluster/coordinator.h): P real
+// ClusterCoordinators over an in-memory PeerNetwork, each with a fake ShardHost, driven by one
+// seeded PRNG and a simulated clock (README "Running a cluster").
+//
+// The network behaves like psd's peer links (one TCP connection per direction): messages on a
+// link arrive in order after a random delay (sometimes a long one), a link can break (the message
+// and those in flight are lost, the receiver sees OnPeerDown, the link reconnects later), a
+// message may be delivered twice, shards are partitioned from each other, and shards crash and
+// restart with their "disk" (checkpoint parts and manifests) intact and everything else lost.
+// The fake engine publishes a hash chain of the steps it commits, so shards that committed the
+// same steps hold the same value; the sim decides when a shard has prepared a step (workers'
+// gradients arrive only for a step whose tokens were released).
+//
+// Invariants, checked as the events happen:
+//  - one chief runs each epoch (epoch = the chief's term at formation): at most one shard forms
+//    and serves a term;
+//  - a step's tokens are released at most once per epoch, in order, and only once every shard
+//    published that step with the same value;
+//  - a formation starts only when every shard restored the same checkpoint (same step, value);
+//  - no formation restores to before a checkpoint that every shard holds sealed on disk, unless
+//    an operator approved it: the sim plays the operator, who answers a chief that refuses to
+//    form (a shard lost its checkpoints) with `psd_admin recover` (ClusterCoordinator::Recover);
+//  - once the faults stop (every shard up, no partition), the job finishes (every shard exits)
+//    within bounded simulated time.
+// A violation ends the run with the reason; RunSimulation with trace = true (same seed) records
+// every event, for the failure report and replay.
+#ifndef PSD_TESTS_SUPPORT_CLUSTER_SIM_H_
+#define PSD_TESTS_SUPPORT_CLUSTER_SIM_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace psd::sim {
+
+struct SimOptions {
+  int shards = 3;
+  uint64_t seed = 1;
+  int64_t fault_ms = 6000;    // faults are injected in [0, fault_ms) of simulated time
+  int64_t settle_ms = 30000;  // then every shard must have exited within this
+  int64_t target_step = 24;   // the workers finish once the tokens of this step are released
+  int64_t checkpoint_every = 4;
+  // Faults per simulated second while they are on (crash, partition, broken link).
+  double crash_rate = 0.4;
+  double partition_rate = 0.3;
+  double break_rate = 0.6;
+  double lose_disk = 0.15;  // of the crashes: the shard's checkpoint directory is lost too
+  // Per message while faults are on.
+  double break_on_send = 0.01;  // the link breaks at this message
+  double duplicate = 0.02;      // delivered twice
+  double slow = 0.03;           // a long delay (up to 1.5 s)
+  bool trace = false;           // record every event (slower)
+};
+
+struct SimResult {
+  bool ok = true;
+  std::string failure;              // the violated invariant, with the cluster's state
+  std::vector<std::string> faults;  // the injected faults, in order (always recorded)
+  std::vector<std::string> trace;   // with options.trace: every event
+  int64_t events = 0;
+  int64_t commits = 0;     // steps released to workers, all epochs
+  int64_t formations = 0;  // epochs that served
+  int64_t contested = 0;   // formations of a term another shard formed too (settled before serving)
+  int64_t end_ms = 0;      // simulated time when the last shard exited
+};
+
+SimResult RunSimulation(const SimOptions& options);
+
+// The options, the faults and the trace as text (what a failing test prints).
+std::string Describe(const SimOptions& options, const SimResult& result, size_t max_trace_lines = 600);
+
+}  // namespace psd::sim
+
+#endif  // PSD_TESTS_SUPPORT_CLUSTER_SIM_H_
