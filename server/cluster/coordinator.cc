@@ -29,7 +29,7 @@ void ClusterCoordinator::Start() {
   if (!options_.checkpoint_dir.empty() && options_.restore) host_.ScanCheckpoints(&sealed, &unusable);
   const uint64_t saved_term = host_.LoadTerm();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     // Terms (and so epochs) go on from the last one this shard knew, even if every shard restarts;
     // its heartbeats say so, and a chief's order at a term not above it is refused (a shard that
     // lost its checkpoint directory, and so its saved term, learns it from the others).
@@ -47,7 +47,7 @@ void ClusterCoordinator::Start() {
 }
 
 void ClusterCoordinator::Stop() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   stopped_ = true;
 }
 
@@ -98,7 +98,7 @@ std::vector<int> ClusterCoordinator::MissingLocked(Clock::time_point now) const 
 }
 
 Status ClusterCoordinator::Serving() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto now = now_();
   bool ok = chief_ == me_ ? running_ : (serving_ && chief_ >= 0 && AliveLocked(chief_, now));
   if (ok) return Status::Ok();
@@ -109,22 +109,22 @@ Status ClusterCoordinator::Serving() const {
 }
 
 bool ClusterCoordinator::is_chief() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return chief_ == me_;
 }
 
 int ClusterCoordinator::chief() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return chief_;
 }
 
 uint64_t ClusterCoordinator::epoch() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return epoch_;
 }
 
 ClusterCoordinator::View ClusterCoordinator::Describe() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   View v;
   v.chief = chief_;
   v.term = term_;
@@ -142,7 +142,7 @@ void ClusterCoordinator::Tick() {
   peer::Message hb;
   const bool writer_busy = host_.CheckpointWriterBusy();  // asked before locking (the host's lock)
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     writer_busy_ = writer_busy;
     TickLocked(&actions);
@@ -339,7 +339,7 @@ std::optional<int64_t> ClusterCoordinator::FormationStepLocked(std::vector<Actio
 
 Status ClusterCoordinator::Recover(int64_t step, bool empty) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (chief_ != me_) return NotChiefLocked();
     if (running_ || forming_ || refusal_.empty() || missing_reason_ != refusal_) {
       std::string state = running_ ? std::string("running") : (missing_reason_.empty() ? "forming" : missing_reason_);
@@ -436,7 +436,7 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
 
 void ClusterCoordinator::OnPeerUp(int shard) {
   if (shard < 0 || shard >= shards_ || shard == me_) return;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   Peer& p = peers_[static_cast<size_t>(shard)];
   ++p.connections;
   p.last_heard = now_();
@@ -445,7 +445,7 @@ void ClusterCoordinator::OnPeerUp(int shard) {
 void ClusterCoordinator::OnPeerDown(int shard) {
   if (shard < 0 || shard >= shards_ || shard == me_) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     Peer& p = peers_[static_cast<size_t>(shard)];
     if (--p.connections > 0) return;
     p.connections = 0;
@@ -487,11 +487,12 @@ void ClusterCoordinator::OnMessage(int from, const peer::Message& msg) {
   uint64_t term = msg.term;
   std::vector<Action> actions;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     if (from != me_) peers_[static_cast<size_t>(from)].last_heard = now_();
     std::visit(
         [&](const auto& body) {
+          mu_.AssertHeld();  // held by the caller: the analysis does not follow into the lambda
           using T = std::decay_t<decltype(body)>;
           if constexpr (std::is_same_v<T, peer::Heartbeat>) {
             HandleHeartbeat(from, term, body, &actions);
@@ -675,7 +676,7 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
   peer::Message reply;
   int chief = -1;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     if (status.ok()) {
       epoch_ = epoch;
@@ -731,7 +732,7 @@ void ClusterCoordinator::OnPartWritten(int64_t step, const peer::PartInfo& part)
   peer::Message msg;
   int chief = -1;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     // A trace of `step` on this shard until its seal arrives: if the seal never does (the cluster
     // re-formed first), the step is unusable here, not lost — a chief that did seal it must not
     // ask an operator to give it up (FormationStepLocked).
@@ -781,7 +782,7 @@ void ClusterCoordinator::HandleSeal(int from, uint64_t term, const peer::Seal& s
       spdlog::error("cluster: cannot seal checkpoint step {}: {}", step, w.message());
     } else {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         AddSealedLocked(step);
       }
       spdlog::info("cluster: checkpoint at step {} sealed in {} ({} shards, {:.0f} ms)", step, options_.checkpoint_dir,
@@ -795,7 +796,7 @@ void ClusterCoordinator::RequestCheckpoint(bool timed) {
   peer::Message msg;
   int chief = -1;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (chief_ == me_) {
       checkpoint_next_ = true;
       return;
@@ -818,14 +819,14 @@ Status ClusterCoordinator::NotChiefLocked() const {
 
 Result<VarPlacement> ClusterCoordinator::Place(const std::string& name, DType dtype, const Shape& shape,
                                                const std::string& colocate, bool trainable) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (chief_ != me_) return NotChiefLocked();
   if (!running_) return Unavailable("the cluster is not serving yet: " + missing_reason_);
   return placement_.Place(name, dtype, shape, colocate, trainable);
 }
 
 Status ClusterCoordinator::Placements(std::vector<VarPlacement>* out, std::vector<uint64_t>* shard_bytes) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (chief_ != me_) return NotChiefLocked();
   if (!running_) return Unavailable("the cluster is not serving yet: " + missing_reason_);
   *out = placement_.All();
@@ -836,7 +837,7 @@ Status ClusterCoordinator::Placements(std::vector<VarPlacement>* out, std::vecto
 void ClusterCoordinator::SetLocalRequired(int required) {
   peer::Message hb;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     local_required_ = required;
     if (chief_ != me_ || required == required_) return;
     required_ = required;
@@ -849,7 +850,7 @@ void ClusterCoordinator::SetLocalRequired(int required) {
 void ClusterCoordinator::OnJobDone() {
   peer::Message msg;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (chief_ != me_ || job_done_) return;
     // The final checkpoint, unless the last commit already made one at this step.
     bool can = !options_.checkpoint_dir.empty() && running_ && commit_in_flight_ < 0 &&
@@ -871,7 +872,7 @@ void ClusterCoordinator::HandleControl(int from, uint64_t term, const peer::Cont
   actions->push_back([this, step] {
     if (!host_.EndTraining(step)) return host_.FinishJob();
     // The seal finishes the job (HandleSeal), or the tick gives up on it (FinalSealTickLocked).
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     awaiting_final_seal_ = true;
   });
 }
@@ -895,7 +896,7 @@ void ClusterCoordinator::OnPrepared(uint64_t epoch, int64_t step, int min_gradie
   peer::Message msg;
   int chief = -1;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (epoch != epoch_) return;  // a stale engine: the next formation redoes it
     // Kept until the step commits: the engine reports a step once, and a follower that lost its
     // chief for a moment and finds it again (same term, nothing re-formed) must still vote, or the

@@ -63,12 +63,12 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "base/mutex.h"
 #include "cluster/peer_messages.h"
 #include "cluster/peer_network.h"
 #include "cluster/placement.h"
@@ -181,53 +181,55 @@ class ClusterCoordinator : public PeerEvents {
   };
 
   // Under mu_: runs the election and the chief's duties; appends what to do after unlocking.
-  void TickLocked(std::vector<Action>* actions);
-  bool AliveLocked(int shard, Clock::time_point now) const;
-  std::vector<int> MissingLocked(Clock::time_point now) const;
+  void TickLocked(std::vector<Action>* actions) REQUIRES(mu_);
+  bool AliveLocked(int shard, Clock::time_point now) const REQUIRES(mu_);
+  std::vector<int> MissingLocked(Clock::time_point now) const REQUIRES(mu_);
   // A chief-only message: adopts a higher term; true if it comes from the current term's chief.
-  bool AcceptChiefLocked(int from, uint64_t term, std::vector<Action>* actions);
-  void BecomeFollowerLocked(std::vector<Action>* actions);
-  void StartFormationLocked(std::vector<Action>* actions);
+  bool AcceptChiefLocked(int from, uint64_t term, std::vector<Action>* actions) REQUIRES(mu_);
+  void BecomeFollowerLocked(std::vector<Action>* actions) REQUIRES(mu_);
+  void StartFormationLocked(std::vector<Action>* actions) REQUIRES(mu_);
   // False while a checkpoint sealed lately (or sealed on some shards, only present on others) is
   // not yet known restorable on every shard.
-  bool SealsSettledLocked(Clock::time_point now);
+  bool SealsSettledLocked(Clock::time_point now) REQUIRES(mu_);
   // The checkpoint steps every shard can restore.
-  std::set<int64_t> CommonStepsLocked() const;
+  std::set<int64_t> CommonStepsLocked() const REQUIRES(mu_);
   // The step to form at (-1: empty), or nullopt when an operator must decide first (then the
   // refusal is logged once and becomes the not-serving reason).
-  std::optional<int64_t> FormationStepLocked(std::vector<Action>* actions);
+  std::optional<int64_t> FormationStepLocked(std::vector<Action>* actions) REQUIRES(mu_);
   // Which checkpoints each shard can restore, for the logs and the refusal.
-  std::string DescribeCheckpointsLocked() const;
-  void MaybeCommitLocked(std::vector<Action>* actions);
+  std::string DescribeCheckpointsLocked() const REQUIRES(mu_);
+  void MaybeCommitLocked(std::vector<Action>* actions) REQUIRES(mu_);
   // Has the host save term_ if it is higher than what was saved (before what the caller sends).
-  void SaveTermLocked(std::vector<Action>* actions);
+  void SaveTermLocked(std::vector<Action>* actions) REQUIRES(mu_);
   // A follower whose vote (this shard's prepared step) has not reached the chief it knows now
   // sends it again.
-  void ResendVoteLocked(std::vector<Action>* actions);
-  void DegradeLocked(const std::string& why, std::vector<Action>* actions);
+  void ResendVoteLocked(std::vector<Action>* actions) REQUIRES(mu_);
+  void DegradeLocked(const std::string& why, std::vector<Action>* actions) REQUIRES(mu_);
 
-  void HandleHeartbeat(int from, uint64_t term, const peer::Heartbeat& hb, std::vector<Action>* actions);
-  void HandlePrepared(int from, uint64_t term, const peer::Prepared& p, std::vector<Action>* actions);
-  void HandleCommit(int from, uint64_t term, const peer::Commit& c, std::vector<Action>* actions);
-  void HandleCommitted(int from, uint64_t term, const peer::Committed& c, std::vector<Action>* actions);
-  void HandleRestore(int from, uint64_t term, const peer::Restore& r, std::vector<Action>* actions);
-  void HandleRestored(int from, uint64_t term, const peer::Restored& r, std::vector<Action>* actions);
-  void HandlePartWritten(int from, uint64_t term, const peer::PartWritten& p, std::vector<Action>* actions);
-  void HandleSeal(int from, uint64_t term, const peer::Seal& s, std::vector<Action>* actions);
-  void HandleControl(int from, uint64_t term, const peer::Control& c, std::vector<Action>* actions);
-  void HandleCheckpointRequest(int from, uint64_t term, const peer::CheckpointRequest&, std::vector<Action>*);
+  void HandleHeartbeat(int from, uint64_t term, const peer::Heartbeat& hb, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandlePrepared(int from, uint64_t term, const peer::Prepared& p, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleCommit(int from, uint64_t term, const peer::Commit& c, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleCommitted(int from, uint64_t term, const peer::Committed& c, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleRestore(int from, uint64_t term, const peer::Restore& r, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleRestored(int from, uint64_t term, const peer::Restored& r, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandlePartWritten(int from, uint64_t term, const peer::PartWritten& p, std::vector<Action>* actions)
+      REQUIRES(mu_);
+  void HandleSeal(int from, uint64_t term, const peer::Seal& s, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleControl(int from, uint64_t term, const peer::Control& c, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleCheckpointRequest(int from, uint64_t term, const peer::CheckpointRequest&, std::vector<Action>*)
+      REQUIRES(mu_);
   void RestoreDone(uint64_t epoch, int64_t step, const Status& status, std::vector<VarPlacement> placements);
-  void AddSealedLocked(int64_t step);
+  void AddSealedLocked(int64_t step) REQUIRES(mu_);
   // Job done, the final part queued: FinishJob() once the seal is written, or final_seal_timeout
   // after the part is written (or failed) if no seal comes (a shard died meanwhile).
-  void FinalSealTickLocked(Clock::time_point now, std::vector<Action>* actions);
-  Status NotChiefLocked() const;
+  void FinalSealTickLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
+  Status NotChiefLocked() const REQUIRES(mu_);
 
   // A peer message from this shard at its current term.
-  peer::Message MessageLocked(peer::Body body) const;
+  peer::Message MessageLocked(peer::Body body) const REQUIRES(mu_);
   void SendTo(int shard, const peer::Message& msg);  // itself too (delivered later)
   void SendToAll(const peer::Message& msg, bool include_self);
-  peer::Message HeartbeatLocked() const;
+  peer::Message HeartbeatLocked() const REQUIRES(mu_);
   const std::string& AddressOf(int shard) const { return options_.addresses[static_cast<size_t>(shard)]; }
 
   const ClusterOptions options_;
@@ -239,50 +241,50 @@ class ClusterCoordinator : public PeerEvents {
   const int shards_;
   const Clock::time_point started_;
 
-  mutable std::mutex mu_;
-  bool stopped_ = false;               // guarded by mu_
-  uint64_t term_ = 0;                  // guarded by mu_
-  uint64_t max_term_seen_ = 0;         // guarded by mu_
-  int chief_ = -1;                     // guarded by mu_
-  uint64_t epoch_ = 0;                 // guarded by mu_: the epoch this shard's engine was restored for
-  bool serving_ = false;               // guarded by mu_: the chief says the cluster runs at epoch_
-  bool ready_ = false;                 // guarded by mu_: checkpoints scanned
-  std::vector<int64_t> sealed_;        // guarded by mu_: restorable checkpoint steps, newest first
-  std::vector<int64_t> unusable_;      // guarded by mu_: checkpoint steps present but not restorable
-  std::vector<Peer> peers_;            // guarded by mu_
-  int required_ = 0;                   // guarded by mu_: the chief's requirement (as last heard)
-  int local_required_ = 0;             // guarded by mu_
-  Clock::time_point missing_since_{};  // guarded by mu_
-  std::string missing_reason_;         // guarded by mu_
-  bool job_done_ = false;              // guarded by mu_
-  int64_t final_step_ = -1;            // guarded by mu_: the job's last checkpoint step being written
-  bool awaiting_final_seal_ = false;   // guarded by mu_: FinishJob() once it is sealed (or timed out)
-  std::optional<Clock::time_point> final_seal_deadline_;  // guarded by mu_: set once the writer is idle
-  std::optional<peer::Prepared> vote_;  // guarded by mu_: this shard's report of the open step, until it commits
-  int vote_to_ = -1;                    // guarded by mu_: the chief it was sent to (-1: none yet, or lost)
-  uint64_t restore_epoch_ = 0;          // guarded by mu_: the newest epoch a restore was ordered for
-  uint64_t saved_term_ = 0;             // guarded by mu_: the highest term handed to ShardHost::SaveTerm
-  bool writer_busy_ = false;            // guarded by mu_: the host's checkpoint writer, as of this tick
+  mutable Mutex mu_;
+  bool stopped_ GUARDED_BY(mu_) = false;
+  uint64_t term_ GUARDED_BY(mu_) = 0;
+  uint64_t max_term_seen_ GUARDED_BY(mu_) = 0;
+  int chief_ GUARDED_BY(mu_) = -1;
+  uint64_t epoch_ GUARDED_BY(mu_) = 0;             // the epoch this shard's engine was restored for
+  bool serving_ GUARDED_BY(mu_) = false;           // the chief says the cluster runs at epoch_
+  bool ready_ GUARDED_BY(mu_) = false;             // checkpoints scanned
+  std::vector<int64_t> sealed_ GUARDED_BY(mu_);    // restorable checkpoint steps, newest first
+  std::vector<int64_t> unusable_ GUARDED_BY(mu_);  // checkpoint steps present but not restorable
+  std::vector<Peer> peers_ GUARDED_BY(mu_);
+  int required_ GUARDED_BY(mu_) = 0;  // the chief's requirement (as last heard)
+  int local_required_ GUARDED_BY(mu_) = 0;
+  Clock::time_point missing_since_ GUARDED_BY(mu_){};
+  std::string missing_reason_ GUARDED_BY(mu_);
+  bool job_done_ GUARDED_BY(mu_) = false;
+  int64_t final_step_ GUARDED_BY(mu_) = -1;           // the job's last checkpoint step being written
+  bool awaiting_final_seal_ GUARDED_BY(mu_) = false;  // FinishJob() once it is sealed (or timed out)
+  std::optional<Clock::time_point> final_seal_deadline_ GUARDED_BY(mu_);  // set once the writer is idle
+  std::optional<peer::Prepared> vote_ GUARDED_BY(mu_);  // this shard's report of the open step, until it commits
+  int vote_to_ GUARDED_BY(mu_) = -1;                    // the chief it was sent to (-1: none yet, or lost)
+  uint64_t restore_epoch_ GUARDED_BY(mu_) = 0;          // the newest epoch a restore was ordered for
+  uint64_t saved_term_ GUARDED_BY(mu_) = 0;             // the highest term handed to ShardHost::SaveTerm
+  bool writer_busy_ GUARDED_BY(mu_) = false;            // the host's checkpoint writer, as of this tick
 
   // Chief state, guarded by mu_.
-  bool running_ = false;  // the cluster serves at epoch_
-  bool forming_ = false;
-  Clock::time_point formation_start_{};
-  int64_t formation_step_ = -1;
-  std::set<int> restored_;
-  PlacementMap placement_;
-  int64_t open_step_ = 0;
-  int64_t commit_in_flight_ = -1;
-  Clock::time_point commit_start_{};
-  std::set<int> committed_;
-  std::map<int64_t, std::map<int, Vote>> votes_;  // step -> shard -> its report
-  bool checkpoint_next_ = false;
-  std::map<int64_t, std::map<int, peer::PartInfo>> parts_;  // checkpoint step -> written parts
+  bool running_ GUARDED_BY(mu_) = false;  // the cluster serves at epoch_
+  bool forming_ GUARDED_BY(mu_) = false;
+  Clock::time_point formation_start_ GUARDED_BY(mu_){};
+  int64_t formation_step_ GUARDED_BY(mu_) = -1;
+  std::set<int> restored_ GUARDED_BY(mu_);
+  PlacementMap placement_ GUARDED_BY(mu_);
+  int64_t open_step_ GUARDED_BY(mu_) = 0;
+  int64_t commit_in_flight_ GUARDED_BY(mu_) = -1;
+  Clock::time_point commit_start_ GUARDED_BY(mu_){};
+  std::set<int> committed_ GUARDED_BY(mu_);
+  std::map<int64_t, std::map<int, Vote>> votes_ GUARDED_BY(mu_);  // step -> shard -> its report
+  bool checkpoint_next_ GUARDED_BY(mu_) = false;
+  std::map<int64_t, std::map<int, peer::PartInfo>> parts_ GUARDED_BY(mu_);  // checkpoint step -> written parts
   // Checkpoint steps not yet restorable on every shard that may only be news in flight (sealed
   // lately, or sealed on one shard and only present on another) -> since when (SealsSettledLocked).
-  std::map<int64_t, Clock::time_point> seals_pending_;
-  std::string refusal_;              // why the chief does not form ("": it may), announced to followers
-  std::optional<int64_t> decision_;  // an operator's Recover() step (-1: empty), until the cluster runs
+  std::map<int64_t, Clock::time_point> seals_pending_ GUARDED_BY(mu_);
+  std::string refusal_ GUARDED_BY(mu_);              // why the chief does not form ("": it may), announced to followers
+  std::optional<int64_t> decision_ GUARDED_BY(mu_);  // an operator's Recover() step (-1: empty), until the cluster runs
 };
 
 }  // namespace psd::server

@@ -9,8 +9,8 @@
 #include <utility>
 
 #include "checkpoint/checkpoint.h"
-#include "daemon/server.h"
 #include "core/training_engine.h"
+#include "daemon/server.h"
 
 namespace psd::server {
 
@@ -19,7 +19,7 @@ ServerShardHost::~ServerShardHost() { Join(); }
 void ServerShardHost::Join() {
   std::thread t;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     t.swap(restore_);
   }
   if (t.joinable()) t.join();
@@ -50,7 +50,7 @@ void ServerShardHost::FailWaiters(const Status& why) { server_.engine()->tokens(
 void ServerShardHost::ReportIfIdle() { server_.engine()->ReportIfIdle(); }
 
 void ServerShardHost::RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   // A previous restore still loading finishes first (its result is for an older epoch).
   restore_ = std::thread([this, previous = std::move(restore_), epoch, step, done = std::move(done)]() mutable {
     if (previous.joinable()) previous.join();

@@ -7,10 +7,10 @@
 #ifndef PSD_SERVER_DAEMON_CLUSTER_HOST_H_
 #define PSD_SERVER_DAEMON_CLUSTER_HOST_H_
 
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "base/mutex.h"
 #include "cluster/shard_host.h"
 
 namespace psd::server {
@@ -44,8 +44,8 @@ class ServerShardHost : public ShardHost {
 
  private:
   Server& server_;
-  std::mutex mu_;
-  std::thread restore_;  // guarded by mu_: the newest restore (it joins the one before it first)
+  Mutex mu_;
+  std::thread restore_ GUARDED_BY(mu_);  // the newest restore (it joins the one before it first)
 };
 
 }  // namespace psd::server

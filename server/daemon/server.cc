@@ -30,7 +30,10 @@ Result<std::unique_ptr<Server>> Server::Create(ServerConfig config) {
   auto server = std::unique_ptr<Server>(new Server(std::move(config), std::move(tls), std::move(peer_tls)));
   auto engine = server->MakeEngine(0);
   if (!engine.ok()) return engine.status();
-  server->engine_ = std::move(*engine);
+  {
+    MutexLock lock(&server->engine_mu_);
+    server->engine_ = std::move(*engine);
+  }
   return server;
 }
 
@@ -65,18 +68,18 @@ Result<std::shared_ptr<TrainingEngine>> Server::MakeEngine(uint64_t epoch) {
 }
 
 std::shared_ptr<TrainingEngine> Server::engine() const {
-  std::lock_guard<std::mutex> lock(engine_mu_);
+  MutexLock lock(&engine_mu_);
   return engine_;
 }
 
 void Server::QueueSnapshot(ShardSnapshot snap) {
-  std::lock_guard<std::mutex> lock(ckpt_mu_);
+  MutexLock lock(&ckpt_mu_);
   ckpt_pending_ = std::move(snap);
-  ckpt_cv_.notify_one();
+  ckpt_cv_.NotifyOne();
 }
 
 bool Server::CheckpointWriterBusy() const {
-  std::lock_guard<std::mutex> lock(ckpt_mu_);
+  MutexLock lock(&ckpt_mu_);
   return ckpt_writing_ || ckpt_pending_.has_value();
 }
 
@@ -92,7 +95,7 @@ Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacem
   *placements = (*fresh)->Placements(config_.shard_index);
   std::shared_ptr<TrainingEngine> old;
   {
-    std::lock_guard<std::mutex> lock(engine_mu_);
+    MutexLock lock(&engine_mu_);
     old = std::move(engine_);
     engine_ = *fresh;
   }
@@ -104,10 +107,10 @@ Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacem
 
 void Server::FinishJob() {
   if (!config_.exit_when_done) return;
-  std::lock_guard<std::mutex> lock(stop_mu_);
+  MutexLock lock(&stop_mu_);
   job_done_ = true;
   stop_requested_ = true;
-  stop_cv_.notify_all();
+  stop_cv_.NotifyAll();
 }
 
 Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
@@ -183,13 +186,13 @@ double Server::uptime_s() const {
 }
 
 int Server::connection_count() const {
-  std::lock_guard<std::mutex> lock(conns_mu_);
+  MutexLock lock(&conns_mu_);
   return static_cast<int>(conns_.size());
 }
 
 Status Server::Serving() const {
   if (coordinator_) return coordinator_->Serving();
-  std::lock_guard<std::mutex> lock(ready_mu_);
+  MutexLock lock(&ready_mu_);
   if (not_ready_.empty()) return Status::Ok();
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - not_ready_since_).count();
   return Unavailable(fmt::format("{} (for {:.1f} s); retry", not_ready_, secs));
@@ -251,15 +254,15 @@ void Server::CheckpointLoop() {
   for (;;) {
     std::optional<ShardSnapshot> snap;
     {
-      std::unique_lock<std::mutex> lock(ckpt_mu_);
-      ckpt_cv_.wait(lock, [this] { return ckpt_stop_ || ckpt_pending_.has_value(); });
+      MutexLock lock(&ckpt_mu_);
+      while (!ckpt_stop_ && !ckpt_pending_.has_value()) ckpt_cv_.Wait(&ckpt_mu_);
       if (!ckpt_pending_) return;
       snap = std::move(ckpt_pending_);
       ckpt_pending_.reset();
       ckpt_writing_ = true;
     }
     WriteSnapshot(*snap);
-    std::lock_guard<std::mutex> lock(ckpt_mu_);
+    MutexLock lock(&ckpt_mu_);
     ckpt_writing_ = false;
   }
 }
@@ -385,7 +388,7 @@ Status Server::Start() {
   // Init tokens carry the current (possibly restored) global step, as TF's chief does on restart.
   engine()->PushInitTokens(config_.resolved_init_tokens);
   {
-    std::lock_guard<std::mutex> lock(ready_mu_);
+    MutexLock lock(&ready_mu_);
     not_ready_.clear();
   }
   return BecomeReady();
@@ -393,7 +396,7 @@ Status Server::Start() {
 
 Status Server::RestoreAtStart() {
   {
-    std::lock_guard<std::mutex> lock(ready_mu_);
+    MutexLock lock(&ready_mu_);
     not_ready_ = "restoring the newest checkpoint of " + config_.checkpoint_dir;
     not_ready_since_ = std::chrono::steady_clock::now();
   }
@@ -499,7 +502,7 @@ void Server::Accept() {
     auto conn = std::make_shared<Connection>(std::move(socket), conn_env_, id);
     bool refuse = false;
     {
-      std::lock_guard<std::mutex> lock(conns_mu_);
+      MutexLock lock(&conns_mu_);
       refuse = static_cast<int>(conns_.size()) >= config_.max_connections;
       if (!refuse) conns_[id] = conn;
     }
@@ -579,10 +582,10 @@ void Server::EndJobIfDone() {
   engine()->tokens().Close(OutOfRange("training is over: all workers finished"));
   ssp_.Close(OutOfRange("training is over: all workers finished"));
   if (config_.exit_when_done) {
-    std::lock_guard<std::mutex> lock(stop_mu_);
+    MutexLock lock(&stop_mu_);
     job_done_ = true;
     stop_requested_ = true;
-    stop_cv_.notify_all();
+    stop_cv_.NotifyAll();
   }
 }
 
@@ -604,20 +607,20 @@ void Server::OnConnectionClosed(uint64_t conn) {
       EndJobIfDone();
     });
   }
-  std::lock_guard<std::mutex> lock(conns_mu_);
+  MutexLock lock(&conns_mu_);
   conns_.erase(conn);
 }
 
 bool Server::Wait() {
-  std::unique_lock<std::mutex> lock(stop_mu_);
-  stop_cv_.wait(lock, [this] { return stop_requested_; });
+  MutexLock lock(&stop_mu_);
+  while (!stop_requested_) stop_cv_.Wait(&stop_mu_);
   return job_done_;
 }
 
 void Server::RequestStop() {
-  std::lock_guard<std::mutex> lock(stop_mu_);
+  MutexLock lock(&stop_mu_);
   stop_requested_ = true;
-  stop_cv_.notify_all();
+  stop_cv_.NotifyAll();
 }
 
 void Server::Stop() {
@@ -644,7 +647,7 @@ void Server::Stop() {
   ssp_.Close(Cancelled("psd is shutting down"));
   std::vector<std::shared_ptr<Connection>> live;
   {
-    std::lock_guard<std::mutex> lock(conns_mu_);
+    MutexLock lock(&conns_mu_);
     for (auto& [id, weak] : conns_) {
       if (auto c = weak.lock()) live.push_back(c);
     }
@@ -656,7 +659,7 @@ void Server::Stop() {
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   while (std::chrono::steady_clock::now() < deadline) {
     {
-      std::lock_guard<std::mutex> lock(conns_mu_);
+      MutexLock lock(&conns_mu_);
       if (conns_.empty()) break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -671,7 +674,7 @@ void Server::Stop() {
   {
     std::vector<std::shared_ptr<Connection>> stuck;
     {
-      std::lock_guard<std::mutex> lock(conns_mu_);
+      MutexLock lock(&conns_mu_);
       for (auto& [id, weak] : conns_) {
         if (auto c = weak.lock()) stuck.push_back(c);
       }
@@ -680,10 +683,10 @@ void Server::Stop() {
   }
   if (checkpoint_thread_.joinable()) {
     {
-      std::lock_guard<std::mutex> lock(ckpt_mu_);
+      MutexLock lock(&ckpt_mu_);
       ckpt_stop_ = true;
     }
-    ckpt_cv_.notify_one();
+    ckpt_cv_.NotifyOne();
     checkpoint_thread_.join();  // finishes a pending write first
     // A last checkpoint at clean exit, if the state is at a step boundary. (A cluster writes its
     // final one when the job ends: one shard alone cannot seal a checkpoint.)

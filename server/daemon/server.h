@@ -17,18 +17,16 @@
 #define PSD_SERVER_DAEMON_SERVER_H_
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
 
+#include "base/mutex.h"
 #include "checkpoint/checkpoint.h"
 #include "cluster/coordinator.h"
-#include "net/peer_auth.h"
 #include "config/server_config.h"
 #include "core/converted_values.h"
 #include "core/ssp_gate.h"
@@ -37,10 +35,11 @@
 #include "daemon/cluster_host.h"
 #include "net/connection.h"
 #include "net/frame_budget.h"
-#include "service/tcp_peer_network.h"
+#include "net/peer_auth.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
 #include "service/service_host.h"
+#include "service/tcp_peer_network.h"
 #include "wire/asio.h"
 #include "wire/tls.h"
 
@@ -158,12 +157,12 @@ class Server : public ServiceHost {
   const ConnectionEnv conn_env_;  // what every accepted connection is told (limits, budget, counters)
   const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
   const double start_unix_s_ = ops::UnixNow();
-  mutable std::mutex ready_mu_;
-  std::string not_ready_;  // guarded by ready_mu_: why a single daemon does not serve yet ("": it does)
-  std::chrono::steady_clock::time_point not_ready_since_;  // guarded by ready_mu_
+  mutable Mutex ready_mu_;
+  std::string not_ready_ GUARDED_BY(ready_mu_);  // why a single daemon does not serve yet ("": it does)
+  std::chrono::steady_clock::time_point not_ready_since_ GUARDED_BY(ready_mu_);
   std::atomic<bool> became_ready_{false};
-  mutable std::mutex engine_mu_;
-  std::shared_ptr<TrainingEngine> engine_;  // guarded by engine_mu_
+  mutable Mutex engine_mu_;
+  std::shared_ptr<TrainingEngine> engine_ GUARDED_BY(engine_mu_);
   WorkerRegistry workers_;
   SspGate ssp_;
 
@@ -189,23 +188,22 @@ class Server : public ServiceHost {
   uint16_t port_ = 0;
   std::atomic<uint64_t> next_conn_id_{1};
 
-  mutable std::mutex conns_mu_;
-  std::map<uint64_t, std::weak_ptr<Connection>> conns_;  // guarded by conns_mu_
-
-  std::mutex stop_mu_;
-  std::condition_variable stop_cv_;
-  bool stop_requested_ = false;  // guarded by stop_mu_
-  bool job_done_ = false;        // guarded by stop_mu_
+  mutable Mutex conns_mu_;
+  std::map<uint64_t, std::weak_ptr<Connection>> conns_ GUARDED_BY(conns_mu_);
+  Mutex stop_mu_;
+  CondVar stop_cv_;
+  bool stop_requested_ GUARDED_BY(stop_mu_) = false;
+  bool job_done_ GUARDED_BY(stop_mu_) = false;
   std::atomic<bool> stopped_{false};
 
   // Checkpoints: snapshots are handed to one writer thread (the newest pending one wins).
   asio::steady_timer checkpoint_timer_;
   std::thread checkpoint_thread_;
-  mutable std::mutex ckpt_mu_;
-  std::condition_variable ckpt_cv_;
-  std::optional<ShardSnapshot> ckpt_pending_;  // guarded by ckpt_mu_
-  bool ckpt_writing_ = false;                  // guarded by ckpt_mu_
-  bool ckpt_stop_ = false;                     // guarded by ckpt_mu_
+  mutable Mutex ckpt_mu_;
+  CondVar ckpt_cv_;
+  std::optional<ShardSnapshot> ckpt_pending_ GUARDED_BY(ckpt_mu_);
+  bool ckpt_writing_ GUARDED_BY(ckpt_mu_) = false;
+  bool ckpt_stop_ GUARDED_BY(ckpt_mu_) = false;
   std::atomic<int64_t> last_checkpoint_step_{-1};
   std::atomic<bool> stop_window_warned_{false};
 
