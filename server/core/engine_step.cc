@@ -119,19 +119,19 @@ void TrainingEngine::OnTaken(int count) {
 }
 
 void TrainingEngine::StepReadyLocked(MutexLock& lock, bool forced) {
-  if (!commit_gate_) return CommitLocked(lock, forced);
+  if (commit_->commits_locally()) return CommitLocked(lock, forced);
   if (prepared_) return lock.UnlockFor(&mu_);
   prepared_ = true;
   step_forced_ = forced;
   int64_t step = global_step_.load();
   int min = step_min_count_ == INT_MAX ? 0 : step_min_count_, max = step_max_count_, takes = step_takes_;
   lock.UnlockFor(&mu_);
-  commit_gate_(step, min, max, takes, forced);
+  commit_->OnPrepared({step, min, max, takes, forced});
 }
 
 void TrainingEngine::ReportIfIdle() {
   MutexLock lock(&mu_);
-  if (!commit_gate_ || prepared_ || pending_takes_ != 0 || config_.mode != Mode::kSync) return;
+  if (commit_->commits_locally() || prepared_ || pending_takes_ != 0 || config_.mode != Mode::kSync) return;
   StepReadyLocked(lock, false);
 }
 
@@ -205,7 +205,7 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
   step_started_ = false;
   step_lr_ = next_lr_.load();
   lock.UnlockFor(&mu_);
-  if (!commit_gate_) tokens_.Push(step, config_.tokens_per_step);  // cluster: the chief's coordinator does
+  if (commit_->commits_locally()) tokens_.Push(step, config_.tokens_per_step);  // cluster: the chief's coordinator does
   if (config_.ema_decay > 0) UpdateAverages(step);
   if (snapshot && on_snapshot_) {
     // Averages are updated after the tokens (TF's order); the snapshot takes the new ones.

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "core/snapshot.h"
+#include "core/step_commit.h"
 #include "core/var_placement.h"
 #include "core/training_config.h"
 #include "core/optimizer.h"
@@ -258,13 +259,11 @@ class TrainingEngine {
   const TrainingConfig& config() const { return config_; }
   EngineStats Stats() const EXCLUDES(mu_);
 
-  // Cluster (the chief decides when a step commits). With a gate set, the engine does not commit
-  // when its last variable is taken: it calls the gate (outside all locks) with the step, the
-  // fewest/most gradients averaged and how many variables were taken (0: it has no trainable
-  // variable — then it reports at once, for every step), and waits for CommitPrepared. It then
-  // pushes no tokens: the chief's coordinator does, once every shard committed.
-  using CommitGate = std::function<void(int64_t step, int min_gradients, int max_gradients, int takes, bool forced)>;
-  void set_commit_gate(CommitGate gate) { commit_gate_ = std::move(gate); }
+  // How a prepared sync step commits (core/step_commit.h): at once (the default, a single
+  // daemon), or, on a cluster shard, reported to `commit` and committed by CommitPrepared when the
+  // cluster decides (the engine then pushes no tokens: the chief's coordinator does). Set before the
+  // engine is used.
+  void set_step_commit(std::unique_ptr<StepCommit> commit) { commit_ = std::move(commit); }
   // Commits prepared step `step` (publishes step + 1); `snapshot`: also hand a snapshot of the
   // new state to on_snapshot. `next_lr` (> 0) is the learning rate of the steps after it.
   // FailedPrecondition if the engine is not prepared for `step`.
@@ -333,7 +332,7 @@ class TrainingEngine {
   std::function<void(double)> on_apply_;
   std::function<void(int64_t)> on_step_started_;
   std::function<void(ShardSnapshot)> on_snapshot_;
-  CommitGate commit_gate_;
+  std::unique_ptr<StepCommit> commit_ = std::make_unique<LocalStepCommit>();
   std::function<void(std::string_view)> test_hook_;
 
   uint64_t epoch_ = 0;                   // set before the engine is shared

@@ -9,10 +9,15 @@
 #include <utility>
 
 #include "checkpoint/checkpoint.h"
+#include "cluster/coordinator.h"
 #include "core/training_engine.h"
 #include "daemon/server.h"
 
 namespace psd::server {
+
+void ClusterStepCommit::OnPrepared(const PreparedStep& p) {
+  coordinator_->OnPrepared(epoch_, p.step, p.min_gradients, p.max_gradients, p.takes, p.forced);
+}
 
 ServerShardHost::~ServerShardHost() { Join(); }
 

@@ -12,10 +12,25 @@
 
 #include "base/mutex.h"
 #include "cluster/shard_host.h"
+#include "core/step_commit.h"
 
 namespace psd::server {
 
 class Server;
+class ClusterCoordinator;
+
+// A cluster shard's StepCommit: the engine of `epoch` reports each prepared step to the
+// coordinator, which commits it on every shard once all have prepared it.
+class ClusterStepCommit final : public StepCommit {
+ public:
+  ClusterStepCommit(ClusterCoordinator* coordinator, uint64_t epoch) : coordinator_(coordinator), epoch_(epoch) {}
+  bool commits_locally() const override { return false; }
+  void OnPrepared(const PreparedStep& p) override;
+
+ private:
+  ClusterCoordinator* const coordinator_;  // outlives the engines
+  const uint64_t epoch_;
+};
 
 class ServerShardHost : public ShardHost {
  public:

@@ -60,9 +60,7 @@ Result<std::shared_ptr<TrainingEngine>> Server::MakeEngine(uint64_t epoch) {
     engine->set_on_snapshot([this](ShardSnapshot snap) { QueueSnapshot(std::move(snap)); });
   }
   if (config_.clustered()) {
-    engine->set_commit_gate([this, epoch](int64_t step, int min, int max, int takes, bool forced) {
-      coordinator_->OnPrepared(epoch, step, min, max, takes, forced);
-    });
+    engine->set_step_commit(std::make_unique<ClusterStepCommit>(coordinator_.get(), epoch));
   }
   return engine;
 }

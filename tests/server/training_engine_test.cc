@@ -258,3 +258,57 @@ TEST_CASE("variables beyond --max-model-bytes are refused before anything is all
   CHECK(e.engine.CreateVariable(small).ok());
   CHECK(e.engine.CreateVariable(small).ok());  // create-or-get costs nothing
 }
+
+namespace {
+
+// A cluster shard's commit, as the coordinator sees it: every prepared step is recorded.
+class RecordingCommit final : public StepCommit {
+ public:
+  explicit RecordingCommit(std::vector<PreparedStep>* seen) : seen_(seen) {}
+  bool commits_locally() const override { return false; }
+  void OnPrepared(const PreparedStep& p) override { seen_->push_back(p); }
+
+ private:
+  std::vector<PreparedStep>* seen_;
+};
+
+}  // namespace
+
+TEST_CASE("step commit: a shard's engine reports a prepared step and publishes only at CommitPrepared",
+          "[engine][step_commit]") {
+  Engine e(Config(2, 2, 0, 1.0));
+  std::vector<PreparedStep> seen;
+  e.engine.set_step_commit(std::make_unique<RecordingCommit>(&seen));
+  e.Create("w", std::vector<float>{10.0f});
+  e.Push(0, {{"w", 2.0f}});
+  CHECK(seen.empty());  // one of two gradients: not prepared yet
+  e.Push(0, {{"w", 4.0f}});
+  REQUIRE(seen.size() == 1);
+  CHECK(seen[0].step == 0);
+  CHECK(seen[0].takes == 1);
+  CHECK(seen[0].min_gradients == 2);
+  CHECK(seen[0].max_gradients == 2);
+  CHECK_FALSE(seen[0].forced);
+  int64_t step = -1;
+  CHECK(e.Value("w", &step) == 10.0f);  // staged, not published
+  CHECK(step == 0);
+  CHECK(e.engine.tokens().size() == 0);
+  REQUIRE(e.engine.CommitPrepared(0, false, 0).ok());
+  CHECK(e.Value("w", &step) == 7.0f);  // 10 - 1.0 * mean(2, 4)
+  CHECK(step == 1);
+  CHECK(e.engine.tokens().size() == 0);  // the chief's coordinator releases the tokens, not the shard
+  CHECK(e.engine.CommitPrepared(0, false, 0).code() == Code::kFailedPrecondition);  // committed once
+}
+
+TEST_CASE("step commit: an engine with no trainable variable reports every step at once", "[engine][step_commit]") {
+  Engine e(Config(1, 1, 0, 1.0));
+  std::vector<PreparedStep> seen;
+  e.engine.set_step_commit(std::make_unique<RecordingCommit>(&seen));
+  e.engine.ReportIfIdle();
+  REQUIRE(seen.size() == 1);
+  CHECK(seen[0].takes == 0);
+  e.engine.ReportIfIdle();  // still prepared: not reported twice
+  CHECK(seen.size() == 1);
+  REQUIRE(e.engine.CommitPrepared(0, false, 0).ok());
+  CHECK(e.engine.global_step() == 1);
+}
