@@ -70,16 +70,9 @@ std::shared_ptr<TrainingEngine> Server::engine() const {
   return engine_;
 }
 
-void Server::QueueSnapshot(ShardSnapshot snap) {
-  MutexLock lock(&ckpt_mu_);
-  ckpt_pending_ = std::move(snap);
-  ckpt_cv_.NotifyOne();
-}
+void Server::QueueSnapshot(ShardSnapshot snap) { ckpt_writer_.Queue(std::move(snap)); }
 
-bool Server::CheckpointWriterBusy() const {
-  MutexLock lock(&ckpt_mu_);
-  return ckpt_writing_ || ckpt_pending_.has_value();
-}
+bool Server::CheckpointWriterBusy() const { return ckpt_writer_.Busy(); }
 
 Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacement>* placements) {
   auto fresh = MakeEngine(epoch);
@@ -248,23 +241,6 @@ void Server::WriteSnapshot(const ShardSnapshot& snap) {
   }
 }
 
-void Server::CheckpointLoop() {
-  for (;;) {
-    std::optional<ShardSnapshot> snap;
-    {
-      MutexLock lock(&ckpt_mu_);
-      while (!ckpt_stop_ && !ckpt_pending_.has_value()) ckpt_cv_.Wait(&ckpt_mu_);
-      if (!ckpt_pending_) return;
-      snap = std::move(ckpt_pending_);
-      ckpt_pending_.reset();
-      ckpt_writing_ = true;
-    }
-    WriteSnapshot(*snap);
-    MutexLock lock(&ckpt_mu_);
-    ckpt_writing_ = false;
-  }
-}
-
 Status Server::RequestCheckpoint() {
   if (config_.checkpoint_dir.empty()) return FailedPrecondition("psd runs without --checkpoint-dir");
   if (coordinator_) {
@@ -345,7 +321,7 @@ Status Server::Start() {
   }
   port_ = acceptor_.local_endpoint().port();
   PSD_RETURN_IF_ERROR(ops_->Start());
-  if (!config_.checkpoint_dir.empty()) checkpoint_thread_ = std::thread([this] { CheckpointLoop(); });
+  if (!config_.checkpoint_dir.empty()) ckpt_writer_.Start();
   work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
   if (coordinator_) {
     spdlog::info("psd shard {} of {} ({})", config_.shard_index, config_.shards(),
@@ -679,13 +655,8 @@ void Server::Stop() {
     }
     for (auto& c : stuck) c->CloseNow();
   }
-  if (checkpoint_thread_.joinable()) {
-    {
-      MutexLock lock(&ckpt_mu_);
-      ckpt_stop_ = true;
-    }
-    ckpt_cv_.NotifyOne();
-    checkpoint_thread_.join();  // finishes a pending write first
+  if (ckpt_writer_.started()) {
+    ckpt_writer_.Stop();  // finishes a pending write first
     // A last checkpoint at clean exit, if the state is at a step boundary. (A cluster writes its
     // final one when the job ends: one shard alone cannot seal a checkpoint.)
     auto snap = coordinator_ ? std::nullopt : engine()->SnapshotIfAtBoundary();

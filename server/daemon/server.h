@@ -32,6 +32,7 @@
 #include "core/ssp_gate.h"
 #include "core/training_engine.h"
 #include "core/worker_registry.h"
+#include "daemon/checkpoint_writer.h"
 #include "daemon/cluster_host.h"
 #include "net/connection.h"
 #include "net/frame_budget.h"
@@ -135,7 +136,6 @@ class Server : public ServiceHost {
   void UpdateRequired();
   void ArmStepDeadline(int64_t step);
   void ScheduleCheckpointTimer();
-  void CheckpointLoop();
   // Restores the newest good checkpoint of --checkpoint-dir into the (empty) engine.
   Status RestoreAtStart();
   // Serves on config_.listen_fd after checking that it listens on host:port; closes it on error.
@@ -198,12 +198,7 @@ class Server : public ServiceHost {
 
   // Checkpoints: snapshots are handed to one writer thread (the newest pending one wins).
   asio::steady_timer checkpoint_timer_;
-  std::thread checkpoint_thread_;
-  mutable Mutex ckpt_mu_;
-  CondVar ckpt_cv_;
-  std::optional<ShardSnapshot> ckpt_pending_ GUARDED_BY(ckpt_mu_);
-  bool ckpt_writing_ GUARDED_BY(ckpt_mu_) = false;
-  bool ckpt_stop_ GUARDED_BY(ckpt_mu_) = false;
+  CheckpointWriter ckpt_writer_{[this](const ShardSnapshot& snap) { WriteSnapshot(snap); }};
   std::atomic<int64_t> last_checkpoint_step_{-1};
   std::atomic<bool> stop_window_warned_{false};
 
