@@ -258,6 +258,8 @@ class TrainingEngine {
   const Optimizer& optimizer() const { return *optimizer_; }
   const TrainingConfig& config() const { return config_; }
   EngineStats Stats() const EXCLUDES(mu_);
+  // Stats().last_step_gradients without the lock (every push reply carries it).
+  int last_step_gradients() const { return last_step_gradients_.load(); }
 
   // How a prepared sync step commits (core/step_commit.h): at once (the default, a single
   // daemon), or, on a cluster shard, reported to `commit` and committed by CommitPrepared when the

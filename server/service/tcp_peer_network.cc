@@ -11,6 +11,7 @@
 #include "net/peer_auth.h"
 #include "net/byte_stream.h"
 #include "psd.capnp.h"
+#include "psd/cluster_list.h"
 #include "service/peer_codec.h"
 #include "wire/frame.h"
 
@@ -44,6 +45,12 @@ Bytes Encode(const peer::Message& message) {
 // messages given meanwhile written (cluster/peer_auth.h). Later replies (errors) are read and
 // discarded; a read error is how a dead peer is noticed. All members are touched on the
 // link's strand.
+// host and port of a --cluster entry (validated at start-up; [v6]:port too).
+static psd::HostPort SplitAddress(const std::string& address) {
+  auto hp = psd::ParseHostPort(address, "--cluster entry");
+  return hp.ok() ? *hp : psd::HostPort{address, 0};
+}
+
 class PeerLink : public std::enable_shared_from_this<PeerLink> {
  public:
   struct Identity {
@@ -62,6 +69,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
         resolver_(strand_),
         retry_(strand_),
         address_(std::move(address)),
+        endpoint_(SplitAddress(address_)),
         id_(std::move(id)),
         log_(1, std::chrono::seconds(30)) {}
 
@@ -113,9 +121,8 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
 
   void Connect() {
     if (stopped_) return;
-    size_t colon = address_.rfind(':');
     resolver_.async_resolve(
-        address_.substr(0, colon), address_.substr(colon + 1),
+        endpoint_.host, std::to_string(endpoint_.port),
         [self = shared_from_this()](boost::system::error_code ec, tcp::resolver::results_type results) {
           if (ec) return self->Retry();
           self->stream_ = std::make_shared<ByteStream>(tcp::socket(self->strand_), self->tls_);
@@ -126,8 +133,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                 boost::system::error_code ignored;
                 self->stream_->lowest().set_option(tcp::no_delay(true), ignored);
                 if (self->stream_->tls()) {
-                  Status s = wire::SetTlsServerName(self->stream_->tls_stream(),
-                                                    self->address_.substr(0, self->address_.rfind(':')));
+                  Status s = wire::SetTlsServerName(self->stream_->tls_stream(), self->endpoint_.host);
                   if (!s.ok()) {
                     spdlog::error("peer link to {}: {}", self->address_, s.message());
                     return self->Retry();
@@ -322,6 +328,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   tcp::resolver resolver_;
   asio::steady_timer retry_;  // the reconnect delay, and the handshake's deadline
   const std::string address_;
+  const psd::HostPort endpoint_;  // address_ split once ([v6]:port too); validated at start-up
   const Identity id_;
   peer_auth::LogLimiter log_;
   std::deque<Bytes> queue_;

@@ -521,7 +521,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
       results[static_cast<unsigned>(i)].setStaleness(outcomes[i].staleness);
     }
     p.setIsChief(host_.workers().IsChief(id_));
-    p.setStepGradients(engine->Stats().last_step_gradients);
+    p.setStepGradients(engine->last_step_gradients());
     FillCluster(p, engine->epoch());
   };
   auto answer = [this, id, engine, pending, fill](const Status& st, int64_t token) {

@@ -123,6 +123,19 @@ TEST_CASE("a 3-shard cluster trains sliced variables exactly like one daemon", "
   CHECK(status->global_step == 3);
 }
 
+TEST_CASE("a cluster whose shards are IPv6 addresses ([::1]:port) forms and trains", "[cluster]") {
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.optimizer.name = "momentum";
+  cfg.optimizer.learning_rate = 0.5;
+  cfg.slice_bytes = 4096;
+  auto cluster = psd::testing::StartTestCluster(cfg, 2, "::1");
+  REQUIRE(cluster.addresses[0].rfind("[::1]:", 0) == 0);
+  auto c = ConnectCluster(cluster, "w0");  // served only once the shards' links formed the cluster
+  CHECK(c->shards() == 2);
+  Observed o = Train(*c);
+  CHECK(o.step == 3);
+}
+
 TEST_CASE("colocate_with is honoured across 3 shards", "[cluster]") {
   auto cfg = TestConfig(1);
   cfg.slice_bytes = 4096;

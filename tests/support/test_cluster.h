@@ -19,17 +19,18 @@ namespace psd::testing {
 
 struct TestCluster {
   std::vector<std::unique_ptr<server::Server>> shards;
-  std::vector<std::string> addresses;  // "127.0.0.1:port", shard k's at k
+  std::vector<std::string> addresses;  // "127.0.0.1:port" (or "[::1]:port"), shard k's at k
 };
 
 // Starts `shards` shards of `cfg` (its cluster, shard_index, host, port and listen_fd are set
-// here); fails the test case if one does not start.
-inline TestCluster StartTestCluster(server::ServerConfig cfg, int shards) {
+// here) listening on `ip` (an IPv6 one is listed as [ip]:port); fails the test case if one does
+// not start.
+inline TestCluster StartTestCluster(server::ServerConfig cfg, int shards, const std::string& ip = "127.0.0.1") {
   TestCluster c;
   std::vector<int> sockets;
   std::vector<SocketAddress> bound(static_cast<size_t>(shards));
   for (int k = 0; k < shards; ++k) {
-    auto fd = ListenTcp("127.0.0.1", 0, &bound[static_cast<size_t>(k)]);
+    auto fd = ListenTcp(ip, 0, &bound[static_cast<size_t>(k)]);
     INFO(fd.status().ToString());
     REQUIRE(fd.ok());
     sockets.push_back(*fd);
