@@ -230,7 +230,8 @@ void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
   if (r.getPeer()) return HandlePeerHello(id, r);
   if (r.getObserver()) {
     greeted_ = true;
-    conn_->set_role(Connection::Role::kObserver);
+    // A worker's connection that says hello again as an observer keeps its worker's limits.
+    if (conn_->role() == Connection::Role::kNone) conn_->set_role(Connection::Role::kObserver);
     proto::Response::Builder resp(nullptr);
     auto frame = NewReply(id, &resp);
     auto h = resp.initHello();
@@ -784,9 +785,11 @@ void WorkerSession::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
   int64_t timeout_ms = r.getTimeoutMs();
   auto self = shared_from_this();
   auto completed = std::make_shared<std::atomic<bool>>(false);
-  auto reply = [self, id, parked, engine, completed](std::vector<ReduceOutcome> outcomes) {
+  // The engine keeps `reply` until the round completes: it must not hold the engine (a cycle that
+  // would keep an engine replaced by a restore, and this session, alive).
+  auto reply = [self, id, parked, completed](std::vector<ReduceOutcome> outcomes) {
     completed->store(true);
-    asio::post(self->conn_->strand(), [self, id, parked, engine, outcomes = std::move(outcomes)] {
+    asio::post(self->conn_->strand(), [self, id, parked, outcomes = std::move(outcomes)] {
       if (!parked->Answer()) return;
       proto::Response::Builder resp(nullptr);
       auto frame = self->NewReply(id, &resp);
