@@ -77,6 +77,9 @@ class Server : public ServiceHost {
   ConvertedValues& converted_values() override { return converted_values_; }
   // Memory for incoming frames across all connections (--max-inflight-bytes).
   FrameBudget& frame_budget() { return frame_budget_; }
+  // What each accepted connection is told (limits, the frame budget, counters); a harness that
+  // serves a socket of its own builds its Connection with it.
+  const ConnectionEnv& connection_env() const { return conn_env_; }
   int connection_count() const;
   double uptime_s() const override;
   double start_unix_s() const { return start_unix_s_; }

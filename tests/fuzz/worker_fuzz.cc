@@ -12,6 +12,7 @@
 #include "fuzz_support.h"
 #include "net/connection.h"
 #include "daemon/server.h"
+#include "service/worker_session.h"
 
 namespace {
 
@@ -55,7 +56,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     asio::io_context io;
     tcp::socket psd_end(io), worker_end(io);
     psd::fuzz::MakeSocketPair(io, &psd_end, &worker_end);
-    std::make_shared<psd::server::Connection>(*server, std::move(psd_end), /*id=*/1)->Start();
+    auto conn = std::make_shared<psd::server::Connection>(std::move(psd_end), server->connection_env(), /*id=*/1);
+    conn->Start(std::make_shared<psd::server::WorkerSession>(*server, conn));
     psd::fuzz::Feed(worker_end, data, size);
     // Until two rounds in a row run no handler and read no reply (replies are read as they come,
     // so the connection's writes never block). Bounded: an input has at most kMaxInputBytes.
@@ -69,6 +71,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // to `io`); they run while the server still exists, and the connection's remaining handlers
     // are dropped with `io`, before the server goes.
     server->Stop();
+    io.restart();
+    io.poll();
+    conn->CloseNow();  // the connection and its session hold each other until it closes
     io.restart();
     io.poll();
   }
