@@ -77,13 +77,13 @@
 
 #include "checkpoint/checkpoint.h"
 #include "config/server_config.h"
-#include "daemon/server.h"
 #include "core/optimizer.h"
+#include "core/training_engine.h"
+#include "daemon/server.h"
 #include "psclient/client.h"
 #include "psd/cluster_list.h"
 #include "psd/half.h"
 #include "psd/listen_socket.h"
-#include "core/training_engine.h"
 
 #ifndef PSD_BUILD_TYPE
 #define PSD_BUILD_TYPE ""
@@ -1193,7 +1193,8 @@ int RunCheckpointBench(const Options& opt, uint64_t model_bytes) {
                 write_mbs);
     std::printf("restore     %9.1f ms  %8.1f MB/s  (read + verify + parse into tensors; page cache %s)\n", load_ms,
                 load_mbs, cache.c_str());
-    std::printf("engine      %9.1f ms               (TrainingEngine::Restore adopting the restored tensors)\n", engine_ms);
+    std::printf("engine      %9.1f ms               (TrainingEngine::Restore adopting the restored tensors)\n",
+                engine_ms);
   }
   std::fflush(stdout);
   return 0;

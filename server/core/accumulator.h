@@ -17,10 +17,10 @@
 
 #include <cstdint>
 
+#include "core/buffer.h"
 #include "core/training_config.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
-#include "core/buffer.h"
 
 namespace psd::server {
 

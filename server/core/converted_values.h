@@ -17,9 +17,9 @@
 #include <string_view>
 #include <utility>
 
-#include "psd/tensor.h"
-#include "core/buffer.h"
 #include "base/mutex.h"
+#include "core/buffer.h"
+#include "psd/tensor.h"
 
 namespace psd::server {
 

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "core/buffer.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
-#include "core/buffer.h"
 
 namespace psd::server {
 

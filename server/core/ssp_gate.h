@@ -12,9 +12,9 @@
 #include <list>
 #include <map>
 
-#include "psd/status.h"
 #include "base/mutex.h"
 #include "core/parked_waits.h"
+#include "psd/status.h"
 
 namespace psd::server {
 

@@ -13,9 +13,9 @@
 #include <functional>
 #include <list>
 
-#include "psd/status.h"
 #include "base/mutex.h"
 #include "core/parked_waits.h"
+#include "psd/status.h"
 
 namespace psd::server {
 

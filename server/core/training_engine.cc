@@ -27,7 +27,6 @@ Result<Aggregation> AggregationFromNumber(int value) {
                          "; the valid ones are NONE (0), SUM (1), MEAN (2) and ONLY_FIRST_REPLICA (3)");
 }
 
-
 // The gradient kinds one push claimed (TrainingEngine::Push). Claim and Use run with no variable
 // lock held / with the variable's lock held respectively; unused claims are released when the
 // push returns, each under its own variable's lock (never two variable locks at once).

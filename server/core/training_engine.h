@@ -42,17 +42,17 @@
 #include <string_view>
 #include <vector>
 
+#include "base/mutex.h"
+#include "core/buffer.h"
+#include "core/optimizer.h"
 #include "core/snapshot.h"
 #include "core/step_commit.h"
-#include "core/var_placement.h"
-#include "core/training_config.h"
-#include "core/optimizer.h"
-#include "psd/status.h"
-#include "psd/tensor.h"
-#include "core/buffer.h"
-#include "base/mutex.h"
 #include "core/thread_pool.h"
 #include "core/token_queue.h"
+#include "core/training_config.h"
+#include "core/var_placement.h"
+#include "psd/status.h"
+#include "psd/tensor.h"
 
 namespace psd::server {
 
