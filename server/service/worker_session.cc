@@ -124,7 +124,7 @@ void WorkerSession::Dispatch(proto::Request::Reader req) {
   if (!authenticated_ && !host_.config().auth_token.empty()) {
     return SendError(id, Unauthenticated("say hello with the auth token first"));
   }
-  if (!greeted_) return SendError(id, FailedPrecondition("say hello first (as a worker, an observer or a peer)"));
+  if (!greeted()) return SendError(id, FailedPrecondition("say hello first (as a worker, an observer or a peer)"));
   if (which == proto::Request::PEER) {
     // Only a shard's (proven) peer link carries peer messages, and only in its own name.
     if (peer_shard_ < 0) {
@@ -150,7 +150,7 @@ void WorkerSession::Dispatch(proto::Request::Reader req) {
   if (which == proto::Request::CHECKPOINT) return HandleCheckpoint(id);              // an operator's request
   if (which == proto::Request::RECOVER) return HandleRecover(id, req.getRecover());  // an operator's too
   if (which == proto::Request::GET_PLACEMENT) return HandleGetPlacement(id);         // operators too
-  if (!hello_done_) return SendError(id, FailedPrecondition("say hello first"));
+  if (!is_worker()) return SendError(id, FailedPrecondition("say hello first"));
   host_.metrics().OnWorkerRequest(worker_index_);
   if (which != proto::Request::FINISH || host_.coordinator() == nullptr) {
     // Restoring a checkpoint or a cluster not formed: retry later (a cluster's worker may still
@@ -223,13 +223,12 @@ void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
   }
   authenticated_ = true;
   // A connection has one identity: a shard's link never becomes a worker's, nor the reverse.
-  if ((greeted_ || peer_claim_ >= 0) && (r.getPeer() || peer_shard_ >= 0 || peer_claim_ >= 0)) {
+  if ((greeted() || peer_claim_ >= 0) && (r.getPeer() || peer_shard_ >= 0 || peer_claim_ >= 0)) {
     if (r.getPeer()) LogSpoof("sent a second hello as a peer");
     return FailStream(FailedPrecondition("this connection already said hello; open a new one"), id);
   }
   if (r.getPeer()) return HandlePeerHello(id, r);
   if (r.getObserver()) {
-    greeted_ = true;
     // A worker's connection that says hello again as an observer keeps its worker's limits.
     if (conn_->role() == Connection::Role::kNone) conn_->set_role(Connection::Role::kObserver);
     proto::Response::Builder resp(nullptr);
@@ -258,8 +257,6 @@ void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
   auto index = host_.OnHello(id_, name, r.getIncarnation());
   if (!index.ok()) return FailStream(index.status(), id);
   worker_index_ = *index;
-  hello_done_ = true;
-  greeted_ = true;
   conn_->set_role(Connection::Role::kWorker);
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
@@ -315,7 +312,6 @@ void WorkerSession::HandlePeerHello(uint64_t id, proto::Hello::Reader r) {
     // No cluster secret (loopback only, or --insecure): the hello's index is believed, and binds
     // the link's messages to it.
     peer_shard_ = idx;
-    greeted_ = true;
     conn_->set_role(Connection::Role::kShard);
     c->OnPeerUp(idx);
     return Send(std::move(frame));
@@ -342,7 +338,7 @@ void WorkerSession::HandlePeerHello(uint64_t id, proto::Hello::Reader r) {
 
 void WorkerSession::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
   const ServerConfig& cfg = host_.config();
-  if (peer_claim_ < 0 || greeted_ || cfg.cluster_secret.empty()) {
+  if (peer_claim_ < 0 || greeted() || cfg.cluster_secret.empty()) {
     LogSpoof("sent a peer proof without a pending challenge");
     return FailStream(FailedPrecondition("a peer proof answers this shard's challenge to a peer hello; closing"), id);
   }
@@ -355,7 +351,6 @@ void WorkerSession::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
   peer_shard_ = peer_claim_;
   peer_claim_ = -1;
   peer_nonces_.clear();
-  greeted_ = true;
   conn_->set_role(Connection::Role::kShard);
   host_.coordinator()->OnPeerUp(peer_shard_);
 }

@@ -49,6 +49,9 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // Answers `id` with `status` and closes once the reply is written.
   void FailStream(const Status& status, uint64_t id);
   void Send(std::shared_ptr<wire::OutFrame> frame) { conn_->Send(std::move(frame)); }
+  // What the hello admitted is the connection's role (it also sets what the connection may send).
+  bool greeted() const { return conn_->role() != Connection::Role::kNone; }  // any hello accepted
+  bool is_worker() const { return conn_->role() == Connection::Role::kWorker; }
 
   void Dispatch(proto::Request::Reader req);
   void HandleHello(uint64_t id, proto::Hello::Reader r);
@@ -99,8 +102,6 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   ServiceHost& host_;
   const std::shared_ptr<Connection> conn_;
   const uint64_t id_;        // the connection's
-  bool hello_done_ = false;  // a worker's hello was accepted
-  bool greeted_ = false;     // any hello (worker, observer, peer) was accepted
   // Parked reduce/update replies.
   std::set<std::shared_ptr<ParkedReply>> collectives_;
   bool authenticated_ = false;  // a hello with the right token (or no token required)
