@@ -177,12 +177,10 @@ void Connection::ReleaseCharge() {
   env_.budget->Release(bytes);
 }
 
-void Connection::FailStream(const Status& status) {
+void Connection::FailStream(const Status& status, uint64_t id) {
   spdlog::warn("connection {}: {}; closing it", id_, status.ToString());
-  if (handler_)
-    SendAndClose(handler_->ErrorReply(0, status));
-  else
-    CloseNow();
+  if (handler_) return SendAndClose(handler_->ErrorReply(id, status));
+  CloseNow();
 }
 
 // --- writing ----------------------------------------------------------------------------------

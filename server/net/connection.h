@@ -92,6 +92,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Send(std::shared_ptr<wire::OutFrame> frame);
   // Sends `frame` (an error reply) and closes once it is written; reads stop now.
   void SendAndClose(std::shared_ptr<wire::OutFrame> frame);
+  // Logs `status`, answers request `id` (0: not known) with the handler's error reply and closes
+  // once it is written: for input after which the stream cannot go on.
+  void FailStream(const Status& status, uint64_t id = 0);
   void CloseNow();
   void set_role(Role role) { role_ = role; }
   // The hello was answered with "retry later": --hello-timeout-ms starts again.
@@ -119,8 +122,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void ReleaseBuffer();
   // Gives the budget share back (CloseNow: the buffer goes with the connection).
   void ReleaseCharge();
-  // Answers with the handler's error reply for `status` and closes once it is written.
-  void FailStream(const Status& status);
   // The per-connection timer: the hello deadline until a role is admitted, then the idle check.
   void ArmTimer(std::chrono::steady_clock::duration after);
   void OnTimer();

@@ -95,11 +95,6 @@ void WorkerSession::OnClosed() {
   host_.OnConnectionClosed(id_);
 }
 
-void WorkerSession::FailStream(const Status& status, uint64_t id) {
-  spdlog::warn("connection {}: {}; closing it", id_, status.ToString());
-  conn_->SendAndClose(ErrorReply(id, status));
-}
-
 void WorkerSession::OnFrame(const wire::InFrame& in) {
   uint64_t id = 0;
   try {

@@ -19,10 +19,10 @@
 #include <memory>
 #include <set>
 
-#include "net/peer_auth.h"
 #include "core/token_queue.h"
 #include "net/connection.h"
 #include "net/parked_reply.h"
+#include "net/peer_auth.h"
 #include "psd.capnp.h"
 #include "wire/asio.h"
 #include "wire/frame.h"
@@ -47,7 +47,7 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   using TokenDone = std::function<void(const Status&, int64_t token)>;
 
   // Answers `id` with `status` and closes once the reply is written.
-  void FailStream(const Status& status, uint64_t id);
+  void FailStream(const Status& status, uint64_t id) { conn_->FailStream(status, id); }
   void Send(std::shared_ptr<wire::OutFrame> frame) { conn_->Send(std::move(frame)); }
   // What the hello admitted is the connection's role (it also sets what the connection may send).
   bool greeted() const { return conn_->role() != Connection::Role::kNone; }  // any hello accepted
@@ -101,7 +101,7 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
 
   ServiceHost& host_;
   const std::shared_ptr<Connection> conn_;
-  const uint64_t id_;        // the connection's
+  const uint64_t id_;  // the connection's
   // Parked reduce/update replies.
   std::set<std::shared_ptr<ParkedReply>> collectives_;
   bool authenticated_ = false;  // a hello with the right token (or no token required)
