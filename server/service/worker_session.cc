@@ -754,7 +754,7 @@ void WorkerSession::HandleGetPlacement(uint64_t id) {
 
 void WorkerSession::ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply,
                                 std::function<void()> expire) {
-  if (timeout_ms <= 0) timeout_ms = host_.config().default_token_timeout_ms;
+  timeout_ms = WaitMs(timeout_ms);
   collectives_.insert(reply);  // not idle while it is parked
   ParkedReply::ArmDeadline(reply, std::chrono::milliseconds(timeout_ms), std::move(expire));
 }
@@ -772,7 +772,7 @@ void WorkerSession::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
   // The reply is built when every destination's round completed, or at the deadline; whichever
   // comes first answers, on this connection's strand.
   auto parked = std::make_shared<ParkedReply>(conn_->strand());
-  int64_t timeout_ms = r.getTimeoutMs();
+  int64_t timeout_ms = WaitMs(r.getTimeoutMs());
   auto self = shared_from_this();
   auto completed = std::make_shared<std::atomic<bool>>(false);
   // The engine keeps `reply` until the round completes: it must not hold the engine (a cycle that
@@ -863,7 +863,7 @@ void WorkerSession::HandleUpdate(uint64_t id, proto::Update::Reader r) {
     return SendError(id, s);
   }
   if (completed->load()) return;
-  int64_t timeout_ms = r.getTimeoutMs();
+  int64_t timeout_ms = WaitMs(r.getTimeoutMs());
   ArmDeadline(timeout_ms, parked, [self, id, timeout_ms] {
     self->SendError(id, DeadlineExceeded("update: not every replica assigned within " + std::to_string(timeout_ms) +
                                          " ms; this replica's share still counts"));
@@ -872,8 +872,13 @@ void WorkerSession::HandleUpdate(uint64_t id, proto::Update::Reader r) {
 
 // --- token waits ------------------------------------------------------------------------------
 
+int64_t WorkerSession::WaitMs(int64_t requested) const {
+  if (requested <= 0) return host_.config().default_token_timeout_ms;
+  return std::min(requested, kMaxWaitMs);
+}
+
 std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t timeout_ms, TokenDone done) {
-  if (timeout_ms <= 0) timeout_ms = host_.config().default_token_timeout_ms;
+  timeout_ms = WaitMs(timeout_ms);
   std::shared_ptr<TrainingEngine> engine = host_.engine();
   Mode mode = host_.config().mode;
   if (mode == Mode::kAsync) {

@@ -94,6 +94,11 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // Returns the parked wait (its cancel answers `done` with a status), or nullptr when answered
   // at once.
   std::shared_ptr<TokenWait> WaitForToken(int64_t timeout_ms, TokenDone done);
+  // The deadline of a parked wait a request asks for: <= 0 is psd's default
+  // (--token-timeout-ms); more than kMaxWaitMs (7 days) is kMaxWaitMs, so any value a peer
+  // sends stays a deadline (and milliseconds never overflow as clock ticks).
+  static constexpr int64_t kMaxWaitMs = 7LL * 24 * 3600 * 1000;
+  int64_t WaitMs(int64_t requested) const;
   void FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token);
 
   std::shared_ptr<wire::OutFrame> NewReply(uint64_t id, proto::Response::Builder* resp);
