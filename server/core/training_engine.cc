@@ -264,7 +264,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
     // claimed first, so concurrent pushes get distinct steps (Adam's t never repeats).
     int64_t global = global_step_.fetch_add(1);
     int64_t step = global + 1;
-    int64_t staleness = std::max<int64_t>(0, global - local_step);
+    int64_t staleness = StalenessOf(global, local_step);
     double lr = next_lr_.load();
     if (config_.staleness_lr == StalenessLr::kInverse) lr /= static_cast<double>(std::max<int64_t>(1, staleness));
     if (config_.staleness_lr == StalenessLr::kWorkers) lr /= static_cast<double>(std::max(1, config_.total_replicas));
@@ -304,7 +304,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
       }
       if (!accepted.ok()) return accepted.status();  // unreachable: validated above
       int64_t acc_step = v->acc_step();
-      out->push_back({*accepted, acc_step, std::max<int64_t>(0, global_step_.load() - local_step)});
+      out->push_back({*accepted, acc_step, StalenessOf(global_step_.load(), local_step)});
       if (*accepted) {
         accepted_.fetch_add(1);
         took = MaybeTakeLocked(v, false, &count);

@@ -27,6 +27,14 @@ constexpr int64_t kParallelApplyElements = 1 << 20;  // split applies of variabl
 
 enum class GradKind { kUnknown, kDense, kSparse };
 
+// How many steps behind `global` a gradient computed at `local_step` is (0 when not behind),
+// saturated: a worker's local_step is any int64 (TF's is too), and global - INT64_MIN overflows.
+inline int64_t StalenessOf(int64_t global, int64_t local_step) {
+  if (local_step >= global) return 0;
+  uint64_t behind = static_cast<uint64_t>(global) - static_cast<uint64_t>(local_step);  // wraps, never UB
+  return behind > static_cast<uint64_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(behind);
+}
+
 inline const char* KindName(GradKind k) { return k == GradKind::kSparse ? "sparse" : "dense"; }
 
 inline void Scale(DType dtype, void* data, int64_t n, double factor) {

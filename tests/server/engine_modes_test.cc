@@ -197,6 +197,21 @@ TEST_CASE("async: every push is applied on arrival and its staleness reported", 
   CHECK(Read(*e, "emb") == std::vector<float>{0, 0, -4});
 }
 
+TEST_CASE("a gradient's staleness saturates for any local_step a worker sends", "[engine][async]") {
+  // INT64_MIN is a valid (very stale) local_step: global - local_step overflowed (found by fuzzing).
+  for (Mode mode : {Mode::kSync, Mode::kAsync}) {
+    auto c = Cfg(1, 1, 1.0);
+    c.mode = mode;
+    auto e = Make(c);
+    Create(*e, "w", {0}, {1});
+    PushDense(*e, 0, "w", {1}, {1});  // one step applied: global step 1
+    auto o = PushDense(*e, INT64_MIN, "w", {1}, {1});
+    CHECK(o.staleness == INT64_MAX);
+    CHECK(o.accepted == (mode == Mode::kAsync));  // sync: stale, dropped
+    CHECK(PushDense(*e, INT64_MAX, "w", {1}, {1}).staleness == 0);
+  }
+}
+
 TEST_CASE("a variable can name its own optimizer; its slots follow it", "[engine]") {
   auto e = Make(Cfg(1, 1, 0.5));
   Create(*e, "w", {0}, {1}, false, "momentum");
