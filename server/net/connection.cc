@@ -68,6 +68,7 @@ void Connection::CloseNow() {
   closed_ = true;
   timer_.cancel();
   frame_timer_.cancel();
+  WithdrawIdle();
   ReleaseCharge();  // the buffer itself goes with the connection (a cancelled read may still name it)
   stream_.Close();
   if (handler_) {
@@ -122,6 +123,7 @@ void Connection::ReadBody(uint32_t segment_count) {
   }
   body_sizes_ = std::move(sizes);
   body_words_ = total;
+  WithdrawIdle();  // the kept buffer is about to be used (or replaced)
   // Workers' and shards' frames are charged to the budget. The others (before a hello, or from an
   // observer) are at most kPreHelloFrameBytes each, bounded by --max-connections, and never wait:
   // nobody who has not said hello can hold up a real worker.
@@ -158,11 +160,33 @@ void Connection::ReadGrantedBody() {
                      self->last_frame_ = std::chrono::steady_clock::now();
                      if (self->handler_) self->handler_->OnFrame(self->in_);
                      self->in_.MaybeRelease(16u << 20);
-                     if (self->in_.capacity_bytes() == 0 || self->env_.budget->waiting() > 0) {
-                       self->ReleaseBuffer();  // others wait: a buffer kept for reuse must not hold them up
-                     }
+                     self->KeepOrReleaseBuffer();
                      self->ReadHeader();
                    }));
+}
+
+void Connection::KeepOrReleaseBuffer() {
+  if (closed_ || charged_ == 0) return;
+  if (in_.capacity_bytes() == 0) return ReleaseBuffer();
+  // Kept for the next frame, but offered back: a buffer kept for reuse must not hold up a
+  // connection waiting for its share (it is released when one waits, now or later).
+  std::weak_ptr<Connection> weak = weak_from_this();
+  idle_offered_ = env_.budget->OfferIdle(id_, [weak] {
+    auto self = weak.lock();
+    if (!self) return;
+    asio::post(self->strand_, [self] {
+      if (!self->idle_offered_) return;  // in use again, or closed
+      self->idle_offered_ = false;
+      self->ReleaseBuffer();
+    });
+  });
+  if (!idle_offered_) ReleaseBuffer();  // someone waits already
+}
+
+void Connection::WithdrawIdle() {
+  if (!idle_offered_) return;
+  idle_offered_ = false;
+  env_.budget->Withdraw(id_);
 }
 
 void Connection::ReleaseBuffer() {

@@ -10,6 +10,10 @@ void FrameBudget::Acquire(uint64_t bytes, std::function<void()> granted) {
     if (!waiters_.empty() || in_use_ + bytes > limit_) {
       ++waits_;
       waiters_.push_back({bytes, std::move(granted)});
+      std::map<uint64_t, std::function<void()>> idle;
+      idle.swap(idle_);
+      lock.Unlock();
+      for (auto& [holder, reclaim] : idle) reclaim();
       return;
     }
     in_use_ += bytes;
@@ -35,6 +39,18 @@ void FrameBudget::GrantLocked(std::deque<Waiter>* ready) {
     ready->push_back(std::move(waiters_.front()));
     waiters_.pop_front();
   }
+}
+
+bool FrameBudget::OfferIdle(uint64_t holder, std::function<void()> reclaim) {
+  MutexLock lock(&mu_);
+  if (!waiters_.empty()) return false;
+  idle_[holder] = std::move(reclaim);
+  return true;
+}
+
+void FrameBudget::Withdraw(uint64_t holder) {
+  MutexLock lock(&mu_);
+  idle_.erase(holder);
 }
 
 uint64_t FrameBudget::in_use() const {

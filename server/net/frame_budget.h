@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 
 #include "base/mutex.h"
 
@@ -34,6 +35,15 @@ class FrameBudget {
   // then on and must Release() them exactly once, even if it no longer needs them.
   void Acquire(uint64_t bytes, std::function<void()> granted) EXCLUDES(mu_);
   void Release(uint64_t bytes) EXCLUDES(mu_);
+
+  // Bytes held but idle (a connection's buffer kept for its next frame) are offered back: when an
+  // Acquire has to wait, every offer's `reclaim` runs once (outside the lock) and its holder
+  // releases what it still does not use. Without this, workers whose pushes are in and who wait
+  // for a token would keep the budget the last worker's push needs to complete the step. Returns
+  // false (nothing registered) when someone waits already: release now instead. `holder` is
+  // unique per holder; an offer is replaced by the holder's next one and ended by Withdraw.
+  bool OfferIdle(uint64_t holder, std::function<void()> reclaim) EXCLUDES(mu_);
+  void Withdraw(uint64_t holder) EXCLUDES(mu_);
 
   uint64_t limit() const { return limit_; }
   uint64_t in_use() const;
@@ -55,6 +65,7 @@ class FrameBudget {
   uint64_t peak_ GUARDED_BY(mu_) = 0;
   uint64_t waits_ GUARDED_BY(mu_) = 0;
   std::deque<Waiter> waiters_ GUARDED_BY(mu_);  // first come, first served
+  std::map<uint64_t, std::function<void()>> idle_ GUARDED_BY(mu_);  // OfferIdle's, by holder
 };
 
 }  // namespace psd::server

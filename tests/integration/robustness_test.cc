@@ -455,6 +455,39 @@ TEST_CASE("frames in flight share --max-inflight-bytes: a worker over it waits, 
   CHECK(Eventually([&] { return budget.in_use() == 0; }));  // every connection gave its share back
 }
 
+TEST_CASE("buffers kept for the next frame are given back when a push waits for its share",
+          "[robustness][budget]") {
+  // Three workers, one 3 MiB variable, 8 MiB for frames in flight: after two pushes the idle
+  // connections keep 6 MiB for their next frame, and the third push (which completes the step)
+  // must not wait for them forever.
+  auto cfg = TestConfig(3, 3, 0);
+  cfg.max_frame_bytes = 4ull << 20;
+  cfg.max_inflight_bytes = 8ull << 20;
+  auto server = StartServer(cfg);
+  const size_t n = (3u << 20) / 4;
+  std::vector<float> init(n, 0.0f), grad(n, 1.0f);
+  std::vector<std::unique_ptr<psclient::Client>> workers;
+  for (int k = 0; k < 3; ++k) {
+    psclient::ClientOptions o;
+    o.port = server->port();
+    o.worker_name = "worker-" + std::to_string(k);
+    o.connect_timeout_ms = 5000;
+    o.request_timeout_ms = 20000;  // bounds the test if the third push waited forever
+    auto c = psclient::Client::Connect(o);
+    REQUIRE(c.ok());
+    workers.push_back(std::move(*c));
+  }
+  auto created = workers[0]->CreateVariable("w", {init.data(), DType::kFloat32, {int64_t(n)}, MemoryKind::kHost});
+  REQUIRE(created.ok());
+  for (auto& w : workers) {
+    auto pushed = w->Push(0, {{"w", {grad.data(), DType::kFloat32, {int64_t(n)}, MemoryKind::kHost}}});
+    INFO(pushed.status().ToString());
+    REQUIRE(pushed.ok());
+  }
+  CHECK(server->engine()->global_step() == 1);
+  CHECK(server->frame_budget().peak() <= server->frame_budget().limit());
+}
+
 TEST_CASE("an unauthenticated flood never touches the frame budget; a worker trains through it",
           "[robustness][dos][budget]") {
   auto cfg = TestConfig(1, 1, 0);

@@ -55,3 +55,33 @@ TEST_CASE("a grant may release and acquire again from its callback", "[frame_bud
   CHECK(b.in_use() == 10);
   CHECK(b.peak() == 10);
 }
+
+TEST_CASE("idle holders are asked for their bytes back when someone has to wait", "[frame_budget]") {
+  FrameBudget b(100);
+  int reclaimed = 0;
+  b.Acquire(60, [] {});
+  // The holder keeps its 60 for its next frame, offered back.
+  REQUIRE(b.OfferIdle(1, [&] {
+    ++reclaimed;
+    b.Release(60);
+  }));
+  bool granted = false;
+  b.Acquire(30, [&] { granted = true; });  // fits: nobody is asked
+  CHECK(granted);
+  CHECK(reclaimed == 0);
+  granted = false;
+  b.Acquire(50, [&] { granted = true; });  // 60 + 30 + 50 > 100: waits, and the idle 60 come back
+  CHECK(reclaimed == 1);
+  CHECK(granted);
+  CHECK(b.in_use() == 80);
+  // While someone waits, nothing is offered: the caller releases at once.
+  b.Acquire(50, [] {});
+  CHECK(b.waiting() == 1);
+  CHECK_FALSE(b.OfferIdle(2, [&] { ++reclaimed; }));
+  // A withdrawn offer is not called.
+  b.Release(80);  // grants the waiter: 50 in use
+  REQUIRE(b.OfferIdle(3, [&] { ++reclaimed; }));
+  b.Withdraw(3);
+  b.Acquire(60, [] {});
+  CHECK(reclaimed == 1);
+}
