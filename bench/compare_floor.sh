@@ -1,72 +1,208 @@
 #!/usr/bin/env bash
-# compare_floor.sh: psd_bench next to the raw-socket floor, in the same run.
+# compare_floor.sh: psd next to the raw-socket floor, in the same run, over workers x model sizes.
 #
 # The floor (../shared/tools/raw_tcp_ps.c, relative to the repo root) is a plain blocking-socket
-# parameter server with no framework: the least a 2-worker sync step on loopback can cost here.
-# Absolute times drift between runs on shared machines, so what matters is the psd/floor ratio of
-# median step times measured back to back.
+# parameter server with no framework: one server process, a thread and a receive buffer per
+# worker, the least a sync step on loopback can cost. psd runs as its own daemon process (like the
+# floor's server), driven by psd_bench --connect with --fused --pull-in-push: one round trip per
+# step, as the floor. Absolute times drift between runs on shared machines, so what matters is the
+# psd/floor ratio of median step times measured back to back, cell by cell.
 #
-# Usage: bench/compare_floor.sh [path/to/psd_bench]    (default: build/bench/psd_bench)
-# Exit status: 0 when every size ran (or the floor source is missing: skipped), 1 otherwise.
+# Usage: bench/compare_floor.sh [options] [path/to/psd_bench]   (default: build/bench/psd_bench)
+#   --workers "2 4 8 16"      worker counts of the sweep (default: 2 4 8 16)
+#   --sizes "4K 4M 64M 256M"  model sizes (K/M/G: powers of 1024; default: 4K 4M 64M 256M)
+#   --psd PATH                the daemon (default: build/server/psd, beside psd_bench's build)
+#   --steps-scale F           multiply every cell's measured steps by F (default 1)
+#   --psd-flags "..."         extra flags for every psd (e.g. "--deterministic")
+#   --rss "1 4 16 64"         then the daemon's peak RSS alone, at --rss-model, for these workers
+#   --rss-model SIZE          model size of the RSS runs (default 64M)
+# Prints each cell's floor and psd medians, then a ratio table (psd/floor, median step) and the
+# daemon's peak RSS (VmHWM) per cell. Exit status: 0 when every cell ran (or the floor source is
+# missing: skipped), 1 otherwise.
 set -u -o pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bench="${1:-build/bench/psd_bench}"
-if [[ ! -x "$bench" && -x "$repo_root/$bench" ]]; then
-  bench="$repo_root/$bench"
-fi
+workers_list="2 4 8 16"
+sizes_list="4K 4M 64M 256M"
+steps_scale=1
+psd_flags=""
+rss_list=""
+rss_model="64M"
+bench=""
+psd=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --workers) workers_list="$2"; shift 2 ;;
+    --sizes) sizes_list="$2"; shift 2 ;;
+    --psd) psd="$2"; shift 2 ;;
+    --steps-scale) steps_scale="$2"; shift 2 ;;
+    --psd-flags) psd_flags="$2"; shift 2 ;;
+    --rss) rss_list="$2"; shift 2 ;;
+    --rss-model) rss_model="$2"; shift 2 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -*) echo "compare_floor: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) bench="$1"; shift ;;
+  esac
+done
+bench="${bench:-build/bench/psd_bench}"
+[[ ! -x "$bench" && -x "$repo_root/$bench" ]] && bench="$repo_root/$bench"
 if [[ ! -x "$bench" ]]; then
-  echo "compare_floor: psd_bench not found at '$bench' (build it: ninja -C build psd_bench)" >&2
+  echo "compare_floor: psd_bench not found at '$bench' (build it: cmake --build build --target psd_bench)" >&2
+  exit 1
+fi
+psd="${psd:-$(dirname "$bench")/../server/psd}"
+[[ ! -x "$psd" && -x "$repo_root/$psd" ]] && psd="$repo_root/$psd"
+if [[ ! -x "$psd" ]]; then
+  echo "compare_floor: psd not found at '$psd' (pass --psd PATH)" >&2
   exit 1
 fi
 
-floor_src="$repo_root/../shared/tools/raw_tcp_ps.c"
-if [[ ! -f "$floor_src" ]]; then
-  echo "compare_floor: floor source not found at $floor_src; skipping the comparison"
-  exit 0
-fi
+# "64M" -> bytes (powers of 1024).
+to_bytes() {
+  local v="$1" n="${1%[KMGkmg]}"
+  case "$v" in
+    *[Kk]) echo $(( n << 10 )) ;;
+    *[Mm]) echo $(( n << 20 )) ;;
+    *[Gg]) echo $(( n << 30 )) ;;
+    *) echo "$v" ;;
+  esac
+}
+# Measured steps per size: enough for a stable median, short enough for the big cells.
+steps_for() {
+  local b="$1" s
+  if (( b <= 65536 )); then s=200; elif (( b <= 8 << 20 )); then s=20; elif (( b <= 128 << 20 )); then s=8; else s=4; fi
+  awk -v s="$s" -v f="$steps_scale" 'BEGIN { n = int(s * f); print (n < 2 ? 2 : n) }'
+}
 
 tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
-# Build line from the floor's header comment.
-if ! timeout 120 gcc -O3 -march=native -pthread -o "$tmp/raw_tcp_ps" "$floor_src"; then
-  echo "compare_floor: building $floor_src failed" >&2
-  exit 1
+psd_pid=""
+cleanup() {
+  [[ -n "$psd_pid" ]] && kill "$psd_pid" 2>/dev/null && wait "$psd_pid" 2>/dev/null
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+# Starts a psd for `workers` workers with a frame limit that fits `bytes`; sets psd_pid and port.
+start_psd() {
+  local workers="$1" bytes="$2" frame=$(( 256 << 20 ))
+  # A push carries the whole model here (one variable): the frame limit must hold it.
+  (( bytes + (1 << 20) > frame )) && frame=$(( bytes + (64 << 20) ))
+  local inflight=$(( frame > (1 << 30) ? frame : (1 << 30) ))
+  rm -f "$tmp/port"
+  # shellcheck disable=SC2086
+  timeout 900 "$psd" --host 127.0.0.1 --port 0 --port-file "$tmp/port" -R "$workers" --threads 2 \
+    --max-frame-bytes "$frame" --max-inflight-bytes "$inflight" --log-level warn $psd_flags >"$tmp/psd.log" 2>&1 &
+  psd_pid=$!
+  for _ in $(seq 100); do [[ -s "$tmp/port" ]] && break; sleep 0.05; done
+  if [[ ! -s "$tmp/port" ]]; then
+    echo "compare_floor: psd did not start:" >&2
+    cat "$tmp/psd.log" >&2
+    return 1
+  fi
+  port="$(cat "$tmp/port")"
+}
+# Stops the psd started last; prints its peak RSS in MiB.
+stop_psd() {
+  local kb daemon
+  daemon="$(pgrep -P "$psd_pid" | head -n1)"  # psd itself, under `timeout`
+  kb="$(awk '/^VmHWM:/ { print $2 }' "/proc/${daemon:-$psd_pid}/status" 2>/dev/null)"
+  kill "$psd_pid" 2>/dev/null
+  wait "$psd_pid" 2>/dev/null
+  psd_pid=""
+  awk -v k="${kb:-0}" 'BEGIN { printf "%.0f", k / 1024 }'
+}
+# One psd_bench run against a fresh daemon; sets psd_out, rss_mib; returns psd_bench's status.
+run_psd() {
+  local workers="$1" bytes="$2" steps="$3" rc
+  start_psd "$workers" "$bytes" || return 1
+  psd_out="$(timeout 900 "$bench" --connect "127.0.0.1:$port" --workers "$workers" --model-bytes "$bytes" \
+             --steps "$steps" --fused --pull-in-push --finish --json --timeout-s 850 2>&1)"
+  rc=$?
+  rss_mib="$(stop_psd)"
+  return $rc
+}
+
+# The workers x sizes table: one row per worker count, `cell KEY BYTES` prints each entry.
+print_grid() {
+  local width="$1" cell="$2" w b
+  printf '%-8s' "workers"
+  for s in $sizes_list; do printf " %${width}s" "$s"; done
+  echo
+  for w in $workers_list; do
+    printf '%-8s' "$w"
+    for b in "${sizes_b[@]}"; do printf " %${width}s" "$("$cell" "$w,$b" "$b")"; done
+    echo
+  done
+}
+ratio_cell() { echo "${ratio[$1]} (${psd_tab[$1]}/${floor_tab[$1]})"; }
+rss_cell() { echo "${rss_tab[$1]:-n/a}/$(( (2 * $2 >> 20) + 64 ))"; }
+
+floor_src="$repo_root/../shared/tools/raw_tcp_ps.c"
+status=0
+declare -A ratio floor_tab psd_tab rss_tab
+sizes_b=()
+for s in $sizes_list; do sizes_b+=("$(to_bytes "$s")"); done
+
+if [[ ! -f "$floor_src" ]]; then
+  echo "compare_floor: floor source not found at $floor_src; skipping the comparison"
+else
+  # Build line from the floor's header comment.
+  if ! timeout 120 gcc -O3 -march=native -pthread -o "$tmp/raw_tcp_ps" "$floor_src"; then
+    echo "compare_floor: building $floor_src failed" >&2
+    exit 1
+  fi
+  for w in $workers_list; do
+    for b in "${sizes_b[@]}"; do
+      steps="$(steps_for "$b")"
+      echo "== $b bytes, $w workers, $steps measured steps =="
+      # Both sides warm up 3 steps (the floor's WARM, psd_bench's default --warmup).
+      floor_out="$(timeout 900 "$tmp/raw_tcp_ps" "$b" "$steps" "$w" 2>&1)"
+      floor_rc=$?
+      echo "floor: $floor_out"
+      run_psd "$w" "$b" "$steps"
+      psd_rc=$?
+      echo "psd:   $(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out"), peak RSS $rss_mib MiB"
+      floor_ms="$(sed -n 's/.*step median \([0-9.]*\) ms.*/\1/p' <<<"$floor_out" | head -n1)"
+      psd_ms="$(sed -n 's/.*"step_ms_p50": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
+      key="$w,$b"
+      rss_tab[$key]="$rss_mib"
+      if [[ $floor_rc -ne 0 || $psd_rc -ne 0 || -z "$floor_ms" || -z "$psd_ms" ]]; then
+        echo "compare_floor: $b bytes, $w workers: no comparison (floor exit $floor_rc, psd_bench exit $psd_rc)" >&2
+        [[ $psd_rc -ne 0 ]] && echo "$psd_out" | tail -5 >&2
+        ratio[$key]="n/a"; floor_tab[$key]="${floor_ms:-n/a}"; psd_tab[$key]="${psd_ms:-n/a}"
+        status=1
+        continue
+      fi
+      floor_tab[$key]="$floor_ms"
+      psd_tab[$key]="$(awk -v p="$psd_ms" 'BEGIN { printf "%.3f", p }')"
+      ratio[$key]="$(awk -v p="$psd_ms" -v f="$floor_ms" 'BEGIN { if (f > 0) printf "%.2f", p / f; else print "n/a" }')"
+      echo "ratio: ${ratio[$key]}"
+      echo
+    done
+  done
+
+  echo "== psd/floor, median step time (psd --fused --pull-in-push as its own process; floor: raw_tcp_ps) =="
+  print_grid 22 ratio_cell
+  echo "(cells: ratio (psd ms / floor ms))"
+  echo
+  echo "== psd's peak RSS (MiB) in those runs / the target 2 x model + 64 MiB (SGD) =="
+  print_grid 14 rss_cell
 fi
 
-workers=2
-status=0
-summary=()
-# size:steps — fewer steps for big models keeps the run short; enough for a stable median.
-for spec in 4096:200 4194304:20 67108864:10; do
-  size="${spec%%:*}"
-  steps="${spec##*:}"
-  echo "== $size bytes, $workers workers, $steps measured steps =="
-
-  # Both sides warm up 3 steps (the floor's WARM, psd_bench's default --warmup).
-  floor_out="$(timeout 300 "$tmp/raw_tcp_ps" "$size" "$steps" "$workers" 2>&1)"
-  floor_rc=$?
-  echo "floor: $floor_out"
-  psd_out="$(timeout 300 "$bench" --workers "$workers" --model-bytes "$size" --steps "$steps" --fused --pull-in-push --json \
-             --timeout-s 280 2>&1)"
-  psd_rc=$?
-  echo "psd:   $psd_out"
-
-  floor_ms="$(sed -n 's/.*step median \([0-9.]*\) ms.*/\1/p' <<<"$floor_out" | head -n1)"
-  psd_ms="$(sed -n 's/.*"step_ms_p50": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
-  if [[ $floor_rc -ne 0 || $psd_rc -ne 0 || -z "$floor_ms" || -z "$psd_ms" ]]; then
-    echo "compare_floor: $size bytes: no comparison (floor exit $floor_rc, psd_bench exit $psd_rc)" >&2
-    summary+=("$(printf '%10s %12s %12s %8s' "$size" "${floor_ms:-n/a}" "${psd_ms:-n/a}" "n/a")")
-    status=1
-    continue
-  fi
-  ratio="$(awk -v p="$psd_ms" -v f="$floor_ms" 'BEGIN { if (f > 0) printf "%.2f", p / f; else print "n/a" }')"
-  echo "ratio: psd/floor median step time = $psd_ms ms / $floor_ms ms = $ratio"
-  summary+=("$(printf '%10s %12.3f %12.3f %8s' "$size" "$floor_ms" "$psd_ms" "$ratio")")
+if [[ -n "$rss_list" ]]; then
+  mb="$(to_bytes "$rss_model")"
+  target=$(( (2 * mb >> 20) + 64 ))
   echo
-done
-
-echo "== summary (median step time, ms; psd with --fused --pull-in-push: one round trip per step, as the floor) =="
-printf '%10s %12s %12s %8s\n' "bytes" "floor" "psd" "ratio"
-for line in "${summary[@]}"; do echo "$line"; done
+  echo "== psd's peak RSS alone: model $rss_model, SGD, 3 measured steps (target 2 x model + 64 MiB = $target MiB) =="
+  printf '%-8s %10s %8s\n' "workers" "RSS MiB" "/target"
+  for w in $rss_list; do
+    if run_psd "$w" "$mb" 3; then
+      printf '%-8s %10s %8s\n' "$w" "$rss_mib" "$(awk -v r="$rss_mib" -v t="$target" 'BEGIN { printf "%.2f", r / t }')"
+    else
+      printf '%-8s %10s %8s\n' "$w" "failed" "n/a"
+      echo "$psd_out" | tail -5 >&2
+      status=1
+    fi
+  done
+fi
 exit $status
