@@ -69,6 +69,9 @@ int main(int argc, char** argv) {
   app.add_option("--reduction", reduction, "how gradients are aggregated: mean or sum")
       ->check(CLI::IsMember({"mean", "sum"}))
       ->capture_default_str();
+  app.add_flag("--deterministic", cfg.deterministic,
+               "sync: sum each step's gradients in a fixed order (by worker name, not arrival): bit-identical "
+               "parameters run after run, for a model-sized buffer per gradient of a step");
   app.add_option("--mode", mode,
                  "consistency: sync (N-of-M with backups), async (apply on arrival), ssp (bounded staleness)")
       ->check(CLI::IsMember({"sync", "async", "ssp"}))

@@ -286,6 +286,10 @@ Status ServerConfig::Validate() {
   if (mode != Mode::kSync && (soft_sync_fraction > 0 || step_deadline_ms > 0)) {
     return InvalidArgument("--soft-sync-fraction and --step-deadline-ms need --mode sync");
   }
+  if (mode != Mode::kSync && deterministic) {
+    return InvalidArgument("--deterministic needs --mode sync (async and ssp apply each push as it arrives, so "
+                           "their order is the arrival order): drop --deterministic or use --mode sync");
+  }
   if (mode == Mode::kSync && staleness_lr != StalenessLr::kNone) {
     return InvalidArgument("--staleness-lr needs --mode async or ssp");
   }

@@ -11,12 +11,34 @@
 // Deliberate deviation from TF: shape/dtype/size are validated even for stale gradients, so a
 // malformed push always gets an error.
 //
-// Thread-safety: none; the owner serializes all calls (TrainingEngine: the variable's mutex).
+// Concurrent adds: a gradient is added in three parts. BeginAdd (the staleness check; the add is
+// then in flight) and EndAdd (counter += 1) run under the owner's lock, as does everything else;
+// Add runs without it, and the Adds of one step run in parallel: the sum is split into stripes of
+// kStripeElements, each with its own lock, and each Add walks them from its own starting stripe,
+// so two workers' gradients for one variable are added at once instead of one after the other.
+// A take needs in_flight() == 0 (the owner waits for it): a gradient that passed BeginAdd for a
+// step is in that step's sum. Each stripe's sum is formed in arrival order, like the whole sum
+// before; with two gradients per step that is exact (a + b == b + a), with more it is within
+// float rounding of the sequential sum.
+//
+// Deterministic reduction (TrainingConfig::deterministic): Add copies each gradient into a slot of
+// its replica (the worker's stable name) instead, and the take sums the slots in replica order, so
+// the same gradients always give bit-identical sums whatever order they arrived in. It holds one
+// model-sized slot per gradient of a step (the cost of a fixed order; slots are reused across steps).
+//
+// Thread-safety: Add may run concurrently with other Adds (between their BeginAdd and EndAdd);
+// every other call is serialized by the owner (TrainingEngine: the variable's mutex).
 #ifndef PSD_SERVER_CORE_ACCUMULATOR_H_
 #define PSD_SERVER_CORE_ACCUMULATOR_H_
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
 
+#include "base/mutex.h"
 #include "core/buffer.h"
 #include "core/training_config.h"
 #include "psd/status.h"
@@ -32,7 +54,11 @@ void AddInto(DType dtype, void* dst, const void* src, int64_t n);
 
 class DenseAccumulator {
  public:
-  DenseAccumulator(DType dtype, Shape shape, Reduction reduction, int64_t initial_step);
+  // Elements per stripe of the concurrent add (1 MiB of float32): big enough that taking a stripe's
+  // lock costs nothing next to its add, small enough that concurrent adders rarely meet.
+  static constexpr int64_t kStripeElements = 1 << 18;
+
+  DenseAccumulator(DType dtype, Shape shape, Reduction reduction, int64_t initial_step, bool deterministic = false);
 
   // Checks that a gradient matches this accumulator's dtype, shape and byte size. Errors use
   // TF's wording ("Shape mismatch: expected [3,2], got [2,2]").
@@ -47,7 +73,17 @@ class DenseAccumulator {
   Result<bool> ApplyGrad(int64_t local_step, DType dtype, const Shape& shape, const void* data, size_t bytes);
   // ApplyGrad for a gradient that already passed Check against this accumulator's dtype and
   // shape (the engine validates a whole push first): no second validation on the hot path.
-  bool AddChecked(int64_t local_step, DType dtype, const void* data);
+  // BeginAdd, Add and EndAdd in one.
+  bool AddChecked(int64_t local_step, DType dtype, const void* data, std::string_view replica = {});
+
+  // The concurrent add (see above). BeginAdd returns false for a stale gradient (dropped: nothing
+  // else to call); otherwise the add is in flight and the caller must call Add, then EndAdd.
+  bool BeginAdd(int64_t local_step);
+  // Adds a validated gradient (Check passed); thread-safe against other Adds. `replica` orders
+  // the sum in deterministic mode (ignored otherwise).
+  void Add(DType dtype, const void* data, std::string_view replica);
+  void EndAdd();
+  int in_flight() const { return in_flight_; }
 
   // TF take_grad without the wait. Errors with "Argument num_required must be positive, but was
   // <n>" for num_required <= 0. Returns false (nothing changes) while counter < num_required.
@@ -58,12 +94,13 @@ class DenseAccumulator {
   Result<bool> TryTakeGrad(int num_required, int* count);
 
   // Takes whatever is there (a soft-sync step deadline passed); *count may be 0 (then grad()
-  // is meaningless). step += 1.
+  // is meaningless). step += 1. Needs in_flight() == 0 (TryTakeGrad waits for it too).
   void ForceTake(int* count);
 
   // TF set_global_step. Returns true when the new step is lower than the current one (TF only
   // warns about that and still lowers it).
   bool SetGlobalStep(int64_t new_step);
+  bool deterministic() const { return deterministic_; }
 
   int num_accumulated() const { return counter_; }
   int64_t step() const { return step_; }
@@ -79,8 +116,33 @@ class DenseAccumulator {
   const int64_t num_elements_;
   int64_t step_;
   int counter_ = 0;
+  int in_flight_ = 0;   // BeginAdd without EndAdd yet
+  uint64_t round_ = 1;  // bumped by every take: a stripe last filled in an older round starts over
   double divisor_ = 1;  // of the last take
   Buffer sum_;
+
+  struct Stripe {
+    Mutex mu;
+    uint64_t filled_round GUARDED_BY(mu) = 0;  // the round whose gradients the stripe's sum holds
+  };
+  // Adds (or, first in the round, copies) elements [begin, end) of `data` into the sum.
+  void AddRange(DType dtype, const void* data, int64_t begin, int64_t end, bool first);
+  int64_t num_stripes_ = 0;
+  std::unique_ptr<Stripe[]> stripes_;
+  std::atomic<uint64_t> next_start_{0};  // spreads concurrent adders' starting stripes
+
+  // Deterministic mode: a step's gradients, one slot each, summed in replica order at the take.
+  struct Slot {
+    std::string replica;
+    uint64_t arrival;  // orders one replica's own gradients (in the order it sent them)
+    std::unique_ptr<Buffer> values;  // in the accumulator's dtype
+  };
+  void SumSlots();  // the take: sum_ = the slots in (replica, arrival) order; slots freed
+  const bool deterministic_;
+  Mutex slots_mu_;
+  std::vector<Slot> slots_ GUARDED_BY(slots_mu_);
+  std::vector<std::unique_ptr<Buffer>> free_slots_ GUARDED_BY(slots_mu_);
+  uint64_t arrivals_ GUARDED_BY(slots_mu_) = 0;
 };
 
 }  // namespace psd::server

@@ -34,8 +34,19 @@ void TrainingEngine::ReportApply(std::chrono::steady_clock::time_point t0) {
   if (on_apply_) on_apply_(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
+void TrainingEngine::AwaitAddsLocked(Variable* v) {
+  while (v->dense && v->dense->in_flight() > 0) v->adds_done.Wait(&v->mu);
+}
+
 bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   if (v->next_take_step != global_step_.load()) return false;  // already taken this step
+  // Gradients still being added belong to this step: the last of them to end takes (or a forced
+  // take waits for them).
+  if (v->dense && v->dense->in_flight() > 0) {
+    if (!force) return false;
+    AwaitAddsLocked(v);
+    if (v->next_take_step != global_step_.load()) return false;
+  }
   if (force) {
     *count = 0;
     if (v->dense) v->dense->ForceTake(count);
@@ -145,7 +156,11 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
     for (auto& [name, v] : vars_) all.push_back(v.get());
   }
   std::vector<std::unique_lock<Mutex>> vlocks;
-  for (Variable* v : all) vlocks.emplace_back(v->mu);
+  for (Variable* v : all) {
+    vlocks.emplace_back(v->mu);
+    v->mu.AssertHeld();  // in vlocks
+    AwaitAddsLocked(v);  // its accumulator may be replaced below
+  }
   MutexLock lock(&mu_);
   if (global_step_.load() != step) {
     return FailedPrecondition("asked to commit step " + std::to_string(step) + " at step " +
@@ -156,7 +171,10 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
     if (!v->trainable || v->next_take_step != step) continue;
     spdlog::warn("variable '{}' was created while step {} was closing; it joins step {}", v->name, step, step + 1);
     v->next_take_step = step + 1;
-    if (v->dense) v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
+    if (v->dense) {
+      v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1,
+                                                    config_.deterministic);
+    }
     if (v->sparse) v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
     --pending_takes_;
   }

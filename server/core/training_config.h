@@ -35,6 +35,10 @@ struct TrainingConfig {
   int total_replicas = -1;        // N; -1: not given (then N = R + max(B, 0))
   int init_tokens = -1;           // -1: TF default (R); must be >= R - N
   Reduction reduction = Reduction::kMean;
+  // A sync step's dense sum is formed in replica order (the workers' names), not arrival order:
+  // the same gradients give bit-identical parameters run after run. Costs a model-sized slot per
+  // gradient of a step (DenseAccumulator).
+  bool deterministic = false;
 
   // Optimizer (job-wide; variables may name another one with the same hyper-parameters).
   OptimizerParams optimizer;

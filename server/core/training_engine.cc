@@ -214,7 +214,8 @@ Status TrainingEngine::ValidateGrad(Variable* v, const GradRef& g) const {
   return DenseAccumulator::Check(v->dtype, v->shape, g.dtype, g.shape, g.bytes);
 }
 
-Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out) {
+Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,
+                           std::string_view replica) {
   std::vector<Variable*> targets;
   targets.reserve(grads.size());
   {
@@ -243,11 +244,12 @@ Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grad
     if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
     use = &mixed;
   }
-  return PushConverted(local_step, *use, targets, out);
+  return PushConverted(local_step, *use, targets, out, replica);
 }
 
 Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradRef>& grads,
-                                     const std::vector<Variable*>& targets, std::vector<GradOutcome>* out) {
+                                     const std::vector<Variable*>& targets, std::vector<GradOutcome>* out,
+                                     std::string_view replica) {
   // Validate everything before touching any accumulator: a bad push changes nothing. Each
   // variable's gradient kind is claimed while its lock is held (released on every way out).
   KindClaims claims(targets);
@@ -298,9 +300,22 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
         accepted =
             v->sparse->ApplyGrad(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape});
       } else {
-        if (!v->dense)
-          v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
-        accepted = v->dense->AddChecked(local_step, g.dtype, g.data);  // validated above
+        if (!v->dense) {
+          v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step,
+                                                        config_.deterministic);
+        }
+        accepted = v->dense->BeginAdd(local_step);
+        if (*accepted) {
+          // The add itself runs without the variable's lock, in parallel with other workers'
+          // (striped); the step cannot be taken before it ends (in_flight), nor the accumulator
+          // replaced, so the pointer stays valid.
+          DenseAccumulator* acc = v->dense.get();
+          lock.Unlock();
+          acc->Add(g.dtype, g.data, replica);  // validated above
+          lock.Lock();
+          acc->EndAdd();
+          if (acc->in_flight() == 0) v->adds_done.NotifyAll();
+        }
       }
       if (!accepted.ok()) return accepted.status();  // unreachable: validated above
       int64_t acc_step = v->acc_step();

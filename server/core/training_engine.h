@@ -186,8 +186,10 @@ class TrainingEngine {
   Result<VariableDesc> CreateVariable(const VariableDef& def) EXCLUDES(mu_);
 
   // Applies each gradient (validated all first: an invalid push changes nothing). `out` gets one
-  // outcome per gradient, in order.
-  Status Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out) EXCLUDES(mu_);
+  // outcome per gradient, in order. `replica` is the pushing worker's stable name: with
+  // TrainingConfig::deterministic a step's sum is formed in its order.
+  Status Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,
+              std::string_view replica = {}) EXCLUDES(mu_);
 
   // Snapshot of the named variables (all of them, sorted by name, if `names` is empty) at one
   // global step, returned in *step. With `averages`, the moving averages instead.
@@ -301,7 +303,10 @@ class TrainingEngine {
   // Push once the gradients its accumulators cannot take as they are (sparse or async/ssp halves)
   // are converted to their variable's compute dtype.
   Status PushConverted(int64_t local_step, const std::vector<GradRef>& grads, const std::vector<Variable*>& targets,
-                       std::vector<GradOutcome>* out) EXCLUDES(mu_);
+                       std::vector<GradOutcome>* out, std::string_view replica) EXCLUDES(mu_);
+  // With v->mu held: waits until no gradient is being added into v's dense accumulator (a take,
+  // or replacing the accumulator, needs every add it accepted to be complete).
+  static void AwaitAddsLocked(Variable* v) REQUIRES(VariableMutex(v));
   // With v->mu held: takes (and applies, for dense) if the step is ready. Returns true if it took.
   bool MaybeTakeLocked(Variable* v, bool force, int* count) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
   // After a take (no variable lock held): records it; commits if it was the last.

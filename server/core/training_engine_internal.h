@@ -136,6 +136,7 @@ struct TrainingEngine::Variable {
   const Optimizer* const opt;
 
   Mutex mu;
+  CondVar adds_done;  // with mu: signalled when the dense accumulator's last in-flight add ends
   // Dense or sparse: claimed under `mu` by the first push that validates against an unknown kind,
   // so two first pushes of different kinds cannot both pass validation (both accumulators would
   // be created). A claim is dropped again when its push fails validation later on, unless another

@@ -252,6 +252,7 @@ void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
   auto index = host_.OnHello(id_, name, r.getIncarnation());
   if (!index.ok()) return FailStream(index.status(), id);
   worker_index_ = *index;
+  worker_name_ = name;
   conn_->set_role(Connection::Role::kWorker);
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
@@ -537,7 +538,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   std::shared_ptr<TokenWait> parked;
   // The answer runs on this strand, after this handler: the outcomes are in by then.
   if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer);
-  Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes);
+  Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes, worker_name_);
   if (!s.ok()) {
     pending->failed = true;
     if (parked) parked->cancel(Cancelled("the push was refused"));

@@ -111,6 +111,7 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   std::set<std::shared_ptr<ParkedReply>> collectives_;
   bool authenticated_ = false;  // a hello with the right token (or no token required)
   uint32_t worker_index_ = 0;
+  std::string worker_name_;  // the worker's stable name (orders a step's sum with --deterministic)
   int peer_shard_ = -1;  // another shard of the cluster (after its peer hello; its proof with a secret)
   int peer_claim_ = -1;  // the shard a peer hello claims while its proof is awaited
   // While a peer's proof is awaited: the dialer's nonce followed by this shard's.

@@ -233,3 +233,40 @@ TEST_CASE("a variable can name its own optimizer; its slots follow it", "[engine
   bad.optimizer = "lbfgs";
   CHECK(e->CreateVariable(bad).status().code() == Code::kInvalidArgument);
 }
+
+TEST_CASE("deterministic reduction: the same gradients give bit-identical parameters in any arrival order",
+          "[engine][deterministic]") {
+  const std::vector<std::pair<std::string, std::vector<float>>> grads = {
+      {"worker-0", {1e8f, 0.1f}}, {"worker-1", {1.0f, 1e-8f}}, {"worker-2", {-1e8f, 0.7f}}};
+  auto train = [&](std::vector<int> order) {
+    auto c = Cfg(3, 3, 1.0);
+    c.reduction = Reduction::kSum;
+    c.deterministic = true;
+    auto e = Make(c);
+    Create(*e, "w", {0, 0}, {2});
+    for (int k : order) {
+      auto& [name, g] = grads[static_cast<size_t>(k)];
+      std::vector<GradOutcome> out;
+      std::vector<GradRef> refs{{"w", DType::kFloat32, {2}, g.data(), 8}};
+      REQUIRE(e->Push(0, refs, &out, name).ok());
+      REQUIRE(out[0].accepted);
+    }
+    REQUIRE(e->global_step() == 1);
+    return Read(*e, "w");
+  };
+  std::vector<float> first = train({0, 1, 2});
+  CHECK(first[0] == 0.0f);  // -(1e8 + 1 + -1e8) in float32, worker-0's first
+  for (std::vector<int> order : {std::vector<int>{2, 1, 0}, {2, 0, 1}, {1, 2, 0}}) {
+    std::vector<float> again = train(order);
+    CHECK(std::memcmp(again.data(), first.data(), 8) == 0);
+  }
+}
+
+TEST_CASE("deterministic reduction needs --mode sync", "[config][deterministic]") {
+  auto c = Cfg(1, 1);
+  c.deterministic = true;
+  c.mode = Mode::kAsync;
+  Status s = c.Validate();
+  CHECK(s.code() == Code::kInvalidArgument);
+  CHECK(s.message().find("--deterministic needs --mode sync") != std::string::npos);
+}
