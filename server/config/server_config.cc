@@ -287,8 +287,9 @@ Status ServerConfig::Validate() {
     return InvalidArgument("--soft-sync-fraction and --step-deadline-ms need --mode sync");
   }
   if (mode != Mode::kSync && deterministic) {
-    return InvalidArgument("--deterministic needs --mode sync (async and ssp apply each push as it arrives, so "
-                           "their order is the arrival order): drop --deterministic or use --mode sync");
+    return InvalidArgument(
+        "--deterministic needs --mode sync (async and ssp apply each push as it arrives, so "
+        "their order is the arrival order): drop --deterministic or use --mode sync");
   }
   if (mode == Mode::kSync && staleness_lr != StalenessLr::kNone) {
     return InvalidArgument("--staleness-lr needs --mode async or ssp");

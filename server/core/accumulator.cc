@@ -122,8 +122,8 @@ void DenseAccumulator::Add(DType dtype, const void* data, std::string_view repli
   }
   // round_ is stable while this add is in flight: a take waits for in_flight() == 0.
   const uint64_t round = round_;
-  const int64_t start = static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) %
-                                             static_cast<uint64_t>(num_stripes_));
+  const int64_t start =
+      static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(num_stripes_));
   for (int64_t k = 0; k < num_stripes_; ++k) {
     int64_t i = (start + k) % num_stripes_;
     int64_t begin = i * kStripeElements, end = std::min(num_elements_, begin + kStripeElements);

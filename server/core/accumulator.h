@@ -134,7 +134,7 @@ class DenseAccumulator {
   // Deterministic mode: a step's gradients, one slot each, summed in replica order at the take.
   struct Slot {
     std::string replica;
-    uint64_t arrival;  // orders one replica's own gradients (in the order it sent them)
+    uint64_t arrival;                // orders one replica's own gradients (in the order it sent them)
     std::unique_ptr<Buffer> values;  // in the accumulator's dtype
   };
   void SumSlots();  // the take: sum_ = the slots in (replica, arrival) order; slots freed

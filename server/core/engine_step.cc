@@ -172,8 +172,8 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
     spdlog::warn("variable '{}' was created while step {} was closing; it joins step {}", v->name, step, step + 1);
     v->next_take_step = step + 1;
     if (v->dense) {
-      v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1,
-                                                    config_.deterministic);
+      v->dense =
+          std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1, config_.deterministic);
     }
     if (v->sparse) v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
     --pending_takes_;

@@ -215,7 +215,7 @@ Status TrainingEngine::ValidateGrad(Variable* v, const GradRef& g) const {
 }
 
 Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,
-                           std::string_view replica) {
+                            std::string_view replica) {
   std::vector<Variable*> targets;
   targets.reserve(grads.size());
   {

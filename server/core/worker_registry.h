@@ -30,8 +30,8 @@
 #include <utility>
 #include <vector>
 
-#include "psd/status.h"
 #include "base/mutex.h"
+#include "psd/status.h"
 
 namespace psd::server {
 

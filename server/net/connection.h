@@ -144,7 +144,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::steady_timer frame_timer_;  // --frame-timeout-ms for the body being read
   uint64_t body_gen_ = 0;           // bumped per body read: a stale frame-timer expiry is ignored
   bool reading_body_ = false;
-  bool idle_offered_ = false;       // the kept buffer's charge is offered back to the budget (OfferIdle)
+  bool idle_offered_ = false;  // the kept buffer's charge is offered back to the budget (OfferIdle)
   Role role_ = Role::kNone;
   asio::steady_timer timer_;
   std::chrono::steady_clock::time_point hello_deadline_;

@@ -47,9 +47,9 @@ class FrameBudget {
 
   uint64_t limit() const { return limit_; }
   uint64_t in_use() const;
-  uint64_t peak() const;           // the most ever held at once (never above limit())
-  uint64_t waits() const;          // acquisitions that had to wait
-  size_t waiting() const;          // acquisitions waiting now
+  uint64_t peak() const;   // the most ever held at once (never above limit())
+  uint64_t waits() const;  // acquisitions that had to wait
+  size_t waiting() const;  // acquisitions waiting now
 
  private:
   struct Waiter {
@@ -64,7 +64,7 @@ class FrameBudget {
   uint64_t in_use_ GUARDED_BY(mu_) = 0;
   uint64_t peak_ GUARDED_BY(mu_) = 0;
   uint64_t waits_ GUARDED_BY(mu_) = 0;
-  std::deque<Waiter> waiters_ GUARDED_BY(mu_);  // first come, first served
+  std::deque<Waiter> waiters_ GUARDED_BY(mu_);                      // first come, first served
   std::map<uint64_t, std::function<void()>> idle_ GUARDED_BY(mu_);  // OfferIdle's, by holder
 };
 

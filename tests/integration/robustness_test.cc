@@ -1,7 +1,7 @@
 // Hostile peers: malformed, oversized, truncated and unknown frames never crash psd or corrupt
 // its state; each gets an error reply or a closed connection.
-#include <catch2/catch.hpp>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <random>
 #include <thread>
 
@@ -455,8 +455,7 @@ TEST_CASE("frames in flight share --max-inflight-bytes: a worker over it waits, 
   CHECK(Eventually([&] { return budget.in_use() == 0; }));  // every connection gave its share back
 }
 
-TEST_CASE("buffers kept for the next frame are given back when a push waits for its share",
-          "[robustness][budget]") {
+TEST_CASE("buffers kept for the next frame are given back when a push waits for its share", "[robustness][budget]") {
   // Three workers, one 3 MiB variable, 8 MiB for frames in flight: after two pushes the idle
   // connections keep 6 MiB for their next frame, and the third push (which completes the step)
   // must not wait for them forever.
@@ -508,9 +507,14 @@ TEST_CASE("an unauthenticated flood never touches the frame budget; a worker tra
         try {
           auto p = std::make_unique<RawPeer>(server->port());
           switch (i % 4) {
-            case 0: p->SendBytes(Words({0, (200u << 20) / 8})); break;
-            case 1: break;  // silent
-            case 2: p->SendBytes(Words({0, 1000}) + "half"); break;
+            case 0:
+              p->SendBytes(Words({0, (200u << 20) / 8}));
+              break;
+            case 1:
+              break;  // silent
+            case 2:
+              p->SendBytes(Words({0, 1000}) + "half");
+              break;
             case 3: {
               wire::OutFrame f;
               auto h = f.builder.initRoot<proto::Request>();

@@ -133,7 +133,8 @@ namespace {
 // A float32 gradient of n elements: small integers, so every sum is exact whatever its order.
 std::vector<float> Ints(size_t n, int seed) {
   std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>(static_cast<int>((i * 7 + static_cast<size_t>(seed) * 13) % 17) - 8);
+  for (size_t i = 0; i < n; ++i)
+    v[i] = static_cast<float>(static_cast<int>((i * 7 + static_cast<size_t>(seed) * 13) % 17) - 8);
   return v;
 }
 
@@ -147,7 +148,7 @@ TEST_CASE("concurrent adds of one step sum every gradient, stripe by stripe", "[
   std::vector<std::vector<float>> grads;
   for (int k = 0; k < kAdders; ++k) grads.push_back(Ints(n, k));
   for (int round = 0; round < 2; ++round) {  // the second round starts every stripe over
-    std::mutex owner;  // the variable's lock: BeginAdd / EndAdd / take
+    std::mutex owner;                        // the variable's lock: BeginAdd / EndAdd / take
     for (int k = 0; k < kAdders; ++k) {
       std::lock_guard<std::mutex> lock(owner);
       REQUIRE(acc.BeginAdd(round));
