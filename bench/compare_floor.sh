@@ -14,6 +14,7 @@
 #   --psd PATH                the daemon (default: build/server/psd, beside psd_bench's build)
 #   --steps-scale F           multiply every cell's measured steps by F (default 1)
 #   --psd-flags "..."         extra flags for every psd (e.g. "--deterministic")
+#   --bench-flags "..."       extra flags for every psd_bench (e.g. "--push-frame-bytes 0")
 #   --rss "1 4 16 64"         then the daemon's peak RSS alone, at --rss-model, for these workers
 #   --rss-model SIZE          model size of the RSS runs (default 64M)
 # Prints each cell's floor and psd medians, then a ratio table (psd/floor, median step) and the
@@ -26,6 +27,7 @@ workers_list="2 4 8 16"
 sizes_list="4K 4M 64M 256M"
 steps_scale=1
 psd_flags=""
+bench_flags=""
 rss_list=""
 rss_model="64M"
 bench=""
@@ -37,9 +39,10 @@ while [[ $# -gt 0 ]]; do
     --psd) psd="$2"; shift 2 ;;
     --steps-scale) steps_scale="$2"; shift 2 ;;
     --psd-flags) psd_flags="$2"; shift 2 ;;
+    --bench-flags) bench_flags="$2"; shift 2 ;;
     --rss) rss_list="$2"; shift 2 ;;
     --rss-model) rss_model="$2"; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     -*) echo "compare_floor: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) bench="$1"; shift ;;
   esac
@@ -116,7 +119,7 @@ run_psd() {
   local workers="$1" bytes="$2" steps="$3" rc
   start_psd "$workers" "$bytes" || return 1
   psd_out="$(timeout 900 "$bench" --connect "127.0.0.1:$port" --workers "$workers" --model-bytes "$bytes" \
-             --steps "$steps" --fused --pull-in-push --finish --json --timeout-s 850 2>&1)"
+             --steps "$steps" --fused --pull-in-push --finish --json --timeout-s 850 $bench_flags 2>&1)"
   rc=$?
   rss_mib="$(stop_psd)"
   return $rc

@@ -114,6 +114,8 @@ struct Options {
   int64_t staleness = -1;          // in-process psd, ssp: -1: psd's default
   std::string optimizer = "sgd";   // in-process psd
   std::string model_bytes_text = "4M";
+  std::string push_frame_bytes_text = "4M";  // ClientOptions::push_frame_bytes (0: one frame per push)
+  uint64_t push_frame_bytes = 4ull << 20;
   psd::DType grad_dtype = psd::DType::kFloat32;
   uint64_t model_bytes = 0;
   int variables = 1;
@@ -545,6 +547,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   co.cluster = ep.cluster;
   co.worker_name = who;
   co.max_frame_bytes = std::max<uint64_t>(co.max_frame_bytes, frame_limit);
+  co.push_frame_bytes = opt.push_frame_bytes;
   ApplyTls(opt, co);
   auto connected = psclient::Client::Connect(co);
   if (!connected.ok()) return fail("connect to " + ep.host + ":" + std::to_string(ep.port), connected.status());
@@ -1268,6 +1271,9 @@ int Run(int argc, char** argv) {
   app.add_option("--steps", opt.steps, "measured steps (sync: global steps; async/ssp: iterations per worker)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--push-frame-bytes", opt.push_frame_bytes_text,
+                 "frames a push is cut into (the client's push_frame_bytes; 0: one frame per push)")
+      ->capture_default_str();
   auto* fused_flag = app.add_flag("--fused", opt.fused, "ask for the token in the push (one round trip per push+wait)");
   app.add_flag("--pull-in-push", opt.pull_in_push,
                "dense, with --fused: the next step's values come back with the token (one round trip per step)")
@@ -1357,6 +1363,12 @@ int Run(int argc, char** argv) {
     frame_limit = static_cast<uint64_t>(opt.batch_rows) * (static_cast<uint64_t>(opt.embedding_dim) * 4 + 8) +
                   kFrameOverheadBytes + kFrameOverheadPerVariable;
   } else {
+    auto push_frame = ParseBytes(opt.push_frame_bytes_text);
+    if (!push_frame.ok()) {
+      std::fprintf(stderr, "psd_bench: --push-frame-bytes: %s\n", push_frame.status().message().c_str());
+      return 1;
+    }
+    opt.push_frame_bytes = *push_frame;
     auto model_bytes = ParseBytes(opt.model_bytes_text);
     if (!model_bytes.ok()) {
       std::fprintf(stderr, "psd_bench: --model-bytes: %s\n", model_bytes.status().message().c_str());

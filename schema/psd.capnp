@@ -108,6 +108,7 @@ struct HelloReply {
   maxFrameBytes @9 :UInt64;  # psd's --max-frame-bytes: clients refuse to send bigger requests (0: unknown)
   peerNonce @10 :Data;    # to a peer's hello, with --cluster-secret-file: the acceptor's challenge
   peerProof @11 :Data;    # ... and its proof (HMAC-SHA256, server/cluster/peer_auth.h)
+  chunkElements @12 :UInt64;  # the part size gradient chunks align to (0: chunks not taken)
 }
 
 struct CreateVariable {
@@ -185,6 +186,9 @@ struct Gradient {
   indices @3 :List(Int64);
   hasDenseShape @4 :Bool;
   denseShape @5 :List(Int64);
+  chunk @6 :Bool;         # dense only: `grad` is a flat [n], the elements [chunkOffset, chunkOffset + n)
+  chunkOffset @7 :Int64;  # of the variable's flattened gradient (a gradient bigger than a frame);
+                          # aligned to HelloReply.chunkElements, n too unless it ends the tensor
 }
 
 struct Push {
@@ -195,6 +199,8 @@ struct Push {
   pullAfter @4 :List(Text);  # after the token, also return these variables' values (one round trip per step)
   clusterEpoch @5 :UInt64;   # the epoch the gradients were computed in; another one is ABORTED (0: unchecked)
   pullAfterDtypes @6 :List(DType);  # empty, or one per pullAfter name, as Pull.dtypes
+  more @7 :Bool;             # more frames of this push follow (no waitToken, no pullAfter): a push
+                             # bigger than a frame is sent in several, the token wait on the last
 }
 
 struct GradResult {

@@ -18,6 +18,7 @@
 #include "device_memory.h"
 #include "psd/cluster_list.h"
 #include "psd/half.h"
+#include "push_frames.h"
 #include "sparse_check.h"
 #include "wire/frame.h"
 #include "wire/tls.h"
@@ -215,6 +216,7 @@ class Conn {
     cluster_epoch = hr.getClusterEpoch();
     shards_reported = static_cast<int>(hr.getShards());
     daemon_max_frame_bytes = hr.getMaxFrameBytes();
+    chunk_elements = hr.getChunkElements();
     ++connects;
     return Status::Ok();
   }
@@ -319,6 +321,15 @@ class Conn {
   bool quick_reconnect = false;  // a cluster's shard (see Send)
   static constexpr int64_t kQuickReconnectMs = 500;
   uint64_t daemon_max_frame_bytes = 0;  // psd's --max-frame-bytes from the hello (0: not announced)
+  uint64_t chunk_elements = 0;          // what gradient chunks align to (0: the daemon takes none)
+  // The most a push frame carries: ClientOptions::push_frame_bytes, within --max-frame-bytes
+  // (less room for the request's own words).
+  uint64_t PushFrameLimit() const {
+    uint64_t limit = options_.push_frame_bytes;
+    if (daemon_max_frame_bytes > 0)
+      limit = std::min(limit, daemon_max_frame_bytes - std::min<uint64_t>(daemon_max_frame_bytes, 4096));
+    return limit;
+  }
   std::atomic<uint64_t> connects{0};
   std::atomic<uint64_t> requests{0};
 
@@ -477,15 +488,26 @@ class Client::Impl {
     return c;
   }
 
-  // Sends every request, then reads every reply (in order: put the token wait last). At most one
-  // call per shard. Returns the first error, naming its shard.
-  Status Run(Calls& calls) {
+  // Sends every request, then reads every reply (in order: put the token wait last). Returns the
+  // first error, naming its shard. A reply's reader lasts until the next reply on its connection:
+  // with several calls to one shard, `each` (called with each call's index once its reply, or its
+  // failure, is in) reads it; with one call per shard the replies can be read after Run.
+  Status Run(Calls& calls, const std::function<void(size_t)>& each = {}) {
     for (auto& c : calls) {
-      c->status = FromShard(conn(c->shard).Send(c->frame, c->wait_ms), conn(c->shard), cluster());
+      // A shard whose earlier frame of this batch failed gets no more (its stream is reset).
+      bool broken = false;
+      for (auto& b : calls) {
+        if (b.get() == c.get()) break;
+        broken = broken || (b->shard == c->shard && !b->sent);
+      }
+      c->status = broken ? psd::Unavailable("an earlier frame to this shard failed")
+                         : FromShard(conn(c->shard).Send(c->frame, c->wait_ms), conn(c->shard), cluster());
       c->sent = c->status.ok();
     }
-    for (auto& c : calls) {
+    for (size_t i = 0; i < calls.size(); ++i) {
+      auto& c = calls[i];
       if (c->sent) c->status = FromShard(conn(c->shard).Receive(c->frame, &c->resp), conn(c->shard), cluster());
+      if (each) each(i);
     }
     // The most telling error first: a shard's own answer (it says what the cluster waits for)
     // before a transport failure (a shard that is gone).
@@ -1133,96 +1155,131 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       slots_of_call.emplace_back();
       continue;
     }
-    proto::Request::Builder req(nullptr);
-    Impl::Call& c = im.Add(calls, k, &req, waits ? timeout_ms : 0);
-    auto p = req.initPush();
-    p.setLocalStep(local_step);
-    p.setWaitToken(waits);
-    p.setTimeoutMs(timeout_ms);
-    if (cluster) p.setClusterEpoch(im.cluster_epoch_.load());
-    if (waits) token_call = &c;
-    if (pull_in_push) {
-      auto names = p.initPullAfter(static_cast<unsigned>(pull_after->size()));
-      for (size_t i = 0; i < pull_after->size(); ++i) names.set(static_cast<unsigned>(i), (*pull_after)[i].first);
-      SetWantedDTypes(*pull_after, p.initPullAfterDtypes(static_cast<unsigned>(pull_after->size())));
+    std::vector<uint64_t> dense_bytes, element_bytes, sparse_bytes;
+    for (const DensePart& d : dense) {
+      dense_bytes.push_back(d.view.bytes());
+      element_bytes.push_back(psd::DTypeSize(d.view.dtype));
     }
-    auto list = p.initGrads(static_cast<unsigned>(dense.size() + sp.size()));
-    slots_of_call.emplace_back();
-    for (size_t i = 0; i < dense.size(); ++i) {
-      auto e = list[static_cast<unsigned>(i)];
-      e.setName(*dense[i].name);
-      const ConstTensorView& v = dense[i].view;
-      psd::wire::SetTensor(c.frame.builder, e.initGrad(), v.dtype, v.shape, v.data, v.bytes(), dense[i].padded);
-      slots_of_call.back().push_back(dense[i].slot);
-    }
-    for (size_t j = 0; j < sp.size(); ++j) {
-      auto e = list[static_cast<unsigned>(dense.size() + j)];
-      const SparsePart& part = sp[j].part;
-      e.setName(*sp[j].name);
-      e.setSparse(true);
-      auto idx = e.initIndices(static_cast<unsigned>(part.indices.size()));
-      for (size_t k2 = 0; k2 < part.indices.size(); ++k2) idx.set(static_cast<unsigned>(k2), part.indices[k2]);
-      if (part.dense_shape) {
-        e.setHasDenseShape(true);
-        auto ds = e.initDenseShape(static_cast<unsigned>(part.dense_shape->size()));
-        for (size_t k2 = 0; k2 < part.dense_shape->size(); ++k2)
-          ds.set(static_cast<unsigned>(k2), (*part.dense_shape)[k2]);
+    for (const SparseEntry& e : sp) sparse_bytes.push_back(e.part.bytes + e.part.indices.size() * sizeof(int64_t));
+    // Bigger than a frame: several frames, gradients cut into chunks, the token wait on the last.
+    std::vector<internal::PushFrame> frames = internal::PlanPushFrames(
+        dense_bytes, element_bytes, sparse_bytes, im.conn(k).PushFrameLimit(), im.conn(k).chunk_elements);
+    for (size_t f = 0; f < frames.size(); ++f) {
+      const internal::PushFrame& plan = frames[f];
+      const bool last = f + 1 == frames.size();
+      proto::Request::Builder req(nullptr);
+      Impl::Call& c = im.Add(calls, k, &req, waits && last ? timeout_ms : 0);
+      auto p = req.initPush();
+      p.setLocalStep(local_step);
+      p.setWaitToken(waits && last);
+      p.setTimeoutMs(timeout_ms);
+      p.setMore(!last);
+      if (cluster) p.setClusterEpoch(im.cluster_epoch_.load());
+      if (waits && last) token_call = &c;
+      if (pull_in_push && last) {
+        auto names = p.initPullAfter(static_cast<unsigned>(pull_after->size()));
+        for (size_t i = 0; i < pull_after->size(); ++i) names.set(static_cast<unsigned>(i), (*pull_after)[i].first);
+        SetWantedDTypes(*pull_after, p.initPullAfterDtypes(static_cast<unsigned>(pull_after->size())));
       }
-      psd::wire::SetTensor(c.frame.builder, e.initGrad(), part.dtype, part.shape, part.values, part.bytes);
-      slots_of_call.back().push_back(sp[j].slot);
+      auto list = p.initGrads(static_cast<unsigned>(plan.dense.size() + plan.sparse.size()));
+      slots_of_call.emplace_back();
+      for (size_t i = 0; i < plan.dense.size(); ++i) {
+        const internal::PushPiece& piece = plan.dense[i];
+        const DensePart& d = dense[piece.entry];
+        auto e = list[static_cast<unsigned>(i)];
+        e.setName(*d.name);
+        const ConstTensorView& v = d.view;
+        if (piece.offset == 0 && piece.bytes == v.bytes()) {
+          psd::wire::SetTensor(c.frame.builder, e.initGrad(), v.dtype, v.shape, v.data, v.bytes(), d.padded);
+        } else {
+          // A chunk: a flat run of the gradient's elements (the last one ends where the whole does).
+          size_t es = psd::DTypeSize(v.dtype);
+          e.setChunk(true);
+          e.setChunkOffset(static_cast<int64_t>(piece.offset / es));
+          const uint8_t* at = static_cast<const uint8_t*>(v.data) + piece.offset;
+          psd::wire::SetTensor(c.frame.builder, e.initGrad(), v.dtype, {static_cast<int64_t>(piece.bytes / es)}, at,
+                               piece.bytes, d.padded || piece.offset + piece.bytes < v.bytes());
+        }
+        slots_of_call.back().push_back(d.slot);
+      }
+      for (size_t j = 0; j < plan.sparse.size(); ++j) {
+        auto e = list[static_cast<unsigned>(plan.dense.size() + j)];
+        const SparseEntry& entry = sp[plan.sparse[j]];
+        const SparsePart& part = entry.part;
+        e.setName(*entry.name);
+        e.setSparse(true);
+        auto idx = e.initIndices(static_cast<unsigned>(part.indices.size()));
+        for (size_t k2 = 0; k2 < part.indices.size(); ++k2) idx.set(static_cast<unsigned>(k2), part.indices[k2]);
+        if (part.dense_shape) {
+          e.setHasDenseShape(true);
+          auto ds = e.initDenseShape(static_cast<unsigned>(part.dense_shape->size()));
+          for (size_t k2 = 0; k2 < part.dense_shape->size(); ++k2)
+            ds.set(static_cast<unsigned>(k2), (*part.dense_shape)[k2]);
+        }
+        psd::wire::SetTensor(c.frame.builder, e.initGrad(), part.dtype, part.shape, part.values, part.bytes);
+        slots_of_call.back().push_back(entry.slot);
+      }
     }
   }
-  Status run = im.Run(calls);
   PushOutcome out;
   out.waited = wait_token;
   out.results.assign(grads.size() + sparse.size(), {true, INT64_MAX, 0});
-  try {
-    for (size_t c = 0; c < calls.size(); ++c) {
-      Impl::Call& call = *calls[c];
-      if (&call == token_call && !slots_of_call[c].size()) {
-        // A plain token wait: its failure is the token's outcome, not the push's.
-        if (call.status.ok()) {
-          auto t = call.resp.getToken();
-          out.token = t.getToken();
-          out.is_chief = t.getIsChief();
-          out.step_gradients = t.getStepGradients();
-        } else if (call.status.code() != Code::kUnavailable || call.sent) {
-          out.token_status = call.status;
-        }
-        continue;
+  // Each reply is read as it arrives (a shard sent several frames answers each in turn, and a
+  // reply's reader lasts until the next reply on its connection).
+  Status consumed;
+  auto consume = [&](size_t c) -> Status {
+    Impl::Call& call = *calls[c];
+    if (&call == token_call && !slots_of_call[c].size()) {
+      // A plain token wait: its failure is the token's outcome, not the push's.
+      if (call.status.ok()) {
+        auto t = call.resp.getToken();
+        out.token = t.getToken();
+        out.is_chief = t.getIsChief();
+        out.step_gradients = t.getStepGradients();
+      } else if (call.status.code() != Code::kUnavailable || call.sent) {
+        out.token_status = call.status;
       }
-      if (!call.status.ok()) return call.status;
-      auto r = call.resp.getPush();
-      auto results = r.getResults();
-      if (results.size() != slots_of_call[c].size()) return psd::Internal("push reply has the wrong number of results");
-      for (size_t i = 0; i < slots_of_call[c].size(); ++i) {
-        PushResult& res = out.results[slots_of_call[c][i]];
-        auto got = results[static_cast<unsigned>(i)];
-        res.accepted = res.accepted && got.getAccepted();
-        res.step = std::min(res.step, got.getStep());
-        res.staleness = std::max(res.staleness, got.getStaleness());
-      }
-      if (call.shard == chief) {
-        out.is_chief = r.getIsChief();
-        out.step_gradients = r.getStepGradients();
-        if (cluster && r.getChiefShard() >= 0) im.chief_ = r.getChiefShard();
-      }
-      if (&call == token_call) {
-        out.token_status = Status(psd::wire::FromWire(r.getTokenCode()), r.getTokenMessage());
-        out.token = r.getToken();
-      }
-      // A single daemon's reply carries the values: after the token when it waited, else at once.
-      if (pull_in_push && (&call == token_call || !wait_token)) {
-        if (r.hasPulled() && out.token_status.ok()) {
-          auto step = im.ReadValues(r.getPulled(), *pull_after);
-          if (!step.ok()) return step.status();
-          out.pulled_step = *step;
-        }
+      return Status::Ok();
+    }
+    if (!call.status.ok()) return call.status;
+    auto r = call.resp.getPush();
+    auto results = r.getResults();
+    if (results.size() != slots_of_call[c].size()) return psd::Internal("push reply has the wrong number of results");
+    for (size_t i = 0; i < slots_of_call[c].size(); ++i) {
+      PushResult& res = out.results[slots_of_call[c][i]];
+      auto got = results[static_cast<unsigned>(i)];
+      res.accepted = res.accepted && got.getAccepted();
+      res.step = std::min(res.step, got.getStep());
+      res.staleness = std::max(res.staleness, got.getStaleness());
+    }
+    if (call.shard == chief) {
+      out.is_chief = r.getIsChief();
+      out.step_gradients = r.getStepGradients();
+      if (cluster && r.getChiefShard() >= 0) im.chief_ = r.getChiefShard();
+    }
+    if (&call == token_call) {
+      out.token_status = Status(psd::wire::FromWire(r.getTokenCode()), r.getTokenMessage());
+      out.token = r.getToken();
+    }
+    // A single daemon's reply carries the values: after the token when it waited, else at once.
+    if (pull_in_push && (&call == token_call || (!wait_token && r.hasPulled()))) {
+      if (r.hasPulled() && out.token_status.ok()) {
+        auto step = im.ReadValues(r.getPulled(), *pull_after);
+        if (!step.ok()) return step.status();
+        out.pulled_step = *step;
       }
     }
-  } catch (const kj::Exception& e) {
-    return Malformed(e);
-  }
+    return Status::Ok();
+  };
+  Status run = im.Run(calls, [&](size_t c) {
+    if (!consumed.ok()) return;
+    try {
+      consumed = consume(c);
+    } catch (const kj::Exception& e) {
+      consumed = Malformed(e);
+    }
+  });
+  if (!consumed.ok()) return consumed;
   if (!run.ok() && (token_call == nullptr || !out.token_status.ok() || run.code() != out.token_status.code())) {
     // A failure other than the token wait's own outcome.
     bool only_token = token_call != nullptr && !token_call->status.ok();

@@ -1,6 +1,7 @@
 #include "core/accumulator.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 
 #include "psd/half.h"
@@ -33,6 +34,8 @@ DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction
       sum_(static_cast<size_t>(num_elements_) * DTypeSize(dtype)),
       num_stripes_(std::max<int64_t>(1, (num_elements_ + kStripeElements - 1) / kStripeElements)),
       stripes_(std::make_unique<Stripe[]>(static_cast<size_t>(num_stripes_))),
+      num_parts_(std::max<int64_t>(1, (num_elements_ + kPartElements - 1) / kPartElements)),
+      part_round_(std::make_unique<uint64_t[]>(static_cast<size_t>(num_parts_))),
       deterministic_(deterministic) {}
 
 Status CheckGradientDType(DType want, DType got) {
@@ -81,10 +84,9 @@ void DenseAccumulator::EndAdd() {
   ++counter_;
 }
 
-void DenseAccumulator::AddRange(DType dtype, const void* data, int64_t begin, int64_t end, bool first) {
+void DenseAccumulator::AddRange(DType dtype, const void* src, int64_t begin, int64_t end, bool first) {
   const size_t n = static_cast<size_t>(end - begin);
-  const size_t in_size = DTypeSize(dtype), out_size = DTypeSize(dtype_);
-  const void* src = static_cast<const char*>(data) + static_cast<size_t>(begin) * in_size;
+  const size_t out_size = DTypeSize(dtype_);
   void* dst = static_cast<char*>(sum_.data()) + static_cast<size_t>(begin) * out_size;
   if (dtype != dtype_) {  // a half gradient into float32: converted while it is added
     if (first) {
@@ -99,40 +101,140 @@ void DenseAccumulator::AddRange(DType dtype, const void* data, int64_t begin, in
   }
 }
 
+void DenseAccumulator::AddToStripe(int64_t i, DType dtype, const void* data, int64_t base, int64_t begin, int64_t end) {
+  // round_ is stable while an add is in flight: a take waits for in_flight() == 0.
+  const size_t in_size = DTypeSize(dtype);
+  MutexLock lock(&stripes_[static_cast<size_t>(i)].mu);
+  // Runs of parts that are all first in the round (copied) or all not (added), one call each.
+  int64_t at = begin;
+  while (at < end) {
+    const bool first = part_round_[static_cast<size_t>(at / kPartElements)] != round_;
+    int64_t run_end = at;
+    while (run_end < end && (part_round_[static_cast<size_t>(run_end / kPartElements)] != round_) == first) {
+      part_round_[static_cast<size_t>(run_end / kPartElements)] = round_;
+      run_end = std::min(end, (run_end / kPartElements + 1) * kPartElements);
+    }
+    AddRange(dtype, static_cast<const char*>(data) + static_cast<size_t>(at - base) * in_size, at, run_end, first);
+    at = run_end;
+  }
+}
+
+std::unique_ptr<Buffer> DenseAccumulator::TakeFreeSlot() {
+  if (free_slots_.empty()) return std::make_unique<Buffer>(sum_.bytes(), Buffer::Uninitialized{});
+  std::unique_ptr<Buffer> slot = std::move(free_slots_.back());
+  free_slots_.pop_back();
+  return slot;
+}
+
+Buffer* DenseAccumulator::ChunkSlot(std::string_view replica, int64_t p0, int64_t p1) {
+  MutexLock lock(&slots_mu_);
+  auto fits = [&](const Slot& s) {
+    if (s.replica != replica || s.parts.empty()) return false;
+    for (int64_t p = p0; p < p1; ++p) {
+      if (s.parts[static_cast<size_t>(p)]) return false;
+    }
+    return true;
+  };
+  auto it = std::find_if(slots_.begin(), slots_.end(), fits);  // slots_ is in arrival order
+  if (it == slots_.end()) {
+    slots_.push_back({std::string(replica), arrivals_++, TakeFreeSlot(), std::vector<bool>(num_parts_, false)});
+    it = slots_.end() - 1;
+  }
+  for (int64_t p = p0; p < p1; ++p) it->parts[static_cast<size_t>(p)] = true;
+  return it->values.get();
+}
+
 void DenseAccumulator::Add(DType dtype, const void* data, std::string_view replica) {
   if (num_elements_ == 0) return;
   if (deterministic_) {
     std::unique_ptr<Buffer> slot;
     {
       MutexLock lock(&slots_mu_);
-      if (!free_slots_.empty()) {
-        slot = std::move(free_slots_.back());
-        free_slots_.pop_back();
-      }
+      slot = TakeFreeSlot();
     }
-    if (!slot) slot = std::make_unique<Buffer>(sum_.bytes(), Buffer::Uninitialized{});
     if (dtype != dtype_) {
       ConvertElements(data, dtype, slot->data(), dtype_, static_cast<size_t>(num_elements_));
     } else {
       std::memcpy(slot->data(), data, sum_.bytes());
     }
     MutexLock lock(&slots_mu_);
-    slots_.push_back({std::string(replica), arrivals_++, std::move(slot)});
+    slots_.push_back({std::string(replica), arrivals_++, std::move(slot), {}});
     return;
   }
-  // round_ is stable while this add is in flight: a take waits for in_flight() == 0.
-  const uint64_t round = round_;
   const int64_t start =
       static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(num_stripes_));
   for (int64_t k = 0; k < num_stripes_; ++k) {
     int64_t i = (start + k) % num_stripes_;
-    int64_t begin = i * kStripeElements, end = std::min(num_elements_, begin + kStripeElements);
-    Stripe& stripe = stripes_[static_cast<size_t>(i)];
-    MutexLock lock(&stripe.mu);
-    bool first = stripe.filled_round != round;
-    stripe.filled_round = round;
-    AddRange(dtype, data, begin, end, first);
+    AddToStripe(i, dtype, data, 0, i * kStripeElements, std::min(num_elements_, (i + 1) * kStripeElements));
   }
+}
+
+void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica) {
+  if (n <= 0) return;
+  if (deterministic_) {
+    const int64_t p0 = offset / kPartElements, p1 = (offset + n + kPartElements - 1) / kPartElements;
+    Buffer* slot = ChunkSlot(replica, p0, p1);  // this chunk's parts of it are this add's alone
+    void* dst = static_cast<char*>(slot->data()) + static_cast<size_t>(offset) * DTypeSize(dtype_);
+    if (dtype != dtype_) {
+      ConvertElements(data, dtype, dst, dtype_, static_cast<size_t>(n));
+    } else {
+      std::memcpy(dst, data, static_cast<size_t>(n) * DTypeSize(dtype_));
+    }
+    return;
+  }
+  const int64_t s0 = offset / kStripeElements, s1 = (offset + n - 1) / kStripeElements + 1;
+  const int64_t stripes = s1 - s0;
+  const int64_t start =
+      static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(stripes));
+  for (int64_t k = 0; k < stripes; ++k) {
+    int64_t i = s0 + (start + k) % stripes;
+    AddToStripe(i, dtype, data, offset, std::max(offset, i * kStripeElements),
+                std::min(offset + n, (i + 1) * kStripeElements));
+  }
+}
+
+void DenseAccumulator::EndAddChunk(int64_t offset, int64_t n) {
+  --in_flight_;
+  if (n <= 0) return;
+  if (!chunked_) {
+    part_counts_.assign(static_cast<size_t>(num_parts_), 0);
+    min_part_ = 0;
+    at_min_ = num_parts_;
+    chunked_ = true;
+  }
+  const int64_t p0 = offset / kPartElements, p1 = (offset + n + kPartElements - 1) / kPartElements;
+  for (int64_t p = p0; p < p1; ++p) {
+    if (part_counts_[static_cast<size_t>(p)]++ == min_part_) --at_min_;
+  }
+  if (at_min_ == 0) {  // every part has more now: find the new fewest (once per chunked gradient)
+    min_part_ = *std::min_element(part_counts_.begin(), part_counts_.end());
+    at_min_ = std::count(part_counts_.begin(), part_counts_.end(), min_part_);
+  }
+}
+
+Status DenseAccumulator::CheckChunk(DType want_dtype, const Shape& want_shape, DType dtype, const Shape& shape,
+                                    size_t bytes, int64_t offset) {
+  PSD_RETURN_IF_ERROR(CheckGradientDType(want_dtype, dtype));
+  const int64_t total = NumElements(want_shape);
+  if (shape.size() != 1 || shape[0] <= 0) {
+    return InvalidArgument("a gradient chunk must be a flat [n] with n > 0, got " + ShapeString(shape));
+  }
+  const int64_t n = shape[0];
+  if (offset < 0 || offset >= total || n > total - offset) {
+    return InvalidArgument("gradient chunk [" + std::to_string(offset) + ", " + std::to_string(offset) + " + " +
+                           std::to_string(n) + ") is outside the variable's " + std::to_string(total) + " elements");
+  }
+  if (offset % kPartElements != 0 || (offset + n != total && n % kPartElements != 0)) {
+    return InvalidArgument("gradient chunk [" + std::to_string(offset) + ", " + std::to_string(offset + n) +
+                           ") is not aligned to psd's chunk parts of " + std::to_string(kPartElements) +
+                           " elements (HelloReply.chunkElements)");
+  }
+  size_t need = static_cast<size_t>(n) * DTypeSize(dtype);
+  if (bytes != need) {
+    return InvalidArgument("gradient chunk has " + std::to_string(bytes) + " bytes, " + std::to_string(n) +
+                           " elements of " + DTypeName(dtype) + " need " + std::to_string(need));
+  }
+  return Status::Ok();
 }
 
 void DenseAccumulator::SumSlots() {
@@ -140,33 +242,77 @@ void DenseAccumulator::SumSlots() {
   std::sort(slots_.begin(), slots_.end(), [](const Slot& a, const Slot& b) {
     return a.replica != b.replica ? a.replica < b.replica : a.arrival < b.arrival;
   });
-  for (size_t k = 0; k < slots_.size(); ++k) {
-    if (k == 0) {
-      std::memcpy(sum_.data(), slots_[k].values->data(), sum_.bytes());
-    } else {
-      AddInto(dtype_, sum_.data(), slots_[k].values->data(), num_elements_);
+  const bool whole = std::all_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.parts.empty(); });
+  const int64_t unit = whole ? std::max<int64_t>(num_elements_, 1) : kPartElements;
+  const size_t out_size = DTypeSize(dtype_);
+  for (int64_t begin = 0; begin < num_elements_; begin += unit) {
+    const int64_t end = std::min(num_elements_, begin + unit);
+    const size_t part = static_cast<size_t>(begin / kPartElements);
+    bool first = true;
+    for (const Slot& slot : slots_) {
+      if (!slot.parts.empty() && !slot.parts[part]) continue;  // a chunk that did not come
+      AddRange(dtype_, static_cast<const char*>(slot.values->data()) + static_cast<size_t>(begin) * out_size, begin,
+               end, first);
+      first = false;
     }
-    free_slots_.push_back(std::move(slots_[k].values));
+    // A part nobody sent stays as it is here; SettleParts zeroes it.
   }
+  for (Slot& slot : slots_) free_slots_.push_back(std::move(slot.values));
   slots_.clear();
   arrivals_ = 0;
+}
+
+void DenseAccumulator::SettleParts(int* count) {
+  chunked_ = false;
+  int most = 0;
+  for (int c : part_counts_) most = std::max(most, c);
+  if (min_part_ == most) {  // every part has the same gradients' count: one divisor, as for whole adds
+    *count = counter_ + most;
+    divisor_ = reduction_ == Reduction::kMean && *count > 1 ? *count : 1;
+    return;
+  }
+  // Parts with different counts (a chunk never came, or a forced take): each is divided by its own.
+  *count = 0;
+  const size_t out_size = DTypeSize(dtype_);
+  for (int64_t p = 0; p < num_parts_; ++p) {
+    int c = counter_ + part_counts_[static_cast<size_t>(p)];
+    if (c > 0 && (*count == 0 || c < *count)) *count = c;  // the fewest of the parts that got any
+    int64_t begin = p * kPartElements, end = std::min(num_elements_, begin + kPartElements);
+    char* dst = static_cast<char*>(sum_.data()) + static_cast<size_t>(begin) * out_size;
+    if (c == 0) {
+      std::memset(dst, 0, static_cast<size_t>(end - begin) * out_size);
+    } else if (reduction_ == Reduction::kMean && c > 1) {
+      if (dtype_ == DType::kFloat32) {
+        float* x = reinterpret_cast<float*>(dst);
+        for (int64_t e = 0; e < end - begin; ++e) x[e] = x[e] / static_cast<float>(c);  // as the optimizer divides
+      } else {
+        double* x = reinterpret_cast<double*>(dst);
+        for (int64_t e = 0; e < end - begin; ++e) x[e] = x[e] / static_cast<double>(c);
+      }
+    }
+  }
+  divisor_ = 1;
 }
 
 Result<bool> DenseAccumulator::TryTakeGrad(int num_required, int* count) {
   if (num_required <= 0) {
     return InvalidArgument("Argument num_required must be positive, but was " + std::to_string(num_required));
   }
-  if (counter_ < num_required || in_flight_ > 0) return false;  // an add in flight belongs to this step
+  if (num_accumulated() < num_required || in_flight_ > 0) return false;  // an add in flight belongs to this step
   ForceTake(count);
   return true;
 }
 
 void DenseAccumulator::ForceTake(int* count) {
   if (deterministic_) SumSlots();
+  if (chunked_) {
+    SettleParts(count);
+  } else {
+    divisor_ = reduction_ == Reduction::kMean && counter_ > 1 ? counter_ : 1;
+    *count = counter_;
+  }
   ++round_;  // the next add into each stripe starts its sum over
   ++step_;
-  divisor_ = reduction_ == Reduction::kMean && counter_ > 1 ? counter_ : 1;
-  *count = counter_;
   counter_ = 0;
 }
 

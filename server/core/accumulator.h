@@ -21,6 +21,13 @@
 // before; with two gradients per step that is exact (a + b == b + a), with more it is within
 // float rounding of the sequential sum.
 //
+// Chunks: a gradient bigger than one frame arrives in chunks (AddChunk: the elements [offset,
+// offset + n), aligned to parts of kPartElements). Each part counts its own gradients, as if
+// every part were its own accumulator (TF's partitioned variables): a part's sum is complete when
+// its count reaches num_required, and the take needs every part complete. A chunk that never comes
+// (its worker died mid-push) leaves the parts it covers waiting for another worker's, never a
+// part summed from a fraction of a gradient. With MEAN each part is divided by its own count.
+//
 // Deterministic reduction (TrainingConfig::deterministic): Add copies each gradient into a slot of
 // its replica (the worker's stable name) instead, and the take sums the slots in replica order, so
 // the same gradients always give bit-identical sums whatever order they arrived in. It holds one
@@ -57,6 +64,10 @@ class DenseAccumulator {
   // Elements per stripe of the concurrent add (1 MiB of float32): big enough that taking a stripe's
   // lock costs nothing next to its add, small enough that concurrent adders rarely meet.
   static constexpr int64_t kStripeElements = 1 << 18;
+  // Elements per part: what chunks align to and what counts its gradients (2 KiB of float32, so
+  // that even a 4 KiB --max-frame-bytes carries a chunk). A stripe holds whole parts.
+  static constexpr int64_t kPartElements = 512;
+  static_assert(kStripeElements % kPartElements == 0);
 
   DenseAccumulator(DType dtype, Shape shape, Reduction reduction, int64_t initial_step, bool deterministic = false);
 
@@ -83,6 +94,15 @@ class DenseAccumulator {
   // the sum in deterministic mode (ignored otherwise).
   void Add(DType dtype, const void* data, std::string_view replica);
   void EndAdd();
+  // A chunk of a gradient: elements [offset, offset + n) of the flattened tensor, `data` holding
+  // just them (CheckChunk passed). Between BeginAdd and EndAddChunk, like Add.
+  void AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica);
+  // Counts the chunk for the parts it covers.
+  void EndAddChunk(int64_t offset, int64_t n);
+  // Checks a chunk for an accumulator of `want_dtype`/`want_shape`: a flat [n] of a gradient's
+  // dtype, starting at a part boundary, ending at one or at the end, inside the tensor.
+  static Status CheckChunk(DType want_dtype, const Shape& want_shape, DType dtype, const Shape& shape, size_t bytes,
+                           int64_t offset);
   int in_flight() const { return in_flight_; }
 
   // TF take_grad without the wait. Errors with "Argument num_required must be positive, but was
@@ -102,7 +122,8 @@ class DenseAccumulator {
   bool SetGlobalStep(int64_t new_step);
   bool deterministic() const { return deterministic_; }
 
-  int num_accumulated() const { return counter_; }
+  // Gradients in the sum (a chunked one counts once every part has it: the fewest over the parts).
+  int num_accumulated() const { return counter_ + (chunked_ ? MinPartCount() : 0); }
   int64_t step() const { return step_; }
   const Buffer& grad() const { return sum_; }
   double divisor() const { return divisor_; }
@@ -115,20 +136,34 @@ class DenseAccumulator {
   const Reduction reduction_;
   const int64_t num_elements_;
   int64_t step_;
-  int counter_ = 0;
+  int counter_ = 0;     // whole gradients; chunks are counted per part in part_counts_
   int in_flight_ = 0;   // BeginAdd without EndAdd yet
-  uint64_t round_ = 1;  // bumped by every take: a stripe last filled in an older round starts over
+  uint64_t round_ = 1;  // bumped by every take: a part last filled in an older round starts over
   double divisor_ = 1;  // of the last take
   Buffer sum_;
 
   struct Stripe {
-    Mutex mu;
-    uint64_t filled_round GUARDED_BY(mu) = 0;  // the round whose gradients the stripe's sum holds
+    Mutex mu;  // guards the stripe's elements of sum_ and its parts' part_round_
   };
-  // Adds (or, first in the round, copies) elements [begin, end) of `data` into the sum.
-  void AddRange(DType dtype, const void* data, int64_t begin, int64_t end, bool first);
+  // Adds (or, first in the round, copies) elements [begin, end) from `src` (element `begin`) into the sum.
+  void AddRange(DType dtype, const void* src, int64_t begin, int64_t end, bool first);
+  // AddRange for elements [begin, end) of stripe i (whole parts) under its lock, `data` holding
+  // element `base` first.
+  void AddToStripe(int64_t i, DType dtype, const void* data, int64_t base, int64_t begin, int64_t end);
+  int MinPartCount() const { return min_part_; }
+  // The take of a round with chunks: parts whose counts differ are divided (MEAN) by their own
+  // count in place and divisor_ becomes 1; a part nobody sent (a forced take) is zeroed.
+  void SettleParts(int* count);
+  bool chunked_ = false;          // a chunk arrived this round
+  std::vector<int> part_counts_;  // per part: chunks counted this round (on top of counter_)
+  int min_part_ = 0;              // the fewest of part_counts_
+  int64_t at_min_ = 0;            // parts with min_part_ chunks
   int64_t num_stripes_ = 0;
   std::unique_ptr<Stripe[]> stripes_;
+  int64_t num_parts_ = 0;
+  // Per part: the round whose gradients the part's sum holds (the first add of a round copies).
+  // Each entry is guarded by the mutex of the stripe that holds the part.
+  std::unique_ptr<uint64_t[]> part_round_;
   std::atomic<uint64_t> next_start_{0};  // spreads concurrent adders' starting stripes
 
   // Deterministic mode: a step's gradients, one slot each, summed in replica order at the take.
@@ -136,7 +171,12 @@ class DenseAccumulator {
     std::string replica;
     uint64_t arrival;                // orders one replica's own gradients (in the order it sent them)
     std::unique_ptr<Buffer> values;  // in the accumulator's dtype
+    std::vector<bool> parts;         // chunks: the parts filled so far (empty: a whole gradient)
   };
+  // The slot a chunk of `replica` covering parts [p0, p1) goes to: the replica's oldest slot with
+  // none of them filled yet, or a new one. Marks them filled; returns its values.
+  Buffer* ChunkSlot(std::string_view replica, int64_t p0, int64_t p1);
+  std::unique_ptr<Buffer> TakeFreeSlot() REQUIRES(slots_mu_);
   void SumSlots();  // the take: sum_ = the slots in (replica, arrival) order; slots freed
   const bool deterministic_;
   Mutex slots_mu_;

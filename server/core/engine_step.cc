@@ -23,7 +23,7 @@ void TrainingEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
     part.value = static_cast<const uint8_t*>(args.value) + b * es;
     part.grad = static_cast<const uint8_t*>(args.grad) + b * es;
     part.out = static_cast<uint8_t*>(args.out) + b * es;
-    part.slot_offset = b;
+    part.slot_offset = args.slot_offset + b;
     part.slots = slots;
     opt.Apply(part);
   });
@@ -100,6 +100,7 @@ void TrainingEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& 
 }
 
 void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
+  if (g.chunk()) return ApplyChunkLocked(v, g, step, lr);
   if (g.sparse()) {
     std::vector<int64_t> rows(g.indices, g.indices + g.nnz);
     MutexLock lock(&mu_);
@@ -118,6 +119,14 @@ void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step,
   MutexLock lock(&mu_);
   v->spare = std::move(v->published);
   v->published = std::move(out);
+}
+
+void TrainingEngine::ApplyChunkLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
+  const size_t es = DTypeSize(v->dtype);
+  MutexLock lock(&mu_);  // in place: no pull may take the value while part of it is updated
+  if (v->published.use_count() > 1) v->published = std::make_shared<Buffer>(*v->published);
+  uint8_t* at = static_cast<uint8_t*>(v->published->data()) + static_cast<size_t>(g.chunk_offset) * es;
+  ApplyDense(*v->opt, {v->dtype, g.shape[0], at, g.data, at, &v->slots, g.chunk_offset, step, lr});
 }
 
 void TrainingEngine::OnTaken(int count) {

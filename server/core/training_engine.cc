@@ -108,7 +108,8 @@ TrainingEngine::Variable* TrainingEngine::FindLocked(std::string_view name) cons
 
 Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
   PSD_RETURN_IF_ERROR(ValidateName(def.name));
-  PSD_RETURN_IF_ERROR(ValidateShape(def.shape, def.dtype, config_.max_frame_bytes));
+  // Bigger than a frame is fine (gradients travel in chunks); --max-model-bytes bounds it below.
+  PSD_RETURN_IF_ERROR(ValidateShape(def.shape, def.dtype, std::max(config_.max_frame_bytes, config_.max_model_bytes)));
   const DType compute = ComputeDType(def.dtype);
   const size_t elements = static_cast<size_t>(NumElements(def.shape));
   size_t bytes = elements * DTypeSize(compute);
@@ -211,11 +212,12 @@ Status TrainingEngine::ValidateGrad(Variable* v, const GradRef& g) const {
     return SparseAccumulator::Check(v->dtype, v->shape,
                                     {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape}, accumulating);
   }
+  if (g.chunk()) return DenseAccumulator::CheckChunk(v->dtype, v->shape, g.dtype, g.shape, g.bytes, g.chunk_offset);
   return DenseAccumulator::Check(v->dtype, v->shape, g.dtype, g.shape, g.bytes);
 }
 
 Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,
-                            std::string_view replica) {
+                            std::string_view replica, bool more) {
   std::vector<Variable*> targets;
   targets.reserve(grads.size());
   {
@@ -244,16 +246,32 @@ Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grad
     if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
     use = &mixed;
   }
-  return PushConverted(local_step, *use, targets, out, replica);
+  return PushConverted(local_step, *use, targets, out, replica, more);
 }
+
+namespace {
+
+static_assert(TrainingEngine::kChunkElements == DenseAccumulator::kPartElements,
+              "a chunk's parts are the accumulator's stripes");
+
+// A whole gradient, or the last chunk of one: what the accepted/stale counters count.
+bool CompletesGradient(const GradRef& g, const Shape& shape) {
+  return !g.chunk() || g.chunk_offset + g.shape[0] == NumElements(shape);
+}
+
+}  // namespace
 
 Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradRef>& grads,
                                      const std::vector<Variable*>& targets, std::vector<GradOutcome>* out,
-                                     std::string_view replica) {
+                                     std::string_view replica, bool more) {
   // Validate everything before touching any accumulator: a bad push changes nothing. Each
   // variable's gradient kind is claimed while its lock is held (released on every way out).
   KindClaims claims(targets);
   for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].chunk() && grads[i].sparse()) {
+      return InvalidArgument("gradient for '" + targets[i]->name +
+                             "': a sparse gradient cannot be a chunk; split its rows over several pushes");
+    }
     Status s = ValidateGrad(targets[i], grads[i]);
     if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
     PSD_RETURN_IF_ERROR(claims.Claim(i, grads[i].sparse() ? GradKind::kSparse : GradKind::kDense));
@@ -263,8 +281,9 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
   out->reserve(grads.size());
   if (config_.mode != Mode::kSync) {
     // Async / bounded staleness: apply now; the whole push is one global step. The step is
-    // claimed first, so concurrent pushes get distinct steps (Adam's t never repeats).
-    int64_t global = global_step_.fetch_add(1);
+    // claimed first, so concurrent pushes get distinct steps (Adam's t never repeats). The calls
+    // of a push sent in several frames apply at the step its last call claims.
+    int64_t global = more ? global_step_.load() : global_step_.fetch_add(1);
     int64_t step = global + 1;
     int64_t staleness = StalenessOf(global, local_step);
     double lr = next_lr_.load();
@@ -276,8 +295,9 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
       claims.Use(i, v);
       ApplyNowLocked(v, grads[i], step, lr);
       out->push_back({true, global, staleness});
+      if (CompletesGradient(grads[i], v->shape)) accepted_.fetch_add(1);
     }
-    accepted_.fetch_add(static_cast<int64_t>(grads.size()));
+    if (more) return Status::Ok();
     int64_t seen = max_staleness_.load();
     while (staleness > seen && !max_staleness_.compare_exchange_weak(seen, staleness)) {
     }
@@ -311,23 +331,32 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
           // replaced, so the pointer stays valid.
           DenseAccumulator* acc = v->dense.get();
           lock.Unlock();
-          acc->Add(g.dtype, g.data, replica);  // validated above
+          if (g.chunk()) {
+            acc->AddChunk(g.dtype, g.data, g.chunk_offset, g.shape[0], replica);  // validated above
+          } else {
+            acc->Add(g.dtype, g.data, replica);
+          }
           lock.Lock();
-          acc->EndAdd();
+          if (g.chunk()) {
+            acc->EndAddChunk(g.chunk_offset, g.shape[0]);
+          } else {
+            acc->EndAdd();
+          }
           if (acc->in_flight() == 0) v->adds_done.NotifyAll();
         }
       }
       if (!accepted.ok()) return accepted.status();  // unreachable: validated above
       int64_t acc_step = v->acc_step();
       out->push_back({*accepted, acc_step, StalenessOf(global_step_.load(), local_step)});
+      const bool completes = CompletesGradient(g, v->shape);
       if (*accepted) {
-        accepted_.fetch_add(1);
+        if (completes) accepted_.fetch_add(1);
         took = MaybeTakeLocked(v, false, &count);
         if (!took && on_step_started_) {
           MutexLock elock(&mu_);
           if (!step_started_) started = step_started_ = true;
         }
-      } else {
+      } else if (completes) {
         stale_.fetch_add(1);
       }
     }

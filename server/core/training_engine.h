@@ -132,7 +132,11 @@ struct GradRef {
   const int64_t* indices = nullptr;
   int64_t nnz = 0;
   std::optional<Shape> dense_shape = std::nullopt;
+  // A chunk of a dense gradient too big for one frame: `shape` is [n], the flattened elements
+  // [chunk_offset, chunk_offset + n) of the variable's gradient (-1: a whole gradient).
+  int64_t chunk_offset = -1;
   bool sparse() const { return indices != nullptr || nnz > 0; }
+  bool chunk() const { return chunk_offset >= 0; }
 };
 
 struct GradOutcome {
@@ -178,6 +182,9 @@ class TrainingEngine {
   TrainingEngine(const TrainingEngine&) = delete;
   TrainingEngine& operator=(const TrainingEngine&) = delete;
 
+  // What a gradient chunk's offset and length align to (GradRef::chunk_offset), in elements.
+  static constexpr int64_t kChunkElements = 512;  // DenseAccumulator::kPartElements (asserted)
+
   // Pushes the init tokens (carrying the current global step). Call once at job start.
   void PushInitTokens(int count);
 
@@ -188,8 +195,13 @@ class TrainingEngine {
   // Applies each gradient (validated all first: an invalid push changes nothing). `out` gets one
   // outcome per gradient, in order. `replica` is the pushing worker's stable name: with
   // TrainingConfig::deterministic a step's sum is formed in its order.
+  //
+  // A push too big for one frame arrives as several calls, each with some whole gradients and
+  // chunks; all but the last have `more` set. Sync: each chunk counts for the parts of its
+  // variable it covers (DenseAccumulator). Async/ssp: each call's gradients are applied as they
+  // arrive, and the push is one global step, claimed by its last call.
   Status Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,
-              std::string_view replica = {}) EXCLUDES(mu_);
+              std::string_view replica = {}, bool more = false) EXCLUDES(mu_);
 
   // Snapshot of the named variables (all of them, sorted by name, if `names` is empty) at one
   // global step, returned in *step. With `averages`, the moving averages instead.
@@ -302,8 +314,11 @@ class TrainingEngine {
   Status ValidateGrad(Variable* v, const GradRef& g) const;
   // Push once the gradients its accumulators cannot take as they are (sparse or async/ssp halves)
   // are converted to their variable's compute dtype.
+  // An async/ssp chunk, applied in place (readers of the value hold it: then it is copied first).
+  void ApplyChunkLocked(Variable* v, const GradRef& g, int64_t step, double lr) REQUIRES(VariableMutex(v))
+      EXCLUDES(mu_);
   Status PushConverted(int64_t local_step, const std::vector<GradRef>& grads, const std::vector<Variable*>& targets,
-                       std::vector<GradOutcome>* out, std::string_view replica) EXCLUDES(mu_);
+                       std::vector<GradOutcome>* out, std::string_view replica, bool more) EXCLUDES(mu_);
   // With v->mu held: waits until no gradient is being added into v's dense accumulator (a take,
   // or replacing the accumulator, needs every add it accepted to be complete).
   static void AwaitAddsLocked(Variable* v) REQUIRES(VariableMutex(v));

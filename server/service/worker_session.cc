@@ -264,6 +264,7 @@ void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
   FillConfig(h.initConfig(), host_.config(), *host_.engine());
   FillCluster(h, host_.engine()->epoch());
   h.setMaxFrameBytes(host_.config().max_frame_bytes);
+  h.setChunkElements(TrainingEngine::kChunkElements);
   spdlog::info("worker '{}' (incarnation {}) connected as #{}{}", name, r.getIncarnation(), *index,
                h.getIsChief() ? ", chief" : "");
   Send(std::move(frame));
@@ -352,7 +353,11 @@ void WorkerSession::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
 }
 
 void WorkerSession::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
-  auto t = wire::ReadTensor(r.getInitial(), host_.config().max_frame_bytes);
+  // A variable may be bigger than a frame (its gradients travel in chunks): its shape is bounded
+  // by --max-model-bytes (the engine's check names it); an initial value sent with it came in
+  // this frame.
+  const ServerConfig& cfg = host_.config();
+  auto t = wire::ReadTensor(r.getInitial(), std::max(cfg.max_frame_bytes, cfg.max_model_bytes));
   if (!t.ok()) return SendError(id, t.status());
   VariableDef def;
   def.name = r.getName();
@@ -461,6 +466,10 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
                 nullptr,
                 0,
                 std::nullopt};
+    if (g.getChunk()) {
+      if (g.getChunkOffset() < 0) return SendError(id, InvalidArgument("a gradient chunk's offset must be >= 0"));
+      ref.chunk_offset = g.getChunkOffset();
+    }
     if (g.getSparse()) {
       // Copied out of the message: a peer may encode the list with another element size.
       auto idx = g.getIndices();
@@ -476,6 +485,11 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
       }
     }
     grads.push_back(std::move(ref));
+  }
+  const bool more = r.getMore();
+  if (more && (r.getWaitToken() || r.getPullAfter().size() > 0)) {
+    return SendError(id, InvalidArgument("a push frame with `more` set cannot wait for a token or pull: only the "
+                                         "last frame of a push does"));
   }
   std::vector<std::string> pull_after;
   for (auto n : r.getPullAfter()) pull_after.emplace_back(n);
@@ -538,13 +552,13 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   std::shared_ptr<TokenWait> parked;
   // The answer runs on this strand, after this handler: the outcomes are in by then.
   if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer);
-  Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes, worker_name_);
+  Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes, worker_name_, more);
   if (!s.ok()) {
     pending->failed = true;
     if (parked) parked->cancel(Cancelled("the push was refused"));
     return SendError(id, s);
   }
-  {
+  if (!more) {  // a push sent in several frames counts once, at its last
     int accepted = 0;
     int64_t staleness = 0;
     for (const GradOutcome& o : pending->outcomes) {

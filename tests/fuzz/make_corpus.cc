@@ -99,6 +99,22 @@ Bytes Push(bool sparse) {
   });
 }
 
+// A push sent in two frames: a chunk of w (all of its 8 elements, as the last chunk), `more` set;
+// then the frame with the token wait.
+Bytes ChunkedPush() {
+  Bytes first = Frame(3, [&](Request::Builder r) {
+    auto p = r.initPush();
+    p.setLocalStep(0);
+    p.setMore(true);
+    auto g = p.initGrads(1)[0];
+    g.setName("w");
+    g.setChunk(true);
+    g.setChunkOffset(0);
+    SetTensor(g.initGrad(), {8}, 1.0f);
+  });
+  return first + Push(false);
+}
+
 // A worker session: hello, a variable, then `rest`, then finish.
 Bytes Session(std::initializer_list<Bytes> rest) {
   Bytes out = Hello() + Create();
@@ -120,6 +136,7 @@ std::map<std::string, Bytes> WorkerSeeds() {
   })});
   s["push_dense"] = Session({Push(false)});
   s["push_sparse"] = Session({Push(true)});
+  s["push_chunks"] = Session({ChunkedPush()});
   s["wait_token"] = Session({Frame(3, [](Request::Builder r) { r.initWaitToken().setTimeoutMs(10); })});
   s["get_slot"] = Session({Frame(3, [](Request::Builder r) {
     auto g = r.initGetSlot();

@@ -211,3 +211,143 @@ TEST_CASE("deterministic reduction sums in replica order, whatever the arrival o
   REQUIRE(*plain.TryTakeGrad(3, &count));
   CHECK(plain.grad().as<float>()[0] != first[0]);
 }
+
+namespace {
+
+// Adds elements [offset, offset + n) of `g` as one chunk (the owner's lock is not needed: no
+// other thread).
+void AddChunk(DenseAccumulator& acc, int64_t step, const std::vector<float>& g, int64_t offset, int64_t n,
+              std::string_view replica = {}) {
+  REQUIRE(acc.BeginAdd(step));
+  acc.AddChunk(DType::kFloat32, g.data() + offset, offset, n, replica);
+  acc.EndAddChunk(offset, n);
+}
+
+// Values whose float sums depend on the order they are added in.
+std::vector<float> Awkward(size_t n, int seed) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    float big = ((i + static_cast<size_t>(seed)) % 3 == 0) ? 1e8f : 1.0f;
+    v[i] =
+        (seed % 2 ? -big : big) * 0.37f + static_cast<float>((i * 7 + static_cast<size_t>(seed) * 13) % 101) * 0.013f;
+  }
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("a gradient sent in chunks sums bit-identically to the same gradient sent whole", "[accumulator][chunks]") {
+  const int64_t P = DenseAccumulator::kPartElements;
+  const int64_t n = DenseAccumulator::kStripeElements + 5 * P + 100;  // over a stripe, a partial last part
+  auto a = Awkward(static_cast<size_t>(n), 1), b = Awkward(static_cast<size_t>(n), 2),
+       c = Awkward(static_cast<size_t>(n), 3);
+  DenseAccumulator whole(DType::kFloat32, {n}, Reduction::kMean, 0);
+  for (auto* g : {&a, &b, &c}) REQUIRE(whole.AddChecked(0, DType::kFloat32, g->data()));
+  // The same three in the same order, b in chunks that cross the stripe boundary, sent backwards.
+  DenseAccumulator chunked(DType::kFloat32, {n}, Reduction::kMean, 0);
+  REQUIRE(chunked.AddChecked(0, DType::kFloat32, a.data()));
+  const int64_t cut1 = 3 * P, cut2 = DenseAccumulator::kStripeElements + 2 * P;
+  AddChunk(chunked, 0, b, cut2, n - cut2);
+  CHECK(chunked.num_accumulated() == 1);  // b is not all there yet
+  AddChunk(chunked, 0, b, cut1, cut2 - cut1);
+  AddChunk(chunked, 0, b, 0, cut1);
+  CHECK(chunked.num_accumulated() == 2);
+  REQUIRE(chunked.AddChecked(0, DType::kFloat32, c.data()));
+  int cw = 0, cc = 0;
+  REQUIRE(*whole.TryTakeGrad(3, &cw));
+  REQUIRE(*chunked.TryTakeGrad(3, &cc));
+  CHECK(cw == 3);
+  CHECK(cc == 3);
+  CHECK(chunked.divisor() == whole.divisor());
+  CHECK(std::memcmp(chunked.grad().data(), whole.grad().data(), static_cast<size_t>(n) * 4) == 0);
+  // The next round starts every part over, chunks or not.
+  std::vector<float> d(static_cast<size_t>(n), 2.0f);
+  AddChunk(chunked, 1, d, 0, P);
+  AddChunk(chunked, 1, d, P, n - P);
+  REQUIRE(*chunked.TryTakeGrad(1, &cc));
+  CHECK(cc == 1);
+  CHECK(chunked.grad().as<float>()[0] == 2.0f);
+  CHECK(chunked.grad().as<float>()[n - 1] == 2.0f);
+}
+
+TEST_CASE("each part counts its own gradients: a chunk that never came leaves its parts waiting",
+          "[accumulator][chunks]") {
+  const int64_t P = DenseAccumulator::kPartElements;
+  const int64_t n = 4 * P;
+  std::vector<float> one(static_cast<size_t>(n), 1.0f), three(static_cast<size_t>(n), 3.0f),
+      five(static_cast<size_t>(n), 5.0f);
+  DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kMean, 0);
+  // A worker died after its first half: parts 0-1 have its gradient, parts 2-3 do not.
+  AddChunk(acc, 0, one, 0, 2 * P);
+  REQUIRE(acc.AddChecked(0, DType::kFloat32, three.data()));
+  int count = 0;
+  CHECK(acc.num_accumulated() == 1);
+  CHECK_FALSE(*acc.TryTakeGrad(2, &count));  // parts 2-3 have one gradient, not two
+  // A backup worker's whole gradient completes them; parts 0-1 now have three.
+  REQUIRE(acc.AddChecked(0, DType::kFloat32, five.data()));
+  CHECK(acc.num_accumulated() == 2);
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  CHECK(count == 2);          // the fewest
+  CHECK(acc.divisor() == 1);  // divided part by part
+  const float* g = acc.grad().as<float>();
+  CHECK(g[0] == (1.0f + 3.0f + 5.0f) / 3.0f);
+  CHECK(g[2 * P - 1] == (1.0f + 3.0f + 5.0f) / 3.0f);
+  CHECK(g[2 * P] == (3.0f + 5.0f) / 2.0f);
+  CHECK(g[n - 1] == (3.0f + 5.0f) / 2.0f);
+  // A forced take (soft sync) with one part nobody sent: that part's gradient is zero.
+  AddChunk(acc, 1, five, 0, 3 * P);
+  acc.ForceTake(&count);
+  CHECK(count == 1);
+  CHECK(acc.grad().as<float>()[0] / static_cast<float>(acc.divisor()) == 5.0f);
+  CHECK(acc.grad().as<float>()[n - 1] == 0.0f);
+  // Stale chunks are dropped like stale gradients.
+  CHECK_FALSE(acc.BeginAdd(1));
+}
+
+TEST_CASE("chunks are checked: aligned to parts, inside the tensor, flat, and of their size", "[accumulator][chunks]") {
+  const int64_t P = DenseAccumulator::kPartElements;
+  const Shape shape{3, P};  // 3 parts
+  auto check = [&](DType dt, Shape s, size_t bytes, int64_t offset) {
+    return DenseAccumulator::CheckChunk(DType::kFloat32, shape, dt, s, bytes, offset);
+  };
+  CHECK(check(DType::kFloat32, {P}, P * 4, P).ok());
+  CHECK(check(DType::kFloat32, {3 * P}, 3 * P * 4, 0).ok());
+  CHECK(check(DType::kBFloat16, {P}, P * 2, 2 * P).ok());  // halves into a float32 accumulator
+  CHECK(check(DType::kFloat32, {P}, P * 4, 100).message().find("not aligned") != std::string::npos);
+  CHECK(check(DType::kFloat32, {P - 1}, (P - 1) * 4, 0).message().find("not aligned") != std::string::npos);
+  CHECK(check(DType::kFloat32, {2 * P}, 2 * P * 4, 2 * P).message().find("outside") != std::string::npos);
+  CHECK(check(DType::kFloat32, {P}, P * 4, 3 * P).message().find("outside") != std::string::npos);
+  CHECK(check(DType::kFloat32, {1, P}, P * 4, 0).message().find("flat") != std::string::npos);
+  CHECK(check(DType::kFloat32, {P}, P * 4 - 4, 0).message().find("bytes") != std::string::npos);
+  CHECK(check(DType::kFloat64, {P}, P * 8, 0).message().find("dtype mismatch") != std::string::npos);
+}
+
+TEST_CASE("deterministic reduction of chunks: the sum of whole gradients in replica order, whatever arrives when",
+          "[accumulator][chunks][deterministic]") {
+  const int64_t P = DenseAccumulator::kPartElements;
+  const int64_t n = 3 * P + 7;
+  std::vector<std::vector<float>> g = {Awkward(static_cast<size_t>(n), 4), Awkward(static_cast<size_t>(n), 5),
+                                       Awkward(static_cast<size_t>(n), 6)};
+  const std::vector<std::string> names = {"w0", "w1", "w2"};
+  DenseAccumulator whole(DType::kFloat32, {n}, Reduction::kSum, 0, true);
+  for (int k : {2, 0, 1}) {
+    REQUIRE(whole.BeginAdd(0));
+    whole.Add(DType::kFloat32, g[static_cast<size_t>(k)].data(), names[static_cast<size_t>(k)]);
+    whole.EndAdd();
+  }
+  int count = 0;
+  REQUIRE(*whole.TryTakeGrad(3, &count));
+  // w1 whole; w0 and w2 in chunks, interleaved, their halves in different orders.
+  DenseAccumulator mixed(DType::kFloat32, {n}, Reduction::kSum, 0, true);
+  AddChunk(mixed, 0, g[2], 2 * P, n - 2 * P, "w2");
+  AddChunk(mixed, 0, g[0], 0, P, "w0");
+  REQUIRE(mixed.BeginAdd(0));
+  mixed.Add(DType::kFloat32, g[1].data(), "w1");
+  mixed.EndAdd();
+  AddChunk(mixed, 0, g[2], 0, 2 * P, "w2");
+  CHECK_FALSE(*mixed.TryTakeGrad(3, &count));
+  AddChunk(mixed, 0, g[0], P, n - P, "w0");
+  REQUIRE(*mixed.TryTakeGrad(3, &count));
+  CHECK(count == 3);
+  CHECK(std::memcmp(mixed.grad().data(), whole.grad().data(), static_cast<size_t>(n) * 4) == 0);
+}

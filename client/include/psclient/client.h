@@ -71,6 +71,10 @@ struct ClientOptions {
   // psd's --token-timeout-ms when waits use the daemon's default.
   int64_t request_timeout_ms = 300000;
   uint64_t max_frame_bytes = 1ull << 30;  // largest reply accepted
+  // A push bigger than this travels in frames of at most this many bytes, gradients cut into
+  // chunks (psd adds each chunk as it arrives and holds one frame per connection, not the push);
+  // a push of any size is sent, whatever psd's --max-frame-bytes (0: always one frame).
+  uint64_t push_frame_bytes = 4ull << 20;
   // An observer (admin tools, dashboards) is not a worker: it may only call GetStatus and
   // RequestCheckpoint, never becomes chief and does not count for the job.
   bool observer = false;

@@ -1,0 +1,168 @@
+// Pushes bigger than a frame: the client cuts them into frames of whole parts, the daemon adds
+// each chunk as it arrives, and the result is the one a whole push gives.
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <thread>
+
+#include "../client/src/push_frames.h"
+#include "support/test_server.h"
+
+using namespace psd;
+using psd::testing::StartServer;
+using psd::testing::TestConfig;
+
+namespace {
+
+std::unique_ptr<psclient::Client> Connect(uint16_t port, const std::string& name, uint64_t push_frame_bytes) {
+  psclient::ClientOptions o;
+  o.port = port;
+  o.worker_name = name;
+  o.connect_timeout_ms = 5000;
+  o.push_frame_bytes = push_frame_bytes;
+  auto c = psclient::Client::Connect(o);
+  INFO(c.status().ToString());
+  REQUIRE(c.ok());
+  return std::move(*c);
+}
+
+// A gradient whose float sums depend on the order of the adds.
+std::vector<float> Gradient(size_t n, int step, int worker) {
+  std::vector<float> g(n);
+  for (size_t i = 0; i < n; ++i) {
+    g[i] =
+        static_cast<float>((i * 31 + static_cast<size_t>(step) * 7 + static_cast<size_t>(worker) * 13) % 97) * 0.0137f -
+        (worker ? 0.3f : 0.6f);
+  }
+  return g;
+}
+
+constexpr size_t kW = 100'000;  // 400 KB of float32: several 64 KiB frames
+constexpr size_t kB = 10;
+
+// Two workers, three sync steps of {w, b}; returns w then b after the last step.
+std::vector<float> Train(server::ServerConfig cfg, uint64_t push_frame_bytes) {
+  auto server = StartServer(cfg);
+  auto w0 = Connect(server->port(), "w0", push_frame_bytes);
+  auto w1 = Connect(server->port(), "w1", push_frame_bytes);
+  REQUIRE(w0->CreateVariable("w", ConstTensorView{nullptr, DType::kFloat32, {1000, 100}}).ok());
+  REQUIRE(w0->CreateVariable("b", ConstTensorView{nullptr, DType::kFloat32, {kB}}).ok());
+  auto step_of = [&](psclient::Client& c, int worker, int step) {
+    auto w = Gradient(kW, step, worker), b = Gradient(kB, step, worker + 5);
+    auto out = c.Push(step, {{"w", {w.data(), DType::kFloat32, {1000, 100}}}, {"b", {b.data(), DType::kFloat32, {kB}}}},
+                      /*wait_token=*/true, 10000);
+    REQUIRE(out.ok());
+    CHECK(out->accepted() == 2);
+    REQUIRE(out->token_status.ok());
+  };
+  for (int step = 0; step < 3; ++step) {
+    std::thread other([&] { step_of(*w1, 1, step); });
+    step_of(*w0, 0, step);
+    other.join();
+  }
+  std::vector<float> w(kW), b(kB);
+  REQUIRE(*w0->Pull("w", TensorView{w.data(), DType::kFloat32, {1000, 100}}) == 3);
+  REQUIRE(*w0->Pull("b", TensorView{b.data(), DType::kFloat32, {kB}}) == 3);
+  auto st = w0->GetStatus();
+  REQUIRE(st.ok());
+  CHECK(st->accepted_pushes == 12);  // a chunked gradient counts once
+  w.insert(w.end(), b.begin(), b.end());
+  return w;
+}
+
+}  // namespace
+
+TEST_CASE("a push bigger than --max-frame-bytes travels in chunks and trains exactly as a whole push",
+          "[integration][chunks]") {
+  auto small = TestConfig(2, 2);
+  small.max_frame_bytes = 64 << 10;
+  auto chunked = Train(small, 4 << 20);  // limited to the daemon's 64 KiB frames
+  auto whole = Train(TestConfig(2, 2), 0);
+  REQUIRE(chunked.size() == whole.size());
+  CHECK(std::memcmp(chunked.data(), whole.data(), whole.size() * sizeof(float)) == 0);
+  CHECK(whole[0] != 0.0f);
+  // Frames of one or two parts, against a 4 KiB cap... the same again.
+  auto tiny = Train(TestConfig(2, 2), 8 << 10);
+  CHECK(std::memcmp(tiny.data(), whole.data(), whole.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("a client that sends pushes whole gets RESOURCE_EXHAUSTED naming the flag before it sends",
+          "[integration][chunks]") {
+  auto cfg = TestConfig(1, 1);
+  cfg.max_frame_bytes = 64 << 10;
+  auto server = StartServer(cfg);
+  auto c = Connect(server->port(), "w0", /*push_frame_bytes=*/0);
+  auto made = c->CreateVariable("w", ConstTensorView{nullptr, DType::kFloat32, {static_cast<int64_t>(kW)}});
+  INFO(made.status().ToString());
+  REQUIRE(made.ok());
+  auto g = Gradient(kW, 0, 0);
+  auto out = c->Push(0, {{"w", {g.data(), DType::kFloat32, {static_cast<int64_t>(kW)}}}});
+  REQUIRE(out.status().code() == Code::kResourceExhausted);
+  CHECK(out.status().message().find("--max-frame-bytes 64 KiB") != std::string::npos);
+  CHECK(*c->GlobalStep() == 0);  // nothing was applied
+}
+
+TEST_CASE("async: a push sent in chunks is one global step, applied chunk by chunk", "[integration][chunks]") {
+  auto cfg = TestConfig(1, 1);
+  cfg.mode = server::Mode::kAsync;
+  cfg.max_frame_bytes = 64 << 10;
+  cfg.optimizer.learning_rate = 0.5;
+  auto server = StartServer(cfg);
+  auto c = Connect(server->port(), "w0", 4 << 20);
+  const int64_t n = static_cast<int64_t>(kW);
+  REQUIRE(c->CreateVariable("w", ConstTensorView{nullptr, DType::kFloat32, {n}}).ok());
+  auto g = Gradient(kW, 0, 0);
+  for (int step = 0; step < 2; ++step) {
+    auto out = c->Push(step, {{"w", {g.data(), DType::kFloat32, {n}}}});
+    REQUIRE(out.ok());
+    CHECK(out->accepted() == 1);
+  }
+  CHECK(*c->GlobalStep() == 2);
+  std::vector<float> w(kW);
+  REQUIRE(c->Pull("w", TensorView{w.data(), DType::kFloat32, {n}}).ok());
+  size_t wrong = 0;
+  for (size_t i = 0; i < kW; ++i) {
+    float want = 0.0f - 0.5f * g[i];
+    want = want - 0.5f * g[i];
+    wrong += w[i] != want ? 1 : 0;
+  }
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("push frames: every frame within the limit, every byte once, chunks of whole parts", "[chunks]") {
+  using psclient::internal::kPushEntryOverhead;
+  using psclient::internal::PlanPushFrames;
+  const uint64_t part = 512;
+  // Whole gradients that fit go in one frame (no chunk daemon, or a push under the limit).
+  CHECK(PlanPushFrames({100, 200}, {4, 4}, {50}, 0, part).size() == 1);
+  CHECK(PlanPushFrames({100, 200}, {4, 4}, {50}, 1 << 20, 0).size() == 1);
+  CHECK(PlanPushFrames({100, 200}, {4, 4}, {50}, 1 << 20, part).size() == 1);
+  for (uint64_t limit : {uint64_t{4096}, uint64_t{60} << 10, uint64_t{1} << 20}) {
+    // Small, big (float32 and float64), exactly-a-frame and partial-last-part gradients, and sparse ones.
+    std::vector<uint64_t> dense = {40'000, 400'000, 8, limit - kPushEntryOverhead, 3 * 2048 + 12, 1'000'000};
+    std::vector<uint64_t> elem = {4, 4, 8, 4, 4, 8};
+    std::vector<uint64_t> sparse = {1000, 3000};
+    auto frames = PlanPushFrames(dense, elem, sparse, limit, part);
+    std::vector<uint64_t> next(dense.size(), 0);
+    std::vector<int> sparse_seen(sparse.size(), 0);
+    for (const auto& f : frames) {
+      uint64_t used = 0;
+      for (const auto& p : f.dense) {
+        INFO("limit " << limit << " entry " << p.entry << " offset " << p.offset << " bytes " << p.bytes);
+        CHECK(p.offset == next[p.entry]);  // in order, no gap, no overlap
+        next[p.entry] += p.bytes;
+        const uint64_t part_bytes = part * elem[p.entry];
+        CHECK(p.offset % part_bytes == 0);
+        CHECK((p.bytes % part_bytes == 0 || p.offset + p.bytes == dense[p.entry]));
+        used += p.bytes + kPushEntryOverhead;
+      }
+      for (size_t j : f.sparse) {
+        ++sparse_seen[j];
+        used += sparse[j] + kPushEntryOverhead;
+      }
+      CHECK((used <= limit || f.dense.size() + f.sparse.size() == 1));  // only a lone part may be over
+      CHECK(f.dense.size() + f.sparse.size() > 0);
+    }
+    CHECK(next == dense);
+    CHECK(sparse_seen == std::vector<int>{1, 1});
+  }
+}
