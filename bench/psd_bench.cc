@@ -116,6 +116,8 @@ struct Options {
   std::string model_bytes_text = "4M";
   std::string push_frame_bytes_text = "4M";  // ClientOptions::push_frame_bytes (0: one frame per push)
   uint64_t push_frame_bytes = 4ull << 20;
+  std::string pull_frame_bytes_text = "16M";  // ClientOptions::pull_frame_bytes
+  uint64_t pull_frame_bytes = 16ull << 20;
   psd::DType grad_dtype = psd::DType::kFloat32;
   uint64_t model_bytes = 0;
   int variables = 1;
@@ -548,6 +550,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   co.worker_name = who;
   co.max_frame_bytes = std::max<uint64_t>(co.max_frame_bytes, frame_limit);
   co.push_frame_bytes = opt.push_frame_bytes;
+  co.pull_frame_bytes = opt.pull_frame_bytes;
   ApplyTls(opt, co);
   auto connected = psclient::Client::Connect(co);
   if (!connected.ok()) return fail("connect to " + ep.host + ":" + std::to_string(ep.port), connected.status());
@@ -1274,6 +1277,9 @@ int Run(int argc, char** argv) {
   app.add_option("--push-frame-bytes", opt.push_frame_bytes_text,
                  "frames a push is cut into (the client's push_frame_bytes; 0: one frame per push)")
       ->capture_default_str();
+  app.add_option("--pull-frame-bytes", opt.pull_frame_bytes_text,
+                 "replies a pull is cut into (the client's pull_frame_bytes; 0: one reply per pull)")
+      ->capture_default_str();
   auto* fused_flag = app.add_flag("--fused", opt.fused, "ask for the token in the push (one round trip per push+wait)");
   app.add_flag("--pull-in-push", opt.pull_in_push,
                "dense, with --fused: the next step's values come back with the token (one round trip per step)")
@@ -1369,6 +1375,12 @@ int Run(int argc, char** argv) {
       return 1;
     }
     opt.push_frame_bytes = *push_frame;
+    auto pull_frame = ParseBytes(opt.pull_frame_bytes_text);
+    if (!pull_frame.ok()) {
+      std::fprintf(stderr, "psd_bench: --pull-frame-bytes: %s\n", pull_frame.status().message().c_str());
+      return 1;
+    }
+    opt.pull_frame_bytes = *pull_frame;
     auto model_bytes = ParseBytes(opt.model_bytes_text);
     if (!model_bytes.ok()) {
       std::fprintf(stderr, "psd_bench: --model-bytes: %s\n", model_bytes.status().message().c_str());

@@ -160,10 +160,17 @@ struct VariableInfo {
   trainable @4 :Bool;
 }
 
+struct ElementRange {
+  offset @0 :Int64;       # the first element of the flattened tensor
+  count @1 :Int64;        # > 0
+}
+
 struct Pull {
   names @0 :List(Text);
   averages @1 :Bool;      # the moving averages instead of the values
   dtypes @2 :List(DType); # empty, or one per name: deliver the values converted to it (round to nearest even)
+  ranges @3 :List(ElementRange);  # empty, or one per name: only those elements, as a flat [count]
+                                  # (a value bigger than a reply frame is read in several); names may repeat
 }
 
 struct PullRows {

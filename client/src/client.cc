@@ -16,9 +16,9 @@
 
 #include "connect.h"
 #include "device_memory.h"
+#include "frame_plan.h"
 #include "psd/cluster_list.h"
 #include "psd/half.h"
-#include "push_frames.h"
 #include "sparse_check.h"
 #include "wire/frame.h"
 #include "wire/tls.h"
@@ -322,13 +322,25 @@ class Conn {
   static constexpr int64_t kQuickReconnectMs = 500;
   uint64_t daemon_max_frame_bytes = 0;  // psd's --max-frame-bytes from the hello (0: not announced)
   uint64_t chunk_elements = 0;          // what gradient chunks align to (0: the daemon takes none)
-  // The most a push frame carries: ClientOptions::push_frame_bytes, within --max-frame-bytes
-  // (less room for the request's own words).
+  // Room for a frame's own words besides its tensors' bytes (names, shapes, list pointers): a
+  // frame planned for push_frame_bytes / pull_frame_bytes of tensors may be this much bigger.
+  static constexpr uint64_t kFrameSlack = 64 << 10;
+  // The most a push frame carries: ClientOptions::push_frame_bytes of tensors, within
+  // --max-frame-bytes (less room for the request's own words); 0: one frame.
   uint64_t PushFrameLimit() const {
-    uint64_t limit = options_.push_frame_bytes;
+    if (options_.push_frame_bytes == 0) return 0;
+    uint64_t limit = options_.push_frame_bytes + kFrameSlack;
     if (daemon_max_frame_bytes > 0)
       limit = std::min(limit, daemon_max_frame_bytes - std::min<uint64_t>(daemon_max_frame_bytes, 4096));
     return limit;
+  }
+  // The most one pull reply carries: ClientOptions::pull_frame_bytes of tensors, within the
+  // client's own max_frame_bytes (less room for the reply's own words); 0 when the daemon takes
+  // no ranges, or pull_frame_bytes is 0: one reply.
+  uint64_t PullFrameLimit() const {
+    if (chunk_elements == 0 || options_.pull_frame_bytes == 0) return 0;
+    return std::min(options_.pull_frame_bytes + kFrameSlack,
+                    options_.max_frame_bytes - std::min<uint64_t>(options_.max_frame_bytes, 4096));
   }
   std::atomic<uint64_t> connects{0};
   std::atomic<uint64_t> requests{0};
@@ -645,50 +657,100 @@ class Client::Impl {
 
   // Pulls (mu_ held): one request per shard holding a part; every shard must answer at the same
   // step (a pull racing a commit is read again).
+  // One frame of a pull: its shard, and the (name, view) pairs it fills (with `ranged`, flat
+  // views of element ranges of the caller's views).
+  struct PullFrame {
+    int shard;
+    Outs outs;
+    std::vector<int64_t> offsets;  // ranged: the first element of each
+    bool ranged = false;
+  };
+
+  // The frames that read `outs` from shard k: one, or (the values bigger than a reply frame)
+  // several that ask for element ranges of whole parts.
+  void PlanPull(int k, const Outs& outs, std::vector<PullFrame>* frames) {
+    std::vector<uint64_t> bytes, elem;
+    for (const auto& o : outs) {
+      bytes.push_back(o.second.bytes());
+      elem.push_back(psd::DTypeSize(o.second.dtype));
+    }
+    auto plan = internal::PlanFrames(bytes, elem, {}, conn(k).PullFrameLimit(), conn(k).chunk_elements);
+    bool whole = plan.size() == 1;
+    for (const auto& piece : plan[0].dense) whole = whole && piece.offset == 0 && piece.bytes == bytes[piece.entry];
+    if (whole) {
+      frames->push_back({k, outs, {}, false});
+      return;
+    }
+    for (const internal::FramePlan& f : plan) {
+      PullFrame frame{k, {}, {}, true};
+      for (const internal::FramePiece& piece : f.dense) {
+        const auto& [name, view] = outs[piece.entry];
+        const size_t es = elem[piece.entry];
+        TensorView part = view;
+        part.data = view.data ? static_cast<uint8_t*>(view.data) + piece.offset : nullptr;
+        part.shape = {static_cast<int64_t>(piece.bytes / es)};
+        frame.outs.emplace_back(name, part);
+        frame.offsets.push_back(static_cast<int64_t>(piece.offset / es));
+      }
+      frames->push_back(std::move(frame));
+    }
+  }
+
   Result<int64_t> PullLocked(const Outs& outs, bool averages) {
     if (outs.empty()) return psd::InvalidArgument("Pull needs at least one variable");
     for (int attempt = 0;; ++attempt) {
       std::vector<Outs> per_shard;
       PSD_RETURN_IF_ERROR(SplitOuts(outs, &per_shard));
-      Calls calls;
+      std::vector<PullFrame> frames;
       for (size_t k = 0; k < per_shard.size(); ++k) {
-        if (per_shard[k].empty()) continue;
+        if (!per_shard[k].empty()) PlanPull(static_cast<int>(k), per_shard[k], &frames);
+      }
+      Calls calls;
+      for (const PullFrame& f : frames) {
         proto::Request::Builder req(nullptr);
-        Add(calls, static_cast<int>(k), &req);
+        Add(calls, f.shard, &req);
         auto pull = req.initPull();
         pull.setAverages(averages);
-        auto names = pull.initNames(static_cast<unsigned>(per_shard[k].size()));
-        for (size_t i = 0; i < per_shard[k].size(); ++i) names.set(static_cast<unsigned>(i), per_shard[k][i].first);
-        SetWantedDTypes(per_shard[k], pull.initDtypes(static_cast<unsigned>(per_shard[k].size())));
+        auto names = pull.initNames(static_cast<unsigned>(f.outs.size()));
+        for (size_t i = 0; i < f.outs.size(); ++i) names.set(static_cast<unsigned>(i), f.outs[i].first);
+        SetWantedDTypes(f.outs, pull.initDtypes(static_cast<unsigned>(f.outs.size())));
+        if (!f.ranged) continue;
+        auto ranges = pull.initRanges(static_cast<unsigned>(f.outs.size()));
+        for (size_t i = 0; i < f.outs.size(); ++i) {
+          ranges[static_cast<unsigned>(i)].setOffset(f.offsets[i]);
+          ranges[static_cast<unsigned>(i)].setCount(f.outs[i].second.shape[0]);
+        }
       }
-      Status s = Run(calls);
-      if (s.code() == Code::kAborted) placements_.clear();
-      PSD_RETURN_IF_ERROR(s);
+      // Each reply is read into the caller's views as it arrives (its reader lasts until the next
+      // reply on its connection); replies at different steps are read again.
       int64_t step = -1;
       uint64_t epoch = 0;
       bool agree = true;
-      try {
-        for (size_t i = 0; i < calls.size(); ++i) {
+      Status read;
+      Status s = Run(calls, [&](size_t i) {
+        if (!calls[i]->status.ok() || !read.ok() || !agree) return;
+        try {
           auto p = calls[i]->resp.getPull();
           if (i == 0) {
             step = p.getStep();
             epoch = p.getClusterEpoch();
           } else if (p.getStep() != step || p.getClusterEpoch() != epoch) {
             agree = false;
+            return;
           }
+          read = ReadValues(p, frames[i].outs).status();
+        } catch (const kj::Exception& e) {
+          read = Malformed(e);
         }
-      } catch (const kj::Exception& e) {
-        return Malformed(e);
-      }
+      });
+      if (s.code() == Code::kAborted) placements_.clear();
+      PSD_RETURN_IF_ERROR(s);
+      PSD_RETURN_IF_ERROR(read);
       if (!agree) {
-        // A commit is on its way to every shard: read again in a moment.
+        // A commit came between the replies (a cluster's is on its way to every shard): read again.
         if (attempt >= 200) return psd::Unavailable("the shards keep answering at different global steps; retry");
         std::this_thread::sleep_for(std::chrono::milliseconds(attempt < 20 ? 1 : 10));
         continue;
-      }
-      for (auto& c : calls) {
-        auto got = ReadValues(c->resp.getPull(), per_shard[static_cast<size_t>(c->shard)]);
-        if (!got.ok()) return got.status();
       }
       if (cluster()) NoteEpoch(epoch);
       return step;
@@ -1130,7 +1192,19 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       sparse_by[static_cast<size_t>(loc->parts[k].shard)].push_back({grads.size() + j, &g.name, std::move(part)});
     }
   }
-  const bool pull_in_push = !cluster && pull_after && !pull_after->empty();
+  // The values come with the token when they fit one reply; else (and on a cluster) they are
+  // pulled after it, in frames.
+  bool pull_in_push = !cluster && pull_after && !pull_after->empty();
+  if (pull_in_push) {
+    std::vector<uint64_t> bytes, elem;
+    for (const auto& o : *pull_after) {
+      bytes.push_back(o.second.bytes());
+      elem.push_back(psd::DTypeSize(o.second.dtype));
+    }
+    pull_in_push =
+        internal::PlanFrames(bytes, elem, {}, im.conn(chief).PullFrameLimit(), im.conn(chief).chunk_elements).size() ==
+        1;
+  }
   Impl::Calls calls;
 
   // Non-chief shards first, the chief (with the token wait) last: its reply comes last.
@@ -1162,10 +1236,10 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     }
     for (const SparseEntry& e : sp) sparse_bytes.push_back(e.part.bytes + e.part.indices.size() * sizeof(int64_t));
     // Bigger than a frame: several frames, gradients cut into chunks, the token wait on the last.
-    std::vector<internal::PushFrame> frames = internal::PlanPushFrames(
+    std::vector<internal::FramePlan> frames = internal::PlanFrames(
         dense_bytes, element_bytes, sparse_bytes, im.conn(k).PushFrameLimit(), im.conn(k).chunk_elements);
     for (size_t f = 0; f < frames.size(); ++f) {
-      const internal::PushFrame& plan = frames[f];
+      const internal::FramePlan& plan = frames[f];
       const bool last = f + 1 == frames.size();
       proto::Request::Builder req(nullptr);
       Impl::Call& c = im.Add(calls, k, &req, waits && last ? timeout_ms : 0);
@@ -1184,7 +1258,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       auto list = p.initGrads(static_cast<unsigned>(plan.dense.size() + plan.sparse.size()));
       slots_of_call.emplace_back();
       for (size_t i = 0; i < plan.dense.size(); ++i) {
-        const internal::PushPiece& piece = plan.dense[i];
+        const internal::FramePiece& piece = plan.dense[i];
         const DensePart& d = dense[piece.entry];
         auto e = list[static_cast<unsigned>(i)];
         e.setName(*d.name);
@@ -1290,8 +1364,9 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     if (r.step == INT64_MAX) r.step = 0;
   }
   im.is_chief_ = out.is_chief;
-  if (cluster && out.token_status.ok() && pull_after && !pull_after->empty()) {
-    // A cluster's values come from every shard: read them now that the step is in.
+  if (!pull_in_push && out.token_status.ok() && pull_after && !pull_after->empty()) {
+    // A cluster's values come from every shard, and big ones in several frames: read them now
+    // that the step is in.
     auto step = im.PullLocked(*pull_after, false);
     if (!step.ok()) return step.status();
     out.pulled_step = *step;

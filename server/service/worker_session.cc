@@ -19,8 +19,11 @@ const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no row
 // (kept alive by the frame) when it already is, else converted — how half-precision variables
 // leave the daemon, and how a reader asks for another dtype. With `cache` (a published value of
 // `variable`), the conversion is shared by every reader of that value.
+// A value into a reply, converted to `want`; with `range`, only its elements [offset, offset +
+// count), as a flat [count] (checked by the caller).
 void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared_ptr<const Buffer>& value, DType dtype,
-              const Shape& shape, DType want, ConvertedValues* cache = nullptr, std::string_view variable = {}) {
+              const Shape& shape, DType want, ConvertedValues* cache = nullptr, std::string_view variable = {},
+              const ElementRange* range = nullptr) {
   std::shared_ptr<const Buffer> out = value;
   if (want != dtype && cache != nullptr && !variable.empty()) {
     out = cache->Get(variable, value, dtype, want);
@@ -30,7 +33,15 @@ void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared
     ConvertElements(value->data(), dtype, converted->data(), want, n);
     out = std::move(converted);
   }
-  wire::SetTensor(frame.builder, t, want, shape, out->data(), out->bytes(), /*padded=*/true);
+  if (range != nullptr) {
+    const size_t es = DTypeSize(want);
+    // Padded: a range ends inside the buffer or at its end, and the buffer is padded to a word.
+    wire::SetTensor(frame.builder, t, want, {range->count},
+                    static_cast<const uint8_t*>(out->data()) + static_cast<size_t>(range->offset) * es,
+                    static_cast<size_t>(range->count) * es, /*padded=*/true);
+  } else {
+    wire::SetTensor(frame.builder, t, want, shape, out->data(), out->bytes(), /*padded=*/true);
+  }
   frame.keepalive.push_back(std::move(out));
 }
 
@@ -404,13 +415,22 @@ void WorkerSession::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
 
 Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p,
                                 const std::vector<std::string>& names, bool averages,
-                                const std::vector<std::optional<DType>>& want) {
+                                const std::vector<std::optional<DType>>& want,
+                                const std::vector<ElementRange>& ranges) {
   std::vector<PulledValue> values;
   int64_t step = 0;
   auto engine = host_.engine();
   PSD_RETURN_IF_ERROR(engine->Pull(names, &values, &step, averages));
   for (size_t i = 0; i < values.size() && i < want.size(); ++i) {
     if (want[i]) PSD_RETURN_IF_ERROR(CheckWanted("variable '" + names[i] + "'", values[i].declared, *want[i]));
+  }
+  for (size_t i = 0; i < values.size() && i < ranges.size(); ++i) {
+    const int64_t n = NumElements(values[i].shape);
+    const ElementRange& r = ranges[i];
+    if (r.offset < 0 || r.count <= 0 || r.offset >= n || r.count > n - r.offset) {
+      return InvalidArgument("elements [" + std::to_string(r.offset) + ", +" + std::to_string(r.count) + ") of '" +
+                             names[i] + "' are outside its " + std::to_string(n) + " elements");
+    }
   }
   p.setStep(step);
   p.setClusterEpoch(engine->epoch());
@@ -419,7 +439,8 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
     const PulledValue& v = values[i];
     // Zero-copy where no conversion is asked for: the reply references the immutable published buffer.
     SetValue(frame, list[static_cast<unsigned>(i)], v.value, v.dtype, v.shape,
-             i < want.size() && want[i] ? *want[i] : v.declared, &host_.converted_values(), v.variable);
+             i < want.size() && want[i] ? *want[i] : v.declared, &host_.converted_values(), v.variable,
+             i < ranges.size() ? &ranges[i] : nullptr);
   }
   return Status::Ok();
 }
@@ -429,9 +450,18 @@ void WorkerSession::HandlePull(uint64_t id, proto::Pull::Reader r) {
   for (auto n : r.getNames()) names.emplace_back(n);
   auto want = WantedDTypes(r.getDtypes(), names.size());
   if (!want.ok()) return SendError(id, want.status());
+  std::vector<ElementRange> ranges;
+  if (r.getRanges().size() > 0) {
+    if (r.getRanges().size() != names.size()) {
+      return SendError(id, InvalidArgument("the pull names " + std::to_string(names.size()) + " variables but " +
+                                           std::to_string(r.getRanges().size()) + " element ranges"));
+    }
+    if (names.empty()) return SendError(id, InvalidArgument("element ranges need the variables' names"));
+    for (auto e : r.getRanges()) ranges.push_back({e.getOffset(), e.getCount()});
+  }
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
-  Status s = AddValues(*frame, resp.initPull(), names, r.getAverages(), *want);
+  Status s = AddValues(*frame, resp.initPull(), names, r.getAverages(), *want, ranges);
   if (!s.ok()) return SendError(id, s);
   Send(std::move(frame));
 }

@@ -31,6 +31,12 @@ namespace psd::server {
 
 class ServiceHost;
 
+// Elements [offset, offset + count) of a flattened value (Pull.ranges).
+struct ElementRange {
+  int64_t offset;
+  int64_t count;
+};
+
 class WorkerSession : public FrameHandler, public std::enable_shared_from_this<WorkerSession> {
  public:
   // `host` outlives the session.
@@ -66,9 +72,11 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   void HandleCreate(uint64_t id, proto::CreateVariable::Reader r);
   void HandlePull(uint64_t id, proto::Pull::Reader r);
   // Puts the named variables' current values (one step) into a reply, referencing them in place.
-  // want: empty, or per name the dtype to deliver (unset: the variable's own).
+  // want: empty, or per name the dtype to deliver (unset: the variable's own). ranges: empty, or
+  // per name the elements to deliver (as a flat [count]; INVALID_ARGUMENT outside the value).
   Status AddValues(wire::OutFrame& frame, proto::PullReply::Builder p, const std::vector<std::string>& names,
-                   bool averages, const std::vector<std::optional<DType>>& want = {});
+                   bool averages, const std::vector<std::optional<DType>>& want = {},
+                   const std::vector<ElementRange>& ranges = {});
   void HandlePush(uint64_t id, proto::Push::Reader r);
   void HandleWaitToken(uint64_t id, proto::WaitToken::Reader r);
   void HandleStatus(uint64_t id);
@@ -112,8 +120,8 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   bool authenticated_ = false;  // a hello with the right token (or no token required)
   uint32_t worker_index_ = 0;
   std::string worker_name_;  // the worker's stable name (orders a step's sum with --deterministic)
-  int peer_shard_ = -1;  // another shard of the cluster (after its peer hello; its proof with a secret)
-  int peer_claim_ = -1;  // the shard a peer hello claims while its proof is awaited
+  int peer_shard_ = -1;      // another shard of the cluster (after its peer hello; its proof with a secret)
+  int peer_claim_ = -1;      // the shard a peer hello claims while its proof is awaited
   // While a peer's proof is awaited: the dialer's nonce followed by this shard's.
   std::string peer_nonces_;
   std::set<std::shared_ptr<TokenWait>> parked_;

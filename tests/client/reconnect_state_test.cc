@@ -10,8 +10,9 @@
 
 namespace {
 
-// A client whose replies may be at most 64 KiB, and a 1 MiB variable: pulling it breaks the
-// connection ("the stream is out of step"), so the next call reconnects and says hello again.
+// A client whose replies may be at most 64 KiB, and a 1 MiB variable: reading its momentum slot
+// (one reply; pulls would come in ranges) breaks the connection ("the stream is out of step"), so
+// the next call reconnects and says hello again.
 struct Reconnector {
   explicit Reconnector(uint16_t port) {
     psclient::ClientOptions o;
@@ -25,7 +26,7 @@ struct Reconnector {
     REQUIRE(client->CreateVariable("big", {nullptr, psd::DType::kFloat32, {kRows}}).ok());
   }
   void Reconnect() {
-    REQUIRE(client->Pull("big", {buffer.data(), psd::DType::kFloat32, {kRows}}).status().code() ==
+    REQUIRE(client->GetSlot("big", "momentum", {buffer.data(), psd::DType::kFloat32, {kRows}}).code() ==
             psd::Code::kResourceExhausted);
     REQUIRE(client->GetStatus().ok());  // reconnects
   }
@@ -34,10 +35,16 @@ struct Reconnector {
   std::vector<float> buffer = std::vector<float>(kRows);
 };
 
+psd::server::ServerConfig MomentumConfig() {
+  auto cfg = psd::testing::TestConfig(1);
+  cfg.optimizer.name = "momentum";
+  return cfg;
+}
+
 }  // namespace
 
 TEST_CASE("config() is a snapshot: a reconnect does not rewrite what the caller holds", "[client][races]") {
-  auto server = psd::testing::StartServer(psd::testing::TestConfig(1));
+  auto server = psd::testing::StartServer(MomentumConfig());
   Reconnector r(server->port());
   const psclient::JobConfig& held = r.client->config();  // a reference used to alias the live field
   const double lr = held.learning_rate;
@@ -53,7 +60,7 @@ TEST_CASE("config(), worker_id() and connection_epoch() are safe during reconnec
           "[client][races]") {
   // Meant for the sanitizer builds: without the lock a reader copies a JobConfig while the hello
   // reassigns its strings.
-  auto server = psd::testing::StartServer(psd::testing::TestConfig(1));
+  auto server = psd::testing::StartServer(MomentumConfig());
   Reconnector r(server->port());
   std::atomic<bool> stop{false};
   uint64_t last_epoch = 0;
@@ -64,7 +71,7 @@ TEST_CASE("config(), worker_id() and connection_epoch() are safe during reconnec
       (void)r.client->worker_id();
       (void)r.client->SlotNames();
       uint64_t e = r.client->connection_epoch();
-      monotonic = monotonic && e >= last_epoch && c.optimizer == "sgd";
+      monotonic = monotonic && e >= last_epoch && c.optimizer == "momentum";
       last_epoch = e;
     }
   });

@@ -134,6 +134,17 @@ std::map<std::string, Bytes> WorkerSeeds() {
     p.initNames(1).set(0, "w");
     p.setAverages(true);
   })});
+  s["pull_ranges"] = Session({Frame(3, [](Request::Builder r) {
+    auto p = r.initPull();
+    auto names = p.initNames(2);
+    names.set(0, "w");
+    names.set(1, "w");
+    auto ranges = p.initRanges(2);
+    ranges[0].setOffset(0);
+    ranges[0].setCount(3);
+    ranges[1].setOffset(3);
+    ranges[1].setCount(5);
+  })});
   s["push_dense"] = Session({Push(false)});
   s["push_sparse"] = Session({Push(true)});
   s["push_chunks"] = Session({ChunkedPush()});

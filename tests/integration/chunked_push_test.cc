@@ -4,7 +4,8 @@
 #include <cstring>
 #include <thread>
 
-#include "../client/src/push_frames.h"
+#include "../client/src/frame_plan.h"
+#include "psd/half.h"
 #include "support/test_server.h"
 
 using namespace psd;
@@ -13,12 +14,14 @@ using psd::testing::TestConfig;
 
 namespace {
 
-std::unique_ptr<psclient::Client> Connect(uint16_t port, const std::string& name, uint64_t push_frame_bytes) {
+std::unique_ptr<psclient::Client> Connect(uint16_t port, const std::string& name, uint64_t push_frame_bytes,
+                                          uint64_t pull_frame_bytes = 16 << 20) {
   psclient::ClientOptions o;
   o.port = port;
   o.worker_name = name;
   o.connect_timeout_ms = 5000;
   o.push_frame_bytes = push_frame_bytes;
+  o.pull_frame_bytes = pull_frame_bytes;
   auto c = psclient::Client::Connect(o);
   INFO(c.status().ToString());
   REQUIRE(c.ok());
@@ -40,10 +43,10 @@ constexpr size_t kW = 100'000;  // 400 KB of float32: several 64 KiB frames
 constexpr size_t kB = 10;
 
 // Two workers, three sync steps of {w, b}; returns w then b after the last step.
-std::vector<float> Train(server::ServerConfig cfg, uint64_t push_frame_bytes) {
+std::vector<float> Train(server::ServerConfig cfg, uint64_t push_frame_bytes, uint64_t pull_frame_bytes = 16 << 20) {
   auto server = StartServer(cfg);
-  auto w0 = Connect(server->port(), "w0", push_frame_bytes);
-  auto w1 = Connect(server->port(), "w1", push_frame_bytes);
+  auto w0 = Connect(server->port(), "w0", push_frame_bytes, pull_frame_bytes);
+  auto w1 = Connect(server->port(), "w1", push_frame_bytes, pull_frame_bytes);
   REQUIRE(w0->CreateVariable("w", ConstTensorView{nullptr, DType::kFloat32, {1000, 100}}).ok());
   REQUIRE(w0->CreateVariable("b", ConstTensorView{nullptr, DType::kFloat32, {kB}}).ok());
   auto step_of = [&](psclient::Client& c, int worker, int step) {
@@ -80,8 +83,8 @@ TEST_CASE("a push bigger than --max-frame-bytes travels in chunks and trains exa
   REQUIRE(chunked.size() == whole.size());
   CHECK(std::memcmp(chunked.data(), whole.data(), whole.size() * sizeof(float)) == 0);
   CHECK(whole[0] != 0.0f);
-  // Frames of one or two parts, against a 4 KiB cap... the same again.
-  auto tiny = Train(TestConfig(2, 2), 8 << 10);
+  // Frames of a few parts, pushed and pulled: the same again.
+  auto tiny = Train(TestConfig(2, 2), 8 << 10, 8 << 10);
   CHECK(std::memcmp(tiny.data(), whole.data(), whole.size() * sizeof(float)) == 0);
 }
 
@@ -128,20 +131,71 @@ TEST_CASE("async: a push sent in chunks is one global step, applied chunk by chu
   CHECK(wrong == 0);
 }
 
+TEST_CASE("a value bigger than a reply frame is pulled in element ranges, converted, and after the token",
+          "[integration][chunks]") {
+  auto cfg = TestConfig(1, 2);  // a second worker reads whole below
+  cfg.optimizer.learning_rate = 1.0;
+  auto server = StartServer(cfg);
+  psclient::ClientOptions o;
+  o.port = server->port();
+  o.worker_name = "w0";
+  o.connect_timeout_ms = 5000;
+  o.max_frame_bytes = 100 << 10;  // smaller than the variable: only ranges can read it
+  o.pull_frame_bytes = 48 << 10;
+  auto c = psclient::Client::Connect(o);
+  REQUIRE(c.ok());
+  psclient::Client& w0 = **c;
+  const int64_t n = static_cast<int64_t>(kW);
+  REQUIRE(w0.CreateVariable("w", ConstTensorView{nullptr, DType::kFloat32, {1000, 100}}).ok());
+  REQUIRE(w0.CreateVariable("b", ConstTensorView{nullptr, DType::kFloat32, {kB}}).ok());
+  auto g = Gradient(kW, 0, 0), gb = Gradient(kB, 0, 1);
+  std::vector<float> w(kW, -1.0f), b(kB, -1.0f);
+  std::vector<std::pair<std::string, TensorView>> after = {{"w", {w.data(), DType::kFloat32, {1000, 100}}},
+                                                           {"b", {b.data(), DType::kFloat32, {kB}}}};
+  auto out = w0.Push(0, {{"w", {g.data(), DType::kFloat32, {1000, 100}}}, {"b", {gb.data(), DType::kFloat32, {kB}}}},
+                     {}, /*wait_token=*/true, 10000, &after);
+  REQUIRE(out.ok());
+  REQUIRE(out->token_status.ok());
+  CHECK(out->pulled_step == 1);
+  size_t wrong = 0;
+  for (size_t i = 0; i < kW; ++i) wrong += w[i] != 0.0f - g[i] ? 1 : 0;
+  for (size_t i = 0; i < kB; ++i) wrong += b[i] != 0.0f - gb[i] ? 1 : 0;
+  CHECK(wrong == 0);
+  // A plain pull of both, and one in bfloat16 (converted by psd, then read in ranges).
+  std::vector<float> again(kW);
+  REQUIRE(*w0.Pull({{"b", {b.data(), DType::kFloat32, {kB}}}, {"w", {again.data(), DType::kFloat32, {n}}}}) == 1);
+  CHECK(std::memcmp(again.data(), w.data(), kW * sizeof(float)) == 0);
+  std::vector<uint16_t> half(kW);
+  REQUIRE(w0.Pull("w", TensorView{half.data(), DType::kBFloat16, {1000, 100}}).ok());
+  std::vector<float> widened(kW);
+  psd::ConvertElements(half.data(), DType::kBFloat16, widened.data(), DType::kFloat32, kW);
+  wrong = 0;
+  for (size_t i = 0; i < kW; ++i) wrong += std::abs(widened[i] - w[i]) > std::abs(w[i]) * 0.01f ? 1 : 0;
+  CHECK(wrong == 0);
+  // pull_frame_bytes above max_frame_bytes: the replies still fit max_frame_bytes.
+  o.pull_frame_bytes = 1ull << 30;
+  o.worker_name = "w1";
+  auto other = psclient::Client::Connect(o);
+  REQUIRE(other.ok());
+  std::fill(again.begin(), again.end(), 0.0f);
+  REQUIRE((*other)->Pull("w", TensorView{again.data(), DType::kFloat32, {1000, 100}}).ok());
+  CHECK(std::memcmp(again.data(), w.data(), kW * sizeof(float)) == 0);
+}
+
 TEST_CASE("push frames: every frame within the limit, every byte once, chunks of whole parts", "[chunks]") {
-  using psclient::internal::kPushEntryOverhead;
-  using psclient::internal::PlanPushFrames;
+  using psclient::internal::kFrameEntryOverhead;
+  using psclient::internal::PlanFrames;
   const uint64_t part = 512;
   // Whole gradients that fit go in one frame (no chunk daemon, or a push under the limit).
-  CHECK(PlanPushFrames({100, 200}, {4, 4}, {50}, 0, part).size() == 1);
-  CHECK(PlanPushFrames({100, 200}, {4, 4}, {50}, 1 << 20, 0).size() == 1);
-  CHECK(PlanPushFrames({100, 200}, {4, 4}, {50}, 1 << 20, part).size() == 1);
+  CHECK(PlanFrames({100, 200}, {4, 4}, {50}, 0, part).size() == 1);
+  CHECK(PlanFrames({100, 200}, {4, 4}, {50}, 1 << 20, 0).size() == 1);
+  CHECK(PlanFrames({100, 200}, {4, 4}, {50}, 1 << 20, part).size() == 1);
   for (uint64_t limit : {uint64_t{4096}, uint64_t{60} << 10, uint64_t{1} << 20}) {
     // Small, big (float32 and float64), exactly-a-frame and partial-last-part gradients, and sparse ones.
-    std::vector<uint64_t> dense = {40'000, 400'000, 8, limit - kPushEntryOverhead, 3 * 2048 + 12, 1'000'000};
+    std::vector<uint64_t> dense = {40'000, 400'000, 8, limit - kFrameEntryOverhead, 3 * 2048 + 12, 1'000'000};
     std::vector<uint64_t> elem = {4, 4, 8, 4, 4, 8};
     std::vector<uint64_t> sparse = {1000, 3000};
-    auto frames = PlanPushFrames(dense, elem, sparse, limit, part);
+    auto frames = PlanFrames(dense, elem, sparse, limit, part);
     std::vector<uint64_t> next(dense.size(), 0);
     std::vector<int> sparse_seen(sparse.size(), 0);
     for (const auto& f : frames) {
@@ -153,11 +207,11 @@ TEST_CASE("push frames: every frame within the limit, every byte once, chunks of
         const uint64_t part_bytes = part * elem[p.entry];
         CHECK(p.offset % part_bytes == 0);
         CHECK((p.bytes % part_bytes == 0 || p.offset + p.bytes == dense[p.entry]));
-        used += p.bytes + kPushEntryOverhead;
+        used += p.bytes + kFrameEntryOverhead;
       }
       for (size_t j : f.sparse) {
         ++sparse_seen[j];
-        used += sparse[j] + kPushEntryOverhead;
+        used += sparse[j] + kFrameEntryOverhead;
       }
       CHECK((used <= limit || f.dense.size() + f.sparse.size() == 1));  // only a lone part may be over
       CHECK(f.dense.size() + f.sparse.size() > 0);

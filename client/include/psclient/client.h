@@ -75,6 +75,12 @@ struct ClientOptions {
   // chunks (psd adds each chunk as it arrives and holds one frame per connection, not the push);
   // a push of any size is sent, whatever psd's --max-frame-bytes (0: always one frame).
   uint64_t push_frame_bytes = 4ull << 20;
+  // Values bigger than this are pulled in several replies of at most this many bytes (element
+  // ranges, asked back to back), each copied into the caller's view as it arrives: the client
+  // holds one reply, not the model, and a value of any size is read (`pull_after` values bigger
+  // than this are pulled after the token). Within max_frame_bytes (0: one reply per pull, bounded
+  // by max_frame_bytes).
+  uint64_t pull_frame_bytes = 16ull << 20;
   // An observer (admin tools, dashboards) is not a worker: it may only call GetStatus and
   // RequestCheckpoint, never becomes chief and does not count for the job.
   bool observer = false;

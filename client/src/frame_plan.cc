@@ -1,17 +1,15 @@
-#include "push_frames.h"
+#include "frame_plan.h"
 
 #include <algorithm>
 
 namespace psclient::internal {
 
-std::vector<PushFrame> PlanPushFrames(const std::vector<uint64_t>& dense_bytes,
-                                      const std::vector<uint64_t>& element_bytes,
-                                      const std::vector<uint64_t>& sparse_bytes, uint64_t limit,
-                                      uint64_t chunk_elements) {
-  std::vector<PushFrame> frames(1);
+std::vector<FramePlan> PlanFrames(const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& element_bytes,
+                                  const std::vector<uint64_t>& sparse_bytes, uint64_t limit, uint64_t chunk_elements) {
+  std::vector<FramePlan> frames(1);
   uint64_t total = 0;
-  for (uint64_t b : dense_bytes) total += b + kPushEntryOverhead;
-  for (uint64_t b : sparse_bytes) total += b + kPushEntryOverhead;
+  for (uint64_t b : dense_bytes) total += b + kFrameEntryOverhead;
+  for (uint64_t b : sparse_bytes) total += b + kFrameEntryOverhead;
   if (chunk_elements == 0 || limit == 0 || total <= limit) {
     for (size_t i = 0; i < dense_bytes.size(); ++i) frames[0].dense.push_back({i, 0, dense_bytes[i]});
     for (size_t j = 0; j < sparse_bytes.size(); ++j) frames[0].sparse.push_back(j);
@@ -24,7 +22,7 @@ std::vector<PushFrame> PlanPushFrames(const std::vector<uint64_t>& dense_bytes,
   };
   auto empty = [&] { return frames.back().dense.empty() && frames.back().sparse.empty(); };
   for (size_t i = 0; i < dense_bytes.size(); ++i) {
-    const uint64_t bytes = dense_bytes[i], cost = bytes + kPushEntryOverhead;
+    const uint64_t bytes = dense_bytes[i], cost = bytes + kFrameEntryOverhead;
     if (cost <= limit - std::min(limit, used) || (empty() && cost <= limit)) {
       frames.back().dense.push_back({i, 0, bytes});
       used += cost;
@@ -33,7 +31,7 @@ std::vector<PushFrame> PlanPushFrames(const std::vector<uint64_t>& dense_bytes,
     const uint64_t part = chunk_elements * std::max<uint64_t>(1, element_bytes[i]);
     uint64_t offset = 0;
     while (offset < bytes) {
-      const uint64_t room = limit - std::min(limit, used + kPushEntryOverhead);
+      const uint64_t room = limit - std::min(limit, used + kFrameEntryOverhead);
       const uint64_t left = bytes - offset;
       uint64_t take = left <= room ? left : room / part * part;
       if (take == 0) {
@@ -44,13 +42,13 @@ std::vector<PushFrame> PlanPushFrames(const std::vector<uint64_t>& dense_bytes,
         take = std::min(left, part);  // a part over the limit: alone in its frame
       }
       frames.back().dense.push_back({i, offset, take});
-      used += take + kPushEntryOverhead;
+      used += take + kFrameEntryOverhead;
       offset += take;
       if (offset < bytes) next_frame();
     }
   }
   for (size_t j = 0; j < sparse_bytes.size(); ++j) {
-    const uint64_t cost = sparse_bytes[j] + kPushEntryOverhead;
+    const uint64_t cost = sparse_bytes[j] + kFrameEntryOverhead;
     if (!empty() && cost > limit - std::min(limit, used)) next_frame();
     frames.back().sparse.push_back(j);
     used += cost;
