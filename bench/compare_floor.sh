@@ -9,7 +9,7 @@
 # psd/floor ratio of median step times measured back to back, cell by cell.
 #
 # Usage: bench/compare_floor.sh [options] [path/to/psd_bench]   (default: build/bench/psd_bench)
-#   --workers "2 4 8 16"      worker counts of the sweep (default: 2 4 8 16)
+#   --workers "2 4 8 16"      worker counts of the sweep (default: 2 4 8 16; "": no sweep)
 #   --sizes "4K 4M 64M 256M"  model sizes (K/M/G: powers of 1024; default: 4K 4M 64M 256M)
 #   --psd PATH                the daemon (default: build/server/psd, beside psd_bench's build)
 #   --steps-scale F           multiply every cell's measured steps by F (default 1)
@@ -17,6 +17,8 @@
 #   --bench-flags "..."       extra flags for every psd_bench (e.g. "--push-frame-bytes 0")
 #   --rss "1 4 16 64"         then the daemon's peak RSS alone, at --rss-model, for these workers
 #   --rss-model SIZE          model size of the RSS runs (default 64M)
+#   --sparse "2 8"            then sparse rows/s for these workers: psd_bench --sparse, a 1M x 64
+#                             float32 embedding, 4096 distinct rows per worker and step (no floor)
 # Prints each cell's floor and psd medians, then a ratio table (psd/floor, median step) and the
 # daemon's peak RSS (VmHWM) per cell. Exit status: 0 when every cell ran (or the floor source is
 # missing: skipped), 1 otherwise.
@@ -30,6 +32,7 @@ psd_flags=""
 bench_flags=""
 rss_list=""
 rss_model="64M"
+sparse_list=""
 bench=""
 psd=""
 while [[ $# -gt 0 ]]; do
@@ -42,7 +45,8 @@ while [[ $# -gt 0 ]]; do
     --bench-flags) bench_flags="$2"; shift 2 ;;
     --rss) rss_list="$2"; shift 2 ;;
     --rss-model) rss_model="$2"; shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    --sparse) sparse_list="$2"; shift 2 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     -*) echo "compare_floor: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) bench="$1"; shift ;;
   esac
@@ -88,7 +92,8 @@ trap cleanup EXIT
 # Starts a psd for `workers` workers with a frame limit that fits `bytes`; sets psd_pid and port.
 start_psd() {
   local workers="$1" bytes="$2" frame=$(( 256 << 20 ))
-  # A push carries the whole model here (one variable): the frame limit must hold it.
+  # Chunked pushes need no more than the default; with --bench-flags "--push-frame-bytes 0" a push
+  # carries the whole model (one variable), so the frame limit holds it either way.
   (( bytes + (1 << 20) > frame )) && frame=$(( bytes + (64 << 20) ))
   local inflight=$(( frame > (1 << 30) ? frame : (1 << 30) ))
   rm -f "$tmp/port"
@@ -146,7 +151,9 @@ declare -A ratio floor_tab psd_tab rss_tab
 sizes_b=()
 for s in $sizes_list; do sizes_b+=("$(to_bytes "$s")"); done
 
-if [[ ! -f "$floor_src" ]]; then
+if [[ -z "$workers_list" || -z "$sizes_list" ]]; then
+  :  # no sweep asked for (--workers "" or --sizes ""): only the RSS or sparse runs
+elif [[ ! -f "$floor_src" ]]; then
   echo "compare_floor: floor source not found at $floor_src; skipping the comparison"
 else
   # Build line from the floor's header comment.
@@ -206,6 +213,32 @@ if [[ -n "$rss_list" ]]; then
       echo "$psd_out" | tail -5 >&2
       status=1
     fi
+  done
+fi
+
+if [[ -n "$sparse_list" ]]; then
+  echo
+  echo "== sparse: psd_bench --sparse, 1M x 64 float32 embedding (244 MiB), 4096 distinct rows per worker and step =="
+  printf '%-8s %14s %14s %12s %10s\n' "workers" "rows/s pushed" "rows/s pulled" "step p50 ms" "RSS MiB"
+  for w in $sparse_list; do
+    if start_psd "$w" $(( 256 << 20 )); then
+      # shellcheck disable=SC2086
+      sparse_out="$(timeout 900 "$bench" --connect "127.0.0.1:$port" --workers "$w" --sparse --embedding-rows 1000000 \
+                    --embedding-dim 64 --steps 40 --finish --json --timeout-s 850 $bench_flags 2>&1)"
+      sparse_rc=$?
+      rss_mib="$(stop_psd)"
+    else
+      sparse_rc=1
+    fi
+    field() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" <<<"$sparse_out" | head -n1; }
+    if [[ $sparse_rc -ne 0 || -z "$(field push_rows_per_s)" ]]; then
+      printf '%-8s %14s\n' "$w" "failed"
+      echo "$sparse_out" | tail -5 >&2
+      status=1
+      continue
+    fi
+    printf '%-8s %14.0f %14.0f %12.3f %10s\n' "$w" "$(field push_rows_per_s)" "$(field pull_rows_per_s)" \
+      "$(field step_ms_p50)" "$rss_mib"
   done
 fi
 exit $status
