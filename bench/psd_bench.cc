@@ -114,8 +114,8 @@ struct Options {
   int64_t staleness = -1;          // in-process psd, ssp: -1: psd's default
   std::string optimizer = "sgd";   // in-process psd
   std::string model_bytes_text = "4M";
-  std::string push_frame_bytes_text = "4M";  // ClientOptions::push_frame_bytes (0: one frame per push)
-  uint64_t push_frame_bytes = 4ull << 20;
+  std::string push_frame_bytes_text = "1M";  // ClientOptions::push_frame_bytes (0: one frame per push)
+  uint64_t push_frame_bytes = 1ull << 20;
   std::string pull_frame_bytes_text = "16M";  // ClientOptions::pull_frame_bytes
   uint64_t pull_frame_bytes = 16ull << 20;
   psd::DType grad_dtype = psd::DType::kFloat32;

@@ -31,7 +31,8 @@ DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction
       reduction_(reduction),
       num_elements_(NumElements(shape_)),
       step_(initial_step),
-      sum_(static_cast<size_t>(num_elements_) * DTypeSize(dtype)),
+      bytes_(static_cast<size_t>(num_elements_) * DTypeSize(dtype)),
+      sum_(std::make_shared<Buffer>(bytes_)),
       num_stripes_(std::max<int64_t>(1, (num_elements_ + kStripeElements - 1) / kStripeElements)),
       stripes_(std::make_unique<Stripe[]>(static_cast<size_t>(num_stripes_))),
       num_parts_(std::max<int64_t>(1, (num_elements_ + kPartElements - 1) / kPartElements)),
@@ -75,8 +76,17 @@ bool DenseAccumulator::AddChecked(int64_t local_step, DType dtype, const void* d
 
 bool DenseAccumulator::BeginAdd(int64_t local_step) {
   if (local_step < step_) return false;
+  // The sum's buffer went with the last take: the first add of a round needs one (the engine
+  // usually provides its variable's spare one first: ProvideSum).
+  if (!sum_) sum_ = std::make_shared<Buffer>(bytes_, Buffer::Uninitialized{});
   ++in_flight_;
   return true;
+}
+
+std::shared_ptr<Buffer> DenseAccumulator::ReleaseSum() { return std::move(sum_); }
+
+void DenseAccumulator::ProvideSum(std::shared_ptr<Buffer> buffer) {
+  if (!sum_ && buffer && buffer->bytes() == bytes_) sum_ = std::move(buffer);
 }
 
 void DenseAccumulator::EndAdd() {
@@ -87,7 +97,7 @@ void DenseAccumulator::EndAdd() {
 void DenseAccumulator::AddRange(DType dtype, const void* src, int64_t begin, int64_t end, bool first) {
   const size_t n = static_cast<size_t>(end - begin);
   const size_t out_size = DTypeSize(dtype_);
-  void* dst = static_cast<char*>(sum_.data()) + static_cast<size_t>(begin) * out_size;
+  void* dst = static_cast<char*>(sum_->data()) + static_cast<size_t>(begin) * out_size;
   if (dtype != dtype_) {  // a half gradient into float32: converted while it is added
     if (first) {
       ConvertElements(src, dtype, dst, dtype_, n);
@@ -120,7 +130,7 @@ void DenseAccumulator::AddToStripe(int64_t i, DType dtype, const void* data, int
 }
 
 std::unique_ptr<Buffer> DenseAccumulator::TakeFreeSlot() {
-  if (free_slots_.empty()) return std::make_unique<Buffer>(sum_.bytes(), Buffer::Uninitialized{});
+  if (free_slots_.empty()) return std::make_unique<Buffer>(bytes_, Buffer::Uninitialized{});
   std::unique_ptr<Buffer> slot = std::move(free_slots_.back());
   free_slots_.pop_back();
   return slot;
@@ -155,7 +165,7 @@ void DenseAccumulator::Add(DType dtype, const void* data, std::string_view repli
     if (dtype != dtype_) {
       ConvertElements(data, dtype, slot->data(), dtype_, static_cast<size_t>(num_elements_));
     } else {
-      std::memcpy(slot->data(), data, sum_.bytes());
+      std::memcpy(slot->data(), data, bytes_);
     }
     MutexLock lock(&slots_mu_);
     slots_.push_back({std::string(replica), arrivals_++, std::move(slot), {}});
@@ -278,7 +288,7 @@ void DenseAccumulator::SettleParts(int* count) {
     int c = counter_ + part_counts_[static_cast<size_t>(p)];
     if (c > 0 && (*count == 0 || c < *count)) *count = c;  // the fewest of the parts that got any
     int64_t begin = p * kPartElements, end = std::min(num_elements_, begin + kPartElements);
-    char* dst = static_cast<char*>(sum_.data()) + static_cast<size_t>(begin) * out_size;
+    char* dst = static_cast<char*>(sum_->data()) + static_cast<size_t>(begin) * out_size;
     if (c == 0) {
       std::memset(dst, 0, static_cast<size_t>(end - begin) * out_size);
     } else if (reduction_ == Reduction::kMean && c > 1) {

@@ -125,7 +125,15 @@ class DenseAccumulator {
   // Gradients in the sum (a chunked one counts once every part has it: the fewest over the parts).
   int num_accumulated() const { return counter_ + (chunked_ ? MinPartCount() : 0); }
   int64_t step() const { return step_; }
-  const Buffer& grad() const { return sum_; }
+  const Buffer& grad() const { return *sum_; }  // after a take with a count > 0, until ReleaseSum
+  // The take's sum, handed over (the engine applies the optimizer into it in place and publishes
+  // it); the next round's first BeginAdd gets a new buffer, or the one ProvideSum offered. A sum
+  // buffer is in use only while a round accumulates, so a variable needs two model-sized buffers
+  // (its value and this), not three.
+  std::shared_ptr<Buffer> ReleaseSum();
+  bool has_sum() const { return sum_ != nullptr; }
+  // Offers a buffer of the sum's size for the next round (ignored if one is there, or another size).
+  void ProvideSum(std::shared_ptr<Buffer> buffer);
   double divisor() const { return divisor_; }
   DType dtype() const { return dtype_; }
   const Shape& shape() const { return shape_; }
@@ -136,11 +144,12 @@ class DenseAccumulator {
   const Reduction reduction_;
   const int64_t num_elements_;
   int64_t step_;
-  int counter_ = 0;     // whole gradients; chunks are counted per part in part_counts_
-  int in_flight_ = 0;   // BeginAdd without EndAdd yet
-  uint64_t round_ = 1;  // bumped by every take: a part last filled in an older round starts over
-  double divisor_ = 1;  // of the last take
-  Buffer sum_;
+  int counter_ = 0;              // whole gradients; chunks are counted per part in part_counts_
+  int in_flight_ = 0;            // BeginAdd without EndAdd yet
+  uint64_t round_ = 1;           // bumped by every take: a part last filled in an older round starts over
+  double divisor_ = 1;           // of the last take
+  const size_t bytes_;           // of the sum, and of each deterministic slot
+  std::shared_ptr<Buffer> sum_;  // null between ReleaseSum and the next round's first BeginAdd
 
   struct Stripe {
     Mutex mu;  // guards the stripe's elements of sum_ and its parts' part_round_

@@ -70,19 +70,19 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     ++step_takes_begun_;
     return true;
   }
-  std::shared_ptr<Buffer> value, out;
+  // The optimizer writes the new values over the taken sum (each element's gradient is read before
+  // its value is written), and that buffer is what the commit publishes: a variable holds its
+  // value and one sum, not a third staging buffer.
+  std::shared_ptr<Buffer> value, out = v->dense->ReleaseSum();
   double lr;
   {
     MutexLock lock(&mu_);
     value = v->published;
-    if (v->spare && v->spare.use_count() == 1) out = std::move(v->spare);
-    v->spare.reset();
     lr = step_lr_;
     ++step_takes_begun_;  // from here on this variable's slots belong to the open step
   }
-  if (!out) out = std::make_shared<Buffer>(v->bytes);
-  ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), v->dense->grad().data(), out->data(), &v->slots,
-                       0, v->next_take_step, lr, v->dense->divisor()});
+  ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), out->data(), out->data(), &v->slots, 0,
+                       v->next_take_step, lr, v->dense->divisor()});
   MutexLock lock(&mu_);
   v->staged = std::move(out);
   return true;

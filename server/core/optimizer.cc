@@ -28,8 +28,7 @@ class Sgd : public OptimizerImpl<Sgd> {
  public:
   using OptimizerImpl::OptimizerImpl;
   template <typename T>
-  void Update(const T* __restrict v, const T* __restrict g, T* out, T**, int64_t b, int64_t e, int64_t, double lr,
-              T d) const {
+  void Update(const T* __restrict v, const T* g, T* out, T**, int64_t b, int64_t e, int64_t, double lr, T d) const {
     const T a = static_cast<T>(lr);
     for (int64_t i = b; i < e; ++i) out[i] = v[i] - a * (g[i] / d);
   }

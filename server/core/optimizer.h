@@ -46,9 +46,12 @@ struct SlotSpec {
 struct ApplyArgs {
   DType dtype;
   int64_t num_elements;
-  const void* value;           // the current value (read-only: pulls may be reading it)
-  const void* grad;            // the aggregated gradient
-  void* out;                   // where the new value goes (may equal value only when no reader exists)
+  const void* value;  // the current value (read-only: pulls may be reading it)
+  const void* grad;   // the aggregated gradient
+  // Where the new value goes: may equal value only when no reader exists, and may equal grad (the
+  // sync take applies into the taken sum): every update reads an element's gradient before it
+  // writes that element.
+  void* out;
   std::vector<Buffer>* slots;  // this variable's slots, in Slots() order; updated in place
   int64_t slot_offset;         // element of the slots that corresponds to value[0] (parallel ranges)
   int64_t step;                // 1-based count of updates (Adam's t)

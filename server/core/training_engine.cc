@@ -324,6 +324,13 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
           v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step,
                                                         config_.deterministic);
         }
+        if (!v->dense->has_sum()) {
+          // A round's first gradient: the sum goes into the buffer the last commit retired (the
+          // value before it), unless a pull still reads that one.
+          MutexLock elock(&mu_);
+          if (v->spare && v->spare.use_count() == 1) v->dense->ProvideSum(std::move(v->spare));
+          v->spare.reset();
+        }
         accepted = v->dense->BeginAdd(local_step);
         if (*accepted) {
           // The add itself runs without the variable's lock, in parallel with other workers'

@@ -1,9 +1,10 @@
 // The daemon-side SyncReplicasOptimizer, step by step (tf_semantics.md sections 1 and 3).
-#include "config/server_config.h"
 #include "core/training_engine.h"
 
 #include <catch2/catch.hpp>
 #include <cstring>
+
+#include "config/server_config.h"
 
 using namespace psd;
 using namespace psd::server;
@@ -311,4 +312,44 @@ TEST_CASE("step commit: an engine with no trainable variable reports every step 
   CHECK(seen.size() == 1);
   REQUIRE(e.engine.CommitPrepared(0, false, 0).ok());
   CHECK(e.engine.global_step() == 1);
+}
+
+TEST_CASE("the taken sum becomes the new value, and a buffer a reader holds is never reused", "[engine][memory]") {
+  // One replica, SGD with lr 2: value -= 2 * g. The commit publishes the buffer the gradients
+  // were summed in; the next step's sum goes into the retired value's buffer, unless a pull
+  // still holds it.
+  Engine e(Config(1, 1, 0));
+  e.Create<float>("w", {10.0f, 20.0f, 30.0f}, {3});
+  auto pull = [&] {
+    std::vector<PulledValue> out;
+    int64_t step = 0;
+    REQUIRE(e.engine.Pull({"w"}, &out, &step).ok());
+    REQUIRE(out.size() == 1);
+    return out[0].value;
+  };
+  auto push = [&](int64_t step, std::vector<float> g) {
+    std::vector<GradRef> refs = {{"w", DType::kFloat32, {3}, g.data(), g.size() * sizeof(float)}};
+    std::vector<GradOutcome> out;
+    REQUIRE(e.engine.Push(step, refs, &out).ok());
+    REQUIRE(out[0].accepted);
+  };
+  auto values = [](const std::shared_ptr<const Buffer>& b) {
+    const float* p = b->as<float>();
+    return std::vector<float>(p, p + 3);
+  };
+  push(0, {1, 1, 1});
+  auto held = pull();  // step 1's value, held across the next two steps
+  CHECK(values(held) == std::vector<float>{8, 18, 28});
+  push(1, {2, 2, 2});
+  auto second = pull();
+  CHECK(values(second) == std::vector<float>{4, 14, 24});
+  push(2, {0.5f, 0.5f, 0.5f});  // the retired step-1 buffer is still held: the sum goes elsewhere
+  CHECK(values(held) == std::vector<float>{8, 18, 28});
+  CHECK(values(pull()) == std::vector<float>{3, 13, 23});
+  CHECK(e.engine.global_step() == 3);
+  // Nobody holds the retired buffers now: the steps go on reusing them, and the values stay right.
+  held.reset();
+  second.reset();
+  for (int64_t s = 3; s < 6; ++s) push(s, {1, 1, 1});
+  CHECK(values(pull()) == std::vector<float>{-3, 7, 17});
 }

@@ -74,7 +74,7 @@ struct ClientOptions {
   // A push bigger than this travels in frames of at most this many bytes, gradients cut into
   // chunks (psd adds each chunk as it arrives and holds one frame per connection, not the push);
   // a push of any size is sent, whatever psd's --max-frame-bytes (0: always one frame).
-  uint64_t push_frame_bytes = 4ull << 20;
+  uint64_t push_frame_bytes = 1ull << 20;
   // Values bigger than this are pulled in several replies of at most this many bytes (element
   // ranges, asked back to back), each copied into the caller's view as it arrives: the client
   // holds one reply, not the model, and a value of any size is read (`pull_after` values bigger

@@ -584,7 +584,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("host") = "127.0.0.1", py::arg("port") = 7070, py::kw_only(), py::arg("cluster") = py::none(),
            py::arg("worker_name") = py::none(), py::arg("incarnation") = 0, py::arg("connect_timeout_ms") = 10000,
            py::arg("request_timeout_ms") = 300000, py::arg("max_frame_bytes") = uint64_t{1} << 30,
-           py::arg("push_frame_bytes") = uint64_t{4} << 20, py::arg("pull_frame_bytes") = uint64_t{16} << 20,
+           py::arg("push_frame_bytes") = uint64_t{1} << 20, py::arg("pull_frame_bytes") = uint64_t{16} << 20,
            py::arg("observer") = false, py::arg("auth_token") = py::none(), py::arg("tls") = false,
            py::arg("tls_ca_file") = py::none(), py::arg("tls_cert_file") = py::none(),
            py::arg("tls_key_file") = py::none(), py::arg("tls_server_name") = py::none())
