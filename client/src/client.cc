@@ -243,12 +243,13 @@ class Conn {
 
   // Reads the reply to `frame`; a non-OK reply becomes the returned Status. The reader stays
   // valid until the next Receive on this connection.
-  Status Receive(OutFrame& frame, proto::Response::Reader* resp) {
+  // `landing`: where a one-tensor reply's data may be read straight to (psd::wire::Landing).
+  Status Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::wire::Landing* landing = nullptr) {
     uint64_t id = frame.builder.getRoot<proto::Request>().getId();
     answered_ = false;
     const char* limit = "the client's ClientOptions::max_frame_bytes";
-    Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit)
-                    : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit);
+    Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit, landing)
+                    : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit, landing);
     if (!s.ok()) {
       // The stream is out of step (or gone): the next call reconnects.
       Drop();
@@ -488,6 +489,7 @@ class Client::Impl {
     bool sent = false;
     Status status;
     proto::Response::Reader resp;
+    psd::wire::Landing landing;  // a ranged pull's one tensor: read straight into the caller's view
   };
   using Calls = std::vector<std::unique_ptr<Call>>;
 
@@ -518,7 +520,10 @@ class Client::Impl {
     }
     for (size_t i = 0; i < calls.size(); ++i) {
       auto& c = calls[i];
-      if (c->sent) c->status = FromShard(conn(c->shard).Receive(c->frame, &c->resp), conn(c->shard), cluster());
+      if (c->sent) {
+        c->status = FromShard(conn(c->shard).Receive(c->frame, &c->resp, c->landing.dst ? &c->landing : nullptr),
+                              conn(c->shard), cluster());
+      }
       if (each) each(i);
     }
     // The most telling error first: a shard's own answer (it says what the cluster waits for)
@@ -630,6 +635,12 @@ class Client::Impl {
         const TensorView& out = outs[i].second;
         PSD_RETURN_IF_ERROR(CheckView("'" + outs[i].first + "'", t->dtype, t->shape, out));
         if (t->bytes != out.bytes()) return psd::Internal("pull reply for '" + outs[i].first + "' has a wrong size");
+        if (out.memory == MemoryKind::kHost) {
+          // Landed: the bytes were read straight into the view. Else copied (memmove: a reply that
+          // did not land as planned may still have been read over the view).
+          if (t->data != out.data) std::memmove(out.data, t->data, t->bytes);
+          continue;
+        }
         PSD_RETURN_IF_ERROR(staging_.FromHost(out.data, t->data, t->bytes, out.memory, out.stream));
       }
       return p.getStep();
@@ -715,6 +726,10 @@ class Client::Impl {
         for (size_t i = 0; i < f.outs.size(); ++i) names.set(static_cast<unsigned>(i), f.outs[i].first);
         SetWantedDTypes(f.outs, pull.initDtypes(static_cast<unsigned>(f.outs.size())));
         if (!f.ranged) continue;
+        const TensorView& only = f.outs[0].second;
+        if (f.outs.size() == 1 && only.memory == MemoryKind::kHost && only.bytes() % 8 == 0) {
+          calls.back()->landing = {only.data, only.bytes()};  // ReadFrameWith checks the alignment
+        }
         auto ranges = pull.initRanges(static_cast<unsigned>(f.outs.size()));
         for (size_t i = 0; i < f.outs.size(); ++i) {
           ranges[static_cast<unsigned>(i)].setOffset(f.offsets[i]);

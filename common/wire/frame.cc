@@ -39,7 +39,16 @@ capnp::word* InFrame::Prepare(const std::vector<uint32_t>& sizes, uint64_t total
   if (buffer_.size() < total_words) buffer_ = kj::heapArray<capnp::word>(total_words);
   sizes_ = sizes;
   total_words_ = total_words;
+  landed_ = nullptr;
   return buffer_.begin();
+}
+
+capnp::word* InFrame::PrepareLanded(const std::vector<uint32_t>& sizes, const Landing& landing) {
+  capnp::word* first = Prepare({sizes[0]}, sizes[0]);
+  sizes_ = sizes;
+  total_words_ = static_cast<uint64_t>(sizes[0]) + sizes[1];
+  landed_ = static_cast<const capnp::word*>(landing.dst);
+  return first;
 }
 
 std::unique_ptr<capnp::MessageReader> InFrame::Reader() const {
@@ -48,9 +57,13 @@ std::unique_ptr<capnp::MessageReader> InFrame::Reader() const {
   std::vector<kj::ArrayPtr<const capnp::word>> segs;
   segs.reserve(sizes_.size());
   const capnp::word* p = buffer_.begin();
-  for (uint32_t s : sizes_) {
-    segs.emplace_back(p, s);
-    p += s;
+  for (size_t i = 0; i < sizes_.size(); ++i) {
+    if (landed_ != nullptr && i + 1 == sizes_.size()) {
+      segs.emplace_back(landed_, sizes_[i]);
+      break;
+    }
+    segs.emplace_back(p, sizes_[i]);
+    p += sizes_[i];
   }
   capnp::ReaderOptions options;
   // Each word may be visited once plus a margin for list headers; blocks amplification attacks.
@@ -159,7 +172,7 @@ Status WriteFrame(tcp::socket& socket, OutFrame& frame, Deadline deadline) {
 }
 
 Status ReadFrameWith(const std::function<Status(void*, size_t)>& read_exactly, InFrame& in, uint64_t max_frame_bytes,
-                     const std::string& limit_name) {
+                     const std::string& limit_name, const Landing* landing) {
   uint32_t first[2];
   PSD_RETURN_IF_ERROR(read_exactly(first, sizeof(first)));
   uint32_t count = 0;
@@ -171,15 +184,22 @@ Status ReadFrameWith(const std::function<Status(void*, size_t)>& read_exactly, I
   std::vector<uint32_t> sizes;
   uint64_t total = 0;
   PSD_RETURN_IF_ERROR(ParseSegmentSizes(table.data(), count, max_frame_bytes, &sizes, &total, limit_name));
+  if (landing != nullptr && landing->dst != nullptr && sizes.size() == 2 &&
+      static_cast<uint64_t>(sizes[1]) * sizeof(capnp::word) == landing->bytes &&
+      reinterpret_cast<uintptr_t>(landing->dst) % sizeof(capnp::word) == 0) {
+    capnp::word* first_segment = in.PrepareLanded(sizes, *landing);
+    PSD_RETURN_IF_ERROR(read_exactly(first_segment, sizes[0] * sizeof(capnp::word)));
+    return read_exactly(landing->dst, landing->bytes);
+  }
   capnp::word* body = in.Prepare(sizes, total);
   return read_exactly(body, total * sizeof(capnp::word));
 }
 
 Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline,
-                 const std::string& limit_name) {
+                 const std::string& limit_name, const Landing* landing) {
   MakeNonBlocking(socket);
   return ReadFrameWith([&](void* p, size_t n) { return ReadExactly(socket, p, n, deadline); }, in, max_frame_bytes,
-                       limit_name);
+                       limit_name, landing);
 }
 
 Code FromWire(proto::Code code) {

@@ -42,10 +42,22 @@ Status ParseSegmentSizes(const uint32_t* table, uint32_t segment_count, uint64_t
                          const std::string& limit_name = "psd's --max-frame-bytes");
 
 // An incoming frame: the body lives in a word-aligned buffer that the FrameReader reuses.
+// Where a frame's second and last segment may be read instead of the body buffer: a ranged pull
+// reply carries one tensor, which the daemon references as its own segment, so the client reads
+// those bytes straight into the caller's view (and checks, once the reply is parsed, that the
+// tensor's data is what landed there).
+struct Landing {
+  void* dst = nullptr;  // 8-byte aligned
+  size_t bytes = 0;     // a multiple of 8: the segment must be exactly this long to land
+};
+
 class InFrame {
  public:
   // Resizes the body buffer for total_words (never shrinks below what it has unless asked).
   capnp::word* Prepare(const std::vector<uint32_t>& sizes, uint64_t total_words);
+  // For a two-segment frame whose second segment lands at `landing.dst`: the buffer holds only
+  // the first. Returns it.
+  capnp::word* PrepareLanded(const std::vector<uint32_t>& sizes, const Landing& landing);
   // Builds a reader over the body; limits guard against pointer amplification.
   std::unique_ptr<capnp::MessageReader> Reader() const;
   // Gives memory back when the buffer is much bigger than the frames it has recently held, so a
@@ -59,6 +71,7 @@ class InFrame {
 
  private:
   kj::Array<capnp::word> buffer_;
+  const capnp::word* landed_ = nullptr;  // the last segment, when it was read elsewhere
   std::vector<uint32_t> sizes_;
   uint64_t total_words_ = 0;
   uint64_t recent_max_words_ = 0;  // largest frame since the last release check
@@ -85,13 +98,15 @@ using Deadline = std::chrono::steady_clock::time_point;
 constexpr Deadline kNoDeadline = Deadline::max();
 Status WriteFrame(tcp::socket& socket, OutFrame& frame, Deadline deadline = kNoDeadline);
 // Reads one frame into `in`; max_frame_bytes (named `limit_name` in errors) bounds the allocation.
+// With `landing`, a frame of two segments whose second is exactly landing->bytes long has that
+// segment read into landing->dst.
 Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline = kNoDeadline,
-                 const std::string& limit_name = "psd's --max-frame-bytes");
+                 const std::string& limit_name = "psd's --max-frame-bytes", const Landing* landing = nullptr);
 
 // Reads one frame with `read_exactly` (n bytes or an error): the framing shared by the socket and
 // the TLS versions.
 Status ReadFrameWith(const std::function<Status(void*, size_t)>& read_exactly, InFrame& in, uint64_t max_frame_bytes,
-                     const std::string& limit_name);
+                     const std::string& limit_name, const Landing* landing = nullptr);
 
 // Enum conversions between the wire and psd types.
 Code FromWire(proto::Code code);

@@ -162,12 +162,12 @@ Status WriteFrame(ssl::stream<tcp::socket>& stream, OutFrame& frame, Deadline de
 }
 
 Status ReadFrame(ssl::stream<tcp::socket>& stream, InFrame& in, uint64_t max_frame_bytes, Deadline deadline,
-                 const std::string& limit_name) {
+                 const std::string& limit_name, const Landing* landing) {
   auto read = [&](void* p, size_t n) {
     return RunUntil(stream, deadline, "TLS read",
                     [&](auto done) { asio::async_read(stream, asio::buffer(p, n), done); });
   };
-  return ReadFrameWith(read, in, max_frame_bytes, limit_name);
+  return ReadFrameWith(read, in, max_frame_bytes, limit_name, landing);
 }
 
 std::string TlsErrorText(const boost::system::error_code& ec) {

@@ -42,7 +42,8 @@ Status SetTlsServerName(ssl::stream<tcp::socket>& stream, const std::string& nam
 Status TlsHandshake(ssl::stream<tcp::socket>& stream, Deadline deadline);
 Status WriteFrame(ssl::stream<tcp::socket>& stream, OutFrame& frame, Deadline deadline = kNoDeadline);
 Status ReadFrame(ssl::stream<tcp::socket>& stream, InFrame& in, uint64_t max_frame_bytes,
-                 Deadline deadline = kNoDeadline, const std::string& limit_name = "psd's --max-frame-bytes");
+                 Deadline deadline = kNoDeadline, const std::string& limit_name = "psd's --max-frame-bytes",
+                 const Landing* landing = nullptr);
 
 // An OpenSSL error queue / Asio SSL error as text that says what to check.
 std::string TlsErrorText(const boost::system::error_code& ec);

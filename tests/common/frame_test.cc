@@ -79,3 +79,53 @@ TEST_CASE("wire tensors with unknown dtypes or bad shapes are rejected", "[frame
   shape.set(0, -3);
   CHECK(wire::ReadTensor(t.asReader(), 1 << 20).status().code() == Code::kInvalidArgument);
 }
+
+TEST_CASE("a one-tensor reply's data segment lands straight in the destination, or is read as usual", "[frame]") {
+  std::vector<uint64_t> storage(2048);  // 16 KiB of float32: referenced as its own segment
+  float* values = reinterpret_cast<float*>(storage.data());
+  for (int i = 0; i < 4096; ++i) values[i] = static_cast<float>(i) * 0.25f - 3.0f;
+  wire::OutFrame out;
+  auto resp = out.builder.initRoot<proto::Response>();
+  resp.setId(7);
+  auto pull = resp.initPull();
+  pull.setStep(3);
+  wire::SetTensor(out.builder, pull.initValues(1)[0], DType::kFloat32, {4096}, values, 16384);
+  std::string bytes;
+  for (auto& b : out.Buffers()) bytes.append(static_cast<const char*>(b.data()), b.size());
+  auto read_from = [&](size_t* at) {
+    return [&bytes, at](void* p, size_t n) {
+      if (*at + n > bytes.size()) return Unavailable("short");
+      std::memcpy(p, bytes.data() + *at, n);
+      *at += n;
+      return Status::Ok();
+    };
+  };
+  std::vector<uint64_t> view(2048, 0);  // the caller's memory
+  {
+    size_t at = 0;
+    wire::InFrame in;
+    wire::Landing landing{view.data(), 16384};
+    REQUIRE(wire::ReadFrameWith(read_from(&at), in, 1 << 20, "limit", &landing).ok());
+    CHECK(at == bytes.size());
+    CHECK(in.capacity_bytes() < 16384);  // the data did not go through the receive buffer
+    auto reader = in.Reader();
+    auto r = reader->getRoot<proto::Response>();
+    CHECK(r.getPull().getStep() == 3);
+    auto t = wire::ReadTensor(r.getPull().getValues()[0], 1 << 20);
+    REQUIRE(t.ok());
+    CHECK(t->data == static_cast<const void*>(view.data()));
+    CHECK(std::memcmp(view.data(), values, 16384) == 0);
+  }
+  // A landing of another size (or a frame of another shape) is ignored: the frame is read whole.
+  std::fill(view.begin(), view.end(), 0);
+  size_t at = 0;
+  wire::InFrame in;
+  wire::Landing wrong{view.data(), 8192};
+  REQUIRE(wire::ReadFrameWith(read_from(&at), in, 1 << 20, "limit", &wrong).ok());
+  auto reader = in.Reader();
+  auto t = wire::ReadTensor(reader->getRoot<proto::Response>().getPull().getValues()[0], 1 << 20);
+  REQUIRE(t.ok());
+  CHECK(t->data != static_cast<const void*>(view.data()));
+  CHECK(std::memcmp(t->data, values, 16384) == 0);
+  CHECK(view[0] == 0);
+}
