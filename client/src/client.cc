@@ -1269,6 +1269,11 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
         auto names = p.initPullAfter(static_cast<unsigned>(pull_after->size()));
         for (size_t i = 0; i < pull_after->size(); ++i) names.set(static_cast<unsigned>(i), (*pull_after)[i].first);
         SetWantedDTypes(*pull_after, p.initPullAfterDtypes(static_cast<unsigned>(pull_after->size())));
+        // One value: the reply's tensor is its own segment, read straight into the caller's view.
+        const TensorView& only = (*pull_after)[0].second;
+        if (pull_after->size() == 1 && only.memory == MemoryKind::kHost && only.bytes() % 8 == 0) {
+          c.landing = {only.data, only.bytes()};
+        }
       }
       auto list = p.initGrads(static_cast<unsigned>(plan.dense.size() + plan.sparse.size()));
       slots_of_call.emplace_back();
