@@ -189,53 +189,62 @@ int main(int argc, char** argv) {
     return psclient::Status::Ok();
   };
 
+  // psd went away (restarting from a checkpoint, a lost shard, an election) or a wait ran out:
+  // true (after a short sleep) when `s` is worth retrying and retry_s has not passed since the
+  // first such failure; says what psd waits for each time it changes. The client reconnects by
+  // itself and the optimizer re-reads the global step.
+  auto unavailable_since = std::chrono::steady_clock::time_point::max();
+  std::string last_error;
+  auto retry = [&](const psclient::Status& s) {
+    psd::Code code = s.code();
+    // kAborted: the cluster restored a checkpoint; the optimizer re-reads the step and values.
+    if (code != psd::Code::kUnavailable && code != psd::Code::kDeadlineExceeded && code != psd::Code::kNotFound &&
+        code != psd::Code::kAborted) {
+      return false;
+    }
+    auto now = std::chrono::steady_clock::now();
+    if (unavailable_since == std::chrono::steady_clock::time_point::max()) unavailable_since = now;
+    std::string what = s.ToString();
+    if (what != last_error) {
+      std::fprintf(stderr, "[%s] %s; retrying for up to %.0f s\n", me.c_str(), what.c_str(), retry_s);
+      last_error = what;
+    }
+    if (std::chrono::duration<double>(now - unavailable_since).count() >= retry_s) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return true;
+  };
+
   // TF order: build (compute_gradients declares the variables; on a non-chief worker the pull
-  // may find nothing yet), then the hook: readiness wait + local step init.
-  auto first = opt.compute_gradients(loss_fn, vars);
-  if (!first.ok() && first.status().code() != psd::Code::kNotFound) {
-    std::fprintf(stderr, "%s: %s\n", me.c_str(), first.status().ToString().c_str());
-    return 1;
+  // may find nothing yet), then the hook: readiness wait + local step init. A cluster that loses a
+  // shard meanwhile is waited for, as in training.
+  psclient::SyncReplicasHook hook = opt.make_session_run_hook(c.is_chief(), num_tokens);
+  for (;;) {
+    auto first = opt.compute_gradients(loss_fn, vars);
+    psclient::Status hs =
+        first.ok() || first.status().code() == psd::Code::kNotFound ? psclient::Status::Ok() : first.status();
+    cursor = 0;  // the build pass may or may not have read a batch: every run sees the same data order
+    if (hs.ok()) hs = hook.begin();
+    if (hs.ok()) hs = hook.after_create_session();
+    if (hs.ok()) break;
+    if (!retry(hs)) {
+      std::fprintf(stderr, "%s: %s\n", me.c_str(), hs.ToString().c_str());
+      return 1;
+    }
   }
-  cursor = 0;  // the build pass above may or may not have read a batch: every run sees the same data order
-  auto hook = opt.make_session_run_hook(c.is_chief(), num_tokens);
-  psclient::Status hs = hook.begin();
-  if (hs.ok()) hs = hook.after_create_session();
-  if (!hs.ok()) {
-    std::fprintf(stderr, "%s: %s\n", me.c_str(), hs.ToString().c_str());
-    return 1;
-  }
+  unavailable_since = std::chrono::steady_clock::time_point::max();
+  last_error.clear();
 
   psclient::GlobalStep global_step;
   global_step.value = opt.local_step();
   auto t0 = std::chrono::steady_clock::now();
   int my_steps = 0;
   double last_loss = 0;
-  auto unavailable_since = std::chrono::steady_clock::time_point::max();
-  std::string last_error;
   int64_t recreated = 0;
   while (global_step.value < steps) {
     auto step = opt.minimize(loss_fn, &global_step, vars);
     if (!step.ok()) {
-      psd::Code code = step.status().code();
-      if (code == psd::Code::kOutOfRange) break;  // training is over
-      // psd went away (restarting from a checkpoint) or a wait ran out: retry, bounded in time.
-      // The client reconnects by itself and the optimizer re-reads the global step.
-      // kAborted: the cluster restored a checkpoint; the optimizer re-reads the step and values.
-      if (code == psd::Code::kUnavailable || code == psd::Code::kDeadlineExceeded || code == psd::Code::kNotFound ||
-          code == psd::Code::kAborted) {
-        auto now = std::chrono::steady_clock::now();
-        if (unavailable_since == std::chrono::steady_clock::time_point::max()) unavailable_since = now;
-        // Say what psd waits for each time it changes (a lost shard, an election, a restore).
-        std::string what = step.status().ToString();
-        if (what != last_error) {
-          std::fprintf(stderr, "[%s] %s; retrying for up to %.0f s\n", me.c_str(), what.c_str(), retry_s);
-          last_error = what;
-        }
-        if (std::chrono::duration<double>(now - unavailable_since).count() < retry_s) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(100));
-          continue;
-        }
-      }
+      if (step.status().code() == psd::Code::kOutOfRange) break;  // training is over
+      if (retry(step.status())) continue;
       std::fprintf(stderr, "%s: %s\n", me.c_str(), step.status().ToString().c_str());
       return 1;
     }
