@@ -15,6 +15,7 @@
 #   --steps-scale F           multiply every cell's measured steps by F (default 1)
 #   --psd-flags "..."         extra flags for every psd (e.g. "--deterministic")
 #   --bench-flags "..."       extra flags for every psd_bench (e.g. "--push-frame-bytes 0")
+#                             busy-poll: --psd-flags "--busy-poll" --bench-flags "--busy-poll-us 200"
 #   --rss "1 4 16 64"         then the daemon's peak RSS alone, at --rss-model, for these workers
 #   --rss-model SIZE          model size of the RSS runs (default 64M)
 #   --sparse "2 8"            then sparse rows/s for these workers: psd_bench --sparse, a 1M x 64
@@ -46,7 +47,7 @@ while [[ $# -gt 0 ]]; do
     --rss) rss_list="$2"; shift 2 ;;
     --rss-model) rss_model="$2"; shift 2 ;;
     --sparse) sparse_list="$2"; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) echo "compare_floor: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) bench="$1"; shift ;;
   esac
@@ -114,6 +115,9 @@ stop_psd() {
   local kb daemon
   daemon="$(pgrep -P "$psd_pid" | head -n1)"  # psd itself, under `timeout`
   kb="$(awk '/^VmHWM:/ { print $2 }' "/proc/${daemon:-$psd_pid}/status" 2>/dev/null)"
+  # Its CPU time (user + system) so far, for the per-cell line (busy-poll's cost shows here).
+  awk -v hz="$(getconf CLK_TCK)" '{ printf "%.2f", ($14 + $15) / hz }' "/proc/${daemon:-$psd_pid}/stat" \
+    >"$tmp/psd_cpu" 2>/dev/null
   kill "$psd_pid" 2>/dev/null
   wait "$psd_pid" 2>/dev/null
   psd_pid=""
@@ -171,7 +175,7 @@ else
       echo "floor: $floor_out"
       run_psd "$w" "$b" "$steps"
       psd_rc=$?
-      echo "psd:   $(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out"), peak RSS $rss_mib MiB"
+      echo "psd:   $(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out"), peak RSS $rss_mib MiB, CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null) workers $(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
       floor_ms="$(sed -n 's/.*step median \([0-9.]*\) ms.*/\1/p' <<<"$floor_out" | head -n1)"
       psd_ms="$(sed -n 's/.*"step_ms_p50": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
       key="$w,$b"

@@ -46,6 +46,7 @@
 // interrupted from outside). Errors are printed and the exit status is 1.
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -118,6 +119,7 @@ struct Options {
   uint64_t push_frame_bytes = 1ull << 20;
   std::string pull_frame_bytes_text = "16M";  // ClientOptions::pull_frame_bytes
   uint64_t pull_frame_bytes = 16ull << 20;
+  int64_t busy_poll_us = 0;  // ClientOptions::busy_poll_us
   psd::DType grad_dtype = psd::DType::kFloat32;
   uint64_t model_bytes = 0;
   int variables = 1;
@@ -265,6 +267,15 @@ class RunState {
 };
 
 // "4096", "4K", "4M", "64M", "1G" (binary multiples; "KiB"/"MB" spellings accepted too).
+// CPU seconds (user + system) this process has used so far: the workers' cost, and the daemon's
+// too when it runs in-process (busy-poll's price shows here).
+double ProcessCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+  return secs(u.ru_utime) + secs(u.ru_stime);
+}
+
 Result<uint64_t> ParseBytes(const std::string& text) {
   size_t i = 0;
   uint64_t value = 0;
@@ -551,6 +562,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   co.max_frame_bytes = std::max<uint64_t>(co.max_frame_bytes, frame_limit);
   co.push_frame_bytes = opt.push_frame_bytes;
   co.pull_frame_bytes = opt.pull_frame_bytes;
+  co.busy_poll_us = opt.busy_poll_us;
   ApplyTls(opt, co);
   auto connected = psclient::Client::Connect(co);
   if (!connected.ok()) return fail("connect to " + ep.host + ":" + std::to_string(ep.port), connected.status());
@@ -860,6 +872,7 @@ void PrintJson(const Report& r) {
   field("grad_dtype", JsonString(psd::DTypeName(r.grad_dtype)));
   field("push_gb_per_s", JsonNumber(r.push_gbps));
   field("pull_gb_per_s", JsonNumber(r.pull_gbps));
+  field("process_cpu_s", JsonNumber(ProcessCpuSeconds()));
   field("push_rows_per_s", r.sparse ? JsonNumber(r.push_rows_per_s) : null);
   field("pull_rows_per_s", r.sparse ? JsonNumber(r.pull_rows_per_s) : null);
   if (r.fused) {
@@ -940,6 +953,8 @@ void PrintTable(const Report& r, const std::string& build_warning_line) {
     std::printf("  rows/s                 %.0f pushed, %.0f pulled (all workers)\n", r.push_rows_per_s,
                 r.pull_rows_per_s);
   }
+  std::printf("  cpu                    %.3f s user+system, this process (warmup and setup included)\n",
+              ProcessCpuSeconds());
   std::printf("  gradients              %" PRId64 " accepted, %" PRId64 " stale (measured; %" PRId64
               " stale in warmup)\n",
               r.accepted, r.stale, r.warmup_stale);
@@ -1276,6 +1291,11 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--push-frame-bytes", opt.push_frame_bytes_text,
                  "frames a push is cut into (the client's push_frame_bytes; 0: one frame per push)")
+      ->capture_default_str();
+  app.add_option("--busy-poll-us", opt.busy_poll_us,
+                 "workers spin this long on a reply before sleeping (ClientOptions::busy_poll_us; pair with psd "
+                 "--busy-poll)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
       ->capture_default_str();
   app.add_option("--pull-frame-bytes", opt.pull_frame_bytes_text,
                  "replies a pull is cut into (the client's pull_frame_bytes; 0: one reply per pull)")

@@ -54,6 +54,9 @@ int main(int argc, char** argv) {
                      "must be bound to --host/--port, or this shard's --cluster entry. systemd socket activation "
                      "(LISTEN_PID/LISTEN_FDS, one ListenStream=) passes it without this flag");
   app.add_option("--threads", cfg.io_threads, "I/O threads serving connections")->capture_default_str();
+  app.add_flag("--busy-poll", cfg.busy_poll,
+               "latency-critical jobs: I/O threads poll their sockets instead of sleeping (each of --threads keeps a "
+               "core busy all the time; pair with ClientOptions::busy_poll_us)");
   app.add_option("--replicas-to-aggregate,-R", cfg.replicas_to_aggregate,
                  "fresh gradients per variable that complete a step (TF replicas_to_aggregate)")
       ->capture_default_str();

@@ -249,7 +249,8 @@ class Conn {
     answered_ = false;
     const char* limit = "the client's ClientOptions::max_frame_bytes";
     Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit, landing)
-                    : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit, landing);
+                    : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit, landing,
+                                           options_.busy_poll_us);
     if (!s.ok()) {
       // The stream is out of step (or gone): the next call reconnects.
       Drop();

@@ -99,9 +99,11 @@ constexpr Deadline kNoDeadline = Deadline::max();
 Status WriteFrame(tcp::socket& socket, OutFrame& frame, Deadline deadline = kNoDeadline);
 // Reads one frame into `in`; max_frame_bytes (named `limit_name` in errors) bounds the allocation.
 // With `landing`, a frame of two segments whose second is exactly landing->bytes long has that
-// segment read into landing->dst.
+// segment read into landing->dst. `busy_poll_us` > 0: a read that finds nothing keeps trying for
+// that long before it sleeps in poll().
 Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline = kNoDeadline,
-                 const std::string& limit_name = "psd's --max-frame-bytes", const Landing* landing = nullptr);
+                 const std::string& limit_name = "psd's --max-frame-bytes", const Landing* landing = nullptr,
+                 int64_t busy_poll_us = 0);
 
 // Reads one frame with `read_exactly` (n bytes or an error): the framing shared by the socket and
 // the TLS versions.

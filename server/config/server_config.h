@@ -28,6 +28,8 @@ struct ServerConfig : TrainingConfig {
   int listen_fd = -1;
   std::string listen_fd_source = "the passed listening socket";  // names it in errors: "--listen-fd 3"
   int io_threads = 2;
+  // --busy-poll: I/O threads poll their sockets without sleeping (each keeps a core busy).
+  bool busy_poll = false;
   // Memory for incoming frames across all connections (README "Hardening"): a frame waits for its
   // share (backpressure) instead of failing; a frame must arrive within frame_timeout_ms once it
   // holds its share.

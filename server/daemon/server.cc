@@ -340,7 +340,15 @@ Status Server::Start() {
     threads_.emplace_back([this] {
       for (;;) {
         try {
-          io_.run();
+          if (!config_.busy_poll) {
+            io_.run();
+            return;
+          }
+          // --busy-poll: ready handlers run at once, never after a sleep in epoll_wait. poll()
+          // returns 0 with the context stopped once it runs out of work, like run().
+          while (!io_.stopped()) {
+            if (io_.poll() == 0) std::this_thread::yield();
+          }
           return;
         } catch (const std::exception& e) {
           // A handler threw (e.g. out of memory building a reply): log and keep serving.

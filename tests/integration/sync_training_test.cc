@@ -314,3 +314,42 @@ TEST_CASE("a worker that vanishes without finishing stops holding the steps afte
   auto back = ConnectWorker(server->port(), "w1");
   CHECK(server->engine()->required_replicas() == 2);
 }
+
+TEST_CASE("busy-poll on both sides: the same steps, and the daemon still stops", "[integration][busy_poll]") {
+  auto cfg = TestConfig(2, 2);
+  cfg.busy_poll = true;
+  cfg.io_threads = 1;  // one spinning core is enough here
+  cfg.optimizer.learning_rate = 1.0;
+  auto server = StartServer(cfg);
+  std::vector<std::unique_ptr<psclient::Client>> workers;
+  for (const char* name : {"w0", "w1"}) {
+    psclient::ClientOptions o;
+    o.port = server->port();
+    o.worker_name = name;
+    o.connect_timeout_ms = 5000;
+    o.busy_poll_us = 500;
+    auto c = psclient::Client::Connect(o);
+    REQUIRE(c.ok());
+    workers.push_back(std::move(*c));
+  }
+  float zero = 0;
+  REQUIRE(workers[0]->CreateVariable("v", Scalar(zero)).ok());
+  for (int64_t step = 0; step < 20; ++step) {
+    std::thread other([&] {
+      float g = 1.0f;
+      auto out = workers[1]->Push(step, {{"v", Scalar(g)}}, /*wait_token=*/true, 5000);
+      REQUIRE(out.ok());
+      CHECK(out->token_status.ok());
+    });
+    float g = 3.0f;
+    auto out = workers[0]->Push(step, {{"v", Scalar(g)}}, /*wait_token=*/true, 5000);
+    other.join();
+    REQUIRE(out.ok());
+    REQUIRE(out->token_status.ok());
+  }
+  int64_t step = 0;
+  CHECK(PullScalar(*workers[0], "v", &step) == -40.0f);  // 20 steps of -(1 + 3) / 2
+  CHECK(step == 20);
+  workers.clear();
+  server.reset();  // returns: the polling thread saw the stop
+}

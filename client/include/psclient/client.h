@@ -81,6 +81,10 @@ struct ClientOptions {
   // than this are pulled after the token). Within max_frame_bytes (0: one reply per pull, bounded
   // by max_frame_bytes).
   uint64_t pull_frame_bytes = 16ull << 20;
+  // Latency-critical jobs: a reply that is not there yet is waited for by spinning on the socket
+  // for up to this many microseconds before sleeping (0: sleep at once). Lower latency for small
+  // steps at the cost of a core busy while the call waits; plain TCP only (TLS ignores it).
+  int64_t busy_poll_us = 0;
   // An observer (admin tools, dashboards) is not a worker: it may only call GetStatus and
   // RequestCheckpoint, never becomes chief and does not count for the job.
   bool observer = false;

@@ -325,8 +325,9 @@ auto Call(const PyClient& self, F&& f) {
 psclient::ClientOptions MakeOptions(const std::string& host, int port, py::object cluster, py::object worker_name,
                                     uint64_t incarnation, int connect_timeout_ms, int64_t request_timeout_ms,
                                     uint64_t max_frame_bytes, uint64_t push_frame_bytes, uint64_t pull_frame_bytes,
-                                    bool observer, py::object auth_token, bool tls, py::object tls_ca_file,
-                                    py::object tls_cert_file, py::object tls_key_file, py::object tls_server_name) {
+                                    int64_t busy_poll_us, bool observer, py::object auth_token, bool tls,
+                                    py::object tls_ca_file, py::object tls_cert_file, py::object tls_key_file,
+                                    py::object tls_server_name) {
   if (port < 0 || port > 65535) RaiseInvalid("port " + std::to_string(port) + " is outside 0..65535");
   auto str = [](py::object o) { return o.is_none() ? std::string() : py::cast<std::string>(py::str(o)); };
   psclient::ClientOptions o;
@@ -340,6 +341,7 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
   o.max_frame_bytes = max_frame_bytes;
   o.push_frame_bytes = push_frame_bytes;
   o.pull_frame_bytes = pull_frame_bytes;
+  o.busy_poll_us = busy_poll_us;
   o.observer = observer;
   o.auth_token = str(auth_token);
   o.tls = tls;
@@ -573,20 +575,20 @@ PYBIND11_MODULE(_core, m) {
                        "subclasses. Use as a context manager, or call close().")
       .def(py::init([](const std::string& host, int port, py::object cluster, py::object worker_name,
                        uint64_t incarnation, int connect_timeout_ms, int64_t request_timeout_ms,
-                       uint64_t max_frame_bytes, uint64_t push_frame_bytes, uint64_t pull_frame_bytes, bool observer,
-                       py::object auth_token, bool tls, py::object tls_ca_file, py::object tls_cert_file,
-                       py::object tls_key_file, py::object tls_server_name) {
+                       uint64_t max_frame_bytes, uint64_t push_frame_bytes, uint64_t pull_frame_bytes,
+                       int64_t busy_poll_us, bool observer, py::object auth_token, bool tls, py::object tls_ca_file,
+                       py::object tls_cert_file, py::object tls_key_file, py::object tls_server_name) {
              return PyClient::Connect(MakeOptions(host, port, cluster, worker_name, incarnation, connect_timeout_ms,
                                                   request_timeout_ms, max_frame_bytes, push_frame_bytes,
-                                                  pull_frame_bytes, observer, auth_token, tls, tls_ca_file,
-                                                  tls_cert_file, tls_key_file, tls_server_name));
+                                                  pull_frame_bytes, busy_poll_us, observer, auth_token, tls,
+                                                  tls_ca_file, tls_cert_file, tls_key_file, tls_server_name));
            }),
            py::arg("host") = "127.0.0.1", py::arg("port") = 7070, py::kw_only(), py::arg("cluster") = py::none(),
            py::arg("worker_name") = py::none(), py::arg("incarnation") = 0, py::arg("connect_timeout_ms") = 10000,
            py::arg("request_timeout_ms") = 300000, py::arg("max_frame_bytes") = uint64_t{1} << 30,
            py::arg("push_frame_bytes") = uint64_t{1} << 20, py::arg("pull_frame_bytes") = uint64_t{16} << 20,
-           py::arg("observer") = false, py::arg("auth_token") = py::none(), py::arg("tls") = false,
-           py::arg("tls_ca_file") = py::none(), py::arg("tls_cert_file") = py::none(),
+           py::arg("busy_poll_us") = int64_t{0}, py::arg("observer") = false, py::arg("auth_token") = py::none(),
+           py::arg("tls") = false, py::arg("tls_ca_file") = py::none(), py::arg("tls_cert_file") = py::none(),
            py::arg("tls_key_file") = py::none(), py::arg("tls_server_name") = py::none())
       .def_static(
           "from_environment", [] { return PyClient::Connect(Check(psclient::ClientOptionsFromEnvironment())); },
