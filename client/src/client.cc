@@ -508,16 +508,14 @@ class Client::Impl {
   // with several calls to one shard, `each` (called with each call's index once its reply, or its
   // failure, is in) reads it; with one call per shard the replies can be read after Run.
   Status Run(Calls& calls, const std::function<void(size_t)>& each = {}) {
+    // A shard whose earlier frame of this batch failed gets no more (its stream is reset).
+    std::vector<bool> failed(conns_.size(), false);
     for (auto& c : calls) {
-      // A shard whose earlier frame of this batch failed gets no more (its stream is reset).
-      bool broken = false;
-      for (auto& b : calls) {
-        if (b.get() == c.get()) break;
-        broken = broken || (b->shard == c->shard && !b->sent);
-      }
-      c->status = broken ? psd::Unavailable("an earlier frame to this shard failed")
-                         : FromShard(conn(c->shard).Send(c->frame, c->wait_ms), conn(c->shard), cluster());
+      const size_t k = static_cast<size_t>(c->shard);
+      c->status = failed[k] ? psd::Unavailable("an earlier frame to this shard failed")
+                            : FromShard(conn(c->shard).Send(c->frame, c->wait_ms), conn(c->shard), cluster());
       c->sent = c->status.ok();
+      failed[k] = failed[k] || !c->sent;
     }
     for (size_t i = 0; i < calls.size(); ++i) {
       auto& c = calls[i];
@@ -667,8 +665,6 @@ class Client::Impl {
     return Status::Ok();
   }
 
-  // Pulls (mu_ held): one request per shard holding a part; every shard must answer at the same
-  // step (a pull racing a commit is read again).
   // One frame of a pull: its shard, and the (name, view) pairs it fills (with `ranged`, flat
   // views of element ranges of the caller's views).
   struct PullFrame {
@@ -708,6 +704,17 @@ class Client::Impl {
     }
   }
 
+  // Where a reply that carries `outs` may land: the one value's host memory (a multiple of 8
+  // bytes; ReadFrameWith checks the alignment), else nowhere.
+  static psd::wire::Landing LandingFor(const Outs& outs) {
+    if (outs.size() != 1) return {};
+    const TensorView& only = outs[0].second;
+    if (only.memory != MemoryKind::kHost || only.bytes() % 8 != 0) return {};
+    return {only.data, only.bytes()};
+  }
+
+  // Pulls (mu_ held): one request per shard holding a part, or several for values bigger than a
+  // reply; every reply must be at the same step (a pull racing a commit is read again).
   Result<int64_t> PullLocked(const Outs& outs, bool averages) {
     if (outs.empty()) return psd::InvalidArgument("Pull needs at least one variable");
     for (int attempt = 0;; ++attempt) {
@@ -727,10 +734,7 @@ class Client::Impl {
         for (size_t i = 0; i < f.outs.size(); ++i) names.set(static_cast<unsigned>(i), f.outs[i].first);
         SetWantedDTypes(f.outs, pull.initDtypes(static_cast<unsigned>(f.outs.size())));
         if (!f.ranged) continue;
-        const TensorView& only = f.outs[0].second;
-        if (f.outs.size() == 1 && only.memory == MemoryKind::kHost && only.bytes() % 8 == 0) {
-          calls.back()->landing = {only.data, only.bytes()};  // ReadFrameWith checks the alignment
-        }
+        calls.back()->landing = LandingFor(f.outs);
         auto ranges = pull.initRanges(static_cast<unsigned>(f.outs.size()));
         for (size_t i = 0; i < f.outs.size(); ++i) {
           ranges[static_cast<unsigned>(i)].setOffset(f.offsets[i]);
@@ -1212,14 +1216,9 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   // pulled after it, in frames.
   bool pull_in_push = !cluster && pull_after && !pull_after->empty();
   if (pull_in_push) {
-    std::vector<uint64_t> bytes, elem;
-    for (const auto& o : *pull_after) {
-      bytes.push_back(o.second.bytes());
-      elem.push_back(psd::DTypeSize(o.second.dtype));
-    }
-    pull_in_push =
-        internal::PlanFrames(bytes, elem, {}, im.conn(chief).PullFrameLimit(), im.conn(chief).chunk_elements).size() ==
-        1;
+    std::vector<Impl::PullFrame> frames;
+    im.PlanPull(chief, *pull_after, &frames);
+    pull_in_push = !frames[0].ranged;
   }
   Impl::Calls calls;
 
@@ -1270,11 +1269,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
         auto names = p.initPullAfter(static_cast<unsigned>(pull_after->size()));
         for (size_t i = 0; i < pull_after->size(); ++i) names.set(static_cast<unsigned>(i), (*pull_after)[i].first);
         SetWantedDTypes(*pull_after, p.initPullAfterDtypes(static_cast<unsigned>(pull_after->size())));
-        // One value: the reply's tensor is its own segment, read straight into the caller's view.
-        const TensorView& only = (*pull_after)[0].second;
-        if (pull_after->size() == 1 && only.memory == MemoryKind::kHost && only.bytes() % 8 == 0) {
-          c.landing = {only.data, only.bytes()};
-        }
+        c.landing = Impl::LandingFor(*pull_after);  // one value: read straight into the caller's view
       }
       auto list = p.initGrads(static_cast<unsigned>(plan.dense.size() + plan.sparse.size()));
       slots_of_call.emplace_back();

@@ -98,14 +98,10 @@ void DenseAccumulator::AddRange(DType dtype, const void* src, int64_t begin, int
   const size_t n = static_cast<size_t>(end - begin);
   const size_t out_size = DTypeSize(dtype_);
   void* dst = static_cast<char*>(sum_->data()) + static_cast<size_t>(begin) * out_size;
-  if (dtype != dtype_) {  // a half gradient into float32: converted while it is added
-    if (first) {
-      ConvertElements(src, dtype, dst, dtype_, n);
-    } else {
-      AddConvertedInto(static_cast<float*>(dst), src, dtype, n);
-    }
-  } else if (first) {
-    std::memcpy(dst, src, n * out_size);
+  if (first) {
+    ConvertElements(src, dtype, dst, dtype_, n);  // a copy, or a half gradient converted to float32
+  } else if (dtype != dtype_) {
+    AddConvertedInto(static_cast<float*>(dst), src, dtype, n);
   } else {
     AddInto(dtype_, dst, src, static_cast<int64_t>(n));
   }
@@ -162,11 +158,7 @@ void DenseAccumulator::Add(DType dtype, const void* data, std::string_view repli
       MutexLock lock(&slots_mu_);
       slot = TakeFreeSlot();
     }
-    if (dtype != dtype_) {
-      ConvertElements(data, dtype, slot->data(), dtype_, static_cast<size_t>(num_elements_));
-    } else {
-      std::memcpy(slot->data(), data, bytes_);
-    }
+    ConvertElements(data, dtype, slot->data(), dtype_, static_cast<size_t>(num_elements_));
     MutexLock lock(&slots_mu_);
     slots_.push_back({std::string(replica), arrivals_++, std::move(slot), {}});
     return;
@@ -185,11 +177,7 @@ void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, i
     const int64_t p0 = offset / kPartElements, p1 = (offset + n + kPartElements - 1) / kPartElements;
     Buffer* slot = ChunkSlot(replica, p0, p1);  // this chunk's parts of it are this add's alone
     void* dst = static_cast<char*>(slot->data()) + static_cast<size_t>(offset) * DTypeSize(dtype_);
-    if (dtype != dtype_) {
-      ConvertElements(data, dtype, dst, dtype_, static_cast<size_t>(n));
-    } else {
-      std::memcpy(dst, data, static_cast<size_t>(n) * DTypeSize(dtype_));
-    }
+    ConvertElements(data, dtype, dst, dtype_, static_cast<size_t>(n));
     return;
   }
   const int64_t s0 = offset / kStripeElements, s1 = (offset + n - 1) / kStripeElements + 1;

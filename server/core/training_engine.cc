@@ -252,7 +252,7 @@ Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grad
 namespace {
 
 static_assert(TrainingEngine::kChunkElements == DenseAccumulator::kPartElements,
-              "a chunk's parts are the accumulator's stripes");
+              "a chunk aligns to the accumulator's parts");
 
 // A whole gradient, or the last chunk of one: what the accepted/stale counters count.
 bool CompletesGradient(const GradRef& g, const Shape& shape) {

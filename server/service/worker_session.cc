@@ -18,9 +18,8 @@ const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no row
 // Puts a value the engine handed out into a reply tensor as dtype `want`: referenced in place
 // (kept alive by the frame) when it already is, else converted — how half-precision variables
 // leave the daemon, and how a reader asks for another dtype. With `cache` (a published value of
-// `variable`), the conversion is shared by every reader of that value.
-// A value into a reply, converted to `want`; with `range`, only its elements [offset, offset +
-// count), as a flat [count] (checked by the caller).
+// `variable`), the conversion is shared by every reader of that value. With `range`, only its
+// elements [offset, offset + count), as a flat [count] (checked by the caller).
 void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared_ptr<const Buffer>& value, DType dtype,
               const Shape& shape, DType want, ConvertedValues* cache = nullptr, std::string_view variable = {},
               const ElementRange* range = nullptr) {
@@ -456,7 +455,6 @@ void WorkerSession::HandlePull(uint64_t id, proto::Pull::Reader r) {
       return SendError(id, InvalidArgument("the pull names " + std::to_string(names.size()) + " variables but " +
                                            std::to_string(r.getRanges().size()) + " element ranges"));
     }
-    if (names.empty()) return SendError(id, InvalidArgument("element ranges need the variables' names"));
     for (auto e : r.getRanges()) ranges.push_back({e.getOffset(), e.getCount()});
   }
   proto::Response::Builder resp(nullptr);

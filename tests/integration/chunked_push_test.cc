@@ -9,23 +9,19 @@
 #include "support/test_server.h"
 
 using namespace psd;
+using psd::testing::ConnectWith;
 using psd::testing::StartServer;
 using psd::testing::TestConfig;
+using psd::testing::WorkerOptions;
 
 namespace {
 
 std::unique_ptr<psclient::Client> Connect(uint16_t port, const std::string& name, uint64_t push_frame_bytes,
                                           uint64_t pull_frame_bytes = 16 << 20) {
-  psclient::ClientOptions o;
-  o.port = port;
-  o.worker_name = name;
-  o.connect_timeout_ms = 5000;
+  psclient::ClientOptions o = WorkerOptions(port, name);
   o.push_frame_bytes = push_frame_bytes;
   o.pull_frame_bytes = pull_frame_bytes;
-  auto c = psclient::Client::Connect(o);
-  INFO(c.status().ToString());
-  REQUIRE(c.ok());
-  return std::move(*c);
+  return ConnectWith(o);
 }
 
 // A gradient whose float sums depend on the order of the adds.
@@ -136,15 +132,11 @@ TEST_CASE("a value bigger than a reply frame is pulled in element ranges, conver
   auto cfg = TestConfig(1, 2);  // a second worker reads whole below
   cfg.optimizer.learning_rate = 1.0;
   auto server = StartServer(cfg);
-  psclient::ClientOptions o;
-  o.port = server->port();
-  o.worker_name = "w0";
-  o.connect_timeout_ms = 5000;
+  psclient::ClientOptions o = WorkerOptions(server->port(), "w0");
   o.max_frame_bytes = 100 << 10;  // smaller than the variable: only ranges can read it
   o.pull_frame_bytes = 48 << 10;
-  auto c = psclient::Client::Connect(o);
-  REQUIRE(c.ok());
-  psclient::Client& w0 = **c;
+  auto c = ConnectWith(o);
+  psclient::Client& w0 = *c;
   const int64_t n = static_cast<int64_t>(kW);
   REQUIRE(w0.CreateVariable("w", ConstTensorView{nullptr, DType::kFloat32, {1000, 100}}).ok());
   REQUIRE(w0.CreateVariable("b", ConstTensorView{nullptr, DType::kFloat32, {kB}}).ok());
@@ -175,10 +167,9 @@ TEST_CASE("a value bigger than a reply frame is pulled in element ranges, conver
   // pull_frame_bytes above max_frame_bytes: the replies still fit max_frame_bytes.
   o.pull_frame_bytes = 1ull << 30;
   o.worker_name = "w1";
-  auto other = psclient::Client::Connect(o);
-  REQUIRE(other.ok());
+  auto other = ConnectWith(o);
   std::fill(again.begin(), again.end(), 0.0f);
-  REQUIRE((*other)->Pull("w", TensorView{again.data(), DType::kFloat32, {1000, 100}}).ok());
+  REQUIRE(other->Pull("w", TensorView{again.data(), DType::kFloat32, {1000, 100}}).ok());
   CHECK(std::memcmp(again.data(), w.data(), kW * sizeof(float)) == 0);
 }
 

@@ -323,14 +323,9 @@ TEST_CASE("busy-poll on both sides: the same steps, and the daemon still stops",
   auto server = StartServer(cfg);
   std::vector<std::unique_ptr<psclient::Client>> workers;
   for (const char* name : {"w0", "w1"}) {
-    psclient::ClientOptions o;
-    o.port = server->port();
-    o.worker_name = name;
-    o.connect_timeout_ms = 5000;
+    psclient::ClientOptions o = psd::testing::WorkerOptions(server->port(), name);
     o.busy_poll_us = 500;
-    auto c = psclient::Client::Connect(o);
-    REQUIRE(c.ok());
-    workers.push_back(std::move(*c));
+    workers.push_back(psd::testing::ConnectWith(o));
   }
   float zero = 0;
   REQUIRE(workers[0]->CreateVariable("v", Scalar(zero)).ok());

@@ -14,6 +14,7 @@
 #include "daemon/server.h"
 #include "psclient/client.h"
 #include "psd/listen_socket.h"
+#include "support/test_server.h"
 
 namespace psd::testing {
 
@@ -62,10 +63,7 @@ inline std::unique_ptr<psclient::Client> ConnectCluster(const TestCluster& c, co
   o.cluster = c.addresses;
   o.worker_name = name;
   o.connect_timeout_ms = connect_timeout_ms;
-  auto client = psclient::Client::Connect(o);
-  INFO(client.status().ToString());
-  REQUIRE(client.ok());
-  return std::move(*client);
+  return ConnectWith(o);
 }
 
 }  // namespace psd::testing

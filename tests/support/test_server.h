@@ -31,15 +31,25 @@ inline std::unique_ptr<server::Server> StartServer(server::ServerConfig config) 
   return std::move(*s);
 }
 
-inline std::unique_ptr<psclient::Client> ConnectWorker(uint16_t port, const std::string& name) {
+// A worker's options for the daemon on 127.0.0.1:`port`; tests set more fields before ConnectWith.
+inline psclient::ClientOptions WorkerOptions(uint16_t port, const std::string& name) {
   psclient::ClientOptions o;
   o.port = port;
   o.worker_name = name;
   o.connect_timeout_ms = 5000;
+  return o;
+}
+
+// Connects; fails the test case (with the status) if it cannot.
+inline std::unique_ptr<psclient::Client> ConnectWith(const psclient::ClientOptions& o) {
   auto c = psclient::Client::Connect(o);
   INFO(c.status().ToString());
   REQUIRE(c.ok());
   return std::move(*c);
+}
+
+inline std::unique_ptr<psclient::Client> ConnectWorker(uint16_t port, const std::string& name) {
+  return ConnectWith(WorkerOptions(port, name));
 }
 
 }  // namespace psd::testing
