@@ -11,13 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "net/peer_auth.h"
 #include "config/server_config.h"
 #include "core/converted_values.h"
 #include "core/ssp_gate.h"
 #include "core/training_engine.h"
 #include "core/var_placement.h"
 #include "core/worker_registry.h"
+#include "net/peer_auth.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
 

@@ -8,8 +8,8 @@
 #include <deque>
 #include <thread>
 
-#include "net/peer_auth.h"
 #include "net/byte_stream.h"
+#include "net/peer_auth.h"
 #include "psd.capnp.h"
 #include "psd/cluster_list.h"
 #include "service/peer_codec.h"

@@ -2,7 +2,10 @@
 // Cap'n Proto request becomes calls on the training core, the worker registry and the cluster, and
 // their results become the reply. It never touches the socket: its Connection (net/connection.h)
 // reads and writes the frames, and the session tells it which role the hello admitted (worker,
-// observer, shard), which sets what the connection may send.
+// observer, shard), which sets what the connection may send. Its handlers live in
+// worker_session.cc (hello, variables, pushes, pulls, tokens, operators), session_peer.cc (a
+// shard link's hello and proof) and session_collectives.cc (reduce_to, update); how values are
+// put into replies is service/reply_values.h.
 //
 // Malformed input: a well-framed message that fails to decode or validate gets an error reply
 // and the connection stays usable; a peer message from anything but a proven shard link, or in
@@ -24,18 +27,13 @@
 #include "net/parked_reply.h"
 #include "net/peer_auth.h"
 #include "psd.capnp.h"
+#include "service/reply_values.h"
 #include "wire/asio.h"
 #include "wire/frame.h"
 
 namespace psd::server {
 
 class ServiceHost;
-
-// Elements [offset, offset + count) of a flattened value (Pull.ranges).
-struct ElementRange {
-  int64_t offset;
-  int64_t count;
-};
 
 class WorkerSession : public FrameHandler, public std::enable_shared_from_this<WorkerSession> {
  public:

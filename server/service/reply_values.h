@@ -1,0 +1,48 @@
+// How values leave the daemon in replies, and the dtypes a request may ask them in: shared by
+// the worker session's handlers (pulls, pushes with pull_after, collectives).
+#ifndef PSD_SERVER_SERVICE_REPLY_VALUES_H_
+#define PSD_SERVER_SERVICE_REPLY_VALUES_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/converted_values.h"
+#include "psd/status.h"
+#include "psd/tensor.h"
+#include "wire/frame.h"
+
+namespace psd::server {
+
+// Elements [offset, offset + count) of a flattened value (Pull.ranges).
+struct ElementRange {
+  int64_t offset;
+  int64_t count;
+};
+
+// Puts a value the engine handed out into a reply tensor as dtype `want`: referenced in place
+// (kept alive by the frame) when it already is, else converted — how half-precision variables
+// leave the daemon, and how a reader asks for another dtype. With `cache` (a published value of
+// `variable`), the conversion is shared by every reader of that value. With `range`, only its
+// elements [offset, offset + count), as a flat [count] (checked by the caller).
+void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared_ptr<const Buffer>& value, DType dtype,
+              const Shape& shape, DType want, ConvertedValues* cache = nullptr, std::string_view variable = {},
+              const ElementRange* range = nullptr);
+
+// The dtypes a request asks for, one per name (empty list: each variable's own). Errors name the
+// mismatch; an unknown dtype is INVALID_ARGUMENT.
+Result<std::vector<std::optional<DType>>> WantedDTypes(capnp::List<proto::DType>::Reader in, size_t names);
+
+// A float dtype a reader may ask a variable of `declared` to be delivered in.
+Status CheckWanted(const std::string& what, DType declared, DType want);
+
+// The dtype to deliver one value in: the request's (has/wire) when set and valid, else `declared`.
+Result<DType> WantedDType(bool has, proto::DType wire_dtype, const std::string& name, DType declared);
+
+}  // namespace psd::server
+
+#endif  // PSD_SERVER_SERVICE_REPLY_VALUES_H_

@@ -1,0 +1,131 @@
+// WorkerSession: the distribution-aware primitives' requests (reduce_to, update), parked until
+// their round completes or their deadline passes.
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+
+#include "service/reply_values.h"
+#include "service/service_host.h"
+#include "service/worker_session.h"
+
+namespace psd::server {
+
+void WorkerSession::ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply,
+                                std::function<void()> expire) {
+  timeout_ms = WaitMs(timeout_ms);
+  collectives_.insert(reply);  // not idle while it is parked
+  ParkedReply::ArmDeadline(reply, std::chrono::milliseconds(timeout_ms), std::move(expire));
+}
+
+void WorkerSession::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
+  auto engine = host_.engine();
+  std::vector<GradRef> values;
+  for (auto e : r.getEntries()) {
+    auto t = wire::ReadTensor(e.getValue(), host_.config().max_frame_bytes);
+    if (!t.ok()) return SendError(id, t.status());
+    auto name = e.getDestination();
+    values.push_back({std::string_view(name.cStr(), name.size()), t->dtype, std::move(t->shape), t->data, t->bytes});
+  }
+  if (values.empty()) return SendError(id, InvalidArgument("reduce_to needs at least one value"));
+  // The reply is built when every destination's round completed, or at the deadline; whichever
+  // comes first answers, on this connection's strand.
+  auto parked = std::make_shared<ParkedReply>(conn_->strand());
+  int64_t timeout_ms = WaitMs(r.getTimeoutMs());
+  auto self = shared_from_this();
+  auto completed = std::make_shared<std::atomic<bool>>(false);
+  // The engine keeps `reply` until the round completes: it must not hold the engine (a cycle that
+  // would keep an engine replaced by a restore, and this session, alive).
+  auto reply = [self, id, parked, completed](std::vector<ReduceOutcome> outcomes) {
+    completed->store(true);
+    asio::post(self->conn_->strand(), [self, id, parked, outcomes = std::move(outcomes)] {
+      if (!parked->Answer()) return;
+      proto::Response::Builder resp(nullptr);
+      auto frame = self->NewReply(id, &resp);
+      auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
+      for (size_t i = 0; i < outcomes.size(); ++i) {
+        const ReduceOutcome& o = outcomes[i];
+        auto e = list[static_cast<unsigned>(i)];
+        e.setAccepted(o.accepted);
+        e.setStep(o.step);
+        SetValue(*frame, e.initValue(), o.value, o.dtype, o.shape, o.declared);
+      }
+      self->Send(std::move(frame));
+    });
+  };
+  Status s = engine->Reduce(r.getOp() == proto::Reduction::MEAN, r.getLocalStep(), values, std::move(reply));
+  if (!s.ok()) {
+    parked->Answer();
+    return SendError(id, s);
+  }
+  if (completed->load()) return;  // answered already (the last contribution, or all stale)
+  ArmDeadline(timeout_ms, parked, [self, id, timeout_ms, engine] {
+    self->SendError(id,
+                    DeadlineExceeded("reduce_to: not every replica contributed within " + std::to_string(timeout_ms) +
+                                     " ms (a round needs " + std::to_string(engine->required_replicas()) +
+                                     "); this call's values still count"));
+  });
+}
+
+void WorkerSession::HandleUpdate(uint64_t id, proto::Update::Reader r) {
+  auto engine = host_.engine();
+  UpdateArgs a;
+  auto name = r.getVariable();
+  a.name = std::string_view(name.cStr(), name.size());
+  switch (r.getOp()) {
+    case proto::UpdateOp::ASSIGN:
+      a.op = UpdateOp::kAssign;
+      break;
+    case proto::UpdateOp::ASSIGN_ADD:
+      a.op = UpdateOp::kAssignAdd;
+      break;
+    case proto::UpdateOp::ASSIGN_SUB:
+      a.op = UpdateOp::kAssignSub;
+      break;
+    case proto::UpdateOp::SCALE:
+      a.op = UpdateOp::kScale;
+      break;
+    default:
+      return SendError(id, InvalidArgument("unknown update op"));
+  }
+  if (a.op != UpdateOp::kScale) {
+    auto t = wire::ReadTensor(r.getValue(), host_.config().max_frame_bytes);
+    if (!t.ok()) return SendError(id, t.status());
+    a.dtype = t->dtype;
+    a.shape = std::move(t->shape);
+    a.data = t->data;
+    a.bytes = t->bytes;
+  }
+  a.factor = r.getFactor();
+  a.cross_replica = r.getCrossReplica();
+  a.replica = r.getReplica();
+  a.local_step = r.getLocalStep();
+  a.at_next_step = r.getAtNextStep();
+  auto parked = std::make_shared<ParkedReply>(conn_->strand());
+  auto completed = std::make_shared<std::atomic<bool>>(false);
+  auto self = shared_from_this();
+  Status s = engine->Update(a, [self, id, parked, completed](const Status& st, bool applied, int64_t step) {
+    completed->store(true);
+    asio::post(self->conn_->strand(), [self, id, parked, st, applied, step] {
+      if (!parked->Answer()) return;
+      if (!st.ok()) return self->SendError(id, st);
+      proto::Response::Builder resp(nullptr);
+      auto frame = self->NewReply(id, &resp);
+      auto u = resp.initUpdate();
+      u.setApplied(applied);
+      u.setStep(step);
+      self->Send(std::move(frame));
+    });
+  });
+  if (!s.ok()) {
+    parked->Answer();
+    return SendError(id, s);
+  }
+  if (completed->load()) return;
+  int64_t timeout_ms = WaitMs(r.getTimeoutMs());
+  ArmDeadline(timeout_ms, parked, [self, id, timeout_ms] {
+    self->SendError(id, DeadlineExceeded("update: not every replica assigned within " + std::to_string(timeout_ms) +
+                                         " ms; this replica's share still counts"));
+  });
+}
+
+}  // namespace psd::server
