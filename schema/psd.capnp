@@ -379,9 +379,10 @@ struct PeerSeal {
 struct PeerControl {
   epoch @0 :UInt64;
   jobDone @1 :Bool;         # every worker finished: write the final part (if checkpointing), then exit if asked
-  snapshotStep @2 :Int64;   # with jobDone: the step of the final checkpoint (-1: none)
-  forceStep @3 :Int64;      # unused: always -1 (older shards read its default 0 as "force step 0"); the
-                            # step deadline is each shard's own (--step-deadline-ms)
+  snapshotStep @2 :Int64;   # the step of a checkpoint to write (-1: none): with jobDone the final one;
+                            # without it (async/ssp) this shard's part, snapshotted now
+  forceStep @3 :Int64;      # without jobDone (sync): force this step, the step deadline passed on some
+                            # shard (-1: none; always set, its default 0 would force step 0)
 }
 
 struct PeerMessage {

@@ -477,6 +477,14 @@ class Client::Impl {
   }
 
   bool cluster() const { return conns_.size() > 1; }
+  // Async/ssp on a cluster: shards apply pushes as they come, each at its own count; the chief's
+  // is the global step, and every push reaches it (coordinator.h on the daemon).
+  bool AppliesOnArrival() const {
+    if (!cluster()) return false;
+    const Conn& c = chief();
+    std::lock_guard<std::mutex> lock(c.hello_mu);
+    return c.config.mode == "async" || c.config.mode == "ssp";
+  }
   int shards() const { return static_cast<int>(conns_.size()); }
   Conn& conn(int i) { return *conns_[static_cast<size_t>(i)]; }
   Conn& chief() { return conn(chief_.load()); }
@@ -742,7 +750,9 @@ class Client::Impl {
         }
       }
       // Each reply is read into the caller's views as it arrives (its reader lasts until the next
-      // reply on its connection); replies at different steps are read again.
+      // reply on its connection); replies at different steps are read again. Async/ssp shards
+      // count their own steps: the pull is at the lowest.
+      const bool any_step = AppliesOnArrival();
       int64_t step = -1;
       uint64_t epoch = 0;
       bool agree = true;
@@ -754,10 +764,11 @@ class Client::Impl {
           if (i == 0) {
             step = p.getStep();
             epoch = p.getClusterEpoch();
-          } else if (p.getStep() != step || p.getClusterEpoch() != epoch) {
+          } else if (p.getClusterEpoch() != epoch || (p.getStep() != step && !any_step)) {
             agree = false;
             return;
           }
+          step = std::min(step, p.getStep());
           read = ReadValues(p, frames[i].outs).status();
         } catch (const kj::Exception& e) {
           read = Malformed(e);
@@ -1030,12 +1041,15 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
   }
   PSD_RETURN_IF_ERROR(im.Run(calls));
   int64_t step = -1;
+  const bool any_step = im.AppliesOnArrival();  // each shard at its own count: the lowest
   std::vector<uint8_t> host(row_bytes);
   try {
     for (size_t c = 0; c < calls.size(); ++c) {
       auto p = calls[c]->resp.getPull();
-      if (step >= 0 && p.getStep() != step) return psd::Unavailable("the shards answered at different steps; retry");
-      step = p.getStep();
+      if (step >= 0 && p.getStep() != step && !any_step) {
+        return psd::Unavailable("the shards answered at different steps; retry");
+      }
+      step = step >= 0 ? std::min(step, p.getStep()) : p.getStep();
       auto t = psd::wire::ReadTensor(p.getValues()[0], im.options_.max_frame_bytes);
       if (!t.ok()) return t.status();
       const auto& pos = positions[part_of_call[c]];
@@ -1221,6 +1235,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     pull_in_push = !frames[0].ranged;
   }
   Impl::Calls calls;
+  const bool counts_at_chief = im.AppliesOnArrival();
 
   // Non-chief shards first, the chief (with the token wait) last: its reply comes last.
   std::vector<int> order;
@@ -1230,17 +1245,34 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   order.push_back(chief);
   std::vector<std::vector<size_t>> slots_of_call;
   Impl::Call* token_call = nullptr;
+  bool token_only = false;  // token_call is a WaitToken, not a push
   for (int k : order) {
     auto& dense = dense_by[static_cast<size_t>(k)];
     auto& sp = sparse_by[static_cast<size_t>(k)];
     bool waits = wait_token && k == chief;
     if (dense.empty() && sp.empty()) {
+      if (counts_at_chief && k == chief) {
+        // The chief holds no part of these gradients but counts the step (async/ssp): a push
+        // with no gradient, which waits for the ssp barrier if asked.
+        proto::Request::Builder req(nullptr);
+        Impl::Call& c = im.Add(calls, k, &req, waits ? timeout_ms : 0);
+        auto p = req.initPush();
+        p.setLocalStep(local_step);
+        p.setWaitToken(waits);
+        p.setTimeoutMs(timeout_ms);
+        p.setClusterEpoch(im.cluster_epoch_.load());
+        p.initGrads(0);
+        if (waits) token_call = &c;
+        slots_of_call.emplace_back();
+        continue;
+      }
       if (!waits) continue;
       // The chief holds no part of these gradients: wait for the token on its own.
       proto::Request::Builder req(nullptr);
       Impl::Call& c = im.Add(calls, k, &req, timeout_ms);
       req.initWaitToken().setTimeoutMs(timeout_ms);
       token_call = &c;
+      token_only = true;
       slots_of_call.emplace_back();
       continue;
     }
@@ -1319,7 +1351,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   Status consumed;
   auto consume = [&](size_t c) -> Status {
     Impl::Call& call = *calls[c];
-    if (&call == token_call && !slots_of_call[c].size()) {
+    if (&call == token_call && token_only) {
       // A plain token wait: its failure is the token's outcome, not the push's.
       if (call.status.ok()) {
         auto t = call.resp.getToken();

@@ -141,10 +141,12 @@ void ClusterCoordinator::Tick() {
   std::vector<Action> actions;
   peer::Message hb;
   const bool writer_busy = host_.CheckpointWriterBusy();  // asked before locking (the host's lock)
+  const int64_t applied = options_.applies_on_arrival ? host_.global_step() : 0;
   {
     MutexLock lock(&mu_);
     if (stopped_) return;
     writer_busy_ = writer_busy;
+    applied_ = applied;
     TickLocked(&actions);
     hb = HeartbeatLocked();
   }
@@ -221,6 +223,7 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
     return;
   }
   if (running_) {
+    if (options_.applies_on_arrival) return ArrivalCheckpointLocked(applied_, actions);
     if (commit_in_flight_ >= 0 && now - commit_start_ > options_.commit_timeout) {
       DegradeLocked("step " + std::to_string(commit_in_flight_) + " did not commit on every shard", actions);
     }
@@ -237,6 +240,17 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
     if (i != me_ && !peers_[static_cast<size_t>(i)].ready) return;  // still scanning checkpoints
   }
   StartFormationLocked(actions);
+}
+
+void ClusterCoordinator::ArrivalCheckpointLocked(int64_t applied, std::vector<Action>* actions) {
+  if (options_.checkpoint_dir.empty() || epoch_ != term_ || applied <= arrival_checkpoint_) return;
+  const int64_t every = options_.checkpoint_every_steps;
+  bool due = checkpoint_next_ || (every > 0 && applied / every > std::max<int64_t>(arrival_checkpoint_, 0) / every);
+  if (!due || writer_busy_) return;  // a part still being written: the next tick orders it
+  checkpoint_next_ = false;
+  arrival_checkpoint_ = applied;
+  peer::Message msg = MessageLocked(peer::Control{epoch_, false, applied, -1});
+  actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
 }
 
 std::set<int64_t> ClusterCoordinator::CommonStepsLocked() const {
@@ -525,6 +539,12 @@ void ClusterCoordinator::HandlePrepared(int from, uint64_t term, const peer::Pre
                                         std::vector<Action>* actions) {
   if (chief_ != me_ || term != term_ || p.epoch != term_ || !(running_ || forming_)) return;
   votes_[p.step][from] = {p.takes, p.min_gradients, p.max_gradients, p.forced};
+  if (p.forced && running_ && p.step == open_step_ && forced_step_ < p.step) {
+    // The step deadline passed on `from`: every shard takes the step with what it has.
+    forced_step_ = p.step;
+    peer::Message msg = MessageLocked(peer::Control{epoch_, false, -1, p.step});
+    actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
+  }
   MaybeCommitLocked(actions);
 }
 
@@ -710,6 +730,7 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   if (static_cast<int>(restored_.size()) < shards_) return;
   forming_ = false;
   running_ = true;
+  arrival_checkpoint_ = formation_step_;  // async/ssp: no checkpoint of the step just restored
   missing_reason_.clear();
   decision_.reset();
   spdlog::info(
@@ -849,26 +870,55 @@ void ClusterCoordinator::SetLocalRequired(int required) {
 
 void ClusterCoordinator::OnJobDone() {
   peer::Message msg;
+  // Async/ssp: the final checkpoint is labelled with the chief's count (every push is in).
+  const int64_t applied = options_.applies_on_arrival ? host_.global_step() : 0;
   {
     MutexLock lock(&mu_);
     if (chief_ != me_ || job_done_) return;
     // The final checkpoint, unless the last commit already made one at this step.
+    int64_t step = options_.applies_on_arrival ? applied : open_step_;
     bool can = !options_.checkpoint_dir.empty() && running_ && commit_in_flight_ < 0 &&
-               (sealed_.empty() || sealed_.front() != open_step_);
-    msg = MessageLocked(peer::Control{epoch_, true, can ? open_step_ : -1});
+               (sealed_.empty() || sealed_.front() != step);
+    msg = MessageLocked(peer::Control{epoch_, true, can ? step : -1, -1});
   }
   SendToAll(msg, /*include_self=*/true);
 }
 
 void ClusterCoordinator::HandleControl(int from, uint64_t term, const peer::Control& c, std::vector<Action>* actions) {
   if (!AcceptChiefLocked(from, term, actions)) return;
+  if (!c.job_done) {
+    // An order for the engine of the chief's epoch (a stale one's is ignored).
+    if (c.epoch != epoch_ || job_done_) return;
+    uint64_t epoch = epoch_;
+    if (c.force_step >= 0) {
+      actions->push_back([this, epoch, step = c.force_step] { host_.ForceStep(epoch, step); });
+    } else if (c.snapshot_step >= 0 && options_.applies_on_arrival && !options_.checkpoint_dir.empty()) {
+      arrival_snapshot_ = c.snapshot_step;
+      actions->push_back([this, epoch, step = c.snapshot_step] {
+        Status s = host_.SnapshotAs(epoch, step);
+        if (!s.ok() && s.code() != Code::kAborted) spdlog::error("cluster: checkpoint step {}: {}", step, s.message());
+      });
+    }
+    return;
+  }
   // The job's end counts at any epoch: a shard that never joined the chief's epoch (the cluster
   // waits for an operator, say) ends with the others.
-  if (!c.job_done || job_done_) return;
+  if (job_done_) return;
   job_done_ = true;
   int64_t step = c.snapshot_step;
   final_step_ = step;
   spdlog::info("cluster: every worker finished{}", step >= 0 ? fmt::format("; final checkpoint at step {}", step) : "");
+  if (options_.applies_on_arrival && step >= 0 && step == arrival_snapshot_) {
+    // Async/ssp: the chief's count had not moved since its last order, whose part is written (or
+    // queued) already: that checkpoint is the final one; its seal ends the job.
+    bool sealed = std::find(sealed_.begin(), sealed_.end(), step) != sealed_.end();
+    awaiting_final_seal_ = !sealed;
+    actions->push_back([this, sealed] {
+      host_.EndTraining(-1);
+      if (sealed) host_.FinishJob();
+    });
+    return;
+  }
   actions->push_back([this, step] {
     if (!host_.EndTraining(step)) return host_.FinishJob();
     // The seal finishes the job (HandleSeal), or the tick gives up on it (FinalSealTickLocked).

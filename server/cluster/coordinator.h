@@ -37,6 +37,22 @@
 // at the same step. The commit record (epoch, term, step) is what a later hot-standby replica of
 // a shard would apply too.
 //
+// Soft sync (--step-deadline-ms): each shard's engine arms the deadline at its first gradient of
+// a step. The first shard whose deadline passes forces its part and says so in its vote; the chief
+// then orders that step forced on every shard (Control.force_step), so the cluster's deadline is
+// the earliest shard's: the step commits with the gradients each part had (TF's per-part counts;
+// a part nobody pushed stays as it is).
+//
+// Async and ssp (applies_on_arrival): there is no step commit. Every shard applies its parts of a
+// push on arrival and counts the pushes it applied; the global step is the chief's count, and
+// every worker's push reaches the chief (with no gradient if the chief holds none of it: the
+// client sends it so), so it counts each worker step once, as TF's global_step on ps0 did. The
+// staleness a shard reports is measured against its own count (equal to the chief's when every
+// push covers every shard). The ssp barrier is the chief's gate (token waits go to the chief).
+// Checkpoints are ordered by the chief (Control.snapshot_step = its count): each shard snapshots
+// its part as it is then, so a checkpoint is a cut, not a step boundary — as TF's async
+// checkpoints were. A restore sets every shard's count to the checkpoint's step.
+//
 // Checkpoints: parts are written by each shard to its own --checkpoint-dir; the chief collects
 // their sizes and checksums and sends the seal; every shard writes the same MANIFEST. A step is
 // restorable by a shard when its manifest verifies and its own part matches it. A chief does not
@@ -89,6 +105,7 @@ struct ClusterOptions {
   int keep_checkpoints = 3;
   uint64_t slice_bytes = 64ull << 20;  // placement: variables bigger than this are split by rows
   bool restore = true;                 // false (--no-restore): also allows state loss
+  bool applies_on_arrival = false;     // --mode async/ssp: no step commit; checkpoints by Control orders
   bool allow_state_loss = false;       // --allow-state-loss
   // Give-ups (the daemon's defaults; the fault simulation shortens them).
   std::chrono::milliseconds commit_timeout{30000};      // a commit not answered by every shard
@@ -182,6 +199,9 @@ class ClusterCoordinator : public PeerEvents {
 
   // Under mu_: runs the election and the chief's duties; appends what to do after unlocking.
   void TickLocked(std::vector<Action>* actions) REQUIRES(mu_);
+  // Async/ssp, the chief of a running cluster: orders a checkpoint labelled `applied` (its own
+  // global step) when one is asked for or --checkpoint-every-steps says so.
+  void ArrivalCheckpointLocked(int64_t applied, std::vector<Action>* actions) REQUIRES(mu_);
   bool AliveLocked(int shard, Clock::time_point now) const REQUIRES(mu_);
   std::vector<int> MissingLocked(Clock::time_point now) const REQUIRES(mu_);
   // A chief-only message: adopts a higher term; true if it comes from the current term's chief.
@@ -265,6 +285,7 @@ class ClusterCoordinator : public PeerEvents {
   uint64_t restore_epoch_ GUARDED_BY(mu_) = 0;          // the newest epoch a restore was ordered for
   uint64_t saved_term_ GUARDED_BY(mu_) = 0;             // the highest term handed to ShardHost::SaveTerm
   bool writer_busy_ GUARDED_BY(mu_) = false;            // the host's checkpoint writer, as of this tick
+  int64_t applied_ GUARDED_BY(mu_) = 0;                 // async/ssp: the host's global step, as of this tick
 
   // Chief state, guarded by mu_.
   bool running_ GUARDED_BY(mu_) = false;  // the cluster serves at epoch_
@@ -274,6 +295,9 @@ class ClusterCoordinator : public PeerEvents {
   std::set<int> restored_ GUARDED_BY(mu_);
   PlacementMap placement_ GUARDED_BY(mu_);
   int64_t open_step_ GUARDED_BY(mu_) = 0;
+  int64_t forced_step_ GUARDED_BY(mu_) = -1;         // sync: the last step the chief ordered forced
+  int64_t arrival_checkpoint_ GUARDED_BY(mu_) = -1;  // async/ssp: the last checkpoint step ordered
+  int64_t arrival_snapshot_ GUARDED_BY(mu_) = -1;    // async/ssp: the last one this shard snapshotted
   int64_t commit_in_flight_ GUARDED_BY(mu_) = -1;
   Clock::time_point commit_start_ GUARDED_BY(mu_){};
   std::set<int> committed_ GUARDED_BY(mu_);

@@ -101,11 +101,15 @@ struct Seal {
   bool operator==(const Seal&) const = default;
 };
 
-// From the chief: every worker finished.
+// From the chief: every worker finished (job_done), or one of the orders of a running cluster
+// (job_done false): force step `force_step` (sync, soft sync: the step deadline passed on some
+// shard), or snapshot this shard's part now as checkpoint `snapshot_step` (async/ssp, whose shards
+// apply pushes as they come and have no common step boundary).
 struct Control {
   uint64_t epoch = 0;
   bool job_done = false;
-  int64_t snapshot_step = -1;  // with job_done: the final checkpoint's step (-1: none)
+  int64_t snapshot_step = -1;  // the checkpoint's step (-1: none); with job_done, the final one
+  int64_t force_step = -1;     // without job_done: the step to force (-1: none)
   bool operator==(const Control&) const = default;
 };
 

@@ -40,6 +40,11 @@ class ShardHost {
   virtual void FailWaiters(const Status& why) = 0;
   // Reports this shard's part of the open step at once if it has nothing to train.
   virtual void ReportIfIdle() = 0;
+  // Sync with a step deadline: takes step `step` with the gradients that arrived, on the engine
+  // of `epoch` (nothing if it is at another step or epoch).
+  virtual void ForceStep(uint64_t epoch, int64_t step) = 0;
+  // Async/ssp: the pushes the engine serving now has applied (its global step).
+  virtual int64_t global_step() = 0;
 
   // --- restores ---
   // Replaces the engine with one for `epoch` restored from checkpoint `step` (-1: empty at step
@@ -54,6 +59,10 @@ class ShardHost {
   // Writes the manifest of checkpoint `step` from every shard's part (and remembers it as the
   // last checkpoint). Errors are logged by the caller; the step then stays unusable here.
   virtual Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) = 0;
+  // Async/ssp: snapshots the engine of `epoch` as it is now and queues it as this shard's part of
+  // checkpoint `step` (the chief's global step; the part written is reported to OnPartWritten).
+  // ABORTED: the engine serving now belongs to another epoch.
+  virtual Status SnapshotAs(uint64_t epoch, int64_t step) = 0;
   // True while a snapshot is queued or being written.
   virtual bool CheckpointWriterBusy() = 0;
   // The highest term this shard has saved (0: none). Epochs are terms, and workers tell epochs
@@ -63,8 +72,9 @@ class ShardHost {
   virtual void SaveTerm(uint64_t term) = 0;
 
   // --- the job ---
-  // Every worker finished: closes the token queue; if the engine is at `snapshot_step` (>= 0),
-  // queues that final snapshot and returns true (the seal or a timeout then finishes the job).
+  // Every worker finished: closes the token queue; if the engine is at `snapshot_step` (>= 0;
+  // async/ssp: whatever its own count, the part is labelled `snapshot_step`), queues that final
+  // snapshot and returns true (the seal or a timeout then finishes the job).
   virtual bool EndTraining(int64_t snapshot_step) = 0;
   // The job is over (stops the daemon if --exit-when-done).
   virtual void FinishJob() = 0;

@@ -320,8 +320,6 @@ Status ServerConfig::Validate() {
   }
   PSD_RETURN_IF_ERROR(psd::ValidateClusterList(cluster, "--cluster"));
   if (clustered()) {
-    if (mode != Mode::kSync) return InvalidArgument("a cluster of several shards runs --mode sync only (for now)");
-    if (step_deadline_ms > 0) return InvalidArgument("--step-deadline-ms is not supported with several shards yet");
     if (heartbeat_ms < 10 || election_timeout_ms < 3 * heartbeat_ms) {
       return InvalidArgument("--heartbeat-ms must be >= 10 and --election-timeout-ms >= 3 x --heartbeat-ms");
     }

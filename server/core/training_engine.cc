@@ -246,7 +246,15 @@ Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grad
     if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
     use = &mixed;
   }
-  return PushConverted(local_step, *use, targets, out, replica, more);
+  PSD_RETURN_IF_ERROR(PushConverted(local_step, *use, targets, out, replica, more));
+  // Async/ssp on one daemon: a push that claims a multiple of --checkpoint-every-steps snapshots
+  // (a cluster's chief orders its shards' snapshots instead, coordinator.h).
+  const int64_t every = config_.checkpoint_every_steps;
+  if (config_.mode != Mode::kSync && !more && every > 0 && on_snapshot_ && !out->empty() &&
+      commit_->commits_locally() && ((*out)[0].step + 1) % every == 0) {
+    RequestSnapshot();
+  }
+  return Status::Ok();
 }
 
 namespace {

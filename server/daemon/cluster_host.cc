@@ -54,6 +54,13 @@ void ServerShardHost::FailWaiters(const Status& why) { server_.engine()->tokens(
 
 void ServerShardHost::ReportIfIdle() { server_.engine()->ReportIfIdle(); }
 
+void ServerShardHost::ForceStep(uint64_t epoch, int64_t step) {
+  auto engine = server_.engine();
+  if (engine->epoch() == epoch) engine->ForceStep(step);
+}
+
+int64_t ServerShardHost::global_step() { return server_.engine()->global_step(); }
+
 void ServerShardHost::RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) {
   MutexLock lock(&mu_);
   // A previous restore still loading finishes first (its result is for an older epoch).
@@ -76,6 +83,16 @@ Status ServerShardHost::SealCheckpoint(int64_t step, const std::vector<peer::Par
   for (const peer::PartInfo& p : parts) manifest.push_back({p.shard, p.file, p.bytes, p.checksum});
   PSD_RETURN_IF_ERROR(WriteManifest(config.checkpoint_dir, step, config.shards(), manifest));
   server_.set_last_checkpoint_step(step);
+  return Status::Ok();
+}
+
+Status ServerShardHost::SnapshotAs(uint64_t epoch, int64_t step) {
+  auto engine = server_.engine();
+  if (engine->epoch() != epoch) return Aborted("the engine belongs to epoch " + std::to_string(engine->epoch()));
+  std::optional<ShardSnapshot> snap = engine->SnapshotIfAtBoundary();  // async/ssp: always a snapshot
+  if (!snap) return FailedPrecondition("no snapshot between steps");
+  snap->step = step;
+  server_.QueueSnapshot(std::move(*snap));
   return Status::Ok();
 }
 
@@ -117,7 +134,10 @@ bool ServerShardHost::EndTraining(int64_t snapshot_step) {
   engine->tokens().Close(OutOfRange("training is over: all workers finished"));
   std::optional<ShardSnapshot> snap;
   if (snapshot_step >= 0) snap = engine->SnapshotIfAtBoundary();
-  if (!snap || snap->step != snapshot_step) return false;
+  if (!snap) return false;
+  // Async/ssp: each shard counts the pushes it applied; the checkpoint is the chief's step.
+  if (server_.config().mode != Mode::kSync) snap->step = snapshot_step;
+  if (snap->step != snapshot_step) return false;
   server_.QueueSnapshot(std::move(*snap));
   return true;
 }

@@ -139,6 +139,7 @@ Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
     options.slice_bytes = config_.slice_bytes;
     options.restore = config_.restore;
     options.allow_state_loss = config_.allow_state_loss;
+    options.applies_on_arrival = config_.mode != Mode::kSync;
     coordinator_ = std::make_unique<ClusterCoordinator>(
         std::move(options), *cluster_host_, *peer_network_, &std::chrono::steady_clock::now,
         [this] { asio::post(cluster_strand_, [this] { coordinator_->Tick(); }); });

@@ -164,8 +164,7 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
     }
     case proto::PeerMessage::CONTROL: {
       auto c = r.getControl();
-      // `forceStep` (@3) is not read: the step deadline is each shard's own.
-      m.body = peer::Control{c.getEpoch(), c.getJobDone(), c.getSnapshotStep()};
+      m.body = peer::Control{c.getEpoch(), c.getJobDone(), c.getSnapshotStep(), c.getForceStep()};
       return m;
     }
     case proto::PeerMessage::CHECKPOINT_REQUEST:
@@ -238,7 +237,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           c.setEpoch(body.epoch);
           c.setJobDone(body.job_done);
           c.setSnapshotStep(body.snapshot_step);
-          c.setForceStep(-1);  // unused; its default 0 would make an older shard force step 0
+          c.setForceStep(body.force_step);  // never the default 0 by accident: "force step 0"
         } else {
           b.setCheckpointRequest();
         }

@@ -321,9 +321,17 @@ void WorkerSession::HandlePull(uint64_t id, proto::Pull::Reader r) {
 
 void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   auto grads_in = r.getGrads();
-  if (grads_in.size() == 0) return SendError(id, InvalidArgument("Must supply at least one variable"));
+  ClusterCoordinator* const cluster = host_.coordinator();
+  // Async/ssp on a cluster, a worker's push reaches the chief even with nothing for it: it
+  // counts the worker's step there (the cluster's global step, coordinator.h).
+  const bool counts_only = cluster != nullptr && host_.config().mode != Mode::kSync && !r.getMore();
+  if (grads_in.size() == 0 && !counts_only) return SendError(id, InvalidArgument("Must supply at least one variable"));
+  if (grads_in.size() == 0 && !cluster->is_chief()) {
+    return SendError(
+        id, Unavailable("the global step lives on the chief shard " + std::to_string(cluster->chief()) + "; retry"));
+  }
   auto engine = host_.engine();
-  if (ClusterCoordinator* c = host_.coordinator()) {
+  if (ClusterCoordinator* c = cluster) {
     uint64_t epoch = r.getClusterEpoch();
     if (epoch != 0 && epoch != engine->epoch()) {
       return SendError(id, Aborted("gradients computed at cluster epoch " + std::to_string(epoch) +

@@ -83,3 +83,27 @@ TEST_CASE("a checkpoint request without a checkpoint directory is refused", "[ch
   CHECK(c->RequestCheckpoint().code() == Code::kFailedPrecondition);
   CHECK(c->GetStatus()->last_checkpoint_step == -1);
 }
+
+TEST_CASE("async on one daemon: --checkpoint-every-steps checkpoints while training goes on", "[checkpoint]") {
+  char tmpl[] = "/tmp/psd-async-every-XXXXXX";
+  std::string dir = mkdtemp(tmpl);
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.mode = server::Mode::kAsync;
+  cfg.checkpoint_dir = dir;
+  cfg.checkpoint_every_steps = 2;
+  auto server = StartServer(cfg);
+  auto c = ConnectWorker(server->port(), "w");
+  std::vector<float> init{1, 2, 3}, g{0.5f, -1.f, 2.f};
+  REQUIRE(c->CreateVariable("w", {init.data(), DType::kFloat32, {3}, MemoryKind::kHost}).ok());
+  for (int i = 0; i < 5; ++i) {
+    REQUIRE(c->Push(i, {{"w", {g.data(), DType::kFloat32, {3}, MemoryKind::kHost}}}, false, 2000).ok());
+  }
+  // Pushes 2 and 4 snapshotted (one worker: nothing else moved the step meanwhile); push 5 did not.
+  for (int i = 0; i < 500 && c->GetStatus()->last_checkpoint_step != 4; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(c->GetStatus()->last_checkpoint_step == 4);
+  CHECK(std::filesystem::exists(dir + "/ckpt-00000000000000000002"));
+  CHECK(!std::filesystem::exists(dir + "/ckpt-00000000000000000005"));
+  std::filesystem::remove_all(dir);
+}

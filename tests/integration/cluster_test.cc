@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <chrono>
+#include <filesystem>
 #include <thread>
 
 #include "support/test_cluster.h"
@@ -81,46 +83,52 @@ void RequireNear(const std::vector<float>& a, const std::vector<float>& b, const
 
 }  // namespace
 
-TEST_CASE("a 3-shard cluster trains sliced variables exactly like one daemon", "[cluster]") {
-  auto cfg = TestConfig(1, 1, 0);  // no init token: every push completes a step
-  cfg.optimizer.name = "momentum";
-  cfg.optimizer.learning_rate = 0.5;
-  cfg.slice_bytes = 4096;
-  Observed single, sharded;
-  {
-    auto server = StartServer(cfg);
-    auto c = ConnectWorker(server->port(), "w0");
-    single = Train(*c);
-  }
-  auto cluster = StartCluster(cfg, 3);
-  auto c = ConnectCluster(cluster, "w0");
-  CHECK(c->shards() == 3);
-  sharded = Train(*c);
-  CHECK(single.step == 3);
-  CHECK(sharded.step == 3);
-  RequireNear(single.w, sharded.w, "w");
-  RequireNear(single.emb, sharded.emb, "emb");
-  RequireNear(single.b, sharded.b, "b");
-  RequireNear(single.rows, sharded.rows, "rows of w");
-  RequireNear(single.emb_rows, sharded.emb_rows, "rows of emb");
-  RequireNear(single.momentum, sharded.momentum, "momentum of w");
+TEST_CASE("a 3-shard cluster trains sliced variables exactly like one daemon, in every mode", "[cluster]") {
+  // Async/ssp: one push = one global step; every shard holds a part of every push here, so each
+  // counted 3, as the chief did.
+  for (auto mode : {server::Mode::kSync, server::Mode::kAsync, server::Mode::kSsp}) {
+    INFO(server::ModeName(mode));
+    auto cfg = TestConfig(1, 1, 0);  // no init token: every push completes a step
+    cfg.optimizer.name = "momentum";
+    cfg.optimizer.learning_rate = 0.5;
+    cfg.slice_bytes = 4096;
+    cfg.mode = mode;
+    Observed single, sharded;
+    {
+      auto server = StartServer(cfg);
+      auto c = ConnectWorker(server->port(), "w0");
+      single = Train(*c);
+    }
+    auto cluster = StartCluster(cfg, 3);
+    auto c = ConnectCluster(cluster, "w0");
+    CHECK(c->shards() == 3);
+    sharded = Train(*c);
+    CHECK(single.step == 3);
+    CHECK(sharded.step == 3);
+    RequireNear(single.w, sharded.w, "w");
+    RequireNear(single.emb, sharded.emb, "emb");
+    RequireNear(single.b, sharded.b, "b");
+    RequireNear(single.rows, sharded.rows, "rows of w");
+    RequireNear(single.emb_rows, sharded.emb_rows, "rows of emb");
+    RequireNear(single.momentum, sharded.momentum, "momentum of w");
 
-  // The placement behind it: 12000 and 10240 bytes over 4096-byte slices: three slices each.
-  auto w = c->Placement("w");
-  REQUIRE(w.ok());
-  CHECK(w->sliced);
-  REQUIRE(w->parts.size() == 3);
-  CHECK(w->parts[0].row_end - w->parts[0].row_begin == 34);
-  auto map = c->GetPlacementMap();
-  REQUIRE(map.ok());
-  REQUIRE(map->shard_bytes.size() == 3);
-  CHECK(map->shard_bytes[0] + map->shard_bytes[1] + map->shard_bytes[2] == 12000 + 10240 + 20);
-  auto status = c->GetStatus();
-  REQUIRE(status.ok());
-  CHECK(status->shards == 3);
-  CHECK(status->cluster_state == "running");
-  CHECK(status->missing_shards.empty());
-  CHECK(status->global_step == 3);
+    // The placement behind it: 12000 and 10240 bytes over 4096-byte slices: three slices each.
+    auto w = c->Placement("w");
+    REQUIRE(w.ok());
+    CHECK(w->sliced);
+    REQUIRE(w->parts.size() == 3);
+    CHECK(w->parts[0].row_end - w->parts[0].row_begin == 34);
+    auto map = c->GetPlacementMap();
+    REQUIRE(map.ok());
+    REQUIRE(map->shard_bytes.size() == 3);
+    CHECK(map->shard_bytes[0] + map->shard_bytes[1] + map->shard_bytes[2] == 12000 + 10240 + 20);
+    auto status = c->GetStatus();
+    REQUIRE(status.ok());
+    CHECK(status->shards == 3);
+    CHECK(status->cluster_state == "running");
+    CHECK(status->missing_shards.empty());
+    CHECK(status->global_step == 3);
+  }
 }
 
 TEST_CASE("a cluster whose shards are IPv6 addresses ([::1]:port) forms and trains", "[cluster]") {
@@ -175,4 +183,155 @@ TEST_CASE("colocate_with is honoured across 3 shards", "[cluster]") {
   CHECK(c->CreateVariable("orphan", View(zeros, {1}), missing).status().code() == Code::kNotFound);
   // Another definition under an existing name is refused by the placement, before any shard.
   CHECK(c->CreateVariable("x", View(zeros, {5})).status().code() == Code::kAlreadyExists);
+}
+
+// --- every consistency mode on a cluster ---------------------------------------------------------
+
+namespace {
+
+// A small variable (4 floats) of `c` placed on a shard other than the chief; "" if none is.
+std::string OffChief(psclient::Client& c, int count) {
+  std::vector<float> zeros(4, 1.f);
+  std::string found;
+  for (int i = 0; i < count; ++i) {
+    std::string name = "small" + std::to_string(i);
+    REQUIRE(c.CreateVariable(name, View(zeros, {4})).ok());
+    auto p = c.Placement(name);
+    REQUIRE(p.ok());
+    if (found.empty() && p->parts[0].shard != c.chief_shard()) found = name;
+  }
+  return found;
+}
+
+}  // namespace
+
+TEST_CASE("async on a cluster: a push with no part on the chief still counts one global step there", "[cluster]") {
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.mode = server::Mode::kAsync;
+  cfg.optimizer.learning_rate = 0.5;
+  auto cluster = StartCluster(cfg, 3);
+  auto c = ConnectCluster(cluster, "w0");
+  std::string name = OffChief(*c, 6);
+  REQUIRE(!name.empty());
+  std::vector<float> g{1, 2, 3, 4};
+  int64_t local = 0;
+  for (int i = 0; i < 4; ++i) {
+    auto out = c->Push(local, {{name, View(g, {4})}}, true, 5000);
+    REQUIRE(out.ok());
+    REQUIRE(out->token_status.ok());
+    CHECK(out->token == i + 1);  // the chief's count, after this push
+    local = out->token;
+  }
+  auto step = c->GlobalStep();
+  REQUIRE(step.ok());
+  CHECK(*step == 4);
+  std::vector<float> v(4);
+  auto pulled = c->Pull(name, Out(v, {4}));
+  REQUIRE(pulled.ok());
+  CHECK(*pulled == 4);  // the variable's shard counted the same 4 pushes
+  for (int i = 0; i < 4; ++i) CHECK(v[static_cast<size_t>(i)] == Approx(1.f - 4 * 0.5f * g[static_cast<size_t>(i)]));
+}
+
+TEST_CASE("ssp on a cluster: the chief's gate holds a worker more than the bound ahead", "[cluster]") {
+  auto cfg = TestConfig(1, 2, 0);
+  cfg.mode = server::Mode::kSsp;
+  cfg.staleness_bound = 1;
+  auto cluster = StartCluster(cfg, 3);
+  auto fast = ConnectCluster(cluster, "fast");
+  auto slow = ConnectCluster(cluster, "slow");
+  std::string name = OffChief(*fast, 6);  // the fast worker's pushes reach the chief with no gradient
+  REQUIRE(!name.empty());
+  std::vector<float> g{1, 1, 1, 1};
+  auto push = [&](psclient::Client& c, int64_t timeout_ms) {
+    auto out = c.Push(0, {{name, View(g, {4})}}, true, timeout_ms);
+    REQUIRE(out.ok());
+    return out->token_status;
+  };
+  CHECK(push(*fast, 5000).ok());                              // clock 1, the slowest at 0
+  CHECK(push(*fast, 300).code() == Code::kDeadlineExceeded);  // clock 2: two ahead of "slow"
+  CHECK(push(*slow, 5000).ok());                              // "slow" at 1: "fast" is within the bound
+  CHECK(push(*fast, 5000).ok());
+}
+
+TEST_CASE("soft sync on a cluster: a step deadline on one shard forces the step on every shard", "[cluster]") {
+  auto cfg = TestConfig(2, 2, 0);
+  cfg.step_deadline_ms = 200;
+  cfg.optimizer.learning_rate = 0.5;
+  auto cluster = StartCluster(cfg, 3);
+  auto c = ConnectCluster(cluster, "w0");
+  auto idle = ConnectCluster(cluster, "w1");  // connected, never pushes: no step gets 2 gradients
+  std::string name = OffChief(*c, 6);
+  REQUIRE(!name.empty());
+  // Only `name`'s shard sees a gradient: the other shards' parts commit only because the chief
+  // orders the step forced there when that shard's deadline passes.
+  std::vector<float> g{1, 2, 3, 4};
+  auto out = c->Push(0, {{name, View(g, {4})}}, true, 10000);
+  REQUIRE(out.ok());
+  REQUIRE(out->token_status.ok());
+  CHECK(out->token == 1);
+  std::vector<float> v(4), other(4);
+  auto pulled = c->Pull({{name, Out(v, {4})}, {"small0", Out(other, {4})}});
+  REQUIRE(pulled.ok());
+  CHECK(*pulled == 1);
+  for (int i = 0; i < 4; ++i) CHECK(v[static_cast<size_t>(i)] == Approx(1.f - 0.5f * g[static_cast<size_t>(i)]));
+  if (name != "small0") CHECK(other == std::vector<float>(4, 1.f));  // nobody pushed it: it stays
+  for (int k = 0; k < 3; ++k) {
+    auto st = c->GetShardStatus(k);
+    REQUIRE(st.ok());
+    CHECK(st->global_step == 1);
+  }
+}
+
+TEST_CASE("async on a cluster: checkpoints are ordered by the chief and restored on every shard", "[cluster]") {
+  char tmpl[] = "/tmp/psd-async-cluster-XXXXXX";
+  std::string dir = mkdtemp(tmpl);
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.mode = server::Mode::kAsync;
+  cfg.optimizer.name = "momentum";
+  cfg.optimizer.learning_rate = 0.5;
+  cfg.slice_bytes = 4096;
+  cfg.checkpoint_dir = dir;
+  cfg.checkpoint_every_steps = 2;
+  std::vector<float> w(100 * 30), momentum(100 * 30);
+  {
+    auto cluster = StartCluster(cfg, 3);
+    auto c = ConnectCluster(cluster, "w0");
+    std::vector<float> w0 = Ramp(100 * 30, 1);
+    REQUIRE(c->CreateVariable("w", View(w0, {100, 30})).ok());  // three slices, one per shard
+    int64_t local = 0;
+    for (int i = 0; i < 4; ++i) {
+      std::vector<float> g = Ramp(100 * 30, 0.1f * static_cast<float>(i + 1));
+      auto out = c->Push(local, {{"w", View(g, {100, 30})}}, true, 5000);
+      REQUIRE(out.ok());
+      local = out->token;
+    }
+    REQUIRE(c->Pull("w", Out(w, {100, 30})).ok());
+    REQUIRE(c->GetSlot("w", "momentum", Out(momentum, {100, 30})).ok());
+    // The count stays at 4 now: the chief orders checkpoint 4 (every 2 steps) and every shard
+    // seals it.
+    bool sealed = false;
+    for (int i = 0; i < 200 && !sealed; ++i) {
+      sealed = true;
+      for (int k = 0; k < 3; ++k) {
+        auto st = c->GetShardStatus(k);
+        REQUIRE(st.ok());
+        sealed = sealed && st->last_checkpoint_step == 4;
+      }
+      if (!sealed) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    REQUIRE(sealed);
+  }
+  auto cluster = StartCluster(cfg, 3);  // the same checkpoint directories, new ports
+  auto c = ConnectCluster(cluster, "w0");
+  auto step = c->GlobalStep();
+  REQUIRE(step.ok());
+  CHECK(*step == 4);
+  std::vector<float> w_after(100 * 30), m_after(100 * 30);
+  auto pulled = c->Pull("w", Out(w_after, {100, 30}));
+  REQUIRE(pulled.ok());
+  CHECK(*pulled == 4);
+  REQUIRE(c->GetSlot("w", "momentum", Out(m_after, {100, 30})).ok());
+  CHECK(w_after == w);
+  CHECK(m_after == momentum);
+  std::filesystem::remove_all(dir);
 }

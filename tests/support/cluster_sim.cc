@@ -253,6 +253,19 @@ class FakeHost : public ShardHost {
   void SetRequired(int) override {}
   void FailWaiters(const Status&) override {}
   void ReportIfIdle() override {}
+  // The simulated cluster runs sync without a step deadline: no shard ever votes a forced step,
+  // so no chief may order one, and no async order (a snapshot between steps) may come either.
+  void ForceStep(uint64_t epoch, int64_t step) override {
+    sim_.Fail(fmt::format("shard {} was ordered to force step {} (epoch {}) with no step deadline", me_, step, epoch));
+  }
+  int64_t global_step() override {
+    sim_.Fail(fmt::format("shard {}: a sync coordinator asked for the async global step", me_));
+    return sh().engine.step;
+  }
+  Status SnapshotAs(uint64_t epoch, int64_t step) override {
+    sim_.Fail(fmt::format("shard {} was ordered an async snapshot at step {} (epoch {})", me_, step, epoch));
+    return Aborted("sync");
+  }
 
   void RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) override {
     Shard& s = sh();

@@ -25,7 +25,7 @@ struct TestCluster {
 
 // Starts `shards` shards of `cfg` (its cluster, shard_index, host, port and listen_fd are set
 // here) listening on `ip` (an IPv6 one is listed as [ip]:port); fails the test case if one does
-// not start.
+// not start. A --checkpoint-dir is each shard's own, as on separate hosts: cfg's + "/shard<k>".
 inline TestCluster StartTestCluster(server::ServerConfig cfg, int shards, const std::string& ip = "127.0.0.1") {
   TestCluster c;
   std::vector<int> sockets;
@@ -44,6 +44,7 @@ inline TestCluster StartTestCluster(server::ServerConfig cfg, int shards, const 
     shard.host = bound[static_cast<size_t>(k)].ip;  // as psd's main() does for its --cluster entry
     shard.port = bound[static_cast<size_t>(k)].port;
     shard.listen_fd = sockets[static_cast<size_t>(k)];  // the Server owns it from Start() on
+    if (!cfg.checkpoint_dir.empty()) shard.checkpoint_dir = cfg.checkpoint_dir + "/shard" + std::to_string(k);
     auto s = server::Server::Create(shard);
     if (!s.ok()) ::close(shard.listen_fd);
     INFO(s.status().ToString());
