@@ -1,6 +1,16 @@
 # Helpers shared by the e2e tests (sourced; the caller sets $run, its log directory, and lists the
 # processes it started in the array $pids).
 
+# The usual start of a test: $run (a fresh log directory), $pids (the processes it starts) and an
+# EXIT trap that kills -9 each of them and the process under it (a psd under `timeout`), then
+# removes $run.
+begin_e2e() {
+  run=$(mktemp -d)
+  pids=()
+  trap 'for p in "${pids[@]}"; do kill -9 $(pgrep -P "$p") "$p" 2>/dev/null || true; done; rm -rf "$run"' EXIT
+}
+real_pid() { pgrep -P "$1"; }  # the psd under `timeout` (its only child)
+
 # Ends the test's own processes (by PID) and removes $run: the EXIT trap.
 stop_all() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -36,6 +46,11 @@ reserve_ports() {
   /usr/bin/python3 "$listen_py" reserve "$1" "$2" &
   pids+=($!)
   wait_for "$2" . 10 || fail "could not reserve $1 port(s) on 127.0.0.1"
+}
+# Reserves $1 ports as above and sets $cluster to their list (the test's cluster, for its whole run).
+reserve_cluster() {
+  reserve_ports "$1" "$run/ports"
+  cluster=$(cat "$run/ports")
 }
 # `"${serve_on[@]}" PORT -- CMD...` runs CMD (exec: the same PID, so `timeout S "${serve_on[@]}" ...`
 # has CMD as its child) with a socket listening on the reserved 127.0.0.1:PORT as its

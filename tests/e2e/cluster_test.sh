@@ -9,18 +9,14 @@
 #  4. corrupt the newest checkpoint: a restarted cluster restores the previous one.
 set -euo pipefail
 psd=$1 worker=$2
-run=$(mktemp -d)
-pids=()
-trap 'for p in "${pids[@]}"; do kill -9 $(pgrep -P "$p") "$p" 2>/dev/null || true; done; rm -rf "$run"' EXIT
 source "$(dirname "$0")/cluster_lib.sh"
+begin_e2e
 
 # The 3 shards' ports, the test's until it ends: every cluster below (and every restarted shard)
 # serves on them, each shard on a socket bound for it (serve_on, --listen-fd).
-reserve_ports 3 "$run/ports"
-cluster=$(cat "$run/ports")
+reserve_cluster 3
 # Milliseconds since the epoch of a psd log line's timestamp.
 log_ms() { date -d "$(echo "$1" | cut -c 1-23)" +%s%3N; }
-real_pid() { pgrep -P "$1"; }  # the psd under `timeout`
 
 # --- 1. 3 shards give the parameters of 1 shard -------------------------------------------------
 train() {  # $1: shards, $2: tag

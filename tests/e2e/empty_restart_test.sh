@@ -8,11 +8,8 @@
 #     once they are counted as gone (--worker-grace-s).
 set -euo pipefail
 psd=$1 worker=$2
-run=$(mktemp -d)
-pids=()
-trap 'for p in "${pids[@]}"; do kill -9 $(pgrep -P "$p") "$p" 2>/dev/null || true; done; rm -rf "$run"' EXIT
 source "$(dirname "$0")/cluster_lib.sh"
-real_pid() { pgrep -P "$1"; }  # the psd under `timeout`
+begin_e2e
 ckpt="$run/ckpt"
 flags=(-R 2 -B 1 --init-tokens 0 --learning-rate 0.5 --checkpoint-dir "$ckpt" --checkpoint-every-steps 10 --exit-when-done
   --summary-interval-s 0)

@@ -5,13 +5,10 @@
 # and soft sync, whose step deadline must have forced steps there.
 set -euo pipefail
 psd=$1 worker=$2
-run=$(mktemp -d)
-pids=()
-trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$run"' EXIT
 source "$(dirname "$0")/cluster_lib.sh"
+begin_e2e
 
-reserve_ports 3 "$run/ports"
-cluster=$(cat "$run/ports")
+reserve_cluster 3
 
 train() {  # name, shards (1 or 3), psd flags...
   local name=$1 shards=$2; shift 2

@@ -5,14 +5,11 @@
 #  2. restarted with the right secret, it joins, the cluster forms and a worker trains to the end.
 set -euo pipefail
 psd=$1 worker=$2
-run=$(mktemp -d)
-pids=()
-trap 'for p in "${pids[@]}"; do kill -9 $(pgrep -P "$p") "$p" 2>/dev/null || true; done; rm -rf "$run"' EXIT
 source "$(dirname "$0")/cluster_lib.sh"
+begin_e2e
 
 # Two ports of this test's own (tests/e2e/listen.py): a restarted shard serves on its port again.
-reserve_ports 2 "$run/ports"
-cluster=$(cat "$run/ports")
+reserve_cluster 2
 (umask 077 && od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > "$run/secret" &&
   od -An -N32 -tx1 /dev/urandom | tr -d ' \n' > "$run/other")
 common=(--cluster "$cluster" -R 1 -N 1 --init-tokens 0 --exit-when-done --summary-interval-s 0 --heartbeat-ms 50

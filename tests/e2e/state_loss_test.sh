@@ -14,16 +14,12 @@
 #     ends (--exit-when-done).
 set -euo pipefail
 psd=$1 worker=$2 admin=$3
-run=$(mktemp -d)
-pids=()
-trap 'for p in "${pids[@]}"; do kill -9 $(pgrep -P "$p") "$p" 2>/dev/null || true; done; rm -rf "$run"' EXIT
 source "$(dirname "$0")/cluster_lib.sh"
-real_pid() { pgrep -P "$1"; }  # the psd under `timeout`
+begin_e2e
 
 declare -A shard_pid
 # Owned ports (tests/e2e/listen.py): every (re)started shard serves on its reserved port.
-reserve_ports 3 "$run/ports"
-cluster=$(cat "$run/ports")
+reserve_cluster 3
 launch() { exec timeout 240 "${serve_on[@]}" "$(port_of "$cluster" "$1")" -- "$psd" --listen-fd 3 "${@:2}"; }
 flags=(--cluster "$cluster" -R 3 -B 1 --init-tokens 0 --learning-rate 0.5 --exit-when-done --checkpoint-every-steps 10
   --slice-bytes 8192 --summary-interval-s 0)
