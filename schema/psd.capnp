@@ -121,6 +121,14 @@ struct CreateVariable {
   part @6 :UInt32;
   aggregation @7 :Aggregation;
   syncOnRead @8 :Bool;    # each replica keeps its own value; a read combines them (aggregation sum or mean)
+  # An initial value bigger than a frame comes in chunks, in order, on one connection: `initial` is
+  # then a flat run of elements starting at element `chunkOffset` of a value of shape `chunkedShape`;
+  # every chunk but the last has `more` set and is answered `none`; the variable is created (and
+  # visible) only with the last chunk. Another request in between drops the chunks received.
+  chunked @9 :Bool;
+  chunkOffset @10 :Int64;
+  chunkedShape @11 :List(Int64);
+  more @12 :Bool;
 }
 
 # Where a variable lives in a cluster: one part (the whole variable) or slices along dimension 0.

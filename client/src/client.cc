@@ -336,6 +336,14 @@ class Conn {
       limit = std::min(limit, daemon_max_frame_bytes - std::min<uint64_t>(daemon_max_frame_bytes, 4096));
     return limit;
   }
+  // The most bytes of an initial value one CreateVariable frame carries (a bigger one goes in
+  // chunks of this size); 0: one frame (push_frame_bytes 0, or a daemon that takes no chunks).
+  uint64_t CreateChunkBytes() const {
+    if (options_.push_frame_bytes == 0 || chunk_elements == 0) return 0;
+    const uint64_t limit = PushFrameLimit();  // a frame: the tensor and kFrameSlack for the rest
+    const uint64_t room = limit > kFrameSlack ? limit - kFrameSlack : limit / 2;
+    return std::max<uint64_t>(8, std::min<uint64_t>(options_.push_frame_bytes, room));
+  }
   // The most one pull reply carries: ClientOptions::pull_frame_bytes of tensors, within the
   // client's own max_frame_bytes (less room for the reply's own words); 0 when the daemon takes
   // no ranges, or pull_frame_bytes is 0: one reply.
@@ -929,43 +937,74 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
     im.placements_[name] = placed;
   }
   Impl::Calls calls;
+  std::vector<bool> last_of_part;  // per call: the create itself (not a chunk answered `none`)
   for (size_t i = 0; i < placed.parts.size(); ++i) {
-    proto::Request::Builder req(nullptr);
-    Impl::Call& call = im.Add(calls, placed.parts[i].shard, &req);
-    auto c = req.initCreateVariable();
-    c.setName(name);
-    c.setTrainable(options.trainable);
-    c.setAverage(options.average);
-    c.setOptimizer(options.optimizer);
-    c.setAggregation(static_cast<proto::Aggregation>(static_cast<int>(options.aggregation)));
-    c.setSyncOnRead(options.sync_on_read);
     ConstTensorView part = SliceOf(host, placed, i);
-    psd::wire::SetTensor(call.frame.builder, c.initInitial(), part.dtype, part.shape, host.data ? part.data : nullptr,
-                         host.data ? part.bytes() : 0);
-    if (im.cluster()) {
-      WritePlacement(c.initPlacement(), placed);
-      c.setPart(static_cast<uint32_t>(i));
-    }
+    const uint64_t chunk = host.data ? im.conn(placed.parts[i].shard).CreateChunkBytes() : 0;
+    const size_t es = psd::DTypeSize(part.dtype);
+    // An initial value bigger than a frame goes in chunks, back to back (the daemon creates the
+    // variable with the last one).
+    const bool chunked = chunk > 0 && part.bytes() > chunk;
+    const size_t step = chunked ? std::max<size_t>(es, chunk / es * es) : part.bytes();
+    size_t offset = 0;
+    do {
+      const size_t bytes = std::min(step, part.bytes() - offset);
+      const bool last = offset + bytes >= part.bytes();
+      proto::Request::Builder req(nullptr);
+      Impl::Call& call = im.Add(calls, placed.parts[i].shard, &req);
+      auto c = req.initCreateVariable();
+      c.setName(name);
+      c.setTrainable(options.trainable);
+      c.setAverage(options.average);
+      c.setOptimizer(options.optimizer);
+      c.setAggregation(static_cast<proto::Aggregation>(static_cast<int>(options.aggregation)));
+      c.setSyncOnRead(options.sync_on_read);
+      if (chunked) {
+        c.setChunked(true);
+        c.setChunkOffset(static_cast<int64_t>(offset / es));
+        auto shape = c.initChunkedShape(static_cast<unsigned>(part.shape.size()));
+        for (size_t d = 0; d < part.shape.size(); ++d) shape.set(static_cast<unsigned>(d), part.shape[d]);
+        c.setMore(!last);
+        psd::wire::SetTensor(call.frame.builder, c.initInitial(), part.dtype, {static_cast<int64_t>(bytes / es)},
+                             static_cast<const uint8_t*>(part.data) + offset, bytes);
+      } else {
+        psd::wire::SetTensor(call.frame.builder, c.initInitial(), part.dtype, part.shape,
+                             host.data ? part.data : nullptr, host.data ? part.bytes() : 0);
+      }
+      if (im.cluster()) {
+        WritePlacement(c.initPlacement(), placed);
+        c.setPart(static_cast<uint32_t>(i));
+      }
+      last_of_part.push_back(last);
+      offset += bytes;
+    } while (offset < part.bytes());
   }
-  PSD_RETURN_IF_ERROR(im.Run(calls));
   VariableInfo info{name, initial.dtype, initial.shape, false, options.trainable};
-  try {
-    for (auto& call : calls) {
-      auto v = call->resp.getVariable();
+  // Each reply is read as it arrives (a reply's reader lasts until the next on its connection).
+  Status read;
+  Status run = im.Run(calls, [&](size_t k) {
+    if (!read.ok() || !calls[k]->status.ok() || !last_of_part[k]) return;
+    try {
+      auto v = calls[k]->resp.getVariable();
       info.created = info.created || v.getCreated();
       info.trainable = v.getTrainable();
       if (!im.cluster()) {
         auto dtype = psd::wire::FromWire(v.getDtype());
-        if (!dtype.ok()) return dtype.status();
+        if (!dtype.ok()) {
+          read = dtype.status();
+          return;
+        }
         info.dtype = *dtype;
         info.shape.clear();
         for (int64_t d : v.getShape()) info.shape.push_back(d);
         info.name = v.getName();
       }
+    } catch (const kj::Exception& e) {
+      read = Malformed(e);
     }
-  } catch (const kj::Exception& e) {
-    return Malformed(e);
-  }
+  });
+  PSD_RETURN_IF_ERROR(run);
+  PSD_RETURN_IF_ERROR(read);
   return info;
 }
 

@@ -100,6 +100,7 @@ void WorkerSession::Dispatch(proto::Request::Reader req) {
     Status serving = host_.Serving();
     if (!serving.ok()) return SendError(id, serving);
   }
+  if (which != proto::Request::CREATE_VARIABLE) pending_create_.reset();  // chunks come back to back
   switch (which) {
     case proto::Request::CREATE_VARIABLE:
       return HandleCreate(id, req.getCreateVariable());
@@ -223,7 +224,32 @@ void WorkerSession::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   // this frame.
   const ServerConfig& cfg = host_.config();
   auto t = wire::ReadTensor(r.getInitial(), std::max(cfg.max_frame_bytes, cfg.max_model_bytes));
-  if (!t.ok()) return SendError(id, t.status());
+  if (!t.ok()) {
+    pending_create_.reset();
+    return SendError(id, t.status());
+  }
+  std::optional<PendingCreate> gathered;
+  if (!r.getChunked()) pending_create_.reset();  // a create of its own: chunks before it are dropped
+  if (r.getChunked()) {
+    bool complete = false;
+    Status s = GatherCreateChunk(r, *t, &complete);
+    if (!s.ok()) {
+      pending_create_.reset();
+      return SendError(id, s);
+    }
+    if (!complete) {
+      proto::Response::Builder resp(nullptr);
+      auto frame = NewReply(id, &resp);
+      resp.setNone();
+      return Send(std::move(frame));
+    }
+    gathered = std::move(pending_create_);
+    pending_create_.reset();
+    t->dtype = gathered->dtype;
+    t->shape = gathered->shape;
+    t->data = gathered->value.data();
+    t->bytes = gathered->value.size();
+  }
   VariableDef def;
   def.name = r.getName();
   def.dtype = t->dtype;
@@ -265,6 +291,60 @@ void WorkerSession::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   v.setCreated(desc->created);
   v.setTrainable(desc->trainable);
   Send(std::move(frame));
+}
+
+Status WorkerSession::GatherCreateChunk(proto::CreateVariable::Reader r, const wire::TensorRef& chunk, bool* complete) {
+  const std::string name = r.getName();
+  const int64_t offset = r.getChunkOffset();
+  if (!pending_create_) {
+    if (offset != 0) {
+      return InvalidArgument("variable '" + name + "': the first chunk of an initial value starts at element " +
+                             std::to_string(offset) + ", not 0");
+    }
+    Shape shape;
+    if (r.getChunkedShape().size() > 32) return InvalidArgument("variable '" + name + "': shape rank exceeds 32");
+    for (int64_t d : r.getChunkedShape()) {
+      if (d < 0) return InvalidArgument("variable '" + name + "': shape has a negative dimension");
+      shape.push_back(d);
+    }
+    // Bounded as a variable is (the engine names --max-model-bytes) before anything is allocated.
+    const uint64_t limit = std::max(host_.config().max_frame_bytes, host_.config().max_model_bytes);
+    const size_t es = DTypeSize(chunk.dtype);
+    uint64_t elements = 1;
+    for (int64_t d : shape) {
+      if (d != 0 && elements > limit / static_cast<uint64_t>(d))
+        elements = limit + 1;
+      else
+        elements *= static_cast<uint64_t>(d);
+    }
+    if (elements > limit / es) {
+      return ResourceExhausted("variable '" + name + "' " + ShapeString(shape) + " is bigger than --max-model-bytes (" +
+                               std::to_string(limit) + " bytes)");
+    }
+    pending_create_ = PendingCreate{name, chunk.dtype, std::move(shape), {}, 0};
+    pending_create_->value.resize(elements * es);
+  }
+  PendingCreate& p = *pending_create_;
+  const size_t es = DTypeSize(p.dtype);
+  if (name != p.name || chunk.dtype != p.dtype || chunk.shape.size() != 1 ||
+      offset != static_cast<int64_t>(p.filled / es) || chunk.bytes > p.value.size() - p.filled ||
+      chunk.bytes != static_cast<size_t>(chunk.shape[0]) * es) {
+    return InvalidArgument("variable '" + name +
+                           "': a chunk of its initial value does not follow the one before (name, dtype, "
+                           "offset and size must continue it); create it again");
+  }
+  if (chunk.bytes > 0) std::memcpy(p.value.data() + p.filled, chunk.data, chunk.bytes);
+  p.filled += chunk.bytes;
+  if (r.getMore()) {
+    *complete = false;
+    return Status::Ok();
+  }
+  if (p.filled != p.value.size()) {
+    return InvalidArgument("variable '" + name + "': its initial value's last chunk ends at byte " +
+                           std::to_string(p.filled) + " of " + std::to_string(p.value.size()));
+  }
+  *complete = true;
+  return Status::Ok();
 }
 
 Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p,

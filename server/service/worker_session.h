@@ -20,6 +20,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 
 #include "core/token_queue.h"
@@ -123,6 +124,18 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // While a peer's proof is awaited: the dialer's nonce followed by this shard's.
   std::string peer_nonces_;
   std::set<std::shared_ptr<TokenWait>> parked_;
+  // A variable's initial value arriving in chunks (CreateVariable.chunked): gathered here, created
+  // with the last chunk; dropped by any other request or the connection's end.
+  struct PendingCreate {
+    std::string name;
+    DType dtype = DType::kFloat32;  // of the chunks
+    Shape shape;
+    std::vector<uint8_t> value;
+    size_t filled = 0;  // bytes received, in order
+  };
+  std::optional<PendingCreate> pending_create_;
+  // Adds one chunk; *complete: the last one came (the value is whole). Errors drop the pending value.
+  Status GatherCreateChunk(proto::CreateVariable::Reader r, const wire::TensorRef& chunk, bool* complete);
 };
 
 }  // namespace psd::server

@@ -173,6 +173,37 @@ TEST_CASE("a value bigger than a reply frame is pulled in element ranges, conver
   CHECK(std::memcmp(again.data(), w.data(), kW * sizeof(float)) == 0);
 }
 
+TEST_CASE("an initial value bigger than --max-frame-bytes is created in chunks, whole or not at all",
+          "[integration][chunks]") {
+  auto cfg = TestConfig(1, 2, 0);
+  cfg.max_frame_bytes = 1 << 20;
+  auto server = StartServer(cfg);
+  auto c = Connect(server->port(), "w0", 1 << 20);
+  constexpr size_t kN = 800'003;  // 3.2 MB: four chunks, the last one short
+  std::vector<float> init = Gradient(kN, 1, 0);
+  auto created =
+      c->CreateVariable("big", {init.data(), DType::kFloat32, {static_cast<int64_t>(kN)}, MemoryKind::kHost});
+  REQUIRE(created.ok());
+  CHECK(created->created);
+  CHECK(created->shape == Shape{static_cast<int64_t>(kN)});
+  std::vector<float> got(kN);
+  REQUIRE(c->Pull("big", {got.data(), DType::kFloat32, {static_cast<int64_t>(kN)}, MemoryKind::kHost}).ok());
+  CHECK(got == init);
+  // Half precision in chunks, stored as float32 (one conversion, at creation).
+  std::vector<uint16_t> half(kN);
+  for (size_t i = 0; i < kN; ++i) half[i] = psd::FloatToBFloat16(init[i]);
+  REQUIRE(
+      c->CreateVariable("big16", {half.data(), DType::kBFloat16, {static_cast<int64_t>(kN)}, MemoryKind::kHost}).ok());
+  std::vector<uint16_t> half_back(kN);
+  REQUIRE(c->Pull("big16", {half_back.data(), DType::kBFloat16, {static_cast<int64_t>(kN)}, MemoryKind::kHost}).ok());
+  CHECK(half_back == half);
+  // A client that sends values whole gets the frame limit named, as for pushes.
+  auto whole = Connect(server->port(), "w1", 0);
+  auto refused =
+      whole->CreateVariable("whole", {init.data(), DType::kFloat32, {static_cast<int64_t>(kN)}, MemoryKind::kHost});
+  CHECK(refused.status().code() == Code::kResourceExhausted);
+}
+
 TEST_CASE("push frames: every frame within the limit, every byte once, chunks of whole parts", "[chunks]") {
   using psclient::internal::kFrameEntryOverhead;
   using psclient::internal::PlanFrames;

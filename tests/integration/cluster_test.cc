@@ -335,3 +335,25 @@ TEST_CASE("async on a cluster: checkpoints are ordered by the chief and restored
   CHECK(m_after == momentum);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("a sliced variable's initial value travels in chunks to each of its shards", "[cluster][chunks]") {
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.slice_bytes = 64 << 10;
+  auto cluster = StartCluster(cfg, 3);
+  psclient::ClientOptions o;
+  o.cluster = cluster.addresses;
+  o.worker_name = "w0";
+  o.connect_timeout_ms = 20000;
+  o.push_frame_bytes = 4096;  // 4 KiB chunks: a 64 KiB slice in 16 frames
+  auto c = psd::testing::ConnectWith(o);
+  std::vector<float> w0 = Ramp(100 * 300, 1);  // 120 KB: two slices
+  auto created = c->CreateVariable("w", View(w0, {100, 300}));
+  REQUIRE(created.ok());
+  CHECK(created->created);
+  auto p = c->Placement("w");
+  REQUIRE(p.ok());
+  CHECK(p->parts.size() == 2);
+  std::vector<float> got(100 * 300);
+  REQUIRE(c->Pull("w", Out(got, {100, 300})).ok());
+  CHECK(got == w0);
+}

@@ -157,6 +157,47 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
     REQUIRE(p.Read(&code, &msg));
     CHECK(code == Code::kUnimplemented);
   }
+  SECTION("an initial value's chunks that do not follow each other create nothing") {
+    RawPeer p(server->port());
+    p.Hello();
+    float values[4] = {1, 2, 3, 4};
+    // name, element offset, element count, more: a chunk of "big" (shape [8]).
+    auto chunk = [&](const char* name, int64_t offset, int64_t count, bool more) {
+      wire::OutFrame f;
+      auto r = f.builder.initRoot<proto::Request>();
+      r.setId(20);
+      auto c = r.initCreateVariable();
+      c.setName(name);
+      c.setChunked(true);
+      c.setChunkOffset(offset);
+      c.initChunkedShape(1).set(0, 8);
+      c.setMore(more);
+      wire::SetTensor(f.builder, c.initInitial(), DType::kFloat32, {count}, values,
+                      static_cast<size_t>(count) * sizeof(float));
+      p.Send(f);
+      REQUIRE(p.Read(&code, &msg));
+    };
+    chunk("big", 4, 4, true);  // not the first chunk
+    CHECK(code == Code::kInvalidArgument);
+    CHECK_THAT(msg, Catch::Contains("starts at element 4"));
+    chunk("big", 0, 4, true);
+    CHECK(code == Code::kOk);
+    chunk("big", 2, 2, false);  // overlaps the first
+    CHECK(code == Code::kInvalidArgument);
+    CHECK_THAT(msg, Catch::Contains("does not follow"));
+    chunk("big", 0, 4, true);
+    CHECK(code == Code::kOk);
+    chunk("big", 4, 2, false);  // the last chunk ends short of the value
+    CHECK(code == Code::kInvalidArgument);
+    CHECK_THAT(msg, Catch::Contains("ends at byte 24 of 32"));
+    chunk("huge", 0, 4, true);  // then the connection ends half-way
+    CHECK(code == Code::kOk);
+    p.socket.close();
+    auto w = ConnectWorker(server->port(), "healthy");
+    std::vector<float> got(8);
+    CHECK(w->Pull("big", {got.data(), DType::kFloat32, {8}, MemoryKind::kHost}).status().code() == Code::kNotFound);
+    CHECK(w->Pull("huge", {got.data(), DType::kFloat32, {8}, MemoryKind::kHost}).status().code() == Code::kNotFound);
+  }
   SECTION("pushes with lying sizes, bad dtypes and bad names") {
     RawPeer p(server->port());
     p.Hello();
@@ -307,7 +348,11 @@ TEST_CASE("the hello announces --max-frame-bytes; the client refuses bigger requ
   auto cfg = TestConfig(1);
   cfg.max_frame_bytes = 64 << 10;
   auto server = StartServer(cfg);
-  auto w = ConnectWorker(server->port(), "w");
+  // A client that sends requests whole (push_frame_bytes 0; by default values and pushes bigger
+  // than a frame go in chunks, chunked_push_test.cc).
+  psclient::ClientOptions whole = psd::testing::WorkerOptions(server->port(), "w");
+  whole.push_frame_bytes = 0;
+  auto w = psd::testing::ConnectWith(whole);
   std::vector<float> big(100000, 1.0f);  // 400 KB
   auto created =
       w->CreateVariable("big", {big.data(), DType::kFloat32, {static_cast<int64_t>(big.size())}, MemoryKind::kHost});

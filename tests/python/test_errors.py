@@ -89,16 +89,22 @@ def test_wrong_auth_token_is_unauthenticated(start_psd, tmp_path):
 
 
 def test_too_big_tensor_is_resource_exhausted(start_psd):
-    daemon = start_psd("--max-frame-bytes", "64K")
-    with connect(daemon.port) as c:
+    daemon = start_psd("--max-frame-bytes", "64K", "-N", "2")
+    # A client that sends requests whole (push_frame_bytes=0) is told which flag to raise.
+    with connect(daemon.port, push_frame_bytes=0, worker_name="whole") as c:
         with pytest.raises(psclient.ResourceExhausted, match="--max-frame-bytes 64 KiB") as e:
             c.create_variable("big", np.zeros(100_000, np.float32))  # 400 KB in one frame
-        # A push bigger than a frame travels in several (gradients cut into chunks): two 40 KB
-        # gradients, and a 400 KB one (a variable bigger than a frame, created as zeros).
+    with connect(daemon.port, worker_name="chunks") as c:
+        # By default a value and a push bigger than a frame travel in several: a 400 KB initial
+        # value, two 40 KB gradients and a 400 KB one (cut into chunks).
+        big = np.arange(100_000, dtype=np.float32)
+        c.create_variable("big", big)
+        got = np.zeros_like(big)
+        c.pull("big", got)
+        np.testing.assert_array_equal(got, big)
         grads = {name: np.ones(10_000, np.float32) for name in ("a", "b")}
         for name, grad in grads.items():
             c.create_variable(name, grad)
-        c.create_variable("big", shape=(100_000,))
         grads["big"] = np.ones(100_000, np.float32)
         assert c.push(0, grads).accepted == 3
     # The daemon's own refusal: more than the variables may take.
