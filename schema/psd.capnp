@@ -295,6 +295,8 @@ struct GetSlot {
   slot @1 :Text;
   hasDtype @2 :Bool;      # deliver the slot converted to `dtype` (else the variable's own)
   dtype @3 :DType;
+  range @4 :ElementRange; # with hasRange: only these elements, as a flat [count] (a slot bigger than a reply)
+  hasRange @5 :Bool;
 }
 
 struct JobStatus {

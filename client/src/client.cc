@@ -1553,29 +1553,66 @@ Status Client::GetSlot(const std::string& variable, const std::string& slot, Ten
   if (loc->sliced && (out.shape != loc->shape || !psd::ConvertibleDTypes(out.dtype, loc->dtype))) {
     PSD_RETURN_IF_ERROR(CheckView("slot '" + slot + "' of '" + variable + "'", loc->dtype, loc->shape, out));
   }
+  // Per part, one request, or element ranges when the part is bigger than a reply (as pulls).
+  struct Piece {
+    size_t part;
+    int64_t offset = 0;  // elements
+    int64_t count = -1;  // -1: the whole part
+  };
+  const std::string what = "slot '" + slot + "' of '" + variable + "'";
+  const size_t es = psd::DTypeSize(out.dtype);
   Impl::Calls calls;
+  std::vector<Piece> pieces;
   for (size_t k = 0; k < loc->parts.size(); ++k) {
-    proto::Request::Builder req(nullptr);
-    im.Add(calls, loc->parts[k].shard, &req);
-    auto g = req.initGetSlot();
-    g.setVariable(variable);
-    g.setSlot(slot);
-    g.setHasDtype(true);
-    g.setDtype(psd::wire::ToWire(out.dtype));
-  }
-  PSD_RETURN_IF_ERROR(im.Run(calls));
-  try {
-    for (size_t k = 0; k < calls.size(); ++k) {
-      auto t = psd::wire::ReadTensor(calls[k]->resp.getSlot(), im.options_.max_frame_bytes);
-      if (!t.ok()) return t.status();
-      TensorView part = SliceOf(out, *loc, k);
-      PSD_RETURN_IF_ERROR(CheckView("slot '" + slot + "' of '" + variable + "'", t->dtype, t->shape, part));
-      PSD_RETURN_IF_ERROR(im.staging_.FromHost(part.data, t->data, t->bytes, part.memory, part.stream));
+    TensorView part = SliceOf(out, *loc, k);
+    const uint64_t limit = im.conn(loc->parts[k].shard).PullFrameLimit();
+    const int64_t n = psd::NumElements(part.shape);
+    const bool ranged = limit > 0 && part.bytes() > limit;
+    const int64_t step = ranged ? std::max<int64_t>(1, static_cast<int64_t>(limit / es)) : n;
+    for (int64_t off = 0; off < n || (off == 0 && n == 0); off += std::max<int64_t>(step, 1)) {
+      proto::Request::Builder req(nullptr);
+      im.Add(calls, loc->parts[k].shard, &req);
+      auto g = req.initGetSlot();
+      g.setVariable(variable);
+      g.setSlot(slot);
+      g.setHasDtype(true);
+      g.setDtype(psd::wire::ToWire(out.dtype));
+      Piece piece{k};
+      if (ranged) {
+        piece.offset = off;
+        piece.count = std::min(step, n - off);
+        g.setHasRange(true);
+        g.initRange().setOffset(piece.offset);
+        g.getRange().setCount(piece.count);
+      }
+      pieces.push_back(piece);
+      if (!ranged) break;
     }
-  } catch (const kj::Exception& e) {
-    return Malformed(e);
   }
-  return Status::Ok();
+  // Each reply is read as it arrives (its reader lasts until the next one on its connection).
+  Status read;
+  Status run = im.Run(calls, [&](size_t c) {
+    if (!read.ok() || !calls[c]->status.ok()) return;
+    try {
+      auto t = psd::wire::ReadTensor(calls[c]->resp.getSlot(), im.options_.max_frame_bytes);
+      if (!t.ok()) {
+        read = t.status();
+        return;
+      }
+      const Piece& piece = pieces[c];
+      TensorView part = SliceOf(out, *loc, piece.part);
+      if (piece.count >= 0) {
+        part.data = static_cast<uint8_t*>(part.data) + static_cast<size_t>(piece.offset) * es;
+        part.shape = {piece.count};
+      }
+      read = CheckView(what, t->dtype, t->shape, part);
+      if (read.ok()) read = im.staging_.FromHost(part.data, t->data, t->bytes, part.memory, part.stream);
+    } catch (const kj::Exception& e) {
+      read = Malformed(e);
+    }
+  });
+  PSD_RETURN_IF_ERROR(run);
+  return read;
 }
 
 Status Client::SetLearningRate(double learning_rate) {

@@ -4,6 +4,14 @@
 
 namespace psd::server {
 
+Status CheckRange(const ElementRange& range, int64_t elements, const std::string& what) {
+  if (range.offset < 0 || range.count <= 0 || range.offset >= elements || range.count > elements - range.offset) {
+    return InvalidArgument("elements [" + std::to_string(range.offset) + ", +" + std::to_string(range.count) + ") of " +
+                           what + " are outside its " + std::to_string(elements) + " elements");
+  }
+  return Status::Ok();
+}
+
 void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared_ptr<const Buffer>& value, DType dtype,
               const Shape& shape, DType want, ConvertedValues* cache, std::string_view variable,
               const ElementRange* range) {

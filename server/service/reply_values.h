@@ -24,6 +24,9 @@ struct ElementRange {
   int64_t count;
 };
 
+// INVALID_ARGUMENT naming `what` unless `range` is a non-empty run inside a value of `elements`.
+Status CheckRange(const ElementRange& range, int64_t elements, const std::string& what);
+
 // Puts a value the engine handed out into a reply tensor as dtype `want`: referenced in place
 // (kept alive by the frame) when it already is, else converted — how half-precision variables
 // leave the daemon, and how a reader asks for another dtype. With `cache` (a published value of

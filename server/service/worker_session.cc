@@ -359,12 +359,7 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
     if (want[i]) PSD_RETURN_IF_ERROR(CheckWanted("variable '" + names[i] + "'", values[i].declared, *want[i]));
   }
   for (size_t i = 0; i < values.size() && i < ranges.size(); ++i) {
-    const int64_t n = NumElements(values[i].shape);
-    const ElementRange& r = ranges[i];
-    if (r.offset < 0 || r.count <= 0 || r.offset >= n || r.count > n - r.offset) {
-      return InvalidArgument("elements [" + std::to_string(r.offset) + ", +" + std::to_string(r.count) + ") of '" +
-                             names[i] + "' are outside its " + std::to_string(n) + " elements");
-    }
+    PSD_RETURN_IF_ERROR(CheckRange(ranges[i], NumElements(values[i].shape), "'" + names[i] + "'"));
   }
   p.setStep(step);
   p.setClusterEpoch(engine->epoch());
@@ -624,9 +619,18 @@ void WorkerSession::HandleGetSlot(uint64_t id, proto::GetSlot::Reader r) {
   if (!slot.ok()) return SendError(id, slot.status());
   auto want = WantedDType(r.getHasDtype(), r.getDtype(), r.getVariable(), slot->declared);
   if (!want.ok()) return SendError(id, want.status());
+  std::optional<ElementRange> range;
+  if (r.getHasRange()) {
+    range = ElementRange{r.getRange().getOffset(), r.getRange().getCount()};
+    Status in =
+        CheckRange(*range, NumElements(slot->shape),
+                   "slot '" + std::string(r.getSlot().cStr()) + "' of '" + std::string(r.getVariable().cStr()) + "'");
+    if (!in.ok()) return SendError(id, in);
+  }
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
-  SetValue(*frame, resp.initSlot(), slot->value, slot->dtype, slot->shape, *want);
+  SetValue(*frame, resp.initSlot(), slot->value, slot->dtype, slot->shape, *want, nullptr, "",
+           range ? &*range : nullptr);
   Send(std::move(frame));
 }
 

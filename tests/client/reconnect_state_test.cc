@@ -10,9 +10,9 @@
 
 namespace {
 
-// A client whose replies may be at most 64 KiB, and a 1 MiB variable: reading its momentum slot
-// (one reply; pulls would come in ranges) breaks the connection ("the stream is out of step"), so
-// the next call reconnects and says hello again.
+// A client whose replies may be at most 64 KiB and that asks for values whole (pull_frame_bytes 0:
+// one reply, no ranges), and a 1 MiB variable: pulling it breaks the connection ("the stream is
+// out of step"), so the next call reconnects and says hello again.
 struct Reconnector {
   explicit Reconnector(uint16_t port) {
     psclient::ClientOptions o;
@@ -20,13 +20,14 @@ struct Reconnector {
     o.worker_name = "w0";
     o.connect_timeout_ms = 5000;
     o.max_frame_bytes = 64 << 10;
+    o.pull_frame_bytes = 0;
     auto c = psclient::Client::Connect(o);
     REQUIRE(c.ok());
     client = std::move(*c);
     REQUIRE(client->CreateVariable("big", {nullptr, psd::DType::kFloat32, {kRows}}).ok());
   }
   void Reconnect() {
-    REQUIRE(client->GetSlot("big", "momentum", {buffer.data(), psd::DType::kFloat32, {kRows}}).code() ==
+    REQUIRE(client->Pull("big", {buffer.data(), psd::DType::kFloat32, {kRows}}).status().code() ==
             psd::Code::kResourceExhausted);
     REQUIRE(client->GetStatus().ok());  // reconnects
   }

@@ -1,6 +1,7 @@
 // Pushes bigger than a frame: the client cuts them into frames of whole parts, the daemon adds
 // each chunk as it arrives, and the result is the one a whole push gives.
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -36,6 +37,15 @@ std::vector<float> Gradient(size_t n, int step, int worker) {
 }
 
 constexpr size_t kW = 100'000;  // 400 KB of float32: several 64 KiB frames
+
+// A worker whose replies may be at most 100 KiB (less than kW floats: only ranges can read them),
+// asking for 48 KiB ranges.
+psclient::ClientOptions SmallReplies(uint16_t port, const std::string& name) {
+  psclient::ClientOptions o = WorkerOptions(port, name);
+  o.max_frame_bytes = 100 << 10;
+  o.pull_frame_bytes = 48 << 10;
+  return o;
+}
 constexpr size_t kB = 10;
 
 // Two workers, three sync steps of {w, b}; returns w then b after the last step.
@@ -132,9 +142,7 @@ TEST_CASE("a value bigger than a reply frame is pulled in element ranges, conver
   auto cfg = TestConfig(1, 2);  // a second worker reads whole below
   cfg.optimizer.learning_rate = 1.0;
   auto server = StartServer(cfg);
-  psclient::ClientOptions o = WorkerOptions(server->port(), "w0");
-  o.max_frame_bytes = 100 << 10;  // smaller than the variable: only ranges can read it
-  o.pull_frame_bytes = 48 << 10;
+  psclient::ClientOptions o = SmallReplies(server->port(), "w0");
   auto c = ConnectWith(o);
   psclient::Client& w0 = *c;
   const int64_t n = static_cast<int64_t>(kW);
@@ -171,6 +179,30 @@ TEST_CASE("a value bigger than a reply frame is pulled in element ranges, conver
   std::fill(again.begin(), again.end(), 0.0f);
   REQUIRE(other->Pull("w", TensorView{again.data(), DType::kFloat32, {1000, 100}}).ok());
   CHECK(std::memcmp(again.data(), w.data(), kW * sizeof(float)) == 0);
+}
+
+TEST_CASE("a slot bigger than a reply frame is read in element ranges", "[integration][chunks]") {
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.optimizer.name = "momentum";
+  cfg.optimizer.learning_rate = 1.0;
+  cfg.optimizer.momentum = 0.9;
+  auto server = StartServer(cfg);
+  auto c = ConnectWith(SmallReplies(server->port(), "w0"));
+  REQUIRE(c->CreateVariable("w", ConstTensorView{nullptr, DType::kFloat32, {1000, 100}}).ok());
+  auto g0 = Gradient(kW, 0, 0), g1 = Gradient(kW, 1, 0);
+  REQUIRE(c->Push(0, {{"w", {g0.data(), DType::kFloat32, {1000, 100}}}}, true, 10000).ok());
+  REQUIRE(c->Push(1, {{"w", {g1.data(), DType::kFloat32, {1000, 100}}}}, true, 10000).ok());
+  std::vector<float> m(kW, -1.0f);
+  REQUIRE(c->GetSlot("w", "momentum", TensorView{m.data(), DType::kFloat32, {1000, 100}}).ok());
+  size_t wrong = 0;  // TF's momentum accumulator: 0.9 * g0 + g1
+  for (size_t i = 0; i < kW; ++i) {
+    const float want = 0.9f * g0[i] + g1[i];
+    wrong += std::abs(m[i] - want) > 1e-6f * (std::abs(want) + 1) ? 1 : 0;
+  }
+  CHECK(wrong == 0);
+  std::vector<uint16_t> half(kW);  // converted by psd, then read in ranges
+  REQUIRE(c->GetSlot("w", "momentum", TensorView{half.data(), DType::kBFloat16, {1000, 100}}).ok());
+  CHECK(half[kW - 1] == psd::FloatToBFloat16(m[kW - 1]));
 }
 
 TEST_CASE("an initial value bigger than --max-frame-bytes is created in chunks, whole or not at all",
