@@ -119,7 +119,9 @@ struct Options {
   uint64_t push_frame_bytes = 1ull << 20;
   std::string pull_frame_bytes_text = "16M";  // ClientOptions::pull_frame_bytes
   uint64_t pull_frame_bytes = 16ull << 20;
-  int64_t busy_poll_us = 0;  // ClientOptions::busy_poll_us
+  int64_t busy_poll_us = 0;               // ClientOptions::busy_poll_us
+  std::string shared_memory_text = "1G";  // ClientOptions::shared_memory_bytes
+  uint64_t shared_memory_bytes = 1ull << 30;
   psd::DType grad_dtype = psd::DType::kFloat32;
   uint64_t model_bytes = 0;
   int variables = 1;
@@ -177,8 +179,9 @@ struct WorkerStats {
   int64_t staleness_sum = 0;  // over measured pushes: the largest staleness of the push's results
   int64_t staleness_max = 0;
   double measured_s = 0;
-  int64_t first_step = 0;  // sync: global step when the measured phase began (worker 0 only)
-  int64_t last_step = 0;   // sync: global step when it ended (worker 0 only)
+  bool shared_memory = false;  // every shard's connection moved tensors through shared memory
+  int64_t first_step = 0;      // sync: global step when the measured phase began (worker 0 only)
+  int64_t last_step = 0;       // sync: global step when it ended (worker 0 only)
   psclient::JobConfig job;
 };
 
@@ -563,6 +566,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   co.push_frame_bytes = opt.push_frame_bytes;
   co.pull_frame_bytes = opt.pull_frame_bytes;
   co.busy_poll_us = opt.busy_poll_us;
+  co.shared_memory_bytes = opt.shared_memory_bytes;
   ApplyTls(opt, co);
   auto connected = psclient::Client::Connect(co);
   if (!connected.ok()) return fail("connect to " + ep.host + ":" + std::to_string(ep.port), connected.status());
@@ -696,6 +700,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   }
   const auto measure_end = Clock::now();
   stats->measured_s = std::chrono::duration<double>(measure_end - measure_start).count();
+  stats->shared_memory = c.shared_memory_shards() == c.shards();
   if (sync) {
     if (index == 0) {
       auto step = c.GlobalStep();
@@ -743,6 +748,7 @@ struct Report {
   bool pull_in_push = false;
   psd::DType grad_dtype = psd::DType::kFloat32;
   int shards = 1;
+  int shm_workers = 0;  // workers whose every connection used shared memory
   double wall_s = 0;
   int64_t global_steps = 0;
   double steps_per_s = 0;
@@ -763,6 +769,7 @@ Report Summarize(const Options& opt, const Window& window, std::vector<WorkerSta
   Report r;
   WorkerStats& w0 = stats[0];
   r.workers = opt.workers;
+  for (const WorkerStats& w : stats) r.shm_workers += w.shared_memory ? 1 : 0;
   r.sparse = opt.sparse;
   r.model_bytes = opt.sparse ? 0 : opt.model_bytes;
   r.variables = opt.sparse ? 1 : opt.variables;
@@ -869,6 +876,7 @@ void PrintJson(const Report& r) {
   field("step_ms_p50", JsonNumber(r.step_p50));
   field("step_ms_p99", JsonNumber(r.step_p99));
   field("shards", std::to_string(r.shards));
+  field("shared_memory_workers", integer(r.shm_workers));
   field("grad_dtype", JsonString(psd::DTypeName(r.grad_dtype)));
   field("push_gb_per_s", JsonNumber(r.push_gbps));
   field("pull_gb_per_s", JsonNumber(r.pull_gbps));
@@ -931,6 +939,9 @@ void PrintTable(const Report& r, const std::string& build_warning_line) {
               r.pull_in_push ? "push+token+next pull fused (1 round trip per step)"
               : r.fused      ? "fused push+token (1 round trip)"
                              : "push then token wait (2 round trips)");
+  std::printf("transport  %s\n", r.shm_workers == r.workers ? "same-host shared memory (tensors), TCP (control)"
+                                 : r.shm_workers == 0       ? "TCP"
+                                                            : "mixed: some workers on shared memory, some on TCP");
   std::printf("\n");
   std::printf("  %-22s %12s %12s %14s\n", "", "p50 ms", "p99 ms", "GB/s");
   std::printf("  %-22s %12.3f %12.3f %14s\n", "step (worker 0)", r.step_p50, r.step_p99, "");
@@ -1297,6 +1308,9 @@ int Run(int argc, char** argv) {
                  "--busy-poll)")
       ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
       ->capture_default_str();
+  app.add_option("--shared-memory", opt.shared_memory_text,
+                 "same-host workers' shared-memory segment (ClientOptions::shared_memory_bytes; 0: TCP only)")
+      ->capture_default_str();
   app.add_option("--pull-frame-bytes", opt.pull_frame_bytes_text,
                  "replies a pull is cut into (the client's pull_frame_bytes; 0: one reply per pull)")
       ->capture_default_str();
@@ -1395,6 +1409,12 @@ int Run(int argc, char** argv) {
       return 1;
     }
     opt.push_frame_bytes = *push_frame;
+    auto shm_bytes = ParseBytes(opt.shared_memory_text);
+    if (!shm_bytes.ok()) {
+      std::fprintf(stderr, "psd_bench: --shared-memory: %s\n", shm_bytes.status().message().c_str());
+      return 1;
+    }
+    opt.shared_memory_bytes = *shm_bytes;
     auto pull_frame = ParseBytes(opt.pull_frame_bytes_text);
     if (!pull_frame.ok()) {
       std::fprintf(stderr, "psd_bench: --pull-frame-bytes: %s\n", pull_frame.status().message().c_str());

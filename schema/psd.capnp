@@ -65,6 +65,15 @@ struct Tensor {
   dtype @0 :DType;
   shape @1 :List(Int64);
   data @2 :Data;          # little-endian, row-major, exactly numel * sizeof(dtype) bytes
+  inShm @3 :Bool;         # the bytes are not in `data` but in the connection's shared-memory
+  shmOffset @4 :UInt64;   # segment (README "Same-host shared memory"), at this offset
+}
+
+# Where in the connection's shared-memory segment a reply's values are to be written (each value
+# at a multiple of 64 bytes, in order), instead of in the reply.
+struct ShmTarget {
+  offset @0 :UInt64;
+  bytes @1 :UInt64;
 }
 
 struct Hello {
@@ -109,6 +118,10 @@ struct HelloReply {
   peerNonce @10 :Data;    # to a peer's hello, with --cluster-secret-file: the acceptor's challenge
   peerProof @11 :Data;    # ... and its proof (HMAC-SHA256, server/cluster/peer_auth.h)
   chunkElements @12 :UInt64;  # the part size gradient chunks align to (0: chunks not taken)
+  shmSocket @13 :Text;    # a worker on this host may attach a shared-memory segment: the abstract
+  shmNonce @14 :Data;     # Unix socket to pass it on, and this connection's one-time nonce (empty: no)
+  connectionId @15 :UInt64;  # ... with which the segment is sent
+  shmMaxBytes @16 :UInt64;   # ... and the biggest segment psd maps (--shm-max-bytes)
 }
 
 struct CreateVariable {
@@ -179,6 +192,7 @@ struct Pull {
   dtypes @2 :List(DType); # empty, or one per name: deliver the values converted to it (round to nearest even)
   ranges @3 :List(ElementRange);  # empty, or one per name: only those elements, as a flat [count]
                                   # (a value bigger than a reply frame is read in several); names may repeat
+  toShm @4 :ShmTarget;    # set: the values are written into the shared-memory segment there
 }
 
 struct PullRows {
@@ -216,6 +230,7 @@ struct Push {
   pullAfterDtypes @6 :List(DType);  # empty, or one per pullAfter name, as Pull.dtypes
   more @7 :Bool;             # more frames of this push follow (no waitToken, no pullAfter): a push
                              # bigger than a frame is sent in several, the token wait on the last
+  pullToShm @8 :ShmTarget;   # set: the pullAfter values go into the shared-memory segment, as Pull.toShm
 }
 
 struct GradResult {

@@ -57,6 +57,14 @@ int main(int argc, char** argv) {
   app.add_flag("--busy-poll", cfg.busy_poll,
                "latency-critical jobs: I/O threads poll their sockets instead of sleeping (each of --threads keeps a "
                "core busy all the time; pair with ClientOptions::busy_poll_us)");
+  app.add_flag("!--no-shared-memory", cfg.shared_memory,
+               "do not offer shared memory to workers on this host (they then move tensors over TCP)");
+  std::string shm_max_bytes = "4G";
+  app.add_option("--shm-max-bytes", shm_max_bytes,
+                 "largest shared-memory segment a same-host worker may attach (SIZE; pages count only once "
+                 "touched: about the biggest push plus pull of one call)")
+      ->type_name("SIZE")
+      ->capture_default_str();
   app.add_option("--replicas-to-aggregate,-R", cfg.replicas_to_aggregate,
                  "fresh gradients per variable that complete a step (TF replicas_to_aggregate)")
       ->capture_default_str();
@@ -250,7 +258,8 @@ int main(int argc, char** argv) {
   for (auto [flag, text, out] : {std::tuple{"--max-frame-bytes", &max_frame_bytes, &cfg.max_frame_bytes},
                                  std::tuple{"--max-model-bytes", &max_model_bytes, &cfg.max_model_bytes},
                                  std::tuple{"--slice-bytes", &slice_bytes, &cfg.slice_bytes},
-                                 std::tuple{"--max-inflight-bytes", &max_inflight_bytes, &cfg.max_inflight_bytes}}) {
+                                 std::tuple{"--max-inflight-bytes", &max_inflight_bytes, &cfg.max_inflight_bytes},
+                                 std::tuple{"--shm-max-bytes", &shm_max_bytes, &cfg.shm_max_bytes}}) {
     auto bytes = psd::server::ParseByteSize(*text, flag);
     if (!bytes.ok()) return fail(bytes.status().message());
     *out = *bytes;

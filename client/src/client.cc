@@ -21,6 +21,7 @@
 #include "psd/half.h"
 #include "sparse_check.h"
 #include "wire/frame.h"
+#include "wire/shm.h"
 #include "wire/tls.h"
 
 namespace psclient {
@@ -217,8 +218,55 @@ class Conn {
     shards_reported = static_cast<int>(hr.getShards());
     daemon_max_frame_bytes = hr.getMaxFrameBytes();
     chunk_elements = hr.getChunkElements();
+    AttachShm(hr, deadline);
     ++connects;
     return Status::Ok();
+  }
+
+  // After a hello: attaches a fresh shared-memory segment when the daemon offers one (then it is
+  // on this host). Any failure leaves the connection on TCP and says why in shm_status.
+  void AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::time_point deadline) {
+    std::lock_guard<std::mutex> lock(shm_mu);
+    shm.reset();
+    shm_used = 0;
+    if (options_.shared_memory_bytes == 0) {
+      shm_status = "off (ClientOptions::shared_memory_bytes is 0)";
+      return;
+    }
+    if (!hr.hasShmSocket() || hr.getShmNonce().size() + 8 != kShmMessageBytes) {
+      shm_status = "not offered (another host or network namespace, or psd --no-shared-memory)";
+      return;
+    }
+    std::string name = hr.getShmSocket();
+    auto sock = psd::wire::ConnectAbstract(name);
+    if (!sock.ok()) {
+      shm_status = "psd's socket @" + name + " is not reachable from here (" + sock.status().message() + ")";
+      return;
+    }
+    // No bigger than psd maps (its --shm-max-bytes).
+    const uint64_t bytes =
+        std::min<uint64_t>(options_.shared_memory_bytes, hr.getShmMaxBytes() > 0 ? hr.getShmMaxBytes() : UINT64_MAX);
+    auto seg = psd::wire::SharedSegment::Create(bytes, "psclient-" + std::to_string(index_));
+    std::string answer;
+    if (seg.ok()) {
+      uint8_t msg[kShmMessageBytes];
+      uint64_t id = hr.getConnectionId();
+      for (int i = 0; i < 8; ++i) msg[i] = static_cast<uint8_t>(id >> (8 * i));
+      std::memcpy(msg + 8, hr.getShmNonce().begin(), kShmMessageBytes - 8);
+      Status sent = psd::wire::SendWithFd(*sock, msg, sizeof(msg), (*seg)->fd());
+      answer = sent.ok() ? internal::ReadAnswer(
+                               *sock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(5)))
+                         : sent.message();
+    } else {
+      answer = seg.status().message();
+    }
+    ::close(*sock);
+    if (answer == "OK") {
+      shm = std::move(*seg);
+      shm_status.clear();
+    } else {
+      shm_status = "psd refused the segment: " + answer;
+    }
   }
 
   proto::Request::Builder NewRequest(OutFrame& frame) {
@@ -285,6 +333,11 @@ class Conn {
   void Drop() {
     boost::system::error_code ec;
     (tls_ ? tls_->next_layer() : socket_).close(ec);
+    // A request cut off may still be read by the daemon from the old segment: the next connection
+    // gets a new one, and the old pages live until the daemon lets them go.
+    std::lock_guard<std::mutex> lock(shm_mu);
+    if (shm) shm_status = "the connection was reset";
+    shm.reset();
   }
   bool IsOpen() const { return tls_ ? tls_->next_layer().is_open() : socket_.is_open(); }
 
@@ -354,6 +407,25 @@ class Conn {
   }
   std::atomic<uint64_t> connects{0};
   std::atomic<uint64_t> requests{0};
+
+  // Shared memory (AttachShm). Written on a call thread under the client's call lock and shm_mu;
+  // the status getters read under shm_mu.
+  static constexpr size_t kShmMessageBytes = 8 + 32;  // server/net/shm_listener.h
+  mutable std::mutex shm_mu;
+  std::shared_ptr<psd::wire::SharedSegment> shm;
+  std::string shm_status = "not connected";
+  uint64_t shm_used = 0;  // bytes handed out by ShmReserve since ShmReset
+  // Room for `bytes` (64-byte aligned) in the segment for this batch of requests, or -1.
+  int64_t ShmReserve(uint64_t bytes) {
+    if (!shm) return -1;
+    uint64_t at = (shm_used + 63) & ~uint64_t{63};
+    if (at > shm->size() || bytes > shm->size() - at) return -1;
+    shm_used = at + bytes;
+    return static_cast<int64_t>(at);
+  }
+  bool ShmFits(uint64_t bytes) const { return shm && ((shm_used + 63) & ~uint64_t{63}) + bytes <= shm->size(); }
+  // Every reply of the last batch is in: its room may be used again.
+  void ShmReset() { shm_used = 0; }
 
  private:
   Status SendNoReconnect(OutFrame& frame) {
@@ -564,6 +636,7 @@ class Client::Impl {
 
   // Called first by every public call (mu_ held): learns a new chief if the last call suggested one.
   void Begin() {
+    for (auto& c : conns_) c->ShmReset();  // the last call's replies are all in
     if (!refresh_chief_) return;
     refresh_chief_ = false;
     RefreshChief();
@@ -640,13 +713,23 @@ class Client::Impl {
   }
 
   // Copies a pull reply's values into the caller's views; returns the step they reflect.
-  Result<int64_t> ReadValues(proto::PullReply::Reader p, const std::vector<std::pair<std::string, TensorView>>& outs) {
+  // `from`: the connection it came on (its shared memory holds values sent that way).
+  Result<int64_t> ReadValues(proto::PullReply::Reader p, const std::vector<std::pair<std::string, TensorView>>& outs,
+                             const Conn* from) {
     try {
       auto values = p.getValues();
       if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
       for (size_t i = 0; i < outs.size(); ++i) {
-        auto t = psd::wire::ReadTensor(values[static_cast<unsigned>(i)], options_.max_frame_bytes);
+        auto tensor = values[static_cast<unsigned>(i)];
+        auto t = psd::wire::ReadTensor(tensor,
+                                       tensor.getInShm() && from->shm ? from->shm->size() : options_.max_frame_bytes);
         if (!t.ok()) return t.status();
+        if (tensor.getInShm()) {
+          const uint64_t bytes = static_cast<uint64_t>(psd::NumElements(t->shape)) * psd::DTypeSize(t->dtype);
+          t->data = from->shm ? from->shm->At(tensor.getShmOffset(), bytes) : nullptr;
+          if (t->data == nullptr) return psd::Internal("a value in shared memory outside this connection's segment");
+          t->bytes = bytes;
+        }
         const TensorView& out = outs[i].second;
         PSD_RETURN_IF_ERROR(CheckView("'" + outs[i].first + "'", t->dtype, t->shape, out));
         if (t->bytes != out.bytes()) return psd::Internal("pull reply for '" + outs[i].first + "' has a wrong size");
@@ -688,7 +771,25 @@ class Client::Impl {
     Outs outs;
     std::vector<int64_t> offsets;  // ranged: the first element of each
     bool ranged = false;
+    bool to_shm = false;  // the values come through the connection's shared memory (ShmTargetBytes)
   };
+
+  // The room a pull of `outs` takes in shared memory: each value at a multiple of 64 bytes.
+  static uint64_t ShmTargetBytes(const Outs& outs) {
+    uint64_t need = 0;
+    for (const auto& o : outs) need += (o.second.bytes() + 63) & ~uint64_t{63};
+    return need;
+  }
+  // Asks for `outs` in shard k's shared memory (room reserved now), when it has room.
+  template <typename B>
+  bool SetShmTarget(int k, const Outs& outs, B target) {
+    const uint64_t need = ShmTargetBytes(outs);
+    int64_t at = conn(k).ShmReserve(need);
+    if (at < 0) return false;
+    target.setOffset(static_cast<uint64_t>(at));
+    target.setBytes(need);
+    return true;
+  }
 
   // The frames that read `outs` from shard k: one, or (the values bigger than a reply frame)
   // several that ask for element ranges of whole parts.
@@ -697,6 +798,10 @@ class Client::Impl {
     for (const auto& o : outs) {
       bytes.push_back(o.second.bytes());
       elem.push_back(psd::DTypeSize(o.second.dtype));
+    }
+    if (conn(k).ShmFits(ShmTargetBytes(outs))) {
+      frames->push_back({k, outs, {}, false, true});
+      return;
     }
     auto plan = internal::PlanFrames(bytes, elem, {}, conn(k).PullFrameLimit(), conn(k).chunk_elements);
     bool whole = plan.size() == 1;
@@ -734,6 +839,7 @@ class Client::Impl {
   Result<int64_t> PullLocked(const Outs& outs, bool averages) {
     if (outs.empty()) return psd::InvalidArgument("Pull needs at least one variable");
     for (int attempt = 0;; ++attempt) {
+      for (auto& c : conns_) c->ShmReset();  // every earlier reply is in
       std::vector<Outs> per_shard;
       PSD_RETURN_IF_ERROR(SplitOuts(outs, &per_shard));
       std::vector<PullFrame> frames;
@@ -749,6 +855,9 @@ class Client::Impl {
         auto names = pull.initNames(static_cast<unsigned>(f.outs.size()));
         for (size_t i = 0; i < f.outs.size(); ++i) names.set(static_cast<unsigned>(i), f.outs[i].first);
         SetWantedDTypes(f.outs, pull.initDtypes(static_cast<unsigned>(f.outs.size())));
+        if (f.to_shm && !SetShmTarget(f.shard, f.outs, pull.initToShm())) {
+          return psd::Internal("the shared-memory room planned for a pull is gone");  // PlanPull checked it
+        }
         if (!f.ranged) continue;
         calls.back()->landing = LandingFor(f.outs);
         auto ranges = pull.initRanges(static_cast<unsigned>(f.outs.size()));
@@ -777,7 +886,7 @@ class Client::Impl {
             return;
           }
           step = std::min(step, p.getStep());
-          read = ReadValues(p, frames[i].outs).status();
+          read = ReadValues(p, frames[i].outs, &conn(frames[i].shard)).status();
         } catch (const kj::Exception& e) {
           read = Malformed(e);
         }
@@ -866,6 +975,25 @@ uint64_t Client::connection_epoch() const {
 }
 std::vector<std::string> Client::SlotNames() const { return config().slot_names; }
 int Client::shards() const { return impl_->shards(); }
+int Client::shared_memory_shards() const {
+  int n = 0;
+  for (int k = 0; k < impl_->shards(); ++k) {
+    std::lock_guard<std::mutex> lock(impl_->conn(k).shm_mu);
+    n += impl_->conn(k).shm ? 1 : 0;
+  }
+  return n;
+}
+std::string Client::shared_memory_status() const {
+  std::string out;
+  for (int k = 0; k < impl_->shards(); ++k) {
+    const auto& c = impl_->conn(k);
+    std::lock_guard<std::mutex> lock(c.shm_mu);
+    if (c.shm) continue;
+    if (!out.empty()) out += "; ";
+    out += (impl_->shards() > 1 ? "shard " + std::to_string(k) + ": " : std::string()) + c.shm_status;
+  }
+  return out;
+}
 int Client::chief_shard() const { return impl_->chief_.load(); }
 uint64_t Client::cluster_epoch() const { return impl_->cluster_epoch_.load(); }
 
@@ -1039,7 +1167,7 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
     proto::Response::Reader resp;
     PSD_RETURN_IF_ERROR(im.Single(loc->parts[0].shard, frame, &resp));
     try {
-      return im.ReadValues(resp.getPull(), {{name, out}});
+      return im.ReadValues(resp.getPull(), {{name, out}}, &im.conn(loc->parts[0].shard));
     } catch (const kj::Exception& e) {
       return Malformed(e);
     }
@@ -1157,6 +1285,24 @@ DType Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>
 
 // Sorts and coalesces sparse gradients' rows, then splits them by the variable's slices:
 // part k gets the rows in its range, re-based to the slice.
+// The one frame a shard's part of a push takes when its dense gradients go through shared memory:
+// false (plan over TCP) unless the connection has a segment with room for them all and the sparse
+// ones fit a frame.
+bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& sparse_bytes,
+             std::vector<internal::FramePlan>* frames) {
+  if (!conn.shm || dense_bytes.empty()) return false;
+  uint64_t need = 0, sparse = 0;
+  for (uint64_t b : dense_bytes) need += (b + 63) & ~uint64_t{63};
+  for (uint64_t b : sparse_bytes) sparse += b + internal::kFrameEntryOverhead;
+  const uint64_t limit = conn.PushFrameLimit();
+  if (!conn.ShmFits(need) || (limit > 0 && sparse + Conn::kFrameSlack > limit)) return false;
+  internal::FramePlan plan;
+  for (size_t i = 0; i < dense_bytes.size(); ++i) plan.dense.push_back({i, 0, dense_bytes[i]});
+  for (size_t j = 0; j < sparse_bytes.size(); ++j) plan.sparse.push_back(j);
+  frames->assign(1, std::move(plan));
+  return true;
+}
+
 struct SparsePart {
   std::vector<int64_t> indices;
   const void* values = nullptr;
@@ -1268,10 +1414,21 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   // The values come with the token when they fit one reply; else (and on a cluster) they are
   // pulled after it, in frames.
   bool pull_in_push = !cluster && pull_after && !pull_after->empty();
+  int64_t pull_shm_at = -1;  // ... through shared memory, there
+  uint64_t pull_shm_bytes = 0;
   if (pull_in_push) {
     std::vector<Impl::PullFrame> frames;
     im.PlanPull(chief, *pull_after, &frames);
     pull_in_push = !frames[0].ranged;
+    if (frames[0].to_shm) {
+      // The values are written where the gradients were: psd has read the gradients (applied or
+      // dropped them) before it answers, so the room is reused and a step touches
+      // max(gradients, values) of shared memory, not their sum.
+      pull_shm_bytes = Impl::ShmTargetBytes(*pull_after);
+      pull_shm_at = im.conn(chief).ShmReserve(pull_shm_bytes);
+      pull_in_push = pull_shm_at >= 0;
+      im.conn(chief).ShmReset();
+    }
   }
   Impl::Calls calls;
   const bool counts_at_chief = im.AppliesOnArrival();
@@ -1321,9 +1478,16 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       element_bytes.push_back(psd::DTypeSize(d.view.dtype));
     }
     for (const SparseEntry& e : sp) sparse_bytes.push_back(e.part.bytes + e.part.indices.size() * sizeof(int64_t));
-    // Bigger than a frame: several frames, gradients cut into chunks, the token wait on the last.
-    std::vector<internal::FramePlan> frames = internal::PlanFrames(
-        dense_bytes, element_bytes, sparse_bytes, im.conn(k).PushFrameLimit(), im.conn(k).chunk_elements);
+    Conn& conn = im.conn(k);
+    // Same host: the dense gradients go through shared memory and one frame says where they are
+    // (the sparse ones ride in it when they fit a frame). Else: bigger than a frame, several
+    // frames, gradients cut into chunks, the token wait on the last.
+    std::vector<internal::FramePlan> frames;
+    const bool via_shm = ShmPlan(conn, dense_bytes, sparse_bytes, &frames);
+    if (!via_shm) {
+      frames =
+          internal::PlanFrames(dense_bytes, element_bytes, sparse_bytes, conn.PushFrameLimit(), conn.chunk_elements);
+    }
     for (size_t f = 0; f < frames.size(); ++f) {
       const internal::FramePlan& plan = frames[f];
       const bool last = f + 1 == frames.size();
@@ -1340,7 +1504,13 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
         auto names = p.initPullAfter(static_cast<unsigned>(pull_after->size()));
         for (size_t i = 0; i < pull_after->size(); ++i) names.set(static_cast<unsigned>(i), (*pull_after)[i].first);
         SetWantedDTypes(*pull_after, p.initPullAfterDtypes(static_cast<unsigned>(pull_after->size())));
-        c.landing = Impl::LandingFor(*pull_after);  // one value: read straight into the caller's view
+        if (pull_shm_at >= 0) {
+          auto target = p.initPullToShm();
+          target.setOffset(static_cast<uint64_t>(pull_shm_at));
+          target.setBytes(pull_shm_bytes);
+        } else {
+          c.landing = Impl::LandingFor(*pull_after);  // one value: read straight into the caller's view
+        }
       }
       auto list = p.initGrads(static_cast<unsigned>(plan.dense.size() + plan.sparse.size()));
       slots_of_call.emplace_back();
@@ -1350,7 +1520,13 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
         auto e = list[static_cast<unsigned>(i)];
         e.setName(*d.name);
         const ConstTensorView& v = d.view;
-        if (piece.offset == 0 && piece.bytes == v.bytes()) {
+        if (via_shm) {
+          int64_t at = conn.ShmReserve(v.bytes());  // ShmPlan checked that all fit
+          if (v.bytes() > 0) std::memcpy(conn.shm->data() + at, v.data, v.bytes());
+          psd::wire::SetTensor(c.frame.builder, e.initGrad(), v.dtype, v.shape, nullptr, 0);
+          e.getGrad().setInShm(true);
+          e.getGrad().setShmOffset(static_cast<uint64_t>(at));
+        } else if (piece.offset == 0 && piece.bytes == v.bytes()) {
           psd::wire::SetTensor(c.frame.builder, e.initGrad(), v.dtype, v.shape, v.data, v.bytes(), d.padded);
         } else {
           // A chunk: a flat run of the gradient's elements (the last one ends where the whole does).
@@ -1425,7 +1601,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     // A single daemon's reply carries the values: after the token when it waited, else at once.
     if (pull_in_push && (&call == token_call || (!wait_token && r.hasPulled()))) {
       if (r.hasPulled() && out.token_status.ok()) {
-        auto step = im.ReadValues(r.getPulled(), *pull_after);
+        auto step = im.ReadValues(r.getPulled(), *pull_after, &im.conn(chief));
         if (!step.ok()) return step.status();
         out.pulled_step = *step;
       }

@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <condition_variable>
@@ -103,6 +104,25 @@ psd::Status ConnectBefore(tcp::socket& socket, const std::string& host, uint16_t
   boost::system::error_code ec;
   socket.close(ec);
   return psd::Unavailable("cannot connect to psd at " + where + ": " + s.message());
+}
+
+std::string ReadAnswer(int fd, std::chrono::steady_clock::time_point deadline) {
+  std::string got;
+  char buf[512];
+  while (got.size() < sizeof(buf)) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return "no answer in time";
+    pollfd p{fd, POLLIN, 0};
+    int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
+    if (r < 0 && errno != EINTR) return std::string("poll: ") + std::strerror(errno);
+    if (r <= 0) continue;
+    ssize_t n = ::read(fd, buf, sizeof(buf) - got.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return std::string("read: ") + std::strerror(errno);
+    if (n == 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  return got;
 }
 
 }  // namespace psclient::internal

@@ -21,6 +21,10 @@ namespace psclient::internal {
 psd::Status ConnectBefore(psd::tcp::socket& socket, const std::string& host, uint16_t port,
                           std::chrono::steady_clock::time_point deadline);
 
+// Reads a short answer (at most 512 bytes) from `fd` until its end, or until `deadline`:
+// what was read, or a description of what went wrong.
+std::string ReadAnswer(int fd, std::chrono::steady_clock::time_point deadline);
+
 }  // namespace psclient::internal
 
 #endif  // PSCLIENT_SRC_CONNECT_H_

@@ -271,6 +271,7 @@ Status ServerConfig::Validate() {
   PSD_RETURN_IF_ERROR(SizeInRange("--max-frame-bytes", max_frame_bytes, 4ull << 10, 16ull << 30));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-model-bytes", max_model_bytes, 4ull << 10, 1ull << 50));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-inflight-bytes", max_inflight_bytes, 64ull << 10, 1ull << 50));
+  PSD_RETURN_IF_ERROR(SizeInRange("--shm-max-bytes", shm_max_bytes, 64ull << 10, 1ull << 44));
   if (max_inflight_bytes < max_frame_bytes) {
     return InvalidArgument("--max-inflight-bytes (" + std::to_string(max_inflight_bytes) +
                            ") must be at least --max-frame-bytes (" + std::to_string(max_frame_bytes) +

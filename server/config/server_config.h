@@ -30,6 +30,10 @@ struct ServerConfig : TrainingConfig {
   int io_threads = 2;
   // --busy-poll: I/O threads poll their sockets without sleeping (each keeps a core busy).
   bool busy_poll = false;
+  // Same-host workers may attach a shared-memory segment (README "Same-host shared memory"), of at
+  // most shm_max_bytes each.
+  bool shared_memory = true;
+  uint64_t shm_max_bytes = 4ull << 30;
   // Memory for incoming frames across all connections (README "Hardening"): a frame waits for its
   // share (backpressure) instead of failing; a frame must arrive within frame_timeout_ms once it
   // holds its share.

@@ -234,6 +234,14 @@ std::string OpsService::RenderMetrics() const {
 
   w.Counter("psd_received_bytes_total", "bytes received on the data port", static_cast<double>(m.bytes_in()));
   w.Counter("psd_sent_bytes_total", "bytes sent on the data port", static_cast<double>(m.bytes_out()));
+  w.Counter("psd_shm_bytes_total", "tensor bytes moved through same-host workers' shared memory",
+            static_cast<double>(m.shm_bytes()));
+  if (ShmListener* shm = server_.shm()) {
+    w.Counter("psd_shm_attached_total", "shared-memory segments attached by same-host workers",
+              static_cast<double>(shm->attached()));
+    w.Counter("psd_shm_refused_total", "shared-memory segments refused (bad nonce, unsealed, too big)",
+              static_cast<double>(shm->refused()));
+  }
   w.Gauge("psd_connections", "open connections on the data port", server_.connection_count());
   w.Counter("psd_connections_accepted_total", "connections accepted", static_cast<double>(m.connections_accepted()));
   w.Counter("psd_connections_refused_total", "connections refused by --max-connections",
@@ -322,6 +330,8 @@ std::string OpsService::RenderStatusJson() const {
   j.Key("connections").Int(server_.connection_count());
   j.Key("bytes_in").Int(static_cast<int64_t>(m.bytes_in()));
   j.Key("bytes_out").Int(static_cast<int64_t>(m.bytes_out()));
+  j.Key("shm_bytes").Int(static_cast<int64_t>(m.shm_bytes()));
+  j.Key("shm_attached").Int(static_cast<int64_t>(server_.shm() ? server_.shm()->attached() : 0));
   j.Key("inflight_frame_bytes").Int(static_cast<int64_t>(server_.frame_budget().in_use()));
   j.Key("inflight_frame_bytes_limit").Int(static_cast<int64_t>(server_.frame_budget().limit()));
   j.Key("rss_bytes").Number(ReadProcess().rss_bytes);

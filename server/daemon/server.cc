@@ -321,6 +321,15 @@ Status Server::Start() {
     }
   }
   port_ = acceptor_.local_endpoint().port();
+  if (config_.shared_memory) {
+    shm_ = std::make_unique<ShmListener>(io_, config_.shm_max_bytes, config_.hello_timeout_ms);
+    Status shm = shm_->Start();
+    if (!shm.ok()) {
+      // Not fatal: workers on this host then move tensors over TCP.
+      spdlog::warn("{}; same-host workers will use TCP", shm.message());
+      shm_.reset();
+    }
+  }
   PSD_RETURN_IF_ERROR(ops_->Start());
   if (!config_.checkpoint_dir.empty()) ckpt_writer_.Start();
   work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
@@ -614,6 +623,7 @@ void Server::Stop() {
   asio::post(io_, [this] {
     boost::system::error_code ec;
     acceptor_.close(ec);
+    if (shm_) shm_->Stop();
     accept_backoff_.cancel();
     summary_timer_.cancel();
     checkpoint_timer_.cancel();

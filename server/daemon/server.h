@@ -73,6 +73,7 @@ class Server : public ServiceHost {
   // checkpoint, a missing shard, the cluster forming). /readyz and the readiness signals use it.
   Status Serving() const override;
   ops::Metrics& metrics() override { return metrics_; }
+  ShmListener* shm() override { return shm_.get(); }
   // Published values converted to the dtypes readers ask for (shared by all connections).
   ConvertedValues& converted_values() override { return converted_values_; }
   // Memory for incoming frames across all connections (--max-inflight-bytes).
@@ -172,6 +173,7 @@ class Server : public ServiceHost {
   asio::io_context io_;
   std::unique_ptr<asio::executor_work_guard<asio::io_context::executor_type>> work_;
   tcp::acceptor acceptor_;
+  std::unique_ptr<ShmListener> shm_;  // with --shared-memory (the default)
   // Accept loop state (touched only by the single outstanding accept's handler and its timer).
   asio::steady_timer accept_backoff_;
   int accept_backoff_ms_ = 0;  // > 0: in an episode of running out of descriptors

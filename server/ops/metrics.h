@@ -64,6 +64,8 @@ class Metrics {
   // --- recorded by the request paths ------------------------------------------------------
   void OnBytesIn(uint64_t n) { bytes_in_.fetch_add(n, std::memory_order_relaxed); }
   void OnBytesOut(uint64_t n) { bytes_out_.fetch_add(n, std::memory_order_relaxed); }
+  // Tensor bytes read from or written to workers' shared memory (README "Same-host shared memory").
+  void OnShmBytes(uint64_t n) { shm_bytes_.fetch_add(n, std::memory_order_relaxed); }
   void OnConnectionAccepted() { connections_accepted_.fetch_add(1, std::memory_order_relaxed); }
   void OnConnectionRefused() { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
   // A connection closed because its frame did not arrive within --frame-timeout-ms.
@@ -95,6 +97,7 @@ class Metrics {
   // --- read by the renderers ---------------------------------------------------------------
   uint64_t bytes_in() const { return bytes_in_.load(std::memory_order_relaxed); }
   uint64_t bytes_out() const { return bytes_out_.load(std::memory_order_relaxed); }
+  uint64_t shm_bytes() const { return shm_bytes_.load(std::memory_order_relaxed); }
   uint64_t connections_accepted() const { return connections_accepted_.load(std::memory_order_relaxed); }
   uint64_t connections_refused() const { return connections_refused_.load(std::memory_order_relaxed); }
   uint64_t frame_timeouts() const { return frame_timeouts_.load(std::memory_order_relaxed); }
@@ -125,7 +128,7 @@ class Metrics {
  private:
   WorkerFigures& WorkerLocked(uint32_t worker) REQUIRES(mu_);
 
-  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};
+  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, shm_bytes_{0};
   std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0}, frame_timeouts_{0};
   std::atomic<uint64_t> steps_forced_{0}, gradients_used_{0};
   std::atomic<int> last_min_gradients_{0}, last_max_gradients_{0};

@@ -1,5 +1,7 @@
 #include "service/reply_values.h"
 
+#include <cstring>
+
 #include "psd/half.h"
 
 namespace psd::server {
@@ -34,6 +36,33 @@ void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared
     wire::SetTensor(frame.builder, t, want, shape, out->data(), out->bytes(), /*padded=*/true);
   }
   frame.keepalive.push_back(std::move(out));
+}
+
+Status SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype, const Shape& shape, DType want,
+                     const ElementRange* range, wire::SharedSegment& segment, uint64_t* cursor, uint64_t end) {
+  const size_t count = range != nullptr ? static_cast<size_t>(range->count) : value.bytes() / DTypeSize(dtype);
+  const size_t first = range != nullptr ? static_cast<size_t>(range->offset) : 0;
+  const uint64_t bytes = count * DTypeSize(want);
+  const uint64_t at = (*cursor + 63) & ~uint64_t{63};
+  uint8_t* dst = at <= end && bytes <= end - at ? segment.At(at, bytes) : nullptr;
+  if (dst == nullptr) {
+    return InvalidArgument("the values do not fit the shared-memory room the request gave (" + std::to_string(end) +
+                           " bytes end)");
+  }
+  const uint8_t* src = static_cast<const uint8_t*>(value.data()) + first * DTypeSize(dtype);
+  if (want == dtype) {
+    std::memcpy(dst, src, bytes);
+  } else {
+    ConvertElements(src, dtype, dst, want, count);
+  }
+  const Shape out = range != nullptr ? Shape{range->count} : shape;
+  t.setDtype(wire::ToWire(want));
+  auto dims = t.initShape(static_cast<unsigned>(out.size()));
+  for (size_t i = 0; i < out.size(); ++i) dims.set(static_cast<unsigned>(i), out[i]);
+  t.setInShm(true);
+  t.setShmOffset(at);
+  *cursor = at + bytes;
+  return Status::Ok();
 }
 
 Result<std::vector<std::optional<DType>>> WantedDTypes(capnp::List<proto::DType>::Reader in, size_t names) {

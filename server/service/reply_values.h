@@ -15,6 +15,7 @@
 #include "psd/status.h"
 #include "psd/tensor.h"
 #include "wire/frame.h"
+#include "wire/shm.h"
 
 namespace psd::server {
 
@@ -35,6 +36,19 @@ Status CheckRange(const ElementRange& range, int64_t elements, const std::string
 void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared_ptr<const Buffer>& value, DType dtype,
               const Shape& shape, DType want, ConvertedValues* cache = nullptr, std::string_view variable = {},
               const ElementRange* range = nullptr);
+
+// Where in a connection's shared memory a reply's values go (Pull.toShm): each at a multiple of
+// 64 bytes from `offset`, within `bytes`.
+struct ShmTarget {
+  uint64_t offset;
+  uint64_t bytes;
+};
+
+// Writes a value as SetValue would deliver it (dtype `want`, `range`) into `segment` at the next
+// 64-byte multiple from *cursor within `end`, and says where in `t` (inShm, shmOffset). The pages
+// are the worker's: they are only written, within bounds. INVALID_ARGUMENT when it does not fit.
+Status SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype, const Shape& shape, DType want,
+                     const ElementRange* range, wire::SharedSegment& segment, uint64_t* cursor, uint64_t end);
 
 // The dtypes a request asks for, one per name (empty list: each variable's own). Errors name the
 // mismatch; an unknown dtype is INVALID_ARGUMENT.

@@ -18,6 +18,7 @@
 #include "core/var_placement.h"
 #include "core/worker_registry.h"
 #include "net/peer_auth.h"
+#include "net/shm_listener.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
 
@@ -39,6 +40,8 @@ class ServiceHost {
   virtual WorkerRegistry& workers() = 0;
   virtual SspGate& ssp() = 0;
   virtual ops::Metrics& metrics() = 0;
+  // Where same-host workers attach shared memory; null with --no-shared-memory.
+  virtual ShmListener* shm() = 0;
   virtual ConvertedValues& converted_values() = 0;
   virtual peer_auth::LogLimiter& spoof_log() = 0;
   virtual double uptime_s() const = 0;

@@ -37,6 +37,10 @@ bool WorkerSession::Busy() {
 }
 
 void WorkerSession::OnClosed() {
+  if (shm_) {
+    if (host_.shm()) host_.shm()->Withdraw(id_);
+    shm_->set(nullptr);  // unmapped once no request holds it
+  }
   for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
   if (peer_shard_ >= 0) host_.coordinator()->OnPeerDown(peer_shard_);
   host_.OnConnectionClosed(id_);
@@ -213,6 +217,16 @@ void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
   FillCluster(h, host_.engine()->epoch());
   h.setMaxFrameBytes(host_.config().max_frame_bytes);
   h.setChunkElements(TrainingEngine::kChunkElements);
+  if (ShmListener* shm = host_.shm()) {
+    if (!shm_) shm_ = std::make_shared<ShmSlot>();
+    auto nonce = shm->Offer(id_, shm_);
+    if (nonce.ok()) {
+      h.setShmSocket(shm->name());
+      h.setShmNonce(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(nonce->data()), nonce->size()));
+      h.setConnectionId(id_);
+      h.setShmMaxBytes(host_.config().shm_max_bytes);
+    }
+  }
   spdlog::info("worker '{}' (incarnation {}) connected as #{}{}", name, r.getIncarnation(), *index,
                h.getIsChief() ? ", chief" : "");
   Send(std::move(frame));
@@ -349,8 +363,8 @@ Status WorkerSession::GatherCreateChunk(proto::CreateVariable::Reader r, const w
 
 Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p,
                                 const std::vector<std::string>& names, bool averages,
-                                const std::vector<std::optional<DType>>& want,
-                                const std::vector<ElementRange>& ranges) {
+                                const std::vector<std::optional<DType>>& want, const std::vector<ElementRange>& ranges,
+                                std::optional<ShmTarget> to_shm) {
   std::vector<PulledValue> values;
   int64_t step = 0;
   auto engine = host_.engine();
@@ -364,6 +378,23 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
   p.setStep(step);
   p.setClusterEpoch(engine->epoch());
   auto list = p.initValues(static_cast<unsigned>(values.size()));
+  if (to_shm) {
+    std::shared_ptr<wire::SharedSegment> segment = shm_ ? shm_->get() : nullptr;
+    if (!segment) return FailedPrecondition("values asked into shared memory, but this connection has no segment");
+    if (segment->At(to_shm->offset, to_shm->bytes) == nullptr) {
+      return InvalidArgument("the shared-memory room of the request is outside this connection's segment");
+    }
+    uint64_t cursor = to_shm->offset;
+    for (size_t i = 0; i < values.size(); ++i) {
+      const PulledValue& v = values[i];
+      PSD_RETURN_IF_ERROR(SetValueInShm(list[static_cast<unsigned>(i)], *v.value, v.dtype, v.shape,
+                                        i < want.size() && want[i] ? *want[i] : v.declared,
+                                        i < ranges.size() ? &ranges[i] : nullptr, *segment, &cursor,
+                                        to_shm->offset + to_shm->bytes));
+    }
+    host_.metrics().OnShmBytes(cursor - to_shm->offset);
+    return Status::Ok();
+  }
   for (size_t i = 0; i < values.size(); ++i) {
     const PulledValue& v = values[i];
     // Zero-copy where no conversion is asked for: the reply references the immutable published buffer.
@@ -372,6 +403,31 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
              i < ranges.size() ? &ranges[i] : nullptr);
   }
   return Status::Ok();
+}
+
+std::optional<ShmTarget> WorkerSession::TargetOf(bool has, proto::ShmTarget::Reader r) {
+  if (!has) return std::nullopt;
+  return ShmTarget{r.getOffset(), r.getBytes()};
+}
+
+Result<wire::TensorRef> WorkerSession::ReadTensorIn(proto::Tensor::Reader t,
+                                                    std::shared_ptr<wire::SharedSegment>* hold) const {
+  if (!t.getInShm()) return wire::ReadTensor(t, host_.config().max_frame_bytes);
+  if (!*hold) *hold = shm_ ? shm_->get() : nullptr;
+  if (!*hold) return FailedPrecondition("a tensor in shared memory, but this connection has no segment attached");
+  if (t.getData().size() != 0) return InvalidArgument("a tensor in shared memory must not carry data in the frame");
+  auto ref = wire::ReadTensor(t, (*hold)->size());
+  if (!ref.ok()) return ref.status();
+  const uint64_t bytes = static_cast<uint64_t>(NumElements(ref->shape)) * DTypeSize(ref->dtype);
+  ref->data = (*hold)->At(t.getShmOffset(), bytes);
+  if (ref->data == nullptr) {
+    return InvalidArgument("a tensor of " + std::to_string(bytes) + " bytes at offset " +
+                           std::to_string(t.getShmOffset()) + " is outside this connection's shared-memory segment (" +
+                           std::to_string((*hold)->size()) + " bytes)");
+  }
+  ref->bytes = bytes;
+  host_.metrics().OnShmBytes(bytes);
+  return ref;
 }
 
 void WorkerSession::HandlePull(uint64_t id, proto::Pull::Reader r) {
@@ -389,7 +445,8 @@ void WorkerSession::HandlePull(uint64_t id, proto::Pull::Reader r) {
   }
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
-  Status s = AddValues(*frame, resp.initPull(), names, r.getAverages(), *want, ranges);
+  Status s =
+      AddValues(*frame, resp.initPull(), names, r.getAverages(), *want, ranges, TargetOf(r.hasToShm(), r.getToShm()));
   if (!s.ok()) return SendError(id, s);
   Send(std::move(frame));
 }
@@ -420,8 +477,9 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   std::vector<GradRef> grads;
   grads.reserve(grads_in.size());
   std::deque<std::vector<int64_t>> index_storage;  // stable addresses for sparse indices
+  std::shared_ptr<wire::SharedSegment> shm_hold;   // mapped while the gradients are read
   for (auto g : grads_in) {
-    auto t = wire::ReadTensor(g.getGrad(), host_.config().max_frame_bytes);
+    auto t = ReadTensorIn(g.getGrad(), &shm_hold);
     if (!t.ok()) return SendError(id, t.status());
     auto name = g.getName();
     GradRef ref{std::string_view(name.cStr(), name.size()),
@@ -480,10 +538,12 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     std::vector<GradOutcome> outcomes;
     std::vector<std::string> pull_after;            // the values the reply carries too
     std::vector<std::optional<DType>> pull_dtypes;  // ... and the dtypes they are asked in
+    std::optional<ShmTarget> pull_shm;              // ... and where, when in shared memory
   };
   auto pending = std::make_shared<Pending>();
   pending->pull_after = std::move(pull_after);
   pending->pull_dtypes = std::move(*want);
+  pending->pull_shm = TargetOf(r.hasPullToShm(), r.getPullToShm());
   auto fill = [pending, this, engine](proto::PushReply::Builder p) {
     const std::vector<GradOutcome>& outcomes = pending->outcomes;
     auto results = p.initResults(static_cast<unsigned>(outcomes.size()));
@@ -509,7 +569,8 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     p.setTokenCode(wire::ToWire(st.code()));
     p.setTokenMessage(st.message());
     if (st.ok() && !pending->pull_after.empty()) {
-      Status pulled = AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes);
+      Status pulled =
+          AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes, {}, pending->pull_shm);
       if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
     }
     Send(std::move(frame));
@@ -544,7 +605,8 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   auto p = resp.initPush();
   fill(p);
   if (!pending->pull_after.empty()) {
-    Status pulled = AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes);
+    Status pulled =
+        AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes, {}, pending->pull_shm);
     if (!pulled.ok()) return SendError(id, pulled);
   }
   Send(std::move(frame));

@@ -27,6 +27,7 @@
 #include "net/connection.h"
 #include "net/parked_reply.h"
 #include "net/peer_auth.h"
+#include "net/shm_listener.h"
 #include "psd.capnp.h"
 #include "service/reply_values.h"
 #include "wire/asio.h"
@@ -73,9 +74,15 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // Puts the named variables' current values (one step) into a reply, referencing them in place.
   // want: empty, or per name the dtype to deliver (unset: the variable's own). ranges: empty, or
   // per name the elements to deliver (as a flat [count]; INVALID_ARGUMENT outside the value).
+  // to_shm: write them into this connection's shared memory there instead (Pull.toShm).
   Status AddValues(wire::OutFrame& frame, proto::PullReply::Builder p, const std::vector<std::string>& names,
                    bool averages, const std::vector<std::optional<DType>>& want = {},
-                   const std::vector<ElementRange>& ranges = {});
+                   const std::vector<ElementRange>& ranges = {}, std::optional<ShmTarget> to_shm = std::nullopt);
+  // A request's shared-memory target (unset when it has none).
+  static std::optional<ShmTarget> TargetOf(bool has, proto::ShmTarget::Reader r);
+  // A tensor of a request: in the frame, or in this connection's shared memory (*hold keeps the
+  // segment mapped while the caller reads it).
+  Result<wire::TensorRef> ReadTensorIn(proto::Tensor::Reader t, std::shared_ptr<wire::SharedSegment>* hold) const;
   void HandlePush(uint64_t id, proto::Push::Reader r);
   void HandleWaitToken(uint64_t id, proto::WaitToken::Reader r);
   void HandleStatus(uint64_t id);
@@ -124,6 +131,8 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // While a peer's proof is awaited: the dialer's nonce followed by this shard's.
   std::string peer_nonces_;
   std::set<std::shared_ptr<TokenWait>> parked_;
+  // A worker's shared-memory segment, once attached (offered at its hello when psd has a ShmListener).
+  std::shared_ptr<ShmSlot> shm_;
   // A variable's initial value arriving in chunks (CreateVariable.chunked): gathered here, created
   // with the last chunk; dropped by any other request or the connection's end.
   struct PendingCreate {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # e2e, multi-host: 3 psd shards, each in its own network namespace (its own IP, all on port 7070),
 # joined by veth pairs to a router namespace where the workers run. Then:
-#  - the cluster trains with workers on the "router host";
+#  - the cluster trains with workers on the "router host" (over TCP: shared memory is for workers
+#    in a shard's own namespace, and is not attached from another);
 #  - shard 2's link is cut (no FIN, no RST: only the heartbeat timeout can tell), the cluster
 #    stops serving and says which shard is missing; the link comes back, the cluster restores its
 #    newest checkpoint as one and the job finishes.
@@ -84,4 +85,6 @@ for w in 0 1 2 3; do
   awk -v f="$final" 'BEGIN { exit !(f != "" && f < 0.45) }' || fail "w$w: final loss '$final'"
 done
 echo "training finished across 3 namespaces: $(grep done: "$run/w0.log")"
+# Workers on "another host" cannot reach a shard's shared-memory socket: they stayed on TCP.
+! grep -q "shared memory attached" "$run"/s*.log || fail "a worker in another namespace attached shared memory"
 echo "PASS"

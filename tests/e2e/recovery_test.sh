@@ -38,6 +38,8 @@ for p in "${wpids[@]}"; do wait "$p" || { echo "a worker failed"; cat "$run"/w*.
 wait "$psd2" || { echo "restarted psd did not exit 0"; cat "$run/psd2.log"; exit 1; }
 grep -q "restored .* at global step" "$run/psd2.log" || { echo "no restore"; cat "$run/psd2.log"; exit 1; }
 grep "restored" "$run/psd2.log" | sed 's/.*restored/restored/'
+# The workers, on this host, attached new segments to the restarted psd (their old ones died with it).
+grep -q "shared memory attached" "$run/psd2.log" || { echo "no worker re-attached shared memory"; cat "$run/psd2.log"; exit 1; }
 for i in 0 1 2; do
   final=$(sed -n 's/.*loss [0-9.]* -> \([0-9.]*\).*/\1/p' "$run/w$i.log")
   awk -v f="$final" 'BEGIN { exit !(f != "" && f < 0.45) }' || { echo "w$i: loss $final"; cat "$run/w$i.log"; exit 1; }

@@ -148,6 +148,23 @@ std::map<std::string, Bytes> WorkerSeeds() {
   s["push_dense"] = Session({Push(false)});
   s["push_sparse"] = Session({Push(true)});
   s["push_chunks"] = Session({ChunkedPush()});
+  // Tensors said to be in a shared-memory segment (none is attached over a byte stream).
+  s["push_shm"] = Session({Frame(3, [](Request::Builder r) {
+    auto p = r.initPush();
+    auto g = p.initGrads(1)[0];
+    g.setName("w");
+    auto t = g.initGrad();
+    t.setDtype(psd::proto::DType::FLOAT32);
+    t.initShape(1).set(0, 8);
+    t.setInShm(true);
+    t.setShmOffset(64);
+  })});
+  s["pull_shm"] = Session({Frame(3, [](Request::Builder r) {
+    auto p = r.initPull();
+    p.initNames(1).set(0, "w");
+    p.initToShm().setOffset(0);
+    p.getToShm().setBytes(64);
+  })});
   s["wait_token"] = Session({Frame(3, [](Request::Builder r) { r.initWaitToken().setTimeoutMs(10); })});
   s["get_slot"] = Session({Frame(3, [](Request::Builder r) {
     auto g = r.initGetSlot();

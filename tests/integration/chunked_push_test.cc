@@ -22,6 +22,7 @@ std::unique_ptr<psclient::Client> Connect(uint16_t port, const std::string& name
   psclient::ClientOptions o = WorkerOptions(port, name);
   o.push_frame_bytes = push_frame_bytes;
   o.pull_frame_bytes = pull_frame_bytes;
+  o.shared_memory_bytes = 0;  // frames are what is tested: TCP only (shm_test.cc: shared memory)
   return ConnectWith(o);
 }
 
@@ -44,6 +45,7 @@ psclient::ClientOptions SmallReplies(uint16_t port, const std::string& name) {
   psclient::ClientOptions o = WorkerOptions(port, name);
   o.max_frame_bytes = 100 << 10;
   o.pull_frame_bytes = 48 << 10;
+  o.shared_memory_bytes = 0;
   return o;
 }
 constexpr size_t kB = 10;

@@ -5,69 +5,17 @@
 #include <random>
 #include <thread>
 
+#include "support/raw_peer.h"
 #include "support/test_server.h"
 #include "wire/frame.h"
 
 using namespace psd;
 using psd::testing::ConnectWorker;
+using psd::testing::RawPeer;
 using psd::testing::StartServer;
 using psd::testing::TestConfig;
 
 namespace {
-
-struct RawPeer {
-  explicit RawPeer(uint16_t port) : socket(io) {
-    socket.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
-  }
-  void SendBytes(const std::string& bytes) { asio::write(socket, asio::buffer(bytes)); }
-  void Send(wire::OutFrame& f) { REQUIRE(wire::WriteFrame(socket, f).ok()); }
-  // Reads one response; returns false if the connection was closed instead.
-  bool Read(Code* code, std::string* message, uint64_t* id = nullptr) {
-    Status s = wire::ReadFrame(socket, in, 1 << 20);
-    if (!s.ok()) return false;
-    auto r = in.Reader();
-    auto resp = r->getRoot<proto::Response>();
-    *code = wire::FromWire(resp.getCode());
-    *message = resp.getMessage();
-    if (id) *id = resp.getId();
-    return true;
-  }
-  bool ClosedByPeer() {
-    char c;
-    boost::system::error_code ec;
-    socket.non_blocking(false, ec);  // wait for the close (the frame helpers made it non-blocking)
-    socket.read_some(asio::buffer(&c, 1), ec);
-    return ec == asio::error::eof || ec == asio::error::connection_reset;
-  }
-  // True if psd closes the connection within `limit` (a test bound, not a timing assert).
-  bool ClosedWithin(std::chrono::seconds limit) {
-    char c;
-    bool closed = false;
-    socket.async_read_some(asio::buffer(&c, 1), [&](boost::system::error_code ec, size_t) {
-      closed = ec == asio::error::eof || ec == asio::error::connection_reset;
-    });
-    io.restart();
-    io.run_for(limit);
-    return closed;
-  }
-  void Hello(const std::string& name = "raw", const std::string& token = "") {
-    wire::OutFrame f;
-    auto h = f.builder.initRoot<proto::Request>();
-    h.setId(1);
-    auto hello = h.initHello();
-    hello.setProtocolVersion(proto::PROTOCOL_VERSION);
-    hello.setWorkerName(name);
-    hello.setAuthToken(token);
-    Send(f);
-    Code code;
-    std::string msg;
-    REQUIRE(Read(&code, &msg));
-    REQUIRE(code == Code::kOk);
-  }
-  asio::io_context io;
-  tcp::socket socket;
-  wire::InFrame in;
-};
 
 std::string Words(std::vector<uint32_t> words) {
   return std::string(reinterpret_cast<const char*>(words.data()), words.size() * 4);

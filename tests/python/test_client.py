@@ -59,6 +59,22 @@ def test_pull_writes_into_the_callers_array(psd):
         np.testing.assert_array_equal(out, 3.0 - LR)
 
 
+def test_same_host_shared_memory_and_tcp_give_the_same_values(start_psd):
+    results = {}
+    for shm_bytes in (1 << 30, 0):
+        daemon = start_psd("-R", "1", "--init-tokens", "0", "--learning-rate", "0.5")
+        with connect(daemon, shared_memory_bytes=shm_bytes) as c:
+            assert c.shared_memory_shards == (1 if shm_bytes else 0)
+            assert (c.shared_memory_status == "") == bool(shm_bytes)
+            c.create_variable("w", np.linspace(0, 1, 100_000, dtype=np.float32))
+            out = np.zeros(100_000, np.float32)
+            for step in range(3):
+                grad = np.sin(np.arange(100_000, dtype=np.float32) + step)
+                c.push(step, {"w": grad}, wait_token=True, pull_after={"w": out})
+            results[shm_bytes] = out.copy()
+    np.testing.assert_array_equal(results[1 << 30], results[0])
+
+
 def test_push_reads_the_callers_array(psd):
     with connect(psd) as c:
         c.create_variable("w", shape=(2, 2), dtype="float64")

@@ -85,6 +85,12 @@ struct ClientOptions {
   // for up to this many microseconds before sleeping (0: sleep at once). Lower latency for small
   // steps at the cost of a core busy while the call waits; plain TCP only (TLS ignores it).
   int64_t busy_poll_us = 0;
+  // Same-host shared memory (README "Same-host shared memory"): when a daemon offers it at hello
+  // (it is on this host and in this network namespace), tensors move through a shared segment of
+  // this many bytes instead of the socket; the connection stays the control path. Virtual size:
+  // pages are used only as touched (about the biggest push plus pull of one call). A call that
+  // does not fit, and any failure to attach, goes over TCP. 0: never.
+  uint64_t shared_memory_bytes = 1ull << 30;
   // An observer (admin tools, dashboards) is not a worker: it may only call GetStatus and
   // RequestCheckpoint, never becomes chief and does not count for the job.
   bool observer = false;
@@ -417,6 +423,10 @@ class PSD_EXPORT Client {
   bool should_save_summary() const { return is_chief(); }
   // Requests sent so far over all shards (to check batching).
   uint64_t requests_sent() const;
+  // Shards whose connection moves tensors through shared memory now (ClientOptions::
+  // shared_memory_bytes), and, for the others, why not (empty when all use it).
+  int shared_memory_shards() const;
+  std::string shared_memory_status() const;
 
   // Declares this worker done. With --exit-when-done the daemon exits once all workers did.
   Status Finish();

@@ -327,7 +327,7 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
                                     uint64_t max_frame_bytes, uint64_t push_frame_bytes, uint64_t pull_frame_bytes,
                                     int64_t busy_poll_us, bool observer, py::object auth_token, bool tls,
                                     py::object tls_ca_file, py::object tls_cert_file, py::object tls_key_file,
-                                    py::object tls_server_name) {
+                                    py::object tls_server_name, uint64_t shared_memory_bytes) {
   if (port < 0 || port > 65535) RaiseInvalid("port " + std::to_string(port) + " is outside 0..65535");
   auto str = [](py::object o) { return o.is_none() ? std::string() : py::cast<std::string>(py::str(o)); };
   psclient::ClientOptions o;
@@ -342,6 +342,7 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
   o.push_frame_bytes = push_frame_bytes;
   o.pull_frame_bytes = pull_frame_bytes;
   o.busy_poll_us = busy_poll_us;
+  o.shared_memory_bytes = shared_memory_bytes;
   o.observer = observer;
   o.auth_token = str(auth_token);
   o.tls = tls;
@@ -577,11 +578,12 @@ PYBIND11_MODULE(_core, m) {
                        uint64_t incarnation, int connect_timeout_ms, int64_t request_timeout_ms,
                        uint64_t max_frame_bytes, uint64_t push_frame_bytes, uint64_t pull_frame_bytes,
                        int64_t busy_poll_us, bool observer, py::object auth_token, bool tls, py::object tls_ca_file,
-                       py::object tls_cert_file, py::object tls_key_file, py::object tls_server_name) {
-             return PyClient::Connect(MakeOptions(host, port, cluster, worker_name, incarnation, connect_timeout_ms,
-                                                  request_timeout_ms, max_frame_bytes, push_frame_bytes,
-                                                  pull_frame_bytes, busy_poll_us, observer, auth_token, tls,
-                                                  tls_ca_file, tls_cert_file, tls_key_file, tls_server_name));
+                       py::object tls_cert_file, py::object tls_key_file, py::object tls_server_name,
+                       uint64_t shared_memory_bytes) {
+             return PyClient::Connect(
+                 MakeOptions(host, port, cluster, worker_name, incarnation, connect_timeout_ms, request_timeout_ms,
+                             max_frame_bytes, push_frame_bytes, pull_frame_bytes, busy_poll_us, observer, auth_token,
+                             tls, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name, shared_memory_bytes));
            }),
            py::arg("host") = "127.0.0.1", py::arg("port") = 7070, py::kw_only(), py::arg("cluster") = py::none(),
            py::arg("worker_name") = py::none(), py::arg("incarnation") = 0, py::arg("connect_timeout_ms") = 10000,
@@ -589,7 +591,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("push_frame_bytes") = uint64_t{1} << 20, py::arg("pull_frame_bytes") = uint64_t{16} << 20,
            py::arg("busy_poll_us") = int64_t{0}, py::arg("observer") = false, py::arg("auth_token") = py::none(),
            py::arg("tls") = false, py::arg("tls_ca_file") = py::none(), py::arg("tls_cert_file") = py::none(),
-           py::arg("tls_key_file") = py::none(), py::arg("tls_server_name") = py::none())
+           py::arg("tls_key_file") = py::none(), py::arg("tls_server_name") = py::none(),
+           py::arg("shared_memory_bytes") = uint64_t{1} << 30)
       .def_static(
           "from_environment", [] { return PyClient::Connect(Check(psclient::ClientOptionsFromEnvironment())); },
           "Connects as psrun's environment says (PSD_CLUSTER, PSD_WORKER_NAME, PSD_AUTH_TOKEN_FILE).")
@@ -613,6 +616,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("cluster_epoch", [](const PyClient& self) { return self.Get()->cluster_epoch(); })
       .def_property_readonly("slot_names", [](const PyClient& self) { return self.Get()->SlotNames(); })
       .def_property_readonly("requests_sent", [](const PyClient& self) { return self.Get()->requests_sent(); })
+      .def_property_readonly("shared_memory_shards",
+                             [](const PyClient& self) { return self.Get()->shared_memory_shards(); })
+      .def_property_readonly("shared_memory_status",
+                             [](const PyClient& self) { return self.Get()->shared_memory_status(); })
       .def_property_readonly("parameter_devices", [](const PyClient& self) { return self.Get()->ParameterDevices(); })
       .def_property_readonly("should_init", [](const PyClient& self) { return self.Get()->should_init(); })
       .def_property_readonly("should_checkpoint", [](const PyClient& self) { return self.Get()->should_checkpoint(); })

@@ -1,0 +1,142 @@
+#include "wire/shm.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <vector>
+
+namespace psd::wire {
+namespace {
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+}  // namespace
+
+Result<std::shared_ptr<SharedSegment>> SharedSegment::Create(uint64_t bytes, const std::string& name) {
+  if (bytes < kMinBytes)
+    return InvalidArgument("a shared-memory segment needs at least " + std::to_string(kMinBytes) + " bytes");
+  int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return Unavailable(Errno("memfd_create"));
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0 ||
+      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    Status s = Unavailable(Errno("sizing and sealing a shared-memory segment"));
+    ::close(fd);
+    return s;
+  }
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    Status s = Unavailable(Errno("mapping a shared-memory segment of " + std::to_string(bytes) + " bytes"));
+    ::close(fd);
+    return s;
+  }
+  return std::shared_ptr<SharedSegment>(new SharedSegment(fd, static_cast<uint8_t*>(base), bytes));
+}
+
+Result<std::shared_ptr<SharedSegment>> SharedSegment::Adopt(int fd, uint64_t max_bytes) {
+  auto refuse = [fd](const std::string& why) {
+    ::close(fd);
+    return InvalidArgument("shared-memory segment refused: " + why);
+  };
+  int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals < 0) return refuse("not a sealable memfd (" + std::string(std::strerror(errno)) + ")");
+  if ((seals & F_SEAL_SHRINK) == 0) return refuse("not sealed against shrinking (F_SEAL_SHRINK)");
+  if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) return refuse("sealed against writing");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return refuse(Errno("fstat"));
+  if (!S_ISREG(st.st_mode)) return refuse("not a memory file");
+  const uint64_t bytes = static_cast<uint64_t>(st.st_size);
+  if (bytes < kMinBytes || bytes > max_bytes) {
+    return refuse(std::to_string(bytes) + " bytes, outside [" + std::to_string(kMinBytes) + ", " +
+                  std::to_string(max_bytes) + "] (psd --shm-max-bytes)");
+  }
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) return refuse(Errno("mmap"));
+  return std::shared_ptr<SharedSegment>(new SharedSegment(fd, static_cast<uint8_t*>(base), bytes));
+}
+
+SharedSegment::~SharedSegment() {
+  ::munmap(base_, size_);
+  ::close(fd_);
+}
+
+Status SendWithFd(int sock, const void* data, size_t n, int fd) {
+  iovec iov{const_cast<void*>(data), n};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  ssize_t sent;
+  do {
+    sent = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+  } while (sent < 0 && errno == EINTR);
+  if (sent < 0) return Unavailable(Errno("sendmsg"));
+  if (static_cast<size_t>(sent) != n) return Unavailable("sendmsg sent a part of the message");
+  return Status::Ok();
+}
+
+Result<int> ReceiveWithFd(int sock, void* data, size_t n) {
+  iovec iov{data, n};
+  // Room for a few descriptors: any that come beyond the one expected are closed, not leaked.
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t got;
+  do {
+    got = ::recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  } while (got < 0 && errno == EINTR);
+  if (got < 0) return Unavailable(Errno("recvmsg"));
+  std::vector<int> fds;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds.push_back(fd);
+    }
+  }
+  const bool truncated = (msg.msg_flags & (MSG_CTRUNC | MSG_TRUNC)) != 0;
+  if (static_cast<size_t>(got) != n || fds.size() != 1 || truncated) {
+    for (int fd : fds) ::close(fd);
+    return InvalidArgument("expected " + std::to_string(n) + " bytes and one descriptor, got " + std::to_string(got) +
+                           " bytes and " + std::to_string(fds.size()) + (truncated ? " (truncated)" : ""));
+  }
+  return fds[0];
+}
+
+std::string AbstractSocketPath(const std::string& name) { return std::string(1, '\0') + name; }
+
+Result<int> ConnectAbstract(const std::string& name) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (name.empty() || name.size() + 1 > sizeof(addr.sun_path)) return InvalidArgument("bad socket name");
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (sock < 0) return Unavailable(Errno("socket"));
+  socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  if (::connect(sock, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    Status s = Unavailable(Errno("connect to @" + name));
+    ::close(sock);
+    return s;
+  }
+  return sock;
+}
+
+}  // namespace psd::wire

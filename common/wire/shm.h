@@ -1,0 +1,71 @@
+// Shared memory between a worker and a daemon on one host (README "Same-host shared memory").
+//
+// A worker creates a SharedSegment (a memfd, sealed so it can never shrink or grow, mapped
+// MAP_SHARED) and passes its descriptor to the daemon over a Unix socket (SendWithFd); the daemon
+// maps it too (SharedSegment::Adopt). Gradients are then written into the segment and pushes
+// carry only where they are (Tensor.inShm/shmOffset/shmBytes); pull replies are written into it.
+//
+// Trust: the daemon treats the pages as untrusted bytes that may change at any moment. Every
+// (offset, bytes) is bounds-checked against the size fixed at Adopt, and the shrink seal means a
+// page inside that size can never vanish under the mapping (which would be SIGBUS). A worker that
+// dies or scribbles mid-push can only spoil its own gradient's values, as a garbage push over TCP
+// could.
+#ifndef PSD_WIRE_SHM_H_
+#define PSD_WIRE_SHM_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "psd/status.h"
+
+namespace psd::wire {
+
+class SharedSegment {
+ public:
+  // A new segment of `bytes` (pages are allocated only when touched): memfd, sealed against
+  // shrinking and growing, mapped read-write.
+  static Result<std::shared_ptr<SharedSegment>> Create(uint64_t bytes, const std::string& name);
+  // Maps a segment another process created; takes `fd` (closed on failure too). Refused unless it
+  // is sealed against shrinking and its size is within [kMinBytes, max_bytes].
+  static Result<std::shared_ptr<SharedSegment>> Adopt(int fd, uint64_t max_bytes);
+
+  static constexpr uint64_t kMinBytes = 4096;
+
+  ~SharedSegment();
+  SharedSegment(const SharedSegment&) = delete;
+  SharedSegment& operator=(const SharedSegment&) = delete;
+
+  uint8_t* data() const { return base_; }
+  uint64_t size() const { return size_; }
+  int fd() const { return fd_; }
+  // [offset, offset + bytes) inside the segment, or nullptr.
+  uint8_t* At(uint64_t offset, uint64_t bytes) const {
+    if (offset > size_ || bytes > size_ - offset) return nullptr;
+    return base_ + offset;
+  }
+
+ private:
+  SharedSegment(int fd, uint8_t* base, uint64_t size) : fd_(fd), base_(base), size_(size) {}
+  int fd_;
+  uint8_t* base_;
+  uint64_t size_;
+};
+
+// Sends `n` bytes and the descriptor `fd` in one message on a connected Unix stream socket.
+Status SendWithFd(int sock, const void* data, size_t n, int fd);
+// Receives one message of exactly `n` bytes carrying exactly one descriptor (returned; the
+// caller owns it). Anything else (short, no descriptor, several) is INVALID_ARGUMENT, and every
+// descriptor that came with it is closed. The socket must be readable (non-blocking read).
+Result<int> ReceiveWithFd(int sock, void* data, size_t n);
+
+// Abstract Unix socket names (Linux: no file; reachable only from the same network namespace,
+// i.e. from this host or pod). The path an Asio local endpoint takes for `name`:
+std::string AbstractSocketPath(const std::string& name);
+// A connected, blocking Unix stream socket to `name` (the caller closes it), or why not.
+Result<int> ConnectAbstract(const std::string& name);
+
+}  // namespace psd::wire
+
+#endif  // PSD_WIRE_SHM_H_

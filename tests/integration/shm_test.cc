@@ -1,0 +1,420 @@
+// Same-host shared memory (README "Same-host shared memory"): a worker on the daemon's host moves
+// tensors through a sealed memfd it attached over psd's abstract Unix socket; the results are
+// those TCP gives; anything doubtful stays on (or falls back to) TCP; nothing a worker does to its
+// segment or sends about it can hurt the daemon.
+#include "wire/shm.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "psd/half.h"
+#include "support/raw_peer.h"
+#include "support/test_server.h"
+
+using namespace psd;
+using psd::testing::ConnectWith;
+using psd::testing::RawPeer;
+using psd::testing::StartServer;
+using psd::testing::TestConfig;
+using psd::testing::WorkerOptions;
+
+namespace {
+
+constexpr int64_t kRows = 300, kCols = 500;  // 600 KB of float32
+
+std::vector<float> Gradient(int step, int worker) {
+  std::vector<float> g(static_cast<size_t>(kRows * kCols));
+  for (size_t i = 0; i < g.size(); ++i) {
+    g[i] =
+        static_cast<float>((i * 37 + static_cast<size_t>(step) * 11 + static_cast<size_t>(worker) * 5) % 101) * 0.011f -
+        0.5f;
+  }
+  return g;
+}
+
+struct Trained {
+  std::vector<float> w;          // after the last step, pulled with the token
+  std::vector<uint16_t> w_bf16;  // then pulled as bfloat16
+  std::vector<float> b;
+  int shm_shards[2] = {0, 0};
+};
+
+// Two workers, three sync steps of {w [300, 500], b [7]}, the next values with the token.
+Trained Train(server::Server& server, uint64_t shared_memory_bytes) {
+  std::unique_ptr<psclient::Client> c[2];
+  for (int i = 0; i < 2; ++i) {
+    auto o = WorkerOptions(server.port(), "w" + std::to_string(i));
+    o.shared_memory_bytes = shared_memory_bytes;
+    c[i] = ConnectWith(o);
+  }
+  std::vector<float> init(static_cast<size_t>(kRows * kCols), 0.25f);
+  REQUIRE(c[0]->CreateVariable("w", ConstTensorView{init.data(), DType::kFloat32, {kRows, kCols}}).ok());
+  REQUIRE(c[0]->CreateVariable("b", ConstTensorView{nullptr, DType::kFloat32, {7}}).ok());
+  Trained out;
+  out.w.resize(init.size());
+  for (int step = 0; step < 3; ++step) {
+    std::thread t[2];
+    for (int i = 0; i < 2; ++i) {
+      t[i] = std::thread([&, i] {
+        auto g = Gradient(step, i);
+        std::vector<float> b(7, 0.1f * static_cast<float>(i + step));
+        std::vector<float> w(g.size());
+        std::vector<std::pair<std::string, TensorView>> after = {{"w", {w.data(), DType::kFloat32, {kRows, kCols}}}};
+        auto r = c[i]->Push(
+            step, {{"w", {g.data(), DType::kFloat32, {kRows, kCols}}}, {"b", {b.data(), DType::kFloat32, {7}}}}, {},
+            true, 10000, &after);
+        REQUIRE(r.ok());
+        REQUIRE(r->token_status.ok());
+        REQUIRE(r->accepted() == 2);
+        if (i == 0 && step == 2) out.w = w;
+      });
+    }
+    for (auto& th : t) th.join();
+  }
+  out.w_bf16.resize(out.w.size());
+  REQUIRE(c[1]->Pull("w", TensorView{out.w_bf16.data(), DType::kBFloat16, {kRows, kCols}}).ok());
+  out.b.resize(7);
+  REQUIRE(c[1]->Pull("b", TensorView{out.b.data(), DType::kFloat32, {7}}).ok());
+  for (int i = 0; i < 2; ++i) out.shm_shards[i] = c[i]->shared_memory_shards();
+  return out;
+}
+
+// What psd's shared-memory socket answers to `message` with `fd` (-1: no descriptor).
+std::string Attach(const std::string& socket_name, const std::string& message, int fd) {
+  auto sock = wire::ConnectAbstract(socket_name);
+  REQUIRE(sock.ok());
+  if (fd >= 0) {
+    REQUIRE(wire::SendWithFd(*sock, message.data(), message.size(), fd).ok());
+  } else {
+    REQUIRE(::write(*sock, message.data(), message.size()) == static_cast<ssize_t>(message.size()));
+  }
+  std::string answer;
+  char buf[512];
+  ssize_t n;
+  while ((n = ::read(*sock, buf, sizeof(buf))) > 0) answer.append(buf, static_cast<size_t>(n));
+  ::close(*sock);
+  return answer;
+}
+
+std::string AttachMessage(uint64_t conn, const std::string& nonce) {
+  std::string m(8, '\0');
+  for (int i = 0; i < 8; ++i) m[static_cast<size_t>(i)] = static_cast<char>(conn >> (8 * i));
+  return m + nonce;
+}
+
+// A push of one float32 [n] gradient "v" at step 0 whose bytes are in the segment at `offset`.
+void PushFromShm(RawPeer& p, uint64_t id, uint64_t offset, int64_t n) {
+  wire::OutFrame f;
+  auto req = f.builder.initRoot<proto::Request>();
+  req.setId(id);
+  auto push = req.initPush();
+  auto g = push.initGrads(1)[0];
+  g.setName("v");
+  auto t = g.initGrad();
+  t.setDtype(proto::DType::FLOAT32);
+  t.initShape(1).set(0, n);
+  t.setInShm(true);
+  t.setShmOffset(offset);
+  p.Send(f);
+}
+
+void PullToShm(RawPeer& p, uint64_t id, uint64_t offset, uint64_t bytes) {
+  wire::OutFrame f;
+  auto req = f.builder.initRoot<proto::Request>();
+  req.setId(id);
+  auto pull = req.initPull();
+  pull.initNames(1).set(0, "v");
+  pull.initToShm().setOffset(offset);
+  pull.getToShm().setBytes(bytes);
+  p.Send(f);
+}
+
+}  // namespace
+
+TEST_CASE("a same-host worker moves tensors through shared memory, with the values TCP gives", "[shm]") {
+  // No initial tokens: each token comes with its step's commit, so the values that come with it
+  // are that step's in both runs.
+  auto shm_server = StartServer(TestConfig(2, 2, 0));
+  auto tcp_server = StartServer(TestConfig(2, 2, 0));
+  Trained shm = Train(*shm_server, 1 << 30);
+  Trained tcp = Train(*tcp_server, 0);
+  CHECK(shm.shm_shards[0] == 1);
+  CHECK(shm.shm_shards[1] == 1);
+  CHECK(tcp.shm_shards[0] == 0);
+  // Bit-identical: the same adds in the same order, whatever carried the bytes.
+  CHECK(std::memcmp(shm.w.data(), tcp.w.data(), shm.w.size() * sizeof(float)) == 0);
+  CHECK(shm.w_bf16 == tcp.w_bf16);
+  CHECK(shm.b == tcp.b);
+  // It trained: w[0] = 0.25 - 0.01 * (mean of the two workers' gradients, summed over 3 steps).
+  CHECK(shm.w[0] == Approx(0.25 + 0.01 * (0.4725 + 0.3515 + 0.2305)).epsilon(1e-5));
+  CHECK(shm_server->metrics().shm_bytes() > 3 * 2 * kRows * kCols * sizeof(float));
+  CHECK(tcp_server->metrics().shm_bytes() == 0);
+  REQUIRE(shm_server->shm() != nullptr);
+  CHECK(shm_server->shm()->attached() == 2);
+}
+
+TEST_CASE("shared memory is not used where it is not offered or does not fit", "[shm]") {
+  SECTION("psd --no-shared-memory: the worker stays on TCP and says why") {
+    auto cfg = TestConfig(1);
+    cfg.shared_memory = false;
+    auto server = StartServer(cfg);
+    auto c = ConnectWith(WorkerOptions(server->port(), "w0"));
+    CHECK(c->shared_memory_shards() == 0);
+    CHECK_THAT(c->shared_memory_status(), Catch::Contains("not offered"));
+    float v = 3;
+    REQUIRE(c->CreateVariable("v", {&v, DType::kFloat32, {}}).ok());
+    float g = 1;
+    REQUIRE(c->Push(0, {{"v", {&g, DType::kFloat32, {}}}}).ok());
+    REQUIRE(c->Pull("v", {&v, DType::kFloat32, {}}).ok());
+    CHECK(v == Approx(3 - 0.01f * 1).epsilon(1e-6));  // TestConfig: SGD, learning rate 0.01
+  }
+  SECTION("ClientOptions::shared_memory_bytes 0: off") {
+    auto server = StartServer(TestConfig(1));
+    auto o = WorkerOptions(server->port(), "w0");
+    o.shared_memory_bytes = 0;
+    auto c = ConnectWith(o);
+    CHECK(c->shared_memory_shards() == 0);
+    CHECK_THAT(c->shared_memory_status(), Catch::Contains("off"));
+  }
+  SECTION("a call bigger than the segment goes over TCP, the smaller ones through it") {
+    auto server = StartServer(TestConfig(1));
+    auto o = WorkerOptions(server->port(), "w0");
+    o.shared_memory_bytes = 64 << 10;
+    auto c = ConnectWith(o);
+    REQUIRE(c->shared_memory_shards() == 1);
+    std::vector<float> big(100'000, 1.0f), small(100, 1.0f);
+    REQUIRE(c->CreateVariable("big", {big.data(), DType::kFloat32, {100'000}}).ok());
+    REQUIRE(c->CreateVariable("small", {small.data(), DType::kFloat32, {100}}).ok());
+    std::vector<float> g(100'000, 2.0f);
+    REQUIRE(c->Push(0, {{"big", {g.data(), DType::kFloat32, {100'000}}}, {"small", {g.data(), DType::kFloat32, {100}}}})
+                .ok());
+    CHECK(server->metrics().shm_bytes() == 0);  // together they do not fit: TCP
+    REQUIRE(c->Pull("small", {small.data(), DType::kFloat32, {100}}).ok());
+    CHECK(server->metrics().shm_bytes() == 400);
+    REQUIRE(c->Pull("big", {big.data(), DType::kFloat32, {100'000}}).ok());
+    CHECK(server->metrics().shm_bytes() == 400);
+    CHECK(big[99'999] == Approx(1 - 0.02f).epsilon(1e-6));
+    CHECK(small[99] == Approx(1 - 0.02f).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("psd's shared-memory socket maps only a sealed segment sent with its connection's nonce", "[shm]") {
+  auto cfg = TestConfig(1, 2);
+  cfg.shm_max_bytes = 1 << 20;
+  auto server = StartServer(cfg);
+  auto good = wire::SharedSegment::Create(64 << 10, "test");
+  REQUIRE(good.ok());
+
+  SECTION("a wrong nonce is refused, and the offer is gone: the right one comes too late") {
+    RawPeer p(server->port());
+    p.Hello("raw");
+    REQUIRE(!p.shm_socket.empty());
+    REQUIRE(p.shm_nonce.size() == 32);
+    std::string wrong = p.shm_nonce;
+    wrong[0] = static_cast<char>(wrong[0] ^ 1);
+    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, wrong), (*good)->fd()),
+               Catch::Contains("without its nonce"));
+    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), (*good)->fd()),
+               Catch::Contains("without its nonce"));
+    CHECK(server->shm()->refused() == 2);
+  }
+  SECTION("another connection's id with this nonce is refused") {
+    RawPeer p(server->port());
+    p.Hello("raw");
+    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id + 1000, p.shm_nonce), (*good)->fd()),
+               Catch::Contains("without its nonce"));
+  }
+  SECTION("a memfd that may shrink is refused (a shrink under psd's mapping would fault it)") {
+    RawPeer p(server->port());
+    p.Hello("raw");
+    int fd = ::memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    REQUIRE(fd >= 0);
+    REQUIRE(::ftruncate(fd, 64 << 10) == 0);
+    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), fd),
+               Catch::Contains("not sealed against shrinking"));
+    ::close(fd);
+  }
+  SECTION("a pipe is refused") {
+    RawPeer p(server->port());
+    p.Hello("raw");
+    int fds[2];
+    REQUIRE(::pipe(fds) == 0);
+    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), fds[0]),
+               Catch::Contains("not a sealable memfd"));
+    ::close(fds[0]);
+    ::close(fds[1]);
+  }
+  SECTION("a segment over --shm-max-bytes is refused") {
+    RawPeer p(server->port());
+    p.Hello("raw");
+    auto huge = wire::SharedSegment::Create(2 << 20, "test");
+    REQUIRE(huge.ok());
+    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), (*huge)->fd()),
+               Catch::Contains("--shm-max-bytes"));
+  }
+  SECTION("a message without a descriptor is refused") {
+    RawPeer p(server->port());
+    p.Hello("raw");
+    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), -1),
+               Catch::Contains("one descriptor"));
+  }
+  SECTION("the right segment is mapped: \"OK\"") {
+    RawPeer p(server->port());
+    p.Hello("raw");
+    CHECK(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), (*good)->fd()) == "OK");
+    CHECK(server->shm()->attached() == 1);
+  }
+  // Whatever came, psd serves a real worker, through shared memory (its 1 GiB segment cut to
+  // psd's --shm-max-bytes, which the hello announced).
+  auto w = ConnectWith(WorkerOptions(server->port(), "healthy"));
+  CHECK(w->shared_memory_shards() == 1);
+  CHECK(w->GetStatus().ok());
+}
+
+TEST_CASE("tensors said to be in shared memory are checked against the segment", "[shm]") {
+  auto server = StartServer(TestConfig(1, 3));  // "owner", "raw" and "healthy" say hello
+  {
+    auto owner = ConnectWith(WorkerOptions(server->port(), "owner"));
+    std::vector<float> v(1000, 1.0f);
+    REQUIRE(owner->CreateVariable("v", {v.data(), DType::kFloat32, {1000}}).ok());
+  }
+  RawPeer p(server->port());
+  p.Hello("raw");
+  Code code;
+  std::string msg;
+
+  // No segment attached yet: refused, and nothing is pushed.
+  PushFromShm(p, 2, 0, 1000);
+  REQUIRE(p.Read(&code, &msg));
+  CHECK(code == Code::kFailedPrecondition);
+  CHECK_THAT(msg, Catch::Contains("no segment attached"));
+
+  auto seg = wire::SharedSegment::Create(64 << 10, "test");
+  REQUIRE(seg.ok());
+  REQUIRE(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), (*seg)->fd()) == "OK");
+
+  SECTION("a gradient that runs past the segment's end") {
+    PushFromShm(p, 3, (64 << 10) - 3996, 1000);
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kInvalidArgument);
+    CHECK_THAT(msg, Catch::Contains("outside this connection's shared-memory segment"));
+  }
+  SECTION("an offset near 2^64 (no wrap-around)") {
+    PushFromShm(p, 3, ~uint64_t{0} - 100, 1000);
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kInvalidArgument);
+  }
+  SECTION("a pull whose room is outside the segment, or too small") {
+    PullToShm(p, 3, 60 << 10, 8 << 10);
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kInvalidArgument);
+    PullToShm(p, 4, 0, 3000);
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kInvalidArgument);
+    CHECK_THAT(msg, Catch::Contains("do not fit"));
+  }
+  SECTION("a gradient in the segment is applied, and a pull lands there") {
+    auto* g = reinterpret_cast<float*>((*seg)->data() + 4096);
+    for (int i = 0; i < 1000; ++i) g[i] = static_cast<float>(i);
+    PushFromShm(p, 3, 4096, 1000);
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kOk);
+    PullToShm(p, 4, 8192, 4000);
+    REQUIRE(p.Read(&code, &msg));
+    REQUIRE(code == Code::kOk);
+    auto* v = reinterpret_cast<const float*>((*seg)->data() + 8192);
+    CHECK(v[0] == 1.0f);
+    CHECK(v[999] == Approx(1 - 0.01f * 999).epsilon(1e-6));
+  }
+  // The variable is whole and psd serves: a push past the segment changed nothing.
+  auto w = ConnectWith(WorkerOptions(server->port(), "healthy"));
+  std::vector<float> v(1000);
+  REQUIRE(w->Pull("v", {v.data(), DType::kFloat32, {1000}}).ok());
+  CHECK(v[0] == 1.0f);
+}
+
+TEST_CASE("a worker scribbling on its segment while psd reads it hurts no one else", "[shm]") {
+  auto server = StartServer(TestConfig(1, 2));
+  auto owner = ConnectWith(WorkerOptions(server->port(), "owner"));
+  float five = 5;
+  REQUIRE(owner->CreateVariable("w", {&five, DType::kFloat32, {}}).ok());
+  std::vector<float> zeros(1 << 16, 0.0f);
+  REQUIRE(owner->CreateVariable("v", {zeros.data(), DType::kFloat32, {1 << 16}}).ok());
+
+  RawPeer p(server->port());
+  p.Hello("scribbler");
+  auto seg = wire::SharedSegment::Create(1 << 20, "test");
+  REQUIRE(seg.ok());
+  REQUIRE(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), (*seg)->fd()) == "OK");
+  // Another thread (as another process would) rewrites the gradient's bytes the whole time.
+  std::atomic<bool> stop{false};
+  std::thread scribbler([&] {
+    uint32_t x = 1;
+    auto* words = reinterpret_cast<volatile uint32_t*>((*seg)->data());
+    while (!stop.load()) {
+      for (size_t i = 0; i < (1u << 16); i += 7) words[i] = (x = x * 1664525u + 1013904223u);
+    }
+  });
+  Code code;
+  std::string msg;
+  for (uint64_t i = 0; i < 20; ++i) {
+    wire::OutFrame f;
+    auto req = f.builder.initRoot<proto::Request>();
+    req.setId(10 + i);
+    auto push = req.initPush();
+    push.setLocalStep(static_cast<int64_t>(i));
+    auto g = push.initGrads(1)[0];
+    g.setName("v");
+    auto t = g.initGrad();
+    t.setDtype(proto::DType::FLOAT32);
+    t.initShape(1).set(0, 1 << 16);
+    t.setInShm(true);
+    t.setShmOffset(0);
+    p.Send(f);
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kOk);
+  }
+  stop = true;
+  scribbler.join();
+  // Its own variable holds whatever it sent; everything else is as it was, and psd serves.
+  float w = 0;
+  REQUIRE(owner->Pull("w", {&w, DType::kFloat32, {}}).ok());
+  CHECK(w == 5.0f);
+}
+
+TEST_CASE("a worker whose connection was closed attaches a new segment on its next call", "[shm]") {
+  auto cfg = TestConfig(1);
+  cfg.idle_timeout_s = 1;
+  auto server = StartServer(cfg);
+  auto c = ConnectWith(WorkerOptions(server->port(), "w0"));
+  REQUIRE(c->shared_memory_shards() == 1);
+  float v = 1;
+  REQUIRE(c->CreateVariable("v", {&v, DType::kFloat32, {}}).ok());
+  // psd closes the idle connection (bounded wait: the test's own limit).
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (server->connection_count() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  REQUIRE(server->connection_count() == 0);
+  const uint64_t before = c->connection_epoch();
+  float g = 1;
+  // The first call finds the connection gone (UNAVAILABLE, nothing pushed); the next reconnects.
+  auto pushed = c->Push(0, {{"v", {&g, DType::kFloat32, {}}}});
+  if (!pushed.ok()) {
+    CHECK(pushed.status().code() == Code::kUnavailable);
+    pushed = c->Push(0, {{"v", {&g, DType::kFloat32, {}}}});
+  }
+  REQUIRE(pushed.ok());
+  CHECK(c->connection_epoch() > before);
+  CHECK(c->shared_memory_shards() == 1);
+  CHECK(server->shm()->attached() == 2);
+  REQUIRE(c->Pull("v", {&v, DType::kFloat32, {}}).ok());
+  CHECK(v == Approx(1 - 0.01f).epsilon(1e-6));
+}
