@@ -1156,7 +1156,26 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
   Impl& im = *impl_;
   auto loc = im.Locate(name);
   if (!loc.ok()) return loc.status();
-  if (!loc->sliced) {
+  // The reply's size, in the dtype asked (the variable's own when that one cannot be delivered:
+  // the daemon or CheckView says why).
+  // A single daemon's client knows no shapes: its rows are as big as the caller's view says (the
+  // replies are checked against it).
+  const DType dtype = psd::ConvertibleDTypes(out.dtype, loc->dtype) ? out.dtype : loc->dtype;
+  size_t row_bytes = 0;
+  if (loc->sliced && !loc->shape.empty() && loc->shape[0] > 0) {
+    row_bytes =
+        static_cast<size_t>(psd::NumElements(loc->shape)) * psd::DTypeSize(dtype) / static_cast<size_t>(loc->shape[0]);
+  } else if (!loc->sliced && !rows.empty() && !out.shape.empty() && out.shape[0] == static_cast<int64_t>(rows.size())) {
+    row_bytes = out.bytes() / rows.size();
+  }
+  // Rows per reply: whole rows within pull_frame_bytes (0: all in one).
+  auto rows_per_reply = [&](int shard) -> size_t {
+    const uint64_t limit = im.conn(shard).PullFrameLimit();
+    if (limit == 0 || row_bytes == 0) return SIZE_MAX;
+    return std::max<size_t>(1, (limit - std::min(limit, Conn::kFrameSlack)) / row_bytes);
+  };
+  if (!loc->sliced && (row_bytes == 0 || rows.size() <= rows_per_reply(loc->parts[0].shard))) {
+    // One reply, read straight into the caller's view; the daemon checks the rows.
     OutFrame frame;
     auto p = im.conn(loc->parts[0].shard).NewRequest(frame).initPullRows();
     p.setName(name);
@@ -1172,18 +1191,17 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
       return Malformed(e);
     }
   }
-  // Sliced: each shard reads its rows; they are scattered back into the caller's order.
-  Shape want = loc->shape;
-  want[0] = static_cast<int64_t>(rows.size());
-  PSD_RETURN_IF_ERROR(CheckView("rows of '" + name + "'",
-                                psd::ConvertibleDTypes(out.dtype, loc->dtype) ? out.dtype : loc->dtype, want, out));
-  size_t row_bytes = loc->shape[0] ? static_cast<size_t>(psd::NumElements(loc->shape)) * psd::DTypeSize(out.dtype) /
-                                         static_cast<size_t>(loc->shape[0])
-                                   : 0;
+  // Sliced, or more rows than a reply holds: each shard reads its rows, in replies of whole rows
+  // within pull_frame_bytes, and they are scattered back into the caller's order.
   std::vector<std::vector<size_t>> positions(loc->parts.size());
-  Impl::Calls calls;
-  std::vector<size_t> part_of_call;
-  for (size_t i = 0; i < rows.size(); ++i) {
+  if (!loc->sliced) {  // the daemon checks the rows
+    for (size_t i = 0; i < rows.size(); ++i) positions[0].push_back(i);
+  } else {
+    Shape want = loc->shape;
+    want[0] = static_cast<int64_t>(rows.size());
+    PSD_RETURN_IF_ERROR(CheckView("rows of '" + name + "'", dtype, want, out));
+  }
+  for (size_t i = 0; loc->sliced && i < rows.size(); ++i) {
     if (rows[i] < 0 || rows[i] >= loc->shape[0]) {
       return psd::InvalidArgument("row " + std::to_string(rows[i]) + " (slice " + std::to_string(i) +
                                   ") is outside [0, " + std::to_string(loc->shape[0]) + ")");
@@ -1192,41 +1210,68 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
       if (rows[i] >= loc->parts[k].row_begin && rows[i] < loc->parts[k].row_end) positions[k].push_back(i);
     }
   }
-  for (size_t k = 0; k < loc->parts.size(); ++k) {
-    if (positions[k].empty()) continue;
-    proto::Request::Builder req(nullptr);
-    im.Add(calls, loc->parts[k].shard, &req);
-    part_of_call.push_back(k);
-    auto p = req.initPullRows();
-    p.setName(name);
-    p.setHasDtype(true);
-    p.setDtype(psd::wire::ToWire(out.dtype));
-    auto list = p.initRows(static_cast<unsigned>(positions[k].size()));
-    for (size_t j = 0; j < positions[k].size(); ++j) {
-      list.set(static_cast<unsigned>(j), rows[positions[k][j]] - loc->parts[k].row_begin);
-    }
-  }
-  PSD_RETURN_IF_ERROR(im.Run(calls));
-  int64_t step = -1;
   const bool any_step = im.AppliesOnArrival();  // each shard at its own count: the lowest
-  std::vector<uint8_t> host(row_bytes);
-  try {
-    for (size_t c = 0; c < calls.size(); ++c) {
-      auto p = calls[c]->resp.getPull();
-      if (step >= 0 && p.getStep() != step && !any_step) {
-        return psd::Unavailable("the shards answered at different steps; retry");
+  for (int attempt = 0;; ++attempt) {
+    Impl::Calls calls;
+    std::vector<std::vector<size_t>> batch;  // per call: the caller's positions it fills
+    for (size_t k = 0; k < loc->parts.size(); ++k) {
+      const int shard = loc->parts[k].shard;
+      const size_t per = rows_per_reply(shard);
+      for (size_t first = 0; first < positions[k].size(); first += per) {
+        const size_t last = std::min(positions[k].size(), first + std::min(per, positions[k].size() - first));
+        batch.emplace_back(positions[k].begin() + static_cast<std::ptrdiff_t>(first),
+                           positions[k].begin() + static_cast<std::ptrdiff_t>(last));
+        proto::Request::Builder req(nullptr);
+        im.Add(calls, shard, &req);
+        auto p = req.initPullRows();
+        p.setName(name);
+        p.setHasDtype(true);
+        p.setDtype(psd::wire::ToWire(out.dtype));
+        auto list = p.initRows(static_cast<unsigned>(batch.back().size()));
+        for (size_t j = 0; j < batch.back().size(); ++j) {
+          list.set(static_cast<unsigned>(j), rows[batch.back()[j]] - loc->parts[k].row_begin);
+        }
       }
-      step = step >= 0 ? std::min(step, p.getStep()) : p.getStep();
-      auto t = psd::wire::ReadTensor(p.getValues()[0], im.options_.max_frame_bytes);
-      if (!t.ok()) return t.status();
-      const auto& pos = positions[part_of_call[c]];
-      if (t->bytes != pos.size() * row_bytes) return psd::Internal("rows reply has a wrong size");
-      PSD_RETURN_IF_ERROR(im.staging_.RowsFromHost(out.data, pos, t->data, row_bytes, out.memory, out.stream));
     }
-  } catch (const kj::Exception& e) {
-    return Malformed(e);
+    // Each reply is scattered as it arrives (a reader lasts until the next reply on its
+    // connection); replies at different steps (a commit came between them) are read again.
+    int64_t step = -1;
+    bool agree = true;
+    Status read;
+    Status run = im.Run(calls, [&](size_t c) {
+      if (!calls[c]->status.ok() || !read.ok() || !agree) return;
+      try {
+        auto p = calls[c]->resp.getPull();
+        if (step >= 0 && p.getStep() != step && !any_step) {
+          agree = false;
+          return;
+        }
+        step = step >= 0 ? std::min(step, p.getStep()) : p.getStep();
+        auto t = psd::wire::ReadTensor(p.getValues()[0], im.options_.max_frame_bytes);
+        if (!t.ok()) {
+          read = t.status();
+          return;
+        }
+        if (t->bytes != batch[c].size() * row_bytes || t->shape.empty()) {
+          // The caller's view does not fit the variable's rows (a single daemon's client
+          // learns their shape here): say how.
+          Shape whole = t->shape;
+          if (!whole.empty()) whole[0] = static_cast<int64_t>(rows.size());
+          read = CheckView("rows of '" + name + "'", t->dtype, whole, out);
+          if (read.ok()) read = psd::Internal("rows reply has a wrong size");
+          return;
+        }
+        read = im.staging_.RowsFromHost(out.data, batch[c], t->data, row_bytes, out.memory, out.stream);
+      } catch (const kj::Exception& e) {
+        read = Malformed(e);
+      }
+    });
+    PSD_RETURN_IF_ERROR(run);
+    PSD_RETURN_IF_ERROR(read);
+    if (agree) return step;
+    if (attempt >= 200) return psd::Unavailable("the shards keep answering at different global steps; retry");
+    std::this_thread::sleep_for(std::chrono::milliseconds(attempt < 20 ? 1 : 10));
   }
-  return step;
 }
 
 Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>& grads, bool wait_token,

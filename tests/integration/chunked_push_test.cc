@@ -207,6 +207,33 @@ TEST_CASE("a slot bigger than a reply frame is read in element ranges", "[integr
   CHECK(half[kW - 1] == psd::FloatToBFloat16(m[kW - 1]));
 }
 
+TEST_CASE("more rows than a reply frame holds are read in several replies", "[integration][chunks]") {
+  auto server = StartServer(TestConfig(1, 1, 0));
+  auto c = ConnectWith(SmallReplies(server->port(), "w0"));  // replies of 48 KiB: 122 rows of 400 B
+  std::vector<float> init = Gradient(kW, 3, 1);
+  REQUIRE(c->CreateVariable("w", ConstTensorView{init.data(), DType::kFloat32, {1000, 100}}).ok());
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < 1500; ++i) rows.push_back((i * 7919) % 1000);  // any order, repeats: 600 KB
+  std::vector<float> got(rows.size() * 100, -1.0f);
+  auto step = c->PullRows("w", rows, TensorView{got.data(), DType::kFloat32, {1500, 100}});
+  INFO(step.status().ToString());
+  REQUIRE(step.ok());
+  CHECK(*step == 0);
+  size_t wrong = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    for (size_t j = 0; j < 100; ++j) wrong += got[i * 100 + j] != init[static_cast<size_t>(rows[i]) * 100 + j];
+  }
+  CHECK(wrong == 0);
+  // Converted by psd, in several replies too; a row outside the variable is refused before any.
+  std::vector<uint16_t> half(rows.size() * 100);
+  REQUIRE(c->PullRows("w", rows, TensorView{half.data(), DType::kBFloat16, {1500, 100}}).ok());
+  CHECK(half[1499 * 100 + 99] == psd::FloatToBFloat16(init[static_cast<size_t>(rows[1499]) * 100 + 99]));
+  rows.push_back(1000);
+  got.resize(rows.size() * 100);
+  auto bad = c->PullRows("w", rows, TensorView{got.data(), DType::kFloat32, {1501, 100}});
+  CHECK(bad.status().code() == Code::kInvalidArgument);
+}
+
 TEST_CASE("an initial value bigger than --max-frame-bytes is created in chunks, whole or not at all",
           "[integration][chunks]") {
   auto cfg = TestConfig(1, 2, 0);

@@ -300,6 +300,7 @@ TEST_CASE("the hello announces --max-frame-bytes; the client refuses bigger requ
   // than a frame go in chunks, chunked_push_test.cc).
   psclient::ClientOptions whole = psd::testing::WorkerOptions(server->port(), "w");
   whole.push_frame_bytes = 0;
+  whole.shared_memory_bytes = 0;  // frames are what is tested (through shared memory a push is one small frame)
   auto w = psd::testing::ConnectWith(whole);
   std::vector<float> big(100000, 1.0f);  // 400 KB
   auto created =

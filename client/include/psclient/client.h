@@ -324,6 +324,8 @@ class PSD_EXPORT Client {
   // The moving averages (TF's shadow variables) of variables created with average = true.
   Result<int64_t> PullAverages(const std::vector<std::pair<std::string, TensorView>>& outs);
   // Selected rows (any order, repeats allowed) of a variable into `out` ([rows.size(), row dims...]).
+  // More rows than a reply of ClientOptions::pull_frame_bytes holds are read in several replies
+  // (at one global step: replies that straddle a commit are read again).
   Result<int64_t> PullRows(const std::string& name, const std::vector<int64_t>& rows, TensorView out);
 
   // Pushes gradients tagged with `local_step`. With wait_token, the daemon also waits (up to
