@@ -393,19 +393,24 @@ bool ClusterCoordinator::SealsSettledLocked(Clock::time_point now) {
   // lately) is waited for, from when this chief first sees it, until every shard lists it as
   // restorable or for three election timeouts (then a shard that still lacks it missed the seal
   // or lost it: skipped, or the operator is asked, as before).
+  // Only steps newer than the newest one every shard lists matter: an older one would never be
+  // chosen (a shard that pruned it, or that was restarted after it, is not waited for).
   std::set<int64_t> common = CommonStepsLocked(), listed;
+  const int64_t newest_common = common.empty() ? -1 : *common.rbegin();
   for (int i = 0; i < shards_; ++i) {
     for (int64_t t : i == me_ ? sealed_ : peers_[static_cast<size_t>(i)].sealed) {
       listed.insert(t);
-      if (common.count(t) == 0) seals_pending_.emplace(t, now);
+      if (common.count(t) == 0 && t > newest_common) seals_pending_.emplace(t, now);
     }
   }
   const auto window = 3 * std::chrono::milliseconds(options_.election_timeout_ms);
   bool settled = true;
   for (auto it = seals_pending_.begin(); it != seals_pending_.end();) {
-    // Confirmed everywhere, or listed nowhere any more (its seal failed, or its timeline was
-    // left): forgotten, so that a new checkpoint of that step is waited for afresh.
-    if (common.count(it->first) > 0 || (listed.count(it->first) == 0 && now - it->second >= window)) {
+    // Confirmed everywhere, older than a step every shard lists, or listed nowhere any more (its
+    // seal failed, or its timeline was left): forgotten, so that a new checkpoint of that step is
+    // waited for afresh.
+    if (common.count(it->first) > 0 || it->first < newest_common ||
+        (listed.count(it->first) == 0 && now - it->second >= window)) {
       it = seals_pending_.erase(it);
       continue;
     }
@@ -749,7 +754,7 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
 
 // --- checkpoints ------------------------------------------------------------------------------
 
-void ClusterCoordinator::OnPartWritten(int64_t step, const peer::PartInfo& part) {
+void ClusterCoordinator::OnPartWritten(uint64_t epoch, int64_t step, const peer::PartInfo& part) {
   peer::Message msg;
   int chief = -1;
   {
@@ -760,7 +765,9 @@ void ClusterCoordinator::OnPartWritten(int64_t step, const peer::PartInfo& part)
     if (std::find(unusable_.begin(), unusable_.end(), step) == unusable_.end()) unusable_.push_back(step);
     peer::PartInfo mine = part;
     mine.shard = me_;
-    msg = MessageLocked(peer::PartWritten{epoch_, step, std::move(mine)});
+    // The snapshot's epoch, not the current one: a part written after the cluster re-formed
+    // belongs to the timeline it was taken in (the chief drops it).
+    msg = MessageLocked(peer::PartWritten{epoch, step, std::move(mine)});
     chief = chief_;
   }
   SendTo(chief, msg);

@@ -157,9 +157,9 @@ class ClusterCoordinator : public PeerEvents {
 
   // From the engine created for `epoch` (no engine lock held).
   void OnPrepared(uint64_t epoch, int64_t step, int min_gradients, int max_gradients, int takes, bool forced);
-  // From the checkpoint writer: this shard's part of checkpoint `step` is on disk (part.shard is
-  // this shard).
-  void OnPartWritten(int64_t step, const peer::PartInfo& part);
+  // From the checkpoint writer: this shard's part of checkpoint `step`, taken by the engine of
+  // `epoch`, is on disk (part.shard is this shard). The chief seals only parts of its epoch.
+  void OnPartWritten(uint64_t epoch, int64_t step, const peer::PartInfo& part);
 
   // Chief only (workers' requests).
   Result<VarPlacement> Place(const std::string& name, DType dtype, const Shape& shape, const std::string& colocate,

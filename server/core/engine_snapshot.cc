@@ -23,6 +23,7 @@ std::vector<VarPlacement> TrainingEngine::Placements(int shard) const {
 ShardSnapshot TrainingEngine::SnapshotLocked() {
   ShardSnapshot snap;
   snap.step = global_step_.load();
+  snap.epoch = epoch_;
   snap.learning_rate = next_lr_.load();
   snap.optimizer = optimizer_->name();
   for (auto& [name, v] : vars_) {

@@ -35,6 +35,9 @@ struct VariableSnapshot {
 // One shard's part of a checkpoint.
 struct ShardSnapshot {
   int64_t step = 0;  // the global step the state reflects
+  // The cluster epoch of the engine that took it (0: a single daemon): a part written for an
+  // epoch the cluster has left is never sealed into another epoch's checkpoint.
+  uint64_t epoch = 0;
   double learning_rate = 0;
   std::string optimizer;  // the job's optimizer (restoring under another one is refused)
   std::vector<VariableSnapshot> variables;

@@ -221,7 +221,7 @@ void Server::WriteSnapshot(const ShardSnapshot& snap) {
   metrics_.OnCheckpointWritten(snap.step, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                                info->part_bytes);
   if (coordinator_) {  // the chief seals it once every part is in
-    coordinator_->OnPartWritten(snap.step,
+    coordinator_->OnPartWritten(snap.epoch, snap.step,
                                 {config_.shard_index, info->part_file, info->part_bytes, info->part_checksum});
   }
   if (!coordinator_) last_checkpoint_step_ = snap.step;

@@ -140,6 +140,7 @@ TEST_CASE("cluster simulation: regression seeds", "[cluster][sim]") {
       {3, 350086, true},  // the same in a storm
       {3, 300002},        // a seal mixed parts of an older epoch's checkpoint of that step with new ones
       {3, 301157, false, 15000},  // a new checkpoint of a step waited for long ago was not waited for
+      {3, 331019},                // a part written for an epoch the cluster had left was sent as the new epoch's
   };
   for (const Seed& s : seeds) {
     SimOptions o = s.storm ? Storm() : SimOptions();

@@ -97,7 +97,7 @@ struct Shard {
   std::pair<uint64_t, int64_t> prepare_for{0, -1};  // the (epoch, step) a prepare is scheduled for
   int64_t restores_until = 0;                       // when the last queued restore completes
   bool writer_busy = false;
-  std::optional<std::pair<int64_t, uint64_t>> pending_snapshot;  // (step, value)
+  std::optional<std::tuple<uint64_t, int64_t, uint64_t>> pending_snapshot;  // (epoch, step, value)
   std::unique_ptr<FakeHost> host;
   std::unique_ptr<Endpoint> net;
   std::unique_ptr<ClusterCoordinator> coord;
@@ -164,7 +164,7 @@ class Sim {
   void OnRelease(int s, int64_t step);
   void OnWorkersDoneCheck(int s);
   void Exit(int s);
-  void QueueSnapshot(int s, int64_t step, uint64_t value);
+  void QueueSnapshot(int s, uint64_t epoch, int64_t step, uint64_t value);
 
  private:
   struct Event {
@@ -244,7 +244,7 @@ class FakeHost : public ShardHost {
     e.value = Mix(Mix(e.value, static_cast<uint64_t>(step)), epoch);
     e.step = step + 1;
     sim_.OnPublished(me_, epoch, e.step, e.value);
-    if (checkpoint) sim_.QueueSnapshot(me_, e.step, e.value);
+    if (checkpoint) sim_.QueueSnapshot(me_, e.epoch, e.step, e.value);
     return Status::Ok();
   }
   double learning_rate() override { return 0.01; }
@@ -319,7 +319,7 @@ class FakeHost : public ShardHost {
     Engine& e = sh().engine;
     e.closed = true;
     if (snapshot_step < 0 || e.prepared || e.step != snapshot_step) return false;
-    sim_.QueueSnapshot(me_, e.step, e.value);
+    sim_.QueueSnapshot(me_, e.epoch, e.step, e.value);
     return true;
   }
   void FinishJob() override {
@@ -501,26 +501,26 @@ void Sim::SchedulePrepares() {
   }
 }
 
-void Sim::QueueSnapshot(int s, int64_t step, uint64_t value) {
+void Sim::QueueSnapshot(int s, uint64_t epoch, int64_t step, uint64_t value) {
   Shard& sh = shard(s);
-  sh.pending_snapshot = {step, value};
+  sh.pending_snapshot = {epoch, step, value};
   if (!sh.writer_busy) StartWrite(s);
 }
 
 void Sim::StartWrite(int s) {
   Shard& sh = shard(s);
   if (!sh.pending_snapshot) return;
-  auto [step, value] = *sh.pending_snapshot;
+  auto [epoch, step, value] = *sh.pending_snapshot;
   sh.pending_snapshot.reset();
   sh.writer_busy = true;
-  Later(s, now_ + Uniform(5, 150), [this, s, step, value](Shard& sh) {
+  Later(s, now_ + Uniform(5, 150), [this, s, epoch, step, value](Shard& sh) {
     DiskEntry& d = sh.disk[step];
     d.has_part = true;
     d.part_checksum = value;  // an older manifest of this step no longer matches it
     d.abandoned = false;
     sh.writer_busy = false;
     Note(fmt::format("shard {}: part of step {} written", s, step));
-    sh.coord->OnPartWritten(step, {s, "part-" + std::to_string(step), 64, value});
+    sh.coord->OnPartWritten(epoch, step, {s, "part-" + std::to_string(step), 64, value});
     StartWrite(s);
   });
 }
