@@ -1383,6 +1383,12 @@ int Run(int argc, char** argv) {
 
   std::vector<VarSpec> vars;
   uint64_t frame_limit = 0;
+  auto shm_bytes = ParseBytes(opt.shared_memory_text);
+  if (!shm_bytes.ok()) {
+    std::fprintf(stderr, "psd_bench: --shared-memory: %s\n", shm_bytes.status().message().c_str());
+    return 1;
+  }
+  opt.shared_memory_bytes = *shm_bytes;
   if (opt.sparse) {
     if (opt.batch_rows > opt.embedding_rows) {
       std::fprintf(stderr, "psd_bench: --batch-rows %" PRId64 " exceeds --embedding-rows %" PRId64 "\n", opt.batch_rows,
@@ -1409,12 +1415,6 @@ int Run(int argc, char** argv) {
       return 1;
     }
     opt.push_frame_bytes = *push_frame;
-    auto shm_bytes = ParseBytes(opt.shared_memory_text);
-    if (!shm_bytes.ok()) {
-      std::fprintf(stderr, "psd_bench: --shared-memory: %s\n", shm_bytes.status().message().c_str());
-      return 1;
-    }
-    opt.shared_memory_bytes = *shm_bytes;
     auto pull_frame = ParseBytes(opt.pull_frame_bytes_text);
     if (!pull_frame.ok()) {
       std::fprintf(stderr, "psd_bench: --pull-frame-bytes: %s\n", pull_frame.status().message().c_str());

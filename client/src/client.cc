@@ -426,6 +426,17 @@ class Conn {
   bool ShmFits(uint64_t bytes) const { return shm && ((shm_used + 63) & ~uint64_t{63}) + bytes <= shm->size(); }
   // Every reply of the last batch is in: its room may be used again.
   void ShmReset() { shm_used = 0; }
+  // Copies a tensor's bytes into the segment (room the caller checked with ShmFits) and says
+  // where in `t`.
+  void PutInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, const void* data, size_t bytes) {
+    const int64_t at = ShmReserve(bytes);
+    if (bytes > 0) std::memcpy(shm->data() + at, data, bytes);
+    t.setDtype(psd::wire::ToWire(dtype));
+    auto dims = t.initShape(static_cast<unsigned>(shape.size()));
+    for (size_t i = 0; i < shape.size(); ++i) dims.set(static_cast<unsigned>(i), shape[i]);
+    t.setInShm(true);
+    t.setShmOffset(static_cast<uint64_t>(at));
+  }
 
  private:
   Status SendNoReconnect(OutFrame& frame) {
@@ -721,8 +732,9 @@ class Client::Impl {
       if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
       for (size_t i = 0; i < outs.size(); ++i) {
         auto tensor = values[static_cast<unsigned>(i)];
-        auto t = psd::wire::ReadTensor(tensor,
-                                       tensor.getInShm() && from->shm ? from->shm->size() : options_.max_frame_bytes);
+        auto t =
+            psd::wire::ReadTensor(tensor, tensor.getInShm() && from->shm ? from->shm->size() : options_.max_frame_bytes,
+                                  /*in_shm_ok=*/true);
         if (!t.ok()) return t.status();
         if (tensor.getInShm()) {
           const uint64_t bytes = static_cast<uint64_t>(psd::NumElements(t->shape)) * psd::DTypeSize(t->dtype);
@@ -1328,26 +1340,28 @@ DType Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>
   return g.values.dtype;
 }
 
-// Sorts and coalesces sparse gradients' rows, then splits them by the variable's slices:
-// part k gets the rows in its range, re-based to the slice.
-// The one frame a shard's part of a push takes when its dense gradients go through shared memory:
-// false (plan over TCP) unless the connection has a segment with room for them all and the sparse
-// ones fit a frame.
-bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& sparse_bytes,
-             std::vector<internal::FramePlan>* frames) {
-  if (!conn.shm || dense_bytes.empty()) return false;
-  uint64_t need = 0, sparse = 0;
+// The one frame a shard's part of a push takes when its gradients' values go through shared
+// memory (dense gradients, and sparse ones' rows; their indices stay in the frame): false (plan
+// over TCP) unless the connection has a segment with room for all the values and the indices fit
+// a frame.
+bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& sparse_values,
+             const std::vector<uint64_t>& sparse_indices, std::vector<internal::FramePlan>* frames) {
+  if (!conn.shm || (dense_bytes.empty() && sparse_values.empty())) return false;
+  uint64_t need = 0, in_frame = 0;
   for (uint64_t b : dense_bytes) need += (b + 63) & ~uint64_t{63};
-  for (uint64_t b : sparse_bytes) sparse += b + internal::kFrameEntryOverhead;
+  for (uint64_t b : sparse_values) need += (b + 63) & ~uint64_t{63};
+  for (uint64_t b : sparse_indices) in_frame += b + internal::kFrameEntryOverhead;
   const uint64_t limit = conn.PushFrameLimit();
-  if (!conn.ShmFits(need) || (limit > 0 && sparse + Conn::kFrameSlack > limit)) return false;
+  if (!conn.ShmFits(need) || (limit > 0 && in_frame + Conn::kFrameSlack > limit)) return false;
   internal::FramePlan plan;
   for (size_t i = 0; i < dense_bytes.size(); ++i) plan.dense.push_back({i, 0, dense_bytes[i]});
-  for (size_t j = 0; j < sparse_bytes.size(); ++j) plan.sparse.push_back(j);
+  for (size_t j = 0; j < sparse_values.size(); ++j) plan.sparse.push_back(j);
   frames->assign(1, std::move(plan));
   return true;
 }
 
+// Sorts and coalesces sparse gradients' rows, then splits them by the variable's slices:
+// part k gets the rows in its range, re-based to the slice.
 struct SparsePart {
   std::vector<int64_t> indices;
   const void* values = nullptr;
@@ -1522,13 +1536,18 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       dense_bytes.push_back(d.view.bytes());
       element_bytes.push_back(psd::DTypeSize(d.view.dtype));
     }
-    for (const SparseEntry& e : sp) sparse_bytes.push_back(e.part.bytes + e.part.indices.size() * sizeof(int64_t));
+    std::vector<uint64_t> sparse_values, sparse_indices;
+    for (const SparseEntry& e : sp) {
+      sparse_bytes.push_back(e.part.bytes + e.part.indices.size() * sizeof(int64_t));
+      sparse_values.push_back(e.part.bytes);
+      sparse_indices.push_back(e.part.indices.size() * sizeof(int64_t));
+    }
     Conn& conn = im.conn(k);
-    // Same host: the dense gradients go through shared memory and one frame says where they are
-    // (the sparse ones ride in it when they fit a frame). Else: bigger than a frame, several
-    // frames, gradients cut into chunks, the token wait on the last.
+    // Same host: the gradients' values go through shared memory and one frame says where they
+    // are (with the sparse ones' indices). Else: bigger than a frame, several frames, gradients
+    // cut into chunks, the token wait on the last.
     std::vector<internal::FramePlan> frames;
-    const bool via_shm = ShmPlan(conn, dense_bytes, sparse_bytes, &frames);
+    const bool via_shm = ShmPlan(conn, dense_bytes, sparse_values, sparse_indices, &frames);
     if (!via_shm) {
       frames =
           internal::PlanFrames(dense_bytes, element_bytes, sparse_bytes, conn.PushFrameLimit(), conn.chunk_elements);
@@ -1566,11 +1585,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
         e.setName(*d.name);
         const ConstTensorView& v = d.view;
         if (via_shm) {
-          int64_t at = conn.ShmReserve(v.bytes());  // ShmPlan checked that all fit
-          if (v.bytes() > 0) std::memcpy(conn.shm->data() + at, v.data, v.bytes());
-          psd::wire::SetTensor(c.frame.builder, e.initGrad(), v.dtype, v.shape, nullptr, 0);
-          e.getGrad().setInShm(true);
-          e.getGrad().setShmOffset(static_cast<uint64_t>(at));
+          conn.PutInShm(e.initGrad(), v.dtype, v.shape, v.data, v.bytes());
         } else if (piece.offset == 0 && piece.bytes == v.bytes()) {
           psd::wire::SetTensor(c.frame.builder, e.initGrad(), v.dtype, v.shape, v.data, v.bytes(), d.padded);
         } else {
@@ -1598,7 +1613,11 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
           for (size_t k2 = 0; k2 < part.dense_shape->size(); ++k2)
             ds.set(static_cast<unsigned>(k2), (*part.dense_shape)[k2]);
         }
-        psd::wire::SetTensor(c.frame.builder, e.initGrad(), part.dtype, part.shape, part.values, part.bytes);
+        if (via_shm) {
+          conn.PutInShm(e.initGrad(), part.dtype, part.shape, part.values, part.bytes);
+        } else {
+          psd::wire::SetTensor(c.frame.builder, e.initGrad(), part.dtype, part.shape, part.values, part.bytes);
+        }
         slots_of_call.back().push_back(entry.slot);
       }
     }

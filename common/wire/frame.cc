@@ -251,7 +251,12 @@ proto::DType ToWire(DType dtype) {
   return proto::DType::FLOAT32;
 }
 
-Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes) {
+Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes, bool in_shm_ok) {
+  if (t.getInShm() && !in_shm_ok) {
+    return InvalidArgument(
+        "a tensor in shared memory where only one in the message is taken (shared memory "
+        "carries pushed gradients and pulled values only)");
+  }
   auto dtype = FromWire(t.getDtype());
   if (!dtype.ok()) return dtype.status();
   TensorRef ref;

@@ -116,14 +116,16 @@ proto::Code ToWire(Code code);
 Result<DType> FromWire(proto::DType dtype);
 proto::DType ToWire(DType dtype);
 
-// A validated view of a wire tensor: dtype known, shape sane, data size exact.
+// A validated view of a wire tensor: dtype known, shape sane, data size exact. A tensor said to
+// be in shared memory (Tensor.inShm) is INVALID_ARGUMENT unless `in_shm_ok` (then `data` is
+// empty: the caller finds the bytes in its segment).
 struct TensorRef {
   DType dtype;
   Shape shape;
   const uint8_t* data;
   size_t bytes;
 };
-Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes);
+Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes, bool in_shm_ok = false);
 
 // Fills a wire tensor. The data is referenced without copying when it is word-aligned and
 // either a whole number of words or `padded` (the owner guarantees zeroed bytes up to the next

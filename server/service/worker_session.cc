@@ -416,7 +416,7 @@ Result<wire::TensorRef> WorkerSession::ReadTensorIn(proto::Tensor::Reader t,
   if (!*hold) *hold = shm_ ? shm_->get() : nullptr;
   if (!*hold) return FailedPrecondition("a tensor in shared memory, but this connection has no segment attached");
   if (t.getData().size() != 0) return InvalidArgument("a tensor in shared memory must not carry data in the frame");
-  auto ref = wire::ReadTensor(t, (*hold)->size());
+  auto ref = wire::ReadTensor(t, (*hold)->size(), /*in_shm_ok=*/true);
   if (!ref.ok()) return ref.status();
   const uint64_t bytes = static_cast<uint64_t>(NumElements(ref->shape)) * DTypeSize(ref->dtype);
   ref->data = (*hold)->At(t.getShmOffset(), bytes);

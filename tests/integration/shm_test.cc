@@ -320,6 +320,21 @@ TEST_CASE("tensors said to be in shared memory are checked against the segment",
     CHECK(code == Code::kInvalidArgument);
     CHECK_THAT(msg, Catch::Contains("do not fit"));
   }
+  SECTION("shared memory is taken only for pushed gradients: a create or a reduce value is refused") {
+    wire::OutFrame f;
+    auto req = f.builder.initRoot<proto::Request>();
+    req.setId(3);
+    auto create = req.initCreateVariable();
+    create.setName("x");
+    auto t = create.initInitial();
+    t.setDtype(proto::DType::FLOAT32);
+    t.initShape(1).set(0, 10);
+    t.setInShm(true);
+    p.Send(f);
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kInvalidArgument);
+    CHECK_THAT(msg, Catch::Contains("shared memory"));
+  }
   SECTION("a gradient in the segment is applied, and a pull lands there") {
     auto* g = reinterpret_cast<float*>((*seg)->data() + 4096);
     for (int i = 0; i < 1000; ++i) g[i] = static_cast<float>(i);
@@ -417,4 +432,31 @@ TEST_CASE("a worker whose connection was closed attaches a new segment on its ne
   CHECK(server->shm()->attached() == 2);
   REQUIRE(c->Pull("v", {&v, DType::kFloat32, {}}).ok());
   CHECK(v == Approx(1 - 0.01f).epsilon(1e-6));
+}
+
+TEST_CASE("a sparse gradient's rows go through shared memory, its indices in the frame", "[shm]") {
+  std::vector<float> results[2];
+  uint64_t shm_bytes[2] = {0, 0};
+  for (int shm = 0; shm < 2; ++shm) {
+    auto server = StartServer(TestConfig(1, 1, 0));
+    auto o = WorkerOptions(server->port(), "w0");
+    o.shared_memory_bytes = shm ? (1 << 20) : 0;
+    auto c = ConnectWith(o);
+    REQUIRE(c->shared_memory_shards() == shm);
+    std::vector<float> init(100 * 8, 1.0f);
+    REQUIRE(c->CreateVariable("emb", {init.data(), DType::kFloat32, {100, 8}}).ok());
+    // Rows 7, 3 and 7 again (coalesced), then 99.
+    std::vector<float> values(4 * 8);
+    for (size_t i = 0; i < values.size(); ++i) values[i] = 0.25f * static_cast<float>(i % 13) - 1.0f;
+    psclient::SparseGradient g{"emb", {7, 3, 7, 99}, {values.data(), DType::kFloat32, {4, 8}}, std::nullopt};
+    REQUIRE(c->Push(0, {}, {g}, true, 10000).ok());
+    results[shm].resize(init.size());
+    REQUIRE(c->Pull("emb", {results[shm].data(), DType::kFloat32, {100, 8}}).ok());
+    shm_bytes[shm] = server->metrics().shm_bytes();
+  }
+  CHECK(results[0] == results[1]);
+  CHECK(results[1][7 * 8] != 1.0f);  // row 7 moved
+  CHECK(results[1][0] == 1.0f);      // row 0 did not
+  CHECK(shm_bytes[0] == 0);
+  CHECK(shm_bytes[1] >= 3 * 8 * sizeof(float));  // the coalesced rows (and the pull's values)
 }
