@@ -6,7 +6,10 @@
 # worker, the least a sync step on loopback can cost. psd runs as its own daemon process (like the
 # floor's server), driven by psd_bench --connect with --fused --pull-in-push: one round trip per
 # step, as the floor. Absolute times drift between runs on shared machines, so what matters is the
-# psd/floor ratio of median step times measured back to back, cell by cell.
+# psd/floor ratio of median step times measured back to back, cell by cell. The workers run on
+# psd's host, so they move tensors through shared memory (README "Same-host shared memory") while
+# the floor uses TCP; --bench-flags "--shared-memory 0" compares TCP with TCP. psd's peak RSS then
+# counts the workers' segment pages it touched.
 #
 # Usage: bench/compare_floor.sh [options] [path/to/psd_bench]   (default: build/bench/psd_bench)
 #   --workers "2 4 8 16"      worker counts of the sweep (default: 2 4 8 16; "": no sweep)
@@ -47,7 +50,7 @@ while [[ $# -gt 0 ]]; do
     --rss) rss_list="$2"; shift 2 ;;
     --rss-model) rss_model="$2"; shift 2 ;;
     --sparse) sparse_list="$2"; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     -*) echo "compare_floor: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) bench="$1"; shift ;;
   esac
