@@ -233,7 +233,7 @@ class Conn {
       shm_status = "off (ClientOptions::shared_memory_bytes is 0)";
       return;
     }
-    if (!hr.hasShmSocket() || hr.getShmNonce().size() + 8 != kShmMessageBytes) {
+    if (!hr.hasShmSocket() || hr.getShmNonce().size() != psd::wire::kShmNonceBytes) {
       shm_status = "not offered (another host or network namespace, or psd --no-shared-memory)";
       return;
     }
@@ -249,11 +249,10 @@ class Conn {
     auto seg = psd::wire::SharedSegment::Create(bytes, "psclient-" + std::to_string(index_));
     std::string answer;
     if (seg.ok()) {
-      uint8_t msg[kShmMessageBytes];
-      uint64_t id = hr.getConnectionId();
-      for (int i = 0; i < 8; ++i) msg[i] = static_cast<uint8_t>(id >> (8 * i));
-      std::memcpy(msg + 8, hr.getShmNonce().begin(), kShmMessageBytes - 8);
-      Status sent = psd::wire::SendWithFd(*sock, msg, sizeof(msg), (*seg)->fd());
+      auto nonce = hr.getShmNonce();
+      const std::string msg = psd::wire::ShmAttachMessage(
+          hr.getConnectionId(), std::string_view(reinterpret_cast<const char*>(nonce.begin()), nonce.size()));
+      Status sent = psd::wire::SendWithFd(*sock, msg.data(), msg.size(), (*seg)->fd());
       answer = sent.ok() ? internal::ReadAnswer(
                                *sock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(5)))
                          : sent.message();
@@ -410,7 +409,6 @@ class Conn {
 
   // Shared memory (AttachShm). Written on a call thread under the client's call lock and shm_mu;
   // the status getters read under shm_mu.
-  static constexpr size_t kShmMessageBytes = 8 + 32;  // server/net/shm_listener.h
   mutable std::mutex shm_mu;
   std::shared_ptr<psd::wire::SharedSegment> shm;
   std::string shm_status = "not connected";
@@ -418,12 +416,12 @@ class Conn {
   // Room for `bytes` (64-byte aligned) in the segment for this batch of requests, or -1.
   int64_t ShmReserve(uint64_t bytes) {
     if (!shm) return -1;
-    uint64_t at = (shm_used + 63) & ~uint64_t{63};
+    uint64_t at = psd::wire::ShmAlign(shm_used);
     if (at > shm->size() || bytes > shm->size() - at) return -1;
     shm_used = at + bytes;
     return static_cast<int64_t>(at);
   }
-  bool ShmFits(uint64_t bytes) const { return shm && ((shm_used + 63) & ~uint64_t{63}) + bytes <= shm->size(); }
+  bool ShmFits(uint64_t bytes) const { return shm && psd::wire::ShmAlign(shm_used) + bytes <= shm->size(); }
   // Every reply of the last batch is in: its room may be used again.
   void ShmReset() { shm_used = 0; }
   // Copies a tensor's bytes into the segment (room the caller checked with ShmFits) and says
@@ -789,7 +787,7 @@ class Client::Impl {
   // The room a pull of `outs` takes in shared memory: each value at a multiple of 64 bytes.
   static uint64_t ShmTargetBytes(const Outs& outs) {
     uint64_t need = 0;
-    for (const auto& o : outs) need += (o.second.bytes() + 63) & ~uint64_t{63};
+    for (const auto& o : outs) need += psd::wire::ShmAlign(o.second.bytes());
     return need;
   }
   // Asks for `outs` in shard k's shared memory (room reserved now), when it has room.
@@ -1213,7 +1211,7 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
     want[0] = static_cast<int64_t>(rows.size());
     PSD_RETURN_IF_ERROR(CheckView("rows of '" + name + "'", dtype, want, out));
   }
-  for (size_t i = 0; loc->sliced && i < rows.size(); ++i) {
+  for (size_t i = 0; loc->sliced && i < rows.size(); ++i) {  // sliced: each row to its part
     if (rows[i] < 0 || rows[i] >= loc->shape[0]) {
       return psd::InvalidArgument("row " + std::to_string(rows[i]) + " (slice " + std::to_string(i) +
                                   ") is outside [0, " + std::to_string(loc->shape[0]) + ")");
@@ -1230,7 +1228,7 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
       const int shard = loc->parts[k].shard;
       const size_t per = rows_per_reply(shard);
       for (size_t first = 0; first < positions[k].size(); first += per) {
-        const size_t last = std::min(positions[k].size(), first + std::min(per, positions[k].size() - first));
+        const size_t last = first + std::min(per, positions[k].size() - first);
         batch.emplace_back(positions[k].begin() + static_cast<std::ptrdiff_t>(first),
                            positions[k].begin() + static_cast<std::ptrdiff_t>(last));
         proto::Request::Builder req(nullptr);
@@ -1348,8 +1346,8 @@ bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const s
              const std::vector<uint64_t>& sparse_indices, std::vector<internal::FramePlan>* frames) {
   if (!conn.shm || (dense_bytes.empty() && sparse_values.empty())) return false;
   uint64_t need = 0, in_frame = 0;
-  for (uint64_t b : dense_bytes) need += (b + 63) & ~uint64_t{63};
-  for (uint64_t b : sparse_values) need += (b + 63) & ~uint64_t{63};
+  for (uint64_t b : dense_bytes) need += psd::wire::ShmAlign(b);
+  for (uint64_t b : sparse_values) need += psd::wire::ShmAlign(b);
   for (uint64_t b : sparse_indices) in_frame += b + internal::kFrameEntryOverhead;
   const uint64_t limit = conn.PushFrameLimit();
   if (!conn.ShmFits(need) || (limit > 0 && in_frame + Conn::kFrameSlack > limit)) return false;

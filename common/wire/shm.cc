@@ -121,6 +121,18 @@ Result<int> ReceiveWithFd(int sock, void* data, size_t n) {
   return fds[0];
 }
 
+std::string ShmAttachMessage(uint64_t connection, std::string_view nonce) {
+  std::string m(8, '\0');
+  for (size_t i = 0; i < 8; ++i) m[i] = static_cast<char>(connection >> (8 * i));
+  return m.append(nonce);
+}
+
+uint64_t ShmAttachConnection(const uint8_t* message) {
+  uint64_t conn = 0;
+  for (int i = 7; i >= 0; --i) conn = (conn << 8) | message[i];
+  return conn;
+}
+
 std::string AbstractSocketPath(const std::string& name) { return std::string(1, '\0') + name; }
 
 Result<int> ConnectAbstract(const std::string& name) {

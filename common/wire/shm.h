@@ -17,10 +17,23 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "psd/status.h"
 
 namespace psd::wire {
+
+// Tensors in a segment start at multiples of 64 bytes (a pull's values are written so into its
+// ShmTarget): the room `bytes` takes there, and the first offset at or after `offset`.
+constexpr uint64_t ShmAlign(uint64_t offset) { return (offset + 63) & ~uint64_t{63}; }
+
+// What a worker sends on psd's shared-memory socket with its segment's descriptor: the
+// connection id (8 bytes, little-endian) and the hello's one-time nonce.
+inline constexpr size_t kShmNonceBytes = 32;
+inline constexpr size_t kShmAttachBytes = 8 + kShmNonceBytes;
+std::string ShmAttachMessage(uint64_t connection, std::string_view nonce);
+// The connection id of such a message (the nonce is its last kShmNonceBytes bytes).
+uint64_t ShmAttachConnection(const uint8_t* message);
 
 class SharedSegment {
  public:

@@ -10,6 +10,8 @@
 
 namespace psd::server {
 
+static_assert(peer_auth::kNonceBytes == wire::kShmNonceBytes, "the offers' nonces are what workers send back");
+
 ShmListener::ShmListener(asio::io_context& io, uint64_t max_bytes, int64_t timeout_ms)
     : io_(io), max_bytes_(max_bytes), timeout_ms_(timeout_ms), acceptor_(io) {}
 
@@ -72,7 +74,7 @@ void ShmListener::Serve(std::shared_ptr<Socket> socket) {
   socket->async_wait(Socket::wait_read, [this, socket, timer](boost::system::error_code ec) {
     timer->cancel();
     if (ec) return;
-    uint8_t message[kMessageBytes];
+    uint8_t message[wire::kShmAttachBytes];
     auto fd = wire::ReceiveWithFd(socket->native_handle(), message, sizeof(message));
     Status s = fd.ok() ? Attach(message, *fd) : fd.status();
     if (!s.ok()) {
@@ -89,14 +91,13 @@ void ShmListener::Serve(std::shared_ptr<Socket> socket) {
 }
 
 Status ShmListener::Attach(const uint8_t* message, int fd) {
-  uint64_t conn = 0;
-  for (int i = 7; i >= 0; --i) conn = (conn << 8) | message[i];
+  const uint64_t conn = wire::ShmAttachConnection(message);
   std::shared_ptr<ShmSlot> slot;
   {
     MutexLock lock(&mu_);
     auto it = offers_.find(conn);
-    bool match = it != offers_.end() && it->second.nonce.size() == kMessageBytes - 8 &&
-                 CRYPTO_memcmp(it->second.nonce.data(), message + 8, kMessageBytes - 8) == 0;
+    bool match = it != offers_.end() && it->second.nonce.size() == wire::kShmNonceBytes &&
+                 CRYPTO_memcmp(it->second.nonce.data(), message + 8, wire::kShmNonceBytes) == 0;
     if (it != offers_.end()) {
       slot = match ? it->second.slot.lock() : nullptr;
       offers_.erase(it);  // one try, right or wrong

@@ -62,9 +62,6 @@ class ShmListener {
   uint64_t attached() const { return attached_.load(); }
   uint64_t refused() const { return refused_.load(); }
 
-  // What a worker sends: the connection id (8 bytes, little-endian) and the nonce.
-  static constexpr size_t kMessageBytes = 8 + 32;
-
  private:
   using Socket = asio::local::stream_protocol::socket;
   void Accept();

@@ -43,7 +43,7 @@ Status SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype,
   const size_t count = range != nullptr ? static_cast<size_t>(range->count) : value.bytes() / DTypeSize(dtype);
   const size_t first = range != nullptr ? static_cast<size_t>(range->offset) : 0;
   const uint64_t bytes = count * DTypeSize(want);
-  const uint64_t at = (*cursor + 63) & ~uint64_t{63};
+  const uint64_t at = wire::ShmAlign(*cursor);
   uint8_t* dst = at <= end && bytes <= end - at ? segment.At(at, bytes) : nullptr;
   if (dst == nullptr) {
     return InvalidArgument("the values do not fit the shared-memory room the request gave (" + std::to_string(end) +

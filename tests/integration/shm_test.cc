@@ -103,12 +103,6 @@ std::string Attach(const std::string& socket_name, const std::string& message, i
   return answer;
 }
 
-std::string AttachMessage(uint64_t conn, const std::string& nonce) {
-  std::string m(8, '\0');
-  for (int i = 0; i < 8; ++i) m[static_cast<size_t>(i)] = static_cast<char>(conn >> (8 * i));
-  return m + nonce;
-}
-
 // A push of one float32 [n] gradient "v" at step 0 whose bytes are in the segment at `offset`.
 void PushFromShm(RawPeer& p, uint64_t id, uint64_t offset, int64_t n) {
   wire::OutFrame f;
@@ -219,16 +213,16 @@ TEST_CASE("psd's shared-memory socket maps only a sealed segment sent with its c
     REQUIRE(p.shm_nonce.size() == 32);
     std::string wrong = p.shm_nonce;
     wrong[0] = static_cast<char>(wrong[0] ^ 1);
-    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, wrong), (*good)->fd()),
+    CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, wrong), (*good)->fd()),
                Catch::Contains("without its nonce"));
-    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), (*good)->fd()),
+    CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*good)->fd()),
                Catch::Contains("without its nonce"));
     CHECK(server->shm()->refused() == 2);
   }
   SECTION("another connection's id with this nonce is refused") {
     RawPeer p(server->port());
     p.Hello("raw");
-    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id + 1000, p.shm_nonce), (*good)->fd()),
+    CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id + 1000, p.shm_nonce), (*good)->fd()),
                Catch::Contains("without its nonce"));
   }
   SECTION("a memfd that may shrink is refused (a shrink under psd's mapping would fault it)") {
@@ -237,7 +231,7 @@ TEST_CASE("psd's shared-memory socket maps only a sealed segment sent with its c
     int fd = ::memfd_create("unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     REQUIRE(fd >= 0);
     REQUIRE(::ftruncate(fd, 64 << 10) == 0);
-    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), fd),
+    CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), fd),
                Catch::Contains("not sealed against shrinking"));
     ::close(fd);
   }
@@ -246,7 +240,7 @@ TEST_CASE("psd's shared-memory socket maps only a sealed segment sent with its c
     p.Hello("raw");
     int fds[2];
     REQUIRE(::pipe(fds) == 0);
-    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), fds[0]),
+    CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), fds[0]),
                Catch::Contains("not a sealable memfd"));
     ::close(fds[0]);
     ::close(fds[1]);
@@ -256,19 +250,19 @@ TEST_CASE("psd's shared-memory socket maps only a sealed segment sent with its c
     p.Hello("raw");
     auto huge = wire::SharedSegment::Create(2 << 20, "test");
     REQUIRE(huge.ok());
-    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), (*huge)->fd()),
+    CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*huge)->fd()),
                Catch::Contains("--shm-max-bytes"));
   }
   SECTION("a message without a descriptor is refused") {
     RawPeer p(server->port());
     p.Hello("raw");
-    CHECK_THAT(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), -1),
+    CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), -1),
                Catch::Contains("one descriptor"));
   }
   SECTION("the right segment is mapped: \"OK\"") {
     RawPeer p(server->port());
     p.Hello("raw");
-    CHECK(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), (*good)->fd()) == "OK");
+    CHECK(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*good)->fd()) == "OK");
     CHECK(server->shm()->attached() == 1);
   }
   // Whatever came, psd serves a real worker, through shared memory (its 1 GiB segment cut to
@@ -298,7 +292,7 @@ TEST_CASE("tensors said to be in shared memory are checked against the segment",
 
   auto seg = wire::SharedSegment::Create(64 << 10, "test");
   REQUIRE(seg.ok());
-  REQUIRE(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), (*seg)->fd()) == "OK");
+  REQUIRE(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*seg)->fd()) == "OK");
 
   SECTION("a gradient that runs past the segment's end") {
     PushFromShm(p, 3, (64 << 10) - 3996, 1000);
@@ -367,7 +361,7 @@ TEST_CASE("a worker scribbling on its segment while psd reads it hurts no one el
   p.Hello("scribbler");
   auto seg = wire::SharedSegment::Create(1 << 20, "test");
   REQUIRE(seg.ok());
-  REQUIRE(Attach(p.shm_socket, AttachMessage(p.connection_id, p.shm_nonce), (*seg)->fd()) == "OK");
+  REQUIRE(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*seg)->fd()) == "OK");
   // Another thread (as another process would) rewrites the gradient's bytes the whole time.
   std::atomic<bool> stop{false};
   std::thread scribbler([&] {
