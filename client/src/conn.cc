@@ -1,0 +1,304 @@
+#include "conn.h"
+
+#include <capnp/dynamic.h>
+#include <kj/exception.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "connect.h"
+
+namespace psclient::internal {
+
+std::string HumanBytes(uint64_t bytes) {
+  static const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB"};
+  if (bytes < 1024) return std::to_string(bytes) + " bytes";
+  double v = static_cast<double>(bytes);
+  int u = -1;
+  while (v >= 1024 && u < 3) v /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), v == static_cast<double>(static_cast<uint64_t>(v)) ? "%.0f %s" : "%.1f %s", v,
+                kUnits[u]);
+  return buf;
+}
+
+JobConfig ReadConfig(proto::JobConfig::Reader c) {
+  JobConfig cfg;
+  cfg.replicas_to_aggregate = c.getReplicasToAggregate();
+  cfg.total_replicas = c.getTotalReplicas();
+  cfg.tokens_per_step = c.getTokensPerStep();
+  cfg.init_tokens = c.getInitTokens();
+  cfg.optimizer = c.getOptimizer();
+  cfg.learning_rate = c.getLearningRate();
+  cfg.reduction_sum = c.getReduction() == proto::Reduction::SUM;
+  for (auto s : c.getSlotNames()) cfg.slot_names.emplace_back(s);
+  cfg.mode = c.getMode();
+  cfg.staleness_bound = c.getStalenessBound();
+  cfg.soft_sync_fraction = c.getSoftSyncFraction();
+  cfg.step_deadline_ms = c.getStepDeadlineMs();
+  cfg.ema_decay = c.getEmaDecay();
+  return cfg;
+}
+
+Status Malformed(const kj::Exception& e) {
+  return psd::Internal(std::string("malformed reply from psd: ") + e.getDescription().cStr());
+}
+
+Status Conn::Connect(int64_t limit_ms) {
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(limit_ms > 0 ? limit_ms : options_.connect_timeout_ms);
+  for (;;) {
+    Status s = ConnectOnce(deadline);
+    if (s.ok() || s.code() != Code::kUnavailable || !answered_ || std::chrono::steady_clock::now() >= deadline) {
+      return s;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+Status Conn::ConnectOnce(std::chrono::steady_clock::time_point deadline) {
+  boost::system::error_code ec;
+  answered_ = false;
+  const std::string gave_up =
+      " (gave up after ClientOptions::connect_timeout_ms = " + std::to_string(options_.connect_timeout_ms) + " ms)";
+  for (;;) {
+    // Names are resolved on every try: a restarted daemon (a Kubernetes pod, say) may have
+    // come back at another address.
+    tls_.reset();
+    socket_ = psd::tcp::socket(io_);
+    Status c = internal::ConnectBefore(socket_, host_, port_, deadline);
+    if (c.ok()) break;
+    auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return psd::Unavailable(c.message() + gave_up);
+    std::this_thread::sleep_for(
+        std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), deadline - now));
+  }
+  socket_.set_option(psd::tcp::no_delay(true), ec);
+  if (options_.tls_enabled()) PSD_RETURN_IF_ERROR(StartTls(deadline));
+  // The hello's answer is bounded by the same deadline (a daemon that accepts but never answers).
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  const bool connect_bound = left.count() < options_.request_timeout_ms;
+  limit_ms_ = std::max<int64_t>(1, std::min<int64_t>(left.count(), options_.request_timeout_ms));
+  OutFrame frame;
+  auto req = NewRequest(frame);
+  auto h = req.initHello();
+  h.setProtocolVersion(proto::PROTOCOL_VERSION);
+  h.setWorkerName(options_.worker_name);
+  h.setIncarnation(options_.incarnation);
+  h.setAuthToken(options_.auth_token);
+  h.setObserver(options_.observer);
+  proto::Response::Reader resp;
+  Status s = SendNoReconnect(frame);
+  if (s.ok()) s = Receive(frame, &resp);
+  if (!s.ok()) {
+    Drop();
+    if (s.code() == Code::kDeadlineExceeded && !answered_ && connect_bound) {
+      return psd::Unavailable("psd at " + Where() + " accepted the connection but did not answer its hello in time" +
+                              gave_up);
+    }
+    return s;
+  }
+  if (resp.which() != proto::Response::HELLO) return psd::Internal("unexpected reply to hello");
+  auto hr = resp.getHello();
+  {
+    std::lock_guard<std::mutex> lock(hello_mu);
+    config = ReadConfig(hr.getConfig());
+    worker_id = hr.getWorkerId();
+    initial_step = hr.getGlobalStep();
+  }
+  is_chief = hr.getIsChief();
+  chief_shard = hr.getChiefShard();
+  cluster_epoch = hr.getClusterEpoch();
+  shards_reported = static_cast<int>(hr.getShards());
+  daemon_max_frame_bytes = hr.getMaxFrameBytes();
+  chunk_elements = hr.getChunkElements();
+  AttachShm(hr, deadline);
+  ++connects;
+  return Status::Ok();
+}
+
+void Conn::AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::time_point deadline) {
+  std::lock_guard<std::mutex> lock(shm_mu);
+  shm.reset();
+  shm_used = 0;
+  if (options_.shared_memory_bytes == 0) {
+    shm_status = "off (ClientOptions::shared_memory_bytes is 0)";
+    return;
+  }
+  if (!hr.hasShmSocket() || hr.getShmNonce().size() != psd::wire::kShmNonceBytes) {
+    shm_status = "not offered (another host or network namespace, or psd --no-shared-memory)";
+    return;
+  }
+  std::string name = hr.getShmSocket();
+  auto sock = psd::wire::ConnectAbstract(name);
+  if (!sock.ok()) {
+    shm_status = "psd's socket @" + name + " is not reachable from here (" + sock.status().message() + ")";
+    return;
+  }
+  // No bigger than psd maps (its --shm-max-bytes).
+  const uint64_t bytes =
+      std::min<uint64_t>(options_.shared_memory_bytes, hr.getShmMaxBytes() > 0 ? hr.getShmMaxBytes() : UINT64_MAX);
+  auto seg = psd::wire::SharedSegment::Create(bytes, "psclient-" + std::to_string(index_));
+  std::string answer;
+  if (seg.ok()) {
+    auto nonce = hr.getShmNonce();
+    const std::string msg = psd::wire::ShmAttachMessage(
+        hr.getConnectionId(), std::string_view(reinterpret_cast<const char*>(nonce.begin()), nonce.size()));
+    Status sent = psd::wire::SendWithFd(*sock, msg.data(), msg.size(), (*seg)->fd());
+    answer = sent.ok() ? internal::ReadAnswer(
+                             *sock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(5)))
+                       : sent.message();
+  } else {
+    answer = seg.status().message();
+  }
+  ::close(*sock);
+  if (answer == "OK") {
+    shm = std::move(*seg);
+    shm_status.clear();
+  } else {
+    shm_status = "psd refused the segment: " + answer;
+  }
+}
+
+Status Conn::Send(OutFrame& frame, int64_t wait_ms) {
+  // A cluster's shard that was lost is tried briefly: the other shards' answers say what the
+  // cluster waits for, and the caller retries (a single daemon gets the whole connect_timeout_ms
+  // to come back).
+  if (!IsOpen()) PSD_RETURN_IF_ERROR(Connect(quick_reconnect && connects > 0 ? kQuickReconnectMs : 0));
+  PSD_RETURN_IF_ERROR(CheckFrameSize(frame));
+  ++requests;
+  limit_ms_ = std::max<int64_t>(options_.request_timeout_ms, wait_ms > 0 ? wait_ms + 10000 : 0);
+  return SendNoReconnect(frame);
+}
+
+Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::wire::Landing* landing) {
+  uint64_t id = frame.builder.getRoot<proto::Request>().getId();
+  answered_ = false;
+  const char* limit = "the client's ClientOptions::max_frame_bytes";
+  Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit, landing)
+                  : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit, landing,
+                                         options_.busy_poll_us);
+  if (!s.ok()) {
+    // The stream is out of step (or gone): the next call reconnects.
+    Drop();
+    if (s.code() == psd::Code::kDeadlineExceeded) {
+      return psd::DeadlineExceeded("no reply from psd at " + Where() + " within " + std::to_string(limit_ms_) +
+                                   " ms; the connection was reset");
+    }
+    return s;
+  }
+  try {
+    reader_ = in_.Reader();
+    *resp = reader_->getRoot<proto::Response>();
+    if (resp->getId() != id) {
+      Drop();
+      return psd::Internal("reply id " + std::to_string(resp->getId()) + " does not match request " +
+                           std::to_string(id));
+    }
+    answered_ = true;
+    if (resp->getCode() != proto::Code::OK) return Status(psd::wire::FromWire(resp->getCode()), resp->getMessage());
+  } catch (const kj::Exception& e) {
+    Drop();
+    return Malformed(e);
+  }
+  return Status::Ok();
+}
+
+void Conn::Drop() {
+  boost::system::error_code ec;
+  (tls_ ? tls_->next_layer() : socket_).close(ec);
+  // A request cut off may still be read by the daemon from the old segment: the next connection
+  // gets a new one, and the old pages live until the daemon lets them go.
+  std::lock_guard<std::mutex> lock(shm_mu);
+  if (shm) shm_status = "the connection was reset";
+  shm.reset();
+}
+
+Status Conn::CheckFrameSize(OutFrame& frame) {
+  if (daemon_max_frame_bytes == 0) return Status::Ok();
+  uint64_t bytes = frame.BodyBytes();
+  if (bytes <= daemon_max_frame_bytes) return Status::Ok();
+  std::string kind = "request";
+  KJ_IF_MAYBE (field, capnp::toDynamic(frame.builder.getRoot<proto::Request>().asReader()).which()) {
+    kind = field->getProto().getName().cStr();
+    kind = kind == "createVariable" ? "create" : kind + " request";
+  }
+  return psd::ResourceExhausted("the " + kind + " is " + HumanBytes(bytes) + ", over psd's --max-frame-bytes " +
+                                HumanBytes(daemon_max_frame_bytes) + " (" + Where() +
+                                "): raise it on every shard, or send fewer or smaller variables per call");
+}
+
+uint64_t Conn::PushFrameLimit() const {
+  if (options_.push_frame_bytes == 0) return 0;
+  uint64_t limit = options_.push_frame_bytes + kFrameSlack;
+  if (daemon_max_frame_bytes > 0)
+    limit = std::min(limit, daemon_max_frame_bytes - std::min<uint64_t>(daemon_max_frame_bytes, 4096));
+  return limit;
+}
+
+uint64_t Conn::CreateChunkBytes() const {
+  if (options_.push_frame_bytes == 0 || chunk_elements == 0) return 0;
+  const uint64_t limit = PushFrameLimit();  // a frame: the tensor and kFrameSlack for the rest
+  const uint64_t room = limit > kFrameSlack ? limit - kFrameSlack : limit / 2;
+  return std::max<uint64_t>(8, std::min<uint64_t>(options_.push_frame_bytes, room));
+}
+
+uint64_t Conn::PullFrameLimit() const {
+  if (chunk_elements == 0 || options_.pull_frame_bytes == 0) return 0;
+  return std::min(options_.pull_frame_bytes + kFrameSlack,
+                  options_.max_frame_bytes - std::min<uint64_t>(options_.max_frame_bytes, 4096));
+}
+
+int64_t Conn::ShmReserve(uint64_t bytes) {
+  if (!shm) return -1;
+  uint64_t at = psd::wire::ShmAlign(shm_used);
+  if (at > shm->size() || bytes > shm->size() - at) return -1;
+  shm_used = at + bytes;
+  return static_cast<int64_t>(at);
+}
+
+void Conn::PutInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, const void* data, size_t bytes) {
+  const int64_t at = ShmReserve(bytes);
+  if (bytes > 0) std::memcpy(shm->data() + at, data, bytes);
+  t.setDtype(psd::wire::ToWire(dtype));
+  auto dims = t.initShape(static_cast<unsigned>(shape.size()));
+  for (size_t i = 0; i < shape.size(); ++i) dims.set(static_cast<unsigned>(i), shape[i]);
+  t.setInShm(true);
+  t.setShmOffset(static_cast<uint64_t>(at));
+}
+
+Status Conn::SendNoReconnect(OutFrame& frame) {
+  if (limit_ms_ == 0) limit_ms_ = options_.request_timeout_ms;
+  deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms_);
+  Status s = tls_ ? psd::wire::WriteFrame(*tls_, frame, deadline_) : psd::wire::WriteFrame(socket_, frame, deadline_);
+  if (!s.ok()) Drop();
+  return s;
+}
+
+Status Conn::StartTls(std::chrono::steady_clock::time_point deadline) {
+  if (!tls_context_) {
+    auto ctx = psd::wire::MakeClientTlsContext({options_.tls_cert_file, options_.tls_key_file, options_.tls_ca_file});
+    if (!ctx.ok()) return ctx.status();
+    tls_context_ = std::move(*ctx);
+  }
+  tls_ = std::make_unique<psd::wire::ssl::stream<psd::tcp::socket>>(std::move(socket_), *tls_context_);
+  socket_ = psd::tcp::socket(io_);
+  PSD_RETURN_IF_ERROR(
+      psd::wire::SetTlsServerName(*tls_, options_.tls_server_name.empty() ? host_ : options_.tls_server_name));
+  Status s = psd::wire::TlsHandshake(*tls_, deadline);
+  if (!s.ok()) {
+    Drop();
+    // Verification failures are not worth retrying: say what to fix.
+    return s.code() == Code::kUnavailable ? psd::Unavailable("TLS with psd at " + Where() + ": " + s.message()) : s;
+  }
+  return Status::Ok();
+}
+
+Status FromShard(const Status& s, const Conn& c, bool cluster) {
+  if (s.ok() || !cluster) return s;
+  return Status(s.code(), "shard " + std::to_string(c.index()) + " (" + c.Where() + "): " + s.message());
+}
+}  // namespace psclient::internal

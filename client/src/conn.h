@@ -1,0 +1,162 @@
+// One connection from libpsclient to one daemon: connect and hello (TLS, auth token), framed
+// requests and replies with deadlines, reconnects, frame-size limits and the same-host
+// shared-memory segment. Internal to libpsclient (client.cc drives one per shard).
+#ifndef PSCLIENT_SRC_CONN_H_
+#define PSCLIENT_SRC_CONN_H_
+
+#include <kj/exception.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "psclient/client.h"
+#include "wire/frame.h"
+#include "wire/shm.h"
+#include "wire/tls.h"
+
+namespace psclient::internal {
+
+namespace proto = psd::proto;
+using psd::wire::InFrame;
+using psd::wire::OutFrame;
+
+// "300 MiB", "1.5 GiB", "4096 bytes" for size errors.
+std::string HumanBytes(uint64_t bytes);
+
+// The job's configuration as a hello reply states it.
+JobConfig ReadConfig(proto::JobConfig::Reader c);
+
+// A reply that Cap'n Proto could not read.
+Status Malformed(const kj::Exception& e);
+
+// One connection to one daemon (a shard of a cluster, or the only daemon). Blocking socket with
+// poll deadlines; a request is sent with Send and its reply read with Receive, so a caller can
+// send to every shard before reading any reply.
+class Conn {
+ public:
+  Conn(const ClientOptions& options, std::string host, uint16_t port, int index)
+      : options_(options), host_(std::move(host)), port_(port), index_(index), socket_(io_) {}
+
+  // Connects and says hello. A daemon that answers UNAVAILABLE (restoring a checkpoint) is asked
+  // again until connect_timeout_ms has passed.
+  // `limit_ms` (0: connect_timeout_ms) bounds it.
+  Status Connect(int64_t limit_ms = 0);
+
+  // Resolve, connect and hello, all before `deadline` (connect_timeout_ms from the first try).
+  Status ConnectOnce(std::chrono::steady_clock::time_point deadline);
+
+  // After a hello: attaches a fresh shared-memory segment when the daemon offers one (then it is
+  // on this host). Any failure leaves the connection on TCP and says why in shm_status.
+  void AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::time_point deadline);
+
+  proto::Request::Builder NewRequest(OutFrame& frame) {
+    auto req = frame.builder.initRoot<proto::Request>();
+    req.setId(++next_id_);
+    return req;
+  }
+
+  // Sends `frame` (connecting first if needed). `wait_ms`: how long the daemon may legitimately
+  // hold the reply (a token wait); the reply deadline is the longer of request_timeout_ms and
+  // wait_ms + 10 s, counted from now.
+  Status Send(OutFrame& frame, int64_t wait_ms = 0);
+
+  // Reads the reply to `frame`; a non-OK reply becomes the returned Status. The reader stays
+  // valid until the next Receive on this connection.
+  // `landing`: where a one-tensor reply's data may be read straight to (psd::wire::Landing).
+  Status Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::wire::Landing* landing = nullptr);
+
+  Status RoundTrip(OutFrame& frame, proto::Response::Reader* resp, int64_t wait_ms = 0) {
+    PSD_RETURN_IF_ERROR(Send(frame, wait_ms));
+    return Receive(frame, resp);
+  }
+
+  void Drop();
+  bool IsOpen() const { return tls_ ? tls_->next_layer().is_open() : socket_.is_open(); }
+
+  // A request the daemon would refuse for its size fails here, before a byte is sent (the daemon
+  // would close the connection mid-write, which reads as a retryable "Broken pipe").
+  Status CheckFrameSize(OutFrame& frame);
+
+  std::string Where() const { return host_ + ":" + std::to_string(port_); }
+  // Whether the last Receive got a reply from the daemon (else the connection failed).
+  bool last_answered() const { return answered_; }
+  int index() const { return index_; }
+
+  // From the last handshake. A reconnect (on a call thread, under the client's call lock)
+  // rewrites them: the Client's lock-free getters read config, worker_id and initial_step under
+  // hello_mu, and connects is atomic.
+  mutable std::mutex hello_mu;
+  JobConfig config;          // guarded by hello_mu for writes and lock-free readers
+  uint32_t worker_id = 0;    // guarded by hello_mu for writes and lock-free readers
+  int64_t initial_step = 0;  // guarded by hello_mu for writes and lock-free readers
+  bool is_chief = false;
+  int chief_shard = 0;
+  uint64_t cluster_epoch = 0;
+  int shards_reported = 1;
+  bool quick_reconnect = false;  // a cluster's shard (see Send)
+  static constexpr int64_t kQuickReconnectMs = 500;
+  uint64_t daemon_max_frame_bytes = 0;  // psd's --max-frame-bytes from the hello (0: not announced)
+  uint64_t chunk_elements = 0;          // what gradient chunks align to (0: the daemon takes none)
+  // Room for a frame's own words besides its tensors' bytes (names, shapes, list pointers): a
+  // frame planned for push_frame_bytes / pull_frame_bytes of tensors may be this much bigger.
+  static constexpr uint64_t kFrameSlack = 64 << 10;
+  // The most a push frame carries: ClientOptions::push_frame_bytes of tensors, within
+  // --max-frame-bytes (less room for the request's own words); 0: one frame.
+  uint64_t PushFrameLimit() const;
+  // The most bytes of an initial value one CreateVariable frame carries (a bigger one goes in
+  // chunks of this size); 0: one frame (push_frame_bytes 0, or a daemon that takes no chunks).
+  uint64_t CreateChunkBytes() const;
+  // The most one pull reply carries: ClientOptions::pull_frame_bytes of tensors, within the
+  // client's own max_frame_bytes (less room for the reply's own words); 0 when the daemon takes
+  // no ranges, or pull_frame_bytes is 0: one reply.
+  uint64_t PullFrameLimit() const;
+  std::atomic<uint64_t> connects{0};
+  std::atomic<uint64_t> requests{0};
+
+  // Shared memory (AttachShm). Written on a call thread under the client's call lock and shm_mu;
+  // the status getters read under shm_mu.
+  mutable std::mutex shm_mu;
+  std::shared_ptr<psd::wire::SharedSegment> shm;
+  std::string shm_status = "not connected";
+  uint64_t shm_used = 0;  // bytes handed out by ShmReserve since ShmReset
+  // Room for `bytes` (64-byte aligned) in the segment for this batch of requests, or -1.
+  int64_t ShmReserve(uint64_t bytes);
+  bool ShmFits(uint64_t bytes) const { return shm && psd::wire::ShmAlign(shm_used) + bytes <= shm->size(); }
+  // Every reply of the last batch is in: its room may be used again.
+  void ShmReset() { shm_used = 0; }
+  // Copies a tensor's bytes into the segment (room the caller checked with ShmFits) and says
+  // where in `t`.
+  void PutInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, const void* data, size_t bytes);
+
+ private:
+  Status SendNoReconnect(OutFrame& frame);
+
+  // Wraps the connected socket in TLS and shakes hands, verifying psd's certificate.
+  Status StartTls(std::chrono::steady_clock::time_point deadline);
+
+  const ClientOptions& options_;
+  const std::string host_;
+  const uint16_t port_;
+  const int index_;
+  psd::asio::io_context io_;
+  psd::tcp::socket socket_;
+  std::shared_ptr<psd::wire::ssl::context> tls_context_;
+  std::unique_ptr<psd::wire::ssl::stream<psd::tcp::socket>> tls_;  // set once TLS is up (then socket_ is unused)
+  InFrame in_;
+  std::unique_ptr<capnp::MessageReader> reader_;
+  uint64_t next_id_ = 0;
+  int64_t limit_ms_ = 0;
+  psd::wire::Deadline deadline_{};
+  bool answered_ = false;
+};
+
+// Prefixes a shard's error with where it came from (clusters only).
+Status FromShard(const Status& s, const Conn& c, bool cluster);
+
+}  // namespace psclient::internal
+
+#endif  // PSCLIENT_SRC_CONN_H_
