@@ -113,11 +113,14 @@ start_psd() {
   fi
   port="$(cat "$tmp/port")"
 }
-# Stops the psd started last; prints its peak RSS in MiB.
+# Stops the psd started last; prints its peak RSS in MiB. Same-host workers' shared memory is in
+# that peak (their pages, mapped by psd too), so $tmp/psd_anon gets psd's private memory (RssAnon,
+# MiB) as it stops: its own buffers, which it keeps after the workers are gone.
 stop_psd() {
   local kb daemon
   daemon="$(pgrep -P "$psd_pid" | head -n1)"  # psd itself, under `timeout`
   kb="$(awk '/^VmHWM:/ { print $2 }' "/proc/${daemon:-$psd_pid}/status" 2>/dev/null)"
+  awk '/^RssAnon:/ { printf "%.0f", $2 / 1024 }' "/proc/${daemon:-$psd_pid}/status" >"$tmp/psd_anon" 2>/dev/null
   # Its CPU time (user + system) so far, for the per-cell line (busy-poll's cost shows here).
   awk -v hz="$(getconf CLK_TCK)" '{ printf "%.2f", ($14 + $15) / hz }' "/proc/${daemon:-$psd_pid}/stat" \
     >"$tmp/psd_cpu" 2>/dev/null
@@ -151,10 +154,11 @@ print_grid() {
 }
 ratio_cell() { echo "${ratio[$1]} (${psd_tab[$1]}/${floor_tab[$1]})"; }
 rss_cell() { echo "${rss_tab[$1]:-n/a}/$(( (2 * $2 >> 20) + 64 ))"; }
+anon_cell() { echo "${anon_tab[$1]:-n/a}"; }
 
 floor_src="$repo_root/../shared/tools/raw_tcp_ps.c"
 status=0
-declare -A ratio floor_tab psd_tab rss_tab
+declare -A ratio floor_tab psd_tab rss_tab anon_tab
 sizes_b=()
 for s in $sizes_list; do sizes_b+=("$(to_bytes "$s")"); done
 
@@ -178,11 +182,12 @@ else
       echo "floor: $floor_out"
       run_psd "$w" "$b" "$steps"
       psd_rc=$?
-      echo "psd:   $(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out"), peak RSS $rss_mib MiB, CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null) workers $(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
+      echo "psd:   $(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out"), peak RSS $rss_mib MiB (private at the end: $(cat "$tmp/psd_anon" 2>/dev/null) MiB), CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null) workers $(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
       floor_ms="$(sed -n 's/.*step median \([0-9.]*\) ms.*/\1/p' <<<"$floor_out" | head -n1)"
       psd_ms="$(sed -n 's/.*"step_ms_p50": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
       key="$w,$b"
       rss_tab[$key]="$rss_mib"
+      anon_tab[$key]="$(cat "$tmp/psd_anon" 2>/dev/null)"
       if [[ $floor_rc -ne 0 || $psd_rc -ne 0 || -z "$floor_ms" || -z "$psd_ms" ]]; then
         echo "compare_floor: $b bytes, $w workers: no comparison (floor exit $floor_rc, psd_bench exit $psd_rc)" >&2
         [[ $psd_rc -ne 0 ]] && echo "$psd_out" | tail -5 >&2
@@ -204,6 +209,10 @@ else
   echo
   echo "== psd's peak RSS (MiB) in those runs / the target 2 x model + 64 MiB (SGD) =="
   print_grid 14 rss_cell
+  echo "(with same-host workers this counts the pages of their shared memory that psd mapped)"
+  echo
+  echo "== psd's private memory (RssAnon, MiB) as it stopped, after those runs =="
+  print_grid 14 anon_cell
 fi
 
 if [[ -n "$rss_list" ]]; then

@@ -61,6 +61,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -122,6 +123,7 @@ struct Options {
   int64_t busy_poll_us = 0;               // ClientOptions::busy_poll_us
   std::string shared_memory_text = "1G";  // ClientOptions::shared_memory_bytes
   uint64_t shared_memory_bytes = 1ull << 30;
+  bool shared_buffers = false;  // dense: gradients and values in Client::AllocateShared memory
   psd::DType grad_dtype = psd::DType::kFloat32;
   uint64_t model_bytes = 0;
   int variables = 1;
@@ -409,10 +411,11 @@ class DenseWorkload : public Workload {
  public:
   // grad_dtype: what travels: the float32 variables' gradients are pushed, and their values pulled,
   // in it (bfloat16/float16: the daemon sums in float32 and rounds the pulled values).
-  DenseWorkload(int index, const std::vector<VarSpec>& vars, bool pull_in_push, psd::DType grad_dtype)
+  // shared: the gradients and values live in its shared buffers (else in plain vectors); check
+  // status() after.
+  DenseWorkload(int index, const std::vector<VarSpec>& vars, bool pull_in_push, psd::DType grad_dtype,
+                psclient::Client* shared)
       : vars_(vars), pull_in_push_(pull_in_push) {
-    grad_storage_.resize(vars.size());
-    value_storage_.resize(vars.size());
     grads_.reserve(vars.size());
     outs_.reserve(vars.size());
     for (size_t i = 0; i < vars.size(); ++i) {
@@ -423,14 +426,18 @@ class DenseWorkload : public Workload {
       const float four[4] = {g, g, g, g};
       uint64_t pattern = 0;  // one word of g in grad_dtype
       psd::ConvertElements(four, psd::DType::kFloat32, &pattern, grad_dtype, 8 / psd::DTypeSize(grad_dtype));
-      grad_storage_[i].assign(words, pattern);
-      value_storage_[i].assign(words, 0);
+      uint64_t* grad = Storage(shared, words);
+      uint64_t* value = Storage(shared, words);
+      if (!status_.ok()) return;
+      std::fill(grad, grad + words, pattern);
+      std::fill(value, value + words, 0);
       const psd::Shape shape{vars[i].elements};
-      grads_.push_back({vars[i].name, psclient::ConstTensorView{grad_storage_[i].data(), grad_dtype, shape}});
-      outs_.emplace_back(vars[i].name, psclient::TensorView{value_storage_[i].data(), grad_dtype, shape});
+      grads_.push_back({vars[i].name, psclient::ConstTensorView{grad, grad_dtype, shape}});
+      outs_.emplace_back(vars[i].name, psclient::TensorView{value, grad_dtype, shape});
       model_bytes_ += wire_bytes;
     }
   }
+  const Status& status() const { return status_; }
   Status Create(psclient::Client& c) override {
     for (const VarSpec& v : vars_) {
       auto created = c.CreateVariable(v.name, psclient::ConstTensorView{nullptr, psd::DType::kFloat32, {v.elements}});
@@ -460,9 +467,21 @@ class DenseWorkload : public Workload {
   uint64_t push_bytes() const override { return model_bytes_; }
 
  private:
+  // `words` of 8 bytes: shared buffers of `shared` when given, else a vector's.
+  uint64_t* Storage(psclient::Client* shared, size_t words) {
+    if (shared == nullptr) return plain_.emplace_back(words).data();
+    auto b = shared->AllocateShared(words * 8);
+    if (!b.ok()) {
+      if (status_.ok()) status_ = Status(b.status().code(), "--shared-buffers: " + b.status().message());
+      return nullptr;
+    }
+    return shared_.emplace_back(std::move(*b)).as<uint64_t>();
+  }
+
   const std::vector<VarSpec>& vars_;
-  std::vector<std::vector<uint64_t>> grad_storage_;
-  std::vector<std::vector<uint64_t>> value_storage_;
+  std::deque<std::vector<uint64_t>> plain_;
+  std::deque<psclient::SharedBuffer> shared_;
+  Status status_;
   std::vector<psclient::Gradient> grads_;
   std::vector<std::pair<std::string, psclient::TensorView>> outs_;
   uint64_t model_bytes_ = 0;
@@ -567,6 +586,8 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   co.pull_frame_bytes = opt.pull_frame_bytes;
   co.busy_poll_us = opt.busy_poll_us;
   co.shared_memory_bytes = opt.shared_memory_bytes;
+  // Room for one worker's gradients and values, and slack for the allocator's rounding.
+  if (opt.shared_buffers) co.shared_buffer_bytes = 2 * opt.model_bytes + (4ull << 20);
   ApplyTls(opt, co);
   auto connected = psclient::Client::Connect(co);
   if (!connected.ok()) return fail("connect to " + ep.host + ":" + std::to_string(ep.port), connected.status());
@@ -586,7 +607,10 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   if (opt.sparse) {
     work = std::make_unique<SparseWorkload>(index, opt);
   } else {
-    work = std::make_unique<DenseWorkload>(index, vars, opt.pull_in_push, opt.grad_dtype);
+    auto dense = std::make_unique<DenseWorkload>(index, vars, opt.pull_in_push, opt.grad_dtype,
+                                                 opt.shared_buffers ? &c : nullptr);
+    if (!dense->status().ok()) return fail("allocating the model's buffers", dense->status());
+    work = std::move(dense);
   }
 
   // TF's chief creates the variables; the others wait for them by pulling until they exist.
@@ -748,7 +772,8 @@ struct Report {
   bool pull_in_push = false;
   psd::DType grad_dtype = psd::DType::kFloat32;
   int shards = 1;
-  int shm_workers = 0;  // workers whose every connection used shared memory
+  int shm_workers = 0;          // workers whose every connection used shared memory
+  bool shared_buffers = false;  // ... with their tensors in shared buffers (--shared-buffers)
   double wall_s = 0;
   int64_t global_steps = 0;
   double steps_per_s = 0;
@@ -779,6 +804,7 @@ Report Summarize(const Options& opt, const Window& window, std::vector<WorkerSta
   r.warmup = opt.warmup;
   r.steps = opt.steps;
   r.fused = opt.fused;
+  r.shared_buffers = opt.shared_buffers && !opt.sparse;
   r.pull_in_push = opt.pull_in_push;
   r.grad_dtype = opt.grad_dtype;
   r.mode = w0.job.mode.empty() ? "sync" : w0.job.mode;
@@ -877,6 +903,7 @@ void PrintJson(const Report& r) {
   field("step_ms_p99", JsonNumber(r.step_p99));
   field("shards", std::to_string(r.shards));
   field("shared_memory_workers", integer(r.shm_workers));
+  field("shared_buffers", boolean(r.shared_buffers));
   field("grad_dtype", JsonString(psd::DTypeName(r.grad_dtype)));
   field("push_gb_per_s", JsonNumber(r.push_gbps));
   field("pull_gb_per_s", JsonNumber(r.pull_gbps));
@@ -939,9 +966,11 @@ void PrintTable(const Report& r, const std::string& build_warning_line) {
               r.pull_in_push ? "push+token+next pull fused (1 round trip per step)"
               : r.fused      ? "fused push+token (1 round trip)"
                              : "push then token wait (2 round trips)");
-  std::printf("transport  %s\n", r.shm_workers == r.workers ? "same-host shared memory (tensors), TCP (control)"
-                                 : r.shm_workers == 0       ? "TCP"
-                                                            : "mixed: some workers on shared memory, some on TCP");
+  std::printf("transport  %s\n", r.shm_workers == r.workers && r.shared_buffers
+                                     ? "same-host shared buffers (tensors read and written in place), TCP (control)"
+                                 : r.shm_workers == r.workers ? "same-host shared memory (tensors), TCP (control)"
+                                 : r.shm_workers == 0         ? "TCP"
+                                                              : "mixed: some workers on shared memory, some on TCP");
   std::printf("\n");
   std::printf("  %-22s %12s %12s %14s\n", "", "p50 ms", "p99 ms", "GB/s");
   std::printf("  %-22s %12.3f %12.3f %14s\n", "step (worker 0)", r.step_p50, r.step_p99, "");
@@ -1311,6 +1340,9 @@ int Run(int argc, char** argv) {
   app.add_option("--shared-memory", opt.shared_memory_text,
                  "same-host workers' shared-memory segment (ClientOptions::shared_memory_bytes; 0: TCP only)")
       ->capture_default_str();
+  app.add_flag("--shared-buffers", opt.shared_buffers,
+               "dense: the workers' gradients and values live in shared buffers (Client::AllocateShared): a "
+               "same-host psd reads and writes them in place, no copy on either side");
   app.add_option("--pull-frame-bytes", opt.pull_frame_bytes_text,
                  "replies a pull is cut into (the client's pull_frame_bytes; 0: one reply per pull)")
       ->capture_default_str();

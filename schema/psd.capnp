@@ -67,13 +67,19 @@ struct Tensor {
   data @2 :Data;          # little-endian, row-major, exactly numel * sizeof(dtype) bytes
   inShm @3 :Bool;         # the bytes are not in `data` but in the connection's shared-memory
   shmOffset @4 :UInt64;   # segment (README "Same-host shared memory"), at this offset
+  shmSegment @5 :UInt8;   # ... of this segment: 0 the connection's own, 1 the worker's shared
+                          # buffers (psclient::Client::AllocateShared)
 }
 
-# Where in the connection's shared-memory segment a reply's values are to be written (each value
-# at a multiple of 64 bytes, in order), instead of in the reply.
+# Where in the connection's shared memory a reply's values are to be written, instead of in the
+# reply: in segment 0, one after another from `offset` (each at a multiple of 64 bytes) within
+# `bytes`; or, with `offsets` (one per value), each at its own offset of `segment` (the caller's
+# shared buffers: the values land in place).
 struct ShmTarget {
   offset @0 :UInt64;
   bytes @1 :UInt64;
+  segment @2 :UInt8;
+  offsets @3 :List(UInt64);
 }
 
 struct Hello {

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "frame_plan.h"
 #include "psd/cluster_list.h"
 #include "psd/half.h"
+#include "shared_arena.h"
 #include "sparse_check.h"
 #include "wire/frame.h"
 #include "wire/shm.h"
@@ -114,13 +116,21 @@ View SliceOf(const View& whole, const VariablePlacement& p, size_t i) {
 class Client::Impl {
  public:
   explicit Impl(ClientOptions options) : options_(std::move(options)) {
+    if (options_.shared_buffer_bytes > 0) {
+      auto arena = internal::SharedArena::Create(options_.shared_buffer_bytes);
+      if (arena.ok()) {
+        arena_ = std::move(*arena);
+      } else {
+        arena_status_ = arena.status();
+      }
+    }
     if (options_.cluster.empty()) {
-      conns_.push_back(std::make_unique<Conn>(options_, options_.host, options_.port, 0));
+      conns_.push_back(std::make_unique<Conn>(options_, options_.host, options_.port, 0, arena_));
     } else {
       for (size_t i = 0; i < options_.cluster.size(); ++i) {
         // Connect() validated the list.
         psd::HostPort hp = *psd::ParseHostPort(options_.cluster[i]);
-        conns_.push_back(std::make_unique<Conn>(options_, hp.host, hp.port, static_cast<int>(i)));
+        conns_.push_back(std::make_unique<Conn>(options_, hp.host, hp.port, static_cast<int>(i), arena_));
         conns_.back()->quick_reconnect = options_.cluster.size() > 1;
       }
     }
@@ -352,14 +362,15 @@ class Client::Impl {
       if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
       for (size_t i = 0; i < outs.size(); ++i) {
         auto tensor = values[static_cast<unsigned>(i)];
-        auto t =
-            psd::wire::ReadTensor(tensor, tensor.getInShm() && from->shm ? from->shm->size() : options_.max_frame_bytes,
-                                  /*in_shm_ok=*/true);
+        // In shared memory, ShmAt bounds it by the segment.
+        auto t = psd::wire::ReadTensor(
+            tensor, tensor.getInShm() ? std::numeric_limits<int64_t>::max() : options_.max_frame_bytes,
+            /*in_shm_ok=*/true);
         if (!t.ok()) return t.status();
         if (tensor.getInShm()) {
           const uint64_t bytes = static_cast<uint64_t>(psd::NumElements(t->shape)) * psd::DTypeSize(t->dtype);
-          t->data = from->shm ? from->shm->At(tensor.getShmOffset(), bytes) : nullptr;
-          if (t->data == nullptr) return psd::Internal("a value in shared memory outside this connection's segment");
+          t->data = from->ShmAt(tensor.getShmSegment(), tensor.getShmOffset(), bytes);
+          if (t->data == nullptr) return psd::Internal("a value in shared memory outside this connection's segments");
           t->bytes = bytes;
         }
         const TensorView& out = outs[i].second;
@@ -404,7 +415,28 @@ class Client::Impl {
     std::vector<int64_t> offsets;  // ranged: the first element of each
     bool ranged = false;
     bool to_shm = false;  // the values come through the connection's shared memory (ShmTargetBytes)
+    // ... written in place: every view is in the shared buffers (BufferOffsets)
+    std::vector<uint64_t> in_buffers;
   };
+
+  // Where each of `outs` is in shard k's shared buffers, when all are (host memory the connection
+  // has attached), else empty: the daemon then writes the values in place.
+  std::vector<uint64_t> BufferOffsets(int k, const Outs& outs) {
+    std::vector<uint64_t> at;
+    for (const auto& o : outs) {
+      const int64_t off =
+          o.second.memory == MemoryKind::kHost ? conn(k).BufferOffset(o.second.data, o.second.bytes()) : -1;
+      if (off < 0) return {};
+      at.push_back(static_cast<uint64_t>(off));
+    }
+    return at;
+  }
+  // Asks for the values written at `offsets` of the shared buffers (segment 1).
+  static void SetBufferTarget(const std::vector<uint64_t>& offsets, proto::ShmTarget::Builder target) {
+    target.setSegment(1);
+    auto list = target.initOffsets(static_cast<unsigned>(offsets.size()));
+    for (size_t i = 0; i < offsets.size(); ++i) list.set(static_cast<unsigned>(i), offsets[i]);
+  }
 
   // The room a pull of `outs` takes in shared memory: each value at a multiple of 64 bytes.
   static uint64_t ShmTargetBytes(const Outs& outs) {
@@ -431,19 +463,23 @@ class Client::Impl {
       bytes.push_back(o.second.bytes());
       elem.push_back(psd::DTypeSize(o.second.dtype));
     }
+    if (auto at = BufferOffsets(k, outs); !at.empty()) {
+      frames->push_back({k, outs, {}, false, true, std::move(at)});
+      return;
+    }
     if (conn(k).ShmFits(ShmTargetBytes(outs))) {
-      frames->push_back({k, outs, {}, false, true});
+      frames->push_back({k, outs, {}, false, true, {}});
       return;
     }
     auto plan = internal::PlanFrames(bytes, elem, {}, conn(k).PullFrameLimit(), conn(k).chunk_elements);
     bool whole = plan.size() == 1;
     for (const auto& piece : plan[0].dense) whole = whole && piece.offset == 0 && piece.bytes == bytes[piece.entry];
     if (whole) {
-      frames->push_back({k, outs, {}, false});
+      frames->push_back({k, outs, {}, false, false, {}});
       return;
     }
     for (const internal::FramePlan& f : plan) {
-      PullFrame frame{k, {}, {}, true};
+      PullFrame frame{k, {}, {}, true, false, {}};
       for (const internal::FramePiece& piece : f.dense) {
         const auto& [name, view] = outs[piece.entry];
         const size_t es = elem[piece.entry];
@@ -487,7 +523,9 @@ class Client::Impl {
         auto names = pull.initNames(static_cast<unsigned>(f.outs.size()));
         for (size_t i = 0; i < f.outs.size(); ++i) names.set(static_cast<unsigned>(i), f.outs[i].first);
         SetWantedDTypes(f.outs, pull.initDtypes(static_cast<unsigned>(f.outs.size())));
-        if (f.to_shm && !SetShmTarget(f.shard, f.outs, pull.initToShm())) {
+        if (!f.in_buffers.empty()) {
+          SetBufferTarget(f.in_buffers, pull.initToShm());
+        } else if (f.to_shm && !SetShmTarget(f.shard, f.outs, pull.initToShm())) {
           return psd::Internal("the shared-memory room planned for a pull is gone");  // PlanPull checked it
         }
         if (!f.ranged) continue;
@@ -554,6 +592,8 @@ class Client::Impl {
   }
 
   ClientOptions options_;
+  std::shared_ptr<internal::SharedArena> arena_;  // the shared buffers (null: none)
+  Status arena_status_;                           // why there is no arena, when it failed
   std::vector<std::unique_ptr<Conn>> conns_;
   std::mutex mu_;                                        // serializes calls
   internal::DeviceStaging staging_;                      // guarded by mu_: device views' pinned buffers
@@ -620,12 +660,45 @@ std::string Client::shared_memory_status() const {
   for (int k = 0; k < impl_->shards(); ++k) {
     const auto& c = impl_->conn(k);
     std::lock_guard<std::mutex> lock(c.shm_mu);
-    if (c.shm) continue;
+    const std::string& why = c.shm ? c.buffers_status : c.shm_status;
+    if (why.empty()) continue;
     if (!out.empty()) out += "; ";
-    out += (impl_->shards() > 1 ? "shard " + std::to_string(k) + ": " : std::string()) + c.shm_status;
+    out += (impl_->shards() > 1 ? "shard " + std::to_string(k) + ": " : std::string()) + why;
   }
   return out;
 }
+Result<SharedBuffer> Client::AllocateShared(size_t bytes) {
+  if (!impl_->arena_) {
+    if (!impl_->arena_status_.ok()) return impl_->arena_status_;
+    return psd::FailedPrecondition("no shared buffers: ClientOptions::shared_buffer_bytes is 0");
+  }
+  auto at = impl_->arena_->Allocate(bytes);
+  if (!at.ok()) return at.status();
+  SharedBuffer b;
+  b.arena_ = impl_->arena_;
+  b.offset_ = *at;
+  b.bytes_ = bytes;
+  return b;
+}
+
+SharedBuffer::~SharedBuffer() {
+  if (arena_) arena_->Free(offset_);
+}
+SharedBuffer::SharedBuffer(SharedBuffer&& other) noexcept
+    : arena_(std::move(other.arena_)), offset_(other.offset_), bytes_(other.bytes_) {
+  other.bytes_ = 0;
+}
+SharedBuffer& SharedBuffer::operator=(SharedBuffer&& other) noexcept {
+  if (this == &other) return *this;
+  if (arena_) arena_->Free(offset_);
+  arena_ = std::move(other.arena_);
+  offset_ = other.offset_;
+  bytes_ = other.bytes_;
+  other.bytes_ = 0;
+  return *this;
+}
+void* SharedBuffer::data() const { return arena_ ? arena_->data() + offset_ : nullptr; }
+
 int Client::chief_shard() const { return impl_->chief_.load(); }
 uint64_t Client::cluster_epoch() const { return impl_->cluster_epoch_.load(); }
 
@@ -963,12 +1036,14 @@ DType Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>
 // The one frame a shard's part of a push takes when its gradients' values go through shared
 // memory (dense gradients, and sparse ones' rows; their indices stay in the frame): false (plan
 // over TCP) unless the connection has a segment with room for all the values and the indices fit
-// a frame.
-bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& sparse_values,
-             const std::vector<uint64_t>& sparse_indices, std::vector<internal::FramePlan>* frames) {
+// a frame. Dense gradients in the shared buffers (in_buffers >= 0) take no room: psd reads them
+// in place.
+bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const std::vector<int64_t>& in_buffers,
+             const std::vector<uint64_t>& sparse_values, const std::vector<uint64_t>& sparse_indices,
+             std::vector<internal::FramePlan>* frames) {
   if (!conn.shm || (dense_bytes.empty() && sparse_values.empty())) return false;
   uint64_t need = 0, in_frame = 0;
-  for (uint64_t b : dense_bytes) need += psd::wire::ShmAlign(b);
+  for (size_t i = 0; i < dense_bytes.size(); ++i) need += in_buffers[i] >= 0 ? 0 : psd::wire::ShmAlign(dense_bytes[i]);
   for (uint64_t b : sparse_values) need += psd::wire::ShmAlign(b);
   for (uint64_t b : sparse_indices) in_frame += b + internal::kFrameEntryOverhead;
   const uint64_t limit = conn.PushFrameLimit();
@@ -1095,11 +1170,14 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   bool pull_in_push = !cluster && pull_after && !pull_after->empty();
   int64_t pull_shm_at = -1;  // ... through shared memory, there
   uint64_t pull_shm_bytes = 0;
+  std::vector<uint64_t> pull_in_buffers;  // ... or in place, in the shared buffers
   if (pull_in_push) {
     std::vector<Impl::PullFrame> frames;
     im.PlanPull(chief, *pull_after, &frames);
     pull_in_push = !frames[0].ranged;
-    if (frames[0].to_shm) {
+    if (!frames[0].in_buffers.empty()) {
+      pull_in_buffers = std::move(frames[0].in_buffers);
+    } else if (frames[0].to_shm) {
       // The values are written where the gradients were: psd has read the gradients (applied or
       // dropped them) before it answers, so the room is reused and a step touches
       // max(gradients, values) of shared memory, not their sum.
@@ -1151,10 +1229,13 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       slots_of_call.emplace_back();
       continue;
     }
+    Conn& conn = im.conn(k);
     std::vector<uint64_t> dense_bytes, element_bytes, sparse_bytes;
+    std::vector<int64_t> in_buffers;  // per dense part: where it is in the shared buffers, or -1
     for (const DensePart& d : dense) {
       dense_bytes.push_back(d.view.bytes());
       element_bytes.push_back(psd::DTypeSize(d.view.dtype));
+      in_buffers.push_back(conn.BufferOffset(d.view.data, d.view.bytes()));
     }
     std::vector<uint64_t> sparse_values, sparse_indices;
     for (const SparseEntry& e : sp) {
@@ -1162,12 +1243,11 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       sparse_values.push_back(e.part.bytes);
       sparse_indices.push_back(e.part.indices.size() * sizeof(int64_t));
     }
-    Conn& conn = im.conn(k);
     // Same host: the gradients' values go through shared memory and one frame says where they
     // are (with the sparse ones' indices). Else: bigger than a frame, several frames, gradients
     // cut into chunks, the token wait on the last.
     std::vector<internal::FramePlan> frames;
-    const bool via_shm = ShmPlan(conn, dense_bytes, sparse_values, sparse_indices, &frames);
+    const bool via_shm = ShmPlan(conn, dense_bytes, in_buffers, sparse_values, sparse_indices, &frames);
     if (!via_shm) {
       frames =
           internal::PlanFrames(dense_bytes, element_bytes, sparse_bytes, conn.PushFrameLimit(), conn.chunk_elements);
@@ -1188,7 +1268,9 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
         auto names = p.initPullAfter(static_cast<unsigned>(pull_after->size()));
         for (size_t i = 0; i < pull_after->size(); ++i) names.set(static_cast<unsigned>(i), (*pull_after)[i].first);
         SetWantedDTypes(*pull_after, p.initPullAfterDtypes(static_cast<unsigned>(pull_after->size())));
-        if (pull_shm_at >= 0) {
+        if (!pull_in_buffers.empty()) {
+          Impl::SetBufferTarget(pull_in_buffers, p.initPullToShm());
+        } else if (pull_shm_at >= 0) {
           auto target = p.initPullToShm();
           target.setOffset(static_cast<uint64_t>(pull_shm_at));
           target.setBytes(pull_shm_bytes);
@@ -1204,7 +1286,9 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
         auto e = list[static_cast<unsigned>(i)];
         e.setName(*d.name);
         const ConstTensorView& v = d.view;
-        if (via_shm) {
+        if (via_shm && in_buffers[piece.entry] >= 0) {
+          Conn::RefInShm(e.initGrad(), v.dtype, v.shape, 1, static_cast<uint64_t>(in_buffers[piece.entry]));
+        } else if (via_shm) {
           conn.PutInShm(e.initGrad(), v.dtype, v.shape, v.data, v.bytes());
         } else if (piece.offset == 0 && piece.bytes == v.bytes()) {
           psd::wire::SetTensor(c.frame.builder, e.initGrad(), v.dtype, v.shape, v.data, v.bytes(), d.padded);

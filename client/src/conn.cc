@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "connect.h"
+#include "shared_arena.h"
 
 namespace psclient::internal {
 
@@ -123,6 +124,7 @@ Status Conn::ConnectOnce(std::chrono::steady_clock::time_point deadline) {
 void Conn::AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::time_point deadline) {
   std::lock_guard<std::mutex> lock(shm_mu);
   shm.reset();
+  buffers = false;
   shm_used = 0;
   if (options_.shared_memory_bytes == 0) {
     shm_status = "off (ClientOptions::shared_memory_bytes is 0)";
@@ -139,15 +141,19 @@ void Conn::AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::ti
     return;
   }
   // No bigger than psd maps (its --shm-max-bytes).
-  const uint64_t bytes =
-      std::min<uint64_t>(options_.shared_memory_bytes, hr.getShmMaxBytes() > 0 ? hr.getShmMaxBytes() : UINT64_MAX);
+  const uint64_t max = hr.getShmMaxBytes() > 0 ? hr.getShmMaxBytes() : UINT64_MAX;
+  const uint64_t bytes = std::min<uint64_t>(options_.shared_memory_bytes, max);
   auto seg = psd::wire::SharedSegment::Create(bytes, "psclient-" + std::to_string(index_));
+  // The client's shared buffers go with it (segment 1) when psd maps that much.
+  const bool with_buffers = arena_ != nullptr && arena_->size() <= max;
   std::string answer;
   if (seg.ok()) {
     auto nonce = hr.getShmNonce();
     const std::string msg = psd::wire::ShmAttachMessage(
         hr.getConnectionId(), std::string_view(reinterpret_cast<const char*>(nonce.begin()), nonce.size()));
-    Status sent = psd::wire::SendWithFd(*sock, msg.data(), msg.size(), (*seg)->fd());
+    std::vector<int> fds{(*seg)->fd()};
+    if (with_buffers) fds.push_back(arena_->fd());
+    Status sent = psd::wire::SendWithFds(*sock, msg.data(), msg.size(), fds);
     answer = sent.ok() ? internal::ReadAnswer(
                              *sock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(5)))
                        : sent.message();
@@ -157,7 +163,13 @@ void Conn::AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::ti
   ::close(*sock);
   if (answer == "OK") {
     shm = std::move(*seg);
+    buffers = with_buffers;
+    shm_socket_ = name;
     shm_status.clear();
+    buffers_status = arena_ == nullptr || with_buffers
+                         ? ""
+                         : "shared buffers not attached: ClientOptions::shared_buffer_bytes " +
+                               HumanBytes(arena_->size()) + " is over psd's --shm-max-bytes " + HumanBytes(max);
   } else {
     shm_status = "psd refused the segment: " + answer;
   }
@@ -211,10 +223,29 @@ void Conn::Drop() {
   boost::system::error_code ec;
   (tls_ ? tls_->next_layer() : socket_).close(ec);
   // A request cut off may still be read by the daemon from the old segment: the next connection
-  // gets a new one, and the old pages live until the daemon lets them go.
-  std::lock_guard<std::mutex> lock(shm_mu);
-  if (shm) shm_status = "the connection was reset";
-  shm.reset();
+  // gets a new one, and the old pages live until the daemon lets them go. The shared buffers are
+  // the caller's and stay: the daemon is told to touch them no more before this returns.
+  bool revoke = false;
+  std::string socket_name;
+  {
+    std::lock_guard<std::mutex> lock(shm_mu);
+    if (shm) shm_status = "the connection was reset";
+    shm.reset();
+    revoke = buffers;
+    buffers = false;
+    socket_name = shm_socket_;
+  }
+  if (revoke) RevokeBuffers(socket_name);
+}
+
+void Conn::RevokeBuffers(const std::string& socket_name) {
+  // A daemon that is gone has no socket (and no mapping left to fear).
+  auto sock = psd::wire::ConnectAbstract(socket_name);
+  if (!sock.ok()) return;
+  Status sent = psd::wire::SendWithFds(*sock, psd::wire::kShmRevokeMessage, psd::wire::kShmRevokeBytes, {arena_->fd()});
+  // The daemon answers once no request of the old connection holds the buffers (one add or copy).
+  if (sent.ok()) internal::ReadAnswer(*sock, std::chrono::steady_clock::now() + std::chrono::seconds(5));
+  ::close(*sock);
 }
 
 Status Conn::CheckFrameSize(OutFrame& frame) {
@@ -263,11 +294,29 @@ int64_t Conn::ShmReserve(uint64_t bytes) {
 void Conn::PutInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, const void* data, size_t bytes) {
   const int64_t at = ShmReserve(bytes);
   if (bytes > 0) std::memcpy(shm->data() + at, data, bytes);
+  RefInShm(t, dtype, shape, 0, static_cast<uint64_t>(at));
+}
+
+void Conn::RefInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, unsigned segment, uint64_t offset) {
   t.setDtype(psd::wire::ToWire(dtype));
   auto dims = t.initShape(static_cast<unsigned>(shape.size()));
   for (size_t i = 0; i < shape.size(); ++i) dims.set(static_cast<unsigned>(i), shape[i]);
   t.setInShm(true);
-  t.setShmOffset(static_cast<uint64_t>(at));
+  t.setShmOffset(offset);
+  t.setShmSegment(static_cast<uint8_t>(segment));
+}
+
+int64_t Conn::BufferOffset(const void* p, uint64_t bytes) const {
+  return shm && buffers ? arena_->OffsetOf(p, bytes) : -1;
+}
+
+const uint8_t* Conn::ShmAt(unsigned segment, uint64_t offset, uint64_t bytes) const {
+  if (!shm) return nullptr;
+  if (segment == 0) return shm->At(offset, bytes);
+  if (segment == 1 && buffers && arena_->OffsetOf(arena_->data() + std::min(offset, arena_->size()), bytes) >= 0) {
+    return arena_->data() + offset;
+  }
+  return nullptr;
 }
 
 Status Conn::SendNoReconnect(OutFrame& frame) {

@@ -20,6 +20,7 @@
 
 namespace psclient::internal {
 
+class SharedArena;
 namespace proto = psd::proto;
 using psd::wire::InFrame;
 using psd::wire::OutFrame;
@@ -38,8 +39,9 @@ Status Malformed(const kj::Exception& e);
 // send to every shard before reading any reply.
 class Conn {
  public:
-  Conn(const ClientOptions& options, std::string host, uint16_t port, int index)
-      : options_(options), host_(std::move(host)), port_(port), index_(index), socket_(io_) {}
+  // `arena`: the client's shared buffers (null: none), attached with the segment.
+  Conn(const ClientOptions& options, std::string host, uint16_t port, int index, std::shared_ptr<SharedArena> arena)
+      : options_(options), host_(std::move(host)), port_(port), index_(index), arena_(std::move(arena)), socket_(io_) {}
 
   // Connects and says hello. A daemon that answers UNAVAILABLE (restoring a checkpoint) is asked
   // again until connect_timeout_ms has passed.
@@ -131,9 +133,23 @@ class Conn {
   // Copies a tensor's bytes into the segment (room the caller checked with ShmFits) and says
   // where in `t`.
   void PutInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, const void* data, size_t bytes);
+  // Says in `t` that the tensor is at `offset` of shared-memory segment `segment` (no copy).
+  static void RefInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, unsigned segment, uint64_t offset);
+  // Shared buffers (segment 1): attached with the segment, when the client has them and psd maps
+  // that much (else buffers_status says why).
+  bool buffers = false;
+  std::string buffers_status;
+  // Where [p, p + bytes) is in the shared buffers when this connection has them attached, else -1.
+  int64_t BufferOffset(const void* p, uint64_t bytes) const;
+  // [offset, offset + bytes) of segment 0 or 1, or nullptr.
+  const uint8_t* ShmAt(unsigned segment, uint64_t offset, uint64_t bytes) const;
 
  private:
   Status SendNoReconnect(OutFrame& frame);
+
+  // Tells the daemon at shared-memory socket `socket_name` to touch the shared buffers no more
+  // (a request of the dropped connection could still be running there).
+  void RevokeBuffers(const std::string& socket_name);
 
   // Wraps the connected socket in TLS and shakes hands, verifying psd's certificate.
   Status StartTls(std::chrono::steady_clock::time_point deadline);
@@ -142,6 +158,8 @@ class Conn {
   const std::string host_;
   const uint16_t port_;
   const int index_;
+  const std::shared_ptr<SharedArena> arena_;
+  std::string shm_socket_;  // psd's shared-memory socket, from the last attach
   psd::asio::io_context io_;
   psd::tcp::socket socket_;
   std::shared_ptr<psd::wire::ssl::context> tls_context_;

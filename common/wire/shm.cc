@@ -66,19 +66,20 @@ SharedSegment::~SharedSegment() {
   ::close(fd_);
 }
 
-Status SendWithFd(int sock, const void* data, size_t n, int fd) {
+Status SendWithFds(int sock, const void* data, size_t n, const std::vector<int>& fds) {
+  if (fds.empty() || fds.size() > kShmMaxFds) return InvalidArgument("one or two descriptors per message");
   iovec iov{const_cast<void*>(data), n};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kShmMaxFds)] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
   msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
+  msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
   cmsghdr* c = CMSG_FIRSTHDR(&msg);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+  std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
   ssize_t sent;
   do {
     sent = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
@@ -88,9 +89,9 @@ Status SendWithFd(int sock, const void* data, size_t n, int fd) {
   return Status::Ok();
 }
 
-Result<int> ReceiveWithFd(int sock, void* data, size_t n) {
-  iovec iov{data, n};
-  // Room for a few descriptors: any that come beyond the one expected are closed, not leaked.
+Result<std::vector<int>> ReceiveWithFds(int sock, void* data, size_t max_n, size_t* n) {
+  iovec iov{data, max_n};
+  // Room for a few descriptors: any that come beyond those expected are closed, not leaked.
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -113,12 +114,19 @@ Result<int> ReceiveWithFd(int sock, void* data, size_t n) {
     }
   }
   const bool truncated = (msg.msg_flags & (MSG_CTRUNC | MSG_TRUNC)) != 0;
-  if (static_cast<size_t>(got) != n || fds.size() != 1 || truncated) {
+  if (fds.empty() || fds.size() > kShmMaxFds || truncated) {
     for (int fd : fds) ::close(fd);
-    return InvalidArgument("expected " + std::to_string(n) + " bytes and one descriptor, got " + std::to_string(got) +
+    return InvalidArgument("expected a message with one or two descriptors, got " + std::to_string(got) +
                            " bytes and " + std::to_string(fds.size()) + (truncated ? " (truncated)" : ""));
   }
-  return fds[0];
+  *n = static_cast<size_t>(got);
+  return fds;
+}
+
+Result<SegmentId> IdentifySegment(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return InvalidArgument(Errno("fstat"));
+  return SegmentId{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
 }
 
 std::string ShmAttachMessage(uint64_t connection, std::string_view nonce) {

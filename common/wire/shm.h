@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "psd/status.h"
 
@@ -34,6 +35,15 @@ inline constexpr size_t kShmAttachBytes = 8 + kShmNonceBytes;
 std::string ShmAttachMessage(uint64_t connection, std::string_view nonce);
 // The connection id of such a message (the nonce is its last kShmNonceBytes bytes).
 uint64_t ShmAttachConnection(const uint8_t* message);
+// With the attach message, a worker sends its segment's descriptor and, when it has shared
+// buffers (psclient::Client::AllocateShared), their arena's second: segment 1 of its tensors
+// (Tensor.shmSegment). Only the holder of an arena's descriptor can send it, so this message with
+// the arena's descriptor (and no other) revokes every mapping of that arena the daemon holds for
+// an earlier connection: the daemon reads and writes it no more (a worker whose connection broke
+// sends it before it reuses its buffers).
+inline constexpr char kShmRevokeMessage[] = "psd-shm-revoke";
+inline constexpr size_t kShmRevokeBytes = sizeof(kShmRevokeMessage) - 1;
+static_assert(kShmRevokeBytes != kShmAttachBytes, "the two messages differ in size");
 
 class SharedSegment {
  public:
@@ -66,12 +76,24 @@ class SharedSegment {
   uint64_t size_;
 };
 
-// Sends `n` bytes and the descriptor `fd` in one message on a connected Unix stream socket.
-Status SendWithFd(int sock, const void* data, size_t n, int fd);
-// Receives one message of exactly `n` bytes carrying exactly one descriptor (returned; the
-// caller owns it). Anything else (short, no descriptor, several) is INVALID_ARGUMENT, and every
-// descriptor that came with it is closed. The socket must be readable (non-blocking read).
-Result<int> ReceiveWithFd(int sock, void* data, size_t n);
+// Sends `n` bytes and one or two descriptors (kShmMaxFds) in one message on a connected Unix
+// stream socket.
+inline constexpr size_t kShmMaxFds = 2;
+Status SendWithFds(int sock, const void* data, size_t n, const std::vector<int>& fds);
+// Receives one message of at most `max_n` bytes (its size in *n) carrying one or two descriptors
+// (returned; the caller owns them). Anything else (no descriptor, more than two, truncated) is
+// INVALID_ARGUMENT, and every descriptor that came with it is closed. The socket must be readable
+// (non-blocking read).
+Result<std::vector<int>> ReceiveWithFds(int sock, void* data, size_t max_n, size_t* n);
+
+// Which memory a descriptor maps (st_dev, st_ino): the same memfd sent twice is recognised.
+struct SegmentId {
+  uint64_t dev = 0;
+  uint64_t ino = 0;
+  bool operator<(const SegmentId& o) const { return dev != o.dev ? dev < o.dev : ino < o.ino; }
+  bool operator==(const SegmentId& o) const { return dev == o.dev && ino == o.ino; }
+};
+Result<SegmentId> IdentifySegment(int fd);
 
 // Abstract Unix socket names (Linux: no file; reachable only from the same network namespace,
 // i.e. from this host or pod). The path an Asio local endpoint takes for `name`:

@@ -5,12 +5,57 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
 
 #include "net/peer_auth.h"
 
 namespace psd::server {
 
 static_assert(peer_auth::kNonceBytes == wire::kShmNonceBytes, "the offers' nonces are what workers send back");
+
+ShmSlot::Lease::~Lease() {
+  if (slot_) slot_->Release();
+}
+
+ShmSlot::Lease& ShmSlot::Lease::operator=(Lease&& o) noexcept {
+  if (this == &o) return *this;
+  for (unsigned i = 0; i < kSegments; ++i) segments_[i] = std::move(o.segments_[i]);
+  if (slot_) slot_->Release();
+  slot_ = std::move(o.slot_);
+  return *this;
+}
+
+ShmSlot::Lease ShmSlot::Acquire() {
+  Lease lease;
+  MutexLock lock(&mu_);
+  if (!segments_[0]) return lease;
+  ++leases_;
+  lease.slot_ = shared_from_this();
+  for (unsigned i = 0; i < kSegments; ++i) lease.segments_[i] = segments_[i];
+  return lease;
+}
+
+void ShmSlot::Release() {
+  MutexLock lock(&mu_);
+  if (--leases_ == 0) released_.NotifyAll();
+}
+
+void ShmSlot::Set(std::shared_ptr<wire::SharedSegment> segment, std::shared_ptr<wire::SharedSegment> buffers) {
+  MutexLock lock(&mu_);
+  segments_[0] = std::move(segment);
+  segments_[1] = std::move(buffers);
+}
+
+void ShmSlot::Revoke() {
+  MutexLock lock(&mu_);
+  for (auto& s : segments_) s.reset();
+  while (leases_ > 0) released_.Wait(&mu_);
+}
+
+void ShmSlot::Close() {
+  MutexLock lock(&mu_);
+  for (auto& s : segments_) s.reset();  // unmapped when the last lease goes
+}
 
 ShmListener::ShmListener(asio::io_context& io, uint64_t max_bytes, int64_t timeout_ms)
     : io_(io), max_bytes_(max_bytes), timeout_ms_(timeout_ms), acceptor_(io) {}
@@ -75,8 +120,24 @@ void ShmListener::Serve(std::shared_ptr<Socket> socket) {
     timer->cancel();
     if (ec) return;
     uint8_t message[wire::kShmAttachBytes];
-    auto fd = wire::ReceiveWithFd(socket->native_handle(), message, sizeof(message));
-    Status s = fd.ok() ? Attach(message, *fd) : fd.status();
+    size_t n = 0;
+    auto fds = wire::ReceiveWithFds(socket->native_handle(), message, sizeof(message), &n);
+    Status s = fds.status();
+    if (fds.ok() && n == wire::kShmRevokeBytes && fds->size() == 1 &&
+        std::memcmp(message, wire::kShmRevokeMessage, n) == 0) {
+      auto arena = wire::IdentifySegment((*fds)[0]);
+      ::close((*fds)[0]);
+      s = arena.status();
+      if (arena.ok()) {
+        int revoked = RevokeArena(*arena, nullptr);
+        if (revoked > 0) spdlog::info("shared buffers revoked by their worker ({} connection(s))", revoked);
+      }
+    } else if (fds.ok() && n == wire::kShmAttachBytes) {
+      s = Attach(message, *fds);
+    } else if (fds.ok()) {
+      for (int fd : *fds) ::close(fd);
+      s = InvalidArgument("a message of " + std::to_string(n) + " bytes is neither an attach nor a revoke");
+    }
     if (!s.ok()) {
       refused_.fetch_add(1);
       spdlog::warn("shared-memory socket @{}: {}; that worker stays on TCP", name_, s.message());
@@ -90,7 +151,7 @@ void ShmListener::Serve(std::shared_ptr<Socket> socket) {
   });
 }
 
-Status ShmListener::Attach(const uint8_t* message, int fd) {
+Status ShmListener::Attach(const uint8_t* message, const std::vector<int>& fds) {
   const uint64_t conn = wire::ShmAttachConnection(message);
   std::shared_ptr<ShmSlot> slot;
   {
@@ -103,19 +164,74 @@ Status ShmListener::Attach(const uint8_t* message, int fd) {
       offers_.erase(it);  // one try, right or wrong
     }
     if (!match || !slot) {
-      ::close(fd);
+      for (int fd : fds) ::close(fd);
       return Unauthenticated("a segment for connection " + std::to_string(conn) +
                              " without its nonce (or that connection is gone): refused");
     }
   }
-  auto segment = wire::SharedSegment::Adopt(fd, max_bytes_);
-  if (!segment.ok()) return segment.status();
+  std::optional<wire::SegmentId> arena;
+  if (fds.size() > 1) {
+    auto id = wire::IdentifySegment(fds[1]);
+    if (!id.ok()) {
+      for (int fd : fds) ::close(fd);
+      return id.status();
+    }
+    arena = *id;
+  }
+  auto segment = wire::SharedSegment::Adopt(fds[0], max_bytes_);
+  if (!segment.ok()) {
+    if (fds.size() > 1) ::close(fds[1]);
+    return segment.status();
+  }
+  std::shared_ptr<wire::SharedSegment> buffers;
+  if (fds.size() > 1) {
+    auto adopted = wire::SharedSegment::Adopt(fds[1], max_bytes_);
+    if (!adopted.ok()) return Status(adopted.status().code(), "shared buffers: " + adopted.status().message());
+    buffers = std::move(*adopted);
+    // An arena attached again comes from a worker that left an earlier connection: that one
+    // touches it no more (a request of it cut off could otherwise write into reused buffers).
+    int revoked = RevokeArena(*arena, slot.get());
+    if (revoked > 0) spdlog::info("connection {}: shared buffers revoked from its earlier connection", conn);
+    MutexLock lock(&mu_);
+    auto& slots = arenas_[*arena];
+    std::erase_if(slots, [](const std::weak_ptr<ShmSlot>& w) { return w.expired(); });
+    slots.push_back(slot);
+  }
   const uint64_t bytes = (*segment)->size();
-  slot->set(std::move(*segment));
+  const uint64_t buffer_bytes = buffers ? buffers->size() : 0;
+  slot->Set(std::move(*segment), std::move(buffers));
   attached_.fetch_add(1);
-  spdlog::info("connection {}: shared memory attached ({} MiB segment): its tensors move through it", conn,
-               bytes >> 20);
+  spdlog::info("connection {}: shared memory attached ({} MiB segment{}): its tensors move through it", conn,
+               bytes >> 20,
+               buffer_bytes > 0 ? ", " + std::to_string(buffer_bytes >> 20) + " MiB of shared buffers" : "");
   return Status::Ok();
+}
+
+int ShmListener::RevokeArena(const wire::SegmentId& arena, const ShmSlot* keep) {
+  std::vector<std::shared_ptr<ShmSlot>> revoke;
+  {
+    MutexLock lock(&mu_);
+    auto it = arenas_.find(arena);
+    if (it == arenas_.end()) return 0;
+    std::vector<std::weak_ptr<ShmSlot>> kept;
+    for (const auto& w : it->second) {
+      auto s = w.lock();
+      if (!s) continue;
+      if (s.get() == keep) {
+        kept.push_back(w);
+      } else {
+        revoke.push_back(std::move(s));
+      }
+    }
+    if (kept.empty()) {
+      arenas_.erase(it);
+    } else {
+      it->second = std::move(kept);
+    }
+  }
+  // Outside mu_: a revoke waits for the requests that hold the pages (one add or copy each).
+  for (auto& s : revoke) s->Revoke();
+  return static_cast<int>(revoke.size());
 }
 
 }  // namespace psd::server

@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "base/mutex.h"
 #include "psd/status.h"
@@ -27,22 +28,49 @@
 
 namespace psd::server {
 
-// A connection's attached segment (none until the worker attaches one). The session reads it per
-// request and holds the shared_ptr while it reads or writes the pages.
-class ShmSlot {
+// A connection's attached segments: its own (segment 0) and, when the worker has shared buffers,
+// their arena (segment 1; Tensor.shmSegment). A request reads or writes the pages only while it
+// holds a Lease, taken for that request alone (never across a wait). Revoke waits for the leases
+// held, then lets the segments go: from then on nothing of this connection touches them.
+class ShmSlot : public std::enable_shared_from_this<ShmSlot> {
  public:
-  std::shared_ptr<wire::SharedSegment> get() const EXCLUDES(mu_) {
-    MutexLock lock(&mu_);
-    return segment_;
-  }
-  void set(std::shared_ptr<wire::SharedSegment> s) EXCLUDES(mu_) {
-    MutexLock lock(&mu_);
-    segment_ = std::move(s);
-  }
+  static constexpr unsigned kSegments = 2;
+
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& o) noexcept : slot_(std::move(o.slot_)) {
+      for (unsigned i = 0; i < kSegments; ++i) segments_[i] = std::move(o.segments_[i]);
+    }
+    Lease& operator=(Lease&& o) noexcept;
+    Lease(const Lease&) = delete;
+    ~Lease();
+    // Segment `i`, or nullptr (none attached, revoked, or no such segment).
+    wire::SharedSegment* segment(uint64_t i) const { return i < kSegments ? segments_[i].get() : nullptr; }
+    bool held() const { return slot_ != nullptr; }
+
+   private:
+    friend class ShmSlot;
+    std::shared_ptr<ShmSlot> slot_;
+    std::shared_ptr<wire::SharedSegment> segments_[kSegments];
+  };
+
+  // A lease on what is attached now (not held when nothing is, or after Revoke/Close).
+  Lease Acquire() EXCLUDES(mu_);
+  // The worker's segments, from its attach (buffers: may be null).
+  void Set(std::shared_ptr<wire::SharedSegment> segment, std::shared_ptr<wire::SharedSegment> buffers) EXCLUDES(mu_);
+  // No new leases; returns once the leases held are given back.
+  void Revoke() EXCLUDES(mu_);
+  // The connection is gone: no new leases (those held finish, then the pages are unmapped).
+  void Close() EXCLUDES(mu_);
 
  private:
+  void Release() EXCLUDES(mu_);
+
   mutable Mutex mu_;
-  std::shared_ptr<wire::SharedSegment> segment_ GUARDED_BY(mu_);
+  CondVar released_;
+  std::shared_ptr<wire::SharedSegment> segments_[kSegments] GUARDED_BY(mu_);
+  int leases_ GUARDED_BY(mu_) = 0;
 };
 
 class ShmListener {
@@ -66,8 +94,10 @@ class ShmListener {
   using Socket = asio::local::stream_protocol::socket;
   void Accept();
   void Serve(std::shared_ptr<Socket> socket);
-  // Checks the message, maps the segment and fills the slot; the answer's text.
-  Status Attach(const uint8_t* message, int fd) EXCLUDES(mu_);
+  // Checks the message, maps the segment(s) and fills the slot; the answer's text.
+  Status Attach(const uint8_t* message, const std::vector<int>& fds) EXCLUDES(mu_);
+  // Revokes every slot that holds the arena `fd` maps (but `keep`): a worker's earlier connections.
+  int RevokeArena(const wire::SegmentId& arena, const ShmSlot* keep) EXCLUDES(mu_);
 
   asio::io_context& io_;
   const uint64_t max_bytes_;
@@ -80,6 +110,8 @@ class ShmListener {
   };
   Mutex mu_;
   std::map<uint64_t, Pending> offers_ GUARDED_BY(mu_);
+  // The slots that map each worker's shared-buffer arena (one per connection it attached from).
+  std::map<wire::SegmentId, std::vector<std::weak_ptr<ShmSlot>>> arenas_ GUARDED_BY(mu_);
   std::atomic<uint64_t> attached_{0};
   std::atomic<uint64_t> refused_{0};
 };

@@ -38,16 +38,20 @@ void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared
   frame.keepalive.push_back(std::move(out));
 }
 
-Status SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype, const Shape& shape, DType want,
-                     const ElementRange* range, wire::SharedSegment& segment, uint64_t* cursor, uint64_t end) {
+Result<uint64_t> SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype, const Shape& shape,
+                               DType want, const ElementRange* range, wire::SharedSegment& segment,
+                               unsigned segment_index, uint64_t at, uint64_t end) {
   const size_t count = range != nullptr ? static_cast<size_t>(range->count) : value.bytes() / DTypeSize(dtype);
   const size_t first = range != nullptr ? static_cast<size_t>(range->offset) : 0;
   const uint64_t bytes = count * DTypeSize(want);
-  const uint64_t at = wire::ShmAlign(*cursor);
   uint8_t* dst = at <= end && bytes <= end - at ? segment.At(at, bytes) : nullptr;
   if (dst == nullptr) {
-    return InvalidArgument("the values do not fit the shared-memory room the request gave (" + std::to_string(end) +
-                           " bytes end)");
+    return InvalidArgument("the values do not fit the shared-memory room the request gave (" + std::to_string(bytes) +
+                           " bytes at " + std::to_string(at) + ", " + std::to_string(end) + " bytes end)");
+  }
+  if (at % DTypeSize(want) != 0) {
+    return InvalidArgument("a value of " + std::string(DTypeName(want)) + " asked at shared-memory offset " +
+                           std::to_string(at) + ", not a multiple of its element size");
   }
   const uint8_t* src = static_cast<const uint8_t*>(value.data()) + first * DTypeSize(dtype);
   if (want == dtype) {
@@ -61,8 +65,8 @@ Status SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype,
   for (size_t i = 0; i < out.size(); ++i) dims.set(static_cast<unsigned>(i), out[i]);
   t.setInShm(true);
   t.setShmOffset(at);
-  *cursor = at + bytes;
-  return Status::Ok();
+  t.setShmSegment(static_cast<uint8_t>(segment_index));
+  return bytes;
 }
 
 Result<std::vector<std::optional<DType>>> WantedDTypes(capnp::List<proto::DType>::Reader in, size_t names) {

@@ -37,18 +37,24 @@ void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared
               const Shape& shape, DType want, ConvertedValues* cache = nullptr, std::string_view variable = {},
               const ElementRange* range = nullptr);
 
-// Where in a connection's shared memory a reply's values go (Pull.toShm): each at a multiple of
-// 64 bytes from `offset`, within `bytes`.
+// Where in a connection's shared memory a reply's values go (Pull.toShm): in segment 0, each at a
+// multiple of 64 bytes from `offset`, within `bytes`; or, with `offsets` (one per value), each at
+// its own offset of `segment` (the worker's shared buffers: in place).
 struct ShmTarget {
-  uint64_t offset;
-  uint64_t bytes;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint8_t segment = 0;
+  std::vector<uint64_t> offsets;
 };
 
-// Writes a value as SetValue would deliver it (dtype `want`, `range`) into `segment` at the next
-// 64-byte multiple from *cursor within `end`, and says where in `t` (inShm, shmOffset). The pages
-// are the worker's: they are only written, within bounds. INVALID_ARGUMENT when it does not fit.
-Status SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype, const Shape& shape, DType want,
-                     const ElementRange* range, wire::SharedSegment& segment, uint64_t* cursor, uint64_t end);
+// Writes a value as SetValue would deliver it (dtype `want`, `range`) into `segment` (number
+// `segment_index` of the connection's) at `at`, ending by `end`, and says where in `t` (inShm,
+// shmOffset, shmSegment). Returns the bytes written. The pages are the worker's: they are only
+// written, within bounds. INVALID_ARGUMENT when it does not fit or `at` is not a multiple of the
+// element size.
+Result<uint64_t> SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype, const Shape& shape,
+                               DType want, const ElementRange* range, wire::SharedSegment& segment,
+                               unsigned segment_index, uint64_t at, uint64_t end);
 
 // The dtypes a request asks for, one per name (empty list: each variable's own). Errors name the
 // mismatch; an unknown dtype is INVALID_ARGUMENT.

@@ -39,7 +39,7 @@ bool WorkerSession::Busy() {
 void WorkerSession::OnClosed() {
   if (shm_) {
     if (host_.shm()) host_.shm()->Withdraw(id_);
-    shm_->set(nullptr);  // unmapped once no request holds it
+    shm_->Close();  // unmapped once no request holds it
   }
   for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
   if (peer_shard_ >= 0) host_.coordinator()->OnPeerDown(peer_shard_);
@@ -379,20 +379,34 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
   p.setClusterEpoch(engine->epoch());
   auto list = p.initValues(static_cast<unsigned>(values.size()));
   if (to_shm) {
-    std::shared_ptr<wire::SharedSegment> segment = shm_ ? shm_->get() : nullptr;
-    if (!segment) return FailedPrecondition("values asked into shared memory, but this connection has no segment");
-    if (segment->At(to_shm->offset, to_shm->bytes) == nullptr) {
+    ShmSlot::Lease lease = shm_ ? shm_->Acquire() : ShmSlot::Lease();
+    wire::SharedSegment* segment = lease.segment(to_shm->segment);
+    if (segment == nullptr) {
+      return FailedPrecondition(to_shm->segment == 0
+                                    ? "values asked into shared memory, but this connection has no segment"
+                                    : "values asked into shared buffers, but this connection has none attached");
+    }
+    const bool placed = !to_shm->offsets.empty();
+    if (placed && to_shm->offsets.size() != values.size()) {
+      return InvalidArgument("the request gives " + std::to_string(to_shm->offsets.size()) +
+                             " shared-memory offsets for " + std::to_string(values.size()) + " values");
+    }
+    if (!placed && segment->At(to_shm->offset, to_shm->bytes) == nullptr) {
       return InvalidArgument("the shared-memory room of the request is outside this connection's segment");
     }
-    uint64_t cursor = to_shm->offset;
+    uint64_t cursor = to_shm->offset, written = 0;
     for (size_t i = 0; i < values.size(); ++i) {
       const PulledValue& v = values[i];
-      PSD_RETURN_IF_ERROR(SetValueInShm(list[static_cast<unsigned>(i)], *v.value, v.dtype, v.shape,
-                                        i < want.size() && want[i] ? *want[i] : v.declared,
-                                        i < ranges.size() ? &ranges[i] : nullptr, *segment, &cursor,
-                                        to_shm->offset + to_shm->bytes));
+      const uint64_t at = placed ? to_shm->offsets[i] : wire::ShmAlign(cursor);
+      auto n =
+          SetValueInShm(list[static_cast<unsigned>(i)], *v.value, v.dtype, v.shape,
+                        i < want.size() && want[i] ? *want[i] : v.declared, i < ranges.size() ? &ranges[i] : nullptr,
+                        *segment, to_shm->segment, at, placed ? segment->size() : to_shm->offset + to_shm->bytes);
+      if (!n.ok()) return n.status();
+      cursor = at + *n;
+      written += *n;
     }
-    host_.metrics().OnShmBytes(cursor - to_shm->offset);
+    host_.metrics().OnShmBytes(written);
     return Status::Ok();
   }
   for (size_t i = 0; i < values.size(); ++i) {
@@ -407,23 +421,33 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
 
 std::optional<ShmTarget> WorkerSession::TargetOf(bool has, proto::ShmTarget::Reader r) {
   if (!has) return std::nullopt;
-  return ShmTarget{r.getOffset(), r.getBytes()};
+  ShmTarget target{r.getOffset(), r.getBytes(), r.getSegment(), {}};
+  for (uint64_t at : r.getOffsets()) target.offsets.push_back(at);
+  return target;
 }
 
-Result<wire::TensorRef> WorkerSession::ReadTensorIn(proto::Tensor::Reader t,
-                                                    std::shared_ptr<wire::SharedSegment>* hold) const {
+Result<wire::TensorRef> WorkerSession::ReadTensorIn(proto::Tensor::Reader t, ShmSlot::Lease* lease) const {
   if (!t.getInShm()) return wire::ReadTensor(t, host_.config().max_frame_bytes);
-  if (!*hold) *hold = shm_ ? shm_->get() : nullptr;
-  if (!*hold) return FailedPrecondition("a tensor in shared memory, but this connection has no segment attached");
+  if (!lease->held() && shm_) *lease = shm_->Acquire();
+  wire::SharedSegment* segment = lease->segment(t.getShmSegment());
+  if (segment == nullptr) {
+    return FailedPrecondition(t.getShmSegment() == 0
+                                  ? "a tensor in shared memory, but this connection has no segment attached"
+                                  : "a tensor in shared buffers, but this connection has none attached");
+  }
   if (t.getData().size() != 0) return InvalidArgument("a tensor in shared memory must not carry data in the frame");
-  auto ref = wire::ReadTensor(t, (*hold)->size(), /*in_shm_ok=*/true);
+  auto ref = wire::ReadTensor(t, segment->size(), /*in_shm_ok=*/true);
   if (!ref.ok()) return ref.status();
   const uint64_t bytes = static_cast<uint64_t>(NumElements(ref->shape)) * DTypeSize(ref->dtype);
-  ref->data = (*hold)->At(t.getShmOffset(), bytes);
+  ref->data = segment->At(t.getShmOffset(), bytes);
   if (ref->data == nullptr) {
     return InvalidArgument("a tensor of " + std::to_string(bytes) + " bytes at offset " +
                            std::to_string(t.getShmOffset()) + " is outside this connection's shared-memory segment (" +
-                           std::to_string((*hold)->size()) + " bytes)");
+                           std::to_string(segment->size()) + " bytes)");
+  }
+  if (t.getShmOffset() % DTypeSize(ref->dtype) != 0) {
+    return InvalidArgument("a tensor at shared-memory offset " + std::to_string(t.getShmOffset()) +
+                           ", not a multiple of its element size");
   }
   ref->bytes = bytes;
   host_.metrics().OnShmBytes(bytes);
@@ -477,9 +501,9 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   std::vector<GradRef> grads;
   grads.reserve(grads_in.size());
   std::deque<std::vector<int64_t>> index_storage;  // stable addresses for sparse indices
-  std::shared_ptr<wire::SharedSegment> shm_hold;   // mapped while the gradients are read
+  ShmSlot::Lease shm_lease;                        // shared memory, while the gradients are read
   for (auto g : grads_in) {
-    auto t = ReadTensorIn(g.getGrad(), &shm_hold);
+    auto t = ReadTensorIn(g.getGrad(), &shm_lease);
     if (!t.ok()) return SendError(id, t.status());
     auto name = g.getName();
     GradRef ref{std::string_view(name.cStr(), name.size()),

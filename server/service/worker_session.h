@@ -80,9 +80,9 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
                    const std::vector<ElementRange>& ranges = {}, std::optional<ShmTarget> to_shm = std::nullopt);
   // A request's shared-memory target (unset when it has none).
   static std::optional<ShmTarget> TargetOf(bool has, proto::ShmTarget::Reader r);
-  // A tensor of a request: in the frame, or in this connection's shared memory (*hold keeps the
-  // segment mapped while the caller reads it).
-  Result<wire::TensorRef> ReadTensorIn(proto::Tensor::Reader t, std::shared_ptr<wire::SharedSegment>* hold) const;
+  // A tensor of a request: in the frame, or in this connection's shared memory (*lease, taken on
+  // the first such tensor, keeps the segments mapped and unrevoked while the caller reads them).
+  Result<wire::TensorRef> ReadTensorIn(proto::Tensor::Reader t, ShmSlot::Lease* lease) const;
   void HandlePush(uint64_t id, proto::Push::Reader r);
   void HandleWaitToken(uint64_t id, proto::WaitToken::Reader r);
   void HandleStatus(uint64_t id);

@@ -165,6 +165,20 @@ std::map<std::string, Bytes> WorkerSeeds() {
     p.initToShm().setOffset(0);
     p.getToShm().setBytes(64);
   })});
+  s["push_buffers"] = Session({Frame(3, [](Request::Builder r) {
+    auto t = r.initPush().initGrads(1)[0].initGrad();
+    t.setDtype(psd::proto::DType::FLOAT32);
+    t.initShape(1).set(0, 8);
+    t.setInShm(true);
+    t.setShmOffset(128);
+    t.setShmSegment(1);
+  })});
+  s["pull_buffers"] = Session({Frame(3, [](Request::Builder r) {
+    auto p = r.initPull();
+    p.initNames(1).set(0, "w");
+    p.initToShm().setSegment(1);
+    p.getToShm().initOffsets(1).set(0, 256);
+  })});
   s["wait_token"] = Session({Frame(3, [](Request::Builder r) { r.initWaitToken().setTimeoutMs(10); })});
   s["get_slot"] = Session({Frame(3, [](Request::Builder r) {
     auto g = r.initGetSlot();

@@ -75,6 +75,33 @@ def test_same_host_shared_memory_and_tcp_give_the_same_values(start_psd):
     np.testing.assert_array_equal(results[1 << 30], results[0])
 
 
+def test_shared_buffers_move_in_place_with_the_values_tcp_gives(start_psd):
+    results = {}
+    for shared in (True, False):
+        daemon = start_psd("-R", "1", "--init-tokens", "0", "--learning-rate", "0.5")
+        # A 64 KiB segment cannot hold w: only the shared buffers carry it through shared memory.
+        with connect(daemon, shared_memory_bytes=64 << 10, shared_buffer_bytes=8 << 20) as c:
+            c.create_variable("w", np.linspace(0, 1, 100_000, dtype=np.float32))
+            if shared:
+                out = c.allocate_shared(100_000)
+                grad = c.allocate_shared((100_000,), "float32")
+                assert out.dtype == np.float32 and out.shape == (100_000,)
+                assert not out.any()  # zeroed
+            else:
+                out = np.zeros(100_000, np.float32)
+                grad = np.zeros(100_000, np.float32)
+            for step in range(3):
+                grad[:] = np.sin(np.arange(100_000, dtype=np.float32) + step)
+                c.push(step, {"w": grad}, wait_token=True, pull_after={"w": out})
+            results[shared] = out.copy()
+            if shared:
+                with pytest.raises(psclient.InvalidArgument):
+                    c.allocate_shared(4, "bfloat16")  # numpy has none
+                with pytest.raises(psclient.ResourceExhausted):
+                    c.allocate_shared(8 << 20)
+    np.testing.assert_array_equal(results[True], results[False])
+
+
 def test_push_reads_the_callers_array(psd):
     with connect(psd) as c:
         c.create_variable("w", shape=(2, 2), dtype="float64")

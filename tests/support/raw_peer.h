@@ -2,13 +2,17 @@
 #ifndef PSD_TESTS_SUPPORT_RAW_PEER_H_
 #define PSD_TESTS_SUPPORT_RAW_PEER_H_
 
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <string>
+#include <vector>
 
 #include "psd.capnp.h"
 #include "psd/status.h"
 #include "wire/asio.h"
 #include "wire/frame.h"
+#include "wire/shm.h"
 
 namespace psd::testing {
 
@@ -73,6 +77,42 @@ struct RawPeer {
   std::string shm_nonce;
   uint64_t connection_id = 0;
 };
+
+// What psd's shared-memory socket answers to `message` with `fd` (-1: no descriptor) and, when
+// given, `buffers_fd` (the shared buffers' arena).
+inline std::string ShmAttach(const std::string& socket_name, const std::string& message, int fd, int buffers_fd = -1) {
+  auto sock = wire::ConnectAbstract(socket_name);
+  REQUIRE(sock.ok());
+  if (fd >= 0) {
+    std::vector<int> fds{fd};
+    if (buffers_fd >= 0) fds.push_back(buffers_fd);
+    REQUIRE(wire::SendWithFds(*sock, message.data(), message.size(), fds).ok());
+  } else {
+    REQUIRE(::write(*sock, message.data(), message.size()) == static_cast<ssize_t>(message.size()));
+  }
+  std::string answer;
+  char buf[512];
+  ssize_t n;
+  while ((n = ::read(*sock, buf, sizeof(buf))) > 0) answer.append(buf, static_cast<size_t>(n));
+  ::close(*sock);
+  return answer;
+}
+// A push of one float32 [n] gradient "v" at step 0 whose bytes are in shared-memory segment
+// `segment` (0: the connection's own; 1: the worker's shared buffers) at `offset`.
+inline void PushFromShm(RawPeer& p, uint64_t id, uint64_t offset, int64_t n, unsigned segment = 0) {
+  wire::OutFrame f;
+  auto req = f.builder.initRoot<proto::Request>();
+  req.setId(id);
+  auto g = req.initPush().initGrads(1)[0];
+  g.setName("v");
+  auto t = g.initGrad();
+  t.setDtype(proto::DType::FLOAT32);
+  t.initShape(1).set(0, n);
+  t.setInShm(true);
+  t.setShmOffset(offset);
+  t.setShmSegment(static_cast<uint8_t>(segment));
+  p.Send(f);
+}
 
 }  // namespace psd::testing
 

@@ -91,6 +91,10 @@ struct ClientOptions {
   // pages are used only as touched (about the biggest push plus pull of one call). A call that
   // does not fit, and any failure to attach, goes over TCP. 0: never.
   uint64_t shared_memory_bytes = 1ull << 30;
+  // Room for Client::AllocateShared's buffers, all together (virtual: pages are used only as
+  // touched). Attached to a same-host daemon with the segment above when psd maps that much (its
+  // --shm-max-bytes). 0: AllocateShared is refused.
+  uint64_t shared_buffer_bytes = 1ull << 30;
   // An observer (admin tools, dashboards) is not a worker: it may only call GetStatus and
   // RequestCheckpoint, never becomes chief and does not count for the job.
   bool observer = false;
@@ -295,6 +299,40 @@ struct JobStatus {
   bool ready = false;  // restored, formed and serving workers
 };
 
+namespace internal {
+class SharedArena;
+}
+
+// Host memory shared with same-host daemons (Client::AllocateShared; README "Zero-copy shared
+// buffers"). Views of it are used like any host memory in Push, Pull and pull_after: a same-host
+// psd reads gradients from it and writes pulled values into it in place, with no copy on either
+// side; with a daemon on another host (or shared memory off) it is plain memory that travels over
+// TCP. Move-only. The block goes back to its client's arena when this goes (it may outlive the
+// Client). While a call that uses it runs, the daemon may read or write it: change it only
+// between calls.
+class PSD_EXPORT SharedBuffer {
+ public:
+  SharedBuffer() = default;
+  ~SharedBuffer();
+  SharedBuffer(SharedBuffer&& other) noexcept;
+  SharedBuffer& operator=(SharedBuffer&& other) noexcept;
+  SharedBuffer(const SharedBuffer&) = delete;
+  SharedBuffer& operator=(const SharedBuffer&) = delete;
+
+  void* data() const;
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data());
+  }
+
+ private:
+  friend class Client;
+  std::shared_ptr<internal::SharedArena> arena_;
+  uint64_t offset_ = 0;
+  size_t bytes_ = 0;
+};
+
 class PSD_EXPORT Client {
  public:
   // Connects and performs the handshake (protocol version, worker identity).
@@ -426,9 +464,15 @@ class PSD_EXPORT Client {
   // Requests sent so far over all shards (to check batching).
   uint64_t requests_sent() const;
   // Shards whose connection moves tensors through shared memory now (ClientOptions::
-  // shared_memory_bytes), and, for the others, why not (empty when all use it).
+  // shared_memory_bytes), and, for the others, why not (empty when all use it; also says where
+  // the shared buffers could not be attached).
   int shared_memory_shards() const;
   std::string shared_memory_status() const;
+
+  // `bytes` of host memory (64-byte aligned, zeroed) shared with same-host daemons: tensors in it
+  // move with no copy on either side (SharedBuffer). RESOURCE_EXHAUSTED past
+  // ClientOptions::shared_buffer_bytes in all, FAILED_PRECONDITION when that is 0. Any thread.
+  Result<SharedBuffer> AllocateShared(size_t bytes);
 
   // Declares this worker done. With --exit-when-done the daemon exits once all workers did.
   Status Finish();

@@ -12,6 +12,7 @@
 // - A Client may be shared between threads (libpsclient serializes the calls). close() drops this
 //   object's reference: calls already running on other threads finish first; later calls raise
 //   FailedPrecondition.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -327,7 +328,8 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
                                     uint64_t max_frame_bytes, uint64_t push_frame_bytes, uint64_t pull_frame_bytes,
                                     int64_t busy_poll_us, bool observer, py::object auth_token, bool tls,
                                     py::object tls_ca_file, py::object tls_cert_file, py::object tls_key_file,
-                                    py::object tls_server_name, uint64_t shared_memory_bytes) {
+                                    py::object tls_server_name, uint64_t shared_memory_bytes,
+                                    uint64_t shared_buffer_bytes) {
   if (port < 0 || port > 65535) RaiseInvalid("port " + std::to_string(port) + " is outside 0..65535");
   auto str = [](py::object o) { return o.is_none() ? std::string() : py::cast<std::string>(py::str(o)); };
   psclient::ClientOptions o;
@@ -343,6 +345,7 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
   o.pull_frame_bytes = pull_frame_bytes;
   o.busy_poll_us = busy_poll_us;
   o.shared_memory_bytes = shared_memory_bytes;
+  o.shared_buffer_bytes = shared_buffer_bytes;
   o.observer = observer;
   o.auth_token = str(auth_token);
   o.tls = tls;
@@ -579,11 +582,11 @@ PYBIND11_MODULE(_core, m) {
                        uint64_t max_frame_bytes, uint64_t push_frame_bytes, uint64_t pull_frame_bytes,
                        int64_t busy_poll_us, bool observer, py::object auth_token, bool tls, py::object tls_ca_file,
                        py::object tls_cert_file, py::object tls_key_file, py::object tls_server_name,
-                       uint64_t shared_memory_bytes) {
-             return PyClient::Connect(
-                 MakeOptions(host, port, cluster, worker_name, incarnation, connect_timeout_ms, request_timeout_ms,
-                             max_frame_bytes, push_frame_bytes, pull_frame_bytes, busy_poll_us, observer, auth_token,
-                             tls, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name, shared_memory_bytes));
+                       uint64_t shared_memory_bytes, uint64_t shared_buffer_bytes) {
+             return PyClient::Connect(MakeOptions(
+                 host, port, cluster, worker_name, incarnation, connect_timeout_ms, request_timeout_ms, max_frame_bytes,
+                 push_frame_bytes, pull_frame_bytes, busy_poll_us, observer, auth_token, tls, tls_ca_file,
+                 tls_cert_file, tls_key_file, tls_server_name, shared_memory_bytes, shared_buffer_bytes));
            }),
            py::arg("host") = "127.0.0.1", py::arg("port") = 7070, py::kw_only(), py::arg("cluster") = py::none(),
            py::arg("worker_name") = py::none(), py::arg("incarnation") = 0, py::arg("connect_timeout_ms") = 10000,
@@ -592,7 +595,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("busy_poll_us") = int64_t{0}, py::arg("observer") = false, py::arg("auth_token") = py::none(),
            py::arg("tls") = false, py::arg("tls_ca_file") = py::none(), py::arg("tls_cert_file") = py::none(),
            py::arg("tls_key_file") = py::none(), py::arg("tls_server_name") = py::none(),
-           py::arg("shared_memory_bytes") = uint64_t{1} << 30)
+           py::arg("shared_memory_bytes") = uint64_t{1} << 30, py::arg("shared_buffer_bytes") = uint64_t{1} << 30)
       .def_static(
           "from_environment", [] { return PyClient::Connect(Check(psclient::ClientOptionsFromEnvironment())); },
           "Connects as psrun's environment says (PSD_CLUSTER, PSD_WORKER_NAME, PSD_AUTH_TOKEN_FILE).")
@@ -620,6 +623,35 @@ PYBIND11_MODULE(_core, m) {
                              [](const PyClient& self) { return self.Get()->shared_memory_shards(); })
       .def_property_readonly("shared_memory_status",
                              [](const PyClient& self) { return self.Get()->shared_memory_status(); })
+      .def(
+          "allocate_shared",
+          [](const PyClient& self, py::object shape, const std::string& dtype) {
+            const psd::DType dt = ParseDTypeOrRaise(dtype);
+            const psd::Shape dims =
+                py::isinstance<py::int_>(shape) ? psd::Shape{py::cast<int64_t>(shape)} : ToInt64s(shape, "shape");
+            for (int64_t d : dims) {
+              if (d < 0) RaiseInvalid("allocate_shared: shape " + psd::ShapeString(dims) + " has a negative size");
+            }
+            const char* format = dt == psd::DType::kFloat32   ? "float32"
+                                 : dt == psd::DType::kFloat64 ? "float64"
+                                 : dt == psd::DType::kFloat16 ? "float16"
+                                                              : nullptr;
+            if (format == nullptr) {
+              RaiseInvalid("allocate_shared: numpy has no " + dtype +
+                           "; use float32, float64 or float16 (or a float16-sized buffer viewed with a RawTensor)");
+            }
+            const size_t bytes = static_cast<size_t>(psd::NumElements(dims)) * psd::DTypeSize(dt);
+            auto buffer = Check(self.Get()->AllocateShared(bytes));
+            auto* owned = new psclient::SharedBuffer(std::move(buffer));
+            // The array owns the block: it goes back to the arena when the array (and every view of it) is gone.
+            py::capsule base(owned, [](void* p) { delete static_cast<psclient::SharedBuffer*>(p); });
+            return py::array(py::dtype(format), std::vector<py::ssize_t>(dims.begin(), dims.end()), owned->data(),
+                             base);
+          },
+          py::arg("shape"), py::arg("dtype") = "float32",
+          "A zeroed numpy array in memory shared with same-host daemons (shared_buffer_bytes in all): gradients "
+          "pushed from it and values pulled into it move with no copy on either side. Use it as any array "
+          "(torch.from_numpy shares it too); change it only between calls.")
       .def_property_readonly("parameter_devices", [](const PyClient& self) { return self.Get()->ParameterDevices(); })
       .def_property_readonly("should_init", [](const PyClient& self) { return self.Get()->should_init(); })
       .def_property_readonly("should_checkpoint", [](const PyClient& self) { return self.Get()->should_checkpoint(); })
