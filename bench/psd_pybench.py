@@ -15,6 +15,8 @@ over the wall time of the measured steps (GB = 1e9 B).
               values pulled straight into the parameter)
   torch-bf16  the same with a bfloat16 parameter: bf16 gradients summed by psd into a float32
               variable, values pulled back converted to bf16 -- half the bytes each way
+  torch-shared  torch with shared_buffers=True: the parameter and its .grad in the client's shared
+              buffers, read and written in place by psd (README "Zero-copy shared buffers")
 
 Modes run interleaved (cpp, numpy, torch, torch-bf16, then again) for --rounds rounds; the table
 shows each mode's median and the ratio to cpp's median at that size.
@@ -33,7 +35,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = ("cpp", "numpy", "torch", "torch-bf16")
+MODES = ("cpp", "numpy", "torch", "torch-bf16", "torch-shared")
 
 
 def parse_size(text):
@@ -116,7 +118,7 @@ def run_numpy(args, psd, nbytes, steps):
         return _timed(loop, nbytes, nbytes, nbytes, steps, args.warmup)
 
 
-def run_torch(args, psd, nbytes, steps, dtype_name="float32"):
+def run_torch(args, psd, nbytes, steps, dtype_name="float32", shared=False):
     import psclient
     import psclient.torch as pst
     import torch
@@ -125,9 +127,13 @@ def run_torch(args, psd, nbytes, steps, dtype_name="float32"):
     n = nbytes // 4  # the float32 variable's elements: the same model as the other modes
     with psclient.Client("127.0.0.1", psd.port, worker_name="pybench", max_frame_bytes=1 << 30) as c:
         p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
-        opt = pst.SyncReplicasOptimizer(c, [("bench/v0", p)], timeout_ms=int(args.timeout_s * 1000))
+        opt = pst.SyncReplicasOptimizer(c, [("bench/v0", p)], timeout_ms=int(args.timeout_s * 1000),
+                                        shared_buffers=shared)
         opt.initialize()
-        p.grad = torch.full((n,), 1e-3, dtype=dtype)
+        if shared:
+            p.grad.fill_(1e-3)  # the shared gradient, written in place
+        else:
+            p.grad = torch.full((n,), 1e-3, dtype=dtype)
         moved = n * p.element_size()
         return _timed(opt.step, nbytes, moved, moved, steps, args.warmup)
 
@@ -141,6 +147,8 @@ def measure(args, mode, nbytes, steps):
             return run_numpy(args, psd, nbytes, steps)
         if mode == "torch":
             return run_torch(args, psd, nbytes, steps)
+        if mode == "torch-shared":
+            return run_torch(args, psd, nbytes, steps, shared=True)
         return run_torch(args, psd, nbytes, steps, "bfloat16")
     finally:
         psd.stop()
@@ -220,15 +228,15 @@ def main():
         return 0
     print("psd_pybench: one worker, R = N = 1, push + token + pull in one round trip per step; "
           "GB/s one direction (GB = 1e9 B); median of %d interleaved rounds" % args.rounds)
-    print("%-8s %-11s %6s %10s %9s %9s %7s %9s %9s %17s  %s" % (
+    print("%-8s %-12s %6s %10s %9s %9s %7s %9s %9s %17s  %s" % (
         "size", "mode", "steps", "GB/s med", "vs cpp", "GB/s best", "vs cpp", "step p50", "steps vs", "bytes/step",
         "GB/s of each run"))
     for r in rows:
         size = "%d MiB" % (r["size_bytes"] >> 20) if r["size_bytes"] >= 1 << 20 else "%d B" % r["size_bytes"]
         if "skipped" in r:
-            print("%-8s %-11s skipped: %s" % (size, r["mode"], r["skipped"]))
+            print("%-8s %-12s skipped: %s" % (size, r["mode"], r["skipped"]))
             continue
-        print("%-8s %-11s %6d %10.3f %9s %9.3f %7s %7.2fms %9s %17s  %s" % (
+        print("%-8s %-12s %6d %10.3f %9s %9.3f %7s %7.2fms %9s %17s  %s" % (
             size, r["mode"], r["steps"], r["push_gb_s"], "%.2f" % r["ratio_vs_cpp"] if "ratio_vs_cpp" in r else "-",
             r["best_push_gb_s"], "%.2f" % r["best_ratio_vs_cpp"] if "best_ratio_vs_cpp" in r else "-",
             r["step_ms_p50"], "%.2f" % r["step_ratio_vs_cpp"] if "step_ratio_vs_cpp" in r else "-",

@@ -84,7 +84,7 @@ def _reference(model, batches, make_opt):
     return model
 
 
-def _train_sync(d, model, batches, workers=2, grad_dtype=None, after=None, overlap=False):
+def _train_sync(d, model, batches, workers=2, grad_dtype=None, after=None, overlap=False, shared_buffers=False):
     """`workers` threads, each on its share of every batch, through SyncReplicasOptimizer.
     Returns the workers' models and their step outcomes."""
     clients = [_client(d, "worker-%d" % i) for i in range(workers)]  # worker 0 says hello first: chief
@@ -97,7 +97,7 @@ def _train_sync(d, model, batches, workers=2, grad_dtype=None, after=None, overl
                 for p in m.parameters():
                     p.add_(1.0)
         opt = pst.SyncReplicasOptimizer(clients[i], m.named_parameters(), prefix="m/", timeout_ms=DEADLINE_S * 1000,
-                                        grad_dtype=grad_dtype, overlap=overlap)
+                                        grad_dtype=grad_dtype, overlap=overlap, shared_buffers=shared_buffers)
         opt.initialize()
         outcomes = []
         progress[i] = outcomes
@@ -149,6 +149,33 @@ def test_sgd_two_workers_match_full_batch_torch_sgd(start_psd, overlap):
         assert opt.local_step == steps and opt.stale_total == 0
         # float32 sums in another order than torch's full-batch kernels: a few ulps per step.
         _assert_params_close(m, ref, atol=2e-6)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["push_in_step", "overlap"])
+def test_shared_buffers_train_like_copies_with_gradients_and_values_in_place(start_psd, overlap):
+    lr, steps = 0.1, 4
+    model, batches = _mlp(), _batches(steps, 32)
+    copied = _train_sync(start_psd(*LOCKSTEP, "-R", 2, "-N", 2, "--learning-rate", lr), model, batches,
+                         overlap=overlap)
+    checked = []
+
+    def check(opt):
+        # Every parameter and its gradient still live where _share_memory put them before the
+        # first step: autograd accumulated into the shared gradients and psd wrote the values in
+        # place (nothing was re-allocated or staged).
+        assert opt.shared_parameters == 4
+        for p, (value, grad) in zip(opt._params, opt._shared):
+            assert p.param.data_ptr() == value.data_ptr() and p.param.grad.data_ptr() == grad.data_ptr(), p.name
+        checked.append(opt)
+
+    shared = _train_sync(start_psd(*LOCKSTEP, "-R", 2, "-N", 2, "--learning-rate", lr), model, batches,
+                         overlap=overlap, shared_buffers=True, after=check)
+    for (m, _, _), (s_m, outcomes, opt) in zip(copied, shared):
+        assert opt.client is not None and len(outcomes) == steps
+        # The same sums in the same order: bit-identical to the run with copies.
+        for (name, p), (_, q) in zip(m.named_parameters(), s_m.named_parameters()):
+            assert torch.equal(p.detach(), q.detach()), name
+    assert len(checked) == 2
 
 
 # ----------------------------------------------------------------------------- (b) Adam

@@ -133,11 +133,18 @@ class SyncReplicasOptimizer:
       returns a StepOutcome summing every push. One backward per step: a gradient accumulated twice
       before step() is a RuntimeError from step() (the first part went already: psd may hold it in
       that step's accumulators).
+    shared_buffers: move each CPU parameter (float32/64/16, pushed in its own dtype) and its
+      gradient into the client's shared buffers (client.allocate_shared; README "Zero-copy shared
+      buffers"): a psd on this host then adds the gradients and writes the new values in place,
+      with no copy on either side. Autograd accumulates into the shared .grad as long as it is
+      zeroed in place (this optimizer's zero_grad(), the default); a gradient set to None is
+      pushed with a copy. Elsewhere the buffers are plain memory. shared_parameters says how many
+      moved.
     """
 
     def __init__(self, client, named_parameters, *, prefix="", timeout_ms=0, grad_dtype=None,
                  variable_dtype=None, replicas_to_aggregate=-1, total_num_replicas=-1,
-                 variables_timeout_ms=60000, overlap=False):
+                 variables_timeout_ms=60000, overlap=False, shared_buffers=False):
         self.client = client
         self.timeout_ms = int(timeout_ms)
         self.variables_timeout_ms = int(variables_timeout_ms)
@@ -182,6 +189,10 @@ class SyncReplicasOptimizer:
         if not self._params:
             raise ValueError("Must supply at least one variable")
         self._any_cuda = any(p.param.is_cuda for p in self._params)
+        self._shared = []  # (value, gradient) tensors in shared buffers, per moved parameter
+        if shared_buffers:
+            self._share_memory()
+        self.shared_parameters = len(self._shared)
         self._overlap = bool(overlap)
         self._early_pushed = set()  # indices whose gradient went before step() (overlap)
         self._early = []            # (future, keep-alive) of those pushes
@@ -200,6 +211,24 @@ class SyncReplicasOptimizer:
         self.last_loss = None
         self._initialized = False
         self._epoch = None
+
+    def _share_memory(self):
+        """Moves the parameters that can (CPU; numpy dtypes; pushed in their own dtype) and their
+        gradients into shared buffers (kept in self._shared)."""
+        for p in self._params:
+            t = p.param
+            if t.is_cuda or t.dtype not in _NUMPY_OK or p.grad_dtype != t.dtype:
+                continue
+            name = torch_dtype_name(t.dtype)
+            value = _torch.from_numpy(self.client.allocate_shared(tuple(t.shape), name))
+            grad = _torch.from_numpy(self.client.allocate_shared(tuple(t.shape), name))
+            with _torch.no_grad():
+                value.copy_(t.data)
+                if t.grad is not None:
+                    grad.copy_(t.grad)
+            t.data = value
+            t.grad = grad
+            self._shared.append((value, grad))
 
     # ---------------------------------------------------------------- the chief and readiness
     @property
