@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cluster/coordinator.h"
+#include "psd/half.h"
 #include "psd/secret.h"
 #include "service/peer_codec.h"
 #include "service/service_host.h"
@@ -261,8 +262,8 @@ void WorkerSession::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
     pending_create_.reset();
     t->dtype = gathered->dtype;
     t->shape = gathered->shape;
-    t->data = gathered->value.data();
-    t->bytes = gathered->value.size();
+    t->data = static_cast<const uint8_t*>(gathered->value->data());
+    t->bytes = gathered->value->bytes();
   }
   VariableDef def;
   def.name = r.getName();
@@ -289,7 +290,11 @@ void WorkerSession::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
     }
     def.placement = std::move(*placed);
   }
-  if (t->bytes > 0) {
+  if (gathered && ComputeDType(def.dtype) == def.dtype) {
+    // The gathered value becomes the variable's, not copied: a create in chunks holds the model
+    // once, as a create in one frame does.
+    def.adopt = std::move(gathered->value);
+  } else if (t->bytes > 0) {
     def.initial = t->data;
     def.initial_bytes = t->bytes;
   }
@@ -335,27 +340,27 @@ Status WorkerSession::GatherCreateChunk(proto::CreateVariable::Reader r, const w
       return ResourceExhausted("variable '" + name + "' " + ShapeString(shape) + " is bigger than --max-model-bytes (" +
                                std::to_string(limit) + " bytes)");
     }
-    pending_create_ = PendingCreate{name, chunk.dtype, std::move(shape), {}, 0};
-    pending_create_->value.resize(elements * es);
+    pending_create_ = PendingCreate{name, chunk.dtype, std::move(shape),
+                                    std::make_shared<Buffer>(elements * es, Buffer::Uninitialized{}), 0};
   }
   PendingCreate& p = *pending_create_;
   const size_t es = DTypeSize(p.dtype);
   if (name != p.name || chunk.dtype != p.dtype || chunk.shape.size() != 1 ||
-      offset != static_cast<int64_t>(p.filled / es) || chunk.bytes > p.value.size() - p.filled ||
+      offset != static_cast<int64_t>(p.filled / es) || chunk.bytes > p.value->bytes() - p.filled ||
       chunk.bytes != static_cast<size_t>(chunk.shape[0]) * es) {
     return InvalidArgument("variable '" + name +
                            "': a chunk of its initial value does not follow the one before (name, dtype, "
                            "offset and size must continue it); create it again");
   }
-  if (chunk.bytes > 0) std::memcpy(p.value.data() + p.filled, chunk.data, chunk.bytes);
+  if (chunk.bytes > 0) std::memcpy(static_cast<uint8_t*>(p.value->data()) + p.filled, chunk.data, chunk.bytes);
   p.filled += chunk.bytes;
   if (r.getMore()) {
     *complete = false;
     return Status::Ok();
   }
-  if (p.filled != p.value.size()) {
+  if (p.filled != p.value->bytes()) {
     return InvalidArgument("variable '" + name + "': its initial value's last chunk ends at byte " +
-                           std::to_string(p.filled) + " of " + std::to_string(p.value.size()));
+                           std::to_string(p.filled) + " of " + std::to_string(p.value->bytes()));
   }
   *complete = true;
   return Status::Ok();

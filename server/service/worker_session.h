@@ -139,8 +139,8 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
     std::string name;
     DType dtype = DType::kFloat32;  // of the chunks
     Shape shape;
-    std::vector<uint8_t> value;
-    size_t filled = 0;  // bytes received, in order
+    std::shared_ptr<Buffer> value;  // the whole value, filled in order (adopted by the engine)
+    size_t filled = 0;              // bytes received
   };
   std::optional<PendingCreate> pending_create_;
   // Adds one chunk; *complete: the last one came (the value is whole). Errors drop the pending value.
