@@ -8,8 +8,10 @@
 # step, as the floor. Absolute times drift between runs on shared machines, so what matters is the
 # psd/floor ratio of median step times measured back to back, cell by cell. The workers run on
 # psd's host, so they move tensors through shared memory (README "Same-host shared memory") while
-# the floor uses TCP; --bench-flags "--shared-memory 0" compares TCP with TCP. psd's peak RSS then
-# counts the workers' segment pages it touched.
+# the floor uses TCP; --bench-flags "--shared-memory 0" compares TCP with TCP, and --bench-flags
+# "--shared-buffers" keeps the workers' tensors in shared buffers (README "Zero-copy shared
+# buffers": no copy on either side). psd's peak RSS then counts the workers' shared pages it
+# touched; its private memory (RssAnon) is printed apart.
 #
 # Usage: bench/compare_floor.sh [options] [path/to/psd_bench]   (default: build/bench/psd_bench)
 #   --workers "2 4 8 16"      worker counts of the sweep (default: 2 4 8 16; "": no sweep)
