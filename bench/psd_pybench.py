@@ -17,6 +17,9 @@ over the wall time of the measured steps (GB = 1e9 B).
               variable, values pulled back converted to bf16 -- half the bytes each way
   torch-shared  torch with shared_buffers=True: the parameter and its .grad in the client's shared
               buffers, read and written in place by psd (README "Zero-copy shared buffers")
+  torch-cuda  torch with the parameter and its .grad on the GPU (cuda:0): pushed and pulled on
+              torch's current stream through the client's pinned staging (a CUDA build of
+              libpsclient; skipped where torch sees no GPU)
 
 Modes run interleaved (cpp, numpy, torch, torch-bf16, then again) for --rounds rounds; the table
 shows each mode's median and the ratio to cpp's median at that size.
@@ -35,7 +38,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = ("cpp", "numpy", "torch", "torch-bf16", "torch-shared")
+MODES = ("cpp", "numpy", "torch", "torch-bf16", "torch-shared", "torch-cuda")
 
 
 def parse_size(text):
@@ -118,7 +121,7 @@ def run_numpy(args, psd, nbytes, steps):
         return _timed(loop, nbytes, nbytes, nbytes, steps, args.warmup)
 
 
-def run_torch(args, psd, nbytes, steps, dtype_name="float32", shared=False):
+def run_torch(args, psd, nbytes, steps, dtype_name="float32", shared=False, device="cpu"):
     import psclient
     import psclient.torch as pst
     import torch
@@ -126,16 +129,29 @@ def run_torch(args, psd, nbytes, steps, dtype_name="float32", shared=False):
     dtype = getattr(torch, dtype_name)
     n = nbytes // 4  # the float32 variable's elements: the same model as the other modes
     with psclient.Client("127.0.0.1", psd.port, worker_name="pybench", max_frame_bytes=1 << 30) as c:
-        p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+        p = torch.nn.Parameter(torch.zeros(n, dtype=dtype, device=device))
         opt = pst.SyncReplicasOptimizer(c, [("bench/v0", p)], timeout_ms=int(args.timeout_s * 1000),
                                         shared_buffers=shared)
         opt.initialize()
         if shared:
             p.grad.fill_(1e-3)  # the shared gradient, written in place
         else:
-            p.grad = torch.full((n,), 1e-3, dtype=dtype)
+            p.grad = torch.full((n,), 1e-3, dtype=dtype, device=device)
         moved = n * p.element_size()
-        return _timed(opt.step, nbytes, moved, moved, steps, args.warmup)
+        step = opt.step
+        if device != "cpu":
+            def step():  # a step ends when its values are on the GPU
+                opt.step()
+                torch.cuda.synchronize()
+        return _timed(step, nbytes, moved, moved, steps, args.warmup)
+
+
+def _cuda_available():
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
 
 
 def measure(args, mode, nbytes, steps):
@@ -149,6 +165,8 @@ def measure(args, mode, nbytes, steps):
             return run_torch(args, psd, nbytes, steps)
         if mode == "torch-shared":
             return run_torch(args, psd, nbytes, steps, shared=True)
+        if mode == "torch-cuda":
+            return run_torch(args, psd, nbytes, steps, device="cuda")
         return run_torch(args, psd, nbytes, steps, "bfloat16")
     finally:
         psd.stop()
@@ -184,6 +202,9 @@ def main():
         for _ in range(args.rounds):
             for mode in modes:
                 if (size, mode) in skipped:
+                    continue
+                if mode == "torch-cuda" and not _cuda_available():
+                    skipped[(size, mode)] = "torch sees no CUDA device"
                     continue
                 try:
                     r = measure(args, mode, size, nsteps)
