@@ -276,6 +276,10 @@ class Client::Impl {
   }
 
   // Called first by every public call (mu_ held): learns a new chief if the last call suggested one.
+  // One call's host twins of its device views (the caller holds mu_): a block of the shared
+  // buffers, pinned, that a same-host psd reads gradients from or writes values into in place,
+  // and that the GPU copies to or from in one DMA (no staging copies). Where there is none (no
+  // shared buffers, no room, a CPU-only build) the views take the staging path.
   void Begin() {
     for (auto& c : conns_) c->ShmReset();  // the last call's replies are all in
     if (!refresh_chief_) return;
@@ -392,6 +396,69 @@ class Client::Impl {
 
   // The caller's views split by shard: per shard, (name, view of that shard's part).
   using Outs = std::vector<std::pair<std::string, TensorView>>;
+
+  class Twins {
+   public:
+    explicit Twins(Impl& im) : im_(im) {}
+    ~Twins() {
+      for (auto& b : taken_) im_.twin_pool_.emplace(b.bytes(), std::move(b));
+    }
+    Twins(const Twins&) = delete;
+    Twins& operator=(const Twins&) = delete;
+
+    // A pinned host block of `bytes`, or nullptr.
+    void* Take(size_t bytes) {
+      if (bytes == 0 || !im_.arena_) return nullptr;
+      auto it = im_.twin_pool_.find(bytes);
+      if (it != im_.twin_pool_.end()) {
+        taken_.push_back(std::move(it->second));
+        im_.twin_pool_.erase(it);
+        return taken_.back().data();
+      }
+      auto at = im_.arena_->Allocate(bytes);
+      if (!at.ok()) return nullptr;
+      SharedBuffer b;
+      b.arena_ = im_.arena_;
+      b.offset_ = *at;
+      b.bytes_ = bytes;
+      if (!im_.staging_.PinHost(b.data(), bytes).ok()) return nullptr;  // b goes back to the arena
+      taken_.push_back(std::move(b));
+      return taken_.back().data();
+    }
+
+    // `outs` with each device view replaced by a host twin (false: none was).
+    bool Substitute(const std::vector<std::pair<std::string, TensorView>>& outs,
+                    std::vector<std::pair<std::string, TensorView>>* host) {
+      bool any = false;
+      *host = outs;
+      for (size_t i = 0; i < outs.size(); ++i) {
+        const TensorView& v = outs[i].second;
+        if (v.memory == MemoryKind::kHost || v.data == nullptr) continue;
+        void* twin = Take(v.bytes());
+        if (twin == nullptr) continue;
+        (*host)[i].second.data = twin;
+        (*host)[i].second.memory = MemoryKind::kHost;
+        (*host)[i].second.stream = nullptr;
+        back_.push_back({v, twin});
+        any = true;
+      }
+      return any;
+    }
+
+    // After the pull: each twin's values into its device view.
+    Status CopyBack() {
+      for (const auto& [view, twin] : back_) {
+        PSD_RETURN_IF_ERROR(im_.staging_.FromHost(view.data, twin, view.bytes(), view.memory, view.stream));
+      }
+      return Status::Ok();
+    }
+
+   private:
+    Impl& im_;
+    std::vector<SharedBuffer> taken_;
+    std::vector<std::pair<TensorView, void*>> back_;  // device view, its twin
+  };
+
   Status SplitOuts(const Outs& outs, std::vector<Outs>* per_shard) {
     per_shard->assign(conns_.size(), {});
     for (const auto& [name, view] : outs) {
@@ -505,6 +572,16 @@ class Client::Impl {
   // Pulls (mu_ held): one request per shard holding a part, or several for values bigger than a
   // reply; every reply must be at the same step (a pull racing a commit is read again).
   Result<int64_t> PullLocked(const Outs& outs, bool averages) {
+    // Device views: the values land in their host twins (in place, where psd is on this host),
+    // then go to the GPU in one DMA each.
+    Twins twins(*this);
+    Outs host;
+    if (!twins.Substitute(outs, &host)) return PullViewsLocked(outs, averages);
+    auto step = PullViewsLocked(host, averages);
+    if (step.ok()) PSD_RETURN_IF_ERROR(twins.CopyBack());
+    return step;
+  }
+  Result<int64_t> PullViewsLocked(const Outs& outs, bool averages) {
     if (outs.empty()) return psd::InvalidArgument("Pull needs at least one variable");
     for (int attempt = 0;; ++attempt) {
       for (auto& c : conns_) c->ShmReset();  // every earlier reply is in
@@ -595,7 +672,11 @@ class Client::Impl {
   std::shared_ptr<internal::SharedArena> arena_;  // the shared buffers (null: none)
   Status arena_status_;                           // why there is no arena, when it failed
   std::vector<std::unique_ptr<Conn>> conns_;
-  std::mutex mu_;                                        // serializes calls
+  std::mutex mu_;  // serializes calls
+  // Device views' host twins (Twins): blocks of the shared buffers pinned for DMA, kept for the
+  // client's life and reused by size. Guarded by mu_. Before staging_: it unpins them (its
+  // destructor) before they are freed.
+  std::multimap<size_t, SharedBuffer> twin_pool_;
   internal::DeviceStaging staging_;                      // guarded by mu_: device views' pinned buffers
   std::map<std::string, VariablePlacement> placements_;  // guarded by mu_
   std::atomic<int> chief_{0};
@@ -1078,6 +1159,11 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   const bool cluster = im.cluster();
   const int chief = im.chief_.load();
   std::deque<std::vector<uint64_t>> staged;  // device gradients copied to host, coalesced rows
+  // Device gradients and pull_after views go through host twins where the client has them.
+  Impl::Twins twins(im);
+  Impl::Outs after_twins;
+  const bool after_on_device = pull_after != nullptr && twins.Substitute(*pull_after, &after_twins);
+  if (after_on_device) pull_after = &after_twins;
   // Per shard: the gradient parts it gets, as (result slot, name, part).
   struct DensePart {
     size_t slot;
@@ -1099,10 +1185,10 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     }
     ConstTensorView host = g.grad;
     if (g.grad.memory != MemoryKind::kHost) {
-      staged.emplace_back((g.grad.bytes() + 7) / 8);
-      PSD_RETURN_IF_ERROR(
-          im.staging_.ToHost(staged.back().data(), g.grad.data, g.grad.bytes(), g.grad.memory, g.grad.stream));
-      host.data = staged.back().data();
+      void* to = twins.Take(g.grad.bytes());
+      if (to == nullptr) to = staged.emplace_back((g.grad.bytes() + 7) / 8).data();
+      PSD_RETURN_IF_ERROR(im.staging_.ToHost(to, g.grad.data, g.grad.bytes(), g.grad.memory, g.grad.stream));
+      host.data = to;
       host.memory = MemoryKind::kHost;
     }
     auto loc = im.Locate(g.name);
@@ -1402,6 +1488,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     if (!step.ok()) return step.status();
     out.pulled_step = *step;
   }
+  if (after_on_device && out.pulled_step >= 0) PSD_RETURN_IF_ERROR(twins.CopyBack());
   return out;
 }
 

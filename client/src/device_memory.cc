@@ -1,6 +1,7 @@
 #include "device_memory.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -143,6 +144,22 @@ struct DeviceStaging::Cuda {
     return psd::Status::Ok();
   }
 
+  // One copy between pinned host memory and the device, on `stream`, waited for.
+  psd::Status Direct(const std::vector<Segment>& segments, cudaStream_t stream, int device) {
+    int b = next;
+    next = (next + 1) % kStagingChunks;
+    PSD_RETURN_IF_ERROR(Acquire(b, 0, device));
+    for (const Segment& s : segments) {
+      cudaError_t err = cudaMemcpyAsync(s.dst, s.src, s.bytes, cudaMemcpyDefault, stream);
+      if (err != cudaSuccess) return CudaFailed("cudaMemcpyAsync (pinned)", err);
+    }
+    cudaError_t err = cudaEventRecord(buffers[b].event, stream);
+    if (err != cudaSuccess) return CudaFailed("cudaEventRecord", err);
+    err = cudaEventSynchronize(buffers[b].event);
+    if (err != cudaSuccess) return CudaFailed("cudaEventSynchronize", err);
+    return psd::Status::Ok();
+  }
+
   // Device -> host, one segment (src on the device). Up to kStagingChunks chunks are in flight;
   // the oldest is drained (event waited, bytes copied out of the pinned buffer) before its buffer
   // takes the next chunk, so chunk i's memcpy runs while chunk i+1's DMA does.
@@ -229,7 +246,21 @@ struct DeviceStaging::Cuda {
 };
 
 DeviceStaging::DeviceStaging() = default;
-DeviceStaging::~DeviceStaging() = default;
+DeviceStaging::~DeviceStaging() {
+  cuda_.reset();  // every copy done
+  for (const auto& [p, n] : pinned_) cudaHostUnregister(const_cast<char*>(p));
+}
+
+psd::Status DeviceStaging::PinHost(void* p, size_t bytes) {
+  if (bytes == 0 || Pinned(p, bytes)) return psd::Status::Ok();
+  cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return CudaFailed("cudaHostRegister of " + std::to_string(bytes) + " bytes", err);
+  }
+  pinned_.emplace_back(static_cast<const char*>(p), bytes);
+  return psd::Status::Ok();
+}
 
 size_t DeviceStaging::pinned_bytes() const {
   size_t n = 0;
@@ -252,14 +283,20 @@ psd::Status DeviceStaging::OnDevice(const void* ptr, const std::function<psd::St
 psd::Status DeviceStaging::DeviceToHost(void* dst, const void* src, size_t bytes, void* stream) {
   if (bytes == 0) return psd::Status::Ok();
   Segment s{static_cast<char*>(dst), static_cast<const char*>(src), bytes};
-  return OnDevice(src,
-                  [&](Cuda& cuda, int device) { return cuda.ToHost(s, static_cast<cudaStream_t>(stream), device); });
+  const bool direct = Pinned(dst, bytes);
+  return OnDevice(src, [&](Cuda& cuda, int device) {
+    return direct ? cuda.Direct({s}, static_cast<cudaStream_t>(stream), device)
+                  : cuda.ToHost(s, static_cast<cudaStream_t>(stream), device);
+  });
 }
 
 psd::Status DeviceStaging::HostToDevice(const std::vector<Segment>& segments, void* stream) {
   if (segments.empty()) return psd::Status::Ok();
+  bool direct = true;
+  for (const Segment& s : segments) direct = direct && Pinned(s.src, s.bytes);
   return OnDevice(segments.front().dst, [&](Cuda& cuda, int device) {
-    return cuda.FromHost(segments, static_cast<cudaStream_t>(stream), device);
+    return direct ? cuda.Direct(segments, static_cast<cudaStream_t>(stream), device)
+                  : cuda.FromHost(segments, static_cast<cudaStream_t>(stream), device);
   });
 }
 
@@ -282,9 +319,20 @@ psd::Status NoCuda() {
 
 psd::Status DeviceStaging::DeviceToHost(void*, const void*, size_t, void*) { return NoCuda(); }
 
+psd::Status DeviceStaging::PinHost(void*, size_t) { return NoCuda(); }
+
 psd::Status DeviceStaging::HostToDevice(const std::vector<Segment>&, void*) { return NoCuda(); }
 
 #endif  // PSD_WITH_CUDA
+
+bool DeviceStaging::Pinned(const void* p, size_t bytes) const {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  for (const auto& [base, n] : pinned_) {
+    const auto b = reinterpret_cast<uintptr_t>(base);
+    if (at >= b && at - b <= n && bytes <= n - (at - b)) return true;
+  }
+  return false;
+}
 
 psd::Status DeviceStaging::ToHost(void* dst, const void* src, size_t bytes, psd::MemoryKind kind, void* stream) {
   if (kind != psd::MemoryKind::kHost) return DeviceToHost(dst, src, bytes, stream);

@@ -9,6 +9,8 @@
 // recorded on the caller's stream (cudaEventSynchronize): it runs after the work already queued
 // on that stream and never waits for other streams (no cudaDeviceSynchronize). A build without
 // PSD_WITH_CUDA answers kUnimplemented for CUDA views, so GPU trainers compile and fail clearly.
+// Host memory pinned with PinHost (the client's host twins of device views, README "GPU
+// trainers") skips the staging buffers: one cudaMemcpyAsync per copy, waited on its event.
 //
 // Thread-safety: none; a Client's calls are serialized by its mutex, and each Client owns one.
 // Every copy has finished (device memory written, or host memory filled) when the call returns.
@@ -18,6 +20,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "psd/status.h"
@@ -56,6 +59,11 @@ class DeviceStaging {
   // Pinned bytes held now (0 until a CUDA view has been copied, then kStagingChunks * kStagingChunkBytes).
   size_t pinned_bytes() const;
 
+  // Pins `bytes` of host memory at `p` for DMA (cudaHostRegister) until this DeviceStaging goes:
+  // a copy whose host side lies in it moves in one cudaMemcpyAsync, with no staging. The memory
+  // must stay mapped until then. UNIMPLEMENTED in a CPU-only build.
+  psd::Status PinHost(void* p, size_t bytes);
+
  private:
   struct Cuda;  // CUDA state (PSD_WITH_CUDA builds)
   // The device side of the copies above (a CPU-only build: UNIMPLEMENTED).
@@ -64,7 +72,11 @@ class DeviceStaging {
   // Runs `copy` with the device that owns `ptr` current; waits out what it left in flight on error.
   psd::Status OnDevice(const void* ptr, const std::function<psd::Status(Cuda&, int device)>& copy);
 
-  std::unique_ptr<Cuda> cuda_;  // created on the first CUDA copy
+  // Whether [p, p + bytes) lies in memory PinHost pinned.
+  bool Pinned(const void* p, size_t bytes) const;
+
+  std::unique_ptr<Cuda> cuda_;                          // created on the first CUDA copy
+  std::vector<std::pair<const char*, size_t>> pinned_;  // PinHost's ranges
 };
 
 }  // namespace psclient::internal
