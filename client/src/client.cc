@@ -280,6 +280,21 @@ class Client::Impl {
   // buffers, pinned, that a same-host psd reads gradients from or writes values into in place,
   // and that the GPU copies to or from in one DMA (no staging copies). Where there is none (no
   // shared buffers, no room, a CPU-only build) the views take the staging path.
+  // A block of the shared buffers (AllocateShared, and device views' twins).
+  Result<SharedBuffer> NewShared(size_t bytes) {
+    if (!arena_) {
+      if (!arena_status_.ok()) return arena_status_;
+      return psd::FailedPrecondition("no shared buffers: ClientOptions::shared_buffer_bytes is 0");
+    }
+    auto at = arena_->Allocate(bytes);
+    if (!at.ok()) return at.status();
+    SharedBuffer b;
+    b.arena_ = arena_;
+    b.offset_ = *at;
+    b.bytes_ = bytes;
+    return b;
+  }
+
   void Begin() {
     for (auto& c : conns_) c->ShmReset();  // the last call's replies are all in
     if (!refresh_chief_) return;
@@ -408,21 +423,21 @@ class Client::Impl {
 
     // A pinned host block of `bytes`, or nullptr.
     void* Take(size_t bytes) {
-      if (bytes == 0 || !im_.arena_) return nullptr;
+      if (bytes == 0 || im_.twins_unavailable_) return nullptr;
       auto it = im_.twin_pool_.find(bytes);
       if (it != im_.twin_pool_.end()) {
         taken_.push_back(std::move(it->second));
         im_.twin_pool_.erase(it);
         return taken_.back().data();
       }
-      auto at = im_.arena_->Allocate(bytes);
-      if (!at.ok()) return nullptr;
-      SharedBuffer b;
-      b.arena_ = im_.arena_;
-      b.offset_ = *at;
-      b.bytes_ = bytes;
-      if (!im_.staging_.PinHost(b.data(), bytes).ok()) return nullptr;  // b goes back to the arena
-      taken_.push_back(std::move(b));
+      auto b = im_.NewShared(bytes);
+      if (!b.ok()) return nullptr;  // no shared buffers, or no room: this view is staged
+      if (!im_.staging_.PinHost(b->data(), bytes).ok()) {
+        // A CPU-only build, or CUDA refuses to pin: no twins for this client (b goes back).
+        im_.twins_unavailable_ = true;
+        return nullptr;
+      }
+      taken_.push_back(std::move(*b));
       return taken_.back().data();
     }
 
@@ -677,6 +692,7 @@ class Client::Impl {
   // client's life and reused by size. Guarded by mu_. Before staging_: it unpins them (its
   // destructor) before they are freed.
   std::multimap<size_t, SharedBuffer> twin_pool_;
+  bool twins_unavailable_ = false;                       // guarded by mu_: pinning failed once (Twins::Take)
   internal::DeviceStaging staging_;                      // guarded by mu_: device views' pinned buffers
   std::map<std::string, VariablePlacement> placements_;  // guarded by mu_
   std::atomic<int> chief_{0};
@@ -748,19 +764,7 @@ std::string Client::shared_memory_status() const {
   }
   return out;
 }
-Result<SharedBuffer> Client::AllocateShared(size_t bytes) {
-  if (!impl_->arena_) {
-    if (!impl_->arena_status_.ok()) return impl_->arena_status_;
-    return psd::FailedPrecondition("no shared buffers: ClientOptions::shared_buffer_bytes is 0");
-  }
-  auto at = impl_->arena_->Allocate(bytes);
-  if (!at.ok()) return at.status();
-  SharedBuffer b;
-  b.arena_ = impl_->arena_;
-  b.offset_ = *at;
-  b.bytes_ = bytes;
-  return b;
-}
+Result<SharedBuffer> Client::AllocateShared(size_t bytes) { return impl_->NewShared(bytes); }
 
 SharedBuffer::~SharedBuffer() {
   if (arena_) arena_->Free(offset_);

@@ -313,10 +313,7 @@ int64_t Conn::BufferOffset(const void* p, uint64_t bytes) const {
 const uint8_t* Conn::ShmAt(unsigned segment, uint64_t offset, uint64_t bytes) const {
   if (!shm) return nullptr;
   if (segment == 0) return shm->At(offset, bytes);
-  if (segment == 1 && buffers && arena_->OffsetOf(arena_->data() + std::min(offset, arena_->size()), bytes) >= 0) {
-    return arena_->data() + offset;
-  }
-  return nullptr;
+  return segment == 1 && buffers ? arena_->At(offset, bytes) : nullptr;
 }
 
 Status Conn::SendNoReconnect(OutFrame& frame) {

@@ -81,11 +81,4 @@ int64_t SharedArena::OffsetOf(const void* p, uint64_t bytes) const {
   return static_cast<int64_t>(at);
 }
 
-uint64_t SharedArena::used() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  uint64_t n = 0;
-  for (const auto& [at, bytes] : used_) n += bytes;
-  return n;
-}
-
 }  // namespace psclient::internal

@@ -30,11 +30,11 @@ class SharedArena {
 
   // The offset of [p, p + bytes) when it lies inside the arena, else -1.
   int64_t OffsetOf(const void* p, uint64_t bytes) const;
+  // [offset, offset + bytes) of the arena, or nullptr.
+  uint8_t* At(uint64_t offset, uint64_t bytes) const { return segment_->At(offset, bytes); }
   uint8_t* data() const { return segment_->data(); }
   uint64_t size() const { return segment_->size(); }
   int fd() const { return segment_->fd(); }
-  // Bytes in blocks handed out now.
-  uint64_t used() const;
 
  private:
   explicit SharedArena(std::shared_ptr<psd::wire::SharedSegment> segment);

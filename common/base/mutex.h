@@ -23,6 +23,7 @@
 #define PSD_COMMON_BASE_MUTEX_H_
 
 #include <cassert>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 
@@ -97,6 +98,13 @@ class CondVar {
     std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
     cv_.wait(lock);
     lock.release();  // still held: the caller's
+  }
+  // As Wait, until `deadline` at the latest: false when it passed first.
+  bool WaitUntil(Mutex* mu, std::chrono::steady_clock::time_point deadline) REQUIRES(mu) {
+    std::unique_lock<std::mutex> lock(mu->mu_, std::adopt_lock);
+    const bool notified = cv_.wait_until(lock, deadline) == std::cv_status::no_timeout;
+    lock.release();  // still held: the caller's
+    return notified;
   }
   void NotifyOne() { cv_.notify_one(); }
   void NotifyAll() { cv_.notify_all(); }

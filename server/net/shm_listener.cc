@@ -46,10 +46,14 @@ void ShmSlot::Set(std::shared_ptr<wire::SharedSegment> segment, std::shared_ptr<
   segments_[1] = std::move(buffers);
 }
 
-void ShmSlot::Revoke() {
+bool ShmSlot::Revoke(std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
   MutexLock lock(&mu_);
   for (auto& s : segments_) s.reset();
-  while (leases_ > 0) released_.Wait(&mu_);
+  while (leases_ > 0) {
+    if (!released_.WaitUntil(&mu_, deadline) && leases_ > 0) return false;
+  }
+  return true;
 }
 
 void ShmSlot::Close() {
@@ -229,8 +233,14 @@ int ShmListener::RevokeArena(const wire::SegmentId& arena, const ShmSlot* keep) 
       it->second = std::move(kept);
     }
   }
-  // Outside mu_: a revoke waits for the requests that hold the pages (one add or copy each).
-  for (auto& s : revoke) s->Revoke();
+  // Outside mu_: a revoke waits for the requests that hold the pages (one add or copy each), up
+  // to the attach timeout (a worker waits no longer for the answer).
+  for (auto& s : revoke) {
+    if (!s->Revoke(std::chrono::milliseconds(timeout_ms_))) {
+      spdlog::warn("shared buffers revoked while a request still used them after {} ms: it may still touch them",
+                   timeout_ms_);
+    }
+  }
   return static_cast<int>(revoke.size());
 }
 

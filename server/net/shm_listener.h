@@ -15,6 +15,7 @@
 #define PSD_SERVER_NET_SHM_LISTENER_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -59,8 +60,9 @@ class ShmSlot : public std::enable_shared_from_this<ShmSlot> {
   Lease Acquire() EXCLUDES(mu_);
   // The worker's segments, from its attach (buffers: may be null).
   void Set(std::shared_ptr<wire::SharedSegment> segment, std::shared_ptr<wire::SharedSegment> buffers) EXCLUDES(mu_);
-  // No new leases; returns once the leases held are given back.
-  void Revoke() EXCLUDES(mu_);
+  // No new leases; returns once the leases held are given back (true), or after `limit` with a
+  // lease still held (false: a request stuck mid-copy may still touch the pages).
+  bool Revoke(std::chrono::milliseconds limit) EXCLUDES(mu_);
   // The connection is gone: no new leases (those held finish, then the pages are unmapped).
   void Close() EXCLUDES(mu_);
 

@@ -632,14 +632,11 @@ PYBIND11_MODULE(_core, m) {
             for (int64_t d : dims) {
               if (d < 0) RaiseInvalid("allocate_shared: shape " + psd::ShapeString(dims) + " has a negative size");
             }
-            const char* format = dt == psd::DType::kFloat32   ? "float32"
-                                 : dt == psd::DType::kFloat64 ? "float64"
-                                 : dt == psd::DType::kFloat16 ? "float16"
-                                                              : nullptr;
-            if (format == nullptr) {
+            if (dt == psd::DType::kBFloat16) {
               RaiseInvalid("allocate_shared: numpy has no " + dtype +
                            "; use float32, float64 or float16 (or a float16-sized buffer viewed with a RawTensor)");
             }
+            const char* format = psd::DTypeName(dt);  // numpy's name too
             const size_t bytes = static_cast<size_t>(psd::NumElements(dims)) * psd::DTypeSize(dt);
             auto buffer = Check(self.Get()->AllocateShared(bytes));
             auto* owned = new psclient::SharedBuffer(std::move(buffer));
