@@ -224,6 +224,9 @@ struct Gradient {
   chunk @6 :Bool;         # dense only: `grad` is a flat [n], the elements [chunkOffset, chunkOffset + n)
   chunkOffset @7 :Int64;  # of the variable's flattened gradient (a gradient bigger than a frame);
                           # aligned to HelloReply.chunkElements, n too unless it ends the tensor
+  rowsMore @8 :Bool;      # sparse only: more rows of this gradient follow in a later frame of the
+                          # same push (Push.more set here), their indices continuing to increase; a
+                          # sparse gradient bigger than a frame counts once, with its last rows
 }
 
 struct Push {
@@ -304,6 +307,14 @@ struct Update {
   localStep @6 :Int64;
   timeoutMs @7 :Int64;
   atNextStep @8 :Bool;    # cross-replica, sync mode: published with the next step's commit
+  # A value bigger than a frame comes in chunks, as CreateVariable's initial value does: `value` is
+  # then a flat run of elements starting at element `chunkOffset` of a value of shape
+  # `chunkedShape`; every chunk but the last has `more` set and is answered `none`; the update is
+  # made (and counted) only with the last chunk. Another request in between drops the chunks.
+  chunked @9 :Bool;
+  chunkOffset @10 :Int64;
+  chunkedShape @11 :List(Int64);
+  more @12 :Bool;
 }
 
 struct UpdateReply {

@@ -111,6 +111,50 @@ View SliceOf(const View& whole, const VariablePlacement& p, size_t i) {
   return part;
 }
 
+// One request's share of a value: all of it, or one chunk of a value bigger than a frame (sent
+// back to back on one connection; the daemon acts on the last: CreateVariable and Update).
+struct ValueChunk {
+  bool chunked = false;
+  int64_t offset = 0;  // in elements
+  bool more = false;   // not the last chunk
+  const uint8_t* data = nullptr;
+  size_t bytes = 0;
+};
+
+// `part` as requests of at most `chunk` bytes of value each (Conn::CreateChunkBytes; 0: one
+// request whatever the size). A part without data (a create's zeros) is one request.
+std::vector<ValueChunk> ChunksOf(const ConstTensorView& part, uint64_t chunk) {
+  const auto* data = static_cast<const uint8_t*>(part.data);
+  if (data == nullptr) return {ValueChunk{}};
+  const size_t es = psd::DTypeSize(part.dtype), total = part.bytes();
+  if (chunk == 0 || total <= chunk) return {ValueChunk{false, 0, false, data, total}};
+  const size_t step = std::max<size_t>(es, chunk / es * es);
+  std::vector<ValueChunk> out;
+  for (size_t offset = 0; offset < total; offset += step) {
+    const size_t bytes = std::min(step, total - offset);
+    out.push_back({true, static_cast<int64_t>(offset / es), offset + bytes < total, data + offset, bytes});
+  }
+  return out;
+}
+
+// Writes chunk `c` of `part` into request body `b` (a CreateVariable or an Update) and its value
+// tensor `t`.
+template <typename Body>
+void SetChunk(capnp::MessageBuilder& frame, Body b, proto::Tensor::Builder t, const ConstTensorView& part,
+              const ValueChunk& c) {
+  if (!c.chunked) {
+    psd::wire::SetTensor(frame, t, part.dtype, part.shape, c.data, c.bytes);
+    return;
+  }
+  b.setChunked(true);
+  b.setChunkOffset(c.offset);
+  auto shape = b.initChunkedShape(static_cast<unsigned>(part.shape.size()));
+  for (size_t d = 0; d < part.shape.size(); ++d) shape.set(static_cast<unsigned>(d), part.shape[d]);
+  b.setMore(c.more);
+  psd::wire::SetTensor(frame, t, part.dtype, {static_cast<int64_t>(c.bytes / psd::DTypeSize(part.dtype))}, c.data,
+                       c.bytes);
+}
+
 }  // namespace
 
 class Client::Impl {
@@ -553,7 +597,7 @@ class Client::Impl {
       frames->push_back({k, outs, {}, false, true, {}});
       return;
     }
-    auto plan = internal::PlanFrames(bytes, elem, {}, conn(k).PullFrameLimit(), conn(k).chunk_elements);
+    auto plan = internal::PlanFrames(bytes, elem, {}, {}, conn(k).PullFrameLimit(), conn(k).chunk_elements);
     bool whole = plan.size() == 1;
     for (const auto& piece : plan[0].dense) whole = whole && piece.offset == 0 && piece.bytes == bytes[piece.entry];
     if (whole) {
@@ -858,16 +902,10 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
   std::vector<bool> last_of_part;  // per call: the create itself (not a chunk answered `none`)
   for (size_t i = 0; i < placed.parts.size(); ++i) {
     ConstTensorView part = SliceOf(host, placed, i);
-    const uint64_t chunk = host.data ? im.conn(placed.parts[i].shard).CreateChunkBytes() : 0;
-    const size_t es = psd::DTypeSize(part.dtype);
-    // An initial value bigger than a frame goes in chunks, back to back (the daemon creates the
-    // variable with the last one).
-    const bool chunked = chunk > 0 && part.bytes() > chunk;
-    const size_t step = chunked ? std::max<size_t>(es, chunk / es * es) : part.bytes();
-    size_t offset = 0;
-    do {
-      const size_t bytes = std::min(step, part.bytes() - offset);
-      const bool last = offset + bytes >= part.bytes();
+    part.data = host.data ? part.data : nullptr;
+    // An initial value bigger than a frame goes in chunks (the daemon creates the variable with
+    // the last one).
+    for (const ValueChunk& chunk : ChunksOf(part, im.conn(placed.parts[i].shard).CreateChunkBytes())) {
       proto::Request::Builder req(nullptr);
       Impl::Call& call = im.Add(calls, placed.parts[i].shard, &req);
       auto c = req.initCreateVariable();
@@ -877,25 +915,13 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
       c.setOptimizer(options.optimizer);
       c.setAggregation(static_cast<proto::Aggregation>(static_cast<int>(options.aggregation)));
       c.setSyncOnRead(options.sync_on_read);
-      if (chunked) {
-        c.setChunked(true);
-        c.setChunkOffset(static_cast<int64_t>(offset / es));
-        auto shape = c.initChunkedShape(static_cast<unsigned>(part.shape.size()));
-        for (size_t d = 0; d < part.shape.size(); ++d) shape.set(static_cast<unsigned>(d), part.shape[d]);
-        c.setMore(!last);
-        psd::wire::SetTensor(call.frame.builder, c.initInitial(), part.dtype, {static_cast<int64_t>(bytes / es)},
-                             static_cast<const uint8_t*>(part.data) + offset, bytes);
-      } else {
-        psd::wire::SetTensor(call.frame.builder, c.initInitial(), part.dtype, part.shape,
-                             host.data ? part.data : nullptr, host.data ? part.bytes() : 0);
-      }
+      SetChunk(call.frame.builder, c, c.initInitial(), part, chunk);
       if (im.cluster()) {
         WritePlacement(c.initPlacement(), placed);
         c.setPart(static_cast<uint32_t>(i));
       }
-      last_of_part.push_back(last);
-      offset += bytes;
-    } while (offset < part.bytes());
+      last_of_part.push_back(!chunk.more);
+    }
   }
   VariableInfo info{name, initial.dtype, initial.shape, false, options.trainable};
   // Each reply is read as it arrives (a reply's reader lasts until the next on its connection).
@@ -1135,7 +1161,7 @@ bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const s
   if (!conn.ShmFits(need) || (limit > 0 && in_frame + Conn::kFrameSlack > limit)) return false;
   internal::FramePlan plan;
   for (size_t i = 0; i < dense_bytes.size(); ++i) plan.dense.push_back({i, 0, dense_bytes[i]});
-  for (size_t j = 0; j < sparse_values.size(); ++j) plan.sparse.push_back(j);
+  for (size_t j = 0; j < sparse_values.size(); ++j) plan.sparse.push_back({j, 0, sparse_indices[j] / sizeof(int64_t)});
   frames->assign(1, std::move(plan));
   return true;
 }
@@ -1320,7 +1346,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       continue;
     }
     Conn& conn = im.conn(k);
-    std::vector<uint64_t> dense_bytes, element_bytes, sparse_bytes;
+    std::vector<uint64_t> dense_bytes, element_bytes, sparse_rows, sparse_row_bytes;
     std::vector<int64_t> in_buffers;  // per dense part: where it is in the shared buffers, or -1
     for (const DensePart& d : dense) {
       dense_bytes.push_back(d.view.bytes());
@@ -1329,7 +1355,9 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     }
     std::vector<uint64_t> sparse_values, sparse_indices;
     for (const SparseEntry& e : sp) {
-      sparse_bytes.push_back(e.part.bytes + e.part.indices.size() * sizeof(int64_t));
+      const size_t rows = e.part.indices.size();
+      sparse_rows.push_back(rows);
+      sparse_row_bytes.push_back((rows ? e.part.bytes / rows : 0) + sizeof(int64_t));
       sparse_values.push_back(e.part.bytes);
       sparse_indices.push_back(e.part.indices.size() * sizeof(int64_t));
     }
@@ -1339,8 +1367,8 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     std::vector<internal::FramePlan> frames;
     const bool via_shm = ShmPlan(conn, dense_bytes, in_buffers, sparse_values, sparse_indices, &frames);
     if (!via_shm) {
-      frames =
-          internal::PlanFrames(dense_bytes, element_bytes, sparse_bytes, conn.PushFrameLimit(), conn.chunk_elements);
+      frames = internal::PlanFrames(dense_bytes, element_bytes, sparse_rows, sparse_row_bytes, conn.PushFrameLimit(),
+                                    conn.chunk_elements);
     }
     for (size_t f = 0; f < frames.size(); ++f) {
       const internal::FramePlan& plan = frames[f];
@@ -1395,12 +1423,20 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       }
       for (size_t j = 0; j < plan.sparse.size(); ++j) {
         auto e = list[static_cast<unsigned>(plan.dense.size() + j)];
-        const SparseEntry& entry = sp[plan.sparse[j]];
+        const internal::SparsePiece& piece = plan.sparse[j];
+        const SparseEntry& entry = sp[piece.entry];
         const SparsePart& part = entry.part;
+        // Rows [row_begin, row_end) of it (all of them unless it is bigger than a frame).
+        const size_t r0 = piece.row_begin, r1 = piece.row_end, rows = part.indices.size();
+        const size_t row_bytes = rows ? part.bytes / rows : 0;
+        Shape shape = part.shape;
+        if (!shape.empty()) shape[0] = static_cast<int64_t>(r1 - r0);
+        const void* values = static_cast<const uint8_t*>(part.values) + r0 * row_bytes;
         e.setName(*entry.name);
         e.setSparse(true);
-        auto idx = e.initIndices(static_cast<unsigned>(part.indices.size()));
-        for (size_t k2 = 0; k2 < part.indices.size(); ++k2) idx.set(static_cast<unsigned>(k2), part.indices[k2]);
+        e.setRowsMore(r1 < rows);
+        auto idx = e.initIndices(static_cast<unsigned>(r1 - r0));
+        for (size_t k2 = r0; k2 < r1; ++k2) idx.set(static_cast<unsigned>(k2 - r0), part.indices[k2]);
         if (part.dense_shape) {
           e.setHasDenseShape(true);
           auto ds = e.initDenseShape(static_cast<unsigned>(part.dense_shape->size()));
@@ -1408,9 +1444,9 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
             ds.set(static_cast<unsigned>(k2), (*part.dense_shape)[k2]);
         }
         if (via_shm) {
-          conn.PutInShm(e.initGrad(), part.dtype, part.shape, part.values, part.bytes);
+          conn.PutInShm(e.initGrad(), part.dtype, shape, values, (r1 - r0) * row_bytes);
         } else {
-          psd::wire::SetTensor(c.frame.builder, e.initGrad(), part.dtype, part.shape, part.values, part.bytes);
+          psd::wire::SetTensor(c.frame.builder, e.initGrad(), part.dtype, shape, values, (r1 - r0) * row_bytes);
         }
         slots_of_call.back().push_back(entry.slot);
       }
@@ -1807,30 +1843,43 @@ Result<bool> Client::Update(const std::string& variable, UpdateOp op, ConstTenso
                                 ", the variable " + psd::ShapeString(loc->shape));
   }
   Impl::Calls calls;
+  std::vector<bool> last_of_part;  // per call: the update itself (not a chunk answered `none`)
   for (size_t k = 0; k < loc->parts.size(); ++k) {
-    proto::Request::Builder req(nullptr);
-    Impl::Call& call = im.Add(calls, loc->parts[k].shard, &req, options.cross_replica ? 0 : options.timeout_ms);
-    auto u = req.initUpdate();
-    u.setVariable(variable);
-    u.setOp(static_cast<proto::UpdateOp>(static_cast<int>(op)));
-    if (op != UpdateOp::kScale) {
-      ConstTensorView part = SliceOf(host, *loc, k);
-      psd::wire::SetTensor(call.frame.builder, u.initValue(), part.dtype, part.shape, part.data, part.bytes());
+    // A value bigger than a frame goes in chunks (the daemon updates with the last one); a scale has none.
+    const bool valued = op != UpdateOp::kScale;
+    ConstTensorView part = valued ? SliceOf(host, *loc, k) : host;
+    std::vector<ValueChunk> chunks = valued ? ChunksOf(part, im.conn(loc->parts[k].shard).CreateChunkBytes())
+                                            : std::vector<ValueChunk>{ValueChunk{}};
+    for (const ValueChunk& chunk : chunks) {
+      proto::Request::Builder req(nullptr);
+      Impl::Call& call =
+          im.Add(calls, loc->parts[k].shard, &req, options.cross_replica || chunk.more ? 0 : options.timeout_ms);
+      auto u = req.initUpdate();
+      u.setVariable(variable);
+      u.setOp(static_cast<proto::UpdateOp>(static_cast<int>(op)));
+      if (valued) SetChunk(call.frame.builder, u, u.initValue(), part, chunk);
+      u.setFactor(options.factor);
+      u.setCrossReplica(options.cross_replica);
+      u.setReplica(im.chief().worker_id);
+      u.setLocalStep(options.local_step);
+      u.setTimeoutMs(options.timeout_ms);
+      u.setAtNextStep(options.at_next_step);
+      last_of_part.push_back(!chunk.more);
     }
-    u.setFactor(options.factor);
-    u.setCrossReplica(options.cross_replica);
-    u.setReplica(im.chief().worker_id);
-    u.setLocalStep(options.local_step);
-    u.setTimeoutMs(options.timeout_ms);
-    u.setAtNextStep(options.at_next_step);
   }
-  PSD_RETURN_IF_ERROR(im.Run(calls));
+  // Each reply is read as it arrives (a reply's reader lasts until the next on its connection).
   bool applied = true;
-  try {
-    for (auto& c : calls) applied = applied && c->resp.getUpdate().getApplied();
-  } catch (const kj::Exception& e) {
-    return Malformed(e);
-  }
+  Status read;
+  Status run = im.Run(calls, [&](size_t c) {
+    if (!read.ok() || !calls[c]->status.ok() || !last_of_part[c]) return;
+    try {
+      applied = applied && calls[c]->resp.getUpdate().getApplied();
+    } catch (const kj::Exception& e) {
+      read = Malformed(e);
+    }
+  });
+  PSD_RETURN_IF_ERROR(run);
+  PSD_RETURN_IF_ERROR(read);
   return applied;
 }
 

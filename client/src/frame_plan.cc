@@ -5,14 +5,16 @@
 namespace psclient::internal {
 
 std::vector<FramePlan> PlanFrames(const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& element_bytes,
-                                  const std::vector<uint64_t>& sparse_bytes, uint64_t limit, uint64_t chunk_elements) {
+                                  const std::vector<uint64_t>& sparse_rows,
+                                  const std::vector<uint64_t>& sparse_row_bytes, uint64_t limit,
+                                  uint64_t chunk_elements) {
   std::vector<FramePlan> frames(1);
   uint64_t total = 0;
   for (uint64_t b : dense_bytes) total += b + kFrameEntryOverhead;
-  for (uint64_t b : sparse_bytes) total += b + kFrameEntryOverhead;
+  for (size_t j = 0; j < sparse_rows.size(); ++j) total += sparse_rows[j] * sparse_row_bytes[j] + kFrameEntryOverhead;
   if (chunk_elements == 0 || limit == 0 || total <= limit) {
     for (size_t i = 0; i < dense_bytes.size(); ++i) frames[0].dense.push_back({i, 0, dense_bytes[i]});
-    for (size_t j = 0; j < sparse_bytes.size(); ++j) frames[0].sparse.push_back(j);
+    for (size_t j = 0; j < sparse_rows.size(); ++j) frames[0].sparse.push_back({j, 0, sparse_rows[j]});
     return frames;
   }
   uint64_t used = 0;  // of the last frame
@@ -47,11 +49,31 @@ std::vector<FramePlan> PlanFrames(const std::vector<uint64_t>& dense_bytes, cons
       if (offset < bytes) next_frame();
     }
   }
-  for (size_t j = 0; j < sparse_bytes.size(); ++j) {
-    const uint64_t cost = sparse_bytes[j] + kFrameEntryOverhead;
-    if (!empty() && cost > limit - std::min(limit, used)) next_frame();
-    frames.back().sparse.push_back(j);
-    used += cost;
+  for (size_t j = 0; j < sparse_rows.size(); ++j) {
+    const uint64_t rows = sparse_rows[j], row_bytes = std::max<uint64_t>(1, sparse_row_bytes[j]);
+    const uint64_t cost = rows * row_bytes + kFrameEntryOverhead;
+    if (cost <= limit) {  // whole: here, or in a frame of its own
+      if (!empty() && cost > limit - std::min(limit, used)) next_frame();
+      frames.back().sparse.push_back({j, 0, rows});
+      used += cost;
+      continue;
+    }
+    uint64_t row = 0;  // bigger than a frame: runs of whole rows, the first filling the room left
+    do {
+      const uint64_t room = limit - std::min(limit, used + kFrameEntryOverhead);
+      uint64_t take = std::min(rows - row, room / row_bytes);
+      if (take == 0 && row < rows) {
+        if (!empty()) {
+          next_frame();
+          continue;
+        }
+        take = 1;  // a row over the limit: alone in its frame
+      }
+      frames.back().sparse.push_back({j, row, row + take});
+      used += take * row_bytes + kFrameEntryOverhead;
+      row += take;
+      if (row < rows) next_frame();
+    } while (row < rows);
   }
   return frames;
 }

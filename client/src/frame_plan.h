@@ -19,23 +19,35 @@ struct FramePiece {
   uint64_t bytes;
 };
 
+// Rows [row_begin, row_end) of sparse gradient `entry` (after coalescing: sorted, unique).
+struct SparsePiece {
+  size_t entry;
+  uint64_t row_begin;
+  uint64_t row_end;
+};
+
 struct FramePlan {
   std::vector<FramePiece> dense;
-  std::vector<size_t> sparse;  // sparse gradients travel whole (pulls: none)
+  std::vector<SparsePiece> sparse;  // pulls: none
 };
 
 // The overhead a frame's entry costs besides its data (name, shape, list pointers): counted
 // against `limit` so a planned frame stays under it.
 inline constexpr uint64_t kFrameEntryOverhead = 512;
 
-// `dense_bytes[i]`, `element_bytes[i]`: gradient i's size and its dtype's element size.
-// `chunk_elements` 0 (a daemon that takes no chunks) or `limit` 0: one frame with everything. A
-// chunk holds whole parts (a multiple of chunk_elements elements, the last one ends the gradient);
-// a part bigger than `limit` still travels alone (the daemon's --max-frame-bytes check then says
-// what to raise). Frames are filled in order: a gradient that does not fit the room left starts a
-// new frame, or, bigger than a frame, is cut so that its first chunk fills the room left.
+// `dense_bytes[i]`, `element_bytes[i]`: gradient i's size and its dtype's element size;
+// `sparse_rows[j]`, `sparse_row_bytes[j]`: sparse gradient j's rows and the bytes of one (its
+// values and its index). `chunk_elements` 0 (a daemon that takes no chunks) or `limit` 0: one
+// frame with everything. A chunk holds whole parts (a multiple of chunk_elements elements, the
+// last one ends the gradient); a sparse gradient bigger than the room left is cut into runs of
+// whole rows (Gradient.rowsMore on all but the last); a part or a row bigger than `limit` still
+// travels alone (the daemon's --max-frame-bytes check then says what to raise). Frames are filled
+// in order: a gradient that does not fit the room left starts a new frame, or, bigger than a
+// frame, is cut so that its first chunk fills the room left.
 std::vector<FramePlan> PlanFrames(const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& element_bytes,
-                                  const std::vector<uint64_t>& sparse_bytes, uint64_t limit, uint64_t chunk_elements);
+                                  const std::vector<uint64_t>& sparse_rows,
+                                  const std::vector<uint64_t>& sparse_row_bytes, uint64_t limit,
+                                  uint64_t chunk_elements);
 
 }  // namespace psclient::internal
 

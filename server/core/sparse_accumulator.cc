@@ -109,20 +109,21 @@ void SparseAccumulator::Merge(const SparseGradRef& g) {
   counts_.swap(scratch_counts_);
 }
 
-Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRef& g) {
+Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts) {
   PSD_RETURN_IF_ERROR(Validate(g));
   if (local_step < step_) return false;
-  if (counter_ == 0) {
+  if (!merged_) {
     indices_.clear();
     values_.clear();
     counts_.clear();
+    merged_ = true;
   }
   if (dtype_ == DType::kFloat32) {
     Merge<float>(g);
   } else {
     Merge<double>(g);
   }
-  ++counter_;
+  if (counts) ++counter_;
   return true;
 }
 
@@ -147,6 +148,7 @@ void SparseAccumulator::FinishTake(int* count) {
   }
   *count = counter_;
   counter_ = 0;
+  merged_ = false;
 }
 
 Result<bool> SparseAccumulator::TryTakeGrad(int num_required, int* count) {

@@ -41,8 +41,10 @@ class SparseAccumulator {
   // The same checks for a variable of `dtype`/`declared` whose accumulator need not exist;
   // `accumulating` only words one message as TF does.
   static Status Check(DType dtype, const Shape& declared, const SparseGradRef& g, bool accumulating);
-  // Returns true when accepted, false when stale.
-  Result<bool> ApplyGrad(int64_t local_step, const SparseGradRef& g);
+  // Returns true when accepted, false when stale. `counts` false: some of a gradient's rows, more
+  // of them to come (a gradient bigger than a frame); each row counts for MEAN as usual, the
+  // gradient counts towards a take only with its last rows.
+  Result<bool> ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts = true);
   // As DenseAccumulator::TryTakeGrad. On success the averaged rows are in indices()/values().
   Result<bool> TryTakeGrad(int num_required, int* count);
   // Takes whatever is there (a step deadline passed); *count may be 0.
@@ -71,6 +73,7 @@ class SparseAccumulator {
   const int64_t row_elements_;
   int64_t step_;
   int counter_ = 0;
+  bool merged_ = false;           // rows were merged since the last take (counter_ may still be 0)
   std::vector<int64_t> indices_;  // sorted
   std::vector<uint8_t> values_;   // indices_.size() rows
   std::vector<int32_t> counts_;   // per row

@@ -264,6 +264,7 @@ static_assert(TrainingEngine::kChunkElements == DenseAccumulator::kPartElements,
 
 // A whole gradient, or the last chunk of one: what the accepted/stale counters count.
 bool CompletesGradient(const GradRef& g, const Shape& shape) {
+  if (g.rows_more) return false;
   return !g.chunk() || g.chunk_offset + g.shape[0] == NumElements(shape);
 }
 
@@ -279,6 +280,11 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
     if (grads[i].chunk() && grads[i].sparse()) {
       return InvalidArgument("gradient for '" + targets[i]->name +
                              "': a sparse gradient cannot be a chunk; split its rows over several pushes");
+    }
+    if (grads[i].rows_more && (!grads[i].sparse() || !more)) {
+      return InvalidArgument("gradient for '" + targets[i]->name +
+                             "': more rows can only follow a sparse gradient's rows in a later frame of the push "
+                             "(Push.more)");
     }
     Status s = ValidateGrad(targets[i], grads[i]);
     if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
@@ -326,7 +332,8 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
         if (!v->sparse)
           v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
         accepted =
-            v->sparse->ApplyGrad(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape});
+            v->sparse->ApplyGrad(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape},
+                                 /*counts=*/!g.rows_more);
       } else {
         if (!v->dense) {
           v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step,

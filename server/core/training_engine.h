@@ -135,6 +135,9 @@ struct GradRef {
   // A chunk of a dense gradient too big for one frame: `shape` is [n], the flattened elements
   // [chunk_offset, chunk_offset + n) of the variable's gradient (-1: a whole gradient).
   int64_t chunk_offset = -1;
+  // A sparse gradient bigger than a frame: some of its rows, more of them in a later call of the
+  // same push (it counts once, with its last rows).
+  bool rows_more = false;
   bool sparse() const { return indices != nullptr || nnz > 0; }
   bool chunk() const { return chunk_offset >= 0; }
 };

@@ -87,13 +87,25 @@ void WorkerSession::HandleUpdate(uint64_t id, proto::Update::Reader r) {
     default:
       return SendError(id, InvalidArgument("unknown update op"));
   }
+  std::optional<PendingValue> gathered;  // a value that came in chunks (kept until the engine took it)
+  if (!r.getChunked()) pending_value_.reset();
   if (a.op != UpdateOp::kScale) {
     auto t = wire::ReadTensor(r.getValue(), host_.config().max_frame_bytes);
-    if (!t.ok()) return SendError(id, t.status());
+    if (!t.ok()) {
+      pending_value_.reset();
+      return SendError(id, t.status());
+    }
+    if (r.getChunked()) {
+      gathered = TakeChunk(id, proto::Request::UPDATE, std::string(a.name), r.getChunkOffset(), r.getChunkedShape(),
+                           r.getMore(), &*t);
+      if (!gathered) return;
+    }
     a.dtype = t->dtype;
     a.shape = std::move(t->shape);
     a.data = t->data;
     a.bytes = t->bytes;
+  } else if (r.getChunked()) {
+    return SendError(id, InvalidArgument("update '" + std::string(a.name) + "': a scale has no value to chunk"));
   }
   a.factor = r.getFactor();
   a.cross_replica = r.getCrossReplica();

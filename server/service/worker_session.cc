@@ -105,7 +105,7 @@ void WorkerSession::Dispatch(proto::Request::Reader req) {
     Status serving = host_.Serving();
     if (!serving.ok()) return SendError(id, serving);
   }
-  if (which != proto::Request::CREATE_VARIABLE) pending_create_.reset();  // chunks come back to back
+  if (pending_value_ && which != pending_value_->kind) pending_value_.reset();  // chunks come back to back
   switch (which) {
     case proto::Request::CREATE_VARIABLE:
       return HandleCreate(id, req.getCreateVariable());
@@ -240,30 +240,15 @@ void WorkerSession::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   const ServerConfig& cfg = host_.config();
   auto t = wire::ReadTensor(r.getInitial(), std::max(cfg.max_frame_bytes, cfg.max_model_bytes));
   if (!t.ok()) {
-    pending_create_.reset();
+    pending_value_.reset();
     return SendError(id, t.status());
   }
-  std::optional<PendingCreate> gathered;
-  if (!r.getChunked()) pending_create_.reset();  // a create of its own: chunks before it are dropped
+  std::optional<PendingValue> gathered;
+  if (!r.getChunked()) pending_value_.reset();  // a create of its own: chunks before it are dropped
   if (r.getChunked()) {
-    bool complete = false;
-    Status s = GatherCreateChunk(r, *t, &complete);
-    if (!s.ok()) {
-      pending_create_.reset();
-      return SendError(id, s);
-    }
-    if (!complete) {
-      proto::Response::Builder resp(nullptr);
-      auto frame = NewReply(id, &resp);
-      resp.setNone();
-      return Send(std::move(frame));
-    }
-    gathered = std::move(pending_create_);
-    pending_create_.reset();
-    t->dtype = gathered->dtype;
-    t->shape = gathered->shape;
-    t->data = static_cast<const uint8_t*>(gathered->value->data());
-    t->bytes = gathered->value->bytes();
+    gathered = TakeChunk(id, proto::Request::CREATE_VARIABLE, r.getName(), r.getChunkOffset(), r.getChunkedShape(),
+                         r.getMore(), &*t);
+    if (!gathered) return;
   }
   VariableDef def;
   def.name = r.getName();
@@ -312,17 +297,19 @@ void WorkerSession::HandleCreate(uint64_t id, proto::CreateVariable::Reader r) {
   Send(std::move(frame));
 }
 
-Status WorkerSession::GatherCreateChunk(proto::CreateVariable::Reader r, const wire::TensorRef& chunk, bool* complete) {
-  const std::string name = r.getName();
-  const int64_t offset = r.getChunkOffset();
-  if (!pending_create_) {
+Status WorkerSession::GatherChunk(proto::Request::Which kind, const std::string& name, int64_t offset,
+                                  capnp::List<int64_t>::Reader chunked_shape, bool more, const wire::TensorRef& chunk,
+                                  bool* complete) {
+  const char* what = kind == proto::Request::CREATE_VARIABLE ? "initial value" : "update's value";
+  if (pending_value_ && (pending_value_->kind != kind || pending_value_->name != name)) pending_value_.reset();
+  if (!pending_value_) {
     if (offset != 0) {
-      return InvalidArgument("variable '" + name + "': the first chunk of an initial value starts at element " +
+      return InvalidArgument("variable '" + name + "': the first chunk of an " + what + " starts at element " +
                              std::to_string(offset) + ", not 0");
     }
     Shape shape;
-    if (r.getChunkedShape().size() > 32) return InvalidArgument("variable '" + name + "': shape rank exceeds 32");
-    for (int64_t d : r.getChunkedShape()) {
+    if (chunked_shape.size() > 32) return InvalidArgument("variable '" + name + "': shape rank exceeds 32");
+    for (int64_t d : chunked_shape) {
       if (d < 0) return InvalidArgument("variable '" + name + "': shape has a negative dimension");
       shape.push_back(d);
     }
@@ -340,30 +327,56 @@ Status WorkerSession::GatherCreateChunk(proto::CreateVariable::Reader r, const w
       return ResourceExhausted("variable '" + name + "' " + ShapeString(shape) + " is bigger than --max-model-bytes (" +
                                std::to_string(limit) + " bytes)");
     }
-    pending_create_ = PendingCreate{name, chunk.dtype, std::move(shape),
-                                    std::make_shared<Buffer>(elements * es, Buffer::Uninitialized{}), 0};
+    pending_value_ = PendingValue{
+        kind, name, chunk.dtype, std::move(shape), std::make_shared<Buffer>(elements * es, Buffer::Uninitialized{}), 0};
   }
-  PendingCreate& p = *pending_create_;
+  PendingValue& p = *pending_value_;
   const size_t es = DTypeSize(p.dtype);
-  if (name != p.name || chunk.dtype != p.dtype || chunk.shape.size() != 1 ||
-      offset != static_cast<int64_t>(p.filled / es) || chunk.bytes > p.value->bytes() - p.filled ||
-      chunk.bytes != static_cast<size_t>(chunk.shape[0]) * es) {
-    return InvalidArgument("variable '" + name +
-                           "': a chunk of its initial value does not follow the one before (name, dtype, "
-                           "offset and size must continue it); create it again");
+  if (chunk.dtype != p.dtype || chunk.shape.size() != 1 || offset != static_cast<int64_t>(p.filled / es) ||
+      chunk.bytes > p.value->bytes() - p.filled || chunk.bytes != static_cast<size_t>(chunk.shape[0]) * es) {
+    return InvalidArgument("variable '" + name + "': a chunk of its " + what +
+                           " does not follow the one before (name, dtype, offset and size must continue it); "
+                           "send it again from the start");
   }
   if (chunk.bytes > 0) std::memcpy(static_cast<uint8_t*>(p.value->data()) + p.filled, chunk.data, chunk.bytes);
   p.filled += chunk.bytes;
-  if (r.getMore()) {
+  if (more) {
     *complete = false;
     return Status::Ok();
   }
   if (p.filled != p.value->bytes()) {
-    return InvalidArgument("variable '" + name + "': its initial value's last chunk ends at byte " +
+    return InvalidArgument("variable '" + name + "': its " + what + "'s last chunk ends at byte " +
                            std::to_string(p.filled) + " of " + std::to_string(p.value->bytes()));
   }
   *complete = true;
   return Status::Ok();
+}
+
+std::optional<WorkerSession::PendingValue> WorkerSession::TakeChunk(uint64_t id, proto::Request::Which kind,
+                                                                    const std::string& name, int64_t offset,
+                                                                    capnp::List<int64_t>::Reader shape, bool more,
+                                                                    wire::TensorRef* t) {
+  bool complete = false;
+  Status s = GatherChunk(kind, name, offset, shape, more, *t, &complete);
+  if (!s.ok()) {
+    pending_value_.reset();
+    SendError(id, s);
+    return std::nullopt;
+  }
+  if (!complete) {
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    resp.setNone();
+    Send(std::move(frame));
+    return std::nullopt;
+  }
+  std::optional<PendingValue> whole = std::move(pending_value_);
+  pending_value_.reset();
+  t->dtype = whole->dtype;
+  t->shape = whole->shape;
+  t->data = static_cast<const uint8_t*>(whole->value->data());
+  t->bytes = whole->value->bytes();
+  return whole;
 }
 
 Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder p,
@@ -523,6 +536,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
       if (g.getChunkOffset() < 0) return SendError(id, InvalidArgument("a gradient chunk's offset must be >= 0"));
       ref.chunk_offset = g.getChunkOffset();
     }
+    ref.rows_more = g.getRowsMore();  // the engine checks it is a sparse gradient's, with more frames
     if (g.getSparse()) {
       // Copied out of the message: a peer may encode the list with another element size.
       auto idx = g.getIndices();

@@ -133,18 +133,28 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   std::set<std::shared_ptr<TokenWait>> parked_;
   // A worker's shared-memory segment, once attached (offered at its hello when psd has a ShmListener).
   std::shared_ptr<ShmSlot> shm_;
-  // A variable's initial value arriving in chunks (CreateVariable.chunked): gathered here, created
-  // with the last chunk; dropped by any other request or the connection's end.
-  struct PendingCreate {
-    std::string name;
-    DType dtype = DType::kFloat32;  // of the chunks
+  // A value bigger than a frame arriving in chunks (CreateVariable.chunked, Update.chunked):
+  // gathered here, used with the last chunk; dropped by any request of another kind, a chunk that
+  // does not follow, or the connection's end.
+  struct PendingValue {
+    proto::Request::Which kind = proto::Request::CREATE_VARIABLE;  // the request the chunks belong to
+    std::string name;                                              // the variable's
+    DType dtype = DType::kFloat32;                                 // of the chunks
     Shape shape;
-    std::shared_ptr<Buffer> value;  // the whole value, filled in order (adopted by the engine)
+    std::shared_ptr<Buffer> value;  // the whole value, filled in order (a create's is adopted by the engine)
     size_t filled = 0;              // bytes received
   };
-  std::optional<PendingCreate> pending_create_;
-  // Adds one chunk; *complete: the last one came (the value is whole). Errors drop the pending value.
-  Status GatherCreateChunk(proto::CreateVariable::Reader r, const wire::TensorRef& chunk, bool* complete);
+  std::optional<PendingValue> pending_value_;
+  // Adds one chunk of a `kind` request for variable `name` (chunkOffset, chunkedShape and more as
+  // the request says); *complete: the last one came and pending_value_ is whole. Errors drop it.
+  Status GatherChunk(proto::Request::Which kind, const std::string& name, int64_t offset,
+                     capnp::List<int64_t>::Reader shape, bool more, const wire::TensorRef& chunk, bool* complete);
+  // GatherChunk for request `id` whose chunk is `*t`: once the last chunk came, `*t` is the whole
+  // value and the result holds it (keep it while `*t` is used); nullopt once request `id` is
+  // answered (`none` for a chunk taken, the error for one refused).
+  std::optional<PendingValue> TakeChunk(uint64_t id, proto::Request::Which kind, const std::string& name,
+                                        int64_t offset, capnp::List<int64_t>::Reader shape, bool more,
+                                        wire::TensorRef* t);
 };
 
 }  // namespace psd::server

@@ -218,6 +218,37 @@ std::map<std::string, Bytes> WorkerSeeds() {
     u.setCrossReplica(true);
     u.setTimeoutMs(10);
   })});
+  // An update of w in two chunks (elements 0..4, more; then 4..8).
+  auto update_chunk = [](int64_t offset, bool more) {
+    return Frame(3, [=](Request::Builder r) {
+      auto u = r.initUpdate();
+      u.setVariable("w");
+      u.setOp(psd::proto::UpdateOp::ASSIGN);
+      u.setCrossReplica(true);
+      u.setChunked(true);
+      u.setChunkOffset(offset);
+      auto shape = u.initChunkedShape(2);
+      shape.set(0, 4);
+      shape.set(1, 2);
+      u.setMore(more);
+      SetTensor(u.initValue(), {4}, 2.0f);
+    });
+  };
+  s["update_chunks"] = Session({update_chunk(0, true), update_chunk(4, false)});
+  // A sparse gradient of w in two frames of one push: row 0 (rowsMore, more), then row 3.
+  auto sparse_rows = [](int64_t row, bool more) {
+    return Frame(3, [=](Request::Builder r) {
+      auto p = r.initPush();
+      p.setMore(more);
+      auto g = p.initGrads(1)[0];
+      g.setName("w");
+      g.setSparse(true);
+      g.setRowsMore(more);
+      SetTensor(g.initGrad(), {1, 2}, 1.0f);
+      g.initIndices(1).set(0, row);
+    });
+  };
+  s["push_sparse_rows"] = Session({sparse_rows(0, true), sparse_rows(3, false)});
   s["steps"] = Session({Push(false), Push(false), Push(true),
                         Frame(7, [](Request::Builder r) { r.initPull().initNames(1).set(0, "w"); })});
   return s;

@@ -50,6 +50,16 @@ psclient::ClientOptions SmallReplies(uint16_t port, const std::string& name) {
 }
 constexpr size_t kB = 10;
 
+// Three sync steps of two workers, each step's pushes side by side: step_of(client, worker, step).
+template <typename StepOf>
+void TwoWorkersThreeSteps(psclient::Client& w0, psclient::Client& w1, StepOf step_of) {
+  for (int step = 0; step < 3; ++step) {
+    std::thread other([&] { step_of(w1, 1, step); });
+    step_of(w0, 0, step);
+    other.join();
+  }
+}
+
 // Two workers, three sync steps of {w, b}; returns w then b after the last step.
 std::vector<float> Train(server::ServerConfig cfg, uint64_t push_frame_bytes, uint64_t pull_frame_bytes = 16 << 20) {
   auto server = StartServer(cfg);
@@ -65,11 +75,7 @@ std::vector<float> Train(server::ServerConfig cfg, uint64_t push_frame_bytes, ui
     CHECK(out->accepted() == 2);
     REQUIRE(out->token_status.ok());
   };
-  for (int step = 0; step < 3; ++step) {
-    std::thread other([&] { step_of(*w1, 1, step); });
-    step_of(*w0, 0, step);
-    other.join();
-  }
+  TwoWorkersThreeSteps(*w0, *w1, step_of);
   std::vector<float> w(kW), b(kB);
   REQUIRE(*w0->Pull("w", TensorView{w.data(), DType::kFloat32, {1000, 100}}) == 3);
   REQUIRE(*w0->Pull("b", TensorView{b.data(), DType::kFloat32, {kB}}) == 3);
@@ -93,6 +99,52 @@ TEST_CASE("a push bigger than --max-frame-bytes travels in chunks and trains exa
   CHECK(whole[0] != 0.0f);
   // Frames of a few parts, pushed and pulled: the same again.
   auto tiny = Train(TestConfig(2, 2), 8 << 10, 8 << 10);
+  CHECK(std::memcmp(tiny.data(), whole.data(), whole.size() * sizeof(float)) == 0);
+}
+
+namespace {
+
+// Two workers, three sync steps of a sparse gradient of 3000 rows x 16 float32 (about 216 KB with
+// its indices) for a [5000, 16] table, MEAN; returns the table after the last step.
+std::vector<float> TrainSparse(server::ServerConfig cfg, uint64_t push_frame_bytes) {
+  cfg.reduction = server::Reduction::kMean;
+  auto server = StartServer(cfg);
+  auto w0 = Connect(server->port(), "w0", push_frame_bytes);
+  auto w1 = Connect(server->port(), "w1", push_frame_bytes);
+  constexpr int64_t kRows = 5000, kDim = 16, kNnz = 3000;
+  REQUIRE(w0->CreateVariable("emb", ConstTensorView{nullptr, DType::kFloat32, {kRows, kDim}}).ok());
+  auto step_of = [&](psclient::Client& c, int worker, int step) {
+    std::vector<int64_t> rows;  // overlapping row sets: rows both workers send are averaged over 2
+    for (int64_t r = 0; r < kNnz; ++r) rows.push_back((r * (worker ? 3 : 1) + step) % kRows);
+    auto values = Gradient(static_cast<size_t>(kNnz * kDim), step, worker);
+    psclient::SparseGradient g{"emb", rows, {values.data(), DType::kFloat32, {kNnz, kDim}}, std::nullopt};
+    auto out = c.Push(step, {}, {g}, /*wait_token=*/true, 10000);
+    REQUIRE(out.ok());
+    CHECK(out->accepted() == 1);
+    REQUIRE(out->token_status.ok());
+  };
+  TwoWorkersThreeSteps(*w0, *w1, step_of);
+  std::vector<float> emb(static_cast<size_t>(kRows * kDim));
+  REQUIRE(*w0->Pull("emb", TensorView{emb.data(), DType::kFloat32, {kRows, kDim}}) == 3);
+  auto st = w0->GetStatus();
+  REQUIRE(st.ok());
+  CHECK(st->accepted_pushes == 6);  // a sparse gradient sent in several frames counts once
+  return emb;
+}
+
+}  // namespace
+
+TEST_CASE("a sparse gradient bigger than --max-frame-bytes travels in runs of rows and trains as a whole one",
+          "[integration][chunks]") {
+  auto small = TestConfig(2, 2);
+  small.max_frame_bytes = 64 << 10;
+  auto chunked = TrainSparse(small, 4 << 20);  // limited to the daemon's 64 KiB frames
+  auto whole = TrainSparse(TestConfig(2, 2), 0);
+  REQUIRE(chunked.size() == whole.size());
+  CHECK(std::memcmp(chunked.data(), whole.data(), whole.size() * sizeof(float)) == 0);
+  CHECK(whole[16] != 0.0f);
+  // Tiny frames of a few rows each: the same again.
+  auto tiny = TrainSparse(TestConfig(2, 2), 4 << 10);
   CHECK(std::memcmp(tiny.data(), whole.data(), whole.size() * sizeof(float)) == 0);
 }
 
@@ -265,22 +317,81 @@ TEST_CASE("an initial value bigger than --max-frame-bytes is created in chunks, 
   CHECK(refused.status().code() == Code::kResourceExhausted);
 }
 
+TEST_CASE("an update bigger than --max-frame-bytes travels in chunks and is made whole, once",
+          "[integration][chunks]") {
+  auto cfg = TestConfig(2, 3, 0);  // a replica-context round is two replicas' shares
+  cfg.max_frame_bytes = 1 << 20;
+  auto server = StartServer(cfg);
+  auto c = Connect(server->port(), "w0", 1 << 20);
+  constexpr size_t kN = 800'003;  // 3.2 MB: four chunks, the last one short
+  const Shape shape{static_cast<int64_t>(kN)};
+  std::vector<float> a = Gradient(kN, 1, 0), b = Gradient(kN, 2, 1);
+  REQUIRE(c->CreateVariable("state", {nullptr, DType::kFloat32, shape}, /*trainable=*/false).ok());
+  auto pull = [&](const std::string& name) {
+    std::vector<float> got(kN);
+    REQUIRE(c->Pull(name, {got.data(), DType::kFloat32, shape, MemoryKind::kHost}).ok());
+    return got;
+  };
+  // Cross-replica assign, then assign_add: each is one update, made with the last chunk.
+  REQUIRE(*c->Update("state", psclient::UpdateOp::kAssign, {a.data(), DType::kFloat32, shape, MemoryKind::kHost}));
+  CHECK(pull("state") == a);
+  REQUIRE(*c->Update("state", psclient::UpdateOp::kAssignAdd, {b.data(), DType::kFloat32, shape, MemoryKind::kHost}));
+  std::vector<float> sum(kN);
+  for (size_t i = 0; i < kN; ++i) sum[i] = a[i] + b[i];
+  CHECK(pull("state") == sum);
+  // bfloat16 chunks are converted to the variable's float32 once the value is whole.
+  std::vector<uint16_t> half(kN);
+  for (size_t i = 0; i < kN; ++i) half[i] = psd::FloatToBFloat16(a[i]);
+  REQUIRE(*c->Update("state", psclient::UpdateOp::kAssign, {half.data(), DType::kBFloat16, shape, MemoryKind::kHost}));
+  std::vector<float> widened(kN);
+  psd::ConvertElements(half.data(), DType::kBFloat16, widened.data(), DType::kFloat32, kN);
+  CHECK(pull("state") == widened);
+  // Replica context: two replicas' chunked shares of one round combine by MEAN.
+  psclient::VariableOptions mean;
+  mean.trainable = false;
+  mean.aggregation = psclient::Aggregation::kMean;
+  REQUIRE(c->CreateVariable("avg", {nullptr, DType::kFloat32, shape}, mean).ok());
+  auto other = Connect(server->port(), "w1", 1 << 20);
+  psclient::UpdateOptions share;
+  share.cross_replica = false;
+  share.timeout_ms = 20000;
+  std::thread second([&] {
+    CHECK(
+        other->Update("avg", psclient::UpdateOp::kAssign, {b.data(), DType::kFloat32, shape, MemoryKind::kHost}, share)
+            .ok());
+  });
+  CHECK(
+      c->Update("avg", psclient::UpdateOp::kAssign, {a.data(), DType::kFloat32, shape, MemoryKind::kHost}, share).ok());
+  second.join();
+  std::vector<float> got = pull("avg");
+  size_t wrong = 0;
+  for (size_t i = 0; i < kN; ++i) wrong += std::abs(got[i] - (a[i] + b[i]) / 2) > 1e-6f ? 1 : 0;
+  CHECK(wrong == 0);
+  // A client that sends values whole gets the frame limit named, and nothing changes.
+  auto whole = Connect(server->port(), "w2", 0);
+  auto refused =
+      whole->Update("state", psclient::UpdateOp::kAssign, {b.data(), DType::kFloat32, shape, MemoryKind::kHost});
+  CHECK(refused.status().code() == Code::kResourceExhausted);
+  CHECK(pull("state") == widened);
+}
+
 TEST_CASE("push frames: every frame within the limit, every byte once, chunks of whole parts", "[chunks]") {
   using psclient::internal::kFrameEntryOverhead;
   using psclient::internal::PlanFrames;
   const uint64_t part = 512;
   // Whole gradients that fit go in one frame (no chunk daemon, or a push under the limit).
-  CHECK(PlanFrames({100, 200}, {4, 4}, {50}, 0, part).size() == 1);
-  CHECK(PlanFrames({100, 200}, {4, 4}, {50}, 1 << 20, 0).size() == 1);
-  CHECK(PlanFrames({100, 200}, {4, 4}, {50}, 1 << 20, part).size() == 1);
+  CHECK(PlanFrames({100, 200}, {4, 4}, {5}, {10}, 0, part).size() == 1);
+  CHECK(PlanFrames({100, 200}, {4, 4}, {5}, {10}, 1 << 20, 0).size() == 1);
+  CHECK(PlanFrames({100, 200}, {4, 4}, {5}, {10}, 1 << 20, part).size() == 1);
   for (uint64_t limit : {uint64_t{4096}, uint64_t{60} << 10, uint64_t{1} << 20}) {
-    // Small, big (float32 and float64), exactly-a-frame and partial-last-part gradients, and sparse ones.
+    // Small, big (float32 and float64), exactly-a-frame and partial-last-part gradients, and sparse
+    // ones: small, empty, bigger than every limit (rows of 264 bytes), and rows over 4 KiB.
     std::vector<uint64_t> dense = {40'000, 400'000, 8, limit - kFrameEntryOverhead, 3 * 2048 + 12, 1'000'000};
     std::vector<uint64_t> elem = {4, 4, 8, 4, 4, 8};
-    std::vector<uint64_t> sparse = {1000, 3000};
-    auto frames = PlanFrames(dense, elem, sparse, limit, part);
-    std::vector<uint64_t> next(dense.size(), 0);
-    std::vector<int> sparse_seen(sparse.size(), 0);
+    std::vector<uint64_t> rows = {10, 0, 20'000, 2}, row_bytes = {100, 264, 264, 5000};
+    auto frames = PlanFrames(dense, elem, rows, row_bytes, limit, part);
+    std::vector<uint64_t> next(dense.size(), 0), next_row(rows.size(), 0);
+    std::vector<int> pieces(rows.size(), 0);
     for (const auto& f : frames) {
       uint64_t used = 0;
       for (const auto& p : f.dense) {
@@ -292,14 +403,22 @@ TEST_CASE("push frames: every frame within the limit, every byte once, chunks of
         CHECK((p.bytes % part_bytes == 0 || p.offset + p.bytes == dense[p.entry]));
         used += p.bytes + kFrameEntryOverhead;
       }
-      for (size_t j : f.sparse) {
-        ++sparse_seen[j];
-        used += sparse[j] + kFrameEntryOverhead;
+      for (const auto& p : f.sparse) {
+        INFO("limit " << limit << " sparse " << p.entry << " rows " << p.row_begin << ".." << p.row_end);
+        CHECK(p.row_begin == next_row[p.entry]);  // whole rows, in order, each once
+        CHECK((p.row_end > p.row_begin || rows[p.entry] == 0));
+        next_row[p.entry] = p.row_end;
+        ++pieces[p.entry];
+        used += (p.row_end - p.row_begin) * row_bytes[p.entry] + kFrameEntryOverhead;
       }
-      CHECK((used <= limit || f.dense.size() + f.sparse.size() == 1));  // only a lone part may be over
+      CHECK((used <= limit || f.dense.size() + f.sparse.size() == 1));  // only a lone part or row may be over
       CHECK(f.dense.size() + f.sparse.size() > 0);
     }
     CHECK(next == dense);
-    CHECK(sparse_seen == std::vector<int>{1, 1});
+    CHECK(next_row == rows);
+    CHECK(pieces[0] == 1);  // small ones travel whole
+    CHECK(pieces[1] == 1);
+    CHECK(pieces[2] > 1);  // 5.3 MB: cut into runs of rows
+    CHECK(pieces[3] == (limit < 10000 + kFrameEntryOverhead ? 2 : 1));
   }
 }

@@ -105,7 +105,7 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
     REQUIRE(p.Read(&code, &msg));
     CHECK(code == Code::kUnimplemented);
   }
-  SECTION("an initial value's chunks that do not follow each other create nothing") {
+  SECTION("chunks of a value that do not follow each other create and update nothing") {
     RawPeer p(server->port());
     p.Hello();
     float values[4] = {1, 2, 3, 4};
@@ -138,6 +138,27 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
     chunk("big", 4, 2, false);  // the last chunk ends short of the value
     CHECK(code == Code::kInvalidArgument);
     CHECK_THAT(msg, Catch::Contains("ends at byte 24 of 32"));
+    // An update's chunk in between drops a create's: its next chunk no longer follows anything.
+    chunk("mixed", 0, 4, true);
+    CHECK(code == Code::kOk);
+    {
+      wire::OutFrame f;
+      auto r = f.builder.initRoot<proto::Request>();
+      r.setId(21);
+      auto u = r.initUpdate();
+      u.setVariable("mixed");
+      u.setOp(proto::UpdateOp::ASSIGN);
+      u.setChunked(true);
+      u.initChunkedShape(1).set(0, 8);
+      u.setMore(true);
+      wire::SetTensor(f.builder, u.initValue(), DType::kFloat32, {4}, values, sizeof(values));
+      p.Send(f);
+      REQUIRE(p.Read(&code, &msg));
+      CHECK(code == Code::kOk);  // taken, answered `none`: the update waits for its last chunk
+    }
+    chunk("mixed", 4, 4, false);
+    CHECK(code == Code::kInvalidArgument);
+    CHECK_THAT(msg, Catch::Contains("starts at element 4"));
     chunk("huge", 0, 4, true);  // then the connection ends half-way
     CHECK(code == Code::kOk);
     p.socket.close();
@@ -145,6 +166,7 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
     std::vector<float> got(8);
     CHECK(w->Pull("big", {got.data(), DType::kFloat32, {8}, MemoryKind::kHost}).status().code() == Code::kNotFound);
     CHECK(w->Pull("huge", {got.data(), DType::kFloat32, {8}, MemoryKind::kHost}).status().code() == Code::kNotFound);
+    CHECK(w->Pull("mixed", {got.data(), DType::kFloat32, {8}, MemoryKind::kHost}).status().code() == Code::kNotFound);
   }
   SECTION("pushes with lying sizes, bad dtypes and bad names") {
     RawPeer p(server->port());
@@ -176,6 +198,14 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
     CHECK(code == Code::kInvalidArgument);
     push([](auto g) { g.setName("w\n"); });
     CHECK(code == Code::kNotFound);
+    // More rows said to follow in a push's last frame (or after a dense gradient): they never would.
+    push([](auto g) {
+      g.setName("w");
+      g.setRowsMore(true);
+      g.initGrad().initData(4);  // a well-formed float32 scalar otherwise
+    });
+    CHECK(code == Code::kInvalidArgument);
+    CHECK_THAT(msg, Catch::Contains("more rows can only follow"));
   }
   SECTION("pipelined requests: a parked token wait does not hold up later requests") {
     RawPeer p(server->port());

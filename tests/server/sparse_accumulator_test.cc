@@ -43,6 +43,29 @@ TEST_CASE("rows merge by index and MEAN divides each row by its own count", "[sp
   CHECK(acc.step() == 1);
 }
 
+TEST_CASE("a gradient's rows in several calls count once, with its last rows, and merge as one call's", "[sparse]") {
+  SparseAccumulator acc(DType::kFloat32, {10, 2}, Reduction::kMean, 0);
+  Grad a{{1, 4}, {1, 1, 4, 4}, {2, 2}, std::nullopt};
+  Grad b_first{{0, 4}, {2, 2, 6, 8}, {2, 2}, std::nullopt}, b_rest{{9}, {3, 3}, {1, 2}, std::nullopt};
+  REQUIRE(*acc.ApplyGrad(0, b_first.Ref(), /*counts=*/false));
+  CHECK(acc.num_accumulated() == 0);
+  int count = 0;
+  CHECK_FALSE(*acc.TryTakeGrad(1, &count));  // not a whole gradient yet
+  REQUIRE(*acc.ApplyGrad(0, b_rest.Ref()));
+  CHECK(acc.num_accumulated() == 1);
+  REQUIRE(*acc.ApplyGrad(0, a.Ref()));
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  CHECK(count == 2);
+  // As "rows merge by index ...": the first call's rows were kept when the next came.
+  CHECK(acc.indices() == std::vector<int64_t>{0, 1, 4, 9});
+  CHECK(Values(acc) == std::vector<float>{2, 2, 1, 1, 5, 6, 3, 3});
+  // After the take, a partial gradient starts the next round afresh.
+  REQUIRE(*acc.ApplyGrad(1, b_rest.Ref(), /*counts=*/false));
+  REQUIRE(*acc.ApplyGrad(1, a.Ref()));
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(acc.indices() == std::vector<int64_t>{1, 4, 9});
+}
+
 TEST_CASE("SUM keeps per-row sums; stale sparse gradients are dropped", "[sparse]") {
   SparseAccumulator acc(DType::kFloat32, {5, 1}, Reduction::kSum, 2);
   Grad a{{3}, {1}, {1, 1}, std::nullopt};
