@@ -1,0 +1,252 @@
+#include "client_impl.h"
+
+#include <kj/exception.h>
+
+#include <chrono>
+#include <thread>
+
+#include "psd/cluster_list.h"
+
+namespace psclient {
+namespace internal {
+
+void SetWantedDTypes(const std::vector<std::pair<std::string, TensorView>>& outs,
+                     capnp::List<proto::DType>::Builder b) {
+  for (size_t i = 0; i < outs.size(); ++i) b.set(static_cast<unsigned>(i), psd::wire::ToWire(outs[i].second.dtype));
+}
+
+Status CheckView(const std::string& what, DType want_dtype, const Shape& want_shape, const TensorView& out) {
+  if (out.dtype != want_dtype || out.shape != want_shape) {
+    return psd::InvalidArgument(what + " is " + psd::DTypeName(want_dtype) + " " + psd::ShapeString(want_shape) +
+                                " but the destination view is " + psd::DTypeName(out.dtype) + " " +
+                                psd::ShapeString(out.shape));
+  }
+  if (out.data == nullptr && out.bytes() > 0) return psd::InvalidArgument(what + ": destination view has no data");
+  return Status::Ok();
+}
+
+Result<VariablePlacement> ReadPlacement(proto::VariablePlacement::Reader r) {
+  VariablePlacement p;
+  p.name = r.getName();
+  auto dtype = psd::wire::FromWire(r.getDtype());
+  if (!dtype.ok()) return dtype.status();
+  p.dtype = *dtype;
+  for (int64_t d : r.getShape()) p.shape.push_back(d);
+  p.sliced = r.getSliced();
+  for (auto part : r.getParts()) {
+    p.parts.push_back({static_cast<int>(part.getShard()), part.getRowBegin(), part.getRowEnd()});
+  }
+  if (p.parts.empty()) return psd::Internal("placement of '" + p.name + "' has no parts");
+  return p;
+}
+
+void WritePlacement(proto::VariablePlacement::Builder b, const VariablePlacement& p) {
+  b.setName(p.name);
+  b.setDtype(psd::wire::ToWire(p.dtype));
+  auto shape = b.initShape(static_cast<unsigned>(p.shape.size()));
+  for (size_t i = 0; i < p.shape.size(); ++i) shape.set(static_cast<unsigned>(i), p.shape[i]);
+  b.setSliced(p.sliced);
+  auto parts = b.initParts(static_cast<unsigned>(p.parts.size()));
+  for (size_t i = 0; i < p.parts.size(); ++i) {
+    parts[static_cast<unsigned>(i)].setShard(static_cast<uint32_t>(p.parts[i].shard));
+    parts[static_cast<unsigned>(i)].setRowBegin(p.parts[i].row_begin);
+    parts[static_cast<unsigned>(i)].setRowEnd(p.parts[i].row_end);
+  }
+}
+
+}  // namespace internal
+
+using internal::ReadPlacement;
+
+Client::Impl::Impl(ClientOptions options) : options_(std::move(options)) {
+  if (options_.shared_buffer_bytes > 0) {
+    auto arena = internal::SharedArena::Create(options_.shared_buffer_bytes);
+    if (arena.ok()) {
+      arena_ = std::move(*arena);
+    } else {
+      arena_status_ = arena.status();
+    }
+  }
+  if (options_.cluster.empty()) {
+    conns_.push_back(std::make_unique<Conn>(options_, options_.host, options_.port, 0, arena_));
+  } else {
+    for (size_t i = 0; i < options_.cluster.size(); ++i) {
+      // Connect() validated the list.
+      psd::HostPort hp = *psd::ParseHostPort(options_.cluster[i]);
+      conns_.push_back(std::make_unique<Conn>(options_, hp.host, hp.port, static_cast<int>(i), arena_));
+      conns_.back()->quick_reconnect = options_.cluster.size() > 1;
+    }
+  }
+}
+Status Client::Impl::ConnectAll() {
+  int reached = 0;
+  Status first;
+  for (auto& c : conns_) {
+    Status s = c->Connect();
+    if (!s.ok() && options_.observer && cluster()) {
+      // An operator's tool looks at whatever answers (the shards left when one is down).
+      if (first.ok()) first = FromShard(s, *c, cluster());
+      continue;
+    }
+    if (!s.ok()) return FromShard(s, *c, cluster());
+    ++reached;
+    if (c->shards_reported != static_cast<int>(conns_.size()) && !options_.observer) {
+      return psd::InvalidArgument("psd at " + c->Where() + " is part of a cluster of " +
+                                  std::to_string(c->shards_reported) + " shard(s), the client was given " +
+                                  std::to_string(conns_.size()) + ": list every shard in ClientOptions::cluster");
+    }
+  }
+  if (reached == 0) return first;
+  // The chief as the shards see it; its handshake has the worker's identity and role.
+  int chief = -1;
+  for (auto& c : conns_) {
+    if (c->connects > 0 && c->chief_shard >= 0) {
+      chief = c->chief_shard;
+      break;
+    }
+  }
+  chief_ = chief >= 0 && chief < static_cast<int>(conns_.size()) ? chief : 0;
+  if (cluster() && !options_.observer) PSD_RETURN_IF_ERROR(WaitUntilServing());
+  Conn& c = *conns_[static_cast<size_t>(chief_.load())];
+  is_chief_ = c.is_chief;
+  cluster_epoch_ = c.cluster_epoch;
+  return Status::Ok();
+}
+
+Status Client::Impl::WaitUntilServing() {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.connect_timeout_ms);
+  std::string state = "no answer";
+  for (;;) {
+    RefreshChief();
+    OutFrame frame;
+    chief().NewRequest(frame).setStatus();
+    proto::Response::Reader resp;
+    if (chief().RoundTrip(frame, &resp).ok()) {
+      auto s = resp.getStatus();
+      state = s.getClusterState();
+      if (state == "running" && s.getChiefShard() == chief_.load()) {
+        chief().is_chief = s.getIsChief();
+        chief().cluster_epoch = s.getClusterEpoch();
+        return Status::Ok();
+      }
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return psd::Unavailable("the psd cluster does not serve yet (" + state + "); retry");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+bool Client::Impl::AppliesOnArrival() const {
+  if (!cluster()) return false;
+  const Conn& c = chief();
+  std::lock_guard<std::mutex> lock(c.hello_mu);
+  return c.config.mode == "async" || c.config.mode == "ssp";
+}
+
+Status Client::Impl::Run(Calls& calls, const std::function<void(size_t)>& each) {
+  // A shard whose earlier frame of this batch failed gets no more (its stream is reset).
+  std::vector<bool> failed(conns_.size(), false);
+  for (auto& c : calls) {
+    const size_t k = static_cast<size_t>(c->shard);
+    c->status = failed[k] ? psd::Unavailable("an earlier frame to this shard failed")
+                          : FromShard(conn(c->shard).Send(c->frame, c->wait_ms), conn(c->shard), cluster());
+    c->sent = c->status.ok();
+    failed[k] = failed[k] || !c->sent;
+  }
+  for (size_t i = 0; i < calls.size(); ++i) {
+    auto& c = calls[i];
+    if (c->sent) {
+      c->status = FromShard(conn(c->shard).Receive(c->frame, &c->resp, c->landing.dst ? &c->landing : nullptr),
+                            conn(c->shard), cluster());
+    }
+    if (each) each(i);
+  }
+  // The most telling error first: a shard's own answer (it says what the cluster waits for)
+  // before a transport failure (a shard that is gone).
+  Status first;
+  for (int pass = 0; pass < 2 && first.ok(); ++pass) {
+    for (auto& c : calls) {
+      if (pass == 0 && c->status.code() == Code::kAborted) NoteRestored();
+      bool answered = c->sent && conn(c->shard).last_answered();
+      if (first.ok() && !c->status.ok() && (pass == 1 || answered)) first = c->status;
+    }
+  }
+  // Not now: the replies' readers must stay valid until the caller has read them.
+  if (!first.ok() && cluster() && (first.code() == Code::kUnavailable || first.code() == Code::kFailedPrecondition)) {
+    refresh_chief_ = true;
+  }
+  return first;
+}
+
+Result<SharedBuffer> Client::Impl::NewShared(size_t bytes) {
+  if (!arena_) {
+    if (!arena_status_.ok()) return arena_status_;
+    return psd::FailedPrecondition("no shared buffers: ClientOptions::shared_buffer_bytes is 0");
+  }
+  auto at = arena_->Allocate(bytes);
+  if (!at.ok()) return at.status();
+  SharedBuffer b;
+  b.arena_ = arena_;
+  b.offset_ = *at;
+  b.bytes_ = bytes;
+  return b;
+}
+
+void Client::Impl::RefreshChief() {
+  uint64_t best_term = 0;
+  int best = -1;
+  for (int i = 0; i < shards(); ++i) {
+    OutFrame frame;
+    conn(i).NewRequest(frame).setStatus();
+    proto::Response::Reader resp;
+    if (!conn(i).RoundTrip(frame, &resp).ok()) continue;
+    auto s = resp.getStatus();
+    if (s.getChiefShard() >= 0 && (best < 0 || s.getTerm() > best_term)) {
+      best = s.getChiefShard();
+      best_term = s.getTerm();
+    }
+  }
+  if (best >= 0 && best < shards()) chief_ = best;
+}
+
+Result<VariablePlacement> Client::Impl::Locate(const std::string& name) {
+  if (!cluster()) return VariablePlacement{name, DType::kFloat32, {}, false, {{0, 0, 0}}};
+  auto it = placements_.find(name);
+  if (it != placements_.end()) return it->second;
+  auto map = FetchMap();
+  if (!map.ok()) return map.status();
+  for (auto& p : map->variables) placements_[p.name] = p;
+  it = placements_.find(name);
+  if (it == placements_.end()) return psd::NotFound("no variable named '" + name + "'");
+  return it->second;
+}
+
+Result<PlacementMap> Client::Impl::FetchMap() {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    OutFrame frame;
+    chief().NewRequest(frame).setGetPlacement();
+    proto::Response::Reader resp;
+    Status s = Single(chief_.load(), frame, &resp);
+    if (s.ok()) {
+      try {
+        PlacementMap m;
+        auto pm = resp.getPlacementMap();
+        for (auto v : pm.getVariables()) {
+          auto p = ReadPlacement(v);
+          if (!p.ok()) return p.status();
+          m.variables.push_back(std::move(*p));
+        }
+        for (uint64_t b : pm.getShardBytes()) m.shard_bytes.push_back(b);
+        return m;
+      } catch (const kj::Exception& e) {
+        return Malformed(e);
+      }
+    }
+    if (!cluster() || attempt == 1) return s;
+    RefreshChief();
+  }
+  return psd::Internal("unreachable");
+}
+
+}  // namespace psclient
