@@ -101,11 +101,10 @@ start_psd() {
   # Chunked pushes need no more than the default; with --bench-flags "--push-frame-bytes 0" a push
   # carries the whole model (one variable), so the frame limit holds it either way.
   (( bytes + (1 << 20) > frame )) && frame=$(( bytes + (64 << 20) ))
-  local inflight=$(( frame > (1 << 30) ? frame : (1 << 30) ))
   rm -f "$tmp/port"
   # shellcheck disable=SC2086
   timeout 900 "$psd" --host 127.0.0.1 --port 0 --port-file "$tmp/port" -R "$workers" --threads 2 \
-    --max-frame-bytes "$frame" --max-inflight-bytes "$inflight" --log-level warn $psd_flags >"$tmp/psd.log" 2>&1 &
+    --max-frame-bytes "$frame" --log-level warn $psd_flags >"$tmp/psd.log" 2>&1 &
   psd_pid=$!
   for _ in $(seq 100); do [[ -s "$tmp/port" ]] && break; sleep 0.05; done
   if [[ ! -s "$tmp/port" ]]; then

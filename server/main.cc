@@ -137,19 +137,18 @@ int main(int argc, char** argv) {
   app.add_option("--token-timeout-ms", cfg.default_token_timeout_ms,
                  "deadline in milliseconds for a token wait when the worker gives none")
       ->capture_default_str();
-  std::string max_frame_bytes = "256M", max_model_bytes = "16G", slice_bytes = "64M", max_inflight_bytes = "1G";
+  std::string max_frame_bytes = "256M", max_model_bytes = "16G", slice_bytes = "64M", max_inflight_bytes = "32M";
   app.add_option("--max-frame-bytes", max_frame_bytes,
                  "largest accepted message (bytes, or with K/M/G/T: 64M, 1G; powers of 1024); bigger frames are "
                  "refused before allocation, and workers learn the limit at hello")
       ->type_name("SIZE")
       ->capture_default_str();
-  auto* inflight_opt =
-      app.add_option("--max-inflight-bytes", max_inflight_bytes,
-                     "memory for incoming frames across all connections (SIZE, at least --max-frame-bytes; "
-                     "default: 1G or --max-frame-bytes if bigger); a frame that does not fit waits for its share "
-                     "(the sender sees backpressure, not an error)")
-          ->type_name("SIZE")
-          ->capture_default_str();
+  app.add_option("--max-inflight-bytes", max_inflight_bytes,
+                 "memory for incoming frames across all connections (SIZE); a frame that does not fit waits for "
+                 "its share (the sender sees backpressure, not an error), and one bigger than all of it is read "
+                 "alone")
+      ->type_name("SIZE")
+      ->capture_default_str();
   app.add_option("--frame-timeout-ms", cfg.frame_timeout_ms,
                  "close a connection whose frame has not fully arrived this many milliseconds after it got its "
                  "share of --max-inflight-bytes (a slow sender cannot hold memory for long)")
@@ -264,7 +263,6 @@ int main(int argc, char** argv) {
     if (!bytes.ok()) return fail(bytes.status().message());
     *out = *bytes;
   }
-  if (inflight_opt->count() == 0) cfg.max_inflight_bytes = std::max(cfg.max_inflight_bytes, cfg.max_frame_bytes);
   if (!cluster.empty() && !cluster_file.empty()) return fail("give --cluster or --cluster-file, not both");
   if (!cluster_file.empty() || !cluster.empty()) {
     auto list = cluster_file.empty() ? psd::ParseClusterList(cluster) : psd::ReadClusterFile(cluster_file);

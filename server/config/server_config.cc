@@ -272,12 +272,6 @@ Status ServerConfig::Validate() {
   PSD_RETURN_IF_ERROR(SizeInRange("--max-model-bytes", max_model_bytes, 4ull << 10, 1ull << 50));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-inflight-bytes", max_inflight_bytes, 64ull << 10, 1ull << 50));
   PSD_RETURN_IF_ERROR(SizeInRange("--shm-max-bytes", shm_max_bytes, 64ull << 10, 1ull << 44));
-  if (max_inflight_bytes < max_frame_bytes) {
-    return InvalidArgument("--max-inflight-bytes (" + std::to_string(max_inflight_bytes) +
-                           ") must be at least --max-frame-bytes (" + std::to_string(max_frame_bytes) +
-                           "): one frame of the largest size must fit; raise --max-inflight-bytes or lower "
-                           "--max-frame-bytes");
-  }
   PSD_RETURN_IF_ERROR(InRange("--frame-timeout-ms", frame_timeout_ms, int64_t{1}, int64_t{86400000}));
   PSD_RETURN_IF_ERROR(optimizer.Validate());
   PSD_RETURN_IF_ERROR(InRange("--apply-threads", apply_threads, 1, 256));

@@ -35,9 +35,9 @@ struct ServerConfig : TrainingConfig {
   bool shared_memory = true;
   uint64_t shm_max_bytes = 4ull << 30;
   // Memory for incoming frames across all connections (README "Hardening"): a frame waits for its
-  // share (backpressure) instead of failing; a frame must arrive within frame_timeout_ms once it
-  // holds its share.
-  uint64_t max_inflight_bytes = 1ull << 30;
+  // share (backpressure) instead of failing, and one bigger than all of it is read alone; a frame
+  // must arrive within frame_timeout_ms once it holds its share.
+  uint64_t max_inflight_bytes = 32ull << 20;
   int64_t frame_timeout_ms = 60000;
   int max_connections = 1024;
   int64_t hello_timeout_ms = 5000;  // a connection must complete its hello within this

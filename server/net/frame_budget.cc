@@ -7,7 +7,7 @@ namespace psd::server {
 void FrameBudget::Acquire(uint64_t bytes, std::function<void()> granted) {
   {
     MutexLock lock(&mu_);
-    if (!waiters_.empty() || in_use_ + bytes > limit_) {
+    if (!waiters_.empty() || !FitsLocked(bytes)) {
       ++waits_;
       waiters_.push_back({bytes, std::move(granted)});
       std::map<uint64_t, std::function<void()>> idle;
@@ -33,7 +33,7 @@ void FrameBudget::Release(uint64_t bytes) {
 }
 
 void FrameBudget::GrantLocked(std::deque<Waiter>* ready) {
-  while (!waiters_.empty() && in_use_ + waiters_.front().bytes <= limit_) {
+  while (!waiters_.empty() && FitsLocked(waiters_.front().bytes)) {
     in_use_ += waiters_.front().bytes;
     peak_ = std::max(peak_, in_use_);
     ready->push_back(std::move(waiters_.front()));

@@ -4,10 +4,11 @@
 // the request has been handled. When the budget is spent the connection waits (its socket is not
 // read, so TCP pushes back on the sender) instead of failing: real workers see backpressure, not
 // errors. Waiters are granted strictly first come, first served, so a big frame is never starved
-// by a stream of small ones. A single frame is never bigger than the budget (the configuration
-// refuses --max-frame-bytes > --max-inflight-bytes), so every waiter is eventually granted once
-// the frames ahead of it have been handled or their connections closed (--frame-timeout-ms bounds
-// how long a slow sender may hold its share).
+// by a stream of small ones. A frame bigger than the whole budget (up to --max-frame-bytes, which
+// may exceed it) is granted alone: once it is first in line and nothing else is held. So the
+// daemon holds at most max(budget, one frame) for frames, and every waiter is eventually granted
+// once the frames ahead of it have been handled or their connections closed (--frame-timeout-ms
+// bounds how long a slow sender may hold its share).
 //
 // Thread-safety: every method may be called from any thread (one mutex). Grants run their
 // callback outside the lock, on the thread that released the bytes or on the caller's thread;
@@ -30,9 +31,9 @@ class FrameBudget {
   FrameBudget(const FrameBudget&) = delete;
   FrameBudget& operator=(const FrameBudget&) = delete;
 
-  // Takes `bytes` (<= limit()) and calls `granted` once they are held: at once when they fit and
-  // nobody waits ahead, otherwise when enough has been released. The caller owns the bytes from
-  // then on and must Release() them exactly once, even if it no longer needs them.
+  // Takes `bytes` and calls `granted` once they are held: at once when they fit (or, more than
+  // limit(), when nothing is held) and nobody waits ahead, otherwise when enough has been released. The caller owns the
+  // bytes from then on and must Release() them exactly once, even if it no longer needs them.
   void Acquire(uint64_t bytes, std::function<void()> granted) EXCLUDES(mu_);
   void Release(uint64_t bytes) EXCLUDES(mu_);
 
@@ -47,7 +48,7 @@ class FrameBudget {
 
   uint64_t limit() const { return limit_; }
   uint64_t in_use() const;
-  uint64_t peak() const;   // the most ever held at once (never above limit())
+  uint64_t peak() const;   // the most ever held at once (above limit() only by one frame held alone)
   uint64_t waits() const;  // acquisitions that had to wait
   size_t waiting() const;  // acquisitions waiting now
 
@@ -58,6 +59,10 @@ class FrameBudget {
   };
   // Moves the waiters that now fit (in order) to `ready`.
   void GrantLocked(std::deque<Waiter>* ready) REQUIRES(mu_);
+  // `bytes` may be granted now: they fit, or, more than the limit, nothing else is held.
+  bool FitsLocked(uint64_t bytes) const REQUIRES(mu_) {
+    return in_use_ + bytes <= limit_ || (bytes > limit_ && in_use_ == 0);
+  }
 
   const uint64_t limit_;
   mutable Mutex mu_;

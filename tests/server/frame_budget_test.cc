@@ -85,3 +85,24 @@ TEST_CASE("idle holders are asked for their bytes back when someone has to wait"
   b.Acquire(60, [] {});
   CHECK(reclaimed == 1);
 }
+
+TEST_CASE("a frame bigger than the whole budget is granted alone, in its turn", "[frame_budget]") {
+  FrameBudget b(100);
+  std::vector<int> granted;
+  b.Acquire(30, [&] { granted.push_back(0); });
+  b.Acquire(250, [&] { granted.push_back(1); });  // more than the budget: waits until nothing is held
+  b.Acquire(10, [&] { granted.push_back(2); });   // behind it, though it would fit
+  CHECK(granted == std::vector<int>{0});
+  b.Release(30);
+  CHECK(granted == std::vector<int>{0, 1});  // alone
+  CHECK(b.in_use() == 250);
+  CHECK(b.peak() == 250);
+  b.Release(250);
+  CHECK(granted == std::vector<int>{0, 1, 2});
+  b.Release(10);
+  // With nothing held and nobody waiting, it is granted at once.
+  b.Acquire(1000, [&] { granted.push_back(3); });
+  CHECK(granted.back() == 3);
+  b.Release(1000);
+  CHECK(b.in_use() == 0);
+}
