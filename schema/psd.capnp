@@ -394,6 +394,8 @@ struct PeerCommit {
 struct PeerRestore {
   epoch @0 :UInt64;
   step @1 :Int64;           # the checkpoint to restore; -1: start empty at step 0
+  seal @2 :List(PeerPart);  # its manifest, for a shard that holds its part but missed the seal
+                            # (written first, only if its part matches); empty: every shard has it
 }
 
 struct PeerRestored {

@@ -720,7 +720,27 @@ Status LoadPart(const std::string& path, int shard, ShardSnapshot* out) {
 
 }  // namespace
 
-std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shards, std::vector<int64_t>* unusable) {
+Status SealOwnPart(const std::string& dir, int64_t step, int shard, int shards,
+                   const std::vector<ManifestPart>& parts) {
+  Manifest m;
+  m.step = step;
+  m.shards = shards;
+  m.hash = HashAlgo::kXxh3Blocks;  // what WriteManifest records
+  for (const ManifestPart& p : parts) m.parts.push_back({p.shard, p.file, p.bytes, p.checksum});
+  const Manifest::Part* own = FindPart(m, shard);
+  if (own == nullptr)
+    return FailedPrecondition("the seal of step " + std::to_string(step) + " has no part for shard " +
+                              std::to_string(shard));
+  Status s = ReadPart(dir + "/" + StepDirName(step), m, *own, nullptr);
+  if (!s.ok()) {
+    return FailedPrecondition("this shard's part of checkpoint step " + std::to_string(step) +
+                              " does not match the chief's seal: " + s.message());
+  }
+  return WriteManifest(dir, step, shards, parts);
+}
+
+std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shards, std::vector<int64_t>* unusable,
+                                     std::map<int64_t, std::vector<ManifestPart>>* manifests) {
   std::vector<int64_t> steps;
   std::vector<std::string> names = ListCheckpoints(dir);
   std::reverse(names.begin(), names.end());
@@ -729,6 +749,11 @@ std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shar
     int64_t step = std::strtoll(n.c_str() + 5, nullptr, 10);
     if (ok.ok()) {
       steps.push_back(step);
+      if (manifests == nullptr) continue;
+      auto m = ReadManifest(dir + "/" + n);  // verified just now
+      if (!m.ok()) continue;
+      auto& parts = (*manifests)[step];
+      for (const Manifest::Part& p : m->parts) parts.push_back({p.shard, p.file, p.bytes, p.checksum});
       continue;
     }
     if (unusable != nullptr) unusable->push_back(step);

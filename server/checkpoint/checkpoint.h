@@ -25,6 +25,7 @@
 #define PSD_SERVER_CHECKPOINT_CHECKPOINT_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,12 +65,20 @@ Result<CheckpointInfo> LoadLatestCheckpoint(const std::string& dir, int shard, S
 // one directory may all write the same manifest).
 Status WriteManifest(const std::string& dir, int64_t step, int shards, const std::vector<ManifestPart>& parts);
 
+// Seals checkpoint `step` on shard `shard` that holds its part but missed the seal (the chief's
+// parts come with a formation's restore order): writes the MANIFEST of `parts` only if this
+// shard's part in `dir` is there and matches its entry (size and checksum, read whole), so parts
+// of two timelines are never sealed together. FailedPrecondition (nothing written) otherwise.
+Status SealOwnPart(const std::string& dir, int64_t step, int shard, int shards, const std::vector<ManifestPart>& parts);
+
 // The checkpoints in `dir` that shard `shard` of `shards` can restore: the manifest verifies,
 // names `shards` parts, and this shard's part is present with the recorded size and checksum.
 // Newest first. `unusable` (if given) gets the other checkpoint directories' steps, newest first:
-// present for this shard but not restorable by it (corrupt, or never sealed here).
+// present for this shard but not restorable by it (corrupt, or never sealed here). `manifests`
+// (if given) gets each restorable step's parts, as its manifest lists them.
 std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shards,
-                                     std::vector<int64_t>* unusable = nullptr);
+                                     std::vector<int64_t>* unusable = nullptr,
+                                     std::map<int64_t, std::vector<ManifestPart>>* manifests = nullptr);
 
 // Loads shard `shard`'s part of checkpoint `step` (verified first).
 Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSnapshot* out);

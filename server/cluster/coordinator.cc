@@ -26,7 +26,8 @@ ClusterCoordinator::ClusterCoordinator(ClusterOptions options, ShardHost& host, 
 
 void ClusterCoordinator::Start() {
   std::vector<int64_t> sealed, unusable;
-  if (!options_.checkpoint_dir.empty() && options_.restore) host_.ScanCheckpoints(&sealed, &unusable);
+  std::map<int64_t, std::vector<peer::PartInfo>> seals;
+  if (!options_.checkpoint_dir.empty() && options_.restore) host_.ScanCheckpoints(&sealed, &unusable, &seals);
   const uint64_t saved_term = host_.LoadTerm();
   {
     MutexLock lock(&mu_);
@@ -38,6 +39,7 @@ void ClusterCoordinator::Start() {
     saved_term_ = saved_term;
     sealed_ = sealed;
     unusable_ = unusable;
+    seal_parts_ = std::move(seals);
     ready_ = true;
     missing_since_ = now_();
     missing_reason_ = "electing a chief";
@@ -291,9 +293,33 @@ std::string ClusterCoordinator::DescribeCheckpointsLocked() const {
   return out;
 }
 
+bool ClusterCoordinator::ResealableLocked(int64_t step) const {
+  auto has = [](const std::vector<int64_t>& v, int64_t t) { return std::find(v.begin(), v.end(), t) != v.end(); };
+  if (seal_parts_.count(step) == 0 || !has(sealed_, step) || reseal_failed_.count(step) > 0) return false;
+  for (int i = 0; i < shards_; ++i) {
+    if (i == me_) continue;
+    const Peer& p = peers_[static_cast<size_t>(i)];
+    if (!has(p.sealed, step) && !has(p.unusable, step)) return false;
+  }
+  return true;
+}
+
 std::optional<int64_t> ClusterCoordinator::FormationStepLocked(std::vector<Action>* actions) {
   std::set<int64_t> common = CommonStepsLocked();
   int64_t step = common.empty() ? -1 : *common.rbegin();
+  // A newer checkpoint that every shard holds, some without its manifest (they missed the seal):
+  // formed at, its seal sent along with the restore order, rather than rolled back further.
+  reseal_.reset();
+  for (auto it = seal_parts_.rbegin(); it != seal_parts_.rend() && it->first > step; ++it) {
+    if (!ResealableLocked(it->first)) continue;
+    spdlog::info(
+        "cluster: checkpoint step {} is sealed here and held unsealed by shards that missed its seal; "
+        "the restore order carries the seal",
+        it->first);
+    step = it->first;
+    reseal_.emplace(it->first, it->second);
+    break;
+  }
   // Newer steps that a shard can restore and another shard has lost: no trace of them there (a
   // directory it cannot restore — a corrupt part, a seal it missed — makes the step unusable for
   // good, skipped as before).
@@ -414,7 +440,8 @@ bool ClusterCoordinator::SealsSettledLocked(Clock::time_point now) {
       it = seals_pending_.erase(it);
       continue;
     }
-    if (now - it->second < window) settled = false;
+    // News that a restore order can carry (the seal a shard missed) need not be waited for.
+    if (now - it->second < window && !ResealableLocked(it->first)) settled = false;
     ++it;
   }
   if (!settled && missing_reason_.find("waiting for every shard") == std::string::npos) {
@@ -447,7 +474,9 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   open_step_ = step < 0 ? 0 : step;
   missing_reason_ = step < 0 ? "starting empty at step 0" : "restoring checkpoint step " + std::to_string(step);
   spdlog::info("cluster: forming epoch {} on {} shard(s): {}", term_, shards_, missing_reason_);
-  peer::Message msg = MessageLocked(peer::Restore{term_, step});
+  std::vector<peer::PartInfo> seal;
+  if (reseal_ && reseal_->first == step) seal = reseal_->second;
+  peer::Message msg = MessageLocked(peer::Restore{term_, step, std::move(seal)});
   actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
 }
 
@@ -688,8 +717,23 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   }
   std::sort(unusable_.rbegin(), unusable_.rend());
   sealed_.erase(std::remove_if(sealed_.begin(), sealed_.end(), [step](int64_t t) { return t > step; }), sealed_.end());
+  // A step this shard holds but missed the seal of: the order carries the seal, written first
+  // (only if this shard's part matches it).
+  std::vector<peer::PartInfo> seal;
+  if (step >= 0 && !r.seal.empty() && std::find(sealed_.begin(), sealed_.end(), step) == sealed_.end()) {
+    seal = r.seal;
+  }
   // The host runs it (after any restore still loading: that one's result is for an older epoch).
-  actions->push_back([this, epoch, step] {
+  actions->push_back([this, epoch, step, seal = std::move(seal)] {
+    if (!seal.empty()) {
+      Status sealed = host_.SealOwnPart(step, seal);
+      if (!sealed.ok()) return RestoreDone(epoch, step, sealed, {});
+      spdlog::info("cluster: shard {} sealed checkpoint step {} from the restore order (it had missed the seal)", me_,
+                   step);
+      MutexLock lock(&mu_);
+      seal_parts_[step] = seal;
+      AddSealedLocked(step);
+    }
     host_.RestoreAsync(epoch, step, [this, epoch, step](Status s, std::vector<VarPlacement> placements) {
       RestoreDone(epoch, step, s, std::move(placements));
     });
@@ -724,6 +768,7 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   if (chief_ != me_ || term != term_ || !forming_ || r.epoch != term_) return;
   if (!r.ok) {
     spdlog::warn("cluster: shard {} cannot restore step {}: {}; forming again", from, r.step, r.message);
+    if (reseal_ && reseal_->first == r.step) reseal_failed_.insert(r.step);  // not offered that way again
     forming_ = false;
     return;
   }
@@ -780,6 +825,10 @@ void ClusterCoordinator::AddSealedLocked(int64_t step) {
   if (options_.keep_checkpoints > 0 && sealed_.size() > static_cast<size_t>(options_.keep_checkpoints)) {
     sealed_.resize(static_cast<size_t>(options_.keep_checkpoints));
   }
+  // Seals of pruned checkpoints are not needed any more.
+  while (!seal_parts_.empty() && (sealed_.empty() || seal_parts_.begin()->first < sealed_.back())) {
+    seal_parts_.erase(seal_parts_.begin());
+  }
 }
 
 void ClusterCoordinator::HandlePartWritten(int from, uint64_t term, const peer::PartWritten& p,
@@ -811,6 +860,7 @@ void ClusterCoordinator::HandleSeal(int from, uint64_t term, const peer::Seal& s
     } else {
       {
         MutexLock lock(&mu_);
+        seal_parts_[step] = parts;
         AddSealedLocked(step);
       }
       spdlog::info("cluster: checkpoint at step {} sealed in {} ({} shards, {:.0f} ms)", step, options_.checkpoint_dir,

@@ -57,7 +57,10 @@
 // their sizes and checksums and sends the seal; every shard writes the same MANIFEST. A step is
 // restorable by a shard when its manifest verifies and its own part matches it. A chief does not
 // form on old news: a step sealed lately, or sealed on some shards and only present on others,
-// is waited for (up to three election timeouts) until every shard lists it as restorable.
+// is waited for (up to three election timeouts) until every shard lists it as restorable —
+// unless the chief holds it sealed and every shard holds it, sealed or with its part but not its
+// manifest (it missed the seal): then the chief forms at it at once and its Restore carries the
+// seal, which such a shard writes (only if its own part matches) before it restores.
 //
 // Terms survive restarts (ShardHost::SaveTerm/LoadTerm): an epoch is never formed twice, even
 // by a cluster restarted whole. A follower keeps its vote (prepared step) until the step
@@ -213,6 +216,11 @@ class ClusterCoordinator : public PeerEvents {
   bool SealsSettledLocked(Clock::time_point now) REQUIRES(mu_);
   // The checkpoint steps every shard can restore.
   std::set<int64_t> CommonStepsLocked() const REQUIRES(mu_);
+  // Checkpoint `step` is restorable everywhere once its seal is sent along: this shard sealed it
+  // and has the seal, and every other shard lists it sealed or present but unusable (it holds
+  // its part and missed the seal: a restart between its part and the seal). Not if a shard
+  // already failed to restore it that way.
+  bool ResealableLocked(int64_t step) const REQUIRES(mu_);
   // The step to form at (-1: empty), or nullopt when an operator must decide first (then the
   // refusal is logged once and becomes the not-serving reason).
   std::optional<int64_t> FormationStepLocked(std::vector<Action>* actions) REQUIRES(mu_);
@@ -271,6 +279,10 @@ class ClusterCoordinator : public PeerEvents {
   bool ready_ GUARDED_BY(mu_) = false;             // checkpoints scanned
   std::vector<int64_t> sealed_ GUARDED_BY(mu_);    // restorable checkpoint steps, newest first
   std::vector<int64_t> unusable_ GUARDED_BY(mu_);  // checkpoint steps present but not restorable
+  // The manifests of this shard's sealed checkpoints (steps in sealed_, from its scan at start and
+  // the seals since): a formation's restore order carries one to shards that hold their part of
+  // that step but missed its seal.
+  std::map<int64_t, std::vector<peer::PartInfo>> seal_parts_ GUARDED_BY(mu_);
   std::vector<Peer> peers_ GUARDED_BY(mu_);
   int required_ GUARDED_BY(mu_) = 0;  // the chief's requirement (as last heard)
   int local_required_ GUARDED_BY(mu_) = 0;
@@ -309,6 +321,9 @@ class ClusterCoordinator : public PeerEvents {
   std::map<int64_t, Clock::time_point> seals_pending_ GUARDED_BY(mu_);
   std::string refusal_ GUARDED_BY(mu_);              // why the chief does not form ("": it may), announced to followers
   std::optional<int64_t> decision_ GUARDED_BY(mu_);  // an operator's Recover() step (-1: empty), until the cluster runs
+  // The formation's step when it sends its seal along (ResealableLocked), with the seal.
+  std::optional<std::pair<int64_t, std::vector<peer::PartInfo>>> reseal_ GUARDED_BY(mu_);
+  std::set<int64_t> reseal_failed_ GUARDED_BY(mu_);  // steps a shard could not restore with the seal sent
 };
 
 }  // namespace psd::server

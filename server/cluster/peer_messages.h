@@ -59,10 +59,22 @@ struct Committed {
   bool operator==(const Committed&) const = default;
 };
 
+// One shard's file of a checkpoint (a file name, never a path: the codec checks).
+struct PartInfo {
+  int shard = 0;
+  std::string file;
+  uint64_t bytes = 0;
+  uint64_t checksum = 0;
+  bool operator==(const PartInfo&) const = default;
+};
+
 // From the chief: replace the state with checkpoint `step` (-1: empty at step 0) for `epoch`.
+// `seal`: the step's manifest, sent when some shard holds its part but missed the seal (it lists
+// the step as unusable): such a shard writes it first, if its own part matches, then restores.
 struct Restore {
   uint64_t epoch = 0;
   int64_t step = -1;
+  std::vector<PartInfo> seal;
   bool operator==(const Restore&) const = default;
 };
 
@@ -74,15 +86,6 @@ struct Restored {
   std::string message;
   std::vector<VarPlacement> placements;
   bool operator==(const Restored&) const = default;
-};
-
-// One shard's file of a checkpoint (a file name, never a path: the codec checks).
-struct PartInfo {
-  int shard = 0;
-  std::string file;
-  uint64_t bytes = 0;
-  uint64_t checksum = 0;
-  bool operator==(const PartInfo&) const = default;
 };
 
 // To the chief: this shard's part of checkpoint `step` is on disk.

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <vector>
 
 #include "cluster/peer_messages.h"
@@ -54,11 +55,17 @@ class ShardHost {
   virtual void RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) = 0;
 
   // --- checkpoints ---
-  // The checkpoint steps this shard can restore (newest first) and those present but unusable.
-  virtual void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable) = 0;
+  // The checkpoint steps this shard can restore (newest first), with their manifests' parts, and
+  // those present but unusable.
+  virtual void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
+                               std::map<int64_t, std::vector<peer::PartInfo>>* seals) = 0;
   // Writes the manifest of checkpoint `step` from every shard's part (and remembers it as the
   // last checkpoint). Errors are logged by the caller; the step then stays unusable here.
   virtual Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) = 0;
+  // SealCheckpoint for a shard that missed the seal (a formation's Restore carries it), only if
+  // this shard's part of `step` on disk matches its entry in `parts`; FailedPrecondition (nothing
+  // written) otherwise. Synchronous: it reads the part whole.
+  virtual Status SealOwnPart(int64_t step, const std::vector<peer::PartInfo>& parts) = 0;
   // Async/ssp: snapshots the engine of `epoch` as it is now and queues it as this shard's part of
   // checkpoint `step` (the chief's global step; the part written is reported to OnPartWritten).
   // ABORTED: the engine serving now belongs to another epoch.

@@ -72,16 +72,36 @@ void ServerShardHost::RestoreAsync(uint64_t epoch, int64_t step, RestoreDone don
   });
 }
 
-void ServerShardHost::ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable) {
+void ServerShardHost::ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
+                                      std::map<int64_t, std::vector<peer::PartInfo>>* seals) {
   const ServerConfig& config = server_.config();
-  *sealed = RestorableSteps(config.checkpoint_dir, config.shard_index, config.shards(), unusable);
+  std::map<int64_t, std::vector<ManifestPart>> manifests;
+  *sealed = RestorableSteps(config.checkpoint_dir, config.shard_index, config.shards(), unusable, &manifests);
+  for (const auto& [step, parts] : manifests) {
+    auto& out = (*seals)[step];
+    for (const ManifestPart& p : parts) out.push_back({p.shard, p.file, p.bytes, p.checksum});
+  }
 }
+
+namespace {
+std::vector<ManifestPart> ToManifest(const std::vector<peer::PartInfo>& parts) {
+  std::vector<ManifestPart> manifest;
+  for (const peer::PartInfo& p : parts) manifest.push_back({p.shard, p.file, p.bytes, p.checksum});
+  return manifest;
+}
+}  // namespace
 
 Status ServerShardHost::SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) {
   const ServerConfig& config = server_.config();
-  std::vector<ManifestPart> manifest;
-  for (const peer::PartInfo& p : parts) manifest.push_back({p.shard, p.file, p.bytes, p.checksum});
-  PSD_RETURN_IF_ERROR(WriteManifest(config.checkpoint_dir, step, config.shards(), manifest));
+  PSD_RETURN_IF_ERROR(WriteManifest(config.checkpoint_dir, step, config.shards(), ToManifest(parts)));
+  server_.set_last_checkpoint_step(step);
+  return Status::Ok();
+}
+
+Status ServerShardHost::SealOwnPart(int64_t step, const std::vector<peer::PartInfo>& parts) {
+  const ServerConfig& config = server_.config();
+  PSD_RETURN_IF_ERROR(
+      psd::server::SealOwnPart(config.checkpoint_dir, step, config.shard_index, config.shards(), ToManifest(parts)));
   server_.set_last_checkpoint_step(step);
   return Status::Ok();
 }

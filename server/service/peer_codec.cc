@@ -128,7 +128,14 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
     }
     case proto::PeerMessage::RESTORE: {
       auto c = r.getRestore();
-      m.body = peer::Restore{c.getEpoch(), c.getStep()};
+      peer::Restore restore{c.getEpoch(), c.getStep(), {}};
+      if (c.getSeal().size() > static_cast<unsigned>(shards)) return InvalidArgument("a seal names too many parts");
+      for (auto p : c.getSeal()) {
+        auto part = PartFromWire(p, shards);
+        if (!part.ok()) return part.status();
+        restore.seal.push_back(std::move(*part));
+      }
+      m.body = std::move(restore);
       return m;
     }
     case proto::PeerMessage::RESTORED: {
@@ -213,6 +220,10 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           auto r = b.initRestore();
           r.setEpoch(body.epoch);
           r.setStep(body.step);
+          auto list = r.initSeal(static_cast<unsigned>(body.seal.size()));
+          for (size_t i = 0; i < body.seal.size(); ++i) {
+            PartToWire(list[static_cast<unsigned>(i)], body.epoch, body.step, body.seal[i]);
+          }
         } else if constexpr (std::is_same_v<T, peer::Restored>) {
           auto r = b.initRestored();
           r.setEpoch(body.epoch);

@@ -334,6 +334,21 @@ std::map<std::string, Bytes> PeerSeeds() {
   s["heartbeat"] = Heartbeat(1, 5, 1, true);
   s["follower_restore"] = Heartbeat(1, 5, 1, false) + Restore(1, 5, -1);
   s["follower_restore_step"] = Heartbeat(1, 5, 1, false) + Restore(1, 5, 10);
+  // A restore that carries the seal of its step (for a shard that missed it).
+  s["follower_restore_seal"] = Heartbeat(1, 5, 1, false) + Peer(1, 5, [](PeerMessage::Builder m) {
+                                 auto r = m.initRestore();
+                                 r.setEpoch(5);
+                                 r.setStep(10);
+                                 auto parts = r.initSeal(3);
+                                 for (unsigned k = 0; k < 3; ++k) {
+                                   parts[k].setEpoch(5);
+                                   parts[k].setStep(10);
+                                   parts[k].setShard(k);
+                                   parts[k].setFile("shard-" + std::to_string(k) + "-of-3.psdckpt");
+                                   parts[k].setBytes(128);
+                                   parts[k].setChecksum(0x1234 + k);
+                                 }
+                               });
   s["follower_commit"] = Heartbeat(1, 5, 1, true) + Peer(1, 5, [](PeerMessage::Builder m) {
                            auto c = m.initCommit();
                            c.setEpoch(5);

@@ -282,44 +282,64 @@ TEST_CASE("soft sync on a cluster: a step deadline on one shard forces the step 
   }
 }
 
-TEST_CASE("async on a cluster: checkpoints are ordered by the chief and restored on every shard", "[cluster]") {
-  char tmpl[] = "/tmp/psd-async-cluster-XXXXXX";
-  std::string dir = mkdtemp(tmpl);
+namespace {
+
+// The checkpoint tests' cluster: momentum, a [100, 30] variable in three slices, a checkpoint
+// every 2 steps into `dir` (each shard its own subdirectory).
+server::ServerConfig CheckpointingConfig(const std::string& dir, server::Mode mode) {
   auto cfg = TestConfig(1, 1, 0);
-  cfg.mode = server::Mode::kAsync;
+  cfg.mode = mode;
   cfg.optimizer.name = "momentum";
   cfg.optimizer.learning_rate = 0.5;
   cfg.slice_bytes = 4096;
   cfg.checkpoint_dir = dir;
   cfg.checkpoint_every_steps = 2;
+  return cfg;
+}
+
+// Creates the checkpoint tests' variable and trains it 4 steps; `w`, `momentum`: then.
+void TrainFourSteps(psclient::Client& c, std::vector<float>* w, std::vector<float>* momentum) {
+  std::vector<float> w0 = Ramp(100 * 30, 1);
+  REQUIRE(c.CreateVariable("w", View(w0, {100, 30})).ok());  // three slices, one per shard
+  int64_t local = 0;
+  for (int i = 0; i < 4; ++i) {
+    std::vector<float> g = Ramp(100 * 30, 0.1f * static_cast<float>(i + 1));
+    auto out = c.Push(local, {{"w", View(g, {100, 30})}}, true, 5000);
+    REQUIRE(out.ok());
+    local = out->token;
+  }
+  REQUIRE(c.Pull("w", Out(*w, {100, 30})).ok());
+  REQUIRE(c.GetSlot("w", "momentum", Out(*momentum, {100, 30})).ok());
+}
+
+// True once every one of `shards` reports checkpoint `step` sealed (within 10 s).
+bool SealedEverywhere(psclient::Client& c, int shards, int64_t step) {
+  for (int i = 0; i < 200; ++i) {
+    bool sealed = true;
+    for (int k = 0; k < shards; ++k) {
+      auto st = c.GetShardStatus(k);
+      sealed = sealed && st.ok() && st->last_checkpoint_step == step;
+    }
+    if (sealed) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("async on a cluster: checkpoints are ordered by the chief and restored on every shard", "[cluster]") {
+  char tmpl[] = "/tmp/psd-async-cluster-XXXXXX";
+  std::string dir = mkdtemp(tmpl);
+  auto cfg = CheckpointingConfig(dir, server::Mode::kAsync);
   std::vector<float> w(100 * 30), momentum(100 * 30);
   {
     auto cluster = StartCluster(cfg, 3);
     auto c = ConnectCluster(cluster, "w0");
-    std::vector<float> w0 = Ramp(100 * 30, 1);
-    REQUIRE(c->CreateVariable("w", View(w0, {100, 30})).ok());  // three slices, one per shard
-    int64_t local = 0;
-    for (int i = 0; i < 4; ++i) {
-      std::vector<float> g = Ramp(100 * 30, 0.1f * static_cast<float>(i + 1));
-      auto out = c->Push(local, {{"w", View(g, {100, 30})}}, true, 5000);
-      REQUIRE(out.ok());
-      local = out->token;
-    }
-    REQUIRE(c->Pull("w", Out(w, {100, 30})).ok());
-    REQUIRE(c->GetSlot("w", "momentum", Out(momentum, {100, 30})).ok());
+    TrainFourSteps(*c, &w, &momentum);
     // The count stays at 4 now: the chief orders checkpoint 4 (every 2 steps) and every shard
     // seals it.
-    bool sealed = false;
-    for (int i = 0; i < 200 && !sealed; ++i) {
-      sealed = true;
-      for (int k = 0; k < 3; ++k) {
-        auto st = c->GetShardStatus(k);
-        REQUIRE(st.ok());
-        sealed = sealed && st->last_checkpoint_step == 4;
-      }
-      if (!sealed) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    REQUIRE(sealed);
+    REQUIRE(SealedEverywhere(*c, 3, 4));
   }
   auto cluster = StartCluster(cfg, 3);  // the same checkpoint directories, new ports
   auto c = ConnectCluster(cluster, "w0");
@@ -333,6 +353,42 @@ TEST_CASE("async on a cluster: checkpoints are ordered by the chief and restored
   REQUIRE(c->GetSlot("w", "momentum", Out(m_after, {100, 30})).ok());
   CHECK(w_after == w);
   CHECK(m_after == momentum);
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("a shard that missed the newest seal gets it with the restore order: no rollback, no wait",
+          "[cluster][checkpoint]") {
+  char tmpl[] = "/tmp/psd-reseal-XXXXXX";
+  std::string dir = mkdtemp(tmpl);
+  auto cfg = CheckpointingConfig(dir, server::Mode::kSync);
+  std::vector<float> w(100 * 30), momentum(100 * 30);
+  {
+    auto cluster = StartCluster(cfg, 3);
+    auto c = ConnectCluster(cluster, "w0");
+    TrainFourSteps(*c, &w, &momentum);
+    REQUIRE(SealedEverywhere(*c, 3, 4));  // checkpoint 4 (every 2 steps)
+  }
+  // Shard 1 holds its part of step 4 but not the manifest: as if it had been restarted between
+  // writing its part and the chief's seal. Before, the cluster waited three election timeouts for
+  // it and then rolled back to checkpoint 2.
+  const std::string manifest = dir + "/shard1/ckpt-00000000000000000004/MANIFEST";
+  REQUIRE(std::filesystem::exists(manifest));
+  std::filesystem::remove(manifest);
+  auto started = std::chrono::steady_clock::now();
+  auto cluster = StartCluster(cfg, 3);  // the same checkpoint directories, new ports
+  auto c = ConnectCluster(cluster, "w0");
+  const double formed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  auto step = c->GlobalStep();
+  REQUIRE(step.ok());
+  CHECK(*step == 4);
+  std::vector<float> w_after(100 * 30), m_after(100 * 30);
+  REQUIRE(c->Pull("w", Out(w_after, {100, 30})).ok());
+  REQUIRE(c->GetSlot("w", "momentum", Out(m_after, {100, 30})).ok());
+  CHECK(w_after == w);
+  CHECK(m_after == momentum);
+  CHECK(std::filesystem::exists(manifest));  // written from the restore order
+  // Reported, not asserted (timings are the bench's): no longer the three-election-timeout wait.
+  std::printf("reseal: the cluster served checkpoint 4 %.2f s after its shards started\n", formed_s);
   std::filesystem::remove_all(dir);
 }
 

@@ -191,6 +191,36 @@ TEST_CASE("a corrupt part makes that step unrestorable for its shard only", "[ch
   CHECK(RestorableSteps(dir.path, 0, 3) == std::vector<int64_t>{20});
 }
 
+TEST_CASE("a shard that missed a seal writes it from the chief's parts only if its own part matches",
+          "[checkpoint][cluster]") {
+  TempDir chief, lagging;
+  // Every shard wrote its part of step 30 into its own directory; only the chief's is sealed.
+  std::vector<ManifestPart> parts;
+  for (int k = 0; k < 3; ++k) {
+    auto info = WriteCheckpoint(k == 1 ? lagging.path : chief.path, Snapshot(30, static_cast<float>(k)), k, 3, 0);
+    REQUIRE(info.ok());
+    parts.push_back({k, info->part_file, info->part_bytes, info->part_checksum});
+  }
+  REQUIRE(WriteManifest(chief.path, 30, 3, parts).ok());
+  std::vector<int64_t> unusable;
+  CHECK(RestorableSteps(lagging.path, 1, 3, &unusable).empty());
+  CHECK(unusable == std::vector<int64_t>{30});  // present, unsealed
+  // A seal that names another part for shard 1 (another timeline's step 30) is refused, and nothing is written.
+  std::vector<ManifestPart> other = parts;
+  other[1].checksum ^= 1;
+  CHECK(SealOwnPart(lagging.path, 30, 1, 3, other).code() == Code::kFailedPrecondition);
+  CHECK(RestorableSteps(lagging.path, 1, 3).empty());
+  // So is a seal without a part for it, and one for a step it has no part of.
+  CHECK(SealOwnPart(lagging.path, 30, 1, 3, {parts[0], parts[2]}).code() == Code::kFailedPrecondition);
+  CHECK(SealOwnPart(lagging.path, 40, 1, 3, parts).code() == Code::kFailedPrecondition);
+  // The chief's own seal: restorable there now.
+  REQUIRE(SealOwnPart(lagging.path, 30, 1, 3, parts).ok());
+  CHECK(RestorableSteps(lagging.path, 1, 3) == std::vector<int64_t>{30});
+  ShardSnapshot back;
+  REQUIRE(LoadCheckpointAt(lagging.path, 30, 1, &back).ok());
+  CHECK(At(back.variables[0].value, 0) == 1);
+}
+
 // --- format v4: XXH3 block checksums, parallel writes, and the older formats still read ----------
 
 namespace {

@@ -70,8 +70,9 @@ struct DiskEntry {
   bool has_part = false;
   uint64_t part_checksum = 0;  // = the engine's value at that step
   bool has_manifest = false;
-  uint64_t manifest_checksum = 0;  // what the manifest records for this shard's part
-  bool abandoned = false;          // (the sim's note) an operator approved losing it
+  uint64_t manifest_checksum = 0;              // what the manifest records for this shard's part
+  bool abandoned = false;                      // (the sim's note) an operator approved losing it
+  std::vector<peer::PartInfo> manifest_parts;  // every shard's, as the manifest lists them
   bool restorable() const { return has_part && has_manifest && manifest_checksum == part_checksum; }
 };
 
@@ -142,6 +143,7 @@ class Sim {
       if (sh.up && sh.life == life) fn(sh);
     });
   }
+  void CountReseal() { ++result_.reseals; }
   void Note(std::string line) {
     if (o_.trace) result_.trace.push_back(fmt::format("{:>7} ms  {}", now_, line));
   }
@@ -291,14 +293,17 @@ class FakeHost : public ShardHost {
       done(Status::Ok(), {p});
     });
   }
-  void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable) override {
+  void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
+                       std::map<int64_t, std::vector<peer::PartInfo>>* seals) override {
     for (auto it = sh().disk.rbegin(); it != sh().disk.rend(); ++it) {
       (it->second.restorable() ? sealed : unusable)->push_back(it->first);
+      if (it->second.restorable()) (*seals)[it->first] = it->second.manifest_parts;
     }
   }
   Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) override {
     DiskEntry& d = sh().disk[step];
     d.has_manifest = true;
+    d.manifest_parts = parts;
     d.manifest_checksum = 0;
     for (const auto& p : parts) {
       if (p.shard == me_) d.manifest_checksum = p.checksum;
@@ -311,6 +316,25 @@ class FakeHost : public ShardHost {
                       me_, step));
     }
     return Status::Ok();
+  }
+  Status SealOwnPart(int64_t step, const std::vector<peer::PartInfo>& parts) override {
+    auto it = sh().disk.find(step);
+    uint64_t want = 0;
+    bool named = false;
+    for (const auto& p : parts) {
+      if (p.shard == me_) {
+        want = p.checksum;
+        named = true;
+      }
+    }
+    if (it == sh().disk.end() || !it->second.has_part || !named || it->second.part_checksum != want) {
+      sim_.Note(
+          fmt::format("shard {}: refused the seal of step {} carried by a restore (its part differs)", me_, step));
+      return FailedPrecondition("this shard's part does not match the seal");
+    }
+    sim_.Note(fmt::format("shard {}: seals step {} from a restore order", me_, step));
+    sim_.CountReseal();
+    return SealCheckpoint(step, parts);
   }
   bool CheckpointWriterBusy() override { return sh().writer_busy || sh().pending_snapshot.has_value(); }
   uint64_t LoadTerm() override { return sh().saved_term; }

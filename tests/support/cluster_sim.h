@@ -60,6 +60,7 @@ struct SimResult {
   int64_t events = 0;
   int64_t commits = 0;     // steps released to workers, all epochs
   int64_t formations = 0;  // epochs that served
+  int64_t reseals = 0;     // seals a shard wrote from a restore order (it had missed the seal)
   int64_t contested = 0;   // formations of a term another shard formed too (settled before serving)
   int64_t end_ms = 0;      // simulated time when the last shard exited
 };
