@@ -1,0 +1,339 @@
+// ClusterCoordinator (cluster/coordinator.h), its checkpoint side: which step the chief forms
+// the cluster at (the checkpoints every shard can restore, seals a shard missed, an operator's
+// decision), the formation's restore order, and the parts, seals and checkpoint requests of a
+// running cluster. The rest of the protocol is in coordinator.cc.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <iterator>
+
+#include "cluster/coordinator.h"
+
+namespace psd::server {
+
+void ClusterCoordinator::ArrivalCheckpointLocked(int64_t applied, std::vector<Action>* actions) {
+  if (options_.checkpoint_dir.empty() || epoch_ != term_ || applied <= arrival_checkpoint_) return;
+  const int64_t every = options_.checkpoint_every_steps;
+  bool due = checkpoint_next_ || (every > 0 && applied / every > std::max<int64_t>(arrival_checkpoint_, 0) / every);
+  if (!due || writer_busy_) return;  // a part still being written: the next tick orders it
+  checkpoint_next_ = false;
+  arrival_checkpoint_ = applied;
+  peer::Message msg = MessageLocked(peer::Control{epoch_, false, applied, -1});
+  actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
+}
+
+std::set<int64_t> ClusterCoordinator::CommonStepsLocked() const {
+  std::set<int64_t> common(sealed_.begin(), sealed_.end());
+  for (int i = 0; i < shards_; ++i) {
+    if (i == me_) continue;
+    const auto& s = peers_[static_cast<size_t>(i)].sealed;
+    std::set<int64_t> theirs(s.begin(), s.end()), both;
+    std::set_intersection(common.begin(), common.end(), theirs.begin(), theirs.end(),
+                          std::inserter(both, both.begin()));
+    common.swap(both);
+  }
+  return common;
+}
+
+namespace {
+
+// "150, 140 and 2 more" (newest first).
+std::string StepList(const std::vector<int64_t>& steps) {
+  if (steps.empty()) return "none";
+  std::string out;
+  for (size_t i = 0; i < steps.size() && i < 4; ++i) out += (i == 0 ? "" : ", ") + std::to_string(steps[i]);
+  if (steps.size() > 4) out += " and " + std::to_string(steps.size() - 4) + " more";
+  return out;
+}
+
+}  // namespace
+
+std::string ClusterCoordinator::DescribeCheckpointsLocked() const {
+  std::string out;
+  for (int i = 0; i < shards_; ++i) {
+    const auto& sealed = i == me_ ? sealed_ : peers_[static_cast<size_t>(i)].sealed;
+    const auto& unusable = i == me_ ? unusable_ : peers_[static_cast<size_t>(i)].unusable;
+    out +=
+        (i == 0 ? "" : "; ") + fmt::format("shard {} ({}) can restore step(s) {}", i, AddressOf(i), StepList(sealed));
+    if (!unusable.empty()) out += " (unusable there: " + StepList(unusable) + ")";
+  }
+  return out;
+}
+
+bool ClusterCoordinator::ResealableLocked(int64_t step) const {
+  auto has = [](const std::vector<int64_t>& v, int64_t t) { return std::find(v.begin(), v.end(), t) != v.end(); };
+  if (seal_parts_.count(step) == 0 || !has(sealed_, step) || reseal_failed_.count(step) > 0) return false;
+  for (int i = 0; i < shards_; ++i) {
+    if (i == me_) continue;
+    const Peer& p = peers_[static_cast<size_t>(i)];
+    if (!has(p.sealed, step) && !has(p.unusable, step)) return false;
+  }
+  return true;
+}
+
+std::optional<int64_t> ClusterCoordinator::FormationStepLocked(std::vector<Action>* actions) {
+  std::set<int64_t> common = CommonStepsLocked();
+  int64_t step = common.empty() ? -1 : *common.rbegin();
+  // A newer checkpoint that every shard holds, some without its manifest (they missed the seal):
+  // formed at, its seal sent along with the restore order, rather than rolled back further.
+  reseal_.reset();
+  for (auto it = seal_parts_.rbegin(); it != seal_parts_.rend() && it->first > step; ++it) {
+    if (!ResealableLocked(it->first)) continue;
+    spdlog::info(
+        "cluster: checkpoint step {} is sealed here and held unsealed by shards that missed its seal; "
+        "the restore order carries the seal",
+        it->first);
+    step = it->first;
+    reseal_.emplace(it->first, it->second);
+    break;
+  }
+  // Newer steps that a shard can restore and another shard has lost: no trace of them there (a
+  // directory it cannot restore — a corrupt part, a seal it missed — makes the step unusable for
+  // good, skipped as before).
+  auto has = [](const std::vector<int64_t>& v, int64_t t) { return std::find(v.begin(), v.end(), t) != v.end(); };
+  std::set<int64_t> lost;
+  std::set<int> losers;
+  bool allowed = options_.allow_state_loss || !options_.restore;
+  for (int i = 0; i < shards_; ++i) {
+    if (i != me_ && peers_[static_cast<size_t>(i)].allow_state_loss) allowed = true;
+    for (int64_t t : i == me_ ? sealed_ : peers_[static_cast<size_t>(i)].sealed) {
+      if (t <= step) continue;
+      for (int j = 0; j < shards_; ++j) {
+        const auto& sealed = j == me_ ? sealed_ : peers_[static_cast<size_t>(j)].sealed;
+        const auto& unusable = j == me_ ? unusable_ : peers_[static_cast<size_t>(j)].unusable;
+        if (!has(sealed, t) && !has(unusable, t)) {
+          lost.insert(t);
+          losers.insert(j);
+        }
+      }
+    }
+  }
+  if (lost.empty()) return step;
+  std::string at = step < 0 ? std::string("empty at step 0") : "at checkpoint step " + std::to_string(step);
+  std::string newest = "step " + std::to_string(*lost.rbegin());
+  if (decision_) {
+    if (*decision_ < 0 || common.count(*decision_) > 0) {
+      spdlog::error(
+          "cluster: forming {} by an operator's decision (psd_admin recover), losing checkpoint {}: {}",
+          *decision_ < 0 ? std::string("empty at step 0") : "at checkpoint step " + std::to_string(*decision_), newest,
+          DescribeCheckpointsLocked());
+      return *decision_;
+    }
+    spdlog::error(
+        "cluster: the operator's decision (checkpoint step {}) no longer holds: not every shard can restore it",
+        *decision_);
+    decision_.reset();
+  }
+  if (allowed) {
+    spdlog::error("cluster: forming {} with --allow-state-loss, losing checkpoint {}: {}", at, newest,
+                  DescribeCheckpointsLocked());
+    return step;
+  }
+  std::string who;
+  for (int j : losers) who += (who.empty() ? "" : ", ") + std::to_string(j) + " (" + AddressOf(j) + ")";
+  std::string why = "refusing to form the cluster " + at + ": shard(s) " + who + " lack checkpoint " + newest +
+                    " that other shards hold (" + DescribeCheckpointsLocked() +
+                    "). Bring back the lost --checkpoint-dir and restart that shard to keep it, or decide to lose it: "
+                    "`psd_admin --cluster ... recover` (" +
+                    (step < 0 ? std::string("with --empty") : "the newest common step, " + std::to_string(step)) +
+                    "), `recover --empty`, or a shard restarted with --allow-state-loss (README \"Losing a shard's "
+                    "checkpoints\")";
+  if (why != refusal_) spdlog::error("cluster: {}", why);
+  refusal_ = why;
+  DegradeLocked(why, actions);
+  return std::nullopt;
+}
+
+Status ClusterCoordinator::Recover(int64_t step, bool empty) {
+  {
+    MutexLock lock(&mu_);
+    if (chief_ != me_) return NotChiefLocked();
+    if (running_ || forming_ || refusal_.empty() || missing_reason_ != refusal_) {
+      std::string state = running_ ? std::string("running") : (missing_reason_.empty() ? "forming" : missing_reason_);
+      return FailedPrecondition("the cluster is not waiting for an operator's decision (it is " + state +
+                                "); nothing to recover");
+    }
+    std::set<int64_t> common = CommonStepsLocked();
+    std::vector<int64_t> list(common.rbegin(), common.rend());
+    if (empty) {
+      decision_ = -1;
+    } else if (step < 0) {
+      if (common.empty()) {
+        return InvalidArgument(
+            "no checkpoint can be restored by every shard: `psd_admin recover --empty` starts at "
+            "step 0");
+      }
+      decision_ = *common.rbegin();
+    } else if (common.count(step) == 0) {
+      return InvalidArgument("checkpoint step " + std::to_string(step) +
+                             " cannot be restored by every shard; those that can: " + StepList(list) +
+                             (common.empty() ? " (use --empty)" : ""));
+    } else {
+      decision_ = step;
+    }
+    spdlog::error("cluster: an operator decided (psd_admin recover) to form {}",
+                  *decision_ < 0 ? std::string("empty at step 0") : "at checkpoint step " + std::to_string(*decision_));
+  }
+  if (wake_) wake_();
+  return Status::Ok();
+}
+
+bool ClusterCoordinator::SealsSettledLocked(Clock::time_point now) {
+  // A checkpoint that one shard lists as restorable and another does not (yet) may be news that
+  // has not reached this chief: a heartbeat sent before the manifest was written, a slow link,
+  // its own seal not handled yet. Forming now would skip a checkpoint that every shard holds, as
+  // if unusable, or ask an operator to give it up. So such a step (and one this chief sealed
+  // lately) is waited for, from when this chief first sees it, until every shard lists it as
+  // restorable or for three election timeouts (then a shard that still lacks it missed the seal
+  // or lost it: skipped, or the operator is asked, as before).
+  // Only steps newer than the newest one every shard lists matter: an older one would never be
+  // chosen (a shard that pruned it, or that was restarted after it, is not waited for).
+  std::set<int64_t> common = CommonStepsLocked(), listed;
+  const int64_t newest_common = common.empty() ? -1 : *common.rbegin();
+  for (int i = 0; i < shards_; ++i) {
+    for (int64_t t : i == me_ ? sealed_ : peers_[static_cast<size_t>(i)].sealed) {
+      listed.insert(t);
+      if (common.count(t) == 0 && t > newest_common) seals_pending_.emplace(t, now);
+    }
+  }
+  const auto window = 3 * std::chrono::milliseconds(options_.election_timeout_ms);
+  bool settled = true;
+  for (auto it = seals_pending_.begin(); it != seals_pending_.end();) {
+    // Confirmed everywhere, older than a step every shard lists, or listed nowhere any more (its
+    // seal failed, or its timeline was left): forgotten, so that a new checkpoint of that step is
+    // waited for afresh.
+    if (common.count(it->first) > 0 || it->first < newest_common ||
+        (listed.count(it->first) == 0 && now - it->second >= window)) {
+      it = seals_pending_.erase(it);
+      continue;
+    }
+    // News that a restore order can carry (the seal a shard missed) need not be waited for.
+    if (now - it->second < window && !ResealableLocked(it->first)) settled = false;
+    ++it;
+  }
+  if (!settled && missing_reason_.find("waiting for every shard") == std::string::npos) {
+    missing_reason_ = "waiting for every shard to confirm its newest checkpoint";
+    missing_since_ = now;
+  }
+  return settled;
+}
+
+void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
+  if (!SealsSettledLocked(now_())) return;
+  std::optional<int64_t> chosen = FormationStepLocked(actions);
+  if (!chosen) return;  // an operator must decide
+  int64_t step = *chosen;
+  refusal_.clear();
+  term_ = std::max(term_, max_term_seen_) + 1;
+  max_term_seen_ = term_;
+  SaveTermLocked(actions);  // before the restore order goes out: this epoch is never formed again
+  forming_ = true;
+  formation_start_ = now_();
+  formation_step_ = step;
+  restored_.clear();
+  placement_.Clear();
+  // Parts written in an older epoch belong to its timeline: a seal must never mix them with this
+  // epoch's parts of the same step (the manifest would not match those shards' new parts).
+  parts_.clear();
+  votes_.clear();
+  committed_.clear();
+  commit_in_flight_ = -1;
+  open_step_ = step < 0 ? 0 : step;
+  missing_reason_ = step < 0 ? "starting empty at step 0" : "restoring checkpoint step " + std::to_string(step);
+  spdlog::info("cluster: forming epoch {} on {} shard(s): {}", term_, shards_, missing_reason_);
+  std::vector<peer::PartInfo> seal;
+  if (reseal_ && reseal_->first == step) seal = reseal_->second;
+  peer::Message msg = MessageLocked(peer::Restore{term_, step, std::move(seal)});
+  actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
+}
+
+// --- checkpoints ------------------------------------------------------------------------------
+
+void ClusterCoordinator::OnPartWritten(uint64_t epoch, int64_t step, const peer::PartInfo& part) {
+  peer::Message msg;
+  int chief = -1;
+  {
+    MutexLock lock(&mu_);
+    // A trace of `step` on this shard until its seal arrives: if the seal never does (the cluster
+    // re-formed first), the step is unusable here, not lost — a chief that did seal it must not
+    // ask an operator to give it up (FormationStepLocked).
+    if (std::find(unusable_.begin(), unusable_.end(), step) == unusable_.end()) unusable_.push_back(step);
+    peer::PartInfo mine = part;
+    mine.shard = me_;
+    // The snapshot's epoch, not the current one: a part written after the cluster re-formed
+    // belongs to the timeline it was taken in (the chief drops it).
+    msg = MessageLocked(peer::PartWritten{epoch, step, std::move(mine)});
+    chief = chief_;
+  }
+  SendTo(chief, msg);
+}
+
+void ClusterCoordinator::AddSealedLocked(int64_t step) {
+  unusable_.erase(std::remove(unusable_.begin(), unusable_.end(), step), unusable_.end());
+  if (std::find(sealed_.begin(), sealed_.end(), step) == sealed_.end()) sealed_.push_back(step);
+  std::sort(sealed_.rbegin(), sealed_.rend());
+  if (options_.keep_checkpoints > 0 && sealed_.size() > static_cast<size_t>(options_.keep_checkpoints)) {
+    sealed_.resize(static_cast<size_t>(options_.keep_checkpoints));
+  }
+  // Seals of pruned checkpoints are not needed any more.
+  while (!seal_parts_.empty() && (sealed_.empty() || seal_parts_.begin()->first < sealed_.back())) {
+    seal_parts_.erase(seal_parts_.begin());
+  }
+}
+
+void ClusterCoordinator::HandlePartWritten(int from, uint64_t term, const peer::PartWritten& p,
+                                           std::vector<Action>* actions) {
+  if (chief_ != me_ || term != term_ || p.epoch != term_ || p.part.shard != from) return;
+  int64_t step = p.step;
+  auto& parts = parts_[step];
+  parts[from] = p.part;
+  if (static_cast<int>(parts.size()) < shards_) return;
+  peer::Seal seal{term_, step, {}};
+  for (auto& [shard, part] : parts) seal.parts.push_back(part);
+  parts_.erase(parts_.begin(), parts_.upper_bound(step));
+  seals_pending_[step] = now_();  // a new checkpoint of this step: waited for afresh
+  peer::Message msg = MessageLocked(std::move(seal));
+  actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
+}
+
+void ClusterCoordinator::HandleSeal(int from, uint64_t term, const peer::Seal& s, std::vector<Action>* actions) {
+  if (!AcceptChiefLocked(from, term, actions) || options_.checkpoint_dir.empty()) return;
+  if (static_cast<int>(s.parts.size()) != shards_) return;
+  int64_t step = s.step;
+  bool finish = job_done_ && step == final_step_;
+  if (finish) awaiting_final_seal_ = false;  // this seal finishes the job, not the timeout
+  actions->push_back([this, step, parts = s.parts, finish] {
+    auto t0 = now_();
+    Status w = host_.SealCheckpoint(step, parts);
+    if (!w.ok()) {
+      spdlog::error("cluster: cannot seal checkpoint step {}: {}", step, w.message());
+    } else {
+      {
+        MutexLock lock(&mu_);
+        seal_parts_[step] = parts;
+        AddSealedLocked(step);
+      }
+      spdlog::info("cluster: checkpoint at step {} sealed in {} ({} shards, {:.0f} ms)", step, options_.checkpoint_dir,
+                   shards_, std::chrono::duration<double, std::milli>(now_() - t0).count());
+    }
+    if (finish) host_.FinishJob();
+  });
+}
+
+void ClusterCoordinator::RequestCheckpoint(bool timed) {
+  peer::Message msg;
+  int chief = -1;
+  {
+    MutexLock lock(&mu_);
+    if (chief_ == me_) {
+      checkpoint_next_ = true;
+      return;
+    }
+    if (timed) return;  // the chief's own timer counts
+    msg = MessageLocked(peer::CheckpointRequest{});
+    chief = chief_;
+  }
+  SendTo(chief, msg);
+}
+
+}  // namespace psd::server
