@@ -1,4 +1,4 @@
-// Fuzz target `peer_message`: the shard-to-shard protocol (server/cluster/coordinator.cc). The
+// Fuzz target `peer_message`: the shard-to-shard protocol (server/cluster/coordinator.cc, formation.cc). The
 // input is the byte stream of a peer link: its frames are read with wire::ReadFrame and every
 // Request that carries a PeerMessage is decoded (service/peer_codec.h) and, if valid, goes to
 // ClusterCoordinator::OnMessage, as Connection hands it over from a proven peer link. The coordinator is shard 0 of a
