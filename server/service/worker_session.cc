@@ -558,6 +558,18 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     return SendError(id, InvalidArgument("a push frame with `more` set cannot wait for a token or pull: only the "
                                          "last frame of a push does"));
   }
+  // A sparse gradient sent in several frames (rowsMore): its rows keep increasing from frame to
+  // frame, as within one (a row sent twice would count twice).
+  for (const GradRef& g : grads) {
+    auto it = sparse_rows_last_.find(g.name);
+    if (it != sparse_rows_last_.end() && g.nnz > 0 && g.indices[0] <= it->second) {
+      sparse_rows_last_.clear();
+      return SendError(id, InvalidArgument("gradient for '" + std::string(g.name) + "': its rows continue at index " +
+                                           std::to_string(g.indices[0]) + ", not after the last frame's " +
+                                           std::to_string(it->second) +
+                                           "; a sparse gradient's indices must keep increasing across frames"));
+    }
+  }
   std::vector<std::string> pull_after;
   for (auto n : r.getPullAfter()) pull_after.emplace_back(n);
   auto want = WantedDTypes(r.getPullAfterDtypes(), pull_after.size());
@@ -623,6 +635,17 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // The answer runs on this strand, after this handler: the outcomes are in by then.
   if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer);
   Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes, worker_name_, more);
+  if (!more || !s.ok()) {
+    sparse_rows_last_.clear();  // the push is over
+  } else {
+    for (const GradRef& g : grads) {
+      if (!g.rows_more) {
+        sparse_rows_last_.erase(std::string(g.name));
+      } else if (g.nnz > 0) {
+        sparse_rows_last_[std::string(g.name)] = g.indices[g.nnz - 1];
+      }
+    }
+  }
   if (!s.ok()) {
     pending->failed = true;
     if (parked) parked->cancel(Cancelled("the push was refused"));

@@ -19,9 +19,11 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
+#include <string>
 
 #include "core/token_queue.h"
 #include "net/connection.h"
@@ -145,6 +147,9 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
     size_t filled = 0;              // bytes received
   };
   std::optional<PendingValue> pending_value_;
+  // The push in progress (Push.more): the last row so far of each sparse gradient whose rows
+  // continue in a later frame (Gradient.rowsMore), by variable.
+  std::map<std::string, int64_t, std::less<>> sparse_rows_last_;
   // Adds one chunk of a `kind` request for variable `name` (chunkOffset, chunkedShape and more as
   // the request says); *complete: the last one came and pending_value_ is whole. Errors drop it.
   Status GatherChunk(proto::Request::Which kind, const std::string& name, int64_t offset,

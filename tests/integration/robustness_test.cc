@@ -241,6 +241,53 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
   ExpectHealthy(server->port());
 }
 
+TEST_CASE("a sparse gradient's rows sent in several frames must keep increasing", "[robustness][chunks]") {
+  auto server = StartServer(TestConfig(1, 2, 0));  // "owner" and "raw"; a step takes one gradient
+  auto owner = ConnectWorker(server->port(), "owner");
+  std::vector<float> zeros(16, 0.0f);
+  REQUIRE(owner->CreateVariable("emb", {zeros.data(), DType::kFloat32, {8, 2}, MemoryKind::kHost}).ok());
+  RawPeer p(server->port());
+  p.Hello("raw");
+  Code code;
+  std::string msg;
+  // One frame of a push: rows `rows` of a gradient of ones for "emb", more to come if `more`.
+  auto frame = [&](const std::vector<int64_t>& rows, bool more) {
+    wire::OutFrame f;
+    auto r = f.builder.initRoot<proto::Request>();
+    r.setId(5);
+    auto push = r.initPush();
+    push.setMore(more);
+    auto g = push.initGrads(1)[0];
+    g.setName("emb");
+    g.setSparse(true);
+    g.setRowsMore(more);
+    std::vector<float> ones(rows.size() * 2, 1.0f);
+    wire::SetTensor(f.builder, g.initGrad(), DType::kFloat32, {static_cast<int64_t>(rows.size()), 2}, ones.data(),
+                    ones.size() * sizeof(float));
+    auto idx = g.initIndices(static_cast<unsigned>(rows.size()));
+    for (size_t k = 0; k < rows.size(); ++k) idx.set(static_cast<unsigned>(k), rows[k]);
+    p.Send(f);
+    REQUIRE(p.Read(&code, &msg));
+  };
+  frame({0, 3}, true);
+  CHECK(code == Code::kOk);
+  frame({3, 5}, false);  // row 3 again
+  CHECK(code == Code::kInvalidArgument);
+  CHECK_THAT(msg, Catch::Contains("must keep increasing across frames"));
+  CHECK(server->engine()->global_step() == 0);  // the gradient never completed
+  // Rows that do continue: the gradient counts once, with its last rows, and the step is taken.
+  frame({0, 3}, true);
+  CHECK(code == Code::kOk);
+  frame({4, 6}, false);
+  CHECK(code == Code::kOk);
+  CHECK(server->engine()->global_step() == 1);
+  std::vector<float> emb(16, -1.0f);
+  REQUIRE(owner->Pull("emb", {emb.data(), DType::kFloat32, {8, 2}, MemoryKind::kHost}).ok());
+  for (int row : {1, 2, 5, 7}) CHECK(emb[static_cast<size_t>(row) * 2] == 0.0f);
+  for (int row : {3, 4, 6}) CHECK(emb[static_cast<size_t>(row) * 2] == emb[0]);
+  CHECK(emb[0] < 0.0f);
+}
+
 TEST_CASE("with an auth token, only peers that present it are served", "[robustness][auth]") {
   auto cfg = TestConfig(1, 1, 0);
   cfg.auth_token = "s3cret";
