@@ -563,11 +563,12 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   for (const GradRef& g : grads) {
     auto it = sparse_rows_last_.find(g.name);
     if (it != sparse_rows_last_.end() && g.nnz > 0 && g.indices[0] <= it->second) {
-      sparse_rows_last_.clear();
-      return SendError(id, InvalidArgument("gradient for '" + std::string(g.name) + "': its rows continue at index " +
-                                           std::to_string(g.indices[0]) + ", not after the last frame's " +
-                                           std::to_string(it->second) +
-                                           "; a sparse gradient's indices must keep increasing across frames"));
+      const int64_t last = it->second;
+      sparse_rows_last_.clear();  // the push is over
+      return SendError(
+          id, InvalidArgument("gradient for '" + std::string(g.name) + "': its rows continue at index " +
+                              std::to_string(g.indices[0]) + ", not after the last frame's " + std::to_string(last) +
+                              "; a sparse gradient's indices must keep increasing across frames"));
     }
   }
   std::vector<std::string> pull_after;
