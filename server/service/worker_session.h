@@ -38,6 +38,7 @@
 namespace psd::server {
 
 class ServiceHost;
+class TrainingEngine;
 
 class WorkerSession : public FrameHandler, public std::enable_shared_from_this<WorkerSession> {
  public:
@@ -51,8 +52,18 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   void OnClosed() override;
 
  private:
-  struct TokenWait;
   using TokenDone = std::function<void(const Status&, int64_t token)>;
+  // A parked token wait (WaitForToken): a timer and a callback, never a thread.
+  struct TokenWait {
+    explicit TokenWait(const asio::strand<asio::io_context::executor_type>& strand) : timer(strand) {}
+    asio::steady_timer timer;
+    std::function<bool(const Status&)> cancel;  // removes the parked wait; false if already released
+    bool from_queue = false;                    // a token-queue wait (a delivered token goes back if unused)
+    std::shared_ptr<TrainingEngine> engine;     // whose queue it waits on
+    bool done = false;
+    TokenDone on_done;
+    std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+  };
 
   // Answers `id` with `status` and closes once the reply is written.
   void FailStream(const Status& status, uint64_t id) { conn_->FailStream(status, id); }

@@ -1,0 +1,221 @@
+// WorkerSession: a worker's pushes (gradients of any size, in one frame or several, through
+// shared memory or TCP), the token wait they may carry, and plain token waits.
+#include <spdlog/spdlog.h>
+
+#include <deque>
+
+#include "cluster/coordinator.h"
+#include "service/reply_values.h"
+#include "service/service_host.h"
+#include "service/worker_session.h"
+
+namespace psd::server {
+namespace {
+
+const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no rows
+
+}  // namespace
+
+void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
+  auto grads_in = r.getGrads();
+  ClusterCoordinator* const cluster = host_.coordinator();
+  // Async/ssp on a cluster, a worker's push reaches the chief even with nothing for it: it
+  // counts the worker's step there (the cluster's global step, coordinator.h).
+  const bool counts_only = cluster != nullptr && host_.config().mode != Mode::kSync && !r.getMore();
+  if (grads_in.size() == 0 && !counts_only) return SendError(id, InvalidArgument("Must supply at least one variable"));
+  if (grads_in.size() == 0 && !cluster->is_chief()) {
+    return SendError(
+        id, Unavailable("the global step lives on the chief shard " + std::to_string(cluster->chief()) + "; retry"));
+  }
+  auto engine = host_.engine();
+  if (ClusterCoordinator* c = cluster) {
+    uint64_t epoch = r.getClusterEpoch();
+    if (epoch != 0 && epoch != engine->epoch()) {
+      return SendError(id, Aborted("gradients computed at cluster epoch " + std::to_string(epoch) +
+                                   "; the cluster restored a checkpoint and runs epoch " +
+                                   std::to_string(engine->epoch()) + ": pull the variables and go on from there"));
+    }
+    if (r.getWaitToken() && !c->is_chief()) {
+      return SendError(id, Unavailable("tokens live on the chief shard " + std::to_string(c->chief()) + "; retry"));
+    }
+  }
+  std::vector<GradRef> grads;
+  grads.reserve(grads_in.size());
+  std::deque<std::vector<int64_t>> index_storage;  // stable addresses for sparse indices
+  ShmSlot::Lease shm_lease;                        // shared memory, while the gradients are read
+  for (auto g : grads_in) {
+    auto t = ReadTensorIn(g.getGrad(), &shm_lease);
+    if (!t.ok()) return SendError(id, t.status());
+    auto name = g.getName();
+    GradRef ref{std::string_view(name.cStr(), name.size()),
+                t->dtype,
+                std::move(t->shape),
+                t->data,
+                t->bytes,
+                nullptr,
+                0,
+                std::nullopt};
+    if (g.getChunk()) {
+      if (g.getChunkOffset() < 0) return SendError(id, InvalidArgument("a gradient chunk's offset must be >= 0"));
+      ref.chunk_offset = g.getChunkOffset();
+    }
+    ref.rows_more = g.getRowsMore();  // the engine checks it is a sparse gradient's, with more frames
+    if (g.getSparse()) {
+      // Copied out of the message: a peer may encode the list with another element size.
+      auto idx = g.getIndices();
+      index_storage.emplace_back(idx.size());
+      for (unsigned k = 0; k < idx.size(); ++k) index_storage.back()[k] = idx[k];
+      ref.nnz = idx.size();
+      ref.indices = idx.size() ? index_storage.back().data() : &kNoIndex;
+      if (g.getHasDenseShape()) {
+        Shape ds;
+        for (int64_t d : g.getDenseShape()) ds.push_back(d);
+        if (ds.size() > 32) return SendError(id, InvalidArgument("dense_shape rank exceeds 32"));
+        ref.dense_shape = std::move(ds);
+      }
+    }
+    grads.push_back(std::move(ref));
+  }
+  const bool more = r.getMore();
+  if (more && (r.getWaitToken() || r.getPullAfter().size() > 0)) {
+    return SendError(id, InvalidArgument("a push frame with `more` set cannot wait for a token or pull: only the "
+                                         "last frame of a push does"));
+  }
+  // A sparse gradient sent in several frames (rowsMore): its rows keep increasing from frame to
+  // frame, as within one (a row sent twice would count twice).
+  for (const GradRef& g : grads) {
+    auto it = sparse_rows_last_.find(g.name);
+    if (it != sparse_rows_last_.end() && g.nnz > 0 && g.indices[0] <= it->second) {
+      const int64_t last = it->second;
+      sparse_rows_last_.clear();  // the push is over
+      return SendError(
+          id, InvalidArgument("gradient for '" + std::string(g.name) + "': its rows continue at index " +
+                              std::to_string(g.indices[0]) + ", not after the last frame's " + std::to_string(last) +
+                              "; a sparse gradient's indices must keep increasing across frames"));
+    }
+  }
+  std::vector<std::string> pull_after;
+  for (auto n : r.getPullAfter()) pull_after.emplace_back(n);
+  auto want = WantedDTypes(r.getPullAfterDtypes(), pull_after.size());
+  if (!want.ok()) return SendError(id, want.status());
+  if (!pull_after.empty()) {
+    // Checked before anything is pushed, so the pull after the token cannot fail (variables are
+    // never deleted) and a bad name changes nothing.
+    auto declared = engine->DeclaredDTypes(pull_after);
+    Status known = declared.status();
+    for (size_t i = 0; known.ok() && i < declared->size(); ++i) {
+      if ((*want)[i]) known = CheckWanted("variable '" + pull_after[i] + "'", (*declared)[i], *(*want)[i]);
+    }
+    if (!known.ok()) return SendError(id, known);
+  }
+  // A sync push that waits parks its wait before the gradients are applied: when they complete a
+  // step, the step's tokens go to the waiters parked at that moment, this one included, so a fast
+  // worker's next push cannot take the token this worker is owed (two back-to-back waits of
+  // one worker would otherwise leave the other without a token until its wait timed out).
+  struct Pending {
+    bool failed = false;  // the push was refused: the wait answers nothing (a token goes back)
+    std::vector<GradOutcome> outcomes;
+    std::vector<std::string> pull_after;            // the values the reply carries too
+    std::vector<std::optional<DType>> pull_dtypes;  // ... and the dtypes they are asked in
+    std::optional<ShmTarget> pull_shm;              // ... and where, when in shared memory
+  };
+  auto pending = std::make_shared<Pending>();
+  pending->pull_after = std::move(pull_after);
+  pending->pull_dtypes = std::move(*want);
+  pending->pull_shm = TargetOf(r.hasPullToShm(), r.getPullToShm());
+  auto fill = [pending, this, engine](proto::PushReply::Builder p) {
+    const std::vector<GradOutcome>& outcomes = pending->outcomes;
+    auto results = p.initResults(static_cast<unsigned>(outcomes.size()));
+    for (size_t i = 0; i < outcomes.size(); ++i) {
+      results[static_cast<unsigned>(i)].setAccepted(outcomes[i].accepted);
+      results[static_cast<unsigned>(i)].setStep(outcomes[i].step);
+      results[static_cast<unsigned>(i)].setStaleness(outcomes[i].staleness);
+    }
+    p.setIsChief(host_.workers().IsChief(id_));
+    p.setStepGradients(engine->last_step_gradients());
+    FillCluster(p, engine->epoch());
+  };
+  auto answer = [this, id, engine, pending, fill](const Status& st, int64_t token) {
+    if (pending->failed) {
+      if (st.ok()) engine->tokens().PushFront(token);  // not this worker's: the push was refused
+      return;
+    }
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    auto p = resp.initPush();
+    fill(p);
+    p.setToken(token);
+    p.setTokenCode(wire::ToWire(st.code()));
+    p.setTokenMessage(st.message());
+    if (st.ok() && !pending->pull_after.empty()) {
+      Status pulled =
+          AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes, {}, pending->pull_shm);
+      if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
+    }
+    Send(std::move(frame));
+  };
+  const bool wait_first = r.getWaitToken() && host_.config().mode == Mode::kSync;
+  std::shared_ptr<TokenWait> parked;
+  // The answer runs on this strand, after this handler: the outcomes are in by then.
+  if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer);
+  Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes, worker_name_, more);
+  if (!more || !s.ok()) {
+    sparse_rows_last_.clear();  // the push is over
+  } else {
+    for (const GradRef& g : grads) {
+      if (!g.rows_more) {
+        sparse_rows_last_.erase(std::string(g.name));
+      } else if (g.nnz > 0) {
+        sparse_rows_last_[std::string(g.name)] = g.indices[g.nnz - 1];
+      }
+    }
+  }
+  if (!s.ok()) {
+    pending->failed = true;
+    if (parked) parked->cancel(Cancelled("the push was refused"));
+    return SendError(id, s);
+  }
+  if (!more) {  // a push sent in several frames counts once, at its last
+    int accepted = 0;
+    int64_t staleness = 0;
+    for (const GradOutcome& o : pending->outcomes) {
+      accepted += o.accepted ? 1 : 0;
+      staleness = std::max(staleness, o.staleness);
+    }
+    host_.metrics().OnPush(worker_index_, r.getLocalStep(), accepted,
+                           static_cast<int>(pending->outcomes.size()) - accepted, staleness);
+  }
+  if (wait_first) return;
+  if (r.getWaitToken()) {
+    WaitForToken(r.getTimeoutMs(), answer);
+    return;
+  }
+  proto::Response::Builder resp(nullptr);
+  auto frame = NewReply(id, &resp);
+  auto p = resp.initPush();
+  fill(p);
+  if (!pending->pull_after.empty()) {
+    Status pulled =
+        AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes, {}, pending->pull_shm);
+    if (!pulled.ok()) return SendError(id, pulled);
+  }
+  Send(std::move(frame));
+}
+
+void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
+  if (ClusterCoordinator* c = host_.coordinator(); c != nullptr && !c->is_chief()) {
+    return SendError(id, Unavailable("tokens live on the chief shard " + std::to_string(c->chief()) + "; retry"));
+  }
+  WaitForToken(r.getTimeoutMs(), [this, id](const Status& st, int64_t token) {
+    if (!st.ok()) return SendError(id, st);
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    auto t = resp.initToken();
+    t.setToken(token);
+    t.setIsChief(host_.workers().IsChief(id_));
+    t.setStepGradients(host_.engine()->Stats().last_step_gradients);
+    Send(std::move(frame));
+  });
+}
+
+}  // namespace psd::server
