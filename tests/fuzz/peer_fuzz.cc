@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <memory>
 
-#include "fuzz_support.h"
 #include "daemon/server.h"
+#include "fuzz_support.h"
 #include "service/peer_codec.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
