@@ -489,16 +489,14 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   }
   // The host runs it (after any restore still loading: that one's result is for an older epoch).
   actions->push_back([this, epoch, step, seal = std::move(seal)] {
-    if (!seal.empty()) {
-      Status sealed = host_.SealOwnPart(step, seal);
-      if (!sealed.ok()) return RestoreDone(epoch, step, sealed, {});
-      spdlog::info("cluster: shard {} sealed checkpoint step {} from the restore order (it had missed the seal)", me_,
-                   step);
-      MutexLock lock(&mu_);
-      seal_parts_[step] = seal;
-      AddSealedLocked(step);
-    }
-    host_.RestoreAsync(epoch, step, [this, epoch, step](Status s, std::vector<VarPlacement> placements) {
+    host_.RestoreAsync(epoch, step, seal, [this, epoch, step, seal](Status s, std::vector<VarPlacement> placements) {
+      if (s.ok() && !seal.empty()) {
+        spdlog::info("cluster: shard {} sealed checkpoint step {} from the restore order (it had missed the seal)", me_,
+                     step);
+        MutexLock lock(&mu_);
+        seal_parts_[step] = seal;
+        AddSealedLocked(step);
+      }
       RestoreDone(epoch, step, s, std::move(placements));
     });
   });

@@ -50,9 +50,13 @@ class ShardHost {
   // --- restores ---
   // Replaces the engine with one for `epoch` restored from checkpoint `step` (-1: empty at step
   // 0), asynchronously; `done` runs once, later (never inside this call), with the outcome and
-  // the parts the new engine holds. A restore asked while one runs starts after it.
+  // the parts the new engine holds. A restore asked while one runs starts after it. `seal`
+  // non-empty: this shard holds its part of `step` but missed the seal; the manifest of `seal`
+  // is written first, only if this shard's part on disk matches its entry (it is read whole, off
+  // the caller's thread, like the restore), else the restore fails with FailedPrecondition.
   using RestoreDone = std::function<void(Status status, std::vector<VarPlacement> placements)>;
-  virtual void RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) = 0;
+  virtual void RestoreAsync(uint64_t epoch, int64_t step, const std::vector<peer::PartInfo>& seal,
+                            RestoreDone done) = 0;
 
   // --- checkpoints ---
   // The checkpoint steps this shard can restore (newest first), with their manifests' parts, and
@@ -62,10 +66,6 @@ class ShardHost {
   // Writes the manifest of checkpoint `step` from every shard's part (and remembers it as the
   // last checkpoint). Errors are logged by the caller; the step then stays unusable here.
   virtual Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) = 0;
-  // SealCheckpoint for a shard that missed the seal (a formation's Restore carries it), only if
-  // this shard's part of `step` on disk matches its entry in `parts`; FailedPrecondition (nothing
-  // written) otherwise. Synchronous: it reads the part whole.
-  virtual Status SealOwnPart(int64_t step, const std::vector<peer::PartInfo>& parts) = 0;
   // Async/ssp: snapshots the engine of `epoch` as it is now and queues it as this shard's part of
   // checkpoint `step` (the chief's global step; the part written is reported to OnPartWritten).
   // ABORTED: the engine serving now belongs to another epoch.

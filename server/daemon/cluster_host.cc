@@ -61,17 +61,6 @@ void ServerShardHost::ForceStep(uint64_t epoch, int64_t step) {
 
 int64_t ServerShardHost::global_step() { return server_.engine()->global_step(); }
 
-void ServerShardHost::RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) {
-  MutexLock lock(&mu_);
-  // A previous restore still loading finishes first (its result is for an older epoch).
-  restore_ = std::thread([this, previous = std::move(restore_), epoch, step, done = std::move(done)]() mutable {
-    if (previous.joinable()) previous.join();
-    std::vector<VarPlacement> placements;
-    Status s = server_.RestoreEngine(epoch, step, &placements);
-    done(s, std::move(placements));
-  });
-}
-
 void ServerShardHost::ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
                                       std::map<int64_t, std::vector<peer::PartInfo>>* seals) {
   const ServerConfig& config = server_.config();
@@ -98,12 +87,23 @@ Status ServerShardHost::SealCheckpoint(int64_t step, const std::vector<peer::Par
   return Status::Ok();
 }
 
-Status ServerShardHost::SealOwnPart(int64_t step, const std::vector<peer::PartInfo>& parts) {
-  const ServerConfig& config = server_.config();
-  PSD_RETURN_IF_ERROR(
-      psd::server::SealOwnPart(config.checkpoint_dir, step, config.shard_index, config.shards(), ToManifest(parts)));
-  server_.set_last_checkpoint_step(step);
-  return Status::Ok();
+void ServerShardHost::RestoreAsync(uint64_t epoch, int64_t step, const std::vector<peer::PartInfo>& seal,
+                                   RestoreDone done) {
+  MutexLock lock(&mu_);
+  // A previous restore still loading finishes first (its result is for an older epoch).
+  restore_ = std::thread([this, previous = std::move(restore_), epoch, step, manifest = ToManifest(seal),
+                          done = std::move(done)]() mutable {
+    if (previous.joinable()) previous.join();
+    const ServerConfig& config = server_.config();
+    if (!manifest.empty()) {
+      Status sealed = SealOwnPart(config.checkpoint_dir, step, config.shard_index, config.shards(), manifest);
+      if (!sealed.ok()) return done(sealed, {});
+      server_.set_last_checkpoint_step(step);
+    }
+    std::vector<VarPlacement> placements;
+    Status s = server_.RestoreEngine(epoch, step, &placements);
+    done(s, std::move(placements));
+  });
 }
 
 Status ServerShardHost::SnapshotAs(uint64_t epoch, int64_t step) {

@@ -48,11 +48,10 @@ class ServerShardHost : public ShardHost {
   void ReportIfIdle() override;
   void ForceStep(uint64_t epoch, int64_t step) override;
   int64_t global_step() override;
-  void RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) override;
+  void RestoreAsync(uint64_t epoch, int64_t step, const std::vector<peer::PartInfo>& seal, RestoreDone done) override;
   void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
                        std::map<int64_t, std::vector<peer::PartInfo>>* seals) override;
   Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) override;
-  Status SealOwnPart(int64_t step, const std::vector<peer::PartInfo>& parts) override;
   Status SnapshotAs(uint64_t epoch, int64_t step) override;
   bool CheckpointWriterBusy() override;
   // In --checkpoint-dir/cluster-term (without a checkpoint directory: not kept).

@@ -17,6 +17,10 @@ const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no row
 }  // namespace
 
 void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
+  // The rows so far of sparse gradients this frame continues; kept again below only if it is
+  // taken with more frames to come (a frame refused on any way out ends the push).
+  auto continuing = std::move(sparse_rows_last_);
+  sparse_rows_last_.clear();
   auto grads_in = r.getGrads();
   ClusterCoordinator* const cluster = host_.coordinator();
   // Async/ssp on a cluster, a worker's push reaches the chief even with nothing for it: it
@@ -84,14 +88,12 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // A sparse gradient sent in several frames (rowsMore): its rows keep increasing from frame to
   // frame, as within one (a row sent twice would count twice).
   for (const GradRef& g : grads) {
-    auto it = sparse_rows_last_.find(g.name);
-    if (it != sparse_rows_last_.end() && g.nnz > 0 && g.indices[0] <= it->second) {
-      const int64_t last = it->second;
-      sparse_rows_last_.clear();  // the push is over
-      return SendError(
-          id, InvalidArgument("gradient for '" + std::string(g.name) + "': its rows continue at index " +
-                              std::to_string(g.indices[0]) + ", not after the last frame's " + std::to_string(last) +
-                              "; a sparse gradient's indices must keep increasing across frames"));
+    auto it = continuing.find(g.name);
+    if (it != continuing.end() && g.nnz > 0 && g.indices[0] <= it->second) {
+      return SendError(id, InvalidArgument("gradient for '" + std::string(g.name) + "': its rows continue at index " +
+                                           std::to_string(g.indices[0]) + ", not after the last frame's " +
+                                           std::to_string(it->second) +
+                                           "; a sparse gradient's indices must keep increasing across frames"));
     }
   }
   std::vector<std::string> pull_after;
@@ -159,16 +161,15 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // The answer runs on this strand, after this handler: the outcomes are in by then.
   if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer);
   Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes, worker_name_, more);
-  if (!more || !s.ok()) {
-    sparse_rows_last_.clear();  // the push is over
-  } else {
+  if (more && s.ok()) {
     for (const GradRef& g : grads) {
       if (!g.rows_more) {
-        sparse_rows_last_.erase(std::string(g.name));
+        continuing.erase(std::string(g.name));
       } else if (g.nnz > 0) {
-        sparse_rows_last_[std::string(g.name)] = g.indices[g.nnz - 1];
+        continuing[std::string(g.name)] = g.indices[g.nnz - 1];
       }
     }
+    sparse_rows_last_ = std::move(continuing);
   }
   if (!s.ok()) {
     pending->failed = true;

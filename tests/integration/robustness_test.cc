@@ -250,13 +250,15 @@ TEST_CASE("a sparse gradient's rows sent in several frames must keep increasing"
   p.Hello("raw");
   Code code;
   std::string msg;
-  // One frame of a push: rows `rows` of a gradient of ones for "emb", more to come if `more`.
-  auto frame = [&](const std::vector<int64_t>& rows, bool more) {
+  // One frame of a push: rows `rows` of a gradient of ones for "emb", more to come if `more`
+  // (`wait`: it also asks for a token, which only a push's last frame may).
+  auto frame = [&](const std::vector<int64_t>& rows, bool more, bool wait = false) {
     wire::OutFrame f;
     auto r = f.builder.initRoot<proto::Request>();
     r.setId(5);
     auto push = r.initPush();
     push.setMore(more);
+    push.setWaitToken(wait);
     auto g = push.initGrads(1)[0];
     g.setName("emb");
     g.setSparse(true);
@@ -275,6 +277,12 @@ TEST_CASE("a sparse gradient's rows sent in several frames must keep increasing"
   CHECK(code == Code::kInvalidArgument);
   CHECK_THAT(msg, Catch::Contains("must keep increasing across frames"));
   CHECK(server->engine()->global_step() == 0);  // the gradient never completed
+  // A frame refused for another reason ends its push too: the next push starts afresh at row 0.
+  frame({0, 3}, true);
+  CHECK(code == Code::kOk);
+  frame({4}, true, /*wait=*/true);
+  CHECK(code == Code::kInvalidArgument);
+  CHECK(server->engine()->global_step() == 0);
   // Rows that do continue: the gradient counts once, with its last rows, and the step is taken.
   frame({0, 3}, true);
   CHECK(code == Code::kOk);

@@ -269,11 +269,15 @@ class FakeHost : public ShardHost {
     return Aborted("sync");
   }
 
-  void RestoreAsync(uint64_t epoch, int64_t step, RestoreDone done) override {
+  void RestoreAsync(uint64_t epoch, int64_t step, const std::vector<peer::PartInfo>& seal, RestoreDone done) override {
     Shard& s = sh();
     int64_t start = std::max(sim_.now(), s.restores_until);
     s.restores_until = start + sim_.Uniform(1, 80);
-    sim_.Later(me_, s.restores_until, [this, epoch, step, done = std::move(done)](Shard& s) {
+    sim_.Later(me_, s.restores_until, [this, epoch, step, seal, done = std::move(done)](Shard& s) {
+      if (!seal.empty()) {
+        Status sealed = SealOwnPart(step, seal);
+        if (!sealed.ok()) return done(sealed, {});
+      }
       uint64_t value = kEmptyValue;
       if (step >= 0) {
         auto it = s.disk.find(step);
@@ -317,7 +321,8 @@ class FakeHost : public ShardHost {
     }
     return Status::Ok();
   }
-  Status SealOwnPart(int64_t step, const std::vector<peer::PartInfo>& parts) override {
+  // A seal carried by a restore order: written only if this shard's part matches it.
+  Status SealOwnPart(int64_t step, const std::vector<peer::PartInfo>& parts) {
     auto it = sh().disk.find(step);
     uint64_t want = 0;
     bool named = false;
