@@ -16,12 +16,14 @@
 #   --every-steps S    --checkpoint-every-steps (default 20)
 #   --mode M           sync (default), async or ssp
 #   --shared-dir       every shard checkpoints into one directory (one host); default: one each
+#   --replicas N       --replicas-per-shard (default 1; 2: the cluster restores the live copies the
+#                      next shard keeps, not a checkpoint)
 #   --build DIR        where psd, psd_logreg_worker and psd_admin are (default: build)
 # Exit status: 0 when every kill was recovered from, 1 otherwise.
 set -u -o pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-kills=5 restart_ms=200 every=20 mode=sync build="$repo_root/build" shared=0
+kills=5 restart_ms=200 every=20 mode=sync build="$repo_root/build" shared=0 replicas=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --kills) kills=$2; shift 2 ;;
@@ -30,7 +32,8 @@ while [ $# -gt 0 ]; do
     --mode) mode=$2; shift 2 ;;
     --build) build=$2; shift 2 ;;
     --shared-dir) shared=1; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    --replicas) replicas=$2; shift 2 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "failover.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -44,7 +47,7 @@ reserve_cluster 3
 log_ms() { date -d "$(echo "$1" | cut -c 1-23)" +%s%3N; }
 
 flags=(--cluster "$cluster" --mode "$mode" -R 3 -N 3 --init-tokens 0 --learning-rate 0.3
-  --checkpoint-every-steps "$every" --summary-interval-s 0)
+  --checkpoint-every-steps "$every" --summary-interval-s 0 --replicas-per-shard "$replicas")
 declare -A shard_pid
 start_shard() {  # $1: index, $2: log name
   # Each shard its own checkpoint directory, as on separate hosts (unless --shared-dir).
@@ -108,15 +111,16 @@ for round in $(seq 1 "$kills"); do
     done
     line=$(cat "$run"/s*.log | grep "running at epoch" | sort | tail -1)
     took=$(($(log_ms "$line") - kill_ms))
-    restored=$(echo "$line" | sed -n 's/.*from checkpoint step \([0-9]*\).*/\1/p')
+    restored=$(echo "$line" | sed -n 's/.*from \(checkpoint step\|the live copies of step\) \([0-9]*\).*/\2/p')
+    source=$(echo "$line" | sed -n 's/.*from \(checkpoint step\|the live copies of step\) .*/\1/p')
     lost=$((before - ${restored:-0}))
-    echo "kill $n: $victim shard $k at step $before; serving again after $took ms from checkpoint step ${restored:-none} ($lost step(s) to recompute)"
+    echo "kill $n: $victim shard $k at step $before; serving again after $took ms from ${source:-checkpoint step} ${restored:-none} ($lost step(s) to recompute)"
     if [ "$victim" = chief ]; then times_chief+=("$took"); lost_chief+=("$lost"); else times_other+=("$took"); lost_other+=("$lost"); fi
   done
 done
 stats() { printf '%s\n' "$@" | sort -n | awk '{ a[NR] = $1 } END { printf "min %d, median %d, max %d", a[1], a[int((NR + 1) / 2)], a[NR] }'; }
 echo
-echo "mode $mode, restart after $restart_ms ms, checkpoint every $every steps$([ "$shared" = 1 ] && echo ", one shared checkpoint directory"), $kills kill(s) of each kind:"
+echo "mode $mode, --replicas-per-shard $replicas, restart after $restart_ms ms, checkpoint every $every steps$([ "$shared" = 1 ] && echo ", one shared checkpoint directory"), $kills kill(s) of each kind:"
 echo "  chief killed:     kill-to-serving ms $(stats "${times_chief[@]}"); steps lost $(stats "${lost_chief[@]}")"
 echo "  non-chief killed: kill-to-serving ms $(stats "${times_other[@]}"); steps lost $(stats "${lost_other[@]}")"
 exec 2> /dev/null  # the EXIT trap's kills are not news

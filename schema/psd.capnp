@@ -373,6 +373,31 @@ struct PeerHeartbeat {
   allowStateLoss @7 :Bool;  # the sender runs with --allow-state-loss (README "Losing a shard's checkpoints")
   waiting @8 :Text;         # from the chief: why it does not form the cluster (""): an operator must decide
   unusableSteps @9 :List(Int64);  # checkpoint directories present here that this shard cannot restore
+  ownCopies @10 :List(PeerCopy);  # replication: the sender's own committed states it keeps
+  heldCopies @11 :List(PeerCopy); # replication: its predecessor's committed states it keeps
+}
+
+# Replication (--replicas-per-shard 2): a committed state of a shard's part.
+struct PeerCopy {
+  lineage @0 :UInt64;       # the epoch that started its timeline (from a checkpoint, or empty)
+  step @1 :Int64;           # the global step it was committed at
+}
+
+# A piece of shard `owner`'s state `copy`, serialized: to the next shard after each commit, or
+# back to the owner (`restore`) when a formation restores it there.
+struct PeerReplicaChunk {
+  epoch @0 :UInt64;
+  owner @1 :UInt32;
+  copy @2 :PeerCopy;
+  restore @3 :Bool;
+  offset @4 :UInt64;
+  total @5 :UInt64;         # bytes of the whole copy (0 with `restore`: not held here)
+  data @6 :Data;
+}
+
+struct PeerCopyRef {
+  epoch @0 :UInt64;
+  copy @1 :PeerCopy;
 }
 
 struct PeerStep {
@@ -396,6 +421,8 @@ struct PeerRestore {
   step @1 :Int64;           # the checkpoint to restore; -1: start empty at step 0
   seal @2 :List(PeerPart);  # its manifest, for a shard that holds its part but missed the seal
                             # (written first, only if its part matches); empty: every shard has it
+  live @3 :Bool;            # replication: restore the live copy (lineage, step), not a checkpoint
+  lineage @4 :UInt64;
 }
 
 struct PeerRestored {
@@ -443,6 +470,9 @@ struct PeerMessage {
     seal @9 :PeerSeal;
     control @10 :PeerControl;
     checkpointRequest @11 :Void;
+    replicaChunk @12 :PeerReplicaChunk;
+    replicaAck @13 :PeerCopyRef;    # to the owner: its copy is kept whole
+    replicaFetch @14 :PeerCopyRef;  # to the next shard: send my copy back
   }
 }
 

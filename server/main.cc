@@ -190,6 +190,10 @@ int main(int argc, char** argv) {
   app.add_option("--cluster-file", cluster_file, "a file with one host:port per line (instead of --cluster)");
   app.add_option("--shard-index", cfg.shard_index, "this daemon's position in the cluster list")->capture_default_str();
   app.add_option("--heartbeat-ms", cfg.heartbeat_ms, "shard-to-shard heartbeat period")->capture_default_str();
+  app.add_option("--replicas-per-shard", cfg.replicas_per_shard,
+                 "cluster, sync: copies of each shard's committed state (2: the next shard keeps one, so losing a "
+                 "shard loses no step)")
+      ->capture_default_str();
   app.add_option("--election-timeout-ms", cfg.election_timeout_ms,
                  "a shard silent this long counts as gone (a new chief is elected if it was the chief)")
       ->capture_default_str();

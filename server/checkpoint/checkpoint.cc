@@ -556,25 +556,9 @@ const Manifest::Part* FindPart(const Manifest& m, int shard) {
   return it == m.parts.end() ? nullptr : &*it;
 }
 
-}  // namespace
-
-uint64_t Fnv1a64(const void* data, size_t bytes, uint64_t seed) {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  uint64_t h = seed;
-  for (size_t i = 0; i < bytes; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapshot& snap, int shard, int shards,
-                                       int keep) {
-  std::string path = dir + "/" + StepDirName(snap.step);
-  PSD_RETURN_IF_ERROR(MakeDirs(path));
-  std::string part = PartName(shard, shards);
-  std::string tmp = path + "/" + part + ".tmp";
-  RecordWriter w;
+// The records of a part (v4: tensors as their sizes; the payload is listed in `w`).
+void WriteRecords(const ShardSnapshot& snap, RecordWriter* out) {
+  RecordWriter& w = *out;
   w.Pod<int64_t>(snap.step);
   w.Pod<double>(snap.learning_rate);
   w.Str(snap.optimizer);
@@ -613,6 +597,67 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
     w.Pod<uint8_t>(static_cast<uint8_t>(v.aggregation));
     w.Pod<uint8_t>(v.sync_on_read);
   }
+}
+
+}  // namespace
+
+std::string SerializeSnapshot(const ShardSnapshot& snap) {
+  RecordWriter w;
+  WriteRecords(snap, &w);
+  const uint64_t records_bytes = w.records().size();
+  std::string out;
+  out.reserve(16 + records_bytes + w.payload_bytes() + 8);
+  out.append(kMagic, 8);
+  out.append(reinterpret_cast<const char*>(&records_bytes), 8);
+  out += w.records();
+  for (const Buffer* b : w.payload()) out.append(static_cast<const char*>(b->data()), b->bytes());
+  const uint64_t sum = XXH3_64bits(out.data(), out.size());
+  out.append(reinterpret_cast<const char*>(&sum), 8);
+  return out;
+}
+
+Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out) {
+  if (bytes.size() < 24) return BadPart("too short");
+  const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+  const uint64_t body = bytes.size() - 8;
+  uint64_t sum = 0, records_bytes = 0;
+  std::memcpy(&sum, data + body, 8);
+  if (XXH3_64bits(data, body) != sum) return BadPart("checksum mismatch");
+  if (std::memcmp(data, kMagic, 8) != 0) return BadPart("bad magic");
+  std::memcpy(&records_bytes, data + 8, 8);
+  if (records_bytes > body - 16) return BadPart("records larger than the copy");
+  Reader r(data + 16, records_bytes, /*inline_blobs=*/false, body - 16 - records_bytes);
+  ShardSnapshot snap;
+  PSD_RETURN_IF_ERROR(ParseRecords(r, 4, &snap));
+  if (r.pos() != records_bytes) return BadPart("trailing bytes in the records");
+  if (r.payload_left() != 0) return BadPart("the copy holds more than its records name");
+  uint64_t off = 16 + records_bytes;
+  for (const auto& b : r.payload()) {
+    std::memcpy(b->data(), data + off, b->bytes());
+    off += b->bytes();
+  }
+  *out = std::move(snap);
+  return Status::Ok();
+}
+
+uint64_t Fnv1a64(const void* data, size_t bytes, uint64_t seed) {
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  uint64_t h = seed;
+  for (size_t i = 0; i < bytes; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapshot& snap, int shard, int shards,
+                                       int keep) {
+  std::string path = dir + "/" + StepDirName(snap.step);
+  PSD_RETURN_IF_ERROR(MakeDirs(path));
+  std::string part = PartName(shard, shards);
+  std::string tmp = path + "/" + part + ".tmp";
+  RecordWriter w;
+  WriteRecords(snap, &w);
   // The file: magic, records size, records, payload, trailer.
   uint8_t header[16];
   std::memcpy(header, kMagic, 8);

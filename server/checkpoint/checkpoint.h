@@ -83,6 +83,12 @@ std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shar
 // Loads shard `shard`'s part of checkpoint `step` (verified first).
 Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSnapshot* out);
 
+// A part's state as bytes in memory, in a part's v4 layout (magic, records size, records, payload)
+// with an XXH3-64 of all of it after: what a shard sends to the shard that keeps its live copy
+// (replication). ParseSnapshot verifies the checksum and every record; INVALID_ARGUMENT otherwise.
+std::string SerializeSnapshot(const ShardSnapshot& snapshot);
+Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out);
+
 // Checks one checkpoint directory (manifest checksum, part sizes and checksums).
 Status VerifyCheckpoint(const std::string& path);
 

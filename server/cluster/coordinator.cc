@@ -78,6 +78,8 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.required = required_;
   hb.allow_state_loss = options_.allow_state_loss || !options_.restore;
   hb.unusable_steps = unusable_;
+  hb.own_copies = own_copies_;
+  hb.held_copies = held_copies_;
   // Followers show the chief's refusal as their own reason (workers may ask any shard).
   if (chief_ == me_ && !refusal_.empty() && missing_reason_ == refusal_) hb.waiting = refusal_;
   return MessageLocked(std::move(hb));
@@ -144,11 +146,17 @@ void ClusterCoordinator::Tick() {
   peer::Message hb;
   const bool writer_busy = host_.CheckpointWriterBusy();  // asked before locking (the host's lock)
   const int64_t applied = options_.applies_on_arrival ? host_.global_step() : 0;
+  std::vector<peer::LiveCopy> own, held;
+  if (options_.replicate) host_.LiveCopies(&own, &held);
   {
     MutexLock lock(&mu_);
     if (stopped_) return;
     writer_busy_ = writer_busy;
     applied_ = applied;
+    if (options_.replicate) {
+      own_copies_ = std::move(own);
+      held_copies_ = std::move(held);
+    }
     TickLocked(&actions);
     hb = HeartbeatLocked();
   }
@@ -208,6 +216,7 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
       }
     }
   }
+  if (options_.replicate) ReplicationTickLocked(now, actions);
   if (chief_ != me_) {
     ResendVoteLocked(actions);
     return;
@@ -324,8 +333,14 @@ void ClusterCoordinator::OnMessage(int from, const peer::Message& msg) {
             HandleSeal(from, term, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::Control>) {
             HandleControl(from, term, body, &actions);
-          } else {
+          } else if constexpr (std::is_same_v<T, peer::CheckpointRequest>) {
             HandleCheckpointRequest(from, term, body, &actions);
+          } else if constexpr (std::is_same_v<T, peer::ReplicaChunk>) {
+            HandleReplicaChunk(from, body, &actions);
+          } else if constexpr (std::is_same_v<T, peer::ReplicaAck>) {
+            HandleReplicaAck(from, body, &actions);
+          } else {
+            HandleReplicaFetch(from, body, &actions);
           }
         },
         msg.body);
@@ -363,6 +378,7 @@ void ClusterCoordinator::HandleCommitted(int from, uint64_t term, const peer::Co
   votes_.erase(votes_.begin(), votes_.upper_bound(commit_in_flight_));
   commit_in_flight_ = -1;
   open_step_ = step;
+  released_ = step;
   actions->push_back([this, step, min, max] {
     host_.PushTokens(step);
     spdlog::debug("cluster: step {} committed on every shard ({}..{} gradients per variable)", step, min, max);
@@ -383,6 +399,9 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   p.sealed = hb.sealed_steps;
   p.unusable = hb.unusable_steps;
   p.allow_state_loss = hb.allow_state_loss;
+  p.own_copies = hb.own_copies;
+  p.held_copies = hb.held_copies;
+  p.last_heartbeat = now_();
   max_term_seen_ = std::max(max_term_seen_, term);
   election::View after = election::OnClaim({term_, chief_}, term, hb.chief, shards_);
   if (after.term != term_ || after.chief != chief_) {
@@ -457,6 +476,8 @@ void ClusterCoordinator::HandleCommit(int from, uint64_t term, const peer::Commi
       spdlog::error("cluster: cannot commit step {}: {}", step, s.message());
       return;
     }
+    // Replication: the chief hears of the commit once the next shard keeps its copy.
+    if (options_.replicate) return ReplicateThenReply(epoch, epoch, step + 1, from, reply);
     SendTo(from, reply);
   });
 }
@@ -470,7 +491,10 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   restore_epoch_ = epoch;
   serving_ = false;
   vote_.reset();
+  ack_.reset();  // a reply for an older epoch
+  fetch_.reset();
   missing_reason_ = step < 0 ? "starting empty" : "restoring checkpoint step " + std::to_string(step);
+  if (r.live) missing_reason_ = "restoring the live copies of step " + std::to_string(step);
   missing_since_ = now_();
   // Newer checkpoints belong to a timeline the cluster leaves now (an operator's decision, or a
   // part unusable elsewhere): never offered again (on disk, the next ones overwrite them). They
@@ -487,6 +511,9 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   if (step >= 0 && !r.seal.empty() && std::find(sealed_.begin(), sealed_.end(), step) == sealed_.end()) {
     seal = r.seal;
   }
+  if (r.live) return StartLiveRestoreLocked(epoch, {r.lineage, step}, actions);
+  // A new timeline: the live copies of any other are of no use now.
+  if (options_.replicate) actions->push_back([this] { host_.DropCopies(std::nullopt); });
   // The host runs it (after any restore still loading: that one's result is for an older epoch).
   actions->push_back([this, epoch, step, seal = std::move(seal)] {
     host_.RestoreAsync(epoch, step, seal, [this, epoch, step, seal](Status s, std::vector<VarPlacement> placements) {
@@ -506,13 +533,18 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
                                      std::vector<VarPlacement> placements) {
   peer::Message reply;
   int chief = -1;
+  std::optional<peer::LiveCopy> live;  // the live copy restored
   {
     MutexLock lock(&mu_);
     if (stopped_) return;
+    if (live_restore_ && live_restore_->first == epoch) live = live_restore_->second;
     if (status.ok()) {
       epoch_ = epoch;
       spdlog::info("cluster: shard {} restored {} at epoch {}", me_,
-                   step < 0 ? std::string("an empty state") : "checkpoint step " + std::to_string(step), epoch);
+                   step < 0 ? std::string("an empty state")
+                   : !live  ? "checkpoint step " + std::to_string(step)
+                            : "the live copy of step " + std::to_string(step),
+                   epoch);
     } else {
       spdlog::error("cluster: shard {} cannot restore checkpoint step {}: {}", me_, step, status.message());
       sealed_.erase(std::remove(sealed_.begin(), sealed_.end(), step), sealed_.end());
@@ -520,6 +552,12 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
     }
     reply = MessageLocked(peer::Restored{epoch, step, status.ok(), status.message(), std::move(placements)});
     chief = chief_;
+  }
+  // Replication: the formation completes once the next shard keeps this shard's restored state.
+  if (options_.replicate && status.ok()) {
+    ReplicateThenReply(epoch, live ? live->lineage : epoch, step < 0 ? 0 : step, chief, reply);
+    host_.ReportIfIdle();
+    return;
   }
   SendTo(chief, reply);
   if (status.ok()) host_.ReportIfIdle();
@@ -531,6 +569,7 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   if (!r.ok) {
     spdlog::warn("cluster: shard {} cannot restore step {}: {}; forming again", from, r.step, r.message);
     if (reseal_ && reseal_->first == r.step) reseal_failed_.insert(r.step);  // not offered that way again
+    if (live_formation_) live_failed_.insert(*live_formation_);              // nor a live copy
     forming_ = false;
     return;
   }
@@ -545,10 +584,11 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   arrival_checkpoint_ = formation_step_;  // async/ssp: no checkpoint of the step just restored
   missing_reason_.clear();
   decision_.reset();
-  spdlog::info(
-      "cluster: running at epoch {} with {} shard(s) from {} ({} variable(s) placed)", term_, shards_,
-      formation_step_ < 0 ? std::string("an empty state") : "checkpoint step " + std::to_string(formation_step_),
-      placement_.All().size());
+  spdlog::info("cluster: running at epoch {} with {} shard(s) from {} ({} variable(s) placed)", term_, shards_,
+               live_formation_       ? "the live copies of step " + std::to_string(formation_step_)
+               : formation_step_ < 0 ? std::string("an empty state")
+                                     : "checkpoint step " + std::to_string(formation_step_),
+               placement_.All().size());
   int required = required_ > 0 ? required_ : local_required_;
   required_ = required;
   peer::Message hb = HeartbeatLocked();

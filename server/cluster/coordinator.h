@@ -82,6 +82,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -110,6 +111,10 @@ struct ClusterOptions {
   bool restore = true;                 // false (--no-restore): also allows state loss
   bool applies_on_arrival = false;     // --mode async/ssp: no step commit; checkpoints by Control orders
   bool allow_state_loss = false;       // --allow-state-loss
+  // --replicas-per-shard 2 (sync mode): each shard's committed state is also kept by the next shard
+  // (chain replication; cluster/replication.cc).
+  bool replicate = false;
+  uint64_t replica_chunk_bytes = 4ull << 20;  // a copy travels in pieces of this size
   // Give-ups (the daemon's defaults; the fault simulation shortens them).
   std::chrono::milliseconds commit_timeout{30000};      // a commit not answered by every shard
   std::chrono::milliseconds formation_timeout{120000};  // a formation not restored everywhere
@@ -190,8 +195,26 @@ class ClusterCoordinator : public PeerEvents {
     uint64_t epoch = 0;
     bool ready = false;
     std::vector<int64_t> sealed;
-    std::vector<int64_t> unusable;  // checkpoint directories it has but cannot restore
-    bool allow_state_loss = false;  // it runs with --allow-state-loss or --no-restore
+    std::vector<int64_t> unusable;            // checkpoint directories it has but cannot restore
+    bool allow_state_loss = false;            // it runs with --allow-state-loss or --no-restore
+    std::vector<peer::LiveCopy> own_copies;   // replication: its own committed states it keeps
+    std::vector<peer::LiveCopy> held_copies;  // and its predecessor's
+    Clock::time_point last_heartbeat{};
+  };
+  // Replication: a reply to the chief (Committed, Restored) sent once the next shard acknowledged
+  // this shard's copy of the state it answers for.
+  struct PendingAck {
+    uint64_t epoch = 0;
+    peer::LiveCopy copy;
+    int to = -1;
+    peer::Message reply;
+    std::shared_ptr<const std::string> bytes;  // sent again if no ack comes
+    Clock::time_point sent{};
+  };
+  // Replication: a serialized copy arriving in pieces.
+  struct Incoming {
+    peer::LiveCopy copy;
+    std::string bytes;
   };
   struct Vote {
     int takes = 0;
@@ -247,6 +270,26 @@ class ClusterCoordinator : public PeerEvents {
   void HandleCheckpointRequest(int from, uint64_t term, const peer::CheckpointRequest&, std::vector<Action>*)
       REQUIRES(mu_);
   void RestoreDone(uint64_t epoch, int64_t step, const Status& status, std::vector<VarPlacement> placements);
+
+  // --- replication (cluster/replication.cc) ---
+  int Successor() const { return (me_ + 1) % shards_; }
+  int Predecessor() const { return (me_ + shards_ - 1) % shards_; }
+  // The newest (lineage, step) of which every shard's part is kept live (by the shard or the next
+  // one); nullopt when a part has no copy left (or none was ever made).
+  std::optional<peer::LiveCopy> LiveChoiceLocked() const REQUIRES(mu_);
+  // After a commit or a restore of `epoch` reached `step`: keeps it as this shard's own copy
+  // (lineage, step), ships it to the next shard and sends `reply` to `to` once that shard
+  // acknowledges it.
+  void ReplicateThenReply(uint64_t epoch, uint64_t lineage, int64_t step, int to, peer::Message reply);
+  // Sends `bytes` (copy `copy` of `owner`) to `shard` in pieces.
+  void SendCopy(int shard, uint64_t epoch, int owner, const peer::LiveCopy& copy, bool restore,
+                const std::shared_ptr<const std::string>& bytes);
+  // Restores the live copy `copy` for `epoch`: this shard's own, or fetched from the next shard.
+  void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
+  void ReplicationTickLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleReplicaChunk(int from, const peer::ReplicaChunk& c, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleReplicaAck(int from, const peer::ReplicaAck& a, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleReplicaFetch(int from, const peer::ReplicaFetch& f, std::vector<Action>* actions) REQUIRES(mu_);
   void AddSealedLocked(int64_t step) REQUIRES(mu_);
   // Job done, the final part queued: FinishJob() once the seal is written, or final_seal_timeout
   // after the part is written (or failed) if no seal comes (a shard died meanwhile).
@@ -324,6 +367,22 @@ class ClusterCoordinator : public PeerEvents {
   // The formation's step when it sends its seal along (ResealableLocked), with the seal.
   std::optional<std::pair<int64_t, std::vector<peer::PartInfo>>> reseal_ GUARDED_BY(mu_);
   std::set<int64_t> reseal_failed_ GUARDED_BY(mu_);  // steps a shard could not restore with the seal sent
+
+  // Replication state, guarded by mu_.
+  // The newest live restore: (epoch, the copy). The restored state keeps the copy's lineage (the
+  // epoch that committed it): a formation makes no new copy of the same state.
+  std::optional<std::pair<uint64_t, peer::LiveCopy>> live_restore_ GUARDED_BY(mu_);
+  std::vector<peer::LiveCopy> own_copies_ GUARDED_BY(mu_);  // the host's, as of the last tick or change
+  std::vector<peer::LiveCopy> held_copies_ GUARDED_BY(mu_);
+  std::optional<PendingAck> ack_ GUARDED_BY(mu_);
+  std::map<std::pair<int, bool>, Incoming> incoming_ GUARDED_BY(mu_);  // (owner, restore) -> pieces so far
+  // A live restore waiting for this shard's copy from the next shard: (epoch, copy), since when.
+  std::optional<std::pair<uint64_t, peer::LiveCopy>> fetch_ GUARDED_BY(mu_);
+  Clock::time_point fetch_sent_ GUARDED_BY(mu_){};
+  std::optional<peer::LiveCopy> live_formation_ GUARDED_BY(mu_);  // the chief's formation from live copies
+  std::set<peer::LiveCopy> live_failed_ GUARDED_BY(mu_);          // copies a shard could not restore
+  bool live_lost_logged_ GUARDED_BY(mu_) = false;
+  int64_t released_ GUARDED_BY(mu_) = -1;  // the chief: the newest step whose tokens it released
 };
 
 }  // namespace psd::server

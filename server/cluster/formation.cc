@@ -219,8 +219,39 @@ bool ClusterCoordinator::SealsSettledLocked(Clock::time_point now) {
 }
 
 void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
-  if (!SealsSettledLocked(now_())) return;
-  std::optional<int64_t> chosen = FormationStepLocked(actions);
+  // Replication: the newest state of which every part is kept live, when there is one; no
+  // checkpoint is then restored and no committed step is lost.
+  live_formation_.reset();
+  if (options_.replicate) {
+    live_formation_ = LiveChoiceLocked();
+    // Old news: a shard's heartbeat from before the cluster stopped may not list the copies of the
+    // last steps (a slow link), and this chief may have released a step newer than the choice.
+    // Waited for, up to three election timeouts; then the choice stands (logged).
+    auto now = now_();
+    bool stale = false;
+    for (int i = 0; i < shards_; ++i) {
+      if (i != me_ && peers_[static_cast<size_t>(i)].last_heartbeat <= missing_since_) stale = true;
+    }
+    if (live_formation_ && live_formation_->step < released_) stale = true;
+    if (stale && now - missing_since_ < 3 * std::chrono::milliseconds(options_.election_timeout_ms)) return;
+    if (live_formation_ && live_formation_->step < released_) {
+      spdlog::error(
+          "cluster: the newest live copy of every part is of step {}, before step {} whose tokens were "
+          "released: {} step(s) are lost",
+          live_formation_->step, released_, released_ - live_formation_->step);
+    }
+    if (live_formation_) {
+      live_lost_logged_ = false;
+    } else if (!live_lost_logged_) {
+      live_lost_logged_ = true;
+      spdlog::error(
+          "cluster: no live copy of some shard's state is left (it and the next shard both lost it, or the "
+          "cluster never ran): falling back to the newest checkpoint every shard can restore");
+    }
+  }
+  if (!live_formation_ && !SealsSettledLocked(now_())) return;
+  std::optional<int64_t> chosen =
+      live_formation_ ? std::optional<int64_t>(live_formation_->step) : FormationStepLocked(actions);
   if (!chosen) return;  // an operator must decide
   int64_t step = *chosen;
   refusal_.clear();
@@ -240,10 +271,13 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   commit_in_flight_ = -1;
   open_step_ = step < 0 ? 0 : step;
   missing_reason_ = step < 0 ? "starting empty at step 0" : "restoring checkpoint step " + std::to_string(step);
+  if (live_formation_) missing_reason_ = "restoring the live copies of step " + std::to_string(step);
   spdlog::info("cluster: forming epoch {} on {} shard(s): {}", term_, shards_, missing_reason_);
+  released_ = step;
   std::vector<peer::PartInfo> seal;
-  if (reseal_ && reseal_->first == step) seal = reseal_->second;
-  peer::Message msg = MessageLocked(peer::Restore{term_, step, std::move(seal)});
+  if (!live_formation_ && reseal_ && reseal_->first == step) seal = reseal_->second;
+  peer::Message msg = MessageLocked(peer::Restore{term_, step, std::move(seal), live_formation_.has_value(),
+                                                  live_formation_ ? live_formation_->lineage : 0});
   actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
 }
 

@@ -3,8 +3,9 @@
 namespace psd::server::peer {
 
 const char* KindName(const Body& body) {
-  static constexpr const char* kNames[] = {"heartbeat", "prepared", "commit", "committed", "restore",
-                                           "restored",  "part",     "seal",   "control",   "checkpoint-request"};
+  static constexpr const char* kNames[] = {
+      "heartbeat", "prepared",           "commit",        "committed",   "restore",      "restored", "part", "seal",
+      "control",   "checkpoint-request", "replica-chunk", "replica-ack", "replica-fetch"};
   static_assert(std::size(kNames) == std::variant_size_v<Body>);
   return kNames[body.index()];
 }

@@ -8,6 +8,7 @@
 #ifndef PSD_SERVER_CLUSTER_PEER_MESSAGES_H_
 #define PSD_SERVER_CLUSTER_PEER_MESSAGES_H_
 
+#include <compare>
 #include <cstdint>
 #include <string>
 #include <variant>
@@ -16,6 +17,16 @@
 #include "cluster/placement.h"
 
 namespace psd::server::peer {
+
+// A live copy of one shard's state (replication, --replicas-per-shard 2): the state its engine of
+// epoch `lineage` held at global step `step` (committed there, or restored by that epoch's
+// formation). Copies of one lineage are of one timeline; two epochs' copies of a step may differ
+// (the workers recompute the steps after a formation).
+struct LiveCopy {
+  uint64_t lineage = 0;
+  int64_t step = 0;
+  auto operator<=>(const LiveCopy&) const = default;
+};
 
 // Periodic, from every shard to every other one: who it thinks is chief and what it can restore.
 struct Heartbeat {
@@ -28,6 +39,8 @@ struct Heartbeat {
   bool allow_state_loss = false;        // the sender runs with --allow-state-loss or --no-restore
   std::string waiting;                  // from the chief: why it does not form ("": it may)
   std::vector<int64_t> unusable_steps;  // checkpoint directories the sender has but cannot restore
+  std::vector<LiveCopy> own_copies;     // replication: the sender's own committed states it keeps
+  std::vector<LiveCopy> held_copies;    // replication: its predecessor's states it keeps (the chain)
 
   bool operator==(const Heartbeat&) const = default;
 };
@@ -71,10 +84,14 @@ struct PartInfo {
 // From the chief: replace the state with checkpoint `step` (-1: empty at step 0) for `epoch`.
 // `seal`: the step's manifest, sent when some shard holds its part but missed the seal (it lists
 // the step as unusable): such a shard writes it first, if its own part matches, then restores.
+// `live`: restore the live copy (lineage, step) instead (replication): a shard that keeps its own
+// copy restores it, one that does not fetches it from the next shard, which keeps it.
 struct Restore {
   uint64_t epoch = 0;
   int64_t step = -1;
   std::vector<PartInfo> seal;
+  bool live = false;
+  uint64_t lineage = 0;
   bool operator==(const Restore&) const = default;
 };
 
@@ -121,8 +138,37 @@ struct CheckpointRequest {
   bool operator==(const CheckpointRequest&) const = default;
 };
 
+// Replication: a piece of shard `owner`'s committed state `copy`, serialized (ShardHost), sent in
+// order on one link. From the owner to the next shard after each commit (that shard keeps it and
+// acknowledges), or back from it to the owner (`restore`: the answer to a ReplicaFetch). `total`
+// bytes in all; the last piece ends at it. total 0 with `restore`: the copy is not held here.
+struct ReplicaChunk {
+  uint64_t epoch = 0;
+  int owner = 0;
+  LiveCopy copy;
+  bool restore = false;
+  uint64_t offset = 0;
+  uint64_t total = 0;
+  std::string data;
+  bool operator==(const ReplicaChunk&) const = default;
+};
+
+// To the owner: its copy is kept whole here.
+struct ReplicaAck {
+  uint64_t epoch = 0;
+  LiveCopy copy;
+  bool operator==(const ReplicaAck&) const = default;
+};
+
+// To the next shard: send my copy back (a formation restores it and I do not keep it).
+struct ReplicaFetch {
+  uint64_t epoch = 0;
+  LiveCopy copy;
+  bool operator==(const ReplicaFetch&) const = default;
+};
+
 using Body = std::variant<Heartbeat, Prepared, Commit, Committed, Restore, Restored, PartWritten, Seal, Control,
-                          CheckpointRequest>;
+                          CheckpointRequest, ReplicaChunk, ReplicaAck, ReplicaFetch>;
 
 struct Message {
   int from = 0;       // the sender as it says (not trusted: the link's shard is)

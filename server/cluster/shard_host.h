@@ -12,6 +12,9 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "cluster/peer_messages.h"
@@ -77,6 +80,25 @@ class ShardHost {
   virtual uint64_t LoadTerm() = 0;
   // Remembers `term` across restarts (best effort: errors are the host's to log).
   virtual void SaveTerm(uint64_t term) = 0;
+
+  // --- replication (--replicas-per-shard 2: the next shard keeps a copy of each committed state) ---
+  // The live copies this shard keeps: its own committed states and its predecessor's (newest first).
+  virtual void LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<peer::LiveCopy>* held) = 0;
+  // The engine of `epoch` is at global step `copy.step`, just committed (CommitStep) or restored:
+  // keeps that state as this shard's own copy `copy` (the newest two are kept) and returns it
+  // serialized for the next shard. Null (logged) when the engine is elsewhere.
+  virtual std::shared_ptr<const std::string> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) = 0;
+  // A kept copy serialized: this shard's own (`owner` is this shard) or its predecessor's. Null if
+  // not kept.
+  virtual std::shared_ptr<const std::string> SerializedCopy(int owner, const peer::LiveCopy& copy) = 0;
+  // Keeps a serialized copy that arrived whole: the predecessor's, or this shard's own fetched back
+  // for a restore. INVALID_ARGUMENT if it does not parse (nothing kept).
+  virtual Status TakeCopy(int owner, const peer::LiveCopy& copy, const std::string& bytes) = 0;
+  // Drops every copy newer than `newest` (none: every copy) — a formation left their timeline: it
+  // restores the live copy `newest`, or a checkpoint.
+  virtual void DropCopies(std::optional<peer::LiveCopy> newest) = 0;
+  // Like RestoreAsync, from this shard's own copy `copy` (NOT_FOUND if it is not kept).
+  virtual void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) = 0;
 
   // --- the job ---
   // Every worker finished: closes the token queue; if the engine is at `snapshot_step` (>= 0;

@@ -320,6 +320,16 @@ Status ServerConfig::Validate() {
     }
   }
   PSD_RETURN_IF_ERROR(SizeInRange("--slice-bytes", slice_bytes, 4ull << 10, 1ull << 50));
+  PSD_RETURN_IF_ERROR(InRange("--replicas-per-shard", replicas_per_shard, 1, 2));
+  if (replicas_per_shard > 1 && !clustered()) {
+    return InvalidArgument(
+        "--replicas-per-shard 2 needs a --cluster of 2 or more shards (a copy lives on the next shard)");
+  }
+  if (replicas_per_shard > 1 && mode != Mode::kSync) {
+    return InvalidArgument(
+        "--replicas-per-shard 2 needs --mode sync (copies are taken at step commits; async and ssp have none): "
+        "drop it, or use --mode sync");
+  }
   if (tls_cert_file.empty() != tls_key_file.empty()) {
     return InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file");
   }

@@ -66,6 +66,9 @@ struct ServerConfig : TrainingConfig {
   int64_t heartbeat_ms = 100;          // shard-to-shard heartbeat period
   int64_t election_timeout_ms = 1000;  // a shard silent this long counts as gone
   uint64_t slice_bytes = 64ull << 20;  // variables bigger than this are split by rows over several shards
+  // Copies of each shard's committed state (README "Shard replicas"): 1 none; 2 chain replication,
+  // each shard's state also kept by the next shard (sync mode, 2+ shards).
+  int replicas_per_shard = 1;
 
   // Operations (README "Monitoring"): /metrics, /healthz, /readyz and the status page over HTTP.
   std::string metrics_host = "127.0.0.1";

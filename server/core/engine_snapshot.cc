@@ -67,6 +67,13 @@ std::optional<ShardSnapshot> TrainingEngine::SnapshotIfAtBoundary() {
   return SnapshotLocked();
 }
 
+std::optional<ShardSnapshot> TrainingEngine::TakeCommitted() {
+  MutexLock lock(&mu_);
+  std::optional<ShardSnapshot> out = std::move(committed_);
+  committed_.reset();
+  return out;
+}
+
 void TrainingEngine::RequestSnapshot() {
   auto snap = SnapshotIfAtBoundary();
   if (!snap) {

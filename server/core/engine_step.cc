@@ -222,7 +222,9 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
   step_takes_ = 0;
   step_forced_ = false;
   std::optional<ShardSnapshot> snapshot;
-  if (snapshot_requested_ || (config_.checkpoint_every_steps > 0 && step % config_.checkpoint_every_steps == 0)) {
+  const bool checkpoint =
+      snapshot_requested_ || (config_.checkpoint_every_steps > 0 && step % config_.checkpoint_every_steps == 0);
+  if (checkpoint || keep_committed_) {
     snapshot = SnapshotLocked();  // no take for the next step can touch slots while mu_ is held
     snapshot_requested_ = false;
   }
@@ -234,15 +236,16 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
   lock.UnlockFor(&mu_);
   if (commit_->commits_locally()) tokens_.Push(step, config_.tokens_per_step);  // cluster: the chief's coordinator does
   if (config_.ema_decay > 0) UpdateAverages(step);
-  if (snapshot && on_snapshot_) {
+  if (snapshot) {
     // Averages are updated after the tokens (TF's order); the snapshot takes the new ones.
     MutexLock relock(&mu_);
     for (auto& vs : snapshot->variables) {
       Variable* v = FindLocked(vs.name);
       if (v && v->shadow) vs.shadow = v->shadow;
     }
+    if (keep_committed_) committed_ = *snapshot;  // shares the buffers
     relock.Unlock();
-    on_snapshot_(std::move(*snapshot));
+    if (checkpoint && on_snapshot_) on_snapshot_(std::move(*snapshot));
   }
   if (on_commit_) on_commit_(info);
   // Gradients for the new step may already be waiting (pushed with a future local step, or the

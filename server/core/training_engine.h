@@ -261,6 +261,10 @@ class TrainingEngine {
   void RequestSnapshot() EXCLUDES(mu_);
   // The snapshot now if the state is at a step boundary (sync: no take has begun), else nullopt.
   std::optional<ShardSnapshot> SnapshotIfAtBoundary() EXCLUDES(mu_);
+  // Replication: every commit also keeps a snapshot of the state it published (no copy of the
+  // values), taken with TakeCommitted(). Set before serving.
+  void set_keep_committed(bool keep) { keep_committed_ = keep; }
+  std::optional<ShardSnapshot> TakeCommitted() EXCLUDES(mu_);
   void set_on_snapshot(std::function<void(ShardSnapshot)> cb) { on_snapshot_ = std::move(cb); }
   // Replaces the (empty) state with a checkpoint's. Call before workers connect. Takes the locks
   // in the documented order (each variable's `mu`, then `mu_`), so a request that reaches a
@@ -357,6 +361,8 @@ class TrainingEngine {
   std::function<void(double)> on_apply_;
   std::function<void(int64_t)> on_step_started_;
   std::function<void(ShardSnapshot)> on_snapshot_;
+  bool keep_committed_ = false;
+  std::optional<ShardSnapshot> committed_ GUARDED_BY(mu_);  // the last commit's state (keep_committed_)
   std::unique_ptr<StepCommit> commit_ = std::make_unique<LocalStepCommit>();
   std::function<void(std::string_view)> test_hook_;
 

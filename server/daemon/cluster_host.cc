@@ -106,6 +106,93 @@ void ServerShardHost::RestoreAsync(uint64_t epoch, int64_t step, const std::vect
   });
 }
 
+namespace {
+// Keeps the newest two copies.
+void Trim(std::map<peer::LiveCopy, ShardSnapshot>* copies) {
+  while (copies->size() > 2) copies->erase(copies->begin());
+}
+
+void Keys(const std::map<peer::LiveCopy, ShardSnapshot>& copies, std::vector<peer::LiveCopy>* out) {
+  out->clear();
+  for (auto it = copies.rbegin(); it != copies.rend(); ++it) out->push_back(it->first);
+}
+}  // namespace
+
+void ServerShardHost::LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<peer::LiveCopy>* held) {
+  MutexLock lock(&mu_);
+  Keys(own_, own);
+  Keys(held_, held);
+}
+
+std::shared_ptr<const std::string> ServerShardHost::KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) {
+  auto engine = server_.engine();
+  if (engine->epoch() != epoch) return nullptr;  // the cluster moved on
+  // A commit kept its state; a restore's is the engine's now (no step runs before it serves).
+  std::optional<ShardSnapshot> snap = engine->TakeCommitted();
+  if (!snap || snap->step != copy.step) snap = engine->SnapshotIfAtBoundary();
+  if (!snap || snap->step != copy.step) {
+    spdlog::error("cluster: cannot keep a copy of step {}: the engine is at step {}", copy.step, engine->global_step());
+    return nullptr;
+  }
+  auto bytes = std::make_shared<const std::string>(SerializeSnapshot(*snap));
+  MutexLock lock(&mu_);
+  own_[copy] = std::move(*snap);
+  Trim(&own_);
+  return bytes;
+}
+
+std::shared_ptr<const std::string> ServerShardHost::SerializedCopy(int owner, const peer::LiveCopy& copy) {
+  ShardSnapshot snap;
+  {
+    MutexLock lock(&mu_);
+    auto& copies = owner == server_.config().shard_index ? own_ : held_;
+    auto it = copies.find(copy);
+    if (it == copies.end()) return nullptr;
+    snap = it->second;  // shares the buffers
+  }
+  return std::make_shared<const std::string>(SerializeSnapshot(snap));
+}
+
+Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, const std::string& bytes) {
+  ShardSnapshot snap;
+  PSD_RETURN_IF_ERROR(ParseSnapshot(bytes, &snap));
+  if (snap.step != copy.step) {
+    return InvalidArgument("the copy holds step " + std::to_string(snap.step) + ", not " + std::to_string(copy.step));
+  }
+  MutexLock lock(&mu_);
+  auto& copies = owner == server_.config().shard_index ? own_ : held_;
+  copies[copy] = std::move(snap);
+  Trim(&copies);
+  return Status::Ok();
+}
+
+void ServerShardHost::DropCopies(std::optional<peer::LiveCopy> newest) {
+  MutexLock lock(&mu_);
+  for (auto* copies : {&own_, &held_}) {
+    copies->erase(newest ? copies->upper_bound(*newest) : copies->begin(), copies->end());
+  }
+}
+
+void ServerShardHost::RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) {
+  MutexLock lock(&mu_);
+  auto it = own_.find(copy);
+  if (it == own_.end()) {
+    // Later, never inside this call (the coordinator's contract).
+    restore_ = std::thread([previous = std::move(restore_), copy, done = std::move(done)]() mutable {
+      if (previous.joinable()) previous.join();
+      done(NotFound("this shard keeps no copy of step " + std::to_string(copy.step)), {});
+    });
+    return;
+  }
+  restore_ =
+      std::thread([this, previous = std::move(restore_), epoch, snap = it->second, done = std::move(done)]() mutable {
+        if (previous.joinable()) previous.join();
+        std::vector<VarPlacement> placements;
+        Status s = server_.RestoreEngine(epoch, snap.step, &placements, &snap);
+        done(s, std::move(placements));
+      });
+}
+
 Status ServerShardHost::SnapshotAs(uint64_t epoch, int64_t step) {
   auto engine = server_.engine();
   if (engine->epoch() != epoch) return Aborted("the engine belongs to epoch " + std::to_string(engine->epoch()));

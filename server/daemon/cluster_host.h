@@ -7,11 +7,16 @@
 #ifndef PSD_SERVER_DAEMON_CLUSTER_HOST_H_
 #define PSD_SERVER_DAEMON_CLUSTER_HOST_H_
 
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "base/mutex.h"
 #include "cluster/shard_host.h"
+#include "core/snapshot.h"
 #include "core/step_commit.h"
 
 namespace psd::server {
@@ -57,6 +62,12 @@ class ServerShardHost : public ShardHost {
   // In --checkpoint-dir/cluster-term (without a checkpoint directory: not kept).
   uint64_t LoadTerm() override;
   void SaveTerm(uint64_t term) override;
+  void LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<peer::LiveCopy>* held) override;
+  std::shared_ptr<const std::string> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) override;
+  std::shared_ptr<const std::string> SerializedCopy(int owner, const peer::LiveCopy& copy) override;
+  Status TakeCopy(int owner, const peer::LiveCopy& copy, const std::string& bytes) override;
+  void DropCopies(std::optional<peer::LiveCopy> newest) override;
+  void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override;
   bool EndTraining(int64_t snapshot_step) override;
   void FinishJob() override;
   void EndJobIfDone() override;
@@ -65,6 +76,9 @@ class ServerShardHost : public ShardHost {
   Server& server_;
   Mutex mu_;
   std::thread restore_ GUARDED_BY(mu_);  // the newest restore (it joins the one before it first)
+  // Replication: this shard's own committed states and its predecessor's, the newest two of each.
+  std::map<peer::LiveCopy, ShardSnapshot> own_ GUARDED_BY(mu_);
+  std::map<peer::LiveCopy, ShardSnapshot> held_ GUARDED_BY(mu_);
 };
 
 }  // namespace psd::server

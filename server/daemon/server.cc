@@ -61,6 +61,7 @@ Result<std::shared_ptr<TrainingEngine>> Server::MakeEngine(uint64_t epoch) {
   }
   if (config_.clustered()) {
     engine->set_step_commit(std::make_unique<ClusterStepCommit>(coordinator_.get(), epoch));
+    engine->set_keep_committed(config_.replicas_per_shard > 1);
   }
   return engine;
 }
@@ -74,10 +75,13 @@ void Server::QueueSnapshot(ShardSnapshot snap) { ckpt_writer_.Queue(std::move(sn
 
 bool Server::CheckpointWriterBusy() const { return ckpt_writer_.Busy(); }
 
-Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacement>* placements) {
+Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacement>* placements,
+                             const ShardSnapshot* live) {
   auto fresh = MakeEngine(epoch);
   if (!fresh.ok()) return fresh.status();
-  if (step >= 0) {
+  if (live != nullptr) {
+    PSD_RETURN_IF_ERROR((*fresh)->Restore(*live));
+  } else if (step >= 0) {
     ShardSnapshot snap;
     PSD_RETURN_IF_ERROR(LoadCheckpointAt(config_.checkpoint_dir, step, config_.shard_index, &snap));
     PSD_RETURN_IF_ERROR((*fresh)->Restore(snap));
@@ -91,7 +95,9 @@ Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacem
     engine_ = *fresh;
   }
   old->tokens().Close(Aborted("the cluster restored " +
-                              (step < 0 ? std::string("an empty state") : "checkpoint step " + std::to_string(step)) +
+                              (live != nullptr ? "the live copies of step " + std::to_string(step)
+                               : step < 0      ? std::string("an empty state")
+                                               : "checkpoint step " + std::to_string(step)) +
                               " (epoch " + std::to_string(epoch) + "): pull the variables and go on from there"));
   return Status::Ok();
 }
@@ -140,6 +146,7 @@ Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
     options.restore = config_.restore;
     options.allow_state_loss = config_.allow_state_loss;
     options.applies_on_arrival = config_.mode != Mode::kSync;
+    options.replicate = config_.replicas_per_shard > 1;
     coordinator_ = std::make_unique<ClusterCoordinator>(
         std::move(options), *cluster_host_, *peer_network_, &std::chrono::steady_clock::now,
         [this] { asio::post(cluster_strand_, [this] { coordinator_->Tick(); }); });

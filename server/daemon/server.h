@@ -115,7 +115,9 @@ class Server : public ServiceHost {
   // Cluster: replaces the engine with a fresh one for `epoch`, restored from checkpoint `step`
   // (-1: empty at step 0). The old engine's token waits fail ABORTED. *placements: the parts the
   // new engine holds.
-  Status RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacement>* placements);
+  // `live` (replication): restores that kept copy of step `step` instead of the checkpoint.
+  Status RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacement>* placements,
+                       const ShardSnapshot* live = nullptr);
   // The job is over (cluster: after the final checkpoint): stops if --exit-when-done.
   void FinishJob();
   // Ends the job (closes the token queue and gate; with --exit-when-done, stops) if every worker

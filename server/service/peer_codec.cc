@@ -46,6 +46,27 @@ void SetSteps(capnp::List<int64_t>::Builder b, const std::vector<int64_t>& steps
   for (size_t i = 0; i < steps.size(); ++i) b.set(static_cast<unsigned>(i), steps[i]);
 }
 
+peer::LiveCopy CopyFromWire(proto::PeerCopy::Reader r) { return {r.getLineage(), r.getStep()}; }
+
+void CopyToWire(proto::PeerCopy::Builder b, const peer::LiveCopy& c) {
+  b.setLineage(c.lineage);
+  b.setStep(c.step);
+}
+
+// A heartbeat lists a handful of copies (two per kind); more is a malformed message.
+constexpr unsigned kMaxCopies = 16;
+
+Result<std::vector<peer::LiveCopy>> CopiesFromWire(capnp::List<proto::PeerCopy>::Reader list) {
+  if (list.size() > kMaxCopies) return InvalidArgument("a heartbeat lists too many live copies");
+  std::vector<peer::LiveCopy> out;
+  for (auto c : list) out.push_back(CopyFromWire(c));
+  return out;
+}
+
+void CopiesToWire(capnp::List<proto::PeerCopy>::Builder b, const std::vector<peer::LiveCopy>& copies) {
+  for (size_t i = 0; i < copies.size(); ++i) CopyToWire(b[static_cast<unsigned>(i)], copies[i]);
+}
+
 }  // namespace
 
 Result<VarPlacement> PlacementFromWire(proto::VariablePlacement::Reader r, int shards) {
@@ -105,9 +126,14 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
     case proto::PeerMessage::HEARTBEAT: {
       auto hb = r.getHeartbeat();
       // `step` (@3) is not read: no shard of this version acts on it.
+      auto own = CopiesFromWire(hb.getOwnCopies());
+      if (!own.ok()) return own.status();
+      auto held = CopiesFromWire(hb.getHeldCopies());
+      if (!held.ok()) return held.status();
       m.body = peer::Heartbeat{
-          hb.getChief(),    hb.getEpoch(),          hb.getRunning(), Steps(hb.getSealedSteps()),  hb.getReady(),
-          hb.getRequired(), hb.getAllowStateLoss(), hb.getWaiting(), Steps(hb.getUnusableSteps())};
+          hb.getChief(),    hb.getEpoch(),          hb.getRunning(), Steps(hb.getSealedSteps()),   hb.getReady(),
+          hb.getRequired(), hb.getAllowStateLoss(), hb.getWaiting(), Steps(hb.getUnusableSteps()), std::move(*own),
+          std::move(*held)};
       return m;
     }
     case proto::PeerMessage::PREPARED: {
@@ -128,7 +154,7 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
     }
     case proto::PeerMessage::RESTORE: {
       auto c = r.getRestore();
-      peer::Restore restore{c.getEpoch(), c.getStep(), {}};
+      peer::Restore restore{c.getEpoch(), c.getStep(), {}, c.getLive(), c.getLineage()};
       if (c.getSeal().size() > static_cast<unsigned>(shards)) return InvalidArgument("a seal names too many parts");
       for (auto p : c.getSeal()) {
         auto part = PartFromWire(p, shards);
@@ -177,6 +203,33 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
     case proto::PeerMessage::CHECKPOINT_REQUEST:
       m.body = peer::CheckpointRequest{};
       return m;
+    case proto::PeerMessage::REPLICA_CHUNK: {
+      auto c = r.getReplicaChunk();
+      if (c.getOwner() >= static_cast<uint32_t>(shards))
+        return InvalidArgument("a replica chunk names an unknown shard");
+      auto data = c.getData();
+      if (c.getOffset() > c.getTotal() || data.size() > c.getTotal() - c.getOffset()) {
+        return InvalidArgument("a replica chunk lies outside its copy");
+      }
+      m.body = peer::ReplicaChunk{c.getEpoch(),
+                                  static_cast<int>(c.getOwner()),
+                                  CopyFromWire(c.getCopy()),
+                                  c.getRestore(),
+                                  c.getOffset(),
+                                  c.getTotal(),
+                                  std::string(reinterpret_cast<const char*>(data.begin()), data.size())};
+      return m;
+    }
+    case proto::PeerMessage::REPLICA_ACK: {
+      auto a = r.getReplicaAck();
+      m.body = peer::ReplicaAck{a.getEpoch(), CopyFromWire(a.getCopy())};
+      return m;
+    }
+    case proto::PeerMessage::REPLICA_FETCH: {
+      auto a = r.getReplicaFetch();
+      m.body = peer::ReplicaFetch{a.getEpoch(), CopyFromWire(a.getCopy())};
+      return m;
+    }
   }
   return InvalidArgument("a peer message of an unknown kind (a newer psd?)");
 }
@@ -198,6 +251,8 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           hb.setAllowStateLoss(body.allow_state_loss);
           hb.setWaiting(body.waiting);
           SetSteps(hb.initUnusableSteps(static_cast<unsigned>(body.unusable_steps.size())), body.unusable_steps);
+          CopiesToWire(hb.initOwnCopies(static_cast<unsigned>(body.own_copies.size())), body.own_copies);
+          CopiesToWire(hb.initHeldCopies(static_cast<unsigned>(body.held_copies.size())), body.held_copies);
         } else if constexpr (std::is_same_v<T, peer::Prepared>) {
           auto p = b.initPrepared();
           p.setEpoch(body.epoch);
@@ -224,6 +279,8 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           for (size_t i = 0; i < body.seal.size(); ++i) {
             PartToWire(list[static_cast<unsigned>(i)], body.epoch, body.step, body.seal[i]);
           }
+          r.setLive(body.live);
+          r.setLineage(body.lineage);
         } else if constexpr (std::is_same_v<T, peer::Restored>) {
           auto r = b.initRestored();
           r.setEpoch(body.epoch);
@@ -249,8 +306,26 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           c.setJobDone(body.job_done);
           c.setSnapshotStep(body.snapshot_step);
           c.setForceStep(body.force_step);  // never the default 0 by accident: "force step 0"
-        } else {
+        } else if constexpr (std::is_same_v<T, peer::CheckpointRequest>) {
           b.setCheckpointRequest();
+        } else if constexpr (std::is_same_v<T, peer::ReplicaChunk>) {
+          auto c = b.initReplicaChunk();
+          c.setEpoch(body.epoch);
+          c.setOwner(static_cast<uint32_t>(body.owner));
+          CopyToWire(c.initCopy(), body.copy);
+          c.setRestore(body.restore);
+          c.setOffset(body.offset);
+          c.setTotal(body.total);
+          c.setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(body.data.data()), body.data.size()));
+        } else if constexpr (std::is_same_v<T, peer::ReplicaAck>) {
+          auto a = b.initReplicaAck();
+          a.setEpoch(body.epoch);
+          CopyToWire(a.initCopy(), body.copy);
+        } else {
+          static_assert(std::is_same_v<T, peer::ReplicaFetch>);
+          auto a = b.initReplicaFetch();
+          a.setEpoch(body.epoch);
+          CopyToWire(a.initCopy(), body.copy);
         }
       },
       m.body);

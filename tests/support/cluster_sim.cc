@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -99,6 +100,7 @@ struct Shard {
   int64_t restores_until = 0;                       // when the last queued restore completes
   bool writer_busy = false;
   std::optional<std::tuple<uint64_t, int64_t, uint64_t>> pending_snapshot;  // (epoch, step, value)
+  std::map<peer::LiveCopy, uint64_t> own_copies, held_copies;               // replication (memory: lost by a crash)
   std::unique_ptr<FakeHost> host;
   std::unique_ptr<Endpoint> net;
   std::unique_ptr<ClusterCoordinator> coord;
@@ -167,6 +169,9 @@ class Sim {
   void OnWorkersDoneCheck(int s);
   void Exit(int s);
   void QueueSnapshot(int s, uint64_t epoch, int64_t step, uint64_t value);
+  // A copy of `owner`'s state `copy` with `value` was kept (replication).
+  void OnCopyKept(int keeper, int owner, const peer::LiveCopy& copy, uint64_t value);
+  void OnLiveFormation() { ++result_.live_formations; }
 
  private:
   struct Event {
@@ -212,6 +217,8 @@ class Sim {
   bool operator_approved_ = false;  // a state loss the next formation may make
   std::vector<int64_t> disk_losses_ = std::vector<int64_t>(static_cast<size_t>(o_.shards), 0);  // per shard
   std::map<uint64_t, std::vector<int64_t>> losses_at_serve_;  // epoch -> disk_losses_ when it served
+  int64_t max_released_ = -1;                                 // the newest step released in any epoch
+  int64_t serving_since_ = -1;                                // single_faults: when the cluster last served
 };
 
 class Endpoint : public PeerNetwork {
@@ -219,6 +226,7 @@ class Endpoint : public PeerNetwork {
   Endpoint(Sim& sim, int me) : sim_(sim), me_(me) {}
   void Send(int shard, const peer::Message& m) override {
     if (auto* r = std::get_if<peer::Restore>(&m.body); r != nullptr && shard == me_) {
+      if (r->live) sim_.OnLiveFormation();
       sim_.OnFormation(me_, r->epoch, r->step);
     }
     sim_.Send(me_, shard, m);
@@ -341,6 +349,75 @@ class FakeHost : public ShardHost {
     sim_.CountReseal();
     return SealCheckpoint(step, parts);
   }
+  // --- replication: a copy is the engine's value, serialized with filler so it travels in pieces.
+  void LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<peer::LiveCopy>* held) override {
+    own->clear();
+    held->clear();
+    for (auto it = sh().own_copies.rbegin(); it != sh().own_copies.rend(); ++it) own->push_back(it->first);
+    for (auto it = sh().held_copies.rbegin(); it != sh().held_copies.rend(); ++it) held->push_back(it->first);
+  }
+  std::shared_ptr<const std::string> Serialize(uint64_t value) {
+    std::string bytes(reinterpret_cast<const char*>(&value), sizeof(value));
+    bytes.append(static_cast<size_t>(sim_.Uniform(0, 3000)), 'x');
+    return std::make_shared<const std::string>(std::move(bytes));
+  }
+  void Trim(std::map<peer::LiveCopy, uint64_t>* copies) {
+    while (copies->size() > 2) copies->erase(copies->begin());
+    if (sim_.tracing()) {
+      std::string list;
+      for (auto& [c, v] : *copies) list += fmt::format(" ({},{})", c.lineage, c.step);
+      sim_.Note(fmt::format("shard {} {} copies:{}", me_, copies == &sh().own_copies ? "own" : "held", list));
+    }
+  }
+  std::shared_ptr<const std::string> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) override {
+    const Engine& e = sh().engine;
+    if (e.epoch != epoch) return nullptr;
+    if (e.step != copy.step) {
+      sim_.Fail(fmt::format("shard {} asked to keep a copy of step {} at step {}", me_, copy.step, e.step));
+      return nullptr;
+    }
+    sh().own_copies[copy] = e.value;
+    Trim(&sh().own_copies);
+    return Serialize(e.value);
+  }
+  std::shared_ptr<const std::string> SerializedCopy(int owner, const peer::LiveCopy& copy) override {
+    auto& copies = owner == me_ ? sh().own_copies : sh().held_copies;
+    auto it = copies.find(copy);
+    return it == copies.end() ? nullptr : Serialize(it->second);
+  }
+  Status TakeCopy(int owner, const peer::LiveCopy& copy, const std::string& bytes) override {
+    if (bytes.size() < sizeof(uint64_t)) return InvalidArgument("a copy too short");
+    uint64_t value = 0;
+    std::memcpy(&value, bytes.data(), sizeof(value));
+    sim_.OnCopyKept(me_, owner, copy, value);
+    auto& copies = owner == me_ ? sh().own_copies : sh().held_copies;
+    copies[copy] = value;
+    Trim(&copies);
+    return Status::Ok();
+  }
+  void DropCopies(std::optional<peer::LiveCopy> newest) override {
+    for (auto* copies : {&sh().own_copies, &sh().held_copies}) {
+      copies->erase(newest ? copies->upper_bound(*newest) : copies->begin(), copies->end());
+    }
+  }
+  void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override {
+    Shard& s = sh();
+    int64_t start = std::max(sim_.now(), s.restores_until);
+    s.restores_until = start + sim_.Uniform(1, 80);
+    sim_.Later(me_, s.restores_until, [this, epoch, copy, done = std::move(done)](Shard& s) {
+      auto it = s.own_copies.find(copy);
+      if (it == s.own_copies.end()) return done(NotFound("no such copy"), {});
+      s.engine = Engine{epoch, copy.step, it->second, false, false};
+      sim_.Note(fmt::format("shard {}: restored the live copy of step {} for epoch {}", me_, copy.step, epoch));
+      sim_.OnRestored(me_, epoch, copy.step, it->second);
+      VarPlacement p;
+      p.name = "v" + std::to_string(me_);
+      p.shape = {4};
+      p.parts = {{me_, 0, 0}};
+      done(Status::Ok(), {p});
+    });
+  }
+
   bool CheckpointWriterBusy() override { return sh().writer_busy || sh().pending_snapshot.has_value(); }
   uint64_t LoadTerm() override { return sh().saved_term; }
   void SaveTerm(uint64_t term) override { sh().saved_term = std::max(sh().saved_term, term); }
@@ -444,6 +521,8 @@ void Sim::StartShard(int s) {
   sh.restores_until = 0;
   sh.writer_busy = false;
   sh.pending_snapshot.reset();
+  sh.own_copies.clear();
+  sh.held_copies.clear();
   sh.host = std::make_unique<FakeHost>(*this, s);
   sh.net = std::make_unique<Endpoint>(*this, s);
   ClusterOptions opt;
@@ -457,6 +536,8 @@ void Sim::StartShard(int s) {
   opt.commit_timeout = std::chrono::milliseconds(2000);
   opt.formation_timeout = std::chrono::milliseconds(3000);
   opt.final_seal_timeout = std::chrono::milliseconds(1000);
+  opt.replicate = o_.replicate;
+  opt.replica_chunk_bytes = 1024;  // several pieces per copy
   uint64_t life = sh.life;
   sh.coord = std::make_unique<ClusterCoordinator>(
       std::move(opt), *sh.host, *sh.net, [this] { return clock(); },
@@ -561,6 +642,15 @@ void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
   // either serves (OnStartServing checks that one chief runs each epoch).
   if (!formed_.insert(epoch).second) ++result_.contested;
   Note(fmt::format("shard {} forms epoch {} at step {}", chief, epoch, step));
+  if (step < max_released_) {
+    ++result_.rollbacks;
+    if (o_.replicate && o_.single_faults) {
+      return Fail(
+          fmt::format("epoch {} forms at step {}, before step {} whose tokens were released (one "
+                      "fault at a time: a live copy of every part was left)",
+                      epoch, step, max_released_));
+    }
+  }
   if (operator_approved_) {
     // What it loses was approved: the newer checkpoints are given up for good.
     operator_approved_ = false;
@@ -613,6 +703,7 @@ void Sim::OnStartServing(int s) {
   const Engine& e = shard(s).engine;
   uint64_t epoch = e.epoch;
   Note(fmt::format("shard {} serves epoch {} from step {}", s, epoch, e.step));
+  serving_since_ = now_;
   auto [it, fresh] = server_of_epoch_.emplace(epoch, s);
   if (!fresh) {
     // Only a cluster with no disk left that remembers the term may form it again.
@@ -646,6 +737,30 @@ void Sim::OnStartServing(int s) {
   ++result_.formations;
 }
 
+void Sim::OnCopyKept(int keeper, int owner, const peer::LiveCopy& copy, uint64_t value) {
+  Note(fmt::format("shard {} keeps shard {}'s copy of step {} (lineage {})", keeper, owner, copy.step, copy.lineage));
+  // A copy is of the epoch that committed (or restored) that step: bit-identical to its owner's.
+  std::optional<uint64_t> want;
+  if (auto p = published_.find({copy.lineage, copy.step}); p != published_.end()) {
+    if (auto v = p->second.find(owner); v != p->second.end()) want = v->second;
+  }
+  if (auto r = restored_.find(copy.lineage); !want && r != restored_.end()) {
+    if (auto v = r->second.find(owner); v != r->second.end() && v->second.first == copy.step) want = v->second.second;
+    if (auto v = r->second.find(owner); v != r->second.end() && v->second.first < 0 && copy.step == 0) {
+      want = v->second.second;
+    }
+  }
+  if (!want) {
+    return Fail(fmt::format("shard {} keeps a copy of shard {} at step {} (lineage {}) that shard never published",
+                            keeper, owner, copy.step, copy.lineage));
+  }
+  if (*want != value) {
+    return Fail(fmt::format("shard {}'s copy of shard {} at step {} (lineage {}) differs from what it published",
+                            keeper, owner, copy.step, copy.lineage));
+  }
+  ++result_.copies_checked;
+}
+
 void Sim::OnRelease(int s, int64_t step) {
   uint64_t epoch = shard(s).engine.epoch;
   Note(fmt::format("shard {} releases the tokens of step {} (epoch {})", s, step, epoch));
@@ -658,6 +773,7 @@ void Sim::OnRelease(int s, int64_t step) {
     return Fail(fmt::format("epoch {}: the tokens of step {} released after step {}", epoch, step, last));
   }
   last = step;
+  max_released_ = std::max(max_released_, step);
   auto& m = published_[{epoch, step}];
   if (static_cast<int>(m.size()) != o_.shards) {
     return Fail(
@@ -692,10 +808,18 @@ void Sim::InjectFault() {
       if (sh.up) live.push_back(sh.index);
     }
     if (pick < o_.crash_rate) {
-      if (!live.empty()) {
+      // One fault at a time: only a cluster that has served a while loses a shard.
+      bool whole = static_cast<int>(live.size()) == o_.shards &&
+                   std::all_of(group_.begin(), group_.end(), [&](int g) { return g == group_[0]; });
+      bool serving = true;
+      for (auto& sh : shards_) serving = serving && sh.up && sh.coord->Serving().ok();
+      if (o_.single_faults && (!whole || !serving || serving_since_ < 0 || now_ - serving_since_ < 1500)) {
+        // skipped
+      } else if (!live.empty()) {
+        serving_since_ = -1;
         int s = live[static_cast<size_t>(Uniform(0, static_cast<int64_t>(live.size()) - 1))];
         int64_t down = Uniform(100, 3000);
-        bool lose = Chance(o_.lose_disk);
+        bool lose = !o_.single_faults && Chance(o_.lose_disk);
         result_.faults.push_back(fmt::format("{} ms: shard {} crashes for {} ms{}", now_, s, down,
                                              lose ? ", losing its checkpoint directory" : ""));
         Note(result_.faults.back());

@@ -50,6 +50,13 @@ struct SimOptions {
   double duplicate = 0.02;      // delivered twice
   double slow = 0.03;           // a long delay (up to 1.5 s)
   bool trace = false;           // record every event (slower)
+  // Replication (--replicas-per-shard 2): each shard's committed state also kept by the next one.
+  // Invariants added: a copy kept is bit-identical to what its owner published at that step.
+  bool replicate = false;
+  // Crashes only while the cluster runs, one at a time (the next one at least 1.5 s after the
+  // cluster serves again), no lost disks: with `replicate`, no formation may then go back before
+  // a step whose tokens were released (a rollback).
+  bool single_faults = false;
 };
 
 struct SimResult {
@@ -62,6 +69,9 @@ struct SimResult {
   int64_t formations = 0;  // epochs that served
   int64_t reseals = 0;     // seals a shard wrote from a restore order (it had missed the seal)
   int64_t contested = 0;   // formations of a term another shard formed too (settled before serving)
+  int64_t live_formations = 0;  // formations from live copies (replicate)
+  int64_t rollbacks = 0;        // formations before the newest step released to workers
+  int64_t copies_checked = 0;   // copies compared with what their owner published (replicate)
   int64_t end_ms = 0;      // simulated time when the last shard exited
 };
 
