@@ -28,6 +28,7 @@ struct Options {
   std::string connect;           // HOST:PORT; empty: start psd in this process
   std::string tls_dir;           // TLS (deploy/make_tls_certs.sh DIR): psd serves it, workers verify it
   int shards = 1;                // in-process: a cluster of this many psd shards
+  int replicas_per_shard = 1;    // in-process cluster: psd's --replicas-per-shard
   std::string slice_bytes_text;  // in-process cluster: --slice-bytes (empty: each variable over every shard)
   int workers = 2;
   int replicas_to_aggregate = -1;  // -1: the number of workers

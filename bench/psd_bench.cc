@@ -629,6 +629,10 @@ int Run(int argc, char** argv) {
   Options opt;
   CLI::App app{"psd_bench: training-step benchmark for psd (in-process daemon or --connect)"};
   auto* connect = app.add_option("--connect", opt.connect, "HOST:PORT of a running psd (default: start one here)");
+  app.add_option("--replicas-per-shard", opt.replicas_per_shard,
+                 "in-process cluster: psd's --replicas-per-shard (2: each shard's state copied to the next "
+                 "one every step; the replication traffic and the copies' memory are reported)")
+      ->capture_default_str();
   app.add_option("--shards", opt.shards,
                  "in-process: a psd cluster of this many shards (elected chief, sliced variables)")
       ->excludes(connect)
@@ -890,6 +894,7 @@ int Run(int argc, char** argv) {
     config.default_token_timeout_ms = opt.token_timeout_ms;
     config.summary_interval_s = 0;
     config.log_level = opt.log_level;
+    config.replicas_per_shard = opt.replicas_per_shard;
     if (opt.shards > 1) {
       // A cluster in this process: P shards on sockets bound on port 0 (below).
       if (!opt.slice_bytes_text.empty()) {
@@ -1004,6 +1009,15 @@ int Run(int argc, char** argv) {
     return 1;
   }
   for (auto& t : threads) t.join();
+  uint64_t replica_sent = 0, replica_kept = 0, replica_kept_max = 0;
+  int64_t steps_run = 0;
+  for (auto& s : servers) {
+    replica_sent += s->metrics().replica_sent();
+    const uint64_t kept = s->metrics().replica_own() + s->metrics().replica_held();
+    replica_kept += kept;
+    replica_kept_max = std::max(replica_kept_max, kept);
+    steps_run = std::max(steps_run, s->engine()->global_step());
+  }
   for (auto& s : servers) s->Stop();
 
   Report measured = Summarize(opt, state.window, stats);
@@ -1018,6 +1032,16 @@ int Run(int argc, char** argv) {
     PrintJson(measured);
   } else {
     PrintTable(measured, warning_line);
+  }
+  if (opt.replicas_per_shard > 1 && !opt.json) {
+    constexpr double kMiB = 1024.0 * 1024.0;
+    std::printf(
+        "replication (--replicas-per-shard %d, %d shards): %.1f MiB sent over %lld global steps (%.2f MiB per step, "
+        "all shards); copies kept: %.1f MiB in all, %.1f MiB on the fullest shard (own copies share the engine's "
+        "newest buffers)\n",
+        opt.replicas_per_shard, opt.shards, static_cast<double>(replica_sent) / kMiB, static_cast<long long>(steps_run),
+        steps_run > 0 ? static_cast<double>(replica_sent) / kMiB / static_cast<double>(steps_run) : 0.0,
+        static_cast<double>(replica_kept) / kMiB, static_cast<double>(replica_kept_max) / kMiB);
   }
   std::fflush(stdout);
   return 0;

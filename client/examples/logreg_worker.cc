@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
   int steps = 200, batch = 64, features = 32, rows = 4096, shard = 0, print_every = 1;
   int replicas = -1, total = -1, num_tokens = -1;
   int slow_ms = 0;
+  bool data_by_step = false;
   int64_t token_timeout_ms = 30000;
   double retry_s = 60;
   std::string token_file;
@@ -101,6 +102,9 @@ int main(int argc, char** argv) {
   app.add_option("--slow-ms", slow_ms, "sleep this long per step (an artificial straggler)")->capture_default_str();
   app.add_option("--token-timeout-ms", token_timeout_ms, "token wait deadline")->capture_default_str();
   app.add_option("--print-every", print_every, "print every N-th step")->capture_default_str();
+  app.add_flag("--data-by-step", data_by_step,
+               "the minibatch of global step s is rows s*batch.. (mod the shard): a step computed again after a "
+               "failover reads the same rows, so a run is reproducible whatever happened (with psd --deterministic)");
   auto* token_opt = app.add_option("--auth-token-file", token_file, "psd's shared secret, if it runs with one");
   app.add_option("--tls-ca-file", opts.tls_ca_file, "psd runs with TLS: the CA that signed its certificate");
   app.add_option("--tls-cert-file", opts.tls_cert_file, "this worker's certificate (psd --tls-require-client-cert)");
@@ -178,6 +182,7 @@ int main(int argc, char** argv) {
   std::mt19937_64 batch_rng(99 + shard);
   auto loss_fn = [&](const std::vector<psclient::Variable*>& vs, std::vector<std::optional<psclient::Tensor>>* grads,
                      double* loss) {
+    if (data_by_step) cursor = static_cast<int>((opt.local_step() * batch) % std::max(1, data.rows() - batch + 1));
     if (cursor + batch > data.rows()) cursor = 0;
     psclient::Tensor gw(psd::DType::kFloat32, {features}), gb(psd::DType::kFloat32, {1});
     *loss = LossAndGrad(data, cursor, cursor + batch, vs[0]->value().data<float>(), vs[1]->value().data<float>()[0],
@@ -274,19 +279,25 @@ int main(int argc, char** argv) {
                                                                  {b.name(), b.value().view()}};
   double final_loss = -1;
   double param_sum = 0;
+  uint64_t param_hash = 1469598103934665603ull;  // FNV-1a 64 over the parameters' bytes: bit-identical or not
+  auto hash_bytes = [&param_hash](const void* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) param_hash = (param_hash ^ static_cast<const uint8_t*>(p)[i]) * 1099511628211ull;
+  };
   if (c.Pull(outs).ok()) {
     for (int f = 0; f < features; ++f) param_sum += w.value().data<float>()[f];
     param_sum += b.value().data<float>()[0];
+    hash_bytes(w.value().data<float>(), sizeof(float) * static_cast<size_t>(features));
+    hash_bytes(b.value().data<float>(), sizeof(float));
     final_loss =
         LossAndGrad(data, 0, data.rows(), w.value().data<float>(), b.value().data<float>()[0], nullptr, nullptr);
   }
   double initial_loss = std::log(2.0);  // the loss of the ~zero initial model
   std::printf(
       "[%s] done: %d local steps in %.2f s (%.1f steps/s), global step %lld, pushes accepted %lld stale "
-      "%lld, loss %.4f -> %.4f, parameter sum %.9g\n",
+      "%lld, loss %.4f -> %.4f, parameter sum %.9g, parameter hash %016llx\n",
       me.c_str(), my_steps, secs, my_steps / std::max(secs, 1e-9), static_cast<long long>(global_step.value),
       static_cast<long long>(opt.accepted_total()), static_cast<long long>(opt.stale_total()), initial_loss, final_loss,
-      param_sum);
+      param_sum, static_cast<unsigned long long>(param_hash));
   psclient::Status fs = c.Finish();
   if (!fs.ok()) std::fprintf(stderr, "%s: finish: %s\n", me.c_str(), fs.ToString().c_str());
   return 0;

@@ -53,7 +53,17 @@ Result<std::vector<GradAndVar>> SyncReplicasOptimizer::compute_gradients(const G
   bool fresh = values_fresh_ && var_list == var_list_;
   values_fresh_ = false;
   var_list_ = var_list;
-  if (!fresh) PSD_RETURN_IF_ERROR(PullVariables(outs));
+  if (!fresh) {
+    auto pulled = PullVariables(outs);
+    if (!pulled.ok()) return pulled.status();
+    if (local_init_done_ && epoch_ != client_.connection_epoch()) {
+      // The connection was re-established (the cluster restored a checkpoint or its live copies):
+      // TF's local_step_init_op, at the step of the values these gradients are computed on, so the
+      // gradient function sees it too (local_step()).
+      local_step_ = *pulled;
+      epoch_ = client_.connection_epoch();
+    }
+  }
   std::vector<std::optional<Tensor>> grads(var_list.size());
   double loss = 0;
   PSD_RETURN_IF_ERROR(fn(var_list, &grads, &loss));
@@ -101,7 +111,8 @@ Result<int64_t> SyncReplicasOptimizer::apply_gradients(const std::vector<GradAnd
   if (!out.ok() && out.status().code() == Code::kNotFound && local_init_done_) {
     // psd came back without the variables between the pull and this push: bring them back (or
     // wait for them); these gradients were computed on values psd no longer has, so they go.
-    PSD_RETURN_IF_ERROR(PullVariables(pull_after));
+    auto pulled = PullVariables(pull_after);
+    if (!pulled.ok()) return pulled.status();
     values_fresh_ = true;
     return psd::Aborted("psd lost the variables (" + out.status().message() +
                         "); they are back: compute the gradients again from the values pulled");
@@ -133,9 +144,9 @@ Status SyncReplicasOptimizer::RecreateVariables() {
   return Status::Ok();
 }
 
-Status SyncReplicasOptimizer::PullVariables(const std::vector<std::pair<std::string, TensorView>>& outs) {
+Result<int64_t> SyncReplicasOptimizer::PullVariables(const std::vector<std::pair<std::string, TensorView>>& outs) {
   auto step = client_.Pull(outs);
-  if (step.ok() || step.status().code() != Code::kNotFound || !local_init_done_) return step.status();
+  if (step.ok() || step.status().code() != Code::kNotFound || !local_init_done_) return step;
   // The variables existed at the local init: psd came back empty.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(variables_timeout_ms_);
   auto backoff = std::chrono::milliseconds(20);
@@ -143,7 +154,7 @@ Status SyncReplicasOptimizer::PullVariables(const std::vector<std::pair<std::str
     bool chief = client_.is_chief();
     Status made = chief ? RecreateVariables() : Status::Ok();
     step = made.ok() ? client_.Pull(outs) : Result<int64_t>(made);
-    if (step.ok()) return Status::Ok();
+    if (step.ok()) return step;
     Code code = step.status().code();
     // kUnavailable: psd (or the cluster) is not serving yet; kNotFound: not re-created yet.
     if ((code != Code::kNotFound && code != Code::kUnavailable) || std::chrono::steady_clock::now() >= deadline) {

@@ -109,6 +109,7 @@ struct Options {
   double start_timeout_s = 120;
   double grace_s = 15;
   double shard_exit_s = 30;
+  int restart_shards = 0;  // restarts of a shard that dies, each
   std::vector<std::string> command;
 };
 
@@ -128,6 +129,7 @@ struct Child {
   bool reaped = false;
   int status = 0;
   bool stopped_by_us = false;
+  bool restarted = false;  // a shard that died and was started again (--restart-shards)
   bool open() const { return out.fd >= 0 || err.fd >= 0; }
 };
 
@@ -194,6 +196,8 @@ class Launcher {
   void Emit(Child& c, const Stream& s, const std::string& line);
   void Reap();
   void OnExit(Child& c);
+  // --restart-shards: starts the shards that died again (after Reap: Spawn adds to children_).
+  void RestartShards();
   void Fail(int code) {
     if (exit_code_ < 0) exit_code_ = code;
   }
@@ -212,7 +216,13 @@ class Launcher {
   std::string cluster_secret_file_;  // shards > 1: a fresh secret for their links
   std::string psd_;
   std::string cluster_;  // PSD_CLUSTER
-  int exit_code_ = -1;   // the first failure's code (or 128 + signal, 124 on --timeout-s)
+  // --restart-shards: each shard's command and listening socket (kept open: a restarted shard
+  // serves on the same port), its restarts so far, and the shards waiting to be started again.
+  std::vector<std::vector<std::string>> shard_argv_;
+  std::vector<int> shard_sockets_;
+  std::vector<int> restarts_;
+  std::vector<int> to_restart_;
+  int exit_code_ = -1;  // the first failure's code (or 128 + signal, 124 on --timeout-s)
   bool stopping_ = false;
   bool starting_ = true;
   Clock::time_point deadline_ = Clock::time_point::max();  // --timeout-s
@@ -461,10 +471,33 @@ void Launcher::OnExit(Child& c) {
     return;
   }
   if (c.shard && starting_) return;  // StartShards says what happened
+  const size_t k = static_cast<size_t>(c.index);
+  if (c.shard && !ok && k < restarts_.size() && restarts_[k] < o_.restart_shards) {
+    ++restarts_[k];
+    c.restarted = true;
+    Say(c.label + " " + Describe(c.status) + "; starting it again on the same port (restart " +
+        std::to_string(restarts_[k]) + " of --restart-shards " + std::to_string(o_.restart_shards) + ")");
+    to_restart_.push_back(c.index);
+    return;
+  }
   Say(c.label + " " + Describe(c.status) + (ok ? "" : ": read its output above ([" + c.label + "] lines)"));
   if (ok) return;
   Fail(CodeOf(c.status));
   if (o_.on_failure == "stop") StopAll(c.label + " failed (--on-failure stop)");
+}
+
+void Launcher::RestartShards() {
+  std::vector<int> shards;
+  shards.swap(to_restart_);
+  for (int k : shards) {
+    if (stopping_) return;
+    const size_t i = static_cast<size_t>(k);
+    if (Spawn("psd " + std::to_string(k), true, k, shard_argv_[i], {}, false, shard_sockets_[i]) == nullptr) {
+      Say("psd " + std::to_string(k) + " could not be started again");
+      Fail(1);
+      if (o_.on_failure == "stop") StopAll("psd " + std::to_string(k) + " could not be started again");
+    }
+  }
 }
 
 void Launcher::Pump(int timeout_ms) {
@@ -507,6 +540,7 @@ void Launcher::Pump(int timeout_ms) {
     }
   }
   Reap();
+  RestartShards();
   now = Clock::now();
   if (now >= deadline_ && !stopping_) {
     Fail(124);
@@ -660,6 +694,11 @@ Launcher::Started Launcher::StartShards(std::string* cluster) {
       close_sockets();
       return Started::kFailed;
     }
+    shard_argv_.push_back(std::move(argv));
+  }
+  if (o_.restart_shards > 0) {
+    shard_sockets_.swap(sockets);  // kept for the restarts (closed by Cleanup)
+    restarts_.assign(static_cast<size_t>(o_.shards), 0);
   }
   close_sockets();
   // psd writes its --port-file once it serves (older psd: once it listens; the workers' Connect
@@ -797,12 +836,14 @@ int Launcher::Run() {
   WaitAllReaped();
   // A shard that failed by itself after the workers succeeded (its final checkpoint, say).
   for (const auto& c : children_) {
-    if (c.shard && !c.stopped_by_us && c.reaped && CodeOf(c.status) != 0) Fail(CodeOf(c.status));
+    if (c.shard && !c.stopped_by_us && !c.restarted && c.reaped && CodeOf(c.status) != 0) Fail(CodeOf(c.status));
   }
   return exit_code_ < 0 ? 0 : exit_code_;
 }
 
 void Launcher::Cleanup() {
+  for (int fd : shard_sockets_) close(fd);
+  shard_sockets_.clear();
   for (auto& c : children_) {
     if (c.log_fd >= 0) close(c.log_fd);
     c.log_fd = -1;
@@ -873,6 +914,11 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--grace-s", o.grace_s, "seconds between SIGTERM and SIGKILL when stopping")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--restart-shards", o.restart_shards,
+                 "start a psd shard that dies (killed, or failed) again on its port, up to N times each; with "
+                 "--psd-arg=--replicas-per-shard=2 it catches up from the copy the next shard keeps")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--shard-exit-s", o.shard_exit_s, "after the workers, wait this long for psd to exit by itself")

@@ -616,8 +616,9 @@ std::string SerializeSnapshot(const ShardSnapshot& snap) {
   return out;
 }
 
-Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out) {
-  if (bytes.size() < 24) return BadPart("too short");
+Status VerifySerializedSnapshot(const std::string& bytes, int64_t* step) {
+  // Header (16), the records' first field (the step, 8), the checksum (8).
+  if (bytes.size() < 32) return BadPart("too short");
   const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
   const uint64_t body = bytes.size() - 8;
   uint64_t sum = 0, records_bytes = 0;
@@ -625,7 +626,18 @@ Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out) {
   if (XXH3_64bits(data, body) != sum) return BadPart("checksum mismatch");
   if (std::memcmp(data, kMagic, 8) != 0) return BadPart("bad magic");
   std::memcpy(&records_bytes, data + 8, 8);
-  if (records_bytes > body - 16) return BadPart("records larger than the copy");
+  if (records_bytes < 8 || records_bytes > body - 16) return BadPart("records larger than the copy");
+  std::memcpy(step, data + 16, 8);
+  return Status::Ok();
+}
+
+Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out) {
+  int64_t step = 0;
+  PSD_RETURN_IF_ERROR(VerifySerializedSnapshot(bytes, &step));
+  const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+  const uint64_t body = bytes.size() - 8;
+  uint64_t records_bytes = 0;
+  std::memcpy(&records_bytes, data + 8, 8);
   Reader r(data + 16, records_bytes, /*inline_blobs=*/false, body - 16 - records_bytes);
   ShardSnapshot snap;
   PSD_RETURN_IF_ERROR(ParseRecords(r, 4, &snap));

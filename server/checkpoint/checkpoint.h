@@ -88,6 +88,8 @@ Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSn
 // (replication). ParseSnapshot verifies the checksum and every record; INVALID_ARGUMENT otherwise.
 std::string SerializeSnapshot(const ShardSnapshot& snapshot);
 Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out);
+// Checks the layout and checksum only (one pass, no copy) and reads the step it holds.
+Status VerifySerializedSnapshot(const std::string& bytes, int64_t* step);
 
 // Checks one checkpoint directory (manifest checksum, part sizes and checksums).
 Status VerifyCheckpoint(const std::string& path);

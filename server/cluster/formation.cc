@@ -243,10 +243,15 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
     if (live_formation_) {
       live_lost_logged_ = false;
     } else if (!live_lost_logged_) {
-      live_lost_logged_ = true;
-      spdlog::error(
-          "cluster: no live copy of some shard's state is left (it and the next shard both lost it, or the "
-          "cluster never ran): falling back to the newest checkpoint every shard can restore");
+      // Copies somewhere but not of every part: lost. None anywhere: a cluster that never ran.
+      bool any = !own_copies_.empty() || !held_copies_.empty();
+      for (const Peer& p : peers_) any = any || !p.own_copies.empty() || !p.held_copies.empty();
+      if (any) {
+        live_lost_logged_ = true;
+        spdlog::error(
+            "cluster: no live copy of some shard's state is left (that shard and the next one both lost theirs): "
+            "falling back to the newest checkpoint every shard can restore");
+      }
     }
   }
   if (!live_formation_ && !SealsSettledLocked(now_())) return;

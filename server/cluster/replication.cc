@@ -25,9 +25,11 @@ namespace psd::server {
 
 std::optional<peer::LiveCopy> ClusterCoordinator::LiveChoiceLocked() const {
   auto own = [this](int k) -> const std::vector<peer::LiveCopy>& {
+    mu_.AssertHeld();  // held by the caller: the analysis does not follow into the lambda
     return k == me_ ? own_copies_ : peers_[static_cast<size_t>(k)].own_copies;
   };
   auto held = [this](int k) -> const std::vector<peer::LiveCopy>& {
+    mu_.AssertHeld();
     return k == me_ ? held_copies_ : peers_[static_cast<size_t>(k)].held_copies;
   };
   // Sorted vectors (GCC 12 misreads a std::set swapped in a loop as a dangling pointer).
@@ -162,7 +164,7 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   if (!c.restore) {
     peer::Message ack = MessageLocked(peer::ReplicaAck{c.epoch, c.copy});
     actions->push_back([this, from, copy = c.copy, bytes, ack] {
-      Status s = host_.TakeCopy(from, copy, *bytes);
+      Status s = host_.TakeCopy(from, copy, bytes);
       if (!s.ok()) {
         spdlog::error("cluster: shard {}'s copy of step {} is unusable: {}", from, copy.step, s.message());
         return;
@@ -174,7 +176,7 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   uint64_t epoch = fetch_->first;
   fetch_.reset();
   actions->push_back([this, epoch, copy = c.copy, bytes] {
-    Status s = host_.TakeCopy(me_, copy, *bytes);
+    Status s = host_.TakeCopy(me_, copy, bytes);
     if (!s.ok()) return RestoreDone(epoch, copy.step, s, {});
     host_.RestoreCopyAsync(epoch, copy, [this, epoch, copy](Status st, std::vector<VarPlacement> placements) {
       RestoreDone(epoch, copy.step, st, std::move(placements));

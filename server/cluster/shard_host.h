@@ -88,12 +88,13 @@ class ShardHost {
   // keeps that state as this shard's own copy `copy` (the newest two are kept) and returns it
   // serialized for the next shard. Null (logged) when the engine is elsewhere.
   virtual std::shared_ptr<const std::string> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) = 0;
-  // A kept copy serialized: this shard's own (`owner` is this shard) or its predecessor's. Null if
-  // not kept.
+  // A kept copy serialized: this shard's own (`owner` is this shard) or its predecessor's (kept as
+  // it came). Null if not kept.
   virtual std::shared_ptr<const std::string> SerializedCopy(int owner, const peer::LiveCopy& copy) = 0;
-  // Keeps a serialized copy that arrived whole: the predecessor's, or this shard's own fetched back
-  // for a restore. INVALID_ARGUMENT if it does not parse (nothing kept).
-  virtual Status TakeCopy(int owner, const peer::LiveCopy& copy, const std::string& bytes) = 0;
+  // Keeps a serialized copy that arrived whole: the predecessor's (as it is, once its checksum
+  // verifies), or this shard's own fetched back for a restore (parsed). INVALID_ARGUMENT if it
+  // does not verify or parse (nothing kept).
+  virtual Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) = 0;
   // Drops every copy newer than `newest` (none: every copy) — a formation left their timeline: it
   // restores the live copy `newest`, or a checkpoint.
   virtual void DropCopies(std::optional<peer::LiveCopy> newest) = 0;

@@ -108,11 +108,31 @@ void ServerShardHost::RestoreAsync(uint64_t epoch, int64_t step, const std::vect
 
 namespace {
 // Keeps the newest two copies.
-void Trim(std::map<peer::LiveCopy, ShardSnapshot>* copies) {
+template <typename T>
+void Trim(std::map<peer::LiveCopy, T>* copies) {
   while (copies->size() > 2) copies->erase(copies->begin());
 }
 
-void Keys(const std::map<peer::LiveCopy, ShardSnapshot>& copies, std::vector<peer::LiveCopy>* out) {
+uint64_t Bytes(const std::map<peer::LiveCopy, ShardSnapshot>& copies) {
+  uint64_t n = 0;
+  for (const auto& [copy, snap] : copies) {
+    for (const VariableSnapshot& v : snap.variables) {
+      if (v.value) n += v.value->bytes();
+      if (v.shadow) n += v.shadow->bytes();
+      for (const auto& [name, slot] : v.slots) n += slot ? slot->bytes() : 0;
+    }
+  }
+  return n;
+}
+
+uint64_t Bytes(const std::map<peer::LiveCopy, std::shared_ptr<const std::string>>& copies) {
+  uint64_t n = 0;
+  for (const auto& [copy, bytes] : copies) n += bytes->size();
+  return n;
+}
+
+template <typename T>
+void Keys(const std::map<peer::LiveCopy, T>& copies, std::vector<peer::LiveCopy>* out) {
   out->clear();
   for (auto it = copies.rbegin(); it != copies.rend(); ++it) out->push_back(it->first);
 }
@@ -122,6 +142,7 @@ void ServerShardHost::LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<p
   MutexLock lock(&mu_);
   Keys(own_, own);
   Keys(held_, held);
+  server_.metrics().SetReplicaKept(Bytes(own_), Bytes(held_));  // once a heartbeat
 }
 
 std::shared_ptr<const std::string> ServerShardHost::KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) {
@@ -135,6 +156,7 @@ std::shared_ptr<const std::string> ServerShardHost::KeepCopy(uint64_t epoch, con
     return nullptr;
   }
   auto bytes = std::make_shared<const std::string>(SerializeSnapshot(*snap));
+  server_.metrics().OnReplicaSent(bytes->size());
   MutexLock lock(&mu_);
   own_[copy] = std::move(*snap);
   Trim(&own_);
@@ -145,32 +167,50 @@ std::shared_ptr<const std::string> ServerShardHost::SerializedCopy(int owner, co
   ShardSnapshot snap;
   {
     MutexLock lock(&mu_);
-    auto& copies = owner == server_.config().shard_index ? own_ : held_;
-    auto it = copies.find(copy);
-    if (it == copies.end()) return nullptr;
+    if (owner != server_.config().shard_index) {
+      auto it = held_.find(copy);
+      if (it == held_.end()) return nullptr;
+      server_.metrics().OnReplicaSent(it->second->size());
+      return it->second;  // as it came
+    }
+    auto it = own_.find(copy);
+    if (it == own_.end()) return nullptr;
     snap = it->second;  // shares the buffers
   }
-  return std::make_shared<const std::string>(SerializeSnapshot(snap));
+  auto bytes = std::make_shared<const std::string>(SerializeSnapshot(snap));
+  server_.metrics().OnReplicaSent(bytes->size());
+  return bytes;
 }
 
-Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, const std::string& bytes) {
+Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) {
+  server_.metrics().OnReplicaReceived(bytes->size());
+  if (owner != server_.config().shard_index) {
+    // The predecessor's: kept as it came (parsed only if it is ever restored, by its owner).
+    int64_t step = -1;
+    PSD_RETURN_IF_ERROR(VerifySerializedSnapshot(*bytes, &step));
+    if (step != copy.step) {
+      return InvalidArgument("the copy holds step " + std::to_string(step) + ", not " + std::to_string(copy.step));
+    }
+    MutexLock lock(&mu_);
+    held_[copy] = std::move(bytes);
+    Trim(&held_);
+    return Status::Ok();
+  }
   ShardSnapshot snap;
-  PSD_RETURN_IF_ERROR(ParseSnapshot(bytes, &snap));
+  PSD_RETURN_IF_ERROR(ParseSnapshot(*bytes, &snap));
   if (snap.step != copy.step) {
     return InvalidArgument("the copy holds step " + std::to_string(snap.step) + ", not " + std::to_string(copy.step));
   }
   MutexLock lock(&mu_);
-  auto& copies = owner == server_.config().shard_index ? own_ : held_;
-  copies[copy] = std::move(snap);
-  Trim(&copies);
+  own_[copy] = std::move(snap);
+  Trim(&own_);
   return Status::Ok();
 }
 
 void ServerShardHost::DropCopies(std::optional<peer::LiveCopy> newest) {
   MutexLock lock(&mu_);
-  for (auto* copies : {&own_, &held_}) {
-    copies->erase(newest ? copies->upper_bound(*newest) : copies->begin(), copies->end());
-  }
+  own_.erase(newest ? own_.upper_bound(*newest) : own_.begin(), own_.end());
+  held_.erase(newest ? held_.upper_bound(*newest) : held_.begin(), held_.end());
 }
 
 void ServerShardHost::RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) {

@@ -65,7 +65,7 @@ class ServerShardHost : public ShardHost {
   void LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<peer::LiveCopy>* held) override;
   std::shared_ptr<const std::string> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) override;
   std::shared_ptr<const std::string> SerializedCopy(int owner, const peer::LiveCopy& copy) override;
-  Status TakeCopy(int owner, const peer::LiveCopy& copy, const std::string& bytes) override;
+  Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) override;
   void DropCopies(std::optional<peer::LiveCopy> newest) override;
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override;
   bool EndTraining(int64_t snapshot_step) override;
@@ -78,7 +78,7 @@ class ServerShardHost : public ShardHost {
   std::thread restore_ GUARDED_BY(mu_);  // the newest restore (it joins the one before it first)
   // Replication: this shard's own committed states and its predecessor's, the newest two of each.
   std::map<peer::LiveCopy, ShardSnapshot> own_ GUARDED_BY(mu_);
-  std::map<peer::LiveCopy, ShardSnapshot> held_ GUARDED_BY(mu_);
+  std::map<peer::LiveCopy, std::shared_ptr<const std::string>> held_ GUARDED_BY(mu_);  // serialized
 };
 
 }  // namespace psd::server

@@ -236,6 +236,16 @@ std::string OpsService::RenderMetrics() const {
   w.Counter("psd_sent_bytes_total", "bytes sent on the data port", static_cast<double>(m.bytes_out()));
   w.Counter("psd_shm_bytes_total", "tensor bytes moved through same-host workers' shared memory",
             static_cast<double>(m.shm_bytes()));
+  if (server_.config().replicas_per_shard > 1) {
+    w.Counter("psd_replica_sent_bytes_total", "copies of shard state sent to other shards (serialized)",
+              static_cast<double>(m.replica_sent()));
+    w.Counter("psd_replica_received_bytes_total", "copies of other shards' state taken (serialized)",
+              static_cast<double>(m.replica_received()));
+    w.Gauge("psd_replica_own_bytes", "this shard's own kept copies (the newest shares the engine's buffers)",
+            static_cast<double>(m.replica_own()));
+    w.Gauge("psd_replica_held_bytes", "the predecessor shard's copies kept here",
+            static_cast<double>(m.replica_held()));
+  }
   if (ShmListener* shm = server_.shm()) {
     w.Counter("psd_shm_attached_total", "shared-memory segments attached by same-host workers",
               static_cast<double>(shm->attached()));

@@ -66,6 +66,15 @@ class Metrics {
   void OnBytesOut(uint64_t n) { bytes_out_.fetch_add(n, std::memory_order_relaxed); }
   // Tensor bytes read from or written to workers' shared memory (README "Same-host shared memory").
   void OnShmBytes(uint64_t n) { shm_bytes_.fetch_add(n, std::memory_order_relaxed); }
+  // Replication (README "Shard replicas"): copies of shard state sent to and taken from other
+  // shards (serialized bytes), and what this shard keeps in memory: its own copies and its
+  // predecessor's (the newest own copy shares its buffers with the engine).
+  void OnReplicaSent(uint64_t n) { replica_sent_.fetch_add(n, std::memory_order_relaxed); }
+  void OnReplicaReceived(uint64_t n) { replica_received_.fetch_add(n, std::memory_order_relaxed); }
+  void SetReplicaKept(uint64_t own, uint64_t held) {
+    replica_own_.store(own, std::memory_order_relaxed);
+    replica_held_.store(held, std::memory_order_relaxed);
+  }
   void OnConnectionAccepted() { connections_accepted_.fetch_add(1, std::memory_order_relaxed); }
   void OnConnectionRefused() { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
   // A connection closed because its frame did not arrive within --frame-timeout-ms.
@@ -98,6 +107,10 @@ class Metrics {
   uint64_t bytes_in() const { return bytes_in_.load(std::memory_order_relaxed); }
   uint64_t bytes_out() const { return bytes_out_.load(std::memory_order_relaxed); }
   uint64_t shm_bytes() const { return shm_bytes_.load(std::memory_order_relaxed); }
+  uint64_t replica_sent() const { return replica_sent_.load(std::memory_order_relaxed); }
+  uint64_t replica_received() const { return replica_received_.load(std::memory_order_relaxed); }
+  uint64_t replica_own() const { return replica_own_.load(std::memory_order_relaxed); }
+  uint64_t replica_held() const { return replica_held_.load(std::memory_order_relaxed); }
   uint64_t connections_accepted() const { return connections_accepted_.load(std::memory_order_relaxed); }
   uint64_t connections_refused() const { return connections_refused_.load(std::memory_order_relaxed); }
   uint64_t frame_timeouts() const { return frame_timeouts_.load(std::memory_order_relaxed); }
@@ -129,6 +142,7 @@ class Metrics {
   WorkerFigures& WorkerLocked(uint32_t worker) REQUIRES(mu_);
 
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, shm_bytes_{0};
+  std::atomic<uint64_t> replica_sent_{0}, replica_received_{0}, replica_own_{0}, replica_held_{0};
   std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0}, frame_timeouts_{0};
   std::atomic<uint64_t> steps_forced_{0}, gradients_used_{0};
   std::atomic<int> last_min_gradients_{0}, last_max_gradients_{0};

@@ -48,7 +48,7 @@ train() {  # $1: shards, $2: tag
     echo "uneven"
     return
   fi
-  sed -n 's/.*parameter sum \([-0-9.e+]*\)$/\1/p' "$run/$2-w0.log"
+  sed -n 's/.*parameter sum \([-0-9.e+]*\),.*/\1/p' "$run/$2-w0.log"
 }
 lockstep() {  # $1: shards, $2: tag
   local got

@@ -9,6 +9,9 @@
 #  4. SIGINT to psrun stops everything it started, the trainers' own subprocesses included.
 #  5. psrun binds every shard's socket itself (port 0) and hands it over as descriptor 3, so no
 #     port is guessed; a psd never ready: named.
+#  6. --restart-shards with shard replicas: a shard killed with SIGKILL mid-training is started
+#     again on its port, catches up from the copy the next shard keeps (no checkpoint), and the job
+#     finishes with exit 0.
 set -euo pipefail
 psrun=$1 psd=$2 worker=$3
 run=$(mktemp -d)
@@ -168,4 +171,30 @@ grep -q "psd shard 0 was not ready within --start-timeout-s 1 (no .*psd-0.port):
 # shellcheck disable=SC2046
 none_alive $(started_pids "$run/slow.log")
 echo "5. the shards served on the sockets psrun bound for them; a psd never ready: exit 1, named"
+# --- 6. a shard killed mid-training, started again, catching up from the live copies ---------------
+rc=0
+timeout 200 "$psrun" --psd "$psd" --shards 3 --workers 3 --restart-shards 2 --log-dir "$run/logs6" \
+  --psd-arg=--replicas-per-shard=2 --psd-arg=--learning-rate=0.5 --psd-arg=--slice-bytes=4096 \
+  --psd-arg=--summary-interval-s=0 \
+  -- "$worker" --steps 1500 --features 2048 --print-every 100 --slow-ms 2 > "$run/restart.log" 2>&1 &
+psrun_pid=$!
+bg+=("$psrun_pid")
+for _ in $(seq 600); do
+  grep -qE "^\[worker 0\] .*global step +[2-9]00 " "$run/restart.log" && break
+  sleep 0.1
+done
+victim=$(sed -n 's/^\[psrun\] psd 1: pid \([0-9]*\):.*/\1/p' "$run/restart.log" | head -1)
+[ -n "$victim" ] || fail "no pid for psd 1 in psrun's output"
+kill -9 "$victim"
+wait "$psrun_pid" || rc=$?
+[ "$rc" -eq 0 ] || { tail -30 "$run/restart.log"; fail "psrun with a shard killed and restarted exited $rc"; }
+grep -q "^\[psrun\] psd 1 was killed by signal 9.*starting it again on the same port (restart 1 of --restart-shards 2)" \
+  "$run/restart.log" || fail "psrun did not say it started psd 1 again"
+for i in 0 1 2; do
+  grep -qE "^\[worker $i\] \[worker-$i\] done: .*global step 1500" "$run/restart.log" || fail "worker $i did not finish"
+done
+grep -q "running at epoch .* from the live copies of step" "$run/restart.log" ||
+  fail "the cluster did not form again from the live copies"
+grep -q "from checkpoint step" "$run/restart.log" && fail "the cluster restored a checkpoint"
+echo "6. psd 1 killed at $(grep -m1 -o 'running at epoch .* from the live copies of step [0-9]*' "$run/restart.log"); started again by psrun; exit 0"
 echo "PASS"

@@ -385,10 +385,10 @@ class FakeHost : public ShardHost {
     auto it = copies.find(copy);
     return it == copies.end() ? nullptr : Serialize(it->second);
   }
-  Status TakeCopy(int owner, const peer::LiveCopy& copy, const std::string& bytes) override {
-    if (bytes.size() < sizeof(uint64_t)) return InvalidArgument("a copy too short");
+  Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) override {
+    if (bytes->size() < sizeof(uint64_t)) return InvalidArgument("a copy too short");
     uint64_t value = 0;
-    std::memcpy(&value, bytes.data(), sizeof(value));
+    std::memcpy(&value, bytes->data(), sizeof(value));
     sim_.OnCopyKept(me_, owner, copy, value);
     auto& copies = owner == me_ ? sh().own_copies : sh().held_copies;
     copies[copy] = value;

@@ -182,7 +182,8 @@ class PSD_EXPORT SyncReplicasOptimizer {
   friend class SyncReplicasHook;
   // Pulls var_list_'s values into `outs`. kNotFound after the local init means psd lost them:
   // the chief re-creates them from the host values, the others wait (see the file comment).
-  Status PullVariables(const std::vector<std::pair<std::string, TensorView>>& outs);
+  // The global step of the values pulled.
+  Result<int64_t> PullVariables(const std::vector<std::pair<std::string, TensorView>>& outs);
   Status RecreateVariables();
 
   Client& client_;
