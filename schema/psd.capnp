@@ -375,6 +375,7 @@ struct PeerHeartbeat {
   unusableSteps @9 :List(Int64);  # checkpoint directories present here that this shard cannot restore
   ownCopies @10 :List(PeerCopy);  # replication: the sender's own committed states it keeps
   heldCopies @11 :List(PeerCopy); # replication: its predecessor's committed states it keeps
+  listening @12 :Bool;      # the sender started less than an election timeout ago: it claims nothing yet
 }
 
 # Replication (--replicas-per-shard 2): a committed state of a shard's part.

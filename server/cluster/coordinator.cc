@@ -80,6 +80,7 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.unusable_steps = unusable_;
   hb.own_copies = own_copies_;
   hb.held_copies = held_copies_;
+  hb.listening = now_() - started_ < std::chrono::milliseconds(options_.election_timeout_ms);
   // Followers show the chief's refusal as their own reason (workers may ask any shard).
   if (chief_ == me_ && !refusal_.empty() && missing_reason_ == refusal_) hb.waiting = refusal_;
   return MessageLocked(std::move(hb));
@@ -197,7 +198,14 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
     }
     if (now - started_ >= std::chrono::milliseconds(options_.election_timeout_ms)) {
       std::vector<bool> alive(static_cast<size_t>(shards_));
-      for (int i = 0; i < shards_; ++i) alive[static_cast<size_t>(i)] = AliveLocked(i, now);
+      // A shard that restarted lately listens before it may claim: it does not hold back the
+      // claims of shards up for long (a chief lost just after a restart of a lower-index shard).
+      // Shards started together (a cluster's start) all count, so the lowest index claims.
+      const bool settled = now - started_ >= 2 * std::chrono::milliseconds(options_.election_timeout_ms);
+      for (int i = 0; i < shards_; ++i) {
+        alive[static_cast<size_t>(i)] =
+            AliveLocked(i, now) && (i == me_ || !settled || !peers_[static_cast<size_t>(i)].listening);
+      }
       if (election::Candidate(alive, me_) == me_) {
         term_ = std::max(term_, max_term_seen_) + 1;
         max_term_seen_ = term_;
@@ -401,6 +409,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   p.allow_state_loss = hb.allow_state_loss;
   p.own_copies = hb.own_copies;
   p.held_copies = hb.held_copies;
+  p.listening = hb.listening;
   p.last_heartbeat = now_();
   max_term_seen_ = std::max(max_term_seen_, term);
   election::View after = election::OnClaim({term_, chief_}, term, hb.chief, shards_);

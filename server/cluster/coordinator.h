@@ -8,7 +8,9 @@
 // link closed, or no heartbeat from it for --election-timeout-ms — and is the lowest-index live
 // shard it sees, claims the chief role for term max(seen) + 1. A claim with a higher term always
 // wins; within one term the lower index wins. A restarted shard listens for one election timeout
-// before it may claim, so it joins the running chief instead of taking over.
+// before it may claim, so it joins the running chief instead of taking over; its heartbeats say
+// so (`listening`), and meanwhile it does not count, for shards up for two election timeouts, as
+// a lower-index shard that holds back their claims.
 //
 // Fencing: a shard acts on a chief-only message (commit, restore, seal, control) only if it comes
 // from the chief of its current term (a higher term is adopted first). A deposed chief's term is
@@ -200,6 +202,7 @@ class ClusterCoordinator : public PeerEvents {
     std::vector<peer::LiveCopy> own_copies;   // replication: its own committed states it keeps
     std::vector<peer::LiveCopy> held_copies;  // and its predecessor's
     Clock::time_point last_heartbeat{};
+    bool listening = false;  // it restarted lately and does not claim yet
   };
   // Replication: a reply to the chief (Committed, Restored) sent once the next shard acknowledged
   // this shard's copy of the state it answers for.

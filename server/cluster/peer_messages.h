@@ -41,6 +41,8 @@ struct Heartbeat {
   std::vector<int64_t> unusable_steps;  // checkpoint directories the sender has but cannot restore
   std::vector<LiveCopy> own_copies;     // replication: the sender's own committed states it keeps
   std::vector<LiveCopy> held_copies;    // replication: its predecessor's states it keeps (the chain)
+  bool listening = false;               // the sender started less than an election timeout ago: it
+                                        // does not claim the chief role yet (nor block others' claims)
 
   bool operator==(const Heartbeat&) const = default;
 };

@@ -133,7 +133,7 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
       m.body = peer::Heartbeat{
           hb.getChief(),    hb.getEpoch(),          hb.getRunning(), Steps(hb.getSealedSteps()),   hb.getReady(),
           hb.getRequired(), hb.getAllowStateLoss(), hb.getWaiting(), Steps(hb.getUnusableSteps()), std::move(*own),
-          std::move(*held)};
+          std::move(*held), hb.getListening()};
       return m;
     }
     case proto::PeerMessage::PREPARED: {
@@ -253,6 +253,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           SetSteps(hb.initUnusableSteps(static_cast<unsigned>(body.unusable_steps.size())), body.unusable_steps);
           CopiesToWire(hb.initOwnCopies(static_cast<unsigned>(body.own_copies.size())), body.own_copies);
           CopiesToWire(hb.initHeldCopies(static_cast<unsigned>(body.held_copies.size())), body.held_copies);
+          hb.setListening(body.listening);
         } else if constexpr (std::is_same_v<T, peer::Prepared>) {
           auto p = b.initPrepared();
           p.setEpoch(body.epoch);

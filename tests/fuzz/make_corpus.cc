@@ -334,6 +334,60 @@ std::map<std::string, Bytes> PeerSeeds() {
   s["heartbeat"] = Heartbeat(1, 5, 1, true);
   s["follower_restore"] = Heartbeat(1, 5, 1, false) + Restore(1, 5, -1);
   s["follower_restore_step"] = Heartbeat(1, 5, 1, false) + Restore(1, 5, 10);
+  // Replication (the target runs --replicas-per-shard 2; shard 0's predecessor is 2, its successor 1).
+  auto chunk = [](uint32_t from, uint32_t owner, bool restore, uint64_t offset, uint64_t total, size_t size) {
+    return Peer(from, 5, [&](PeerMessage::Builder m) {
+      auto c = m.initReplicaChunk();
+      c.setEpoch(5);
+      c.setOwner(owner);
+      c.initCopy().setLineage(4);
+      c.getCopy().setStep(10);
+      c.setRestore(restore);
+      c.setOffset(offset);
+      c.setTotal(total);
+      auto data = c.initData(static_cast<unsigned>(size));
+      for (size_t i = 0; i < size; ++i) data[i] = static_cast<uint8_t>(i * 7);
+    });
+  };
+  s["replica_chunks"] = Heartbeat(1, 5, 1, true) + chunk(2, 2, false, 0, 96, 48) + chunk(2, 2, false, 48, 96, 48);
+  s["replica_heartbeat_copies"] = Peer(1, 5, [](PeerMessage::Builder m) {
+    auto hb = m.initHeartbeat();
+    hb.setChief(1);
+    hb.setEpoch(5);
+    hb.setReady(true);
+    auto own = hb.initOwnCopies(2);
+    own[0].setLineage(4);
+    own[0].setStep(10);
+    own[1].setLineage(4);
+    own[1].setStep(9);
+    auto held = hb.initHeldCopies(1);
+    held[0].setLineage(4);
+    held[0].setStep(10);
+  });
+  // A live restore: shard 0 keeps no copy, fetches it from shard 1, which answers it holds none.
+  s["replica_live_restore"] = Heartbeat(1, 5, 1, false) +
+                              Peer(1, 5,
+                                   [](PeerMessage::Builder m) {
+                                     auto r = m.initRestore();
+                                     r.setEpoch(5);
+                                     r.setStep(10);
+                                     r.setLive(true);
+                                     r.setLineage(4);
+                                   }) +
+                              chunk(1, 0, true, 0, 0, 0);
+  s["replica_ack_fetch"] = Heartbeat(1, 5, 1, true) +
+                           Peer(1, 5,
+                                [](PeerMessage::Builder m) {
+                                  auto a = m.initReplicaAck();
+                                  a.setEpoch(5);
+                                  a.initCopy().setLineage(4);
+                                }) +
+                           Peer(2, 5, [](PeerMessage::Builder m) {
+                             auto f = m.initReplicaFetch();
+                             f.setEpoch(5);
+                             f.initCopy().setLineage(4);
+                             f.getCopy().setStep(10);
+                           });
   // A restore that carries the seal of its step (for a shard that missed it).
   s["follower_restore_seal"] = Heartbeat(1, 5, 1, false) + Peer(1, 5, [](PeerMessage::Builder m) {
                                  auto r = m.initRestore();

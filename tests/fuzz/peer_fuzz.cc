@@ -1,4 +1,5 @@
-// Fuzz target `peer_message`: the shard-to-shard protocol (server/cluster/coordinator.cc, formation.cc). The
+// Fuzz target `peer_message`: the shard-to-shard protocol (server/cluster/coordinator.cc, formation.cc,
+// replication.cc; the shard runs --replicas-per-shard 2). The
 // input is the byte stream of a peer link: its frames are read with wire::ReadFrame and every
 // Request that carries a PeerMessage is decoded (service/peer_codec.h) and, if valid, goes to
 // ClusterCoordinator::OnMessage, as Connection hands it over from a proven peer link. The coordinator is shard 0 of a
@@ -18,6 +19,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   psd::server::ServerConfig config = psd::fuzz::FuzzConfig();
   config.cluster = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
   config.shard_index = 0;
+  config.replicas_per_shard = 2;  // the replication messages are acted on too
   std::unique_ptr<psd::server::Server> server = psd::fuzz::MakeServer(std::move(config), /*start=*/false);
   psd::server::ClusterCoordinator* coordinator = server->coordinator();
   coordinator->Start();  // scans (no) checkpoints
