@@ -117,6 +117,7 @@ struct ClusterOptions {
   // (chain replication; cluster/replication.cc).
   bool replicate = false;
   uint64_t replica_chunk_bytes = 4ull << 20;  // a copy travels in pieces of this size
+  uint64_t max_copy_bytes = 64ull << 30;  // a bigger copy from a peer is refused (the daemon: 4 x --max-model-bytes)
   // Give-ups (the daemon's defaults; the fault simulation shortens them).
   std::chrono::milliseconds commit_timeout{30000};      // a commit not answered by every shard
   std::chrono::milliseconds formation_timeout{120000};  // a formation not restored everywhere

@@ -120,9 +120,10 @@ void ClusterCoordinator::StartLiveRestoreLocked(uint64_t epoch, const peer::Live
 }
 
 void ClusterCoordinator::ReplicationTickLocked(Clock::time_point now, std::vector<Action>* actions) {
-  // A copy or a fetch whose answer may have been lost with a broken link: sent again.
+  // A copy or a fetch whose answer may have been lost with a broken link: sent again. A big copy
+  // takes a while on the wire: it is not sent again before it could have arrived (at 64 MiB/s).
   const auto again = std::chrono::milliseconds(options_.election_timeout_ms);
-  if (ack_ && now - ack_->sent > again) {
+  if (ack_ && now - ack_->sent > again + std::chrono::milliseconds(ack_->bytes->size() >> 16)) {
     ack_->sent = now;
     actions->push_back([this, epoch = ack_->epoch, copy = ack_->copy, bytes = ack_->bytes] {
       SendCopy(Successor(), epoch, me_, copy, /*restore=*/false, bytes);
@@ -140,6 +141,12 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   // Copies come only from their owner (to keep) or from the shard that keeps ours (a restore).
   if (c.restore ? (from != Successor() || c.owner != me_) : (from != Predecessor() || c.owner != from)) return;
   if (c.restore && !(fetch_ && fetch_->first == c.epoch && fetch_->second == c.copy)) return;
+  if (c.total > options_.max_copy_bytes) {
+    spdlog::warn("cluster: shard {} sent a copy of {} bytes, more than this shard takes ({}); dropped", from, c.total,
+                 options_.max_copy_bytes);
+    return;
+  }
+  if (c.restore) fetch_sent_ = now_();  // the copy is coming: not asked for again meanwhile
   if (c.restore && c.total == 0) {
     uint64_t epoch = fetch_->first;
     fetch_.reset();
@@ -153,7 +160,7 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   if (c.offset == 0) {
     in.copy = c.copy;
     in.bytes.clear();
-    in.bytes.reserve(c.total);
+    in.bytes.reserve(std::min<uint64_t>(c.total, 256ull << 20));  // grows past it as pieces come
   } else if (in.copy != c.copy || in.bytes.size() != c.offset) {
     return;  // a piece of a copy whose start was lost (it is sent again whole)
   }

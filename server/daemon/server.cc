@@ -147,6 +147,8 @@ Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
     options.allow_state_loss = config_.allow_state_loss;
     options.applies_on_arrival = config_.mode != Mode::kSync;
     options.replicate = config_.replicas_per_shard > 1;
+    // A copy holds part of the model (--max-model-bytes counts values, slots and averages).
+    options.max_copy_bytes = config_.max_model_bytes * 4;
     coordinator_ = std::make_unique<ClusterCoordinator>(
         std::move(options), *cluster_host_, *peer_network_, &std::chrono::steady_clock::now,
         [this] { asio::post(cluster_strand_, [this] { coordinator_->Tick(); }); });

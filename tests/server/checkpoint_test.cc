@@ -94,6 +94,36 @@ TEST_CASE("a checkpoint round-trips values, slots, averages and the step", "[che
   CHECK(*back.variables[1].value->as<double>() == 3.5);
 }
 
+TEST_CASE("a shard's state serialized for its replica round-trips; a changed byte or a cut copy is refused",
+          "[checkpoint][replicas]") {
+  const std::string bytes = SerializeSnapshot(Snapshot(41, 3));
+  int64_t step = -1;
+  REQUIRE(VerifySerializedSnapshot(bytes, &step).ok());
+  CHECK(step == 41);
+  ShardSnapshot back;
+  REQUIRE(ParseSnapshot(bytes, &back).ok());
+  CHECK(back.step == 41);
+  CHECK(back.optimizer == "adam");
+  REQUIRE(back.variables.size() == 2);
+  CHECK(At(back.variables[0].value, 1) == 4);
+  REQUIRE(back.variables[0].slots.size() == 2);
+  CHECK(At(back.variables[0].slots[1].second, 1) == 2);
+  REQUIRE(back.variables[0].shadow);
+  CHECK(*back.variables[1].value->as<double>() == 3.5);
+  // Any byte changed (the records, a tensor, the checksum itself) fails the checksum; nothing is parsed.
+  for (size_t at : {size_t{3}, size_t{20}, bytes.size() / 2, bytes.size() - 1}) {
+    std::string bad = bytes;
+    bad[at] = static_cast<char>(bad[at] ^ 0x5a);
+    ShardSnapshot none;
+    CHECK(ParseSnapshot(bad, &none).code() == Code::kInvalidArgument);
+    CHECK(VerifySerializedSnapshot(bad, &step).code() == Code::kInvalidArgument);
+    CHECK(none.variables.empty());
+  }
+  ShardSnapshot none;
+  CHECK(ParseSnapshot(bytes.substr(0, bytes.size() - 9), &none).code() == Code::kInvalidArgument);
+  CHECK(ParseSnapshot("", &none).code() == Code::kInvalidArgument);
+}
+
 TEST_CASE("the newest checkpoint that verifies is used; corrupt or torn ones are skipped", "[checkpoint]") {
   TempDir dir;
   REQUIRE(WriteCheckpoint(dir.path, Snapshot(10, 1), 0, 1, 0).ok());

@@ -44,6 +44,18 @@ TEST_CASE("contradictory or impossible flags are rejected with what to change", 
   ServerConfig o;
   o.optimizer.name = "adamw";
   CHECK_THAT(o.Validate().message(), Catch::Contains("--optimizer"));
+
+  // Shard replicas: a copy lives on the next shard of a sync cluster.
+  ServerConfig r;
+  r.replicas_per_shard = 2;
+  CHECK_THAT(r.Validate().message(), Catch::Contains("--replicas-per-shard 2 needs a --cluster"));
+  r.cluster = {"127.0.0.1:7001", "127.0.0.1:7002"};
+  CHECK(r.Validate().ok());
+  r.mode = psd::server::Mode::kAsync;
+  CHECK_THAT(r.Validate().message(), Catch::Contains("--replicas-per-shard 2 needs --mode sync"));
+  r.mode = psd::server::Mode::kSync;
+  r.replicas_per_shard = 3;
+  CHECK_THAT(r.Validate().message(), Catch::Contains("--replicas-per-shard"));
 }
 
 TEST_CASE("init tokens follow get_init_tokens_op", "[config]") {
