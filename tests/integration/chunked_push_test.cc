@@ -355,14 +355,16 @@ TEST_CASE("an update bigger than --max-frame-bytes travels in chunks and is made
   psclient::UpdateOptions share;
   share.cross_replica = false;
   share.timeout_ms = 20000;
+  psd::Status second_status;  // Catch's assertions are not thread-safe: checked after the join
   std::thread second([&] {
-    CHECK(
+    second_status =
         other->Update("avg", psclient::UpdateOp::kAssign, {b.data(), DType::kFloat32, shape, MemoryKind::kHost}, share)
-            .ok());
+            .status();
   });
   CHECK(
       c->Update("avg", psclient::UpdateOp::kAssign, {a.data(), DType::kFloat32, shape, MemoryKind::kHost}, share).ok());
   second.join();
+  CHECK(second_status.ok());
   std::vector<float> got = pull("avg");
   size_t wrong = 0;
   for (size_t i = 0; i < kN; ++i) wrong += std::abs(got[i] - (a[i] + b[i]) / 2) > 1e-6f ? 1 : 0;
