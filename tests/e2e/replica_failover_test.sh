@@ -9,7 +9,9 @@
 # are killed with SIGKILL in turn, KILLS times each, and started again 200 ms later; each time the
 # cluster must serve again from the live copies the next shard keeps (never a checkpoint: the
 # shards have none), and at the end every worker's parameter hash must equal run 1's.
-# Prints each kill's kill-to-serving time and min/median/max per kind.
+# Prints each kill's kill-to-serving time and min/median/max per kind. Run 3 kills a shard and the
+# next one together (with checkpoints on): no copy of shard 1's part is left, and the cluster falls
+# back to the newest common checkpoint, with the error line that says so.
 #
 # Usage: replica_failover_test.sh PSD WORKER [KILLS (default 3)] [STEPS (default 2000)]
 set -u -o pipefail
@@ -101,4 +103,29 @@ stats() { printf '%s\n' "$@" | sort -n | awk '{ a[NR] = $1 } END { printf "min %
 [ ${#times_chief[@]} -gt 0 ] && [ ${#times_other[@]} -gt 0 ] || fail "run 2: the workers finished before a kill of each kind"
 echo "chief killed ${#times_chief[@]} times: kill-to-serving $(stats "${times_chief[@]}")"
 echo "non-chief killed ${#times_other[@]} times: kill-to-serving $(stats "${times_other[@]}")"
-echo "PASS: $n kills, every one recovered from the live copies; final parameters bit-identical to the undisturbed run ($want)"
+echo "run 2: $n kills, every one recovered from the live copies; final parameters bit-identical to the undisturbed run ($want)"
+
+# --- run 3: a shard and the next one killed together: part 1 has no copy left ----------------------
+# The cluster falls back to the newest checkpoint every shard can restore, and says so.
+rm -f "$run"/s*.log
+flags+=(--checkpoint-every-steps 50)
+start_shard_ckpt() {  # $1: index, $2: log name
+  timeout 600 "${serve_on[@]}" "$(port_of "$cluster" "$1")" -- "$psd" "${flags[@]}" --shard-index "$1" --listen-fd 3 \
+    --checkpoint-dir "$run/ckpt-$1" 2> "$run/$2.log" &
+  shard_pid[$1]=$!
+  pids+=($!)
+}
+for k in 0 1 2; do start_shard_ckpt "$k" "s$k-c"; done
+start_workers c
+wait_for "$run/s0-c.log" "checkpoint at step [1-9][0-9]*0 sealed" 60 || fail "run 3: no checkpoint sealed"
+kill -9 "$(real_pid "${shard_pid[1]}")" "$(real_pid "${shard_pid[2]}")"
+wait "${shard_pid[1]}" "${shard_pid[2]}" 2> /dev/null
+sleep 0.2
+start_shard_ckpt 1 s1-d
+start_shard_ckpt 2 s2-d
+wait_workers c
+grep -q "no live copy of some shard's state is left" "$run"/s*.log || fail "run 3: the fallback was not logged"
+line=$(cat "$run"/s*.log | grep "running at epoch" | sort | tail -1)
+echo "$line" | grep -q "from checkpoint step" || fail "run 3: the cluster did not restore a checkpoint: $line"
+echo "run 3: shards 1 and 2 killed together: $(echo "$line" | sed 's/.*from //'), logged; the job finished"
+echo "PASS"
