@@ -543,10 +543,12 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
   peer::Message reply;
   int chief = -1;
   std::optional<peer::LiveCopy> live;  // the live copy restored
+  bool superseded = false;             // a newer restore was ordered meanwhile
   {
     MutexLock lock(&mu_);
     if (stopped_) return;
-    if (live_restore_ && live_restore_->first == epoch) live = live_restore_->second;
+    if (auto it = live_restores_.find(epoch); it != live_restores_.end()) live = it->second;
+    superseded = epoch < restore_epoch_;
     if (status.ok()) {
       epoch_ = epoch;
       spdlog::info("cluster: shard {} restored {} at epoch {}", me_,
@@ -554,6 +556,10 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
                    : !live  ? "checkpoint step " + std::to_string(step)
                             : "the live copy of step " + std::to_string(step),
                    epoch);
+    } else if (live) {
+      // A live copy that failed (not kept, or unreadable): the checkpoint of that step, if any, is
+      // still good; the chief offers another copy or a checkpoint.
+      spdlog::error("cluster: shard {} cannot restore the live copy of step {}: {}", me_, step, status.message());
     } else {
       spdlog::error("cluster: shard {} cannot restore checkpoint step {}: {}", me_, step, status.message());
       sealed_.erase(std::remove(sealed_.begin(), sealed_.end(), step), sealed_.end());
@@ -562,8 +568,9 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
     reply = MessageLocked(peer::Restored{epoch, step, status.ok(), status.message(), std::move(placements)});
     chief = chief_;
   }
-  // Replication: the formation completes once the next shard keeps this shard's restored state.
-  if (options_.replicate && status.ok()) {
+  // Replication: the formation completes once the next shard keeps this shard's restored state. A
+  // restore a newer one replaces makes no copy (it would push out copies the newer one needs).
+  if (options_.replicate && status.ok() && !superseded) {
     ReplicateThenReply(epoch, live ? live->lineage : epoch, step < 0 ? 0 : step, chief, reply);
     host_.ReportIfIdle();
     return;

@@ -373,9 +373,9 @@ class ClusterCoordinator : public PeerEvents {
   std::set<int64_t> reseal_failed_ GUARDED_BY(mu_);  // steps a shard could not restore with the seal sent
 
   // Replication state, guarded by mu_.
-  // The newest live restore: (epoch, the copy). The restored state keeps the copy's lineage (the
+  // The latest live restores: epoch -> the copy. The restored state keeps the copy's lineage (the
   // epoch that committed it): a formation makes no new copy of the same state.
-  std::optional<std::pair<uint64_t, peer::LiveCopy>> live_restore_ GUARDED_BY(mu_);
+  std::map<uint64_t, peer::LiveCopy> live_restores_ GUARDED_BY(mu_);
   std::vector<peer::LiveCopy> own_copies_ GUARDED_BY(mu_);  // the host's, as of the last tick or change
   std::vector<peer::LiveCopy> held_copies_ GUARDED_BY(mu_);
   std::optional<PendingAck> ack_ GUARDED_BY(mu_);

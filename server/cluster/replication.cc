@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <set>
 #include <vector>
 
 #include "cluster/coordinator.h"
@@ -49,15 +50,17 @@ std::optional<peer::LiveCopy> ClusterCoordinator::LiveChoiceLocked() const {
     std::set_intersection(common.begin(), common.end(), here.begin(), here.end(), std::back_inserter(both));
     common = std::move(both);
   }
-  // A checkpoint sealed after the newest common copy (a shard and the one keeping its copies went
-  // down between) is newer: the checkpoint path forms at it.
-  int64_t newest_sealed = -1;
-  for (int k = 0; k < shards_; ++k) {
-    const auto& sealed = k == me_ ? sealed_ : peers_[static_cast<size_t>(k)].sealed;
-    if (!sealed.empty()) newest_sealed = std::max(newest_sealed, sealed.front());
+  // A checkpoint that every shard can restore (or that this chief can reseal everywhere), newer
+  // than the newest common copy (a shard and the one keeping its copies went down between): the
+  // checkpoint path forms at it. A checkpoint sealed on some shards only does not count: it could
+  // not be restored, and the copies are newer than what could.
+  std::set<int64_t> restorable = CommonStepsLocked();
+  int64_t newest_checkpoint = restorable.empty() ? -1 : *restorable.rbegin();
+  for (const auto& [step, parts] : seal_parts_) {
+    if (step > newest_checkpoint && ResealableLocked(step)) newest_checkpoint = step;
   }
   for (auto it = common.rbegin(); it != common.rend(); ++it) {
-    if (live_failed_.count(*it) == 0) return it->step >= newest_sealed ? std::optional(*it) : std::nullopt;
+    if (live_failed_.count(*it) == 0) return it->step >= newest_checkpoint ? std::optional(*it) : std::nullopt;
   }
   return std::nullopt;
 }
@@ -99,7 +102,8 @@ void ClusterCoordinator::ReplicateThenReply(uint64_t epoch, uint64_t lineage, in
 
 void ClusterCoordinator::StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy,
                                                 std::vector<Action>* actions) {
-  live_restore_.emplace(epoch, copy);
+  live_restores_[epoch] = copy;
+  while (live_restores_.size() > 8) live_restores_.erase(live_restores_.begin());
   // Newer copies are of steps the cluster leaves (committed on some shards only, never released).
   actions->push_back([this, copy] { host_.DropCopies(copy); });
   const bool own = std::find(own_copies_.begin(), own_copies_.end(), copy) != own_copies_.end();

@@ -813,7 +813,10 @@ void Sim::InjectFault() {
                    std::all_of(group_.begin(), group_.end(), [&](int g) { return g == group_[0]; });
       bool serving = true;
       for (auto& sh : shards_) serving = serving && sh.up && sh.coord->Serving().ok();
-      if (o_.single_faults && (!whole || !serving || serving_since_ < 0 || now_ - serving_since_ < 1500)) {
+      // (Nor once the workers are done: a shard back after the others exited waits for them, a
+      // liveness matter the general sweep covers, not what this mode checks.)
+      if (o_.single_faults &&
+          (!whole || !serving || workers_done_ || serving_since_ < 0 || now_ - serving_since_ < 1500)) {
         // skipped
       } else if (!live.empty()) {
         serving_since_ = -1;
