@@ -13,6 +13,7 @@
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <string>
 
 namespace {
@@ -124,11 +125,10 @@ TEST_CASE("cluster simulation: long storms of faults", "[cluster][sim]") {
   }
 }
 
-// Replication (--replicas-per-shard 2): the same faults with every shard's committed state also
-// on the next shard. All the invariants above hold, and every copy kept is bit-identical to what
-// its owner published at that step.
-TEST_CASE("cluster simulation: replicated shards under every fault", "[cluster][sim][replicas]") {
-  int64_t runs = 0, live = 0, checked = 0;
+// Replicated schedules (--replicas-per-shard 2) over 2 to 5 shards: each is checked (Check) and
+// handed to `fn` with its index. `single`: one crash at a time (SimOptions::single_faults).
+static void ReplicatedSweep(bool single, uint64_t seed_base,
+                            const std::function<void(int, const SimOptions&, const SimResult&)>& fn) {
   const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
   const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / 2;
   for (int shards = 2; shards <= 5; ++shards) {
@@ -136,13 +136,26 @@ TEST_CASE("cluster simulation: replicated shards under every fault", "[cluster][
       SimOptions o;
       o.shards = shards;
       o.replicate = true;
-      o.seed = static_cast<uint64_t>(shards) * 100000 + 70000 + static_cast<uint64_t>(i);
-      SimResult r = Check(o);
-      ++runs;
-      live += r.live_formations;
-      checked += r.copies_checked;
+      if (single) {
+        o.single_faults = true;
+        o.crash_rate = 1.0;
+      }
+      o.seed = static_cast<uint64_t>(shards) * 100000 + seed_base + static_cast<uint64_t>(i);
+      fn(i, o, Check(o));
     }
   }
+}
+
+// Replication (--replicas-per-shard 2): the same faults with every shard's committed state also
+// on the next shard. All the invariants above hold, and every copy kept is bit-identical to what
+// its owner published at that step.
+TEST_CASE("cluster simulation: replicated shards under every fault", "[cluster][sim][replicas]") {
+  int64_t runs = 0, live = 0, checked = 0;
+  ReplicatedSweep(false, 70000, [&](int, const SimOptions&, const SimResult& r) {
+    ++runs;
+    live += r.live_formations;
+    checked += r.copies_checked;
+  });
   INFO(runs << " runs, " << live << " formations from live copies, " << checked << " copies checked");
   CHECK(live > runs / 2);
   CHECK(checked > 20 * runs);
@@ -154,28 +167,17 @@ TEST_CASE("cluster simulation: replicated shards under every fault", "[cluster][
 TEST_CASE("cluster simulation: with replicas, losing one shard at a time loses no released step",
           "[cluster][sim][replicas]") {
   int64_t runs = 0, live = 0, rollbacks_without = 0;
-  const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
-  const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / 2;
-  for (int shards = 2; shards <= 5; ++shards) {
-    for (int i = 1; i <= per_size; ++i) {
-      SimOptions o;
-      o.shards = shards;
-      o.replicate = true;
-      o.single_faults = true;
-      o.crash_rate = 1.0;
-      o.seed = static_cast<uint64_t>(shards) * 100000 + 80000 + static_cast<uint64_t>(i);
-      SimResult r = Check(o);
-      ++runs;
-      live += r.live_formations;
-      if (i <= 20) {
-        o.replicate = false;
-        auto level = spdlog::get_level();
-        spdlog::set_level(spdlog::level::off);
-        rollbacks_without += RunSimulation(o).rollbacks;
-        spdlog::set_level(level);
-      }
-    }
-  }
+  ReplicatedSweep(true, 80000, [&](int i, const SimOptions& o, const SimResult& r) {
+    ++runs;
+    live += r.live_formations;
+    if (i > 20) return;
+    SimOptions without = o;
+    without.replicate = false;
+    auto level = spdlog::get_level();
+    spdlog::set_level(spdlog::level::off);
+    rollbacks_without += RunSimulation(without).rollbacks;
+    spdlog::set_level(level);
+  });
   INFO(runs << " runs, " << live << " formations from live copies; " << rollbacks_without
             << " rollbacks in the first schedules without replicas");
   CHECK(live > runs / 2);

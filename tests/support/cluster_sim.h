@@ -65,14 +65,14 @@ struct SimResult {
   std::vector<std::string> faults;  // the injected faults, in order (always recorded)
   std::vector<std::string> trace;   // with options.trace: every event
   int64_t events = 0;
-  int64_t commits = 0;     // steps released to workers, all epochs
-  int64_t formations = 0;  // epochs that served
-  int64_t reseals = 0;     // seals a shard wrote from a restore order (it had missed the seal)
-  int64_t contested = 0;   // formations of a term another shard formed too (settled before serving)
+  int64_t commits = 0;          // steps released to workers, all epochs
+  int64_t formations = 0;       // epochs that served
+  int64_t reseals = 0;          // seals a shard wrote from a restore order (it had missed the seal)
+  int64_t contested = 0;        // formations of a term another shard formed too (settled before serving)
   int64_t live_formations = 0;  // formations from live copies (replicate)
   int64_t rollbacks = 0;        // formations before the newest step released to workers
   int64_t copies_checked = 0;   // copies compared with what their owner published (replicate)
-  int64_t end_ms = 0;      // simulated time when the last shard exited
+  int64_t end_ms = 0;           // simulated time when the last shard exited
 };
 
 SimResult RunSimulation(const SimOptions& options);
