@@ -58,7 +58,7 @@ TEST_CASE("the launch environment: a cluster, the worker's identity and the toke
   CHECK_FALSE(env->chief_eligible);
 }
 
-TEST_CASE("the launch environment: one entry is a single daemon; defaults", "[environment]") {
+TEST_CASE("the launch environment: one entry is a single daemon, defaults", "[environment]") {
   auto env = psclient::ReadLaunchEnvironment(
       Env({{"PSD_CLUSTER", "10.1.2.3:7171"}, {"PSD_WORKER_INDEX", "0"}, {"PSD_CHIEF_ELIGIBLE", "1"}}));
   REQUIRE(env.ok());

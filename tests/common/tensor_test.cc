@@ -44,7 +44,7 @@ TEST_CASE("status carries code and message", "[status]") {
   CHECK(*v == 5);
 }
 
-TEST_CASE("secret files are read without trailing whitespace; empty or missing ones are errors", "[secret]") {
+TEST_CASE("secret files are read without trailing whitespace, empty or missing ones are errors", "[secret]") {
   char path[] = "/tmp/psd-secret-XXXXXX";
   int fd = mkstemp(path);
   REQUIRE(fd >= 0);

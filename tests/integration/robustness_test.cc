@@ -348,7 +348,7 @@ TEST_CASE("a daemon that never answers cannot hang a client: calls end at their 
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
 }
 
-TEST_CASE("a worker beyond N is refused at hello naming -N/-B; reconnects and observers are not",
+TEST_CASE("a worker beyond N is refused at hello naming -N/-B, reconnects and observers are not",
           "[robustness][hello]") {
   auto server = StartServer(TestConfig(2, 3));  // R=2, N=3 (B=1)
   auto w0 = ConnectWorker(server->port(), "w0");
@@ -376,7 +376,7 @@ TEST_CASE("a worker beyond N is refused at hello naming -N/-B; reconnects and ob
   CHECK(st->workers_connected == 3);
 }
 
-TEST_CASE("the hello announces --max-frame-bytes; the client refuses bigger requests before sending",
+TEST_CASE("the hello announces --max-frame-bytes, the client refuses bigger requests before sending",
           "[robustness][limits]") {
   auto cfg = TestConfig(1);
   cfg.max_frame_bytes = 64 << 10;
@@ -464,7 +464,7 @@ TEST_CASE("before its hello a connection may send only a small hello, and must s
   REQUIRE((*w)->Push(0, {{"w", {&v, DType::kFloat32, {}, MemoryKind::kHost}}}).ok());
 }
 
-TEST_CASE("an idle connection is closed after --idle-timeout-s; a parked wait is not idle", "[robustness][dos]") {
+TEST_CASE("an idle connection is closed after --idle-timeout-s, a parked wait is not idle", "[robustness][dos]") {
   auto cfg = TestConfig(1, 2, 0);
   cfg.idle_timeout_s = 1;
   auto server = StartServer(cfg);
@@ -566,7 +566,7 @@ TEST_CASE("buffers kept for the next frame are given back when a push waits for 
   CHECK(server->frame_budget().peak() <= server->frame_budget().limit());
 }
 
-TEST_CASE("an unauthenticated flood never touches the frame budget; a worker trains through it",
+TEST_CASE("an unauthenticated flood never touches the frame budget, a worker trains through it",
           "[robustness][dos][budget]") {
   auto cfg = TestConfig(1, 1, 0);
   cfg.auth_token = "s3cret";

@@ -54,7 +54,7 @@ psclient::ClientOptions TlsClient(uint16_t port, const std::string& name, const 
 
 }  // namespace
 
-TEST_CASE("a worker trains over TLS; psd's certificate is verified", "[tls]") {
+TEST_CASE("a worker trains over TLS, psd's certificate is verified", "[tls]") {
   Certs certs;
   auto server = StartServer(TlsConfig(certs, false));
   auto o = TlsClient(server->port(), "w0", certs.dir + "/ca.pem");

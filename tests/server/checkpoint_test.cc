@@ -94,7 +94,7 @@ TEST_CASE("a checkpoint round-trips values, slots, averages and the step", "[che
   CHECK(*back.variables[1].value->as<double>() == 3.5);
 }
 
-TEST_CASE("a shard's state serialized for its replica round-trips; a changed byte or a cut copy is refused",
+TEST_CASE("a shard's state serialized for its replica round-trips, a changed byte or a cut copy is refused",
           "[checkpoint][replicas]") {
   const std::string bytes = SerializeSnapshot(Snapshot(41, 3));
   int64_t step = -1;
@@ -124,7 +124,7 @@ TEST_CASE("a shard's state serialized for its replica round-trips; a changed byt
   CHECK(ParseSnapshot("", &none).code() == Code::kInvalidArgument);
 }
 
-TEST_CASE("the newest checkpoint that verifies is used; corrupt or torn ones are skipped", "[checkpoint]") {
+TEST_CASE("the newest checkpoint that verifies is used, corrupt or torn ones are skipped", "[checkpoint]") {
   TempDir dir;
   REQUIRE(WriteCheckpoint(dir.path, Snapshot(10, 1), 0, 1, 0).ok());
   auto newest = WriteCheckpoint(dir.path, Snapshot(20, 2), 0, 1, 0);
@@ -145,7 +145,7 @@ TEST_CASE("the newest checkpoint that verifies is used; corrupt or torn ones are
   CHECK(At(back.variables[0].value, 0) == 1);
 }
 
-TEST_CASE("retention keeps the newest checkpoints; an empty directory has none", "[checkpoint]") {
+TEST_CASE("retention keeps the newest checkpoints, an empty directory has none", "[checkpoint]") {
   TempDir dir;
   ShardSnapshot none;
   CHECK(LoadLatestCheckpoint(dir.path, 0, &none).status().code() == Code::kNotFound);
@@ -322,7 +322,7 @@ std::string FixtureV3() { return std::string(PSD_TEST_FIXTURES_DIR) + "/ckpt-v3"
 
 }  // namespace
 
-TEST_CASE("checkpoint v4: the part and manifest name the format and XXH3; values come back bit-identical",
+TEST_CASE("checkpoint v4: the part and manifest name the format and XXH3, values come back bit-identical",
           "[checkpoint]") {
   TempDir dir;
   auto info = WriteCheckpoint(dir.path, Snapshot(40, 7), 0, 1, 0);

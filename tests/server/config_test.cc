@@ -12,7 +12,7 @@
 using namespace psd;
 using psd::server::ServerConfig;
 
-TEST_CASE("total replicas defaults to R plus backups; tokens per step is max(N, R)", "[config]") {
+TEST_CASE("total replicas defaults to R plus backups, tokens per step is max(N, R)", "[config]") {
   ServerConfig c;
   c.replicas_to_aggregate = 2;
   c.backup_replicas = 1;
@@ -233,7 +233,7 @@ TEST_CASE("protected mode: beyond loopback needs a token (or TLS) or --insecure"
   CHECK_THAT(ValidateMessage(shard), Catch::Contains("--host 10.0.0.2 (this shard's --cluster entry)"));
 }
 
-TEST_CASE("the cluster list: one parser, validated; a one-entry list is a single daemon on its port", "[config]") {
+TEST_CASE("the cluster list: one parser, validated, a one-entry list is a single daemon on its port", "[config]") {
   CHECK(*psd::ParseClusterList("a:1, b:2,,c:65535") == std::vector<std::string>{"a:1", "b:2", "c:65535"});
   CHECK_THAT(
       psd::ParseClusterList("127.0.0.1:x").status().message(),

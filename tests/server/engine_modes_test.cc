@@ -212,7 +212,7 @@ TEST_CASE("a gradient's staleness saturates for any local_step a worker sends", 
   }
 }
 
-TEST_CASE("a variable can name its own optimizer; its slots follow it", "[engine]") {
+TEST_CASE("a variable can name its own optimizer, its slots follow it", "[engine]") {
   auto e = Make(Cfg(1, 1, 0.5));
   Create(*e, "w", {0}, {1}, false, "momentum");
   Create(*e, "v", {0}, {1});

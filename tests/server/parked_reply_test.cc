@@ -22,7 +22,7 @@ TEST_CASE("answering a parked reply cancels its deadline: the loop runs out of w
   CHECK(reply.use_count() == 1);  // the handler let go of it
 }
 
-TEST_CASE("a deadline that passes first answers the reply once; a late completion is ignored", "[net][races]") {
+TEST_CASE("a deadline that passes first answers the reply once, a late completion is ignored", "[net][races]") {
   asio::io_context io;
   auto reply = std::make_shared<ParkedReply>(io.get_executor());
   int expired = 0;

@@ -70,7 +70,7 @@ TEST_CASE("a variable over the slice size is split by rows over the least-loaded
   CHECK_FALSE(scalar->sliced);
 }
 
-TEST_CASE("placing again is create-or-get; another definition is refused", "[placement]") {
+TEST_CASE("placing again is create-or-get, another definition is refused", "[placement]") {
   PlacementMap map(2, 4096);
   auto first = map.Place("w", DType::kFloat32, {4});
   auto again = map.Place("w", DType::kFloat32, {4});
@@ -117,7 +117,7 @@ TEST_CASE("a placement map is rebuilt from the shards' parts", "[placement]") {
   CHECK(rebuilt.TrainingShards() == std::vector<bool>{true, true, true});
 }
 
-TEST_CASE("election: the lowest live shard claims; higher terms win; same term, lower index", "[election]") {
+TEST_CASE("election: the lowest live shard claims, higher terms win, same term, lower index", "[election]") {
   using namespace psd::server::election;
   CHECK(Candidate({false, true, true}, 2) == 1);
   CHECK(Candidate({false, false, true}, 2) == 2);

@@ -66,7 +66,7 @@ TEST_CASE("a gradient's rows in several calls count once, with its last rows, an
   CHECK(acc.indices() == std::vector<int64_t>{1, 4, 9});
 }
 
-TEST_CASE("SUM keeps per-row sums; stale sparse gradients are dropped", "[sparse]") {
+TEST_CASE("SUM keeps per-row sums, stale sparse gradients are dropped", "[sparse]") {
   SparseAccumulator acc(DType::kFloat32, {5, 1}, Reduction::kSum, 2);
   Grad a{{3}, {1}, {1, 1}, std::nullopt};
   CHECK_FALSE(*acc.ApplyGrad(1, a.Ref()));
@@ -99,7 +99,7 @@ TEST_CASE("sparse checks run in TF's order with TF's messages", "[sparse]") {
   CHECK(acc.ApplyGrad(0, Grad{{1}, {1, 1}, {1, 2}, Shape{4, 2}}.Ref()).ok());
 }
 
-TEST_CASE("after a take, the next sparse gradient starts fresh; a forced take may be empty", "[sparse]") {
+TEST_CASE("after a take, the next sparse gradient starts fresh, a forced take may be empty", "[sparse]") {
   SparseAccumulator acc(DType::kFloat32, {4, 1}, Reduction::kMean, 0);
   int count = -1;
   acc.ForceTake(&count);

@@ -40,7 +40,7 @@ TEST_CASE("a worker that leaves no longer holds the others back", "[ssp]") {
   CHECK(gate.Clock(1) == 1);
 }
 
-TEST_CASE("a cancelled ssp wait gives its clock step back; close fails waits", "[ssp]") {
+TEST_CASE("a cancelled ssp wait gives its clock step back, close fails waits", "[ssp]") {
   SspGate gate(0);
   gate.Join(0);
   gate.Join(1);

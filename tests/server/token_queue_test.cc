@@ -39,7 +39,7 @@ TEST_CASE("a wait parks until a token is pushed, in arrival order", "[tokens]") 
   CHECK(q.size() == 2);  // leftovers persist
 }
 
-TEST_CASE("a cancelled wait loses nothing; cancelling a delivered wait is a no-op", "[tokens]") {
+TEST_CASE("a cancelled wait loses nothing, cancelling a delivered wait is a no-op", "[tokens]") {
   TokenQueue q;
   Status seen;
   auto id = q.Wait([&](Status s, int64_t) { seen = s; });

@@ -4,7 +4,7 @@
 
 using psd::server::WorkerRegistry;
 
-TEST_CASE("the first connected worker is chief; another takes over when it leaves", "[workers]") {
+TEST_CASE("the first connected worker is chief, another takes over when it leaves", "[workers]") {
   WorkerRegistry r(2, 3);
   CHECK(*r.Hello(10, "a", 1) == 0);
   CHECK(*r.Hello(11, "b", 1) == 1);
@@ -77,7 +77,7 @@ TEST_CASE("a worker gone past its grace counts as gone until it says hello again
   CHECK_FALSE(f.Disconnected(1).has_value());
 }
 
-TEST_CASE("a worker beyond N is refused naming -N/-B; a reconnect or a lost worker's replacement is not", "[workers]") {
+TEST_CASE("a worker beyond N is refused naming -N/-B, a reconnect or a lost worker's replacement is not", "[workers]") {
   WorkerRegistry r(2, 3);  // R=2, B=1: N=3
   REQUIRE(r.Hello(1, "w0", 1).ok());
   REQUIRE(r.Hello(2, "w1", 1).ok());
