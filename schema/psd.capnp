@@ -356,6 +356,7 @@ struct JobStatus {
   version @21 :Text;              # psd's version
   uptimeS @22 :Float64;           # seconds since this psd started
   ready @23 :Bool;                # restored, formed and serving workers (what /readyz says)
+  shardAddresses @24 :List(Text); # cluster: where each shard serves now (a stand-in's address after a takeover)
 }
 
 # --- shard to shard (cluster) -----------------------------------------------------------------
@@ -376,6 +377,15 @@ struct PeerHeartbeat {
   ownCopies @10 :List(PeerCopy);  # replication: the sender's own committed states it keeps
   heldCopies @11 :List(PeerCopy); # replication: its predecessor's committed states it keeps
   listening @12 :Bool;      # the sender started less than an election timeout ago: it claims nothing yet
+  address @13 :Text;        # where the sender serves (host:port): its --cluster entry, or a stand-in's
+  standIn @14 :Bool;        # the sender is a stand-in for its shard, run by the next shard (takeover)
+  moved @15 :List(PeerMoved);  # from the chief: shards served elsewhere than their --cluster entry
+}
+
+# Takeover: shard `shard` is served at `address` (a stand-in), not at its --cluster entry.
+struct PeerMoved {
+  shard @0 :UInt32;
+  address @1 :Text;
 }
 
 # Replication (--replicas-per-shard 2): a committed state of a shard's part.

@@ -194,6 +194,10 @@ int main(int argc, char** argv) {
                  "cluster, sync: copies of each shard's committed state (2: the next shard keeps one, so losing a "
                  "shard loses no step)")
       ->capture_default_str();
+  app.add_option("--takeover-after-ms", cfg.takeover_after_ms,
+                 "with --replicas-per-shard 2: a shard gone this long is served by a stand-in that the next shard "
+                 "runs from its copy, until the shard's own process is back (0: never; wait for the process)")
+      ->capture_default_str();
   app.add_option("--election-timeout-ms", cfg.election_timeout_ms,
                  "a shard silent this long counts as gone (a new chief is elected if it was the chief)")
       ->capture_default_str();

@@ -307,6 +307,7 @@ Result<JobStatus> ReadStatus(proto::JobStatus::Reader s) {
   st.cluster_epoch = s.getClusterEpoch();
   st.cluster_state = s.getClusterState();
   for (uint32_t m : s.getMissingShards()) st.missing_shards.push_back(static_cast<int>(m));
+  for (auto a : s.getShardAddresses()) st.shard_addresses.emplace_back(a.cStr());
   st.version = s.getVersion();
   st.uptime_s = s.getUptimeS();
   st.ready = s.getReady();

@@ -76,25 +76,90 @@ Client::Impl::Impl(ClientOptions options) : options_(std::move(options)) {
       conns_.push_back(std::make_unique<Conn>(options_, hp.host, hp.port, static_cast<int>(i), arena_));
       conns_.back()->quick_reconnect = options_.cluster.size() > 1;
     }
+    if (cluster()) {
+      probe_options_ = options_;
+      probe_options_.observer = true;
+      probe_options_.worker_name = options_.worker_name + "/probe";
+      probe_options_.shared_memory_bytes = 0;
+      probe_options_.shared_buffer_bytes = 0;
+      probe_options_.request_timeout_ms = 2000;
+      probe_options_.connect_timeout_ms = std::min(options_.connect_timeout_ms, 2000);
+      for (int i = 0; i < shards(); ++i) conn(i).stall_check = [this, i] { return CheckStalled(i); };
+    }
   }
 }
+
+Status Client::Impl::CheckStalled(int k) {
+  for (int step = 1; step < shards(); ++step) {
+    const int j = (k + step) % shards();  // the next shard first: it would run k's stand-in
+    if (!probe_ || probe_->index() != j) {
+      probe_ = std::make_unique<Conn>(probe_options_, conn(j).host(), conn(j).port(), j, nullptr);
+    }
+    OutFrame frame;
+    probe_->NewRequest(frame).setStatus();
+    proto::Response::Reader resp;
+    if ((!probe_->IsOpen() && !probe_->Connect(Conn::kQuickReconnectMs).ok()) ||
+        !probe_->RoundTrip(frame, &resp).ok()) {
+      probe_.reset();
+      continue;  // ask the next one
+    }
+    try {
+      auto s = resp.getStatus();
+      auto addresses = s.getShardAddresses();
+      if (addresses.size() == static_cast<unsigned>(shards())) {
+        auto hp = psd::ParseHostPort(addresses[static_cast<unsigned>(k)].cStr());
+        if (hp.ok() && (hp->host != conn(k).host() || hp->port != conn(k).port())) {
+          return psd::Unavailable("shard " + std::to_string(k) + " (" + conn(k).Where() +
+                                  ") does not answer and the cluster serves it at " +
+                                  addresses[static_cast<unsigned>(k)].cStr() + " now; retry");
+        }
+      }
+      bool missing = false;
+      for (uint32_t m : s.getMissingShards()) missing = missing || static_cast<int>(m) == k;
+      if (missing && std::string(s.getClusterState().cStr()) != "running") {
+        return psd::Unavailable("shard " + std::to_string(k) + " (" + conn(k).Where() +
+                                ") does not answer and the cluster counts it gone: " + s.getClusterState().cStr() +
+                                "; retry");
+      }
+    } catch (const kj::Exception&) {
+      probe_.reset();
+      continue;
+    }
+    return Status::Ok();
+  }
+  return Status::Ok();  // no other shard answers: wait on
+}
 Status Client::Impl::ConnectAll() {
+  // A cluster's shards are tried briefly first: one that does not answer may be served elsewhere
+  // now (a stand-in after a takeover), which the others say. Those still unreached then get the
+  // whole connect_timeout_ms (a cluster that is starting).
   int reached = 0;
-  Status first;
+  std::vector<Conn*> failed;
   for (auto& c : conns_) {
-    Status s = c->Connect();
-    if (!s.ok() && options_.observer && cluster()) {
-      // An operator's tool looks at whatever answers (the shards left when one is down).
-      if (first.ok()) first = FromShard(s, *c, cluster());
+    Status s = c->Connect(cluster() ? Conn::kQuickReconnectMs : 0);
+    if (!s.ok() && cluster()) {
+      failed.push_back(c.get());
       continue;
     }
     if (!s.ok()) return FromShard(s, *c, cluster());
     ++reached;
-    if (c->shards_reported != static_cast<int>(conns_.size()) && !options_.observer) {
-      return psd::InvalidArgument("psd at " + c->Where() + " is part of a cluster of " +
-                                  std::to_string(c->shards_reported) + " shard(s), the client was given " +
-                                  std::to_string(conns_.size()) + ": list every shard in ClientOptions::cluster");
+    PSD_RETURN_IF_ERROR(CheckShardCount(*c));
+  }
+  if (reached > 0 && !failed.empty()) RefreshChief();  // where the shards are served now
+  Status first;
+  for (Conn* c : failed) {
+    if (c->IsOpen()) continue;  // RefreshChief reached it
+    Status s = c->Connect();
+    if (!s.ok()) {
+      // An operator's tool looks at whatever answers (the shards left when one is down).
+      if (options_.observer) {
+        if (first.ok()) first = FromShard(s, *c, cluster());
+        continue;
+      }
+      return FromShard(s, *c, cluster());
     }
+    ++reached;
+    PSD_RETURN_IF_ERROR(CheckShardCount(*c));
   }
   if (reached == 0) return first;
   // The chief as the shards see it; its handshake has the worker's identity and role.
@@ -110,6 +175,15 @@ Status Client::Impl::ConnectAll() {
   Conn& c = *conns_[static_cast<size_t>(chief_.load())];
   is_chief_ = c.is_chief;
   cluster_epoch_ = c.cluster_epoch;
+  return Status::Ok();
+}
+
+Status Client::Impl::CheckShardCount(const Conn& c) const {
+  if (c.shards_reported != static_cast<int>(conns_.size()) && !options_.observer) {
+    return psd::InvalidArgument("psd at " + c.Where() + " is part of a cluster of " +
+                                std::to_string(c.shards_reported) + " shard(s), the client was given " +
+                                std::to_string(conns_.size()) + ": list every shard in ClientOptions::cluster");
+  }
   return Status::Ok();
 }
 
@@ -196,18 +270,32 @@ Result<SharedBuffer> Client::Impl::NewShared(size_t bytes) {
 void Client::Impl::RefreshChief() {
   uint64_t best_term = 0;
   int best = -1;
-  for (int i = 0; i < shards(); ++i) {
-    OutFrame frame;
-    conn(i).NewRequest(frame).setStatus();
-    proto::Response::Reader resp;
-    if (!conn(i).RoundTrip(frame, &resp).ok()) continue;
-    auto s = resp.getStatus();
-    if (s.getChiefShard() >= 0 && (best < 0 || s.getTerm() > best_term)) {
-      best = s.getChiefShard();
-      best_term = s.getTerm();
+  std::vector<std::string> addresses;
+  // The shards connected now first: a lost one is tried (briefly) only if none of them knows a chief.
+  for (int pass = 0; pass < 2 && best < 0; ++pass) {
+    for (int i = 0; i < shards(); ++i) {
+      if (conn(i).IsOpen() != (pass == 0)) continue;
+      OutFrame frame;
+      conn(i).NewRequest(frame).setStatus();
+      proto::Response::Reader resp;
+      if (!conn(i).RoundTrip(frame, &resp).ok()) continue;
+      auto s = resp.getStatus();
+      if (s.getChiefShard() >= 0 && (best < 0 || s.getTerm() > best_term)) {
+        best = s.getChiefShard();
+        best_term = s.getTerm();
+        addresses.clear();
+        for (auto a : s.getShardAddresses()) addresses.emplace_back(a.cStr());
+      }
     }
   }
   if (best >= 0 && best < shards()) chief_ = best;
+  // Where each shard is served now: a stand-in's address after a takeover, or its own again.
+  if (addresses.size() == conns_.size()) {
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      auto hp = psd::ParseHostPort(addresses[i]);
+      if (hp.ok() && hp->port != 0) conns_[i]->Retarget(hp->host, hp->port);
+    }
+  }
 }
 
 Result<VariablePlacement> Client::Impl::Locate(const std::string& name) {

@@ -68,6 +68,8 @@ class Client::Impl {
   explicit Impl(ClientOptions options);
 
   Status ConnectAll();
+  // INVALID_ARGUMENT when the shard at `c` says the cluster has another number of shards.
+  Status CheckShardCount(const Conn& c) const;
 
   // A cluster that is electing its chief or restoring a checkpoint does not serve yet: a trainer
   // that just connected waits for it (up to connect_timeout_ms) rather than failing its set-up.
@@ -136,7 +138,13 @@ class Client::Impl {
     if (old != epoch && old != 0) NoteRestored();
   }
 
-  // Asks the shards who the chief is (the answer of the highest term wins).
+  // Shard k's reply is late: asks another shard, over a connection of its own, whether the cluster
+  // serves k elsewhere now (a takeover) or counts it gone while it does not serve; UNAVAILABLE
+  // saying so if it does (the caller gives the reply up), else OK (wait on). Conn::stall_check.
+  Status CheckStalled(int k);
+
+  // Asks the shards who the chief is and where each shard is served now (the answer of the
+  // highest term wins); connections to a shard served elsewhere move there.
   void RefreshChief();
 
   // Where `name` lives (mu_ held). A single daemon holds everything whole.
@@ -285,6 +293,10 @@ class Client::Impl {
   std::shared_ptr<internal::SharedArena> arena_;  // the shared buffers (null: none)
   Status arena_status_;                           // why there is no arena, when it failed
   std::vector<std::unique_ptr<Conn>> conns_;
+  // CheckStalled's connection (an observer's: no worker slot, no shared memory) and the shard it
+  // goes to; guarded by mu_. probe_options_ outlives it (a Conn keeps a reference).
+  ClientOptions probe_options_;
+  std::unique_ptr<Conn> probe_;
   std::mutex mu_;  // serializes calls
   // Device views' host twins (Twins): blocks of the shared buffers pinned for DMA, kept for the
   // client's life and reused by size. Guarded by mu_. Before staging_: it unpins them (its

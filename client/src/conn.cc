@@ -2,6 +2,8 @@
 
 #include <capnp/dynamic.h>
 #include <kj/exception.h>
+#include <openssl/ssl.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -190,6 +192,13 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
   uint64_t id = frame.builder.getRoot<proto::Request>().getId();
   answered_ = false;
   const char* limit = "the client's ClientOptions::max_frame_bytes";
+  if (stall_check) {
+    Status w = WaitReadable();
+    if (!w.ok()) {
+      Drop();
+      return w;
+    }
+  }
   Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit, landing)
                   : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit, landing,
                                          options_.busy_poll_us);
@@ -217,6 +226,20 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
     return Malformed(e);
   }
   return Status::Ok();
+}
+
+Status Conn::WaitReadable() {
+  if (tls_ && SSL_pending(tls_->native_handle()) > 0) return Status::Ok();
+  const int fd = tls_ ? tls_->next_layer().native_handle() : socket_.native_handle();
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return Status::Ok();  // ReadFrame says the deadline passed
+    pollfd p{fd, POLLIN, 0};
+    int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), kStallCheckMs)));
+    if (r != 0) return Status::Ok();  // readable, closed, or an error: ReadFrame tells which
+    Status verdict = stall_check();
+    if (!verdict.ok()) return verdict;
+  }
 }
 
 void Conn::Drop() {

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -77,6 +78,14 @@ class Conn {
   }
 
   void Drop();
+  // Connects to `host`:`port` from now on (a shard served by a stand-in after a takeover, or back
+  // at its own address): drops the connection if it moves.
+  void Retarget(const std::string& host, uint16_t port) {
+    if (host == host_ && port == port_) return;
+    Drop();
+    host_ = host;
+    port_ = port;
+  }
   bool IsOpen() const { return tls_ ? tls_->next_layer().is_open() : socket_.is_open(); }
 
   // A request the daemon would refuse for its size fails here, before a byte is sent (the daemon
@@ -84,6 +93,15 @@ class Conn {
   Status CheckFrameSize(OutFrame& frame);
 
   std::string Where() const { return host_ + ":" + std::to_string(port_); }
+  const std::string& host() const { return host_; }
+  uint16_t port() const { return port_; }
+
+  // A cluster's shard: asked every kStallCheckMs while its reply is late whether to wait on;
+  // non-OK (the cluster serves that shard elsewhere now, or counts it gone): the reply is given
+  // up with that status and the connection reset. A hung host's process answers nothing and
+  // closes nothing, so only the other shards can tell.
+  std::function<Status()> stall_check;
+  static constexpr int64_t kStallCheckMs = 1000;
   // Whether the last Receive got a reply from the daemon (else the connection failed).
   bool last_answered() const { return answered_; }
   int index() const { return index_; }
@@ -146,6 +164,9 @@ class Conn {
 
  private:
   Status SendNoReconnect(OutFrame& frame);
+  // Waits until the socket has something to read (or the deadline), asking stall_check each
+  // kStallCheckMs; its verdict if it says to give up.
+  Status WaitReadable();
 
   // Tells the daemon at shared-memory socket `socket_name` to touch the shared buffers no more
   // (a request of the dropped connection could still be running there).
@@ -155,8 +176,8 @@ class Conn {
   Status StartTls(std::chrono::steady_clock::time_point deadline);
 
   const ClientOptions& options_;
-  const std::string host_;
-  const uint16_t port_;
+  std::string host_;  // Retarget changes them (under the client's call lock)
+  uint16_t port_;
   const int index_;
   const std::shared_ptr<SharedArena> arena_;
   std::string shm_socket_;  // psd's shared-memory socket, from the last attach

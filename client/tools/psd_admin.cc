@@ -83,6 +83,9 @@ void WriteStatusFields(psd::text::JsonWriter& j, const psclient::JobStatus& s) {
   j.Key("missing_shards").BeginArray();
   for (int m : s.missing_shards) j.Int(m);
   j.EndArray();
+  j.Key("shard_addresses").BeginArray();
+  for (const auto& a : s.shard_addresses) j.String(a);
+  j.EndArray();
 }
 
 std::string Duration(double s) {
@@ -287,6 +290,12 @@ int main(int argc, char** argv) {
     std::printf("cluster              %d shards, chief %d, term %llu, epoch %llu: %s%s\n", j.shards, j.chief_shard,
                 static_cast<unsigned long long>(j.term), static_cast<unsigned long long>(j.cluster_epoch),
                 j.cluster_state.c_str(), missing.empty() ? "" : (" (missing: " + missing + ")").c_str());
+    for (size_t k = 0; k < j.shard_addresses.size() && k < opts.cluster.size(); ++k) {
+      if (j.shard_addresses[k] != opts.cluster[k]) {
+        std::printf("stand-in             shard %zu is served at %s (its entry: %s)\n", k, j.shard_addresses[k].c_str(),
+                    opts.cluster[k].c_str());
+      }
+    }
   } else if (!j.ready) {
     std::printf("state                %s\n", j.cluster_state.c_str());
   }

@@ -22,7 +22,12 @@ ClusterCoordinator::ClusterCoordinator(ClusterOptions options, ShardHost& host, 
       shards_(options_.shards()),
       started_(now_()),
       peers_(static_cast<size_t>(shards_)),
-      placement_(shards_, options_.slice_bytes) {}
+      placement_(shards_, options_.slice_bytes) {
+  MutexLock lock(&mu_);
+  addresses_ = options_.links.size() == options_.addresses.size() ? options_.links : options_.addresses;
+  address_ = options_.addresses[static_cast<size_t>(me_)];
+  addresses_[static_cast<size_t>(me_)] = address_;
+}
 
 void ClusterCoordinator::Start() {
   std::vector<int64_t> sealed, unusable;
@@ -81,6 +86,13 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.own_copies = own_copies_;
   hb.held_copies = held_copies_;
   hb.listening = now_() - started_ < std::chrono::milliseconds(options_.election_timeout_ms);
+  hb.address = address_;
+  hb.stand_in = options_.stand_in;
+  if (chief_ == me_) {
+    for (int i = 0; i < shards_; ++i) {
+      if (AddressOf(i) != options_.addresses[static_cast<size_t>(i)]) hb.moved[i] = AddressOf(i);
+    }
+  }
   // Followers show the chief's refusal as their own reason (workers may ask any shard).
   if (chief_ == me_ && !refusal_.empty() && missing_reason_ == refusal_) hb.waiting = refusal_;
   return MessageLocked(std::move(hb));
@@ -224,12 +236,16 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
       }
     }
   }
-  if (options_.replicate) ReplicationTickLocked(now, actions);
+  if (options_.replicate) {
+    ReplicationTickLocked(now, actions);
+    TakeoverTickLocked(now, actions);
+  }
   if (chief_ != me_) {
     ResendVoteLocked(actions);
     return;
   }
   // The chief's duties.
+  if (options_.replicate) ChiefMapLocked(now, actions);
   auto missing = MissingLocked(now);
   if (!missing.empty()) {
     std::string list;
@@ -411,6 +427,12 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   p.held_copies = hb.held_copies;
   p.listening = hb.listening;
   p.last_heartbeat = now_();
+  if (hb.stand_in) {
+    p.stand_in_heard = p.last_heartbeat;
+    p.stand_in_address = hb.address;
+  } else {
+    p.original_heard = p.last_heartbeat;
+  }
   max_term_seen_ = std::max(max_term_seen_, term);
   election::View after = election::OnClaim({term_, chief_}, term, hb.chief, shards_);
   if (after.term != term_ || after.chief != chief_) {
@@ -439,6 +461,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
       actions->push_back([this, required] { host_.SetRequired(required); });
     }
   }
+  if (options_.replicate) TakeoverHeartbeatLocked(from, term, hb, actions);
 }
 
 void ClusterCoordinator::MaybeCommitLocked(std::vector<Action>* actions) {

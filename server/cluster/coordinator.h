@@ -68,6 +68,11 @@
 // by a cluster restarted whole. A follower keeps its vote (prepared step) until the step
 // commits and sends it again to a chief that may not have had it.
 //
+// Replicas and takeover (--replicas-per-shard 2): each committed state is copied to the next shard
+// before the chief hears it committed, formations restore those live copies (cluster/
+// replication.cc), and a shard gone for --takeover-after-ms is served by a stand-in its successor
+// runs, at an address the chief announces, until its own process is back (cluster/takeover.cc).
+//
 // Layering: the coordinator is the protocol alone. It talks to the other shards through a
 // PeerNetwork (typed messages, cluster/peer_messages.h; the daemon's is net/peer_link.h), acts on
 // its own shard through a ShardHost (cluster/shard_host.h), reads time from an injected clock and
@@ -118,6 +123,14 @@ struct ClusterOptions {
   bool replicate = false;
   uint64_t replica_chunk_bytes = 4ull << 20;  // a copy travels in pieces of this size
   uint64_t max_copy_bytes = 64ull << 30;  // a bigger copy from a peer is refused (the daemon: 4 x --max-model-bytes)
+  // Takeover (cluster/takeover.cc): with replicas, a shard whose predecessor has been gone this long
+  // starts a stand-in for it (ShardHost::StartStandIn) that serves its part from the copy kept
+  // here; 0: never (the gone shard's process must come back).
+  std::chrono::milliseconds takeover_after{0};
+  bool stand_in = false;  // this coordinator is a stand-in's (it starts none itself)
+  // Where this shard's links first go (a stand-in starts with the map its host knew); empty: the
+  // --cluster entries. Its size is P.
+  std::vector<std::string> links;
   // Give-ups (the daemon's defaults; the fault simulation shortens them).
   std::chrono::milliseconds commit_timeout{30000};      // a commit not answered by every shard
   std::chrono::milliseconds formation_timeout{120000};  // a formation not restored everywhere
@@ -146,6 +159,14 @@ class ClusterCoordinator : public PeerEvents {
 
   // Whether workers are served now; Unavailable with what the cluster waits for otherwise.
   Status Serving() const;
+  // Where this shard serves (host:port), said in its heartbeats: set once it is bound (a stand-in's
+  // port is the kernel's pick). Until then: its --cluster entry.
+  void SetAddress(std::string address);
+  // Where each shard is served now as this shard knows it (the chief decides): its --cluster
+  // entry, or a stand-in's address after a takeover. Workers ask for it (status replies).
+  std::vector<std::string> Addresses() const;
+  // The host's stand-in stopped (its job ended, or it failed to start): another may start.
+  void OnStandInEnded();
   bool is_chief() const;
   int chief() const;
   uint64_t epoch() const;
@@ -204,6 +225,10 @@ class ClusterCoordinator : public PeerEvents {
     std::vector<peer::LiveCopy> held_copies;  // and its predecessor's
     Clock::time_point last_heartbeat{};
     bool listening = false;  // it restarted lately and does not claim yet
+    // Takeover: its own process (at its --cluster entry) and a stand-in may both speak as it.
+    Clock::time_point original_heard{};  // a heartbeat from its own process
+    Clock::time_point stand_in_heard{};  // from a stand-in, at stand_in_address
+    std::string stand_in_address;
   };
   // Replication: a reply to the chief (Committed, Restored) sent once the next shard acknowledged
   // this shard's copy of the state it answers for.
@@ -305,7 +330,19 @@ class ClusterCoordinator : public PeerEvents {
   void SendTo(int shard, const peer::Message& msg);  // itself too (delivered later)
   void SendToAll(const peer::Message& msg, bool include_self);
   peer::Message HeartbeatLocked() const REQUIRES(mu_);
-  const std::string& AddressOf(int shard) const { return options_.addresses[static_cast<size_t>(shard)]; }
+  const std::string& AddressOf(int shard) const REQUIRES(mu_) { return addresses_[static_cast<size_t>(shard)]; }
+
+  // --- takeover (cluster/takeover.cc) ---
+  // Any shard: starts a stand-in for the predecessor once it has been gone takeover_after.
+  void TakeoverTickLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
+  // The chief: where each shard is to be served — its own process when heard lately, else a
+  // stand-in heard lately — and a formation when that changes.
+  void ChiefMapLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
+  // Sends shard `shard`'s messages to `address` from now on.
+  void MoveLocked(int shard, const std::string& address, std::vector<Action>* actions) REQUIRES(mu_);
+  // A heartbeat's takeover news: which process spoke, the chief's map, the predecessor back.
+  void TakeoverHeartbeatLocked(int from, uint64_t term, const peer::Heartbeat& hb, std::vector<Action>* actions)
+      REQUIRES(mu_);
 
   const ClusterOptions options_;
   ShardHost& host_;
@@ -387,6 +424,12 @@ class ClusterCoordinator : public PeerEvents {
   std::set<peer::LiveCopy> live_failed_ GUARDED_BY(mu_);          // copies a shard could not restore
   bool live_lost_logged_ GUARDED_BY(mu_) = false;
   int64_t released_ GUARDED_BY(mu_) = -1;  // the chief: the newest step whose tokens it released
+
+  // Takeover state, guarded by mu_.
+  std::vector<std::string> addresses_ GUARDED_BY(mu_);                 // where each shard is served now (AddressOf)
+  std::string address_ GUARDED_BY(mu_);                                // where this shard serves (SetAddress)
+  std::optional<Clock::time_point> predecessor_gone_ GUARDED_BY(mu_);  // since when it is not alive
+  bool stand_in_running_ GUARDED_BY(mu_) = false;                      // the host runs a stand-in for the predecessor
 };
 
 }  // namespace psd::server

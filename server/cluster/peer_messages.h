@@ -10,6 +10,7 @@
 
 #include <compare>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <variant>
 #include <vector>
@@ -43,6 +44,9 @@ struct Heartbeat {
   std::vector<LiveCopy> held_copies;    // replication: its predecessor's states it keeps (the chain)
   bool listening = false;               // the sender started less than an election timeout ago: it
                                         // does not claim the chief role yet (nor block others' claims)
+  std::string address;                  // where the sender serves (its --cluster entry, or a stand-in's)
+  bool stand_in = false;                // the sender is a stand-in for its shard (takeover)
+  std::map<int, std::string> moved;     // from the chief: shard -> where it is served, when not at its entry
 
   bool operator==(const Heartbeat&) const = default;
 };

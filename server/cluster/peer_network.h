@@ -11,6 +11,8 @@
 #ifndef PSD_SERVER_CLUSTER_PEER_NETWORK_H_
 #define PSD_SERVER_CLUSTER_PEER_NETWORK_H_
 
+#include <string>
+
 #include "cluster/peer_messages.h"
 
 namespace psd::server {
@@ -34,6 +36,10 @@ class PeerNetwork {
   // Sends `message` to `shard`. This shard itself is a valid target: the message comes back
   // through OnMessage(me, message) later, never inside this call. Never blocks; thread-safe.
   virtual void Send(int shard, const peer::Message& message) = 0;
+  // From now on, messages to `shard` go to `address` (host:port): a stand-in serves it there after
+  // a takeover, or its own process at its --cluster entry again. Messages given before the new
+  // link is up wait for it. A network without addresses (the simulation) ignores it.
+  virtual void Retarget(int /*shard*/, const std::string& /*address*/) {}
   // Sends to every other shard (and to this one if `include_self`). An implementation may encode
   // once for all links.
   virtual void SendToAll(const peer::Message& message, bool include_self, int shards, int me) {

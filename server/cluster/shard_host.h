@@ -101,6 +101,16 @@ class ShardHost {
   // Like RestoreAsync, from this shard's own copy `copy` (NOT_FOUND if it is not kept).
   virtual void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) = 0;
 
+  // --- takeover (cluster/takeover.cc) ---
+  // Starts a stand-in for shard `shard` (this shard's predecessor) in this process: a shard of
+  // the same cluster with that index, at a port of its own on this host, whose links first go to
+  // `links` (where each shard is served now). It restores the predecessor's part from the copy kept
+  // here when the chief forms the cluster with it. The coordinator's OnStandInEnded is called when
+  // it stops by itself or fails to start. Default: none (a host that cannot run one).
+  virtual void StartStandIn(int /*shard*/, std::vector<std::string> /*links*/) {}
+  // Stops the stand-in (its shard's own process is back), without waiting for it.
+  virtual void StopStandIn() {}
+
   // --- the job ---
   // Every worker finished: closes the token queue; if the engine is at `snapshot_step` (>= 0;
   // async/ssp: whatever its own count, the part is labelled `snapshot_step`), queues that final

@@ -69,6 +69,15 @@ struct ServerConfig : TrainingConfig {
   // Copies of each shard's committed state (README "Shard replicas"): 1 none; 2 chain replication,
   // each shard's state also kept by the next shard (sync mode, 2+ shards).
   int replicas_per_shard = 1;
+  // With replicas: a shard gone this long is served by a stand-in that the next shard runs
+  // (README "Shard replicas"); 0: never (its process must come back).
+  int64_t takeover_after_ms = 1000;
+  // Set by the shard that runs a stand-in (never by flags): this Server is a stand-in for shard
+  // `shard_index`, serving on `host` at a port the kernel picks, said to be at
+  // `advertise_host`:port; its links first go to `peer_links` (where each shard is served now).
+  bool stand_in = false;
+  std::string advertise_host;
+  std::vector<std::string> peer_links;
 
   // Operations (README "Monitoring"): /metrics, /healthz, /readyz and the status page over HTTP.
   std::string metrics_host = "127.0.0.1";

@@ -12,6 +12,7 @@
 #include "cluster/coordinator.h"
 #include "core/training_engine.h"
 #include "daemon/server.h"
+#include "psd/cluster_list.h"
 
 namespace psd::server {
 
@@ -22,12 +23,72 @@ void ClusterStepCommit::OnPrepared(const PreparedStep& p) {
 ServerShardHost::~ServerShardHost() { Join(); }
 
 void ServerShardHost::Join() {
-  std::thread t;
+  std::thread t, s;
   {
     MutexLock lock(&mu_);
+    joined_ = true;
     t.swap(restore_);
+    s.swap(stand_in_thread_);
+    stand_in_stopped_ = stand_in_started_;
+    if (stand_in_ != nullptr) stand_in_->RequestStop();
   }
   if (t.joinable()) t.join();
+  if (s.joinable()) s.join();
+}
+
+void ServerShardHost::StartStandIn(int shard, std::vector<std::string> links) {
+  const ServerConfig& mine = server_.config();
+  ServerConfig c = mine;
+  c.shard_index = shard;
+  c.stand_in = true;
+  c.peer_links = std::move(links);
+  c.port = 0;  // the kernel's pick, said in its heartbeats
+  c.port_file.clear();
+  c.listen_fd = -1;
+  c.metrics_port = -1;
+  c.metrics_port_file.clear();
+  c.notify_socket.clear();
+  c.advertise_host = ParseHostPort(mine.cluster[static_cast<size_t>(mine.shard_index)])->host;
+  // Its own directory, beside this shard's checkpoints (its parts are shard `shard`'s).
+  if (!c.checkpoint_dir.empty()) c.checkpoint_dir += "/stand-in-" + std::to_string(shard);
+  ClusterCoordinator* coordinator = server_.coordinator();
+  MutexLock lock(&mu_);
+  if (joined_) return;
+  const uint64_t number = ++stand_in_started_;
+  std::thread before;
+  before.swap(stand_in_thread_);
+  stand_in_thread_ = std::thread([this, c = std::move(c), coordinator, number, before = std::move(before)]() mutable {
+    if (before.joinable()) before.join();  // the last stand-in has stopped
+    auto created = Server::Create(c);
+    Status started = created.ok() ? (*created)->Start() : created.status();
+    if (!started.ok()) {
+      spdlog::error("cluster: the stand-in for shard {} did not start: {}", c.shard_index, started.message());
+      coordinator->OnStandInEnded();
+      return;
+    }
+    Server& standin = **created;
+    {
+      MutexLock lock(&mu_);
+      stand_in_ = &standin;
+      if (stand_in_stopped_ >= number) standin.RequestStop();
+    }
+    standin.Wait();
+    bool asked;
+    {
+      MutexLock lock(&mu_);
+      stand_in_ = nullptr;
+      asked = stand_in_stopped_ >= number;
+    }
+    standin.Stop();
+    spdlog::info("cluster: the stand-in for shard {} stopped", c.shard_index);
+    if (!asked) coordinator->OnStandInEnded();
+  });
+}
+
+void ServerShardHost::StopStandIn() {
+  MutexLock lock(&mu_);
+  stand_in_stopped_ = stand_in_started_;
+  if (stand_in_ != nullptr) stand_in_->RequestStop();
 }
 
 Status ServerShardHost::CommitStep(uint64_t epoch, int64_t step, bool checkpoint, double learning_rate) {

@@ -68,6 +68,10 @@ class ServerShardHost : public ShardHost {
   Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) override;
   void DropCopies(std::optional<peer::LiveCopy> newest) override;
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override;
+  // A stand-in is a second Server in this process (its own io_context, engine and links), run by
+  // a thread of its own that starts it, waits for its end and stops it.
+  void StartStandIn(int shard, std::vector<std::string> links) override;
+  void StopStandIn() override;
   bool EndTraining(int64_t snapshot_step) override;
   void FinishJob() override;
   void EndJobIfDone() override;
@@ -79,6 +83,14 @@ class ServerShardHost : public ShardHost {
   // Replication: this shard's own committed states and its predecessor's, the newest two of each.
   std::map<peer::LiveCopy, ShardSnapshot> own_ GUARDED_BY(mu_);
   std::map<peer::LiveCopy, std::shared_ptr<const std::string>> held_ GUARDED_BY(mu_);  // serialized
+  // Takeover: the thread running the newest stand-in (it joins the one before it first), the
+  // stand-in once started, how many were started, and up to which one they were asked to stop
+  // (also before it started).
+  std::thread stand_in_thread_ GUARDED_BY(mu_);
+  Server* stand_in_ GUARDED_BY(mu_) = nullptr;
+  uint64_t stand_in_started_ GUARDED_BY(mu_) = 0;
+  uint64_t stand_in_stopped_ GUARDED_BY(mu_) = 0;
+  bool joined_ GUARDED_BY(mu_) = false;  // Join() ran: no stand-in starts any more
 };
 
 }  // namespace psd::server

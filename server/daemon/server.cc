@@ -131,9 +131,10 @@ Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
   not_ready_since_ = start_time_;
   if (config_.clustered()) {
     cluster_host_ = std::make_unique<ServerShardHost>(*this);
+    const auto& links = config_.peer_links.empty() ? config_.cluster : config_.peer_links;
     peer_network_ = std::make_unique<TcpPeerNetwork>(
-        io_, TcpPeerNetwork::Options{config_.cluster, config_.shard_index, config_.auth_token, config_.cluster_secret,
-                                     peer_tls_});
+        io_,
+        TcpPeerNetwork::Options{links, config_.shard_index, config_.auth_token, config_.cluster_secret, peer_tls_});
     ClusterOptions options;
     options.me = config_.shard_index;
     options.addresses = config_.cluster;
@@ -149,6 +150,9 @@ Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
     options.replicate = config_.replicas_per_shard > 1;
     // A copy holds part of the model (--max-model-bytes counts values, slots and averages).
     options.max_copy_bytes = config_.max_model_bytes * 4;
+    options.takeover_after = std::chrono::milliseconds(config_.stand_in ? 0 : config_.takeover_after_ms);
+    options.stand_in = config_.stand_in;
+    options.links = config_.peer_links;
     coordinator_ = std::make_unique<ClusterCoordinator>(
         std::move(options), *cluster_host_, *peer_network_, &std::chrono::steady_clock::now,
         [this] { asio::post(cluster_strand_, [this] { coordinator_->Tick(); }); });
@@ -342,9 +346,17 @@ Status Server::Start() {
   PSD_RETURN_IF_ERROR(ops_->Start());
   if (!config_.checkpoint_dir.empty()) ckpt_writer_.Start();
   work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
-  if (coordinator_) {
+  if (coordinator_ && config_.stand_in) {
+    const std::string& h = config_.advertise_host;
+    std::string address = (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(port_);
+    coordinator_->SetAddress(address);
+    spdlog::info("psd stand-in for shard {} of {} ({}), serving at {}", config_.shard_index, config_.shards(),
+                 config_.cluster[static_cast<size_t>(config_.shard_index)], address);
+  } else if (coordinator_) {
     spdlog::info("psd shard {} of {} ({})", config_.shard_index, config_.shards(),
                  config_.cluster[static_cast<size_t>(config_.shard_index)]);
+  }
+  if (coordinator_) {
     coordinator_->Start();  // before anything is accepted
     peer_network_->Start();
     asio::dispatch(cluster_strand_, [this] { ScheduleClusterTick(); });

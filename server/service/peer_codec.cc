@@ -1,10 +1,12 @@
 #include "service/peer_codec.h"
 
+#include <map>
 #include <string>
 #include <type_traits>
 #include <variant>
 
 #include "core/training_engine.h"
+#include "psd/cluster_list.h"
 #include "wire/frame.h"
 
 namespace psd::server {
@@ -65,6 +67,30 @@ Result<std::vector<peer::LiveCopy>> CopiesFromWire(capnp::List<proto::PeerCopy>:
 
 void CopiesToWire(capnp::List<proto::PeerCopy>::Builder b, const std::vector<peer::LiveCopy>& copies) {
   for (size_t i = 0; i < copies.size(); ++i) CopyToWire(b[static_cast<unsigned>(i)], copies[i]);
+}
+
+// A peer's address: host:port with a port in 1..65535, of a sane length.
+Result<std::string> AddressFromWire(capnp::Text::Reader text) {
+  std::string address = text;
+  if (address.empty()) return address;  // a sender of an older version: its --cluster entry
+  if (address.size() > 300) return InvalidArgument("a heartbeat's address is too long");
+  auto hp = ParseHostPort(address, "a heartbeat's address");
+  if (!hp.ok()) return hp.status();
+  if (hp->port == 0) return InvalidArgument("a heartbeat's address has port 0");
+  return address;
+}
+
+Result<std::map<int, std::string>> MovedFromWire(capnp::List<proto::PeerMoved>::Reader list, int shards) {
+  if (list.size() > static_cast<unsigned>(shards)) return InvalidArgument("a heartbeat lists too many moved shards");
+  std::map<int, std::string> moved;
+  for (auto m : list) {
+    if (m.getShard() >= static_cast<uint32_t>(shards)) return InvalidArgument("a moved shard is out of range");
+    auto address = AddressFromWire(m.getAddress());
+    if (!address.ok()) return address.status();
+    if (address->empty()) return InvalidArgument("a moved shard has no address");
+    moved[static_cast<int>(m.getShard())] = std::move(*address);
+  }
+  return moved;
 }
 
 }  // namespace
@@ -130,10 +156,25 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
       if (!own.ok()) return own.status();
       auto held = CopiesFromWire(hb.getHeldCopies());
       if (!held.ok()) return held.status();
-      m.body = peer::Heartbeat{
-          hb.getChief(),    hb.getEpoch(),          hb.getRunning(), Steps(hb.getSealedSteps()),   hb.getReady(),
-          hb.getRequired(), hb.getAllowStateLoss(), hb.getWaiting(), Steps(hb.getUnusableSteps()), std::move(*own),
-          std::move(*held), hb.getListening()};
+      auto address = AddressFromWire(hb.getAddress());
+      if (!address.ok()) return address.status();
+      auto moved = MovedFromWire(hb.getMoved(), shards);
+      if (!moved.ok()) return moved.status();
+      m.body = peer::Heartbeat{hb.getChief(),
+                               hb.getEpoch(),
+                               hb.getRunning(),
+                               Steps(hb.getSealedSteps()),
+                               hb.getReady(),
+                               hb.getRequired(),
+                               hb.getAllowStateLoss(),
+                               hb.getWaiting(),
+                               Steps(hb.getUnusableSteps()),
+                               std::move(*own),
+                               std::move(*held),
+                               hb.getListening(),
+                               std::move(*address),
+                               hb.getStandIn(),
+                               std::move(*moved)};
       return m;
     }
     case proto::PeerMessage::PREPARED: {
@@ -254,6 +295,15 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           CopiesToWire(hb.initOwnCopies(static_cast<unsigned>(body.own_copies.size())), body.own_copies);
           CopiesToWire(hb.initHeldCopies(static_cast<unsigned>(body.held_copies.size())), body.held_copies);
           hb.setListening(body.listening);
+          hb.setAddress(body.address);
+          hb.setStandIn(body.stand_in);
+          auto moved = hb.initMoved(static_cast<unsigned>(body.moved.size()));
+          unsigned i = 0;
+          for (const auto& [shard, address] : body.moved) {
+            moved[i].setShard(static_cast<uint32_t>(shard));
+            moved[i].setAddress(address);
+            ++i;
+          }
         } else if constexpr (std::is_same_v<T, peer::Prepared>) {
           auto p = b.initPrepared();
           p.setEpoch(body.epoch);

@@ -79,7 +79,9 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
 
   void Send(Bytes frame) {
     asio::dispatch(strand_, [self = shared_from_this(), frame = std::move(frame)] {
-      if (!self->up_ || self->stopped_) return;
+      // Down: dropped (the receiver saw the link close), unless it is being moved to a new address
+      // (the receiver there never had this link: what the cluster sends it meanwhile waits).
+      if ((!self->up_ && !self->moving_) || self->stopped_) return;
       if (self->queue_.size() > 4096) return;  // a peer that reads nothing: it will be seen as gone
       self->queue_.push_back(frame);
       if (!self->writing_) self->WriteNext();
@@ -103,6 +105,24 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
 
   bool idle() const { return !writing_.load(); }
 
+  // Dials `address` from now on (closing the link to the old one).
+  void SetAddress(std::string address) {
+    asio::dispatch(strand_, [self = shared_from_this(), address = std::move(address)] {
+      if (self->stopped_ || address == self->address_) return;
+      spdlog::info("cluster: the link to shard {} now goes to {} (was {})", self->id_.target, address, self->address_);
+      self->address_ = address;
+      self->endpoint_ = SplitAddress(address);
+      ++self->generation_;  // what is under way for the old address ends quietly
+      self->retry_.cancel();
+      self->handshaking_ = false;
+      self->writing_ = false;
+      self->Close();
+      self->stream_.reset();  // the old stream's handlers see they are stale
+      self->moving_ = true;
+      self->Connect();
+    });
+  }
+
  private:
   Bytes Hello(const std::string& nonce) const {
     auto hello = std::make_shared<wire::OutFrame>();
@@ -123,12 +143,15 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     if (stopped_) return;
     resolver_.async_resolve(
         endpoint_.host, std::to_string(endpoint_.port),
-        [self = shared_from_this()](boost::system::error_code ec, tcp::resolver::results_type results) {
+        [self = shared_from_this(), gen = generation_](boost::system::error_code ec,
+                                                       tcp::resolver::results_type results) {
+          if (gen != self->generation_) return;  // the link moved meanwhile
           if (ec) return self->Retry();
           self->stream_ = std::make_shared<ByteStream>(tcp::socket(self->strand_), self->tls_);
           asio::async_connect(
               self->stream_->lowest(), results,
               [self, stream = self->stream_](boost::system::error_code ec, const tcp::endpoint&) {
+                if (stream != self->stream_) return;  // the link moved meanwhile
                 if (ec) return self->Retry();
                 boost::system::error_code ignored;
                 self->stream_->lowest().set_option(tcp::no_delay(true), ignored);
@@ -142,11 +165,13 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                 self->stream_->async_handshake(
                     wire::ssl::stream_base::client,
                     asio::bind_executor(self->strand_, [self, stream](const boost::system::error_code& ec) {
+                      if (stream != self->stream_) return;
                       if (ec) {
                         self->LogHandshakeError(ec);
                         return self->Retry();
                       }
                       self->up_ = true;
+                      self->moving_ = false;
                       if (self->id_.cluster_secret.empty()) {
                         self->queue_.push_front(self->Hello(""));
                         self->WriteNext();
@@ -166,12 +191,13 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     handshaking_ = true;
     writing_ = true;  // messages given meanwhile wait in the queue
     retry_.expires_after(kHandshakeTimeout);
-    retry_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
-      if (!ec && self->handshaking_) self->Fail("no answer to the peer hello within 5 s");
+    retry_.async_wait([self = shared_from_this(), stream = stream_](boost::system::error_code ec) {
+      if (!ec && stream == self->stream_ && self->handshaking_) self->Fail("no answer to the peer hello within 5 s");
     });
     Bytes hello = Hello(nonce_);
     asio::async_write(*stream_, asio::buffer(hello->begin(), hello->size() * sizeof(capnp::word)),
                       [self = shared_from_this(), hello, stream = stream_](boost::system::error_code ec, size_t) {
+                        if (stream != self->stream_) return;
                         if (ec) return self->Fail("cannot send the hello: " + ec.message());
                         self->ReadReplyHeader();
                       });
@@ -180,6 +206,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   void ReadReplyHeader() {
     asio::async_read(*stream_, asio::buffer(first_, sizeof(first_)),
                      [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
+                       if (stream != self->stream_) return;
                        if (ec) return self->Fail("no answer to the hello: " + ec.message());
                        uint32_t count = 0;
                        size_t rest = 0;
@@ -189,6 +216,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                        self->table_[0] = self->first_[1];
                        asio::async_read(*stream, asio::buffer(self->table_.data() + 1, rest),
                                         [self, count, stream](boost::system::error_code ec, size_t) {
+                                          if (stream != self->stream_) return;
                                           if (ec) return self->Fail("no answer to the hello: " + ec.message());
                                           self->ReadReplyBody(count);
                                         });
@@ -203,6 +231,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     capnp::word* body = in_.Prepare(sizes, total);
     asio::async_read(*stream_, asio::buffer(body, total * sizeof(capnp::word)),
                      [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
+                       if (stream != self->stream_) return;
                        if (ec) return self->Fail("no answer to the hello: " + ec.message());
                        std::string why;
                        try {
@@ -262,10 +291,11 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
 
   void Retry() {
     Close();
+    moving_ = false;  // the new address does not answer either: like any link that is down
     if (stopped_) return;
     retry_.expires_after(std::chrono::milliseconds(100));
-    retry_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
-      if (!ec) self->Connect();
+    retry_.async_wait([self = shared_from_this(), gen = generation_](boost::system::error_code ec) {
+      if (!ec && gen == self->generation_) self->Connect();
     });
   }
 
@@ -287,6 +317,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     stream_->async_read_some(asio::buffer(scratch_),
                              asio::bind_executor(strand_, [self = shared_from_this(), stream = stream_](
                                                               boost::system::error_code ec, size_t) {
+                               if (stream != self->stream_) return;
                                if (ec) {
                                  if (self->up_) self->Retry();
                                  return;
@@ -306,6 +337,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     asio::async_write(*stream_, asio::buffer(frame->begin(), frame->size() * sizeof(capnp::word)),
                       asio::bind_executor(strand_, [self = shared_from_this(), frame, stream = stream_](
                                                        boost::system::error_code ec, size_t) {
+                        if (stream != self->stream_) return;
                         if (!self->queue_.empty()) self->queue_.pop_front();
                         if (ec) {
                           self->writing_ = false;
@@ -327,8 +359,10 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   std::string last_tls_error_;
   tcp::resolver resolver_;
   asio::steady_timer retry_;  // the reconnect delay, and the handshake's deadline
-  const std::string address_;
-  const psd::HostPort endpoint_;  // address_ split once ([v6]:port too); validated at start-up
+  std::string address_;
+  psd::HostPort endpoint_;   // address_ split once ([v6]:port too); validated at start-up or by the codec
+  uint64_t generation_ = 0;  // SetAddress: handlers of the old address's attempts do nothing
+  bool moving_ = false;      // SetAddress: messages wait for the new link instead of being dropped
   const Identity id_;
   peer_auth::LogLimiter log_;
   std::deque<Bytes> queue_;
@@ -392,6 +426,11 @@ void TcpPeerNetwork::Send(int shard, const peer::Message& message) {
     return;
   }
   if (auto& l = links_[static_cast<size_t>(shard)]) l->Send(Encode(message));
+}
+
+void TcpPeerNetwork::Retarget(int shard, const std::string& address) {
+  if (shard < 0 || shard >= static_cast<int>(links_.size()) || shard == options_.me) return;
+  if (auto& l = links_[static_cast<size_t>(shard)]) l->SetAddress(address);
 }
 
 void TcpPeerNetwork::SendToAll(const peer::Message& message, bool include_self, int shards, int me) {

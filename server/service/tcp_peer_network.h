@@ -43,6 +43,7 @@ class TcpPeerNetwork : public PeerNetwork {
   void Stop();
 
   void Send(int shard, const peer::Message& message) override;
+  void Retarget(int shard, const std::string& address) override;
   void SendToAll(const peer::Message& message, bool include_self, int shards, int me) override;
 
  private:

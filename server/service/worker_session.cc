@@ -503,6 +503,9 @@ void WorkerSession::HandleStatus(uint64_t id) {
     auto missing = s.initMissingShards(static_cast<unsigned>(v.missing.size()));
     for (size_t i = 0; i < v.missing.size(); ++i)
       missing.set(static_cast<unsigned>(i), static_cast<uint32_t>(v.missing[i]));
+    auto addresses = c->Addresses();
+    auto list = s.initShardAddresses(static_cast<unsigned>(addresses.size()));
+    for (size_t i = 0; i < addresses.size(); ++i) list.set(static_cast<unsigned>(i), addresses[i]);
   } else {
     Status serving = host_.Serving();
     s.setClusterState(serving.ok() ? "running" : serving.message());

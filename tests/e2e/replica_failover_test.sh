@@ -17,52 +17,19 @@
 set -u -o pipefail
 psd=$1 worker=$2 kills=${3:-3} steps=${4:-2000}
 source "$(dirname "$0")/cluster_lib.sh"
+source "$(dirname "$0")/replica_lib.sh"
 begin_e2e
 reserve_cluster 3
-log_ms() { date -d "$(echo "$1" | cut -c 1-23)" +%s%3N; }
-
 flags=(--cluster "$cluster" -R 3 -N 3 --init-tokens 0 --learning-rate 0.3 --replicas-per-shard 2 --deterministic
   --summary-interval-s 0 --exit-when-done --heartbeat-ms 100 --election-timeout-ms 1000)
-declare -A shard_pid
-start_shard() {  # $1: index, $2: log name
-  timeout 600 "${serve_on[@]}" "$(port_of "$cluster" "$1")" -- "$psd" "${flags[@]}" --shard-index "$1" --listen-fd 3 \
-    2> "$run/$2.log" &
-  shard_pid[$1]=$!
-  pids+=($!)
-}
-declare -a wpid
-start_workers() {  # $1: run name
-  for w in 0 1 2; do
-    timeout 600 "$worker" --cluster "$cluster" --worker-name "w$w" --shard "$w" --steps "$steps" --data-by-step \
-      --features 64 --slow-ms 2 --print-every 0 --retry-s 120 > "$run/$1-w$w.log" 2>&1 &
-    wpid[$w]=$!
-    pids+=($!)
-  done
-}
-wait_workers() {  # $1: run name
-  for w in 0 1 2; do
-    wait "${wpid[$w]}" || fail "$1: worker $w exited $?"
-  done
-}
-hash_of() { sed -n 's/.*parameter hash \([0-9a-f]*\)$/\1/p' "$run/$1-w$2.log"; }
-running() { cat "$run"/s*.log 2> /dev/null | grep -c "running at epoch" || true; }
 
 # --- run 1: undisturbed ---------------------------------------------------------------------------
-for k in 0 1 2; do start_shard "$k" "s$k-a"; done
-start_workers a
-wait_workers a
-for k in 0 1 2; do wait "${shard_pid[$k]}" 2> /dev/null; done
-want=$(hash_of a 0)
-[ -n "$want" ] || fail "run 1: worker 0 printed no parameter hash"
-for w in 1 2; do [ "$(hash_of a $w)" = "$want" ] || fail "run 1: worker $w ended with other parameters"; done
-echo "run 1 (undisturbed): $steps steps, parameter hash $want"
-rm -f "$run"/s*-a.log
+undisturbed_run
 
 # --- run 2: the chief and a non-chief killed in turn ------------------------------------------------
 for k in 0 1 2; do start_shard "$k" "s$k-0"; done
 start_workers b
 wait_for "$run/s*.log" "running at epoch" 30 || fail "run 2: the cluster did not start serving"
-chief_of() { grep -l "is the chief for term" "$run"/s*.log | xargs ls -t | head -1 | sed 's/.*\/s\([0-9]\)-.*/\1/'; }
 times_chief=() times_other=()
 n=0
 for round in $(seq 1 "$kills"); do
@@ -71,13 +38,7 @@ for round in $(seq 1 "$kills"); do
     sleep 0.4  # training goes on
     # Workers finished early (a fast machine): the kills so far still count.
     kill -0 "${wpid[0]}" 2> /dev/null || break 2
-    chief=$(chief_of)
-    k=$chief
-    [ "$victim" = other ] && k=$(((chief + 1 + n % 2) % 3))
-    formed=$(running)
-    kill_ms=$(date +%s%3N)
-    kill -9 "$(real_pid "${shard_pid[$k]}")"
-    wait "${shard_pid[$k]}" 2> /dev/null
+    kill_victim "$victim" "$n"
     sleep 0.2
     start_shard "$k" "s$k-$n"
     deadline=$((SECONDS + 60))
@@ -93,14 +54,7 @@ for round in $(seq 1 "$kills"); do
     if [ "$victim" = chief ]; then times_chief+=("$took"); else times_other+=("$took"); fi
   done
 done
-wait_workers b
-if cat "$run"/s*.log | grep -q "from checkpoint step\|no live copy"; then fail "run 2: a formation fell back"; fi
-for w in 0 1 2; do
-  got=$(hash_of b $w)
-  [ "$got" = "$want" ] || fail "run 2: worker $w ended with parameter hash $got, the undisturbed run $want"
-done
-stats() { printf '%s\n' "$@" | sort -n | awk '{ a[NR] = $1 } END { printf "min %d, median %d, max %d ms", a[1], a[int((NR + 1) / 2)], a[NR] }'; }
-[ ${#times_chief[@]} -gt 0 ] && [ ${#times_other[@]} -gt 0 ] || fail "run 2: the workers finished before a kill of each kind"
+check_run2
 echo "chief killed ${#times_chief[@]} times: kill-to-serving $(stats "${times_chief[@]}")"
 echo "non-chief killed ${#times_other[@]} times: kill-to-serving $(stats "${times_other[@]}")"
 echo "run 2: $n kills, every one recovered from the live copies; final parameters bit-identical to the undisturbed run ($want)"

@@ -364,6 +364,26 @@ std::map<std::string, Bytes> PeerSeeds() {
     held[0].setLineage(4);
     held[0].setStep(10);
   });
+  // Takeover: a stand-in's heartbeat (its address), then the chief's map moving shard 2 there.
+  s["takeover_stand_in_moved"] = Peer(2, 5,
+                                      [](PeerMessage::Builder m) {
+                                        auto hb = m.initHeartbeat();
+                                        hb.setChief(1);
+                                        hb.setEpoch(5);
+                                        hb.setReady(true);
+                                        hb.setAddress("127.0.0.1:40123");
+                                        hb.setStandIn(true);
+                                      }) +
+                                 Peer(1, 5, [](PeerMessage::Builder m) {
+                                   auto hb = m.initHeartbeat();
+                                   hb.setChief(1);
+                                   hb.setEpoch(5);
+                                   hb.setReady(true);
+                                   hb.setAddress("127.0.0.1:40001");
+                                   auto moved = hb.initMoved(1);
+                                   moved[0].setShard(2);
+                                   moved[0].setAddress("127.0.0.1:40123");
+                                 });
   // A live restore: shard 0 keeps no copy, fetches it from shard 1, which answers it holds none.
   s["replica_live_restore"] = Heartbeat(1, 5, 1, false) +
                               Peer(1, 5,

@@ -56,6 +56,14 @@ TEST_CASE("contradictory or impossible flags are rejected with what to change", 
   r.mode = psd::server::Mode::kSync;
   r.replicas_per_shard = 3;
   CHECK_THAT(r.Validate().message(), Catch::Contains("--replicas-per-shard"));
+  // Takeover: 0 (off) up to an hour.
+  r.replicas_per_shard = 2;
+  r.takeover_after_ms = 0;
+  CHECK(r.Validate().ok());
+  r.takeover_after_ms = -1;
+  CHECK_THAT(r.Validate().message(), Catch::Contains("--takeover-after-ms"));
+  r.takeover_after_ms = 3600001;
+  CHECK_THAT(r.Validate().message(), Catch::Contains("--takeover-after-ms"));
 }
 
 TEST_CASE("init tokens follow get_init_tokens_op", "[config]") {

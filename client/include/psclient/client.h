@@ -293,6 +293,9 @@ struct JobStatus {
   uint64_t cluster_epoch = 0;
   std::string cluster_state;
   std::vector<int> missing_shards;
+  // Where each shard is served now: its --cluster entry, or a stand-in's address (host:port) while
+  // the next shard serves it after a takeover (README "Shard replicas"). Empty: a single daemon.
+  std::vector<std::string> shard_addresses;
   // The daemon that answered.
   std::string version;
   double uptime_s = 0;

@@ -1,0 +1,115 @@
+// ClusterCoordinator (cluster/coordinator.h), its takeover side (--replicas-per-shard 2 with
+// --takeover-after-ms): a shard whose process is gone is served by a stand-in that the next shard
+// runs, from the copy of its state the next shard keeps, until its own process comes back.
+//
+// Who serves shard d is decided by the chief alone, from the heartbeats it gets: d's own process
+// (at its --cluster entry) when heard within an election timeout, else a stand-in heard within one
+// (at the address its heartbeats give), else wherever it was. The chief's heartbeats carry the
+// shards served away from their entry; followers send to where the chief says, workers ask any
+// shard (status replies list every shard's address). A change is a formation: the shard's state
+// is restored where it is now served, from the live copies (the stand-in fetches its part from the
+// next shard, which keeps it), so nothing committed is lost and no update is applied twice.
+//
+// The next shard (d + 1 mod P) starts a stand-in once d has not been alive, in its own view, for
+// takeover_after, and only if it keeps a copy of d's part; it stops it as soon as it hears d's own
+// process again (the chief then moves d back, and d's process restores from the same copies). A
+// stand-in starts no stand-in itself. While one serves, d's part and its copy live on the same
+// host: losing that host too before d's process is back leaves no copy of d's part (the cluster
+// then falls back to the newest common checkpoint, and says so).
+#include <spdlog/spdlog.h>
+
+#include "cluster/coordinator.h"
+
+namespace psd::server {
+
+void ClusterCoordinator::SetAddress(std::string address) {
+  MutexLock lock(&mu_);
+  address_ = std::move(address);
+  addresses_[static_cast<size_t>(me_)] = address_;
+}
+
+std::vector<std::string> ClusterCoordinator::Addresses() const {
+  MutexLock lock(&mu_);
+  return addresses_;
+}
+
+void ClusterCoordinator::OnStandInEnded() {
+  MutexLock lock(&mu_);
+  if (!stand_in_running_) return;
+  stand_in_running_ = false;
+  predecessor_gone_.reset();  // counted again from now
+}
+
+void ClusterCoordinator::TakeoverTickLocked(Clock::time_point now, std::vector<Action>* actions) {
+  if (options_.stand_in || options_.takeover_after.count() <= 0 || shards_ < 2) return;
+  const int d = Predecessor();
+  if (AliveLocked(d, now)) {
+    predecessor_gone_.reset();
+    return;
+  }
+  if (!predecessor_gone_) predecessor_gone_ = now;
+  if (stand_in_running_ || now - *predecessor_gone_ < options_.takeover_after) return;
+  if (held_copies_.empty()) return;  // nothing to serve d's part from (it never committed here)
+  stand_in_running_ = true;
+  spdlog::warn(
+      "cluster: shard {} ({}) has been gone for {} ms: this shard starts a stand-in for it, serving its part from "
+      "the copy kept here (step {}) until its own process is back",
+      d, options_.addresses[static_cast<size_t>(d)], options_.takeover_after.count(), held_copies_.front().step);
+  actions->push_back([this, d, links = addresses_] { host_.StartStandIn(d, links); });
+}
+
+void ClusterCoordinator::ChiefMapLocked(Clock::time_point now, std::vector<Action>* actions) {
+  const auto timeout = std::chrono::milliseconds(options_.election_timeout_ms);
+  const Clock::time_point never{};
+  for (int i = 0; i < shards_; ++i) {
+    if (i == me_) continue;
+    const Peer& p = peers_[static_cast<size_t>(i)];
+    const std::string& entry = options_.addresses[static_cast<size_t>(i)];
+    std::string want = AddressOf(i);
+    if (p.original_heard != never && now - p.original_heard < timeout) {
+      want = entry;
+    } else if (!p.stand_in_address.empty() && p.stand_in_heard != never && now - p.stand_in_heard < timeout) {
+      want = p.stand_in_address;
+    }
+    if (want == AddressOf(i)) continue;
+    if (want == entry) {
+      spdlog::warn("cluster: shard {} is back at {}: it serves its part again (was served by a stand-in at {})", i,
+                   entry, AddressOf(i));
+    } else {
+      spdlog::warn("cluster: shard {} ({}) is served by a stand-in at {} from now on", i, entry, want);
+    }
+    MoveLocked(i, want, actions);
+    if (running_ || forming_) {
+      forming_ = false;
+      DegradeLocked("shard " + std::to_string(i) + " moved to " + want, actions);
+    }
+  }
+}
+
+void ClusterCoordinator::MoveLocked(int shard, const std::string& address, std::vector<Action>* actions) {
+  addresses_[static_cast<size_t>(shard)] = address;
+  actions->push_back([this, shard, address] { network_.Retarget(shard, address); });
+}
+
+void ClusterCoordinator::TakeoverHeartbeatLocked(int from, uint64_t term, const peer::Heartbeat& hb,
+                                                 std::vector<Action>* actions) {
+  // The chief's map: followers send where it says.
+  if (from == chief_ && term == term_ && chief_ != me_) {
+    for (int i = 0; i < shards_; ++i) {
+      if (i == me_) continue;
+      auto it = hb.moved.find(i);
+      const std::string& want = it != hb.moved.end() ? it->second : options_.addresses[static_cast<size_t>(i)];
+      if (want != AddressOf(i)) MoveLocked(i, want, actions);
+    }
+  }
+  // The predecessor's own process is back: the stand-in makes way (the chief moves it back).
+  if (stand_in_running_ && from == Predecessor() && !hb.stand_in) {
+    stand_in_running_ = false;
+    predecessor_gone_.reset();
+    spdlog::warn("cluster: shard {} is back at {}: stopping its stand-in", from,
+                 options_.addresses[static_cast<size_t>(from)]);
+    actions->push_back([this] { host_.StopStandIn(); });
+  }
+}
+
+}  // namespace psd::server
