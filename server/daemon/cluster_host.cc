@@ -67,6 +67,7 @@ void ServerShardHost::StartStandIn(int shard, std::vector<std::string> links) {
       return;
     }
     Server& standin = **created;
+    server_.metrics().OnStandInStarted();
     {
       MutexLock lock(&mu_);
       stand_in_ = &standin;
@@ -80,6 +81,7 @@ void ServerShardHost::StartStandIn(int shard, std::vector<std::string> links) {
       asked = stand_in_stopped_ >= number;
     }
     standin.Stop();
+    server_.metrics().OnStandInStopped();
     spdlog::info("cluster: the stand-in for shard {} stopped", c.shard_index);
     if (!asked) coordinator->OnStandInEnded();
   });

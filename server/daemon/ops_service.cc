@@ -245,6 +245,19 @@ std::string OpsService::RenderMetrics() const {
             static_cast<double>(m.replica_own()));
     w.Gauge("psd_replica_held_bytes", "the predecessor shard's copies kept here",
             static_cast<double>(m.replica_held()));
+    w.Counter("psd_stand_ins_started_total", "stand-ins this shard started for its predecessor (takeover)",
+              static_cast<double>(m.stand_ins_started()));
+    w.Gauge("psd_stand_in_running", "1 while this shard runs a stand-in for its predecessor",
+            m.stand_in_running() ? 1.0 : 0.0);
+    if (ClusterCoordinator* c = server_.coordinator()) {
+      auto addresses = c->Addresses();
+      int moved = 0;
+      for (size_t i = 0; i < addresses.size() && i < server_.config().cluster.size(); ++i) {
+        if (addresses[i] != server_.config().cluster[i]) ++moved;
+      }
+      w.Gauge("psd_shards_served_by_stand_ins", "shards served by a stand-in now, as this shard knows it",
+              static_cast<double>(moved));
+    }
   }
   if (ShmListener* shm = server_.shm()) {
     w.Counter("psd_shm_attached_total", "shared-memory segments attached by same-host workers",

@@ -75,6 +75,13 @@ class Metrics {
     replica_own_.store(own, std::memory_order_relaxed);
     replica_held_.store(held, std::memory_order_relaxed);
   }
+  // Takeover (README "Shard replicas"): stand-ins this shard started for its predecessor, and
+  // whether one runs now.
+  void OnStandInStarted() {
+    stand_ins_started_.fetch_add(1, std::memory_order_relaxed);
+    stand_in_running_.store(true, std::memory_order_relaxed);
+  }
+  void OnStandInStopped() { stand_in_running_.store(false, std::memory_order_relaxed); }
   void OnConnectionAccepted() { connections_accepted_.fetch_add(1, std::memory_order_relaxed); }
   void OnConnectionRefused() { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
   // A connection closed because its frame did not arrive within --frame-timeout-ms.
@@ -111,6 +118,8 @@ class Metrics {
   uint64_t replica_received() const { return replica_received_.load(std::memory_order_relaxed); }
   uint64_t replica_own() const { return replica_own_.load(std::memory_order_relaxed); }
   uint64_t replica_held() const { return replica_held_.load(std::memory_order_relaxed); }
+  uint64_t stand_ins_started() const { return stand_ins_started_.load(std::memory_order_relaxed); }
+  bool stand_in_running() const { return stand_in_running_.load(std::memory_order_relaxed); }
   uint64_t connections_accepted() const { return connections_accepted_.load(std::memory_order_relaxed); }
   uint64_t connections_refused() const { return connections_refused_.load(std::memory_order_relaxed); }
   uint64_t frame_timeouts() const { return frame_timeouts_.load(std::memory_order_relaxed); }
@@ -143,6 +152,8 @@ class Metrics {
 
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, shm_bytes_{0};
   std::atomic<uint64_t> replica_sent_{0}, replica_received_{0}, replica_own_{0}, replica_held_{0};
+  std::atomic<uint64_t> stand_ins_started_{0};
+  std::atomic<bool> stand_in_running_{false};
   std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0}, frame_timeouts_{0};
   std::atomic<uint64_t> steps_forced_{0}, gradients_used_{0};
   std::atomic<int> last_min_gradients_{0}, last_max_gradients_{0};
