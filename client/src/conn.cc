@@ -231,6 +231,15 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
 Status Conn::WaitReadable() {
   if (tls_ && SSL_pending(tls_->native_handle()) > 0) return Status::Ok();
   const int fd = tls_ ? tls_->next_layer().native_handle() : socket_.native_handle();
+  // ClientOptions::busy_poll_us: ReadFrame spins before it sleeps, so a reply that is about to
+  // come is not waited for in poll() here either: the blocking wait starts after that long.
+  if (options_.busy_poll_us > 0) {
+    auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(options_.busy_poll_us);
+    do {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 0) != 0) return Status::Ok();
+    } while (std::chrono::steady_clock::now() < spin_until);
+  }
   for (;;) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - std::chrono::steady_clock::now());
     if (left.count() <= 0) return Status::Ok();  // ReadFrame says the deadline passed

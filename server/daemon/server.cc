@@ -347,8 +347,7 @@ Status Server::Start() {
   if (!config_.checkpoint_dir.empty()) ckpt_writer_.Start();
   work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
   if (coordinator_ && config_.stand_in) {
-    const std::string& h = config_.advertise_host;
-    std::string address = (h.find(':') != std::string::npos ? "[" + h + "]" : h) + ":" + std::to_string(port_);
+    std::string address = SocketAddress{config_.advertise_host, port_}.ToString();
     coordinator_->SetAddress(address);
     spdlog::info("psd stand-in for shard {} of {} ({}), serving at {}", config_.shard_index, config_.shards(),
                  config_.cluster[static_cast<size_t>(config_.shard_index)], address);
