@@ -113,6 +113,10 @@ for round in $(seq 1 "$kills"); do
     took=$(($(log_ms "$line") - kill_ms))
     restored=$(echo "$line" | sed -n 's/.*from \(checkpoint step\|the live copies of step\) \([0-9]*\).*/\2/p')
     source=$(echo "$line" | sed -n 's/.*from \(checkpoint step\|the live copies of step\) .*/\1/p')
+    if echo "$line" | grep -q "newest live copy"; then  # async/ssp: each part's own, the chief's count
+      restored=$(echo "$line" | sed -n 's/.*newest live copy (step \([0-9]*\) on the chief).*/\1/p')
+      source="each part's newest live copy, chief's count"
+    fi
     lost=$((before - ${restored:-0}))
     echo "kill $n: $victim shard $k at step $before; serving again after $took ms from ${source:-checkpoint step} ${restored:-none} ($lost step(s) to recompute)"
     if [ "$victim" = chief ]; then times_chief+=("$took"); lost_chief+=("$lost"); else times_other+=("$took"); lost_other+=("$lost"); fi

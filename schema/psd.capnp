@@ -434,6 +434,8 @@ struct PeerRestore {
                             # (written first, only if its part matches); empty: every shard has it
   live @3 :Bool;            # replication: restore the live copy (lineage, step), not a checkpoint
   lineage @4 :UInt64;
+  newest @5 :Bool;          # with live (async/ssp): each shard restores the newest copy of its part
+                            # of that lineage (its own, else the one the next shard keeps)
 }
 
 struct PeerRestored {

@@ -191,8 +191,8 @@ int main(int argc, char** argv) {
   app.add_option("--shard-index", cfg.shard_index, "this daemon's position in the cluster list")->capture_default_str();
   app.add_option("--heartbeat-ms", cfg.heartbeat_ms, "shard-to-shard heartbeat period")->capture_default_str();
   app.add_option("--replicas-per-shard", cfg.replicas_per_shard,
-                 "cluster, sync: copies of each shard's committed state (2: the next shard keeps one, so losing a "
-                 "shard loses no step)")
+                 "cluster: copies of each shard's state (2: the next shard keeps one, so losing a shard loses no "
+                 "committed step; async/ssp: no acknowledged push)")
       ->capture_default_str();
   app.add_option("--takeover-after-ms", cfg.takeover_after_ms,
                  "with --replicas-per-shard 2: a shard gone this long is served by a stand-in that the next shard "

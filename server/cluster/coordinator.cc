@@ -523,11 +523,17 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   restore_epoch_ = epoch;
   serving_ = false;
   vote_.reset();
+  FailArrivalWaitersLocked(
+      Unavailable("shard " + std::to_string(me_) + " re-forms (epoch " + std::to_string(epoch) + "); pull and go on"),
+      actions);
   ack_.reset();  // a reply for an older epoch
   fetch_.reset();
   missing_reason_ = step < 0 ? "starting empty" : "restoring checkpoint step " + std::to_string(step);
   if (r.live) missing_reason_ = "restoring the live copies of step " + std::to_string(step);
+  if (r.live && r.newest) missing_reason_ = "restoring the newest live copy of each part";
   missing_since_ = now_();
+  // Async/ssp from live copies: no common step, no checkpoint left behind.
+  if (r.live && r.newest) return StartNewestRestoreLocked(epoch, r.lineage, actions);
   // Newer checkpoints belong to a timeline the cluster leaves now (an operator's decision, or a
   // part unusable elsewhere): never offered again (on disk, the next ones overwrite them). They
   // stay a trace here, as unusable: a shard that restarts and offers one again (its disk still
@@ -574,6 +580,7 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
     superseded = epoch < restore_epoch_;
     if (status.ok()) {
       epoch_ = epoch;
+      lineage_ = live ? live->lineage : epoch;
       spdlog::info("cluster: shard {} restored {} at epoch {}", me_,
                    step < 0 ? std::string("an empty state")
                    : !live  ? "checkpoint step " + std::to_string(step)
@@ -617,6 +624,7 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
     if (!s.ok()) spdlog::warn("cluster: placement from shard {}: {}", from, s.message());
   }
   restored_.insert(from);
+  if (live_newest_ && from == me_) formation_step_ = r.step;  // async/ssp: the chief's count is the step
   if (static_cast<int>(restored_.size()) < shards_) return;
   forming_ = false;
   running_ = true;
@@ -624,7 +632,8 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   missing_reason_.clear();
   decision_.reset();
   spdlog::info("cluster: running at epoch {} with {} shard(s) from {} ({} variable(s) placed)", term_, shards_,
-               live_formation_       ? "the live copies of step " + std::to_string(formation_step_)
+               live_newest_      ? fmt::format("each part's newest live copy (step {} on the chief)", formation_step_)
+               : live_formation_ ? "the live copies of step " + std::to_string(formation_step_)
                : formation_step_ < 0 ? std::string("an empty state")
                                      : "checkpoint step " + std::to_string(formation_step_),
                placement_.All().size());

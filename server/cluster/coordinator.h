@@ -200,6 +200,12 @@ class ClusterCoordinator : public PeerEvents {
   // A checkpoint at the next commit (forwarded to the chief). `timed`: from this shard's
   // --checkpoint-every-s timer, which only the chief's counts.
   void RequestCheckpoint(bool timed);
+  // Async/ssp with replicas (cluster/replication.cc): `done` runs once a copy of this shard's part
+  // taken after this call (so holding what the engine of `epoch` applied before it) is kept by the
+  // next shard — OK — or with UNAVAILABLE once the cluster stops serving or re-forms first. A
+  // push's reply waits for it: an acknowledged push is on two shards. `done` runs outside every
+  // lock, on a thread of the host's or the network's (or in this call, when refused).
+  void AfterReplicated(uint64_t epoch, std::function<void(const Status&)> done);
   // The requirement this shard's worker registry computes; the chief's is the cluster's.
   void SetLocalRequired(int required);
   // The chief's registry says every worker finished.
@@ -231,7 +237,8 @@ class ClusterCoordinator : public PeerEvents {
     std::string stand_in_address;
   };
   // Replication: a reply to the chief (Committed, Restored) sent once the next shard acknowledged
-  // this shard's copy of the state it answers for.
+  // this shard's copy of the state it answers for; or (to < 0) a copy taken on arrival (async/ssp),
+  // whose ack answers the waiters registered before copy number `generation` began.
   struct PendingAck {
     uint64_t epoch = 0;
     peer::LiveCopy copy;
@@ -239,6 +246,13 @@ class ClusterCoordinator : public PeerEvents {
     peer::Message reply;
     std::shared_ptr<const std::string> bytes;  // sent again if no ack comes
     Clock::time_point sent{};
+    uint64_t generation = 0;
+  };
+  // Async/ssp: a reply waiting for a copy (AfterReplicated), registered when `generation` copies
+  // had begun: any later copy holds what it waits for.
+  struct ArrivalWaiter {
+    uint64_t generation = 0;
+    std::function<void(const Status&)> done;
   };
   // Replication: a serialized copy arriving in pieces.
   struct Incoming {
@@ -315,6 +329,17 @@ class ClusterCoordinator : public PeerEvents {
                 const std::shared_ptr<const std::string>& bytes);
   // Restores the live copy `copy` for `epoch`: this shard's own, or fetched from the next shard.
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
+  // Async/ssp: the newest lineage of which every part has a copy (its shard's own, or the next
+  // shard's), not one a shard failed to restore; nullopt if none.
+  std::optional<uint64_t> NewestLineageLocked() const REQUIRES(mu_);
+  // Async/ssp: restores the newest copy of this shard's part of `lineage` for `epoch`: its own if
+  // it keeps one, else the next shard's.
+  void StartNewestRestoreLocked(uint64_t epoch, uint64_t lineage, std::vector<Action>* actions) REQUIRES(mu_);
+  // Async/ssp: takes the next copy on arrival (the host snapshots the engine of `epoch` now) and
+  // ships it; its ack answers the waiters it covers and starts the next one if more wait.
+  void StartArrivalCopy(uint64_t epoch);
+  // Answers every waiting reply with `why` (the cluster stopped serving or re-formed).
+  void FailArrivalWaitersLocked(const Status& why, std::vector<Action>* actions) REQUIRES(mu_);
   void ReplicationTickLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
   void HandleReplicaChunk(int from, const peer::ReplicaChunk& c, std::vector<Action>* actions) REQUIRES(mu_);
   void HandleReplicaAck(int from, const peer::ReplicaAck& a, std::vector<Action>* actions) REQUIRES(mu_);
@@ -421,7 +446,15 @@ class ClusterCoordinator : public PeerEvents {
   std::optional<std::pair<uint64_t, peer::LiveCopy>> fetch_ GUARDED_BY(mu_);
   Clock::time_point fetch_sent_ GUARDED_BY(mu_){};
   std::optional<peer::LiveCopy> live_formation_ GUARDED_BY(mu_);  // the chief's formation from live copies
-  std::set<peer::LiveCopy> live_failed_ GUARDED_BY(mu_);          // copies a shard could not restore
+  // ... from each part's newest copy of live_formation_->lineage (async/ssp; its step is -1).
+  bool live_newest_ GUARDED_BY(mu_) = false;
+  uint64_t lineage_ GUARDED_BY(mu_) = 0;  // the lineage of the state this shard's engine holds
+  // Async/ssp: copies on arrival. How many began, whether one is being taken or awaits its ack,
+  // and the replies waiting for one.
+  uint64_t arrival_copies_ GUARDED_BY(mu_) = 0;
+  bool arrival_copying_ GUARDED_BY(mu_) = false;
+  std::vector<ArrivalWaiter> arrival_waiters_ GUARDED_BY(mu_);
+  std::set<peer::LiveCopy> live_failed_ GUARDED_BY(mu_);  // copies a shard could not restore
   bool live_lost_logged_ GUARDED_BY(mu_) = false;
   int64_t released_ GUARDED_BY(mu_) = -1;  // the chief: the newest step whose tokens it released
 

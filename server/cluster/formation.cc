@@ -222,8 +222,15 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   // Replication: the newest state of which every part is kept live, when there is one; no
   // checkpoint is then restored and no committed step is lost.
   live_formation_.reset();
+  live_newest_ = false;
   if (options_.replicate) {
-    live_formation_ = LiveChoiceLocked();
+    // Async/ssp: each part's newest copy of one lineage (copies are taken at each shard's own count).
+    if (options_.applies_on_arrival) {
+      if (auto lineage = NewestLineageLocked()) live_formation_ = peer::LiveCopy{*lineage, -1};
+      live_newest_ = live_formation_.has_value();
+    } else {
+      live_formation_ = LiveChoiceLocked();
+    }
     // Old news: a shard's heartbeat from before the cluster stopped may not list the copies of the
     // last steps (a slow link), and this chief may have released a step newer than the choice.
     // Waited for, up to three election timeouts; then the choice stands (logged).
@@ -232,9 +239,10 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
     for (int i = 0; i < shards_; ++i) {
       if (i != me_ && peers_[static_cast<size_t>(i)].last_heartbeat <= missing_since_) stale = true;
     }
-    if (live_formation_ && live_formation_->step < released_) stale = true;
+    const bool behind = !live_newest_ && live_formation_ && live_formation_->step < released_;
+    if (behind) stale = true;
     if (stale && now - missing_since_ < 3 * std::chrono::milliseconds(options_.election_timeout_ms)) return;
-    if (live_formation_ && live_formation_->step < released_) {
+    if (behind) {
       spdlog::error(
           "cluster: the newest live copy of every part is of step {}, before step {} whose tokens were "
           "released: {} step(s) are lost",
@@ -258,7 +266,8 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   std::optional<int64_t> chosen =
       live_formation_ ? std::optional<int64_t>(live_formation_->step) : FormationStepLocked(actions);
   if (!chosen) return;  // an operator must decide
-  int64_t step = *chosen;
+  // Async/ssp from live copies: each shard's count comes with its copy; the chief's stands for the step.
+  int64_t step = live_newest_ ? applied_ : *chosen;
   refusal_.clear();
   term_ = std::max(term_, max_term_seen_) + 1;
   max_term_seen_ = term_;
@@ -277,12 +286,13 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   open_step_ = step < 0 ? 0 : step;
   missing_reason_ = step < 0 ? "starting empty at step 0" : "restoring checkpoint step " + std::to_string(step);
   if (live_formation_) missing_reason_ = "restoring the live copies of step " + std::to_string(step);
+  if (live_newest_) missing_reason_ = "restoring the newest live copy of each part";
   spdlog::info("cluster: forming epoch {} on {} shard(s): {}", term_, shards_, missing_reason_);
   released_ = step;
   std::vector<peer::PartInfo> seal;
   if (!live_formation_ && reseal_ && reseal_->first == step) seal = reseal_->second;
   peer::Message msg = MessageLocked(peer::Restore{term_, step, std::move(seal), live_formation_.has_value(),
-                                                  live_formation_ ? live_formation_->lineage : 0});
+                                                  live_formation_ ? live_formation_->lineage : 0, live_newest_});
   actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
 }
 

@@ -92,12 +92,16 @@ struct PartInfo {
 // the step as unusable): such a shard writes it first, if its own part matches, then restores.
 // `live`: restore the live copy (lineage, step) instead (replication): a shard that keeps its own
 // copy restores it, one that does not fetches it from the next shard, which keeps it.
+// `newest` (with `live`; async/ssp, where each shard copies its part at its own count): each
+// shard restores the newest copy of its part of `lineage` — its own, else the next shard's — and
+// `step` is only the chief's count.
 struct Restore {
   uint64_t epoch = 0;
   int64_t step = -1;
   std::vector<PartInfo> seal;
   bool live = false;
   uint64_t lineage = 0;
+  bool newest = false;
   bool operator==(const Restore&) const = default;
 };
 
@@ -166,7 +170,8 @@ struct ReplicaAck {
   bool operator==(const ReplicaAck&) const = default;
 };
 
-// To the next shard: send my copy back (a formation restores it and I do not keep it).
+// To the next shard: send my copy back (a formation restores it and I do not keep it). A copy of
+// step -1: the newest one of that lineage it keeps.
 struct ReplicaFetch {
   uint64_t epoch = 0;
   LiveCopy copy;

@@ -13,6 +13,14 @@
 // Two steps are kept because a commit is not atomic across shards: a chief that dies between
 // the shards' commits of step s leaves some at s and some at s + 1 (with s + 1 prepared); the
 // formation takes s, which every part has, and no worker was given a token for s + 1.
+//
+// Async and ssp have no step commit: each shard copies its part at its own count, on arrival.
+// A push's reply waits until a copy taken after the push was applied is kept by the next shard
+// (AfterReplicated); one copy is taken or in flight at a time, and the next one covers every push
+// applied meanwhile (a group commit). A formation then loses nothing acknowledged: each shard
+// restores the newest copy of its part — its own, or the one the next shard keeps if it lost its
+// own (a restart, a stand-in) — and the parts need no common step (a cut across shards, as
+// async checkpoints are). The lineage stays: a formation from copies makes no new timeline.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -124,6 +132,17 @@ void ClusterCoordinator::StartLiveRestoreLocked(uint64_t epoch, const peer::Live
 }
 
 void ClusterCoordinator::ReplicationTickLocked(Clock::time_point now, std::vector<Action>* actions) {
+  // Replies waiting for a copy the cluster may never take (the next shard is gone, the cluster
+  // stopped serving): answered now; the formation to come restores what was acknowledged.
+  if (!arrival_waiters_.empty()) {
+    const bool serving = chief_ == me_ ? running_ : (serving_ && chief_ >= 0 && AliveLocked(chief_, now));
+    if (!serving) {
+      FailArrivalWaitersLocked(Unavailable("shard " + std::to_string(me_) +
+                                           ": the cluster stopped serving before this push's copy was kept by the "
+                                           "next shard; pull and go on"),
+                               actions);
+    }
+  }
   // A copy or a fetch whose answer may have been lost with a broken link: sent again. A big copy
   // takes a while on the wire: it is not sent again before it could have arrived (at 64 MiB/s).
   const auto again = std::chrono::milliseconds(options_.election_timeout_ms);
@@ -144,7 +163,11 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   if (!options_.replicate || from == me_) return;
   // Copies come only from their owner (to keep) or from the shard that keeps ours (a restore).
   if (c.restore ? (from != Successor() || c.owner != me_) : (from != Predecessor() || c.owner != from)) return;
-  if (c.restore && !(fetch_ && fetch_->first == c.epoch && fetch_->second == c.copy)) return;
+  if (c.restore &&
+      !(fetch_ && fetch_->first == c.epoch &&
+        (fetch_->second == c.copy || (fetch_->second.step < 0 && fetch_->second.lineage == c.copy.lineage)))) {
+    return;  // not asked for (a fetch of step -1: the newest of that lineage, whichever it is)
+  }
   if (c.total > options_.max_copy_bytes) {
     spdlog::warn("cluster: shard {} sent a copy of {} bytes, more than this shard takes ({}); dropped", from, c.total,
                  options_.max_copy_bytes);
@@ -186,6 +209,7 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   }
   uint64_t epoch = fetch_->first;
   fetch_.reset();
+  if (auto it = live_restores_.find(epoch); it != live_restores_.end()) it->second = c.copy;
   actions->push_back([this, epoch, copy = c.copy, bytes] {
     Status s = host_.TakeCopy(me_, copy, bytes);
     if (!s.ok()) return RestoreDone(epoch, copy.step, s, {});
@@ -197,6 +221,21 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
 
 void ClusterCoordinator::HandleReplicaAck(int from, const peer::ReplicaAck& a, std::vector<Action>* actions) {
   if (!options_.replicate || from != Successor() || !ack_ || ack_->epoch != a.epoch || ack_->copy != a.copy) return;
+  if (ack_->to < 0) {  // a copy on arrival: the replies it covers go, and the next copy starts if more wait
+    const uint64_t generation = ack_->generation, epoch = ack_->epoch;
+    ack_.reset();
+    std::vector<std::function<void(const Status&)>> answered;
+    auto keep = std::partition(arrival_waiters_.begin(), arrival_waiters_.end(),
+                               [generation](const ArrivalWaiter& w) { return w.generation >= generation; });
+    for (auto it = keep; it != arrival_waiters_.end(); ++it) answered.push_back(std::move(it->done));
+    arrival_waiters_.erase(keep, arrival_waiters_.end());
+    arrival_copying_ = !arrival_waiters_.empty();
+    actions->push_back([this, answered = std::move(answered), epoch, next = arrival_copying_] {
+      for (const auto& done : answered) done(Status::Ok());
+      if (next) StartArrivalCopy(epoch);
+    });
+    return;
+  }
   int to = ack_->to;
   peer::Message reply = std::move(ack_->reply);
   ack_.reset();
@@ -205,8 +244,137 @@ void ClusterCoordinator::HandleReplicaAck(int from, const peer::ReplicaAck& a, s
 
 void ClusterCoordinator::HandleReplicaFetch(int from, const peer::ReplicaFetch& f, std::vector<Action>* actions) {
   if (!options_.replicate || from != Predecessor() || from == me_) return;
-  actions->push_back(
-      [this, from, f] { SendCopy(from, f.epoch, from, f.copy, /*restore=*/true, host_.SerializedCopy(from, f.copy)); });
+  actions->push_back([this, from, f] {
+    peer::LiveCopy copy = f.copy;
+    if (copy.step < 0) {  // the newest of that lineage kept here (asked as it is now, not as of the last tick)
+      std::vector<peer::LiveCopy> own, held;
+      host_.LiveCopies(&own, &held);
+      auto it =
+          std::find_if(held.begin(), held.end(), [&](const peer::LiveCopy& c) { return c.lineage == copy.lineage; });
+      if (it != held.end()) copy = *it;
+    }
+    SendCopy(from, f.epoch, from, copy, /*restore=*/true, copy.step < 0 ? nullptr : host_.SerializedCopy(from, copy));
+  });
+}
+
+// --- async/ssp: copies on arrival ---------------------------------------------------------------
+
+void ClusterCoordinator::AfterReplicated(uint64_t epoch, std::function<void(const Status&)> done) {
+  bool waits = false, start = false;
+  {
+    MutexLock lock(&mu_);
+    if (!stopped_ && epoch == epoch_ && epoch == restore_epoch_) {
+      arrival_waiters_.push_back({arrival_copies_, std::move(done)});
+      waits = true;
+      start = !arrival_copying_;
+      arrival_copying_ = true;
+    }
+  }
+  if (!waits) {
+    return done(Unavailable("shard " + std::to_string(me_) +
+                            " re-formed before its copy of this push was kept by the next shard; pull and go on"));
+  }
+  if (start) StartArrivalCopy(epoch);
+}
+
+void ClusterCoordinator::StartArrivalCopy(uint64_t epoch) {
+  uint64_t lineage = 0, generation = 0;
+  {
+    MutexLock lock(&mu_);
+    if (stopped_ || epoch != epoch_ || epoch != restore_epoch_) return;  // the waiters were answered
+    // Every waiter registered so far applied its push before this: the snapshot taken now holds it.
+    generation = ++arrival_copies_;
+    lineage = lineage_;
+  }
+  host_.KeepCopyNowAsync(
+      epoch, lineage,
+      [this, epoch, generation](std::optional<peer::LiveCopy> copy, std::shared_ptr<const std::string> bytes) {
+        std::vector<Action> actions;
+        {
+          MutexLock lock(&mu_);
+          // A copy the waiters it covered no longer wait for (answered meanwhile; a newer one began).
+          if (stopped_ || epoch != epoch_ || epoch != restore_epoch_ || generation != arrival_copies_) return;
+          if (!copy || !bytes) {
+            FailArrivalWaitersLocked(Unavailable("shard " + std::to_string(me_) +
+                                                 " could not copy its part for the next shard; pull and go on"),
+                                     &actions);
+          } else {
+            PendingAck pending;  // no reply: its ack answers the waiters
+            pending.epoch = epoch;
+            pending.copy = *copy;
+            pending.bytes = bytes;
+            pending.sent = now_();
+            pending.generation = generation;
+            ack_ = std::move(pending);
+          }
+        }
+        for (auto& a : actions) a();
+        if (copy && bytes) SendCopy(Successor(), epoch, me_, *copy, /*restore=*/false, bytes);
+      });
+}
+
+void ClusterCoordinator::FailArrivalWaitersLocked(const Status& why, std::vector<Action>* actions) {
+  arrival_copying_ = false;
+  if (ack_ && ack_->to < 0) ack_.reset();
+  if (arrival_waiters_.empty()) return;
+  std::vector<ArrivalWaiter> waiters = std::move(arrival_waiters_);
+  arrival_waiters_.clear();
+  actions->push_back([waiters = std::move(waiters), why] {
+    for (const auto& w : waiters) w.done(why);
+  });
+}
+
+std::optional<uint64_t> ClusterCoordinator::NewestLineageLocked() const {
+  std::set<uint64_t> common;
+  for (int k = 0; k < shards_; ++k) {
+    // Part k is kept by shard k and by shard k + 1.
+    const auto& own = k == me_ ? own_copies_ : peers_[static_cast<size_t>(k)].own_copies;
+    const int next = (k + 1) % shards_;
+    const auto& held = next == me_ ? held_copies_ : peers_[static_cast<size_t>(next)].held_copies;
+    std::set<uint64_t> here;
+    for (const auto& c : own) here.insert(c.lineage);
+    for (const auto& c : held) here.insert(c.lineage);
+    if (k == 0) {
+      common = std::move(here);
+      continue;
+    }
+    std::set<uint64_t> both;
+    std::set_intersection(common.begin(), common.end(), here.begin(), here.end(), std::inserter(both, both.begin()));
+    common = std::move(both);
+  }
+  for (auto it = common.rbegin(); it != common.rend(); ++it) {
+    if (live_failed_.count(peer::LiveCopy{*it, -1}) == 0) return *it;
+  }
+  return std::nullopt;
+}
+
+void ClusterCoordinator::StartNewestRestoreLocked(uint64_t epoch, uint64_t lineage, std::vector<Action>* actions) {
+  live_restores_[epoch] = peer::LiveCopy{lineage, -1};  // named once known
+  while (live_restores_.size() > 8) live_restores_.erase(live_restores_.begin());
+  // Which copies this shard keeps now (a copy may have come since the last tick).
+  actions->push_back([this, epoch, lineage] {
+    std::vector<peer::LiveCopy> own, held;
+    host_.LiveCopies(&own, &held);
+    auto it = std::find_if(own.begin(), own.end(), [&](const peer::LiveCopy& c) { return c.lineage == lineage; });
+    peer::Message fetch;
+    {
+      MutexLock lock(&mu_);
+      if (stopped_ || restore_epoch_ != epoch) return;
+      if (it != own.end()) {
+        live_restores_[epoch] = *it;
+      } else {
+        // Lost here (a restart, a stand-in): the next shard keeps the newest one.
+        spdlog::info("cluster: shard {} fetches the newest copy of its part from shard {}", me_, Successor());
+        fetch_.emplace(epoch, peer::LiveCopy{lineage, -1});
+        fetch_sent_ = now_();
+        fetch = MessageLocked(peer::ReplicaFetch{epoch, peer::LiveCopy{lineage, -1}});
+      }
+    }
+    if (it == own.end()) return SendTo(Successor(), fetch);
+    host_.RestoreCopyAsync(epoch, *it, [this, epoch, copy = *it](Status s, std::vector<VarPlacement> placements) {
+      RestoreDone(epoch, copy.step, s, std::move(placements));
+    });
+  });
 }
 
 }  // namespace psd::server

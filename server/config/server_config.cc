@@ -326,11 +326,6 @@ Status ServerConfig::Validate() {
         "--replicas-per-shard 2 needs a --cluster of 2 or more shards (a copy lives on the next shard)");
   }
   PSD_RETURN_IF_ERROR(InRange("--takeover-after-ms", takeover_after_ms, int64_t{0}, int64_t{3600000}));
-  if (replicas_per_shard > 1 && mode != Mode::kSync) {
-    return InvalidArgument(
-        "--replicas-per-shard 2 needs --mode sync (copies are taken at step commits; async and ssp have none): "
-        "drop it, or use --mode sync");
-  }
   if (tls_cert_file.empty() != tls_key_file.empty()) {
     return InvalidArgument("TLS needs both --tls-cert-file and --tls-key-file");
   }

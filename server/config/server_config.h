@@ -66,8 +66,9 @@ struct ServerConfig : TrainingConfig {
   int64_t heartbeat_ms = 100;          // shard-to-shard heartbeat period
   int64_t election_timeout_ms = 1000;  // a shard silent this long counts as gone
   uint64_t slice_bytes = 64ull << 20;  // variables bigger than this are split by rows over several shards
-  // Copies of each shard's committed state (README "Shard replicas"): 1 none; 2 chain replication,
-  // each shard's state also kept by the next shard (sync mode, 2+ shards).
+  // Copies of each shard's state (README "Shard replicas"): 1 none; 2 chain replication, each
+  // shard's state also kept by the next shard (2+ shards; sync: at each commit, async/ssp: a push
+  // is acknowledged once the next shard keeps it).
   int replicas_per_shard = 1;
   // With replicas: a shard gone this long is served by a stand-in that the next shard runs
   // (README "Shard replicas"); 0: never (its process must come back).

@@ -23,17 +23,19 @@ void ClusterStepCommit::OnPrepared(const PreparedStep& p) {
 ServerShardHost::~ServerShardHost() { Join(); }
 
 void ServerShardHost::Join() {
-  std::thread t, s;
+  std::thread t, s, c;
   {
     MutexLock lock(&mu_);
     joined_ = true;
     t.swap(restore_);
+    c.swap(copy_);
     s.swap(stand_in_thread_);
     stand_in_stopped_ = stand_in_started_;
     if (stand_in_ != nullptr) stand_in_->RequestStop();
   }
   if (t.joinable()) t.join();
   if (s.joinable()) s.join();
+  if (c.joinable()) c.join();
 }
 
 void ServerShardHost::StartStandIn(int shard, std::vector<std::string> links) {
@@ -294,6 +296,33 @@ void ServerShardHost::RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& cop
         Status s = server_.RestoreEngine(epoch, snap.step, &placements, &snap);
         done(s, std::move(placements));
       });
+}
+
+void ServerShardHost::KeepCopyNowAsync(uint64_t epoch, uint64_t lineage, CopyDone done) {
+  MutexLock lock(&mu_);
+  if (joined_) {
+    copy_ = std::thread([previous = std::move(copy_), done = std::move(done)]() mutable {
+      if (previous.joinable()) previous.join();
+      done(std::nullopt, nullptr);
+    });
+    return;
+  }
+  copy_ = std::thread([this, previous = std::move(copy_), epoch, lineage, done = std::move(done)]() mutable {
+    if (previous.joinable()) previous.join();
+    auto engine = server_.engine();
+    std::optional<ShardSnapshot> snap;
+    if (engine->epoch() == epoch) snap = engine->SnapshotIfAtBoundary();  // async/ssp: always one
+    if (!snap) return done(std::nullopt, nullptr);
+    const peer::LiveCopy copy{lineage, snap->step};
+    auto bytes = std::make_shared<const std::string>(SerializeSnapshot(*snap));
+    server_.metrics().OnReplicaSent(bytes->size());
+    {
+      MutexLock keep(&mu_);
+      own_[copy] = std::move(*snap);  // the same count again (no push between): the newer state
+      Trim(&own_);
+    }
+    done(copy, std::move(bytes));
+  });
 }
 
 Status ServerShardHost::SnapshotAs(uint64_t epoch, int64_t step) {

@@ -68,6 +68,8 @@ class ServerShardHost : public ShardHost {
   Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) override;
   void DropCopies(std::optional<peer::LiveCopy> newest) override;
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override;
+  // On a thread of its own per copy (each joins the one before it first).
+  void KeepCopyNowAsync(uint64_t epoch, uint64_t lineage, CopyDone done) override;
   // A stand-in is a second Server in this process (its own io_context, engine and links), run by
   // a thread of its own that starts it, waits for its end and stops it.
   void StartStandIn(int shard, std::vector<std::string> links) override;
@@ -80,6 +82,7 @@ class ServerShardHost : public ShardHost {
   Server& server_;
   Mutex mu_;
   std::thread restore_ GUARDED_BY(mu_);  // the newest restore (it joins the one before it first)
+  std::thread copy_ GUARDED_BY(mu_);     // the newest copy on arrival (likewise)
   // Replication: this shard's own committed states and its predecessor's, the newest two of each.
   std::map<peer::LiveCopy, ShardSnapshot> own_ GUARDED_BY(mu_);
   std::map<peer::LiveCopy, std::shared_ptr<const std::string>> held_ GUARDED_BY(mu_);  // serialized

@@ -195,7 +195,7 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
     }
     case proto::PeerMessage::RESTORE: {
       auto c = r.getRestore();
-      peer::Restore restore{c.getEpoch(), c.getStep(), {}, c.getLive(), c.getLineage()};
+      peer::Restore restore{c.getEpoch(), c.getStep(), {}, c.getLive(), c.getLineage(), c.getNewest()};
       if (c.getSeal().size() > static_cast<unsigned>(shards)) return InvalidArgument("a seal names too many parts");
       for (auto p : c.getSeal()) {
         auto part = PartFromWire(p, shards);
@@ -332,6 +332,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           }
           r.setLive(body.live);
           r.setLineage(body.lineage);
+          r.setNewest(body.newest);
         } else if constexpr (std::is_same_v<T, peer::Restored>) {
           auto r = b.initRestored();
           r.setEpoch(body.epoch);

@@ -187,20 +187,37 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
                            static_cast<int>(pending->outcomes.size()) - accepted, staleness);
   }
   if (wait_first) return;
-  if (r.getWaitToken()) {
-    WaitForToken(r.getTimeoutMs(), answer);
+  auto reply = [this, id, pending, fill, answer, wait_token = r.getWaitToken(), timeout_ms = r.getTimeoutMs()] {
+    if (wait_token) {
+      WaitForToken(timeout_ms, answer);
+      return;
+    }
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    auto p = resp.initPush();
+    fill(p);
+    if (!pending->pull_after.empty()) {
+      Status pulled =
+          AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes, {}, pending->pull_shm);
+      if (!pulled.ok()) return SendError(id, pulled);
+    }
+    Send(std::move(frame));
+  };
+  // Async/ssp with replicas: a push is acknowledged once the next shard keeps a copy of this part
+  // that holds it (a push in several frames: at its last), so no acknowledged push is lost with
+  // this shard (cluster/replication.cc).
+  if (cluster != nullptr && !more && host_.config().mode != Mode::kSync && host_.config().replicas_per_shard > 1) {
+    auto self = shared_from_this();
+    cluster->AfterReplicated(engine->epoch(), [self, id, reply](const Status& st) {
+      asio::post(self->conn_->strand(), [self, id, reply, st] {
+        if (self->conn_->closed()) return;
+        if (!st.ok()) return self->SendError(id, st);
+        reply();
+      });
+    });
     return;
   }
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  auto p = resp.initPush();
-  fill(p);
-  if (!pending->pull_after.empty()) {
-    Status pulled =
-        AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes, {}, pending->pull_shm);
-    if (!pulled.ok()) return SendError(id, pulled);
-  }
-  Send(std::move(frame));
+  reply();
 }
 
 void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {

@@ -395,6 +395,24 @@ std::map<std::string, Bytes> PeerSeeds() {
                                      r.setLineage(4);
                                    }) +
                               chunk(1, 0, true, 0, 0, 0);
+  // Async/ssp: a restore of each part's newest copy (shard 0 keeps none: it fetches the newest its
+  // successor keeps, which has none), and the predecessor asking for its newest one.
+  s["replica_newest_restore"] = Heartbeat(1, 5, 1, false) +
+                                Peer(1, 5,
+                                     [](PeerMessage::Builder m) {
+                                       auto r = m.initRestore();
+                                       r.setEpoch(5);
+                                       r.setStep(37);
+                                       r.setLive(true);
+                                       r.setLineage(4);
+                                       r.setNewest(true);
+                                     }) +
+                                chunk(1, 0, true, 0, 0, 0) + Peer(2, 5, [](PeerMessage::Builder m) {
+                                  auto f = m.initReplicaFetch();
+                                  f.setEpoch(5);
+                                  f.initCopy().setLineage(4);
+                                  f.getCopy().setStep(-1);
+                                });
   s["replica_ack_fetch"] = Heartbeat(1, 5, 1, true) +
                            Peer(1, 5,
                                 [](PeerMessage::Builder m) {

@@ -1,8 +1,10 @@
 // Takeover (--replicas-per-shard 2 --takeover-after-ms): a 3-shard cluster in one process loses a
 // shard for good; the next shard serves its part through a stand-in, from the copy it keeps. The
 // trainer goes on with retries only, no committed step is lost or applied twice, and a trainer
-// that connects afterwards with the original shard list finds the stand-in. In sync mode, and in
-// soft sync (a step deadline), where a step commits with the gradients that arrived.
+// that connects afterwards with the original shard list finds the stand-in. In sync mode, in soft
+// sync (a step deadline), where a step commits with the gradients that arrived, and in async and
+// ssp, where no acknowledged push is lost (a push is acknowledged once the next shard keeps it).
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
@@ -61,19 +63,39 @@ int64_t PullAll(psclient::Client& c, std::vector<std::vector<float>>* values) {
   }
 }
 
-// A 3-shard replicated cluster of `cfg` trains 5 steps, loses shard 1 for good, trains 5 more; every
-// part must hold exactly the committed steps' updates, and a trainer that connects afterwards with
-// the original shard list must find the stand-in. `cfg` has two worker slots (one comes late).
-void LoseShardForGood(server::ServerConfig cfg) {
+// A 3-shard cluster of `cfg` with replicas and quick takeovers, and a worker that created kVars.
+std::unique_ptr<psclient::Client> StartReplicated(server::ServerConfig cfg, psd::testing::TestCluster* cluster) {
   cfg.replicas_per_shard = 2;
   cfg.heartbeat_ms = 20;
   cfg.election_timeout_ms = 200;
   cfg.takeover_after_ms = 200;
   cfg.optimizer.learning_rate = 0.5;
-  auto cluster = psd::testing::StartTestCluster(cfg, 3);
-  auto worker = psd::testing::ConnectCluster(cluster, "w0");
+  *cluster = psd::testing::StartTestCluster(cfg, 3);
+  auto worker = psd::testing::ConnectCluster(*cluster, "w0");
   std::vector<float> zeros(8, 0.f);
   for (const auto& v : kVars) REQUIRE(worker->CreateVariable(v, View(zeros, {8})).ok());
+  return worker;
+}
+
+// Shard 2 (the next one) runs the one stand-in, and every live shard lists it for shard 1.
+void CheckStandInServesShard1(const psd::testing::TestCluster& cluster, const std::string& entry) {
+  CHECK(cluster.shards[2]->metrics().stand_ins_started() == 1);
+  CHECK(cluster.shards[2]->metrics().stand_in_running());
+  CHECK(cluster.shards[0]->metrics().stand_ins_started() == 0);
+  for (int k : {0, 2}) {
+    auto addresses = cluster.shards[static_cast<size_t>(k)]->coordinator()->Addresses();
+    REQUIRE(addresses.size() == 3);
+    CHECK(addresses[1] != entry);
+    CHECK(addresses[1].rfind("127.0.0.1:", 0) == 0);
+  }
+}
+
+// A 3-shard replicated cluster of `cfg` trains 5 steps, loses shard 1 for good, trains 5 more; every
+// part must hold exactly the committed steps' updates, and a trainer that connects afterwards with
+// the original shard list must find the stand-in. `cfg` has two worker slots (one comes late).
+void LoseShardForGood(server::ServerConfig cfg) {
+  psd::testing::TestCluster cluster;
+  auto worker = StartReplicated(cfg, &cluster);
   int64_t local = 0;
   while (local < 5) Step(*worker, &local);
 
@@ -103,17 +125,7 @@ void LoseShardForGood(server::ServerConfig cfg) {
       REQUIRE(x * 2 == std::round(x * 2));  // whole steps only
     }
   }
-  // Shard 2 (the next one) runs the stand-in, and says so in its metrics.
-  CHECK(cluster.shards[2]->metrics().stand_ins_started() == 1);
-  CHECK(cluster.shards[2]->metrics().stand_in_running());
-  CHECK(cluster.shards[0]->metrics().stand_ins_started() == 0);
-  // Shard 1 is served elsewhere now, as every shard says.
-  for (int k : {0, 2}) {
-    auto addresses = cluster.shards[static_cast<size_t>(k)]->coordinator()->Addresses();
-    REQUIRE(addresses.size() == 3);
-    CHECK(addresses[1] != entry);
-    CHECK(addresses[1].rfind("127.0.0.1:", 0) == 0);
-  }
+  CheckStandInServesShard1(cluster, entry);
 
   // A trainer that starts now, with the --cluster list as it was, finds the stand-in.
   psclient::ClientOptions o;
@@ -137,6 +149,74 @@ void LoseShardForGood(server::ServerConfig cfg) {
   CHECK(seen == values);
 }
 
+// Async/ssp: a worker pushes ones for every variable as fast as it can while shard 1 is stopped
+// for good under it; it counts the pushes acknowledged (every part took it) and those sent. Every
+// part must hold each acknowledged push (copies on arrival: an acknowledged push is on two
+// shards), none twice, and at most the pushes sent: -0.5 x n with acked <= n <= sent.
+void LoseShardForGoodOnArrival(server::Mode mode) {
+  auto cfg = psd::testing::TestConfig(1, 2, 0);
+  cfg.mode = mode;
+  psd::testing::TestCluster cluster;
+  auto worker = StartReplicated(cfg, &cluster);
+
+  std::atomic<int64_t> acked{0};
+  std::atomic<bool> stop{false};
+  int64_t sent = 0;
+  std::string failure;  // checked after the join (no assertion off the main thread)
+  std::thread pusher([&] {
+    std::vector<float> ones(8, 1.f), scratch(8);
+    std::vector<psclient::Gradient> grads;
+    for (const auto& v : kVars) grads.push_back({v, View(ones, {8})});
+    int64_t local = 0;
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!stop.load()) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        failure = "the pushes did not go on within 60 s";
+        return;
+      }
+      ++sent;
+      auto out = worker->Push(local, grads, /*wait_token=*/mode == server::Mode::kSsp, 5000);
+      if (out.ok() && out->accepted() == static_cast<int>(kVars.size()) && out->token_status.ok()) {
+        acked.fetch_add(1);
+        if (mode == server::Mode::kSsp) local = out->token;
+        continue;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      auto step = worker->Pull({{kVars[0], Out(scratch, {8})}});  // the new epoch, if it re-formed
+      if (step.ok()) local = *step;
+    }
+  });
+  auto wait_for = [&](int64_t n) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (acked.load() < n && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  };
+  wait_for(30);
+  // Shard 1 goes while pushes are in flight, and does not come back.
+  const std::string entry = cluster.addresses[1];
+  cluster.shards[1]->Stop();
+  cluster.shards[1].reset();
+  const int64_t before = acked.load();
+  wait_for(before + 30);
+  stop = true;
+  pusher.join();
+  REQUIRE(failure.empty());
+  REQUIRE(acked.load() >= before + 30);
+
+  std::vector<std::vector<float>> values;
+  PullAll(*worker, &values);
+  for (size_t i = 0; i < kVars.size(); ++i) {
+    INFO(kVars[i] << ": acknowledged " << acked.load() << ", sent " << sent);
+    const float x = values[i][0];
+    for (float y : values[i]) REQUIRE(y == x);
+    REQUIRE(x * 2 == std::round(x * 2));  // whole pushes only
+    REQUIRE(-2 * x >= static_cast<float>(acked.load()));
+    REQUIRE(-2 * x <= static_cast<float>(sent));
+  }
+  CheckStandInServesShard1(cluster, entry);
+}
+
 }  // namespace
 
 TEST_CASE("takeover: a shard gone for good is served by a stand-in on the next shard, and nothing is lost",
@@ -150,4 +230,12 @@ TEST_CASE("takeover with soft sync: steps forced by the deadline go on through t
   auto cfg = psd::testing::TestConfig(2, 2, 0);
   cfg.step_deadline_ms = 50;
   LoseShardForGood(cfg);
+}
+
+TEST_CASE("takeover in async: no acknowledged push is lost with a shard gone for good", "[cluster][takeover]") {
+  LoseShardForGoodOnArrival(server::Mode::kAsync);
+}
+
+TEST_CASE("takeover in ssp: no acknowledged push is lost with a shard gone for good", "[cluster][takeover]") {
+  LoseShardForGoodOnArrival(server::Mode::kSsp);
 }
