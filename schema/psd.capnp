@@ -409,6 +409,8 @@ struct PeerReplicaChunk {
 struct PeerCopyRef {
   epoch @0 :UInt64;
   copy @1 :PeerCopy;
+  newest @2 :Bool;          # a fetch (async/ssp): the newest copy kept if newer than `copy` (the
+                            # fetcher's own newest; lineage 0, step -1: none), else an empty answer
 }
 
 struct PeerStep {
@@ -435,7 +437,7 @@ struct PeerRestore {
   live @3 :Bool;            # replication: restore the live copy (lineage, step), not a checkpoint
   lineage @4 :UInt64;
   newest @5 :Bool;          # with live (async/ssp): each shard restores the newest copy of its part
-                            # of that lineage (its own, else the one the next shard keeps)
+                            # (its own, or the next shard's if newer); no lineage, no common step
 }
 
 struct PeerRestored {

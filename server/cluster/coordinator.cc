@@ -533,7 +533,7 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   if (r.live && r.newest) missing_reason_ = "restoring the newest live copy of each part";
   missing_since_ = now_();
   // Async/ssp from live copies: no common step, no checkpoint left behind.
-  if (r.live && r.newest) return StartNewestRestoreLocked(epoch, r.lineage, actions);
+  if (r.live && r.newest) return StartNewestRestoreLocked(epoch, actions);
   // Newer checkpoints belong to a timeline the cluster leaves now (an operator's decision, or a
   // part unusable elsewhere): never offered again (on disk, the next ones overwrite them). They
   // stay a trace here, as unusable: a shard that restarts and offers one again (its disk still
@@ -580,7 +580,6 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
     superseded = epoch < restore_epoch_;
     if (status.ok()) {
       epoch_ = epoch;
-      lineage_ = live ? live->lineage : epoch;
       spdlog::info("cluster: shard {} restored {} at epoch {}", me_,
                    step < 0 ? std::string("an empty state")
                    : !live  ? "checkpoint step " + std::to_string(step)
@@ -615,7 +614,11 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   if (!r.ok) {
     spdlog::warn("cluster: shard {} cannot restore step {}: {}; forming again", from, r.step, r.message);
     if (reseal_ && reseal_->first == r.step) reseal_failed_.insert(r.step);  // not offered that way again
-    if (live_formation_) live_failed_.insert(*live_formation_);              // nor a live copy
+    if (live_newest_) {
+      ++newest_failures_;  // tried again, up to three times in a row; then the checkpoints
+    } else if (live_formation_) {
+      live_failed_.insert(*live_formation_);  // nor a live copy
+    }
     forming_ = false;
     return;
   }
@@ -628,6 +631,7 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   if (static_cast<int>(restored_.size()) < shards_) return;
   forming_ = false;
   running_ = true;
+  if (live_newest_) newest_failures_ = 0;
   arrival_checkpoint_ = formation_step_;  // async/ssp: no checkpoint of the step just restored
   missing_reason_.clear();
   decision_.reset();

@@ -329,12 +329,11 @@ class ClusterCoordinator : public PeerEvents {
                 const std::shared_ptr<const std::string>& bytes);
   // Restores the live copy `copy` for `epoch`: this shard's own, or fetched from the next shard.
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
-  // Async/ssp: the newest lineage of which every part has a copy (its shard's own, or the next
-  // shard's), not one a shard failed to restore; nullopt if none.
-  std::optional<uint64_t> NewestLineageLocked() const REQUIRES(mu_);
-  // Async/ssp: restores the newest copy of this shard's part of `lineage` for `epoch`: its own if
-  // it keeps one, else the next shard's.
-  void StartNewestRestoreLocked(uint64_t epoch, uint64_t lineage, std::vector<Action>* actions) REQUIRES(mu_);
+  // Async/ssp: every part has a copy somewhere (its shard's own, or the next shard's).
+  bool EveryPartCopiedLocked() const REQUIRES(mu_);
+  // Async/ssp: restores the newest copy of this shard's part for `epoch`: its own, or the next
+  // shard's when that one is newer (asked for, with its own newest, in a newest fetch).
+  void StartNewestRestoreLocked(uint64_t epoch, std::vector<Action>* actions) REQUIRES(mu_);
   // Async/ssp: takes the next copy on arrival (the host snapshots the engine of `epoch` now) and
   // ships it; its ack answers the waiters it covers and starts the next one if more wait.
   void StartArrivalCopy(uint64_t epoch);
@@ -448,7 +447,8 @@ class ClusterCoordinator : public PeerEvents {
   std::optional<peer::LiveCopy> live_formation_ GUARDED_BY(mu_);  // the chief's formation from live copies
   // ... from each part's newest copy of live_formation_->lineage (async/ssp; its step is -1).
   bool live_newest_ GUARDED_BY(mu_) = false;
-  uint64_t lineage_ GUARDED_BY(mu_) = 0;  // the lineage of the state this shard's engine holds
+  int newest_failures_ GUARDED_BY(mu_) = 0;    // newest-copy formations failed in a row (3: checkpoints)
+  bool fetch_newest_ GUARDED_BY(mu_) = false;  // fetch_ asks for the newest copy, newer than fetch_->second
   // Async/ssp: copies on arrival. How many began, whether one is being taken or awaits its ack,
   // and the replies waiting for one.
   uint64_t arrival_copies_ GUARDED_BY(mu_) = 0;

@@ -224,10 +224,11 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   live_formation_.reset();
   live_newest_ = false;
   if (options_.replicate) {
-    // Async/ssp: each part's newest copy of one lineage (copies are taken at each shard's own count).
+    // Async/ssp: each part's newest copy (copies are taken at each shard's own count), unless that
+    // failed three times in a row (a copy that does not restore): then the checkpoints.
     if (options_.applies_on_arrival) {
-      if (auto lineage = NewestLineageLocked()) live_formation_ = peer::LiveCopy{*lineage, -1};
-      live_newest_ = live_formation_.has_value();
+      live_newest_ = newest_failures_ < 3 && EveryPartCopiedLocked();
+      if (live_newest_) live_formation_ = peer::LiveCopy{0, -1};
     } else {
       live_formation_ = LiveChoiceLocked();
     }

@@ -93,8 +93,8 @@ struct PartInfo {
 // `live`: restore the live copy (lineage, step) instead (replication): a shard that keeps its own
 // copy restores it, one that does not fetches it from the next shard, which keeps it.
 // `newest` (with `live`; async/ssp, where each shard copies its part at its own count): each
-// shard restores the newest copy of its part of `lineage` — its own, else the next shard's — and
-// `step` is only the chief's count.
+// shard restores the newest copy of its part — its own, or the next shard's if that one is newer
+// (a stand-in served it meanwhile) — and `step` is only the chief's count.
 struct Restore {
   uint64_t epoch = 0;
   int64_t step = -1;
@@ -170,11 +170,13 @@ struct ReplicaAck {
   bool operator==(const ReplicaAck&) const = default;
 };
 
-// To the next shard: send my copy back (a formation restores it and I do not keep it). A copy of
-// step -1: the newest one of that lineage it keeps.
+// To the next shard: send my copy back (a formation restores it and I do not keep it). `newest`
+// (async/ssp): the newest copy of mine it keeps, if newer than `copy` (my own newest; step -1:
+// none), else an empty answer (restore my own).
 struct ReplicaFetch {
   uint64_t epoch = 0;
   LiveCopy copy;
+  bool newest = false;
   bool operator==(const ReplicaFetch&) const = default;
 };
 

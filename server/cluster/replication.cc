@@ -126,6 +126,7 @@ void ClusterCoordinator::StartLiveRestoreLocked(uint64_t epoch, const peer::Live
   // Lost here (a restart): the next shard keeps it.
   spdlog::info("cluster: shard {} fetches its live copy of step {} from shard {}", me_, copy.step, Successor());
   fetch_.emplace(epoch, copy);
+  fetch_newest_ = false;
   fetch_sent_ = now_();
   peer::Message msg = MessageLocked(peer::ReplicaFetch{epoch, copy});
   actions->push_back([this, msg] { SendTo(Successor(), msg); });
@@ -154,7 +155,7 @@ void ClusterCoordinator::ReplicationTickLocked(Clock::time_point now, std::vecto
   }
   if (fetch_ && now - fetch_sent_ > again) {
     fetch_sent_ = now;
-    peer::Message msg = MessageLocked(peer::ReplicaFetch{fetch_->first, fetch_->second});
+    peer::Message msg = MessageLocked(peer::ReplicaFetch{fetch_->first, fetch_->second, fetch_newest_});
     actions->push_back([this, msg] { SendTo(Successor(), msg); });
   }
 }
@@ -163,10 +164,10 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   if (!options_.replicate || from == me_) return;
   // Copies come only from their owner (to keep) or from the shard that keeps ours (a restore).
   if (c.restore ? (from != Successor() || c.owner != me_) : (from != Predecessor() || c.owner != from)) return;
-  if (c.restore &&
-      !(fetch_ && fetch_->first == c.epoch &&
-        (fetch_->second == c.copy || (fetch_->second.step < 0 && fetch_->second.lineage == c.copy.lineage)))) {
-    return;  // not asked for (a fetch of step -1: the newest of that lineage, whichever it is)
+  // A fetch of the newest copy takes one newer than this shard's own, or an empty answer about it.
+  if (c.restore && !(fetch_ && fetch_->first == c.epoch &&
+                     (fetch_->second == c.copy || (fetch_newest_ && c.total > 0 && fetch_->second < c.copy)))) {
+    return;  // not asked for
   }
   if (c.total > options_.max_copy_bytes) {
     spdlog::warn("cluster: shard {} sent a copy of {} bytes, more than this shard takes ({}); dropped", from, c.total,
@@ -174,6 +175,17 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
     return;
   }
   if (c.restore) fetch_sent_ = now_();  // the copy is coming: not asked for again meanwhile
+  if (c.restore && c.total == 0 && fetch_newest_ && c.copy.step >= 0) {
+    // The next shard keeps nothing newer than this shard's own newest copy: restored here.
+    uint64_t epoch = fetch_->first;
+    fetch_.reset();
+    actions->push_back([this, epoch, copy = c.copy] {
+      host_.RestoreCopyAsync(epoch, copy, [this, epoch, copy](Status s, std::vector<VarPlacement> placements) {
+        RestoreDone(epoch, copy.step, s, std::move(placements));
+      });
+    });
+    return;
+  }
   if (c.restore && c.total == 0) {
     uint64_t epoch = fetch_->first;
     fetch_.reset();
@@ -208,8 +220,15 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
     return;
   }
   uint64_t epoch = fetch_->first;
+  if (fetch_newest_) {
+    spdlog::info(
+        "cluster: shard {} restores the newer copy of its part that shard {} keeps ({}, step {}; its own newest: {})",
+        me_, from, c.copy.lineage, c.copy.step,
+        fetch_->second.step < 0 ? std::string("none")
+                                : fmt::format("{}, step {}", fetch_->second.lineage, fetch_->second.step));
+  }
   fetch_.reset();
-  if (auto it = live_restores_.find(epoch); it != live_restores_.end()) it->second = c.copy;
+  if (auto it = live_restores_.find(epoch); it != live_restores_.end()) it->second = c.copy;  // a newest fetch's
   actions->push_back([this, epoch, copy = c.copy, bytes] {
     Status s = host_.TakeCopy(me_, copy, bytes);
     if (!s.ok()) return RestoreDone(epoch, copy.step, s, {});
@@ -246,14 +265,15 @@ void ClusterCoordinator::HandleReplicaFetch(int from, const peer::ReplicaFetch& 
   if (!options_.replicate || from != Predecessor() || from == me_) return;
   actions->push_back([this, from, f] {
     peer::LiveCopy copy = f.copy;
-    if (copy.step < 0) {  // the newest of that lineage kept here (asked as it is now, not as of the last tick)
+    if (f.newest) {  // the newest kept here, as it is now, if newer than the fetcher's own (else: none)
       std::vector<peer::LiveCopy> own, held;
       host_.LiveCopies(&own, &held);
-      auto it =
-          std::find_if(held.begin(), held.end(), [&](const peer::LiveCopy& c) { return c.lineage == copy.lineage; });
-      if (it != held.end()) copy = *it;
+      if (held.empty() || (copy.step >= 0 && !(copy < held.front()))) {
+        return SendCopy(from, f.epoch, from, copy, /*restore=*/true, nullptr);
+      }
+      copy = held.front();
     }
-    SendCopy(from, f.epoch, from, copy, /*restore=*/true, copy.step < 0 ? nullptr : host_.SerializedCopy(from, copy));
+    SendCopy(from, f.epoch, from, copy, /*restore=*/true, host_.SerializedCopy(from, copy));
   });
 }
 
@@ -284,7 +304,7 @@ void ClusterCoordinator::StartArrivalCopy(uint64_t epoch) {
     if (stopped_ || epoch != epoch_ || epoch != restore_epoch_) return;  // the waiters were answered
     // Every waiter registered so far applied its push before this: the snapshot taken now holds it.
     generation = ++arrival_copies_;
-    lineage = lineage_;
+    lineage = epoch;  // copies an epoch takes are of its timeline (a stand-in's outrank the copies it restored)
   }
   host_.KeepCopyNowAsync(
       epoch, lineage,
@@ -324,56 +344,37 @@ void ClusterCoordinator::FailArrivalWaitersLocked(const Status& why, std::vector
   });
 }
 
-std::optional<uint64_t> ClusterCoordinator::NewestLineageLocked() const {
-  std::set<uint64_t> common;
+bool ClusterCoordinator::EveryPartCopiedLocked() const {
   for (int k = 0; k < shards_; ++k) {
     // Part k is kept by shard k and by shard k + 1.
     const auto& own = k == me_ ? own_copies_ : peers_[static_cast<size_t>(k)].own_copies;
     const int next = (k + 1) % shards_;
     const auto& held = next == me_ ? held_copies_ : peers_[static_cast<size_t>(next)].held_copies;
-    std::set<uint64_t> here;
-    for (const auto& c : own) here.insert(c.lineage);
-    for (const auto& c : held) here.insert(c.lineage);
-    if (k == 0) {
-      common = std::move(here);
-      continue;
-    }
-    std::set<uint64_t> both;
-    std::set_intersection(common.begin(), common.end(), here.begin(), here.end(), std::inserter(both, both.begin()));
-    common = std::move(both);
+    if (own.empty() && held.empty()) return false;
   }
-  for (auto it = common.rbegin(); it != common.rend(); ++it) {
-    if (live_failed_.count(peer::LiveCopy{*it, -1}) == 0) return *it;
-  }
-  return std::nullopt;
+  return true;
 }
 
-void ClusterCoordinator::StartNewestRestoreLocked(uint64_t epoch, uint64_t lineage, std::vector<Action>* actions) {
-  live_restores_[epoch] = peer::LiveCopy{lineage, -1};  // named once known
-  while (live_restores_.size() > 8) live_restores_.erase(live_restores_.begin());
-  // Which copies this shard keeps now (a copy may have come since the last tick).
-  actions->push_back([this, epoch, lineage] {
+void ClusterCoordinator::StartNewestRestoreLocked(uint64_t epoch, std::vector<Action>* actions) {
+  // Which copies this shard keeps now (one may have come since the last tick): its own newest is
+  // restored unless the next shard keeps a newer one (a stand-in served this part meanwhile), which
+  // it is asked for either way.
+  actions->push_back([this, epoch] {
     std::vector<peer::LiveCopy> own, held;
     host_.LiveCopies(&own, &held);
-    auto it = std::find_if(own.begin(), own.end(), [&](const peer::LiveCopy& c) { return c.lineage == lineage; });
+    const peer::LiveCopy have = own.empty() ? peer::LiveCopy{0, -1} : own.front();
     peer::Message fetch;
     {
       MutexLock lock(&mu_);
       if (stopped_ || restore_epoch_ != epoch) return;
-      if (it != own.end()) {
-        live_restores_[epoch] = *it;
-      } else {
-        // Lost here (a restart, a stand-in): the next shard keeps the newest one.
-        spdlog::info("cluster: shard {} fetches the newest copy of its part from shard {}", me_, Successor());
-        fetch_.emplace(epoch, peer::LiveCopy{lineage, -1});
-        fetch_sent_ = now_();
-        fetch = MessageLocked(peer::ReplicaFetch{epoch, peer::LiveCopy{lineage, -1}});
-      }
+      live_restores_[epoch] = have;  // the copy restored, once known
+      while (live_restores_.size() > 8) live_restores_.erase(live_restores_.begin());
+      fetch_.emplace(epoch, have);
+      fetch_newest_ = true;
+      fetch_sent_ = now_();
+      fetch = MessageLocked(peer::ReplicaFetch{epoch, have, /*newest=*/true});
     }
-    if (it == own.end()) return SendTo(Successor(), fetch);
-    host_.RestoreCopyAsync(epoch, *it, [this, epoch, copy = *it](Status s, std::vector<VarPlacement> placements) {
-      RestoreDone(epoch, copy.step, s, std::move(placements));
-    });
+    SendTo(Successor(), fetch);
   });
 }
 

@@ -268,7 +268,7 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
     }
     case proto::PeerMessage::REPLICA_FETCH: {
       auto a = r.getReplicaFetch();
-      m.body = peer::ReplicaFetch{a.getEpoch(), CopyFromWire(a.getCopy())};
+      m.body = peer::ReplicaFetch{a.getEpoch(), CopyFromWire(a.getCopy()), a.getNewest()};
       return m;
     }
   }
@@ -378,6 +378,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           auto a = b.initReplicaFetch();
           a.setEpoch(body.epoch);
           CopyToWire(a.initCopy(), body.copy);
+          a.setNewest(body.newest);
         }
       },
       m.body);

@@ -208,8 +208,10 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // this shard (cluster/replication.cc).
   if (cluster != nullptr && !more && host_.config().mode != Mode::kSync && host_.config().replicas_per_shard > 1) {
     auto self = shared_from_this();
+    ++awaiting_copies_;
     cluster->AfterReplicated(engine->epoch(), [self, id, reply](const Status& st) {
       asio::post(self->conn_->strand(), [self, id, reply, st] {
+        --self->awaiting_copies_;
         if (self->conn_->closed()) return;
         if (!st.ok()) return self->SendError(id, st);
         reply();

@@ -17,7 +17,7 @@ bool WorkerSession::Busy() {
   for (auto it = collectives_.begin(); it != collectives_.end();) {
     it = (*it)->answered() ? collectives_.erase(it) : std::next(it);
   }
-  return !parked_.empty() || !collectives_.empty();
+  return !parked_.empty() || !collectives_.empty() || awaiting_copies_ > 0;
 }
 
 void WorkerSession::OnClosed() {

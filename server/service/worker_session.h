@@ -144,6 +144,8 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // While a peer's proof is awaited: the dialer's nonce followed by this shard's.
   std::string peer_nonces_;
   std::set<std::shared_ptr<TokenWait>> parked_;
+  // Async/ssp with replicas: push replies waiting for the next shard to keep their copy.
+  int awaiting_copies_ = 0;
   // A worker's shared-memory segment, once attached (offered at its hello when psd has a ShmListener).
   std::shared_ptr<ShmSlot> shm_;
   // A value bigger than a frame arriving in chunks (CreateVariable.chunked, Update.chunked):

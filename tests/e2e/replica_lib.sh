@@ -67,11 +67,12 @@ kill_victim() {
 }
 
 # The end of run 2 of each test: the workers finish, no formation fell back to a checkpoint, and
-# every worker's parameters equal run 1's ($want).
+# every worker's parameters equal run 1's ($want; none to compare with when it is empty).
 check_run2() {
   wait_workers b
   if cat "$run"/s*.log | grep -q "from checkpoint step\|no live copy"; then fail "run 2: a formation fell back"; fi
   for w in 0 1 2; do
+    [ -n "$want" ] || break
     got=$(hash_of b $w)
     [ "$got" = "$want" ] || fail "run 2: worker $w ended with parameter hash $got, the undisturbed run $want"
   done

@@ -15,15 +15,21 @@
 # its part back when it runs again (SIGCONT). At the end every worker's parameter hash must equal
 # run 1's.
 #
-# Usage: takeover_test.sh PSD WORKER [ROUNDS (default 1)] [STEPS (default 6000)]
+# MODE async or ssp: the same kills and hang with --mode MODE (no --deterministic); each formation
+# must be from each part's newest live copy, the hung shard must take the stand-in's newer copy
+# when it runs again (not its own older one), and there is no run 1 to compare with (async
+# parameters depend on timing): the workers must finish, and no formation may fall back.
+#
+# Usage: takeover_test.sh PSD WORKER [ROUNDS (default 1)] [STEPS (default 6000)] [MODE (default sync)]
 set -u -o pipefail
-psd=$1 worker=$2 rounds=${3:-1} steps=${4:-6000}
+psd=$1 worker=$2 rounds=${3:-1} steps=${4:-6000} mode=${5:-sync}
 source "$(dirname "$0")/cluster_lib.sh"
 source "$(dirname "$0")/replica_lib.sh"
 begin_e2e
 reserve_cluster 3
 flags=(--cluster "$cluster" -R 3 -N 3 --init-tokens 0 --learning-rate 0.3 --replicas-per-shard 2 --deterministic
   --summary-interval-s 0 --exit-when-done --heartbeat-ms 100 --election-timeout-ms 1000 --takeover-after-ms 1000)
+[ "$mode" = sync ] || flags=("${flags[@]/--deterministic/--mode=$mode}")
 # Waits for a formation after the $1-th, from the live copies; sets $line to its log line. $2: what for.
 wait_formation() {
   local deadline=$((SECONDS + 60))
@@ -32,11 +38,13 @@ wait_formation() {
     sleep 0.02
   done
   line=$(formations | tail -1)
-  echo "$line" | grep -q "from the live copies of step" || fail "$2: the cluster did not form from the live copies: $line"
+  echo "$line" | grep -q "from the live copies of step\|from each part's newest live copy" ||
+    fail "$2: the cluster did not form from the live copies: $line"
 }
 
 # --- run 1: undisturbed ---------------------------------------------------------------------------
-undisturbed_run
+want=""
+[ "$mode" = sync ] && undisturbed_run
 
 # --- run 2: the chief and a non-chief killed, served by stand-ins, then back ------------------------
 for k in 0 1 2; do start_shard "$k" "s$k-0"; done
@@ -72,7 +80,7 @@ done
 # then served by a stand-in, and the workers go on (their replies from the hung process are given
 # up once the cluster serves it elsewhere); when it runs again (SIGCONT) it takes its part back.
 times_hung=()
-step_of() { echo "$1" | sed 's/.*live copies of step \([0-9]*\).*/\1/'; }
+step_of() { echo "$1" | sed 's/.*live copies of step \([0-9]*\).*/\1/; s/.*newest live copy (step \([0-9]*\) on the chief).*/\1/'; }
 if kill -0 "${wpid[0]}" 2> /dev/null; then
   sleep 0.5
   chief=$(chief_of)
@@ -100,6 +108,11 @@ if kill -0 "${wpid[0]}" 2> /dev/null; then
     echo "        shard $k running again (SIGCONT): serving its part again, $(echo "$line" | sed 's/.*from //')"
     [ "$back_step" -gt $((hung_step + 10)) ] ||
       fail "the workers did not go on while shard $k was hung (steps $hung_step to $back_step)"
+    # Async/ssp: its own copies are older than the stand-in's: it must take the stand-in's newest.
+    if [ "$mode" != sync ]; then
+      grep -q "shard $k restores the newer copy of its part" "$run"/s$k-*.log ||
+        fail "shard $k, running again, did not take the stand-in's newer copy of its part"
+    fi
   fi
 fi
 check_run2
@@ -107,5 +120,9 @@ echo "chief killed ${#times_chief[@]} times: kill-to-serving (stand-in) $(stats 
 echo "non-chief killed ${#times_other[@]} times: kill-to-serving (stand-in) $(stats "${times_other[@]}")"
 echo "shard started again ${#times_back[@]} times: start-to-serving $(stats "${times_back[@]}")"
 [ ${#times_hung[@]} -gt 0 ] && echo "shard hung ${#times_hung[@]} time(s): stop-to-serving $(stats "${times_hung[@]}")"
-echo "run 2: $n kills, each served by a stand-in and taken back; final parameters bit-identical to the undisturbed run ($want)"
+if [ "$mode" = sync ]; then
+  echo "run 2: $n kills, each served by a stand-in and taken back; final parameters bit-identical to the undisturbed run ($want)"
+else
+  echo "run 2 ($mode): $n kills, each served by a stand-in from each part's newest live copy and taken back"
+fi
 echo "PASS"

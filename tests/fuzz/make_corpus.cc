@@ -395,8 +395,8 @@ std::map<std::string, Bytes> PeerSeeds() {
                                      r.setLineage(4);
                                    }) +
                               chunk(1, 0, true, 0, 0, 0);
-  // Async/ssp: a restore of each part's newest copy (shard 0 keeps none: it fetches the newest its
-  // successor keeps, which has none), and the predecessor asking for its newest one.
+  // Async/ssp: a restore of each part's newest copy (shard 0 keeps none: it asks its successor for
+  // a newer one, which has none), and the predecessor asking for one newer than its own.
   s["replica_newest_restore"] = Heartbeat(1, 5, 1, false) +
                                 Peer(1, 5,
                                      [](PeerMessage::Builder m) {
@@ -411,7 +411,8 @@ std::map<std::string, Bytes> PeerSeeds() {
                                   auto f = m.initReplicaFetch();
                                   f.setEpoch(5);
                                   f.initCopy().setLineage(4);
-                                  f.getCopy().setStep(-1);
+                                  f.getCopy().setStep(9);
+                                  f.setNewest(true);
                                 });
   s["replica_ack_fetch"] = Heartbeat(1, 5, 1, true) +
                            Peer(1, 5,
