@@ -74,6 +74,7 @@
 #include "config/server_config.h"
 #include "daemon/server.h"
 #include "psclient/client.h"
+#include "psd/allocator.h"
 #include "psd/listen_socket.h"
 #include "workloads.h"
 
@@ -761,6 +762,7 @@ int Run(int argc, char** argv) {
 }  // namespace psd_bench
 
 int main(int argc, char** argv) {
+  psd::TuneAllocator();  // before the first big buffer (psd/allocator.h)
   try {
     return psd_bench::Run(argc, argv);
   } catch (const std::exception& e) {

@@ -16,6 +16,7 @@
 #include "config/server_config.h"
 #include "daemon/server.h"
 #include "ops/sd_listen.h"
+#include "psd/allocator.h"
 #include "psd/cluster_list.h"
 #include "psd/listen_socket.h"
 #include "psd/secret.h"
@@ -27,6 +28,7 @@ std::atomic<psd::server::Server*> g_server{nullptr};
 }  // namespace
 
 int main(int argc, char** argv) {
+  psd::TuneAllocator();  // before the first big buffer (psd/allocator.h)
   psd::server::ServerConfig cfg;
   CLI::App app{"psd — parameter-server daemon for synchronous (SyncReplicasOptimizer-style) training"};
   app.set_version_flag("--version", std::string("psd ") + psd::server::kPsdVersion);
