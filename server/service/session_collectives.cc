@@ -9,6 +9,21 @@
 #include "service/worker_session.h"
 
 namespace psd::server {
+namespace {
+
+// A reduce's reply: each value's outcome and the destination's value.
+void ReduceReply(wire::OutFrame& frame, proto::Response::Builder resp, const std::vector<ReduceOutcome>& outcomes) {
+  auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
+  for (size_t i = 0; i < outcomes.size(); ++i) {
+    const ReduceOutcome& o = outcomes[i];
+    auto e = list[static_cast<unsigned>(i)];
+    e.setAccepted(o.accepted);
+    e.setStep(o.step);
+    SetValue(frame, e.initValue(), o.value, o.dtype, o.shape, o.declared);
+  }
+}
+
+}  // namespace
 
 void WorkerSession::ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply,
                                 std::function<void()> expire) {
@@ -35,20 +50,24 @@ void WorkerSession::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
   auto completed = std::make_shared<std::atomic<bool>>(false);
   // The engine keeps `reply` until the round completes: it must not hold the engine (a cycle that
   // would keep an engine replaced by a restore, and this session, alive).
-  auto reply = [self, id, parked, completed](std::vector<ReduceOutcome> outcomes) {
+  // Async/ssp with replicas: the new values are acknowledged once the next shard keeps them.
+  auto reply = [self, id, parked, completed, copies = CopiesOnArrival(),
+                epoch = engine->epoch()](std::vector<ReduceOutcome> outcomes) {
     completed->store(true);
-    asio::post(self->conn_->strand(), [self, id, parked, outcomes = std::move(outcomes)] {
+    asio::post(self->conn_->strand(), [self, id, parked, copies, epoch, outcomes = std::move(outcomes)]() mutable {
       if (!parked->Answer()) return;
+      if (copies) {
+        return self->AfterCopy(epoch, [self, id, outcomes = std::move(outcomes)](const Status& st) {
+          if (!st.ok()) return self->SendError(id, st);
+          proto::Response::Builder resp(nullptr);
+          auto frame = self->NewReply(id, &resp);
+          ReduceReply(*frame, resp, outcomes);
+          self->Send(std::move(frame));
+        });
+      }
       proto::Response::Builder resp(nullptr);
       auto frame = self->NewReply(id, &resp);
-      auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
-      for (size_t i = 0; i < outcomes.size(); ++i) {
-        const ReduceOutcome& o = outcomes[i];
-        auto e = list[static_cast<unsigned>(i)];
-        e.setAccepted(o.accepted);
-        e.setStep(o.step);
-        SetValue(*frame, e.initValue(), o.value, o.dtype, o.shape, o.declared);
-      }
+      ReduceReply(*frame, resp, outcomes);
       self->Send(std::move(frame));
     });
   };
@@ -115,19 +134,28 @@ void WorkerSession::HandleUpdate(uint64_t id, proto::Update::Reader r) {
   auto parked = std::make_shared<ParkedReply>(conn_->strand());
   auto completed = std::make_shared<std::atomic<bool>>(false);
   auto self = shared_from_this();
-  Status s = engine->Update(a, [self, id, parked, completed](const Status& st, bool applied, int64_t step) {
-    completed->store(true);
-    asio::post(self->conn_->strand(), [self, id, parked, st, applied, step] {
-      if (!parked->Answer()) return;
-      if (!st.ok()) return self->SendError(id, st);
-      proto::Response::Builder resp(nullptr);
-      auto frame = self->NewReply(id, &resp);
-      auto u = resp.initUpdate();
-      u.setApplied(applied);
-      u.setStep(step);
-      self->Send(std::move(frame));
-    });
-  });
+  // Async/ssp with replicas: an applied update is acknowledged once the next shard keeps it.
+  const bool copies = CopiesOnArrival();
+  const uint64_t epoch = engine->epoch();
+  Status s =
+      engine->Update(a, [self, id, parked, completed, copies, epoch](const Status& st, bool applied, int64_t step) {
+        completed->store(true);
+        asio::post(self->conn_->strand(), [self, id, parked, st, applied, step, copies, epoch] {
+          if (!parked->Answer()) return;
+          if (!st.ok()) return self->SendError(id, st);
+          auto answer = [self, id, applied, step](const Status& copied) {
+            if (!copied.ok()) return self->SendError(id, copied);
+            proto::Response::Builder resp(nullptr);
+            auto frame = self->NewReply(id, &resp);
+            auto u = resp.initUpdate();
+            u.setApplied(applied);
+            u.setStep(step);
+            self->Send(std::move(frame));
+          };
+          if (copies && applied) return self->AfterCopy(epoch, answer);
+          answer(Status::Ok());
+        });
+      });
   if (!s.ok()) {
     parked->Answer();
     return SendError(id, s);

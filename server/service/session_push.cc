@@ -206,20 +206,27 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // Async/ssp with replicas: a push is acknowledged once the next shard keeps a copy of this part
   // that holds it (a push in several frames: at its last), so no acknowledged push is lost with
   // this shard (cluster/replication.cc).
-  if (cluster != nullptr && !more && host_.config().mode != Mode::kSync && host_.config().replicas_per_shard > 1) {
-    auto self = shared_from_this();
-    ++awaiting_copies_;
-    cluster->AfterReplicated(engine->epoch(), [self, id, reply](const Status& st) {
-      asio::post(self->conn_->strand(), [self, id, reply, st] {
-        --self->awaiting_copies_;
-        if (self->conn_->closed()) return;
-        if (!st.ok()) return self->SendError(id, st);
-        reply();
-      });
+  if (more || !CopiesOnArrival()) return reply();
+  AfterCopy(engine->epoch(), [this, id, reply](const Status& st) {
+    if (!st.ok()) return SendError(id, st);
+    reply();
+  });
+}
+
+bool WorkerSession::CopiesOnArrival() const {
+  return host_.coordinator() != nullptr && host_.config().mode != Mode::kSync && host_.config().replicas_per_shard > 1;
+}
+
+void WorkerSession::AfterCopy(uint64_t epoch, std::function<void(const Status&)> then) {
+  auto self = shared_from_this();
+  ++awaiting_copies_;
+  host_.coordinator()->AfterReplicated(epoch, [self, then = std::move(then)](const Status& st) {
+    asio::post(self->conn_->strand(), [self, then, st] {
+      --self->awaiting_copies_;
+      if (self->conn_->closed()) return;
+      then(st);
     });
-    return;
-  }
-  reply();
+  });
 }
 
 void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {

@@ -97,6 +97,13 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // the first such tensor, keeps the segments mapped and unrevoked while the caller reads them).
   Result<wire::TensorRef> ReadTensorIn(proto::Tensor::Reader t, ShmSlot::Lease* lease) const;
   void HandlePush(uint64_t id, proto::Push::Reader r);
+  // Async/ssp on a cluster with --replicas-per-shard 2: a change is acknowledged only once the next
+  // shard keeps a copy of this shard's part that holds it (cluster/replication.cc).
+  bool CopiesOnArrival() const;
+  // Runs `then` on the strand (not if the connection closed meanwhile) once a copy taken after
+  // this call, of what the engine of `epoch` applied, is kept by the next shard — OK — or with
+  // UNAVAILABLE when the cluster stops serving or re-forms first. Only when CopiesOnArrival().
+  void AfterCopy(uint64_t epoch, std::function<void(const Status&)> then);
   void HandleWaitToken(uint64_t id, proto::WaitToken::Reader r);
   void HandleStatus(uint64_t id);
   void HandleFinish(uint64_t id);
@@ -144,7 +151,7 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // While a peer's proof is awaited: the dialer's nonce followed by this shard's.
   std::string peer_nonces_;
   std::set<std::shared_ptr<TokenWait>> parked_;
-  // Async/ssp with replicas: push replies waiting for the next shard to keep their copy.
+  // Async/ssp with replicas: replies waiting for the next shard to keep their copy (AfterCopy).
   int awaiting_copies_ = 0;
   // A worker's shared-memory segment, once attached (offered at its hello when psd has a ShmListener).
   std::shared_ptr<ShmSlot> shm_;

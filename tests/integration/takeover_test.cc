@@ -48,11 +48,13 @@ void Step(psclient::Client& c, int64_t* local) {
   }
 }
 
-// Every variable's values and the step they reflect (retried while the cluster re-forms).
-int64_t PullAll(psclient::Client& c, std::vector<std::vector<float>>* values) {
-  values->assign(kVars.size(), std::vector<float>(8));
+// The values of `names` (every variable's by default) and the step they reflect (retried while
+// the cluster re-forms).
+int64_t PullAll(psclient::Client& c, std::vector<std::vector<float>>* values,
+                const std::vector<std::string>& names = kVars) {
+  values->assign(names.size(), std::vector<float>(8));
   std::vector<std::pair<std::string, psclient::TensorView>> outs;
-  for (size_t i = 0; i < kVars.size(); ++i) outs.push_back({kVars[i], Out((*values)[i], {8})});
+  for (size_t i = 0; i < names.size(); ++i) outs.push_back({names[i], Out((*values)[i], {8})});
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   for (;;) {
     auto step = c.Pull(outs);
@@ -238,4 +240,37 @@ TEST_CASE("takeover in async: no acknowledged push is lost with a shard gone for
 
 TEST_CASE("takeover in ssp: no acknowledged push is lost with a shard gone for good", "[cluster][takeover]") {
   LoseShardForGoodOnArrival(server::Mode::kSsp);
+}
+
+TEST_CASE("takeover in async: an acknowledged update is kept by the stand-in", "[cluster][takeover]") {
+  // Every variable assigned, then its shards lost at once: an update is acknowledged only once the
+  // next shard keeps it, so the stand-in serves the assigned values.
+  auto cfg = psd::testing::TestConfig(1, 2, 0);
+  cfg.mode = server::Mode::kAsync;
+  psd::testing::TestCluster cluster;
+  auto worker = StartReplicated(cfg, &cluster);
+  std::vector<float> assigned(8), zeros(8, 0.f);
+  // Non-trainable twins of kVars (update changes those only), placed over the shards the same way.
+  std::vector<std::string> names;
+  for (const auto& v : kVars) {
+    names.push_back(v + "_state");
+    REQUIRE(worker->CreateVariable(names.back(), View(zeros, {8}), /*trainable=*/false).ok());
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    std::fill(assigned.begin(), assigned.end(), 10.f + static_cast<float>(i));
+    auto applied = worker->Update(names[i], psclient::UpdateOp::kAssign, View(assigned, {8}));
+    INFO(applied.status().ToString());
+    REQUIRE(applied.ok());
+    REQUIRE(*applied);
+  }
+  const std::string entry = cluster.addresses[1];
+  cluster.shards[1]->Stop();
+  cluster.shards[1].reset();
+  std::vector<std::vector<float>> values;
+  PullAll(*worker, &values, names);
+  for (size_t i = 0; i < names.size(); ++i) {
+    INFO(names[i]);
+    for (float x : values[i]) REQUIRE(x == 10.f + static_cast<float>(i));
+  }
+  CheckStandInServesShard1(cluster, entry);
 }
