@@ -627,7 +627,9 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
     if (!s.ok()) spdlog::warn("cluster: placement from shard {}: {}", from, s.message());
   }
   restored_.insert(from);
-  if (live_newest_ && from == me_) formation_step_ = r.step;  // async/ssp: the chief's count is the step
+  // Async/ssp from each part's newest copy: each shard's count comes with its copy; the global
+  // step (the chief's count) goes on from the highest — the old chief's, whichever shard it was.
+  if (live_newest_) formation_step_ = std::max(formation_step_, r.step);
   if (static_cast<int>(restored_.size()) < shards_) return;
   forming_ = false;
   running_ = true;
@@ -644,7 +646,8 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   int required = required_ > 0 ? required_ : local_required_;
   required_ = required;
   peer::Message hb = HeartbeatLocked();
-  actions->push_back([this, hb, required] {
+  actions->push_back([this, hb, required, raise = live_newest_ ? formation_step_ : -1, epoch = term_] {
+    if (raise >= 0) host_.RaiseGlobalStep(epoch, raise);
     host_.StartServing(required);
     SendToAll(hb, /*include_self=*/false);  // followers start serving now, not at the next tick
   });

@@ -268,7 +268,7 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
       live_formation_ ? std::optional<int64_t>(live_formation_->step) : FormationStepLocked(actions);
   if (!chosen) return;  // an operator must decide
   // Async/ssp from live copies: each shard's count comes with its copy; the chief's stands for the step.
-  int64_t step = live_newest_ ? applied_ : *chosen;
+  int64_t step = live_newest_ ? -1 : *chosen;  // newest: the highest count restored (HandleRestored)
   refusal_.clear();
   term_ = std::max(term_, max_term_seen_) + 1;
   max_term_seen_ = term_;

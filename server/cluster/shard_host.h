@@ -49,6 +49,9 @@ class ShardHost {
   virtual void ForceStep(uint64_t epoch, int64_t step) = 0;
   // Async/ssp: the pushes the engine serving now has applied (its global step).
   virtual int64_t global_step() = 0;
+  // Async/ssp: the engine of `epoch` counts on from `step` if it is behind (a new chief after a
+  // formation from each part's newest copy: the global step does not go back). Default: nothing.
+  virtual void RaiseGlobalStep(uint64_t /*epoch*/, int64_t /*step*/) {}
 
   // --- restores ---
   // Replaces the engine with one for `epoch` restored from checkpoint `step` (-1: empty at step

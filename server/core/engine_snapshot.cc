@@ -84,6 +84,13 @@ void TrainingEngine::RequestSnapshot() {
   if (on_snapshot_) on_snapshot_(std::move(*snap));
 }
 
+void TrainingEngine::RaiseGlobalStep(int64_t step) {
+  if (config_.mode == Mode::kSync) return;
+  int64_t now = global_step_.load();
+  while (now < step && !global_step_.compare_exchange_weak(now, step)) {
+  }
+}
+
 Status TrainingEngine::Restore(const ShardSnapshot& snap) {
   {
     MutexLock lock(&mu_);

@@ -272,6 +272,9 @@ class TrainingEngine {
   Status Restore(const ShardSnapshot& snapshot) EXCLUDES(mu_);
 
   int64_t global_step() const { return global_step_.load(); }
+  // Async/ssp: the count of pushes goes on from `step` if it is behind it (a cluster's new chief
+  // whose own count trails the global step its predecessor counted). Sync: nothing.
+  void RaiseGlobalStep(int64_t step);
   // Cluster: the epoch this engine's state belongs to (0 for a single daemon).
   uint64_t epoch() const { return epoch_; }
   void set_epoch(uint64_t epoch) { epoch_ = epoch; }

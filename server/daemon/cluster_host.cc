@@ -126,6 +126,11 @@ void ServerShardHost::ForceStep(uint64_t epoch, int64_t step) {
 
 int64_t ServerShardHost::global_step() { return server_.engine()->global_step(); }
 
+void ServerShardHost::RaiseGlobalStep(uint64_t epoch, int64_t step) {
+  auto engine = server_.engine();
+  if (engine->epoch() == epoch) engine->RaiseGlobalStep(step);
+}
+
 void ServerShardHost::ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
                                       std::map<int64_t, std::vector<peer::PartInfo>>* seals) {
   const ServerConfig& config = server_.config();

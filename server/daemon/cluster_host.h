@@ -53,6 +53,7 @@ class ServerShardHost : public ShardHost {
   void ReportIfIdle() override;
   void ForceStep(uint64_t epoch, int64_t step) override;
   int64_t global_step() override;
+  void RaiseGlobalStep(uint64_t epoch, int64_t step) override;
   void RestoreAsync(uint64_t epoch, int64_t step, const std::vector<peer::PartInfo>& seal, RestoreDone done) override;
   void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
                        std::map<int64_t, std::vector<peer::PartInfo>>* seals) override;

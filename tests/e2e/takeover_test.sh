@@ -40,7 +40,15 @@ wait_formation() {
   line=$(formations | tail -1)
   echo "$line" | grep -q "from the live copies of step\|from each part's newest live copy" ||
     fail "$2: the cluster did not form from the live copies: $line"
+  # The global step never goes back (async: the chief's count goes on from the highest part's).
+  local at
+  at=$(step_of "$line")
+  [ "$at" -ge "$last_step" ] || fail "$2: the cluster formed at step $at, after serving at step $last_step"
+  last_step=$at
 }
+last_step=0
+# The step a formation line names (sync: the live copies' step; async: the chief's count).
+step_of() { echo "$1" | sed 's/.*live copies of step \([0-9]*\).*/\1/; s/.*newest live copy (step \([0-9]*\) on the chief).*/\1/'; }
 
 # --- run 1: undisturbed ---------------------------------------------------------------------------
 want=""
@@ -80,7 +88,6 @@ done
 # then served by a stand-in, and the workers go on (their replies from the hung process are given
 # up once the cluster serves it elsewhere); when it runs again (SIGCONT) it takes its part back.
 times_hung=()
-step_of() { echo "$1" | sed 's/.*live copies of step \([0-9]*\).*/\1/; s/.*newest live copy (step \([0-9]*\) on the chief).*/\1/'; }
 if kill -0 "${wpid[0]}" 2> /dev/null; then
   sleep 0.5
   chief=$(chief_of)

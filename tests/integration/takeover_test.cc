@@ -274,3 +274,41 @@ TEST_CASE("takeover in async: an acknowledged update is kept by the stand-in", "
   }
   CheckStandInServesShard1(cluster, entry);
 }
+
+TEST_CASE("takeover in async: the global step goes on when the chief is lost", "[cluster][takeover]") {
+  // Only a variable of the chief's (shard 0) is pushed: the other shards count none of those
+  // pushes. Shard 0 is stopped for good; shard 1 becomes the chief, and the global step (the
+  // chief's count) must go on from shard 0's, not from shard 1's own.
+  auto cfg = psd::testing::TestConfig(1, 2, 0);
+  cfg.mode = server::Mode::kAsync;
+  psd::testing::TestCluster cluster;
+  auto worker = StartReplicated(cfg, &cluster);
+  std::string mine;
+  for (const auto& v : kVars) {
+    auto p = worker->Placement(v);
+    REQUIRE(p.ok());
+    if (!p->sliced && p->parts[0].shard == 0) mine = v;
+  }
+  REQUIRE(!mine.empty());
+  std::vector<float> ones(8, 1.f);
+  for (int i = 0; i < 30; ++i) REQUIRE(worker->Push(0, {{mine, View(ones, {8})}}).ok());
+  auto before = worker->GlobalStep();
+  REQUIRE(before.ok());
+  REQUIRE(*before >= 30);
+  cluster.shards[0]->Stop();
+  cluster.shards[0].reset();
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (;;) {  // until a push goes through the new chief
+    auto out = worker->Push(0, {{mine, View(ones, {8})}});
+    if (out.ok() && out->accepted() == 1) break;
+    INFO((out.ok() ? std::string("not accepted") : out.status().ToString()));
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::vector<float> scratch(8);
+    (void)worker->Pull({{mine, Out(scratch, {8})}});  // the new epoch
+  }
+  auto after = worker->GlobalStep();
+  REQUIRE(after.ok());
+  CHECK(*after > *before);
+  CHECK(cluster.shards[1]->coordinator()->is_chief());
+}
