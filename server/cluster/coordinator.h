@@ -331,6 +331,10 @@ class ClusterCoordinator : public PeerEvents {
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
   // Async/ssp: every part has a copy somewhere (its shard's own, or the next shard's).
   bool EveryPartCopiedLocked() const REQUIRES(mu_);
+  // The live copies shard k keeps of its own part / of its predecessor's (this shard's from the
+  // host as of the last tick, the others' from their heartbeats).
+  const std::vector<peer::LiveCopy>& OwnCopiesLocked(int k) const REQUIRES(mu_);
+  const std::vector<peer::LiveCopy>& HeldCopiesLocked(int k) const REQUIRES(mu_);
   // Async/ssp: restores the newest copy of this shard's part for `epoch`: its own, or the next
   // shard's when that one is newer (asked for, with its own newest, in a newest fetch).
   void StartNewestRestoreLocked(uint64_t epoch, std::vector<Action>* actions) REQUIRES(mu_);
@@ -445,7 +449,7 @@ class ClusterCoordinator : public PeerEvents {
   std::optional<std::pair<uint64_t, peer::LiveCopy>> fetch_ GUARDED_BY(mu_);
   Clock::time_point fetch_sent_ GUARDED_BY(mu_){};
   std::optional<peer::LiveCopy> live_formation_ GUARDED_BY(mu_);  // the chief's formation from live copies
-  // ... from each part's newest copy of live_formation_->lineage (async/ssp; its step is -1).
+  // ... from each part's newest copy (async/ssp; live_formation_ is then {0, -1}).
   bool live_newest_ GUARDED_BY(mu_) = false;
   int newest_failures_ GUARDED_BY(mu_) = 0;    // newest-copy formations failed in a row (3: checkpoints)
   bool fetch_newest_ GUARDED_BY(mu_) = false;  // fetch_ asks for the newest copy, newer than fetch_->second

@@ -32,21 +32,21 @@
 
 namespace psd::server {
 
+const std::vector<peer::LiveCopy>& ClusterCoordinator::OwnCopiesLocked(int k) const {
+  return k == me_ ? own_copies_ : peers_[static_cast<size_t>(k)].own_copies;
+}
+
+const std::vector<peer::LiveCopy>& ClusterCoordinator::HeldCopiesLocked(int k) const {
+  return k == me_ ? held_copies_ : peers_[static_cast<size_t>(k)].held_copies;
+}
+
 std::optional<peer::LiveCopy> ClusterCoordinator::LiveChoiceLocked() const {
-  auto own = [this](int k) -> const std::vector<peer::LiveCopy>& {
-    mu_.AssertHeld();  // held by the caller: the analysis does not follow into the lambda
-    return k == me_ ? own_copies_ : peers_[static_cast<size_t>(k)].own_copies;
-  };
-  auto held = [this](int k) -> const std::vector<peer::LiveCopy>& {
-    mu_.AssertHeld();
-    return k == me_ ? held_copies_ : peers_[static_cast<size_t>(k)].held_copies;
-  };
   // Sorted vectors (GCC 12 misreads a std::set swapped in a loop as a dangling pointer).
   std::vector<peer::LiveCopy> common;
   for (int k = 0; k < shards_; ++k) {
     // Part k is kept by shard k and by shard k + 1.
-    std::vector<peer::LiveCopy> here = own(k);
-    const auto& next = held((k + 1) % shards_);
+    std::vector<peer::LiveCopy> here = OwnCopiesLocked(k);
+    const auto& next = HeldCopiesLocked((k + 1) % shards_);
     here.insert(here.end(), next.begin(), next.end());
     std::sort(here.begin(), here.end());
     here.erase(std::unique(here.begin(), here.end()), here.end());
@@ -292,45 +292,43 @@ void ClusterCoordinator::AfterReplicated(uint64_t epoch, std::function<void(cons
   }
   if (!waits) {
     return done(Unavailable("shard " + std::to_string(me_) +
-                            " re-formed before its copy of this push was kept by the next shard; pull and go on"));
+                            " re-formed before its copy of this change was kept by the next shard; pull and go on"));
   }
   if (start) StartArrivalCopy(epoch);
 }
 
 void ClusterCoordinator::StartArrivalCopy(uint64_t epoch) {
-  uint64_t lineage = 0, generation = 0;
+  uint64_t generation = 0;
   {
     MutexLock lock(&mu_);
     if (stopped_ || epoch != epoch_ || epoch != restore_epoch_) return;  // the waiters were answered
-    // Every waiter registered so far applied its push before this: the snapshot taken now holds it.
+    // Every waiter registered so far applied its change before this: the snapshot taken now holds it.
     generation = ++arrival_copies_;
-    lineage = epoch;  // copies an epoch takes are of its timeline (a stand-in's outrank the copies it restored)
   }
-  host_.KeepCopyNowAsync(
-      epoch, lineage,
-      [this, epoch, generation](std::optional<peer::LiveCopy> copy, std::shared_ptr<const std::string> bytes) {
-        std::vector<Action> actions;
-        {
-          MutexLock lock(&mu_);
-          // A copy the waiters it covered no longer wait for (answered meanwhile; a newer one began).
-          if (stopped_ || epoch != epoch_ || epoch != restore_epoch_ || generation != arrival_copies_) return;
-          if (!copy || !bytes) {
-            FailArrivalWaitersLocked(Unavailable("shard " + std::to_string(me_) +
-                                                 " could not copy its part for the next shard; pull and go on"),
-                                     &actions);
-          } else {
-            PendingAck pending;  // no reply: its ack answers the waiters
-            pending.epoch = epoch;
-            pending.copy = *copy;
-            pending.bytes = bytes;
-            pending.sent = now_();
-            pending.generation = generation;
-            ack_ = std::move(pending);
-          }
-        }
-        for (auto& a : actions) a();
-        if (copy && bytes) SendCopy(Successor(), epoch, me_, *copy, /*restore=*/false, bytes);
-      });
+  host_.KeepCopyNowAsync(epoch, [this, epoch, generation](std::optional<peer::LiveCopy> copy,
+                                                          std::shared_ptr<const std::string> bytes) {
+    std::vector<Action> actions;
+    {
+      MutexLock lock(&mu_);
+      // A copy the waiters it covered no longer wait for (answered meanwhile; a newer one began).
+      if (stopped_ || epoch != epoch_ || epoch != restore_epoch_ || generation != arrival_copies_) return;
+      if (!copy || !bytes) {
+        FailArrivalWaitersLocked(
+            Unavailable("shard " + std::to_string(me_) + " could not copy its part for the next shard; pull and go on"),
+            &actions);
+      } else {
+        PendingAck pending;  // no reply: its ack answers the waiters
+        pending.epoch = epoch;
+        pending.copy = *copy;
+        pending.bytes = bytes;
+        pending.sent = now_();
+        pending.generation = generation;
+        ack_ = std::move(pending);
+      }
+    }
+    for (auto& a : actions) a();
+    if (copy && bytes) SendCopy(Successor(), epoch, me_, *copy, /*restore=*/false, bytes);
+  });
 }
 
 void ClusterCoordinator::FailArrivalWaitersLocked(const Status& why, std::vector<Action>* actions) {
@@ -347,10 +345,7 @@ void ClusterCoordinator::FailArrivalWaitersLocked(const Status& why, std::vector
 bool ClusterCoordinator::EveryPartCopiedLocked() const {
   for (int k = 0; k < shards_; ++k) {
     // Part k is kept by shard k and by shard k + 1.
-    const auto& own = k == me_ ? own_copies_ : peers_[static_cast<size_t>(k)].own_copies;
-    const int next = (k + 1) % shards_;
-    const auto& held = next == me_ ? held_copies_ : peers_[static_cast<size_t>(next)].held_copies;
-    if (own.empty() && held.empty()) return false;
+    if (OwnCopiesLocked(k).empty() && HeldCopiesLocked((k + 1) % shards_).empty()) return false;
   }
   return true;
 }

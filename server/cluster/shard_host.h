@@ -104,13 +104,12 @@ class ShardHost {
   // Like RestoreAsync, from this shard's own copy `copy` (NOT_FOUND if it is not kept).
   virtual void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) = 0;
   // Async/ssp (copies on arrival): snapshots the engine of `epoch` as it is now, keeps it as this
-  // shard's own copy (lineage, the engine's count) and hands the copy's name and bytes to `done`,
-  // later, on a thread of the host's (never inside this call); (nullopt, null) when the engine
-  // belongs to another epoch. Default: no copies (a host that cannot take them; answered at once).
+  // shard's own copy (lineage `epoch`: a stand-in's copies outrank the ones it restored; step: the
+  // engine's count) and hands the copy's name and bytes to `done`, on a thread of the host's (at
+  // once when the host stopped); (nullopt, null) when the engine belongs to another epoch.
+  // Default: no copies (a host that cannot take them; answered at once).
   using CopyDone = std::function<void(std::optional<peer::LiveCopy>, std::shared_ptr<const std::string>)>;
-  virtual void KeepCopyNowAsync(uint64_t /*epoch*/, uint64_t /*lineage*/, CopyDone done) {
-    done(std::nullopt, nullptr);
-  }
+  virtual void KeepCopyNowAsync(uint64_t /*epoch*/, CopyDone done) { done(std::nullopt, nullptr); }
 
   // --- takeover (cluster/takeover.cc) ---
   // Starts a stand-in for shard `shard` (this shard's predecessor) in this process: a shard of

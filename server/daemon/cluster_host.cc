@@ -225,10 +225,14 @@ std::shared_ptr<const std::string> ServerShardHost::KeepCopy(uint64_t epoch, con
     spdlog::error("cluster: cannot keep a copy of step {}: the engine is at step {}", copy.step, engine->global_step());
     return nullptr;
   }
-  auto bytes = std::make_shared<const std::string>(SerializeSnapshot(*snap));
+  return KeepOwn(copy, std::move(*snap));
+}
+
+std::shared_ptr<const std::string> ServerShardHost::KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap) {
+  auto bytes = std::make_shared<const std::string>(SerializeSnapshot(snap));
   server_.metrics().OnReplicaSent(bytes->size());
   MutexLock lock(&mu_);
-  own_[copy] = std::move(*snap);
+  own_[copy] = std::move(snap);  // (async: the same count again, no push between: the newer state)
   Trim(&own_);
   return bytes;
 }
@@ -303,31 +307,24 @@ void ServerShardHost::RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& cop
       });
 }
 
-void ServerShardHost::KeepCopyNowAsync(uint64_t epoch, uint64_t lineage, CopyDone done) {
-  MutexLock lock(&mu_);
-  if (joined_) {
-    copy_ = std::thread([previous = std::move(copy_), done = std::move(done)]() mutable {
-      if (previous.joinable()) previous.join();
-      done(std::nullopt, nullptr);
-    });
-    return;
-  }
-  copy_ = std::thread([this, previous = std::move(copy_), epoch, lineage, done = std::move(done)]() mutable {
-    if (previous.joinable()) previous.join();
-    auto engine = server_.engine();
-    std::optional<ShardSnapshot> snap;
-    if (engine->epoch() == epoch) snap = engine->SnapshotIfAtBoundary();  // async/ssp: always one
-    if (!snap) return done(std::nullopt, nullptr);
-    const peer::LiveCopy copy{lineage, snap->step};
-    auto bytes = std::make_shared<const std::string>(SerializeSnapshot(*snap));
-    server_.metrics().OnReplicaSent(bytes->size());
-    {
-      MutexLock keep(&mu_);
-      own_[copy] = std::move(*snap);  // the same count again (no push between): the newer state
-      Trim(&own_);
+void ServerShardHost::KeepCopyNowAsync(uint64_t epoch, CopyDone done) {
+  {
+    MutexLock lock(&mu_);
+    if (!joined_) {
+      copy_ = std::thread([this, previous = std::move(copy_), epoch, done = std::move(done)]() mutable {
+        if (previous.joinable()) previous.join();
+        auto engine = server_.engine();
+        std::optional<ShardSnapshot> snap;
+        if (engine->epoch() == epoch) snap = engine->SnapshotIfAtBoundary();  // async/ssp: always one
+        if (!snap) return done(std::nullopt, nullptr);
+        const peer::LiveCopy copy{epoch, snap->step};
+        auto bytes = KeepOwn(copy, std::move(*snap));
+        done(copy, std::move(bytes));
+      });
+      return;
     }
-    done(copy, std::move(bytes));
-  });
+  }
+  done(std::nullopt, nullptr);  // stopped: no thread that Join() would not wait for
 }
 
 Status ServerShardHost::SnapshotAs(uint64_t epoch, int64_t step) {

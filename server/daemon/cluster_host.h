@@ -70,7 +70,7 @@ class ServerShardHost : public ShardHost {
   void DropCopies(std::optional<peer::LiveCopy> newest) override;
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override;
   // On a thread of its own per copy (each joins the one before it first).
-  void KeepCopyNowAsync(uint64_t epoch, uint64_t lineage, CopyDone done) override;
+  void KeepCopyNowAsync(uint64_t epoch, CopyDone done) override;
   // A stand-in is a second Server in this process (its own io_context, engine and links), run by
   // a thread of its own that starts it, waits for its end and stops it.
   void StartStandIn(int shard, std::vector<std::string> links) override;
@@ -80,6 +80,9 @@ class ServerShardHost : public ShardHost {
   void EndJobIfDone() override;
 
  private:
+  // Keeps `snap` as this shard's own copy `copy` (the newest two are kept) and returns it serialized.
+  std::shared_ptr<const std::string> KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap) EXCLUDES(mu_);
+
   Server& server_;
   Mutex mu_;
   std::thread restore_ GUARDED_BY(mu_);  // the newest restore (it joins the one before it first)

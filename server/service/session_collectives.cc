@@ -9,21 +9,6 @@
 #include "service/worker_session.h"
 
 namespace psd::server {
-namespace {
-
-// A reduce's reply: each value's outcome and the destination's value.
-void ReduceReply(wire::OutFrame& frame, proto::Response::Builder resp, const std::vector<ReduceOutcome>& outcomes) {
-  auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
-  for (size_t i = 0; i < outcomes.size(); ++i) {
-    const ReduceOutcome& o = outcomes[i];
-    auto e = list[static_cast<unsigned>(i)];
-    e.setAccepted(o.accepted);
-    e.setStep(o.step);
-    SetValue(frame, e.initValue(), o.value, o.dtype, o.shape, o.declared);
-  }
-}
-
-}  // namespace
 
 void WorkerSession::ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply,
                                 std::function<void()> expire) {
@@ -56,19 +41,22 @@ void WorkerSession::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
     completed->store(true);
     asio::post(self->conn_->strand(), [self, id, parked, copies, epoch, outcomes = std::move(outcomes)]() mutable {
       if (!parked->Answer()) return;
-      if (copies) {
-        return self->AfterCopy(epoch, [self, id, outcomes = std::move(outcomes)](const Status& st) {
-          if (!st.ok()) return self->SendError(id, st);
-          proto::Response::Builder resp(nullptr);
-          auto frame = self->NewReply(id, &resp);
-          ReduceReply(*frame, resp, outcomes);
-          self->Send(std::move(frame));
-        });
-      }
-      proto::Response::Builder resp(nullptr);
-      auto frame = self->NewReply(id, &resp);
-      ReduceReply(*frame, resp, outcomes);
-      self->Send(std::move(frame));
+      auto answer = [self, id, outcomes = std::move(outcomes)](const Status& copied) {
+        if (!copied.ok()) return self->SendError(id, copied);
+        proto::Response::Builder resp(nullptr);
+        auto frame = self->NewReply(id, &resp);
+        auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
+        for (size_t i = 0; i < outcomes.size(); ++i) {
+          const ReduceOutcome& o = outcomes[i];
+          auto e = list[static_cast<unsigned>(i)];
+          e.setAccepted(o.accepted);
+          e.setStep(o.step);
+          SetValue(*frame, e.initValue(), o.value, o.dtype, o.shape, o.declared);
+        }
+        self->Send(std::move(frame));
+      };
+      if (copies) return self->AfterCopy(epoch, std::move(answer));
+      answer(Status::Ok());
     });
   };
   Status s = engine->Reduce(r.getOp() == proto::Reduction::MEAN, r.getLocalStep(), values, std::move(reply));
