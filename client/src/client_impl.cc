@@ -201,7 +201,11 @@ Status Client::Impl::WaitUntilServing() {
       if (state == "running" && s.getChiefShard() == chief_.load()) {
         chief().is_chief = s.getIsChief();
         chief().cluster_epoch = s.getClusterEpoch();
-        return Status::Ok();
+        // The other shards serve once the chief's heartbeat reaches them, just after: a worker's
+        // first request to one of them must not be refused meanwhile.
+        std::string waiting = OthersServing(s.getClusterEpoch());
+        if (waiting.empty()) return Status::Ok();
+        state = waiting;
       }
     }
     if (std::chrono::steady_clock::now() >= deadline) {
@@ -209,6 +213,25 @@ Status Client::Impl::WaitUntilServing() {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+}
+
+std::string Client::Impl::OthersServing(uint64_t epoch) {
+  for (int k = 0; k < static_cast<int>(conns_.size()); ++k) {
+    if (k == chief_.load()) continue;
+    OutFrame frame;
+    conn(k).NewRequest(frame).setStatus();
+    proto::Response::Reader resp;
+    if (!conn(k).RoundTrip(frame, &resp).ok()) return "shard " + std::to_string(k) + " does not answer";
+    try {
+      auto s = resp.getStatus();
+      if (!s.getReady() || s.getClusterEpoch() != epoch) {
+        return "shard " + std::to_string(k) + ": " + std::string(s.getClusterState().cStr());
+      }
+    } catch (const kj::Exception&) {
+      return "shard " + std::to_string(k) + " answered the status request with something else";
+    }
+  }
+  return "";
 }
 
 bool Client::Impl::AppliesOnArrival() const {

@@ -106,6 +106,13 @@ bool ClusterCoordinator::AliveLocked(int shard, Clock::time_point now) const {
   return p.connections > 0 && now - p.last_heard < std::chrono::milliseconds(options_.election_timeout_ms);
 }
 
+bool ClusterCoordinator::ChiefGoneLocked(Clock::time_point now) const {
+  // A shard may hear of the chief first from another shard's heartbeat (a stand-in, which the
+  // chief links to only once it has heard the stand-in): counting the chief gone before its link
+  // could have come would depose it, and drop its restore order, for nothing.
+  return !AliveLocked(chief_, now) && now - chief_since_ >= std::chrono::milliseconds(options_.election_timeout_ms);
+}
+
 std::vector<int> ClusterCoordinator::MissingLocked(Clock::time_point now) const {
   std::vector<int> missing;
   for (int i = 0; i < shards_; ++i) {
@@ -201,7 +208,7 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
     return;
   }
   // Election.
-  if (chief_ != me_ && (chief_ < 0 || !AliveLocked(chief_, now))) {
+  if (chief_ != me_ && (chief_ < 0 || ChiefGoneLocked(now))) {
     if (chief_ >= 0) {
       spdlog::warn("cluster: chief shard {} ({}) is gone (term {})", chief_, AddressOf(chief_), term_);
       DegradeLocked("chief shard " + std::to_string(chief_) + " (" + AddressOf(chief_) + ") is missing", actions);
@@ -317,6 +324,7 @@ bool ClusterCoordinator::AcceptChiefLocked(int from, uint64_t term, std::vector<
   bool accept = election::AcceptChiefMessage({term_, chief_}, from, term, &after);
   if (after.term != term_ || after.chief != chief_) {
     term_ = after.term;
+    if (after.chief != chief_) chief_since_ = now_();
     chief_ = after.chief;
     BecomeFollowerLocked(actions);
     SaveTermLocked(actions);
@@ -438,6 +446,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   if (after.term != term_ || after.chief != chief_) {
     bool newer = after.term > term_;
     term_ = after.term;
+    if (after.chief != chief_) chief_since_ = now_();
     chief_ = after.chief;
     BecomeFollowerLocked(actions);
     SaveTermLocked(actions);

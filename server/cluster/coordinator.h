@@ -272,6 +272,9 @@ class ClusterCoordinator : public PeerEvents {
   // global step) when one is asked for or --checkpoint-every-steps says so.
   void ArrivalCheckpointLocked(int64_t applied, std::vector<Action>* actions) REQUIRES(mu_);
   bool AliveLocked(int shard, Clock::time_point now) const REQUIRES(mu_);
+  // The known chief (another shard) is not alive, and has had an election timeout since this shard
+  // learned of it to become so.
+  bool ChiefGoneLocked(Clock::time_point now) const REQUIRES(mu_);
   std::vector<int> MissingLocked(Clock::time_point now) const REQUIRES(mu_);
   // A chief-only message: adopts a higher term; true if it comes from the current term's chief.
   bool AcceptChiefLocked(int from, uint64_t term, std::vector<Action>* actions) REQUIRES(mu_);
@@ -386,6 +389,9 @@ class ClusterCoordinator : public PeerEvents {
   uint64_t term_ GUARDED_BY(mu_) = 0;
   uint64_t max_term_seen_ GUARDED_BY(mu_) = 0;
   int chief_ GUARDED_BY(mu_) = -1;
+  // When chief_ last changed: a chief this shard learned of from another shard's heartbeat, before
+  // the chief's own link reached it, gets an election timeout to link (ChiefGoneLocked).
+  Clock::time_point chief_since_ GUARDED_BY(mu_);
   uint64_t epoch_ GUARDED_BY(mu_) = 0;             // the epoch this shard's engine was restored for
   bool serving_ GUARDED_BY(mu_) = false;           // the chief says the cluster runs at epoch_
   bool ready_ GUARDED_BY(mu_) = false;             // checkpoints scanned

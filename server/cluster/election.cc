@@ -23,6 +23,12 @@ bool AcceptChiefMessage(View mine, int from, uint64_t term, View* adopted) {
     *adopted = {term, from};
     return true;
   }
+  // No chief known in this term (none heard yet, or the one heard was counted gone): a chief
+  // message proves its sender claims the term, as its heartbeat would (OnClaim).
+  if (term == mine.term && mine.chief < 0) {
+    *adopted = {term, from};
+    return true;
+  }
   *adopted = mine;
   return term == mine.term && from == mine.chief;
 }

@@ -25,7 +25,8 @@ View OnClaim(View mine, uint64_t term, int claimed, int shards);
 
 // Fencing: a chief-only message (commit, restore, seal, control) from `from` at `term` is acted
 // on iff it is at least as new as this shard's term and comes from that term's chief; a higher
-// term is adopted first (its sender is the chief). *adopted receives the view after it.
+// term is adopted first (its sender is the chief), and so is the sender when this shard knows no
+// chief in that term. *adopted receives the view after it.
 bool AcceptChiefMessage(View mine, int from, uint64_t term, View* adopted);
 
 }  // namespace psd::server::election

@@ -150,4 +150,9 @@ TEST_CASE("election: a deposed chief is fenced off", "[election]") {
   CHECK(AcceptChiefMessage({5, 1}, 2, 6, &after));
   CHECK(after.term == 6);
   CHECK(after.chief == 2);
+  // No chief known at this term (the one heard of was counted gone before its link came): the
+  // sender claims it, as its heartbeat would say. Its restore order is not lost.
+  CHECK(AcceptChiefMessage({6, -1}, 0, 6, &after));
+  CHECK(after.term == 6);
+  CHECK(after.chief == 0);
 }
