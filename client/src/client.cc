@@ -320,10 +320,8 @@ Result<JobStatus> Client::GetShardStatus(int shard) {
   std::lock_guard<std::mutex> lock(impl_->mu_);
   impl_->Begin();
   if (shard < 0 || shard >= impl_->shards()) return psd::InvalidArgument("no shard " + std::to_string(shard));
-  OutFrame frame;
-  impl_->conn(shard).NewRequest(frame).setStatus();
   proto::Response::Reader resp;
-  PSD_RETURN_IF_ERROR(impl_->Single(shard, frame, &resp));
+  PSD_RETURN_IF_ERROR(impl_->AskStatus(shard, &resp));
   try {
     return ReadStatus(resp.getStatus());
   } catch (const kj::Exception& e) {

@@ -192,10 +192,8 @@ Status Client::Impl::WaitUntilServing() {
   std::string state = "no answer";
   for (;;) {
     RefreshChief();
-    OutFrame frame;
-    chief().NewRequest(frame).setStatus();
     proto::Response::Reader resp;
-    if (chief().RoundTrip(frame, &resp).ok()) {
+    if (AskStatus(chief_.load(), &resp).ok()) {
       auto s = resp.getStatus();
       state = s.getClusterState();
       if (state == "running" && s.getChiefShard() == chief_.load()) {
@@ -215,13 +213,17 @@ Status Client::Impl::WaitUntilServing() {
   }
 }
 
+Status Client::Impl::AskStatus(int shard, proto::Response::Reader* resp) {
+  OutFrame frame;
+  conn(shard).NewRequest(frame).setStatus();
+  return Single(shard, frame, resp);
+}
+
 std::string Client::Impl::OthersServing(uint64_t epoch) {
   for (int k = 0; k < static_cast<int>(conns_.size()); ++k) {
     if (k == chief_.load()) continue;
-    OutFrame frame;
-    conn(k).NewRequest(frame).setStatus();
     proto::Response::Reader resp;
-    if (!conn(k).RoundTrip(frame, &resp).ok()) return "shard " + std::to_string(k) + " does not answer";
+    if (!AskStatus(k, &resp).ok()) return "shard " + std::to_string(k) + " does not answer";
     try {
       auto s = resp.getStatus();
       if (!s.getReady() || s.getClusterEpoch() != epoch) {

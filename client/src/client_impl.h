@@ -74,6 +74,8 @@ class Client::Impl {
   // A cluster that is electing its chief or restoring a checkpoint does not serve yet: a trainer
   // that just connected waits for it (up to connect_timeout_ms) rather than failing its set-up.
   Status WaitUntilServing();
+  // Shard `shard`'s status (psd_admin status's answer), into *resp.
+  Status AskStatus(int shard, proto::Response::Reader* resp);
   // "" when every shard but the chief serves workers at `epoch`, else what one of them waits for.
   std::string OthersServing(uint64_t epoch);
 

@@ -5,7 +5,8 @@
 // (--heartbeat-ms) and the incoming links' state.
 //
 // Election (terms, no preemption): a shard that has no live chief — none known, or the chief's
-// link closed, or no heartbeat from it for --election-timeout-ms — and is the lowest-index live
+// link closed, or no heartbeat from it for --election-timeout-ms (a chief first heard of from
+// another shard has that long to link) — and is the lowest-index live
 // shard it sees, claims the chief role for term max(seen) + 1. A claim with a higher term always
 // wins; within one term the lower index wins. A restarted shard listens for one election timeout
 // before it may claim, so it joins the running chief instead of taking over; its heartbeats say
