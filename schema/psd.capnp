@@ -380,6 +380,7 @@ struct PeerHeartbeat {
   address @13 :Text;        # where the sender serves (host:port): its --cluster entry, or a stand-in's
   standIn @14 :Bool;        # the sender is a stand-in for its shard, run by the next shard (takeover)
   moved @15 :List(PeerMoved);  # from the chief: shards served elsewhere than their --cluster entry
+  released @16 :PeerCopy;   # the newest (epoch, step) whose tokens the sender knows went out to workers
 }
 
 # Takeover: shard `shard` is served at `address` (a stand-in), not at its --cluster entry.

@@ -85,6 +85,7 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.unusable_steps = unusable_;
   hb.own_copies = own_copies_;
   hb.held_copies = held_copies_;
+  hb.released = known_released_;
   hb.listening = now_() - started_ < std::chrono::milliseconds(options_.election_timeout_ms);
   hb.address = address_;
   hb.stand_in = options_.stand_in;
@@ -248,6 +249,7 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
     TakeoverTickLocked(now, actions);
   }
   if (chief_ != me_) {
+    if (options_.replicate) FollowerMapLocked(now, actions);
     ResendVoteLocked(actions);
     return;
   }
@@ -262,6 +264,21 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
       forming_ = false;
       spdlog::warn("cluster: formation at epoch {} abandoned: shard {} is missing", term_, list);
     }
+    return;
+  }
+  if (options_.replicate && StandInServesLocked() && !MajorityLocked(now)) {
+    // A stand-in serves a part, and this side of a partition may not be the only one serving.
+    if (forming_) {
+      forming_ = false;
+      spdlog::warn(
+          "cluster: formation at epoch {} abandoned: a stand-in serves a part, and this shard no longer "
+          "hears a majority of the shards' own processes",
+          term_);
+    }
+    DegradeLocked(
+        "a stand-in serves a part, and the chief hears the own processes of no majority of the shards "
+        "(a partition?)",
+        actions);
     return;
   }
   if (running_) {
@@ -411,6 +428,7 @@ void ClusterCoordinator::HandleCommitted(int from, uint64_t term, const peer::Co
   commit_in_flight_ = -1;
   open_step_ = step;
   released_ = step;
+  KnowReleasedLocked(term_, step);
   actions->push_back([this, step, min, max] {
     host_.PushTokens(step);
     spdlog::debug("cluster: step {} committed on every shard ({}..{} gradients per variable)", step, min, max);
@@ -425,6 +443,18 @@ void ClusterCoordinator::HandleCheckpointRequest(int, uint64_t, const peer::Chec
 void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::Heartbeat& hb,
                                          std::vector<Action>* actions) {
   Peer& p = peers_[static_cast<size_t>(from)];
+  // Takeover: its own process and a stand-in may both speak as `from`. Only the one it is served
+  // by now tells its state (its copies, checkpoints, readiness, claims); the other is only heard,
+  // for the chief's map (ChiefMapLocked) and a stand-in's host (TakeoverHeartbeatLocked).
+  const bool served =
+      hb.stand_in ? hb.address == AddressOf(from) : AddressOf(from) == options_.addresses[static_cast<size_t>(from)];
+  if (!served) {
+    (hb.stand_in ? p.stand_in_heard : p.original_heard) = now_();
+    if (hb.stand_in) p.stand_in_address = hb.address;
+    max_term_seen_ = std::max(max_term_seen_, term);
+    if (options_.replicate) TakeoverHeartbeatLocked(from, term, hb, /*served=*/false, actions);
+    return;
+  }
   p.term = term;
   p.epoch = hb.epoch;
   p.ready = hb.ready;
@@ -433,6 +463,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   p.allow_state_loss = hb.allow_state_loss;
   p.own_copies = hb.own_copies;
   p.held_copies = hb.held_copies;
+  KnowReleasedLocked(hb.released.lineage, hb.released.step);
   p.listening = hb.listening;
   p.last_heartbeat = now_();
   if (hb.stand_in) {
@@ -470,7 +501,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
       actions->push_back([this, required] { host_.SetRequired(required); });
     }
   }
-  if (options_.replicate) TakeoverHeartbeatLocked(from, term, hb, actions);
+  if (options_.replicate) TakeoverHeartbeatLocked(from, term, hb, /*served=*/true, actions);
 }
 
 void ClusterCoordinator::MaybeCommitLocked(std::vector<Action>* actions) {
@@ -505,6 +536,7 @@ void ClusterCoordinator::MaybeCommitLocked(std::vector<Action>* actions) {
 void ClusterCoordinator::HandleCommit(int from, uint64_t term, const peer::Commit& c, std::vector<Action>* actions) {
   if (!AcceptChiefLocked(from, term, actions) || c.epoch != epoch_) return;
   int64_t step = c.step;
+  KnowReleasedLocked(c.epoch, step);
   if (vote_ && vote_->step <= step) vote_.reset();
   bool checkpoint = c.checkpoint;
   double lr = c.learning_rate;
@@ -523,10 +555,64 @@ void ClusterCoordinator::HandleCommit(int from, uint64_t term, const peer::Commi
   });
 }
 
+bool ClusterCoordinator::SameParts(std::vector<peer::PartInfo> a, std::vector<peer::PartInfo> b) {
+  auto by_shard = [](const peer::PartInfo& x, const peer::PartInfo& y) { return x.shard < y.shard; };
+  std::sort(a.begin(), a.end(), by_shard);
+  std::sort(b.begin(), b.end(), by_shard);
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const auto& x, const auto& y) {
+           return x.shard == y.shard && x.checksum == y.checksum && x.bytes == y.bytes;
+         });
+}
+
+bool ClusterCoordinator::ServedPastLocked(const peer::Restore& r) const {
+  if (!r.live || r.newest || epoch_ <= r.lineage) return false;
+  if (chief_ == me_) return running_ && released_ > r.step;
+  // A follower: its own copy of step s in the running epoch means every shard committed s - 1,
+  // and the tokens of step s - 1 went out.
+  if (!serving_) return false;
+  for (const peer::LiveCopy& c : own_copies_) {
+    if (c.lineage == epoch_ && c.step > r.step + 1) return true;
+  }
+  return false;
+}
+
 void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Restore& r, std::vector<Action>* actions) {
+  const bool served_past = ServedPastLocked(r);
   if (!AcceptChiefLocked(from, term, actions)) return;
   uint64_t epoch = r.epoch;
   int64_t step = r.step;
+  if (step >= 0 && !r.live && !r.seal.empty() && std::find(sealed_.begin(), sealed_.end(), step) != sealed_.end()) {
+    auto mine = seal_parts_.find(step);
+    if (mine != seal_parts_.end() && !SameParts(mine->second, r.seal)) {
+      // Two timelines' checkpoints of one step (a stand-in wrote this shard's part of it in its
+      // own directory, this shard's own process another): neither is whole anywhere. Unusable
+      // here from now on; the chief forms at an older step.
+      spdlog::warn(
+          "cluster: refusing to restore checkpoint step {} (epoch {}): this shard's manifest of it lists other parts "
+          "than the chief's (two timelines); the step is unusable here",
+          step, epoch);
+      sealed_.erase(std::remove(sealed_.begin(), sealed_.end(), step), sealed_.end());
+      if (std::find(unusable_.begin(), unusable_.end(), step) == unusable_.end()) unusable_.push_back(step);
+      std::sort(unusable_.rbegin(), unusable_.rend());
+      peer::Message reply =
+          MessageLocked(peer::Restored{epoch, step, false, "its manifest of that step lists other parts", {}});
+      actions->push_back([this, from, reply] { SendTo(from, reply); });
+      return;
+    }
+  }
+  if (served_past && epoch > restore_epoch_) {
+    // Chosen on old news (the order came late: meanwhile this shard's epoch, served through a
+    // stand-in, released steps past it). Refused, with this shard's newer copies kept: its
+    // heartbeats list them, and the chief chooses again.
+    spdlog::warn(
+        "cluster: refusing the restore of the live copies of step {} (epoch {}): this shard's epoch {} released "
+        "steps past it; its copies of them are kept for the next formation",
+        step, epoch, epoch_);
+    peer::Message reply =
+        MessageLocked(peer::Restored{epoch, step, false, "the epoch it served released steps past this choice", {}});
+    actions->push_back([this, from, reply] { SendTo(from, reply); });
+    return;
+  }
   // Once per epoch: the same order again (a duplicate) must not reset a state that has moved on.
   if (epoch <= restore_epoch_) return;
   restore_epoch_ = epoch;
@@ -642,6 +728,7 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   if (static_cast<int>(restored_.size()) < shards_) return;
   forming_ = false;
   running_ = true;
+  if (!options_.applies_on_arrival) KnowReleasedLocked(term_, open_step_);  // the first tokens go out now
   if (live_newest_) newest_failures_ = 0;
   arrival_checkpoint_ = formation_step_;  // async/ssp: no checkpoint of the step just restored
   missing_reason_.clear();
@@ -782,6 +869,9 @@ void ClusterCoordinator::OnPrepared(uint64_t epoch, int64_t step, int min_gradie
   {
     MutexLock lock(&mu_);
     if (epoch != epoch_) return;  // a stale engine: the next formation redoes it
+    // Workers' gradients for `step`: its tokens went out (known here even if the chief that
+    // released them is cut off before it says so).
+    if (takes > 0) KnowReleasedLocked(epoch, step);
     // Kept until the step commits: the engine reports a step once, and a follower that lost its
     // chief for a moment and finds it again (same term, nothing re-formed) must still vote, or the
     // chief waits for it forever (ResendVoteLocked).

@@ -370,11 +370,29 @@ class ClusterCoordinator : public PeerEvents {
   // The chief: where each shard is to be served — its own process when heard lately, else a
   // stand-in heard lately — and a formation when that changes.
   void ChiefMapLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
+  // A live restore order chosen on old news: this shard's running epoch (newer than the copy
+  // chosen) released steps past it — the chief itself, or a follower whose own copies show it.
+  bool ServedPastLocked(const peer::Restore& r) const REQUIRES(mu_);
+  // Two manifests of one step list the same parts (by shard: size and checksum).
+  static bool SameParts(std::vector<peer::PartInfo> a, std::vector<peer::PartInfo> b);
+  // Whether this shard hears the own processes (not stand-ins) of a majority of the shards lately,
+  // itself included unless it is a stand-in — with an even count, half of them if shard 0's is
+  // one. Two sides of a partition cannot both have it: only the side that has it may serve a part
+  // away from its shard's own process (else each side could stand in for the other and serve
+  // every part: two timelines, and the steps of one lost when they meet).
+  bool MajorityLocked(Clock::time_point now) const REQUIRES(mu_);
+  // Some part is served away from its shard's own process (by a stand-in), this one's included.
+  bool StandInServesLocked() const REQUIRES(mu_);
+  // A follower: a shard whose stand-in it sends to is silent (its host stopped it, or died) is
+  // sent to at its own process again if that is heard, or if the chief is gone (its map is old
+  // news), as the chief would decide.
+  void FollowerMapLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
   // Sends shard `shard`'s messages to `address` from now on.
   void MoveLocked(int shard, const std::string& address, std::vector<Action>* actions) REQUIRES(mu_);
-  // A heartbeat's takeover news: which process spoke, the chief's map, the predecessor back.
-  void TakeoverHeartbeatLocked(int from, uint64_t term, const peer::Heartbeat& hb, std::vector<Action>* actions)
-      REQUIRES(mu_);
+  // A heartbeat's takeover news: the chief's map (from the process `from` is served by: `served`),
+  // the predecessor's own process back.
+  void TakeoverHeartbeatLocked(int from, uint64_t term, const peer::Heartbeat& hb, bool served,
+                               std::vector<Action>* actions) REQUIRES(mu_);
 
   const ClusterOptions options_;
   ShardHost& host_;
@@ -435,6 +453,7 @@ class ClusterCoordinator : public PeerEvents {
   std::map<int64_t, std::map<int, Vote>> votes_ GUARDED_BY(mu_);  // step -> shard -> its report
   bool checkpoint_next_ GUARDED_BY(mu_) = false;
   std::map<int64_t, std::map<int, peer::PartInfo>> parts_ GUARDED_BY(mu_);  // checkpoint step -> written parts
+  bool moved_since_formation_ GUARDED_BY(mu_) = false;  // a shard is served elsewhere since: no seal of its parts
   // Checkpoint steps not yet restorable on every shard that may only be news in flight (sealed
   // lately, or sealed on one shard and only present on another) -> since when (SealsSettledLocked).
   std::map<int64_t, Clock::time_point> seals_pending_ GUARDED_BY(mu_);
@@ -467,7 +486,16 @@ class ClusterCoordinator : public PeerEvents {
   std::vector<ArrivalWaiter> arrival_waiters_ GUARDED_BY(mu_);
   std::set<peer::LiveCopy> live_failed_ GUARDED_BY(mu_);  // copies a shard could not restore
   bool live_lost_logged_ GUARDED_BY(mu_) = false;
-  int64_t released_ GUARDED_BY(mu_) = -1;  // the chief: the newest step whose tokens it released
+  bool stand_in_wait_logged_ GUARDED_BY(mu_) = false;  // no live formation through a stand-in: said once
+  int64_t released_ GUARDED_BY(mu_) = -1;              // the chief: the newest step whose tokens it released
+  // The newest (epoch, step) whose tokens this shard knows went out to workers: its own releases
+  // as chief, the steps its engine took workers' gradients for and the commits it was ordered
+  // (the tokens of that step went out), and what every shard's heartbeat says. A formation from live copies older than
+  // it (in an epoch as new as the copies') would lose steps workers computed on: the chief waits for newer copies.
+  peer::LiveCopy known_released_ GUARDED_BY(mu_){0, -1};
+  void KnowReleasedLocked(uint64_t epoch, int64_t step) REQUIRES(mu_) {
+    known_released_ = std::max(known_released_, peer::LiveCopy{epoch, step});
+  }
 
   // Takeover state, guarded by mu_.
   std::vector<std::string> addresses_ GUARDED_BY(mu_);                 // where each shard is served now (AddressOf)

@@ -240,15 +240,40 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
     for (int i = 0; i < shards_; ++i) {
       if (i != me_ && peers_[static_cast<size_t>(i)].last_heartbeat <= missing_since_) stale = true;
     }
-    const bool behind = !live_newest_ && live_formation_ && live_formation_->step < released_;
+    // Released past the choice: by this chief, or (known_released_) in an epoch at least as new
+    // as the copies', by whichever chief.
+    int64_t past = released_;
+    if (live_formation_ && known_released_.lineage >= live_formation_->lineage) {
+      past = std::max(past, known_released_.step);
+    }
+    const bool behind = !live_newest_ && live_formation_ && live_formation_->step < past;
     if (behind) stale = true;
-    if (stale && now - missing_since_ < 3 * std::chrono::milliseconds(options_.election_timeout_ms)) return;
-    if (behind) {
+    if (!(behind && StandInServesLocked()) && stale &&
+        now - missing_since_ < 3 * std::chrono::milliseconds(options_.election_timeout_ms)) {
+      return;
+    }
+    if (behind && !StandInServesLocked()) {
       spdlog::error(
           "cluster: the newest live copy of every part is of step {}, before step {} whose tokens were "
           "released: {} step(s) are lost",
-          live_formation_->step, released_, released_ - live_formation_->step);
+          live_formation_->step, past, past - live_formation_->step);
     }
+    if ((!live_formation_ || behind) && StandInServesLocked()) {
+      // A stand-in restores only from live copies: a part's newest copy may be on a shard cut off
+      // now (a stand-in's host), and a checkpoint restored through stand-ins (their own
+      // directories) would go back before steps released. Today's rollback needs every shard's own
+      // process: the chief moves each part back to it when it is heard again.
+      if (!stand_in_wait_logged_) {
+        stand_in_wait_logged_ = true;
+        spdlog::error(
+            "cluster: the live copies of the shards served now do not hold every part at one step{}: waiting for "
+            "every shard's own process (a stand-in restores only from live copies); if a part's copies are lost "
+            "for good, the cluster then restores the newest checkpoint every shard holds",
+            behind ? fmt::format(" as new as step {}, whose tokens went out", past) : std::string());
+      }
+      return;
+    }
+    stand_in_wait_logged_ = false;
     if (live_formation_) {
       live_lost_logged_ = false;
     } else if (!live_lost_logged_) {
@@ -277,6 +302,7 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   formation_start_ = now_();
   formation_step_ = step;
   restored_.clear();
+  moved_since_formation_ = false;
   placement_.Clear();
   // Parts written in an older epoch belong to its timeline: a seal must never mix them with this
   // epoch's parts of the same step (the manifest would not match those shards' new parts).
@@ -290,8 +316,14 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   if (live_newest_) missing_reason_ = "restoring the newest live copy of each part";
   spdlog::info("cluster: forming epoch {} on {} shard(s): {}", term_, shards_, missing_reason_);
   released_ = step;
+  // The manifest goes with a checkpoint's restore order: a shard that missed the seal writes it
+  // (if its part matches), one that holds another manifest of that step refuses (HandleRestore).
   std::vector<peer::PartInfo> seal;
-  if (!live_formation_ && reseal_ && reseal_->first == step) seal = reseal_->second;
+  if (!live_formation_ && reseal_ && reseal_->first == step) {
+    seal = reseal_->second;
+  } else if (!live_formation_ && step >= 0) {
+    if (auto it = seal_parts_.find(step); it != seal_parts_.end()) seal = it->second;
+  }
   peer::Message msg = MessageLocked(peer::Restore{term_, step, std::move(seal), live_formation_.has_value(),
                                                   live_formation_ ? live_formation_->lineage : 0, live_newest_});
   actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
@@ -334,6 +366,9 @@ void ClusterCoordinator::AddSealedLocked(int64_t step) {
 void ClusterCoordinator::HandlePartWritten(int from, uint64_t term, const peer::PartWritten& p,
                                            std::vector<Action>* actions) {
   if (chief_ != me_ || term != term_ || p.epoch != term_ || p.part.shard != from) return;
+  // A shard moved since this epoch formed (takeover): the process that wrote its part is not the
+  // one a seal would reach now. The next formation starts over.
+  if (moved_since_formation_) return;
   int64_t step = p.step;
   auto& parts = parts_[step];
   parts[from] = p.part;
@@ -349,6 +384,10 @@ void ClusterCoordinator::HandlePartWritten(int from, uint64_t term, const peer::
 void ClusterCoordinator::HandleSeal(int from, uint64_t term, const peer::Seal& s, std::vector<Action>* actions) {
   if (!AcceptChiefLocked(from, term, actions) || options_.checkpoint_dir.empty()) return;
   if (static_cast<int>(s.parts.size()) != shards_) return;
+  // Parts of another epoch than this shard's engine: its own part of that step, if any, is not
+  // the one listed (a seal meant for the process that served this shard then, a stand-in or its
+  // own, reaching the other after a takeover). A missed seal comes again with a restore order.
+  if (s.epoch != epoch_) return;
   int64_t step = s.step;
   bool finish = job_done_ && step == final_step_;
   if (finish) awaiting_final_seal_ = false;  // this seal finishes the job, not the timeout

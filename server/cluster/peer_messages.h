@@ -47,6 +47,8 @@ struct Heartbeat {
   std::string address;                  // where the sender serves (its --cluster entry, or a stand-in's)
   bool stand_in = false;                // the sender is a stand-in for its shard (takeover)
   std::map<int, std::string> moved;     // from the chief: shard -> where it is served, when not at its entry
+  LiveCopy released{0, -1};             // the newest (epoch as lineage, step) whose tokens the sender knows
+                                        // went out: a formation from live copies must not go back before it
 
   bool operator==(const Heartbeat&) const = default;
 };
@@ -125,7 +127,7 @@ struct PartWritten {
 
 // From the chief: every part of checkpoint `step` is written; write the manifest.
 struct Seal {
-  uint64_t epoch = 0;  // the chief's term when it sealed (informational)
+  uint64_t epoch = 0;  // the chief's term when it sealed: the epoch whose engines wrote the parts
   int64_t step = 0;
   std::vector<PartInfo> parts;
   bool operator==(const Seal&) const = default;

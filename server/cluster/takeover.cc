@@ -13,9 +13,15 @@
 // The next shard (d + 1 mod P) starts a stand-in once d has not been alive, in its own view, for
 // takeover_after, and only if it keeps a copy of d's part; it stops it as soon as it hears d's own
 // process again (the chief then moves d back, and d's process restores from the same copies). A
-// stand-in starts no stand-in itself. While one serves, d's part and its copy live on the same
-// host: losing that host too before d's process is back leaves no copy of d's part (the cluster
-// then falls back to the newest common checkpoint, and says so).
+// stand-in starts no stand-in itself.
+//
+// Partitions: a part is served by a stand-in only while the chief hears the own processes of a
+// majority of the shards (MajorityLocked; with an even count, half including shard 0's). Without
+// it, the two sides of a partition could each stand in for the other and both serve every part;
+// with it, the side without a majority waits (its chief stops serving if it was). So with 2
+// shards, shard 1 can be served by a stand-in on shard 0, and shard 0 only by its own process. While one serves, d's
+// part and its copy live on the same host: losing that host too before d's process is back leaves no copy of d's part
+// (the cluster then falls back to the newest common checkpoint, and says so).
 #include <spdlog/spdlog.h>
 
 #include "cluster/coordinator.h"
@@ -50,6 +56,7 @@ void ClusterCoordinator::TakeoverTickLocked(Clock::time_point now, std::vector<A
   if (!predecessor_gone_) predecessor_gone_ = now;
   if (stand_in_running_ || now - *predecessor_gone_ < options_.takeover_after) return;
   if (held_copies_.empty()) return;  // nothing to serve d's part from (it never committed here)
+  if (!MajorityLocked(now)) return;  // the chief could not use it (the minority side of a partition)
   stand_in_running_ = true;
   spdlog::warn(
       "cluster: shard {} ({}) has been gone for {} ms: this shard starts a stand-in for it, serving its part from "
@@ -58,18 +65,45 @@ void ClusterCoordinator::TakeoverTickLocked(Clock::time_point now, std::vector<A
   actions->push_back([this, d, links = addresses_] { host_.StartStandIn(d, links); });
 }
 
+bool ClusterCoordinator::MajorityLocked(Clock::time_point now) const {
+  const auto timeout = std::chrono::milliseconds(options_.election_timeout_ms);
+  const Clock::time_point never{};
+  int heard = 0;
+  bool first = false;
+  for (int i = 0; i < shards_; ++i) {
+    const Peer& p = peers_[static_cast<size_t>(i)];
+    const bool own = i == me_ ? !options_.stand_in : p.original_heard != never && now - p.original_heard < timeout;
+    if (!own) continue;
+    ++heard;
+    first = first || i == 0;
+  }
+  return 2 * heard > shards_ || (2 * heard == shards_ && first);
+}
+
+bool ClusterCoordinator::StandInServesLocked() const {
+  if (options_.stand_in) return true;
+  for (int i = 0; i < shards_; ++i) {
+    if (i != me_ && AddressOf(i) != options_.addresses[static_cast<size_t>(i)]) return true;
+  }
+  return false;
+}
+
 void ClusterCoordinator::ChiefMapLocked(Clock::time_point now, std::vector<Action>* actions) {
   const auto timeout = std::chrono::milliseconds(options_.election_timeout_ms);
   const Clock::time_point never{};
+  const bool majority = MajorityLocked(now);
   for (int i = 0; i < shards_; ++i) {
     if (i == me_) continue;
     const Peer& p = peers_[static_cast<size_t>(i)];
     const std::string& entry = options_.addresses[static_cast<size_t>(i)];
     std::string want = AddressOf(i);
+    const bool stand_in = !p.stand_in_address.empty() && p.stand_in_heard != never && now - p.stand_in_heard < timeout;
     if (p.original_heard != never && now - p.original_heard < timeout) {
       want = entry;
-    } else if (!p.stand_in_address.empty() && p.stand_in_heard != never && now - p.stand_in_heard < timeout) {
+    } else if (stand_in && majority) {
       want = p.stand_in_address;
+    } else if (!stand_in) {
+      want = entry;  // a stand-in gone (its host stopped it, or died): its shard is looked for at home
     }
     if (want == AddressOf(i)) continue;
     if (want == entry) {
@@ -86,15 +120,43 @@ void ClusterCoordinator::ChiefMapLocked(Clock::time_point now, std::vector<Actio
   }
 }
 
+void ClusterCoordinator::FollowerMapLocked(Clock::time_point now, std::vector<Action>* actions) {
+  const auto timeout = std::chrono::milliseconds(options_.election_timeout_ms);
+  const Clock::time_point never{};
+  for (int i = 0; i < shards_; ++i) {
+    const std::string& entry = options_.addresses[static_cast<size_t>(i)];
+    if (i == me_ || AddressOf(i) == entry) continue;
+    const Peer& p = peers_[static_cast<size_t>(i)];
+    bool own = p.original_heard != never && now - p.original_heard < timeout;
+    bool stand_in = p.stand_in_heard != never && now - p.stand_in_heard < timeout;
+    // (A chief gone too: its map is old news, and the shard may be back at home, sending to a
+    // stand-in of ours that is gone as well — each would wait for the other.)
+    if (stand_in || !(own || chief_ < 0 || ChiefGoneLocked(now))) continue;
+    spdlog::info("cluster: the stand-in serving shard {} at {} is not heard: sending to {} again", i, AddressOf(i),
+                 entry);
+    MoveLocked(i, entry, actions);
+  }
+}
+
 void ClusterCoordinator::MoveLocked(int shard, const std::string& address, std::vector<Action>* actions) {
   addresses_[static_cast<size_t>(shard)] = address;
+  moved_since_formation_ = true;
+  // Another process serves it now: what the last one said (its copies, checkpoints, readiness)
+  // is not this one's. A formation waits for its first heartbeat.
+  Peer& p = peers_[static_cast<size_t>(shard)];
+  p.ready = false;
+  p.last_heartbeat = Clock::time_point{};
+  p.sealed.clear();
+  p.unusable.clear();
+  p.own_copies.clear();
+  p.held_copies.clear();
   actions->push_back([this, shard, address] { network_.Retarget(shard, address); });
 }
 
-void ClusterCoordinator::TakeoverHeartbeatLocked(int from, uint64_t term, const peer::Heartbeat& hb,
+void ClusterCoordinator::TakeoverHeartbeatLocked(int from, uint64_t term, const peer::Heartbeat& hb, bool served,
                                                  std::vector<Action>* actions) {
   // The chief's map: followers send where it says.
-  if (from == chief_ && term == term_ && chief_ != me_) {
+  if (served && from == chief_ && term == term_ && chief_ != me_) {
     for (int i = 0; i < shards_; ++i) {
       if (i == me_) continue;
       auto it = hb.moved.find(i);

@@ -174,7 +174,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
                                hb.getListening(),
                                std::move(*address),
                                hb.getStandIn(),
-                               std::move(*moved)};
+                               std::move(*moved),
+                               CopyFromWire(hb.getReleased())};
       return m;
     }
     case proto::PeerMessage::PREPARED: {
@@ -304,6 +305,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
             moved[i].setAddress(address);
             ++i;
           }
+          CopyToWire(hb.initReleased(), body.released);
         } else if constexpr (std::is_same_v<T, peer::Prepared>) {
           auto p = b.initPrepared();
           p.setEpoch(body.epoch);

@@ -7,6 +7,7 @@
 // counted the chief gone at its first tick, dropped the restore order, and the formation waited.)
 #include "cluster/coordinator.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <string>
@@ -160,4 +161,118 @@ TEST_CASE("coordinator: the chief's restore order is kept after the chief was co
   s.ChiefRestores();
   CHECK(s.coordinator->chief() == 0);
   CHECK(s.network.Fetches(0, 3) == 1);  // shard 2's successor is shard 0
+}
+
+namespace {
+
+// Shard `me` of `shards` with replicas and takeover (its own process, or a stand-in for it), on a
+// manual clock: the chief once an election timeout has passed with no lower shard heard.
+struct Shard {
+  Shard(int me, int shards, bool stand_in = false) {
+    options.me = me;
+    for (int i = 0; i < shards; ++i) options.addresses.push_back("127.0.0.1:" + std::to_string(i + 1));
+    options.heartbeat_ms = 20;
+    options.election_timeout_ms = 200;
+    options.replicate = true;
+    options.stand_in = stand_in;
+    if (!stand_in) options.takeover_after = std::chrono::milliseconds(100);
+    coordinator = std::make_unique<ClusterCoordinator>(options, host, network, [this] { return now; });
+    if (stand_in) coordinator->SetAddress(StandInAddress(me));
+    coordinator->Start();
+  }
+  static std::string StandInAddress(int shard) { return "127.0.0.1:90" + std::to_string(shard); }
+  // A heartbeat from shard `from`'s own process (`stand_in` false) or from a stand-in for it.
+  void Hears(int from, bool stand_in) {
+    peer::Heartbeat hb;
+    hb.chief = coordinator->chief();
+    hb.ready = true;
+    hb.stand_in = stand_in;
+    hb.address = stand_in ? StandInAddress(from) : options.addresses[static_cast<size_t>(from)];
+    coordinator->OnMessage(from, peer::Message{from, coordinator->Describe().term, hb});
+  }
+  void Tick() {
+    now += std::chrono::milliseconds(20);
+    coordinator->Tick();
+  }
+
+  ClusterOptions options;
+  Clock::time_point now = Clock::time_point{} + std::chrono::hours(1);
+  RecordingHost host;
+  RecordingNetwork network;
+  std::unique_ptr<ClusterCoordinator> coordinator;
+};
+
+// The chief of one side of a partition of `shards`: shard `me` (a stand-in for it if
+// `me_stand_in`), hearing the own processes of the shards in `own`, nothing from those in
+// `silent`, and a stand-in for every other one, for 30 heartbeats. Where it serves each shard
+// then, and what it says.
+struct Side {
+  std::vector<std::string> served;
+  std::string state;
+};
+Side ChiefOfSide(int me, bool me_stand_in, int shards, const std::vector<int>& own,
+                 const std::vector<int>& silent = {}) {
+  auto in = [](const std::vector<int>& v, int i) { return std::find(v.begin(), v.end(), i) != v.end(); };
+  Shard s(me, shards, me_stand_in);
+  for (int i = 0; i < shards; ++i) {
+    if (i != me && !in(silent, i)) s.coordinator->OnPeerUp(i);
+  }
+  for (int t = 0; t < 30; ++t) {
+    for (int i = 0; i < shards; ++i) {
+      if (i != me && !in(silent, i)) s.Hears(i, /*stand_in=*/!in(own, i));
+    }
+    s.Tick();
+  }
+  REQUIRE(s.coordinator->is_chief());
+  return {s.coordinator->Addresses(), s.coordinator->Describe().state};
+}
+
+const char kNoMajority[] = "hears the own processes of no majority";
+
+}  // namespace
+
+TEST_CASE("coordinator: a part is served by a stand-in only on the side of a partition with a majority",
+          "[cluster][takeover]") {
+  // Two shards cut apart, a stand-in for the other started on each side. Shard 0's side (half the
+  // shards, shard 0's among them) serves shard 1 through its stand-in; on shard 1's side the
+  // stand-in for shard 0 (the chief there: the lowest index) serves nothing. Without the rule
+  // both sides would serve every part, and the steps of one timeline be lost when they meet.
+  Side zero = ChiefOfSide(0, false, 2, {});
+  CHECK(zero.served[1] == Shard::StandInAddress(1));
+  CHECK(zero.state.find(kNoMajority) == std::string::npos);
+  Side one = ChiefOfSide(0, true, 2, {1});
+  CHECK(one.state.find(kNoMajority) != std::string::npos);
+  // Four shards split {0, 2} | {1, 3}: the same.
+  Side left = ChiefOfSide(0, false, 4, {2});
+  CHECK(left.served[1] == Shard::StandInAddress(1));
+  CHECK(left.served[3] == Shard::StandInAddress(3));
+  Side right = ChiefOfSide(0, true, 4, {1, 3});
+  CHECK(right.served[2] == "127.0.0.1:3");
+  CHECK(right.state.find(kNoMajority) != std::string::npos);
+  // Three shards, shard 0 cut off: shards 1 and 2 serve its part through a stand-in (the chief
+  // there); shard 0 alone does not serve shard 2 through the stand-in it runs for it.
+  Side pair = ChiefOfSide(0, true, 3, {1, 2});
+  CHECK(pair.state.find(kNoMajority) == std::string::npos);
+  Side alone = ChiefOfSide(0, false, 3, {}, {1});
+  CHECK(alone.served[2] == "127.0.0.1:3");
+}
+
+TEST_CASE("coordinator: a shard whose stand-in is gone is looked for at its own address again", "[cluster][takeover]") {
+  // The chief (shard 0 of 3) moves shard 1 to the stand-in it hears; the stand-in then falls
+  // silent (its host stopped it, or died): shard 1 is looked for at its --cluster entry again, not
+  // at the dead stand-in's address forever.
+  Shard s(0, 3);
+  s.coordinator->OnPeerUp(1);
+  s.coordinator->OnPeerUp(2);
+  for (int t = 0; t < 15; ++t) {
+    s.Hears(1, /*stand_in=*/true);
+    s.Hears(2, /*stand_in=*/false);
+    s.Tick();
+  }
+  REQUIRE(s.coordinator->Addresses()[1] == Shard::StandInAddress(1));
+  for (int t = 0; t < 15; ++t) {
+    s.Hears(2, /*stand_in=*/false);
+    s.Tick();
+  }
+  CHECK(s.coordinator->Addresses()[1] == "127.0.0.1:2");
 }
