@@ -4,7 +4,9 @@
 // replay one with every event and the coordinators' logs:
 //   PSD_CLUSTER_SIM_SEED=1234 PSD_CLUSTER_SIM_SHARDS=4 build/tests/psd_cluster_sim_tests '[.replay]'
 // (PSD_CLUSTER_SIM_STORM=1 for a seed of the "long storms" case; PSD_CLUSTER_SIM_REPLICATE=1 for
-// replicated shards, with PSD_CLUSTER_SIM_SINGLE=1 for one crash at a time.) A longer sweep:
+// replicated shards, with PSD_CLUSTER_SIM_SINGLE=1 for one crash at a time, and
+// PSD_CLUSTER_SIM_TAKEOVER=1 for stand-ins on top, =short for the default schedule with them.) A
+// longer sweep:
 // PSD_CLUSTER_SIM_RUNS=20000 (schedules per cluster size; default 1000).
 #include "support/cluster_sim.h"
 
@@ -125,17 +127,30 @@ TEST_CASE("cluster simulation: long storms of faults", "[cluster][sim]") {
   }
 }
 
+// Takeover on: longer faults and a longer job, shards down for longer, so that a shard gone for
+// --takeover-after-ms is taken over (and comes back) while the job runs.
+static void Takeover(SimOptions* o) {
+  o->takeover = true;
+  o->fault_ms = 15000;
+  o->target_step = 400;
+  o->max_down_ms = 5000;
+}
+
 // Replicated schedules (--replicas-per-shard 2) over 2 to 5 shards: each is checked (Check) and
 // handed to `fn` with its index. `single`: one crash at a time (SimOptions::single_faults).
 static void ReplicatedSweep(bool single, uint64_t seed_base,
-                            const std::function<void(int, const SimOptions&, const SimResult&)>& fn) {
+                            const std::function<void(int, const SimOptions&, const SimResult&)>& fn,
+                            bool takeover = false) {
   const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
-  const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / 2;
+  // (Takeover schedules are longer: a quarter as many.)
+  const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / (takeover ? 4 : 2);
   for (int shards = 2; shards <= 5; ++shards) {
     for (int i = 1; i <= per_size; ++i) {
       SimOptions o;
       o.shards = shards;
       o.replicate = true;
+      o.takeover = takeover;
+      if (takeover) Takeover(&o);
       if (single) {
         o.single_faults = true;
         o.crash_rate = 1.0;
@@ -184,6 +199,43 @@ TEST_CASE("cluster simulation: with replicas, losing one shard at a time loses n
   CHECK(rollbacks_without > 0);
 }
 
+// Takeover (--takeover-after-ms): a shard gone for a while is served by a stand-in in the next
+// shard's process, from the copy kept there, until its own process is back. Crashes (which kill a
+// stand-in with its host), partitions and lost links around it: every invariant above holds, and
+// one process serves each part in an epoch (never a shard's own process and its stand-in both).
+TEST_CASE("cluster simulation: stand-ins under every fault", "[cluster][sim][replicas][takeover]") {
+  int64_t runs = 0, stand_ins = 0, serves = 0, live = 0;
+  ReplicatedSweep(
+      false, 90000,
+      [&](int, const SimOptions&, const SimResult& r) {
+        ++runs;
+        stand_ins += r.stand_ins;
+        serves += r.stand_in_serves;
+        live += r.live_formations;
+      },
+      /*takeover=*/true);
+  INFO(runs << " runs, " << stand_ins << " stand-ins started, " << serves << " formations served with a stand-in, "
+            << live << " from live copies");
+  CHECK(stand_ins > runs / 2);
+  CHECK(serves > runs / 10);
+}
+
+// One crash at a time with stand-ins: the one that serves a crashed shard, and the shard's own
+// process taking its part back, lose no released step either.
+TEST_CASE("cluster simulation: with stand-ins, losing one shard at a time loses no released step",
+          "[cluster][sim][replicas][takeover]") {
+  int64_t runs = 0, serves = 0;
+  ReplicatedSweep(
+      true, 95000,
+      [&](int, const SimOptions&, const SimResult& r) {
+        ++runs;
+        serves += r.stand_in_serves;
+      },
+      /*takeover=*/true);
+  INFO(runs << " runs, " << serves << " formations served with a stand-in");
+  CHECK(serves > runs / 4);
+}
+
 // Seeds that found bugs in the coordinator (README "Running a cluster" says which).
 TEST_CASE("cluster simulation: regression seeds", "[cluster][sim]") {
   struct Seed {
@@ -216,12 +268,75 @@ TEST_CASE("cluster simulation: regression seeds", "[cluster][sim]") {
   }
 }
 
+// Seeds that found bugs in takeover (replicated shards with stand-ins). `longer`: the sweeps'
+// Takeover() schedules; else the default schedule with takeover on.
+TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeover]") {
+  struct Seed {
+    int shards;
+    uint64_t seed;
+    bool single;  // one crash at a time
+    bool longer;
+  };
+  const Seed seeds[] = {
+      // Each side of a partition stood in for the other and both served every part.
+      {2, 295007, true, false},
+      // A follower kept sending to a stopped stand-in's address, the shard's own process to one
+      // of its own: each waited for the other.
+      {2, 290026, false, false},
+      // Formed from an empty state through a stand-in while a part's newest copies were on a
+      // shard cut off.
+      {3, 395023, true, false},
+      // A stand-in's heartbeats (no copies) overwrote what the shard's own process said.
+      {3, 395106, true, false},
+      // After a move back, the chief formed on what the stand-in had said last.
+      {3, 395207, true, false},
+      // A restore order chosen on old news came late and undid the steps an epoch served
+      // through a stand-in had released.
+      {2, 296036, true, true},
+      // A seal for parts a stand-in wrote reached the shard's own process after a move back.
+      {2, 296847, true, true},
+      // A new chief formed through a stand-in from copies older than a step released by the last
+      // chief, whose newest copies were on a shard cut off.
+      {3, 395766, true, true},
+      // A shard's own process and its stand-in each sealed a checkpoint of one step (two
+      // timelines); restored, the parts mixed.
+      {2, 295335, false, true},
+      // The chief released a step and was cut off before saying so; a new chief formed through a
+      // stand-in from the copies of the step before (the shards that took the workers' gradients
+      // for it now know its tokens went out).
+      {3, 396614, true, true},
+  };
+  for (const Seed& s : seeds) {
+    SimOptions o;
+    o.shards = s.shards;
+    o.seed = s.seed;
+    o.replicate = true;
+    if (s.longer) {
+      Takeover(&o);
+    } else {
+      o.takeover = true;
+    }
+    if (s.single) {
+      o.single_faults = true;
+      o.crash_rate = 1.0;
+    }
+    Check(o);
+  }
+}
+
 TEST_CASE("cluster simulation: replay one seed (PSD_CLUSTER_SIM_SEED, PSD_CLUSTER_SIM_SHARDS)", "[.replay]") {
   const char* seed = std::getenv("PSD_CLUSTER_SIM_SEED");
   if (seed == nullptr) FAIL("set PSD_CLUSTER_SIM_SEED (and PSD_CLUSTER_SIM_SHARDS, default 3)");
   const char* shards = std::getenv("PSD_CLUSTER_SIM_SHARDS");
   SimOptions o = std::getenv("PSD_CLUSTER_SIM_STORM") != nullptr ? Storm() : SimOptions();
   o.replicate = std::getenv("PSD_CLUSTER_SIM_REPLICATE") != nullptr;
+  if (const char* t = std::getenv("PSD_CLUSTER_SIM_TAKEOVER"); o.replicate && t != nullptr) {
+    if (std::string(t) == "short") {
+      o.takeover = true;  // the default schedule with takeover on (a "takeover regression seed" not `longer`)
+    } else {
+      Takeover(&o);
+    }
+  }
   if (std::getenv("PSD_CLUSTER_SIM_SINGLE") != nullptr) {
     o.single_faults = true;
     o.crash_rate = 1.0;

@@ -88,10 +88,17 @@ struct Engine {
 class FakeHost;
 class Endpoint;
 
+// A process speaking as a shard: the shard's own (proc = index) or, with takeover, its stand-in
+// (proc = P + index), which runs inside the next shard's process (its host).
 struct Shard {
-  int index = 0;
+  int index = 0;  // the shard it speaks as
+  int proc = 0;   // its slot in Sim::shards_
+  bool stand_in = false;
+  int host_proc = -1;   // a stand-in's host: the next shard's process
+  std::string address;  // where it serves: "shard-<i>:1", a stand-in "standin-<i>:<life>"
+  uint64_t stand_ins_asked = 0, stand_ins_stopped = 0;  // a stand-in: its host's StartStandIn / StopStandIn
   bool up = false;
-  bool exited = false;  // finished the job (a daemon with --exit-when-done)
+  bool exited = false;  // finished the job (a daemon with --exit-when-done; a stand-in that stopped by itself)
   uint64_t life = 0;    // bumped by every crash, restart and exit: stale events check it
   std::map<int64_t, DiskEntry> disk;
   uint64_t saved_term = 0;  // on disk too
@@ -101,6 +108,11 @@ struct Shard {
   bool writer_busy = false;
   std::optional<std::tuple<uint64_t, int64_t, uint64_t>> pending_snapshot;  // (epoch, step, value)
   std::map<peer::LiveCopy, uint64_t> own_copies, held_copies;               // replication (memory: lost by a crash)
+  // Its links: where each shard's messages go (PeerNetwork::Retarget), and what waits for a link
+  // being moved to a new address (sent once it is up).
+  std::vector<std::string> targets;
+  std::vector<bool> moving;
+  std::vector<std::vector<peer::Message>> pending;
   std::unique_ptr<FakeHost> host;
   std::unique_ptr<Endpoint> net;
   std::unique_ptr<ClusterCoordinator> coord;
@@ -116,10 +128,19 @@ struct Link {
 
 class Sim {
  public:
-  explicit Sim(const SimOptions& o) : o_(o), rng_(o.seed), shards_(static_cast<size_t>(o.shards)) {
-    links_.assign(static_cast<size_t>(o.shards), std::vector<Link>(static_cast<size_t>(o.shards)));
+  explicit Sim(const SimOptions& o)
+      : o_(o), rng_(o.seed), shards_(static_cast<size_t>(o.takeover ? 2 * o.shards : o.shards)) {
+    const size_t procs = shards_.size();
+    links_.assign(procs, std::vector<Link>(procs));
     group_.assign(static_cast<size_t>(o.shards), 0);
-    for (int i = 0; i < o.shards; ++i) shards_[static_cast<size_t>(i)].index = i;
+    for (size_t p = 0; p < procs; ++p) {
+      Shard& sh = shards_[p];
+      sh.proc = static_cast<int>(p);
+      sh.index = sh.proc % o.shards;
+      sh.stand_in = sh.proc >= o.shards;
+      sh.host_proc = sh.stand_in ? (sh.index + 1) % o.shards : -1;
+      sh.address = sh.stand_in ? "" : Entry(sh.index);
+    }
   }
 
   SimResult Run();
@@ -158,8 +179,18 @@ class Sim {
   }
   Shard& shard(int s) { return shards_[static_cast<size_t>(s)]; }
   int shards() const { return o_.shards; }
+  static std::string Entry(int index) { return "shard-" + std::to_string(index) + ":1"; }
+  std::string Name(int p) {
+    const Shard& sh = shard(p);
+    return (sh.stand_in ? "stand-in " : "shard ") + std::to_string(sh.index);
+  }
 
+  // From process `from` to whoever serves shard `to` there.
   void Send(int from, int to, const peer::Message& m);
+  void Retarget(int from, int to, const std::string& address);
+  // Takeover: the host `host` starts / stops its stand-in for shard `index`.
+  void StartStandIn(int host, int index, std::vector<std::string> links);
+  void StopStandIn(int host);
   // Observations from the fakes.
   void OnFormation(int chief, uint64_t epoch, int64_t step);
   void OnPublished(int s, uint64_t epoch, int64_t step, uint64_t value);
@@ -171,6 +202,22 @@ class Sim {
   void QueueSnapshot(int s, uint64_t epoch, int64_t step, uint64_t value);
   // A copy of `owner`'s state `copy` with `value` was kept (replication).
   void OnCopyKept(int keeper, int owner, const peer::LiveCopy& copy, uint64_t value);
+  // Process `p` published (committed a step of) its shard's part in `epoch`: true if no other
+  // process did (else the run fails). (A restore alone serves nothing: two chiefs may form one
+  // term, the lower index winning before either serves, and the loser's restores stay idle.)
+  bool ServesPart(int p, uint64_t epoch);
+  // Every process that served a part of `epoch` (and so saved its term) lost its checkpoint
+  // directory since; `kept` names one that did not.
+  bool EveryDiskLostSince(uint64_t epoch, int* kept = nullptr) const {
+    auto it = losses_at_serve_.find(epoch);
+    if (it == losses_at_serve_.end()) return false;
+    for (auto& [p, losses] : it->second) {
+      if (disk_losses_[static_cast<size_t>(p)] != losses) continue;
+      if (kept != nullptr) *kept = p;
+      return false;
+    }
+    return true;
+  }
   void OnLiveFormation() { ++result_.live_formations; }
 
  private:
@@ -183,9 +230,31 @@ class Sim {
     bool operator()(const Event& a, const Event& b) const { return a.t != b.t ? a.t > b.t : a.seq > b.seq; }
   };
 
-  void StartShard(int s);
+  void StartShard(int s, std::vector<std::string> links = {});
+  // Stops process `p` at once (a crash, or a stand-in its host stopped): links break, memory is lost.
+  void Stop(int p);
   void Crash(int s);
   void ScheduleTick(int s);
+  int GroupOf(int p) const {
+    const Shard& sh = shards_[static_cast<size_t>(p)];
+    return group_[static_cast<size_t>(sh.stand_in ? sh.host_proc : p)];
+  }
+  // The process at `address` (-1: none ever).
+  int Resolve(const std::string& address) const {
+    for (const Shard& sh : shards_) {
+      if (sh.address == address) return sh.proc;
+    }
+    return -1;
+  }
+  bool AllExited() const {
+    for (int i = 0; i < o_.shards; ++i) {
+      if (!shards_[static_cast<size_t>(i)].exited) return false;
+    }
+    return true;
+  }
+  int StandInOf(int index) const { return o_.takeover ? o_.shards + index : -1; }
+  // The stand-in an original process hosts (-1: none).
+  int HostedBy(int p) const { return o_.takeover ? StandInOf((p + o_.shards - 1) % o_.shards) : -1; }
   bool Allowed(int from, int to) const;
   void Break(int from, int to, int64_t down_ms);
   void CheckLinks();
@@ -208,39 +277,47 @@ class Sim {
   SimResult result_;
 
   // What the invariants remember.
-  std::map<uint64_t, int> server_of_epoch_;                                    // epoch -> the chief that served it
-  std::map<uint64_t, int64_t> released_;                                       // epoch -> last step released
+  std::map<uint64_t, int> server_of_epoch_;  // epoch -> the chief's process
+  // (epoch, shard) -> the process (and its life) that published that part; the last to restore it.
+  std::map<std::pair<uint64_t, int>, std::pair<int, uint64_t>> part_server_;
+  std::map<std::pair<uint64_t, int>, int> restored_by_;
+  std::map<uint64_t, std::set<int>> restorers_;  // epoch -> every process that restored a part of it (saved its term)
+  std::map<uint64_t, int64_t> released_;         // epoch -> last step released
   std::map<std::pair<uint64_t, int64_t>, std::map<int, uint64_t>> published_;  // (epoch, step) -> shard -> value
   std::map<uint64_t, std::map<int, std::pair<int64_t, uint64_t>>> restored_;   // epoch -> shard -> (step, value)
   std::set<uint64_t> formed_;                                                  // epochs whose formation was checked
   bool workers_done_ = false;
   bool operator_approved_ = false;  // a state loss the next formation may make
-  std::vector<int64_t> disk_losses_ = std::vector<int64_t>(static_cast<size_t>(o_.shards), 0);  // per shard
-  std::map<uint64_t, std::vector<int64_t>> losses_at_serve_;  // epoch -> disk_losses_ when it served
-  int64_t max_released_ = -1;                                 // the newest step released in any epoch
-  int64_t serving_since_ = -1;                                // single_faults: when the cluster last served
+  std::vector<int64_t> disk_losses_ = std::vector<int64_t>(shards_.size(), 0);  // per process (its directory)
+  std::map<uint64_t, std::map<int, int64_t>> losses_at_serve_;  // epoch -> its processes' disk_losses_ when it served
+  int64_t max_released_ = -1;                                   // the newest step released in any epoch
+  int64_t serving_since_ = -1;                                  // single_faults: when the cluster last served
 };
 
+// Process `proc`'s network (it speaks as shard `me`).
 class Endpoint : public PeerNetwork {
  public:
-  Endpoint(Sim& sim, int me) : sim_(sim), me_(me) {}
+  Endpoint(Sim& sim, int proc, int me) : sim_(sim), proc_(proc), me_(me) {}
   void Send(int shard, const peer::Message& m) override {
     if (auto* r = std::get_if<peer::Restore>(&m.body); r != nullptr && shard == me_) {
       if (r->live) sim_.OnLiveFormation();
-      sim_.OnFormation(me_, r->epoch, r->step);
+      sim_.OnFormation(proc_, r->epoch, r->step);
     }
-    sim_.Send(me_, shard, m);
+    sim_.Send(proc_, shard, m);
   }
+  void Retarget(int shard, const std::string& address) override { sim_.Retarget(proc_, shard, address); }
 
  private:
   Sim& sim_;
+  const int proc_;
   const int me_;
 };
 
+// Process `proc`'s host (it serves shard `me`'s part).
 class FakeHost : public ShardHost {
  public:
-  FakeHost(Sim& sim, int me) : sim_(sim), me_(me) {}
-  Shard& sh() { return sim_.shard(me_); }
+  FakeHost(Sim& sim, int proc, int me) : sim_(sim), proc_(proc), me_(me) {}
+  Shard& sh() { return sim_.shard(proc_); }
 
   Status CommitStep(uint64_t epoch, int64_t step, bool checkpoint, double) override {
     Engine& e = sh().engine;
@@ -253,27 +330,28 @@ class FakeHost : public ShardHost {
     // The gradients of a step differ from one epoch to the next (workers re-pull and recompute).
     e.value = Mix(Mix(e.value, static_cast<uint64_t>(step)), epoch);
     e.step = step + 1;
-    sim_.OnPublished(me_, epoch, e.step, e.value);
-    if (checkpoint) sim_.QueueSnapshot(me_, e.epoch, e.step, e.value);
+    sim_.OnPublished(proc_, epoch, e.step, e.value);
+    if (checkpoint) sim_.QueueSnapshot(proc_, e.epoch, e.step, e.value);
     return Status::Ok();
   }
   double learning_rate() override { return 0.01; }
-  void PushTokens(int64_t step) override { sim_.OnRelease(me_, step); }
-  void StartServing(int) override { sim_.OnStartServing(me_); }
+  void PushTokens(int64_t step) override { sim_.OnRelease(proc_, step); }
+  void StartServing(int) override { sim_.OnStartServing(proc_); }
   void SetRequired(int) override {}
   void FailWaiters(const Status&) override {}
   void ReportIfIdle() override {}
   // The simulated cluster runs sync without a step deadline: no shard ever votes a forced step,
   // so no chief may order one, and no async order (a snapshot between steps) may come either.
   void ForceStep(uint64_t epoch, int64_t step) override {
-    sim_.Fail(fmt::format("shard {} was ordered to force step {} (epoch {}) with no step deadline", me_, step, epoch));
+    sim_.Fail(
+        fmt::format("{} was ordered to force step {} (epoch {}) with no step deadline", sim_.Name(proc_), step, epoch));
   }
   int64_t global_step() override {
-    sim_.Fail(fmt::format("shard {}: a sync coordinator asked for the async global step", me_));
+    sim_.Fail(fmt::format("{}: a sync coordinator asked for the async global step", sim_.Name(proc_)));
     return sh().engine.step;
   }
   Status SnapshotAs(uint64_t epoch, int64_t step) override {
-    sim_.Fail(fmt::format("shard {} was ordered an async snapshot at step {} (epoch {})", me_, step, epoch));
+    sim_.Fail(fmt::format("{} was ordered an async snapshot at step {} (epoch {})", sim_.Name(proc_), step, epoch));
     return Aborted("sync");
   }
 
@@ -281,7 +359,7 @@ class FakeHost : public ShardHost {
     Shard& s = sh();
     int64_t start = std::max(sim_.now(), s.restores_until);
     s.restores_until = start + sim_.Uniform(1, 80);
-    sim_.Later(me_, s.restores_until, [this, epoch, step, seal, done = std::move(done)](Shard& s) {
+    sim_.Later(proc_, s.restores_until, [this, epoch, step, seal, done = std::move(done)](Shard& s) {
       if (!seal.empty()) {
         Status sealed = SealOwnPart(step, seal);
         if (!sealed.ok()) return done(sealed, {});
@@ -290,14 +368,14 @@ class FakeHost : public ShardHost {
       if (step >= 0) {
         auto it = s.disk.find(step);
         if (it == s.disk.end() || !it->second.restorable()) {
-          sim_.Note(fmt::format("shard {}: restore of step {} for epoch {} fails", me_, step, epoch));
+          sim_.Note(fmt::format("{}: restore of step {} for epoch {} fails", sim_.Name(proc_), step, epoch));
           return done(NotFound("no restorable checkpoint at that step"), {});
         }
         value = it->second.part_checksum;
       }
       s.engine = Engine{epoch, std::max<int64_t>(step, 0), value, false, false};
-      sim_.Note(fmt::format("shard {}: restored step {} for epoch {}", me_, step, epoch));
-      sim_.OnRestored(me_, epoch, step, value);
+      sim_.Note(fmt::format("{}: restored step {} for epoch {}", sim_.Name(proc_), step, epoch));
+      sim_.OnRestored(proc_, epoch, step, value);
       VarPlacement p;
       p.name = "v" + std::to_string(me_);
       p.shape = {4};
@@ -320,12 +398,12 @@ class FakeHost : public ShardHost {
     for (const auto& p : parts) {
       if (p.shard == me_) d.manifest_checksum = p.checksum;
     }
-    sim_.Note(fmt::format("shard {}: sealed step {}{}", me_, step, d.restorable() ? "" : " (its part differs)"));
+    sim_.Note(fmt::format("{}: sealed step {}{}", sim_.Name(proc_), step, d.restorable() ? "" : " (its part differs)"));
     if (d.has_part && !d.restorable()) {
       sim_.Fail(
-          fmt::format("shard {} sealed checkpoint step {} with a manifest that does not match its part "
+          fmt::format("{} sealed checkpoint step {} with a manifest that does not match its part "
                       "(parts of two timelines mixed)",
-                      me_, step));
+                      sim_.Name(proc_), step));
     }
     return Status::Ok();
   }
@@ -341,11 +419,11 @@ class FakeHost : public ShardHost {
       }
     }
     if (it == sh().disk.end() || !it->second.has_part || !named || it->second.part_checksum != want) {
-      sim_.Note(
-          fmt::format("shard {}: refused the seal of step {} carried by a restore (its part differs)", me_, step));
+      sim_.Note(fmt::format("{}: refused the seal of step {} carried by a restore (its part differs)", sim_.Name(proc_),
+                            step));
       return FailedPrecondition("this shard's part does not match the seal");
     }
-    sim_.Note(fmt::format("shard {}: seals step {} from a restore order", me_, step));
+    sim_.Note(fmt::format("{}: seals step {} from a restore order", sim_.Name(proc_), step));
     sim_.CountReseal();
     return SealCheckpoint(step, parts);
   }
@@ -366,14 +444,14 @@ class FakeHost : public ShardHost {
     if (sim_.tracing()) {
       std::string list;
       for (auto& [c, v] : *copies) list += fmt::format(" ({},{})", c.lineage, c.step);
-      sim_.Note(fmt::format("shard {} {} copies:{}", me_, copies == &sh().own_copies ? "own" : "held", list));
+      sim_.Note(fmt::format("{} {} copies:{}", sim_.Name(proc_), copies == &sh().own_copies ? "own" : "held", list));
     }
   }
   std::shared_ptr<const std::string> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) override {
     const Engine& e = sh().engine;
     if (e.epoch != epoch) return nullptr;
     if (e.step != copy.step) {
-      sim_.Fail(fmt::format("shard {} asked to keep a copy of step {} at step {}", me_, copy.step, e.step));
+      sim_.Fail(fmt::format("{} asked to keep a copy of step {} at step {}", sim_.Name(proc_), copy.step, e.step));
       return nullptr;
     }
     sh().own_copies[copy] = e.value;
@@ -389,7 +467,7 @@ class FakeHost : public ShardHost {
     if (bytes->size() < sizeof(uint64_t)) return InvalidArgument("a copy too short");
     uint64_t value = 0;
     std::memcpy(&value, bytes->data(), sizeof(value));
-    sim_.OnCopyKept(me_, owner, copy, value);
+    sim_.OnCopyKept(proc_, owner, copy, value);
     auto& copies = owner == me_ ? sh().own_copies : sh().held_copies;
     copies[copy] = value;
     Trim(&copies);
@@ -404,12 +482,12 @@ class FakeHost : public ShardHost {
     Shard& s = sh();
     int64_t start = std::max(sim_.now(), s.restores_until);
     s.restores_until = start + sim_.Uniform(1, 80);
-    sim_.Later(me_, s.restores_until, [this, epoch, copy, done = std::move(done)](Shard& s) {
+    sim_.Later(proc_, s.restores_until, [this, epoch, copy, done = std::move(done)](Shard& s) {
       auto it = s.own_copies.find(copy);
       if (it == s.own_copies.end()) return done(NotFound("no such copy"), {});
       s.engine = Engine{epoch, copy.step, it->second, false, false};
-      sim_.Note(fmt::format("shard {}: restored the live copy of step {} for epoch {}", me_, copy.step, epoch));
-      sim_.OnRestored(me_, epoch, copy.step, it->second);
+      sim_.Note(fmt::format("{}: restored the live copy of step {} for epoch {}", sim_.Name(proc_), copy.step, epoch));
+      sim_.OnRestored(proc_, epoch, copy.step, it->second);
       VarPlacement p;
       p.name = "v" + std::to_string(me_);
       p.shape = {4};
@@ -425,16 +503,21 @@ class FakeHost : public ShardHost {
     Engine& e = sh().engine;
     e.closed = true;
     if (snapshot_step < 0 || e.prepared || e.step != snapshot_step) return false;
-    sim_.QueueSnapshot(me_, e.epoch, e.step, e.value);
+    sim_.QueueSnapshot(proc_, e.epoch, e.step, e.value);
     return true;
   }
   void FinishJob() override {
-    sim_.Later(me_, sim_.now(), [this](Shard&) { sim_.Exit(me_); });
+    sim_.Later(proc_, sim_.now(), [this](Shard&) { sim_.Exit(proc_); });
   }
-  void EndJobIfDone() override { sim_.OnWorkersDoneCheck(me_); }
+  void EndJobIfDone() override { sim_.OnWorkersDoneCheck(proc_); }
+  void StartStandIn(int shard, std::vector<std::string> links) override {
+    sim_.StartStandIn(proc_, shard, std::move(links));
+  }
+  void StopStandIn() override { sim_.StopStandIn(proc_); }
 
  private:
   Sim& sim_;
+  const int proc_;
   const int me_;
 };
 
@@ -445,7 +528,7 @@ bool Sim::Allowed(int from, int to) const {
   const Shard& b = shards_[static_cast<size_t>(to)];
   const Link& l = links_[static_cast<size_t>(from)][static_cast<size_t>(to)];
   if (a.exited) return now_ <= l.last_delivery;  // what it sent before it exited still arrives
-  return a.up && b.up && group_[static_cast<size_t>(from)] == group_[static_cast<size_t>(to)] && now_ >= l.down_until;
+  return a.up && b.up && GroupOf(from) == GroupOf(to) && now_ >= l.down_until;
 }
 
 void Sim::Break(int from, int to, int64_t down_ms) {
@@ -456,44 +539,62 @@ void Sim::Break(int from, int to, int64_t down_ms) {
   ++l.gen;
   l.last_delivery = now_;
   Shard& b = shard(to);
-  Note(fmt::format("link {} -> {} breaks", from, to));
-  if (b.up) b.coord->OnPeerDown(from);
+  Note(fmt::format("link {} -> {} breaks", Name(from), Name(to)));
+  if (b.up) b.coord->OnPeerDown(shard(from).index);
 }
 
 void Sim::CheckLinks() {
-  for (int i = 0; i < o_.shards; ++i) {
-    for (int j = 0; j < o_.shards; ++j) {
-      if (i == j) continue;
+  const int procs = static_cast<int>(shards_.size());
+  for (int i = 0; i < procs; ++i) {
+    Shard& a = shard(i);
+    for (int j = 0; j < procs; ++j) {
+      Shard& b = shard(j);
+      if (a.index == b.index) continue;  // a stand-in and its shard's own process do not link
       Link& l = links_[static_cast<size_t>(i)][static_cast<size_t>(j)];
-      bool allowed = Allowed(i, j);
+      // `a` dials whoever serves b's shard where it believes it is served.
+      bool wanted = !a.targets.empty() && Resolve(a.targets[static_cast<size_t>(b.index)]) == j;
+      bool allowed = wanted && Allowed(i, j);
       if (l.connected && !allowed) {
         Break(i, j, 0);
-      } else if (!l.connected && allowed && !shard(i).exited) {
+      } else if (!l.connected && allowed && !a.exited) {
         l.connected = true;
         ++l.gen;
         l.last_delivery = now_;
-        Note(fmt::format("link {} -> {} up", i, j));
-        shard(j).coord->OnPeerUp(i);
+        Note(fmt::format("link {} -> {} up", Name(i), Name(j)));
+        b.coord->OnPeerUp(a.index);
+        if (a.moving[static_cast<size_t>(b.index)]) {
+          // A link moved to a new address: what was given meanwhile goes now, in order.
+          a.moving[static_cast<size_t>(b.index)] = false;
+          std::vector<peer::Message> waiting;
+          waiting.swap(a.pending[static_cast<size_t>(b.index)]);
+          for (const auto& m : waiting) Send(i, b.index, m);
+        }
       }
     }
   }
 }
 
-void Sim::Send(int from, int to, const peer::Message& m) {
-  if (to < 0 || to >= o_.shards) return;
-  if (from == to) {  // posted to this shard's own loop
-    Later(to, now_ + Uniform(0, 1), [this, from, m](Shard& s) {
-      if (tracing()) Note(fmt::format("{} -> self: {}", from, Describe(m)));
-      s.coord->OnMessage(from, m);
+void Sim::Send(int from, int to_shard, const peer::Message& m) {
+  if (to_shard < 0 || to_shard >= o_.shards) return;
+  Shard& a = shard(from);
+  if (to_shard == a.index) {  // posted to this process's own loop
+    Later(from, now_ + Uniform(0, 1), [this, from, m](Shard& s) {
+      if (tracing()) Note(fmt::format("{} -> self: {}", Name(from), Describe(m)));
+      s.coord->OnMessage(s.index, m);
     });
     return;
   }
+  const int to = Resolve(a.targets[static_cast<size_t>(to_shard)]);
+  if (to < 0 || !links_[static_cast<size_t>(from)][static_cast<size_t>(to)].connected) {
+    // A link that is down drops what it is given; one being moved keeps it for the new address.
+    if (a.moving[static_cast<size_t>(to_shard)]) a.pending[static_cast<size_t>(to_shard)].push_back(m);
+    return;
+  }
   Link& l = links_[static_cast<size_t>(from)][static_cast<size_t>(to)];
-  if (!l.connected) return;  // a link that is down drops what it is given
   if (faulty() && Chance(o_.break_on_send)) {
-    Note(fmt::format("{} -> {}: {} lost", from, to, Describe(m)));
+    Note(fmt::format("{} -> {}: {} lost", Name(from), Name(to), Describe(m)));
     result_.faults.push_back(
-        fmt::format("{} ms: link {} -> {} breaks at a {}", now_, from, to, peer::KindName(m.body)));
+        fmt::format("{} ms: link {} -> {} breaks at a {}", now_, Name(from), Name(to), peer::KindName(m.body)));
     return Break(from, to, Uniform(20, 600));
   }
   int64_t delay = faulty() && Chance(o_.slow) ? Uniform(100, 1500) : Uniform(1, 8);
@@ -504,17 +605,43 @@ void Sim::Send(int from, int to, const peer::Message& m) {
   for (int c = 0; c < copies; ++c) {
     Later(to, t, [this, from, to, gen, m, c](Shard& s) {
       if (links_[static_cast<size_t>(from)][static_cast<size_t>(to)].gen != gen) return;  // the link broke
-      if (tracing()) Note(fmt::format("{} -> {}: {}{}", from, to, Describe(m), c > 0 ? " (again)" : ""));
-      s.coord->OnMessage(from, m);
+      if (tracing()) Note(fmt::format("{} -> {}: {}{}", Name(from), Name(to), Describe(m), c > 0 ? " (again)" : ""));
+      s.coord->OnMessage(shard(from).index, m);
+    });
+  }
+}
+
+void Sim::Retarget(int from, int to_shard, const std::string& address) {
+  Shard& a = shard(from);
+  if (to_shard < 0 || to_shard >= o_.shards || to_shard == a.index) return;
+  std::string& target = a.targets[static_cast<size_t>(to_shard)];
+  if (target == address) return;
+  Note(fmt::format("{}: the link to shard {} now goes to {} (was {})", Name(from), to_shard, address, target));
+  const int old = Resolve(target);
+  target = address;
+  a.moving[static_cast<size_t>(to_shard)] = true;
+  // The link to the old address closes (told from the event loop, not inside the coordinator's call).
+  if (old >= 0) {
+    uint64_t life = a.life;
+    At(now_, [this, from, old, life] {
+      if (shard(from).life == life && Resolve(shard(from).targets[static_cast<size_t>(shard(old).index)]) != old) {
+        Break(from, old, 0);
+      }
     });
   }
 }
 
 // --- shards ---------------------------------------------------------------------------------------
 
-void Sim::StartShard(int s) {
+void Sim::StartShard(int s, std::vector<std::string> links) {
   Shard& sh = shard(s);
+  if (sh.exited) {  // a stand-in that stopped by itself before: what it sent then is gone now
+    for (int i = 0; i < static_cast<int>(shards_.size()); ++i) {
+      if (i != s) Break(s, i, 0);
+    }
+  }
   sh.up = true;
+  sh.exited = false;
   ++sh.life;
   sh.engine = Engine{};
   sh.prepare_for = {0, -1};
@@ -523,11 +650,16 @@ void Sim::StartShard(int s) {
   sh.pending_snapshot.reset();
   sh.own_copies.clear();
   sh.held_copies.clear();
-  sh.host = std::make_unique<FakeHost>(*this, s);
-  sh.net = std::make_unique<Endpoint>(*this, s);
+  if (sh.stand_in) sh.address = "standin-" + std::to_string(sh.index) + ":" + std::to_string(sh.life);
+  sh.host = std::make_unique<FakeHost>(*this, s, sh.index);
+  sh.net = std::make_unique<Endpoint>(*this, s, sh.index);
   ClusterOptions opt;
-  opt.me = s;
-  for (int i = 0; i < o_.shards; ++i) opt.addresses.push_back("shard-" + std::to_string(i) + ":1");
+  opt.me = sh.index;
+  for (int i = 0; i < o_.shards; ++i) opt.addresses.push_back(Entry(i));
+  sh.targets = links.empty() ? opt.addresses : links;
+  sh.moving.assign(static_cast<size_t>(o_.shards), false);
+  sh.pending.assign(static_cast<size_t>(o_.shards), {});
+  opt.links = std::move(links);
   opt.heartbeat_ms = kHeartbeatMs;
   opt.election_timeout_ms = 1000;
   opt.checkpoint_dir = "sim";
@@ -538,6 +670,8 @@ void Sim::StartShard(int s) {
   opt.final_seal_timeout = std::chrono::milliseconds(1000);
   opt.replicate = o_.replicate;
   opt.replica_chunk_bytes = 1024;  // several pieces per copy
+  opt.stand_in = sh.stand_in;
+  if (o_.takeover && !sh.stand_in) opt.takeover_after = std::chrono::milliseconds(o_.takeover_after_ms);
   uint64_t life = sh.life;
   sh.coord = std::make_unique<ClusterCoordinator>(
       std::move(opt), *sh.host, *sh.net, [this] { return clock(); },
@@ -546,6 +680,7 @@ void Sim::StartShard(int s) {
           if (shard(s).up && shard(s).life == life) shard(s).coord->Tick();
         });
       });
+  if (sh.stand_in) sh.coord->SetAddress(sh.address);
   sh.coord->Start();
   ScheduleTick(s);
 }
@@ -557,15 +692,16 @@ void Sim::ScheduleTick(int s) {
   });
 }
 
-void Sim::Crash(int s) {
-  Shard& sh = shard(s);
+void Sim::Stop(int p) {
+  Shard& sh = shard(p);
+  if (!sh.up) return;
   sh.coord->Stop();
   sh.up = false;
   ++sh.life;
-  for (int i = 0; i < o_.shards; ++i) {
-    if (i == s) continue;
-    Break(s, i, 0);
-    Break(i, s, 0);
+  for (int i = 0; i < static_cast<int>(shards_.size()); ++i) {
+    if (i == p) continue;
+    Break(p, i, 0);
+    Break(i, p, 0);
   }
   // Destroyed only now: the breaks above told the others, not this one.
   sh.coord.reset();
@@ -573,19 +709,56 @@ void Sim::Crash(int s) {
   sh.host.reset();
 }
 
+void Sim::Crash(int s) {
+  // The stand-in it runs is in its process.
+  if (int hosted = HostedBy(s); hosted >= 0) Stop(hosted);
+  Stop(s);
+}
+
+void Sim::StartStandIn(int host, int index, std::vector<std::string> links) {
+  const int p = StandInOf(index);
+  if (p < 0 || shard(p).host_proc != host) {
+    return Fail(fmt::format("{} started a stand-in for shard {}, not its predecessor", Name(host), index));
+  }
+  // It starts a moment later, once the last one (if any) has stopped, unless it was stopped
+  // meanwhile (as the daemon's host does: StopStandIn covers the stand-ins asked for before).
+  const uint64_t number = ++shard(p).stand_ins_asked;
+  Later(host, now_ + Uniform(5, 60), [this, p, number, links = std::move(links)](Shard&) {
+    if (shard(p).stand_ins_stopped >= number) return;
+    if (shard(p).up) return Fail(fmt::format("{} started while one runs", Name(p)));
+    ++result_.stand_ins;
+    Note(fmt::format("{} starts on {}", Name(p), Name(shard(p).host_proc)));
+    StartShard(p, links);
+  });
+}
+
+void Sim::StopStandIn(int host) {
+  const int p = HostedBy(host);
+  shard(p).stand_ins_stopped = shard(p).stand_ins_asked;
+  Later(host, now_, [this, p](Shard&) {
+    if (!shard(p).up) return;
+    Note(fmt::format("{} is stopped by its host", Name(p)));
+    Stop(p);
+  });
+}
+
 void Sim::Exit(int s) {
   Shard& sh = shard(s);
-  Note(fmt::format("shard {} exits (job finished)", s));
+  Note(fmt::format("{} exits (job finished)", Name(s)));
   sh.coord->Stop();
   sh.up = false;
   sh.exited = true;
   ++sh.life;
-  for (int i = 0; i < o_.shards; ++i) {
+  for (int i = 0; i < static_cast<int>(shards_.size()); ++i) {
     if (i != s) Break(i, s, 0);  // its own links close once what it sent has arrived (CheckLinks)
   }
-  bool all = true;
-  for (auto& x : shards_) all = all && x.exited;
-  if (all) result_.end_ms = now_;
+  if (sh.stand_in) {
+    // It stopped by itself: its host may start another.
+    Later(sh.host_proc, now_, [](Shard& host) { host.coord->OnStandInEnded(); });
+    return;
+  }
+  if (int hosted = HostedBy(s); hosted >= 0) Stop(hosted);
+  if (AllExited()) result_.end_ms = now_;
 }
 
 // --- the fake engines' work ------------------------------------------------------------------------
@@ -599,13 +772,13 @@ void Sim::SchedulePrepares() {
     auto r = released_.find(sh.engine.epoch);
     if (r == released_.end() || r->second < sh.engine.step) continue;  // no worker knows this step yet
     sh.prepare_for = key;
-    int s = sh.index;
+    int s = sh.proc;
     Later(s, now_ + Uniform(1, 30), [this, s, key](Shard& sh) {
       if (sh.engine.epoch != key.first || sh.engine.step != key.second || sh.engine.prepared || sh.engine.closed) {
         return;
       }
       sh.engine.prepared = true;
-      Note(fmt::format("shard {}: prepared step {} (epoch {})", s, key.second, key.first));
+      Note(fmt::format("{}: prepared step {} (epoch {})", Name(s), key.second, key.first));
       sh.coord->OnPrepared(key.first, key.second, 1, 1, 1, false);
     });
   }
@@ -629,8 +802,8 @@ void Sim::StartWrite(int s) {
     d.part_checksum = value;  // an older manifest of this step no longer matches it
     d.abandoned = false;
     sh.writer_busy = false;
-    Note(fmt::format("shard {}: part of step {} written", s, step));
-    sh.coord->OnPartWritten(epoch, step, {s, "part-" + std::to_string(step), 64, value});
+    Note(fmt::format("{}: part of step {} written", Name(s), step));
+    sh.coord->OnPartWritten(epoch, step, {sh.index, "part-" + std::to_string(step), 64, value});
     StartWrite(s);
   });
 }
@@ -641,7 +814,7 @@ void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
   // Two shards that claimed at once may both form the same term; the lower index wins before
   // either serves (OnStartServing checks that one chief runs each epoch).
   if (!formed_.insert(epoch).second) ++result_.contested;
-  Note(fmt::format("shard {} forms epoch {} at step {}", chief, epoch, step));
+  Note(fmt::format("{} forms epoch {} at step {}", Name(chief), epoch, step));
   if (step < max_released_) {
     ++result_.rollbacks;
     if (o_.replicate && o_.single_faults) {
@@ -659,15 +832,25 @@ void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
     }
     return;
   }
-  // The newest checkpoint every shard holds sealed: no formation may go back before it.
+  // The newest checkpoint every shard holds sealed: no formation may go back before it. (A shard
+  // served by a stand-in counts a step only if the stand-in holds it too: a stand-in restores
+  // from its own directory, and only a live copy carries what its shard's disk holds.)
   int64_t durable = -1;
   std::set<int64_t> common;
   bool first = true;
-  for (auto& sh : shards_) {
+  for (int i = 0; i < o_.shards; ++i) {
+    const Shard& sh = shard(i);
     if (sh.exited) return;
     std::set<int64_t> mine;
     for (auto& [t, d] : sh.disk) {
       if (d.restorable() && !d.abandoned) mine.insert(t);
+    }
+    if (int p = StandInOf(i); p >= 0 && shard(p).up) {
+      for (auto it = mine.begin(); it != mine.end();) {
+        auto theirs = shard(p).disk.find(*it);
+        bool held = theirs != shard(p).disk.end() && theirs->second.restorable() && !theirs->second.abandoned;
+        it = held ? std::next(it) : mine.erase(it);
+      }
     }
     if (first) {
       common = mine;
@@ -678,15 +861,55 @@ void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
       common.swap(both);
     }
   }
+  // (Whole only if every manifest of the step lists the same parts: with stand-ins, a shard's own
+  // process and its stand-in may each have sealed a step of their own timeline.)
+  auto parts_of = [](std::vector<peer::PartInfo> v) {
+    std::vector<std::pair<int, uint64_t>> out;
+    for (const auto& p : v) out.emplace_back(p.shard, p.checksum);
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  for (auto it = common.begin(); it != common.end();) {
+    bool same = true;
+    std::optional<std::vector<std::pair<int, uint64_t>>> first_parts;
+    for (const Shard& sh : shards_) {
+      if (sh.stand_in && !sh.up) continue;
+      auto d = sh.disk.find(*it);
+      if (d == sh.disk.end() || !d->second.restorable()) continue;
+      auto parts = parts_of(d->second.manifest_parts);
+      if (!first_parts) first_parts = parts;
+      same = same && parts == *first_parts;
+    }
+    // With takeover, a checkpoint of a step whose tokens never went out may be given up by a
+    // formation through a stand-in (its directory lacks it; the live copies are of the step
+    // before): that step is computed again, nothing released is lost.
+    if (o_.takeover && *it > max_released_) same = false;
+    it = same ? std::next(it) : common.erase(it);
+  }
   if (!common.empty()) durable = *common.rbegin();
   if (step < durable) {
-    Fail(fmt::format("shard {} forms epoch {} at step {}, before checkpoint {} that every shard holds sealed", chief,
+    Fail(fmt::format("{} forms epoch {} at step {}, before checkpoint {} that every shard holds sealed", Name(chief),
                      epoch, step, durable));
   }
 }
 
-void Sim::OnPublished(int s, uint64_t epoch, int64_t step, uint64_t value) {
-  Note(fmt::format("shard {}: published step {} (epoch {})", s, step, epoch));
+bool Sim::ServesPart(int p, uint64_t epoch) {
+  const int index = shard(p).index;
+  const std::pair<int, uint64_t> mine{p, shard(p).life};
+  auto [it, fresh] = part_server_.emplace(std::make_pair(epoch, index), mine);
+  if (fresh || it->second == mine) return true;
+  Fail(
+      fmt::format("{} published shard {}'s part in epoch {}, which {} served{}: two primaries of one part in one "
+                  "epoch",
+                  Name(p), index, epoch, Name(it->second.first),
+                  shard(it->second.first).life == it->second.second ? "" : " (and is gone)"));
+  return false;
+}
+
+void Sim::OnPublished(int p, uint64_t epoch, int64_t step, uint64_t value) {
+  const int s = shard(p).index;
+  Note(fmt::format("{}: published step {} (epoch {})", Name(p), step, epoch));
+  if (!ServesPart(p, epoch)) return;
   auto& m = published_[{epoch, step}];
   for (auto& [other, v] : m) {
     if (v != value) {
@@ -697,35 +920,48 @@ void Sim::OnPublished(int s, uint64_t epoch, int64_t step, uint64_t value) {
   m[s] = value;
 }
 
-void Sim::OnRestored(int s, uint64_t epoch, int64_t step, uint64_t value) { restored_[epoch][s] = {step, value}; }
+void Sim::OnRestored(int p, uint64_t epoch, int64_t step, uint64_t value) {
+  restored_[epoch][shard(p).index] = {step, value};
+  restored_by_[{epoch, shard(p).index}] = p;
+  restorers_[epoch].insert(p);
+}
 
 void Sim::OnStartServing(int s) {
   const Engine& e = shard(s).engine;
   uint64_t epoch = e.epoch;
-  Note(fmt::format("shard {} serves epoch {} from step {}", s, epoch, e.step));
+  Note(fmt::format("{} serves epoch {} from step {}", Name(s), epoch, e.step));
   serving_since_ = now_;
   auto [it, fresh] = server_of_epoch_.emplace(epoch, s);
   if (!fresh) {
     // Only a cluster with no disk left that remembers the term may form it again.
-    const std::vector<int64_t>& then = losses_at_serve_[epoch];
-    for (int i = 0; i < o_.shards; ++i) {
-      if (disk_losses_[static_cast<size_t>(i)] == then[static_cast<size_t>(i)]) {
-        return Fail(
-            fmt::format("shards {} and {} both ran epoch {} as chief (shard {} still has its checkpoint "
-                        "directory)",
-                        it->second, s, epoch, i));
-      }
+    int kept = -1;
+    if (!EveryDiskLostSince(epoch, &kept)) {
+      return Fail(
+          fmt::format("{} and {} both ran epoch {} as chief ({}, which served it, still has its checkpoint "
+                      "directory)",
+                      Name(it->second), Name(s), epoch, Name(kept)));
     }
-    Note(fmt::format("epoch {} formed again: every shard lost its checkpoint directory since", epoch));
+    Note(fmt::format("epoch {} formed again: every process that served it lost its checkpoint directory since", epoch));
     it->second = s;
     for (auto p = published_.lower_bound({epoch, INT64_MIN}); p != published_.end() && p->first.first == epoch;) {
       p = published_.erase(p);
     }
+    for (auto p = part_server_.lower_bound({epoch, INT_MIN}); p != part_server_.end() && p->first.first == epoch;) {
+      p = part_server_.erase(p);
+    }
   }
-  losses_at_serve_[epoch] = disk_losses_;
+  auto& losses = losses_at_serve_[epoch];
+  losses.clear();
+  for (int p : restorers_[epoch]) losses[p] = disk_losses_[static_cast<size_t>(p)];
+  bool stand_in = false;
+  for (int i = 0; i < o_.shards; ++i) {
+    auto by = restored_by_.find({epoch, i});
+    stand_in = stand_in || (by != restored_by_.end() && shard(by->second).stand_in);
+  }
+  if (stand_in) ++result_.stand_in_serves;
   auto& r = restored_[epoch];
   if (static_cast<int>(r.size()) != o_.shards) {
-    return Fail(fmt::format("shard {} serves epoch {} with {} of {} shards restored", s, epoch, r.size(), o_.shards));
+    return Fail(fmt::format("{} serves epoch {} with {} of {} shards restored", Name(s), epoch, r.size(), o_.shards));
   }
   for (auto& [other, sv] : r) {
     if (sv != r.begin()->second) {
@@ -738,7 +974,7 @@ void Sim::OnStartServing(int s) {
 }
 
 void Sim::OnCopyKept(int keeper, int owner, const peer::LiveCopy& copy, uint64_t value) {
-  Note(fmt::format("shard {} keeps shard {}'s copy of step {} (lineage {})", keeper, owner, copy.step, copy.lineage));
+  Note(fmt::format("{} keeps shard {}'s copy of step {} (lineage {})", Name(keeper), owner, copy.step, copy.lineage));
   // A copy is of the epoch that committed (or restored) that step: bit-identical to its owner's.
   std::optional<uint64_t> want;
   if (auto p = published_.find({copy.lineage, copy.step}); p != published_.end()) {
@@ -751,22 +987,22 @@ void Sim::OnCopyKept(int keeper, int owner, const peer::LiveCopy& copy, uint64_t
     }
   }
   if (!want) {
-    return Fail(fmt::format("shard {} keeps a copy of shard {} at step {} (lineage {}) that shard never published",
-                            keeper, owner, copy.step, copy.lineage));
+    return Fail(fmt::format("{} keeps a copy of shard {} at step {} (lineage {}) that shard never published",
+                            Name(keeper), owner, copy.step, copy.lineage));
   }
   if (*want != value) {
-    return Fail(fmt::format("shard {}'s copy of shard {} at step {} (lineage {}) differs from what it published",
-                            keeper, owner, copy.step, copy.lineage));
+    return Fail(fmt::format("{}'s copy of shard {} at step {} (lineage {}) differs from what it published",
+                            Name(keeper), owner, copy.step, copy.lineage));
   }
   ++result_.copies_checked;
 }
 
 void Sim::OnRelease(int s, int64_t step) {
   uint64_t epoch = shard(s).engine.epoch;
-  Note(fmt::format("shard {} releases the tokens of step {} (epoch {})", s, step, epoch));
+  Note(fmt::format("{} releases the tokens of step {} (epoch {})", Name(s), step, epoch));
   auto server = server_of_epoch_.find(epoch);
   if (server == server_of_epoch_.end() || server->second != s) {
-    return Fail(fmt::format("shard {} releases step {} of epoch {} that it does not run", s, step, epoch));
+    return Fail(fmt::format("{} releases step {} of epoch {} that it does not run", Name(s), step, epoch));
   }
   int64_t& last = released_[epoch];
   if (step != last + 1) {
@@ -803,16 +1039,16 @@ void Sim::InjectFault() {
   At(now_ + wait, [this, total] {
     if (!faulty()) return;
     double pick = std::uniform_real_distribution<double>(0, total)(rng_);
-    std::vector<int> live;
-    for (auto& sh : shards_) {
-      if (sh.up) live.push_back(sh.index);
+    std::vector<int> live;  // shards' own processes (a stand-in dies with its host)
+    for (int i = 0; i < o_.shards; ++i) {
+      if (shard(i).up) live.push_back(i);
     }
     if (pick < o_.crash_rate) {
       // One fault at a time: only a cluster that has served a while loses a shard.
       bool whole = static_cast<int>(live.size()) == o_.shards &&
                    std::all_of(group_.begin(), group_.end(), [&](int g) { return g == group_[0]; });
       bool serving = true;
-      for (auto& sh : shards_) serving = serving && sh.up && sh.coord->Serving().ok();
+      for (int i = 0; i < o_.shards; ++i) serving = serving && shard(i).up && shard(i).coord->Serving().ok();
       // (Nor once the workers are done: a shard back after the others exited waits for them, a
       // liveness matter the general sweep covers, not what this mode checks.)
       if (o_.single_faults &&
@@ -821,7 +1057,7 @@ void Sim::InjectFault() {
       } else if (!live.empty()) {
         serving_since_ = -1;
         int s = live[static_cast<size_t>(Uniform(0, static_cast<int64_t>(live.size()) - 1))];
-        int64_t down = Uniform(100, 3000);
+        int64_t down = Uniform(100, o_.max_down_ms);
         bool lose = !o_.single_faults && Chance(o_.lose_disk);
         result_.faults.push_back(fmt::format("{} ms: shard {} crashes for {} ms{}", now_, s, down,
                                              lose ? ", losing its checkpoint directory" : ""));
@@ -830,6 +1066,11 @@ void Sim::InjectFault() {
         if (lose) {
           shard(s).disk.clear();
           shard(s).saved_term = 0;
+          if (int hosted = HostedBy(s); hosted >= 0) {  // its stand-in's directory is beside its own
+            shard(hosted).disk.clear();
+            shard(hosted).saved_term = 0;
+            ++disk_losses_[static_cast<size_t>(hosted)];
+          }
           ++disk_losses_[static_cast<size_t>(s)];
         }
         At(now_ + down, [this, s] {
@@ -872,10 +1113,10 @@ void Sim::StopFaults() {
   for (auto& row : links_) {
     for (auto& l : row) l.down_until = 0;
   }
-  for (auto& sh : shards_) {
-    if (!sh.up && !sh.exited) {
-      Note(fmt::format("shard {} restarts", sh.index));
-      StartShard(sh.index);
+  for (int i = 0; i < o_.shards; ++i) {
+    if (!shard(i).up && !shard(i).exited) {
+      Note(fmt::format("shard {} restarts", i));
+      StartShard(i);
     }
   }
 }
@@ -888,16 +1129,18 @@ void Sim::Operator() {
     // Asked only when some shard really lacks (holds no trace of) a checkpoint another can restore.
     // (A loss approved before is asked again once shards that still hold the step restarted: the
     // decision is not kept on disk.)
+    // (A stand-in counts while it runs: it restores from its own directory.)
+    auto counts = [this](const Shard& x) { return !x.stand_in || x.up; };
     bool lacking = false;
     for (auto& a : shards_) {
+      if (!counts(a)) continue;
       for (auto& [t, d] : a.disk) {
         if (!d.restorable()) continue;
-        for (auto& b : shards_) lacking = lacking || b.disk.count(t) == 0;
+        for (auto& b : shards_) lacking = lacking || (counts(b) && b.disk.count(t) == 0);
       }
     }
     if (!lacking)
-      return Fail("shard " + std::to_string(sh.index) + " asks an operator to give up a checkpoint " +
-                  "that every shard holds: " + v.state);
+      return Fail(Name(sh.proc) + " asks an operator to give up a checkpoint that every shard holds: " + v.state);
     // psd_admin recover: the newest step every shard can restore, else empty.
     Status s = sh.coord->Recover(-1, false);
     bool empty = !s.ok();
@@ -905,7 +1148,7 @@ void Sim::Operator() {
     if (!s.ok()) continue;
     operator_approved_ = true;
     result_.faults.push_back(
-        fmt::format("{} ms: operator: recover{} on shard {}", now_, empty ? " --empty" : "", sh.index));
+        fmt::format("{} ms: operator: recover{} on {}", now_, empty ? " --empty" : "", Name(sh.proc)));
     Note(result_.faults.back());
   }
   At(now_ + 500, [this] { Operator(); });
@@ -914,9 +1157,11 @@ void Sim::Operator() {
 std::string Sim::State() {
   std::string out;
   for (auto& sh : shards_) {
+    if (sh.stand_in && sh.life == 0) continue;  // never started
     std::string disk;
     for (auto& [t, d] : sh.disk) disk += fmt::format(" {}{}", t, d.restorable() ? "" : "?");
-    out += fmt::format("  shard {}: {}", sh.index, sh.exited ? "exited" : sh.up ? "up" : "down");
+    out += fmt::format("  {}: {}", Name(sh.proc), sh.exited ? "exited" : sh.up ? "up" : "down");
+    if (sh.stand_in) out += " at " + sh.address;
     if (sh.up) {
       auto v = sh.coord->Describe();
       out += fmt::format(", chief {} term {} epoch {} state '{}'", v.chief, v.term, v.epoch, v.state);
@@ -951,13 +1196,10 @@ SimResult Sim::Run() {
     e.fn();
     ++result_.events;
     SchedulePrepares();
-    bool all = true;
-    for (auto& sh : shards_) all = all && sh.exited;
-    if (all) break;
+    if (AllExited()) break;
   }
   if (result_.ok) {
-    bool all = true;
-    for (auto& sh : shards_) all = all && sh.exited;
+    bool all = AllExited();
     if (!all) {
       now_ = deadline;
       Fail(fmt::format("the job did not finish within {} ms after the faults stopped ({} steps released in all)",

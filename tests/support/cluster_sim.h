@@ -7,6 +7,9 @@
 // and those in flight are lost, the receiver sees OnPeerDown, the link reconnects later), a
 // message may be delivered twice, shards are partitioned from each other, and shards crash and
 // restart with their "disk" (checkpoint parts and manifests) intact and everything else lost.
+// With takeover, a shard may start a stand-in for its predecessor: one more coordinator speaking
+// as that shard, at an address of its own, in the host's process (a crash of the host kills it,
+// a lost disk takes its directory); links follow PeerNetwork::Retarget as the daemon's do.
 // The fake engine publishes a hash chain of the steps it commits, so shards that committed the
 // same steps hold the same value; the sim decides when a shard has prepared a step (workers'
 // gradients arrive only for a step whose tokens were released).
@@ -44,7 +47,8 @@ struct SimOptions {
   double crash_rate = 0.4;
   double partition_rate = 0.3;
   double break_rate = 0.6;
-  double lose_disk = 0.15;  // of the crashes: the shard's checkpoint directory is lost too
+  double lose_disk = 0.15;     // of the crashes: the shard's checkpoint directory is lost too
+  int64_t max_down_ms = 3000;  // a crashed shard restarts after 100 ms to this (or once the faults stop)
   // Per message while faults are on.
   double break_on_send = 0.01;  // the link breaks at this message
   double duplicate = 0.02;      // delivered twice
@@ -57,6 +61,15 @@ struct SimOptions {
   // cluster serves again), no lost disks: with `replicate`, no formation may then go back before
   // a step whose tokens were released (a rollback).
   bool single_faults = false;
+  // Takeover (with `replicate`; --takeover-after-ms): a shard gone this long is served by a
+  // stand-in that the next shard runs (in its process: it dies with it), from the copy kept there,
+  // until its own process is back. Invariants added: one process serves each part in an epoch
+  // (the shard's own or its stand-in, never both), and a stand-in keeps its checkpoints in a
+  // directory of its host's (lost with it). A checkpoint of a step whose tokens never went out
+  // may then be given up by a formation through a stand-in (whose directory lacks it): that step
+  // is computed again, nothing released is lost.
+  bool takeover = false;
+  int64_t takeover_after_ms = 1000;
 };
 
 struct SimResult {
@@ -72,6 +85,8 @@ struct SimResult {
   int64_t live_formations = 0;  // formations from live copies (replicate)
   int64_t rollbacks = 0;        // formations before the newest step released to workers
   int64_t copies_checked = 0;   // copies compared with what their owner published (replicate)
+  int64_t stand_ins = 0;        // stand-ins started (takeover)
+  int64_t stand_in_serves = 0;  // formations that served with a part on a stand-in (takeover)
   int64_t end_ms = 0;           // simulated time when the last shard exited
 };
 
