@@ -488,10 +488,11 @@ class ClusterCoordinator : public PeerEvents {
   bool live_lost_logged_ GUARDED_BY(mu_) = false;
   bool stand_in_wait_logged_ GUARDED_BY(mu_) = false;  // no live formation through a stand-in: said once
   int64_t released_ GUARDED_BY(mu_) = -1;              // the chief: the newest step whose tokens it released
-  // The newest (epoch, step) whose tokens this shard knows went out to workers: its own releases
-  // as chief, the steps its engine took workers' gradients for and the commits it was ordered
-  // (the tokens of that step went out), and what every shard's heartbeat says. A formation from live copies older than
-  // it (in an epoch as new as the copies') would lose steps workers computed on: the chief waits for newer copies.
+  // The newest (epoch, step) whose tokens this shard knows went out to workers: its own
+  // releases as chief, the steps its engine took workers' gradients for and the commits it was
+  // ordered (the tokens of that step went out), and what every shard's heartbeat says. A
+  // formation from live copies older than it (in an epoch as new as the copies') would lose steps
+  // workers computed on: the chief waits for newer copies.
   peer::LiveCopy known_released_ GUARDED_BY(mu_){0, -1};
   void KnowReleasedLocked(uint64_t epoch, int64_t step) REQUIRES(mu_) {
     known_released_ = std::max(known_released_, peer::LiveCopy{epoch, step});

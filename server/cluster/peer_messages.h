@@ -47,8 +47,9 @@ struct Heartbeat {
   std::string address;                  // where the sender serves (its --cluster entry, or a stand-in's)
   bool stand_in = false;                // the sender is a stand-in for its shard (takeover)
   std::map<int, std::string> moved;     // from the chief: shard -> where it is served, when not at its entry
-  LiveCopy released{0, -1};             // the newest (epoch as lineage, step) whose tokens the sender knows
-                                        // went out: a formation from live copies must not go back before it
+  // The newest (epoch as lineage, step) whose tokens the sender knows went out to workers: a
+  // formation from live copies must not go back before it.
+  LiveCopy released{0, -1};
 
   bool operator==(const Heartbeat&) const = default;
 };

@@ -19,9 +19,13 @@
 // majority of the shards (MajorityLocked; with an even count, half including shard 0's). Without
 // it, the two sides of a partition could each stand in for the other and both serve every part;
 // with it, the side without a majority waits (its chief stops serving if it was). So with 2
-// shards, shard 1 can be served by a stand-in on shard 0, and shard 0 only by its own process. While one serves, d's
-// part and its copy live on the same host: losing that host too before d's process is back leaves no copy of d's part
-// (the cluster then falls back to the newest common checkpoint, and says so).
+// shards, shard 1 can be served by a stand-in on shard 0, and shard 0 only by its own process.
+//
+// While a stand-in serves d, d's part and its copy live on the same host: losing that host too
+// before d's process is back leaves no copy of d's part. A formation through a stand-in restores
+// only from live copies, never older than a step known released (StartFormationLocked); else the
+// chief waits for every shard's own process, and then falls back to the newest common checkpoint
+// (and says so).
 #include <spdlog/spdlog.h>
 
 #include "cluster/coordinator.h"
@@ -98,7 +102,8 @@ void ClusterCoordinator::ChiefMapLocked(Clock::time_point now, std::vector<Actio
     const std::string& entry = options_.addresses[static_cast<size_t>(i)];
     std::string want = AddressOf(i);
     const bool stand_in = !p.stand_in_address.empty() && p.stand_in_heard != never && now - p.stand_in_heard < timeout;
-    if (p.original_heard != never && now - p.original_heard < timeout) {
+    const bool own = p.original_heard != never && now - p.original_heard < timeout;
+    if (own) {
       want = entry;
     } else if (stand_in && majority) {
       want = p.stand_in_address;
@@ -106,9 +111,12 @@ void ClusterCoordinator::ChiefMapLocked(Clock::time_point now, std::vector<Actio
       want = entry;  // a stand-in gone (its host stopped it, or died): its shard is looked for at home
     }
     if (want == AddressOf(i)) continue;
-    if (want == entry) {
+    if (want == entry && own) {
       spdlog::warn("cluster: shard {} is back at {}: it serves its part again (was served by a stand-in at {})", i,
                    entry, AddressOf(i));
+    } else if (want == entry) {
+      spdlog::warn("cluster: the stand-in serving shard {} at {} is gone: shard {} is looked for at {} again", i,
+                   AddressOf(i), i, entry);
     } else {
       spdlog::warn("cluster: shard {} ({}) is served by a stand-in at {} from now on", i, entry, want);
     }
