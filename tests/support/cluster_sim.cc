@@ -815,6 +815,15 @@ void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
   // either serves (OnStartServing checks that one chief runs each epoch).
   if (!formed_.insert(epoch).second) ++result_.contested;
   Note(fmt::format("{} forms epoch {} at step {}", Name(chief), epoch, step));
+  if (server_of_epoch_.count(epoch) > 0 && EveryDiskLostSince(epoch)) {
+    // A term formed again (no directory that saved it is left; OnStartServing checks it): what
+    // its last run restored and published is another timeline's, not what this one's copies are
+    // compared with.
+    for (auto p = published_.lower_bound({epoch, INT64_MIN}); p != published_.end() && p->first.first == epoch;) {
+      p = published_.erase(p);
+    }
+    restored_.erase(epoch);
+  }
   if (step < max_released_) {
     ++result_.rollbacks;
     if (o_.replicate && o_.single_faults) {
