@@ -448,9 +448,14 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   // for the chief's map (ChiefMapLocked) and a stand-in's host (TakeoverHeartbeatLocked).
   const bool served =
       hb.stand_in ? hb.address == AddressOf(from) : AddressOf(from) == options_.addresses[static_cast<size_t>(from)];
+  const Clock::time_point heard = now_();
+  if (hb.stand_in) {
+    p.stand_in_heard = heard;
+    p.stand_in_address = hb.address;
+  } else {
+    p.original_heard = heard;
+  }
   if (!served) {
-    (hb.stand_in ? p.stand_in_heard : p.original_heard) = now_();
-    if (hb.stand_in) p.stand_in_address = hb.address;
     max_term_seen_ = std::max(max_term_seen_, term);
     if (options_.replicate) TakeoverHeartbeatLocked(from, term, hb, /*served=*/false, actions);
     return;
@@ -465,13 +470,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   p.held_copies = hb.held_copies;
   KnowReleasedLocked(hb.released.lineage, hb.released.step);
   p.listening = hb.listening;
-  p.last_heartbeat = now_();
-  if (hb.stand_in) {
-    p.stand_in_heard = p.last_heartbeat;
-    p.stand_in_address = hb.address;
-  } else {
-    p.original_heard = p.last_heartbeat;
-  }
+  p.last_heartbeat = heard;
   max_term_seen_ = std::max(max_term_seen_, term);
   election::View after = election::OnClaim({term_, chief_}, term, hb.chief, shards_);
   if (after.term != term_ || after.chief != chief_) {
@@ -555,25 +554,10 @@ void ClusterCoordinator::HandleCommit(int from, uint64_t term, const peer::Commi
   });
 }
 
-bool ClusterCoordinator::SameParts(std::vector<peer::PartInfo> a, std::vector<peer::PartInfo> b) {
-  auto by_shard = [](const peer::PartInfo& x, const peer::PartInfo& y) { return x.shard < y.shard; };
-  std::sort(a.begin(), a.end(), by_shard);
-  std::sort(b.begin(), b.end(), by_shard);
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const auto& x, const auto& y) {
-           return x.shard == y.shard && x.checksum == y.checksum && x.bytes == y.bytes;
-         });
-}
-
-bool ClusterCoordinator::ServedPastLocked(const peer::Restore& r) const {
-  if (!r.live || r.newest || epoch_ <= r.lineage) return false;
-  if (chief_ == me_) return running_ && released_ > r.step;
-  // A follower: its own copy of step s in the running epoch means every shard committed s - 1,
-  // and the tokens of step s - 1 went out.
-  if (!serving_) return false;
-  for (const peer::LiveCopy& c : own_copies_) {
-    if (c.lineage == epoch_ && c.step > r.step + 1) return true;
-  }
-  return false;
+void ClusterCoordinator::RefuseRestoreLocked(int from, const peer::Restore& r, const std::string& why,
+                                             std::vector<Action>* actions) {
+  peer::Message reply = MessageLocked(peer::Restored{r.epoch, r.step, false, why, {}});
+  actions->push_back([this, from, reply] { SendTo(from, reply); });
 }
 
 void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Restore& r, std::vector<Action>* actions) {
@@ -581,24 +565,8 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   if (!AcceptChiefLocked(from, term, actions)) return;
   uint64_t epoch = r.epoch;
   int64_t step = r.step;
-  if (step >= 0 && !r.live && !r.seal.empty() && std::find(sealed_.begin(), sealed_.end(), step) != sealed_.end()) {
-    auto mine = seal_parts_.find(step);
-    if (mine != seal_parts_.end() && !SameParts(mine->second, r.seal)) {
-      // Two timelines' checkpoints of one step (a stand-in wrote this shard's part of it in its
-      // own directory, this shard's own process another): neither is whole anywhere. Unusable
-      // here from now on; the chief forms at an older step.
-      spdlog::warn(
-          "cluster: refusing to restore checkpoint step {} (epoch {}): this shard's manifest of it lists other parts "
-          "than the chief's (two timelines); the step is unusable here",
-          step, epoch);
-      sealed_.erase(std::remove(sealed_.begin(), sealed_.end(), step), sealed_.end());
-      if (std::find(unusable_.begin(), unusable_.end(), step) == unusable_.end()) unusable_.push_back(step);
-      std::sort(unusable_.rbegin(), unusable_.rend());
-      peer::Message reply =
-          MessageLocked(peer::Restored{epoch, step, false, "its manifest of that step lists other parts", {}});
-      actions->push_back([this, from, reply] { SendTo(from, reply); });
-      return;
-    }
+  if (ManifestDiffersLocked(r)) {
+    return RefuseRestoreLocked(from, r, "its manifest of that step lists other parts", actions);
   }
   if (served_past && epoch > restore_epoch_) {
     // Chosen on old news (the order came late: meanwhile this shard's epoch, served through a
@@ -608,10 +576,7 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
         "cluster: refusing the restore of the live copies of step {} (epoch {}): this shard's epoch {} released "
         "steps past it; its copies of them are kept for the next formation",
         step, epoch, epoch_);
-    peer::Message reply =
-        MessageLocked(peer::Restored{epoch, step, false, "the epoch it served released steps past this choice", {}});
-    actions->push_back([this, from, reply] { SendTo(from, reply); });
-    return;
+    return RefuseRestoreLocked(from, r, "the epoch it served released steps past this choice", actions);
   }
   // Once per epoch: the same order again (a duplicate) must not reset a state that has moved on.
   if (epoch <= restore_epoch_) return;
@@ -633,11 +598,7 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   // part unusable elsewhere): never offered again (on disk, the next ones overwrite them). They
   // stay a trace here, as unusable: a shard that restarts and offers one again (its disk still
   // has it) must not make the chief ask an operator to give it up a second time.
-  for (int64_t t : sealed_) {
-    if (t > step && std::find(unusable_.begin(), unusable_.end(), t) == unusable_.end()) unusable_.push_back(t);
-  }
-  std::sort(unusable_.rbegin(), unusable_.rend());
-  sealed_.erase(std::remove_if(sealed_.begin(), sealed_.end(), [step](int64_t t) { return t > step; }), sealed_.end());
+  UnsealLocked([step](int64_t t) { return t > step; });
   // A step this shard holds but missed the seal of: the order carries the seal, written first
   // (only if this shard's part matches it).
   std::vector<peer::PartInfo> seal;

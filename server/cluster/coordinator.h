@@ -375,6 +375,14 @@ class ClusterCoordinator : public PeerEvents {
   bool ServedPastLocked(const peer::Restore& r) const REQUIRES(mu_);
   // Two manifests of one step list the same parts (by shard: size and checksum).
   static bool SameParts(std::vector<peer::PartInfo> a, std::vector<peer::PartInfo> b);
+  // A checkpoint restore order whose manifest (the chief's) lists other parts than this shard's
+  // manifest of that step: the step is marked unusable here (formation.cc).
+  bool ManifestDiffersLocked(const peer::Restore& r) REQUIRES(mu_);
+  // Moves the sealed steps `which` picks to the unusable ones (kept newest first).
+  void UnsealLocked(const std::function<bool(int64_t)>& which) REQUIRES(mu_);
+  // Answers a restore order with a refusal (the chief forms again).
+  void RefuseRestoreLocked(int from, const peer::Restore& r, const std::string& why, std::vector<Action>* actions)
+      REQUIRES(mu_);
   // Whether this shard hears the own processes (not stand-ins) of a majority of the shards lately,
   // itself included unless it is a stand-in — with an even count, half of them if shard 0's is
   // one. Two sides of a partition cannot both have it: only the side that has it may serve a part

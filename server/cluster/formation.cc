@@ -331,6 +331,41 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
 
 // --- checkpoints ------------------------------------------------------------------------------
 
+bool ClusterCoordinator::SameParts(std::vector<peer::PartInfo> a, std::vector<peer::PartInfo> b) {
+  auto by_shard = [](const peer::PartInfo& x, const peer::PartInfo& y) { return x.shard < y.shard; };
+  std::sort(a.begin(), a.end(), by_shard);
+  std::sort(b.begin(), b.end(), by_shard);
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const auto& x, const auto& y) {
+           return x.shard == y.shard && x.checksum == y.checksum && x.bytes == y.bytes;
+         });
+}
+
+void ClusterCoordinator::UnsealLocked(const std::function<bool(int64_t)>& which) {
+  for (int64_t t : sealed_) {
+    if (which(t) && std::find(unusable_.begin(), unusable_.end(), t) == unusable_.end()) unusable_.push_back(t);
+  }
+  std::sort(unusable_.rbegin(), unusable_.rend());
+  sealed_.erase(std::remove_if(sealed_.begin(), sealed_.end(), which), sealed_.end());
+}
+
+bool ClusterCoordinator::ManifestDiffersLocked(const peer::Restore& r) {
+  const int64_t step = r.step;
+  if (step < 0 || r.live || r.seal.empty() || std::find(sealed_.begin(), sealed_.end(), step) == sealed_.end()) {
+    return false;
+  }
+  auto mine = seal_parts_.find(step);
+  if (mine == seal_parts_.end() || SameParts(mine->second, r.seal)) return false;
+  // Two timelines' checkpoints of one step (a stand-in wrote this shard's part of it in its own
+  // directory, this shard's own process another): neither is whole anywhere. Unusable here from
+  // now on; the chief forms at an older step.
+  spdlog::warn(
+      "cluster: refusing to restore checkpoint step {} (epoch {}): this shard's manifest of it lists other parts than "
+      "the chief's (two timelines); the step is unusable here",
+      step, r.epoch);
+  UnsealLocked([step](int64_t t) { return t == step; });
+  return true;
+}
+
 void ClusterCoordinator::OnPartWritten(uint64_t epoch, int64_t step, const peer::PartInfo& part) {
   peer::Message msg;
   int chief = -1;

@@ -373,4 +373,16 @@ void ClusterCoordinator::StartNewestRestoreLocked(uint64_t epoch, std::vector<Ac
   });
 }
 
+bool ClusterCoordinator::ServedPastLocked(const peer::Restore& r) const {
+  if (!r.live || r.newest || epoch_ <= r.lineage) return false;
+  if (chief_ == me_) return running_ && released_ > r.step;
+  // A follower: its own copy of step s in the running epoch means every shard committed s - 1,
+  // and the tokens of step s - 1 went out.
+  if (!serving_) return false;
+  for (const peer::LiveCopy& c : own_copies_) {
+    if (c.lineage == epoch_ && c.step > r.step + 1) return true;
+  }
+  return false;
+}
+
 }  // namespace psd::server
