@@ -381,6 +381,8 @@ struct PeerHeartbeat {
   standIn @14 :Bool;        # the sender is a stand-in for its shard, run by the next shard (takeover)
   moved @15 :List(PeerMoved);  # from the chief: shards served elsewhere than their --cluster entry
   released @16 :PeerCopy;   # the newest (epoch, step) whose tokens the sender knows went out to workers
+  unsealedParts @17 :List(PeerPart);  # the sender's own part on disk of each step it lists as unusable
+                            # (size, checksum; epoch unused): a seal sent with a restore order must match it
 }
 
 # Takeover: shard `shard` is served at `address` (a stand-in), not at its --cluster entry.

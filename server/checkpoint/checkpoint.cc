@@ -821,6 +821,23 @@ std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shar
   return steps;
 }
 
+Result<ManifestPart> PeekOwnPart(const std::string& dir, int64_t step, int shard, int shards) {
+  const std::string file = PartName(shard, shards);
+  const std::string path = dir + "/" + StepDirName(step) + "/" + file;
+  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return NotFound(Errno("cannot open " + path));
+  struct stat st {};
+  if (fstat(fd.get(), &st) != 0) return Unavailable(Errno("stat " + path));
+  const uint64_t bytes = static_cast<uint64_t>(st.st_size);
+  uint8_t header[8];
+  if (bytes < 16 + 8) return InvalidArgument(path + ": too short for a part");
+  PSD_RETURN_IF_ERROR(PreadAll(fd.get(), header, sizeof(header), 0));
+  if (std::memcmp(header, kMagic, 8) != 0) return InvalidArgument(path + ": not a version 4 part");
+  uint64_t trailer = 0;
+  PSD_RETURN_IF_ERROR(PreadAll(fd.get(), &trailer, sizeof(trailer), bytes - sizeof(trailer)));
+  return ManifestPart{shard, file, bytes, trailer};
+}
+
 Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSnapshot* out) {
   return LoadPart(dir + "/" + StepDirName(step), shard, out);
 }

@@ -80,6 +80,11 @@ std::vector<int64_t> RestorableSteps(const std::string& dir, int shard, int shar
                                      std::vector<int64_t>* unusable = nullptr,
                                      std::map<int64_t, std::vector<ManifestPart>>* manifests = nullptr);
 
+// Shard `shard`'s part of checkpoint `step` in `dir` as its file says (a version 4 part: its size
+// and the checksum its trailer records), read without verifying the part (16 + 8 bytes).
+// NotFound if there is no such file; InvalidArgument if it is not a version 4 part.
+Result<ManifestPart> PeekOwnPart(const std::string& dir, int64_t step, int shard, int shards);
+
 // Loads shard `shard`'s part of checkpoint `step` (verified first).
 Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSnapshot* out);
 

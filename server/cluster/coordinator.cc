@@ -30,9 +30,8 @@ ClusterCoordinator::ClusterCoordinator(ClusterOptions options, ShardHost& host, 
 }
 
 void ClusterCoordinator::Start() {
-  std::vector<int64_t> sealed, unusable;
-  std::map<int64_t, std::vector<peer::PartInfo>> seals;
-  if (!options_.checkpoint_dir.empty() && options_.restore) host_.ScanCheckpoints(&sealed, &unusable, &seals);
+  ShardHost::CheckpointScan scan;
+  if (!options_.checkpoint_dir.empty() && options_.restore) scan = host_.ScanCheckpoints();
   const uint64_t saved_term = host_.LoadTerm();
   {
     MutexLock lock(&mu_);
@@ -42,15 +41,16 @@ void ClusterCoordinator::Start() {
     term_ = std::max(term_, saved_term);
     max_term_seen_ = std::max(max_term_seen_, saved_term);
     saved_term_ = saved_term;
-    sealed_ = sealed;
-    unusable_ = unusable;
-    seal_parts_ = std::move(seals);
+    sealed_ = scan.sealed;
+    unusable_ = scan.unusable;
+    seal_parts_ = std::move(scan.seals);
+    unsealed_parts_ = std::move(scan.unsealed_parts);
     ready_ = true;
     missing_since_ = now_();
     missing_reason_ = "electing a chief";
   }
-  spdlog::info("shard {} of {}: {} restorable checkpoint(s){}", me_, shards_, sealed.size(),
-               sealed.empty() ? "" : fmt::format(", newest at step {}", sealed.front()));
+  spdlog::info("shard {} of {}: {} restorable checkpoint(s){}", me_, shards_, scan.sealed.size(),
+               scan.sealed.empty() ? "" : fmt::format(", newest at step {}", scan.sealed.front()));
 }
 
 void ClusterCoordinator::Stop() {
@@ -83,6 +83,11 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.required = required_;
   hb.allow_state_loss = options_.allow_state_loss || !options_.restore;
   hb.unusable_steps = unusable_;
+  // The parts of the newest unusable steps (a seal is only ever offered for a recent one).
+  for (int64_t t : unusable_) {
+    if (hb.unsealed_parts.size() >= kMaxUnsealedParts) break;
+    if (auto it = unsealed_parts_.find(t); it != unsealed_parts_.end()) hb.unsealed_parts.emplace(t, it->second);
+  }
   hb.own_copies = own_copies_;
   hb.held_copies = held_copies_;
   hb.released = known_released_;
@@ -465,6 +470,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   p.ready = hb.ready;
   p.sealed = hb.sealed_steps;
   p.unusable = hb.unusable_steps;
+  p.unsealed_parts = hb.unsealed_parts;
   p.allow_state_loss = hb.allow_state_loss;
   p.own_copies = hb.own_copies;
   p.held_copies = hb.held_copies;
@@ -647,8 +653,10 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
       spdlog::error("cluster: shard {} cannot restore the live copy of step {}: {}", me_, step, status.message());
     } else {
       spdlog::error("cluster: shard {} cannot restore checkpoint step {}: {}", me_, step, status.message());
-      sealed_.erase(std::remove(sealed_.begin(), sealed_.end(), step), sealed_.end());
-      if (step >= 0) unusable_.push_back(step);
+      if (step >= 0) {
+        UnsealLocked([step](int64_t t) { return t == step; });
+        if (std::find(unusable_.begin(), unusable_.end(), step) == unusable_.end()) unusable_.push_back(step);
+      }
     }
     reply = MessageLocked(peer::Restored{epoch, step, status.ok(), status.message(), std::move(placements)});
     chief = chief_;

@@ -226,10 +226,11 @@ class ClusterCoordinator : public PeerEvents {
     uint64_t epoch = 0;
     bool ready = false;
     std::vector<int64_t> sealed;
-    std::vector<int64_t> unusable;            // checkpoint directories it has but cannot restore
-    bool allow_state_loss = false;            // it runs with --allow-state-loss or --no-restore
-    std::vector<peer::LiveCopy> own_copies;   // replication: its own committed states it keeps
-    std::vector<peer::LiveCopy> held_copies;  // and its predecessor's
+    std::vector<int64_t> unusable;                     // checkpoint directories it has but cannot restore
+    std::map<int64_t, peer::PartInfo> unsealed_parts;  // its own part of some of those, as on its disk
+    bool allow_state_loss = false;                     // it runs with --allow-state-loss or --no-restore
+    std::vector<peer::LiveCopy> own_copies;            // replication: its own committed states it keeps
+    std::vector<peer::LiveCopy> held_copies;           // and its predecessor's
     Clock::time_point last_heartbeat{};
     bool listening = false;  // it restarted lately and does not claim yet
     // Takeover: its own process (at its --cluster entry) and a stand-in may both speak as it.
@@ -380,6 +381,9 @@ class ClusterCoordinator : public PeerEvents {
   bool ManifestDiffersLocked(const peer::Restore& r) REQUIRES(mu_);
   // Moves the sealed steps `which` picks to the unusable ones (kept newest first).
   void UnsealLocked(const std::function<bool(int64_t)>& which) REQUIRES(mu_);
+  // Records this shard's part on disk of unusable step `step`: `written`, or (nullopt) the part its
+  // manifest names (a sealed step being left).
+  void KeepUnsealedPartLocked(int64_t step, std::optional<peer::PartInfo> written) REQUIRES(mu_);
   // Answers a restore order with a refusal (the chief forms again).
   void RefuseRestoreLocked(int from, const peer::Restore& r, const std::string& why, std::vector<Action>* actions)
       REQUIRES(mu_);
@@ -428,6 +432,12 @@ class ClusterCoordinator : public PeerEvents {
   // the seals since): a formation's restore order carries one to shards that hold their part of
   // that step but missed its seal.
   std::map<int64_t, std::vector<peer::PartInfo>> seal_parts_ GUARDED_BY(mu_);
+  // This shard's own part on disk of steps not sealed here (a part written and not sealed yet, or
+  // a sealed step left by a formation at an older step): a chief offers a seal along with a restore
+  // order only to shards whose part it names, so an order that cannot succeed never goes out
+  // (it would replace live copies on the shards that obey it first).
+  std::map<int64_t, peer::PartInfo> unsealed_parts_ GUARDED_BY(mu_);
+  static constexpr size_t kMaxUnsealedParts = 16;  // in a heartbeat (the newest)
   std::vector<Peer> peers_ GUARDED_BY(mu_);
   int required_ GUARDED_BY(mu_) = 0;  // the chief's requirement (as last heard)
   int local_required_ GUARDED_BY(mu_) = 0;

@@ -63,10 +63,21 @@ std::string ClusterCoordinator::DescribeCheckpointsLocked() const {
 bool ClusterCoordinator::ResealableLocked(int64_t step) const {
   auto has = [](const std::vector<int64_t>& v, int64_t t) { return std::find(v.begin(), v.end(), t) != v.end(); };
   if (seal_parts_.count(step) == 0 || !has(sealed_, step) || reseal_failed_.count(step) > 0) return false;
+  const std::vector<peer::PartInfo>& seal = seal_parts_.at(step);
   for (int i = 0; i < shards_; ++i) {
     if (i == me_) continue;
     const Peer& p = peers_[static_cast<size_t>(i)];
-    if (!has(p.sealed, step) && !has(p.unusable, step)) return false;
+    if (has(p.sealed, step)) continue;
+    if (!has(p.unusable, step)) return false;
+    // Its part on disk, if it says: another timeline's part of this step (written after a
+    // formation at an older step left the sealed one) would refuse the seal, and only after the
+    // shards that obeyed the order first had replaced their live copies with the checkpoint.
+    auto part = p.unsealed_parts.find(step);
+    if (part == p.unsealed_parts.end()) continue;  // not said (an older version): the order checks
+    auto named = std::find_if(seal.begin(), seal.end(), [i](const peer::PartInfo& x) { return x.shard == i; });
+    if (named == seal.end() || named->bytes != part->second.bytes || named->checksum != part->second.checksum) {
+      return false;
+    }
   }
   return true;
 }
@@ -342,10 +353,29 @@ bool ClusterCoordinator::SameParts(std::vector<peer::PartInfo> a, std::vector<pe
 
 void ClusterCoordinator::UnsealLocked(const std::function<bool(int64_t)>& which) {
   for (int64_t t : sealed_) {
-    if (which(t) && std::find(unusable_.begin(), unusable_.end(), t) == unusable_.end()) unusable_.push_back(t);
+    if (!which(t)) continue;
+    if (std::find(unusable_.begin(), unusable_.end(), t) == unusable_.end()) unusable_.push_back(t);
+    KeepUnsealedPartLocked(t, std::nullopt);
   }
   std::sort(unusable_.rbegin(), unusable_.rend());
   sealed_.erase(std::remove_if(sealed_.begin(), sealed_.end(), which), sealed_.end());
+}
+
+void ClusterCoordinator::KeepUnsealedPartLocked(int64_t step, std::optional<peer::PartInfo> written) {
+  if (!written) {
+    // A sealed step: the part on disk is the one its manifest names.
+    auto seal = seal_parts_.find(step);
+    if (seal == seal_parts_.end()) return;
+    for (const peer::PartInfo& p : seal->second) {
+      if (p.shard == me_) written = p;
+    }
+    if (!written) return;
+  }
+  unsealed_parts_[step] = std::move(*written);
+  // Only the steps listed as unusable (newest first) are said; the rest is forgotten.
+  std::erase_if(unsealed_parts_, [this](const auto& e) {
+    return std::find(unusable_.begin(), unusable_.end(), e.first) == unusable_.end();
+  });
 }
 
 bool ClusterCoordinator::ManifestDiffersLocked(const peer::Restore& r) {
@@ -377,6 +407,7 @@ void ClusterCoordinator::OnPartWritten(uint64_t epoch, int64_t step, const peer:
     if (std::find(unusable_.begin(), unusable_.end(), step) == unusable_.end()) unusable_.push_back(step);
     peer::PartInfo mine = part;
     mine.shard = me_;
+    KeepUnsealedPartLocked(step, mine);
     // The snapshot's epoch, not the current one: a part written after the cluster re-formed
     // belongs to the timeline it was taken in (the chief drops it).
     msg = MessageLocked(peer::PartWritten{epoch, step, std::move(mine)});
@@ -387,6 +418,7 @@ void ClusterCoordinator::OnPartWritten(uint64_t epoch, int64_t step, const peer:
 
 void ClusterCoordinator::AddSealedLocked(int64_t step) {
   unusable_.erase(std::remove(unusable_.begin(), unusable_.end(), step), unusable_.end());
+  unsealed_parts_.erase(step);
   if (std::find(sealed_.begin(), sealed_.end(), step) == sealed_.end()) sealed_.push_back(step);
   std::sort(sealed_.rbegin(), sealed_.rend());
   if (options_.keep_checkpoints > 0 && sealed_.size() > static_cast<size_t>(options_.keep_checkpoints)) {

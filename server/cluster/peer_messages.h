@@ -29,6 +29,15 @@ struct LiveCopy {
   auto operator<=>(const LiveCopy&) const = default;
 };
 
+// One shard's file of a checkpoint (a file name, never a path: the codec checks).
+struct PartInfo {
+  int shard = 0;
+  std::string file;
+  uint64_t bytes = 0;
+  uint64_t checksum = 0;
+  bool operator==(const PartInfo&) const = default;
+};
+
 // Periodic, from every shard to every other one: who it thinks is chief and what it can restore.
 struct Heartbeat {
   int chief = -1;                       // -1: nobody known (a peer may send any value: election.h copes)
@@ -50,6 +59,9 @@ struct Heartbeat {
   // The newest (epoch as lineage, step) whose tokens the sender knows went out to workers: a
   // formation from live copies must not go back before it.
   LiveCopy released{0, -1};
+  // The sender's own part on disk of each step it lists as unusable, when it knows it (a part it
+  // wrote, or the one its lost manifest named): what a chief's seal must match to be written there.
+  std::map<int64_t, PartInfo> unsealed_parts;
 
   bool operator==(const Heartbeat&) const = default;
 };
@@ -79,15 +91,6 @@ struct Committed {
   uint64_t epoch = 0;
   int64_t step = 0;  // the step now published (the commit's step + 1)
   bool operator==(const Committed&) const = default;
-};
-
-// One shard's file of a checkpoint (a file name, never a path: the codec checks).
-struct PartInfo {
-  int shard = 0;
-  std::string file;
-  uint64_t bytes = 0;
-  uint64_t checksum = 0;
-  bool operator==(const PartInfo&) const = default;
 };
 
 // From the chief: replace the state with checkpoint `step` (-1: empty at step 0) for `epoch`.

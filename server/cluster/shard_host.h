@@ -65,10 +65,16 @@ class ShardHost {
                             RestoreDone done) = 0;
 
   // --- checkpoints ---
-  // The checkpoint steps this shard can restore (newest first), with their manifests' parts, and
-  // those present but unusable.
-  virtual void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
-                               std::map<int64_t, std::vector<peer::PartInfo>>* seals) = 0;
+  // What this shard's checkpoint directory holds.
+  struct CheckpointScan {
+    std::vector<int64_t> sealed;                           // the steps it can restore, newest first
+    std::vector<int64_t> unusable;                         // those present but not restorable (newest first)
+    std::map<int64_t, std::vector<peer::PartInfo>> seals;  // the manifests of the sealed steps
+    // This shard's own part of unusable steps, where one is on disk: its size and the checksum its
+    // trailer records (not verified here: a seal that names it reads it whole first).
+    std::map<int64_t, peer::PartInfo> unsealed_parts;
+  };
+  virtual CheckpointScan ScanCheckpoints() = 0;
   // Writes the manifest of checkpoint `step` from every shard's part (and remembers it as the
   // last checkpoint). Errors are logged by the caller; the step then stays unusable here.
   virtual Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) = 0;

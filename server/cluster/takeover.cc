@@ -156,6 +156,7 @@ void ClusterCoordinator::MoveLocked(int shard, const std::string& address, std::
   p.last_heartbeat = Clock::time_point{};
   p.sealed.clear();
   p.unusable.clear();
+  p.unsealed_parts.clear();
   p.own_copies.clear();
   p.held_copies.clear();
   actions->push_back([this, shard, address] { network_.Retarget(shard, address); });

@@ -131,15 +131,20 @@ void ServerShardHost::RaiseGlobalStep(uint64_t epoch, int64_t step) {
   if (engine->epoch() == epoch) engine->RaiseGlobalStep(step);
 }
 
-void ServerShardHost::ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
-                                      std::map<int64_t, std::vector<peer::PartInfo>>* seals) {
+ShardHost::CheckpointScan ServerShardHost::ScanCheckpoints() {
   const ServerConfig& config = server_.config();
+  CheckpointScan scan;
   std::map<int64_t, std::vector<ManifestPart>> manifests;
-  *sealed = RestorableSteps(config.checkpoint_dir, config.shard_index, config.shards(), unusable, &manifests);
+  scan.sealed = RestorableSteps(config.checkpoint_dir, config.shard_index, config.shards(), &scan.unusable, &manifests);
   for (const auto& [step, parts] : manifests) {
-    auto& out = (*seals)[step];
+    auto& out = scan.seals[step];
     for (const ManifestPart& p : parts) out.push_back({p.shard, p.file, p.bytes, p.checksum});
   }
+  for (int64_t step : scan.unusable) {
+    auto p = PeekOwnPart(config.checkpoint_dir, step, config.shard_index, config.shards());
+    if (p.ok()) scan.unsealed_parts[step] = {p->shard, p->file, p->bytes, p->checksum};
+  }
+  return scan;
 }
 
 namespace {

@@ -55,8 +55,7 @@ class ServerShardHost : public ShardHost {
   int64_t global_step() override;
   void RaiseGlobalStep(uint64_t epoch, int64_t step) override;
   void RestoreAsync(uint64_t epoch, int64_t step, const std::vector<peer::PartInfo>& seal, RestoreDone done) override;
-  void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
-                       std::map<int64_t, std::vector<peer::PartInfo>>* seals) override;
+  CheckpointScan ScanCheckpoints() override;
   Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) override;
   Status SnapshotAs(uint64_t epoch, int64_t step) override;
   bool CheckpointWriterBusy() override;

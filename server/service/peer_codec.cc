@@ -80,6 +80,20 @@ Result<std::string> AddressFromWire(capnp::Text::Reader text) {
   return address;
 }
 
+// A heartbeat lists the parts of its newest unusable steps (kMaxUnsealedParts, coordinator.h).
+constexpr unsigned kMaxUnsealedWire = 64;
+
+Result<std::map<int64_t, peer::PartInfo>> UnsealedFromWire(capnp::List<proto::PeerPart>::Reader list, int shards) {
+  if (list.size() > kMaxUnsealedWire) return InvalidArgument("a heartbeat lists too many unsealed parts");
+  std::map<int64_t, peer::PartInfo> parts;
+  for (auto p : list) {
+    auto part = PartFromWire(p, shards);
+    if (!part.ok()) return part.status();
+    parts[p.getStep()] = std::move(*part);
+  }
+  return parts;
+}
+
 Result<std::map<int, std::string>> MovedFromWire(capnp::List<proto::PeerMoved>::Reader list, int shards) {
   if (list.size() > static_cast<unsigned>(shards)) return InvalidArgument("a heartbeat lists too many moved shards");
   std::map<int, std::string> moved;
@@ -160,6 +174,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
       if (!address.ok()) return address.status();
       auto moved = MovedFromWire(hb.getMoved(), shards);
       if (!moved.ok()) return moved.status();
+      auto unsealed = UnsealedFromWire(hb.getUnsealedParts(), shards);
+      if (!unsealed.ok()) return unsealed.status();
       m.body = peer::Heartbeat{hb.getChief(),
                                hb.getEpoch(),
                                hb.getRunning(),
@@ -175,7 +191,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
                                std::move(*address),
                                hb.getStandIn(),
                                std::move(*moved),
-                               CopyFromWire(hb.getReleased())};
+                               CopyFromWire(hb.getReleased()),
+                               std::move(*unsealed)};
       return m;
     }
     case proto::PeerMessage::PREPARED: {
@@ -306,6 +323,9 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
             ++i;
           }
           CopyToWire(hb.initReleased(), body.released);
+          auto unsealed = hb.initUnsealedParts(static_cast<unsigned>(body.unsealed_parts.size()));
+          i = 0;
+          for (const auto& [step, part] : body.unsealed_parts) PartToWire(unsealed[i++], 0, step, part);
         } else if constexpr (std::is_same_v<T, peer::Prepared>) {
           auto p = b.initPrepared();
           p.setEpoch(body.epoch);

@@ -364,6 +364,21 @@ std::map<std::string, Bytes> PeerSeeds() {
     held[0].setLineage(4);
     held[0].setStep(10);
   });
+  // A shard that missed a seal: step 12 unusable, with its part's size and checksum.
+  s["heartbeat_unsealed_parts"] = Peer(1, 5, [](PeerMessage::Builder m) {
+    auto hb = m.initHeartbeat();
+    hb.setChief(1);
+    hb.setEpoch(5);
+    hb.setReady(true);
+    hb.initSealedSteps(1).set(0, 8);
+    hb.initUnusableSteps(1).set(0, 12);
+    auto parts = hb.initUnsealedParts(1);
+    parts[0].setStep(12);
+    parts[0].setShard(1);
+    parts[0].setFile("shard-1-of-3.psdckpt");
+    parts[0].setBytes(4096);
+    parts[0].setChecksum(0x1234abcd);
+  });
   // Takeover: a stand-in's heartbeat (its address), then the chief's map moving shard 2 there.
   s["takeover_stand_in_moved"] = Peer(2, 5,
                                       [](PeerMessage::Builder m) {

@@ -420,3 +420,28 @@ TEST_CASE("a v3 checkpoint (FNV-1a, written by the old writer) still verifies an
   CHECK_THAT(VerifyCheckpoint(step40).message(), Catch::Contains("checksum"));
   CHECK(RestorableSteps(dir.path, 0, 1) == std::vector<int64_t>{50});
 }
+
+TEST_CASE("a part's size and checksum are read from its file without the manifest", "[checkpoint][cluster]") {
+  TempDir dir;
+  // Parts of step 20 of a 3-shard cluster, never sealed: each names what a seal would record.
+  for (int k = 0; k < 3; ++k) {
+    auto info = WriteCheckpoint(dir.path, Snapshot(20, static_cast<float>(k)), k, 3, 0);
+    REQUIRE(info.ok());
+    auto peek = PeekOwnPart(dir.path, 20, k, 3);
+    REQUIRE(peek.ok());
+    CHECK(peek->shard == k);
+    CHECK(peek->file == info->part_file);
+    CHECK(peek->bytes == info->part_bytes);
+    CHECK(peek->checksum == info->part_checksum);
+  }
+  // Written again with other values (another timeline's part of that step): another checksum.
+  auto before = PeekOwnPart(dir.path, 20, 1, 3);
+  REQUIRE(WriteCheckpoint(dir.path, Snapshot(20, 9), 1, 3, 0).ok());
+  auto after = PeekOwnPart(dir.path, 20, 1, 3);
+  REQUIRE(after.ok());
+  CHECK(after->checksum != before->checksum);
+  // No part: NotFound. An older format (its trailer is no checksum): refused.
+  CHECK(PeekOwnPart(dir.path, 30, 1, 3).status().code() == Code::kNotFound);
+  fs::copy(FixtureV3(), dir.path + "/v3", fs::copy_options::recursive);
+  CHECK(PeekOwnPart(dir.path + "/v3", 40, 0, 1).status().code() == Code::kInvalidArgument);
+}

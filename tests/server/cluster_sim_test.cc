@@ -305,6 +305,11 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
       // stand-in from the copies of the step before (the shards that took the workers' gradients
       // for it now know its tokens went out).
       {3, 396614, true, true},
+      // A shard's own process came back as chief with a checkpoint sealed before a formation at an
+      // older step: the others held new parts of that step. Its restore order (with the seal) was
+      // refused there only after it had replaced its live copies, and the next formation found
+      // none of every part: an empty state.
+      {3, 403672, true, true},
   };
   for (const Seed& s : seeds) {
     SimOptions o;

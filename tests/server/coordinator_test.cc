@@ -34,8 +34,7 @@ class RecordingHost : public ShardHost {
   void RestoreAsync(uint64_t epoch, int64_t, const std::vector<peer::PartInfo>&, RestoreDone) override {
     restores.push_back(epoch);
   }
-  void ScanCheckpoints(std::vector<int64_t>*, std::vector<int64_t>*,
-                       std::map<int64_t, std::vector<peer::PartInfo>>*) override {}
+  CheckpointScan ScanCheckpoints() override { return scan; }
   Status SealCheckpoint(int64_t, const std::vector<peer::PartInfo>&) override { return Status::Ok(); }
   Status SnapshotAs(uint64_t, int64_t) override { return Status::Ok(); }
   bool CheckpointWriterBusy() override { return false; }
@@ -55,6 +54,7 @@ class RecordingHost : public ShardHost {
   void EndJobIfDone() override {}
 
   std::vector<uint64_t> restores;  // epochs a restore was started for
+  CheckpointScan scan;             // what ScanCheckpoints finds (the coordinator reads it at Start)
 };
 
 class RecordingNetwork : public PeerNetwork {
@@ -275,4 +275,74 @@ TEST_CASE("coordinator: a shard whose stand-in is gone is looked for at its own 
     s.Tick();
   }
   CHECK(s.coordinator->Addresses()[1] == "127.0.0.1:2");
+}
+
+namespace {
+
+// The checkpoint restore order of the chief (shard 0 of 3) once shards 1 and 2 have said what they
+// hold: every shard wrote a part of step 4 and has step 2 sealed; the chief and shard 2 sealed
+// step 4, shard 1 missed that seal (it lists step 4 unusable) and says its part of step 4 has
+// checksum `shard1_part` (nullopt: it does not say, as an older version).
+std::optional<peer::Restore> CheckpointOrder(std::optional<uint64_t> shard1_part) {
+  ClusterOptions options;
+  options.me = 0;
+  options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
+  options.heartbeat_ms = 20;
+  options.election_timeout_ms = 200;
+  options.checkpoint_dir = "(scanned by the test's host)";
+  RecordingHost host;
+  auto part = [](int shard, uint64_t checksum) {
+    return peer::PartInfo{shard, "part-" + std::to_string(shard), 100, checksum};
+  };
+  const std::vector<peer::PartInfo> seal4 = {part(0, 40), part(1, 41), part(2, 42)};
+  host.scan.sealed = {4, 2};
+  host.scan.seals = {{4, seal4}, {2, {part(0, 20), part(1, 21), part(2, 22)}}};
+  RecordingNetwork network;
+  Clock::time_point now = Clock::time_point{} + std::chrono::hours(1);
+  ClusterCoordinator c(options, host, network, [&now] { return now; });
+  c.Start();
+  c.OnPeerUp(1);
+  c.OnPeerUp(2);
+  for (int t = 0; t < 100; ++t) {
+    for (int from : {1, 2}) {
+      peer::Heartbeat hb;
+      hb.chief = c.chief();
+      hb.ready = true;
+      hb.address = options.addresses[static_cast<size_t>(from)];
+      if (from == 1) {
+        hb.sealed_steps = {2};
+        hb.unusable_steps = {4};
+        if (shard1_part) hb.unsealed_parts[4] = part(1, *shard1_part);
+      } else {
+        hb.sealed_steps = {4, 2};
+      }
+      c.OnMessage(from, peer::Message{from, c.Describe().term, hb});
+    }
+    now += std::chrono::milliseconds(20);
+    c.Tick();
+    for (const auto& [to, m] : network.sent) {
+      const auto* r = std::get_if<peer::Restore>(&m.body);
+      if (to == 1 && r != nullptr) return *r;
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+TEST_CASE("coordinator: a seal goes with a restore order only to a shard whose part it names", "[cluster]") {
+  // Shard 1's part of step 4 is the one the seal names (it missed the seal): the cluster forms at
+  // step 4, the order carrying the seal. So too when shard 1 does not say which part it holds.
+  for (std::optional<uint64_t> part : {std::optional<uint64_t>(41), std::optional<uint64_t>()}) {
+    auto order = CheckpointOrder(part);
+    REQUIRE(order.has_value());
+    CHECK(order->step == 4);
+    CHECK(order->seal.size() == 3);
+  }
+  // Another part of step 4 (written in a timeline that left the sealed one): the seal would be
+  // refused there, after the other shards had restored step 4. The cluster forms at step 2 (the
+  // order carries that step's manifest, as every checkpoint order does).
+  auto order = CheckpointOrder(99);
+  REQUIRE(order.has_value());
+  CHECK(order->step == 2);
 }

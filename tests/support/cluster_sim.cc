@@ -77,6 +77,11 @@ struct DiskEntry {
   bool restorable() const { return has_part && has_manifest && manifest_checksum == part_checksum; }
 };
 
+// A part as the simulated disk writes it: its checksum is the engine's value at that step.
+peer::PartInfo SimPart(int shard, int64_t step, uint64_t value) {
+  return {shard, "part-" + std::to_string(step), 64, value};
+}
+
 struct Engine {
   uint64_t epoch = 0;
   int64_t step = 0;
@@ -383,12 +388,15 @@ class FakeHost : public ShardHost {
       done(Status::Ok(), {p});
     });
   }
-  void ScanCheckpoints(std::vector<int64_t>* sealed, std::vector<int64_t>* unusable,
-                       std::map<int64_t, std::vector<peer::PartInfo>>* seals) override {
+  CheckpointScan ScanCheckpoints() override {
+    CheckpointScan scan;
     for (auto it = sh().disk.rbegin(); it != sh().disk.rend(); ++it) {
-      (it->second.restorable() ? sealed : unusable)->push_back(it->first);
-      if (it->second.restorable()) (*seals)[it->first] = it->second.manifest_parts;
+      const DiskEntry& d = it->second;
+      (d.restorable() ? scan.sealed : scan.unusable).push_back(it->first);
+      if (d.restorable()) scan.seals[it->first] = d.manifest_parts;
+      if (!d.restorable() && d.has_part) scan.unsealed_parts[it->first] = SimPart(me_, it->first, d.part_checksum);
     }
+    return scan;
   }
   Status SealCheckpoint(int64_t step, const std::vector<peer::PartInfo>& parts) override {
     DiskEntry& d = sh().disk[step];
@@ -803,7 +811,7 @@ void Sim::StartWrite(int s) {
     d.abandoned = false;
     sh.writer_busy = false;
     Note(fmt::format("{}: part of step {} written", Name(s), step));
-    sh.coord->OnPartWritten(epoch, step, {sh.index, "part-" + std::to_string(step), 64, value});
+    sh.coord->OnPartWritten(epoch, step, SimPart(sh.index, step, value));
     StartWrite(s);
   });
 }
