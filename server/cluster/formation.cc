@@ -373,9 +373,10 @@ void ClusterCoordinator::KeepUnsealedPartLocked(int64_t step, std::optional<peer
   }
   unsealed_parts_[step] = std::move(*written);
   // Only the steps listed as unusable (newest first) are said; the rest is forgotten.
-  std::erase_if(unsealed_parts_, [this](const auto& e) {
-    return std::find(unusable_.begin(), unusable_.end(), e.first) == unusable_.end();
-  });
+  for (auto it = unsealed_parts_.begin(); it != unsealed_parts_.end();) {
+    const bool listed = std::find(unusable_.begin(), unusable_.end(), it->first) != unusable_.end();
+    it = listed ? std::next(it) : unsealed_parts_.erase(it);
+  }
 }
 
 bool ClusterCoordinator::ManifestDiffersLocked(const peer::Restore& r) {
