@@ -383,6 +383,8 @@ struct PeerHeartbeat {
   released @16 :PeerCopy;   # the newest (epoch, step) whose tokens the sender knows went out to workers
   unsealedParts @17 :List(PeerPart);  # the sender's own part on disk of each step it lists as unusable
                             # (size, checksum; epoch unused): a seal sent with a restore order must match it
+  keptCopies @18 :List(PeerCopy);  # async/ssp replicas: per shard (by index), the newest copy of its part the
+                            # sender heard the next shard keeps (every acknowledged push is in it or older)
 }
 
 # Takeover: shard `shard` is served at `address` (a stand-in), not at its --cluster entry.

@@ -91,6 +91,7 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.own_copies = own_copies_;
   hb.held_copies = held_copies_;
   hb.released = known_released_;
+  hb.kept_copies = newest_heard_;  // (async/ssp replicas only; else empty)
   hb.listening = now_() - started_ < std::chrono::milliseconds(options_.election_timeout_ms);
   hb.address = address_;
   hb.stand_in = options_.stand_in;
@@ -182,6 +183,7 @@ void ClusterCoordinator::Tick() {
     if (options_.replicate) {
       own_copies_ = std::move(own);
       held_copies_ = std::move(held);
+      HearCopiesLocked(me_, {});
     }
     TickLocked(&actions);
     hb = HeartbeatLocked();
@@ -474,6 +476,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   p.allow_state_loss = hb.allow_state_loss;
   p.own_copies = hb.own_copies;
   p.held_copies = hb.held_copies;
+  HearCopiesLocked(from, hb.kept_copies);
   KnowReleasedLocked(hb.released.lineage, hb.released.step);
   p.listening = hb.listening;
   p.last_heartbeat = heard;

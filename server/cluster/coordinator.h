@@ -336,6 +336,15 @@ class ClusterCoordinator : public PeerEvents {
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
   // Async/ssp: every part has a copy somewhere (its shard's own, or the next shard's).
   bool EveryPartCopiedLocked() const REQUIRES(mu_);
+  // Async/ssp: records the copies of its predecessor's part that shard k says it keeps, what it
+  // heard of the others (`told`, its heartbeat's kept_copies), and this shard's own copy `acked`
+  // (the next shard acknowledged keeping it), in newest_heard_.
+  void HearCopiesLocked(int k, const std::vector<peer::LiveCopy>& told,
+                        std::optional<peer::LiveCopy> acked = std::nullopt) REQUIRES(mu_);
+  // Async/ssp: some part's newest copy kept by the shards served now is older than one heard of
+  // (kept by a process cut off now, or by a stand-in stopped since): restoring it would lose
+  // pushes acknowledged on the newer one.
+  bool NewestBehindLocked() const REQUIRES(mu_);
   // The live copies shard k keeps of its own part / of its predecessor's (this shard's from the
   // host as of the last tick, the others' from their heartbeats).
   const std::vector<peer::LiveCopy>& OwnCopiesLocked(int k) const REQUIRES(mu_);
@@ -512,6 +521,11 @@ class ClusterCoordinator : public PeerEvents {
   // formation from live copies older than it (in an epoch as new as the copies') would lose steps
   // workers computed on: the chief waits for newer copies.
   peer::LiveCopy known_released_ GUARDED_BY(mu_){0, -1};
+  // Async/ssp: per part, the newest copy of it this shard has heard the next shard keeps
+  // (HearCopiesLocked): each acknowledged push is in it or an older one. A formation through a
+  // stand-in from older copies (that one was kept by a process cut off now, or a stand-in stopped
+  // since) waits for the shards' own processes instead.
+  std::vector<peer::LiveCopy> newest_heard_ GUARDED_BY(mu_);
   void KnowReleasedLocked(uint64_t epoch, int64_t step) REQUIRES(mu_) {
     known_released_ = std::max(known_released_, peer::LiveCopy{epoch, step});
   }

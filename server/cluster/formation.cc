@@ -257,17 +257,25 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
     if (live_formation_ && known_released_.lineage >= live_formation_->lineage) {
       past = std::max(past, known_released_.step);
     }
-    const bool behind = !live_newest_ && live_formation_ && live_formation_->step < past;
+    // Async/ssp: a part whose newest copy reachable now is older than one heard of.
+    const bool newest_behind = live_newest_ && NewestBehindLocked();
+    const bool behind = (!live_newest_ && live_formation_ && live_formation_->step < past) || newest_behind;
     if (behind) stale = true;
     if (!(behind && StandInServesLocked()) && stale &&
         now - missing_since_ < 3 * std::chrono::milliseconds(options_.election_timeout_ms)) {
       return;
     }
     if (behind && !StandInServesLocked()) {
-      spdlog::error(
-          "cluster: the newest live copy of every part is of step {}, before step {} whose tokens were "
-          "released: {} step(s) are lost",
-          live_formation_->step, past, past - live_formation_->step);
+      if (newest_behind) {
+        spdlog::error(
+            "cluster: some part's newest live copy is older than one its shards kept before (that copy was lost): "
+            "pushes acknowledged since are lost");
+      } else {
+        spdlog::error(
+            "cluster: the newest live copy of every part is of step {}, before step {} whose tokens were "
+            "released: {} step(s) are lost",
+            live_formation_->step, past, past - live_formation_->step);
+      }
     }
     if ((!live_formation_ || behind) && StandInServesLocked()) {
       // A stand-in restores only from live copies: a part's newest copy may be on a shard cut off
@@ -277,10 +285,12 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
       if (!stand_in_wait_logged_) {
         stand_in_wait_logged_ = true;
         spdlog::error(
-            "cluster: the live copies of the shards served now do not hold every part at one step{}: waiting for "
+            "cluster: the live copies of the shards served now do not hold every part {}: waiting for "
             "every shard's own process (a stand-in restores only from live copies); if a part's copies are lost "
             "for good, the cluster then restores the newest checkpoint every shard holds",
-            behind ? fmt::format(" as new as step {}, whose tokens went out", past) : std::string());
+            newest_behind ? std::string("as new as the newest copy of it heard of")
+            : behind      ? fmt::format("at one step as new as step {}, whose tokens went out", past)
+                          : std::string("at one step"));
       }
       return;
     }

@@ -62,6 +62,9 @@ struct Heartbeat {
   // The sender's own part on disk of each step it lists as unusable, when it knows it (a part it
   // wrote, or the one its lost manifest named): what a chief's seal must match to be written there.
   std::map<int64_t, PartInfo> unsealed_parts;
+  // Async/ssp replicas: per shard (by index), the newest copy of its part the sender heard the
+  // next shard keeps (empty: not said).
+  std::vector<LiveCopy> kept_copies;
 
   bool operator==(const Heartbeat&) const = default;
 };

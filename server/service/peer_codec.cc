@@ -176,6 +176,11 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
       if (!moved.ok()) return moved.status();
       auto unsealed = UnsealedFromWire(hb.getUnsealedParts(), shards);
       if (!unsealed.ok()) return unsealed.status();
+      if (hb.getKeptCopies().size() > static_cast<unsigned>(shards)) {
+        return InvalidArgument("a heartbeat lists kept copies for more shards than the cluster has");
+      }
+      std::vector<peer::LiveCopy> kept;
+      for (auto k : hb.getKeptCopies()) kept.push_back(CopyFromWire(k));
       m.body = peer::Heartbeat{hb.getChief(),
                                hb.getEpoch(),
                                hb.getRunning(),
@@ -192,7 +197,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
                                hb.getStandIn(),
                                std::move(*moved),
                                CopyFromWire(hb.getReleased()),
-                               std::move(*unsealed)};
+                               std::move(*unsealed),
+                               std::move(kept)};
       return m;
     }
     case proto::PeerMessage::PREPARED: {
@@ -326,6 +332,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           auto unsealed = hb.initUnsealedParts(static_cast<unsigned>(body.unsealed_parts.size()));
           i = 0;
           for (const auto& [step, part] : body.unsealed_parts) PartToWire(unsealed[i++], 0, step, part);
+          CopiesToWire(hb.initKeptCopies(static_cast<unsigned>(body.kept_copies.size())), body.kept_copies);
         } else if constexpr (std::is_same_v<T, peer::Prepared>) {
           auto p = b.initPrepared();
           p.setEpoch(body.epoch);

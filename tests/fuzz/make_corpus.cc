@@ -364,7 +364,8 @@ std::map<std::string, Bytes> PeerSeeds() {
     held[0].setLineage(4);
     held[0].setStep(10);
   });
-  // A shard that missed a seal: step 12 unusable, with its part's size and checksum.
+  // A shard that missed a seal (step 12 unusable, with its part's size and checksum), and the
+  // copies it heard are kept.
   s["heartbeat_unsealed_parts"] = Peer(1, 5, [](PeerMessage::Builder m) {
     auto hb = m.initHeartbeat();
     hb.setChief(1);
@@ -378,6 +379,11 @@ std::map<std::string, Bytes> PeerSeeds() {
     parts[0].setFile("shard-1-of-3.psdckpt");
     parts[0].setBytes(4096);
     parts[0].setChecksum(0x1234abcd);
+    auto kept = hb.initKeptCopies(3);  // async/ssp replicas: each part's newest copy kept
+    for (unsigned i = 0; i < 3; ++i) {
+      kept[i].setLineage(4);
+      kept[i].setStep(10 + i);
+    }
   });
   // Takeover: a stand-in's heartbeat (its address), then the chief's map moving shard 2 there.
   s["takeover_stand_in_moved"] = Peer(2, 5,

@@ -35,6 +35,7 @@ peer::Heartbeat FullHeartbeat() {
   hb.moved = {{2, "127.0.0.1:4100"}};
   hb.released = {7, 49};
   hb.unsealed_parts = {{50, {1, "shard-1-of-3.psdckpt", 1234, 0xabcdef}}, {45, {1, "shard-1-of-3.psdckpt", 99, 7}}};
+  hb.kept_copies = {{7, 48}, {6, 30}, {0, -1}};
   return hb;
 }
 
@@ -51,12 +52,14 @@ TEST_CASE("peer codec: a heartbeat round-trips, the parts of its unusable steps 
   // An older sender says no parts: an empty map, not an error.
   peer::Heartbeat old = FullHeartbeat();
   old.unsealed_parts.clear();
+  old.kept_copies.clear();
   auto plain = RoundTrip(peer::Message{1, 9, old}, 3);
   REQUIRE(plain.ok());
   CHECK(std::get<peer::Heartbeat>(plain->body).unsealed_parts.empty());
+  CHECK(std::get<peer::Heartbeat>(plain->body).kept_copies.empty());
 }
 
-TEST_CASE("peer codec: a heartbeat's unusable parts are checked like a seal's", "[cluster][codec]") {
+TEST_CASE("peer codec: a heartbeat's unusable parts and kept copies are checked", "[cluster][codec]") {
   peer::Heartbeat hb = FullHeartbeat();
   hb.unsealed_parts[50].shard = 3;  // of 3 shards
   CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("unknown shard"));
@@ -66,4 +69,7 @@ TEST_CASE("peer codec: a heartbeat's unusable parts are checked like a seal's", 
   hb = FullHeartbeat();
   for (int64_t s = 0; s < 65; ++s) hb.unsealed_parts[s] = {1, "p", 1, 1};
   CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("too many unsealed parts"));
+  hb = FullHeartbeat();
+  hb.kept_copies.push_back({1, 1});  // a fourth shard of 3
+  CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("kept copies for more shards"));
 }
