@@ -5,13 +5,15 @@
 //   PSD_CLUSTER_SIM_SEED=1234 PSD_CLUSTER_SIM_SHARDS=4 build/tests/psd_cluster_sim_tests '[.replay]'
 // (PSD_CLUSTER_SIM_STORM=1 for a seed of the "long storms" case; PSD_CLUSTER_SIM_REPLICATE=1 for
 // replicated shards, with PSD_CLUSTER_SIM_SINGLE=1 for one crash at a time, and
-// PSD_CLUSTER_SIM_TAKEOVER=1 for stand-ins on top, =short for the default schedule with them.) A
-// longer sweep:
+// PSD_CLUSTER_SIM_TAKEOVER=1 for stand-ins on top, =short for the default schedule with them;
+// PSD_CLUSTER_SIM_ASYNC=1 for async replicas, PSD_CLUSTER_SIM_NO_CRASH=1 for their "partitions and
+// broken links" case.) A longer sweep:
 // PSD_CLUSTER_SIM_RUNS=20000 (schedules per cluster size; default 1000).
 #include "support/cluster_sim.h"
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -136,14 +138,20 @@ static void Takeover(SimOptions* o) {
   o->max_down_ms = 5000;
 }
 
+// Async: a push counts one step, so a job is some hundred pushes.
+static void Async(SimOptions* o) {
+  o->async = true;
+  o->target_step = std::max<int64_t>(o->target_step, 300);
+}
+
 // Replicated schedules (--replicas-per-shard 2) over 2 to 5 shards: each is checked (Check) and
 // handed to `fn` with its index. `single`: one crash at a time (SimOptions::single_faults).
 static void ReplicatedSweep(bool single, uint64_t seed_base,
                             const std::function<void(int, const SimOptions&, const SimResult&)>& fn,
-                            bool takeover = false) {
+                            bool takeover = false, bool async = false, bool crashes = true) {
   const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
-  // (Takeover schedules are longer: a quarter as many.)
-  const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / (takeover ? 4 : 2);
+  // (Takeover schedules are longer: a quarter as many. Async ones are busier: half again.)
+  const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / (takeover ? 4 : 2) / (async ? 2 : 1);
   for (int shards = 2; shards <= 5; ++shards) {
     for (int i = 1; i <= per_size; ++i) {
       SimOptions o;
@@ -151,6 +159,8 @@ static void ReplicatedSweep(bool single, uint64_t seed_base,
       o.replicate = true;
       o.takeover = takeover;
       if (takeover) Takeover(&o);
+      if (async) Async(&o);
+      if (!crashes) o.crash_rate = 0;
       if (single) {
         o.single_faults = true;
         o.crash_rate = 1.0;
@@ -234,6 +244,54 @@ TEST_CASE("cluster simulation: with stand-ins, losing one shard at a time loses 
       /*takeover=*/true);
   INFO(runs << " runs, " << serves << " formations served with a stand-in");
   CHECK(serves > runs / 4);
+}
+
+// Async replicas (--mode async --replicas-per-shard 2): pushes applied on arrival, each
+// acknowledged once the next shard keeps a copy of the part holding it; formations restore each
+// part's newest copy. Without and with stand-ins.
+static void AsyncSweep(bool single, bool takeover, uint64_t seed_base, bool crashes = true) {
+  int64_t runs = 0, acked = 0, lost = 0, serves = 0;
+  ReplicatedSweep(
+      single, seed_base,
+      [&](int, const SimOptions&, const SimResult& r) {
+        ++runs;
+        acked += r.pushes_acked;
+        lost += r.acked_lost;
+        serves += r.stand_in_serves;
+      },
+      takeover, /*async=*/true, crashes);
+  INFO(runs << " runs, " << acked << " pushes acknowledged, " << lost
+            << " of them lost by a formation (several faults at once), " << serves
+            << " formations served with a stand-in");
+  CHECK(acked > runs * 100);
+  if (single || !crashes) CHECK(lost == 0);
+  if (takeover) CHECK(serves > runs / 10);
+}
+
+TEST_CASE("cluster simulation: async replicas under every fault", "[cluster][sim][replicas][async]") {
+  AsyncSweep(false, false, 50000);
+}
+
+TEST_CASE("cluster simulation: with async replicas, losing one shard at a time loses no acknowledged push",
+          "[cluster][sim][replicas][async]") {
+  AsyncSweep(true, false, 55000);
+}
+
+// No process loses its memory (partitions, broken links, lost and late messages): nothing
+// acknowledged may be lost, however many faults at once.
+TEST_CASE("cluster simulation: with async replicas, partitions and broken links lose no acknowledged push",
+          "[cluster][sim][replicas][async]") {
+  AsyncSweep(false, false, 57000, /*crashes=*/false);
+  AsyncSweep(false, true, 47000, /*crashes=*/false);
+}
+
+TEST_CASE("cluster simulation: async stand-ins under every fault", "[cluster][sim][replicas][async][takeover]") {
+  AsyncSweep(false, true, 40000);
+}
+
+TEST_CASE("cluster simulation: with async stand-ins, losing one shard at a time loses no acknowledged push",
+          "[cluster][sim][replicas][async][takeover]") {
+  AsyncSweep(true, true, 45000);
 }
 
 // Seeds that found bugs in the coordinator (README "Running a cluster" says which).
@@ -329,6 +387,41 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
   }
 }
 
+// Seeds that found bugs with async replicas (the sweeps' schedules, with stand-ins).
+TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][takeover]") {
+  struct Seed {
+    int shards;
+    uint64_t seed;
+    bool single;   // one crash at a time
+    bool crashes;  // false: partitions and broken links only
+  };
+  const Seed seeds[] = {
+      // A chief cut off while a stand-in kept a part's newest copies formed through a stand-in
+      // from older ones (it had not heard of the newer: now every heartbeat passes it on).
+      {3, 345147, true, true},
+      // The same when the stand-in that kept them was stopped before its heartbeat said so: only
+      // the part's own shard knew its copy was kept (now it says so too).
+      {3, 346557, true, true},
+      // A stand-in stopped when its shard's own process came back, with the newest copies of the
+      // part before it; the next formation restored that part from older ones.
+      {4, 447077, false, false},
+  };
+  for (const Seed& s : seeds) {
+    SimOptions o;
+    o.shards = s.shards;
+    o.seed = s.seed;
+    o.replicate = true;
+    Takeover(&o);
+    Async(&o);
+    if (!s.crashes) o.crash_rate = 0;
+    if (s.single) {
+      o.single_faults = true;
+      o.crash_rate = 1.0;
+    }
+    Check(o);
+  }
+}
+
 TEST_CASE("cluster simulation: replay one seed (PSD_CLUSTER_SIM_SEED, PSD_CLUSTER_SIM_SHARDS)", "[.replay]") {
   const char* seed = std::getenv("PSD_CLUSTER_SIM_SEED");
   if (seed == nullptr) FAIL("set PSD_CLUSTER_SIM_SEED (and PSD_CLUSTER_SIM_SHARDS, default 3)");
@@ -346,6 +439,8 @@ TEST_CASE("cluster simulation: replay one seed (PSD_CLUSTER_SIM_SEED, PSD_CLUSTE
     o.single_faults = true;
     o.crash_rate = 1.0;
   }
+  if (o.replicate && std::getenv("PSD_CLUSTER_SIM_ASYNC") != nullptr) Async(&o);
+  if (std::getenv("PSD_CLUSTER_SIM_NO_CRASH") != nullptr) o.crash_rate = 0;
   o.seed = std::strtoull(seed, nullptr, 10);
   o.shards = shards == nullptr ? 3 : std::atoi(shards);
   o.trace = true;

@@ -9,9 +9,9 @@
 #include <filesystem>
 #include <thread>
 
+#include "daemon/ops_service.h"
 #include "ops/http_server.h"
 #include "ops/metrics.h"
-#include "daemon/ops_service.h"
 #include "ops/sd_notify.h"
 #include "ops/text_format.h"
 #include "support/http_get.h"

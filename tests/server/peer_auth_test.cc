@@ -56,7 +56,8 @@ TEST_CASE("the cluster secret is long enough and not the workers' token", "[peer
   CHECK(server::ValidateClusterSecret(kSecret, "").ok());
   CHECK(server::ValidateClusterSecret(kSecret, "worker-token").ok());
   CHECK_THAT(server::ValidateClusterSecret("short", "").message(), Catch::Contains("use at least 16"));
-  CHECK_THAT(server::ValidateClusterSecret(kSecret, kSecret).message(), Catch::Contains("same secret as --auth-token-file"));
+  CHECK_THAT(server::ValidateClusterSecret(kSecret, kSecret).message(),
+             Catch::Contains("same secret as --auth-token-file"));
   ServerConfig c;
   c.cluster = {"127.0.0.1:7001", "127.0.0.1:7002"};
   c.cluster_secret = "short";

@@ -12,6 +12,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <unordered_map>
 #include <utility>
 
 #include "cluster/coordinator.h"
@@ -197,7 +198,8 @@ class Sim {
   void StartStandIn(int host, int index, std::vector<std::string> links);
   void StopStandIn(int host);
   // Observations from the fakes.
-  void OnFormation(int chief, uint64_t epoch, int64_t step);
+  // `newest` (async): each part's newest copy, no common step.
+  void OnFormation(int chief, uint64_t epoch, int64_t step, bool newest);
   void OnPublished(int s, uint64_t epoch, int64_t step, uint64_t value);
   void OnRestored(int s, uint64_t epoch, int64_t step, uint64_t value);
   void OnStartServing(int s);
@@ -224,6 +226,9 @@ class Sim {
     return true;
   }
   void OnLiveFormation() { ++result_.live_formations; }
+  bool async() const { return o_.async; }
+  // Async: process `p` applies push `id` (its engine's count goes up by one).
+  void Apply(int p, uint64_t id);
 
  private:
   struct Event {
@@ -270,6 +275,10 @@ class Sim {
   void Operator();
   void StartWrite(int s);
   std::string State();
+  // Async: the workers' next push, to every shard serving the running epoch.
+  void Push();
+  // Async: the pushes a state holds (its chain).
+  std::set<uint64_t> PushesIn(uint64_t value) const;
 
   const SimOptions o_;
   std::mt19937_64 rng_;
@@ -297,6 +306,12 @@ class Sim {
   std::map<uint64_t, std::map<int, int64_t>> losses_at_serve_;  // epoch -> its processes' disk_losses_ when it served
   int64_t max_released_ = -1;                                   // the newest step released in any epoch
   int64_t serving_since_ = -1;                                  // single_faults: when the cluster last served
+  // Async: the epoch that served last, the pushes sent so far, each state's (previous state,
+  // push) and each part's pushes acknowledged.
+  uint64_t serving_epoch_ = 0;
+  uint64_t pushes_ = 0;
+  std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> chain_;
+  std::vector<std::set<uint64_t>> acked_ = std::vector<std::set<uint64_t>>(static_cast<size_t>(o_.shards));
 };
 
 // Process `proc`'s network (it speaks as shard `me`).
@@ -306,7 +321,7 @@ class Endpoint : public PeerNetwork {
   void Send(int shard, const peer::Message& m) override {
     if (auto* r = std::get_if<peer::Restore>(&m.body); r != nullptr && shard == me_) {
       if (r->live) sim_.OnLiveFormation();
-      sim_.OnFormation(proc_, r->epoch, r->step);
+      sim_.OnFormation(proc_, r->epoch, r->step, r->live && r->newest);
     }
     sim_.Send(proc_, shard, m);
   }
@@ -326,6 +341,10 @@ class FakeHost : public ShardHost {
 
   Status CommitStep(uint64_t epoch, int64_t step, bool checkpoint, double) override {
     Engine& e = sh().engine;
+    if (sim_.async()) {
+      sim_.Fail(fmt::format("{} was ordered to commit step {} (epoch {}) in async", sim_.Name(proc_), step, epoch));
+      return Aborted("async");
+    }
     if (e.epoch != epoch) return Aborted("another epoch");
     if (!e.prepared || e.step != step) {
       return FailedPrecondition(
@@ -352,12 +371,37 @@ class FakeHost : public ShardHost {
         fmt::format("{} was ordered to force step {} (epoch {}) with no step deadline", sim_.Name(proc_), step, epoch));
   }
   int64_t global_step() override {
-    sim_.Fail(fmt::format("{}: a sync coordinator asked for the async global step", sim_.Name(proc_)));
+    if (!sim_.async())
+      sim_.Fail(fmt::format("{}: a sync coordinator asked for the async global step", sim_.Name(proc_)));
     return sh().engine.step;
   }
   Status SnapshotAs(uint64_t epoch, int64_t step) override {
-    sim_.Fail(fmt::format("{} was ordered an async snapshot at step {} (epoch {})", sim_.Name(proc_), step, epoch));
-    return Aborted("sync");
+    if (!sim_.async()) {
+      sim_.Fail(fmt::format("{} was ordered an async snapshot at step {} (epoch {})", sim_.Name(proc_), step, epoch));
+      return Aborted("sync");
+    }
+    const Engine& e = sh().engine;
+    if (e.epoch != epoch) return Aborted("another epoch");
+    sim_.Note(fmt::format("{}: snapshot for checkpoint step {} (at its count {})", sim_.Name(proc_), step, e.step));
+    sim_.QueueSnapshot(proc_, epoch, step, e.value);
+    return Status::Ok();
+  }
+  // Async: the chief's count goes on from the highest one restored.
+  void RaiseGlobalStep(uint64_t epoch, int64_t step) override {
+    Engine& e = sh().engine;
+    if (!sim_.async() || e.epoch != epoch || step <= e.step) return;
+    e.step = step;
+    sim_.OnPublished(proc_, epoch, e.step, e.value);
+  }
+  // Async: a copy of the engine as it is now, a moment later.
+  void KeepCopyNowAsync(uint64_t epoch, CopyDone done) override {
+    sim_.Later(proc_, sim_.now() + sim_.Uniform(0, 5), [this, epoch, done = std::move(done)](Shard& s) {
+      if (s.engine.epoch != epoch) return done(std::nullopt, nullptr);
+      const peer::LiveCopy copy{epoch, s.engine.step};
+      s.own_copies[copy] = s.engine.value;
+      Trim(&s.own_copies);
+      done(copy, Serialize(s.engine.value));
+    });
   }
 
   void RestoreAsync(uint64_t epoch, int64_t step, const std::vector<peer::PartInfo>& seal, RestoreDone done) override {
@@ -510,6 +554,11 @@ class FakeHost : public ShardHost {
   bool EndTraining(int64_t snapshot_step) override {
     Engine& e = sh().engine;
     e.closed = true;
+    if (sim_.async()) {  // the final part as it is, labelled with the chief's count
+      if (snapshot_step < 0) return false;
+      sim_.QueueSnapshot(proc_, e.epoch, snapshot_step, e.value);
+      return true;
+    }
     if (snapshot_step < 0 || e.prepared || e.step != snapshot_step) return false;
     sim_.QueueSnapshot(proc_, e.epoch, e.step, e.value);
     return true;
@@ -677,6 +726,7 @@ void Sim::StartShard(int s, std::vector<std::string> links) {
   opt.formation_timeout = std::chrono::milliseconds(3000);
   opt.final_seal_timeout = std::chrono::milliseconds(1000);
   opt.replicate = o_.replicate;
+  opt.applies_on_arrival = o_.async;
   opt.replica_chunk_bytes = 1024;  // several pieces per copy
   opt.stand_in = sh.stand_in;
   if (o_.takeover && !sh.stand_in) opt.takeover_after = std::chrono::milliseconds(o_.takeover_after_ms);
@@ -772,7 +822,7 @@ void Sim::Exit(int s) {
 // --- the fake engines' work ------------------------------------------------------------------------
 
 void Sim::SchedulePrepares() {
-  if (workers_done_) return;
+  if (workers_done_ || o_.async) return;
   for (auto& sh : shards_) {
     if (!sh.up || sh.engine.epoch == 0 || sh.engine.prepared || sh.engine.closed) continue;
     auto key = std::make_pair(sh.engine.epoch, sh.engine.step);
@@ -816,9 +866,64 @@ void Sim::StartWrite(int s) {
   });
 }
 
+void Sim::Push() {
+  if (workers_done_ || !o_.async) return;
+  At(now_ + Uniform(3, 25), [this] { Push(); });
+  if (serving_epoch_ == 0) return;
+  const uint64_t id = ++pushes_;
+  for (int k = 0; k < o_.shards; ++k) {
+    auto by = restored_by_.find({serving_epoch_, k});
+    if (by == restored_by_.end()) continue;
+    const int p = by->second;
+    const uint64_t epoch = serving_epoch_;
+    // Each shard gets it after its own delay (so shards apply pushes in different orders).
+    Later(p, now_ + Uniform(1, 12), [this, p, id, epoch](Shard& sh) {
+      if (sh.engine.epoch != epoch || sh.engine.closed || !sh.coord->Serving().ok()) return;
+      Apply(p, id);
+    });
+  }
+}
+
+void Sim::Apply(int p, uint64_t id) {
+  Shard& sh = shard(p);
+  Engine& e = sh.engine;
+  const uint64_t before = e.value;
+  e.value = Mix(before, id);
+  chain_[e.value] = {before, id};
+  ++e.step;
+  OnPublished(p, e.epoch, e.step, e.value);
+  const int k = sh.index;
+  const uint64_t life = sh.life;
+  sh.coord->AfterReplicated(e.epoch, [this, p, k, id, life](const Status& s) {
+    if (!s.ok() || shard(p).life != life) return;
+    acked_[static_cast<size_t>(k)].insert(id);
+    ++result_.pushes_acked;
+  });
+  // The chief's count is the global step: the workers finish at the target.
+  auto chief = server_of_epoch_.find(e.epoch);
+  if (chief != server_of_epoch_.end() && chief->second == p && e.step >= o_.target_step && !workers_done_) {
+    workers_done_ = true;
+    Note("every worker finished");
+    // Each worker's Finish reaches every shard it talks to (psclient::Client::Finish), and a shard
+    // that is chief then ends the job: here that matters, as a chief deposed without knowing it
+    // (cut off) may count the last pushes, and its job_done never reach the new chief.
+    for (auto& other : shards_) {
+      if (other.up) OnWorkersDoneCheck(other.proc);
+    }
+  }
+}
+
+std::set<uint64_t> Sim::PushesIn(uint64_t value) const {
+  std::set<uint64_t> ids;
+  for (auto it = chain_.find(value); it != chain_.end(); it = chain_.find(it->second.first)) {
+    ids.insert(it->second.second);
+  }
+  return ids;
+}
+
 // --- invariants ------------------------------------------------------------------------------------
 
-void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
+void Sim::OnFormation(int chief, uint64_t epoch, int64_t step, bool newest) {
   // Two shards that claimed at once may both form the same term; the lower index wins before
   // either serves (OnStartServing checks that one chief runs each epoch).
   if (!formed_.insert(epoch).second) ++result_.contested;
@@ -830,8 +935,15 @@ void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
     for (auto p = published_.lower_bound({epoch, INT64_MIN}); p != published_.end() && p->first.first == epoch;) {
       p = published_.erase(p);
     }
+    // (Async: the chief's count is raised, a publication, before it serves.)
+    for (auto p = part_server_.lower_bound({epoch, INT_MIN}); p != part_server_.end() && p->first.first == epoch;) {
+      p = part_server_.erase(p);
+    }
     restored_.erase(epoch);
   }
+  // Async: no step is released; what a formation must keep is the acknowledged pushes, checked
+  // when it serves (OnStartServing).
+  if (newest || o_.async) return;
   if (step < max_released_) {
     ++result_.rollbacks;
     if (o_.replicate && o_.single_faults) {
@@ -929,7 +1041,7 @@ void Sim::OnPublished(int p, uint64_t epoch, int64_t step, uint64_t value) {
   if (!ServesPart(p, epoch)) return;
   auto& m = published_[{epoch, step}];
   for (auto& [other, v] : m) {
-    if (v != value) {
+    if (v != value && !o_.async) {  // (async: each shard applies pushes in its own order, from its own count)
       return Fail(
           fmt::format("shards {} and {} published different values at step {} of epoch {}", other, s, step, epoch));
     }
@@ -979,6 +1091,32 @@ void Sim::OnStartServing(int s) {
   auto& r = restored_[epoch];
   if (static_cast<int>(r.size()) != o_.shards) {
     return Fail(fmt::format("{} serves epoch {} with {} of {} shards restored", Name(s), epoch, r.size(), o_.shards));
+  }
+  if (o_.async) {
+    serving_epoch_ = epoch;
+    // Every push a shard acknowledged is in the state its part restored (several faults at once
+    // may lose some: counted, and forgotten).
+    for (auto& [k, sv] : r) {
+      std::set<uint64_t> held = PushesIn(sv.second);
+      auto& acked = acked_[static_cast<size_t>(k)];
+      for (auto it = acked.begin(); it != acked.end();) {
+        if (held.count(*it) > 0) {
+          ++it;
+          continue;
+        }
+        if (o_.single_faults || o_.crash_rate <= 0) {
+          return Fail(
+              fmt::format("epoch {} serves shard {}'s part without push {}, which that shard acknowledged "
+                          "({}: a copy holding it was left)",
+                          epoch, k, *it, o_.single_faults ? "one fault at a time" : "no process crashed"));
+        }
+        ++result_.acked_lost;
+        it = acked.erase(it);
+      }
+    }
+    released_[epoch] = e.step;
+    ++result_.formations;
+    return;
   }
   for (auto& [other, sv] : r) {
     if (sv != r.begin()->second) {
@@ -1201,6 +1339,7 @@ SimResult Sim::Run() {
   };
   At(0, links);
   At(500, [this] { Operator(); });
+  if (o_.async) At(0, [this] { Push(); });
   InjectFault();
   At(o_.fault_ms, [this] { StopFaults(); });
   const int64_t deadline = o_.fault_ms + o_.settle_ms;

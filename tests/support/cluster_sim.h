@@ -25,6 +25,7 @@
 //    form (a shard lost its checkpoints) with `psd_admin recover` (ClusterCoordinator::Recover);
 //  - once the faults stop (every shard up, no partition), the job finishes (every shard exits)
 //    within bounded simulated time.
+// Async (SimOptions::async) replaces the step commit with pushes applied on arrival; see there.
 // A violation ends the run with the reason; RunSimulation with trace = true (same seed) records
 // every event, for the failure report and replay.
 #ifndef PSD_TESTS_SUPPORT_CLUSTER_SIM_H_
@@ -70,6 +71,14 @@ struct SimOptions {
   // is computed again, nothing released is lost.
   bool takeover = false;
   int64_t takeover_after_ms = 1000;
+  // Async (--mode async; with `replicate`): no step commit. Workers' pushes go to every shard that
+  // serves, which applies each on arrival (its count is its step; the chief's count is the global
+  // step, and the workers finish at target_step) and acknowledges it once a copy of its part
+  // taken after it is kept by the next shard (ClusterCoordinator::AfterReplicated). Formations
+  // restore each part's newest copy. Invariant added: with `single_faults`, every formation
+  // restores every push a shard acknowledged for its part (a shard's state is the chain of the
+  // pushes it applied, so the sim knows which a restored state holds).
+  bool async = false;
 };
 
 struct SimResult {
@@ -88,6 +97,8 @@ struct SimResult {
   int64_t stand_ins = 0;        // stand-ins started (takeover)
   int64_t stand_in_serves = 0;  // formations that served with a part on a stand-in (takeover)
   int64_t end_ms = 0;           // simulated time when the last shard exited
+  int64_t pushes_acked = 0;     // async: a part's pushes acknowledged (once the next shard kept them)
+  int64_t acked_lost = 0;       // async, several faults at a time: acknowledged pushes a formation lost
 };
 
 SimResult RunSimulation(const SimOptions& options);
