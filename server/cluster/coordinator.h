@@ -168,6 +168,9 @@ class ClusterCoordinator : public PeerEvents {
   std::vector<std::string> Addresses() const;
   // The host's stand-in stopped (its job ended, or it failed to start): another may start.
   void OnStandInEnded();
+  // Async/ssp replicas: per shard's part, the newest copy this shard knows a next shard kept
+  // (what it heard, and the copies of its predecessor's part its host keeps now). Empty otherwise.
+  std::vector<peer::LiveCopy> KeptCopies() const;
   bool is_chief() const;
   int chief() const;
   uint64_t epoch() const;

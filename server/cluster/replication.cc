@@ -368,6 +368,19 @@ void ClusterCoordinator::HearCopiesLocked(int k, const std::vector<peer::LiveCop
   for (const peer::LiveCopy& c : HeldCopiesLocked(k)) heard = std::max(heard, c);
 }
 
+std::vector<peer::LiveCopy> ClusterCoordinator::KeptCopies() const {
+  if (!options_.applies_on_arrival || !options_.replicate) return {};
+  std::vector<peer::LiveCopy> own, held;
+  host_.LiveCopies(&own, &held);
+  MutexLock lock(&mu_);
+  std::vector<peer::LiveCopy> kept = newest_heard_;
+  kept.resize(static_cast<size_t>(shards_), {0, -1});
+  for (const peer::LiveCopy& c : held) {
+    kept[static_cast<size_t>(Predecessor())] = std::max(kept[static_cast<size_t>(Predecessor())], c);
+  }
+  return kept;
+}
+
 bool ClusterCoordinator::NewestBehindLocked() const {
   for (int k = 0; k < shards_ && static_cast<size_t>(k) < newest_heard_.size(); ++k) {
     peer::LiveCopy kept{0, -1};

@@ -124,8 +124,10 @@ class ShardHost {
   // here when the chief forms the cluster with it. The coordinator's OnStandInEnded is called when
   // it stops by itself or fails to start. Default: none (a host that cannot run one).
   virtual void StartStandIn(int /*shard*/, std::vector<std::string> /*links*/) {}
-  // Stops the stand-in (its shard's own process is back), without waiting for it.
-  virtual void StopStandIn() {}
+  // Stops the stand-in (its shard's own process is back), without waiting for it. Returns what
+  // it knew was kept (its ClusterCoordinator::KeptCopies: async/ssp replicas), for this shard to
+  // pass on: the copies it kept of its predecessor's part go with it.
+  virtual std::vector<peer::LiveCopy> StopStandIn() { return {}; }
 
   // --- the job ---
   // Every worker finished: closes the token queue; if the engine is at `snapshot_step` (>= 0;

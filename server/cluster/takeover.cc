@@ -179,7 +179,12 @@ void ClusterCoordinator::TakeoverHeartbeatLocked(int from, uint64_t term, const 
     predecessor_gone_.reset();
     spdlog::warn("cluster: shard {} is back at {}: stopping its stand-in", from,
                  options_.addresses[static_cast<size_t>(from)]);
-    actions->push_back([this] { host_.StopStandIn(); });
+    actions->push_back([this] {
+      // What it kept goes with it: said from now on (a formation must not restore older copies).
+      std::vector<peer::LiveCopy> kept = host_.StopStandIn();
+      MutexLock lock(&mu_);
+      HearCopiesLocked(me_, kept);
+    });
   }
 }
 

@@ -89,10 +89,15 @@ void ServerShardHost::StartStandIn(int shard, std::vector<std::string> links) {
   });
 }
 
-void ServerShardHost::StopStandIn() {
+std::vector<peer::LiveCopy> ServerShardHost::StopStandIn() {
   MutexLock lock(&mu_);
   stand_in_stopped_ = stand_in_started_;
-  if (stand_in_ != nullptr) stand_in_->RequestStop();
+  if (stand_in_ == nullptr) return {};
+  // (Its coordinator and host are its own: no lock of this host's is taken there.)
+  std::vector<peer::LiveCopy> kept;
+  if (ClusterCoordinator* c = stand_in_->coordinator(); c != nullptr) kept = c->KeptCopies();
+  stand_in_->RequestStop();
+  return kept;
 }
 
 Status ServerShardHost::CommitStep(uint64_t epoch, int64_t step, bool checkpoint, double learning_rate) {

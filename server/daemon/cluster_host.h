@@ -73,7 +73,7 @@ class ServerShardHost : public ShardHost {
   // A stand-in is a second Server in this process (its own io_context, engine and links), run by
   // a thread of its own that starts it, waits for its end and stops it.
   void StartStandIn(int shard, std::vector<std::string> links) override;
-  void StopStandIn() override;
+  std::vector<peer::LiveCopy> StopStandIn() override;
   bool EndTraining(int64_t snapshot_step) override;
   void FinishJob() override;
   void EndJobIfDone() override;

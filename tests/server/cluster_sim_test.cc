@@ -405,6 +405,9 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
       // A stand-in stopped when its shard's own process came back, with the newest copies of the
       // part before it; the next formation restored that part from older ones.
       {4, 447077, false, false},
+      // A stand-in kept a part's newest copies and was stopped before any heartbeat said so, its
+      // part's own shard cut off: now its host takes what it knew was kept when it stops it.
+      {3, 348766, false, false},
   };
   for (const Seed& s : seeds) {
     SimOptions o;

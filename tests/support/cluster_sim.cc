@@ -196,7 +196,8 @@ class Sim {
   void Retarget(int from, int to, const std::string& address);
   // Takeover: the host `host` starts / stops its stand-in for shard `index`.
   void StartStandIn(int host, int index, std::vector<std::string> links);
-  void StopStandIn(int host);
+  // Returns what the stand-in knew was kept (ClusterCoordinator::KeptCopies).
+  std::vector<peer::LiveCopy> StopStandIn(int host);
   // Observations from the fakes.
   // `newest` (async): each part's newest copy, no common step.
   void OnFormation(int chief, uint64_t epoch, int64_t step, bool newest);
@@ -300,6 +301,7 @@ class Sim {
   std::map<std::pair<uint64_t, int64_t>, std::map<int, uint64_t>> published_;  // (epoch, step) -> shard -> value
   std::map<uint64_t, std::map<int, std::pair<int64_t, uint64_t>>> restored_;   // epoch -> shard -> (step, value)
   std::set<uint64_t> formed_;                                                  // epochs whose formation was checked
+  std::set<uint64_t> reformed_;  // served epochs formed again, their records reset (until they serve again)
   bool workers_done_ = false;
   bool operator_approved_ = false;  // a state loss the next formation may make
   std::vector<int64_t> disk_losses_ = std::vector<int64_t>(shards_.size(), 0);  // per process (its directory)
@@ -570,7 +572,7 @@ class FakeHost : public ShardHost {
   void StartStandIn(int shard, std::vector<std::string> links) override {
     sim_.StartStandIn(proc_, shard, std::move(links));
   }
-  void StopStandIn() override { sim_.StopStandIn(proc_); }
+  std::vector<peer::LiveCopy> StopStandIn() override { return sim_.StopStandIn(proc_); }
 
  private:
   Sim& sim_;
@@ -790,14 +792,17 @@ void Sim::StartStandIn(int host, int index, std::vector<std::string> links) {
   });
 }
 
-void Sim::StopStandIn(int host) {
+std::vector<peer::LiveCopy> Sim::StopStandIn(int host) {
   const int p = HostedBy(host);
   shard(p).stand_ins_stopped = shard(p).stand_ins_asked;
+  std::vector<peer::LiveCopy> kept;
+  if (shard(p).up && shard(p).coord) kept = shard(p).coord->KeptCopies();
   Later(host, now_, [this, p](Shard&) {
     if (!shard(p).up) return;
     Note(fmt::format("{} is stopped by its host", Name(p)));
     Stop(p);
   });
+  return kept;
 }
 
 void Sim::Exit(int s) {
@@ -928,7 +933,8 @@ void Sim::OnFormation(int chief, uint64_t epoch, int64_t step, bool newest) {
   // either serves (OnStartServing checks that one chief runs each epoch).
   if (!formed_.insert(epoch).second) ++result_.contested;
   Note(fmt::format("{} forms epoch {} at step {}", Name(chief), epoch, step));
-  if (server_of_epoch_.count(epoch) > 0 && EveryDiskLostSince(epoch)) {
+  // (Once per run of the term: two shards that claimed it at once both form it.)
+  if (server_of_epoch_.count(epoch) > 0 && EveryDiskLostSince(epoch) && reformed_.insert(epoch).second) {
     // A term formed again (no directory that saved it is left; OnStartServing checks it): what
     // its last run restored and published is another timeline's, not what this one's copies are
     // compared with.
@@ -1060,6 +1066,7 @@ void Sim::OnStartServing(int s) {
   uint64_t epoch = e.epoch;
   Note(fmt::format("{} serves epoch {} from step {}", Name(s), epoch, e.step));
   serving_since_ = now_;
+  reformed_.erase(epoch);
   auto [it, fresh] = server_of_epoch_.emplace(epoch, s);
   if (!fresh) {
     // Only a cluster with no disk left that remembers the term may form it again.
@@ -1071,13 +1078,7 @@ void Sim::OnStartServing(int s) {
                       Name(it->second), Name(s), epoch, Name(kept)));
     }
     Note(fmt::format("epoch {} formed again: every process that served it lost its checkpoint directory since", epoch));
-    it->second = s;
-    for (auto p = published_.lower_bound({epoch, INT64_MIN}); p != published_.end() && p->first.first == epoch;) {
-      p = published_.erase(p);
-    }
-    for (auto p = part_server_.lower_bound({epoch, INT_MIN}); p != part_server_.end() && p->first.first == epoch;) {
-      p = part_server_.erase(p);
-    }
+    it->second = s;  // (what its last run published was forgotten at its formation: OnFormation)
   }
   auto& losses = losses_at_serve_[epoch];
   losses.clear();
