@@ -339,11 +339,11 @@ class ClusterCoordinator : public PeerEvents {
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
   // Async/ssp: every part has a copy somewhere (its shard's own, or the next shard's).
   bool EveryPartCopiedLocked() const REQUIRES(mu_);
-  // Async/ssp: records the copies of its predecessor's part that shard k says it keeps, what it
-  // heard of the others (`told`, its heartbeat's kept_copies), and this shard's own copy `acked`
-  // (the next shard acknowledged keeping it), in newest_heard_.
-  void HearCopiesLocked(int k, const std::vector<peer::LiveCopy>& told,
-                        std::optional<peer::LiveCopy> acked = std::nullopt) REQUIRES(mu_);
+  // Async/ssp replicas: a next shard kept `copy` of `part` (newest_heard_ keeps the newest).
+  void HeardLocked(int part, const peer::LiveCopy& copy) REQUIRES(mu_);
+  // Async/ssp: records the copies of its predecessor's part that shard k says it keeps, and what
+  // it heard of the others (`told`, its heartbeat's kept_copies).
+  void HearCopiesLocked(int k, const std::vector<peer::LiveCopy>& told) REQUIRES(mu_);
   // Async/ssp: some part's newest copy kept by the shards served now is older than one heard of
   // (kept by a process cut off now, or by a stand-in stopped since): restoring it would lose
   // pushes acknowledged on the newer one.

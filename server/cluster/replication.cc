@@ -242,7 +242,7 @@ void ClusterCoordinator::HandleReplicaAck(int from, const peer::ReplicaAck& a, s
   if (!options_.replicate || from != Successor() || !ack_ || ack_->epoch != a.epoch || ack_->copy != a.copy) return;
   if (ack_->to < 0) {  // a copy on arrival: the replies it covers go, and the next copy starts if more wait
     // Kept by the next shard (which may be a stand-in stopped soon): said in every heartbeat.
-    HearCopiesLocked(me_, {}, ack_->copy);
+    HeardLocked(me_, ack_->copy);
     const uint64_t generation = ack_->generation, epoch = ack_->epoch;
     ack_.reset();
     std::vector<std::function<void(const Status&)>> answered;
@@ -352,20 +352,19 @@ bool ClusterCoordinator::EveryPartCopiedLocked() const {
   return true;
 }
 
-void ClusterCoordinator::HearCopiesLocked(int k, const std::vector<peer::LiveCopy>& told,
-                                          std::optional<peer::LiveCopy> acked) {
-  if (!options_.applies_on_arrival || !options_.replicate) return;
+void ClusterCoordinator::HeardLocked(int part, const peer::LiveCopy& copy) {
+  if (!options_.applies_on_arrival || !options_.replicate || part < 0 || part >= shards_) return;
   if (newest_heard_.size() != static_cast<size_t>(shards_)) newest_heard_.assign(static_cast<size_t>(shards_), {0, -1});
-  if (acked) newest_heard_[static_cast<size_t>(me_)] = std::max(newest_heard_[static_cast<size_t>(me_)], *acked);
+  newest_heard_[static_cast<size_t>(part)] = std::max(newest_heard_[static_cast<size_t>(part)], copy);
+}
+
+void ClusterCoordinator::HearCopiesLocked(int k, const std::vector<peer::LiveCopy>& told) {
   // What it heard (passed on: a chief cut off while a stand-in kept a part's newest copies learns
   // of them from the shards that heard it).
-  for (size_t i = 0; i < told.size() && i < newest_heard_.size(); ++i) {
-    newest_heard_[i] = std::max(newest_heard_[i], told[i]);
-  }
+  for (size_t i = 0; i < told.size(); ++i) HeardLocked(static_cast<int>(i), told[i]);
   // Only the copies the next shard keeps: an acknowledged push is in one of those. (A shard's own
   // newest copy may still be on its way there, and acknowledges nothing yet.)
-  auto& heard = newest_heard_[static_cast<size_t>((k + shards_ - 1) % shards_)];
-  for (const peer::LiveCopy& c : HeldCopiesLocked(k)) heard = std::max(heard, c);
+  for (const peer::LiveCopy& c : HeldCopiesLocked(k)) HeardLocked((k + shards_ - 1) % shards_, c);
 }
 
 std::vector<peer::LiveCopy> ClusterCoordinator::KeptCopies() const {

@@ -138,6 +138,12 @@ static void Takeover(SimOptions* o) {
   o->max_down_ms = 5000;
 }
 
+// One crash at a time (SimOptions::single_faults), drawn often (most draws are skipped).
+static void SingleFaults(SimOptions* o) {
+  o->single_faults = true;
+  o->crash_rate = 1.0;
+}
+
 // Async: a push counts one step, so a job is some hundred pushes.
 static void Async(SimOptions* o) {
   o->async = true;
@@ -161,10 +167,7 @@ static void ReplicatedSweep(bool single, uint64_t seed_base,
       if (takeover) Takeover(&o);
       if (async) Async(&o);
       if (!crashes) o.crash_rate = 0;
-      if (single) {
-        o.single_faults = true;
-        o.crash_rate = 1.0;
-      }
+      if (single) SingleFaults(&o);
       o.seed = static_cast<uint64_t>(shards) * 100000 + seed_base + static_cast<uint64_t>(i);
       fn(i, o, Check(o));
     }
@@ -379,10 +382,7 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
     } else {
       o.takeover = true;
     }
-    if (s.single) {
-      o.single_faults = true;
-      o.crash_rate = 1.0;
-    }
+    if (s.single) SingleFaults(&o);
     Check(o);
   }
 }
@@ -417,10 +417,7 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
     Takeover(&o);
     Async(&o);
     if (!s.crashes) o.crash_rate = 0;
-    if (s.single) {
-      o.single_faults = true;
-      o.crash_rate = 1.0;
-    }
+    if (s.single) SingleFaults(&o);
     Check(o);
   }
 }
@@ -438,10 +435,7 @@ TEST_CASE("cluster simulation: replay one seed (PSD_CLUSTER_SIM_SEED, PSD_CLUSTE
       Takeover(&o);
     }
   }
-  if (std::getenv("PSD_CLUSTER_SIM_SINGLE") != nullptr) {
-    o.single_faults = true;
-    o.crash_rate = 1.0;
-  }
+  if (std::getenv("PSD_CLUSTER_SIM_SINGLE") != nullptr) SingleFaults(&o);
   if (o.replicate && std::getenv("PSD_CLUSTER_SIM_ASYNC") != nullptr) Async(&o);
   if (std::getenv("PSD_CLUSTER_SIM_NO_CRASH") != nullptr) o.crash_rate = 0;
   o.seed = std::strtoull(seed, nullptr, 10);

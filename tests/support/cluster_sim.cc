@@ -199,8 +199,7 @@ class Sim {
   // Returns what the stand-in knew was kept (ClusterCoordinator::KeptCopies).
   std::vector<peer::LiveCopy> StopStandIn(int host);
   // Observations from the fakes.
-  // `newest` (async): each part's newest copy, no common step.
-  void OnFormation(int chief, uint64_t epoch, int64_t step, bool newest);
+  void OnFormation(int chief, uint64_t epoch, int64_t step);
   void OnPublished(int s, uint64_t epoch, int64_t step, uint64_t value);
   void OnRestored(int s, uint64_t epoch, int64_t step, uint64_t value);
   void OnStartServing(int s);
@@ -323,7 +322,7 @@ class Endpoint : public PeerNetwork {
   void Send(int shard, const peer::Message& m) override {
     if (auto* r = std::get_if<peer::Restore>(&m.body); r != nullptr && shard == me_) {
       if (r->live) sim_.OnLiveFormation();
-      sim_.OnFormation(proc_, r->epoch, r->step, r->live && r->newest);
+      sim_.OnFormation(proc_, r->epoch, r->step);
     }
     sim_.Send(proc_, shard, m);
   }
@@ -928,7 +927,7 @@ std::set<uint64_t> Sim::PushesIn(uint64_t value) const {
 
 // --- invariants ------------------------------------------------------------------------------------
 
-void Sim::OnFormation(int chief, uint64_t epoch, int64_t step, bool newest) {
+void Sim::OnFormation(int chief, uint64_t epoch, int64_t step) {
   // Two shards that claimed at once may both form the same term; the lower index wins before
   // either serves (OnStartServing checks that one chief runs each epoch).
   if (!formed_.insert(epoch).second) ++result_.contested;
@@ -949,7 +948,7 @@ void Sim::OnFormation(int chief, uint64_t epoch, int64_t step, bool newest) {
   }
   // Async: no step is released; what a formation must keep is the acknowledged pushes, checked
   // when it serves (OnStartServing).
-  if (newest || o_.async) return;
+  if (o_.async) return;
   if (step < max_released_) {
     ++result_.rollbacks;
     if (o_.replicate && o_.single_faults) {
