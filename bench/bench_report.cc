@@ -22,7 +22,7 @@ Report Summarize(const Options& opt, const Window& window, std::vector<WorkerSta
   r.warmup = opt.warmup;
   r.steps = opt.steps;
   r.fused = opt.fused;
-  r.shared_buffers = opt.shared_buffers && !opt.sparse;
+  r.shared_buffers = opt.shared_buffers;
   r.pull_in_push = opt.pull_in_push;
   r.grad_dtype = opt.grad_dtype;
   r.mode = w0.job.mode.empty() ? "sync" : w0.job.mode;

@@ -177,7 +177,11 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   co.busy_poll_us = opt.busy_poll_us;
   co.shared_memory_bytes = opt.shared_memory_bytes;
   // Room for one worker's gradients and values, and slack for the allocator's rounding.
-  if (opt.shared_buffers) co.shared_buffer_bytes = 2 * opt.model_bytes + (4ull << 20);
+  if (opt.shared_buffers) {
+    const uint64_t data = opt.sparse ? 2 * static_cast<uint64_t>(opt.batch_rows * opt.embedding_dim) * sizeof(float)
+                                     : 2 * opt.model_bytes;
+    co.shared_buffer_bytes = data + (4ull << 20);
+  }
   ApplyTls(opt, co);
   auto connected = psclient::Client::Connect(co);
   if (!connected.ok()) return fail("connect to " + ep.host + ":" + std::to_string(ep.port), connected.status());
@@ -195,7 +199,9 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
 
   std::unique_ptr<Workload> work;
   if (opt.sparse) {
-    work = std::make_unique<SparseWorkload>(index, opt);
+    auto sparse = std::make_unique<SparseWorkload>(index, opt, opt.shared_buffers ? &c : nullptr);
+    if (!sparse->status().ok()) return fail("allocating the rows' buffers", sparse->status());
+    work = std::move(sparse);
   } else {
     auto dense = std::make_unique<DenseWorkload>(index, vars, opt.pull_in_push, opt.grad_dtype,
                                                  opt.shared_buffers ? &c : nullptr);
@@ -421,8 +427,9 @@ int Run(int argc, char** argv) {
                  "same-host workers' shared-memory segment (ClientOptions::shared_memory_bytes; 0: TCP only)")
       ->capture_default_str();
   app.add_flag("--shared-buffers", opt.shared_buffers,
-               "dense: the workers' gradients and values live in shared buffers (Client::AllocateShared): a "
-               "same-host psd reads and writes them in place, no copy on either side");
+               "the workers' gradients and values (--sparse: the pulled rows and their gradient) live in shared "
+               "buffers (Client::AllocateShared): a same-host psd reads and writes them in place, no copy on "
+               "either side");
   app.add_option("--pull-frame-bytes", opt.pull_frame_bytes_text,
                  "replies a pull is cut into (the client's pull_frame_bytes; 0: one reply per pull)")
       ->capture_default_str();

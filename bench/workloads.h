@@ -133,22 +133,34 @@ class DenseWorkload : public Workload {
 
 class SparseWorkload : public Workload {
  public:
-  SparseWorkload(int index, const Options& opt)
+  // With `shared` (--shared-buffers): the pulled rows and the gradient live in its shared buffers.
+  SparseWorkload(int index, const Options& opt, psclient::Client* shared)
       : rows_total_(opt.embedding_rows),
         dim_(opt.embedding_dim),
         batch_(opt.batch_rows),
         rng_(opt.seed + static_cast<uint64_t>(index)),
         bias_(1e-3f * static_cast<float>(index + 1)) {
-    const size_t elements = static_cast<size_t>(batch_ * dim_);
-    value_storage_.assign((elements * sizeof(float) + 7) / 8, 0);
-    grad_storage_.assign((elements * sizeof(float) + 7) / 8, 0);
+    const size_t bytes = static_cast<size_t>(batch_ * dim_) * sizeof(float);
+    for (float** at : {&values_, &grads_}) {
+      if (shared == nullptr) {
+        *at = reinterpret_cast<float*>(plain_.emplace_back((bytes + 7) / 8).data());
+        continue;
+      }
+      auto b = shared->AllocateShared(bytes);
+      if (!b.ok()) {
+        status_ = Status(b.status().code(), "--shared-buffers: " + b.status().message());
+        return;
+      }
+      *at = shared_.emplace_back(std::move(*b)).as<float>();
+    }
     chosen_.reserve(static_cast<size_t>(batch_) * 2);
     batch_rows_.reserve(static_cast<size_t>(batch_));
     sparse_.resize(1);
     sparse_[0].name = kEmbeddingName;
     sparse_[0].indices.reserve(static_cast<size_t>(batch_));
-    sparse_[0].values = psclient::ConstTensorView{grad_storage_.data(), psd::DType::kFloat32, {batch_, dim_}};
+    sparse_[0].values = psclient::ConstTensorView{grads_, psd::DType::kFloat32, {batch_, dim_}};
   }
+  const Status& status() const { return status_; }
   Status Create(psclient::Client& c) override {
     auto created =
         c.CreateVariable(kEmbeddingName, psclient::ConstTensorView{nullptr, psd::DType::kFloat32, {rows_total_, dim_}});
@@ -160,8 +172,7 @@ class SparseWorkload : public Workload {
     return Status::Ok();
   }
   Result<int64_t> FirstPull(psclient::Client& c) override {
-    return c.PullRows(kEmbeddingName, {0},
-                      psclient::TensorView{value_storage_.data(), psd::DType::kFloat32, {1, dim_}});
+    return c.PullRows(kEmbeddingName, {0}, psclient::TensorView{values_, psd::DType::kFloat32, {1, dim_}});
   }
   // Floyd's sampling: batch_ distinct rows of [0, rows_total_) in O(batch_), then sorted.
   void Next() override {
@@ -174,14 +185,11 @@ class SparseWorkload : public Workload {
     std::sort(batch_rows_.begin(), batch_rows_.end());
   }
   Result<int64_t> Pull(psclient::Client& c) override {
-    return c.PullRows(kEmbeddingName, batch_rows_,
-                      psclient::TensorView{value_storage_.data(), psd::DType::kFloat32, {batch_, dim_}});
+    return c.PullRows(kEmbeddingName, batch_rows_, psclient::TensorView{values_, psd::DType::kFloat32, {batch_, dim_}});
   }
   void Compute() override {
-    const float* v = reinterpret_cast<const float*>(value_storage_.data());
-    float* g = reinterpret_cast<float*>(grad_storage_.data());
     const int64_t n = batch_ * dim_;
-    for (int64_t i = 0; i < n; ++i) g[i] = bias_ + 0.01f * v[i];
+    for (int64_t i = 0; i < n; ++i) grads_[i] = bias_ + 0.01f * values_[i];
   }
   Result<psclient::PushOutcome> Push(psclient::Client& c, int64_t local_step, bool wait_token,
                                      int64_t timeout_ms) override {
@@ -200,8 +208,11 @@ class SparseWorkload : public Workload {
   const float bias_;
   std::unordered_set<int64_t> chosen_;
   std::vector<int64_t> batch_rows_;
-  std::vector<uint64_t> value_storage_;
-  std::vector<uint64_t> grad_storage_;
+  std::deque<std::vector<uint64_t>> plain_;
+  std::deque<psclient::SharedBuffer> shared_;
+  Status status_;
+  float* values_ = nullptr;  // [batch_, dim_]: the pulled rows
+  float* grads_ = nullptr;   // [batch_, dim_]: their gradient
   const std::vector<psclient::Gradient> no_dense_;
   std::vector<psclient::SparseGradient> sparse_;
 };

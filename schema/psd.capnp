@@ -206,6 +206,10 @@ struct PullRows {
   rows @1 :List(Int64);   # any order, repeats allowed
   hasDtype @2 :Bool;      # deliver the rows converted to `dtype` (else the variable's own)
   dtype @3 :DType;
+  toShm @4 :ShmTarget;    # set: the rows are written into shared memory, not the reply: one after
+                          # another from `offset` within `bytes` of segment 0; or in the shared
+                          # buffers (segment 1) one after another from offsets[0], or, with one
+                          # offset per row, each row at its own offset
 }
 
 struct PullReply {

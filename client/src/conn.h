@@ -6,6 +6,7 @@
 
 #include <kj/exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -146,6 +147,16 @@ class Conn {
   // Room for `bytes` (64-byte aligned) in the segment for this batch of requests, or -1.
   int64_t ShmReserve(uint64_t bytes);
   bool ShmFits(uint64_t bytes) const { return shm && psd::wire::ShmAlign(shm_used) + bytes <= shm->size(); }
+  // The room left in the segment for this batch of requests (0: none, or no segment).
+  uint64_t ShmRoom() const {
+    return shm ? shm->size() - std::min<uint64_t>(shm->size(), psd::wire::ShmAlign(shm_used)) : 0;
+  }
+  // The most rows one PullRows request names (8 bytes each, and 8 more for an offset in shared
+  // memory) within psd's --max-frame-bytes: replies in shared memory are not bound by a frame.
+  uint64_t RowsPerRequest() const {
+    const uint64_t limit = daemon_max_frame_bytes > 0 ? daemon_max_frame_bytes : options_.max_frame_bytes;
+    return std::max<uint64_t>(1, (limit - std::min(limit, kFrameSlack)) / 16);
+  }
   // Every reply of the last batch is in: its room may be used again.
   void ShmReset() { shm_used = 0; }
   // Copies a tensor's bytes into the segment (room the caller checked with ShmFits) and says

@@ -251,31 +251,36 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
   } else if (!loc->sliced && !rows.empty() && !out.shape.empty() && out.shape[0] == static_cast<int64_t>(rows.size())) {
     row_bytes = out.bytes() / rows.size();
   }
-  // Rows per reply: whole rows within pull_frame_bytes (0: all in one).
-  auto rows_per_reply = [&](int shard) -> size_t {
-    const uint64_t limit = im.conn(shard).PullFrameLimit();
-    if (limit == 0 || row_bytes == 0) return SIZE_MAX;
-    return std::max<size_t>(1, (limit - std::min(limit, Conn::kFrameSlack)) / row_bytes);
-  };
-  if (!loc->sliced && (row_bytes == 0 || rows.size() <= rows_per_reply(loc->parts[0].shard))) {
-    // One reply, read straight into the caller's view; the daemon checks the rows.
-    OutFrame frame;
-    auto p = im.conn(loc->parts[0].shard).NewRequest(frame).initPullRows();
+  auto fill = [&](proto::PullRows::Builder p) {
     p.setName(name);
     p.setHasDtype(true);
     p.setDtype(psd::wire::ToWire(out.dtype));
+  };
+  if (!loc->sliced && row_bytes == 0) {
+    // No rows, or a view that is not [rows asked, ...]: one request, whose reply says how the view
+    // should be (through the segment's room when it fits, else in the reply).
+    const int shard = loc->parts[0].shard;
+    Conn& conn = im.conn(shard);
+    conn.ShmReset();  // every earlier reply is in
+    OutFrame frame;
+    auto p = conn.NewRequest(frame).initPullRows();
+    fill(p);
     auto list = p.initRows(static_cast<unsigned>(rows.size()));
     for (size_t i = 0; i < rows.size(); ++i) list.set(static_cast<unsigned>(i), rows[i]);
+    if (const uint64_t room = conn.ShmRoom(); room > 0) {
+      auto target = p.initToShm();
+      target.setOffset(static_cast<uint64_t>(conn.ShmReserve(room)));
+      target.setBytes(room);
+    }
     proto::Response::Reader resp;
-    PSD_RETURN_IF_ERROR(im.Single(loc->parts[0].shard, frame, &resp));
+    PSD_RETURN_IF_ERROR(im.Single(shard, frame, &resp));
     try {
-      return im.ReadValues(resp.getPull(), {{name, out}}, &im.conn(loc->parts[0].shard));
+      return im.ReadValues(resp.getPull(), {{name, out}}, &conn);
     } catch (const kj::Exception& e) {
       return Malformed(e);
     }
   }
-  // Sliced, or more rows than a reply holds: each shard reads its rows, in replies of whole rows
-  // within pull_frame_bytes, and they are scattered back into the caller's order.
+  // Each part's rows, in requests of whole rows: the caller's positions each fills.
   std::vector<std::vector<size_t>> positions(loc->parts.size());
   if (!loc->sliced) {  // the daemon checks the rows
     for (size_t i = 0; i < rows.size(); ++i) positions[0].push_back(i);
@@ -293,27 +298,66 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
       if (rows[i] >= loc->parts[k].row_begin && rows[i] < loc->parts[k].row_end) positions[k].push_back(i);
     }
   }
+  // How a request's rows come back: in place into the caller's view when it lies in the shared
+  // buffers; through the connection's segment when it has room for at least a reply's worth; else
+  // in replies of whole rows within pull_frame_bytes.
+  enum class Via { kReply, kSegment, kBuffers };
+  struct Batch {
+    Via via;
+    std::vector<size_t> positions;
+  };
+  const bool host_view = out.memory == MemoryKind::kHost && out.data != nullptr;
   const bool any_step = im.AppliesOnArrival();  // each shard at its own count: the lowest
   for (int attempt = 0;; ++attempt) {
+    for (auto& c : im.conns_) c->ShmReset();  // every earlier reply is in
     Impl::Calls calls;
-    std::vector<std::vector<size_t>> batch;  // per call: the caller's positions it fills
+    std::vector<Batch> batch;  // per call
     for (size_t k = 0; k < loc->parts.size(); ++k) {
       const int shard = loc->parts[k].shard;
-      const size_t per = rows_per_reply(shard);
-      for (size_t first = 0; first < positions[k].size(); first += per) {
-        const size_t last = first + std::min(per, positions[k].size() - first);
-        batch.emplace_back(positions[k].begin() + static_cast<std::ptrdiff_t>(first),
-                           positions[k].begin() + static_cast<std::ptrdiff_t>(last));
+      Conn& conn = im.conn(shard);
+      const int64_t base = host_view ? conn.BufferOffset(out.data, out.bytes()) : -1;
+      const uint64_t limit = conn.PullFrameLimit();
+      const size_t per_reply =
+          limit == 0 ? SIZE_MAX : std::max<size_t>(1, (limit - std::min(limit, Conn::kFrameSlack)) / row_bytes);
+      const size_t per_request = conn.RowsPerRequest();
+      const std::vector<size_t>& pos = positions[k];
+      for (size_t first = 0; first < pos.size();) {
+        const size_t left = pos.size() - first;
+        Batch b{Via::kReply, {}};
+        size_t n = std::min(left, per_reply);
+        if (base >= 0) {
+          b.via = Via::kBuffers;
+          n = std::min(left, per_request);
+        } else if (const size_t fit = std::min<uint64_t>(per_request, conn.ShmRoom() / row_bytes);
+                   fit >= std::min(left, per_reply)) {
+          b.via = Via::kSegment;
+          n = std::min(left, fit);
+        }
+        b.positions.assign(pos.begin() + static_cast<std::ptrdiff_t>(first),
+                           pos.begin() + static_cast<std::ptrdiff_t>(first + n));
+        first += n;
         proto::Request::Builder req(nullptr);
         im.Add(calls, shard, &req);
         auto p = req.initPullRows();
-        p.setName(name);
-        p.setHasDtype(true);
-        p.setDtype(psd::wire::ToWire(out.dtype));
-        auto list = p.initRows(static_cast<unsigned>(batch.back().size()));
-        for (size_t j = 0; j < batch.back().size(); ++j) {
-          list.set(static_cast<unsigned>(j), rows[batch.back()[j]] - loc->parts[k].row_begin);
+        fill(p);
+        auto list = p.initRows(static_cast<unsigned>(n));
+        for (size_t j = 0; j < n; ++j)
+          list.set(static_cast<unsigned>(j), rows[b.positions[j]] - loc->parts[k].row_begin);
+        if (b.via == Via::kBuffers) {  // consecutive positions: from one offset; else one per row
+          auto target = p.initToShm();
+          target.setSegment(1);
+          const bool consecutive = b.positions.back() - b.positions.front() + 1 == n;
+          auto at = target.initOffsets(consecutive ? 1u : static_cast<unsigned>(n));
+          for (unsigned j = 0; j < at.size(); ++j) {
+            at.set(j, static_cast<uint64_t>(base) + b.positions[j] * row_bytes);
+          }
+          if (consecutive) target.setBytes(n * row_bytes);
+        } else if (b.via == Via::kSegment) {
+          auto target = p.initToShm();
+          target.setOffset(static_cast<uint64_t>(conn.ShmReserve(n * row_bytes)));
+          target.setBytes(n * row_bytes);
         }
+        batch.push_back(std::move(b));
       }
     }
     // Each reply is scattered as it arrives (a reader lasts until the next reply on its
@@ -330,12 +374,25 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
           return;
         }
         step = step >= 0 ? std::min(step, p.getStep()) : p.getStep();
-        auto t = psd::wire::ReadTensor(p.getValues()[0], im.options_.max_frame_bytes);
+        auto value = p.getValues()[0];
+        const bool in_shm = value.getInShm();
+        auto t =
+            psd::wire::ReadTensor(value, in_shm ? std::numeric_limits<int64_t>::max() : im.options_.max_frame_bytes,
+                                  /*in_shm_ok=*/true);
         if (!t.ok()) {
           read = t.status();
           return;
         }
-        if (t->bytes != batch[c].size() * row_bytes || t->shape.empty()) {
+        const Batch& b = batch[c];
+        if (in_shm) {
+          t->bytes = static_cast<uint64_t>(psd::NumElements(t->shape)) * psd::DTypeSize(t->dtype);
+          t->data = im.conn(calls[c]->shard).ShmAt(value.getShmSegment(), value.getShmOffset(), t->bytes);
+          if (t->data == nullptr) {
+            read = psd::Internal("rows in shared memory outside this connection's segments");
+            return;
+          }
+        }
+        if (t->bytes != b.positions.size() * row_bytes || t->shape.empty()) {
           // The caller's view does not fit the variable's rows (a single daemon's client
           // learns their shape here): say how.
           Shape whole = t->shape;
@@ -344,7 +401,8 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
           if (read.ok()) read = psd::Internal("rows reply has a wrong size");
           return;
         }
-        read = im.staging_.RowsFromHost(out.data, batch[c], t->data, row_bytes, out.memory, out.stream);
+        if (b.via == Via::kBuffers && in_shm) return;  // written in place
+        read = im.staging_.RowsFromHost(out.data, b.positions, t->data, row_bytes, out.memory, out.stream);
       } catch (const kj::Exception& e) {
         read = Malformed(e);
       }

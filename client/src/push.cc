@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <numeric>
 
 #include "client_impl.h"
@@ -76,15 +77,17 @@ DType Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>
 // The one frame a shard's part of a push takes when its gradients' values go through shared
 // memory (dense gradients, and sparse ones' rows; their indices stay in the frame): false (plan
 // over TCP) unless the connection has a segment with room for all the values and the indices fit
-// a frame. Dense gradients in the shared buffers (in_buffers >= 0) take no room: psd reads them
-// in place.
+// a frame. Gradients in the shared buffers (in_buffers, sparse_in_buffers >= 0) take no room:
+// psd reads them in place.
 bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const std::vector<int64_t>& in_buffers,
-             const std::vector<uint64_t>& sparse_values, const std::vector<uint64_t>& sparse_indices,
-             std::vector<internal::FramePlan>* frames) {
+             const std::vector<uint64_t>& sparse_values, const std::vector<int64_t>& sparse_in_buffers,
+             const std::vector<uint64_t>& sparse_indices, std::vector<internal::FramePlan>* frames) {
   if (!conn.shm || (dense_bytes.empty() && sparse_values.empty())) return false;
   uint64_t need = 0, in_frame = 0;
   for (size_t i = 0; i < dense_bytes.size(); ++i) need += in_buffers[i] >= 0 ? 0 : psd::wire::ShmAlign(dense_bytes[i]);
-  for (uint64_t b : sparse_values) need += psd::wire::ShmAlign(b);
+  for (size_t j = 0; j < sparse_values.size(); ++j) {
+    need += sparse_in_buffers[j] >= 0 ? 0 : psd::wire::ShmAlign(sparse_values[j]);
+  }
   for (uint64_t b : sparse_indices) in_frame += b + internal::kFrameEntryOverhead;
   const uint64_t limit = conn.PushFrameLimit();
   if (!conn.ShmFits(need) || (limit > 0 && in_frame + Conn::kFrameSlack > limit)) return false;
@@ -175,10 +178,18 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
           im.staging_.ToHost(staged.back().data(), values, g.values.bytes(), g.values.memory, g.values.stream));
       values = staged.back().data();
     }
+    // Rows already in increasing order (distinct) go as they are, from the caller's memory (in
+    // place from shared buffers); else sorted and coalesced into a copy.
     std::vector<int64_t> indices;
-    staged.emplace_back();
-    DType rows_dtype = Coalesce(g, values, &indices, &staged.back());
-    const uint8_t* rows = reinterpret_cast<const uint8_t*>(staged.back().data());
+    DType rows_dtype = g.values.dtype;
+    const uint8_t* rows = static_cast<const uint8_t*>(values);
+    if (std::adjacent_find(g.indices.begin(), g.indices.end(), std::greater_equal<int64_t>()) == g.indices.end()) {
+      indices = g.indices;
+    } else {
+      staged.emplace_back();
+      rows_dtype = Coalesce(g, values, &indices, &staged.back());
+      rows = reinterpret_cast<const uint8_t*>(staged.back().data());
+    }
     size_t row_bytes = static_cast<size_t>(psd::NumElements(Shape(g.values.shape.begin() + 1, g.values.shape.end()))) *
                        psd::DTypeSize(rows_dtype);
     auto loc = im.Locate(g.name);
@@ -283,7 +294,9 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       in_buffers.push_back(conn.BufferOffset(d.view.data, d.view.bytes()));
     }
     std::vector<uint64_t> sparse_values, sparse_indices;
+    std::vector<int64_t> sparse_in_buffers;  // per sparse part: where its rows are in the shared buffers, or -1
     for (const SparseEntry& e : sp) {
+      sparse_in_buffers.push_back(conn.BufferOffset(e.part.values, e.part.bytes));
       const size_t rows = e.part.indices.size();
       sparse_rows.push_back(rows);
       sparse_row_bytes.push_back((rows ? e.part.bytes / rows : 0) + sizeof(int64_t));
@@ -294,7 +307,8 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     // are (with the sparse ones' indices). Else: bigger than a frame, several frames, gradients
     // cut into chunks, the token wait on the last.
     std::vector<internal::FramePlan> frames;
-    const bool via_shm = ShmPlan(conn, dense_bytes, in_buffers, sparse_values, sparse_indices, &frames);
+    const bool via_shm =
+        ShmPlan(conn, dense_bytes, in_buffers, sparse_values, sparse_in_buffers, sparse_indices, &frames);
     if (!via_shm) {
       frames = internal::PlanFrames(dense_bytes, element_bytes, sparse_rows, sparse_row_bytes, conn.PushFrameLimit(),
                                     conn.chunk_elements);
@@ -372,7 +386,9 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
           for (size_t k2 = 0; k2 < part.dense_shape->size(); ++k2)
             ds.set(static_cast<unsigned>(k2), (*part.dense_shape)[k2]);
         }
-        if (via_shm) {
+        if (via_shm && sparse_in_buffers[piece.entry] >= 0) {
+          Conn::RefInShm(e.initGrad(), part.dtype, shape, 1, static_cast<uint64_t>(sparse_in_buffers[piece.entry]));
+        } else if (via_shm) {
           conn.PutInShm(e.initGrad(), part.dtype, shape, values, (r1 - r0) * row_bytes);
         } else {
           psd::wire::SetTensor(c.frame.builder, e.initGrad(), part.dtype, shape, values, (r1 - r0) * row_bytes);

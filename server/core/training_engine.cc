@@ -429,30 +429,25 @@ Result<std::vector<DType>> TrainingEngine::DeclaredDTypes(const std::vector<std:
   return out;
 }
 
-Result<PulledValue> TrainingEngine::PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step) {
+Result<int64_t> TrainingEngine::ReadRows(const std::string& name, const std::vector<int64_t>& rows, RowSink& sink) {
   MutexLock lock(&mu_);
   Variable* v = FindLocked(name);
   if (v == nullptr) return NotFound("no variable named '" + name + "'");
   if (v->shape.empty()) return InvalidArgument("variable '" + name + "' is a scalar: it has no rows");
-  size_t row_bytes = static_cast<size_t>(v->row_elements) * DTypeSize(v->dtype);
-  if (rows.size() > config_.max_frame_bytes / std::max<size_t>(row_bytes, 1)) {
-    return InvalidArgument("too many rows requested");
-  }
   for (size_t i = 0; i < rows.size(); ++i) {
     if (rows[i] < 0 || rows[i] >= v->shape[0]) {
       return InvalidArgument("row " + std::to_string(rows[i]) + " (slice " + std::to_string(i) + ") is outside [0, " +
                              std::to_string(v->shape[0]) + ")");
     }
   }
-  auto buf = std::make_shared<Buffer>(rows.size() * row_bytes);
-  std::shared_ptr<Buffer> value = ReadValueLocked(v);
-  const uint8_t* src = static_cast<const uint8_t*>(value->data());
-  uint8_t* dst = static_cast<uint8_t*>(buf->data());
-  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(dst + i * row_bytes, src + rows[i] * row_bytes, row_bytes);
   Shape shape = v->shape;
   shape[0] = static_cast<int64_t>(rows.size());
-  *step = global_step_.load();
-  return PulledValue{std::move(buf), v->dtype, std::move(shape), v->declared};
+  PSD_RETURN_IF_ERROR(sink.Begin(v->dtype, v->declared, shape));
+  const size_t row_bytes = static_cast<size_t>(v->row_elements) * DTypeSize(v->dtype);
+  std::shared_ptr<Buffer> value = ReadValueLocked(v);
+  const uint8_t* src = static_cast<const uint8_t*>(value->data());
+  for (size_t i = 0; i < rows.size(); ++i) sink.Row(i, src + static_cast<size_t>(rows[i]) * row_bytes);
+  return global_step_.load();
 }
 
 std::vector<std::string> TrainingEngine::SlotNames(const std::string& variable) const {

@@ -156,6 +156,18 @@ struct PulledValue {
   std::string_view variable = {};  // Pull: the variable's name (valid while the engine lives)
 };
 
+// Where ReadRows puts the rows it reads: told their layout first (it may refuse, and then nothing
+// is read), then handed each row in the order asked. Runs under the engine's lock: it only copies.
+class RowSink {
+ public:
+  virtual ~RowSink() = default;
+  // `dtype`: the rows' (the variable's compute dtype); `declared`: the variable's own; `shape`:
+  // [rows asked, row dims...].
+  virtual Status Begin(DType dtype, DType declared, const Shape& shape) = 0;
+  // Row `i` of the request: `src` holds its row elements in `dtype`.
+  virtual void Row(size_t i, const uint8_t* src) = 0;
+};
+
 struct StepInfo {
   int64_t step;       // the new global step
   int min_gradients;  // fewest gradients averaged into one variable this step
@@ -213,8 +225,10 @@ class TrainingEngine {
   // The declared dtypes of the named variables (NotFound naming the first unknown one): checks a
   // later read's names without reading (no value is combined or referenced).
   Result<std::vector<DType>> DeclaredDTypes(const std::vector<std::string>& names) const EXCLUDES(mu_);
-  // Copies the listed rows (any order, repeats allowed) of a variable: [n, row dims...].
-  Result<PulledValue> PullRows(const std::string& name, const std::vector<int64_t>& rows, int64_t* step) EXCLUDES(mu_);
+  // Gives the listed rows (any order, repeats allowed) of a variable, [n, row dims...], to `sink`
+  // under the engine's lock, so they are all of one global step (returned). Nothing is read when a
+  // row is outside the variable or the sink refuses the layout.
+  Result<int64_t> ReadRows(const std::string& name, const std::vector<int64_t>& rows, RowSink& sink) EXCLUDES(mu_);
 
   // reduce_to / batch_reduce_to. Each value is a replica's contribution to its destination (a
   // non-trainable variable) for the destination's current round; a value tagged with an older

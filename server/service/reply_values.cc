@@ -1,5 +1,6 @@
 #include "service/reply_values.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "psd/half.h"
@@ -67,6 +68,94 @@ Result<uint64_t> SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DT
   t.setShmOffset(at);
   t.setShmSegment(static_cast<uint8_t>(segment_index));
   return bytes;
+}
+
+Status RowsOut::Begin(DType dtype, DType declared, const Shape& shape) {
+  auto want = WantedDType(has_dtype_, wire_dtype_, name_, declared);
+  if (!want.ok()) return want.status();
+  dtype_ = dtype;
+  want_ = *want;
+  shape_ = shape;
+  row_elements_ = NumElements(Shape(shape.begin() + 1, shape.end()));
+  row_bytes_ = static_cast<uint64_t>(row_elements_) * DTypeSize(want_);
+  if (target_ == nullptr || segment_ == nullptr) return InFrame();
+  const auto& offsets = target_->offsets;
+  const size_t rows = static_cast<size_t>(shape_[0]);
+  // The room: `bytes` from its start (in the shared buffers without `bytes`: to the segment's end).
+  const uint64_t start = offsets.empty() ? target_->offset : offsets[0];
+  const uint64_t end =
+      target_->bytes == 0 && !offsets.empty() ? UINT64_MAX : start + std::min(target_->bytes, UINT64_MAX - start);
+  if (offsets.empty()) {  // segment 0's room, or the reply when they do not fit it
+    if (!Fits(target_->offset, bytes(), end, "the rows").ok()) return InFrame();
+    where_ = Where::kShm;
+    first_ = segment_->data() + target_->offset;
+    return Status::Ok();
+  }
+  if (offsets.size() == 1) {  // in place, one after another
+    PSD_RETURN_IF_ERROR(Fits(offsets[0], bytes(), end, "the rows"));
+    where_ = Where::kShm;
+    first_ = segment_->data() + offsets[0];
+    return Status::Ok();
+  }
+  if (offsets.size() != rows) {
+    return InvalidArgument("the request gives " + std::to_string(offsets.size()) + " shared-memory offsets for " +
+                           std::to_string(rows) + " rows of '" + name_ + "' (one, or one per row)");
+  }
+  for (uint64_t at : offsets) PSD_RETURN_IF_ERROR(Fits(at, row_bytes_, UINT64_MAX, "a row"));
+  where_ = Where::kShmPerRow;
+  return Status::Ok();
+}
+
+Status RowsOut::Fits(uint64_t at, uint64_t bytes, uint64_t end, const char* what) const {
+  if (at > end || bytes > end - at || segment_->At(at, bytes) == nullptr) {
+    std::string shape;
+    for (int64_t d : shape_) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+    return InvalidArgument(std::string(what) + " of '" + name_ + "' ([" + shape + "] " + DTypeName(want_) + ", " +
+                           std::to_string(bytes) + " bytes at shared-memory offset " + std::to_string(at) +
+                           ") do not fit the room the request gave: is the view [rows asked, the variable's row "
+                           "dims]?");
+  }
+  if (at % DTypeSize(want_) != 0) {
+    return InvalidArgument("rows of '" + name_ + "' in " + DTypeName(want_) + " asked at shared-memory offset " +
+                           std::to_string(at) + ", not a multiple of its element size");
+  }
+  return Status::Ok();
+}
+
+Status RowsOut::InFrame() {
+  const uint64_t rows = static_cast<uint64_t>(shape_[0]);
+  if (row_bytes_ > 0 && rows > max_frame_bytes_ / row_bytes_) {
+    return ResourceExhausted(std::to_string(rows) + " rows of '" + name_ + "' (" + std::to_string(row_bytes_) +
+                             " bytes each) do not fit one reply of --max-frame-bytes " +
+                             std::to_string(max_frame_bytes_) + ": ask for fewer rows at a time");
+  }
+  where_ = Where::kFrame;
+  buffer_ = std::make_shared<Buffer>(bytes(), Buffer::Uninitialized{});
+  first_ = static_cast<uint8_t*>(buffer_->data());
+  return Status::Ok();
+}
+
+void RowsOut::Row(size_t i, const uint8_t* src) {
+  uint8_t* dst = where_ == Where::kShmPerRow ? segment_->data() + target_->offsets[i] : first_ + i * row_bytes_;
+  if (want_ == dtype_) {
+    std::memcpy(dst, src, row_bytes_);
+  } else {
+    ConvertElements(src, dtype_, dst, want_, static_cast<size_t>(row_elements_));
+  }
+}
+
+void RowsOut::Set(wire::OutFrame& frame, proto::Tensor::Builder t) {
+  if (where_ == Where::kFrame) {
+    wire::SetTensor(frame.builder, t, want_, shape_, buffer_->data(), bytes(), /*padded=*/true);
+    frame.keepalive.push_back(std::move(buffer_));
+    return;
+  }
+  t.setDtype(wire::ToWire(want_));
+  auto dims = t.initShape(static_cast<unsigned>(shape_.size()));
+  for (size_t i = 0; i < shape_.size(); ++i) dims.set(static_cast<unsigned>(i), shape_[i]);
+  t.setInShm(true);
+  t.setShmOffset(where_ == Where::kShmPerRow ? target_->offsets[0] : static_cast<uint64_t>(first_ - segment_->data()));
+  t.setShmSegment(target_->segment);
 }
 
 Result<std::vector<std::optional<DType>>> WantedDTypes(capnp::List<proto::DType>::Reader in, size_t names) {

@@ -12,6 +12,7 @@
 
 #include "core/buffer.h"
 #include "core/converted_values.h"
+#include "core/training_engine.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
 #include "wire/frame.h"
@@ -55,6 +56,55 @@ struct ShmTarget {
 Result<uint64_t> SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype, const Shape& shape,
                                DType want, const ElementRange* range, wire::SharedSegment& segment,
                                unsigned segment_index, uint64_t at, uint64_t end);
+
+// Where the rows of a PullRows go (TrainingEngine::ReadRows' sink), in the dtype the request asks
+// (has/wire; else the variable's own), converted row by row as they are read:
+//   - no `target`: into one buffer the reply frame keeps, at most `max_frame_bytes`;
+//   - segment 0 (the connection's own): one after another in the room the request gave, or, when
+//     they do not fit it, into the reply frame as above;
+//   - segment 1 (the worker's shared buffers, in place): one after another from offsets[0], within
+//     `bytes` when set; or, with one offset per row, each row at its own offset.
+// Every row's place is checked (inside the segment, aligned to the element size) before a row is
+// read; the pages are the worker's and are only written.
+class RowsOut : public RowSink {
+ public:
+  RowsOut(bool has_dtype, proto::DType wire_dtype, std::string name, uint64_t max_frame_bytes,
+          const ShmTarget* target = nullptr, wire::SharedSegment* segment = nullptr)
+      : has_dtype_(has_dtype),
+        wire_dtype_(wire_dtype),
+        name_(std::move(name)),
+        max_frame_bytes_(max_frame_bytes),
+        target_(target),
+        segment_(segment) {}
+  Status Begin(DType dtype, DType declared, const Shape& shape) override;
+  void Row(size_t i, const uint8_t* src) override;
+  // After ReadRows: the rows into `t`, or where they are in shared memory.
+  void Set(wire::OutFrame& frame, proto::Tensor::Builder t);
+  // The bytes written into shared memory (0: the rows went in the reply).
+  uint64_t shm_bytes() const { return where_ == Where::kFrame ? 0 : bytes(); }
+
+ private:
+  enum class Where { kFrame, kShm, kShmPerRow };
+  uint64_t bytes() const { return static_cast<uint64_t>(shape_.empty() ? 0 : shape_[0]) * row_bytes_; }
+  Status InFrame();
+  // OK when [at, at + bytes) lies in the segment before `end` and `at` is aligned to an element.
+  Status Fits(uint64_t at, uint64_t bytes, uint64_t end, const char* what) const;
+
+  const bool has_dtype_;
+  const proto::DType wire_dtype_;
+  const std::string name_;
+  const uint64_t max_frame_bytes_;
+  const ShmTarget* const target_;
+  wire::SharedSegment* const segment_;
+  DType dtype_ = DType::kFloat32;  // the rows as read
+  DType want_ = DType::kFloat32;   // ... as delivered
+  Shape shape_;
+  int64_t row_elements_ = 0;
+  uint64_t row_bytes_ = 0;  // delivered
+  Where where_ = Where::kFrame;
+  uint8_t* first_ = nullptr;        // kFrame, kShm: where row 0 goes (the next rows follow it)
+  std::shared_ptr<Buffer> buffer_;  // kFrame
+};
 
 // The dtypes a request asks for, one per name (empty list: each variable's own). Errors name the
 // mismatch; an unknown dtype is INVALID_ARGUMENT.

@@ -382,11 +382,7 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
   if (to_shm) {
     ShmSlot::Lease lease = shm_ ? shm_->Acquire() : ShmSlot::Lease();
     wire::SharedSegment* segment = lease.segment(to_shm->segment);
-    if (segment == nullptr) {
-      return FailedPrecondition(to_shm->segment == 0
-                                    ? "values asked into shared memory, but this connection has no segment"
-                                    : "values asked into shared buffers, but this connection has none attached");
-    }
+    if (segment == nullptr) return NoSegment(to_shm->segment);
     const bool placed = !to_shm->offsets.empty();
     if (placed && to_shm->offsets.size() != values.size()) {
       return InvalidArgument("the request gives " + std::to_string(to_shm->offsets.size()) +
@@ -418,6 +414,11 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
              i < ranges.size() ? &ranges[i] : nullptr);
   }
   return Status::Ok();
+}
+
+Status WorkerSession::NoSegment(unsigned segment) {
+  return FailedPrecondition(segment == 0 ? "values asked into shared memory, but this connection has no segment"
+                                         : "values asked into shared buffers, but this connection has none attached");
 }
 
 std::optional<ShmTarget> WorkerSession::TargetOf(bool has, proto::ShmTarget::Reader r) {
@@ -552,16 +553,22 @@ void WorkerSession::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
   auto in = r.getRows();
   rows.reserve(in.size());
   for (int64_t x : in) rows.push_back(x);
-  int64_t step = 0;
-  auto got = host_.engine()->PullRows(r.getName(), rows, &step);
-  if (!got.ok()) return SendError(id, got.status());
-  auto want = WantedDType(r.getHasDtype(), r.getDtype(), r.getName(), got->declared);
-  if (!want.ok()) return SendError(id, want.status());
+  const std::string name = r.getName();
+  // Into the worker's shared memory when asked (the reply says where), else in the reply.
+  std::optional<ShmTarget> target = TargetOf(r.hasToShm(), r.getToShm());
+  ShmSlot::Lease lease = target && shm_ ? shm_->Acquire() : ShmSlot::Lease();
+  wire::SharedSegment* segment = target ? lease.segment(target->segment) : nullptr;
+  if (target && segment == nullptr) return SendError(id, NoSegment(target->segment));
+  RowsOut sink(r.getHasDtype(), r.getDtype(), name, host_.config().max_frame_bytes, target ? &*target : nullptr,
+               segment);
+  auto step = host_.engine()->ReadRows(name, rows, sink);
+  if (!step.ok()) return SendError(id, step.status());
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
   auto p = resp.initPull();
-  p.setStep(step);
-  SetValue(*frame, p.initValues(1)[0], got->value, got->dtype, got->shape, *want);
+  p.setStep(*step);
+  sink.Set(*frame, p.initValues(1)[0]);
+  if (sink.shm_bytes() > 0) host_.metrics().OnShmBytes(sink.shm_bytes());
   Send(std::move(frame));
 }
 

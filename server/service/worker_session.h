@@ -93,6 +93,9 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
                    const std::vector<ElementRange>& ranges = {}, std::optional<ShmTarget> to_shm = std::nullopt);
   // A request's shared-memory target (unset when it has none).
   static std::optional<ShmTarget> TargetOf(bool has, proto::ShmTarget::Reader r);
+  // FAILED_PRECONDITION: values asked into shared-memory segment `segment`, which the connection
+  // does not have.
+  static Status NoSegment(unsigned segment);
   // A tensor of a request: in the frame, or in this connection's shared memory (*lease, taken on
   // the first such tensor, keeps the segments mapped and unrevoked while the caller reads them).
   Result<wire::TensorRef> ReadTensorIn(proto::Tensor::Reader t, ShmSlot::Lease* lease) const;

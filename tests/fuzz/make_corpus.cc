@@ -193,6 +193,24 @@ std::map<std::string, Bytes> WorkerSeeds() {
     rows.set(1, 0);
     rows.set(2, 3);
   })});
+  s["pull_rows_buffers"] = Session({Frame(3, [](Request::Builder r) {
+    auto p = r.initPullRows();
+    p.setName("w");
+    auto rows = p.initRows(2);
+    rows.set(0, 1);
+    rows.set(1, 0);
+    p.initToShm().setSegment(1);
+    auto at = p.getToShm().initOffsets(2);
+    at.set(0, 256);
+    at.set(1, 64);
+  })});
+  s["pull_rows_segment"] = Session({Frame(3, [](Request::Builder r) {
+    auto p = r.initPullRows();
+    p.setName("w");
+    p.initRows(1).set(0, 2);
+    p.initToShm().setOffset(128);
+    p.getToShm().setBytes(4096);
+  })});
   s["set_learning_rate"] = Session({Frame(3, [](Request::Builder r) { r.setSetLearningRate(0.5); })});
   s["checkpoint"] = Session({Frame(3, [](Request::Builder r) { r.setCheckpoint(); })});
   s["place"] = Session({Frame(3, [](Request::Builder r) {

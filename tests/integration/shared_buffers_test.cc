@@ -125,12 +125,6 @@ void PullInto(RawPeer& p, uint64_t id, unsigned segment, const std::vector<uint6
   p.Send(f);
 }
 
-Code Answer(RawPeer& p, std::string* msg) {
-  Code code = Code::kInternal;
-  REQUIRE(p.Read(&code, msg));
-  return code;
-}
-
 // A raw connection with its own segment and `arena` attached.
 void AttachWithArena(RawPeer& p, const std::string& name, wire::SharedSegment& arena) {
   p.Hello(name);
@@ -258,24 +252,24 @@ TEST_CASE("shared buffers attached again, or revoked by their worker, are touche
   RawPeer first(server->port());
   AttachWithArena(first, "first", **arena);
   PushFromShm(first, 2, 0, 1000, 1);
-  CHECK(Answer(first, &msg) == Code::kOk);
+  CHECK(first.Answer(&msg) == Code::kOk);
   PullInto(first, 3, 1, {8192});
-  REQUIRE(Answer(first, &msg) == Code::kOk);
+  REQUIRE(first.Answer(&msg) == Code::kOk);
   CHECK(reinterpret_cast<float*>((*arena)->data() + 8192)[0] == Approx(1 - 0.01f));
 
   SECTION("the same arena attached by a new connection: the earlier one reads and writes it no more") {
     RawPeer second(server->port());
     AttachWithArena(second, "second", **arena);
     PushFromShm(first, 4, 0, 1000, 1);
-    CHECK(Answer(first, &msg) == Code::kFailedPrecondition);
+    CHECK(first.Answer(&msg) == Code::kFailedPrecondition);
     CHECK_THAT(msg, Catch::Contains("shared buffers"));
     PullInto(first, 5, 1, {8192});
-    CHECK(Answer(first, &msg) == Code::kFailedPrecondition);
+    CHECK(first.Answer(&msg) == Code::kFailedPrecondition);
     // Its own segment went too (a revoke is the whole connection's).
     PushFromShm(first, 6, 0, 1000, 0);
-    CHECK(Answer(first, &msg) == Code::kFailedPrecondition);
+    CHECK(first.Answer(&msg) == Code::kFailedPrecondition);
     PushFromShm(second, 2, 0, 1000, 1);
-    CHECK(Answer(second, &msg) == Code::kOk);
+    CHECK(second.Answer(&msg) == Code::kOk);
   }
   SECTION("the worker revokes its buffers (its connection broke): refused from then on") {
     auto sock = wire::ConnectAbstract(first.shm_socket);
@@ -286,14 +280,14 @@ TEST_CASE("shared buffers attached again, or revoked by their worker, are touche
     CHECK(std::string(answer) == "OK");
     ::close(*sock);
     PushFromShm(first, 4, 0, 1000, 1);
-    CHECK(Answer(first, &msg) == Code::kFailedPrecondition);
+    CHECK(first.Answer(&msg) == Code::kFailedPrecondition);
   }
   SECTION("a revoke with another memfd revokes nothing") {
     auto other = wire::SharedSegment::Create(64 << 10, "other");
     REQUIRE(other.ok());
     CHECK(ShmAttach(first.shm_socket, wire::kShmRevokeMessage, (*other)->fd()) == "OK");
     PushFromShm(first, 4, 0, 1000, 1);
-    CHECK(Answer(first, &msg) == Code::kOk);
+    CHECK(first.Answer(&msg) == Code::kOk);
   }
 }
 
@@ -312,31 +306,31 @@ TEST_CASE("values asked into shared buffers are checked against them", "[shm]") 
     REQUIRE(own.ok());
     REQUIRE(ShmAttach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*own)->fd()) == "OK");
     PullInto(p, 2, 1, {0});
-    CHECK(Answer(p, &msg) == Code::kFailedPrecondition);
+    CHECK(p.Answer(&msg) == Code::kFailedPrecondition);
     CHECK_THAT(msg, Catch::Contains("shared buffers"));
     PushFromShm(p, 3, 0, 1000, 1);
-    CHECK(Answer(p, &msg) == Code::kFailedPrecondition);
+    CHECK(p.Answer(&msg) == Code::kFailedPrecondition);
   }
   SECTION("attached") {
     auto arena = wire::SharedSegment::Create(64 << 10, "arena");
     REQUIRE(arena.ok());
     AttachWithArena(p, "raw", **arena);
     PullInto(p, 2, 1, {(64 << 10) - 3996});  // runs past the end
-    CHECK(Answer(p, &msg) == Code::kInvalidArgument);
+    CHECK(p.Answer(&msg) == Code::kInvalidArgument);
     CHECK_THAT(msg, Catch::Contains("do not fit"));
     PullInto(p, 3, 1, {~uint64_t{0} - 100});  // no wrap-around
-    CHECK(Answer(p, &msg) == Code::kInvalidArgument);
+    CHECK(p.Answer(&msg) == Code::kInvalidArgument);
     PullInto(p, 4, 1, {2});  // not a multiple of a float's size
-    CHECK(Answer(p, &msg) == Code::kInvalidArgument);
+    CHECK(p.Answer(&msg) == Code::kInvalidArgument);
     CHECK_THAT(msg, Catch::Contains("element size"));
     PullInto(p, 5, 1, {0, 4096});  // two offsets for one value
-    CHECK(Answer(p, &msg) == Code::kInvalidArgument);
+    CHECK(p.Answer(&msg) == Code::kInvalidArgument);
     PushFromShm(p, 6, 2, 1000, 1);  // a misaligned gradient
-    CHECK(Answer(p, &msg) == Code::kInvalidArgument);
+    CHECK(p.Answer(&msg) == Code::kInvalidArgument);
     PushFromShm(p, 7, 0, 1000, 2);  // no segment 2
-    CHECK(Answer(p, &msg) == Code::kFailedPrecondition);
+    CHECK(p.Answer(&msg) == Code::kFailedPrecondition);
     PullInto(p, 8, 1, {4096});  // and a good one
-    REQUIRE(Answer(p, &msg) == Code::kOk);
+    REQUIRE(p.Answer(&msg) == Code::kOk);
     CHECK(reinterpret_cast<float*>((*arena)->data() + 4096)[999] == 1.0f);
   }
   // Nothing was pushed: v is whole.

@@ -85,14 +85,35 @@ TEST_CASE("sparse gradients update only their rows, averaged per row, at the ste
   std::vector<GradOutcome> out;
   std::vector<GradRef> refs{{"emb", DType::kFloat32, {4, 2}, dense.data(), 32}};
   CHECK_THAT(e->Push(1, refs, &out).message(), Catch::Contains("takes sparse gradients"));
-  // Selected rows, any order, repeats allowed.
-  int64_t step;
-  auto rows = e->PullRows("emb", {3, 1, 3}, &step);
-  REQUIRE(rows.ok());
-  CHECK(rows->shape == Shape{3, 2});
-  const float* r = rows->value->as<float>();
-  CHECK(std::vector<float>(r, r + 6) == std::vector<float>{2, 2, -2, -2, 2, 2});
-  CHECK(e->PullRows("emb", {4}, &step).status().code() == Code::kInvalidArgument);
+  // Selected rows, any order, repeats allowed, handed to the sink in the order asked.
+  struct Rows : RowSink {
+    Shape shape;
+    std::vector<std::pair<size_t, std::vector<float>>> got;
+    Status Begin(DType dtype, DType, const Shape& s) override {
+      shape = s;
+      CHECK(dtype == DType::kFloat32);
+      return Status::Ok();
+    }
+    void Row(size_t i, const uint8_t* src) override {
+      const float* f = reinterpret_cast<const float*>(src);
+      got.emplace_back(i, std::vector<float>(f, f + 2));
+    }
+  } rows;
+  auto step = e->ReadRows("emb", {3, 1, 3}, rows);
+  REQUIRE(step.ok());
+  CHECK(*step == 1);
+  CHECK(rows.shape == Shape{3, 2});
+  CHECK(rows.got == std::vector<std::pair<size_t, std::vector<float>>>{{0, {2, 2}}, {1, {-2, -2}}, {2, {2, 2}}});
+  // A row outside the variable: refused before any row is read.
+  Rows none;
+  CHECK(e->ReadRows("emb", {0, 4}, none).status().code() == Code::kInvalidArgument);
+  CHECK(none.got.empty());
+  // A sink that refuses the layout: nothing is read.
+  struct Refuse : Rows {
+    Status Begin(DType, DType, const Shape&) override { return InvalidArgument("no"); }
+  } refuse;
+  CHECK(e->ReadRows("emb", {1}, refuse).status().message() == "no");
+  CHECK(refuse.got.empty());
 }
 
 TEST_CASE("moving averages follow TF's rule, num_updates included", "[engine][ema]") {

@@ -33,6 +33,13 @@ struct RawPeer {
     if (id) *id = resp.getId();
     return true;
   }
+  // The code of the next response (its message in *message); fails the test if psd closed the
+  // connection instead.
+  Code Answer(std::string* message) {
+    Code code = Code::kInternal;
+    REQUIRE(Read(&code, message));
+    return code;
+  }
   bool ClosedByPeer() {
     char c;
     boost::system::error_code ec;
