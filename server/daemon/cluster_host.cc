@@ -100,6 +100,11 @@ std::vector<peer::LiveCopy> ServerShardHost::StopStandIn() {
   return kept;
 }
 
+void ServerShardHost::WithStandIn(const std::function<void(Server&)>& fn) {
+  MutexLock lock(&mu_);
+  if (stand_in_ != nullptr) fn(*stand_in_);
+}
+
 Status ServerShardHost::CommitStep(uint64_t epoch, int64_t step, bool checkpoint, double learning_rate) {
   auto engine = server_.engine();
   if (engine->epoch() != epoch) return Aborted("the engine belongs to epoch " + std::to_string(engine->epoch()));

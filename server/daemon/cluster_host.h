@@ -7,6 +7,7 @@
 #ifndef PSD_SERVER_DAEMON_CLUSTER_HOST_H_
 #define PSD_SERVER_DAEMON_CLUSTER_HOST_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -74,6 +75,9 @@ class ServerShardHost : public ShardHost {
   // a thread of its own that starts it, waits for its end and stops it.
   void StartStandIn(int shard, std::vector<std::string> links) override;
   std::vector<peer::LiveCopy> StopStandIn() override;
+  // Calls `fn` with the stand-in while one serves (under this host's lock: it does not stop
+  // meanwhile). For the operators' figures.
+  void WithStandIn(const std::function<void(Server&)>& fn) EXCLUDES(mu_);
   bool EndTraining(int64_t snapshot_step) override;
   void FinishJob() override;
   void EndJobIfDone() override;

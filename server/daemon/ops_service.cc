@@ -177,15 +177,34 @@ HttpResponse OpsService::Handle(const HttpRequest& req) {
 }
 
 std::string OpsService::RenderMetrics() const {
-  const ServerConfig& cfg = server_.config();
-  Metrics& m = server_.metrics();
-  auto engine = server_.engine();
+  const Labels own{{"shard", std::to_string(server_.config().shard_index)}};
+  PrometheusWriter w(own);
+  WriteDaemonMetrics(w, server_);
+  // A stand-in this shard runs for its predecessor (takeover): its figures too, labelled with the
+  // shard it serves.
+  server_.WithStandIn([&](Server& stand_in) {
+    w.SetCommon(Labels{{"shard", std::to_string(stand_in.config().shard_index)}, {"stand_in", "true"}});
+    WriteDaemonMetrics(w, stand_in);
+  });
+  w.SetCommon(own);
+  ProcessFigures p = ReadProcess();
+  w.Gauge("process_resident_memory_bytes", "resident memory size in bytes", p.rss_bytes);
+  w.Counter("process_cpu_seconds_total", "user and system CPU time in seconds", p.cpu_seconds);
+  w.Gauge("process_open_fds", "open file descriptors", p.open_fds);
+  w.Gauge("process_max_fds", "the file descriptor limit", p.max_fds);
+  w.Gauge("process_start_time_seconds", "start time of the process since the Unix epoch", server_.start_unix_s());
+  return w.text();
+}
+
+void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
+  const ServerConfig& cfg = server.config();
+  Metrics& m = server.metrics();
+  auto engine = server.engine();
   EngineStats st = engine->Stats();
-  PrometheusWriter w(Labels{{"shard", std::to_string(cfg.shard_index)}});
 
   w.Gauge("psd_build_info", "psd's version (the value is always 1)", 1, {{"version", kPsdVersion}});
-  w.Gauge("psd_ready", "1 once restored, formed and serving workers", server_.Serving().ok() ? 1 : 0);
-  w.Gauge("psd_uptime_seconds", "seconds since psd started", server_.uptime_s());
+  w.Gauge("psd_ready", "1 once restored, formed and serving workers", server.Serving().ok() ? 1 : 0);
+  w.Gauge("psd_uptime_seconds", "seconds since psd started", server.uptime_s());
   w.Gauge("psd_global_step", "the global step (steps committed)", static_cast<double>(st.global_step));
   w.Gauge("psd_step_rate_steps_per_second", "global steps per second over the last 10 s", m.StepRate(10));
   w.Histo("psd_step_duration_seconds", "time between consecutive step commits", m.step_seconds().Read());
@@ -206,9 +225,9 @@ std::string OpsService::RenderMetrics() const {
   w.Gauge("psd_max_staleness_steps", "async/ssp: the largest staleness seen", static_cast<double>(st.max_staleness));
   w.Gauge("psd_learning_rate", "the learning rate of the next steps", engine->learning_rate());
 
-  auto workers = server_.workers().Snapshot();
+  auto workers = server.workers().Snapshot();
   auto figures = m.Workers();
-  WorkerCounts wc = server_.workers().Counts();
+  WorkerCounts wc = server.workers().Counts();
   w.Gauge("psd_workers", "workers by state", wc.connected, {{"state", "connected"}});
   w.Gauge("psd_workers", "workers by state", wc.finished, {{"state", "finished"}});
   w.Gauge("psd_workers", "workers by state", wc.lost, {{"state", "lost"}});
@@ -236,7 +255,7 @@ std::string OpsService::RenderMetrics() const {
   w.Counter("psd_sent_bytes_total", "bytes sent on the data port", static_cast<double>(m.bytes_out()));
   w.Counter("psd_shm_bytes_total", "tensor bytes moved through same-host workers' shared memory",
             static_cast<double>(m.shm_bytes()));
-  if (server_.config().replicas_per_shard > 1) {
+  if (server.config().replicas_per_shard > 1) {
     w.Counter("psd_replica_sent_bytes_total", "copies of shard state sent to other shards (serialized)",
               static_cast<double>(m.replica_sent()));
     w.Counter("psd_replica_received_bytes_total", "copies of other shards' state taken (serialized)",
@@ -249,27 +268,27 @@ std::string OpsService::RenderMetrics() const {
               static_cast<double>(m.stand_ins_started()));
     w.Gauge("psd_stand_in_running", "1 while this shard runs a stand-in for its predecessor",
             m.stand_in_running() ? 1.0 : 0.0);
-    if (ClusterCoordinator* c = server_.coordinator()) {
+    if (ClusterCoordinator* c = server.coordinator()) {
       auto addresses = c->Addresses();
       int moved = 0;
-      for (size_t i = 0; i < addresses.size() && i < server_.config().cluster.size(); ++i) {
-        if (addresses[i] != server_.config().cluster[i]) ++moved;
+      for (size_t i = 0; i < addresses.size() && i < server.config().cluster.size(); ++i) {
+        if (addresses[i] != server.config().cluster[i]) ++moved;
       }
       w.Gauge("psd_shards_served_by_stand_ins", "shards served by a stand-in now, as this shard knows it",
               static_cast<double>(moved));
     }
   }
-  if (ShmListener* shm = server_.shm()) {
+  if (ShmListener* shm = server.shm()) {
     w.Counter("psd_shm_attached_total", "shared-memory segments attached by same-host workers",
               static_cast<double>(shm->attached()));
     w.Counter("psd_shm_refused_total", "shared-memory segments refused (bad nonce, unsealed, too big)",
               static_cast<double>(shm->refused()));
   }
-  w.Gauge("psd_connections", "open connections on the data port", server_.connection_count());
+  w.Gauge("psd_connections", "open connections on the data port", server.connection_count());
   w.Counter("psd_connections_accepted_total", "connections accepted", static_cast<double>(m.connections_accepted()));
   w.Counter("psd_connections_refused_total", "connections refused by --max-connections",
             static_cast<double>(m.connections_refused()));
-  const FrameBudget& budget = server_.frame_budget();
+  const FrameBudget& budget = server.frame_budget();
   w.Gauge("psd_inflight_frame_bytes", "memory held by incoming frames now (all connections)",
           static_cast<double>(budget.in_use()));
   w.Gauge("psd_inflight_frame_bytes_peak", "the most memory incoming frames have held at once",
@@ -289,14 +308,14 @@ std::string OpsService::RenderMetrics() const {
   w.Histo("psd_checkpoint_write_duration_seconds", "time to write this shard's checkpoint part",
           m.checkpoint_write_seconds().Read());
   w.Gauge("psd_checkpoint_last_step", "global step of the newest checkpoint written (-1: none)",
-          static_cast<double>(server_.last_checkpoint_step()));
+          static_cast<double>(server.last_checkpoint_step()));
   w.Gauge("psd_checkpoint_last_bytes", "size of the newest checkpoint part written", static_cast<double>(c.last_bytes));
   w.Gauge("psd_checkpoint_last_timestamp_seconds", "Unix time of the newest checkpoint written", c.last_unix_s);
   w.Counter("psd_checkpoints_written_total", "checkpoint parts written", static_cast<double>(c.written));
   w.Counter("psd_checkpoints_failed_total", "checkpoint writes that failed", static_cast<double>(c.failed));
   w.Gauge("psd_restore_duration_seconds", "time the start-up restore took (0: none)", c.restore_seconds);
 
-  if (ClusterCoordinator* co = server_.coordinator()) {
+  if (ClusterCoordinator* co = server.coordinator()) {
     auto v = co->Describe();
     w.Gauge("psd_cluster_shards", "shards in the cluster", cfg.shards());
     w.Gauge("psd_cluster_term", "election term", static_cast<double>(v.term));
@@ -310,14 +329,6 @@ std::string OpsService::RenderMetrics() const {
               {{"peer", std::to_string(k)}});
     }
   }
-
-  ProcessFigures p = ReadProcess();
-  w.Gauge("process_resident_memory_bytes", "resident memory size in bytes", p.rss_bytes);
-  w.Counter("process_cpu_seconds_total", "user and system CPU time in seconds", p.cpu_seconds);
-  w.Gauge("process_open_fds", "open file descriptors", p.open_fds);
-  w.Gauge("process_max_fds", "the file descriptor limit", p.max_fds);
-  w.Gauge("process_start_time_seconds", "start time of the process since the Unix epoch", server_.start_unix_s());
-  return w.text();
 }
 
 std::string OpsService::RenderStatusJson() const {

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "ops/http_server.h"
+#include "ops/text_format.h"
 #include "psd/status.h"
 #include "wire/asio.h"
 
@@ -41,10 +42,14 @@ class OpsService {
   uint16_t port() const { return http_ ? http_->port() : 0; }
 
   HttpResponse Handle(const HttpRequest& req);
+  // Prometheus text: this daemon's figures (labelled shard="i"), a stand-in's it runs (labelled
+  // with the shard it serves and stand_in="true"), then the process's.
   std::string RenderMetrics() const;
   std::string RenderStatusJson() const;
 
  private:
+  // One daemon's figures (not the process's).
+  static void WriteDaemonMetrics(PrometheusWriter& w, Server& server);
   bool Authorized(const HttpRequest& req) const;
   void ScheduleSample();
 

@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -93,6 +94,10 @@ class Server : public ServiceHost {
   std::shared_ptr<TrainingEngine> engine() const override;
   // Null for a single daemon.
   ClusterCoordinator* coordinator() override { return coordinator_.get(); }
+  // The stand-in this shard runs for its predecessor (takeover), given to `fn` while it serves.
+  void WithStandIn(const std::function<void(Server&)>& fn) {
+    if (cluster_host_) cluster_host_->WithStandIn(fn);
+  }
   WorkerRegistry& workers() override { return workers_; }
   SspGate& ssp() override { return ssp_; }
   const ServerConfig& config() const override { return config_; }

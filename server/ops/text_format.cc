@@ -36,47 +36,59 @@ std::string FormatNumber(double v) {
 }
 
 void PrometheusWriter::Header(std::string_view name, std::string_view help, std::string_view type) {
-  if (std::find(declared_.begin(), declared_.end(), name) != declared_.end()) return;
-  declared_.emplace_back(name);
-  out_ += "# HELP ";
-  out_ += name;
-  out_ += ' ';
+  auto it = std::find_if(families_.begin(), families_.end(), [&](const auto& f) { return f.first == name; });
+  if (it != families_.end()) {
+    out_ = &it->second;
+    return;
+  }
+  out_ = &families_.emplace_back(std::string(name), std::string()).second;
+  std::string& out = *out_;
+  out += "# HELP ";
+  out += name;
+  out += ' ';
   // HELP text escapes \ and newline.
   for (char c : help) {
     if (c == '\\') {
-      out_ += "\\\\";
+      out += "\\\\";
     } else if (c == '\n') {
-      out_ += "\\n";
+      out += "\\n";
     } else {
-      out_ += c;
+      out += c;
     }
   }
-  out_ += "\n# TYPE ";
-  out_ += name;
-  out_ += ' ';
-  out_ += type;
-  out_ += '\n';
+  out += "\n# TYPE ";
+  out += name;
+  out += ' ';
+  out += type;
+  out += '\n';
+}
+
+std::string PrometheusWriter::text() const {
+  std::string all;
+  for (const auto& [name, text] : families_) all += text;
+  return all;
 }
 
 void PrometheusWriter::Sample(std::string_view name, const Labels& labels, double value, const char* extra_key,
                               const std::string& extra_value) {
-  out_ += name;
+  std::string& out = *out_;
+  out += name;
   bool any = false;
   auto add = [&](std::string_view k, std::string_view v) {
-    out_ += any ? ',' : '{';
+    out += any ? ',' : '{';
     any = true;
-    out_ += k;
-    out_ += "=\"";
-    out_ += EscapeLabelValue(v);
-    out_ += '"';
+    out += k;
+    out += "=\"";
+    out += EscapeLabelValue(v);
+    out += '"';
   };
   for (const auto& [k, v] : common_) add(k, v);
   for (const auto& [k, v] : labels) add(k, v);
   if (extra_key) add(extra_key, extra_value);
-  if (any) out_ += '}';
-  out_ += ' ';
-  out_ += FormatNumber(value);
-  out_ += '\n';
+  if (any) out += '}';
+  out += ' ';
+  out += FormatNumber(value);
+  out += '\n';
 }
 
 void PrometheusWriter::Gauge(std::string_view name, std::string_view help, double value, const Labels& labels) {

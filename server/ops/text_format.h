@@ -23,22 +23,28 @@ class PrometheusWriter {
  public:
   // `common` labels (e.g. shard="1") are added to every sample.
   explicit PrometheusWriter(Labels common = {}) : common_(std::move(common)) {}
+  // The common labels of the samples written from now on (a second daemon's figures, e.g. a
+  // stand-in's, in the same exposition).
+  void SetCommon(Labels common) { common_ = std::move(common); }
 
-  // Each family's HELP/TYPE header is written once, by the first sample of that name.
+  // Each family's HELP/TYPE header is written once, by the first sample of that name; a family's
+  // samples stay together (the format asks it) whenever they are written.
   void Gauge(std::string_view name, std::string_view help, double value, const Labels& labels = {});
   void Counter(std::string_view name, std::string_view help, double value, const Labels& labels = {});
   void Histo(std::string_view name, std::string_view help, const Histogram::Snapshot& h, const Labels& labels = {});
 
-  const std::string& text() const { return out_; }
+  // The families in the order they were first written.
+  std::string text() const;
 
  private:
+  // Selects the family `name` (declared on its first sample) for the samples that follow.
   void Header(std::string_view name, std::string_view help, std::string_view type);
   void Sample(std::string_view name, const Labels& labels, double value, const char* extra_key = nullptr,
               const std::string& extra_value = {});
 
   Labels common_;
-  std::vector<std::string> declared_;
-  std::string out_;
+  std::vector<std::pair<std::string, std::string>> families_;  // name, its header and samples
+  std::string* out_ = nullptr;                                 // the selected family's text
 };
 
 // Label values escape \, " and newline (the exposition format's rules).

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <thread>
 
+#include "support/http_get.h"
 #include "support/test_cluster.h"
 #include "support/test_server.h"
 
@@ -72,6 +73,7 @@ std::unique_ptr<psclient::Client> StartReplicated(server::ServerConfig cfg, psd:
   cfg.election_timeout_ms = 200;
   cfg.takeover_after_ms = 200;
   cfg.optimizer.learning_rate = 0.5;
+  cfg.metrics_port = 0;  // each shard's own
   *cluster = psd::testing::StartTestCluster(cfg, 3);
   auto worker = psd::testing::ConnectCluster(*cluster, "w0");
   std::vector<float> zeros(8, 0.f);
@@ -90,6 +92,18 @@ void CheckStandInServesShard1(const psd::testing::TestCluster& cluster, const st
     CHECK(addresses[1] != entry);
     CHECK(addresses[1].rfind("127.0.0.1:", 0) == 0);
   }
+  // Shard 2's metrics carry the stand-in's figures beside its own, each family in one group.
+  auto m = psd::testing::HttpGet(cluster.shards[2]->metrics_port(), "/metrics");
+  REQUIRE(m.status == 200);
+  CHECK_THAT(m.body, Catch::Contains("psd_stand_in_running{shard=\"2\"} 1"));
+  CHECK_THAT(m.body, Catch::Contains("psd_ready{shard=\"1\",stand_in=\"true\"} 1"));
+  CHECK_THAT(m.body, Catch::Contains("psd_global_step{shard=\"1\",stand_in=\"true\"}"));
+  CHECK_THAT(m.body, Catch::Contains("psd_cluster_is_chief{shard=\"1\",stand_in=\"true\"}"));
+  const size_t family = m.body.find("# TYPE psd_global_step gauge\n");
+  REQUIRE(family != std::string::npos);
+  CHECK(m.body.find("# TYPE psd_global_step", family + 1) == std::string::npos);
+  CHECK(m.body.find("psd_global_step{shard=\"1\",stand_in=\"true\"}", family) ==
+        m.body.find("\n", m.body.find("psd_global_step{shard=\"2\"}", family)) + 1);
 }
 
 // A 3-shard replicated cluster of `cfg` trains 5 steps, loses shard 1 for good, trains 5 more; every

@@ -57,6 +57,29 @@ TEST_CASE("the Prometheus text format: HELP/TYPE once per family, labels escaped
   REQUIRE(w.text() == expected);
 }
 
+TEST_CASE("the Prometheus text format: a second daemon's samples join their families' groups") {
+  PrometheusWriter w(Labels{{"shard", "2"}});
+  w.Gauge("psd_global_step", "step", 7);
+  w.Gauge("psd_ready", "ready", 1);
+  w.SetCommon(Labels{{"shard", "1"}, {"stand_in", "true"}});
+  w.Gauge("psd_global_step", "step", 7);
+  w.Gauge("psd_ready", "ready", 0);
+  w.SetCommon(Labels{{"shard", "2"}});
+  w.Gauge("process_open_fds", "fds", 9);
+  REQUIRE(w.text() ==
+          "# HELP psd_global_step step\n"
+          "# TYPE psd_global_step gauge\n"
+          "psd_global_step{shard=\"2\"} 7\n"
+          "psd_global_step{shard=\"1\",stand_in=\"true\"} 7\n"
+          "# HELP psd_ready ready\n"
+          "# TYPE psd_ready gauge\n"
+          "psd_ready{shard=\"2\"} 1\n"
+          "psd_ready{shard=\"1\",stand_in=\"true\"} 0\n"
+          "# HELP process_open_fds fds\n"
+          "# TYPE process_open_fds gauge\n"
+          "process_open_fds{shard=\"2\"} 9\n");
+}
+
 TEST_CASE("numbers in the text format") {
   REQUIRE(FormatNumber(3) == "3");
   REQUIRE(FormatNumber(-0.25) == "-0.25");
