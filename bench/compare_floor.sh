@@ -11,7 +11,7 @@
 # the floor uses TCP; --bench-flags "--shared-memory 0" compares TCP with TCP, and --bench-flags
 # "--shared-buffers" keeps the workers' tensors in shared buffers (README "Zero-copy shared
 # buffers": no copy on either side). psd's peak RSS then counts the workers' shared pages it
-# touched; its private memory (RssAnon) is printed apart.
+# touched; its private memory (RssAnon, its peak sampled every 50 ms) is printed apart.
 #
 # Usage: bench/compare_floor.sh [options] [path/to/psd_bench]   (default: build/bench/psd_bench)
 #   --workers "2 4 8 16"      worker counts of the sweep (default: 2 4 8 16; "": no sweep)
@@ -89,7 +89,9 @@ steps_for() {
 
 tmp="$(mktemp -d)"
 psd_pid=""
+sampler_pid=""
 cleanup() {
+  [[ -n "$sampler_pid" ]] && kill "$sampler_pid" 2>/dev/null
   [[ -n "$psd_pid" ]] && kill "$psd_pid" 2>/dev/null && wait "$psd_pid" 2>/dev/null
   rm -rf "$tmp"
 }
@@ -113,15 +115,38 @@ start_psd() {
     return 1
   fi
   port="$(cat "$tmp/port")"
+  # psd's private memory (RssAnon: what it allocated, not the workers' shared pages it maps),
+  # sampled every 50 ms; its peak goes to $tmp/psd_anon_peak (KiB). Bash only: no process per sample.
+  local daemon
+  daemon="$(pgrep -P "$psd_pid" | head -n1)"  # psd itself, under `timeout`
+  echo 0 >"$tmp/psd_anon_peak"
+  (
+    peak=0
+    while [[ -r "/proc/${daemon:-$psd_pid}/status" ]]; do
+      while read -r key kb _; do
+        if [[ "$key" == "RssAnon:" ]]; then
+          (( kb > peak )) && { peak=$kb; echo "$peak" >"$tmp/psd_anon_peak"; }
+          break
+        fi
+      done <"/proc/${daemon:-$psd_pid}/status" 2>/dev/null
+      sleep 0.05
+    done
+  ) &
+  sampler_pid=$!
 }
 # Stops the psd started last; prints its peak RSS in MiB. Same-host workers' shared memory is in
 # that peak (their pages, mapped by psd too), so $tmp/psd_anon gets psd's private memory (RssAnon,
-# MiB) as it stops: its own buffers, which it keeps after the workers are gone.
+# MiB) at its sampled peak: its own buffers.
 stop_psd() {
-  local kb daemon
+  local kb daemon anon peak
   daemon="$(pgrep -P "$psd_pid" | head -n1)"  # psd itself, under `timeout`
   kb="$(awk '/^VmHWM:/ { print $2 }' "/proc/${daemon:-$psd_pid}/status" 2>/dev/null)"
-  awk '/^RssAnon:/ { printf "%.0f", $2 / 1024 }' "/proc/${daemon:-$psd_pid}/status" >"$tmp/psd_anon" 2>/dev/null
+  anon="$(awk '/^RssAnon:/ { print $2 }' "/proc/${daemon:-$psd_pid}/status" 2>/dev/null)"
+  kill "$sampler_pid" 2>/dev/null
+  wait "$sampler_pid" 2>/dev/null
+  peak="$(cat "$tmp/psd_anon_peak" 2>/dev/null)"
+  (( ${anon:-0} > ${peak:-0} )) && peak=$anon
+  awk -v k="${peak:-0}" 'BEGIN { printf "%.0f", k / 1024 }' >"$tmp/psd_anon"
   # Its CPU time (user + system) so far, for the per-cell line (busy-poll's cost shows here).
   awk -v hz="$(getconf CLK_TCK)" '{ printf "%.2f", ($14 + $15) / hz }' "/proc/${daemon:-$psd_pid}/stat" \
     >"$tmp/psd_cpu" 2>/dev/null
@@ -183,7 +208,7 @@ else
       echo "floor: $floor_out"
       run_psd "$w" "$b" "$steps"
       psd_rc=$?
-      echo "psd:   $(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out"), peak RSS $rss_mib MiB (private at the end: $(cat "$tmp/psd_anon" 2>/dev/null) MiB), CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null) workers $(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
+      echo "psd:   $(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out"), peak RSS $rss_mib MiB (private peak: $(cat "$tmp/psd_anon" 2>/dev/null) MiB), CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null) workers $(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
       floor_ms="$(sed -n 's/.*step median \([0-9.]*\) ms.*/\1/p' <<<"$floor_out" | head -n1)"
       psd_ms="$(sed -n 's/.*"step_ms_p50": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
       key="$w,$b"
@@ -212,7 +237,7 @@ else
   print_grid 14 rss_cell
   echo "(with same-host workers this counts the pages of their shared memory that psd mapped)"
   echo
-  echo "== psd's private memory (RssAnon, MiB) as it stopped, after those runs =="
+  echo "== psd's private memory (RssAnon, MiB): its peak, sampled every 50 ms, in those runs =="
   print_grid 14 anon_cell
 fi
 
@@ -221,10 +246,13 @@ if [[ -n "$rss_list" ]]; then
   target=$(( (2 * mb >> 20) + 64 ))
   echo
   echo "== psd's peak RSS alone: model $rss_model, SGD, 3 measured steps (target 2 x model + 64 MiB = $target MiB) =="
-  printf '%-8s %10s %8s\n' "workers" "RSS MiB" "/target"
+  printf '%-8s %10s %8s %13s %8s\n' "workers" "RSS MiB" "/target" "private MiB" "/target"
   for w in $rss_list; do
     if run_psd "$w" "$mb" 3; then
-      printf '%-8s %10s %8s\n' "$w" "$rss_mib" "$(awk -v r="$rss_mib" -v t="$target" 'BEGIN { printf "%.2f", r / t }')"
+      anon_mib="$(cat "$tmp/psd_anon" 2>/dev/null)"
+      printf '%-8s %10s %8s %13s %8s\n' "$w" "$rss_mib" \
+        "$(awk -v r="$rss_mib" -v t="$target" 'BEGIN { printf "%.2f", r / t }')" "$anon_mib" \
+        "$(awk -v r="${anon_mib:-0}" -v t="$target" 'BEGIN { printf "%.2f", r / t }')"
     else
       printf '%-8s %10s %8s\n' "$w" "failed" "n/a"
       echo "$psd_out" | tail -5 >&2
