@@ -94,12 +94,19 @@ def test_shared_buffers_move_in_place_with_the_values_tcp_gives(start_psd):
                 grad[:] = np.sin(np.arange(100_000, dtype=np.float32) + step)
                 c.push(step, {"w": grad}, wait_token=True, pull_after={"w": out})
             results[shared] = out.copy()
+            # Rows of a [1000, 100] view of w into a shared array: written there in place.
+            rows = c.allocate_shared((3, 100), "float32") if shared else np.zeros((3, 100), np.float32)
+            c.create_variable("t", out.reshape(1000, 100))
+            assert c.pull_rows("t", [999, 0, 999], rows) == 3
+            results[(shared, "rows")] = rows.copy()
             if shared:
                 with pytest.raises(psclient.InvalidArgument):
                     c.allocate_shared(4, "bfloat16")  # numpy has none
                 with pytest.raises(psclient.ResourceExhausted):
                     c.allocate_shared(8 << 20)
     np.testing.assert_array_equal(results[True], results[False])
+    np.testing.assert_array_equal(results[(True, "rows")], results[(False, "rows")])
+    np.testing.assert_array_equal(results[(True, "rows")][0], results[True][99900:])
 
 
 def test_push_reads_the_callers_array(psd):
