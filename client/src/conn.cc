@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <thread>
 
 #include "connect.h"
@@ -346,6 +347,17 @@ const uint8_t* Conn::ShmAt(unsigned segment, uint64_t offset, uint64_t bytes) co
   if (!shm) return nullptr;
   if (segment == 0) return shm->At(offset, bytes);
   return segment == 1 && buffers ? arena_->At(offset, bytes) : nullptr;
+}
+
+Result<psd::wire::TensorRef> Conn::ReplyTensor(proto::Tensor::Reader t) const {
+  // In shared memory, ShmAt bounds it by the segment.
+  const bool in_shm = t.getInShm();
+  auto ref = psd::wire::ReadTensor(t, in_shm ? std::numeric_limits<int64_t>::max() : options_.max_frame_bytes, in_shm);
+  if (!ref.ok() || !in_shm) return ref;
+  ref->bytes = static_cast<uint64_t>(psd::NumElements(ref->shape)) * psd::DTypeSize(ref->dtype);
+  ref->data = ShmAt(t.getShmSegment(), t.getShmOffset(), ref->bytes);
+  if (ref->data == nullptr) return psd::Internal("a value in shared memory outside this connection's segments");
+  return ref;
 }
 
 Status Conn::SendNoReconnect(OutFrame& frame) {

@@ -172,6 +172,9 @@ class Conn {
   int64_t BufferOffset(const void* p, uint64_t bytes) const;
   // [offset, offset + bytes) of segment 0 or 1, or nullptr.
   const uint8_t* ShmAt(unsigned segment, uint64_t offset, uint64_t bytes) const;
+  // A tensor of a reply from this connection: in the frame (within max_frame_bytes), or where it
+  // says in this connection's shared memory.
+  Result<psd::wire::TensorRef> ReplyTensor(proto::Tensor::Reader t) const;
 
  private:
   Status SendNoReconnect(OutFrame& frame);

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <limits>
 #include <thread>
 
 #include "client_impl.h"
@@ -27,18 +26,8 @@ Result<int64_t> Client::Impl::ReadValues(proto::PullReply::Reader p,
     auto values = p.getValues();
     if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
     for (size_t i = 0; i < outs.size(); ++i) {
-      auto tensor = values[static_cast<unsigned>(i)];
-      // In shared memory, ShmAt bounds it by the segment.
-      auto t = psd::wire::ReadTensor(tensor,
-                                     tensor.getInShm() ? std::numeric_limits<int64_t>::max() : options_.max_frame_bytes,
-                                     /*in_shm_ok=*/true);
+      auto t = from->ReplyTensor(values[static_cast<unsigned>(i)]);
       if (!t.ok()) return t.status();
-      if (tensor.getInShm()) {
-        const uint64_t bytes = static_cast<uint64_t>(psd::NumElements(t->shape)) * psd::DTypeSize(t->dtype);
-        t->data = from->ShmAt(tensor.getShmSegment(), tensor.getShmOffset(), bytes);
-        if (t->data == nullptr) return psd::Internal("a value in shared memory outside this connection's segments");
-        t->bytes = bytes;
-      }
       const TensorView& out = outs[i].second;
       PSD_RETURN_IF_ERROR(CheckView("'" + outs[i].first + "'", t->dtype, t->shape, out));
       if (t->bytes != out.bytes()) return psd::Internal("pull reply for '" + outs[i].first + "' has a wrong size");
@@ -375,23 +364,12 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
         }
         step = step >= 0 ? std::min(step, p.getStep()) : p.getStep();
         auto value = p.getValues()[0];
-        const bool in_shm = value.getInShm();
-        auto t =
-            psd::wire::ReadTensor(value, in_shm ? std::numeric_limits<int64_t>::max() : im.options_.max_frame_bytes,
-                                  /*in_shm_ok=*/true);
+        auto t = im.conn(calls[c]->shard).ReplyTensor(value);
         if (!t.ok()) {
           read = t.status();
           return;
         }
         const Batch& b = batch[c];
-        if (in_shm) {
-          t->bytes = static_cast<uint64_t>(psd::NumElements(t->shape)) * psd::DTypeSize(t->dtype);
-          t->data = im.conn(calls[c]->shard).ShmAt(value.getShmSegment(), value.getShmOffset(), t->bytes);
-          if (t->data == nullptr) {
-            read = psd::Internal("rows in shared memory outside this connection's segments");
-            return;
-          }
-        }
         if (t->bytes != b.positions.size() * row_bytes || t->shape.empty()) {
           // The caller's view does not fit the variable's rows (a single daemon's client
           // learns their shape here): say how.
@@ -401,7 +379,7 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
           if (read.ok()) read = psd::Internal("rows reply has a wrong size");
           return;
         }
-        if (b.via == Via::kBuffers && in_shm) return;  // written in place
+        if (b.via == Via::kBuffers && value.getInShm()) return;  // written in place
         read = im.staging_.RowsFromHost(out.data, b.positions, t->data, row_bytes, out.memory, out.stream);
       } catch (const kj::Exception& e) {
         read = Malformed(e);
