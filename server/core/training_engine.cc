@@ -430,24 +430,35 @@ Result<std::vector<DType>> TrainingEngine::DeclaredDTypes(const std::vector<std:
 }
 
 Result<int64_t> TrainingEngine::ReadRows(const std::string& name, const std::vector<int64_t>& rows, RowSink& sink) {
-  MutexLock lock(&mu_);
-  Variable* v = FindLocked(name);
-  if (v == nullptr) return NotFound("no variable named '" + name + "'");
-  if (v->shape.empty()) return InvalidArgument("variable '" + name + "' is a scalar: it has no rows");
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (rows[i] < 0 || rows[i] >= v->shape[0]) {
-      return InvalidArgument("row " + std::to_string(rows[i]) + " (slice " + std::to_string(i) + ") is outside [0, " +
-                             std::to_string(v->shape[0]) + ")");
+  std::shared_ptr<const Buffer> value;
+  DType dtype, declared;
+  Shape shape;
+  size_t row_bytes = 0;
+  int64_t step = 0;
+  {
+    MutexLock lock(&mu_);
+    Variable* v = FindLocked(name);
+    if (v == nullptr) return NotFound("no variable named '" + name + "'");
+    if (v->shape.empty()) return InvalidArgument("variable '" + name + "' is a scalar: it has no rows");
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (rows[i] < 0 || rows[i] >= v->shape[0]) {
+        return InvalidArgument("row " + std::to_string(rows[i]) + " (slice " + std::to_string(i) + ") is outside [0, " +
+                               std::to_string(v->shape[0]) + ")");
+      }
     }
+    // Immutable while referenced: a commit that finds it held applies to a copy (engine_step.cc).
+    value = ReadValueLocked(v);
+    dtype = v->dtype;
+    declared = v->declared;
+    shape = v->shape;
+    row_bytes = static_cast<size_t>(v->row_elements) * DTypeSize(v->dtype);
+    step = global_step_.load();
   }
-  Shape shape = v->shape;
   shape[0] = static_cast<int64_t>(rows.size());
-  PSD_RETURN_IF_ERROR(sink.Begin(v->dtype, v->declared, shape));
-  const size_t row_bytes = static_cast<size_t>(v->row_elements) * DTypeSize(v->dtype);
-  std::shared_ptr<Buffer> value = ReadValueLocked(v);
+  PSD_RETURN_IF_ERROR(sink.Begin(dtype, declared, shape));
   const uint8_t* src = static_cast<const uint8_t*>(value->data());
   for (size_t i = 0; i < rows.size(); ++i) sink.Row(i, src + static_cast<size_t>(rows[i]) * row_bytes);
-  return global_step_.load();
+  return step;
 }
 
 std::vector<std::string> TrainingEngine::SlotNames(const std::string& variable) const {

@@ -225,9 +225,11 @@ class TrainingEngine {
   // The declared dtypes of the named variables (NotFound naming the first unknown one): checks a
   // later read's names without reading (no value is combined or referenced).
   Result<std::vector<DType>> DeclaredDTypes(const std::vector<std::string>& names) const EXCLUDES(mu_);
-  // Gives the listed rows (any order, repeats allowed) of a variable, [n, row dims...], to `sink`
-  // under the engine's lock, so they are all of one global step (returned). Nothing is read when a
-  // row is outside the variable or the sink refuses the layout.
+  // Gives the listed rows (any order, repeats allowed) of a variable, [n, row dims...], to `sink`,
+  // all of one global step (returned): the published value is referenced under the engine's lock
+  // and its rows read outside it (an apply meanwhile writes a copy), so pushes and other reads go on
+  // while they are gathered. Nothing is read when a row is outside the variable or the sink refuses
+  // the layout.
   Result<int64_t> ReadRows(const std::string& name, const std::vector<int64_t>& rows, RowSink& sink) EXCLUDES(mu_);
 
   // reduce_to / batch_reduce_to. Each value is a replica's contribution to its destination (a

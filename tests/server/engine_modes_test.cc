@@ -114,6 +114,25 @@ TEST_CASE("sparse gradients update only their rows, averaged per row, at the ste
   } refuse;
   CHECK(e->ReadRows("emb", {1}, refuse).status().message() == "no");
   CHECK(refuse.got.empty());
+  // The rows are read outside the engine's lock, all of one step: a step committed while they are
+  // read (here from the sink itself, which would deadlock under the lock) changes a copy.
+  struct PushMidway : Rows {
+    TrainingEngine* engine = nullptr;
+    void Row(size_t i, const uint8_t* src) override {
+      if (i == 1) {
+        CHECK(PushSparse(*engine, 1, "emb", {1, 3}, {1, 1, 1, 1}, 2).accepted);
+        CHECK(PushSparse(*engine, 1, "emb", {1, 3}, {1, 1, 1, 1}, 2).accepted);
+        CHECK(engine->global_step() == 2);
+      }
+      Rows::Row(i, src);
+    }
+  } midway;
+  midway.engine = e.get();
+  step = e->ReadRows("emb", {3, 1, 3}, midway);
+  REQUIRE(step.ok());
+  CHECK(*step == 1);
+  CHECK(midway.got == std::vector<std::pair<size_t, std::vector<float>>>{{0, {2, 2}}, {1, {-2, -2}}, {2, {2, 2}}});
+  CHECK(Read(*e, "emb") == std::vector<float>{0, 0, -3, -3, 2, 2, 1, 1});
 }
 
 TEST_CASE("moving averages follow TF's rule, num_updates included", "[engine][ema]") {
