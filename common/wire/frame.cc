@@ -36,7 +36,10 @@ Status ParseSegmentSizes(const uint32_t* table, uint32_t segment_count, uint64_t
 }
 
 capnp::word* InFrame::Prepare(const std::vector<uint32_t>& sizes, uint64_t total_words) {
-  if (buffer_.size() < total_words) buffer_ = kj::heapArray<capnp::word>(total_words);
+  if (buffer_.size() < total_words) {
+    buffer_ = nullptr;  // given back first, so the source may hand it out again
+    buffer_ = source_ != nullptr ? source_->Take(total_words) : kj::heapArray<capnp::word>(total_words);
+  }
   sizes_ = sizes;
   total_words_ = total_words;
   landed_ = nullptr;

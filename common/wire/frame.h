@@ -51,8 +51,20 @@ struct Landing {
   size_t bytes = 0;     // a multiple of 8: the segment must be exactly this long to land
 };
 
+// Where an InFrame's body buffer comes from when it needs a bigger one: the heap by default; the
+// daemon keeps big frames' buffers in a pool bounded by --max-inflight-bytes
+// (server/net/frame_pool.h). Disposing the array hands the buffer back to its source.
+class BufferSource {
+ public:
+  virtual ~BufferSource() = default;
+  // A buffer of at least `words` words (its size() may be more).
+  virtual kj::Array<capnp::word> Take(uint64_t words) = 0;
+};
+
 class InFrame {
  public:
+  // `source` (may be null: the heap) outlives the frame.
+  explicit InFrame(BufferSource* source = nullptr) : source_(source) {}
   // Resizes the body buffer for total_words (never shrinks below what it has unless asked).
   capnp::word* Prepare(const std::vector<uint32_t>& sizes, uint64_t total_words);
   // For a two-segment frame whose second segment lands at `landing.dst`: the buffer holds only
@@ -70,6 +82,7 @@ class InFrame {
   void Release() { buffer_ = nullptr; }
 
  private:
+  BufferSource* source_;
   kj::Array<capnp::word> buffer_;
   const capnp::word* landed_ = nullptr;  // the last segment, when it was read elsewhere
   std::vector<uint32_t> sizes_;

@@ -298,6 +298,12 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
           static_cast<double>(budget.waiting()));
   w.Counter("psd_inflight_frame_waits_total", "frames that had to wait for their share of --max-inflight-bytes",
             static_cast<double>(budget.waits()));
+  const FramePool& pool = server.frame_pool();
+  w.Gauge("psd_frame_buffer_bytes", "memory of incoming frames' buffers of 64 KiB and up, by state",
+          static_cast<double>(pool.handed_out_bytes()), {{"state", "in_use"}});
+  w.Gauge("psd_frame_buffer_bytes", "", static_cast<double>(pool.kept_bytes()), {{"state", "kept"}});
+  w.Counter("psd_frame_buffer_maps_total", "frame buffers mapped from the kernel (the others were reused)",
+            static_cast<double>(pool.maps()));
   w.Counter("psd_frame_timeouts_total", "connections closed because a frame did not arrive within --frame-timeout-ms",
             static_cast<double>(m.frame_timeouts()));
   w.Gauge("psd_variables", "variables (or variable slices) held by this shard", st.variables);
@@ -368,6 +374,8 @@ std::string OpsService::RenderStatusJson() const {
   j.Key("shm_attached").Int(static_cast<int64_t>(server_.shm() ? server_.shm()->attached() : 0));
   j.Key("inflight_frame_bytes").Int(static_cast<int64_t>(server_.frame_budget().in_use()));
   j.Key("inflight_frame_bytes_limit").Int(static_cast<int64_t>(server_.frame_budget().limit()));
+  j.Key("frame_buffer_bytes")
+      .Int(static_cast<int64_t>(server_.frame_pool().handed_out_bytes() + server_.frame_pool().kept_bytes()));
   j.Key("rss_bytes").Number(ReadProcess().rss_bytes);
 
   j.Key("history").BeginArray();

@@ -168,6 +168,7 @@ ConnectionEnv Server::MakeConnectionEnv() {
   env.frame_timeout_ms = config_.frame_timeout_ms;
   env.max_frame_bytes = config_.max_frame_bytes;
   env.budget = &frame_budget_;
+  env.frame_buffers = &frame_pool_;
   env.tls = tls_;
   env.on_bytes_in = [this](uint64_t n) { metrics_.OnBytesIn(n); };
   env.on_bytes_out = [this](uint64_t n) { metrics_.OnBytesOut(n); };

@@ -37,6 +37,7 @@
 #include "daemon/cluster_host.h"
 #include "net/connection.h"
 #include "net/frame_budget.h"
+#include "net/frame_pool.h"
 #include "net/peer_auth.h"
 #include "ops/metrics.h"
 #include "psd/status.h"
@@ -79,6 +80,7 @@ class Server : public ServiceHost {
   ConvertedValues& converted_values() override { return converted_values_; }
   // Memory for incoming frames across all connections (--max-inflight-bytes).
   FrameBudget& frame_budget() { return frame_budget_; }
+  const FramePool& frame_pool() const { return frame_pool_; }
   // What each accepted connection is told (limits, the frame budget, counters); a harness that
   // serves a socket of its own builds its Connection with it.
   const ConnectionEnv& connection_env() const { return conn_env_; }
@@ -164,6 +166,7 @@ class Server : public ServiceHost {
   ConvertedValues converted_values_;
   std::shared_ptr<wire::ssl::context> tls_, peer_tls_;
   FrameBudget frame_budget_{config_.max_inflight_bytes};
+  FramePool frame_pool_{config_.max_inflight_bytes};  // the budget's frames' buffers
   peer_auth::LogLimiter spoof_log_;
   const ConnectionEnv conn_env_;  // what every accepted connection is told (limits, budget, counters)
   const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();

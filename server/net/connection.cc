@@ -9,6 +9,7 @@ Connection::Connection(tcp::socket socket, const ConnectionEnv& env, uint64_t id
       stream_(std::move(socket), env.tls),
       strand_(asio::make_strand(static_cast<asio::io_context&>(stream_.get_executor().context()))),
       id_(id),
+      in_(env.frame_buffers),
       frame_timer_(strand_),
       timer_(strand_) {}
 

@@ -62,6 +62,8 @@ struct ConnectionEnv {
   int64_t frame_timeout_ms = 60000;
   uint64_t max_frame_bytes = 256ull << 20;
   FrameBudget* budget = nullptr;  // required; outlives the connection
+  // Where big frames' body buffers come from (null: the heap); outlives the connection.
+  wire::BufferSource* frame_buffers = nullptr;
   std::shared_ptr<wire::ssl::context> tls;
   // Counters (may be empty).
   std::function<void(uint64_t bytes)> on_bytes_in;

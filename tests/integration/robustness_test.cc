@@ -564,6 +564,14 @@ TEST_CASE("buffers kept for the next frame are given back when a push waits for 
   }
   CHECK(server->engine()->global_step() == 1);
   CHECK(server->frame_budget().peak() <= server->frame_budget().limit());
+  // The frames' buffers, held and kept for reuse, stay within the budget (but for each held
+  // buffer's rounding up to a granule).
+  const server::FramePool& pool = server->frame_pool();
+  CHECK(pool.maps() >= 1);
+  CHECK(pool.handed_out_bytes() + pool.kept_bytes() <= pool.limit() + 3 * server::FramePool::kGranule);
+  workers.clear();
+  CHECK(Eventually([&] { return pool.handed_out_bytes() == 0; }));
+  CHECK(pool.kept_bytes() <= pool.limit());
 }
 
 TEST_CASE("an unauthenticated flood never touches the frame budget, a worker trains through it",
