@@ -429,6 +429,26 @@ std::string OpsService::RenderStatusJson() const {
     j.Null();
   }
 
+  // A stand-in this shard runs for its predecessor (takeover): what it serves, read under the
+  // host's lock as /metrics reads it.
+  j.Key("stand_in");
+  bool stand_in = false;
+  server_.WithStandIn([&](Server& si) {
+    stand_in = true;
+    Status si_serving = si.Serving();
+    j.BeginObject();
+    j.Key("shard").Int(si.config().shard_index);
+    j.Key("ready").Bool(si_serving.ok());
+    j.Key("state").String(si_serving.ok() ? "serving" : si_serving.message());
+    j.Key("global_step").Int(si.engine()->global_step());
+    j.Key("variables").Int(si.engine()->Stats().variables);
+    j.Key("connections").Int(si.connection_count());
+    j.Key("bytes_in").Int(static_cast<int64_t>(si.metrics().bytes_in()));
+    j.Key("bytes_out").Int(static_cast<int64_t>(si.metrics().bytes_out()));
+    j.EndObject();
+  });
+  if (!stand_in) j.Null();
+
   Metrics::CheckpointFigures c = m.Checkpoints();
   j.Key("checkpoint").BeginObject();
   j.Key("dir").String(cfg.checkpoint_dir);

@@ -104,6 +104,14 @@ void CheckStandInServesShard1(const psd::testing::TestCluster& cluster, const st
   CHECK(m.body.find("# TYPE psd_global_step", family + 1) == std::string::npos);
   CHECK(m.body.find("psd_global_step{shard=\"1\",stand_in=\"true\"}", family) ==
         m.body.find("\n", m.body.find("psd_global_step{shard=\"2\"}", family)) + 1);
+  // And its /status.json (the status page) says which shard it stands in for, and how that goes.
+  auto j = psd::testing::HttpGet(cluster.shards[2]->metrics_port(), "/status.json");
+  REQUIRE(j.status == 200);
+  CHECK_THAT(j.body,
+             Catch::Contains("\"stand_in\":{\"shard\":1,\"ready\":true,\"state\":\"serving\",\"global_step\":"));
+  auto own = psd::testing::HttpGet(cluster.shards[0]->metrics_port(), "/status.json");
+  REQUIRE(own.status == 200);
+  CHECK_THAT(own.body, Catch::Contains("\"stand_in\":null"));
 }
 
 // A 3-shard replicated cluster of `cfg` trains 5 steps, loses shard 1 for good, trains 5 more; every
