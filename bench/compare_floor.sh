@@ -18,7 +18,8 @@
 #   --sizes "4K 4M 64M 256M"  model sizes (K/M/G: powers of 1024; default: 4K 4M 64M 256M)
 #   --psd PATH                the daemon (default: build/server/psd, beside psd_bench's build)
 #   --steps-scale F           multiply every cell's measured steps by F (default 1)
-#   --psd-flags "..."         extra flags for every psd (e.g. "--deterministic")
+#   --psd-flags "..."         extra flags for every psd (e.g. "--deterministic"; "--threads N"
+#                             replaces the default of 2 I/O threads)
 #   --bench-flags "..."       extra flags for every psd_bench (e.g. "--push-frame-bytes 0")
 #                             busy-poll: --psd-flags "--busy-poll" --bench-flags "--busy-poll-us 200"
 #   --rss "1 4 16 64"         then the daemon's peak RSS alone, at --rss-model, for these workers
@@ -52,7 +53,7 @@ while [[ $# -gt 0 ]]; do
     --rss) rss_list="$2"; shift 2 ;;
     --rss-model) rss_model="$2"; shift 2 ;;
     --sparse) sparse_list="$2"; shift 2 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     -*) echo "compare_floor: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) bench="$1"; shift ;;
   esac
@@ -104,8 +105,11 @@ start_psd() {
   # carries the whole model (one variable), so the frame limit holds it either way.
   (( bytes + (1 << 20) > frame )) && frame=$(( bytes + (64 << 20) ))
   rm -f "$tmp/port"
+  # Two I/O threads unless --psd-flags names its own --threads.
+  local threads="--threads 2"
+  [[ " $psd_flags" == *" --threads"* ]] && threads=""
   # shellcheck disable=SC2086
-  timeout 900 "$psd" --host 127.0.0.1 --port 0 --port-file "$tmp/port" -R "$workers" --threads 2 \
+  timeout 900 "$psd" --host 127.0.0.1 --port 0 --port-file "$tmp/port" -R "$workers" $threads \
     --max-frame-bytes "$frame" --log-level warn $psd_flags >"$tmp/psd.log" 2>&1 &
   psd_pid=$!
   for _ in $(seq 100); do [[ -s "$tmp/port" ]] && break; sleep 0.05; done
