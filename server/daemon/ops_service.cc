@@ -436,12 +436,13 @@ std::string OpsService::RenderStatusJson() const {
   server_.WithStandIn([&](Server& si) {
     stand_in = true;
     Status si_serving = si.Serving();
+    EngineStats si_st = si.engine()->Stats();
     j.BeginObject();
     j.Key("shard").Int(si.config().shard_index);
     j.Key("ready").Bool(si_serving.ok());
     j.Key("state").String(si_serving.ok() ? "serving" : si_serving.message());
-    j.Key("global_step").Int(si.engine()->global_step());
-    j.Key("variables").Int(si.engine()->Stats().variables);
+    j.Key("global_step").Int(si_st.global_step);
+    j.Key("variables").Int(si_st.variables);
     j.Key("connections").Int(si.connection_count());
     j.Key("bytes_in").Int(static_cast<int64_t>(si.metrics().bytes_in()));
     j.Key("bytes_out").Int(static_cast<int64_t>(si.metrics().bytes_out()));

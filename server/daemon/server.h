@@ -166,7 +166,7 @@ class Server : public ServiceHost {
   ConvertedValues converted_values_;
   std::shared_ptr<wire::ssl::context> tls_, peer_tls_;
   FrameBudget frame_budget_{config_.max_inflight_bytes};
-  FramePool frame_pool_{config_.max_inflight_bytes};  // the budget's frames' buffers
+  FramePool frame_pool_{frame_budget_.limit()};  // the budget's frames' buffers, kept within its limit
   peer_auth::LogLimiter spoof_log_;
   const ConnectionEnv conn_env_;  // what every accepted connection is told (limits, budget, counters)
   const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
