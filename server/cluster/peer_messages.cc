@@ -2,6 +2,13 @@
 
 namespace psd::server::peer {
 
+Blob::Blob(std::string bytes) {
+  auto owned = std::make_shared<const std::string>(std::move(bytes));
+  data_ = owned->data();
+  size_ = owned->size();
+  keep_ = std::move(owned);
+}
+
 const char* KindName(const Body& body) {
   static constexpr const char* kNames[] = {
       "heartbeat", "prepared",           "commit",        "committed",   "restore",      "restored", "part", "seal",

@@ -11,7 +11,9 @@
 #include <compare>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -27,6 +29,31 @@ struct LiveCopy {
   uint64_t lineage = 0;
   int64_t step = 0;
   auto operator<=>(const LiveCopy&) const = default;
+};
+
+// Immutable bytes that the copies of a message share: a piece of a serialized shard copy goes
+// out without being copied (the encoder references it, `keep` holds it until it is written).
+// A Blob without an owner borrows: the decoder's view into a received frame, valid only during
+// the call that hands the message over (ClusterCoordinator::OnMessage copies what it keeps).
+class Blob {
+ public:
+  Blob() = default;
+  explicit Blob(std::string bytes);  // owns them
+  Blob(std::shared_ptr<const void> keep, const char* data, size_t size)
+      : keep_(std::move(keep)), data_(data), size_(size) {}
+  static Blob Borrow(const char* data, size_t size) { return Blob(nullptr, data, size); }
+
+  const char* data() const { return data_; }
+  size_t size() const { return size_; }
+  std::string_view view() const { return {data_, size_}; }
+  // What keeps data() valid (null: borrowed).
+  const std::shared_ptr<const void>& keep() const { return keep_; }
+  bool operator==(const Blob& other) const { return view() == other.view(); }
+
+ private:
+  std::shared_ptr<const void> keep_;
+  const char* data_ = nullptr;
+  size_t size_ = 0;
 };
 
 // One shard's file of a checkpoint (a file name, never a path: the codec checks).
@@ -161,6 +188,7 @@ struct CheckpointRequest {
 // order on one link. From the owner to the next shard after each commit (that shard keeps it and
 // acknowledges), or back from it to the owner (`restore`: the answer to a ReplicaFetch). `total`
 // bytes in all; the last piece ends at it. total 0 with `restore`: the copy is not held here.
+// `data` shares the sender's serialized copy (and is borrowed from the frame on arrival).
 struct ReplicaChunk {
   uint64_t epoch = 0;
   int owner = 0;
@@ -168,7 +196,7 @@ struct ReplicaChunk {
   bool restore = false;
   uint64_t offset = 0;
   uint64_t total = 0;
-  std::string data;
+  Blob data;
   bool operator==(const ReplicaChunk&) const = default;
 };
 

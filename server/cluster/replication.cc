@@ -85,13 +85,18 @@ void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const pe
     SendTo(shard, msg);
     return;
   }
+  // Pieces of whole words share `bytes` (the daemon's encoder sends them from it, uncopied); the
+  // few bytes past the last whole word, if any, go alone.
   const uint64_t total = bytes->size();
-  const uint64_t piece = std::max<uint64_t>(1, options_.replica_chunk_bytes);
+  const uint64_t piece = std::max<uint64_t>(8, options_.replica_chunk_bytes / 8 * 8);
+  const uint64_t words_end = total / 8 * 8;
   chunk.total = total;
-  for (uint64_t off = 0; off < total; off += piece) {
+  for (uint64_t off = 0; off < total;) {
+    const uint64_t len = off < words_end ? std::min(piece, words_end - off) : total - off;
     chunk.offset = off;
-    chunk.data.assign(*bytes, off, std::min(piece, total - off));
+    chunk.data = peer::Blob(bytes, bytes->data() + off, len);
     SendTo(shard, msg);
+    off += len;
   }
 }
 
@@ -203,7 +208,7 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   } else if (in.copy != c.copy || in.bytes.size() != c.offset) {
     return;  // a piece of a copy whose start was lost (it is sent again whole)
   }
-  in.bytes += c.data;
+  in.bytes.append(c.data.data(), c.data.size());
   if (in.bytes.size() < c.total) return;
   auto bytes = std::make_shared<std::string>(std::move(in.bytes));
   incoming_.erase({c.owner, c.restore});

@@ -1,5 +1,8 @@
 #include "service/peer_codec.h"
 
+#include <capnp/orphan.h>
+
+#include <cstdint>
 #include <map>
 #include <string>
 #include <type_traits>
@@ -282,7 +285,7 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
                                   c.getRestore(),
                                   c.getOffset(),
                                   c.getTotal(),
-                                  std::string(reinterpret_cast<const char*>(data.begin()), data.size())};
+                                  peer::Blob::Borrow(reinterpret_cast<const char*>(data.begin()), data.size())};
       return m;
     }
     case proto::PeerMessage::REPLICA_ACK: {
@@ -397,7 +400,15 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           c.setRestore(body.restore);
           c.setOffset(body.offset);
           c.setTotal(body.total);
-          c.setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(body.data.data()), body.data.size()));
+          const auto* data = reinterpret_cast<const kj::byte*>(body.data.data());
+          const size_t size = body.data.size();
+          if (body.data.keep() && size >= wire::kZeroCopyMinBytes && size % sizeof(capnp::word) == 0 &&
+              reinterpret_cast<uintptr_t>(data) % sizeof(capnp::word) == 0) {
+            c.adoptData(capnp::Orphanage::getForMessageContaining(c).referenceExternalData(
+                capnp::Data::Reader(data, size)));  // a segment of its own: written from the blob
+          } else {
+            c.setData(kj::arrayPtr(data, size));
+          }
         } else if constexpr (std::is_same_v<T, peer::ReplicaAck>) {
           auto a = b.initReplicaAck();
           a.setEpoch(body.epoch);

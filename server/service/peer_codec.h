@@ -21,8 +21,11 @@ void PlacementToWire(proto::VariablePlacement::Builder b, const VarPlacement& p)
 
 // A peer message of a `shards`-shard cluster. INVALID_ARGUMENT: a malformed message (a bad
 // placement, a checkpoint file name that is a path, a shard out of range, an unknown kind); the
-// receiver drops it.
+// receiver drops it. A replica chunk's data is borrowed from `r` (valid while its frame is).
 Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shards);
+// A replica chunk's data of whole words, 4 KiB and more, is referenced, not copied: the builder's
+// message reads it from `m`'s blob, which must stay alive (its keep()) until the message is
+// written or dropped.
 void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m);
 
 }  // namespace psd::server

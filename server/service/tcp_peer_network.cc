@@ -1,12 +1,14 @@
 #include "service/tcp_peer_network.h"
 
-#include <capnp/serialize.h>
 #include <spdlog/spdlog.h>
 
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <memory>
 #include <thread>
+#include <variant>
+#include <vector>
 
 #include "net/byte_stream.h"
 #include "net/peer_auth.h"
@@ -19,12 +21,20 @@ namespace psd::server {
 
 namespace {
 
-// A message as immutable bytes: one serialized copy can go to several links at once (an OutFrame
-// cannot: its segment table is rebuilt by every write). Peer messages are small.
-using Bytes = std::shared_ptr<const kj::Array<capnp::word>>;
+// A message ready to write, immutable: its segment table is built once, so one encoding can go
+// to several links at once, each writing the same buffers (the table and the segments, a replica
+// chunk's data among them, read from the copy it shares: no copy of it is made here).
+struct Sealed {
+  std::shared_ptr<wire::OutFrame> frame;
+  std::vector<asio::const_buffer> buffers;
+};
+using Bytes = std::shared_ptr<const Sealed>;
 
-Bytes Flatten(const std::shared_ptr<wire::OutFrame>& frame) {
-  return std::make_shared<const kj::Array<capnp::word>>(capnp::messageToFlatArray(frame->builder));
+Bytes Seal(std::shared_ptr<wire::OutFrame> frame) {
+  auto sealed = std::make_shared<Sealed>();
+  sealed->buffers = frame->Buffers();
+  sealed->frame = std::move(frame);
+  return sealed;
 }
 
 Bytes Encode(const peer::Message& message) {
@@ -32,7 +42,10 @@ Bytes Encode(const peer::Message& message) {
   auto req = frame->builder.initRoot<proto::Request>();
   req.setId(0);
   PeerMessageToWire(req.initPeer(), message);
-  return Flatten(frame);
+  if (const auto* chunk = std::get_if<peer::ReplicaChunk>(&message.body)) {
+    frame->keepalive.push_back(chunk->data.keep());  // the builder may reference its data
+  }
+  return Seal(std::move(frame));
 }
 
 }  // namespace
@@ -136,7 +149,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     h.setShardIndex(id_.me);
     h.setClusterSize(id_.shards);
     if (!nonce.empty()) h.setPeerNonce(kj::arrayPtr(reinterpret_cast<const kj::byte*>(nonce.data()), nonce.size()));
-    return Flatten(hello);
+    return Seal(std::move(hello));
   }
 
   void Connect() {
@@ -195,7 +208,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
       if (!ec && stream == self->stream_ && self->handshaking_) self->Fail("no answer to the peer hello within 5 s");
     });
     Bytes hello = Hello(nonce_);
-    asio::async_write(*stream_, asio::buffer(hello->begin(), hello->size() * sizeof(capnp::word)),
+    asio::async_write(*stream_, hello->buffers,
                       [self = shared_from_this(), hello, stream = stream_](boost::system::error_code ec, size_t) {
                         if (stream != self->stream_) return;
                         if (ec) return self->Fail("cannot send the hello: " + ec.message());
@@ -275,7 +288,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     auto req = frame->builder.initRoot<proto::Request>();
     req.setId(0);
     req.setPeerProof(kj::arrayPtr(reinterpret_cast<const kj::byte*>(mine.data()), mine.size()));
-    proof_ = Flatten(frame);
+    proof_ = Seal(std::move(frame));
     return "";
   }
 
@@ -334,7 +347,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     }
     writing_ = true;
     auto frame = queue_.front();
-    asio::async_write(*stream_, asio::buffer(frame->begin(), frame->size() * sizeof(capnp::word)),
+    asio::async_write(*stream_, frame->buffers,
                       asio::bind_executor(strand_, [self = shared_from_this(), frame, stream = stream_](
                                                        boost::system::error_code ec, size_t) {
                         if (stream != self->stream_) return;

@@ -5,6 +5,9 @@
 #include <capnp/message.h>
 
 #include <catch2/catch.hpp>
+#include <memory>
+#include <string>
+#include <string_view>
 
 using namespace psd;
 using namespace psd::server;
@@ -72,4 +75,47 @@ TEST_CASE("peer codec: a heartbeat's unusable parts and kept copies are checked"
   hb = FullHeartbeat();
   hb.kept_copies.push_back({1, 1});  // a fourth shard of 3
   CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("kept copies for more shards"));
+}
+
+TEST_CASE("peer codec: a replica chunk's whole words go out from the copy, uncopied, and come back borrowed",
+          "[cluster][codec]") {
+  auto copy = std::make_shared<std::string>(3 * 8192 + 5, '\0');
+  for (size_t i = 0; i < copy->size(); ++i) (*copy)[i] = static_cast<char>(i * 131 + 7);
+  auto sent = [&](uint64_t offset, size_t size, bool owned) {
+    peer::Blob data =
+        owned ? peer::Blob(copy, copy->data() + offset, size) : peer::Blob::Borrow(copy->data() + offset, size);
+    return peer::Message{2, 4, peer::ReplicaChunk{7, 2, {7, 30}, false, offset, copy->size(), data}};
+  };
+  // Where the encoded message's segments lie: the chunk's data is one of them when referenced.
+  auto segment_at = [](capnp::MallocMessageBuilder& b, const char* where) {
+    for (auto s : b.getSegmentsForOutput()) {
+      if (reinterpret_cast<const char*>(s.begin()) == where) return true;
+    }
+    return false;
+  };
+  struct Case {
+    uint64_t offset;
+    size_t size;
+    bool owned;
+    bool referenced;
+  };
+  for (const Case& c : {Case{0, 8192, true, true}, Case{8192, 2 * 8192, true, true},
+                        Case{3 * 8192, 5, true, false},  // the tail: not whole words
+                        Case{8, 4096, true, true},       // the smallest referenced piece
+                        Case{8, 4088, true, false},      // smaller: copied
+                        Case{4, 8192, true, false},      // not word-aligned: copied
+                        Case{0, 8192, false, false}}) {  // borrowed: nothing keeps it, copied
+    CAPTURE(c.offset, c.size, c.owned);
+    peer::Message m = sent(c.offset, c.size, c.owned);
+    capnp::MallocMessageBuilder builder;
+    auto b = builder.initRoot<proto::PeerMessage>();
+    PeerMessageToWire(b, m);
+    CHECK(segment_at(builder, copy->data() + c.offset) == c.referenced);
+    auto back = PeerMessageFromWire(b.asReader(), 3);
+    REQUIRE(back.ok());
+    CHECK(*back == m);  // the bytes, compared
+    const auto& chunk = std::get<peer::ReplicaChunk>(back->body);
+    CHECK(chunk.data.keep() == nullptr);  // borrowed from the frame
+    CHECK(chunk.data.view() == std::string_view(copy->data() + c.offset, c.size));
+  }
 }
