@@ -601,18 +601,34 @@ void WriteRecords(const ShardSnapshot& snap, RecordWriter* out) {
 
 }  // namespace
 
-std::string SerializeSnapshot(const ShardSnapshot& snap) {
+SerializedSnapshot SerializeSnapshotInPieces(const ShardSnapshot& snap) {
   RecordWriter w;
   WriteRecords(snap, &w);
   const uint64_t records_bytes = w.records().size();
+  SerializedSnapshot out;
+  out.head.reserve(16 + records_bytes);
+  out.head.append(kMagic, 8);
+  out.head.append(reinterpret_cast<const char*>(&records_bytes), 8);
+  out.head += w.records();
+  out.payload = w.payload();
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  XXH3_64bits_update(st, out.head.data(), out.head.size());
+  for (const Buffer* b : out.payload) XXH3_64bits_update(st, b->data(), b->bytes());
+  const uint64_t sum = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  out.trailer.assign(reinterpret_cast<const char*>(&sum), 8);
+  out.bytes = out.head.size() + w.payload_bytes() + out.trailer.size();
+  return out;
+}
+
+std::string SerializeSnapshot(const ShardSnapshot& snap) {
+  SerializedSnapshot pieces = SerializeSnapshotInPieces(snap);
   std::string out;
-  out.reserve(16 + records_bytes + w.payload_bytes() + 8);
-  out.append(kMagic, 8);
-  out.append(reinterpret_cast<const char*>(&records_bytes), 8);
-  out += w.records();
-  for (const Buffer* b : w.payload()) out.append(static_cast<const char*>(b->data()), b->bytes());
-  const uint64_t sum = XXH3_64bits(out.data(), out.size());
-  out.append(reinterpret_cast<const char*>(&sum), 8);
+  out.reserve(pieces.bytes);
+  out += pieces.head;
+  for (const Buffer* b : pieces.payload) out.append(static_cast<const char*>(b->data()), b->bytes());
+  out += pieces.trailer;
   return out;
 }
 

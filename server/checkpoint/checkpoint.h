@@ -92,6 +92,16 @@ Status LoadCheckpointAt(const std::string& dir, int64_t step, int shard, ShardSn
 // with an XXH3-64 of all of it after: what a shard sends to the shard that keeps its live copy
 // (replication). ParseSnapshot verifies the checksum and every record; INVALID_ARGUMENT otherwise.
 std::string SerializeSnapshot(const ShardSnapshot& snapshot);
+// The same bytes in pieces, the tensors not copied: `head` (magic, records size, records), each
+// tensor's bytes in order (`payload`: the snapshot's own buffers, valid while it is), `trailer`
+// (the checksum, hashed over the pieces as they lie).
+struct SerializedSnapshot {
+  std::string head;
+  std::vector<const Buffer*> payload;
+  std::string trailer;
+  uint64_t bytes = 0;  // in all
+};
+SerializedSnapshot SerializeSnapshotInPieces(const ShardSnapshot& snapshot);
 Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out);
 // Checks the layout and checksum only (one pass, no copy) and reads the step it holds.
 Status VerifySerializedSnapshot(const std::string& bytes, int64_t* step);

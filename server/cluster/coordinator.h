@@ -249,7 +249,7 @@ class ClusterCoordinator : public PeerEvents {
     peer::LiveCopy copy;
     int to = -1;
     peer::Message reply;
-    std::shared_ptr<const std::string> bytes;  // sent again if no ack comes
+    std::shared_ptr<const peer::CopyBytes> bytes;  // sent again if no ack comes
     Clock::time_point sent{};
     uint64_t generation = 0;
   };
@@ -334,7 +334,7 @@ class ClusterCoordinator : public PeerEvents {
   void ReplicateThenReply(uint64_t epoch, uint64_t lineage, int64_t step, int to, peer::Message reply);
   // Sends `bytes` (copy `copy` of `owner`) to `shard` in pieces.
   void SendCopy(int shard, uint64_t epoch, int owner, const peer::LiveCopy& copy, bool restore,
-                const std::shared_ptr<const std::string>& bytes);
+                const std::shared_ptr<const peer::CopyBytes>& bytes);
   // Restores the live copy `copy` for `epoch`: this shard's own, or fetched from the next shard.
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
   // Async/ssp: every part has a copy somewhere (its shard's own, or the next shard's).

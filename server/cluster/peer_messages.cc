@@ -9,6 +9,10 @@ Blob::Blob(std::string bytes) {
   keep_ = std::move(owned);
 }
 
+CopyBytes::CopyBytes(std::vector<Blob> pieces) : pieces_(std::move(pieces)) {
+  for (const Blob& p : pieces_) size_ += p.size();
+}
+
 const char* KindName(const Body& body) {
   static constexpr const char* kNames[] = {
       "heartbeat", "prepared",           "commit",        "committed",   "restore",      "restored", "part", "seal",

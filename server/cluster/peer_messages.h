@@ -56,6 +56,22 @@ class Blob {
   size_t size_ = 0;
 };
 
+// A shard's serialized copy as the pieces it lies in (ShardHost): their bytes, one after another,
+// are the copy. Its owner's copy shares the engine's tensors; a copy kept as it came is one piece.
+class CopyBytes {
+ public:
+  CopyBytes() = default;
+  explicit CopyBytes(std::vector<Blob> pieces);
+  explicit CopyBytes(std::string whole) : CopyBytes(std::vector<Blob>{Blob(std::move(whole))}) {}
+  const std::vector<Blob>& pieces() const { return pieces_; }
+  uint64_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+
+ private:
+  std::vector<Blob> pieces_;
+  uint64_t size_ = 0;
+};
+
 // One shard's file of a checkpoint (a file name, never a path: the codec checks).
 struct PartInfo {
   int shard = 0;

@@ -24,8 +24,11 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <iterator>
 #include <set>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cluster/coordinator.h"
@@ -74,7 +77,7 @@ std::optional<peer::LiveCopy> ClusterCoordinator::LiveChoiceLocked() const {
 }
 
 void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const peer::LiveCopy& copy, bool restore,
-                                  const std::shared_ptr<const std::string>& bytes) {
+                                  const std::shared_ptr<const peer::CopyBytes>& bytes) {
   peer::Message msg;
   {
     MutexLock lock(&mu_);
@@ -85,25 +88,49 @@ void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const pe
     SendTo(shard, msg);
     return;
   }
-  // Pieces of whole words share `bytes` (the daemon's encoder sends them from it, uncopied); the
-  // few bytes past the last whole word, if any, go alone.
-  const uint64_t total = bytes->size();
-  const uint64_t piece = std::max<uint64_t>(8, options_.replica_chunk_bytes / 8 * 8);
-  const uint64_t words_end = total / 8 * 8;
-  chunk.total = total;
-  for (uint64_t off = 0; off < total;) {
-    const uint64_t len = off < words_end ? std::min(piece, words_end - off) : total - off;
-    chunk.offset = off;
-    chunk.data = peer::Blob(bytes, bytes->data() + off, len);
+  // A piece of the copy that fills a chunk (or 64 KiB) goes in chunks of whole words that share
+  // its memory (the daemon's encoder writes them from it, uncopied: a tensor of the owner's state,
+  // or a copy kept as it came). The rest — the records, small tensors, the bytes past a piece's
+  // last whole word — is gathered into chunks of their own.
+  const uint64_t chunk_max = std::max<uint64_t>(8, options_.replica_chunk_bytes / 8 * 8);
+  const uint64_t shared_min = std::min<uint64_t>(chunk_max, 64 << 10);
+  chunk.total = bytes->size();
+  std::string gathered;
+  uint64_t gathered_at = 0;
+  auto send = [&](uint64_t at, peer::Blob data) {
+    chunk.offset = at;
+    chunk.data = std::move(data);
     SendTo(shard, msg);
-    off += len;
+  };
+  auto flush = [&] {
+    if (!gathered.empty()) send(gathered_at, peer::Blob(std::exchange(gathered, {})));
+  };
+  uint64_t at = 0;  // where the piece lies in the copy
+  for (const peer::Blob& p : bytes->pieces()) {
+    const bool aligned = reinterpret_cast<uintptr_t>(p.data()) % 8 == 0;
+    const uint64_t words = aligned && p.size() >= shared_min ? p.size() / 8 * 8 : 0;
+    if (words > 0) flush();
+    for (uint64_t off = 0; off < words;) {
+      const uint64_t len = std::min(chunk_max, words - off);
+      send(at + off, peer::Blob(p.keep(), p.data() + off, len));
+      off += len;
+    }
+    for (uint64_t off = words; off < p.size();) {
+      if (gathered.empty()) gathered_at = at + off;
+      const uint64_t len = std::min<uint64_t>(p.size() - off, chunk_max - gathered.size());
+      gathered.append(p.data() + off, len);
+      off += len;
+      if (gathered.size() >= chunk_max) flush();
+    }
+    at += p.size();
   }
+  flush();
 }
 
 void ClusterCoordinator::ReplicateThenReply(uint64_t epoch, uint64_t lineage, int64_t step, int to,
                                             peer::Message reply) {
   const peer::LiveCopy copy{lineage, step};
-  std::shared_ptr<const std::string> bytes = host_.KeepCopy(epoch, copy);
+  std::shared_ptr<const peer::CopyBytes> bytes = host_.KeepCopy(epoch, copy);
   if (!bytes) return;  // logged by the host; the chief's commit or formation times out
   {
     MutexLock lock(&mu_);
@@ -313,7 +340,7 @@ void ClusterCoordinator::StartArrivalCopy(uint64_t epoch) {
     generation = ++arrival_copies_;
   }
   host_.KeepCopyNowAsync(epoch, [this, epoch, generation](std::optional<peer::LiveCopy> copy,
-                                                          std::shared_ptr<const std::string> bytes) {
+                                                          std::shared_ptr<const peer::CopyBytes> bytes) {
     std::vector<Action> actions;
     {
       MutexLock lock(&mu_);

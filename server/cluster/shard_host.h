@@ -95,11 +95,12 @@ class ShardHost {
   virtual void LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<peer::LiveCopy>* held) = 0;
   // The engine of `epoch` is at global step `copy.step`, just committed (CommitStep) or restored:
   // keeps that state as this shard's own copy `copy` (the newest two are kept) and returns it
-  // serialized for the next shard. Null (logged) when the engine is elsewhere.
-  virtual std::shared_ptr<const std::string> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) = 0;
+  // serialized for the next shard (in pieces that share the state's tensors). Null (logged) when
+  // the engine is elsewhere.
+  virtual std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) = 0;
   // A kept copy serialized: this shard's own (`owner` is this shard) or its predecessor's (kept as
   // it came). Null if not kept.
-  virtual std::shared_ptr<const std::string> SerializedCopy(int owner, const peer::LiveCopy& copy) = 0;
+  virtual std::shared_ptr<const peer::CopyBytes> SerializedCopy(int owner, const peer::LiveCopy& copy) = 0;
   // Keeps a serialized copy that arrived whole: the predecessor's (as it is, once its checksum
   // verifies), or this shard's own fetched back for a restore (parsed). INVALID_ARGUMENT if it
   // does not verify or parse (nothing kept).
@@ -114,7 +115,7 @@ class ShardHost {
   // engine's count) and hands the copy's name and bytes to `done`, on a thread of the host's (at
   // once when the host stopped); (nullopt, null) when the engine belongs to another epoch.
   // Default: no copies (a host that cannot take them; answered at once).
-  using CopyDone = std::function<void(std::optional<peer::LiveCopy>, std::shared_ptr<const std::string>)>;
+  using CopyDone = std::function<void(std::optional<peer::LiveCopy>, std::shared_ptr<const peer::CopyBytes>)>;
   virtual void KeepCopyNowAsync(uint64_t /*epoch*/, CopyDone done) { done(std::nullopt, nullptr); }
 
   // --- takeover (cluster/takeover.cc) ---

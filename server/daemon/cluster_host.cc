@@ -230,7 +230,7 @@ void ServerShardHost::LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<p
   server_.metrics().SetReplicaKept(Bytes(own_), Bytes(held_));  // once a heartbeat
 }
 
-std::shared_ptr<const std::string> ServerShardHost::KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) {
+std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) {
   auto engine = server_.engine();
   if (engine->epoch() != epoch) return nullptr;  // the cluster moved on
   // A commit kept its state; a restore's is the engine's now (no step runs before it serves).
@@ -243,8 +243,24 @@ std::shared_ptr<const std::string> ServerShardHost::KeepCopy(uint64_t epoch, con
   return KeepOwn(copy, std::move(*snap));
 }
 
-std::shared_ptr<const std::string> ServerShardHost::KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap) {
-  auto bytes = std::make_shared<const std::string>(SerializeSnapshot(snap));
+namespace {
+
+// `snap` serialized in pieces that share its tensors (kept alive by the pieces).
+std::shared_ptr<const peer::CopyBytes> InPieces(ShardSnapshot snap) {
+  auto keep = std::make_shared<const ShardSnapshot>(std::move(snap));
+  SerializedSnapshot s = SerializeSnapshotInPieces(*keep);
+  std::vector<peer::Blob> pieces;
+  pieces.reserve(s.payload.size() + 2);
+  pieces.emplace_back(std::move(s.head));
+  for (const Buffer* b : s.payload) pieces.emplace_back(keep, static_cast<const char*>(b->data()), b->bytes());
+  pieces.emplace_back(std::move(s.trailer));
+  return std::make_shared<const peer::CopyBytes>(std::move(pieces));
+}
+
+}  // namespace
+
+std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap) {
+  auto bytes = InPieces(snap);  // shares the buffers
   server_.metrics().OnReplicaSent(bytes->size());
   MutexLock lock(&mu_);
   own_[copy] = std::move(snap);  // (async: the same count again, no push between: the newer state)
@@ -252,7 +268,7 @@ std::shared_ptr<const std::string> ServerShardHost::KeepOwn(const peer::LiveCopy
   return bytes;
 }
 
-std::shared_ptr<const std::string> ServerShardHost::SerializedCopy(int owner, const peer::LiveCopy& copy) {
+std::shared_ptr<const peer::CopyBytes> ServerShardHost::SerializedCopy(int owner, const peer::LiveCopy& copy) {
   ShardSnapshot snap;
   {
     MutexLock lock(&mu_);
@@ -260,13 +276,15 @@ std::shared_ptr<const std::string> ServerShardHost::SerializedCopy(int owner, co
       auto it = held_.find(copy);
       if (it == held_.end()) return nullptr;
       server_.metrics().OnReplicaSent(it->second->size());
-      return it->second;  // as it came
+      const std::shared_ptr<const std::string>& kept = it->second;  // as it came
+      return std::make_shared<const peer::CopyBytes>(
+          std::vector<peer::Blob>{peer::Blob(kept, kept->data(), kept->size())});
     }
     auto it = own_.find(copy);
     if (it == own_.end()) return nullptr;
     snap = it->second;  // shares the buffers
   }
-  auto bytes = std::make_shared<const std::string>(SerializeSnapshot(snap));
+  auto bytes = InPieces(std::move(snap));
   server_.metrics().OnReplicaSent(bytes->size());
   return bytes;
 }

@@ -64,8 +64,8 @@ class ServerShardHost : public ShardHost {
   uint64_t LoadTerm() override;
   void SaveTerm(uint64_t term) override;
   void LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<peer::LiveCopy>* held) override;
-  std::shared_ptr<const std::string> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) override;
-  std::shared_ptr<const std::string> SerializedCopy(int owner, const peer::LiveCopy& copy) override;
+  std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) override;
+  std::shared_ptr<const peer::CopyBytes> SerializedCopy(int owner, const peer::LiveCopy& copy) override;
   Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) override;
   void DropCopies(std::optional<peer::LiveCopy> newest) override;
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override;
@@ -84,7 +84,7 @@ class ServerShardHost : public ShardHost {
 
  private:
   // Keeps `snap` as this shard's own copy `copy` (the newest two are kept) and returns it serialized.
-  std::shared_ptr<const std::string> KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap) EXCLUDES(mu_);
+  std::shared_ptr<const peer::CopyBytes> KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap) EXCLUDES(mu_);
 
   Server& server_;
   Mutex mu_;

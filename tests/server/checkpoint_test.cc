@@ -96,7 +96,18 @@ TEST_CASE("a checkpoint round-trips values, slots, averages and the step", "[che
 
 TEST_CASE("a shard's state serialized for its replica round-trips, a changed byte or a cut copy is refused",
           "[checkpoint][replicas]") {
-  const std::string bytes = SerializeSnapshot(Snapshot(41, 3));
+  const ShardSnapshot snap = Snapshot(41, 3);
+  const std::string bytes = SerializeSnapshot(snap);
+  // In pieces (what replication sends): the tensors are the snapshot's own buffers, and the
+  // checksum hashed over the pieces is the one a whole copy verifies against.
+  const SerializedSnapshot pieces = SerializeSnapshotInPieces(snap);
+  std::string joined = pieces.head;
+  for (const Buffer* b : pieces.payload) joined.append(static_cast<const char*>(b->data()), b->bytes());
+  joined += pieces.trailer;
+  CHECK(pieces.bytes == joined.size());
+  CHECK(joined == bytes);
+  REQUIRE_FALSE(pieces.payload.empty());
+  CHECK(pieces.payload.front() == snap.variables[0].value.get());
   int64_t step = -1;
   REQUIRE(VerifySerializedSnapshot(bytes, &step).ok());
   CHECK(step == 41);

@@ -44,8 +44,8 @@ class RecordingHost : public ShardHost {
     own->clear();
     held->clear();
   }
-  std::shared_ptr<const std::string> KeepCopy(uint64_t, const peer::LiveCopy&) override { return nullptr; }
-  std::shared_ptr<const std::string> SerializedCopy(int, const peer::LiveCopy&) override { return nullptr; }
+  std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t, const peer::LiveCopy&) override { return nullptr; }
+  std::shared_ptr<const peer::CopyBytes> SerializedCopy(int, const peer::LiveCopy&) override { return nullptr; }
   Status TakeCopy(int, const peer::LiveCopy&, std::shared_ptr<const std::string>) override { return Status::Ok(); }
   void DropCopies(std::optional<peer::LiveCopy>) override {}
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy&, RestoreDone) override { restores.push_back(epoch); }

@@ -487,10 +487,16 @@ class FakeHost : public ShardHost {
     for (auto it = sh().own_copies.rbegin(); it != sh().own_copies.rend(); ++it) own->push_back(it->first);
     for (auto it = sh().held_copies.rbegin(); it != sh().held_copies.rend(); ++it) held->push_back(it->first);
   }
-  std::shared_ptr<const std::string> Serialize(uint64_t value) {
-    std::string bytes(reinterpret_cast<const char*>(&value), sizeof(value));
-    bytes.append(static_cast<size_t>(sim_.Uniform(0, 3000)), 'x');
-    return std::make_shared<const std::string>(std::move(bytes));
+  // In pieces, as the daemon's host gives its copies: the value, then two halves of 0-3000 bytes of
+  // filler (a half of 1 KiB or more goes partly from its own memory: the chunks are 1 KiB). One
+  // draw, as before the pieces: the regression seeds keep their schedules.
+  std::shared_ptr<const peer::CopyBytes> Serialize(uint64_t value) {
+    const auto filler = static_cast<size_t>(sim_.Uniform(0, 3000));
+    std::vector<peer::Blob> pieces;
+    pieces.emplace_back(std::string(reinterpret_cast<const char*>(&value), sizeof(value)));
+    pieces.emplace_back(std::string(filler / 2, 'x'));
+    pieces.emplace_back(std::string(filler - filler / 2, 'y'));
+    return std::make_shared<const peer::CopyBytes>(std::move(pieces));
   }
   void Trim(std::map<peer::LiveCopy, uint64_t>* copies) {
     while (copies->size() > 2) copies->erase(copies->begin());
@@ -500,7 +506,7 @@ class FakeHost : public ShardHost {
       sim_.Note(fmt::format("{} {} copies:{}", sim_.Name(proc_), copies == &sh().own_copies ? "own" : "held", list));
     }
   }
-  std::shared_ptr<const std::string> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) override {
+  std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) override {
     const Engine& e = sh().engine;
     if (e.epoch != epoch) return nullptr;
     if (e.step != copy.step) {
@@ -511,7 +517,7 @@ class FakeHost : public ShardHost {
     Trim(&sh().own_copies);
     return Serialize(e.value);
   }
-  std::shared_ptr<const std::string> SerializedCopy(int owner, const peer::LiveCopy& copy) override {
+  std::shared_ptr<const peer::CopyBytes> SerializedCopy(int owner, const peer::LiveCopy& copy) override {
     auto& copies = owner == me_ ? sh().own_copies : sh().held_copies;
     auto it = copies.find(copy);
     return it == copies.end() ? nullptr : Serialize(it->second);
