@@ -326,6 +326,7 @@ void ClusterCoordinator::OnPeerDown(int shard) {
     if (--p.connections > 0) return;
     p.connections = 0;
     p.ready = false;
+    if (shard == Successor()) acked_.reset();  // it may come back without the copies it kept
     if (stopped_) return;
     spdlog::warn("cluster: lost the link from shard {} ({})", shard, AddressOf(shard));
   }

@@ -362,6 +362,8 @@ class ClusterCoordinator : public PeerEvents {
   void FailArrivalWaitersLocked(const Status& why, std::vector<Action>* actions) REQUIRES(mu_);
   void ReplicationTickLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
   void HandleReplicaChunk(int from, const peer::ReplicaChunk& c, std::vector<Action>* actions) REQUIRES(mu_);
+  // The base a copy of lineage `lineage` taken in `epoch` may be sent as a difference from (acked_).
+  std::optional<peer::LiveCopy> CopyBaseLocked(uint64_t epoch, uint64_t lineage) const REQUIRES(mu_);
   void HandleReplicaAck(int from, const peer::ReplicaAck& a, std::vector<Action>* actions) REQUIRES(mu_);
   void HandleReplicaFetch(int from, const peer::ReplicaFetch& f, std::vector<Action>* actions) REQUIRES(mu_);
   void AddSealedLocked(int64_t step) REQUIRES(mu_);
@@ -500,6 +502,11 @@ class ClusterCoordinator : public PeerEvents {
   std::vector<peer::LiveCopy> own_copies_ GUARDED_BY(mu_);  // the host's, as of the last tick or change
   std::vector<peer::LiveCopy> held_copies_ GUARDED_BY(mu_);
   std::optional<PendingAck> ack_ GUARDED_BY(mu_);
+  // The newest copy of this shard's the next shard acknowledged, in epoch `acked_epoch_`: the base
+  // the next copy may be sent as a difference from (a new epoch, or a broken link to the next
+  // shard, forgets it: the copy after goes whole). A copy sent again goes whole too.
+  std::optional<peer::LiveCopy> acked_ GUARDED_BY(mu_);
+  uint64_t acked_epoch_ GUARDED_BY(mu_) = 0;
   std::map<std::pair<int, bool>, Incoming> incoming_ GUARDED_BY(mu_);  // (owner, restore) -> pieces so far
   // A live restore waiting for this shard's copy from the next shard: (epoch, copy), since when.
   std::optional<std::pair<uint64_t, peer::LiveCopy>> fetch_ GUARDED_BY(mu_);

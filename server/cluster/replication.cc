@@ -127,10 +127,20 @@ void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const pe
   flush();
 }
 
+std::optional<peer::LiveCopy> ClusterCoordinator::CopyBaseLocked(uint64_t epoch, uint64_t lineage) const {
+  if (!acked_ || acked_epoch_ != epoch || acked_->lineage != lineage) return std::nullopt;
+  return acked_;
+}
+
 void ClusterCoordinator::ReplicateThenReply(uint64_t epoch, uint64_t lineage, int64_t step, int to,
                                             peer::Message reply) {
   const peer::LiveCopy copy{lineage, step};
-  std::shared_ptr<const peer::CopyBytes> bytes = host_.KeepCopy(epoch, copy);
+  std::optional<peer::LiveCopy> base;
+  {
+    MutexLock lock(&mu_);
+    base = CopyBaseLocked(epoch, lineage);
+  }
+  std::shared_ptr<const peer::CopyBytes> bytes = host_.KeepCopy(epoch, copy, base);
   if (!bytes) return;  // logged by the host; the chief's commit or formation times out
   {
     MutexLock lock(&mu_);
@@ -182,7 +192,9 @@ void ClusterCoordinator::ReplicationTickLocked(Clock::time_point now, std::vecto
   if (ack_ && now - ack_->sent > again + std::chrono::milliseconds(ack_->bytes->size() >> 16)) {
     ack_->sent = now;
     actions->push_back([this, epoch = ack_->epoch, copy = ack_->copy, bytes = ack_->bytes] {
-      SendCopy(Successor(), epoch, me_, copy, /*restore=*/false, bytes);
+      // Whole: a difference is no use if the next shard lost the copy it is from.
+      std::shared_ptr<const peer::CopyBytes> whole = host_.SerializedCopy(me_, copy);
+      SendCopy(Successor(), epoch, me_, copy, /*restore=*/false, whole ? whole : bytes);
     });
   }
   if (fetch_ && now - fetch_sent_ > again) {
@@ -272,6 +284,8 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
 
 void ClusterCoordinator::HandleReplicaAck(int from, const peer::ReplicaAck& a, std::vector<Action>* actions) {
   if (!options_.replicate || from != Successor() || !ack_ || ack_->epoch != a.epoch || ack_->copy != a.copy) return;
+  acked_ = ack_->copy;
+  acked_epoch_ = ack_->epoch;
   if (ack_->to < 0) {  // a copy on arrival: the replies it covers go, and the next copy starts if more wait
     // Kept by the next shard (which may be a stand-in stopped soon): said in every heartbeat.
     HeardLocked(me_, ack_->copy);
@@ -333,36 +347,39 @@ void ClusterCoordinator::AfterReplicated(uint64_t epoch, std::function<void(cons
 
 void ClusterCoordinator::StartArrivalCopy(uint64_t epoch) {
   uint64_t generation = 0;
+  std::optional<peer::LiveCopy> base;
   {
     MutexLock lock(&mu_);
     if (stopped_ || epoch != epoch_ || epoch != restore_epoch_) return;  // the waiters were answered
     // Every waiter registered so far applied its change before this: the snapshot taken now holds it.
     generation = ++arrival_copies_;
+    base = CopyBaseLocked(epoch, epoch);  // copies on arrival are of the epoch's own lineage
   }
-  host_.KeepCopyNowAsync(epoch, [this, epoch, generation](std::optional<peer::LiveCopy> copy,
-                                                          std::shared_ptr<const peer::CopyBytes> bytes) {
-    std::vector<Action> actions;
-    {
-      MutexLock lock(&mu_);
-      // A copy the waiters it covered no longer wait for (answered meanwhile; a newer one began).
-      if (stopped_ || epoch != epoch_ || epoch != restore_epoch_ || generation != arrival_copies_) return;
-      if (!copy || !bytes) {
-        FailArrivalWaitersLocked(
-            Unavailable("shard " + std::to_string(me_) + " could not copy its part for the next shard; pull and go on"),
-            &actions);
-      } else {
-        PendingAck pending;  // no reply: its ack answers the waiters
-        pending.epoch = epoch;
-        pending.copy = *copy;
-        pending.bytes = bytes;
-        pending.sent = now_();
-        pending.generation = generation;
-        ack_ = std::move(pending);
-      }
-    }
-    for (auto& a : actions) a();
-    if (copy && bytes) SendCopy(Successor(), epoch, me_, *copy, /*restore=*/false, bytes);
-  });
+  host_.KeepCopyNowAsync(
+      epoch, base,
+      [this, epoch, generation](std::optional<peer::LiveCopy> copy, std::shared_ptr<const peer::CopyBytes> bytes) {
+        std::vector<Action> actions;
+        {
+          MutexLock lock(&mu_);
+          // A copy the waiters it covered no longer wait for (answered meanwhile; a newer one began).
+          if (stopped_ || epoch != epoch_ || epoch != restore_epoch_ || generation != arrival_copies_) return;
+          if (!copy || !bytes) {
+            FailArrivalWaitersLocked(Unavailable("shard " + std::to_string(me_) +
+                                                 " could not copy its part for the next shard; pull and go on"),
+                                     &actions);
+          } else {
+            PendingAck pending;  // no reply: its ack answers the waiters
+            pending.epoch = epoch;
+            pending.copy = *copy;
+            pending.bytes = bytes;
+            pending.sent = now_();
+            pending.generation = generation;
+            ack_ = std::move(pending);
+          }
+        }
+        for (auto& a : actions) a();
+        if (copy && bytes) SendCopy(Successor(), epoch, me_, *copy, /*restore=*/false, bytes);
+      });
 }
 
 void ClusterCoordinator::FailArrivalWaitersLocked(const Status& why, std::vector<Action>* actions) {

@@ -95,15 +95,18 @@ class ShardHost {
   virtual void LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<peer::LiveCopy>* held) = 0;
   // The engine of `epoch` is at global step `copy.step`, just committed (CommitStep) or restored:
   // keeps that state as this shard's own copy `copy` (the newest two are kept) and returns it
-  // serialized for the next shard (in pieces that share the state's tensors). Null (logged) when
-  // the engine is elsewhere.
-  virtual std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) = 0;
+  // serialized for the next shard (in pieces that share the state's tensors). With `base` (a copy
+  // of this shard's that the next shard acknowledged, in the same lineage) it may be serialized as
+  // the difference from it, when that is smaller. Null (logged) when the engine is elsewhere.
+  virtual std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy,
+                                                          std::optional<peer::LiveCopy> base) = 0;
   // A kept copy serialized: this shard's own (`owner` is this shard) or its predecessor's (kept as
   // it came). Null if not kept.
   virtual std::shared_ptr<const peer::CopyBytes> SerializedCopy(int owner, const peer::LiveCopy& copy) = 0;
   // Keeps a serialized copy that arrived whole: the predecessor's (as it is, once its checksum
-  // verifies), or this shard's own fetched back for a restore (parsed). INVALID_ARGUMENT if it
-  // does not verify or parse (nothing kept).
+  // verifies, or rebuilt from the copy it is a difference from), or this shard's own fetched back
+  // for a restore (parsed). INVALID_ARGUMENT if it does not verify or parse, FAILED_PRECONDITION if
+  // it is a difference from a copy not kept here (nothing kept).
   virtual Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) = 0;
   // Drops every copy newer than `newest` (none: every copy) — a formation left their timeline: it
   // restores the live copy `newest`, or a checkpoint.
@@ -116,7 +119,9 @@ class ShardHost {
   // once when the host stopped); (nullopt, null) when the engine belongs to another epoch.
   // Default: no copies (a host that cannot take them; answered at once).
   using CopyDone = std::function<void(std::optional<peer::LiveCopy>, std::shared_ptr<const peer::CopyBytes>)>;
-  virtual void KeepCopyNowAsync(uint64_t /*epoch*/, CopyDone done) { done(std::nullopt, nullptr); }
+  virtual void KeepCopyNowAsync(uint64_t /*epoch*/, std::optional<peer::LiveCopy> /*base*/, CopyDone done) {
+    done(std::nullopt, nullptr);
+  }
 
   // --- takeover (cluster/takeover.cc) ---
   // Starts a stand-in for shard `shard` (this shard's predecessor) in this process: a shard of

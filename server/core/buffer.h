@@ -22,7 +22,9 @@ class Buffer {
     if (bytes % 8 != 0) words_[bytes / 8] = 0;
   }
   // A deep copy (copy-on-write of a value a reader still holds).
-  Buffer(const Buffer& other) : Buffer(other.bytes_) { std::memcpy(data(), other.data(), (bytes_ + 7) / 8 * 8); }
+  Buffer(const Buffer& other) : Buffer(other.bytes_, Uninitialized{}) {
+    std::memcpy(data(), other.data(), (bytes_ + 7) / 8 * 8);  // the padding too (zero there)
+  }
   Buffer(Buffer&&) = default;
   Buffer& operator=(const Buffer&) = delete;
   Buffer& operator=(Buffer&&) = default;

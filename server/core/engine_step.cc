@@ -1,5 +1,7 @@
 // TrainingEngine: takes, optimizer applies, the sync commit and its cluster gate, async/ssp
 // applies, soft-sync forcing and moving averages.
+#include <cstring>
+
 #include "core/training_engine.h"
 #include "core/training_engine_internal.h"
 
@@ -88,12 +90,28 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   return true;
 }
 
+void TrainingEngine::CopyOnWriteLocked(Variable* v) {
+  if (v->published.use_count() <= 1) return;
+  // Into the spare buffer when nothing holds it any more (the value before the one referenced: a
+  // replica's copy kept two steps ago, a pull long done), so a big table is not mapped afresh and
+  // faulted in page by page every step; the referenced value becomes the spare.
+  std::shared_ptr<Buffer> into;
+  if (v->spare && v->spare.use_count() == 1 && v->spare->bytes() == v->published->bytes()) {
+    into = std::move(v->spare);
+    std::memcpy(into->data(), v->published->data(), (into->bytes() + 7) / 8 * 8);
+  } else {
+    into = std::make_shared<Buffer>(*v->published);
+  }
+  v->spare = std::move(v->published);
+  v->published = std::move(into);
+}
+
 void TrainingEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step,
                                        double lr) {
   if (rows.empty()) return;
   auto t0 = std::chrono::steady_clock::now();
-  // In place unless a pull still references the published buffer: then copy first.
-  if (v->published.use_count() > 1) v->published = std::make_shared<Buffer>(*v->published);
+  // In place unless a pull or a kept copy still references the published buffer: then copy first.
+  CopyOnWriteLocked(v);
   v->opt->ApplySparse({v->dtype, v->row_elements, v->published->data(), rows.data(), static_cast<int64_t>(rows.size()),
                        grad, &v->slots, step, lr});
   ReportApply(t0);
@@ -124,7 +142,7 @@ void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step,
 void TrainingEngine::ApplyChunkLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
   const size_t es = DTypeSize(v->dtype);
   MutexLock lock(&mu_);  // in place: no pull may take the value while part of it is updated
-  if (v->published.use_count() > 1) v->published = std::make_shared<Buffer>(*v->published);
+  CopyOnWriteLocked(v);
   uint8_t* at = static_cast<uint8_t*>(v->published->data()) + static_cast<size_t>(g.chunk_offset) * es;
   ApplyDense(*v->opt, {v->dtype, g.shape[0], at, g.data, at, &v->slots, g.chunk_offset, step, lr});
 }

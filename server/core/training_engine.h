@@ -359,6 +359,9 @@ class TrainingEngine {
   void ReevaluateAll() EXCLUDES(mu_);
   // Async/ssp: applies one gradient now (v->mu held).
   void ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
+  // Before an in-place update: the published value, if a reader or a kept copy holds it, is copied
+  // into a buffer of its own (the spare one, when nothing holds that).
+  void CopyOnWriteLocked(Variable* v) REQUIRES(mu_);
   // Applies pending sparse rows in place (mu_ held).
   void ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step, double lr)
       REQUIRES(mu_);

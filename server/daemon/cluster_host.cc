@@ -230,7 +230,8 @@ void ServerShardHost::LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<p
   server_.metrics().SetReplicaKept(Bytes(own_), Bytes(held_));  // once a heartbeat
 }
 
-std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) {
+std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepCopy(uint64_t epoch, const peer::LiveCopy& copy,
+                                                                 std::optional<peer::LiveCopy> base) {
   auto engine = server_.engine();
   if (engine->epoch() != epoch) return nullptr;  // the cluster moved on
   // A commit kept its state; a restore's is the engine's now (no step runs before it serves).
@@ -240,15 +241,13 @@ std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepCopy(uint64_t epoch,
     spdlog::error("cluster: cannot keep a copy of step {}: the engine is at step {}", copy.step, engine->global_step());
     return nullptr;
   }
-  return KeepOwn(copy, std::move(*snap));
+  return KeepOwn(copy, std::move(*snap), base);
 }
 
 namespace {
 
-// `snap` serialized in pieces that share its tensors (kept alive by the pieces).
-std::shared_ptr<const peer::CopyBytes> InPieces(ShardSnapshot snap) {
-  auto keep = std::make_shared<const ShardSnapshot>(std::move(snap));
-  SerializedSnapshot s = SerializeSnapshotInPieces(*keep);
+// `snap` serialized (`s`) in pieces that share its tensors (kept alive by the pieces).
+std::shared_ptr<const peer::CopyBytes> InPieces(std::shared_ptr<const ShardSnapshot> keep, SerializedSnapshot s) {
   std::vector<peer::Blob> pieces;
   pieces.reserve(s.payload.size() + 2);
   pieces.emplace_back(std::move(s.head));
@@ -259,8 +258,21 @@ std::shared_ptr<const peer::CopyBytes> InPieces(ShardSnapshot snap) {
 
 }  // namespace
 
-std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap) {
-  auto bytes = InPieces(snap);  // shares the buffers
+std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap,
+                                                                std::optional<peer::LiveCopy> base) {
+  std::optional<ShardSnapshot> before;
+  if (base) {
+    MutexLock lock(&mu_);
+    if (auto it = own_.find(*base); it != own_.end()) before = it->second;  // shares the buffers
+  }
+  auto keep = std::make_shared<const ShardSnapshot>(snap);  // shares the buffers
+  SerializedSnapshot s = SerializeSnapshotInPieces(*keep);
+  std::shared_ptr<const peer::CopyBytes> bytes;
+  if (before) {
+    std::string delta = SerializeSnapshotDelta(*before, s, base->lineage, base->step);
+    if (!delta.empty()) bytes = std::make_shared<const peer::CopyBytes>(std::move(delta));
+  }
+  if (!bytes) bytes = InPieces(std::move(keep), std::move(s));
   server_.metrics().OnReplicaSent(bytes->size());
   MutexLock lock(&mu_);
   own_[copy] = std::move(snap);  // (async: the same count again, no push between: the newer state)
@@ -284,7 +296,8 @@ std::shared_ptr<const peer::CopyBytes> ServerShardHost::SerializedCopy(int owner
     if (it == own_.end()) return nullptr;
     snap = it->second;  // shares the buffers
   }
-  auto bytes = InPieces(std::move(snap));
+  auto keep = std::make_shared<const ShardSnapshot>(std::move(snap));
+  auto bytes = InPieces(keep, SerializeSnapshotInPieces(*keep));
   server_.metrics().OnReplicaSent(bytes->size());
   return bytes;
 }
@@ -292,6 +305,24 @@ std::shared_ptr<const peer::CopyBytes> ServerShardHost::SerializedCopy(int owner
 Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) {
   server_.metrics().OnReplicaReceived(bytes->size());
   if (owner != server_.config().shard_index) {
+    uint64_t base_lineage = 0;
+    int64_t base_step = 0;
+    if (IsSnapshotDelta(*bytes, &base_lineage, &base_step)) {
+      // The difference from a copy kept here: the whole copy is rebuilt from it (and checked
+      // against the checksum of its owner's state).
+      std::shared_ptr<const std::string> base;
+      {
+        MutexLock lock(&mu_);
+        if (auto it = held_.find(peer::LiveCopy{base_lineage, base_step}); it != held_.end()) base = it->second;
+      }
+      if (!base) {
+        return FailedPrecondition("the copy is a difference from step " + std::to_string(base_step) +
+                                  ", which this shard does not keep");
+      }
+      auto whole = std::make_shared<std::string>();
+      PSD_RETURN_IF_ERROR(ApplySnapshotDelta(*base, *bytes, whole.get()));
+      bytes = std::move(whole);
+    }
     // The predecessor's: kept as it came (parsed only if it is ever restored, by its owner).
     int64_t step = -1;
     PSD_RETURN_IF_ERROR(VerifySerializedSnapshot(*bytes, &step));
@@ -340,18 +371,18 @@ void ServerShardHost::RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& cop
       });
 }
 
-void ServerShardHost::KeepCopyNowAsync(uint64_t epoch, CopyDone done) {
+void ServerShardHost::KeepCopyNowAsync(uint64_t epoch, std::optional<peer::LiveCopy> base, CopyDone done) {
   {
     MutexLock lock(&mu_);
     if (!joined_) {
-      copy_ = std::thread([this, previous = std::move(copy_), epoch, done = std::move(done)]() mutable {
+      copy_ = std::thread([this, previous = std::move(copy_), epoch, base, done = std::move(done)]() mutable {
         if (previous.joinable()) previous.join();
         auto engine = server_.engine();
         std::optional<ShardSnapshot> snap;
         if (engine->epoch() == epoch) snap = engine->SnapshotIfAtBoundary();  // async/ssp: always one
         if (!snap) return done(std::nullopt, nullptr);
         const peer::LiveCopy copy{epoch, snap->step};
-        auto bytes = KeepOwn(copy, std::move(*snap));
+        auto bytes = KeepOwn(copy, std::move(*snap), base);
         done(copy, std::move(bytes));
       });
       return;

@@ -64,13 +64,14 @@ class ServerShardHost : public ShardHost {
   uint64_t LoadTerm() override;
   void SaveTerm(uint64_t term) override;
   void LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<peer::LiveCopy>* held) override;
-  std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) override;
+  std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy,
+                                                  std::optional<peer::LiveCopy> base) override;
   std::shared_ptr<const peer::CopyBytes> SerializedCopy(int owner, const peer::LiveCopy& copy) override;
   Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) override;
   void DropCopies(std::optional<peer::LiveCopy> newest) override;
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override;
   // On a thread of its own per copy (each joins the one before it first).
-  void KeepCopyNowAsync(uint64_t epoch, CopyDone done) override;
+  void KeepCopyNowAsync(uint64_t epoch, std::optional<peer::LiveCopy> base, CopyDone done) override;
   // A stand-in is a second Server in this process (its own io_context, engine and links), run by
   // a thread of its own that starts it, waits for its end and stops it.
   void StartStandIn(int shard, std::vector<std::string> links) override;
@@ -83,8 +84,10 @@ class ServerShardHost : public ShardHost {
   void EndJobIfDone() override;
 
  private:
-  // Keeps `snap` as this shard's own copy `copy` (the newest two are kept) and returns it serialized.
-  std::shared_ptr<const peer::CopyBytes> KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap) EXCLUDES(mu_);
+  // Keeps `snap` as this shard's own copy `copy` (the newest two are kept) and returns it serialized
+  // (as the difference from own copy `base` when that is kept and the difference is smaller).
+  std::shared_ptr<const peer::CopyBytes> KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap,
+                                                 std::optional<peer::LiveCopy> base) EXCLUDES(mu_);
 
   Server& server_;
   Mutex mu_;

@@ -67,10 +67,15 @@ kill_victim() {
 }
 
 # The end of run 2 of each test: the workers finish, no formation fell back to a checkpoint, and
-# every worker's parameters equal run 1's ($want; none to compare with when it is empty).
+# every worker's parameters equal run 1's ($want; none to compare with when it is empty), and no
+# copy a shard was sent was unusable for what it holds (a difference from the copy before that does
+# not rebuild its owner's state, or does not fit it; a base lost with a restart is another matter).
 check_run2() {
   wait_workers b
   if cat "$run"/s*.log | grep -q "from checkpoint step\|no live copy"; then fail "run 2: a formation fell back"; fi
+  if grep -h "is unusable: .*\(malformed\|layout\|does not match\|checksum\)" "$run"/s*.log; then
+    fail "run 2: a shard could not use a copy it was sent"
+  fi
   for w in 0 1 2; do
     [ -n "$want" ] || break
     got=$(hash_of b $w)

@@ -44,7 +44,10 @@ class RecordingHost : public ShardHost {
     own->clear();
     held->clear();
   }
-  std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t, const peer::LiveCopy&) override { return nullptr; }
+  std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t, const peer::LiveCopy&,
+                                                  std::optional<peer::LiveCopy>) override {
+    return nullptr;
+  }
   std::shared_ptr<const peer::CopyBytes> SerializedCopy(int, const peer::LiveCopy&) override { return nullptr; }
   Status TakeCopy(int, const peer::LiveCopy&, std::shared_ptr<const std::string>) override { return Status::Ok(); }
   void DropCopies(std::optional<peer::LiveCopy>) override {}

@@ -173,6 +173,8 @@ class Sim {
     });
   }
   void CountReseal() { ++result_.reseals; }
+  void CountDelta() { ++result_.deltas; }
+  void CountDeltaRefused() { ++result_.deltas_refused; }
   void Note(std::string line) {
     if (o_.trace) result_.trace.push_back(fmt::format("{:>7} ms  {}", now_, line));
   }
@@ -395,13 +397,14 @@ class FakeHost : public ShardHost {
     sim_.OnPublished(proc_, epoch, e.step, e.value);
   }
   // Async: a copy of the engine as it is now, a moment later.
-  void KeepCopyNowAsync(uint64_t epoch, CopyDone done) override {
-    sim_.Later(proc_, sim_.now() + sim_.Uniform(0, 5), [this, epoch, done = std::move(done)](Shard& s) {
+  void KeepCopyNowAsync(uint64_t epoch, std::optional<peer::LiveCopy> base, CopyDone done) override {
+    sim_.Later(proc_, sim_.now() + sim_.Uniform(0, 5), [this, epoch, base, done = std::move(done)](Shard& s) mutable {
       if (s.engine.epoch != epoch) return done(std::nullopt, nullptr);
       const peer::LiveCopy copy{epoch, s.engine.step};
+      if (base && s.own_copies.count(*base) == 0) base.reset();
       s.own_copies[copy] = s.engine.value;
       Trim(&s.own_copies);
-      done(copy, Serialize(s.engine.value));
+      done(copy, Serialize(s.engine.value, base));
     });
   }
 
@@ -490,10 +493,18 @@ class FakeHost : public ShardHost {
   // In pieces, as the daemon's host gives its copies: the value, then two halves of 0-3000 bytes of
   // filler (a half of 1 KiB or more goes partly from its own memory: the chunks are 1 KiB). One
   // draw, as before the pieces: the regression seeds keep their schedules.
-  std::shared_ptr<const peer::CopyBytes> Serialize(uint64_t value) {
+  // With `base`: a difference from that copy (as the daemon's host sends when it is smaller), which
+  // the receiver takes only if it keeps `base` — it carries the whole value all the same.
+  std::shared_ptr<const peer::CopyBytes> Serialize(uint64_t value, std::optional<peer::LiveCopy> base = std::nullopt) {
     const auto filler = static_cast<size_t>(sim_.Uniform(0, 3000));
     std::vector<peer::Blob> pieces;
     pieces.emplace_back(std::string(reinterpret_cast<const char*>(&value), sizeof(value)));
+    if (base) {
+      std::string delta(kDelta);
+      delta.append(reinterpret_cast<const char*>(&base->lineage), sizeof(base->lineage));
+      delta.append(reinterpret_cast<const char*>(&base->step), sizeof(base->step));
+      pieces.emplace_back(std::move(delta));
+    }
     pieces.emplace_back(std::string(filler / 2, 'x'));
     pieces.emplace_back(std::string(filler - filler / 2, 'y'));
     return std::make_shared<const peer::CopyBytes>(std::move(pieces));
@@ -506,16 +517,19 @@ class FakeHost : public ShardHost {
       sim_.Note(fmt::format("{} {} copies:{}", sim_.Name(proc_), copies == &sh().own_copies ? "own" : "held", list));
     }
   }
-  std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy) override {
+  static constexpr std::string_view kDelta = "DELTA";
+  std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy,
+                                                  std::optional<peer::LiveCopy> base) override {
     const Engine& e = sh().engine;
     if (e.epoch != epoch) return nullptr;
     if (e.step != copy.step) {
       sim_.Fail(fmt::format("{} asked to keep a copy of step {} at step {}", sim_.Name(proc_), copy.step, e.step));
       return nullptr;
     }
+    if (base && sh().own_copies.count(*base) == 0) base.reset();
     sh().own_copies[copy] = e.value;
     Trim(&sh().own_copies);
-    return Serialize(e.value);
+    return Serialize(e.value, base);
   }
   std::shared_ptr<const peer::CopyBytes> SerializedCopy(int owner, const peer::LiveCopy& copy) override {
     auto& copies = owner == me_ ? sh().own_copies : sh().held_copies;
@@ -526,6 +540,18 @@ class FakeHost : public ShardHost {
     if (bytes->size() < sizeof(uint64_t)) return InvalidArgument("a copy too short");
     uint64_t value = 0;
     std::memcpy(&value, bytes->data(), sizeof(value));
+    if (std::string_view(*bytes).substr(sizeof(value), kDelta.size()) == kDelta) {
+      if (owner == me_) return InvalidArgument("a difference sent back for a restore");
+      peer::LiveCopy base;
+      if (bytes->size() < sizeof(value) + kDelta.size() + 16) return InvalidArgument("a difference too short");
+      std::memcpy(&base.lineage, bytes->data() + sizeof(value) + kDelta.size(), 8);
+      std::memcpy(&base.step, bytes->data() + sizeof(value) + kDelta.size() + 8, 8);
+      if (sh().held_copies.count(base) == 0) {
+        sim_.CountDeltaRefused();
+        return FailedPrecondition("a difference from a copy not kept here");
+      }
+      sim_.CountDelta();
+    }
     sim_.OnCopyKept(proc_, owner, copy, value);
     auto& copies = owner == me_ ? sh().own_copies : sh().held_copies;
     copies[copy] = value;

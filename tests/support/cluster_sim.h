@@ -94,6 +94,8 @@ struct SimResult {
   int64_t live_formations = 0;  // formations from live copies (replicate)
   int64_t rollbacks = 0;        // formations before the newest step released to workers
   int64_t copies_checked = 0;   // copies compared with what their owner published (replicate)
+  int64_t deltas = 0;           // copies taken as a difference from one kept (replicate)
+  int64_t deltas_refused = 0;   // differences from a copy the receiver did not keep (sent again whole)
   int64_t stand_ins = 0;        // stand-ins started (takeover)
   int64_t stand_in_serves = 0;  // formations that served with a part on a stand-in (takeover)
   int64_t end_ms = 0;           // simulated time when the last shard exited
