@@ -730,7 +730,7 @@ bool IsSnapshotDelta(const std::string& bytes, uint64_t* base_id_a, int64_t* bas
   return true;
 }
 
-Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out) {
+Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out, int64_t* step) {
   auto bad = [](const std::string& why) { return InvalidArgument("a copy's delta is malformed: " + why); };
   if (delta.size() < 8 * 8 + 8 || std::memcmp(delta.data(), kDeltaMagic, 8) != 0) return bad("too short");
   const uint64_t body = delta.size() - 8;
@@ -766,8 +766,7 @@ Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std
   }
   if (r.left != 0) return bad("trailing bytes");
   PutU64(&rebuilt, full_sum);
-  int64_t step = 0;
-  Status s = VerifySerializedSnapshot(rebuilt, &step);
+  Status s = VerifySerializedSnapshot(rebuilt, step);
   if (!s.ok()) return InvalidArgument("a copy rebuilt from its delta does not match its owner's: " + s.message());
   *out = std::move(rebuilt);
   return Status::Ok();

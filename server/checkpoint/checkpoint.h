@@ -115,8 +115,9 @@ std::string SerializeSnapshotDelta(const ShardSnapshot& base, const SerializedSn
 // Whether `bytes` is such a delta; if so, the base it names.
 bool IsSnapshotDelta(const std::string& bytes, uint64_t* base_id_a, int64_t* base_id_b);
 // The whole serialized copy: `base` (a serialized copy) with `delta` applied, verified against the
-// checksum the delta carries. INVALID_ARGUMENT: a malformed delta, or one of another base.
-Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out);
+// checksum the delta carries (as VerifySerializedSnapshot does: `step` is the step it holds).
+// INVALID_ARGUMENT: a malformed delta, or one of another base.
+Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out, int64_t* step);
 Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out);
 // Checks the layout and checksum only (one pass, no copy) and reads the step it holds.
 Status VerifySerializedSnapshot(const std::string& bytes, int64_t* step);

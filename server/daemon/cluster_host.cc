@@ -306,7 +306,7 @@ Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::sha
   server_.metrics().OnReplicaReceived(bytes->size());
   if (owner != server_.config().shard_index) {
     uint64_t base_lineage = 0;
-    int64_t base_step = 0;
+    int64_t base_step = 0, step = -1;
     if (IsSnapshotDelta(*bytes, &base_lineage, &base_step)) {
       // The difference from a copy kept here: the whole copy is rebuilt from it (and checked
       // against the checksum of its owner's state).
@@ -320,12 +320,12 @@ Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::sha
                                   ", which this shard does not keep");
       }
       auto whole = std::make_shared<std::string>();
-      PSD_RETURN_IF_ERROR(ApplySnapshotDelta(*base, *bytes, whole.get()));
+      PSD_RETURN_IF_ERROR(ApplySnapshotDelta(*base, *bytes, whole.get(), &step));  // verified there
       bytes = std::move(whole);
+    } else {
+      PSD_RETURN_IF_ERROR(VerifySerializedSnapshot(*bytes, &step));
     }
     // The predecessor's: kept as it came (parsed only if it is ever restored, by its owner).
-    int64_t step = -1;
-    PSD_RETURN_IF_ERROR(VerifySerializedSnapshot(*bytes, &step));
     if (step != copy.step) {
       return InvalidArgument("the copy holds step " + std::to_string(step) + ", not " + std::to_string(copy.step));
     }

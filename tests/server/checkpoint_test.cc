@@ -496,7 +496,9 @@ TEST_CASE("a copy sent as the difference from the one before rebuilds it bit for
   CHECK(step == 10);
   CHECK_FALSE(IsSnapshotDelta(whole, &lineage, &step));
   std::string rebuilt;
-  REQUIRE(ApplySnapshotDelta(base_bytes, delta, &rebuilt).ok());
+  int64_t rebuilt_step = -1;
+  REQUIRE(ApplySnapshotDelta(base_bytes, delta, &rebuilt, &rebuilt_step).ok());
+  CHECK(rebuilt_step == 11);
   CHECK(rebuilt == whole);
 
   // On another base of the same layout the rebuilt copy does not match its owner's checksum.
@@ -505,16 +507,17 @@ TEST_CASE("a copy sent as the difference from the one before rebuilds it bit for
   moved->as<float>()[2000] = -1;  // a row the delta does not carry
   other.variables[0].value = moved;
   std::string out;
-  CHECK_THAT(ApplySnapshotDelta(SerializeSnapshot(other), delta, &out).message(),
+  CHECK_THAT(ApplySnapshotDelta(SerializeSnapshot(other), delta, &out, &step).message(),
              Catch::Contains("does not match its owner's"));
   CHECK(out.empty());
   // A changed or missing byte of the delta is refused before anything is rebuilt.
   for (size_t at : {size_t{30}, delta.size() / 2, delta.size() - 1}) {
     std::string bad = delta;
     bad[at] = static_cast<char>(bad[at] ^ 0x5a);
-    CHECK(ApplySnapshotDelta(base_bytes, bad, &out).code() == Code::kInvalidArgument);
+    CHECK(ApplySnapshotDelta(base_bytes, bad, &out, &step).code() == Code::kInvalidArgument);
   }
-  CHECK(ApplySnapshotDelta(base_bytes, delta.substr(0, delta.size() - 9), &out).code() == Code::kInvalidArgument);
+  CHECK(ApplySnapshotDelta(base_bytes, delta.substr(0, delta.size() - 9), &out, &step).code() ==
+        Code::kInvalidArgument);
   CHECK(out.empty());
 
   // A part with no tensors (a shard that holds no variable yet): the difference is its records.
@@ -525,7 +528,7 @@ TEST_CASE("a copy sent as the difference from the one before rebuilds it bit for
   empty_next.step = 4;
   const std::string empty_delta = SerializeSnapshotDelta(empty, SerializeSnapshotInPieces(empty_next), 7, 3);
   REQUIRE_FALSE(empty_delta.empty());
-  REQUIRE(ApplySnapshotDelta(SerializeSnapshot(empty), empty_delta, &out).ok());
+  REQUIRE(ApplySnapshotDelta(SerializeSnapshot(empty), empty_delta, &out, &step).ok());
   CHECK(out == SerializeSnapshot(empty_next));
 
   // No delta when it does not pay or cannot be applied: more than half of the bytes changed, or
