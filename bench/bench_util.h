@@ -57,7 +57,7 @@ struct Options {
   int steps = 20;
   bool fused = false;
   bool pull_in_push = false;
-  int io_threads = 2;
+  int io_threads = 0;  // 0: one per core, as psd's --threads
   double learning_rate = 0.01;
   int64_t token_timeout_ms = 30000;
   double timeout_s = 300;

@@ -17,9 +17,11 @@
 #   --workers "2 4 8 16"      worker counts of the sweep (default: 2 4 8 16; "": no sweep)
 #   --sizes "4K 4M 64M 256M"  model sizes (K/M/G: powers of 1024; default: 4K 4M 64M 256M)
 #   --psd PATH                the daemon (default: build/server/psd, beside psd_bench's build)
+#   --floor-src PATH          the floor's C source (default: ../shared/tools/raw_tcp_ps.c beside
+#                             the repo root; pass it where that is absent, e.g. on another machine)
 #   --steps-scale F           multiply every cell's measured steps by F (default 1)
 #   --psd-flags "..."         extra flags for every psd (e.g. "--deterministic"; "--threads N"
-#                             replaces the default of 2 I/O threads)
+#                             replaces psd's default of one I/O thread per core)
 #   --bench-flags "..."       extra flags for every psd_bench (e.g. "--push-frame-bytes 0")
 #                             busy-poll: --psd-flags "--busy-poll" --bench-flags "--busy-poll-us 200"
 #   --rss "1 4 16 64"         then the daemon's peak RSS alone, at --rss-model, for these workers
@@ -42,18 +44,20 @@ rss_model="64M"
 sparse_list=""
 bench=""
 psd=""
+floor_src="$repo_root/../shared/tools/raw_tcp_ps.c"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --workers) workers_list="$2"; shift 2 ;;
     --sizes) sizes_list="$2"; shift 2 ;;
     --psd) psd="$2"; shift 2 ;;
+    --floor-src) floor_src="$2"; shift 2 ;;
     --steps-scale) steps_scale="$2"; shift 2 ;;
     --psd-flags) psd_flags="$2"; shift 2 ;;
     --bench-flags) bench_flags="$2"; shift 2 ;;
     --rss) rss_list="$2"; shift 2 ;;
     --rss-model) rss_model="$2"; shift 2 ;;
     --sparse) sparse_list="$2"; shift 2 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     -*) echo "compare_floor: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) bench="$1"; shift ;;
   esac
@@ -105,11 +109,9 @@ start_psd() {
   # carries the whole model (one variable), so the frame limit holds it either way.
   (( bytes + (1 << 20) > frame )) && frame=$(( bytes + (64 << 20) ))
   rm -f "$tmp/port"
-  # Two I/O threads unless --psd-flags names its own --threads.
-  local threads="--threads 2"
-  [[ " $psd_flags" == *" --threads"* ]] && threads=""
+  # psd's own default threads (one per core) unless --psd-flags names --threads.
   # shellcheck disable=SC2086
-  timeout 900 "$psd" --host 127.0.0.1 --port 0 --port-file "$tmp/port" -R "$workers" $threads \
+  timeout 900 "$psd" --host 127.0.0.1 --port 0 --port-file "$tmp/port" -R "$workers" \
     --max-frame-bytes "$frame" --log-level warn $psd_flags >"$tmp/psd.log" 2>&1 &
   psd_pid=$!
   for _ in $(seq 100); do [[ -s "$tmp/port" ]] && break; sleep 0.05; done
@@ -186,7 +188,6 @@ ratio_cell() { echo "${ratio[$1]} (${psd_tab[$1]}/${floor_tab[$1]})"; }
 rss_cell() { echo "${rss_tab[$1]:-n/a}/$(( (2 * $2 >> 20) + 64 ))"; }
 anon_cell() { echo "${anon_tab[$1]:-n/a}"; }
 
-floor_src="$repo_root/../shared/tools/raw_tcp_ps.c"
 status=0
 declare -A ratio floor_tab psd_tab rss_tab anon_tab
 sizes_b=()

@@ -75,6 +75,7 @@
 #include "daemon/server.h"
 #include "psclient/client.h"
 #include "psd/allocator.h"
+#include "psd/cores.h"
 #include "psd/listen_socket.h"
 #include "workloads.h"
 
@@ -438,7 +439,9 @@ int Run(int argc, char** argv) {
                "dense, with --fused: the next step's values come back with the token (one round trip per step)")
       ->needs(fused_flag)
       ->excludes(sparse);
-  app.add_option("--threads", opt.io_threads, "in-process psd: I/O threads")->excludes(connect)->capture_default_str();
+  app.add_option("--threads", opt.io_threads, "in-process psd: I/O threads (0: one per core, as psd's --threads)")
+      ->excludes(connect)
+      ->capture_default_str();
   app.add_option("--learning-rate,--lr", opt.learning_rate, "in-process psd: the optimizer's learning rate")
       ->excludes(connect)
       ->capture_default_str();
@@ -668,7 +671,7 @@ int Run(int argc, char** argv) {
     }
     ep = {"127.0.0.1", servers[0]->port(), config.cluster};
     report.daemon = "in-process";
-    report.io_threads = opt.io_threads;
+    report.io_threads = psd::ThreadsOrCores(opt.io_threads);
   } else {
     auto parsed = ParseEndpoint(opt.connect);
     if (!parsed.ok()) {

@@ -55,7 +55,10 @@ int main(int argc, char** argv) {
                      "serve on this inherited listening TCP socket instead of binding (launchers: psrun, tests); it "
                      "must be bound to --host/--port, or this shard's --cluster entry. systemd socket activation "
                      "(LISTEN_PID/LISTEN_FDS, one ListenStream=) passes it without this flag");
-  app.add_option("--threads", cfg.io_threads, "I/O threads serving connections")->capture_default_str();
+  app.add_option("--threads", cfg.io_threads,
+                 "I/O threads serving connections (0: one per core this process may use: its CPU affinity and cgroup "
+                 "quota)")
+      ->capture_default_str();
   app.add_flag("--busy-poll", cfg.busy_poll,
                "latency-critical jobs: I/O threads poll their sockets instead of sleeping (each of --threads keeps a "
                "core busy all the time; pair with ClientOptions::busy_poll_us)");
@@ -117,8 +120,9 @@ int main(int argc, char** argv) {
   app.add_option("--l1", opt.l1, "ftrl: L1 regularization strength")->capture_default_str();
   app.add_option("--l2", opt.l2, "ftrl: L2 regularization strength")->capture_default_str();
   app.add_option("--lr-power", opt.lr_power, "ftrl: learning-rate power (<= 0)")->capture_default_str();
-  app.add_option("--apply-threads", cfg.apply_threads,
-                 "threads that split the optimizer update of variables over 1M elements")
+  app.add_option(
+         "--apply-threads", cfg.apply_threads,
+         "threads that split the optimizer update of variables over 1M elements (0: one per core, as --threads)")
       ->capture_default_str();
   app.add_option("--ema-decay", cfg.ema_decay,
                  "keep exponential moving averages of variables created with average=true (0: off)")

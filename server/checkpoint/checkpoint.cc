@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "base/mutex.h"
+#include "psd/cores.h"
 #include "psd/half.h"
 
 namespace psd::server {
@@ -165,7 +166,7 @@ Result<uint64_t> TransferBody(int fd, bool write, const std::vector<Segment>& se
   };
   // Writes copy into the page cache (CPU-bound: one thread per core); reads also wait on the disk,
   // so they keep kMaxIoThreads requests in flight whatever the core count.
-  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  const auto hw = static_cast<unsigned>(UsableCores());
   const unsigned threads =
       static_cast<unsigned>(std::min<uint64_t>({kMaxIoThreads, write ? hw : kMaxIoThreads, blocks}));
   std::vector<std::thread> helpers;

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "psd/cluster_list.h"
+#include "psd/cores.h"
 
 namespace psd::server {
 
@@ -267,14 +268,16 @@ Status ServerConfig::Validate() {
   }
   resolved_init_tokens = *tokens;
   tokens_per_step = std::max(total_replicas, replicas_to_aggregate);
-  PSD_RETURN_IF_ERROR(InRange("--threads", io_threads, 1, 256));
+  PSD_RETURN_IF_ERROR(InRange("--threads", io_threads, 0, 256, " (0: one per core)"));
+  io_threads = std::min(ThreadsOrCores(io_threads), 256);
   PSD_RETURN_IF_ERROR(SizeInRange("--max-frame-bytes", max_frame_bytes, 4ull << 10, 16ull << 30));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-model-bytes", max_model_bytes, 4ull << 10, 1ull << 50));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-inflight-bytes", max_inflight_bytes, 64ull << 10, 1ull << 50));
   PSD_RETURN_IF_ERROR(SizeInRange("--shm-max-bytes", shm_max_bytes, 64ull << 10, 1ull << 44));
   PSD_RETURN_IF_ERROR(InRange("--frame-timeout-ms", frame_timeout_ms, int64_t{1}, int64_t{86400000}));
   PSD_RETURN_IF_ERROR(optimizer.Validate());
-  PSD_RETURN_IF_ERROR(InRange("--apply-threads", apply_threads, 1, 256));
+  PSD_RETURN_IF_ERROR(InRange("--apply-threads", apply_threads, 0, 256, " (0: one per core)"));
+  apply_threads = std::min(ThreadsOrCores(apply_threads), 256);
   PSD_RETURN_IF_ERROR(AtLeast("--staleness", staleness_bound, 0));
   PSD_RETURN_IF_ERROR(InRange("--soft-sync-fraction", soft_sync_fraction, 0.0, 1.0, " (0: off)"));
   PSD_RETURN_IF_ERROR(AtLeast("--step-deadline-ms", step_deadline_ms, 0, " (0: off)"));

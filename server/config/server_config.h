@@ -27,7 +27,7 @@ struct ServerConfig : TrainingConfig {
   // or by Start() when it fails).
   int listen_fd = -1;
   std::string listen_fd_source = "the passed listening socket";  // names it in errors: "--listen-fd 3"
-  int io_threads = 2;
+  int io_threads = 0;  // 0: one per usable core (psd::UsableCores); resolved by Validate
   // --busy-poll: I/O threads poll their sockets without sleeping (each keeps a core busy).
   bool busy_poll = false;
   // Same-host workers may attach a shared-memory segment (README "Same-host shared memory"), of at

@@ -42,7 +42,7 @@ struct TrainingConfig {
 
   // Optimizer (job-wide; variables may name another one with the same hyper-parameters).
   OptimizerParams optimizer;
-  int apply_threads = 2;  // threads that split the apply of big variables
+  int apply_threads = 0;  // threads that split the apply of big variables (0: one per usable core)
 
   // Consistency.
   Mode mode = Mode::kSync;

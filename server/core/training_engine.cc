@@ -2,6 +2,7 @@
 #include "core/training_engine.h"
 
 #include "core/training_engine_internal.h"
+#include "psd/cores.h"
 
 namespace psd::server {
 
@@ -90,7 +91,7 @@ Status ValidateName(std::string_view name) {
 TrainingEngine::TrainingEngine(const TrainingConfig& config, std::unique_ptr<Optimizer> optimizer)
     : config_(config),
       optimizer_(std::move(optimizer)),
-      pool_(std::max(0, config.apply_threads - 1)),
+      pool_(ThreadsOrCores(config.apply_threads) - 1),
       required_(config.InitialRequiredReplicas()),
       next_lr_(config.optimizer.learning_rate),
       step_lr_(config.optimizer.learning_rate) {}

@@ -347,6 +347,11 @@ Status Server::Start() {
   PSD_RETURN_IF_ERROR(ops_->Start());
   if (!config_.checkpoint_dir.empty()) ckpt_writer_.Start();
   work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
+  for (int i = 0; i < config_.io_threads; ++i) {
+    // Hint 1: each is run by one thread (others only post to it).
+    conn_ios_.push_back(std::make_unique<asio::io_context>(1));
+    conn_work_.push_back(asio::make_work_guard(*conn_ios_.back()));
+  }
   if (coordinator_ && config_.stand_in) {
     std::string address = SocketAddress{config_.advertise_host, port_}.ToString();
     coordinator_->SetAddress(address);
@@ -367,31 +372,36 @@ Status Server::Start() {
   last_summary_time_ = std::chrono::steady_clock::now();
   ScheduleSummary();
   ScheduleCheckpointTimer();
-  for (int i = 0; i < config_.io_threads; ++i) {
-    threads_.emplace_back([this] {
-      for (;;) {
-        try {
-          if (!config_.busy_poll) {
-            io_.run();
-            return;
-          }
-          // --busy-poll: ready handlers run at once, never after a sleep in epoll_wait. poll()
-          // returns 0 with the context stopped once it runs out of work, like run().
-          while (!io_.stopped()) {
-            if (io_.poll() == 0) std::this_thread::yield();
-          }
+  // The control plane's thread, then one per connections' io_context (--busy-poll polls those).
+  auto serve = [](asio::io_context& io, bool busy_poll) {
+    for (;;) {
+      try {
+        if (!busy_poll) {
+          io.run();
           return;
-        } catch (const std::exception& e) {
-          // A handler threw (e.g. out of memory building a reply): log and keep serving.
-          spdlog::error("unexpected exception in an I/O handler: {}", e.what());
         }
+        // --busy-poll: ready handlers run at once, never after a sleep in epoll_wait. poll()
+        // returns 0 with the context stopped once it runs out of work, like run().
+        while (!io.stopped()) {
+          if (io.poll() == 0) std::this_thread::yield();
+        }
+        return;
+      } catch (const std::exception& e) {
+        // A handler threw (e.g. out of memory building a reply): log and keep serving.
+        spdlog::error("unexpected exception in an I/O handler: {}", e.what());
       }
-    });
+    }
+  };
+  threads_.emplace_back([this, serve] { serve(io_, false); });
+  for (auto& io : conn_ios_) {
+    threads_.emplace_back([this, serve, ctx = io.get()] { serve(*ctx, config_.busy_poll); });
   }
-  spdlog::info("psd listening on {}:{} (mode={} R={} total={} tokens/step={} init tokens={} optimizer={} lr={} {})",
-               config_.host, port_, ModeName(config_.mode), config_.replicas_to_aggregate, config_.total_replicas,
-               config_.tokens_per_step, config_.resolved_init_tokens, config_.optimizer.name,
-               config_.optimizer.learning_rate, ReductionName(config_.reduction));
+  spdlog::info(
+      "psd listening on {}:{} (mode={} R={} total={} tokens/step={} init tokens={} optimizer={} lr={} {}; {} I/O "
+      "threads, {} apply threads)",
+      config_.host, port_, ModeName(config_.mode), config_.replicas_to_aggregate, config_.total_replicas,
+      config_.tokens_per_step, config_.resolved_init_tokens, config_.optimizer.name, config_.optimizer.learning_rate,
+      ReductionName(config_.reduction), config_.io_threads, config_.apply_threads);
   if (coordinator_) {
     // The chief restores and pushes the init tokens once the cluster has formed.
     WatchReadiness();
@@ -488,7 +498,9 @@ void Server::WatchReadiness() {
 }
 
 void Server::Accept() {
-  acceptor_.async_accept(asio::make_strand(io_), [this](boost::system::error_code ec, tcp::socket socket) {
+  // The next connections' io_context in turn (see server.h "Threading model").
+  asio::io_context& conn_io = *conn_ios_[next_conn_io_++ % conn_ios_.size()];
+  acceptor_.async_accept(asio::make_strand(conn_io), [this](boost::system::error_code ec, tcp::socket socket) {
     if (ec) {
       if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
       if (ec == asio::error::no_descriptors || ec == boost::system::errc::too_many_files_open_in_system ||
@@ -679,6 +691,7 @@ void Server::Stop() {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   io_.stop();
+  for (auto& io : conn_ios_) io->stop();
   for (auto& t : threads_) {
     if (t.joinable()) t.join();
   }

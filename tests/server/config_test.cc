@@ -1,3 +1,4 @@
+#include <sched.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -8,6 +9,7 @@
 
 #include "config/server_config.h"
 #include "psd/cluster_list.h"
+#include "psd/cores.h"
 
 using namespace psd;
 using psd::server::ServerConfig;
@@ -26,6 +28,37 @@ TEST_CASE("total replicas defaults to R plus backups, tokens per step is max(N, 
   d.total_replicas = 2;
   REQUIRE(d.Validate().ok());
   CHECK(d.tokens_per_step == 4);
+}
+
+TEST_CASE("the I/O and apply thread counts default to one per core this process may use", "[config]") {
+  ServerConfig c;
+  REQUIRE(c.Validate().ok());
+  CHECK(c.io_threads == psd::UsableCores());
+  CHECK(c.apply_threads == psd::UsableCores());
+  ServerConfig given;
+  given.io_threads = 3;
+  given.apply_threads = 5;
+  REQUIRE(given.Validate().ok());
+  CHECK(given.io_threads == 3);
+  CHECK(given.apply_threads == 5);
+
+  // The affinity mask counts, not the machine: pinned to one CPU, one thread each.
+  cpu_set_t saved;
+  REQUIRE(sched_getaffinity(0, sizeof(saved), &saved) == 0);
+  int first = 0;
+  while (!CPU_ISSET(first, &saved)) ++first;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  REQUIRE(sched_setaffinity(0, sizeof(one), &one) == 0);
+  int pinned = psd::UsableCores();
+  ServerConfig p;
+  Status s = p.Validate();
+  REQUIRE(sched_setaffinity(0, sizeof(saved), &saved) == 0);
+  REQUIRE(s.ok());
+  CHECK(pinned == 1);
+  CHECK(p.io_threads == 1);
+  CHECK(p.apply_threads == 1);
 }
 
 TEST_CASE("contradictory or impossible flags are rejected with what to change", "[config]") {
@@ -107,9 +140,10 @@ TEST_CASE("every numeric flag is range-checked with the flag and its range in th
   CHECK_THAT(with([](ServerConfig& c) { c.total_replicas = 0; }), Catch::Contains("-N/--total-replicas must be >= 1"));
   CHECK_THAT(with([](ServerConfig& c) { c.summary_interval_s = -5; }),
              Catch::Contains("--summary-interval-s must be in [0, 1000000000] (0: none), got -5"));
-  CHECK_THAT(with([](ServerConfig& c) { c.io_threads = 0; }), Catch::Contains("--threads must be in [1, 256], got 0"));
-  CHECK_THAT(with([](ServerConfig& c) { c.apply_threads = 0; }),
-             Catch::Contains("--apply-threads must be in [1, 256]"));
+  CHECK_THAT(with([](ServerConfig& c) { c.io_threads = -1; }),
+             Catch::Contains("--threads must be in [0, 256] (0: one per core), got -1"));
+  CHECK_THAT(with([](ServerConfig& c) { c.apply_threads = 257; }),
+             Catch::Contains("--apply-threads must be in [0, 256] (0: one per core), got 257"));
   CHECK_THAT(with([](ServerConfig& c) { c.heartbeat_ms = 0; }), Catch::Contains("--heartbeat-ms must be in [1,"));
   CHECK_THAT(with([](ServerConfig& c) { c.election_timeout_ms = 100; }),
              Catch::Contains("--election-timeout-ms must be > --heartbeat-ms (100), got 100"));
