@@ -2,6 +2,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <cstring>
+
 namespace psd::server {
 
 Connection::Connection(tcp::socket socket, const ConnectionEnv& env, uint64_t id)
@@ -80,29 +83,69 @@ void Connection::CloseNow() {
 
 // --- reading ----------------------------------------------------------------------------------
 
+size_t Connection::TakeAhead(void* dst, size_t n) {
+  size_t take = std::min(n, Ahead());
+  if (take > 0) std::memcpy(dst, ahead_.get() + ahead_begin_, take);
+  ahead_begin_ += take;
+  if (ahead_begin_ == ahead_end_) ahead_begin_ = ahead_end_ = 0;
+  return take;
+}
+
+template <typename F>
+void Connection::FillAhead(size_t need, F then) {
+  if (Ahead() >= need) return then();
+  if (!ahead_) ahead_.reset(new uint8_t[kReadAheadBytes]);
+  if (ahead_begin_ > 0) {  // what is held moves to the front: the read gets the rest of the buffer
+    std::memmove(ahead_.get(), ahead_.get() + ahead_begin_, Ahead());
+    ahead_end_ -= ahead_begin_;
+    ahead_begin_ = 0;
+  }
+  asio::async_read(stream_, asio::buffer(ahead_.get() + ahead_end_, kReadAheadBytes - ahead_end_),
+                   asio::transfer_at_least(need - Ahead()),
+                   asio::bind_executor(strand_, [self = shared_from_this(), then = std::move(then)](
+                                                    boost::system::error_code ec, size_t n) mutable {
+                     if (ec) return self->CloseNow();
+                     self->ahead_end_ += n;
+                     then();
+                   }));
+}
+
+template <typename F>
+void Connection::ReadExact(void* dst, size_t n, F then) {
+  const size_t got = TakeAhead(dst, n);
+  if (got == n) return then();
+  auto* rest = static_cast<uint8_t*>(dst) + got;
+  const size_t left = n - got;
+  if (left < kReadAheadBytes / 2) {
+    return FillAhead(left, [this, rest, left, then = std::move(then)]() mutable {
+      TakeAhead(rest, left);
+      then();
+    });
+  }
+  asio::async_read(stream_, asio::buffer(rest, left),
+                   asio::bind_executor(strand_, [self = shared_from_this(), then = std::move(then)](
+                                                    boost::system::error_code ec, size_t) mutable {
+                     if (ec) return self->CloseNow();
+                     then();
+                   }));
+}
+
 void Connection::ReadHeader() {
   if (closed_ || closing_) return;
-  asio::async_read(stream_, asio::buffer(first_, sizeof(first_)),
-                   asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
-                     if (ec) return self->CloseNow();
-                     uint32_t count = 0;
-                     size_t rest = 0;
-                     Status s = wire::ParseFirstWord(self->first_, &count, &rest);
-                     if (!s.ok()) return self->FailStream(s);
-                     self->ReadTable(count, rest);
-                   }));
+  ReadExact(first_, sizeof(first_), [this] {
+    uint32_t count = 0;
+    size_t rest = 0;
+    Status s = wire::ParseFirstWord(first_, &count, &rest);
+    if (!s.ok()) return FailStream(s);
+    ReadTable(count, rest);
+  });
 }
 
 void Connection::ReadTable(uint32_t segment_count, size_t rest) {
   table_.assign(1 + rest / 4, 0);
   table_[0] = first_[1];
   if (rest == 0) return ReadBody(segment_count);
-  asio::async_read(
-      stream_, asio::buffer(table_.data() + 1, rest),
-      asio::bind_executor(strand_, [self = shared_from_this(), segment_count](boost::system::error_code ec, size_t) {
-        if (ec) return self->CloseNow();
-        self->ReadBody(segment_count);
-      }));
+  ReadExact(table_.data() + 1, rest, [this, segment_count] { ReadBody(segment_count); });
 }
 
 void Connection::ReadBody(uint32_t segment_count) {
@@ -142,28 +185,36 @@ void Connection::ReadBody(uint32_t segment_count) {
 
 void Connection::ReadGrantedBody() {
   capnp::word* body = in_.Prepare(body_sizes_, body_words_);
-  uint64_t gen = ++body_gen_;
-  reading_body_ = true;
-  frame_timer_.expires_after(std::chrono::milliseconds(env_.frame_timeout_ms));
-  frame_timer_.async_wait([self = shared_from_this(), gen](boost::system::error_code ec) {
-    if (ec || self->closed_ || !self->reading_body_ || gen != self->body_gen_) return;
-    spdlog::warn("connection {}: a frame of {} bytes did not arrive within --frame-timeout-ms {}; closing it",
-                 self->id_, self->body_words_ * sizeof(capnp::word), self->env_.frame_timeout_ms);
-    if (self->env_.on_frame_timeout) self->env_.on_frame_timeout();
-    self->CloseNow();
-  });
-  asio::async_read(stream_, asio::buffer(body, body_words_ * sizeof(capnp::word)),
-                   asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
-                     self->reading_body_ = false;
-                     self->frame_timer_.cancel();
-                     if (ec) return self->CloseNow();
-                     if (self->env_.on_bytes_in) self->env_.on_bytes_in(n + self->table_.size() * 4 + 4);
-                     self->last_frame_ = std::chrono::steady_clock::now();
-                     if (self->handler_) self->handler_->OnFrame(self->in_);
-                     self->in_.MaybeRelease(16u << 20);
-                     self->KeepOrReleaseBuffer();
-                     self->ReadHeader();
-                   }));
+  const size_t bytes = body_words_ * sizeof(capnp::word);
+  if (Ahead() < bytes) {  // some of it is still to come: --frame-timeout-ms bounds the wait
+    uint64_t gen = ++body_gen_;
+    reading_body_ = true;
+    frame_timer_.expires_after(std::chrono::milliseconds(env_.frame_timeout_ms));
+    frame_timer_.async_wait([self = shared_from_this(), gen](boost::system::error_code ec) {
+      if (ec || self->closed_ || !self->reading_body_ || gen != self->body_gen_) return;
+      spdlog::warn("connection {}: a frame of {} bytes did not arrive within --frame-timeout-ms {}; closing it",
+                   self->id_, self->body_words_ * sizeof(capnp::word), self->env_.frame_timeout_ms);
+      if (self->env_.on_frame_timeout) self->env_.on_frame_timeout();
+      self->CloseNow();
+    });
+  }
+  ReadExact(body, bytes, [this] { OnBody(); });
+}
+
+void Connection::OnBody() {
+  if (reading_body_) {
+    reading_body_ = false;
+    frame_timer_.cancel();
+  }
+  if (env_.on_bytes_in) env_.on_bytes_in(body_words_ * sizeof(capnp::word) + table_.size() * 4 + 4);
+  last_frame_ = std::chrono::steady_clock::now();
+  if (handler_) handler_->OnFrame(in_);
+  in_.MaybeRelease(16u << 20);
+  KeepOrReleaseBuffer();
+  // The next frame may be held already: read it from a fresh handler, so that a run of small frames
+  // read at once does not nest one call per frame.
+  if (Ahead() > 0) return asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+  ReadHeader();
 }
 
 void Connection::KeepOrReleaseBuffer() {

@@ -120,6 +120,17 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void ReadBody(uint32_t segment_count);
   // Reads the body of body_sizes_ once the budget holds it.
   void ReadGrantedBody();
+  void OnBody();  // the body is in: hand the frame over, then read the next header
+  // Read-ahead (see ahead_). Bytes held, and n of them taken into dst (returns how many).
+  size_t Ahead() const { return ahead_end_ - ahead_begin_; }
+  size_t TakeAhead(void* dst, size_t n);
+  // Runs `then` once the read-ahead holds at least `need` (< kReadAheadBytes) bytes; closes on error.
+  template <typename F>
+  void FillAhead(size_t need, F then);
+  // Reads n bytes into dst, then runs `then`: what the read-ahead holds first, then a small rest
+  // through the read-ahead (one read that may bring the next frame's start too), a big one in place.
+  template <typename F>
+  void ReadExact(void* dst, size_t n, F then);
   // Gives the body buffer's memory and its budget share back.
   void ReleaseBuffer();
   void KeepOrReleaseBuffer();  // after a frame: keep the buffer for the next one, offered back to the budget
@@ -136,6 +147,14 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::strand<asio::io_context::executor_type> strand_;
   const uint64_t id_;
   std::shared_ptr<FrameHandler> handler_;  // reset when closed (it may hold this connection)
+
+  // What one read brought beyond what was asked for: the next header, a small frame's table and
+  // body. A small frame then costs one read (and one completion) instead of three; a body beyond
+  // what is held is read in place. Allocated at the first read; per connection, never more.
+  static constexpr size_t kReadAheadBytes = 16 << 10;
+  std::unique_ptr<uint8_t[]> ahead_;
+  size_t ahead_begin_ = 0;
+  size_t ahead_end_ = 0;
 
   uint32_t first_[2] = {0, 0};
   std::vector<uint32_t> table_;

@@ -411,6 +411,53 @@ TEST_CASE("the hello announces --max-frame-bytes, the client refuses bigger requ
   CHECK(one.ok());
 }
 
+TEST_CASE("frames sent back to back, a byte at a time or bigger than the read-ahead are each read whole",
+          "[robustness][framing]") {
+  // psd reads ahead (16 KiB a connection): a read may end inside the next frame's header, table or
+  // body, and a body bigger than what is held is read in place after what was.
+  auto cfg = TestConfig(1, 3, 0);
+  auto server = StartWithVariable(cfg);
+  RawPeer p(server->port());
+  p.Hello();
+  auto bytes_of = [](uint64_t id, const std::string& name) {
+    wire::OutFrame f;
+    auto r = f.builder.initRoot<proto::Request>();
+    r.setId(id);
+    r.initPull().initNames(1).set(0, name);
+    std::string out;
+    for (const auto& b : f.Buffers()) out.append(static_cast<const char*>(b.data()), b.size());
+    return out;
+  };
+  const std::string big_name(40000, 'x');  // a 40 KB frame: past the read-ahead on both ends
+  std::string run;
+  for (uint64_t id = 100; id < 140; ++id) run += bytes_of(id, id % 10 == 5 ? big_name : "w");
+  p.SendBytes(run);  // 40 frames, 4 of them big, in one write
+  Code code;
+  std::string msg;
+  for (uint64_t want = 100; want < 140; ++want) {
+    uint64_t id = 0;
+    REQUIRE(p.Read(&code, &msg, &id));
+    CHECK(id == want);
+    if (want % 10 == 5) {
+      CHECK(code != Code::kOk);  // no such variable (or a name too long): answered, not lost
+    } else {
+      CHECK(code == Code::kOk);
+    }
+  }
+  // One frame a byte at a time (each byte its own segment on the wire, TCP_NODELAY).
+  p.socket.set_option(tcp::no_delay(true));
+  std::string one = bytes_of(200, "w");
+  for (char c : one) {
+    p.SendBytes(std::string(1, c));
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  uint64_t id = 0;
+  REQUIRE(p.Read(&code, &msg, &id));
+  CHECK(id == 200);
+  CHECK(code == Code::kOk);
+  ExpectHealthy(server->port());
+}
+
 TEST_CASE("before its hello a connection may send only a small hello, and must send it soon", "[robustness][dos]") {
   auto cfg = TestConfig(1, 3, 0);  // N=3: "owner", "raw" and "healthy"
   cfg.hello_timeout_ms = 300;      // the default is 5000
