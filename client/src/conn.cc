@@ -73,6 +73,7 @@ Status Conn::ConnectOnce(std::chrono::steady_clock::time_point deadline) {
     // come back at another address.
     tls_.reset();
     socket_ = psd::tcp::socket(io_);
+    ahead_.Clear();
     Status c = internal::ConnectBefore(socket_, host_, port_, deadline);
     if (c.ok()) break;
     auto now = std::chrono::steady_clock::now();
@@ -202,7 +203,7 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
   }
   Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit, landing)
                   : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit, landing,
-                                         options_.busy_poll_us);
+                                         options_.busy_poll_us, &ahead_);
   if (!s.ok()) {
     // The stream is out of step (or gone): the next call reconnects.
     Drop();
@@ -230,6 +231,7 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
 }
 
 Status Conn::WaitReadable() {
+  if (ahead_.held() > 0) return Status::Ok();  // the reply (or its start) was read with the last one
   if (tls_ && SSL_pending(tls_->native_handle()) > 0) return Status::Ok();
   const int fd = tls_ ? tls_->next_layer().native_handle() : socket_.native_handle();
   // ClientOptions::busy_poll_us: ReadFrame spins before it sleeps, so a reply that is about to
@@ -255,6 +257,7 @@ Status Conn::WaitReadable() {
 void Conn::Drop() {
   boost::system::error_code ec;
   (tls_ ? tls_->next_layer() : socket_).close(ec);
+  ahead_.Clear();  // bytes of the old connection
   // A request cut off may still be read by the daemon from the old segment: the next connection
   // gets a new one, and the old pages live until the daemon lets them go. The shared buffers are
   // the caller's and stay: the daemon is told to touch them no more before this returns.

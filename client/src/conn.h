@@ -200,6 +200,7 @@ class Conn {
   std::shared_ptr<psd::wire::ssl::context> tls_context_;
   std::unique_ptr<psd::wire::ssl::stream<psd::tcp::socket>> tls_;  // set once TLS is up (then socket_ is unused)
   InFrame in_;
+  psd::wire::ReadAhead ahead_;  // plain TCP: what the last read brought beyond its frame
   std::unique_ptr<capnp::MessageReader> reader_;
   uint64_t next_id_ = 0;
   int64_t limit_ms_ = 0;

@@ -131,13 +131,23 @@ Status WaitReady(tcp::socket& socket, short events, Deadline deadline) {
 
 // `busy_poll_us` > 0: when nothing is there yet, keep trying for up to that long before sleeping
 // in poll() (lower latency for small replies, a core kept busy meanwhile).
-Status ReadExactly(tcp::socket& socket, void* data, size_t n, Deadline deadline, int64_t busy_poll_us = 0) {
+// With `ahead`: what it holds first, then small rests through it (one read may bring the rest of
+// the frame and the next one's start), big ones in place.
+Status ReadExactly(tcp::socket& socket, void* data, size_t n, Deadline deadline, int64_t busy_poll_us,
+                   ReadAhead* ahead) {
   auto* p = static_cast<uint8_t*>(data);
+  if (ahead != nullptr) {
+    size_t got = ahead->Take(p, n);
+    p += got;
+    n -= got;
+  }
   std::chrono::steady_clock::time_point spin_until{};
   bool spinning = false;
   while (n > 0) {
     boost::system::error_code ec;
-    size_t k = socket.read_some(asio::buffer(p, n), ec);
+    const bool via_ahead = ahead != nullptr && n < ReadAhead::kBytes / 2;
+    size_t k = via_ahead ? socket.read_some(asio::buffer(ahead->Room(), ahead->RoomBytes()), ec)
+                         : socket.read_some(asio::buffer(p, n), ec);
     if (ec == asio::error::would_block || ec == asio::error::try_again) {
       if (busy_poll_us > 0) {
         auto now = std::chrono::steady_clock::now();
@@ -152,6 +162,10 @@ Status ReadExactly(tcp::socket& socket, void* data, size_t n, Deadline deadline,
     }
     if (ec) return Unavailable("connection lost: " + ec.message());
     spinning = false;
+    if (via_ahead) {
+      ahead->Filled(k);
+      k = ahead->Take(p, n);
+    }
     p += k;
     n -= k;
   }
@@ -211,10 +225,23 @@ Status ReadFrameWith(const std::function<Status(void*, size_t)>& read_exactly, I
   return read_exactly(body, total * sizeof(capnp::word));
 }
 
+size_t ReadAhead::Take(void* dst, size_t n) {
+  size_t take = std::min(n, held());
+  if (take > 0) std::memcpy(dst, buf_.get() + begin_, take);
+  begin_ += take;
+  if (begin_ == end_) begin_ = end_ = 0;
+  return take;
+}
+
+uint8_t* ReadAhead::Room() {
+  if (!buf_) buf_.reset(new uint8_t[kBytes]);
+  return buf_.get() + end_;
+}
+
 Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline,
-                 const std::string& limit_name, const Landing* landing, int64_t busy_poll_us) {
+                 const std::string& limit_name, const Landing* landing, int64_t busy_poll_us, ReadAhead* ahead) {
   MakeNonBlocking(socket);
-  return ReadFrameWith([&](void* p, size_t n) { return ReadExactly(socket, p, n, deadline, busy_poll_us); }, in,
+  return ReadFrameWith([&](void* p, size_t n) { return ReadExactly(socket, p, n, deadline, busy_poll_us, ahead); }, in,
                        max_frame_bytes, limit_name, landing);
 }
 

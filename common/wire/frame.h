@@ -109,14 +109,38 @@ struct OutFrame {
 // non-blocking mode and wait with poll(), so no single read or write can outlive the deadline.
 using Deadline = std::chrono::steady_clock::time_point;
 constexpr Deadline kNoDeadline = Deadline::max();
+
+// A socket's read-ahead for ReadFrame: what a read brought beyond the bytes asked for (the rest of
+// a small frame, the start of the next one), so a small frame costs one read instead of three
+// (header, segment table, body). A body bigger than half of it is read in place. Belongs to one
+// connection: Clear() it when the connection is dropped.
+class ReadAhead {
+ public:
+  static constexpr size_t kBytes = 64 << 10;
+  size_t held() const { return end_ - begin_; }
+  void Clear() { begin_ = end_ = 0; }
+  // Copies up to n held bytes to dst; returns how many.
+  size_t Take(void* dst, size_t n);
+  // Where a read may put bytes (RoomBytes() of them), and how many it did.
+  uint8_t* Room();
+  size_t RoomBytes() const { return kBytes - end_; }
+  void Filled(size_t n) { end_ += n; }
+
+ private:
+  std::unique_ptr<uint8_t[]> buf_;
+  size_t begin_ = 0;
+  size_t end_ = 0;
+};
+
 Status WriteFrame(tcp::socket& socket, OutFrame& frame, Deadline deadline = kNoDeadline);
 // Reads one frame into `in`; max_frame_bytes (named `limit_name` in errors) bounds the allocation.
 // With `landing`, a frame of two segments whose second is exactly landing->bytes long has that
 // segment read into landing->dst. `busy_poll_us` > 0: a read that finds nothing keeps trying for
-// that long before it sleeps in poll().
+// that long before it sleeps in poll(). With `ahead`, reads go through that read-ahead (the same
+// one for every frame of the connection).
 Status ReadFrame(tcp::socket& socket, InFrame& in, uint64_t max_frame_bytes, Deadline deadline = kNoDeadline,
                  const std::string& limit_name = "psd's --max-frame-bytes", const Landing* landing = nullptr,
-                 int64_t busy_poll_us = 0);
+                 int64_t busy_poll_us = 0, ReadAhead* ahead = nullptr);
 
 // Reads one frame with `read_exactly` (n bytes or an error): the framing shared by the socket and
 // the TLS versions.

@@ -2,6 +2,7 @@
 
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <thread>
 
 using namespace psd;
 
@@ -128,4 +129,54 @@ TEST_CASE("a one-tensor reply's data segment lands straight in the destination, 
   CHECK(t->data != static_cast<const void*>(view.data()));
   CHECK(std::memcmp(t->data, values, 16384) == 0);
   CHECK(view[0] == 0);
+}
+
+TEST_CASE("frames read through a read-ahead: back to back, landed, bigger than it, each whole", "[frame]") {
+  // One reply of `floats` float32 values (step = id) as bytes on the wire.
+  auto reply = [](uint64_t id, size_t floats, std::vector<float>* values) {
+    values->resize(floats);
+    for (size_t i = 0; i < floats; ++i) (*values)[i] = static_cast<float>(id * 1000 + i);
+    wire::OutFrame out;
+    auto resp = out.builder.initRoot<proto::Response>();
+    resp.setId(id);
+    auto pull = resp.initPull();
+    pull.setStep(static_cast<int64_t>(id));
+    wire::SetTensor(out.builder, pull.initValues(1)[0], DType::kFloat32, {static_cast<int64_t>(floats)}, values->data(),
+                    floats * 4);
+    std::string bytes;
+    for (auto& b : out.Buffers()) bytes.append(static_cast<const char*>(b.data()), b.size());
+    return bytes;
+  };
+  // Small, landed (16 KiB), bigger than half the read-ahead (256 KiB, read in place), small.
+  const std::vector<size_t> sizes = {3, 4096, 65536, 5};
+  std::vector<std::vector<float>> values(sizes.size());
+  std::string wire_bytes;
+  for (size_t i = 0; i < sizes.size(); ++i) wire_bytes += reply(i + 1, sizes[i], &values[i]);
+
+  asio::io_context io;
+  tcp::acceptor acceptor(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  tcp::socket writer(io);
+  writer.connect(acceptor.local_endpoint());
+  tcp::socket reader = acceptor.accept();
+  // All four in one write, from a thread (the reader drains what the socket buffers cannot hold).
+  std::thread write_all([&] { asio::write(writer, asio::buffer(wire_bytes)); });
+
+  wire::ReadAhead ahead;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  std::vector<uint64_t> landing_view(2048, 0);  // 16 KiB: the second reply's destination
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    wire::InFrame in;
+    wire::Landing landing{landing_view.data(), 16384};
+    REQUIRE(wire::ReadFrame(reader, in, 1 << 20, deadline, "limit", i == 1 ? &landing : nullptr, 0, &ahead).ok());
+    auto root = in.Reader();
+    auto r = root->getRoot<proto::Response>();
+    CHECK(r.getId() == i + 1);
+    auto t = wire::ReadTensor(r.getPull().getValues()[0], 1 << 20);
+    REQUIRE(t.ok());
+    REQUIRE(t->bytes == sizes[i] * 4);
+    CHECK(std::memcmp(t->data, values[i].data(), sizes[i] * 4) == 0);
+    if (i == 1) CHECK(t->data == static_cast<const void*>(landing_view.data()));
+  }
+  write_all.join();
+  CHECK(ahead.held() == 0);  // nothing past the last frame was read
 }
