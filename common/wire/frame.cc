@@ -145,7 +145,7 @@ Status ReadExactly(tcp::socket& socket, void* data, size_t n, Deadline deadline,
   bool spinning = false;
   while (n > 0) {
     boost::system::error_code ec;
-    const bool via_ahead = ahead != nullptr && n < ReadAhead::kBytes / 2;
+    const bool via_ahead = ahead != nullptr && ahead->Small(n);
     size_t k = via_ahead ? socket.read_some(asio::buffer(ahead->Room(), ahead->RoomBytes()), ec)
                          : socket.read_some(asio::buffer(p, n), ec);
     if (ec == asio::error::would_block || ec == asio::error::try_again) {
@@ -234,7 +234,7 @@ size_t ReadAhead::Take(void* dst, size_t n) {
 }
 
 uint8_t* ReadAhead::Room() {
-  if (!buf_) buf_.reset(new uint8_t[kBytes]);
+  if (!buf_) buf_.reset(new uint8_t[bytes_]);
   return buf_.get() + end_;
 }
 

@@ -110,23 +110,27 @@ struct OutFrame {
 using Deadline = std::chrono::steady_clock::time_point;
 constexpr Deadline kNoDeadline = Deadline::max();
 
-// A socket's read-ahead for ReadFrame: what a read brought beyond the bytes asked for (the rest of
-// a small frame, the start of the next one), so a small frame costs one read instead of three
-// (header, segment table, body). A body bigger than half of it is read in place. Belongs to one
-// connection: Clear() it when the connection is dropped.
+// A connection's read-ahead (the client's ReadFrame, the daemon's net::Connection): what a read
+// brought beyond the bytes asked for (the rest of a small frame, the start of the next one), so a
+// small frame costs one read instead of three (header, segment table, body). A rest bigger than
+// half of it is read in place. Belongs to one connection: Clear() it when that is dropped.
 class ReadAhead {
  public:
-  static constexpr size_t kBytes = 64 << 10;
+  explicit ReadAhead(size_t bytes = 64 << 10) : bytes_(bytes) {}
+  size_t capacity() const { return bytes_; }
   size_t held() const { return end_ - begin_; }
   void Clear() { begin_ = end_ = 0; }
   // Copies up to n held bytes to dst; returns how many.
   size_t Take(void* dst, size_t n);
-  // Where a read may put bytes (RoomBytes() of them), and how many it did.
+  // Whether n bytes still to read are few enough to go through the read-ahead.
+  bool Small(size_t n) const { return n < bytes_ / 2; }
+  // Where a read may put bytes (RoomBytes() of them; allocated at the first call), and how many it did.
   uint8_t* Room();
-  size_t RoomBytes() const { return kBytes - end_; }
+  size_t RoomBytes() const { return bytes_ - end_; }
   void Filled(size_t n) { end_ += n; }
 
  private:
+  const size_t bytes_;
   std::unique_ptr<uint8_t[]> buf_;
   size_t begin_ = 0;
   size_t end_ = 0;

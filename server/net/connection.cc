@@ -2,9 +2,6 @@
 
 #include <spdlog/spdlog.h>
 
-#include <algorithm>
-#include <cstring>
-
 namespace psd::server {
 
 Connection::Connection(tcp::socket socket, const ConnectionEnv& env, uint64_t id)
@@ -83,42 +80,26 @@ void Connection::CloseNow() {
 
 // --- reading ----------------------------------------------------------------------------------
 
-size_t Connection::TakeAhead(void* dst, size_t n) {
-  size_t take = std::min(n, Ahead());
-  if (take > 0) std::memcpy(dst, ahead_.get() + ahead_begin_, take);
-  ahead_begin_ += take;
-  if (ahead_begin_ == ahead_end_) ahead_begin_ = ahead_end_ = 0;
-  return take;
-}
-
 template <typename F>
 void Connection::FillAhead(size_t need, F then) {
-  if (Ahead() >= need) return then();
-  if (!ahead_) ahead_.reset(new uint8_t[kReadAheadBytes]);
-  if (ahead_begin_ > 0) {  // what is held moves to the front: the read gets the rest of the buffer
-    std::memmove(ahead_.get(), ahead_.get() + ahead_begin_, Ahead());
-    ahead_end_ -= ahead_begin_;
-    ahead_begin_ = 0;
-  }
-  asio::async_read(stream_, asio::buffer(ahead_.get() + ahead_end_, kReadAheadBytes - ahead_end_),
-                   asio::transfer_at_least(need - Ahead()),
+  asio::async_read(stream_, asio::buffer(ahead_.Room(), ahead_.RoomBytes()), asio::transfer_at_least(need),
                    asio::bind_executor(strand_, [self = shared_from_this(), then = std::move(then)](
                                                     boost::system::error_code ec, size_t n) mutable {
                      if (ec) return self->CloseNow();
-                     self->ahead_end_ += n;
+                     self->ahead_.Filled(n);
                      then();
                    }));
 }
 
 template <typename F>
 void Connection::ReadExact(void* dst, size_t n, F then) {
-  const size_t got = TakeAhead(dst, n);
+  const size_t got = ahead_.Take(dst, n);  // then ahead_ is empty, or n bytes were held
   if (got == n) return then();
   auto* rest = static_cast<uint8_t*>(dst) + got;
   const size_t left = n - got;
-  if (left < kReadAheadBytes / 2) {
+  if (ahead_.Small(left)) {
     return FillAhead(left, [this, rest, left, then = std::move(then)]() mutable {
-      TakeAhead(rest, left);
+      ahead_.Take(rest, left);
       then();
     });
   }
@@ -186,7 +167,7 @@ void Connection::ReadBody(uint32_t segment_count) {
 void Connection::ReadGrantedBody() {
   capnp::word* body = in_.Prepare(body_sizes_, body_words_);
   const size_t bytes = body_words_ * sizeof(capnp::word);
-  if (Ahead() < bytes) {  // some of it is still to come: --frame-timeout-ms bounds the wait
+  if (ahead_.held() < bytes) {  // some of it is still to come: --frame-timeout-ms bounds the wait
     uint64_t gen = ++body_gen_;
     reading_body_ = true;
     frame_timer_.expires_after(std::chrono::milliseconds(env_.frame_timeout_ms));
@@ -213,7 +194,7 @@ void Connection::OnBody() {
   KeepOrReleaseBuffer();
   // The next frame may be held already: read it from a fresh handler, so that a run of small frames
   // read at once does not nest one call per frame.
-  if (Ahead() > 0) return asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+  if (ahead_.held() > 0) return asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
   ReadHeader();
 }
 

@@ -121,10 +121,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Reads the body of body_sizes_ once the budget holds it.
   void ReadGrantedBody();
   void OnBody();  // the body is in: hand the frame over, then read the next header
-  // Read-ahead (see ahead_). Bytes held, and n of them taken into dst (returns how many).
-  size_t Ahead() const { return ahead_end_ - ahead_begin_; }
-  size_t TakeAhead(void* dst, size_t n);
-  // Runs `then` once the read-ahead holds at least `need` (< kReadAheadBytes) bytes; closes on error.
+  // Runs `then` once ahead_, empty, holds at least `need` (ahead_.Small) bytes; closes on error.
   template <typename F>
   void FillAhead(size_t need, F then);
   // Reads n bytes into dst, then runs `then`: what the read-ahead holds first, then a small rest
@@ -150,11 +147,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   // What one read brought beyond what was asked for: the next header, a small frame's table and
   // body. A small frame then costs one read (and one completion) instead of three; a body beyond
-  // what is held is read in place. Allocated at the first read; per connection, never more.
-  static constexpr size_t kReadAheadBytes = 16 << 10;
-  std::unique_ptr<uint8_t[]> ahead_;
-  size_t ahead_begin_ = 0;
-  size_t ahead_end_ = 0;
+  // what is held is read in place. 16 KiB, allocated at the first read; per connection, never more.
+  wire::ReadAhead ahead_{16 << 10};
 
   uint32_t first_[2] = {0, 0};
   std::vector<uint32_t> table_;
