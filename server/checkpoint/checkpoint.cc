@@ -754,7 +754,8 @@ Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std
                            " bytes; the base's: " + std::to_string(base.size() - 24 - base_records) + ")");
   }
   const uint64_t base_head = 16 + base_records;
-  std::string rebuilt;
+  std::string rebuilt = std::move(*out);  // its storage: a copy of the same size needs no new pages
+  rebuilt.clear();
   rebuilt.reserve(full);
   rebuilt.append(head_bytes, head);
   rebuilt.append(base, base_head, payload);

@@ -116,7 +116,8 @@ std::string SerializeSnapshotDelta(const ShardSnapshot& base, const SerializedSn
 bool IsSnapshotDelta(const std::string& bytes, uint64_t* base_id_a, int64_t* base_id_b);
 // The whole serialized copy: `base` (a serialized copy) with `delta` applied, verified against the
 // checksum the delta carries (as VerifySerializedSnapshot does: `step` is the step it holds).
-// INVALID_ARGUMENT: a malformed delta, or one of another base.
+// INVALID_ARGUMENT: a malformed delta, or one of another base. The copy is built in *out's storage
+// (what it held is discarded; on an error *out is left empty).
 Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out, int64_t* step);
 Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out);
 // Checks the layout and checksum only (one pass, no copy) and reads the step it holds.

@@ -227,7 +227,12 @@ void ServerShardHost::LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<p
   MutexLock lock(&mu_);
   Keys(own_, own);
   Keys(held_, held);
-  server_.metrics().SetReplicaKept(Bytes(own_), Bytes(held_));  // once a heartbeat
+  uint64_t spare = 0;
+  {
+    MutexLock spare_lock(&spare_->mu);
+    if (spare_->bytes) spare = spare_->bytes->capacity();
+  }
+  server_.metrics().SetReplicaKept(Bytes(own_), Bytes(held_) + spare);  // once a heartbeat
 }
 
 std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepCopy(uint64_t epoch, const peer::LiveCopy& copy,
@@ -302,6 +307,22 @@ std::shared_ptr<const peer::CopyBytes> ServerShardHost::SerializedCopy(int owner
   return bytes;
 }
 
+std::shared_ptr<std::string> ServerShardHost::RebuiltCopyStorage() {
+  std::unique_ptr<std::string> storage;
+  {
+    MutexLock lock(&spare_->mu);
+    storage = std::move(spare_->bytes);
+  }
+  if (!storage) storage = std::make_unique<std::string>();
+  return std::shared_ptr<std::string>(storage.release(), [spare = std::weak_ptr<SpareCopy>(spare_)](std::string* p) {
+    std::unique_ptr<std::string> owned(p);
+    if (auto s = spare.lock()) {
+      MutexLock lock(&s->mu);
+      s->bytes = std::move(owned);  // the newest let go: the likeliest size of the next
+    }
+  });
+}
+
 Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) {
   server_.metrics().OnReplicaReceived(bytes->size());
   if (owner != server_.config().shard_index) {
@@ -319,7 +340,7 @@ Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::sha
         return FailedPrecondition("the copy is a difference from step " + std::to_string(base_step) +
                                   ", which this shard does not keep");
       }
-      auto whole = std::make_shared<std::string>();
+      std::shared_ptr<std::string> whole = RebuiltCopyStorage();
       PSD_RETURN_IF_ERROR(ApplySnapshotDelta(*base, *bytes, whole.get(), &step));  // verified there
       bytes = std::move(whole);
     } else {
