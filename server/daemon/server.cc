@@ -196,6 +196,11 @@ int Server::connection_count() const {
   return static_cast<int>(conns_.size());
 }
 
+std::vector<int> Server::ConnectionsPerIoThread() const {
+  MutexLock lock(&conns_mu_);
+  return conn_io_load_;
+}
+
 Status Server::Serving() const {
   if (coordinator_) return coordinator_->Serving();
   MutexLock lock(&ready_mu_);
@@ -352,6 +357,10 @@ Status Server::Start() {
     conn_ios_.push_back(std::make_unique<asio::io_context>(1));
     conn_work_.push_back(asio::make_work_guard(*conn_ios_.back()));
   }
+  {
+    MutexLock lock(&conns_mu_);
+    conn_io_load_.assign(conn_ios_.size(), 0);
+  }
   if (coordinator_ && config_.stand_in) {
     std::string address = SocketAddress{config_.advertise_host, port_}.ToString();
     coordinator_->SetAddress(address);
@@ -498,9 +507,9 @@ void Server::WatchReadiness() {
 }
 
 void Server::Accept() {
-  // The next connections' io_context in turn (see server.h "Threading model").
-  asio::io_context& conn_io = *conn_ios_[next_conn_io_++ % conn_ios_.size()];
-  acceptor_.async_accept(asio::make_strand(conn_io), [this](boost::system::error_code ec, tcp::socket socket) {
+  // Accepted on the control plane, then moved to the connections' io_context that has the fewest
+  // live connections when it arrives (see server.h "Threading model").
+  acceptor_.async_accept([this](boost::system::error_code ec, tcp::socket socket) {
     if (ec) {
       if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
       if (ec == asio::error::no_descriptors || ec == boost::system::errc::too_many_files_open_in_system ||
@@ -524,12 +533,33 @@ void Server::Accept() {
       accept_backoff_ms_ = 0;
     }
     uint64_t id = next_conn_id_.fetch_add(1);
-    auto conn = std::make_shared<Connection>(std::move(socket), conn_env_, id);
     bool refuse = false;
+    size_t io = 0;
     {
       MutexLock lock(&conns_mu_);
       refuse = static_cast<int>(conns_.size()) >= config_.max_connections;
-      if (!refuse) conns_[id] = conn;
+      if (!refuse) {
+        io = static_cast<size_t>(std::min_element(conn_io_load_.begin(), conn_io_load_.end()) - conn_io_load_.begin());
+        ++conn_io_load_[io];
+        conn_io_of_[id] = io;
+      }
+    }
+    std::shared_ptr<Connection> conn;
+    if (!refuse) {
+      boost::system::error_code move_ec;
+      const auto protocol = socket.local_endpoint(move_ec).protocol();
+      tcp::socket moved(asio::make_strand(*conn_ios_[io]));
+      if (!move_ec) moved.assign(protocol, socket.release(move_ec), move_ec);
+      if (move_ec) {
+        spdlog::warn("accepted connection lost before it was served: {}", move_ec.message());
+        MutexLock lock(&conns_mu_);
+        --conn_io_load_[io];
+        conn_io_of_.erase(id);
+        return Accept();
+      }
+      conn = std::make_shared<Connection>(std::move(moved), conn_env_, id);
+      MutexLock lock(&conns_mu_);
+      conns_[id] = conn;
     }
     if (refuse) {
       metrics_.OnConnectionRefused();
@@ -634,6 +664,10 @@ void Server::OnConnectionClosed(uint64_t conn) {
   }
   MutexLock lock(&conns_mu_);
   conns_.erase(conn);
+  if (auto it = conn_io_of_.find(conn); it != conn_io_of_.end()) {
+    --conn_io_load_[it->second];
+    conn_io_of_.erase(it);
+  }
 }
 
 bool Server::Wait() {

@@ -5,7 +5,7 @@
 // ServiceHost.
 //
 // Threading model: each of `config.io_threads` threads runs an io_context of its own, and an
-// accepted connection is handed to the next of them in turn: its reads, writes and handlers stay
+// accepted connection is handed to the one with the fewest live connections: its reads, writes and handlers stay
 // on one thread, so a frame never hops between threads on its way in or out (with one shared
 // io_context every completion went through a queue all threads contend on, and small frames paid
 // for it: a 4 KiB step took 3-9x the socket floor on 16 cores). One more thread runs io_, the
@@ -91,6 +91,8 @@ class Server : public ServiceHost {
   // serves a socket of its own builds its Connection with it.
   const ConnectionEnv& connection_env() const { return conn_env_; }
   int connection_count() const;
+  // Live connections per I/O thread (each thread's io_context), in thread order.
+  std::vector<int> ConnectionsPerIoThread() const EXCLUDES(conns_mu_);
   double uptime_s() const override;
   double start_unix_s() const { return start_unix_s_; }
   // The whole placement map with bytes per shard (a single daemon, or the chief of a serving
@@ -192,7 +194,6 @@ class Server : public ServiceHost {
   // while idle by their guards; declared before everything holding their sockets or timers.
   std::vector<std::unique_ptr<asio::io_context>> conn_ios_;
   std::vector<asio::executor_work_guard<asio::io_context::executor_type>> conn_work_;
-  size_t next_conn_io_ = 0;  // the accept handler's only
   tcp::acceptor acceptor_;
   std::unique_ptr<ShmListener> shm_;  // with --shared-memory (the default)
   // Accept loop state (touched only by the single outstanding accept's handler and its timer).
@@ -216,6 +217,10 @@ class Server : public ServiceHost {
 
   mutable Mutex conns_mu_;
   std::map<uint64_t, std::weak_ptr<Connection>> conns_ GUARDED_BY(conns_mu_);
+  // Which I/O thread each live connection is on, and how many each has: an accepted connection
+  // goes to the one with the fewest (so tools that come and go leave the workers spread).
+  std::map<uint64_t, size_t> conn_io_of_ GUARDED_BY(conns_mu_);
+  std::vector<int> conn_io_load_ GUARDED_BY(conns_mu_);
   Mutex stop_mu_;
   CondVar stop_cv_;
   bool stop_requested_ GUARDED_BY(stop_mu_) = false;

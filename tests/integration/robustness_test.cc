@@ -688,3 +688,33 @@ TEST_CASE("an unauthenticated flood never touches the frame budget, a worker tra
   REQUIRE((*w)->Pull("v", {value.data(), DType::kFloat32, {int64_t(value.size())}, MemoryKind::kHost}).ok());
   CHECK(value[0] < 0);  // 20 steps of sgd on a positive gradient
 }
+
+TEST_CASE("an accepted connection goes to the I/O thread with the fewest live connections", "[robustness][threads]") {
+  auto cfg = TestConfig(1, 8, 0);
+  cfg.io_threads = 2;
+  cfg.hello_timeout_ms = 60000;  // the raw peers below never say hello
+  auto server = StartServer(cfg);
+  // Connections are counted when accepted and uncounted when psd sees them close: wait (bounded).
+  auto reaches = [&](std::vector<int> want) {
+    for (int i = 0; i < 2000; ++i) {
+      if (server->ConnectionsPerIoThread() == want) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    INFO("per thread now: " << server->ConnectionsPerIoThread()[0] << ", " << server->ConnectionsPerIoThread()[1]);
+    return false;
+  };
+  auto a = std::make_unique<RawPeer>(server->port());
+  REQUIRE(reaches({1, 0}));
+  auto b = std::make_unique<RawPeer>(server->port());
+  REQUIRE(reaches({1, 1}));
+  auto c = std::make_unique<RawPeer>(server->port());
+  REQUIRE(reaches({2, 1}));
+  a.reset();
+  c.reset();
+  REQUIRE(reaches({0, 1}));
+  // In turn, the next would go to thread 1; by load it goes to thread 0, then (a tie) thread 0.
+  auto d = std::make_unique<RawPeer>(server->port());
+  REQUIRE(reaches({1, 1}));
+  auto e = std::make_unique<RawPeer>(server->port());
+  REQUIRE(reaches({2, 1}));
+}
