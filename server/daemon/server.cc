@@ -549,7 +549,12 @@ void Server::Accept() {
       boost::system::error_code move_ec;
       const auto protocol = socket.local_endpoint(move_ec).protocol();
       tcp::socket moved(asio::make_strand(*conn_ios_[io]));
-      if (!move_ec) moved.assign(protocol, socket.release(move_ec), move_ec);
+      tcp::socket::native_handle_type fd = -1;
+      if (!move_ec) fd = socket.release(move_ec);
+      if (!move_ec) {
+        moved.assign(protocol, fd, move_ec);
+        if (move_ec) ::close(fd);  // released but not adopted: closed here, not leaked
+      }
       if (move_ec) {
         spdlog::warn("accepted connection lost before it was served: {}", move_ec.message());
         MutexLock lock(&conns_mu_);
