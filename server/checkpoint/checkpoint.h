@@ -103,22 +103,11 @@ struct SerializedSnapshot {
 };
 SerializedSnapshot SerializeSnapshotInPieces(const ShardSnapshot& snapshot);
 
-// A copy as the difference from an older one that the receiver keeps serialized (replication of a
-// part that changed in places: the rows a sparse step touched). `next_pieces`: the new copy in pieces
-// (its checksum is the rebuilt copy's). Holds the new head, the runs of the payload that differ
-// from `base`'s (compared in 256-byte blocks; a buffer `base` shares is unchanged), `base_id` (the
-// receiver's name for the base: two numbers it gives back from IsSnapshotDelta), and the whole
-// copy's size and checksum, so what the receiver rebuilds is checked bit for bit. Empty when a
-// delta does not pay: the tensors differ in number or size, or more than half of the bytes changed.
-std::string SerializeSnapshotDelta(const ShardSnapshot& base, const SerializedSnapshot& next_pieces, uint64_t base_id_a,
-                                   int64_t base_id_b);
-// Whether `bytes` is such a delta; if so, the base it names.
-bool IsSnapshotDelta(const std::string& bytes, uint64_t* base_id_a, int64_t* base_id_b);
-// The whole serialized copy: `base` (a serialized copy) with `delta` applied, verified against the
-// checksum the delta carries (as VerifySerializedSnapshot does: `step` is the step it holds).
-// INVALID_ARGUMENT: a malformed delta, or one of another base. The copy is built in *out's storage
-// (what it held is discarded; on an error *out is left empty).
-Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out, int64_t* step);
+// The layout, for the differences of snapshot_delta.h: the tensors a serialized copy's payload
+// holds, in order (the snapshot's own buffers); and where the payload lies in a serialized copy
+// (INVALID_ARGUMENT: not a serialized copy).
+std::vector<const Buffer*> SnapshotPayload(const ShardSnapshot& snapshot);
+Status SerializedPayload(const std::string& bytes, uint64_t* offset, uint64_t* size);
 Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out);
 // Checks the layout and checksum only (one pass, no copy) and reads the step it holds.
 Status VerifySerializedSnapshot(const std::string& bytes, int64_t* step);

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/snapshot_delta.h"
 #include "cluster/coordinator.h"
 #include "core/training_engine.h"
 #include "daemon/server.h"

@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "checkpoint/snapshot_delta.h"
+
 using namespace psd;
 using namespace psd::server;
 namespace fs = std::filesystem;

@@ -1,0 +1,149 @@
+// Replication's differences between serialized copies (snapshot_delta.h).
+#include "checkpoint/snapshot_delta.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace psd::server {
+
+namespace {
+
+constexpr char kDeltaMagic[8] = {'P', 'S', 'D', 'D', 'L', 'T', 'A', '1'};
+constexpr uint64_t kDeltaBlock = 256;
+
+void PutU64(std::string* out, uint64_t v) { out->append(reinterpret_cast<const char*>(&v), 8); }
+
+// Reads a delta's fields in order, bounds-checked.
+struct DeltaReader {
+  const char* p;
+  uint64_t left;
+  bool U64(uint64_t* v) {
+    if (left < 8) return false;
+    std::memcpy(v, p, 8);
+    p += 8;
+    left -= 8;
+    return true;
+  }
+  const char* Take(uint64_t n) {
+    if (left < n) return nullptr;
+    const char* at = p;
+    p += n;
+    left -= n;
+    return at;
+  }
+};
+
+}  // namespace
+
+std::string SerializeSnapshotDelta(const ShardSnapshot& base, const SerializedSnapshot& next_pieces, uint64_t base_id_a,
+                                   int64_t base_id_b) {
+  const std::vector<const Buffer*> before = SnapshotPayload(base);
+  const std::vector<const Buffer*>& after = next_pieces.payload;
+  if (before.size() != after.size()) return {};
+  uint64_t payload = 0;
+  for (size_t i = 0; i < after.size(); ++i) {
+    if (before[i]->bytes() != after[i]->bytes()) return {};
+    payload += after[i]->bytes();
+  }
+  // The runs of blocks that differ, as (offset in the payload, length); given up past half.
+  std::vector<std::pair<uint64_t, uint64_t>> runs;
+  uint64_t changed = 0, at = 0;
+  for (size_t i = 0; i < after.size(); at += after[i]->bytes(), ++i) {
+    if (before[i] == after[i]) continue;  // the same buffer: unchanged
+    const char* a = static_cast<const char*>(before[i]->data());
+    const char* b = static_cast<const char*>(after[i]->data());
+    const uint64_t n = after[i]->bytes();
+    for (uint64_t off = 0; off < n; off += kDeltaBlock) {
+      const uint64_t len = std::min(kDeltaBlock, n - off);
+      if (std::memcmp(a + off, b + off, len) == 0) continue;
+      if (!runs.empty() && runs.back().first + runs.back().second == at + off) {
+        runs.back().second += len;
+      } else {
+        runs.emplace_back(at + off, len);
+      }
+      changed += len;
+      if (changed * 2 > payload) return {};
+    }
+  }
+  std::string out;
+  out.reserve(8 * 8 + next_pieces.head.size() + runs.size() * 16 + changed + 8);
+  out.append(kDeltaMagic, 8);
+  PutU64(&out, base_id_a);
+  PutU64(&out, static_cast<uint64_t>(base_id_b));
+  uint64_t sum = 0;
+  std::memcpy(&sum, next_pieces.trailer.data(), 8);
+  PutU64(&out, next_pieces.bytes);
+  PutU64(&out, sum);
+  PutU64(&out, next_pieces.head.size());
+  out += next_pieces.head;
+  PutU64(&out, payload);
+  PutU64(&out, runs.size());
+  // A run lies in one buffer or spans several: copied from wherever its bytes are.
+  size_t buf = 0;
+  uint64_t buf_at = 0;  // where after[buf] starts in the payload
+  for (const auto& [offset, length] : runs) {
+    PutU64(&out, offset);
+    PutU64(&out, length);
+    for (uint64_t pos = offset, end = offset + length; pos < end;) {
+      while (buf_at + after[buf]->bytes() <= pos) buf_at += after[buf++]->bytes();
+      const uint64_t take = std::min(end, buf_at + after[buf]->bytes()) - pos;
+      out.append(static_cast<const char*>(after[buf]->data()) + (pos - buf_at), take);
+      pos += take;
+    }
+  }
+  PutU64(&out, XXH3_64bits(out.data(), out.size()));
+  return out;
+}
+
+bool IsSnapshotDelta(const std::string& bytes, uint64_t* base_id_a, int64_t* base_id_b) {
+  if (bytes.size() < 24 || std::memcmp(bytes.data(), kDeltaMagic, 8) != 0) return false;
+  std::memcpy(base_id_a, bytes.data() + 8, 8);
+  std::memcpy(base_id_b, bytes.data() + 16, 8);
+  return true;
+}
+
+Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out, int64_t* step) {
+  auto bad = [](const std::string& why) { return InvalidArgument("a copy's delta is malformed: " + why); };
+  if (delta.size() < 8 * 8 + 8 || std::memcmp(delta.data(), kDeltaMagic, 8) != 0) return bad("too short");
+  const uint64_t body = delta.size() - 8;
+  uint64_t sum = 0;
+  std::memcpy(&sum, delta.data() + body, 8);
+  if (XXH3_64bits(delta.data(), body) != sum) return bad("checksum mismatch");
+  DeltaReader r{delta.data() + 24, body - 24};
+  uint64_t full = 0, full_sum = 0, head = 0, payload = 0, runs = 0;
+  if (!r.U64(&full) || !r.U64(&full_sum) || !r.U64(&head)) return bad("cut short");
+  const char* head_bytes = r.Take(head);
+  if (head_bytes == nullptr || !r.U64(&payload) || !r.U64(&runs)) return bad("cut short");
+  if (head < 16 || full != head + payload + 8) return bad("its sizes do not add up");
+  // The base's payload. (The base was verified when it was kept; what is rebuilt is verified below.)
+  uint64_t base_head = 0, base_payload = 0;
+  PSD_RETURN_IF_ERROR(SerializedPayload(base, &base_head, &base_payload));
+  if (base_payload != payload) {
+    return InvalidArgument("a copy's delta is of another base's layout (its payload: " + std::to_string(payload) +
+                           " bytes; the base's: " + std::to_string(base_payload) + ")");
+  }
+  std::string rebuilt = std::move(*out);  // its storage: a copy of the same size needs no new pages
+  rebuilt.clear();
+  rebuilt.reserve(full);
+  rebuilt.append(head_bytes, head);
+  rebuilt.append(base, base_head, payload);
+  for (uint64_t i = 0; i < runs; ++i) {
+    uint64_t offset = 0, length = 0;
+    if (!r.U64(&offset) || !r.U64(&length)) return bad("cut short");
+    const char* data = r.Take(length);
+    if (data == nullptr || offset > payload || length > payload - offset) return bad("a run outside the payload");
+    std::memcpy(rebuilt.data() + head + offset, data, length);
+  }
+  if (r.left != 0) return bad("trailing bytes");
+  PutU64(&rebuilt, full_sum);
+  Status s = VerifySerializedSnapshot(rebuilt, step);
+  if (!s.ok()) return InvalidArgument("a copy rebuilt from its delta does not match its owner's: " + s.message());
+  *out = std::move(rebuilt);
+  return Status::Ok();
+}
+
+}  // namespace psd::server
