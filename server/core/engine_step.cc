@@ -93,8 +93,10 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
 void TrainingEngine::CopyOnWriteLocked(Variable* v) {
   if (v->published.use_count() <= 1) return;
   // Into the spare buffer when nothing holds it any more (the value before the one referenced: a
-  // replica's copy kept two steps ago, a pull long done), so a big table is not mapped afresh and
-  // faulted in page by page every step; the referenced value becomes the spare.
+  // pull long done), so a big table is not mapped afresh and faulted in page by page every step;
+  // the referenced value becomes the spare. (With replicas the spare is still held by the copy of
+  // two steps ago; the new buffer then gets the storage of the one that copy of three steps ago let
+  // go, kept by Buffer for its size.)
   std::shared_ptr<Buffer> into;
   if (v->spare && v->spare.use_count() == 1 && v->spare->bytes() == v->published->bytes()) {
     into = std::move(v->spare);

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/buffer.h"
 #include "daemon/server.h"
 #include "daemon/status_page.h"
 #include "ops/text_format.h"
@@ -304,6 +305,11 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
   w.Gauge("psd_frame_buffer_bytes", "", static_cast<double>(pool.kept_bytes()), {{"state", "kept"}});
   w.Counter("psd_frame_buffer_maps_total", "frame buffers mapped from the kernel (the others were reused)",
             static_cast<double>(pool.maps()));
+  const RecycledBuffers kept = RecycledBufferStats();
+  w.Gauge("psd_tensor_storage_kept_bytes", "storage of big tensor buffers (32 MiB and up) let go and kept for reuse",
+          static_cast<double>(kept.held_bytes));
+  w.Counter("psd_tensor_storage_reused_total", "big tensor buffers given kept storage instead of fresh pages",
+            static_cast<double>(kept.reused));
   w.Counter("psd_frame_timeouts_total", "connections closed because a frame did not arrive within --frame-timeout-ms",
             static_cast<double>(m.frame_timeouts()));
   w.Gauge("psd_variables", "variables (or variable slices) held by this shard", st.variables);

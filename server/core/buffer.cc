@@ -1,0 +1,123 @@
+// Buffer's storage, and the big blocks kept for reuse (buffer.h).
+#include "core/buffer.h"
+
+#include <algorithm>
+#include <deque>
+#include <utility>
+
+#include "base/mutex.h"
+#include "base/thread_annotations.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+// A kept block is poisoned: a use of a buffer after it went still fails under AddressSanitizer.
+#define PSD_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define PSD_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define PSD_POISON(p, n) ((void)(p), (void)(n))
+#define PSD_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+namespace psd::server {
+
+namespace {
+
+constexpr size_t kRecycledWords = kRecycledBufferBytes / 8;
+
+class Recycler {
+ public:
+  // Kept storage of exactly `words`, or null.
+  uint64_t* Take(size_t words) {
+    MutexLock lock(&mu_);
+    for (auto it = kept_.rbegin(); it != kept_.rend(); ++it) {
+      if (it->second != words) continue;
+      uint64_t* p = it->first;
+      kept_.erase(std::next(it).base());
+      held_ -= words * 8;
+      ++reused_;
+      PSD_UNPOISON(p, words * 8);
+      return p;
+    }
+    return nullptr;
+  }
+
+  void Keep(uint64_t* p, size_t words) {
+    std::deque<std::pair<uint64_t*, size_t>> drop;
+    {
+      MutexLock lock(&mu_);
+      PSD_POISON(p, words * 8);
+      kept_.emplace_back(p, words);
+      held_ += words * 8;
+      // The oldest go first; the newest stays even when it alone is over the budget.
+      while (held_ > kRecycledBufferBudget && kept_.size() > 1) {
+        held_ -= kept_.front().second * 8;
+        drop.push_back(kept_.front());
+        kept_.pop_front();
+      }
+    }
+    Free(drop);
+  }
+
+  void ReleaseAll() {
+    std::deque<std::pair<uint64_t*, size_t>> drop;
+    {
+      MutexLock lock(&mu_);
+      drop.swap(kept_);
+      held_ = 0;
+    }
+    Free(drop);
+  }
+
+  RecycledBuffers Stats() {
+    MutexLock lock(&mu_);
+    return {held_, reused_};
+  }
+
+ private:
+  static void Free(const std::deque<std::pair<uint64_t*, size_t>>& blocks) {
+    for (const auto& [p, words] : blocks) {
+      PSD_UNPOISON(p, words * 8);
+      delete[] p;
+    }
+  }
+
+  Mutex mu_;
+  std::deque<std::pair<uint64_t*, size_t>> kept_ GUARDED_BY(mu_);  // oldest first
+  uint64_t held_ GUARDED_BY(mu_) = 0;
+  uint64_t reused_ GUARDED_BY(mu_) = 0;
+};
+
+// Never destroyed: a buffer may go after static destructors ran.
+Recycler& TheRecycler() {
+  static Recycler* r = new Recycler;
+  return *r;
+}
+
+// Storage for `words` words, unset.
+uint64_t* Allocate(size_t words) {
+  if (words >= kRecycledWords) {
+    if (uint64_t* p = TheRecycler().Take(words)) return p;
+  }
+  return new uint64_t[words];
+}
+
+}  // namespace
+
+void Buffer::Release::operator()(uint64_t* p) const {
+  if (p == nullptr) return;
+  if (words >= kRecycledWords) return TheRecycler().Keep(p, words);
+  delete[] p;
+}
+
+Buffer::Buffer(size_t bytes, Uninitialized)
+    : words_(Allocate((bytes + 7) / 8), Release{(bytes + 7) / 8}), bytes_(bytes) {
+  if (bytes % 8 != 0) words_[bytes / 8] = 0;
+}
+
+Buffer::Buffer(size_t bytes) : Buffer(bytes, Uninitialized{}) { std::memset(words_.get(), 0, (bytes + 7) / 8 * 8); }
+
+RecycledBuffers RecycledBufferStats() { return TheRecycler().Stats(); }
+
+void ReleaseRecycledBuffers() { TheRecycler().ReleaseAll(); }
+
+}  // namespace psd::server

@@ -1,0 +1,100 @@
+// Buffer's storage: big buffers' storage kept and given to the next buffer of the same size.
+#include "core/buffer.h"
+
+#include <catch2/catch.hpp>
+#include <cstdint>
+#include <cstring>
+
+using psd::server::Buffer;
+using psd::server::kRecycledBufferBudget;
+using psd::server::kRecycledBufferBytes;
+using psd::server::RecycledBufferStats;
+using psd::server::ReleaseRecycledBuffers;
+
+namespace {
+
+uint64_t Held() { return RecycledBufferStats().held_bytes; }
+
+bool AllZero(const Buffer& b, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(b.data());
+  for (size_t i = 0; i < bytes; ++i) {
+    if (p[i] != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("a big buffer's storage goes to the next buffer of its size, zeroed or copied into as asked", "[buffer]") {
+  ReleaseRecycledBuffers();
+  const uint64_t reused = RecycledBufferStats().reused;
+  const size_t bytes = kRecycledBufferBytes + 5;  // the padding word is set too
+  const size_t padded = (bytes + 7) / 8 * 8;
+  Buffer source(bytes);
+  for (size_t i = 0; i < bytes; ++i) static_cast<unsigned char*>(source.data())[i] = static_cast<unsigned char>(i * 7);
+  const void* storage = nullptr;
+  {
+    Buffer a(bytes, Buffer::Uninitialized{});
+    std::memset(a.data(), 0xab, bytes);
+    storage = a.data();
+    CHECK(Held() == 0);
+  }
+  CHECK(Held() == padded);
+  {
+    Buffer zeroed(bytes);
+    CHECK(zeroed.data() == storage);
+    CHECK(Held() == 0);
+    CHECK(RecycledBufferStats().reused == reused + 1);
+    CHECK(AllZero(zeroed, padded));  // the bytes and the padding after them
+    std::memset(zeroed.data(), 0xcd, bytes);
+  }
+  {
+    Buffer other(bytes + 4096);  // another size does not take it
+    CHECK(other.data() != storage);
+    CHECK(Held() == padded);
+  }
+  CHECK(Held() == padded + (bytes + 4096 + 7) / 8 * 8);
+  {
+    Buffer copy(source);  // a copy of its size does, and holds the copied bytes (the padding zero)
+    CHECK(copy.data() == storage);
+    CHECK(RecycledBufferStats().reused == reused + 2);
+    CHECK(std::memcmp(copy.data(), source.data(), padded) == 0);
+  }
+  ReleaseRecycledBuffers();
+  CHECK(Held() == 0);
+}
+
+TEST_CASE("buffers under the recycled size are freed, not kept", "[buffer]") {
+  ReleaseRecycledBuffers();
+  { Buffer small(kRecycledBufferBytes - 8); }
+  CHECK(Held() == 0);
+  { Buffer big(kRecycledBufferBytes); }
+  CHECK(Held() == kRecycledBufferBytes);
+  ReleaseRecycledBuffers();
+}
+
+TEST_CASE("kept storage stays within its budget, the oldest let go first, the newest kept even alone over it",
+          "[buffer]") {
+  ReleaseRecycledBuffers();
+  const size_t block = kRecycledBufferBudget * 2 / 5 / 8 * 8;  // two fit the budget, three do not
+  const void* first = nullptr;
+  {
+    Buffer a(block, Buffer::Uninitialized{});
+    Buffer b(block + 8, Buffer::Uninitialized{});
+    Buffer c(block + 16, Buffer::Uninitialized{});
+    first = a.data();
+  }  // c, b, then a go: a (let go last) and b are kept, c is freed
+  CHECK(Held() == 2 * block + 8);
+  {
+    Buffer again(block, Buffer::Uninitialized{});
+    CHECK(again.data() == first);
+    Buffer gone(block + 16, Buffer::Uninitialized{});
+    CHECK(Held() == block + 8);
+  }
+  // gone, then again were let go: with b over the budget, so b (the oldest) was freed.
+  CHECK(Held() == 2 * block + 16);
+  { Buffer huge(kRecycledBufferBudget + 8, Buffer::Uninitialized{}); }
+  CHECK(Held() == kRecycledBufferBudget + 8);  // alone over the budget, still kept; the rest freed
+  ReleaseRecycledBuffers();
+  CHECK(Held() == 0);
+}
