@@ -52,21 +52,45 @@ std::string SerializeSnapshotDelta(const ShardSnapshot& base, const SerializedSn
   // The runs of blocks that differ, as (offset in the payload, length); given up past half.
   std::vector<std::pair<uint64_t, uint64_t>> runs;
   uint64_t changed = 0, at = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> spans;  // where a buffer may differ, in whole blocks
   for (size_t i = 0; i < after.size(); at += after[i]->bytes(), ++i) {
     if (before[i] == after[i]) continue;  // the same buffer: unchanged
     const char* a = static_cast<const char*>(before[i]->data());
     const char* b = static_cast<const char*>(after[i]->data());
     const uint64_t n = after[i]->bytes();
-    for (uint64_t off = 0; off < n; off += kDeltaBlock) {
-      const uint64_t len = std::min(kDeltaBlock, n - off);
-      if (std::memcmp(a + off, b + off, len) == 0) continue;
-      if (!runs.empty() && runs.back().first + runs.back().second == at + off) {
-        runs.back().second += len;
-      } else {
-        runs.emplace_back(at + off, len);
+    spans.clear();
+    if (after[i]->copied_from() != 0 && after[i]->copied_from() == before[i]->id()) {
+      // A copy of the base's buffer that lists what was written since (a sparse step's rows): only
+      // those blocks can differ.
+      for (const auto& [offset, length] : after[i]->changes()) {
+        if (offset >= n) continue;
+        spans.emplace_back(offset / kDeltaBlock * kDeltaBlock, std::min(n, offset + length));
       }
-      changed += len;
-      if (changed * 2 > payload) return {};
+      std::sort(spans.begin(), spans.end());
+      size_t merged = 0;
+      for (const auto& span : spans) {
+        if (merged > 0 && span.first <= spans[merged - 1].second) {
+          spans[merged - 1].second = std::max(spans[merged - 1].second, span.second);
+        } else {
+          spans[merged++] = span;
+        }
+      }
+      spans.resize(merged);
+    } else {
+      spans.emplace_back(0, n);
+    }
+    for (const auto& [from, to] : spans) {
+      for (uint64_t off = from; off < to; off += kDeltaBlock) {
+        const uint64_t len = std::min(kDeltaBlock, n - off);
+        if (std::memcmp(a + off, b + off, len) == 0) continue;
+        if (!runs.empty() && runs.back().first + runs.back().second == at + off) {
+          runs.back().second += len;
+        } else {
+          runs.emplace_back(at + off, len);
+        }
+        changed += len;
+        if (changed * 2 > payload) return {};
+      }
     }
   }
   std::string out;

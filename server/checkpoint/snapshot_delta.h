@@ -14,7 +14,9 @@ namespace psd::server {
 // A copy as the difference from an older one that the receiver keeps serialized (replication of a
 // part that changed in places: the rows a sparse step touched). `next_pieces`: the new copy in pieces
 // (its checksum is the rebuilt copy's). Holds the new head, the runs of the payload that differ
-// from `base`'s (compared in 256-byte blocks; a buffer `base` shares is unchanged), `base_id` (the
+// from `base`'s (compared in 256-byte blocks; a buffer `base` shares is unchanged; a copy of
+// `base`'s buffer that lists what was written since, Buffer::changes(), is compared there only —
+// a write it does not list is missed, and the receiver's check of the rebuilt copy refuses it), `base_id` (the
 // receiver's name for the base: two numbers it gives back from IsSnapshotDelta), and the whole
 // copy's size and checksum, so what the receiver rebuilds is checked bit for bit. Empty when a
 // delta does not pay: the tensors differ in number or size, or more than half of the bytes changed.

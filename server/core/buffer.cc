@@ -2,6 +2,7 @@
 #include "core/buffer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <utility>
 
@@ -93,6 +94,11 @@ Recycler& TheRecycler() {
   return *r;
 }
 
+uint64_t NextId() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
 // Storage for `words` words, unset.
 uint64_t* Allocate(size_t words) {
   if (words >= kRecycledWords) {
@@ -110,11 +116,57 @@ void Buffer::Release::operator()(uint64_t* p) const {
 }
 
 Buffer::Buffer(size_t bytes, Uninitialized)
-    : words_(Allocate((bytes + 7) / 8), Release{(bytes + 7) / 8}), bytes_(bytes) {
+    : words_(Allocate((bytes + 7) / 8), Release{(bytes + 7) / 8}), bytes_(bytes), id_(NextId()) {
   if (bytes % 8 != 0) words_[bytes / 8] = 0;
 }
 
 Buffer::Buffer(size_t bytes) : Buffer(bytes, Uninitialized{}) { std::memset(words_.get(), 0, (bytes + 7) / 8 * 8); }
+
+Buffer::Buffer(Buffer&& other) noexcept
+    : words_(std::move(other.words_)),
+      bytes_(other.bytes_),
+      id_(other.id_),
+      copied_from_(other.copied_from()),
+      changed_bytes_(other.changed_bytes_),
+      changes_(std::move(other.changes_)) {
+  other.Unlisted();
+}
+
+Buffer& Buffer::operator=(Buffer&& other) noexcept {
+  words_ = std::move(other.words_);
+  bytes_ = other.bytes_;
+  id_ = other.id_;
+  copied_from_.store(other.copied_from(), std::memory_order_relaxed);
+  changed_bytes_ = other.changed_bytes_;
+  changes_ = std::move(other.changes_);
+  other.Unlisted();
+  return *this;
+}
+
+void Buffer::MarkCopiedFrom(const Buffer& from) {
+  copied_from_.store(from.id_, std::memory_order_relaxed);
+  changed_bytes_ = 0;
+  changes_.clear();
+}
+
+void Buffer::MarkChanged(uint64_t offset, uint64_t length) {
+  if (copied_from() == 0 || length == 0) return;
+  if (!changes_.empty() && offset >= changes_.back().first &&
+      offset <= changes_.back().first + changes_.back().second) {
+    auto& last = changes_.back();  // runs on from the last one (rows written in order)
+    const uint64_t end = std::max(last.first + last.second, offset + length);
+    changed_bytes_ += end - (last.first + last.second);
+    last.second = end - last.first;
+  } else {
+    changes_.emplace_back(offset, length);
+    changed_bytes_ += length;
+  }
+  if (changes_.size() > std::max<size_t>(64, bytes_ / 2048) || changed_bytes_ * 2 > bytes_) {
+    copied_from_.store(0, std::memory_order_relaxed);  // too much to list: not known
+    changed_bytes_ = 0;
+    std::vector<std::pair<uint64_t, uint64_t>>().swap(changes_);
+  }
+}
 
 RecycledBuffers RecycledBufferStats() { return TheRecycler().Stats(); }
 

@@ -9,10 +9,13 @@
 #ifndef PSD_SERVER_CORE_BUFFER_H_
 #define PSD_SERVER_CORE_BUFFER_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
+#include <vector>
 
 namespace psd::server {
 
@@ -28,20 +31,45 @@ class Buffer {
   Buffer(const Buffer& other) : Buffer(other.bytes_, Uninitialized{}) {
     std::memcpy(data(), other.data(), (bytes_ + 7) / 8 * 8);  // the padding too (zero there)
   }
-  Buffer(Buffer&&) = default;
+  Buffer(Buffer&& other) noexcept;
   Buffer& operator=(const Buffer&) = delete;
-  Buffer& operator=(Buffer&&) = default;
-  void* data() { return words_.get(); }
+  Buffer& operator=(Buffer&& other) noexcept;
+  // Writable bytes. Taking them ends the list of changes (below): whoever writes through this
+  // pointer does not say where.
+  void* data() {
+    Unlisted();
+    return words_.get();
+  }
   const void* data() const { return words_.get(); }
   size_t bytes() const { return bytes_; }
   template <typename T>
   T* as() {
-    return reinterpret_cast<T*>(words_.get());
+    return reinterpret_cast<T*>(data());
   }
   template <typename T>
   const T* as() const {
     return reinterpret_cast<const T*>(words_.get());
   }
+
+  // What changed since this buffer was copied from another. The engine copies a value on write (a
+  // replica's copy shares the old one) and then updates some rows or a chunk of it, and says which;
+  // replication then compares only those bytes with the copy before instead of the whole table
+  // (checkpoint/snapshot_delta.h). The owner's guard covers these like the bytes.
+  //
+  // A number no other buffer of this process has (a copy gets its own).
+  uint64_t id() const { return id_; }
+  // Its bytes are now `from`'s: the changes are listed from here on.
+  void MarkCopiedFrom(const Buffer& from);
+  // Writable bytes for a writer that says with MarkChanged what it writes (before writing it).
+  void* listed_data() { return words_.get(); }
+  // Bytes [offset, offset + length) are about to be written. Once the list would grow past what
+  // pays (more runs than one per 2 KiB, or half the bytes), it ends.
+  void MarkChanged(uint64_t offset, uint64_t length);
+  // The id of the buffer this one was copied from while every byte written since lies in
+  // changes(); 0 when that is not known.
+  uint64_t copied_from() const { return copied_from_.load(std::memory_order_relaxed); }
+  // (offset, length) runs, in the order written (they may overlap). Meaningful while copied_from().
+  const std::vector<std::pair<uint64_t, uint64_t>>& changes() const { return changes_; }
 
  private:
   // Frees the storage, or keeps it for the next buffer of its size.
@@ -49,8 +77,17 @@ class Buffer {
     size_t words = 0;
     void operator()(uint64_t* p) const;
   };
+  // Ends the list. (Atomic: readers of a value may take data() on several threads at once; only a
+  // listed buffer has anything to clear.)
+  void Unlisted() {
+    if (copied_from_.load(std::memory_order_relaxed) != 0) copied_from_.store(0, std::memory_order_relaxed);
+  }
   std::unique_ptr<uint64_t[], Release> words_;
   size_t bytes_;
+  uint64_t id_;
+  std::atomic<uint64_t> copied_from_{0};
+  uint64_t changed_bytes_ = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> changes_;
 };
 
 // Buffers of this size and up have their storage kept for reuse.

@@ -100,10 +100,12 @@ void TrainingEngine::CopyOnWriteLocked(Variable* v) {
   std::shared_ptr<Buffer> into;
   if (v->spare && v->spare.use_count() == 1 && v->spare->bytes() == v->published->bytes()) {
     into = std::move(v->spare);
-    std::memcpy(into->data(), v->published->data(), (into->bytes() + 7) / 8 * 8);
+    const Buffer& from = *v->published;
+    std::memcpy(into->data(), from.data(), (into->bytes() + 7) / 8 * 8);
   } else {
     into = std::make_shared<Buffer>(*v->published);
   }
+  into->MarkCopiedFrom(*v->published);  // what the step writes next is listed (replication's difference)
   v->spare = std::move(v->published);
   v->published = std::move(into);
 }
@@ -114,8 +116,10 @@ void TrainingEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& 
   auto t0 = std::chrono::steady_clock::now();
   // In place unless a pull or a kept copy still references the published buffer: then copy first.
   CopyOnWriteLocked(v);
-  v->opt->ApplySparse({v->dtype, v->row_elements, v->published->data(), rows.data(), static_cast<int64_t>(rows.size()),
-                       grad, &v->slots, step, lr});
+  const uint64_t row_bytes = static_cast<uint64_t>(v->row_elements) * DTypeSize(v->dtype);
+  for (int64_t r : rows) v->published->MarkChanged(static_cast<uint64_t>(r) * row_bytes, row_bytes);
+  v->opt->ApplySparse({v->dtype, v->row_elements, v->published->listed_data(), rows.data(),
+                       static_cast<int64_t>(rows.size()), grad, &v->slots, step, lr});
   ReportApply(t0);
 }
 
@@ -145,7 +149,8 @@ void TrainingEngine::ApplyChunkLocked(Variable* v, const GradRef& g, int64_t ste
   const size_t es = DTypeSize(v->dtype);
   MutexLock lock(&mu_);  // in place: no pull may take the value while part of it is updated
   CopyOnWriteLocked(v);
-  uint8_t* at = static_cast<uint8_t*>(v->published->data()) + static_cast<size_t>(g.chunk_offset) * es;
+  uint8_t* at = static_cast<uint8_t*>(v->published->listed_data()) + static_cast<size_t>(g.chunk_offset) * es;
+  v->published->MarkChanged(static_cast<uint64_t>(g.chunk_offset) * es, static_cast<uint64_t>(g.shape[0]) * es);
   ApplyDense(*v->opt, {v->dtype, g.shape[0], at, g.data, at, &v->slots, g.chunk_offset, step, lr});
 }
 

@@ -4,6 +4,8 @@
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 using psd::server::Buffer;
 using psd::server::kRecycledBufferBudget;
@@ -97,4 +99,43 @@ TEST_CASE("kept storage stays within its budget, the oldest let go first, the ne
   CHECK(Held() == kRecycledBufferBudget + 8);  // alone over the budget, still kept; the rest freed
   ReleaseRecycledBuffers();
   CHECK(Held() == 0);
+}
+
+TEST_CASE("a buffer lists the changes said since it was copied, until a write that says nothing", "[buffer]") {
+  Buffer from(4096);
+  Buffer copy(from);
+  CHECK(copy.id() != from.id());
+  CHECK(copy.copied_from() == 0);  // a copy alone lists nothing: who writes it is not known
+  copy.MarkCopiedFrom(from);
+  CHECK(copy.copied_from() == from.id());
+  copy.MarkChanged(512, 16);
+  copy.MarkChanged(528, 16);  // runs on from the one before: one run
+  copy.MarkChanged(0, 8);
+  static_cast<char*>(copy.listed_data())[0] = 1;
+  CHECK(copy.changes() == std::vector<std::pair<uint64_t, uint64_t>>{{512, 32}, {0, 8}});
+  CHECK(copy.copied_from() == from.id());
+  Buffer moved(std::move(copy));
+  CHECK(moved.copied_from() == from.id());  // a move keeps the list (and the id)
+  CHECK(moved.changes().size() == 2);
+  const Buffer& reader = moved;
+  CHECK(reader.data() != nullptr);  // reading ends nothing
+  CHECK(moved.copied_from() == from.id());
+  static_cast<char*>(moved.data())[1] = 1;  // a write that says nothing ends the list
+  CHECK(moved.copied_from() == 0);
+  moved.MarkChanged(8, 8);
+  CHECK(moved.copied_from() == 0);  // until it is copied again
+
+  // Past half the bytes, or one run per 2 KiB (64 at least), the list ends: a whole comparison pays.
+  Buffer half(4096);
+  half.MarkCopiedFrom(from);
+  half.MarkChanged(0, 2048);
+  CHECK(half.copied_from() == from.id());
+  half.MarkChanged(3000, 8);
+  CHECK(half.copied_from() == 0);
+  Buffer runs(4096);
+  runs.MarkCopiedFrom(from);
+  for (uint64_t i = 0; i < 64; ++i) runs.MarkChanged(i * 32, 8);
+  CHECK(runs.copied_from() == from.id());
+  runs.MarkChanged(4000, 8);
+  CHECK(runs.copied_from() == 0);
 }

@@ -459,10 +459,10 @@ TEST_CASE("a part's size and checksum are read from its file without the manifes
   CHECK(PeekOwnPart(dir.path + "/v3", 40, 0, 1).status().code() == Code::kInvalidArgument);
 }
 
-TEST_CASE("a copy sent as the difference from the one before rebuilds it bit for bit, and only on that base",
-          "[checkpoint][replicas]") {
-  // An embedding of 4096 rows of 16 floats and a small variable; the next step changes a few rows
-  // (two of them adjacent, the last one too) of the embedding and leaves the other variable as it was.
+namespace {
+
+// A part at step 10 (SGD) holding an embedding of 4096 rows of 16 floats.
+ShardSnapshot EmbeddingAtStep10() {
   ShardSnapshot base;
   base.step = 10;
   base.optimizer = "sgd";
@@ -473,6 +473,65 @@ TEST_CASE("a copy sent as the difference from the one before rebuilds it bit for
   for (int i = 0; i < 4096 * 16; ++i) table->as<float>()[i] = static_cast<float>(i) * 0.5f;
   emb.value = table;
   base.variables.push_back(emb);
+  return base;
+}
+
+}  // namespace
+
+TEST_CASE("a difference compares only the rows a copy lists as written since the base's buffer",
+          "[checkpoint][replicas]") {
+  ShardSnapshot base = EmbeddingAtStep10();
+  const std::shared_ptr<const Buffer> table = base.variables[0].value;
+  const std::string base_bytes = SerializeSnapshot(base);
+
+  // The engine's way: a copy of the base's buffer, then rows written and listed.
+  ShardSnapshot next = base;
+  next.step = 11;
+  auto listed = std::make_shared<Buffer>(*table);
+  listed->MarkCopiedFrom(*table);
+  auto* rows = static_cast<float*>(listed->listed_data());
+  for (int row : {5, 6, 1000, 4095}) {
+    listed->MarkChanged(row * 64, 64);
+    rows[row * 16 + 3] += 1.0f;
+  }
+  next.variables[0].value = listed;
+  const std::string delta = SerializeSnapshotDelta(base, SerializeSnapshotInPieces(next), 7, 10);
+  REQUIRE_FALSE(delta.empty());
+  // The same difference as comparing the whole buffer finds (a copy of it lists nothing).
+  ShardSnapshot next_whole = next;
+  next_whole.variables[0].value = std::make_shared<Buffer>(*listed);
+  CHECK(delta == SerializeSnapshotDelta(base, SerializeSnapshotInPieces(next_whole), 7, 10));
+  std::string rebuilt;
+  int64_t step = -1;
+  REQUIRE(ApplySnapshotDelta(base_bytes, delta, &rebuilt, &step).ok());
+  CHECK(rebuilt == SerializeSnapshot(next));
+
+  // Only the listed rows are compared: a write behind the list's back is not in the difference, and
+  // the copy rebuilt from it does not match its owner's checksum (sent again whole, in the cluster).
+  rows[2000 * 16] = -1.0f;
+  const std::string blind = SerializeSnapshotDelta(base, SerializeSnapshotInPieces(next), 7, 10);
+  REQUIRE_FALSE(blind.empty());
+  CHECK_THAT(ApplySnapshotDelta(base_bytes, blind, &rebuilt, &step).message(),
+             Catch::Contains("does not match its owner's"));
+  // A list of changes from another buffer than the base's is not used: the whole buffer is compared.
+  ShardSnapshot other_base = base;
+  other_base.variables[0].value = std::make_shared<Buffer>(*table);
+  const std::string whole = SerializeSnapshotDelta(other_base, SerializeSnapshotInPieces(next), 7, 10);
+  REQUIRE(ApplySnapshotDelta(SerializeSnapshot(other_base), whole, &rebuilt, &step).ok());
+  CHECK(rebuilt == SerializeSnapshot(next));
+  // Nor once a write that says nothing ended the list.
+  static_cast<float*>(listed->data())[0] = 0;
+  const std::string unlisted = SerializeSnapshotDelta(base, SerializeSnapshotInPieces(next), 7, 10);
+  REQUIRE(ApplySnapshotDelta(base_bytes, unlisted, &rebuilt, &step).ok());
+  CHECK(rebuilt == SerializeSnapshot(next));
+}
+
+TEST_CASE("a copy sent as the difference from the one before rebuilds it bit for bit, and only on that base",
+          "[checkpoint][replicas]") {
+  // An embedding of 4096 rows of 16 floats and a small variable; the next step changes a few rows
+  // (two of them adjacent, the last one too) of the embedding and leaves the other variable as it was.
+  ShardSnapshot base = EmbeddingAtStep10();
+  const std::shared_ptr<const Buffer> table = base.variables[0].value;
   VariableSnapshot bias;
   bias.name = "bias";
   bias.shape = {3};

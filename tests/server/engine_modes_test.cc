@@ -1,5 +1,6 @@
 // The engine beyond plain sync: sparse updates, moving averages, learning-rate changes, soft sync,
 // async, per-variable optimizers.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
 
@@ -309,4 +310,38 @@ TEST_CASE("deterministic reduction needs --mode sync", "[config][deterministic]"
   Status s = c.Validate();
   CHECK(s.code() == Code::kInvalidArgument);
   CHECK(s.message().find("--deterministic needs --mode sync") != std::string::npos);
+}
+
+TEST_CASE("a sparse step on a value a kept copy shares lists the rows it wrote in the copy it makes",
+          "[engine][sparse][replicas]") {
+  auto e = Make(Cfg(1, 1));
+  e->set_keep_committed(true);
+  Create(*e, "emb", std::vector<float>(16 * 4, 1.0f), {16, 4});
+  REQUIRE(PushSparse(*e, 0, "emb", {3}, {1, 1, 1, 1}, 4).accepted);
+  auto first = e->TakeCommitted();  // keeps the value of step 1 (as a replica's copy does)
+  REQUIRE(first);
+  const Buffer& before = *first->variables[0].value;
+  REQUIRE(PushSparse(*e, 1, "emb", {2, 9}, std::vector<float>(8, 1.0f), 4).accepted);
+  auto second = e->TakeCommitted();
+  REQUIRE(second);
+  const Buffer& after = *second->variables[0].value;
+  REQUIRE(&after != &before);  // copied on write: the kept value is as it was
+  CHECK(before.as<float>()[9 * 4] == 1.0f);
+  CHECK(after.as<float>()[9 * 4] == 0.0f);
+  CHECK(after.copied_from() == before.id());
+  auto changes = after.changes();  // the rows as the step applied them (the order is the accumulator's)
+  std::sort(changes.begin(), changes.end());
+  CHECK(changes == std::vector<std::pair<uint64_t, uint64_t>>{{2 * 16, 16}, {9 * 16, 16}});
+  // A dense step writes a whole new value and lists nothing: the next copy is compared whole.
+  auto d = Make(Cfg(1, 1));
+  d->set_keep_committed(true);
+  Create(*d, "w", {0, 0}, {2});
+  REQUIRE(PushDense(*d, 0, "w", {1, 1}, {2}).accepted);
+  auto kept = d->TakeCommitted();
+  REQUIRE(PushDense(*d, 1, "w", {1, 1}, {2}).accepted);
+  auto next = d->TakeCommitted();
+  REQUIRE(kept);
+  REQUIRE(next);
+  CHECK(next->variables[0].value->copied_from() == 0);
+  CHECK(next->variables[0].value->as<float>()[0] == -2.0f);
 }
