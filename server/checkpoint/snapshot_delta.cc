@@ -130,7 +130,18 @@ bool IsSnapshotDelta(const std::string& bytes, uint64_t* base_id_a, int64_t* bas
   return true;
 }
 
-Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out, int64_t* step) {
+namespace {
+
+// A delta's fields, checked: its checksum, its sizes, and every run inside the payload.
+struct ParsedDelta {
+  uint64_t full = 0, full_sum = 0, payload = 0;
+  const char* head = nullptr;
+  uint64_t head_size = 0;
+  std::vector<std::pair<uint64_t, const char*>> runs;  // (offset in the payload, its bytes)
+  std::vector<uint64_t> lengths;
+};
+
+Status ParseDelta(const std::string& delta, ParsedDelta* d) {
   auto bad = [](const std::string& why) { return InvalidArgument("a copy's delta is malformed: " + why); };
   if (delta.size() < 8 * 8 + 8 || std::memcmp(delta.data(), kDeltaMagic, 8) != 0) return bad("too short");
   const uint64_t body = delta.size() - 8;
@@ -138,36 +149,75 @@ Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std
   std::memcpy(&sum, delta.data() + body, 8);
   if (XXH3_64bits(delta.data(), body) != sum) return bad("checksum mismatch");
   DeltaReader r{delta.data() + 24, body - 24};
-  uint64_t full = 0, full_sum = 0, head = 0, payload = 0, runs = 0;
-  if (!r.U64(&full) || !r.U64(&full_sum) || !r.U64(&head)) return bad("cut short");
-  const char* head_bytes = r.Take(head);
-  if (head_bytes == nullptr || !r.U64(&payload) || !r.U64(&runs)) return bad("cut short");
-  if (head < 16 || full != head + payload + 8) return bad("its sizes do not add up");
-  // The base's payload. (The base was verified when it was kept; what is rebuilt is verified below.)
-  uint64_t base_head = 0, base_payload = 0;
-  PSD_RETURN_IF_ERROR(SerializedPayload(base, &base_head, &base_payload));
-  if (base_payload != payload) {
-    return InvalidArgument("a copy's delta is of another base's layout (its payload: " + std::to_string(payload) +
-                           " bytes; the base's: " + std::to_string(base_payload) + ")");
-  }
-  std::string rebuilt = std::move(*out);  // its storage: a copy of the same size needs no new pages
-  rebuilt.clear();
-  rebuilt.reserve(full);
-  rebuilt.append(head_bytes, head);
-  rebuilt.append(base, base_head, payload);
+  uint64_t runs = 0;
+  if (!r.U64(&d->full) || !r.U64(&d->full_sum) || !r.U64(&d->head_size)) return bad("cut short");
+  d->head = r.Take(d->head_size);
+  if (d->head == nullptr || !r.U64(&d->payload) || !r.U64(&runs)) return bad("cut short");
+  if (d->head_size < 16 || d->full != d->head_size + d->payload + 8) return bad("its sizes do not add up");
   for (uint64_t i = 0; i < runs; ++i) {
     uint64_t offset = 0, length = 0;
     if (!r.U64(&offset) || !r.U64(&length)) return bad("cut short");
     const char* data = r.Take(length);
-    if (data == nullptr || offset > payload || length > payload - offset) return bad("a run outside the payload");
-    std::memcpy(rebuilt.data() + head + offset, data, length);
+    if (data == nullptr || offset > d->payload || length > d->payload - offset) return bad("a run outside the payload");
+    d->runs.emplace_back(offset, data);
+    d->lengths.push_back(length);
   }
   if (r.left != 0) return bad("trailing bytes");
-  PutU64(&rebuilt, full_sum);
-  Status s = VerifySerializedSnapshot(rebuilt, step);
+  return Status::Ok();
+}
+
+// Writes `d`'s runs over a payload that starts at `payload`.
+void ApplyRuns(const ParsedDelta& d, char* payload) {
+  for (size_t i = 0; i < d.runs.size(); ++i) std::memcpy(payload + d.runs[i].first, d.runs[i].second, d.lengths[i]);
+}
+
+// *out (head, payload) finished as `d`'s copy: its checksum, then verified.
+Status FinishRebuilt(const ParsedDelta& d, std::string* out, int64_t* step) {
+  PutU64(out, d.full_sum);
+  Status s = VerifySerializedSnapshot(*out, step);
   if (!s.ok()) return InvalidArgument("a copy rebuilt from its delta does not match its owner's: " + s.message());
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out, int64_t* step) {
+  ParsedDelta d;
+  PSD_RETURN_IF_ERROR(ParseDelta(delta, &d));
+  // The base's payload. (The base was verified when it was kept; what is rebuilt is verified below.)
+  uint64_t base_head = 0, base_payload = 0;
+  PSD_RETURN_IF_ERROR(SerializedPayload(base, &base_head, &base_payload));
+  if (base_payload != d.payload) {
+    return InvalidArgument("a copy's delta is of another base's layout (its payload: " + std::to_string(d.payload) +
+                           " bytes; the base's: " + std::to_string(base_payload) + ")");
+  }
+  std::string rebuilt = std::move(*out);  // its storage: a copy of the same size needs no new pages
+  rebuilt.clear();
+  rebuilt.reserve(d.full);
+  rebuilt.append(d.head, d.head_size);
+  rebuilt.append(base, base_head, d.payload);
+  ApplyRuns(d, rebuilt.data() + d.head_size);
+  PSD_RETURN_IF_ERROR(FinishRebuilt(d, &rebuilt, step));
   *out = std::move(rebuilt);
   return Status::Ok();
+}
+
+Status ReplaySnapshotDeltas(const std::vector<const std::string*>& deltas, std::string* copy, int64_t* step) {
+  if (deltas.empty()) return InvalidArgument("no delta to replay");
+  std::vector<ParsedDelta> parsed(deltas.size());
+  for (size_t i = 0; i < deltas.size(); ++i) PSD_RETURN_IF_ERROR(ParseDelta(*deltas[i], &parsed[i]));
+  uint64_t head = 0, payload = 0;
+  PSD_RETURN_IF_ERROR(SerializedPayload(*copy, &head, &payload));
+  const ParsedDelta& last = parsed.back();
+  // In place only when the payload stays where it is and keeps its size all along.
+  for (const ParsedDelta& d : parsed) {
+    if (d.payload != payload) return FailedPrecondition("the deltas change the copy's layout");
+  }
+  if (last.head_size != head) return FailedPrecondition("the deltas change the copy's layout");
+  for (const ParsedDelta& d : parsed) ApplyRuns(d, copy->data() + head);
+  std::memcpy(copy->data(), last.head, head);
+  copy->resize(head + payload);
+  return FinishRebuilt(last, copy, step);
 }
 
 }  // namespace psd::server

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "checkpoint/checkpoint.h"
 
@@ -29,6 +30,14 @@ bool IsSnapshotDelta(const std::string& bytes, uint64_t* base_id_a, int64_t* bas
 // INVALID_ARGUMENT: a malformed delta, or one of another base. The copy is built in *out's storage
 // (what it held is discarded; on an error *out is left empty).
 Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out, int64_t* step);
+// The same copy built in place, without copying its base: `*copy` holds a serialized copy C, and
+// `deltas` lead from C (the first one's base) to the copy the last one describes, each the
+// difference from the one before's result. Their runs are written over C's payload, the last
+// one's head over C's, and the result is verified as ApplySnapshotDelta's is (`step`).
+// FAILED_PRECONDITION (nothing written): a delta changes the payload's place or size.
+// INVALID_ARGUMENT: a malformed delta, or a result that does not match (the deltas were not a
+// chain from C); *copy is then garbage, to be rebuilt by ApplySnapshotDelta.
+Status ReplaySnapshotDeltas(const std::vector<const std::string*>& deltas, std::string* copy, int64_t* step);
 
 }  // namespace psd::server
 

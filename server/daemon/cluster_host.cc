@@ -233,7 +233,7 @@ void ServerShardHost::LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<p
     MutexLock spare_lock(&spare_->mu);
     if (spare_->bytes) spare = spare_->bytes->capacity();
   }
-  server_.metrics().SetReplicaKept(Bytes(own_), Bytes(held_) + spare);  // once a heartbeat
+  server_.metrics().SetReplicaKept(Bytes(own_), Bytes(held_) + Bytes(held_deltas_) + spare);  // once a heartbeat
 }
 
 std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepCopy(uint64_t epoch, const peer::LiveCopy& copy,
@@ -308,20 +308,68 @@ std::shared_ptr<const peer::CopyBytes> ServerShardHost::SerializedCopy(int owner
   return bytes;
 }
 
-std::shared_ptr<std::string> ServerShardHost::RebuiltCopyStorage() {
+std::unique_ptr<std::string> ServerShardHost::TakeSpare(std::optional<peer::LiveCopy>* holds) {
   std::unique_ptr<std::string> storage;
   {
     MutexLock lock(&spare_->mu);
     storage = std::move(spare_->bytes);
+    *holds = storage ? spare_->holds : std::nullopt;
+    spare_->holds.reset();
   }
   if (!storage) storage = std::make_unique<std::string>();
-  return std::shared_ptr<std::string>(storage.release(), [spare = std::weak_ptr<SpareCopy>(spare_)](std::string* p) {
-    std::unique_ptr<std::string> owned(p);
-    if (auto s = spare.lock()) {
-      MutexLock lock(&s->mu);
-      s->bytes = std::move(owned);  // the newest let go: the likeliest size of the next
-    }
-  });
+  return storage;
+}
+
+std::shared_ptr<const std::string> ServerShardHost::Rebuilt(std::unique_ptr<std::string> storage,
+                                                            const peer::LiveCopy& copy) {
+  return std::shared_ptr<const std::string>(
+      storage.release(), [spare = std::weak_ptr<SpareCopy>(spare_), copy](const std::string* p) {
+        std::unique_ptr<std::string> owned(const_cast<std::string*>(p));
+        if (auto s = spare.lock()) {
+          MutexLock lock(&s->mu);
+          s->bytes = std::move(owned);  // the newest let go: the likeliest size of the next
+          s->holds = copy;
+        }
+      });
+}
+
+Status ServerShardHost::Rebuild(const std::shared_ptr<const std::string>& delta, const peer::LiveCopy& base,
+                                const peer::LiveCopy& copy, std::shared_ptr<const std::string>* out, int64_t* step) {
+  std::shared_ptr<const std::string> base_bytes;
+  std::map<peer::LiveCopy, std::shared_ptr<const std::string>> deltas;
+  {
+    MutexLock lock(&mu_);
+    if (auto it = held_.find(base); it != held_.end()) base_bytes = it->second;
+    deltas = held_deltas_;
+  }
+  if (!base_bytes) {
+    return FailedPrecondition("the copy is a difference from step " + std::to_string(base.step) +
+                              ", which this shard does not keep");
+  }
+  std::optional<peer::LiveCopy> holds;
+  std::unique_ptr<std::string> storage = TakeSpare(&holds);
+  // The differences from the copy the spare still holds to the base, newest first, then replayed
+  // over it in order with the new one.
+  std::vector<const std::string*> chain{delta.get()};
+  peer::LiveCopy at = base;
+  while (holds && at != *holds && chain.size() <= deltas.size()) {
+    auto it = deltas.find(at);
+    if (it == deltas.end()) break;
+    chain.push_back(it->second.get());
+    uint64_t lineage = 0;
+    int64_t from = 0;
+    IsSnapshotDelta(*it->second, &lineage, &from);
+    at = peer::LiveCopy{lineage, from};
+  }
+  Status s = FailedPrecondition("no chain of differences from the spare copy");
+  if (holds && at == *holds) {
+    std::reverse(chain.begin(), chain.end());
+    s = ReplaySnapshotDeltas(chain, storage.get(), step);
+  }
+  // Otherwise (or when that did not give the owner's copy): the base copied, the runs written over.
+  if (!s.ok()) PSD_RETURN_IF_ERROR(ApplySnapshotDelta(*base_bytes, *delta, storage.get(), step));  // verified there
+  *out = Rebuilt(std::move(storage), copy);
+  return Status::Ok();
 }
 
 Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) {
@@ -329,21 +377,12 @@ Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::sha
   if (owner != server_.config().shard_index) {
     uint64_t base_lineage = 0;
     int64_t base_step = 0, step = -1;
+    std::shared_ptr<const std::string> delta;
     if (IsSnapshotDelta(*bytes, &base_lineage, &base_step)) {
       // The difference from a copy kept here: the whole copy is rebuilt from it (and checked
       // against the checksum of its owner's state).
-      std::shared_ptr<const std::string> base;
-      {
-        MutexLock lock(&mu_);
-        if (auto it = held_.find(peer::LiveCopy{base_lineage, base_step}); it != held_.end()) base = it->second;
-      }
-      if (!base) {
-        return FailedPrecondition("the copy is a difference from step " + std::to_string(base_step) +
-                                  ", which this shard does not keep");
-      }
-      std::shared_ptr<std::string> whole = RebuiltCopyStorage();
-      PSD_RETURN_IF_ERROR(ApplySnapshotDelta(*base, *bytes, whole.get(), &step));  // verified there
-      bytes = std::move(whole);
+      delta = std::move(bytes);
+      PSD_RETURN_IF_ERROR(Rebuild(delta, peer::LiveCopy{base_lineage, base_step}, copy, &bytes, &step));
     } else {
       PSD_RETURN_IF_ERROR(VerifySerializedSnapshot(*bytes, &step));
     }
@@ -353,7 +392,13 @@ Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::sha
     }
     MutexLock lock(&mu_);
     held_[copy] = std::move(bytes);
+    if (delta) {
+      held_deltas_[copy] = std::move(delta);
+    } else {
+      held_deltas_.erase(copy);
+    }
     Trim(&held_);
+    TrimDeltasLocked();
     return Status::Ok();
   }
   ShardSnapshot snap;
@@ -371,6 +416,13 @@ void ServerShardHost::DropCopies(std::optional<peer::LiveCopy> newest) {
   MutexLock lock(&mu_);
   own_.erase(newest ? own_.upper_bound(*newest) : own_.begin(), own_.end());
   held_.erase(newest ? held_.upper_bound(*newest) : held_.begin(), held_.end());
+  TrimDeltasLocked();
+}
+
+void ServerShardHost::TrimDeltasLocked() {
+  for (auto it = held_deltas_.begin(); it != held_deltas_.end();) {
+    it = held_.count(it->first) != 0 ? std::next(it) : held_deltas_.erase(it);
+  }
 }
 
 void ServerShardHost::RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) {

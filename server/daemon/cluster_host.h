@@ -96,17 +96,28 @@ class ServerShardHost : public ShardHost {
   // Replication: this shard's own committed states and its predecessor's, the newest two of each.
   std::map<peer::LiveCopy, ShardSnapshot> own_ GUARDED_BY(mu_);
   std::map<peer::LiveCopy, std::shared_ptr<const std::string>> held_ GUARDED_BY(mu_);  // serialized
+  // The difference each held copy was rebuilt from, if it was (keyed like held_).
+  std::map<peer::LiveCopy, std::shared_ptr<const std::string>> held_deltas_ GUARDED_BY(mu_);
   // The storage of the last copy rebuilt from a difference that was let go (trimmed, and not being
-  // sent on): the next one is rebuilt in it. A copy of a part over 32 MiB is otherwise mapped
-  // afresh every step, a page fault per 4 KiB (17% of a replicated sparse shard's CPU).
+  // sent on), and which copy's bytes it still holds: the next one is rebuilt in it, by replaying the
+  // differences from that copy to the base (held_deltas_) and the new one over it — no pass over
+  // the whole copy but its checksum. A copy of a part over 32 MiB is otherwise mapped afresh every
+  // step, a page fault per 4 KiB (17% of a replicated sparse shard's CPU), and copied from its base.
   struct SpareCopy {
     Mutex mu;
     std::unique_ptr<std::string> bytes GUARDED_BY(mu);
+    std::optional<peer::LiveCopy> holds GUARDED_BY(mu);
   };
   const std::shared_ptr<SpareCopy> spare_ = std::make_shared<SpareCopy>();
-  // A string for a rebuilt copy (the spare's storage when there is one) that goes back to the
-  // spare when its last holder lets go.
-  std::shared_ptr<std::string> RebuiltCopyStorage();
+  // The spare's storage (and the copy it holds), or a new string.
+  std::unique_ptr<std::string> TakeSpare(std::optional<peer::LiveCopy>* holds);
+  // Drops the differences of copies no longer held.
+  void TrimDeltasLocked() REQUIRES(mu_);
+  // `storage`, rebuilt as `copy`, to keep: it goes back to the spare when its last holder lets go.
+  std::shared_ptr<const std::string> Rebuilt(std::unique_ptr<std::string> storage, const peer::LiveCopy& copy);
+  // Rebuilds `delta` (from `base`, held here) into the spare's storage.
+  Status Rebuild(const std::shared_ptr<const std::string>& delta, const peer::LiveCopy& base,
+                 const peer::LiveCopy& copy, std::shared_ptr<const std::string>* out, int64_t* step) EXCLUDES(mu_);
   // Takeover: the thread running the newest stand-in (it joins the one before it first), the
   // stand-in once started, how many were started, and up to which one they were asked to stop
   // (also before it started).

@@ -526,6 +526,43 @@ TEST_CASE("a difference compares only the rows a copy lists as written since the
   CHECK(rebuilt == SerializeSnapshot(next));
 }
 
+TEST_CASE("a chain of differences replayed over the copy it starts from rebuilds the last one in place",
+          "[checkpoint][replicas]") {
+  // Steps 10 -> 11 -> 12 -> 13, a few rows each; the next shard still has step 10's bytes (the
+  // storage of a copy it let go) and the differences since.
+  std::vector<ShardSnapshot> steps{EmbeddingAtStep10()};
+  std::vector<std::string> deltas;
+  for (int k = 1; k <= 3; ++k) {
+    ShardSnapshot next = steps.back();
+    next.step = 10 + k;
+    auto changed = std::make_shared<Buffer>(*next.variables[0].value);
+    for (int row : {k, 100 * k, 4000 + k}) changed->as<float>()[row * 16] += static_cast<float>(k);
+    next.variables[0].value = changed;
+    deltas.push_back(SerializeSnapshotDelta(steps.back(), SerializeSnapshotInPieces(next), 7, next.step - 1));
+    REQUIRE_FALSE(deltas.back().empty());
+    steps.push_back(next);
+  }
+  const std::string want = SerializeSnapshot(steps.back());
+  std::string copy = SerializeSnapshot(steps[0]);
+  const char* storage = copy.data();
+  int64_t step = -1;
+  REQUIRE(ReplaySnapshotDeltas({&deltas[0], &deltas[1], &deltas[2]}, &copy, &step).ok());
+  CHECK(step == 13);
+  CHECK(copy == want);
+  CHECK(copy.data() == storage);  // in place
+  // One missing from the chain: the result is not the owner's copy, and it says so.
+  copy = SerializeSnapshot(steps[0]);
+  CHECK_THAT(ReplaySnapshotDeltas({&deltas[0], &deltas[2]}, &copy, &step).message(),
+             Catch::Contains("does not match its owner's"));
+  // A head of another size (a renamed variable) would move the payload: refused, nothing written.
+  ShardSnapshot renamed = steps[0];
+  renamed.variables[0].name = "embedding";
+  const std::string before = SerializeSnapshot(renamed);
+  copy = before;
+  CHECK(ReplaySnapshotDeltas({&deltas[0]}, &copy, &step).code() == Code::kFailedPrecondition);
+  CHECK(copy == before);
+}
+
 TEST_CASE("a copy sent as the difference from the one before rebuilds it bit for bit, and only on that base",
           "[checkpoint][replicas]") {
   // An embedding of 4096 rows of 16 floats and a small variable; the next step changes a few rows
