@@ -367,7 +367,9 @@ Status ServerShardHost::Rebuild(const std::shared_ptr<const std::string>& delta,
     s = ReplaySnapshotDeltas(chain, storage.get(), step);
   }
   // Otherwise (or when that did not give the owner's copy): the base copied, the runs written over.
-  if (!s.ok()) PSD_RETURN_IF_ERROR(ApplySnapshotDelta(*base_bytes, *delta, storage.get(), step));  // verified there
+  const bool replayed = s.ok();
+  if (!replayed) PSD_RETURN_IF_ERROR(ApplySnapshotDelta(*base_bytes, *delta, storage.get(), step));  // verified there
+  server_.metrics().OnReplicaRebuilt(replayed);
   *out = Rebuilt(std::move(storage), copy);
   return Status::Ok();
 }

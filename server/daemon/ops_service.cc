@@ -261,6 +261,11 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
               static_cast<double>(m.replica_sent()));
     w.Counter("psd_replica_received_bytes_total", "copies of other shards' state taken (serialized)",
               static_cast<double>(m.replica_received()));
+    w.Counter(
+        "psd_replica_rebuilt_total",
+        "copies taken as a difference, rebuilt in place over a copy let go (replayed) or from a copy of their base",
+        static_cast<double>(m.replica_replayed()), {{"how", "replayed"}});
+    w.Counter("psd_replica_rebuilt_total", "", static_cast<double>(m.replica_from_base()), {{"how", "from_base"}});
     w.Gauge("psd_replica_own_bytes", "this shard's own kept copies (the newest shares the engine's buffers)",
             static_cast<double>(m.replica_own()));
     w.Gauge("psd_replica_held_bytes", "the predecessor shard's copies kept here",

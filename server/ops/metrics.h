@@ -71,6 +71,11 @@ class Metrics {
   // predecessor's (the newest own copy shares its buffers with the engine).
   void OnReplicaSent(uint64_t n) { replica_sent_.fetch_add(n, std::memory_order_relaxed); }
   void OnReplicaReceived(uint64_t n) { replica_received_.fetch_add(n, std::memory_order_relaxed); }
+  // A copy that came as a difference, rebuilt here: replayed in place over the storage of a copy
+  // let go, or (no chain of differences from that copy) from a copy of its base.
+  void OnReplicaRebuilt(bool replayed) {
+    (replayed ? replica_replayed_ : replica_from_base_).fetch_add(1, std::memory_order_relaxed);
+  }
   void SetReplicaKept(uint64_t own, uint64_t held) {
     replica_own_.store(own, std::memory_order_relaxed);
     replica_held_.store(held, std::memory_order_relaxed);
@@ -116,6 +121,8 @@ class Metrics {
   uint64_t shm_bytes() const { return shm_bytes_.load(std::memory_order_relaxed); }
   uint64_t replica_sent() const { return replica_sent_.load(std::memory_order_relaxed); }
   uint64_t replica_received() const { return replica_received_.load(std::memory_order_relaxed); }
+  uint64_t replica_replayed() const { return replica_replayed_.load(std::memory_order_relaxed); }
+  uint64_t replica_from_base() const { return replica_from_base_.load(std::memory_order_relaxed); }
   uint64_t replica_own() const { return replica_own_.load(std::memory_order_relaxed); }
   uint64_t replica_held() const { return replica_held_.load(std::memory_order_relaxed); }
   uint64_t stand_ins_started() const { return stand_ins_started_.load(std::memory_order_relaxed); }
@@ -152,6 +159,7 @@ class Metrics {
 
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, shm_bytes_{0};
   std::atomic<uint64_t> replica_sent_{0}, replica_received_{0}, replica_own_{0}, replica_held_{0};
+  std::atomic<uint64_t> replica_replayed_{0}, replica_from_base_{0};
   std::atomic<uint64_t> stand_ins_started_{0};
   std::atomic<bool> stand_in_running_{false};
   std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0}, frame_timeouts_{0};
