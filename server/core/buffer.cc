@@ -149,6 +149,12 @@ void Buffer::MarkCopiedFrom(const Buffer& from) {
   changes_.clear();
 }
 
+void Buffer::TakeChangesOf(const Buffer& live) {
+  copied_from_.store(live.copied_from(), std::memory_order_relaxed);
+  changed_bytes_ = live.changed_bytes_;
+  changes_ = live.changes_;
+}
+
 void Buffer::MarkChanged(uint64_t offset, uint64_t length) {
   if (copied_from() == 0 || length == 0) return;
   if (!changes_.empty() && offset >= changes_.back().first &&

@@ -60,6 +60,11 @@ class Buffer {
   uint64_t id() const { return id_; }
   // Its bytes are now `from`'s: the changes are listed from here on.
   void MarkCopiedFrom(const Buffer& from);
+  // This buffer was just made as a copy of `live`, which lists its changes since some buffer X:
+  // this one now lists the same (its bytes differ from X's there only). For a buffer updated in
+  // place that is copied whole at each snapshot (an optimizer's slots), followed by
+  // live.MarkCopiedFrom(*this).
+  void TakeChangesOf(const Buffer& live);
   // Writable bytes for a writer that says with MarkChanged what it writes (before writing it).
   void* listed_data() { return words_.get(); }
   // Bytes [offset, offset + length) are about to be written. Once the list would grow past what

@@ -41,7 +41,12 @@ ShardSnapshot TrainingEngine::SnapshotLocked() {
     vs.placement = v->placement;
     auto names = v->opt->SlotNames();
     for (size_t k = 0; k < v->slots.size(); ++k) {
-      vs.slots.emplace_back(names[k], std::make_shared<Buffer>(v->slots[k]));
+      // Copied whole (slots are updated in place); the copy lists what a sparse step wrote since
+      // the previous snapshot's copy, and the slot lists from this one on.
+      auto copy = std::make_shared<Buffer>(v->slots[k]);
+      copy->TakeChangesOf(v->slots[k]);
+      v->slots[k].MarkCopiedFrom(*copy);
+      vs.slots.emplace_back(names[k], std::move(copy));
     }
     snap.variables.push_back(std::move(vs));
   }

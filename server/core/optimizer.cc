@@ -202,9 +202,14 @@ void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
   std::vector<T*> sp(slots.size());
   T* value = static_cast<T*>(a.value);
   const T* grad = static_cast<const T*>(a.grad);
+  const uint64_t row_bytes = static_cast<uint64_t>(a.row_elements) * sizeof(T);
   for (int64_t i = 0; i < a.num_rows; ++i) {
     int64_t off = a.rows[i] * a.row_elements;
-    for (size_t k = 0; k < slots.size(); ++k) sp[k] = slots[k].as<T>() + off;
+    for (size_t k = 0; k < slots.size(); ++k) {
+      // The slot rows written are listed (replication's difference of the slots' next copy).
+      slots[k].MarkChanged(static_cast<uint64_t>(a.rows[i]) * row_bytes, row_bytes);
+      sp[k] = static_cast<T*>(slots[k].listed_data()) + off;
+    }
     // In place: each element is read before it is written.
     range(value + off, grad + i * a.row_elements, value + off, sp.data());
   }

@@ -312,7 +312,7 @@ TEST_CASE("deterministic reduction needs --mode sync", "[config][deterministic]"
   CHECK(s.message().find("--deterministic needs --mode sync") != std::string::npos);
 }
 
-TEST_CASE("a sparse step on a value a kept copy shares lists the rows it wrote in the copy it makes",
+TEST_CASE("a sparse step lists the rows it wrote in the value copy it makes and in the slots copy of the next snapshot",
           "[engine][sparse][replicas]") {
   auto e = Make(Cfg(1, 1));
   e->set_keep_committed(true);
@@ -332,6 +332,34 @@ TEST_CASE("a sparse step on a value a kept copy shares lists the rows it wrote i
   auto changes = after.changes();  // the rows as the step applied them (the order is the accumulator's)
   std::sort(changes.begin(), changes.end());
   CHECK(changes == std::vector<std::pair<uint64_t, uint64_t>>{{2 * 16, 16}, {9 * 16, 16}});
+  // Slots (updated in place) are copied at each snapshot; the copy lists the slot rows a sparse
+  // step wrote since the previous snapshot's copy.
+  auto a = Make([] {
+    auto c = Cfg(1, 1);
+    c.optimizer.name = "adam";
+    return c;
+  }());
+  a->set_keep_committed(true);
+  Create(*a, "emb", std::vector<float>(16 * 4, 1.0f), {16, 4});
+  REQUIRE(PushSparse(*a, 0, "emb", {3}, {1, 1, 1, 1}, 4).accepted);
+  auto slots_before = a->TakeCommitted();
+  REQUIRE(PushSparse(*a, 1, "emb", {2, 9}, std::vector<float>(8, 1.0f), 4).accepted);
+  auto slots_after = a->TakeCommitted();
+  REQUIRE(slots_before);
+  REQUIRE(slots_after);
+  const auto& s0 = slots_before->variables[0].slots;
+  const auto& s1 = slots_after->variables[0].slots;
+  REQUIRE(s0.size() == 2);  // m, v
+  REQUIRE(s1.size() == 2);
+  for (size_t k = 0; k < 2; ++k) {
+    INFO(s1[k].first);
+    CHECK(s1[k].second->copied_from() == s0[k].second->id());
+    auto rows_written = s1[k].second->changes();
+    std::sort(rows_written.begin(), rows_written.end());
+    CHECK(rows_written == std::vector<std::pair<uint64_t, uint64_t>>{{2 * 16, 16}, {9 * 16, 16}});
+    CHECK(s0[k].second->as<float>()[9 * 4] == 0.0f);  // the earlier copy is as it was
+    CHECK(s1[k].second->as<float>()[9 * 4] != 0.0f);
+  }
   // A dense step writes a whole new value and lists nothing: the next copy is compared whole.
   auto d = Make(Cfg(1, 1));
   d->set_keep_committed(true);
