@@ -137,8 +137,12 @@ struct ParsedDelta {
   uint64_t full = 0, full_sum = 0, payload = 0;
   const char* head = nullptr;
   uint64_t head_size = 0;
-  std::vector<std::pair<uint64_t, const char*>> runs;  // (offset in the payload, its bytes)
-  std::vector<uint64_t> lengths;
+  struct Run {
+    uint64_t offset;  // in the payload
+    uint64_t length;
+    const char* data;
+  };
+  std::vector<Run> runs;
 };
 
 Status ParseDelta(const std::string& delta, ParsedDelta* d) {
@@ -159,8 +163,7 @@ Status ParseDelta(const std::string& delta, ParsedDelta* d) {
     if (!r.U64(&offset) || !r.U64(&length)) return bad("cut short");
     const char* data = r.Take(length);
     if (data == nullptr || offset > d->payload || length > d->payload - offset) return bad("a run outside the payload");
-    d->runs.emplace_back(offset, data);
-    d->lengths.push_back(length);
+    d->runs.push_back({offset, length, data});
   }
   if (r.left != 0) return bad("trailing bytes");
   return Status::Ok();
@@ -168,7 +171,7 @@ Status ParseDelta(const std::string& delta, ParsedDelta* d) {
 
 // Writes `d`'s runs over a payload that starts at `payload`.
 void ApplyRuns(const ParsedDelta& d, char* payload) {
-  for (size_t i = 0; i < d.runs.size(); ++i) std::memcpy(payload + d.runs[i].first, d.runs[i].second, d.lengths[i]);
+  for (const ParsedDelta::Run& run : d.runs) std::memcpy(payload + run.offset, run.data, run.length);
 }
 
 // *out (head, payload) finished as `d`'s copy: its checksum, then verified.
