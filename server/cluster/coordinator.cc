@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <iterator>
 #include <type_traits>
+#include <utility>
 #include <variant>
 
 #include "cluster/election.h"
@@ -12,12 +13,14 @@
 namespace psd::server {
 
 ClusterCoordinator::ClusterCoordinator(ClusterOptions options, ShardHost& host, PeerNetwork& network,
-                                       std::function<Clock::time_point()> now, std::function<void()> wake)
+                                       std::function<Clock::time_point()> now, std::function<void()> wake,
+                                       std::function<void(std::function<void()>)> lane)
     : options_(std::move(options)),
       host_(host),
       network_(network),
       now_(std::move(now)),
       wake_(std::move(wake)),
+      lane_(std::move(lane)),
       me_(options_.me),
       shards_(options_.shards()),
       started_(now_()),
@@ -187,9 +190,20 @@ void ClusterCoordinator::Tick() {
     }
     TickLocked(&actions);
     hb = HeartbeatLocked();
+    ToLaneLocked(&actions);
   }
   SendToAll(hb, /*include_self=*/false);
-  for (auto& a : actions) a();
+  RunActions(&actions);
+}
+
+void ClusterCoordinator::ToLaneLocked(std::vector<Action>* actions) {
+  if (!lane_ || actions->empty()) return;
+  lane_([batch = std::exchange(*actions, {})]() mutable { RunActions(&batch); });
+}
+
+void ClusterCoordinator::RunActions(std::vector<Action>* actions) {
+  for (auto& a : *actions) a();
+  actions->clear();
 }
 
 void ClusterCoordinator::DegradeLocked(const std::string& why, std::vector<Action>* actions) {
@@ -401,8 +415,9 @@ void ClusterCoordinator::OnMessage(int from, const peer::Message& msg) {
           }
         },
         msg.body);
+    ToLaneLocked(&actions);
   }
-  for (auto& a : actions) a();
+  RunActions(&actions);
 }
 
 void ClusterCoordinator::HandlePrepared(int from, uint64_t term, const peer::Prepared& p,

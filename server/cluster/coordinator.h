@@ -146,8 +146,16 @@ class ClusterCoordinator : public PeerEvents {
   // `host`, `network` must outlive the coordinator. `now`: the clock (steady_clock::now in the
   // daemon). `wake`: asks the owner to call Tick() soon, never inside the calling function (a
   // lost link, an operator's decision: react before the next heartbeat); may be empty.
+  // `lane`: where the coordinator's actions run (applying a committed step and copying it for the
+  // next shard, rebuilding a copy that came, answering waiters, sending what was decided): each
+  // batch is handed over in the order it was decided, while the coordinator's lock is held, and
+  // must run later, in that order, never inside the call (the daemon's is a thread of its own, so
+  // a commit or a copy that takes seconds never holds back a heartbeat sent or heard, and never
+  // makes a live shard look gone). Empty: each batch runs in the thread that decided it, once
+  // the lock is let go (the messages of one link then wait for the actions of the one before).
   ClusterCoordinator(ClusterOptions options, ShardHost& host, PeerNetwork& network,
-                     std::function<Clock::time_point()> now = &Clock::now, std::function<void()> wake = {});
+                     std::function<Clock::time_point()> now = &Clock::now, std::function<void()> wake = {},
+                     std::function<void(std::function<void()>)> lane = {});
   ~ClusterCoordinator() override = default;
 
   // Scans the checkpoints (through the host). The owner then opens the links and calls Tick()
@@ -222,6 +230,10 @@ class ClusterCoordinator : public PeerEvents {
 
  private:
   using Action = std::function<void()>;
+  // A batch of actions decided under the lock: handed to the lane (left empty), or left to run
+  // after the lock by RunActions.
+  void ToLaneLocked(std::vector<Action>* actions) REQUIRES(mu_);
+  static void RunActions(std::vector<Action>* actions);
   struct Peer {
     int connections = 0;  // open incoming links from it
     Clock::time_point last_heard{};
@@ -425,6 +437,7 @@ class ClusterCoordinator : public PeerEvents {
   PeerNetwork& network_;
   const std::function<Clock::time_point()> now_;
   const std::function<void()> wake_;
+  const std::function<void(std::function<void()>)> lane_;
   const int me_;
   const int shards_;
   const Clock::time_point started_;

@@ -376,8 +376,9 @@ void ClusterCoordinator::StartArrivalCopy(uint64_t epoch) {
             pending.generation = generation;
             ack_ = std::move(pending);
           }
+          ToLaneLocked(&actions);
         }
-        for (auto& a : actions) a();
+        RunActions(&actions);
         if (copy && bytes) SendCopy(Successor(), epoch, me_, *copy, /*restore=*/false, bytes);
       });
 }

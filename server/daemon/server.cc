@@ -14,6 +14,31 @@
 
 namespace psd::server {
 
+namespace {
+
+// Runs `io`'s handlers until it is stopped or out of work. busy_poll (--busy-poll): ready handlers
+// run at once, never after a sleep in epoll_wait.
+void Serve(asio::io_context& io, bool busy_poll) {
+  for (;;) {
+    try {
+      if (!busy_poll) {
+        io.run();
+        return;
+      }
+      // poll() returns 0 with the context stopped once it runs out of work, like run().
+      while (!io.stopped()) {
+        if (io.poll() == 0) std::this_thread::yield();
+      }
+      return;
+    } catch (const std::exception& e) {
+      // A handler threw (e.g. out of memory building a reply): log and keep serving.
+      spdlog::error("unexpected exception in an I/O handler: {}", e.what());
+    }
+  }
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Server>> Server::Create(ServerConfig config) {
   PSD_RETURN_IF_ERROR(config.Validate());
   std::shared_ptr<wire::ssl::context> tls, peer_tls;
@@ -155,7 +180,8 @@ Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
     options.links = config_.peer_links;
     coordinator_ = std::make_unique<ClusterCoordinator>(
         std::move(options), *cluster_host_, *peer_network_, &std::chrono::steady_clock::now,
-        [this] { asio::post(cluster_strand_, [this] { coordinator_->Tick(); }); });
+        [this] { asio::post(cluster_strand_, [this] { coordinator_->Tick(); }); },
+        [this](std::function<void()> batch) { asio::post(cluster_lane_, std::move(batch)); });
     peer_network_->set_events(coordinator_.get());
   }
   ops_ = std::make_unique<ops::OpsService>(*this, io_);
@@ -371,6 +397,9 @@ Status Server::Start() {
                  config_.cluster[static_cast<size_t>(config_.shard_index)]);
   }
   if (coordinator_) {
+    cluster_lane_work_ =
+        std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(cluster_lane_.get_executor());
+    cluster_lane_thread_ = std::thread([this] { Serve(cluster_lane_, false); });
     coordinator_->Start();  // before anything is accepted
     peer_network_->Start();
     asio::dispatch(cluster_strand_, [this] { ScheduleClusterTick(); });
@@ -382,28 +411,9 @@ Status Server::Start() {
   ScheduleSummary();
   ScheduleCheckpointTimer();
   // The control plane's thread, then one per connections' io_context (--busy-poll polls those).
-  auto serve = [](asio::io_context& io, bool busy_poll) {
-    for (;;) {
-      try {
-        if (!busy_poll) {
-          io.run();
-          return;
-        }
-        // --busy-poll: ready handlers run at once, never after a sleep in epoll_wait. poll()
-        // returns 0 with the context stopped once it runs out of work, like run().
-        while (!io.stopped()) {
-          if (io.poll() == 0) std::this_thread::yield();
-        }
-        return;
-      } catch (const std::exception& e) {
-        // A handler threw (e.g. out of memory building a reply): log and keep serving.
-        spdlog::error("unexpected exception in an I/O handler: {}", e.what());
-      }
-    }
-  };
-  threads_.emplace_back([this, serve] { serve(io_, false); });
+  threads_.emplace_back([this] { Serve(io_, false); });
   for (auto& io : conn_ios_) {
-    threads_.emplace_back([this, serve, ctx = io.get()] { serve(*ctx, config_.busy_poll); });
+    threads_.emplace_back([this, ctx = io.get()] { Serve(*ctx, config_.busy_poll); });
   }
   spdlog::info(
       "psd listening on {}:{} (mode={} R={} total={} tokens/step={} init tokens={} optimizer={} lr={} {}; {} I/O "
@@ -704,6 +714,9 @@ void Server::Stop() {
   asio::post(deadline_strand_, [this] { step_deadline_.cancel(); });
   if (coordinator_) {
     coordinator_->Stop();
+    // The actions decided before: run (answers owed, a copy being kept), nothing new after.
+    cluster_lane_work_.reset();
+    if (cluster_lane_thread_.joinable()) cluster_lane_thread_.join();
     asio::post(cluster_strand_, [this] { cluster_tick_.cancel(); });
     peer_network_->Stop();  // after up to ~1 s for queued messages
     cluster_host_->Join();  // a restore's completion calls the coordinator

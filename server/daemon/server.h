@@ -209,7 +209,14 @@ class Server : public ServiceHost {
   std::unique_ptr<TcpPeerNetwork> peer_network_;
   std::unique_ptr<ClusterCoordinator> coordinator_;  // after io_ and the two above: destroyed before them
   asio::strand<asio::io_context::executor_type> cluster_strand_;
-  asio::steady_timer cluster_tick_;       // on cluster_strand_
+  asio::steady_timer cluster_tick_;  // on cluster_strand_
+  // The coordinator's lane: its actions (a committed step applied and copied for the next shard, a
+  // copy that came rebuilt, ...) run on this thread of their own, one at a time in the order they
+  // were decided, never on the threads that send and hear heartbeats. Drained and joined in Stop()
+  // once the coordinator stopped, before the host's threads are.
+  asio::io_context cluster_lane_{1};
+  std::unique_ptr<asio::executor_work_guard<asio::io_context::executor_type>> cluster_lane_work_;
+  std::thread cluster_lane_thread_;
   std::unique_ptr<ops::OpsService> ops_;  // after io_: destroyed before it
   asio::steady_timer ready_timer_;
   uint16_t port_ = 0;

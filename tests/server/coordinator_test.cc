@@ -10,7 +10,10 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <functional>
 #include <string>
+#include <type_traits>
+#include <variant>
 #include <vector>
 
 using namespace psd;
@@ -348,4 +351,101 @@ TEST_CASE("coordinator: a seal goes with a restore order only to a shard whose p
   auto order = CheckpointOrder(99);
   REQUIRE(order.has_value());
   CHECK(order->step == 2);
+}
+
+namespace {
+
+// A host whose restores finish at once and that records the steps it is asked to commit.
+class CommitRecordingHost : public RecordingHost {
+ public:
+  Status CommitStep(uint64_t, int64_t step, bool, double) override {
+    commits.push_back(step);
+    return Status::Ok();
+  }
+  void RestoreAsync(uint64_t epoch, int64_t, const std::vector<peer::PartInfo>&, RestoreDone done) override {
+    restores.push_back(epoch);
+    done(Status::Ok(), {});
+  }
+  std::vector<int64_t> commits;
+};
+
+int CountSent(const RecordingNetwork& network, int to, auto is_kind) {
+  return static_cast<int>(std::count_if(network.sent.begin(), network.sent.end(), [&](const auto& sent) {
+    return sent.first == to && std::visit(is_kind, sent.second.body);
+  }));
+}
+
+}  // namespace
+
+// The daemon runs a coordinator's actions on a lane of their own: a commit whose apply and copy
+// take seconds must not hold back the heartbeats this shard sends, nor those it hears (they come
+// on the same link as the commit). Here the lane holds the commit's batch for ten election
+// timeouts: the chief's heartbeats keep it the chief, this shard's go out at every tick, and the
+// commit runs, then is answered, once the lane runs it.
+TEST_CASE("coordinator: actions wait on the lane while heartbeats go on", "[cluster][lane]") {
+  ClusterOptions options;
+  options.me = 1;
+  options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
+  options.heartbeat_ms = 20;
+  options.election_timeout_ms = 200;
+  Clock::time_point now = Clock::time_point{} + std::chrono::hours(1);
+  CommitRecordingHost host;
+  RecordingNetwork network;
+  std::vector<std::function<void()>> lane;
+  auto run_lane = [&] {
+    // In order; a batch may hand over more (a restore that finished decides the reply).
+    for (size_t i = 0; i < lane.size(); ++i) {
+      auto batch = std::move(lane[i]);
+      batch();
+    }
+    lane.clear();
+  };
+  ClusterCoordinator c(
+      options, host, network, [&] { return now; }, {},
+      [&](std::function<void()> batch) { lane.push_back(std::move(batch)); });
+  c.Start();
+  c.OnPeerUp(0);
+  c.OnPeerUp(2);
+  auto chief_heartbeat = [&] {
+    peer::Heartbeat hb;
+    hb.chief = 0;
+    hb.epoch = 3;
+    hb.running = true;
+    hb.ready = true;
+    hb.address = options.addresses[0];
+    c.OnMessage(0, peer::Message{0, 3, hb});
+  };
+  chief_heartbeat();
+  peer::Restore restore;
+  restore.epoch = 3;
+  restore.step = -1;  // start empty
+  c.OnMessage(0, peer::Message{0, 3, restore});
+  CHECK(host.restores.empty());  // decided, not run inside the call
+  run_lane();
+  REQUIRE(host.restores == std::vector<uint64_t>{3});
+  auto is_restored = [](const auto& body) { return std::is_same_v<std::decay_t<decltype(body)>, peer::Restored>; };
+  REQUIRE(CountSent(network, 0, is_restored) == 1);
+
+  peer::Commit commit;
+  commit.epoch = 3;
+  commit.step = 0;
+  c.OnMessage(0, peer::Message{0, 3, commit});
+  CHECK(host.commits.empty());
+  REQUIRE(!lane.empty());
+  auto is_heartbeat = [](const auto& body) { return std::is_same_v<std::decay_t<decltype(body)>, peer::Heartbeat>; };
+  const int before = CountSent(network, 2, is_heartbeat);
+  for (int i = 0; i < 100; ++i) {  // 2 s: ten election timeouts, the lane held
+    now += std::chrono::milliseconds(20);
+    chief_heartbeat();
+    c.Tick();
+    REQUIRE(c.chief() == 0);
+  }
+  CHECK(CountSent(network, 2, is_heartbeat) - before == 100);
+  CHECK(host.commits.empty());
+  auto is_committed = [](const auto& body) { return std::is_same_v<std::decay_t<decltype(body)>, peer::Committed>; };
+  CHECK(CountSent(network, 0, is_committed) == 0);
+  run_lane();
+  CHECK(host.commits == std::vector<int64_t>{0});
+  CHECK(CountSent(network, 0, is_committed) == 1);
+  CHECK(c.Describe().term == 3);
 }

@@ -122,6 +122,7 @@ struct Shard {
   std::unique_ptr<FakeHost> host;
   std::unique_ptr<Endpoint> net;
   std::unique_ptr<ClusterCoordinator> coord;
+  int64_t lane_at = 0;  // SimOptions::lane_ms: when the batch handed to its lane last runs
 };
 
 // from's outgoing link to `to` (= to's incoming connection from `from`).
@@ -764,13 +765,24 @@ void Sim::StartShard(int s, std::vector<std::string> links) {
   opt.stand_in = sh.stand_in;
   if (o_.takeover && !sh.stand_in) opt.takeover_after = std::chrono::milliseconds(o_.takeover_after_ms);
   uint64_t life = sh.life;
+  std::function<void(std::function<void()>)> lane;
+  if (o_.lane_ms > 0) {
+    // Later than decided, in order (events at one time run in the order they were queued): one
+    // batch in thirty is a long one (a big commit or copy), and those after it wait.
+    lane = [this, s](std::function<void()> batch) {
+      Shard& at = shard(s);
+      at.lane_at = std::max(at.lane_at, now_ + (Chance(0.03) ? Uniform(0, o_.lane_ms) : Uniform(0, 3)));
+      Later(s, at.lane_at, [batch = std::move(batch)](Shard&) { batch(); });
+    };
+  }
   sh.coord = std::make_unique<ClusterCoordinator>(
       std::move(opt), *sh.host, *sh.net, [this] { return clock(); },
       [this, s, life] {
         At(now_, [this, s, life] {
           if (shard(s).up && shard(s).life == life) shard(s).coord->Tick();
         });
-      });
+      },
+      std::move(lane));
   if (sh.stand_in) sh.coord->SetAddress(sh.address);
   sh.coord->Start();
   ScheduleTick(s);
@@ -1409,8 +1421,9 @@ SimResult RunSimulation(const SimOptions& options) {
 }
 
 std::string Describe(const SimOptions& o, const SimResult& r, size_t max_trace_lines) {
-  std::string out = fmt::format("cluster simulation: seed {} shards {} fault_ms {} target_step {} -> {}\n", o.seed,
-                                o.shards, o.fault_ms, o.target_step, r.ok ? std::string("ok") : "FAILED " + r.failure);
+  std::string out =
+      fmt::format("cluster simulation: seed {} shards {} fault_ms {} target_step {} lane_ms {} -> {}\n", o.seed,
+                  o.shards, o.fault_ms, o.target_step, o.lane_ms, r.ok ? std::string("ok") : "FAILED " + r.failure);
   out += fmt::format("faults ({}):\n", r.faults.size());
   for (auto& f : r.faults) out += "  " + f + "\n";
   if (!r.trace.empty()) {

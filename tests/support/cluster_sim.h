@@ -79,6 +79,12 @@ struct SimOptions {
   // restores every push a shard acknowledged for its part (a shard's state is the chain of the
   // pushes it applied, so the sim knows which a restored state holds).
   bool async = false;
+  // The daemon's lane (ClusterCoordinator's `lane`): > 0, each batch of a shard's actions (a commit
+  // applied and copied, a copy rebuilt, replies sent) runs after it was decided, in the order
+  // decided — one in thirty up to this long after (a big commit or copy), the others within 3 ms
+  // of the one before — while the shard's heartbeats and the messages it hears go on; a crash
+  // drops the batches not yet run. 0: each batch runs as it is decided (the coordinator's default).
+  int64_t lane_ms = 0;
 };
 
 struct SimResult {
