@@ -10,14 +10,11 @@
 #   status_page_stand_in_test.sh PSD WORKER [SCREENSHOT_DIR]
 set -u -o pipefail
 psd=$1 worker=$2 shots=${3:-} steps=1000000
-chromium=$(command -v chromium || true)
-if [ -z "$chromium" ]; then
-  echo "SKIP: Debian's chromium is not installed (deploy/install_deps.sh installs it)"
-  exit 77
-fi
 source "$(dirname "$0")/cluster_lib.sh"
 source "$(dirname "$0")/replica_lib.sh"
+source "$(dirname "$0")/chrome_lib.sh"
 begin_e2e
+need_chromium
 reserve_cluster 3
 start_shard() {  # replica_lib's, with a status page whose port goes to $run/mport-$1
   timeout 300 "${serve_on[@]}" "$(port_of "$cluster" "$1")" -- "$psd" "${flags[@]}" --shard-index "$1" --listen-fd 3 \
@@ -51,12 +48,6 @@ done
 chief=$(chief_of)
 echo "shard $k killed; shard $host stands in for it; shard $chief is the chief"
 
-chrome() {
-  local profile=$1
-  shift
-  timeout 60 "$chromium" --headless --no-sandbox --disable-gpu --no-first-run --disable-background-networking \
-    --disable-component-update --disable-sync --user-data-dir="$run/chrome-$profile" "$@" 2>> "$run/chrome.log"
-}
 page() { echo "http://127.0.0.1:$(cat "$run/mport-$1")/"; }
 # The stand-in's row: "shard K: serving, step N, ..." (the page polls /status.json every second).
 stand_in_step() { sed -n "s/.*<th>standing in for<\/th><td>shard $k: serving, step \([0-9][0-9]*\), [1-9][0-9]* variables\{0,1\},.*/\1/p" | head -1; }
@@ -76,13 +67,5 @@ grep -q "<th>state</th><td>running</td>" "$run/chief.html" || fail "the chief's 
 grep -q "<th>missing</th><td>none</td>" "$run/chief.html" || fail "the chief's page shows a shard missing"
 echo "status page of shard $host: standing in for shard $k, serving, step $s1 then $s2; the chief's page: running, none missing"
 
-chrome 4 --virtual-time-budget=3000 --window-size=1280,1150 --screenshot="$run/stand_in.png" "$(page "$host")" \
-  > /dev/null || fail "no screenshot"
-size=$(stat -c %s "$run/stand_in.png")
-[ "$size" -gt 20000 ] || fail "the screenshot is suspiciously small ($size bytes)"
-if [ -n "$shots" ]; then
-  mkdir -p "$shots"
-  cp "$run/stand_in.png" "$shots/status_page_stand_in.png"
-  echo "screenshot: $shots/status_page_stand_in.png ($size bytes)"
-fi
+screenshot "$(page "$host")" status_page_stand_in.png "$shots"
 echo "PASS: status page of a stand-in"

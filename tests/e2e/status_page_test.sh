@@ -5,15 +5,12 @@
 #   status_page_test.sh PSD WORKER [SCREENSHOT_DIR]
 set -euo pipefail
 psd=$1 worker=$2 shots=${3:-}
-chromium=$(command -v chromium || true)
-if [ -z "$chromium" ]; then
-  echo "SKIP: Debian's chromium is not installed (deploy/install_deps.sh installs it)"
-  exit 77
-fi
 run=$(mktemp -d)
 pids=()
 source "$(dirname "$0")/cluster_lib.sh"
+source "$(dirname "$0")/chrome_lib.sh"
 trap stop_all EXIT
+need_chromium
 
 timeout 120 "$psd" --port 0 --port-file "$run/port" --metrics-port 0 --metrics-port-file "$run/mport" \
   -R 2 -B 1 --init-tokens 0 --learning-rate 0.5 --exit-when-done 2> "$run/psd.log" &
@@ -28,12 +25,6 @@ for i in 0 1 2; do
   pids+=($!)
 done
 
-chrome() {
-  local profile=$1
-  shift
-  timeout 60 "$chromium" --headless --no-sandbox --disable-gpu --no-first-run --disable-background-networking \
-    --disable-component-update --disable-sync --user-data-dir="$run/chrome-$profile" "$@" 2>> "$run/chrome.log"
-}
 # The page polls /status.json every second; 3 s of virtual time let it render a few times.
 step_of() { sed -n 's/.*id="global-step">\([0-9][0-9]*\)<.*/\1/p' | head -1; }
 sleep 1
@@ -52,13 +43,5 @@ grep -q '<td>logreg/w</td>' "$run/dom2.html" || fail "the placement table does n
 [ "$s2" -gt "$s1" ] || fail "the global step did not move between two loads ($s1 then $s2)"
 echo "status page: global step $s1 then $s2, 3 workers listed"
 
-chrome 3 --virtual-time-budget=3000 --window-size=1280,1150 --screenshot="$run/status_page.png" \
-  "http://127.0.0.1:$mport/" > /dev/null || fail "no screenshot"
-size=$(stat -c %s "$run/status_page.png")
-[ "$size" -gt 20000 ] || fail "the screenshot is suspiciously small ($size bytes)"
-if [ -n "$shots" ]; then
-  mkdir -p "$shots"
-  cp "$run/status_page.png" "$shots/status_page.png"
-  echo "screenshot: $shots/status_page.png ($size bytes)"
-fi
+screenshot "http://127.0.0.1:$mport/" status_page.png "$shots"
 echo "PASS: status page"
