@@ -420,6 +420,7 @@ struct PeerCopyRef {
   copy @1 :PeerCopy;
   newest @2 :Bool;          # a fetch (async/ssp): the newest copy kept if newer than `copy` (the
                             # fetcher's own newest; lineage 0, step -1: none), else an empty answer
+  sendWhole @3 :Bool;       # an ack: the copy came as a difference not usable here; send it whole
 }
 
 struct PeerStep {

@@ -264,6 +264,7 @@ class ClusterCoordinator : public PeerEvents {
     std::shared_ptr<const peer::CopyBytes> bytes;  // sent again if no ack comes
     Clock::time_point sent{};
     uint64_t generation = 0;
+    bool sent_whole = false;  // sent again whole at the next shard's word (once: then the timeout's)
   };
   // Async/ssp: a reply waiting for a copy (AfterReplicated), registered when `generation` copies
   // had begun: any later copy holds what it waits for.

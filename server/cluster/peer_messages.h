@@ -216,10 +216,13 @@ struct ReplicaChunk {
   bool operator==(const ReplicaChunk&) const = default;
 };
 
-// To the owner: its copy is kept whole here.
+// To the owner: its copy is kept whole here. `send_whole`: it is not — the copy came as a
+// difference this shard could not use (its base is not kept here, a restart lost it, or the
+// result did not match): send it whole now, rather than after the ack's timeout.
 struct ReplicaAck {
   uint64_t epoch = 0;
   LiveCopy copy;
+  bool send_whole = false;
   bool operator==(const ReplicaAck&) const = default;
 };
 

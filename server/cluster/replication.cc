@@ -253,10 +253,15 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   incoming_.erase({c.owner, c.restore});
   if (!c.restore) {
     peer::Message ack = MessageLocked(peer::ReplicaAck{c.epoch, c.copy});
-    actions->push_back([this, from, copy = c.copy, bytes, ack] {
+    peer::Message refusal = ack;
+    std::get<peer::ReplicaAck>(refusal.body).send_whole = true;
+    actions->push_back([this, from, copy = c.copy, bytes, ack, refusal] {
       Status s = host_.TakeCopy(from, copy, bytes);
       if (!s.ok()) {
-        spdlog::error("cluster: shard {}'s copy of step {} is unusable: {}", from, copy.step, s.message());
+        // A difference from a copy lost here (a restart) is of no use; the copy whole needs no base.
+        spdlog::error("cluster: shard {}'s copy of step {} is unusable: {}; asked for it whole", from, copy.step,
+                      s.message());
+        SendTo(from, refusal);
         return;
       }
       SendTo(from, ack);
@@ -284,6 +289,18 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
 
 void ClusterCoordinator::HandleReplicaAck(int from, const peer::ReplicaAck& a, std::vector<Action>* actions) {
   if (!options_.replicate || from != Successor() || !ack_ || ack_->epoch != a.epoch || ack_->copy != a.copy) return;
+  if (a.send_whole) {
+    // The difference was no use there (its base is gone): the copy whole, now. Once per copy: a
+    // shard that cannot take even that has the ack's timeout resend it.
+    if (ack_->sent_whole) return;
+    ack_->sent_whole = true;
+    ack_->sent = now_();
+    actions->push_back([this, to = from, epoch = ack_->epoch, copy = ack_->copy, bytes = ack_->bytes] {
+      std::shared_ptr<const peer::CopyBytes> whole = host_.SerializedCopy(me_, copy);
+      SendCopy(to, epoch, me_, copy, /*restore=*/false, whole ? whole : bytes);
+    });
+    return;
+  }
   acked_ = ack_->copy;
   acked_epoch_ = ack_->epoch;
   if (ack_->to < 0) {  // a copy on arrival: the replies it covers go, and the next copy starts if more wait

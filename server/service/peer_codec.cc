@@ -290,7 +290,7 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
     }
     case proto::PeerMessage::REPLICA_ACK: {
       auto a = r.getReplicaAck();
-      m.body = peer::ReplicaAck{a.getEpoch(), CopyFromWire(a.getCopy())};
+      m.body = peer::ReplicaAck{a.getEpoch(), CopyFromWire(a.getCopy()), a.getSendWhole()};
       return m;
     }
     case proto::PeerMessage::REPLICA_FETCH: {
@@ -413,6 +413,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           auto a = b.initReplicaAck();
           a.setEpoch(body.epoch);
           CopyToWire(a.initCopy(), body.copy);
+          a.setSendWhole(body.send_whole);
         } else {
           static_assert(std::is_same_v<T, peer::ReplicaFetch>);
           auto a = b.initReplicaFetch();

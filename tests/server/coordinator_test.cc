@@ -369,11 +369,86 @@ class CommitRecordingHost : public RecordingHost {
   std::vector<int64_t> commits;
 };
 
-int CountSent(const RecordingNetwork& network, int to, auto is_kind) {
-  return static_cast<int>(std::count_if(network.sent.begin(), network.sent.end(), [&](const auto& sent) {
-    return sent.first == to && std::visit(is_kind, sent.second.body);
-  }));
+// A host that keeps its copies as two strings: what KeepCopy gives (as if a difference) and the
+// copy whole (SerializedCopy).
+class CopyingHost : public CommitRecordingHost {
+ public:
+  std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t, const peer::LiveCopy&,
+                                                  std::optional<peer::LiveCopy>) override {
+    return std::make_shared<peer::CopyBytes>(std::string("a difference"));
+  }
+  std::shared_ptr<const peer::CopyBytes> SerializedCopy(int, const peer::LiveCopy&) override {
+    ++whole_asked;
+    return std::make_shared<peer::CopyBytes>(std::string("the copy whole"));
+  }
+  int whole_asked = 0;
+};
+
+template <typename T>
+bool Is(const peer::Message& m) {
+  return std::holds_alternative<T>(m.body);
 }
+
+// Shard 1 of 3 on a manual clock, linked to both others, following chief 0 (term 3). `lane`: the
+// coordinator's (empty: its actions run inline).
+struct Follower {
+  Follower(CommitRecordingHost& host, bool replicate, std::function<void(std::function<void()>)> lane = {}) {
+    options.me = 1;
+    options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
+    options.heartbeat_ms = 20;
+    options.election_timeout_ms = 200;
+    options.replicate = replicate;
+    c = std::make_unique<ClusterCoordinator>(
+        options, host, network, [this] { return now; }, nullptr, std::move(lane));
+    c->Start();
+    c->OnPeerUp(0);
+    c->OnPeerUp(2);
+    ChiefHeartbeat();
+  }
+  void ChiefHeartbeat() {
+    peer::Heartbeat hb;
+    hb.chief = 0;
+    hb.epoch = 3;
+    hb.running = true;
+    hb.ready = true;
+    hb.address = options.addresses[0];
+    c->OnMessage(0, peer::Message{0, 3, hb});
+  }
+  // The chief's orders: restore epoch 3 empty; commit `step`.
+  void Restore() {
+    peer::Restore r;
+    r.epoch = 3;
+    r.step = -1;
+    c->OnMessage(0, peer::Message{0, 3, r});
+  }
+  void Commit(int64_t step) {
+    peer::Commit commit;
+    commit.epoch = 3;
+    commit.step = step;
+    c->OnMessage(0, peer::Message{0, 3, commit});
+  }
+  // Messages of kind T sent to `to`.
+  template <typename T>
+  int Sent(int to) const {
+    return static_cast<int>(std::count_if(network.sent.begin(), network.sent.end(),
+                                          [&](const auto& sent) { return sent.first == to && Is<T>(sent.second); }));
+  }
+  // The copies' pieces sent to `to`, as strings, in order.
+  std::vector<std::string> ChunksTo(int to) const {
+    std::vector<std::string> out;
+    for (const auto& [shard, m] : network.sent) {
+      if (const auto* chunk = std::get_if<peer::ReplicaChunk>(&m.body); chunk != nullptr && shard == to) {
+        out.emplace_back(chunk->data.data(), chunk->data.size());
+      }
+    }
+    return out;
+  }
+
+  ClusterOptions options;
+  Clock::time_point now = Clock::time_point{} + std::chrono::hours(1);
+  RecordingNetwork network;
+  std::unique_ptr<ClusterCoordinator> c;
+};
 
 }  // namespace
 
@@ -383,14 +458,7 @@ int CountSent(const RecordingNetwork& network, int to, auto is_kind) {
 // timeouts: the chief's heartbeats keep it the chief, this shard's go out at every tick, and the
 // commit runs, then is answered, once the lane runs it.
 TEST_CASE("coordinator: actions wait on the lane while heartbeats go on", "[cluster][lane]") {
-  ClusterOptions options;
-  options.me = 1;
-  options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
-  options.heartbeat_ms = 20;
-  options.election_timeout_ms = 200;
-  Clock::time_point now = Clock::time_point{} + std::chrono::hours(1);
   CommitRecordingHost host;
-  RecordingNetwork network;
   std::vector<std::function<void()>> lane;
   auto run_lane = [&] {
     // In order; a batch may hand over more (a restore that finished decides the reply).
@@ -400,52 +468,97 @@ TEST_CASE("coordinator: actions wait on the lane while heartbeats go on", "[clus
     }
     lane.clear();
   };
-  ClusterCoordinator c(
-      options, host, network, [&] { return now; }, {},
-      [&](std::function<void()> batch) { lane.push_back(std::move(batch)); });
-  c.Start();
-  c.OnPeerUp(0);
-  c.OnPeerUp(2);
-  auto chief_heartbeat = [&] {
-    peer::Heartbeat hb;
-    hb.chief = 0;
-    hb.epoch = 3;
-    hb.running = true;
-    hb.ready = true;
-    hb.address = options.addresses[0];
-    c.OnMessage(0, peer::Message{0, 3, hb});
-  };
-  chief_heartbeat();
-  peer::Restore restore;
-  restore.epoch = 3;
-  restore.step = -1;  // start empty
-  c.OnMessage(0, peer::Message{0, 3, restore});
+  Follower f(host, /*replicate=*/false, [&](std::function<void()> batch) { lane.push_back(std::move(batch)); });
+  f.Restore();
   CHECK(host.restores.empty());  // decided, not run inside the call
   run_lane();
   REQUIRE(host.restores == std::vector<uint64_t>{3});
-  auto is_restored = [](const auto& body) { return std::is_same_v<std::decay_t<decltype(body)>, peer::Restored>; };
-  REQUIRE(CountSent(network, 0, is_restored) == 1);
+  REQUIRE(f.Sent<peer::Restored>(0) == 1);
 
-  peer::Commit commit;
-  commit.epoch = 3;
-  commit.step = 0;
-  c.OnMessage(0, peer::Message{0, 3, commit});
+  f.Commit(0);
   CHECK(host.commits.empty());
   REQUIRE(!lane.empty());
-  auto is_heartbeat = [](const auto& body) { return std::is_same_v<std::decay_t<decltype(body)>, peer::Heartbeat>; };
-  const int before = CountSent(network, 2, is_heartbeat);
+  const int before = f.Sent<peer::Heartbeat>(2);
   for (int i = 0; i < 100; ++i) {  // 2 s: ten election timeouts, the lane held
-    now += std::chrono::milliseconds(20);
-    chief_heartbeat();
-    c.Tick();
-    REQUIRE(c.chief() == 0);
+    f.now += std::chrono::milliseconds(20);
+    f.ChiefHeartbeat();
+    f.c->Tick();
+    REQUIRE(f.c->chief() == 0);
   }
-  CHECK(CountSent(network, 2, is_heartbeat) - before == 100);
+  CHECK(f.Sent<peer::Heartbeat>(2) - before == 100);
   CHECK(host.commits.empty());
-  auto is_committed = [](const auto& body) { return std::is_same_v<std::decay_t<decltype(body)>, peer::Committed>; };
-  CHECK(CountSent(network, 0, is_committed) == 0);
+  CHECK(f.Sent<peer::Committed>(0) == 0);
   run_lane();
   CHECK(host.commits == std::vector<int64_t>{0});
-  CHECK(CountSent(network, 0, is_committed) == 1);
-  CHECK(c.Describe().term == 3);
+  CHECK(f.Sent<peer::Committed>(0) == 1);
+  CHECK(f.c->Describe().term == 3);
+}
+
+// A next shard that cannot use a copy (a difference from a copy it lost when it restarted) says
+// so in its ack; the owner sends the copy whole at once (once per copy: after that, the ack's
+// timeout resends), rather than after the timeout. The commit is answered once the whole copy is
+// acknowledged.
+TEST_CASE("coordinator: a copy the next shard cannot use is sent whole when it says so", "[cluster][replicas]") {
+  CopyingHost host;
+  Follower f(host, /*replicate=*/true);
+  f.Restore();
+  REQUIRE(host.restores == std::vector<uint64_t>{3});
+  // The restored state is copied to the next shard before the chief hears of the restore.
+  REQUIRE(f.ChunksTo(2).size() == 1);
+  f.c->OnMessage(2, peer::Message{2, 3, peer::ReplicaAck{3, peer::LiveCopy{3, 0}}});
+  REQUIRE(f.Sent<peer::Restored>(0) == 1);
+  f.Commit(0);
+  REQUIRE(host.commits == std::vector<int64_t>{0});
+  REQUIRE(f.ChunksTo(2) == std::vector<std::string>{"a difference", "a difference"});
+  CHECK(f.Sent<peer::Committed>(0) == 0);
+
+  const peer::LiveCopy copy{3, 1};  // the epoch's lineage, the step published
+  f.c->OnMessage(2, peer::Message{2, 3, peer::ReplicaAck{3, copy, /*send_whole=*/true}});
+  CHECK(host.whole_asked == 1);
+  CHECK(f.ChunksTo(2) == std::vector<std::string>{"a difference", "a difference", "the copy whole"});
+  CHECK(f.Sent<peer::Committed>(0) == 0);
+  // Said again (the whole copy did not do either): left to the ack's timeout.
+  f.c->OnMessage(2, peer::Message{2, 3, peer::ReplicaAck{3, copy, /*send_whole=*/true}});
+  CHECK(f.ChunksTo(2).size() == 3);
+  // Another copy's refusal is not this one's.
+  f.c->OnMessage(2, peer::Message{2, 3, peer::ReplicaAck{3, peer::LiveCopy{3, 7}, /*send_whole=*/true}});
+  CHECK(f.ChunksTo(2).size() == 3);
+  f.c->OnMessage(2, peer::Message{2, 3, peer::ReplicaAck{3, copy}});
+  CHECK(f.Sent<peer::Committed>(0) == 1);
+}
+
+namespace {
+
+class RefusingHost : public RecordingHost {
+ public:
+  Status TakeCopy(int, const peer::LiveCopy&, std::shared_ptr<const std::string>) override {
+    return FailedPrecondition("the copy is a difference from step 0, which this shard does not keep");
+  }
+};
+
+}  // namespace
+
+// The other side: the next shard answers a copy it cannot keep with an ack that asks for it whole
+// (and one it keeps with a plain ack, as the tests above show).
+TEST_CASE("coordinator: a copy that cannot be kept is answered by asking for it whole", "[cluster][replicas]") {
+  ClusterOptions options;
+  options.me = 2;
+  options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
+  options.replicate = true;
+  RefusingHost host;
+  RecordingNetwork network;
+  ClusterCoordinator c(options, host, network);
+  c.Start();
+  c.OnPeerUp(1);
+  const std::string bytes = "a difference";
+  c.OnMessage(1, peer::Message{1, 3,
+                               peer::ReplicaChunk{3, 1, peer::LiveCopy{3, 1}, false, 0, bytes.size(),
+                                                  peer::Blob(std::string(bytes))}});
+  std::vector<peer::ReplicaAck> acks;
+  for (const auto& [to, m] : network.sent) {
+    if (const auto* a = std::get_if<peer::ReplicaAck>(&m.body); a != nullptr && to == 1) acks.push_back(*a);
+  }
+  REQUIRE(acks.size() == 1);
+  CHECK(acks[0].send_whole);
+  CHECK(acks[0].copy == peer::LiveCopy{3, 1});
 }

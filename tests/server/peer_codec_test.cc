@@ -119,3 +119,13 @@ TEST_CASE("peer codec: a replica chunk's whole words go out from the copy, uncop
     CHECK(chunk.data.view() == std::string_view(copy->data() + c.offset, c.size));
   }
 }
+
+TEST_CASE("peer codec: a replica ack round-trips, with its ask for the copy whole", "[cluster][codec]") {
+  for (bool whole : {false, true}) {
+    peer::ReplicaAck ack{7, {7, 31}, whole};
+    auto back = RoundTrip(peer::Message{2, 4, ack}, 3);
+    REQUIRE(back.ok());
+    REQUIRE(std::holds_alternative<peer::ReplicaAck>(back->body));
+    CHECK(std::get<peer::ReplicaAck>(back->body) == ack);
+  }
+}
