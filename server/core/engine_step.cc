@@ -100,6 +100,8 @@ void TrainingEngine::CopyOnWriteLocked(Variable* v) {
   std::shared_ptr<Buffer> into;
   if (v->spare && v->spare.use_count() == 1 && v->spare->bytes() == v->published->bytes()) {
     into = std::move(v->spare);
+    // Read through const: the published buffer is shared with a kept copy, and a writable data()
+    // would end the list of changes that copy's difference is compared by.
     const Buffer& from = *v->published;
     std::memcpy(into->data(), from.data(), (into->bytes() + 7) / 8 * 8);
   } else {
