@@ -34,6 +34,8 @@ constexpr char kMagicV1[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '1'};
 constexpr char kMagicV2[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '2'};  // v2: + placement
 constexpr char kMagicV3[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '3'};  // v3: + aggregation, sync-on-read
 constexpr char kMagic[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '4'};    // v4: records first, XXH3 blocks
+// A serialized copy in memory: v4's records and payload, the copy checksum (copy_checksum.h).
+constexpr char kCopyMagic[8] = {'P', 'S', 'D', 'C', 'O', 'P', 'Y', '1'};
 
 // v4 parts are written and read in blocks of this many bytes, one block per task.
 constexpr uint64_t kBlockBytes = 4ull << 20;
@@ -602,25 +604,28 @@ void WriteRecords(const ShardSnapshot& snap, RecordWriter* out) {
 
 }  // namespace
 
-SerializedSnapshot SerializeSnapshotInPieces(const ShardSnapshot& snap) {
+SerializedSnapshot SerializeSnapshotInPieces(const ShardSnapshot& snap, const HashPayloadBlocks& hash_blocks) {
   RecordWriter w;
   WriteRecords(snap, &w);
   const uint64_t records_bytes = w.records().size();
   SerializedSnapshot out;
   out.head.reserve(16 + records_bytes);
-  out.head.append(kMagic, 8);
+  out.head.append(kCopyMagic, 8);
   out.head.append(reinterpret_cast<const char*>(&records_bytes), 8);
   out.head += w.records();
   out.payload = w.payload();
-  XXH3_state_t* st = XXH3_createState();
-  XXH3_64bits_reset(st);
-  XXH3_64bits_update(st, out.head.data(), out.head.size());
-  for (const Buffer* b : out.payload) XXH3_64bits_update(st, b->data(), b->bytes());
-  const uint64_t sum = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
+  PayloadPieces pieces;
+  for (const Buffer* b : out.payload) pieces.Add(b->data(), b->bytes());
+  out.blocks = hash_blocks(out.payload, pieces);
+  const uint64_t sum = CopyChecksum(out.head, out.blocks, out.head.size() + pieces.bytes());
   out.trailer.assign(reinterpret_cast<const char*>(&sum), 8);
   out.bytes = out.head.size() + w.payload_bytes() + out.trailer.size();
   return out;
+}
+
+SerializedSnapshot SerializeSnapshotInPieces(const ShardSnapshot& snap) {
+  return SerializeSnapshotInPieces(
+      snap, [](const std::vector<const Buffer*>&, const PayloadPieces& pieces) { return pieces.HashAll(); });
 }
 
 std::string SerializeSnapshot(const ShardSnapshot& snap) {
@@ -641,7 +646,7 @@ std::vector<const Buffer*> SnapshotPayload(const ShardSnapshot& snap) {
 
 Status SerializedPayload(const std::string& bytes, uint64_t* offset, uint64_t* size) {
   uint64_t records = 0;
-  if (bytes.size() < 32 || std::memcmp(bytes.data(), kMagic, 8) != 0) return InvalidArgument("the base is no copy");
+  if (bytes.size() < 32 || std::memcmp(bytes.data(), kCopyMagic, 8) != 0) return InvalidArgument("the base is no copy");
   std::memcpy(&records, bytes.data() + 8, 8);
   if (records > bytes.size() - 24) return InvalidArgument("the base is no copy: its records overrun it");
   *offset = 16 + records;
@@ -649,19 +654,50 @@ Status SerializedPayload(const std::string& bytes, uint64_t* offset, uint64_t* s
   return Status::Ok();
 }
 
-Status VerifySerializedSnapshot(const std::string& bytes, int64_t* step) {
+namespace {
+
+// A serialized copy's layout checked, its payload as pieces (one) and the step it holds.
+Status CopyLayout(const std::string& bytes, PayloadPieces* payload, int64_t* step) {
   // Header (16), the records' first field (the step, 8), the checksum (8).
   if (bytes.size() < 32) return BadPart("too short");
-  const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (std::memcmp(bytes.data(), kCopyMagic, 8) != 0) {
+    return BadPart(
+        "bad magic (not a replica's copy, or one from a psd of another version: run one version across a cluster)");
+  }
   const uint64_t body = bytes.size() - 8;
-  uint64_t sum = 0, records_bytes = 0;
-  std::memcpy(&sum, data + body, 8);
-  if (XXH3_64bits(data, body) != sum) return BadPart("checksum mismatch");
-  if (std::memcmp(data, kMagic, 8) != 0) return BadPart("bad magic");
-  std::memcpy(&records_bytes, data + 8, 8);
+  uint64_t records_bytes = 0;
+  std::memcpy(&records_bytes, bytes.data() + 8, 8);
   if (records_bytes < 8 || records_bytes > body - 16) return BadPart("records larger than the copy");
-  std::memcpy(step, data + 16, 8);
+  payload->Add(bytes.data() + 16 + records_bytes, body - 16 - records_bytes);
+  std::memcpy(step, bytes.data() + 16, 8);
   return Status::Ok();
+}
+
+// Whether `bytes`' trailer is the checksum of its head and these payload block hashes.
+Status CopyChecksumMatches(const std::string& bytes, const PayloadPieces& payload, const CopyBlockHashes& blocks) {
+  const uint64_t body = bytes.size() - 8;
+  uint64_t sum = 0;
+  std::memcpy(&sum, bytes.data() + body, 8);
+  if (blocks.size() != payload.blocks()) return BadPart("block hashes of another size");
+  if (CopyChecksum(bytes.data(), body - payload.bytes(), blocks, body) != sum) return BadPart("checksum mismatch");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status VerifySerializedSnapshot(const std::string& bytes, int64_t* step, CopyBlockHashes* blocks) {
+  PayloadPieces payload;
+  PSD_RETURN_IF_ERROR(CopyLayout(bytes, &payload, step));
+  CopyBlockHashes hashed = payload.HashAll();
+  PSD_RETURN_IF_ERROR(CopyChecksumMatches(bytes, payload, hashed));
+  if (blocks != nullptr) *blocks = std::move(hashed);
+  return Status::Ok();
+}
+
+Status VerifySerializedSnapshotBlocks(const std::string& bytes, const CopyBlockHashes& blocks, int64_t* step) {
+  PayloadPieces payload;
+  PSD_RETURN_IF_ERROR(CopyLayout(bytes, &payload, step));
+  return CopyChecksumMatches(bytes, payload, blocks);
 }
 
 Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out) {

@@ -37,48 +37,77 @@ struct DeltaReader {
   }
 };
 
+// Where `after` may differ from `before` (a tensor at the same place of two copies' payloads), as
+// byte ranges of the buffer appended to *spans: nothing when it is the same buffer; the runs its list
+// of changes names when it is a copy of `before`'s that lists what was written since (a sparse step's
+// rows; each range's start rounded down to `align`); otherwise all of it.
+void MayDiffer(const Buffer* before, const Buffer* after, uint64_t align,
+               std::vector<std::pair<uint64_t, uint64_t>>* spans) {
+  if (before == after) return;
+  const uint64_t n = after->bytes();
+  if (after->copied_from() == 0 || after->copied_from() != before->id()) {
+    spans->emplace_back(0, n);
+    return;
+  }
+  for (const auto& [offset, length] : after->changes()) {
+    if (offset < n) spans->emplace_back(offset / align * align, std::min(n, offset + length));
+  }
+}
+
+// Whether two payloads hold tensors of the same sizes, in order.
+bool SameLayout(const std::vector<const Buffer*>& before, const std::vector<const Buffer*>& after) {
+  if (before.size() != after.size()) return false;
+  for (size_t i = 0; i < after.size(); ++i) {
+    if (before[i]->bytes() != after[i]->bytes()) return false;
+  }
+  return true;
+}
+
 }  // namespace
+
+SerializedSnapshot SerializeSnapshotSince(const ShardSnapshot& base, const CopyBlockHashes& base_blocks,
+                                          const ShardSnapshot& next) {
+  const std::vector<const Buffer*> before = SnapshotPayload(base);
+  return SerializeSnapshotInPieces(next, [&](const std::vector<const Buffer*>& after, const PayloadPieces& pieces) {
+    if (!SameLayout(before, after) || base_blocks.size() != pieces.blocks()) return pieces.HashAll();
+    std::vector<std::pair<uint64_t, uint64_t>> ranges, spans;
+    uint64_t at = 0;
+    for (size_t i = 0; i < after.size(); at += after[i]->bytes(), ++i) {
+      spans.clear();
+      MayDiffer(before[i], after[i], 1, &spans);
+      for (const auto& [from, to] : spans) ranges.emplace_back(at + from, at + to);
+    }
+    return RehashChangedBlocks(base_blocks, pieces, ranges);
+  });
+}
 
 std::string SerializeSnapshotDelta(const ShardSnapshot& base, const SerializedSnapshot& next_pieces, uint64_t base_id_a,
                                    int64_t base_id_b) {
   const std::vector<const Buffer*> before = SnapshotPayload(base);
   const std::vector<const Buffer*>& after = next_pieces.payload;
-  if (before.size() != after.size()) return {};
+  if (!SameLayout(before, after)) return {};
   uint64_t payload = 0;
-  for (size_t i = 0; i < after.size(); ++i) {
-    if (before[i]->bytes() != after[i]->bytes()) return {};
-    payload += after[i]->bytes();
-  }
+  for (const Buffer* b : after) payload += b->bytes();
   // The runs of blocks that differ, as (offset in the payload, length); given up past half.
   std::vector<std::pair<uint64_t, uint64_t>> runs;
   uint64_t changed = 0, at = 0;
   std::vector<std::pair<uint64_t, uint64_t>> spans;  // where a buffer may differ, in whole blocks
   for (size_t i = 0; i < after.size(); at += after[i]->bytes(), ++i) {
-    if (before[i] == after[i]) continue;  // the same buffer: unchanged
     const char* a = static_cast<const char*>(before[i]->data());
     const char* b = static_cast<const char*>(after[i]->data());
     const uint64_t n = after[i]->bytes();
     spans.clear();
-    if (after[i]->copied_from() != 0 && after[i]->copied_from() == before[i]->id()) {
-      // A copy of the base's buffer that lists what was written since (a sparse step's rows): only
-      // those blocks can differ.
-      for (const auto& [offset, length] : after[i]->changes()) {
-        if (offset >= n) continue;
-        spans.emplace_back(offset / kDeltaBlock * kDeltaBlock, std::min(n, offset + length));
+    MayDiffer(before[i], after[i], kDeltaBlock, &spans);
+    std::sort(spans.begin(), spans.end());
+    size_t merged = 0;
+    for (const auto& span : spans) {
+      if (merged > 0 && span.first <= spans[merged - 1].second) {
+        spans[merged - 1].second = std::max(spans[merged - 1].second, span.second);
+      } else {
+        spans[merged++] = span;
       }
-      std::sort(spans.begin(), spans.end());
-      size_t merged = 0;
-      for (const auto& span : spans) {
-        if (merged > 0 && span.first <= spans[merged - 1].second) {
-          spans[merged - 1].second = std::max(spans[merged - 1].second, span.second);
-        } else {
-          spans[merged++] = span;
-        }
-      }
-      spans.resize(merged);
-    } else {
-      spans.emplace_back(0, n);
     }
+    spans.resize(merged);
     for (const auto& [from, to] : spans) {
       for (uint64_t off = from; off < to; off += kDeltaBlock) {
         const uint64_t len = std::min(kDeltaBlock, n - off);
@@ -120,6 +149,31 @@ std::string SerializeSnapshotDelta(const ShardSnapshot& base, const SerializedSn
     }
   }
   PutU64(&out, XXH3_64bits(out.data(), out.size()));
+  return out;
+}
+
+ReplicaCopy SerializeReplicaCopy(const ShardSnapshot& next, const ShardSnapshot* base,
+                                 const CopyBlockHashes* base_blocks, uint64_t base_id_a, int64_t base_id_b,
+                                 bool audit) {
+  ReplicaCopy out;
+  if (base == nullptr) {
+    out.pieces = SerializeSnapshotInPieces(next);
+    return out;
+  }
+  if (base_blocks == nullptr) {
+    out.pieces = SerializeSnapshotInPieces(next);
+  } else {
+    out.pieces = SerializeSnapshotSince(*base, *base_blocks, next);
+    if (audit) {
+      SerializedSnapshot hashed = SerializeSnapshotInPieces(next);
+      if (hashed.blocks != out.pieces.blocks) {
+        out.pieces = std::move(hashed);
+        out.unlisted_write = true;
+        return out;
+      }
+    }
+  }
+  out.delta = SerializeSnapshotDelta(*base, out.pieces, base_id_a, base_id_b);
   return out;
 }
 
@@ -174,19 +228,38 @@ void ApplyRuns(const ParsedDelta& d, char* payload) {
   for (const ParsedDelta::Run& run : d.runs) std::memcpy(payload + run.offset, run.data, run.length);
 }
 
-// *out (head, payload) finished as `d`'s copy: its checksum, then verified.
-Status FinishRebuilt(const ParsedDelta& d, std::string* out, int64_t* step) {
+// *out (head, payload) finished as the copy `parsed.back()` describes: its checksum, then verified.
+// `from_blocks` (if given): the block hashes of the payload the deltas' runs were written over
+// (only the blocks they wrote are hashed anew); *blocks (if given): the result's.
+Status FinishRebuilt(const std::vector<ParsedDelta>& parsed, const CopyBlockHashes* from_blocks, std::string* out,
+                     int64_t* step, CopyBlockHashes* blocks) {
+  const ParsedDelta& d = parsed.back();
   PutU64(out, d.full_sum);
-  Status s = VerifySerializedSnapshot(*out, step);
+  PayloadPieces payload;
+  payload.Add(out->data() + d.head_size, d.payload);
+  CopyBlockHashes hashed;
+  if (from_blocks != nullptr && from_blocks->size() == payload.blocks()) {
+    std::vector<std::pair<uint64_t, uint64_t>> written;
+    for (const ParsedDelta& one : parsed) {
+      for (const ParsedDelta::Run& run : one.runs) written.emplace_back(run.offset, run.offset + run.length);
+    }
+    hashed = RehashChangedBlocks(*from_blocks, payload, written);
+  } else {
+    hashed = payload.HashAll();
+  }
+  Status s = VerifySerializedSnapshotBlocks(*out, hashed, step);
   if (!s.ok()) return InvalidArgument("a copy rebuilt from its delta does not match its owner's: " + s.message());
+  if (blocks != nullptr) *blocks = std::move(hashed);
   return Status::Ok();
 }
 
 }  // namespace
 
-Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out, int64_t* step) {
-  ParsedDelta d;
-  PSD_RETURN_IF_ERROR(ParseDelta(delta, &d));
+Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std::string* out, int64_t* step,
+                          const CopyBlockHashes* base_blocks, CopyBlockHashes* blocks) {
+  std::vector<ParsedDelta> parsed(1);
+  PSD_RETURN_IF_ERROR(ParseDelta(delta, &parsed[0]));
+  const ParsedDelta& d = parsed[0];
   // The base's payload. (The base was verified when it was kept; what is rebuilt is verified below.)
   uint64_t base_head = 0, base_payload = 0;
   PSD_RETURN_IF_ERROR(SerializedPayload(base, &base_head, &base_payload));
@@ -200,12 +273,13 @@ Status ApplySnapshotDelta(const std::string& base, const std::string& delta, std
   rebuilt.append(d.head, d.head_size);
   rebuilt.append(base, base_head, d.payload);
   ApplyRuns(d, rebuilt.data() + d.head_size);
-  PSD_RETURN_IF_ERROR(FinishRebuilt(d, &rebuilt, step));
+  PSD_RETURN_IF_ERROR(FinishRebuilt(parsed, base_blocks, &rebuilt, step, blocks));
   *out = std::move(rebuilt);
   return Status::Ok();
 }
 
-Status ReplaySnapshotDeltas(const std::vector<const std::string*>& deltas, std::string* copy, int64_t* step) {
+Status ReplaySnapshotDeltas(const std::vector<const std::string*>& deltas, std::string* copy, int64_t* step,
+                            const CopyBlockHashes* copy_blocks, CopyBlockHashes* blocks) {
   if (deltas.empty()) return InvalidArgument("no delta to replay");
   std::vector<ParsedDelta> parsed(deltas.size());
   for (size_t i = 0; i < deltas.size(); ++i) PSD_RETURN_IF_ERROR(ParseDelta(*deltas[i], &parsed[i]));
@@ -220,7 +294,7 @@ Status ReplaySnapshotDeltas(const std::vector<const std::string*>& deltas, std::
   for (const ParsedDelta& d : parsed) ApplyRuns(d, copy->data() + head);
   std::memcpy(copy->data(), last.head, head);
   copy->resize(head + payload);
-  return FinishRebuilt(last, copy, step);
+  return FinishRebuilt(parsed, copy_blocks, copy, step, blocks);
 }
 
 }  // namespace psd::server

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "checkpoint/copy_checksum.h"
 #include "cluster/shard_host.h"
 #include "core/snapshot.h"
 #include "core/step_commit.h"
@@ -93,9 +94,21 @@ class ServerShardHost : public ShardHost {
   Mutex mu_;
   std::thread restore_ GUARDED_BY(mu_);  // the newest restore (it joins the one before it first)
   std::thread copy_ GUARDED_BY(mu_);     // the newest copy on arrival (likewise)
-  // Replication: this shard's own committed states and its predecessor's, the newest two of each.
-  std::map<peer::LiveCopy, ShardSnapshot> own_ GUARDED_BY(mu_);
-  std::map<peer::LiveCopy, std::shared_ptr<const std::string>> held_ GUARDED_BY(mu_);  // serialized
+  // Replication: this shard's own committed states and its predecessor's, the newest two of each,
+  // with their serialized payloads' block hashes (copy_checksum.h; an own copy restored from the
+  // next shard's has none: the next one is hashed whole).
+  struct OwnCopy {
+    ShardSnapshot snap;
+    std::shared_ptr<const CopyBlockHashes> blocks;
+  };
+  struct HeldCopy {
+    std::shared_ptr<const std::string> bytes;  // serialized, as it came or rebuilt
+    std::shared_ptr<const CopyBlockHashes> blocks;
+  };
+  std::map<peer::LiveCopy, OwnCopy> own_ GUARDED_BY(mu_);
+  std::map<peer::LiveCopy, HeldCopy> held_ GUARDED_BY(mu_);
+  // Own copies serialized so far: every kAuditEvery-th one is hashed whole as well (KeepOwn).
+  uint64_t own_copies_ GUARDED_BY(mu_) = 0;
   // The difference each held copy was rebuilt from, if it was (keyed like held_).
   std::map<peer::LiveCopy, std::shared_ptr<const std::string>> held_deltas_ GUARDED_BY(mu_);
   // The storage of the last copy rebuilt from a difference that was let go (trimmed, and not being
@@ -107,17 +120,21 @@ class ServerShardHost : public ShardHost {
     Mutex mu;
     std::unique_ptr<std::string> bytes GUARDED_BY(mu);
     std::optional<peer::LiveCopy> holds GUARDED_BY(mu);
+    std::shared_ptr<const CopyBlockHashes> blocks GUARDED_BY(mu);  // of the bytes it holds
   };
   const std::shared_ptr<SpareCopy> spare_ = std::make_shared<SpareCopy>();
-  // The spare's storage (and the copy it holds), or a new string.
-  std::unique_ptr<std::string> TakeSpare(std::optional<peer::LiveCopy>* holds);
+  // The spare's storage (and the copy it holds, with its block hashes), or a new string.
+  std::unique_ptr<std::string> TakeSpare(std::optional<peer::LiveCopy>* holds,
+                                         std::shared_ptr<const CopyBlockHashes>* blocks);
   // Drops the differences of copies no longer held.
   void TrimDeltasLocked() REQUIRES(mu_);
-  // `storage`, rebuilt as `copy`, to keep: it goes back to the spare when its last holder lets go.
-  std::shared_ptr<const std::string> Rebuilt(std::unique_ptr<std::string> storage, const peer::LiveCopy& copy);
+  // `storage`, rebuilt as `copy` (block hashes `blocks`), to keep: it goes back to the spare when its
+  // last holder lets go.
+  std::shared_ptr<const std::string> Rebuilt(std::unique_ptr<std::string> storage, const peer::LiveCopy& copy,
+                                             std::shared_ptr<const CopyBlockHashes> blocks);
   // Rebuilds `delta` (from `base`, held here) into the spare's storage.
   Status Rebuild(const std::shared_ptr<const std::string>& delta, const peer::LiveCopy& base,
-                 const peer::LiveCopy& copy, std::shared_ptr<const std::string>* out, int64_t* step) EXCLUDES(mu_);
+                 const peer::LiveCopy& copy, HeldCopy* out, int64_t* step) EXCLUDES(mu_);
   // Takeover: the thread running the newest stand-in (it joins the one before it first), the
   // stand-in once started, how many were started, and up to which one they were asked to stop
   // (also before it started).

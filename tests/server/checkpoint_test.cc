@@ -135,6 +135,10 @@ TEST_CASE("a shard's state serialized for its replica round-trips, a changed byt
   ShardSnapshot none;
   CHECK(ParseSnapshot(bytes.substr(0, bytes.size() - 9), &none).code() == Code::kInvalidArgument);
   CHECK(ParseSnapshot("", &none).code() == Code::kInvalidArgument);
+  // A checkpoint part's magic (or an older psd's copy): refused, saying so.
+  std::string part = bytes;
+  part.replace(0, 8, "PSDCKPT4");
+  CHECK_THAT(VerifySerializedSnapshot(part, &step).message(), Catch::Contains("another version"));
 }
 
 TEST_CASE("the newest checkpoint that verifies is used, corrupt or torn ones are skipped", "[checkpoint]") {
@@ -646,4 +650,176 @@ TEST_CASE("a copy sent as the difference from the one before rebuilds it bit for
   grown.variables[1].value = Floats({1, 2, 3, 4});
   grown.variables[1].shape = {4};
   CHECK(SerializeSnapshotDelta(base, SerializeSnapshotInPieces(grown), 7, 10).empty());
+}
+
+TEST_CASE("copy block hashes: only the blocks that may differ are hashed again, to what hashing all gives",
+          "[checkpoint][replicas]") {
+  // Payloads in pieces of odd sizes (blocks span pieces), changed in random places; the ranges
+  // given cover every change. Deterministic.
+  uint64_t seed = 12345;
+  auto next = [&seed](uint64_t n) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    return (seed >> 33) % n;
+  };
+  for (int round = 0; round < 50; ++round) {
+    std::vector<std::string> before;
+    for (uint64_t k = 0, pieces = 1 + next(5); k < pieces; ++k) {
+      std::string piece(next(5000), '\0');
+      for (char& c : piece) c = static_cast<char>(next(256));
+      before.push_back(piece);
+    }
+    std::vector<std::string> after = before;
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    uint64_t at = 0;
+    for (std::string& piece : after) {
+      for (uint64_t w = 0, writes = next(4); w < writes && !piece.empty(); ++w) {
+        const uint64_t from = next(piece.size()), len = 1 + next(std::min<uint64_t>(300, piece.size() - from));
+        for (uint64_t i = from; i < from + len; ++i) piece[i] = static_cast<char>(piece[i] + 1);
+        ranges.emplace_back(at + from, at + from + len);
+      }
+      at += piece.size();
+    }
+    PayloadPieces was, now;
+    for (const std::string& p : before) was.Add(p.data(), p.size());
+    for (const std::string& p : after) now.Add(p.data(), p.size());
+    CHECK(RehashChangedBlocks(was.HashAll(), now, ranges) == now.HashAll());
+  }
+  // A change the ranges leave out keeps its block's old hash: the ranges are trusted.
+  std::string before(8 * kCopyBlockBytes, 'a'), after = before;
+  after[5 * kCopyBlockBytes + 10] = 'b';
+  after[1 * kCopyBlockBytes] = 'c';
+  PayloadPieces was, now;
+  was.Add(before.data(), before.size());
+  now.Add(after.data(), after.size());
+  CopyBlockHashes listed = RehashChangedBlocks(was.HashAll(), now, {{kCopyBlockBytes, kCopyBlockBytes + 1}});
+  CHECK(listed[1] == now.HashAll()[1]);
+  CHECK(listed[5] == was.HashAll()[5]);
+  CHECK(listed != now.HashAll());
+}
+
+namespace {
+
+// EmbeddingAtStep10 with a 3-float variable before the table (so the table's rows straddle blocks).
+ShardSnapshot BiasAndEmbeddingAtStep10() {
+  ShardSnapshot s = EmbeddingAtStep10();
+  VariableSnapshot bias;
+  bias.name = "bias";
+  bias.shape = {3};
+  bias.value = Floats({1, 2, 3});
+  s.variables.insert(s.variables.begin(), bias);
+  return s;
+}
+
+// `base` at the next step, some rows of its table written in a copy that lists them.
+ShardSnapshot RowsWritten(const ShardSnapshot& base, std::vector<int> rows, float* unlisted_row = nullptr) {
+  ShardSnapshot next = base;
+  next.step = base.step + 1;
+  const std::shared_ptr<const Buffer>& table = base.variables[1].value;
+  auto listed = std::make_shared<Buffer>(*table);
+  listed->MarkCopiedFrom(*table);
+  auto* values = static_cast<float*>(listed->listed_data());
+  for (int row : rows) {
+    listed->MarkChanged(row * 64, 64);
+    values[row * 16 + 5] -= 0.25f;
+  }
+  if (unlisted_row != nullptr) values[2000 * 16] = *unlisted_row;  // behind the list's back
+  next.variables[1].value = listed;
+  return next;
+}
+
+}  // namespace
+
+TEST_CASE("a copy is checksummed from the one before's block hashes, and the next shard's rebuild from its base's",
+          "[checkpoint][replicas]") {
+  const ShardSnapshot base = BiasAndEmbeddingAtStep10();
+  const SerializedSnapshot base_pieces = SerializeSnapshotInPieces(base);
+  const std::string base_bytes = SerializeSnapshot(base);
+  CopyBlockHashes verified;
+  int64_t step = -1;
+  REQUIRE(VerifySerializedSnapshot(base_bytes, &step, &verified).ok());
+  CHECK(verified == base_pieces.blocks);  // the receiver's hashes of a whole copy are the owner's
+
+  const ShardSnapshot next = RowsWritten(base, {0, 1, 511, 4095});
+  const SerializedSnapshot full = SerializeSnapshotInPieces(next);
+  SerializedSnapshot since = SerializeSnapshotSince(base, base_pieces.blocks, next);
+  CHECK(since.blocks == full.blocks);
+  CHECK(since.trailer == full.trailer);
+  // A tensor that is a new buffer (no list) is hashed whole; another layout: every block.
+  ShardSnapshot new_bias = next;
+  new_bias.variables[0].value = Floats({1, 2, 4});
+  CHECK(SerializeSnapshotSince(base, base_pieces.blocks, new_bias).trailer ==
+        SerializeSnapshotInPieces(new_bias).trailer);
+  ShardSnapshot longer = next;
+  longer.variables[0].value = Floats({1, 2, 3, 4});
+  CHECK(SerializeSnapshotSince(base, base_pieces.blocks, longer).trailer == SerializeSnapshotInPieces(longer).trailer);
+
+  // What the owner sends, and what the next shard rebuilds with its base's block hashes: the
+  // owner's copy, with the hashes a whole verification of it gives.
+  ReplicaCopy r = SerializeReplicaCopy(next, &base, &base_pieces.blocks, 7, 10, /*audit=*/false);
+  CHECK_FALSE(r.unlisted_write);
+  REQUIRE_FALSE(r.delta.empty());
+  std::string rebuilt;
+  CopyBlockHashes rebuilt_blocks;
+  REQUIRE(ApplySnapshotDelta(base_bytes, r.delta, &rebuilt, &step, &verified, &rebuilt_blocks).ok());
+  CHECK(step == 11);
+  CHECK(rebuilt == SerializeSnapshot(next));
+  CHECK(rebuilt_blocks == full.blocks);
+  // A base that differs where the delta does not write, with its own (true) hashes: refused.
+  ShardSnapshot other = base;
+  auto moved = std::make_shared<Buffer>(*base.variables[1].value);
+  moved->as<float>()[3000 * 16] = -7;
+  other.variables[1].value = moved;
+  const std::string other_bytes = SerializeSnapshot(other);
+  CopyBlockHashes other_blocks;
+  REQUIRE(VerifySerializedSnapshot(other_bytes, &step, &other_blocks).ok());
+  CHECK_THAT(ApplySnapshotDelta(other_bytes, r.delta, &rebuilt, &step, &other_blocks, &rebuilt_blocks).message(),
+             Catch::Contains("does not match its owner's"));
+
+  // A write no list names: the difference misses it and, from the lists, so does the checksum (the
+  // next shard's rebuild passes but is not the owner's state) — the audit finds it and the copy
+  // goes whole, hashed from its bytes.
+  float minus_one = -1;
+  const ShardSnapshot blind = RowsWritten(base, {7}, &minus_one);
+  ReplicaCopy trusted = SerializeReplicaCopy(blind, &base, &base_pieces.blocks, 7, 10, /*audit=*/false);
+  REQUIRE_FALSE(trusted.delta.empty());
+  REQUIRE(ApplySnapshotDelta(base_bytes, trusted.delta, &rebuilt, &step, &verified, &rebuilt_blocks).ok());
+  CHECK(rebuilt != SerializeSnapshot(blind));
+  ReplicaCopy audited = SerializeReplicaCopy(blind, &base, &base_pieces.blocks, 7, 10, /*audit=*/true);
+  CHECK(audited.unlisted_write);
+  CHECK(audited.delta.empty());
+  CHECK(audited.pieces.trailer == SerializeSnapshotInPieces(blind).trailer);
+  // Audited with complete lists: the same copy as without.
+  ReplicaCopy clean = SerializeReplicaCopy(next, &base, &base_pieces.blocks, 7, 10, /*audit=*/true);
+  CHECK_FALSE(clean.unlisted_write);
+  CHECK(clean.delta == r.delta);
+  // No base: the copy whole; a base without hashes: hashed whole, still sent as a difference.
+  CHECK(SerializeReplicaCopy(next, nullptr, nullptr, 0, 0, false).delta.empty());
+  ReplicaCopy unhashed = SerializeReplicaCopy(next, &base, nullptr, 7, 10, false);
+  CHECK(unhashed.delta == r.delta);
+  CHECK(unhashed.pieces.blocks == full.blocks);
+}
+
+TEST_CASE("a chain replayed with the block hashes of the copy it starts from hashes only what it wrote",
+          "[checkpoint][replicas]") {
+  std::vector<ShardSnapshot> steps{BiasAndEmbeddingAtStep10()};
+  std::vector<std::string> deltas;
+  for (int k = 1; k <= 3; ++k) {
+    steps.push_back(RowsWritten(steps.back(), {k, 100 * k, 4000 + k}));
+    deltas.push_back(SerializeSnapshotDelta(steps[k - 1], SerializeSnapshotInPieces(steps[k]), 7, steps[k - 1].step));
+    REQUIRE_FALSE(deltas.back().empty());
+  }
+  const SerializedSnapshot last = SerializeSnapshotInPieces(steps.back());
+  std::string copy = SerializeSnapshot(steps[0]);
+  CopyBlockHashes copy_blocks, blocks;
+  int64_t step = -1;
+  REQUIRE(VerifySerializedSnapshot(copy, &step, &copy_blocks).ok());
+  REQUIRE(ReplaySnapshotDeltas({&deltas[0], &deltas[1], &deltas[2]}, &copy, &step, &copy_blocks, &blocks).ok());
+  CHECK(step == 13);
+  CHECK(copy == SerializeSnapshot(steps.back()));
+  CHECK(blocks == last.blocks);
+  // One missing from the chain: the rows it wrote keep the first copy's bytes and hashes, so the
+  // result is not the owner's, and it says so.
+  copy = SerializeSnapshot(steps[0]);
+  CHECK_THAT(ReplaySnapshotDeltas({&deltas[0], &deltas[2]}, &copy, &step, &copy_blocks, &blocks).message(),
+             Catch::Contains("does not match its owner's"));
 }
