@@ -149,6 +149,32 @@ void Buffer::MarkCopiedFrom(const Buffer& from) {
   changes_.clear();
 }
 
+bool Buffer::CatchUp(const Buffer& from, const std::vector<const Buffer*>& chain) {
+  // from, then the chain: each copied from the next (the last one from this buffer) and listed
+  // every write since.
+  std::vector<const Buffer*> copies{&from};
+  copies.insert(copies.end(), chain.begin(), chain.end());
+  bool listed = from.bytes_ == bytes_;
+  for (size_t i = 0; listed && i < copies.size(); ++i) {
+    const uint64_t older = i + 1 < copies.size() ? copies[i + 1]->id_ : id_;
+    listed = copies[i]->copied_from() != 0 && copies[i]->copied_from() == older;
+  }
+  auto* to = reinterpret_cast<char*>(words_.get());
+  const auto* src = static_cast<const char*>(from.data());
+  if (listed) {
+    for (const Buffer* b : copies) {
+      for (const auto& [offset, length] : b->changes_) {
+        if (offset < bytes_) std::memcpy(to + offset, src + offset, std::min<uint64_t>(length, bytes_ - offset));
+      }
+    }
+  } else {
+    std::memcpy(to, src, (std::min(bytes_, from.bytes_) + 7) / 8 * 8);  // the padding too (zero there)
+  }
+  id_ = NextId();
+  MarkCopiedFrom(from);
+  return listed;
+}
+
 void Buffer::TakeChangesOf(const Buffer& live) {
   copied_from_.store(live.copied_from(), std::memory_order_relaxed);
   changed_bytes_ = live.changed_bytes_;

@@ -75,6 +75,15 @@ class Buffer {
   uint64_t copied_from() const { return copied_from_.load(std::memory_order_relaxed); }
   // (offset, length) runs, in the order written (they may overlap). Meaningful while copied_from().
   const std::vector<std::pair<uint64_t, uint64_t>>& changes() const { return changes_; }
+  // Makes this buffer a copy of `from` (of the same size), as Buffer(from) then MarkCopiedFrom(from)
+  // would, in storage that holds an older value: the engine's copy on write into a table it retired.
+  // When `from` descends from this buffer's bytes through copies that listed every write since —
+  // `chain` (newest first, maybe empty), then this one: from.copied_from() == chain[0]->id(), ...,
+  // chain.back()->copied_from() == id() — only the bytes their lists name are copied; otherwise all
+  // of them. So nothing may have written this buffer since the first of those copies was taken
+  // from it. It gets a new id (its bytes are another value now). Returns whether only the listed
+  // bytes were copied.
+  bool CatchUp(const Buffer& from, const std::vector<const Buffer*>& chain);
 
  private:
   // Frees the storage, or keeps it for the next buffer of its size.

@@ -92,22 +92,31 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
 
 void TrainingEngine::CopyOnWriteLocked(Variable* v) {
   if (v->published.use_count() <= 1) return;
-  // Into the spare buffer when nothing holds it any more (the value before the one referenced: a
-  // pull long done), so a big table is not mapped afresh and faulted in page by page every step;
-  // the referenced value becomes the spare. (With replicas the spare is still held by the copy of
-  // two steps ago; the new buffer then gets the storage of the one that copy of three steps ago let
-  // go, kept by Buffer for its size.)
+  // Into a retired value that nothing holds any more, brought up to date by copying only what the
+  // steps since listed (Buffer::CatchUp; all of it when they did not), so a big table is neither
+  // copied whole nor mapped afresh every step: the spare (the value before the published one, once
+  // a pull that read it is done) or, with replicas, whose copies still hold the spare, the one
+  // before it (`older`, let go by the copy of two steps ago). The published value becomes the spare.
+  // Read through const: the published buffer is shared with a kept copy, and a writable data()
+  // would end the list of changes that copy's difference is compared by.
+  const Buffer& from = *v->published;
+  auto free_of_size = [&from](const std::shared_ptr<Buffer>& b) {
+    return b && b.use_count() == 1 && b->bytes() == from.bytes();
+  };
   std::shared_ptr<Buffer> into;
-  if (v->spare && v->spare.use_count() == 1 && v->spare->bytes() == v->published->bytes()) {
+  if (free_of_size(v->spare)) {
     into = std::move(v->spare);
-    // Read through const: the published buffer is shared with a kept copy, and a writable data()
-    // would end the list of changes that copy's difference is compared by.
-    const Buffer& from = *v->published;
-    std::memcpy(into->data(), from.data(), (into->bytes() + 7) / 8 * 8);
+    into->CatchUp(from, {});
+    v->older.reset();  // before the spare: no use any more
+  } else if (free_of_size(v->older)) {
+    into = std::move(v->older);
+    into->CatchUp(from, {v->spare.get()});
+    v->older = std::move(v->spare);
   } else {
-    into = std::make_shared<Buffer>(*v->published);
+    into = std::make_shared<Buffer>(from);
+    into->MarkCopiedFrom(from);  // what the step writes next is listed (replication's difference)
+    v->older = std::move(v->spare);
   }
-  into->MarkCopiedFrom(*v->published);  // what the step writes next is listed (replication's difference)
   v->spare = std::move(v->published);
   v->published = std::move(into);
 }
@@ -139,6 +148,7 @@ void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step,
     value = v->published;
     if (v->spare && v->spare.use_count() == 1) out = std::move(v->spare);
     v->spare.reset();
+    v->older.reset();
   }
   if (!out) out = std::make_shared<Buffer>(v->bytes);
   ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), g.data, out->data(), &v->slots, 0, step, lr});
@@ -232,6 +242,7 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
     if (v->staged) {
       v->spare = std::move(v->published);
       v->published = std::move(v->staged);
+      v->older.reset();
     }
     if (v->sparse_pending) {
       ApplySparseLocked(v, v->pending_rows, v->pending_values.data(), step, step_lr_);

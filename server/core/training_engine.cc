@@ -346,6 +346,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
           MutexLock elock(&mu_);
           if (v->spare && v->spare.use_count() == 1) v->dense->ProvideSum(std::move(v->spare));
           v->spare.reset();
+          v->older.reset();
         }
         accepted = v->dense->BeginAdd(local_step);
         if (*accepted) {

@@ -154,6 +154,7 @@ struct TrainingEngine::Variable {
   std::shared_ptr<Buffer> published;    // guarded by TrainingEngine::mu_
   std::shared_ptr<Buffer> staged;       // guarded by TrainingEngine::mu_ (dense take result)
   std::shared_ptr<Buffer> spare;        // guarded by TrainingEngine::mu_
+  std::shared_ptr<Buffer> older;        // guarded by TrainingEngine::mu_ (the value before spare)
   std::shared_ptr<Buffer> shadow;       // guarded by TrainingEngine::mu_ (moving average)
   bool sparse_pending = false;          // guarded by TrainingEngine::mu_
   std::vector<int64_t> pending_rows;    // guarded by TrainingEngine::mu_

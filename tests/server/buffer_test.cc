@@ -139,3 +139,48 @@ TEST_CASE("a buffer lists the changes said since it was copied, until a write th
   runs.MarkChanged(4000, 8);
   CHECK(runs.copied_from() == 0);
 }
+
+TEST_CASE("a retired buffer is brought up to date by copying only what the copies since listed", "[buffer]") {
+  // Z, then X copied from Z and Y from X, each writing and listing a few bytes (the engine's
+  // values of three steps). Z's storage becomes Y's value again.
+  Buffer z(4096);
+  for (int i = 0; i < 4096; ++i) static_cast<uint8_t*>(z.data())[i] = static_cast<uint8_t>(i * 7);
+  Buffer x(z);
+  x.MarkCopiedFrom(z);
+  x.MarkChanged(100, 50);
+  std::memset(static_cast<char*>(x.listed_data()) + 100, 1, 50);
+  Buffer y(x);
+  y.MarkCopiedFrom(x);
+  y.MarkChanged(4000, 96);
+  std::memset(static_cast<char*>(y.listed_data()) + 4000, 2, 96);
+  y.MarkChanged(120, 4);
+  std::memset(static_cast<char*>(y.listed_data()) + 120, 3, 4);
+
+  Buffer into(z);  // Z's bytes, with a byte no list names changed: left alone when only lists are copied
+  into.MarkCopiedFrom(z);
+  const uint64_t z_id = into.id();
+  x.MarkCopiedFrom(into);  // (as if X had been copied from this one: the same bytes)
+  x.MarkChanged(100, 50);
+  static_cast<uint8_t*>(into.listed_data())[2000] = 0xEE;
+  REQUIRE(into.CatchUp(y, {&x}));
+  const auto* got = static_cast<const uint8_t*>(static_cast<const Buffer&>(into).data());
+  const auto* want = static_cast<const uint8_t*>(static_cast<const Buffer&>(y).data());
+  CHECK(std::memcmp(got, want, 2000) == 0);
+  CHECK(got[2000] == 0xEE);
+  CHECK(std::memcmp(got + 2001, want + 2001, 4096 - 2001) == 0);
+  CHECK(into.id() != z_id);  // another value now
+  CHECK(into.copied_from() == y.id());
+  CHECK(into.changes().empty());
+
+  // A chain that does not lead from this buffer, or a copy whose list ended: copied whole.
+  Buffer stranger(z);
+  static_cast<uint8_t*>(stranger.data())[2000] = 0xEE;
+  CHECK_FALSE(stranger.CatchUp(y, {}));  // Y was not copied from it
+  CHECK(std::memcmp(static_cast<const Buffer&>(stranger).data(), static_cast<const Buffer&>(y).data(), 4096) == 0);
+  Buffer again(z);
+  x.MarkCopiedFrom(again);
+  x.MarkChanged(100, 50);
+  static_cast<char*>(y.data())[0] = 9;  // a write that says nothing: Y's list ends
+  CHECK_FALSE(again.CatchUp(y, {&x}));
+  CHECK(std::memcmp(static_cast<const Buffer&>(again).data(), static_cast<const Buffer&>(y).data(), 4096) == 0);
+}

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <deque>
 
 #include "config/server_config.h"
 #include "core/training_engine.h"
@@ -372,4 +373,46 @@ TEST_CASE("a sparse step lists the rows it wrote in the value copy it makes and 
   REQUIRE(next);
   CHECK(next->variables[0].value->copied_from() == 0);
   CHECK(next->variables[0].value->as<float>()[0] == -2.0f);
+}
+
+TEST_CASE("a sparse table whose copies are kept is written into the value they let go, brought up to date",
+          "[engine][sparse][replicas]") {
+  // As with replicas: the last two committed states are kept (TakeCommitted), so each step copies
+  // the table on write — into the value of three steps ago, once its copy is let go, updating only
+  // the rows the two steps since wrote. The same steps on an engine that keeps nothing (the table
+  // written in place) must give the same values, and every kept copy must stay as it was.
+  auto kept = Make(Cfg(1, 1));
+  kept->set_keep_committed(true);
+  auto plain = Make(Cfg(1, 1));
+  const std::vector<float> init(64 * 4, 0.5f);
+  Create(*kept, "emb", init, {64, 4});
+  Create(*plain, "emb", init, {64, 4});
+  std::deque<std::pair<ShardSnapshot, std::vector<float>>> copies;  // a kept state, its values then
+  uint64_t seed = 99;
+  for (int64_t step = 0; step < 12; ++step) {
+    std::vector<int64_t> rows;
+    for (int k = 0; k < 3; ++k) {
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      const int64_t row = static_cast<int64_t>((seed >> 33) % 64);
+      if (std::find(rows.begin(), rows.end(), row) == rows.end()) rows.push_back(row);
+    }
+    std::sort(rows.begin(), rows.end());
+    std::vector<float> grad;
+    for (int64_t row : rows) {
+      for (int j = 0; j < 4; ++j) grad.push_back(static_cast<float>(step + 1) * 0.125f + static_cast<float>(row + j));
+    }
+    REQUIRE(PushSparse(*kept, step, "emb", rows, grad, 4).accepted);
+    REQUIRE(PushSparse(*plain, step, "emb", rows, grad, 4).accepted);
+    const std::vector<float> want = Read(*plain, "emb");
+    INFO("step " << step);
+    CHECK(Read(*kept, "emb") == want);
+    auto snap = kept->TakeCommitted();
+    REQUIRE(snap);
+    copies.emplace_back(std::move(*snap), want);
+    if (copies.size() > 2) copies.pop_front();
+    for (const auto& [copy, values] : copies) {
+      const float* p = copy.variables[0].value->as<float>();
+      CHECK(std::vector<float>(p, p + values.size()) == values);
+    }
+  }
 }
