@@ -40,12 +40,27 @@ ShardSnapshot TrainingEngine::SnapshotLocked() {
     vs.sync_on_read = v->sync_on_read;
     vs.placement = v->placement;
     auto names = v->opt->SlotNames();
+    if (keep_committed_) v->slot_copies.resize(v->slots.size());
     for (size_t k = 0; k < v->slots.size(); ++k) {
-      // Copied whole (slots are updated in place); the copy lists what a sparse step wrote since
-      // the previous snapshot's copy, and the slot lists from this one on.
-      auto copy = std::make_shared<Buffer>(v->slots[k]);
+      // Copied (slots are updated in place); the copy lists what a sparse step wrote since the
+      // previous snapshot's copy, and the slot lists from this one on. With replicas the copy is
+      // made in the copy of three snapshots ago once the kept copies let it go, brought up to date
+      // from the lists of the two copies since and the slot's (Buffer::CatchUp), not copied whole.
+      std::shared_ptr<Buffer> copy;
+      if (keep_committed_) {
+        std::deque<std::shared_ptr<Buffer>>& made = v->slot_copies[k];  // oldest first
+        if (made.size() == 3) {
+          if (made.front().use_count() == 1 && made.front()->bytes() == v->slots[k].bytes()) {
+            copy = std::move(made.front());
+            copy->CatchUp(v->slots[k], {made[2].get(), made[1].get()});
+          }
+          made.pop_front();
+        }
+      }
+      if (!copy) copy = std::make_shared<Buffer>(v->slots[k]);
       copy->TakeChangesOf(v->slots[k]);
       v->slots[k].MarkCopiedFrom(*copy);
+      if (keep_committed_) v->slot_copies[k].push_back(copy);
       vs.slots.emplace_back(names[k], std::move(copy));
     }
     snap.variables.push_back(std::move(vs));

@@ -379,40 +379,65 @@ TEST_CASE("a sparse table whose copies are kept is written into the value they l
           "[engine][sparse][replicas]") {
   // As with replicas: the last two committed states are kept (TakeCommitted), so each step copies
   // the table on write — into the value of three steps ago, once its copy is let go, updating only
-  // the rows the two steps since wrote. The same steps on an engine that keeps nothing (the table
-  // written in place) must give the same values, and every kept copy must stay as it was.
-  auto kept = Make(Cfg(1, 1));
-  kept->set_keep_committed(true);
-  auto plain = Make(Cfg(1, 1));
-  const std::vector<float> init(64 * 4, 0.5f);
-  Create(*kept, "emb", init, {64, 4});
-  Create(*plain, "emb", init, {64, 4});
-  std::deque<std::pair<ShardSnapshot, std::vector<float>>> copies;  // a kept state, its values then
-  uint64_t seed = 99;
-  for (int64_t step = 0; step < 12; ++step) {
-    std::vector<int64_t> rows;
-    for (int k = 0; k < 3; ++k) {
-      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-      const int64_t row = static_cast<int64_t>((seed >> 33) % 64);
-      if (std::find(rows.begin(), rows.end(), row) == rows.end()) rows.push_back(row);
-    }
-    std::sort(rows.begin(), rows.end());
-    std::vector<float> grad;
-    for (int64_t row : rows) {
-      for (int j = 0; j < 4; ++j) grad.push_back(static_cast<float>(step + 1) * 0.125f + static_cast<float>(row + j));
-    }
-    REQUIRE(PushSparse(*kept, step, "emb", rows, grad, 4).accepted);
-    REQUIRE(PushSparse(*plain, step, "emb", rows, grad, 4).accepted);
-    const std::vector<float> want = Read(*plain, "emb");
-    INFO("step " << step);
-    CHECK(Read(*kept, "emb") == want);
-    auto snap = kept->TakeCommitted();
-    REQUIRE(snap);
-    copies.emplace_back(std::move(*snap), want);
-    if (copies.size() > 2) copies.pop_front();
-    for (const auto& [copy, values] : copies) {
-      const float* p = copy.variables[0].value->as<float>();
-      CHECK(std::vector<float>(p, p + values.size()) == values);
+  // the rows the two steps since wrote — and each snapshot's slot copies go into the copies of three
+  // snapshots ago likewise. The same steps on an engine that keeps nothing (the table written in
+  // place, its snapshots' slots copied whole) must give the same values and slots, and every kept
+  // copy must stay as it was.
+  for (const std::string optimizer : {"sgd", "adam"}) {
+    INFO(optimizer);
+    auto cfg = Cfg(1, 1);
+    cfg.optimizer.name = optimizer;
+    auto kept = Make(cfg);
+    kept->set_keep_committed(true);
+    auto plain = Make(cfg);
+    const std::vector<float> init(64 * 4, 0.5f);
+    Create(*kept, "emb", init, {64, 4});
+    Create(*plain, "emb", init, {64, 4});
+    // A kept state, and the plain engine's value and slots at that step (bytes: a snapshot of it
+    // kept would make it copy on write too).
+    std::deque<std::pair<ShardSnapshot, std::vector<std::string>>> copies;
+    uint64_t seed = 99;
+    for (int64_t step = 0; step < 12; ++step) {
+      std::vector<int64_t> rows;
+      for (int k = 0; k < 3; ++k) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        const int64_t row = static_cast<int64_t>((seed >> 33) % 64);
+        if (std::find(rows.begin(), rows.end(), row) == rows.end()) rows.push_back(row);
+      }
+      std::sort(rows.begin(), rows.end());
+      std::vector<float> grad;
+      for (int64_t row : rows) {
+        for (int j = 0; j < 4; ++j) grad.push_back(static_cast<float>(step + 1) * 0.125f + static_cast<float>(row + j));
+      }
+      REQUIRE(PushSparse(*kept, step, "emb", rows, grad, 4).accepted);
+      REQUIRE(PushSparse(*plain, step, "emb", rows, grad, 4).accepted);
+      INFO("step " << step);
+      CHECK(Read(*kept, "emb") == Read(*plain, "emb"));
+      auto snap = kept->TakeCommitted();
+      REQUIRE(snap);
+      std::vector<std::string> want;
+      {
+        auto same = plain->SnapshotIfAtBoundary();
+        REQUIRE(same);
+        auto bytes = [](const std::shared_ptr<const Buffer>& b) {
+          return std::string(static_cast<const char*>(b->data()), b->bytes());
+        };
+        want.push_back(bytes(same->variables[0].value));
+        for (const auto& [slot, buffer] : same->variables[0].slots) want.push_back(bytes(buffer));
+      }
+      copies.emplace_back(std::move(*snap), std::move(want));
+      if (copies.size() > 2) copies.pop_front();
+      for (const auto& [copy, values] : copies) {
+        const VariableSnapshot& a = copy.variables[0];
+        REQUIRE(values.size() == 1 + a.slots.size());
+        CHECK((a.value->bytes() == values[0].size() &&
+               std::memcmp(a.value->data(), values[0].data(), values[0].size()) == 0));
+        for (size_t k = 0; k < a.slots.size(); ++k) {
+          const Buffer& slot = *a.slots[k].second;
+          CHECK((slot.bytes() == values[k + 1].size() &&
+                 std::memcmp(slot.data(), values[k + 1].data(), values[k + 1].size()) == 0));
+        }
+      }
     }
   }
 }
