@@ -295,6 +295,7 @@ std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepOwn(const peer::Live
   ReplicaCopy r = SerializeReplicaCopy(*keep, before ? &before->snap : nullptr,
                                        before && before->blocks ? before->blocks.get() : nullptr,
                                        base ? base->lineage : 0, base ? base->step : 0, audit);
+  if (audit && before && before->blocks) server_.metrics().OnReplicaAudit(r.unlisted_write);
   if (r.unlisted_write) {
     spdlog::error(
         "replication: shard {}'s state at step {} has a write that no list of changes names (a psd bug: please "

@@ -266,6 +266,12 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
         "copies taken as a difference, rebuilt in place over a copy let go (replayed) or from a copy of their base",
         static_cast<double>(m.replica_replayed()), {{"how", "replayed"}});
     w.Counter("psd_replica_rebuilt_total", "", static_cast<double>(m.replica_from_base()), {{"how", "from_base"}});
+    w.Counter("psd_replica_audits_total",
+              "own copies whose checksum from the lists of changes was checked against every block (1 in 16)",
+              static_cast<double>(m.replica_audits()));
+    w.Counter("psd_replica_unlisted_writes_total",
+              "audited copies with a write no list of changes named (a psd bug; the copy went whole)",
+              static_cast<double>(m.replica_unlisted()));
     w.Gauge("psd_replica_own_bytes", "this shard's own kept copies (the newest shares the engine's buffers)",
             static_cast<double>(m.replica_own()));
     w.Gauge("psd_replica_held_bytes", "the predecessor shard's copies kept here",

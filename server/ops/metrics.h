@@ -76,6 +76,12 @@ class Metrics {
   void OnReplicaRebuilt(bool replayed) {
     (replayed ? replica_replayed_ : replica_from_base_).fetch_add(1, std::memory_order_relaxed);
   }
+  // An own copy's block hashes made from the lists of changes, checked against its bytes' own
+  // (every 16th copy): `unlisted`, a write no list named (a bug; the copy went whole).
+  void OnReplicaAudit(bool unlisted) {
+    replica_audits_.fetch_add(1, std::memory_order_relaxed);
+    if (unlisted) replica_unlisted_.fetch_add(1, std::memory_order_relaxed);
+  }
   void SetReplicaKept(uint64_t own, uint64_t held) {
     replica_own_.store(own, std::memory_order_relaxed);
     replica_held_.store(held, std::memory_order_relaxed);
@@ -123,6 +129,8 @@ class Metrics {
   uint64_t replica_received() const { return replica_received_.load(std::memory_order_relaxed); }
   uint64_t replica_replayed() const { return replica_replayed_.load(std::memory_order_relaxed); }
   uint64_t replica_from_base() const { return replica_from_base_.load(std::memory_order_relaxed); }
+  uint64_t replica_audits() const { return replica_audits_.load(std::memory_order_relaxed); }
+  uint64_t replica_unlisted() const { return replica_unlisted_.load(std::memory_order_relaxed); }
   uint64_t replica_own() const { return replica_own_.load(std::memory_order_relaxed); }
   uint64_t replica_held() const { return replica_held_.load(std::memory_order_relaxed); }
   uint64_t stand_ins_started() const { return stand_ins_started_.load(std::memory_order_relaxed); }
@@ -160,6 +168,7 @@ class Metrics {
   std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, shm_bytes_{0};
   std::atomic<uint64_t> replica_sent_{0}, replica_received_{0}, replica_own_{0}, replica_held_{0};
   std::atomic<uint64_t> replica_replayed_{0}, replica_from_base_{0};
+  std::atomic<uint64_t> replica_audits_{0}, replica_unlisted_{0};
   std::atomic<uint64_t> stand_ins_started_{0};
   std::atomic<bool> stand_in_running_{false};
   std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0}, frame_timeouts_{0};
