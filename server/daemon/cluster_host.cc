@@ -280,7 +280,8 @@ std::shared_ptr<const peer::CopyBytes> InPieces(std::shared_ptr<const ShardSnaps
 std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepOwn(const peer::LiveCopy& copy, ShardSnapshot snap,
                                                                 std::optional<peer::LiveCopy> base) {
   // Every 16th copy's blocks are hashed whole as well as from the lists of changes (the check that
-  // the lists miss no write: a copy is otherwise checksummed from them, as its difference is made).
+  // the lists miss no write: a copy is otherwise checksummed from them, as its difference is made);
+  // when that copy has no base with block hashes, the next one that has is.
   constexpr uint64_t kAuditEvery = 16;
   std::optional<OwnCopy> before;
   bool audit = false;
@@ -289,13 +290,15 @@ std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepOwn(const peer::Live
     if (base) {
       if (auto it = own_.find(*base); it != own_.end()) before = it->second;  // shares the buffers
     }
-    audit = own_copies_++ % kAuditEvery == kAuditEvery - 1;
+    if (++own_copies_ % kAuditEvery == 0) audit_due_ = true;
+    audit = audit_due_ && before && before->blocks;
+    if (audit) audit_due_ = false;
   }
   auto keep = std::make_shared<const ShardSnapshot>(snap);  // shares the buffers
   ReplicaCopy r = SerializeReplicaCopy(*keep, before ? &before->snap : nullptr,
                                        before && before->blocks ? before->blocks.get() : nullptr,
                                        base ? base->lineage : 0, base ? base->step : 0, audit);
-  if (audit && before && before->blocks) server_.metrics().OnReplicaAudit(r.unlisted_write);
+  if (audit) server_.metrics().OnReplicaAudit(r.unlisted_write);
   if (r.unlisted_write) {
     spdlog::error(
         "replication: shard {}'s state at step {} has a write that no list of changes names (a psd bug: please "

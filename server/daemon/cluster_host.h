@@ -107,8 +107,10 @@ class ServerShardHost : public ShardHost {
   };
   std::map<peer::LiveCopy, OwnCopy> own_ GUARDED_BY(mu_);
   std::map<peer::LiveCopy, HeldCopy> held_ GUARDED_BY(mu_);
-  // Own copies serialized so far: every kAuditEvery-th one is hashed whole as well (KeepOwn).
+  // Own copies serialized so far: every kAuditEvery-th one is hashed whole as well (KeepOwn), or
+  // the next one with a base to compare with (`audit_due_` until then).
   uint64_t own_copies_ GUARDED_BY(mu_) = 0;
+  bool audit_due_ GUARDED_BY(mu_) = false;
   // The difference each held copy was rebuilt from, if it was (keyed like held_).
   std::map<peer::LiveCopy, std::shared_ptr<const std::string>> held_deltas_ GUARDED_BY(mu_);
   // The storage of the last copy rebuilt from a difference that was let go (trimmed, and not being
