@@ -156,13 +156,7 @@ ReplicaCopy SerializeReplicaCopy(const ShardSnapshot& next, const ShardSnapshot*
                                  const CopyBlockHashes* base_blocks, uint64_t base_id_a, int64_t base_id_b,
                                  bool audit) {
   ReplicaCopy out;
-  if (base == nullptr) {
-    out.pieces = SerializeSnapshotInPieces(next);
-    return out;
-  }
-  if (base_blocks == nullptr) {
-    out.pieces = SerializeSnapshotInPieces(next);
-  } else {
+  if (base != nullptr && base_blocks != nullptr) {
     out.pieces = SerializeSnapshotSince(*base, *base_blocks, next);
     if (audit) {
       SerializedSnapshot hashed = SerializeSnapshotInPieces(next);
@@ -172,8 +166,10 @@ ReplicaCopy SerializeReplicaCopy(const ShardSnapshot& next, const ShardSnapshot*
         return out;
       }
     }
+  } else {
+    out.pieces = SerializeSnapshotInPieces(next);
   }
-  out.delta = SerializeSnapshotDelta(*base, out.pieces, base_id_a, base_id_b);
+  if (base != nullptr) out.delta = SerializeSnapshotDelta(*base, out.pieces, base_id_a, base_id_b);
   return out;
 }
 
