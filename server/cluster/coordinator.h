@@ -304,9 +304,10 @@ class ClusterCoordinator : public PeerEvents {
   // The checkpoint steps every shard can restore.
   std::set<int64_t> CommonStepsLocked() const REQUIRES(mu_);
   // Checkpoint `step` is restorable everywhere once its seal is sent along: this shard sealed it
-  // and has the seal, and every other shard lists it sealed or present but unusable (it holds
-  // its part and missed the seal: a restart between its part and the seal). Not if a shard
-  // already failed to restore it that way.
+  // once and keeps the seal, and every shard, this one included, lists it sealed or present but
+  // unusable with the part the seal names (it holds its part and missed the seal: a restart
+  // between its part and the seal; or it left the seal for a formation at an older step that a
+  // later formation at this one did not reach). Not if a shard already failed to restore it that way.
   bool ResealableLocked(int64_t step) const REQUIRES(mu_);
   // The step to form at (-1: empty), or nullopt when an operator must decide first (then the
   // refusal is logged once and becomes the not-serving reason).

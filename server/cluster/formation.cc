@@ -62,18 +62,25 @@ std::string ClusterCoordinator::DescribeCheckpointsLocked() const {
 
 bool ClusterCoordinator::ResealableLocked(int64_t step) const {
   auto has = [](const std::vector<int64_t>& v, int64_t t) { return std::find(v.begin(), v.end(), t) != v.end(); };
-  if (seal_parts_.count(step) == 0 || !has(sealed_, step) || reseal_failed_.count(step) > 0) return false;
+  if (seal_parts_.count(step) == 0 || reseal_failed_.count(step) > 0) return false;
   const std::vector<peer::PartInfo>& seal = seal_parts_.at(step);
   for (int i = 0; i < shards_; ++i) {
-    if (i == me_) continue;
-    const Peer& p = peers_[static_cast<size_t>(i)];
-    if (has(p.sealed, step)) continue;
-    if (!has(p.unusable, step)) return false;
+    const bool self = i == me_;
+    const auto& sealed = self ? sealed_ : peers_[static_cast<size_t>(i)].sealed;
+    const auto& unusable = self ? unusable_ : peers_[static_cast<size_t>(i)].unusable;
+    const auto& unsealed_parts = self ? unsealed_parts_ : peers_[static_cast<size_t>(i)].unsealed_parts;
+    if (has(sealed, step)) continue;
+    if (!has(unusable, step)) return false;
     // Its part on disk, if it says: another timeline's part of this step (written after a
     // formation at an older step left the sealed one) would refuse the seal, and only after the
     // shards that obeyed the order first had replaced their live copies with the checkpoint.
-    auto part = p.unsealed_parts.find(step);
-    if (part == p.unsealed_parts.end()) continue;  // not said (an older version): the order checks
+    // This chief too may hold the step unsealed: it sealed it (the seal is kept), then a formation
+    // at an older step, whose order the next chief's formation at this step never reached, left it.
+    auto part = unsealed_parts.find(step);
+    if (part == unsealed_parts.end()) {
+      if (self) return false;
+      continue;  // not said (an older version): the order checks
+    }
     auto named = std::find_if(seal.begin(), seal.end(), [i](const peer::PartInfo& x) { return x.shard == i; });
     if (named == seal.end() || named->bytes != part->second.bytes || named->checksum != part->second.checksum) {
       return false;

@@ -425,6 +425,11 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
       // refused there only after it had replaced its live copies, and the next formation found
       // none of every part: an empty state.
       {3, 403672, true, true},
+      // A chief sealed a checkpoint, a formation at an older step left it (unsealed there), and the
+      // next chief's formation at the sealed step (its seal carried by the order) never reached
+      // this shard. Chief again, it fell back to an older checkpoint, before a released step,
+      // though every shard held the sealed one's part.
+      {3, 395762, true, true},
   };
   for (const Seed& s : seeds) {
     SimOptions o;
