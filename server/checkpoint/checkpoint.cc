@@ -6,7 +6,6 @@
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -22,6 +21,7 @@
 #include <utility>
 
 #include "base/mutex.h"
+#include "checkpoint/xxh3.h"
 #include "psd/cores.h"
 #include "psd/half.h"
 

@@ -1,10 +1,10 @@
 // A serialized copy's block checksum (copy_checksum.h).
 #include "checkpoint/copy_checksum.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <cstring>
+
+#include "checkpoint/xxh3.h"
 
 namespace psd::server {
 

@@ -1,12 +1,12 @@
 // Replication's differences between serialized copies (snapshot_delta.h).
 #include "checkpoint/snapshot_delta.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <cstring>
 #include <utility>
 #include <vector>
+
+#include "checkpoint/xxh3.h"
 
 namespace psd::server {
 
