@@ -88,38 +88,65 @@ std::string SerializeSnapshotDelta(const ShardSnapshot& base, const SerializedSn
   if (!SameLayout(before, after)) return {};
   uint64_t payload = 0;
   for (const Buffer* b : after) payload += b->bytes();
-  // The runs of blocks that differ, as (offset in the payload, length); given up past half.
-  std::vector<std::pair<uint64_t, uint64_t>> runs;
-  uint64_t changed = 0, at = 0;
-  std::vector<std::pair<uint64_t, uint64_t>> spans;  // where a buffer may differ, in whole blocks
-  for (size_t i = 0; i < after.size(); at += after[i]->bytes(), ++i) {
-    const char* a = static_cast<const char*>(before[i]->data());
-    const char* b = static_cast<const char*>(after[i]->data());
-    const uint64_t n = after[i]->bytes();
+  // Where each buffer may differ, in whole blocks: (buffer, from, to), merged per buffer.
+  struct Span {
+    size_t buffer;
+    uint64_t from, to;
+  };
+  std::vector<Span> may;
+  uint64_t may_bytes = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
+  for (size_t i = 0; i < after.size(); ++i) {
     spans.clear();
     MayDiffer(before[i], after[i], kDeltaBlock, &spans);
     std::sort(spans.begin(), spans.end());
-    size_t merged = 0;
-    for (const auto& span : spans) {
-      if (merged > 0 && span.first <= spans[merged - 1].second) {
-        spans[merged - 1].second = std::max(spans[merged - 1].second, span.second);
+    for (const auto& [from, to] : spans) {
+      if (!may.empty() && may.back().buffer == i && from <= may.back().to) {
+        may_bytes += std::max(may.back().to, to) - may.back().to;
+        may.back().to = std::max(may.back().to, to);
       } else {
-        spans[merged++] = span;
+        may.push_back({i, from, to});
+        may_bytes += to - from;
       }
     }
-    spans.resize(merged);
-    for (const auto& [from, to] : spans) {
-      for (uint64_t off = from; off < to; off += kDeltaBlock) {
-        const uint64_t len = std::min(kDeltaBlock, n - off);
-        if (std::memcmp(a + off, b + off, len) == 0) continue;
-        if (!runs.empty() && runs.back().first + runs.back().second == at + off) {
-          runs.back().second += len;
-        } else {
-          runs.emplace_back(at + off, len);
-        }
-        changed += len;
-        if (changed * 2 > payload) return {};
+  }
+  auto block_differs = [&](const Span& sp, uint64_t off) {
+    const uint64_t len = std::min(kDeltaBlock, after[sp.buffer]->bytes() - off);
+    return std::memcmp(static_cast<const char*>(before[sp.buffer]->data()) + off,
+                       static_cast<const char*>(after[sp.buffer]->data()) + off, len) != 0;
+  };
+  // A step that rewrote most of what may differ (a dense apply writes a whole tensor into a new
+  // buffer) is not worth comparing block by block up to the half where it would be given up: a few
+  // evenly spread blocks say so first. (A wrong guess costs bytes on the wire, never a wrong copy.)
+  constexpr uint64_t kSamples = 64;
+  if (may_bytes * 2 > payload && may_bytes >= kSamples * 64 * kDeltaBlock) {
+    uint64_t differ = 0, seen = 0, sample = 0;
+    const uint64_t stride = may_bytes / kSamples / kDeltaBlock * kDeltaBlock;
+    for (const Span& sp : may) {
+      for (; sample < seen + (sp.to - sp.from); sample += stride)
+        differ += block_differs(sp, sp.from + (sample - seen));
+      seen += sp.to - sp.from;
+    }
+    // More than 3/4 of the samples: the changed bytes are well past half the payload.
+    if (differ * 4 > kSamples * 3 && may_bytes * 3 > payload * 2) return {};
+  }
+  // The runs of blocks that differ, as (offset in the payload, length); given up past half.
+  std::vector<std::pair<uint64_t, uint64_t>> runs;
+  uint64_t changed = 0;
+  std::vector<uint64_t> starts(after.size() + 1, 0);  // where each buffer starts in the payload
+  for (size_t i = 0; i < after.size(); ++i) starts[i + 1] = starts[i] + after[i]->bytes();
+  for (const Span& sp : may) {
+    const uint64_t at = starts[sp.buffer], n = after[sp.buffer]->bytes();
+    for (uint64_t off = sp.from; off < sp.to; off += kDeltaBlock) {
+      if (!block_differs(sp, off)) continue;
+      const uint64_t len = std::min(kDeltaBlock, n - off);
+      if (!runs.empty() && runs.back().first + runs.back().second == at + off) {
+        runs.back().second += len;
+      } else {
+        runs.emplace_back(at + off, len);
       }
+      changed += len;
+      if (changed * 2 > payload) return {};
     }
   }
   std::string out;
