@@ -275,7 +275,7 @@ class ClusterCoordinator : public PeerEvents {
   // Replication: a serialized copy arriving in pieces.
   struct Incoming {
     peer::LiveCopy copy;
-    std::string bytes;
+    std::shared_ptr<std::string> bytes;  // ShardHost::CopyStorage
   };
   struct Vote {
     int takes = 0;
@@ -491,9 +491,9 @@ class ClusterCoordinator : public PeerEvents {
   std::set<int> restored_ GUARDED_BY(mu_);
   PlacementMap placement_ GUARDED_BY(mu_);
   int64_t open_step_ GUARDED_BY(mu_) = 0;
-  int64_t forced_step_ GUARDED_BY(mu_) = -1;         // sync: the last step the chief ordered forced
-  int64_t arrival_checkpoint_ GUARDED_BY(mu_) = -1;  // async/ssp: the last checkpoint step ordered
-  int64_t arrival_snapshot_ GUARDED_BY(mu_) = -1;    // async/ssp: the last one this shard snapshotted
+  int64_t forced_step_ GUARDED_BY(mu_) = -1;             // sync: the last step the chief ordered forced
+  int64_t arrival_checkpoint_ GUARDED_BY(mu_) = -1;      // async/ssp: the last checkpoint step ordered
+  int64_t arrival_snapshot_ GUARDED_BY(mu_) = -1;        // async/ssp: the last one this shard snapshotted
   int64_t commit_in_flight_ GUARDED_BY(mu_) = -1;
   Clock::time_point commit_start_ GUARDED_BY(mu_){};
   std::set<int> committed_ GUARDED_BY(mu_);

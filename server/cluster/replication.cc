@@ -242,14 +242,13 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   Incoming& in = incoming_[{c.owner, c.restore}];
   if (c.offset == 0) {
     in.copy = c.copy;
-    in.bytes.clear();
-    in.bytes.reserve(std::min<uint64_t>(c.total, 256ull << 20));  // grows past it as pieces come
-  } else if (in.copy != c.copy || in.bytes.size() != c.offset) {
+    in.bytes = host_.CopyStorage(c.total);
+  } else if (!in.bytes || in.copy != c.copy || in.bytes->size() != c.offset) {
     return;  // a piece of a copy whose start was lost (it is sent again whole)
   }
-  in.bytes.append(c.data.data(), c.data.size());
-  if (in.bytes.size() < c.total) return;
-  auto bytes = std::make_shared<std::string>(std::move(in.bytes));
+  in.bytes->append(c.data.data(), c.data.size());
+  if (in.bytes->size() < c.total) return;
+  std::shared_ptr<const std::string> bytes = std::move(in.bytes);
   incoming_.erase({c.owner, c.restore});
   if (!c.restore) {
     peer::Message ack = MessageLocked(peer::ReplicaAck{c.epoch, c.copy});

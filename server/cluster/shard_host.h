@@ -9,6 +9,7 @@
 #ifndef PSD_SERVER_CLUSTER_SHARD_HOST_H_
 #define PSD_SERVER_CLUSTER_SHARD_HOST_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -108,6 +109,14 @@ class ShardHost {
   // for a restore (parsed). INVALID_ARGUMENT if it does not verify or parse, FAILED_PRECONDITION if
   // it is a difference from a copy not kept here (nothing kept).
   virtual Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) = 0;
+  // Where a copy of `bytes` that arrives in pieces is put together (empty, room reserved for up to
+  // 256 MiB of it), for TakeCopy. Default: a new string. A host may hand out the storage of a copy
+  // it let go, so that a big part's copies do not come as fresh pages (a fault per 4 KiB) every step.
+  virtual std::shared_ptr<std::string> CopyStorage(uint64_t bytes) {
+    auto storage = std::make_shared<std::string>();
+    storage->reserve(std::min<uint64_t>(bytes, 256ull << 20));  // grows past it as pieces come
+    return storage;
+  }
   // Drops every copy newer than `newest` (none: every copy) — a formation left their timeline: it
   // restores the live copy `newest`, or a checkpoint.
   virtual void DropCopies(std::optional<peer::LiveCopy> newest) = 0;

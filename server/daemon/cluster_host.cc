@@ -356,20 +356,40 @@ std::unique_ptr<std::string> ServerShardHost::TakeSpare(std::optional<peer::Live
   return storage;
 }
 
-std::shared_ptr<const std::string> ServerShardHost::Rebuilt(std::unique_ptr<std::string> storage,
-                                                            const peer::LiveCopy& copy,
-                                                            std::shared_ptr<const CopyBlockHashes> blocks) {
-  return std::shared_ptr<const std::string>(
-      storage.release(),
-      [spare = std::weak_ptr<SpareCopy>(spare_), copy, blocks = std::move(blocks)](const std::string* p) mutable {
-        std::unique_ptr<std::string> owned(const_cast<std::string*>(p));
-        if (auto s = spare.lock()) {
-          MutexLock lock(&s->mu);
-          s->bytes = std::move(owned);  // the newest let go: the likeliest size of the next
-          s->holds = copy;
-          s->blocks = std::move(blocks);
-        }
-      });
+std::shared_ptr<std::string> ServerShardHost::ToSpareWhenLetGo(std::unique_ptr<std::string> storage,
+                                                               std::optional<peer::LiveCopy> holds,
+                                                               std::shared_ptr<const CopyBlockHashes> blocks,
+                                                               bool always) {
+  return std::shared_ptr<std::string>(storage.release(), [spare = std::weak_ptr<SpareCopy>(spare_), holds,
+                                                          blocks = std::move(blocks), always](std::string* p) mutable {
+    std::unique_ptr<std::string> owned(p);
+    if (auto s = spare.lock()) {
+      MutexLock lock(&s->mu);
+      if (!always && s->bytes) return;
+      s->bytes = std::move(owned);
+      s->holds = holds;
+      s->blocks = std::move(blocks);
+    }
+  });
+}
+
+std::shared_ptr<std::string> ServerShardHost::CopyStorage(uint64_t bytes) {
+  constexpr uint64_t kKeptFrom = 16ull << 20;  // a difference of a sparse step is smaller
+  if (bytes < kKeptFrom) return ShardHost::CopyStorage(bytes);
+  std::unique_ptr<std::string> storage;
+  {
+    MutexLock lock(&spare_->mu);
+    // Not the storage of a bigger part's copies (a rebuild needs it next).
+    if (spare_->bytes && spare_->bytes->capacity() >= bytes && spare_->bytes->capacity() / 2 <= bytes) {
+      storage = std::move(spare_->bytes);
+      spare_->holds.reset();
+      spare_->blocks.reset();
+    }
+  }
+  if (!storage) storage = std::make_unique<std::string>();
+  storage->clear();
+  storage->reserve(std::min<uint64_t>(bytes, 256ull << 20));
+  return ToSpareWhenLetGo(std::move(storage), std::nullopt, nullptr, /*always=*/false);
 }
 
 Status ServerShardHost::Rebuild(const std::shared_ptr<const std::string>& delta, const peer::LiveCopy& base,
@@ -416,7 +436,7 @@ Status ServerShardHost::Rebuild(const std::shared_ptr<const std::string>& delta,
   }
   server_.metrics().OnReplicaRebuilt(replayed);
   out->blocks = std::make_shared<const CopyBlockHashes>(std::move(blocks));
-  out->bytes = Rebuilt(std::move(storage), copy, out->blocks);
+  out->bytes = ToSpareWhenLetGo(std::move(storage), copy, out->blocks, /*always=*/true);
   return Status::Ok();
 }
 

@@ -69,6 +69,9 @@ class ServerShardHost : public ShardHost {
                                                   std::optional<peer::LiveCopy> base) override;
   std::shared_ptr<const peer::CopyBytes> SerializedCopy(int owner, const peer::LiveCopy& copy) override;
   Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) override;
+  // A copy of 16 MiB or more: the spare's storage when it fits (at most twice the size), given back
+  // to the spare when let go if the spare is empty then.
+  std::shared_ptr<std::string> CopyStorage(uint64_t bytes) override;
   void DropCopies(std::optional<peer::LiveCopy> newest) override;
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override;
   // On a thread of its own per copy (each joins the one before it first).
@@ -118,6 +121,8 @@ class ServerShardHost : public ShardHost {
   // differences from that copy to the base (held_deltas_) and the new one over it — no pass over
   // the whole copy but its checksum. A copy of a part over 32 MiB is otherwise mapped afresh every
   // step, a page fault per 4 KiB (17% of a replicated sparse shard's CPU), and copied from its base.
+  // A big copy that arrives whole is put together in it too (CopyStorage: it holds no known copy
+  // then), and goes back to it when let go if it is empty (a dense part's copies cycle through it).
   struct SpareCopy {
     Mutex mu;
     std::unique_ptr<std::string> bytes GUARDED_BY(mu);
@@ -130,10 +135,13 @@ class ServerShardHost : public ShardHost {
                                          std::shared_ptr<const CopyBlockHashes>* blocks);
   // Drops the differences of copies no longer held.
   void TrimDeltasLocked() REQUIRES(mu_);
-  // `storage`, rebuilt as `copy` (block hashes `blocks`), to keep: it goes back to the spare when its
-  // last holder lets go.
-  std::shared_ptr<const std::string> Rebuilt(std::unique_ptr<std::string> storage, const peer::LiveCopy& copy,
-                                             std::shared_ptr<const CopyBlockHashes> blocks);
+  // `storage`, to keep: it goes back to the spare when its last holder lets go, as holding `holds`
+  // (block hashes `blocks`; none: its bytes are not known as a copy). `always`: in place of the
+  // spare's storage if it has one (the newest let go is the likeliest size of the next); otherwise
+  // only into an empty spare.
+  std::shared_ptr<std::string> ToSpareWhenLetGo(std::unique_ptr<std::string> storage,
+                                                std::optional<peer::LiveCopy> holds,
+                                                std::shared_ptr<const CopyBlockHashes> blocks, bool always);
   // Rebuilds `delta` (from `base`, held here) into the spare's storage.
   Status Rebuild(const std::shared_ptr<const std::string>& delta, const peer::LiveCopy& base,
                  const peer::LiveCopy& copy, HeldCopy* out, int64_t* step) EXCLUDES(mu_);

@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <thread>
 
 #include "support/test_cluster.h"
@@ -79,6 +80,23 @@ void RequireNear(const std::vector<float>& a, const std::vector<float>& b, const
   INFO(what);
   REQUIRE(a.size() == b.size());
   for (size_t i = 0; i < a.size(); ++i) REQUIRE(a[i] == Approx(b[i]).margin(1e-6));
+}
+
+// What `train` gives on one daemon of `cfg`, then on 3 shards of it with --replicas-per-shard 2
+// (left running in *cluster, for its metrics).
+using Training = std::function<std::vector<float>(psclient::Client&)>;
+std::pair<std::vector<float>, std::vector<float>> OnOneAndReplicated(server::ServerConfig cfg, const Training& train,
+                                                                     Cluster* cluster) {
+  std::vector<float> single;
+  {
+    auto server = StartServer(cfg);
+    auto c = ConnectWorker(server->port(), "w0");
+    single = train(*c);
+  }
+  cfg.replicas_per_shard = 2;
+  *cluster = StartCluster(cfg, 3);
+  auto c = ConnectCluster(*cluster, "w0");
+  return {std::move(single), train(*c)};
 }
 
 }  // namespace
@@ -159,16 +177,9 @@ TEST_CASE("sparse steps on a replicated cluster reach the next shard as differen
     REQUIRE(c.Pull({{"emb", Out(got, {4096, 16})}}).ok());
     return got;
   };
-  std::vector<float> single;
-  {
-    auto server = StartServer(cfg);
-    auto c = ConnectWorker(server->port(), "w0");
-    single = train(*c);
-  }
-  cfg.replicas_per_shard = 2;
-  auto cluster = StartCluster(cfg, 3);
-  auto c = ConnectCluster(cluster, "w0");
-  RequireNear(single, train(*c), "emb");
+  Cluster cluster;
+  auto [single, replicated] = OnOneAndReplicated(cfg, train, &cluster);
+  RequireNear(single, replicated, "emb");
   for (size_t k = 0; k < 3; ++k) {
     INFO("shard " << k);
     const auto& m = cluster.shards[k]->metrics();
@@ -184,6 +195,49 @@ TEST_CASE("sparse steps on a replicated cluster reach the next shard as differen
     // a hash of every block: the lists missed no write.
     CHECK(m.replica_audits() >= 1);
     CHECK(m.replica_unlisted() == 0);
+  }
+}
+
+TEST_CASE("dense steps on a replicated cluster: each big copy is put together in the storage of one let go",
+          "[cluster][replicas]") {
+  // A 52.8 MB variable over 3 shards: each part (17.6 MB) changes whole every step and goes to the
+  // next shard whole. A copy of 16 MiB or more arrives into the storage of the one the next shard
+  // let go (ServerShardHost::CopyStorage), not into fresh pages: two copies held and that storage
+  // between steps (psd_replica_held_bytes, which counts it). Training matches one daemon's, bit for bit.
+  constexpr int64_t kRows = 13200, kCols = 1000;
+  constexpr int kSteps = 6;
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.optimizer.learning_rate = 0.5;
+  cfg.slice_bytes = kRows * kCols * 4 / 3 + 64;
+  auto train = [&](psclient::Client& c) {
+    std::vector<float> w = Ramp(kRows * kCols, 1);
+    REQUIRE(c.CreateVariable("w", View(w, {kRows, kCols})).ok());
+    int64_t local = 0;
+    for (int step = 0; step < kSteps; ++step) {
+      std::vector<float> g = Ramp(kRows * kCols, 0.1f * static_cast<float>(step + 1));
+      auto out = c.Push(local, {{"w", View(g, {kRows, kCols})}}, {}, true, 30000);
+      REQUIRE(out.ok());
+      REQUIRE(out->token_status.ok());
+      local = out->token;
+    }
+    REQUIRE(c.Pull({{"w", Out(w, {kRows, kCols})}}).ok());
+    return w;
+  };
+  Cluster cluster;
+  auto [single, replicated] = OnOneAndReplicated(cfg, train, &cluster);
+  CHECK(replicated == single);
+  constexpr uint64_t kPart = kRows * kCols * 4 / 3;
+  for (size_t k = 0; k < 3; ++k) {
+    INFO("shard " << k);
+    const auto& m = cluster.shards[k]->metrics();
+    CHECK(m.replica_received() >= kSteps * kPart);  // whole copies
+    // Counted at each heartbeat: two copies held and the storage of the third.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (m.replica_held() < kPart * 5 / 2 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    CHECK(m.replica_held() >= kPart * 5 / 2);
+    CHECK(m.replica_held() < kPart * 7 / 2);
   }
 }
 
