@@ -802,6 +802,10 @@ void ClusterCoordinator::HandleControl(int from, uint64_t term, const peer::Cont
     if (c.force_step >= 0) {
       actions->push_back([this, epoch, step = c.force_step] { host_.ForceStep(epoch, step); });
     } else if (c.snapshot_step >= 0 && options_.applies_on_arrival && !options_.checkpoint_dir.empty()) {
+      // Once per step: the same order again (a duplicate) would snapshot this shard's count as it
+      // is now and write the part of that step a second time, over the one the chief's seal names.
+      if (arrival_snapshot_epoch_ == epoch && c.snapshot_step <= arrival_snapshot_) return;
+      arrival_snapshot_epoch_ = epoch;
       arrival_snapshot_ = c.snapshot_step;
       actions->push_back([this, epoch, step = c.snapshot_step] {
         Status s = host_.SnapshotAs(epoch, step);

@@ -494,6 +494,7 @@ class ClusterCoordinator : public PeerEvents {
   int64_t forced_step_ GUARDED_BY(mu_) = -1;             // sync: the last step the chief ordered forced
   int64_t arrival_checkpoint_ GUARDED_BY(mu_) = -1;      // async/ssp: the last checkpoint step ordered
   int64_t arrival_snapshot_ GUARDED_BY(mu_) = -1;        // async/ssp: the last one this shard snapshotted
+  uint64_t arrival_snapshot_epoch_ GUARDED_BY(mu_) = 0;  // and the epoch it was ordered in
   int64_t commit_in_flight_ GUARDED_BY(mu_) = -1;
   Clock::time_point commit_start_ GUARDED_BY(mu_){};
   std::set<int> committed_ GUARDED_BY(mu_);
