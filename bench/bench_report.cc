@@ -60,6 +60,8 @@ Report Summarize(const Options& opt, const Window& window, std::vector<WorkerSta
     pushes += s.pushes;
     staleness_sum += s.staleness_sum;
     r.staleness_max = std::max(r.staleness_max, s.staleness_max);
+    r.retries += s.retries;
+    r.longest_stall_ms = std::max(r.longest_stall_ms, s.longest_stall_ms);
   }
   r.staleness_mean = pushes > 0 ? static_cast<double>(staleness_sum) / static_cast<double>(pushes) : NAN;
   r.push_gbps = r.wall_s > 0 ? static_cast<double>(pushed) / r.wall_s / 1e9 : NAN;
@@ -144,6 +146,8 @@ void PrintJson(const Report& r) {
   field("warmup_stale", integer(r.warmup_stale));
   field("staleness_mean", JsonNumber(r.staleness_mean));
   field("staleness_max", integer(r.staleness_max));
+  field("retries", integer(r.retries));
+  field("longest_stall_ms", JsonNumber(r.longest_stall_ms));
   o += "}";
   std::printf("%s\n", o.c_str());
 }
@@ -218,6 +222,12 @@ void PrintTable(const Report& r, const std::string& build_warning_line) {
               r.accepted, r.stale, r.warmup_stale);
   std::printf("  staleness              mean %.2f, max %" PRId64 " (global step - local step at each push)\n",
               r.staleness_mean, r.staleness_max);
+  if (r.retries > 0) {
+    std::printf("  retries                %" PRId64
+                " steps retried while psd was unavailable (a shard lost, re-forming); "
+                "longest stall %.1f ms\n",
+                r.retries, r.longest_stall_ms);
+  }
   std::printf("  latencies are over all workers' calls; GB/s = bytes moved by all workers / %s (GB = 1e9 B%s)\n",
               sync ? "worker 0's wall time" : "the measured window", r.sparse ? "; values + int64 indices" : "");
 }

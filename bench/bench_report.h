@@ -29,6 +29,8 @@ struct WorkerStats {
   int64_t pushes = 0;         // measured pushes (one per iteration)
   int64_t staleness_sum = 0;  // over measured pushes: the largest staleness of the push's results
   int64_t staleness_max = 0;
+  int64_t retries = 0;          // --retry-s: steps retried after psd was unavailable (measured or not)
+  double longest_stall_ms = 0;  // from a step's first such failure to its completion
   double measured_s = 0;
   bool shared_memory = false;  // every shard's connection moved tensors through shared memory
   int64_t first_step = 0;      // sync: global step when the measured phase began (worker 0 only)
@@ -85,6 +87,8 @@ struct Report {
   int64_t accepted = 0, stale = 0, warmup_stale = 0;
   double staleness_mean = 0;
   int64_t staleness_max = 0;
+  int64_t retries = 0;          // --retry-s: steps retried, all workers
+  double longest_stall_ms = 0;  // the longest of them, first failure to completion
 };
 
 // True for sync (or a daemon that announced no mode).

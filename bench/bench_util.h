@@ -25,7 +25,7 @@ constexpr uint64_t kFrameOverheadPerVariable = 1 << 10;
 constexpr char kEmbeddingName[] = "bench/emb";
 
 struct Options {
-  std::string connect;           // HOST:PORT; empty: start psd in this process
+  std::string connect;           // HOST:PORT, or a cluster's HOST:PORT,...; empty: start psd in this process
   std::string tls_dir;           // TLS (deploy/make_tls_certs.sh DIR): psd serves it, workers verify it
   int shards = 1;                // in-process: a cluster of this many psd shards
   int replicas_per_shard = 1;    // in-process cluster: psd's --replicas-per-shard
@@ -60,6 +60,7 @@ struct Options {
   int io_threads = 0;  // 0: one per core, as psd's --threads
   double learning_rate = 0.01;
   int64_t token_timeout_ms = 30000;
+  double retry_s = 0;  // > 0: a step that fails as psd re-forms (UNAVAILABLE, ...) is retried this long
   double timeout_s = 300;
   bool json = false;
   bool finish = false;

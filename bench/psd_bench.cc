@@ -248,6 +248,28 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   }
   Clock::time_point measure_start = Clock::now();
   bool measuring = false;
+  // --retry-s: psd re-forming (a shard lost, a new chief) answers UNAVAILABLE (or ABORTED, or a
+  // token wait runs out meanwhile); the step is done again from its pull at the global step, as a
+  // trainer would, until --retry-s has passed since its first failure. The client reconnects by
+  // itself.
+  Clock::time_point stalled_since = Clock::time_point::max();  // max: not stalled
+  auto retry = [&](const Status& s) {
+    const psd::Code code = s.code();
+    if (opt.retry_s <= 0 ||
+        (code != psd::Code::kUnavailable && code != psd::Code::kAborted && code != psd::Code::kDeadlineExceeded)) {
+      return false;
+    }
+    const auto now = Clock::now();
+    if (stalled_since == Clock::time_point::max()) stalled_since = now;
+    if (std::chrono::duration<double>(now - stalled_since).count() >= opt.retry_s) return false;
+    ++stats->retries;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    // TF's workers re-read the global step after a failure: a push tagged with the step before a
+    // re-formation is stale, and a sync cluster's next step waits for fresh gradients (no token
+    // comes for stale ones). Still unavailable: the next attempt fails and comes back here.
+    if (auto step = c.GlobalStep(); step.ok()) local_step = *step;
+    return !state->failed();
+  };
   for (int64_t it = 0; sync ? local_step < end_step : it < iterations; ++it) {
     if (state->failed()) return;  // another worker failed: the run is over
     const bool measured = sync ? local_step >= measure_from : it >= opt.warmup;
@@ -275,27 +297,43 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
     work->Next();
     const auto t0 = Clock::now();
     auto pulled = work->Pull(c);
-    if (!pulled.ok()) return fail("pull at local step " + std::to_string(local_step), pulled.status());
+    if (!pulled.ok()) {
+      if (retry(pulled.status())) {
+        --it;
+        continue;
+      }
+      return fail("pull at local step " + std::to_string(local_step), pulled.status());
+    }
     const auto t1 = Clock::now();
     work->Compute();
     const auto tc = Clock::now();
     int64_t token = 0;
     Clock::time_point t2;
     auto pushed = work->Push(c, local_step, /*wait_token=*/opt.fused, opt.token_timeout_ms);
-    if (!pushed.ok()) return fail("push at local step " + std::to_string(local_step), pushed.status());
-    if (opt.fused) {
-      if (!pushed->token_status.ok()) {
-        return fail("token wait after the push at local step " + std::to_string(local_step), pushed->token_status);
+    Status failed = pushed.ok() ? (opt.fused ? pushed->token_status : Status::Ok()) : pushed.status();
+    if (failed.ok()) {
+      t2 = Clock::now();
+      if (opt.fused) {
+        token = pushed->token;
+      } else {
+        auto waited = c.WaitToken(opt.token_timeout_ms);
+        if (waited.ok()) token = *waited;
+        failed = waited.status();
       }
-      token = pushed->token;
-      t2 = Clock::now();
-    } else {
-      t2 = Clock::now();
-      auto waited = c.WaitToken(opt.token_timeout_ms);
-      if (!waited.ok()) return fail("token wait at local step " + std::to_string(local_step), waited.status());
-      token = *waited;
+    }
+    if (!failed.ok()) {
+      if (retry(failed)) {
+        --it;
+        continue;
+      }
+      return fail(std::string(pushed.ok() ? "token wait" : "push") + " at local step " + std::to_string(local_step),
+                  failed);
     }
     const auto t3 = Clock::now();
+    if (stalled_since != Clock::time_point::max()) {
+      stats->longest_stall_ms = std::max(stats->longest_stall_ms, Ms(t3 - stalled_since));
+      stalled_since = Clock::time_point::max();
+    }
     const int accepted = pushed->accepted();
     const int stale = pushed->stale();
     int64_t staleness = 0;
@@ -347,7 +385,9 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
 int Run(int argc, char** argv) {
   Options opt;
   CLI::App app{"psd_bench: training-step benchmark for psd (in-process daemon or --connect)"};
-  auto* connect = app.add_option("--connect", opt.connect, "HOST:PORT of a running psd (default: start one here)");
+  auto* connect = app.add_option("--connect", opt.connect,
+                                 "HOST:PORT of a running psd, or a cluster's shards HOST:PORT,HOST:PORT,... "
+                                 "(default: start one here)");
   app.add_option("--replicas-per-shard", opt.replicas_per_shard,
                  "in-process cluster: psd's --replicas-per-shard (2: each shard's state copied to the next "
                  "one every step; the replication traffic and the copies' memory are reported)")
@@ -448,6 +488,10 @@ int Run(int argc, char** argv) {
   app.add_option("--token-timeout-ms", opt.token_timeout_ms, "deadline of every token wait (and of setup)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--retry-s", opt.retry_s,
+                 "retry a step while psd is unavailable (a shard lost, the cluster re-forming) for up to this long, "
+                 "as a trainer would; the report counts the retries and the longest stall (default 0: fail at once)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--timeout-s", opt.timeout_s, "the whole run is abandoned (exit 1) after this long")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
