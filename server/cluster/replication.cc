@@ -208,6 +208,10 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   if (!options_.replicate || from == me_) return;
   // Copies come only from their owner (to keep) or from the shard that keeps ours (a restore).
   if (c.restore ? (from != Successor() || c.owner != me_) : (from != Predecessor() || c.owner != from)) return;
+  // A copy sent in an older epoch than this shard's (its owner has not heard of the formation that
+  // left that epoch) is not kept: acknowledged, it would let the owner acknowledge pushes of a
+  // timeline the cluster left (async applies them on arrival), lost at the next formation.
+  if (!c.restore && c.epoch < epoch_) return;
   // A fetch of the newest copy takes one newer than this shard's own, or an empty answer about it.
   if (c.restore && !(fetch_ && fetch_->first == c.epoch &&
                      (fetch_->second == c.copy || (fetch_newest_ && c.total > 0 && fetch_->second < c.copy)))) {

@@ -477,6 +477,10 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
       // A stand-in kept a part's newest copies and was stopped before any heartbeat said so, its
       // part's own shard cut off: now its host takes what it knew was kept when it stops it.
       {3, 348766, false, false},
+      // A shard cut off in an old epoch sent its copies (pushes applied on arrival) to the next
+      // shard once the partition healed; kept there, though that shard was in the epoch that had
+      // left it, they let it acknowledge pushes the next formation then served its part without.
+      {3, 346263, true, true},
   };
   for (const Seed& s : seeds) {
     SimOptions o;
