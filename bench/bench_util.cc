@@ -48,21 +48,13 @@ Result<uint64_t> ParseBytes(const std::string& text) {
 
 Result<Endpoint> ParseEndpoint(const std::string& text) {
   Endpoint ep;
-  // A cluster: every shard's address, in shard order (the client's ClientOptions::cluster).
-  for (size_t at = 0; text.find(',') != std::string::npos && at <= text.size();) {
-    const size_t end = std::min(text.find(',', at), text.size());
-    const std::string one = text.substr(at, end - at);
-    auto hp = psd::ParseHostPort(one, "--connect");
-    if (!hp.ok()) return hp.status();
-    if (ep.cluster.empty()) {
-      ep.host = hp->host;
-      ep.port = hp->port;
-    }
-    ep.cluster.push_back(one);
-    at = end + 1;
+  if (text.find(',') != std::string::npos) {
+    // A cluster: every shard's address, in shard order (the client's ClientOptions::cluster).
+    auto list = psd::ParseClusterList(text, "--connect");
+    if (!list.ok()) return list.status();
+    ep.cluster = std::move(*list);
   }
-  if (!ep.cluster.empty()) return ep;
-  auto hp = psd::ParseHostPort(text, "--connect");
+  auto hp = psd::ParseHostPort(ep.cluster.empty() ? text : ep.cluster.front(), "--connect");
   if (!hp.ok()) return hp.status();
   ep.host = hp->host;
   ep.port = hp->port;

@@ -86,8 +86,9 @@ std::string SerializeSnapshotDelta(const ShardSnapshot& base, const SerializedSn
   const std::vector<const Buffer*> before = SnapshotPayload(base);
   const std::vector<const Buffer*>& after = next_pieces.payload;
   if (!SameLayout(before, after)) return {};
-  uint64_t payload = 0;
-  for (const Buffer* b : after) payload += b->bytes();
+  std::vector<uint64_t> starts(after.size() + 1, 0);  // where each buffer starts in the payload
+  for (size_t i = 0; i < after.size(); ++i) starts[i + 1] = starts[i] + after[i]->bytes();
+  const uint64_t payload = starts.back();
   // Where each buffer may differ, in whole blocks: (buffer, from, to), merged per buffer.
   struct Span {
     size_t buffer;
@@ -133,8 +134,6 @@ std::string SerializeSnapshotDelta(const ShardSnapshot& base, const SerializedSn
   // The runs of blocks that differ, as (offset in the payload, length); given up past half.
   std::vector<std::pair<uint64_t, uint64_t>> runs;
   uint64_t changed = 0;
-  std::vector<uint64_t> starts(after.size() + 1, 0);  // where each buffer starts in the payload
-  for (size_t i = 0; i < after.size(); ++i) starts[i + 1] = starts[i] + after[i]->bytes();
   for (const Span& sp : may) {
     const uint64_t at = starts[sp.buffer], n = after[sp.buffer]->bytes();
     for (uint64_t off = sp.from; off < sp.to; off += kDeltaBlock) {

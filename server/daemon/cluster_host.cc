@@ -342,15 +342,18 @@ std::shared_ptr<const peer::CopyBytes> ServerShardHost::SerializedCopy(int owner
 }
 
 std::unique_ptr<std::string> ServerShardHost::TakeSpare(std::optional<peer::LiveCopy>* holds,
-                                                        std::shared_ptr<const CopyBlockHashes>* blocks) {
+                                                        std::shared_ptr<const CopyBlockHashes>* blocks, uint64_t fits) {
   std::unique_ptr<std::string> storage;
   {
     MutexLock lock(&spare_->mu);
-    storage = std::move(spare_->bytes);
-    *holds = storage ? spare_->holds : std::nullopt;
-    *blocks = storage ? std::move(spare_->blocks) : nullptr;
-    spare_->holds.reset();
-    spare_->blocks.reset();
+    const uint64_t capacity = spare_->bytes ? spare_->bytes->capacity() : 0;
+    if (fits == 0 || (capacity >= fits && capacity / 2 <= fits)) {
+      storage = std::move(spare_->bytes);
+      *holds = storage ? spare_->holds : std::nullopt;
+      *blocks = storage ? std::move(spare_->blocks) : nullptr;
+      spare_->holds.reset();
+      spare_->blocks.reset();
+    }
   }
   if (!storage) storage = std::make_unique<std::string>();
   return storage;
@@ -376,17 +379,10 @@ std::shared_ptr<std::string> ServerShardHost::ToSpareWhenLetGo(std::unique_ptr<s
 std::shared_ptr<std::string> ServerShardHost::CopyStorage(uint64_t bytes) {
   constexpr uint64_t kKeptFrom = 16ull << 20;  // a difference of a sparse step is smaller
   if (bytes < kKeptFrom) return ShardHost::CopyStorage(bytes);
-  std::unique_ptr<std::string> storage;
-  {
-    MutexLock lock(&spare_->mu);
-    // Not the storage of a bigger part's copies (a rebuild needs it next).
-    if (spare_->bytes && spare_->bytes->capacity() >= bytes && spare_->bytes->capacity() / 2 <= bytes) {
-      storage = std::move(spare_->bytes);
-      spare_->holds.reset();
-      spare_->blocks.reset();
-    }
-  }
-  if (!storage) storage = std::make_unique<std::string>();
+  // Not the storage of a bigger part's copies (a rebuild needs it next); the copy it held is gone.
+  std::optional<peer::LiveCopy> holds;
+  std::shared_ptr<const CopyBlockHashes> blocks;
+  std::unique_ptr<std::string> storage = TakeSpare(&holds, &blocks, bytes);
   storage->clear();
   storage->reserve(std::min<uint64_t>(bytes, 256ull << 20));
   return ToSpareWhenLetGo(std::move(storage), std::nullopt, nullptr, /*always=*/false);

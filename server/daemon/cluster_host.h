@@ -130,9 +130,10 @@ class ServerShardHost : public ShardHost {
     std::shared_ptr<const CopyBlockHashes> blocks GUARDED_BY(mu);  // of the bytes it holds
   };
   const std::shared_ptr<SpareCopy> spare_ = std::make_shared<SpareCopy>();
-  // The spare's storage (and the copy it holds, with its block hashes), or a new string.
+  // The spare's storage (and the copy it holds, with its block hashes), or a new string. `fits`
+  // (non-zero): only storage of at least that capacity and at most twice it.
   std::unique_ptr<std::string> TakeSpare(std::optional<peer::LiveCopy>* holds,
-                                         std::shared_ptr<const CopyBlockHashes>* blocks);
+                                         std::shared_ptr<const CopyBlockHashes>* blocks, uint64_t fits = 0);
   // Drops the differences of copies no longer held.
   void TrimDeltasLocked() REQUIRES(mu_);
   // `storage`, to keep: it goes back to the spare when its last holder lets go, as holding `holds`
