@@ -389,6 +389,14 @@ struct PeerHeartbeat {
                             # (size, checksum; epoch unused): a seal sent with a restore order must match it
   keptCopies @18 :List(PeerCopy);  # async/ssp replicas: per shard (by index), the newest copy of its part the
                             # sender heard the next shard keeps (every acknowledged push is in it or older)
+  servedParts @19 :List(PeerServed);  # async/ssp replicas: per shard (by index), the newest epoch the sender
+                            # knows served workers with its part, and whether a stand-in served it then
+}
+
+# The newest epoch known to have served workers with a shard's part (0: none known).
+struct PeerServed {
+  epoch @0 :UInt64;
+  standIn @1 :Bool;         # a stand-in served it: its newest copies are on the stand-in's host
 }
 
 # Takeover: shard `shard` is served at `address` (a stand-in), not at its --cluster entry.

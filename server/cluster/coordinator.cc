@@ -95,6 +95,7 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.held_copies = held_copies_;
   hb.released = known_released_;
   hb.kept_copies = newest_heard_;  // (async/ssp replicas only; else empty)
+  hb.served_parts = served_;       // (likewise)
   hb.listening = now_() - started_ < std::chrono::milliseconds(options_.election_timeout_ms);
   hb.address = address_;
   hb.stand_in = options_.stand_in;
@@ -189,6 +190,7 @@ void ClusterCoordinator::Tick() {
       HearCopiesLocked(me_, {});
     }
     TickLocked(&actions);
+    NoteServedLocked();
     hb = HeartbeatLocked();
     ToLaneLocked(&actions);
   }
@@ -493,6 +495,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   p.own_copies = hb.own_copies;
   p.held_copies = hb.held_copies;
   HearCopiesLocked(from, hb.kept_copies);
+  HearServedLocked(hb.served_parts);
   KnowReleasedLocked(hb.released.lineage, hb.released.step);
   p.listening = hb.listening;
   p.last_heartbeat = heard;
@@ -526,6 +529,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
     }
   }
   if (options_.replicate) TakeoverHeartbeatLocked(from, term, hb, /*served=*/true, actions);
+  NoteServedLocked();  // (with the chief's map just heard)
 }
 
 void ClusterCoordinator::MaybeCommitLocked(std::vector<Action>* actions) {
@@ -716,6 +720,7 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   if (static_cast<int>(restored_.size()) < shards_) return;
   forming_ = false;
   running_ = true;
+  NoteServedLocked();
   if (!options_.applies_on_arrival) KnowReleasedLocked(term_, open_step_);  // the first tokens go out now
   if (live_newest_) newest_failures_ = 0;
   arrival_checkpoint_ = formation_step_;  // async/ssp: no checkpoint of the step just restored

@@ -362,6 +362,15 @@ class ClusterCoordinator : public PeerEvents {
   // (kept by a process cut off now, or by a stand-in stopped since): restoring it would lose
   // pushes acknowledged on the newer one.
   bool NewestBehindLocked() const REQUIRES(mu_);
+  // Async/ssp replicas (cluster/takeover.cc): records which process serves each part while this
+  // shard serves workers (the chief: running; a follower: serving), and merges what a heartbeat says.
+  void NoteServedLocked() REQUIRES(mu_);
+  void HearServedLocked(const std::vector<peer::PartServed>& told) REQUIRES(mu_);
+  // A part served by a stand-in in the newest epoch known to have served it, whose newest copies
+  // are therefore on the next shard's host alone (the stand-in ran there, and that shard's own
+  // process keeps its copies), while that process is not heard now: a formation without it would
+  // restore the part from older copies and lose the pushes acknowledged there. -1: none.
+  int CopiesHostMissingLocked(Clock::time_point now) const REQUIRES(mu_);
   // The live copies shard k keeps of its own part / of its predecessor's (this shard's from the
   // host as of the last tick, the others' from their heartbeats).
   const std::vector<peer::LiveCopy>& OwnCopiesLocked(int k) const REQUIRES(mu_);
@@ -552,6 +561,12 @@ class ClusterCoordinator : public PeerEvents {
   // stand-in from older copies (that one was kept by a process cut off now, or a stand-in stopped
   // since) waits for the shards' own processes instead.
   std::vector<peer::LiveCopy> newest_heard_ GUARDED_BY(mu_);
+  // Async/ssp replicas: per part, the newest epoch this shard knows served workers with it, and
+  // whether a stand-in served it then (NoteServedLocked, and every shard's heartbeat). Such a part's
+  // newest copies are on the stand-in's host alone: a formation waits for that host's own process
+  // (CopiesHostMissingLocked).
+  std::vector<peer::PartServed> served_ GUARDED_BY(mu_);
+  int copies_host_wait_logged_ GUARDED_BY(mu_) = -1;  // the part last said to wait for its copies' host
   void KnowReleasedLocked(uint64_t epoch, int64_t step) REQUIRES(mu_) {
     known_released_ = std::max(known_released_, peer::LiveCopy{epoch, step});
   }

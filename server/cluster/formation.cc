@@ -254,6 +254,28 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
     // last steps (a slow link), and this chief may have released a step newer than the choice.
     // Waited for, up to three election timeouts; then the choice stands (logged).
     auto now = now_();
+    // Async/ssp: a part a stand-in served last has its newest copies on that stand-in's host; a
+    // formation without that host's own process would restore older ones (no released step bounds
+    // a part here, and pushes acknowledged after the others last heard of that host are in no copy
+    // they heard of). Waited for, however long: forming without it loses those pushes.
+    if (live_newest_) {
+      const int part = CopiesHostMissingLocked(now);
+      if (part >= 0) {
+        const int host = (part + 1) % shards_;
+        if (copies_host_wait_logged_ != part) {
+          copies_host_wait_logged_ = part;
+          spdlog::error(
+              "cluster: shard {}'s part was served by a stand-in on shard {}'s host in epoch {}, the newest that "
+              "served it: its newest copies are there, and shard {}'s own process ({}) is not heard. Waiting for it "
+              "before forming (without it, the pushes acknowledged there would be lost); if that machine is gone "
+              "for good, start psd again at {}: the cluster then forms from the copies left",
+              part, host, served_[static_cast<size_t>(part)].epoch, host, options_.addresses[static_cast<size_t>(host)],
+              options_.addresses[static_cast<size_t>(host)]);
+        }
+        return;
+      }
+      copies_host_wait_logged_ = -1;
+    }
     bool stale = false;
     for (int i = 0; i < shards_; ++i) {
       if (i != me_ && peers_[static_cast<size_t>(i)].last_heartbeat <= missing_since_) stale = true;

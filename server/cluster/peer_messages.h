@@ -31,6 +31,15 @@ struct LiveCopy {
   auto operator<=>(const LiveCopy&) const = default;
 };
 
+// Async/ssp replicas: the newest epoch known to have served workers with a shard's part, and
+// whether a stand-in served it then (its newest copies are then on the stand-in's host alone).
+// Ordered by epoch; within one epoch a stand-in's says more.
+struct PartServed {
+  uint64_t epoch = 0;  // 0: not known
+  bool stand_in = false;
+  auto operator<=>(const PartServed&) const = default;
+};
+
 // Immutable bytes that the copies of a message share: a piece of a serialized shard copy goes
 // out without being copied (the encoder references it, `keep` holds it until it is written).
 // A Blob without an owner borrows: the decoder's view into a received frame, valid only during
@@ -108,6 +117,9 @@ struct Heartbeat {
   // Async/ssp replicas: per shard (by index), the newest copy of its part the sender heard the
   // next shard keeps (empty: not said).
   std::vector<LiveCopy> kept_copies;
+  // Async/ssp replicas: per shard (by index), the newest epoch the sender knows served workers with
+  // its part, and whether through a stand-in (empty: not said).
+  std::vector<PartServed> served_parts;
 
   bool operator==(const Heartbeat&) const = default;
 };

@@ -25,7 +25,11 @@
 // before d's process is back leaves no copy of d's part. A formation through a stand-in restores
 // only from live copies, never older than a step known released (StartFormationLocked); else the
 // chief waits for every shard's own process, and then falls back to the newest common checkpoint
-// (and says so).
+// (and says so). Async/ssp, where each part moves on its own and no released step bounds it: every
+// shard remembers which parts a stand-in served in the newest epoch that served them (served_,
+// passed on in heartbeats), and a formation from the newest copies waits while such a part's host
+// (shard d + 1's own process) is not heard — cut off, it may still keep pushes acknowledged after
+// the others last heard of it (CopiesHostMissingLocked).
 #include <spdlog/spdlog.h>
 
 #include "cluster/coordinator.h"
@@ -82,6 +86,35 @@ bool ClusterCoordinator::MajorityLocked(Clock::time_point now) const {
     first = first || i == 0;
   }
   return 2 * heard > shards_ || (2 * heard == shards_ && first);
+}
+
+void ClusterCoordinator::NoteServedLocked() {
+  if (!options_.applies_on_arrival || !options_.replicate || epoch_ == 0) return;
+  if (!(chief_ == me_ ? running_ : serving_)) return;
+  std::vector<peer::PartServed> now(static_cast<size_t>(shards_));
+  for (int i = 0; i < shards_; ++i) {
+    const bool stand_in = i == me_ ? options_.stand_in : AddressOf(i) != options_.addresses[static_cast<size_t>(i)];
+    now[static_cast<size_t>(i)] = {epoch_, stand_in};
+  }
+  HearServedLocked(now);
+}
+
+void ClusterCoordinator::HearServedLocked(const std::vector<peer::PartServed>& told) {
+  if (!options_.applies_on_arrival || !options_.replicate || told.empty()) return;
+  served_.resize(static_cast<size_t>(shards_));
+  for (size_t k = 0; k < told.size() && k < served_.size(); ++k) served_[k] = std::max(served_[k], told[k]);
+}
+
+int ClusterCoordinator::CopiesHostMissingLocked(Clock::time_point now) const {
+  for (int d = 0; d < shards_ && static_cast<size_t>(d) < served_.size(); ++d) {
+    if (!served_[static_cast<size_t>(d)].stand_in) continue;
+    const int host = (d + 1) % shards_;
+    const bool heard = host == me_
+                           ? !options_.stand_in
+                           : AddressOf(host) == options_.addresses[static_cast<size_t>(host)] && AliveLocked(host, now);
+    if (!heard) return d;
+  }
+  return -1;
 }
 
 bool ClusterCoordinator::StandInServesLocked() const {

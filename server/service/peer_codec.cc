@@ -184,6 +184,11 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
       }
       std::vector<peer::LiveCopy> kept;
       for (auto k : hb.getKeptCopies()) kept.push_back(CopyFromWire(k));
+      if (hb.getServedParts().size() > static_cast<unsigned>(shards)) {
+        return InvalidArgument("a heartbeat lists served parts for more shards than the cluster has");
+      }
+      std::vector<peer::PartServed> served;
+      for (auto p : hb.getServedParts()) served.push_back({p.getEpoch(), p.getStandIn()});
       m.body = peer::Heartbeat{hb.getChief(),
                                hb.getEpoch(),
                                hb.getRunning(),
@@ -201,7 +206,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
                                std::move(*moved),
                                CopyFromWire(hb.getReleased()),
                                std::move(*unsealed),
-                               std::move(kept)};
+                               std::move(kept),
+                               std::move(served)};
       return m;
     }
     case proto::PeerMessage::PREPARED: {
@@ -336,6 +342,11 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           i = 0;
           for (const auto& [step, part] : body.unsealed_parts) PartToWire(unsealed[i++], 0, step, part);
           CopiesToWire(hb.initKeptCopies(static_cast<unsigned>(body.kept_copies.size())), body.kept_copies);
+          auto served = hb.initServedParts(static_cast<unsigned>(body.served_parts.size()));
+          for (size_t k = 0; k < body.served_parts.size(); ++k) {
+            served[static_cast<unsigned>(k)].setEpoch(body.served_parts[k].epoch);
+            served[static_cast<unsigned>(k)].setStandIn(body.served_parts[k].stand_in);
+          }
         } else if constexpr (std::is_same_v<T, peer::Prepared>) {
           auto p = b.initPrepared();
           p.setEpoch(body.epoch);

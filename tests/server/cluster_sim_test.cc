@@ -463,6 +463,7 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
     uint64_t seed;
     bool single;   // one crash at a time
     bool crashes;  // false: partitions and broken links only
+    int64_t lane_ms = 0;
   };
   const Seed seeds[] = {
       // A chief cut off while a stand-in kept a part's newest copies formed through a stand-in
@@ -481,6 +482,10 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
       // shard once the partition healed; kept there, though that shard was in the epoch that had
       // left it, they let it acknowledge pushes the next formation then served its part without.
       {3, 346263, true, true},
+      // A stand-in ran on the next shard's host, which kept its copies; that host was cut off and
+      // both went on acknowledging pushes, while the other side formed from the part's own older
+      // copies: now a part a stand-in served last waits for its host's own process.
+      {3, 335606, false, false, 300},
   };
   for (const Seed& s : seeds) {
     SimOptions o;
@@ -491,6 +496,7 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
     Async(&o);
     if (!s.crashes) o.crash_rate = 0;
     if (s.single) SingleFaults(&o);
+    if (s.lane_ms > 0) Lane(&o, s.lane_ms);
     Check(o);
   }
 }

@@ -39,6 +39,7 @@ peer::Heartbeat FullHeartbeat() {
   hb.released = {7, 49};
   hb.unsealed_parts = {{50, {1, "shard-1-of-3.psdckpt", 1234, 0xabcdef}}, {45, {1, "shard-1-of-3.psdckpt", 99, 7}}};
   hb.kept_copies = {{7, 48}, {6, 30}, {0, -1}};
+  hb.served_parts = {{7, false}, {6, true}, {0, false}};
   return hb;
 }
 
@@ -56,10 +57,12 @@ TEST_CASE("peer codec: a heartbeat round-trips, the parts of its unusable steps 
   peer::Heartbeat old = FullHeartbeat();
   old.unsealed_parts.clear();
   old.kept_copies.clear();
+  old.served_parts.clear();
   auto plain = RoundTrip(peer::Message{1, 9, old}, 3);
   REQUIRE(plain.ok());
   CHECK(std::get<peer::Heartbeat>(plain->body).unsealed_parts.empty());
   CHECK(std::get<peer::Heartbeat>(plain->body).kept_copies.empty());
+  CHECK(std::get<peer::Heartbeat>(plain->body).served_parts.empty());
 }
 
 TEST_CASE("peer codec: a heartbeat's unusable parts and kept copies are checked", "[cluster][codec]") {
@@ -75,6 +78,9 @@ TEST_CASE("peer codec: a heartbeat's unusable parts and kept copies are checked"
   hb = FullHeartbeat();
   hb.kept_copies.push_back({1, 1});  // a fourth shard of 3
   CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("kept copies for more shards"));
+  hb = FullHeartbeat();
+  hb.served_parts.push_back({1, true});  // a fourth shard of 3
+  CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("served parts for more shards"));
 }
 
 TEST_CASE("peer codec: a replica chunk's whole words go out from the copy, uncopied, and come back borrowed",
