@@ -272,6 +272,14 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
               part, host, served_[static_cast<size_t>(part)].epoch, host, options_.addresses[static_cast<size_t>(host)],
               options_.addresses[static_cast<size_t>(host)]);
         }
+        // What workers and psd_admin status are told meanwhile.
+        std::string why = "waiting for shard " + std::to_string(host) + " (" +
+                          options_.addresses[static_cast<size_t>(host)] + "): it keeps the newest copies of shard " +
+                          std::to_string(part) + "'s part, which a stand-in served there";
+        if (missing_reason_ != why) {
+          missing_reason_ = std::move(why);
+          missing_since_ = now;
+        }
         return;
       }
       copies_host_wait_logged_ = -1;

@@ -562,3 +562,83 @@ TEST_CASE("coordinator: a copy that cannot be kept is answered by asking for it 
   CHECK(acks[0].send_whole);
   CHECK(acks[0].copy == peer::LiveCopy{3, 1});
 }
+
+namespace {
+
+// The chief (shard 1 of 3, async with replicas and takeover) of the side of a partition that has
+// shard 2's own process and, once it has claimed, a stand-in for shard 0; shard 0's own process is
+// silent. Every part has a copy on this side; shard 2's heartbeats say `served` (which parts a
+// stand-in served last). After 30 heartbeats with the stand-in, and then `more` heartbeats with shard 0's own process
+// heard too: whether a formation's restore order went out, and what the chief said.
+struct Formed {
+  bool restored = false;
+  std::string state;
+  bool restored_later = false;
+};
+Formed AsyncChiefWithoutShard0(const std::vector<peer::PartServed>& served, int more) {
+  Shard s(1, 3);
+  s.options.applies_on_arrival = true;
+  s.coordinator = std::make_unique<ClusterCoordinator>(s.options, s.host, s.network, [&s] { return s.now; });
+  s.coordinator->Start();
+  s.coordinator->OnPeerUp(0);
+  s.coordinator->OnPeerUp(2);
+  auto hears = [&](int from, bool stand_in) {
+    peer::Heartbeat hb;
+    hb.chief = s.coordinator->chief();
+    hb.ready = true;
+    hb.stand_in = stand_in;
+    hb.address = stand_in ? Shard::StandInAddress(from) : s.options.addresses[static_cast<size_t>(from)];
+    if (from == 0) {
+      hb.own_copies = {{5, 40}};  // part 0 (from shard 1's copies, say)
+    } else {
+      hb.own_copies = {{2, 9}};    // part 2: its own process's older copies
+      hb.held_copies = {{5, 20}};  // part 1's copies
+      hb.served_parts = served;
+    }
+    s.coordinator->OnMessage(from, peer::Message{from, s.coordinator->Describe().term, hb});
+  };
+  auto restore_sent = [&] {
+    for (const auto& [to, m] : s.network.sent) {
+      if (std::holds_alternative<peer::Restore>(m.body)) return true;
+    }
+    return false;
+  };
+  for (int t = 0; t < 15; ++t) {  // shard 0 silent: this shard claims the chief role
+    hears(2, /*stand_in=*/false);
+    s.Tick();
+  }
+  REQUIRE(s.coordinator->is_chief());
+  for (int t = 0; t < 30; ++t) {  // then the stand-in for shard 0 (run here) is heard
+    hears(0, /*stand_in=*/true);
+    hears(2, /*stand_in=*/false);
+    s.Tick();
+  }
+  REQUIRE(s.coordinator->Addresses()[0] == Shard::StandInAddress(0));
+  Formed f{restore_sent(), s.coordinator->Describe().state, false};
+  for (int t = 0; t < more; ++t) {
+    hears(0, /*stand_in=*/false);
+    hears(2, /*stand_in=*/false);
+    s.Tick();
+  }
+  f.restored_later = restore_sent();
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("coordinator: in async a part a stand-in served last waits for its host's own process",
+          "[cluster][takeover]") {
+  // Part 2 was served by a stand-in on shard 0's host in epoch 7: its newest copies are there,
+  // perhaps with pushes acknowledged after this side last heard of that host. Forming from shard
+  // 2's own older copies would lose them: the chief waits, and says for whom.
+  Formed f = AsyncChiefWithoutShard0({{7, false}, {7, false}, {7, true}}, 0);
+  CHECK_FALSE(f.restored);
+  CHECK(f.state.find("waiting for shard 0 (127.0.0.1:1): it keeps the newest copies of shard 2's part") !=
+        std::string::npos);
+  // Shard 0's own process heard again: the formation goes ahead.
+  CHECK(AsyncChiefWithoutShard0({{7, false}, {7, false}, {7, true}}, 30).restored_later);
+  // An epoch since (8) served part 2 through its own process: nothing to wait for.
+  CHECK(AsyncChiefWithoutShard0({{8, false}, {8, false}, {8, false}}, 0).restored);
+  // Nobody said a stand-in served it: the formation goes ahead at once.
+  CHECK(AsyncChiefWithoutShard0({}, 0).restored);
+}
