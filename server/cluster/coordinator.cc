@@ -513,7 +513,10 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   if (from == chief_ && term == term_) {
     bool was = serving_;
     serving_ = hb.running && hb.epoch == epoch_ && epoch_ != 0;
-    if (serving_ && !was) missing_reason_.clear();
+    if (serving_ && !was) {
+      missing_reason_.clear();
+      live_failed_.clear();  // (see HandleRestored)
+    }
     if (!hb.running && missing_reason_.empty()) {
       missing_reason_ = "the chief (shard " + std::to_string(from) + ") is forming the cluster";
       missing_since_ = now_();
@@ -721,6 +724,10 @@ void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Res
   forming_ = false;
   running_ = true;
   NoteServedLocked();
+  // A live copy that did not restore in an earlier formation may have failed for a passing reason
+  // (a shard's restore of the epoch before still running on its lane): once an epoch runs, every
+  // copy may be chosen again (a copy that never restores costs one failed formation per epoch).
+  live_failed_.clear();
   if (!options_.applies_on_arrival) KnowReleasedLocked(term_, open_step_);  // the first tokens go out now
   if (live_newest_) newest_failures_ = 0;
   arrival_checkpoint_ = formation_step_;  // async/ssp: no checkpoint of the step just restored

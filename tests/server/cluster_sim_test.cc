@@ -401,6 +401,7 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
     uint64_t seed;
     bool single;  // one crash at a time
     bool longer;
+    int64_t lane_ms = 0;
   };
   const Seed seeds[] = {
       // Each side of a partition stood in for the other and both served every part.
@@ -440,6 +441,10 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
       // this shard. Chief again, it fell back to an older checkpoint, before a released step,
       // though every shard held the sealed one's part.
       {3, 395762, true, true},
+      // A shard's restore of a live copy failed while its restore of the epoch before still ran on
+      // its lane; the copy stayed marked as failed there after an epoch had run from it, so that
+      // shard, chief again, found no live copy and started empty, before released steps.
+      {2, 238912, true, true, 300},
   };
   for (const Seed& s : seeds) {
     SimOptions o;
@@ -452,6 +457,7 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
       o.takeover = true;
     }
     if (s.single) SingleFaults(&o);
+    if (s.lane_ms > 0) Lane(&o, s.lane_ms);
     Check(o);
   }
 }
