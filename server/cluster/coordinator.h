@@ -375,6 +375,11 @@ class ClusterCoordinator : public PeerEvents {
   // host as of the last tick, the others' from their heartbeats).
   const std::vector<peer::LiveCopy>& OwnCopiesLocked(int k) const REQUIRES(mu_);
   const std::vector<peer::LiveCopy>& HeldCopiesLocked(int k) const REQUIRES(mu_);
+  // The newest lineage of any copy this shard knows of (kept here, said kept by a shard, heard of).
+  // A new epoch is numbered above it: copies are ordered by lineage, and a formation numbered
+  // below a copy of an epoch formed meanwhile elsewhere (a partition; that epoch never ran) would
+  // order its own timeline's newer copies below that older one.
+  uint64_t NewestLineageLocked() const REQUIRES(mu_);
   // Async/ssp: restores the newest copy of this shard's part for `epoch`: its own, or the next
   // shard's when that one is newer (asked for, with its own newest, in a newest fetch).
   void StartNewestRestoreLocked(uint64_t epoch, std::vector<Action>* actions) REQUIRES(mu_);

@@ -353,7 +353,9 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   // Async/ssp from live copies: each shard's count comes with its copy; the chief's stands for the step.
   int64_t step = live_newest_ ? -1 : *chosen;  // newest: the highest count restored (HandleRestored)
   refusal_.clear();
-  term_ = std::max(term_, max_term_seen_) + 1;
+  // Above every copy's lineage too (NewestLineageLocked): a copy of an epoch formed on the other side
+  // of a partition, which never ran, must not order above this epoch's copies.
+  term_ = std::max({term_, max_term_seen_, NewestLineageLocked()}) + 1;
   max_term_seen_ = term_;
   SaveTermLocked(actions);  // before the restore order goes out: this epoch is never formed again
   forming_ = true;

@@ -43,6 +43,19 @@ const std::vector<peer::LiveCopy>& ClusterCoordinator::HeldCopiesLocked(int k) c
   return k == me_ ? held_copies_ : peers_[static_cast<size_t>(k)].held_copies;
 }
 
+uint64_t ClusterCoordinator::NewestLineageLocked() const {
+  uint64_t newest = 0;
+  auto note = [&newest](const std::vector<peer::LiveCopy>& copies) {
+    for (const peer::LiveCopy& c : copies) newest = std::max(newest, c.lineage);
+  };
+  for (int k = 0; k < shards_; ++k) {
+    note(OwnCopiesLocked(k));
+    note(HeldCopiesLocked(k));
+  }
+  note(newest_heard_);
+  return newest;
+}
+
 std::optional<peer::LiveCopy> ClusterCoordinator::LiveChoiceLocked() const {
   // Sorted vectors (GCC 12 misreads a std::set swapped in a loop as a dangling pointer).
   std::vector<peer::LiveCopy> common;
@@ -212,6 +225,9 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   // left that epoch) is not kept: acknowledged, it would let the owner acknowledge pushes of a
   // timeline the cluster left (async applies them on arrival), lost at the next formation.
   if (!c.restore && c.epoch < epoch_) return;
+  // A copy of an epoch this shard has not heard of (formed on the other side of a partition): the
+  // next epoch this shard forms is numbered above it (as NewestLineageLocked, before the host says).
+  max_term_seen_ = std::max({max_term_seen_, c.epoch, c.copy.lineage});
   // A fetch of the newest copy takes one newer than this shard's own, or an empty answer about it.
   if (c.restore && !(fetch_ && fetch_->first == c.epoch &&
                      (fetch_->second == c.copy || (fetch_newest_ && c.total > 0 && fetch_->second < c.copy)))) {

@@ -492,6 +492,11 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
       // both went on acknowledging pushes, while the other side formed from the part's own older
       // copies: now a part a stand-in served last waits for its host's own process.
       {3, 335606, false, false, 300},
+      // A shard kept its predecessor's copy of an epoch formed on the other side of a partition
+      // (that formation never ran), then formed a lower-numbered epoch that served pushes: the
+      // older copy's higher lineage made it look newest, and the next formation dropped those
+      // pushes. Now a new epoch is numbered above every copy's lineage.
+      {2, 253514, true, true},
   };
   for (const Seed& s : seeds) {
     SimOptions o;

@@ -642,3 +642,31 @@ TEST_CASE("coordinator: in async a part a stand-in served last waits for its hos
   // Nobody said a stand-in served it: the formation goes ahead at once.
   CHECK(AsyncChiefWithoutShard0({}, 0).restored);
 }
+
+TEST_CASE("coordinator: a new epoch is numbered above every copy's lineage it knows of", "[cluster][replicas]") {
+  // Shard 1 kept copies of an epoch (9) formed on its side of a partition, which never ran; this
+  // shard's own terms are far lower. Copies are ordered by lineage: an epoch numbered 9 or below
+  // would order its own newer copies below those older ones, and a later formation from each
+  // part's newest copy would drop what it served (async: pushes acknowledged).
+  Shard s(0, 2);
+  s.options.applies_on_arrival = true;
+  s.coordinator = std::make_unique<ClusterCoordinator>(s.options, s.host, s.network, [&s] { return s.now; });
+  s.coordinator->Start();
+  s.coordinator->OnPeerUp(1);
+  uint64_t formed = 0;
+  for (int t = 0; t < 40 && formed == 0; ++t) {
+    peer::Heartbeat hb;
+    hb.chief = s.coordinator->chief();
+    hb.ready = true;
+    hb.address = s.options.addresses[1];
+    hb.own_copies = {{9, 0}};   // part 1, of epoch 9
+    hb.held_copies = {{2, 5}};  // part 0
+    s.coordinator->OnMessage(1, peer::Message{1, s.coordinator->Describe().term, hb});
+    s.Tick();
+    for (const auto& [to, m] : s.network.sent) {
+      if (const auto* r = std::get_if<peer::Restore>(&m.body)) formed = r->epoch;
+    }
+  }
+  REQUIRE(s.coordinator->is_chief());
+  CHECK(formed > 9);
+}
