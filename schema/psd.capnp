@@ -391,6 +391,9 @@ struct PeerHeartbeat {
                             # sender heard the next shard keeps (every acknowledged push is in it or older)
   servedParts @19 :List(PeerServed);  # async/ssp replicas: per shard (by index), the newest epoch the sender
                             # knows served workers with its part, and whether a stand-in served it then
+  sealDigests @20 :List(UInt64);  # per step of sealedSteps (same order): a digest of the manifest the sender
+                            # holds for it (0: not known; empty: not said): two timelines' manifests of one
+                            # step differ, and such a step is restorable by no shard set that mixes them
 }
 
 # The newest epoch known to have served workers with a shard's part (0: none known).

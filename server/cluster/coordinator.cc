@@ -82,6 +82,10 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.epoch = epoch_;
   hb.running = chief_ == me_ && running_;
   hb.sealed_steps = sealed_;
+  for (int64_t t : sealed_) {
+    auto seal = seal_parts_.find(t);
+    hb.seal_digests.push_back(seal == seal_parts_.end() ? 0 : peer::SealDigest(seal->second));
+  }
   hb.ready = ready_;
   hb.required = required_;
   hb.allow_state_loss = options_.allow_state_loss || !options_.restore;
@@ -489,6 +493,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   p.epoch = hb.epoch;
   p.ready = hb.ready;
   p.sealed = hb.sealed_steps;
+  p.seal_digests = hb.seal_digests.size() == hb.sealed_steps.size() ? hb.seal_digests : std::vector<uint64_t>{};
   p.unusable = hb.unusable_steps;
   p.unsealed_parts = hb.unsealed_parts;
   p.allow_state_loss = hb.allow_state_loss;

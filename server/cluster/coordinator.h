@@ -241,6 +241,7 @@ class ClusterCoordinator : public PeerEvents {
     uint64_t epoch = 0;
     bool ready = false;
     std::vector<int64_t> sealed;
+    std::vector<uint64_t> seal_digests;                // per sealed step: its manifest's (empty: not said)
     std::vector<int64_t> unusable;                     // checkpoint directories it has but cannot restore
     std::map<int64_t, peer::PartInfo> unsealed_parts;  // its own part of some of those, as on its disk
     bool allow_state_loss = false;                     // it runs with --allow-state-loss or --no-restore
@@ -301,8 +302,14 @@ class ClusterCoordinator : public PeerEvents {
   // False while a checkpoint sealed lately (or sealed on some shards, only present on others) is
   // not yet known restorable on every shard.
   bool SealsSettledLocked(Clock::time_point now) REQUIRES(mu_);
-  // The checkpoint steps every shard can restore.
+  // The checkpoint steps every shard can restore: each lists it sealed, with the same manifest as
+  // this shard's (SealAgreesLocked).
   std::set<int64_t> CommonStepsLocked() const REQUIRES(mu_);
+  // Shard `shard` holds the same manifest of sealed step `step` as this shard, or did not say
+  // (an older version; or a manifest not known on either side). Two timelines' checkpoints of one
+  // step (a stand-in and the shard's own process each wrote a part, each got a seal) differ: no
+  // shard set can restore it, and counting it would have a formation give up live copies for it.
+  bool SealAgreesLocked(int shard, int64_t step) const REQUIRES(mu_);
   // Checkpoint `step` is restorable everywhere once its seal is sent along: this shard sealed it
   // once and keeps the seal, and every shard, this one included, lists it sealed or present but
   // unusable with the part the seal names (it holds its part and missed the seal: a restart

@@ -27,12 +27,25 @@ std::set<int64_t> ClusterCoordinator::CommonStepsLocked() const {
   for (int i = 0; i < shards_; ++i) {
     if (i == me_) continue;
     const auto& s = peers_[static_cast<size_t>(i)].sealed;
-    std::set<int64_t> theirs(s.begin(), s.end()), both;
+    std::set<int64_t> theirs, both;
+    for (int64_t t : s) {
+      if (SealAgreesLocked(i, t)) theirs.insert(t);
+    }
     std::set_intersection(common.begin(), common.end(), theirs.begin(), theirs.end(),
                           std::inserter(both, both.begin()));
     common.swap(both);
   }
   return common;
+}
+
+bool ClusterCoordinator::SealAgreesLocked(int shard, int64_t step) const {
+  if (shard == me_) return true;
+  const Peer& p = peers_[static_cast<size_t>(shard)];
+  auto mine = seal_parts_.find(step);
+  auto at = std::find(p.sealed.begin(), p.sealed.end(), step);
+  if (mine == seal_parts_.end() || at == p.sealed.end() || p.seal_digests.size() != p.sealed.size()) return true;
+  const uint64_t theirs = p.seal_digests[static_cast<size_t>(at - p.sealed.begin())];
+  return theirs == 0 || theirs == peer::SealDigest(mine->second);
 }
 
 namespace {
@@ -69,7 +82,10 @@ bool ClusterCoordinator::ResealableLocked(int64_t step) const {
     const auto& sealed = self ? sealed_ : peers_[static_cast<size_t>(i)].sealed;
     const auto& unusable = self ? unusable_ : peers_[static_cast<size_t>(i)].unusable;
     const auto& unsealed_parts = self ? unsealed_parts_ : peers_[static_cast<size_t>(i)].unsealed_parts;
-    if (has(sealed, step)) continue;
+    if (has(sealed, step)) {
+      if (!self && !SealAgreesLocked(i, step)) return false;  // its manifest is another timeline's
+      continue;
+    }
     if (!has(unusable, step)) return false;
     // Its part on disk, if it says: another timeline's part of this step (written after a
     // formation at an older step left the sealed one) would refuse the seal, and only after the

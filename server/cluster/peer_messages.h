@@ -90,6 +90,10 @@ struct PartInfo {
   bool operator==(const PartInfo&) const = default;
 };
 
+// A digest of a checkpoint's manifest (its parts, in any order): the shard, size and checksum of
+// each, as ClusterCoordinator::SameParts compares them. Never 0 (a heartbeat's 0: not known).
+uint64_t SealDigest(std::vector<PartInfo> parts);
+
 // Periodic, from every shard to every other one: who it thinks is chief and what it can restore.
 struct Heartbeat {
   int chief = -1;                       // -1: nobody known (a peer may send any value: election.h copes)
@@ -120,6 +124,9 @@ struct Heartbeat {
   // Async/ssp replicas: per shard (by index), the newest epoch the sender knows served workers with
   // its part, and whether through a stand-in (empty: not said).
   std::vector<PartServed> served_parts;
+  // Per step of sealed_steps (same order): SealDigest of the manifest the sender holds for it (0:
+  // not known; empty: not said).
+  std::vector<uint64_t> seal_digests;
 
   bool operator==(const Heartbeat&) const = default;
 };

@@ -188,6 +188,7 @@ void ClusterCoordinator::MoveLocked(int shard, const std::string& address, std::
   p.ready = false;
   p.last_heartbeat = Clock::time_point{};
   p.sealed.clear();
+  p.seal_digests.clear();
   p.unusable.clear();
   p.unsealed_parts.clear();
   p.own_copies.clear();

@@ -189,6 +189,11 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
       }
       std::vector<peer::PartServed> served;
       for (auto p : hb.getServedParts()) served.push_back({p.getEpoch(), p.getStandIn()});
+      if (hb.getSealDigests().size() != 0 && hb.getSealDigests().size() != hb.getSealedSteps().size()) {
+        return InvalidArgument("a heartbeat's manifest digests do not match its sealed steps");
+      }
+      std::vector<uint64_t> digests;
+      for (uint64_t d : hb.getSealDigests()) digests.push_back(d);
       m.body = peer::Heartbeat{hb.getChief(),
                                hb.getEpoch(),
                                hb.getRunning(),
@@ -207,7 +212,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
                                CopyFromWire(hb.getReleased()),
                                std::move(*unsealed),
                                std::move(kept),
-                               std::move(served)};
+                               std::move(served),
+                               std::move(digests)};
       return m;
     }
     case proto::PeerMessage::PREPARED: {
@@ -347,6 +353,9 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
             served[static_cast<unsigned>(k)].setEpoch(body.served_parts[k].epoch);
             served[static_cast<unsigned>(k)].setStandIn(body.served_parts[k].stand_in);
           }
+          auto digests = hb.initSealDigests(static_cast<unsigned>(body.seal_digests.size()));
+          for (size_t k = 0; k < body.seal_digests.size(); ++k)
+            digests.set(static_cast<unsigned>(k), body.seal_digests[k]);
         } else if constexpr (std::is_same_v<T, peer::Prepared>) {
           auto p = b.initPrepared();
           p.setEpoch(body.epoch);

@@ -445,6 +445,12 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
       // its lane; the copy stayed marked as failed there after an epoch had run from it, so that
       // shard, chief again, found no live copy and started empty, before released steps.
       {2, 238912, true, true, 300},
+      // A stand-in and the shard's own process each sealed a part of one step (two timelines);
+      // the chief counted that checkpoint restorable everywhere, newer than the live copies, and
+      // formed from it: two shards gave up their live copies, the third refused, and the next
+      // chief started empty before released steps. Now heartbeats carry a digest of each sealed
+      // step's manifest, and a step whose manifests differ counts as restorable nowhere.
+      {3, 337431, true, true, 300},
   };
   for (const Seed& s : seeds) {
     SimOptions o;

@@ -285,43 +285,30 @@ TEST_CASE("coordinator: a shard whose stand-in is gone is looked for at its own 
 
 namespace {
 
-// The checkpoint restore order of the chief (shard 0 of 3) once shards 1 and 2 have said what they
-// hold: every shard wrote a part of step 4 and has step 2 sealed; the chief and shard 2 sealed
-// step 4, shard 1 missed that seal (it lists step 4 unusable) and says its part of step 4 has
-// checksum `shard1_part` (nullopt: it does not say, as an older version).
-std::optional<peer::Restore> CheckpointOrder(std::optional<uint64_t> shard1_part) {
+// The checkpoint restore order the chief (shard 0 of `shards`, whose disk `scan` finds) sends
+// shard 1 once the others have said, for 100 heartbeats, what `says` fills in.
+std::optional<peer::Restore> ChiefOrderTo1(int shards, const ShardHost::CheckpointScan& scan,
+                                           const std::function<void(int from, peer::Heartbeat*)>& says) {
   ClusterOptions options;
   options.me = 0;
-  options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
+  for (int i = 0; i < shards; ++i) options.addresses.push_back("127.0.0.1:" + std::to_string(i + 1));
   options.heartbeat_ms = 20;
   options.election_timeout_ms = 200;
   options.checkpoint_dir = "(scanned by the test's host)";
   RecordingHost host;
-  auto part = [](int shard, uint64_t checksum) {
-    return peer::PartInfo{shard, "part-" + std::to_string(shard), 100, checksum};
-  };
-  const std::vector<peer::PartInfo> seal4 = {part(0, 40), part(1, 41), part(2, 42)};
-  host.scan.sealed = {4, 2};
-  host.scan.seals = {{4, seal4}, {2, {part(0, 20), part(1, 21), part(2, 22)}}};
+  host.scan = scan;
   RecordingNetwork network;
   Clock::time_point now = Clock::time_point{} + std::chrono::hours(1);
   ClusterCoordinator c(options, host, network, [&now] { return now; });
   c.Start();
-  c.OnPeerUp(1);
-  c.OnPeerUp(2);
+  for (int from = 1; from < shards; ++from) c.OnPeerUp(from);
   for (int t = 0; t < 100; ++t) {
-    for (int from : {1, 2}) {
+    for (int from = 1; from < shards; ++from) {
       peer::Heartbeat hb;
       hb.chief = c.chief();
       hb.ready = true;
       hb.address = options.addresses[static_cast<size_t>(from)];
-      if (from == 1) {
-        hb.sealed_steps = {2};
-        hb.unusable_steps = {4};
-        if (shard1_part) hb.unsealed_parts[4] = part(1, *shard1_part);
-      } else {
-        hb.sealed_steps = {4, 2};
-      }
+      says(from, &hb);
       c.OnMessage(from, peer::Message{from, c.Describe().term, hb});
     }
     now += std::chrono::milliseconds(20);
@@ -334,7 +321,60 @@ std::optional<peer::Restore> CheckpointOrder(std::optional<uint64_t> shard1_part
   return std::nullopt;
 }
 
+// The chief's order with 3 shards: every shard wrote a part of step 4 and has step 2 sealed; the
+// chief and shard 2 sealed step 4, shard 1 missed that seal (it lists step 4 unusable) and says
+// its part of step 4 has checksum `shard1_part` (nullopt: it does not say, as an older version).
+std::optional<peer::Restore> CheckpointOrder(std::optional<uint64_t> shard1_part) {
+  auto part = [](int shard, uint64_t checksum) {
+    return peer::PartInfo{shard, "part-" + std::to_string(shard), 100, checksum};
+  };
+  ShardHost::CheckpointScan scan;
+  scan.sealed = {4, 2};
+  scan.seals = {{4, {part(0, 40), part(1, 41), part(2, 42)}}, {2, {part(0, 20), part(1, 21), part(2, 22)}}};
+  return ChiefOrderTo1(3, scan, [&](int from, peer::Heartbeat* hb) {
+    if (from == 1) {
+      hb->sealed_steps = {2};
+      hb->unusable_steps = {4};
+      if (shard1_part) hb->unsealed_parts[4] = part(1, *shard1_part);
+    } else {
+      hb->sealed_steps = {4, 2};
+    }
+  });
+}
+
+// The chief's order with 2 shards: both have steps 4 and 2 sealed; shard 1 gives `shard1_digests`
+// as its manifests' digests (empty: it does not say, as an older version).
+std::optional<peer::Restore> SealedEverywhereOrder(const std::vector<uint64_t>& shard1_digests) {
+  ShardHost::CheckpointScan scan;
+  scan.sealed = {4, 2};
+  scan.seals = {{4, {{0, "p0", 100, 40}, {1, "p1", 100, 41}}}, {2, {{0, "p0", 100, 20}, {1, "p1", 100, 21}}}};
+  return ChiefOrderTo1(2, scan, [&](int, peer::Heartbeat* hb) {
+    hb->sealed_steps = {4, 2};
+    hb->seal_digests = shard1_digests;
+  });
+}
+
 }  // namespace
+
+TEST_CASE("coordinator: a step whose manifests differ between shards is restorable nowhere", "[cluster]") {
+  const uint64_t seal2 = peer::SealDigest({{0, "p0", 100, 20}, {1, "p1", 100, 21}});
+  const uint64_t seal4 = peer::SealDigest({{0, "p0", 100, 40}, {1, "p1", 100, 41}});
+  // The same manifest of step 4 on both shards, or shard 1 does not say (an older version, or a
+  // manifest it does not know): formed at step 4.
+  for (const std::vector<uint64_t>& digests :
+       {std::vector<uint64_t>{seal4, seal2}, std::vector<uint64_t>{}, std::vector<uint64_t>{0, seal2}}) {
+    auto order = SealedEverywhereOrder(digests);
+    REQUIRE(order.has_value());
+    CHECK(order->step == 4);
+  }
+  // Shard 1 sealed another timeline's parts of step 4 (a stand-in and its own process each wrote
+  // one): neither manifest can be restored by both shards. Formed at step 2, not at step 4 (which
+  // shard 1 would refuse only after shard 0 had restored it).
+  const uint64_t other4 = peer::SealDigest({{0, "p0", 100, 40}, {1, "p1", 100, 99}});
+  auto order = SealedEverywhereOrder({other4, seal2});
+  REQUIRE(order.has_value());
+  CHECK(order->step == 2);
+}
 
 TEST_CASE("coordinator: a seal goes with a restore order only to a shard whose part it names", "[cluster]") {
   // Shard 1's part of step 4 is the one the seal names (it missed the seal): the cluster forms at

@@ -40,6 +40,7 @@ peer::Heartbeat FullHeartbeat() {
   hb.unsealed_parts = {{50, {1, "shard-1-of-3.psdckpt", 1234, 0xabcdef}}, {45, {1, "shard-1-of-3.psdckpt", 99, 7}}};
   hb.kept_copies = {{7, 48}, {6, 30}, {0, -1}};
   hb.served_parts = {{7, false}, {6, true}, {0, false}};
+  hb.seal_digests = {0x0123456789abcdefull, 0};  // per sealed step (0: not known)
   return hb;
 }
 
@@ -58,11 +59,13 @@ TEST_CASE("peer codec: a heartbeat round-trips, the parts of its unusable steps 
   old.unsealed_parts.clear();
   old.kept_copies.clear();
   old.served_parts.clear();
+  old.seal_digests.clear();
   auto plain = RoundTrip(peer::Message{1, 9, old}, 3);
   REQUIRE(plain.ok());
   CHECK(std::get<peer::Heartbeat>(plain->body).unsealed_parts.empty());
   CHECK(std::get<peer::Heartbeat>(plain->body).kept_copies.empty());
   CHECK(std::get<peer::Heartbeat>(plain->body).served_parts.empty());
+  CHECK(std::get<peer::Heartbeat>(plain->body).seal_digests.empty());
 }
 
 TEST_CASE("peer codec: a heartbeat's unusable parts and kept copies are checked", "[cluster][codec]") {
@@ -81,6 +84,23 @@ TEST_CASE("peer codec: a heartbeat's unusable parts and kept copies are checked"
   hb = FullHeartbeat();
   hb.served_parts.push_back({1, true});  // a fourth shard of 3
   CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("served parts for more shards"));
+  hb = FullHeartbeat();
+  hb.seal_digests.push_back(5);  // three digests for two sealed steps
+  CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(),
+             Catch::Contains("manifest digests do not match its sealed steps"));
+}
+
+TEST_CASE("peer codec: a manifest's digest depends on its parts, not their order", "[cluster][codec]") {
+  const peer::PartInfo a{0, "shard-0-of-2.psdckpt", 100, 7}, b{1, "shard-1-of-2.psdckpt", 200, 9};
+  CHECK(peer::SealDigest({a, b}) == peer::SealDigest({b, a}));
+  CHECK(peer::SealDigest({a, b}) != 0);
+  peer::PartInfo other = b;
+  other.checksum = 10;  // another timeline's part
+  CHECK(peer::SealDigest({a, other}) != peer::SealDigest({a, b}));
+  other = b;
+  other.bytes = 201;
+  CHECK(peer::SealDigest({a, other}) != peer::SealDigest({a, b}));
+  CHECK(peer::SealDigest({a}) != peer::SealDigest({a, b}));
 }
 
 TEST_CASE("peer codec: a replica chunk's whole words go out from the copy, uncopied, and come back borrowed",
