@@ -173,6 +173,9 @@ TEST_CASE("a cluster shard is ready, and writes its port file, only once the clu
     while (!(fs::exists(dir / "port0") && fs::exists(dir / "port1")) && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
+    // What each shard says when the cluster has not formed (a failure then shows why).
+    INFO("shard 0 /readyz: " << HttpGet(mp0, "/readyz").body
+                             << "; shard 1 /readyz: " << HttpGet(shards[1]->metrics_port(), "/readyz").body);
     REQUIRE(fs::exists(dir / "port0"));
     REQUIRE(fs::exists(dir / "port1"));
     std::ifstream f(dir / "port0");
