@@ -367,10 +367,6 @@ class ClusterCoordinator : public PeerEvents {
   // for it whole when it cannot be kept (a difference from a copy lost here).
   void KeepPredecessorCopyLocked(int from, uint64_t epoch, const peer::LiveCopy& copy,
                                  std::shared_ptr<const std::string> bytes, std::vector<Action>* actions) REQUIRES(mu_);
-  // Once a restore order was taken: the predecessor's copy of its epoch that came first is kept
-  // now (HandleReplicaChunk), one of an older epoch dropped. After the order's own actions, which
-  // drop the copies newer than its choice.
-  void KeepEarlyCopyLocked(std::vector<Action>* actions) REQUIRES(mu_);
   // Restores the live copy `copy` for `epoch`: this shard's own, or fetched from the next shard.
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
   // Async/ssp: every part has a copy somewhere (its shard's own, or the next shard's).

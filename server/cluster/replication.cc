@@ -320,15 +320,6 @@ void ClusterCoordinator::KeepPredecessorCopyLocked(int from, uint64_t epoch, con
   });
 }
 
-void ClusterCoordinator::KeepEarlyCopyLocked(std::vector<Action>* actions) {
-  if (!early_copy_ || early_copy_->epoch > restore_epoch_) return;
-  if (early_copy_->epoch == restore_epoch_) {
-    KeepPredecessorCopyLocked(early_copy_->from, early_copy_->epoch, early_copy_->copy, std::move(early_copy_->bytes),
-                              actions);
-  }
-  early_copy_.reset();  // (of an epoch a newer order skipped: dropped)
-}
-
 void ClusterCoordinator::HandleReplicaAck(int from, const peer::ReplicaAck& a, std::vector<Action>* actions) {
   if (!options_.replicate || from != Successor() || !ack_ || ack_->epoch != a.epoch || ack_->copy != a.copy) return;
   if (a.send_whole) {

@@ -580,12 +580,9 @@ class TakingHost : public RecordingHost {
  public:
   Status TakeCopy(int, const peer::LiveCopy& copy, std::shared_ptr<const std::string>) override {
     taken.push_back(copy);
-    calls.push_back("take");
     return Status::Ok();
   }
-  void DropCopies(std::optional<peer::LiveCopy>) override { calls.push_back("drop"); }
   std::vector<peer::LiveCopy> taken;
-  std::vector<std::string> calls;  // "take", "drop", in order
 };
 
 // Shard 2 of 3 with replicas, linked to shards 0 (the chief) and 1 (its predecessor).
@@ -606,13 +603,11 @@ struct Successor {
         1, peer::Message{1, epoch,
                          peer::ReplicaChunk{epoch, 1, copy, false, 0, bytes.size(), peer::Blob(std::string(bytes))}});
   }
-  // The chief's order to restore `epoch`: empty, or (`live`) from the live copies of lineage 2, step 7.
-  void OrderFrom0(uint64_t epoch, bool live = false) {
+  // The chief's order to restore `epoch` (empty).
+  void OrderFrom0(uint64_t epoch) {
     peer::Restore r;
     r.epoch = epoch;
-    r.step = live ? 7 : -1;
-    r.live = live;
-    r.lineage = live ? 2 : 0;
+    r.step = -1;
     c->OnMessage(0, peer::Message{0, epoch, r});
   }
   std::vector<peer::ReplicaAck> AcksTo1() const {
@@ -653,14 +648,6 @@ TEST_CASE("coordinator: a copy of an epoch whose restore order has not come is k
   s.OrderFrom0(6);
   CHECK(host.taken.size() == 2);
   CHECK(s.AcksTo1().size() == 2);
-  // An order from live copies drops the copies newer than its choice: the early copy, of the
-  // ordered epoch, is kept after that, not dropped with them.
-  TakingHost live_host;
-  Successor live(live_host);
-  live.CopyFrom1(4, {4, 7});
-  live.OrderFrom0(4, /*live=*/true);
-  CHECK(live_host.calls == std::vector<std::string>{"drop", "take"});
-  CHECK(live.AcksTo1().size() == 1);
 }
 
 // The other side: the next shard answers a copy it cannot keep with an ack that asks for it whole
