@@ -618,13 +618,6 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   // Once per epoch: the same order again (a duplicate) must not reset a state that has moved on.
   if (epoch <= restore_epoch_) return;
   restore_epoch_ = epoch;
-  // The predecessor's copy of this epoch that came before the order (HandleReplicaChunk): kept now.
-  if (early_copy_ && early_copy_->epoch <= epoch) {
-    if (early_copy_->epoch == epoch) {
-      KeepPredecessorCopyLocked(early_copy_->from, epoch, early_copy_->copy, std::move(early_copy_->bytes), actions);
-    }
-    early_copy_.reset();
-  }
   serving_ = false;
   vote_.reset();
   FailArrivalWaitersLocked(

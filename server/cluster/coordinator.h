@@ -278,13 +278,6 @@ class ClusterCoordinator : public PeerEvents {
     peer::LiveCopy copy;
     std::shared_ptr<std::string> bytes;  // ShardHost::CopyStorage
   };
-  // Replication: the predecessor's copy of an epoch whose restore order has not come yet.
-  struct EarlyCopy {
-    int from = -1;
-    uint64_t epoch = 0;
-    peer::LiveCopy copy;
-    std::shared_ptr<const std::string> bytes;
-  };
   struct Vote {
     int takes = 0;
     int min_gradients = 0;
@@ -363,10 +356,6 @@ class ClusterCoordinator : public PeerEvents {
   // Sends `bytes` (copy `copy` of `owner`) to `shard` in pieces.
   void SendCopy(int shard, uint64_t epoch, int owner, const peer::LiveCopy& copy, bool restore,
                 const std::shared_ptr<const peer::CopyBytes>& bytes);
-  // Keeps `copy` of the predecessor's part (`bytes`, sent in `epoch`) and acknowledges it, or asks
-  // for it whole when it cannot be kept (a difference from a copy lost here).
-  void KeepPredecessorCopyLocked(int from, uint64_t epoch, const peer::LiveCopy& copy,
-                                 std::shared_ptr<const std::string> bytes, std::vector<Action>* actions) REQUIRES(mu_);
   // Restores the live copy `copy` for `epoch`: this shard's own, or fetched from the next shard.
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
   // Async/ssp: every part has a copy somewhere (its shard's own, or the next shard's).
@@ -556,7 +545,6 @@ class ClusterCoordinator : public PeerEvents {
   std::optional<peer::LiveCopy> acked_ GUARDED_BY(mu_);
   uint64_t acked_epoch_ GUARDED_BY(mu_) = 0;
   std::map<std::pair<int, bool>, Incoming> incoming_ GUARDED_BY(mu_);  // (owner, restore) -> pieces so far
-  std::optional<EarlyCopy> early_copy_ GUARDED_BY(mu_);                // the newest one (HandleReplicaChunk)
   // A live restore waiting for this shard's copy from the next shard: (epoch, copy), since when.
   std::optional<std::pair<uint64_t, peer::LiveCopy>> fetch_ GUARDED_BY(mu_);
   Clock::time_point fetch_sent_ GUARDED_BY(mu_){};

@@ -271,15 +271,20 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   std::shared_ptr<const std::string> bytes = std::move(in.bytes);
   incoming_.erase({c.owner, c.restore});
   if (!c.restore) {
-    // A copy of an epoch whose restore order has not reached this shard (the owner restored first;
-    // or that epoch was formed on the other side of a partition and may never run here): kept
-    // aside until the order comes. Kept now, a copy of an epoch that never ran could outrank, by
-    // its lineage, the copies of an epoch numbered lower that this shard serves meanwhile.
-    if (c.epoch > restore_epoch_) {
-      early_copy_ = EarlyCopy{from, c.epoch, c.copy, std::move(bytes)};
-      return;
-    }
-    KeepPredecessorCopyLocked(from, c.epoch, c.copy, std::move(bytes), actions);
+    peer::Message ack = MessageLocked(peer::ReplicaAck{c.epoch, c.copy});
+    peer::Message refusal = ack;
+    std::get<peer::ReplicaAck>(refusal.body).send_whole = true;
+    actions->push_back([this, from, copy = c.copy, bytes, ack, refusal] {
+      Status s = host_.TakeCopy(from, copy, bytes);
+      if (!s.ok()) {
+        // A difference from a copy lost here (a restart) is of no use; the copy whole needs no base.
+        spdlog::error("cluster: shard {}'s copy of step {} is unusable: {}; asked for it whole", from, copy.step,
+                      s.message());
+        SendTo(from, refusal);
+        return;
+      }
+      SendTo(from, ack);
+    });
     return;
   }
   uint64_t epoch = fetch_->first;
@@ -298,25 +303,6 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
     host_.RestoreCopyAsync(epoch, copy, [this, epoch, copy](Status st, std::vector<VarPlacement> placements) {
       RestoreDone(epoch, copy.step, st, std::move(placements));
     });
-  });
-}
-
-void ClusterCoordinator::KeepPredecessorCopyLocked(int from, uint64_t epoch, const peer::LiveCopy& copy,
-                                                   std::shared_ptr<const std::string> bytes,
-                                                   std::vector<Action>* actions) {
-  peer::Message ack = MessageLocked(peer::ReplicaAck{epoch, copy});
-  peer::Message refusal = ack;
-  std::get<peer::ReplicaAck>(refusal.body).send_whole = true;
-  actions->push_back([this, from, copy, bytes = std::move(bytes), ack, refusal] {
-    Status s = host_.TakeCopy(from, copy, bytes);
-    if (!s.ok()) {
-      // A difference from a copy lost here (a restart) is of no use; the copy whole needs no base.
-      spdlog::error("cluster: shard {}'s copy of step {} is unusable: {}; asked for it whole", from, copy.step,
-                    s.message());
-      SendTo(from, refusal);
-      return;
-    }
-    SendTo(from, ack);
   });
 }
 
