@@ -618,6 +618,7 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
   // Once per epoch: the same order again (a duplicate) must not reset a state that has moved on.
   if (epoch <= restore_epoch_) return;
   restore_epoch_ = epoch;
+  TookRestoreOrderLocked();
   serving_ = false;
   vote_.reset();
   FailArrivalWaitersLocked(
@@ -673,6 +674,7 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
     superseded = epoch < restore_epoch_;
     if (status.ok()) {
       epoch_ = epoch;
+      NoteRestoredLocked(me_, epoch, live ? *live : peer::LiveCopy{epoch, std::max<int64_t>(step, 0)});
       spdlog::info("cluster: shard {} restored {} at epoch {}", me_,
                    step < 0 ? std::string("an empty state")
                    : !live  ? "checkpoint step " + std::to_string(step)

@@ -390,6 +390,24 @@ class ClusterCoordinator : public PeerEvents {
   // Async/ssp: restores the newest copy of this shard's part for `epoch`: its own, or the next
   // shard's when that one is newer (asked for, with its own newest, in a newest fetch).
   void StartNewestRestoreLocked(uint64_t epoch, std::vector<Action>* actions) REQUIRES(mu_);
+  // Async/ssp: whether a formation from the newest copies may restore `copy` of `part`: not of an
+  // epoch newer than the newest known to have served the part (one formed on the other side of a
+  // partition, which never ran: its lineage would order it above the copies holding the pushes
+  // acknowledged since), nor passed over by a later restore of the part (restored_copy_).
+  bool RestorableLocked(int part, const peer::LiveCopy& copy) const REQUIRES(mu_);
+  // Async/ssp: what the next shard answers a newest fetch of `part` with, from the copies of it
+  // kept here (`held`, newest first): its newest restorable one (none: its newest), if newer than
+  // the fetcher's `have` (its newest restorable one, or none). None: the fetcher restores `have`.
+  std::optional<peer::LiveCopy> NewestFetchAnswerLocked(int part, const peer::LiveCopy& have,
+                                                        const std::vector<peer::LiveCopy>& held) const REQUIRES(mu_);
+  // Async/ssp: `epoch` served `part` (a push was taken on it, here or in a copy kept here).
+  void MarkServedLocked(int part, uint64_t epoch, bool stand_in) REQUIRES(mu_);
+  // Async/ssp: what a copy of the predecessor's part says (before it is kept): an epoch that served
+  // it, or the copy the predecessor restored for an epoch (counted once this shard took that
+  // epoch's order: TookRestoreOrderLocked).
+  void NotePredecessorCopyLocked(int from, const peer::ReplicaChunk& c) REQUIRES(mu_);
+  void NoteRestoredLocked(int part, uint64_t epoch, const peer::LiveCopy& copy) REQUIRES(mu_);
+  void TookRestoreOrderLocked() REQUIRES(mu_);
   // Async/ssp: takes the next copy on arrival (the host snapshots the engine of `epoch` now) and
   // ships it; its ack answers the waiters it covers and starts the next one if more wait.
   void StartArrivalCopy(uint64_t epoch);
@@ -553,6 +571,8 @@ class ClusterCoordinator : public PeerEvents {
   bool live_newest_ GUARDED_BY(mu_) = false;
   int newest_failures_ GUARDED_BY(mu_) = 0;    // newest-copy formations failed in a row (3: checkpoints)
   bool fetch_newest_ GUARDED_BY(mu_) = false;  // fetch_ asks for the newest copy, newer than fetch_->second
+  // ... and restores this one if none comes (its own newest, none of its own being restorable).
+  std::optional<peer::LiveCopy> fetch_fallback_ GUARDED_BY(mu_);
   // Async/ssp: copies on arrival. How many began, whether one is being taken or awaits its ack,
   // and the replies waiting for one.
   uint64_t arrival_copies_ GUARDED_BY(mu_) = 0;
@@ -578,6 +598,11 @@ class ClusterCoordinator : public PeerEvents {
   // newest copies are on the stand-in's host alone: a formation waits for that host's own process
   // (CopiesHostMissingLocked).
   std::vector<peer::PartServed> served_ GUARDED_BY(mu_);
+  // Async/ssp: per part (this shard's and its predecessor's), the newest (epoch, copy) a formation
+  // restored it from; and the predecessor's restore copy of an epoch whose order has not reached
+  // this shard yet (RestorableLocked, NotePredecessorCopyLocked).
+  std::map<int, std::pair<uint64_t, peer::LiveCopy>> restored_copy_ GUARDED_BY(mu_);
+  std::optional<std::pair<uint64_t, peer::LiveCopy>> pending_restore_ GUARDED_BY(mu_);
   int copies_host_wait_logged_ GUARDED_BY(mu_) = -1;  // the part last said to wait for its copies' host
   void KnowReleasedLocked(uint64_t epoch, int64_t step) REQUIRES(mu_) {
     known_released_ = std::max(known_released_, peer::LiveCopy{epoch, step});

@@ -239,10 +239,20 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
     return;
   }
   if (c.restore) fetch_sent_ = now_();  // the copy is coming: not asked for again meanwhile
-  if (c.restore && c.total == 0 && fetch_newest_ && c.copy.step >= 0) {
-    // The next shard keeps nothing newer than this shard's own newest copy: restored here.
+  if (c.restore && c.total == 0 && fetch_newest_ && (c.copy.step >= 0 || fetch_fallback_)) {
+    // The next shard keeps nothing newer than this shard's own newest restorable copy: restored
+    // here. None restorable here nor there: its own newest.
     uint64_t epoch = fetch_->first;
     fetch_.reset();
+    if (c.copy.step < 0) {
+      live_restores_[epoch] = *fetch_fallback_;
+      actions->push_back([this, epoch, copy = *fetch_fallback_] {
+        host_.RestoreCopyAsync(epoch, copy, [this, epoch, copy](Status s, std::vector<VarPlacement> placements) {
+          RestoreDone(epoch, copy.step, s, std::move(placements));
+        });
+      });
+      return;
+    }
     actions->push_back([this, epoch, copy = c.copy] {
       host_.RestoreCopyAsync(epoch, copy, [this, epoch, copy](Status s, std::vector<VarPlacement> placements) {
         RestoreDone(epoch, copy.step, s, std::move(placements));
@@ -271,6 +281,7 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   std::shared_ptr<const std::string> bytes = std::move(in.bytes);
   incoming_.erase({c.owner, c.restore});
   if (!c.restore) {
+    NotePredecessorCopyLocked(from, c);
     peer::Message ack = MessageLocked(peer::ReplicaAck{c.epoch, c.copy});
     peer::Message refusal = ack;
     std::get<peer::ReplicaAck>(refusal.body).send_whole = true;
@@ -290,7 +301,8 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   uint64_t epoch = fetch_->first;
   if (fetch_newest_) {
     spdlog::info(
-        "cluster: shard {} restores the newer copy of its part that shard {} keeps ({}, step {}; its own newest: {})",
+        "cluster: shard {} restores the newer copy of its part that shard {} keeps ({}, step {}; its own newest "
+        "restorable: {})",
         me_, from, c.copy.lineage, c.copy.step,
         fetch_->second.step < 0 ? std::string("none")
                                 : fmt::format("{}, step {}", fetch_->second.lineage, fetch_->second.step));
@@ -352,10 +364,13 @@ void ClusterCoordinator::HandleReplicaFetch(int from, const peer::ReplicaFetch& 
     if (f.newest) {  // the newest kept here, as it is now, if newer than the fetcher's own (else: none)
       std::vector<peer::LiveCopy> own, held;
       host_.LiveCopies(&own, &held);
-      if (held.empty() || (copy.step >= 0 && !(copy < held.front()))) {
-        return SendCopy(from, f.epoch, from, copy, /*restore=*/true, nullptr);
+      std::optional<peer::LiveCopy> answer;
+      {
+        MutexLock lock(&mu_);
+        answer = NewestFetchAnswerLocked(from, copy, held);
       }
-      copy = held.front();
+      if (!answer) return SendCopy(from, f.epoch, from, copy, /*restore=*/true, nullptr);
+      copy = *answer;
     }
     SendCopy(from, f.epoch, from, copy, /*restore=*/true, host_.SerializedCopy(from, copy));
   });
@@ -368,6 +383,7 @@ void ClusterCoordinator::AfterReplicated(uint64_t epoch, std::function<void(cons
   {
     MutexLock lock(&mu_);
     if (!stopped_ && epoch == epoch_ && epoch == restore_epoch_) {
+      MarkServedLocked(me_, epoch, options_.stand_in);  // it took a push: this epoch serves its part
       arrival_waiters_.push_back({arrival_copies_, std::move(done)});
       waits = true;
       start = !arrival_copying_;
@@ -483,11 +499,21 @@ void ClusterCoordinator::StartNewestRestoreLocked(uint64_t epoch, std::vector<Ac
   actions->push_back([this, epoch] {
     std::vector<peer::LiveCopy> own, held;
     host_.LiveCopies(&own, &held);
-    const peer::LiveCopy have = own.empty() ? peer::LiveCopy{0, -1} : own.front();
     peer::Message fetch;
     {
       MutexLock lock(&mu_);
       if (stopped_ || restore_epoch_ != epoch) return;
+      // Its own newest restorable copy. None: the next shard is asked for any copy it keeps, and
+      // this shard's own newest is restored if it keeps none.
+      peer::LiveCopy have{0, -1};
+      for (const peer::LiveCopy& c : own) {
+        if (RestorableLocked(me_, c)) {
+          have = c;
+          break;
+        }
+      }
+      fetch_fallback_.reset();
+      if (have.step < 0 && !own.empty()) fetch_fallback_ = own.front();
       live_restores_[epoch] = have;  // the copy restored, once known
       while (live_restores_.size() > 8) live_restores_.erase(live_restores_.begin());
       fetch_.emplace(epoch, have);
@@ -497,6 +523,80 @@ void ClusterCoordinator::StartNewestRestoreLocked(uint64_t epoch, std::vector<Ac
     }
     SendTo(Successor(), fetch);
   });
+}
+
+void ClusterCoordinator::MarkServedLocked(int part, uint64_t epoch, bool stand_in) {
+  if (!options_.applies_on_arrival || !options_.replicate || part < 0 || part >= shards_) return;
+  std::vector<peer::PartServed> told(static_cast<size_t>(shards_));
+  told[static_cast<size_t>(part)] = {epoch, stand_in};
+  HearServedLocked(told);
+}
+
+void ClusterCoordinator::NotePredecessorCopyLocked(int from, const peer::ReplicaChunk& c) {
+  if (!options_.applies_on_arrival) return;
+  if (c.copy.lineage == c.epoch) {
+    // A copy taken on arrival (or a restore's from a checkpoint) in this shard's epoch: that epoch
+    // serves the predecessor's part (a push acknowledged on it is in this copy).
+    if (c.epoch == restore_epoch_) {
+      MarkServedLocked(from, c.epoch, AddressOf(from) != options_.addresses[static_cast<size_t>(from)]);
+    }
+    return;
+  }
+  // The copy the predecessor restored for epoch c.epoch (a formation from live copies keeps their
+  // lineage). Counted once this shard took that epoch's order too: a copy of an epoch formed on
+  // the other side of a partition, which never ran here, tells nothing of what was passed over.
+  if (c.epoch > restore_epoch_) {
+    if (!pending_restore_ || pending_restore_->first <= c.epoch) pending_restore_.emplace(c.epoch, c.copy);
+    return;
+  }
+  NoteRestoredLocked(from, c.epoch, c.copy);
+}
+
+void ClusterCoordinator::NoteRestoredLocked(int part, uint64_t epoch, const peer::LiveCopy& copy) {
+  if (!options_.applies_on_arrival) return;
+  auto it = restored_copy_.find(part);
+  if (it == restored_copy_.end() || it->second.first <= epoch) restored_copy_[part] = {epoch, copy};
+}
+
+void ClusterCoordinator::TookRestoreOrderLocked() {
+  if (!pending_restore_ || pending_restore_->first > restore_epoch_) return;
+  if (pending_restore_->first == restore_epoch_) {
+    NoteRestoredLocked(Predecessor(), pending_restore_->first, pending_restore_->second);
+  }
+  pending_restore_.reset();
+}
+
+bool ClusterCoordinator::RestorableLocked(int part, const peer::LiveCopy& copy) const {
+  if (copy.step < 0) return false;
+  // Of an epoch newer than the newest known to have served the part: formed elsewhere (the other
+  // side of a partition) and never run. It holds what that formation restored; the part's copies
+  // of the epochs that served hold the pushes acknowledged since. (Its lineage would order it
+  // above them.)
+  const size_t k = static_cast<size_t>(part);
+  if (k < served_.size() && served_[k].epoch > 0 && copy.lineage > served_[k].epoch) return false;
+  // Newer than the copy a later formation restored for the part, and of an older lineage: passed
+  // over then (not restorable then, as above), it stays so.
+  if (auto it = restored_copy_.find(part); it != restored_copy_.end()) {
+    const auto& [epoch, restored] = it->second;
+    if (copy.lineage < epoch && restored < copy) return false;
+  }
+  return true;
+}
+
+std::optional<peer::LiveCopy> ClusterCoordinator::NewestFetchAnswerLocked(
+    int part, const peer::LiveCopy& have, const std::vector<peer::LiveCopy>& held) const {
+  // The fetcher's own copy is judged there (it knows best which epochs served its part: it took
+  // their pushes); the copies kept here, here.
+  std::optional<peer::LiveCopy> newest;
+  for (const peer::LiveCopy& c : held) {  // newest first
+    if (RestorableLocked(part, c)) {
+      newest = c;
+      break;
+    }
+  }
+  if (!newest && !held.empty()) newest = held.front();  // none restorable: the newest, as before
+  if (newest && have < *newest) return newest;
+  return std::nullopt;
 }
 
 bool ClusterCoordinator::ServedPastLocked(const peer::Restore& r) const {

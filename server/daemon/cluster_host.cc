@@ -474,6 +474,9 @@ Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::sha
     return InvalidArgument("the copy holds step " + std::to_string(snap.step) + ", not " + std::to_string(copy.step));
   }
   MutexLock lock(&mu_);
+  // Its own part, fetched back to be restored: its newer copies are of steps the formation leaves
+  // (async: passed over, ClusterCoordinator::RestorableLocked), and must not trim this one out.
+  own_.erase(own_.upper_bound(copy), own_.end());
   own_[copy] = OwnCopy{std::move(snap), nullptr};
   Trim(&own_);
   return Status::Ok();

@@ -503,6 +503,14 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
       // older copy's higher lineage made it look newest, and the next formation dropped those
       // pushes. Now a new epoch is numbered above every copy's lineage.
       {2, 253514, true, true},
+      // Found while making a copy of an epoch that never served its part unrestorable
+      // (RestorableLocked): a shard's own copy restored back from the next shard, older than own
+      // copies passed over, was trimmed out by them as the host took it (now they are dropped)...
+      {4, 445020, true, true},
+      // ... and a next shard that had not heard that an epoch served (a stand-in served the part's
+      // successor then) judged the fetcher's copy of it unrestorable and answered an older one
+      // (now the fetcher's own copy is judged where it is).
+      {2, 234035, false, false, 300},
   };
   for (const Seed& s : seeds) {
     SimOptions o;

@@ -44,8 +44,8 @@ class RecordingHost : public ShardHost {
   uint64_t LoadTerm() override { return 0; }
   void SaveTerm(uint64_t) override {}
   void LiveCopies(std::vector<peer::LiveCopy>* own, std::vector<peer::LiveCopy>* held) override {
-    own->clear();
-    held->clear();
+    *own = own_copies;
+    *held = held_copies;
   }
   std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t, const peer::LiveCopy&,
                                                   std::optional<peer::LiveCopy>) override {
@@ -54,13 +54,21 @@ class RecordingHost : public ShardHost {
   std::shared_ptr<const peer::CopyBytes> SerializedCopy(int, const peer::LiveCopy&) override { return nullptr; }
   Status TakeCopy(int, const peer::LiveCopy&, std::shared_ptr<const std::string>) override { return Status::Ok(); }
   void DropCopies(std::optional<peer::LiveCopy>) override {}
-  void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy&, RestoreDone) override { restores.push_back(epoch); }
+  void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override {
+    restores.push_back(epoch);
+    restored_copies.push_back(copy);
+    restore_done = std::move(done);
+  }
   bool EndTraining(int64_t) override { return false; }
   void FinishJob() override {}
   void EndJobIfDone() override {}
 
   std::vector<uint64_t> restores;  // epochs a restore was started for
   CheckpointScan scan;             // what ScanCheckpoints finds (the coordinator reads it at Start)
+  // The live copies it keeps (newest first, as a host lists them), those it was asked to restore,
+  // and the last live restore's callback (the test answers it).
+  std::vector<peer::LiveCopy> own_copies, held_copies, restored_copies;
+  RestoreDone restore_done;
 };
 
 class RecordingNetwork : public PeerNetwork {
@@ -709,4 +717,119 @@ TEST_CASE("coordinator: a new epoch is numbered above every copy's lineage it kn
   }
   REQUIRE(s.coordinator->is_chief());
   CHECK(formed > 9);
+}
+
+namespace {
+
+// Two shards, async with replicas: epoch 3 served shard 1's part (through a stand-in on shard 0's
+// host), and meanwhile shard 1's own process, cut off and chief of its side, formed epoch 4 alone
+// (it restored an empty state and never ran). Ordered by lineage, that restore's copy (4, 0) is
+// above the copies of epoch 3, which hold the pushes acknowledged there.
+peer::Heartbeat ServedHeartbeat(const Shard& s, int from, uint64_t served) {
+  peer::Heartbeat hb;
+  hb.chief = from;
+  hb.ready = true;
+  hb.address = s.options.addresses[static_cast<size_t>(from)];
+  hb.served_parts = {{served, false}, {served, true}};
+  return hb;
+}
+
+// Shard 0 keeps `held` of shard 1's part and has heard that epoch `served` served it last; what
+// it answers shard 1's newest fetch with (its own newest restorable copy being `have`).
+peer::LiveCopy NewestFetchAnswer(const std::vector<peer::LiveCopy>& held, uint64_t served, peer::LiveCopy have) {
+  Shard s(0, 2);
+  s.options.applies_on_arrival = true;
+  s.coordinator = std::make_unique<ClusterCoordinator>(s.options, s.host, s.network, [&s] { return s.now; });
+  s.coordinator->Start();
+  s.coordinator->OnPeerUp(1);
+  s.host.held_copies = held;
+  s.coordinator->OnMessage(1, peer::Message{1, 1, ServedHeartbeat(s, 1, served)});
+  s.network.sent.clear();
+  s.coordinator->OnMessage(1, peer::Message{1, 1, peer::ReplicaFetch{6, have, /*newest=*/true}});
+  for (const auto& [to, m] : s.network.sent) {
+    if (const auto* c = std::get_if<peer::ReplicaChunk>(&m.body); c != nullptr && to == 1 && c->restore) {
+      return c->copy;
+    }
+  }
+  FAIL("no answer to the fetch");
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("coordinator: a copy of an epoch that never served its part is not restored over one that did",
+          "[cluster][replicas]") {
+  const peer::LiveCopy never{4, 0}, served{3, 5};
+  // The next shard (the stand-in's host) keeps both: it answers with the one epoch 3 kept.
+  CHECK(NewestFetchAnswer({never, served}, 3, {0, -1}) == served);
+  // Epoch 4 did serve the part (heard of): its copy is the newest, as before.
+  CHECK(NewestFetchAnswer({never, served}, 4, {0, -1}) == never);
+  // Nothing is known to have served it: as before.
+  CHECK(NewestFetchAnswer({never, served}, 0, {0, -1}) == never);
+  // The fetcher's own restorable copy is newer: it restores that one (the answer is its own, back).
+  CHECK(NewestFetchAnswer({never, served}, 3, {3, 6}) == peer::LiveCopy{3, 6});
+  // Only the copy of the epoch that never ran is kept here: it is sent rather than nothing.
+  CHECK(NewestFetchAnswer({never}, 3, {0, -1}) == never);
+
+  // The fetcher: shard 1's own process keeps (4, 0) and an older copy of epoch 3's, and hears that
+  // epoch 3 served its part last. Epoch 6 is formed from the newest copies.
+  Shard s(1, 2);
+  s.options.applies_on_arrival = true;
+  s.coordinator = std::make_unique<ClusterCoordinator>(s.options, s.host, s.network, [&s] { return s.now; });
+  s.coordinator->Start();
+  s.coordinator->OnPeerUp(0);
+  s.host.own_copies = {never, {3, 2}};
+  s.coordinator->OnMessage(0, peer::Message{0, 1, ServedHeartbeat(s, 0, 3)});
+  auto fetched = [&s](uint64_t epoch) {
+    std::optional<peer::ReplicaFetch> fetch;
+    for (const auto& [to, m] : s.network.sent) {
+      const auto* f = std::get_if<peer::ReplicaFetch>(&m.body);
+      if (f != nullptr && to == 0 && f->epoch == epoch) fetch = *f;
+    }
+    return fetch;
+  };
+  auto order = [&s](uint64_t epoch) {
+    s.coordinator->OnMessage(0, peer::Message{0, epoch, peer::Restore{epoch, -1, {}, true, 0, /*newest=*/true}});
+  };
+  order(6);
+  auto fetch = fetched(6);
+  REQUIRE(fetch.has_value());
+  CHECK(fetch->newest);
+  CHECK(fetch->copy == peer::LiveCopy{3, 2});  // its newest restorable copy, not (4, 0)
+  // The next shard answers with epoch 3's newest copy, which this shard restores (its own newer
+  // copies by lineage are dropped by the host as it takes it: ShardHost::TakeCopy).
+  const std::string bytes = "epoch 3's copy";
+  s.coordinator->OnMessage(
+      0, peer::Message{0, 6, peer::ReplicaChunk{6, 1, served, true, 0, bytes.size(), peer::Blob(std::string(bytes))}});
+  REQUIRE(s.host.restored_copies.size() == 1);
+  CHECK(s.host.restored_copies.back() == served);
+  REQUIRE(s.host.restore_done);
+  s.host.restore_done(Status::Ok(), {});
+  // Epoch 6 then serves (heard): (4, 0) is above every served epoch's lineage no more, yet it was
+  // passed over by epoch 6's restore, and stays so. (A host that kept it: RecordingHost does.)
+  s.coordinator->OnMessage(0, peer::Message{0, 6, ServedHeartbeat(s, 0, 6)});
+  s.host.own_copies = {never, served};
+  order(7);
+  fetch = fetched(7);
+  REQUIRE(fetch.has_value());
+  CHECK(fetch->copy == served);
+  // Nothing restorable of its own (only (4, 0), and epoch 3 served last): it asks for any copy,
+  // and restores its own newest if the next shard keeps none.
+  Shard t(1, 2);
+  t.options.applies_on_arrival = true;
+  t.coordinator = std::make_unique<ClusterCoordinator>(t.options, t.host, t.network, [&t] { return t.now; });
+  t.coordinator->Start();
+  t.coordinator->OnPeerUp(0);
+  t.host.own_copies = {never};
+  t.coordinator->OnMessage(0, peer::Message{0, 1, ServedHeartbeat(t, 0, 3)});
+  t.coordinator->OnMessage(0, peer::Message{0, 6, peer::Restore{6, -1, {}, true, 0, /*newest=*/true}});
+  std::optional<peer::ReplicaFetch> asked;
+  for (const auto& [to, m] : t.network.sent) {
+    if (const auto* f = std::get_if<peer::ReplicaFetch>(&m.body); f != nullptr && to == 0) asked = *f;
+  }
+  REQUIRE(asked.has_value());
+  CHECK(asked->copy.step < 0);
+  t.coordinator->OnMessage(0, peer::Message{0, 6, peer::ReplicaChunk{6, 1, asked->copy, true, 0, 0, {}}});
+  REQUIRE(t.host.restored_copies.size() == 1);
+  CHECK(t.host.restored_copies.back() == never);
 }

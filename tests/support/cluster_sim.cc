@@ -555,6 +555,7 @@ class FakeHost : public ShardHost {
     }
     sim_.OnCopyKept(proc_, owner, copy, value);
     auto& copies = owner == me_ ? sh().own_copies : sh().held_copies;
+    if (owner == me_) copies.erase(copies.upper_bound(copy), copies.end());  // (ShardHost::TakeCopy)
     copies[copy] = value;
     Trim(&copies);
     return Status::Ok();
