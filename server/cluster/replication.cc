@@ -527,9 +527,9 @@ void ClusterCoordinator::StartNewestRestoreLocked(uint64_t epoch, std::vector<Ac
 
 void ClusterCoordinator::MarkServedLocked(int part, uint64_t epoch, bool stand_in) {
   if (!options_.applies_on_arrival || !options_.replicate || part < 0 || part >= shards_) return;
-  std::vector<peer::PartServed> told(static_cast<size_t>(shards_));
-  told[static_cast<size_t>(part)] = {epoch, stand_in};
-  HearServedLocked(told);
+  served_.resize(static_cast<size_t>(shards_));  // (as HearServedLocked; no vector per push)
+  auto& served = served_[static_cast<size_t>(part)];
+  served = std::max(served, peer::PartServed{epoch, stand_in});
 }
 
 void ClusterCoordinator::NotePredecessorCopyLocked(int from, const peer::ReplicaChunk& c) {
