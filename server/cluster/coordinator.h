@@ -358,6 +358,8 @@ class ClusterCoordinator : public PeerEvents {
                 const std::shared_ptr<const peer::CopyBytes>& bytes);
   // Restores the live copy `copy` for `epoch`: this shard's own, or fetched from the next shard.
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
+  // Has the host restore this shard's own kept copy `copy` for `epoch` (RestoreDone follows).
+  void RestoreOwnCopy(uint64_t epoch, const peer::LiveCopy& copy) EXCLUDES(mu_);
   // Async/ssp: every part has a copy somewhere (its shard's own, or the next shard's).
   bool EveryPartCopiedLocked() const REQUIRES(mu_);
   // Async/ssp replicas: a next shard kept `copy` of `part` (newest_heard_ keeps the newest).

@@ -171,11 +171,7 @@ void ClusterCoordinator::StartLiveRestoreLocked(uint64_t epoch, const peer::Live
   actions->push_back([this, copy] { host_.DropCopies(copy); });
   const bool own = std::find(own_copies_.begin(), own_copies_.end(), copy) != own_copies_.end();
   if (own) {
-    actions->push_back([this, epoch, copy] {
-      host_.RestoreCopyAsync(epoch, copy, [this, epoch, copy](Status s, std::vector<VarPlacement> placements) {
-        RestoreDone(epoch, copy.step, s, std::move(placements));
-      });
-    });
+    actions->push_back([this, epoch, copy] { RestoreOwnCopy(epoch, copy); });
     return;
   }
   // Lost here (a restart): the next shard keeps it.
@@ -244,20 +240,9 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
     // here. None restorable here nor there: its own newest.
     uint64_t epoch = fetch_->first;
     fetch_.reset();
-    if (c.copy.step < 0) {
-      live_restores_[epoch] = *fetch_fallback_;
-      actions->push_back([this, epoch, copy = *fetch_fallback_] {
-        host_.RestoreCopyAsync(epoch, copy, [this, epoch, copy](Status s, std::vector<VarPlacement> placements) {
-          RestoreDone(epoch, copy.step, s, std::move(placements));
-        });
-      });
-      return;
-    }
-    actions->push_back([this, epoch, copy = c.copy] {
-      host_.RestoreCopyAsync(epoch, copy, [this, epoch, copy](Status s, std::vector<VarPlacement> placements) {
-        RestoreDone(epoch, copy.step, s, std::move(placements));
-      });
-    });
+    const peer::LiveCopy copy = c.copy.step >= 0 ? c.copy : *fetch_fallback_;
+    live_restores_[epoch] = copy;
+    actions->push_back([this, epoch, copy] { RestoreOwnCopy(epoch, copy); });
     return;
   }
   if (c.restore && c.total == 0) {
@@ -312,9 +297,13 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   actions->push_back([this, epoch, copy = c.copy, bytes] {
     Status s = host_.TakeCopy(me_, copy, bytes);
     if (!s.ok()) return RestoreDone(epoch, copy.step, s, {});
-    host_.RestoreCopyAsync(epoch, copy, [this, epoch, copy](Status st, std::vector<VarPlacement> placements) {
-      RestoreDone(epoch, copy.step, st, std::move(placements));
-    });
+    RestoreOwnCopy(epoch, copy);
+  });
+}
+
+void ClusterCoordinator::RestoreOwnCopy(uint64_t epoch, const peer::LiveCopy& copy) {
+  host_.RestoreCopyAsync(epoch, copy, [this, epoch, copy](Status s, std::vector<VarPlacement> placements) {
+    RestoreDone(epoch, copy.step, s, std::move(placements));
   });
 }
 
@@ -361,7 +350,7 @@ void ClusterCoordinator::HandleReplicaFetch(int from, const peer::ReplicaFetch& 
   if (!options_.replicate || from != Predecessor() || from == me_) return;
   actions->push_back([this, from, f] {
     peer::LiveCopy copy = f.copy;
-    if (f.newest) {  // the newest kept here, as it is now, if newer than the fetcher's own (else: none)
+    if (f.newest) {  // the newest restorable kept here, if newer than the fetcher's (else: none)
       std::vector<peer::LiveCopy> own, held;
       host_.LiveCopies(&own, &held);
       std::optional<peer::LiveCopy> answer;

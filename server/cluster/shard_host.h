@@ -106,8 +106,9 @@ class ShardHost {
   virtual std::shared_ptr<const peer::CopyBytes> SerializedCopy(int owner, const peer::LiveCopy& copy) = 0;
   // Keeps a serialized copy that arrived whole: the predecessor's (as it is, once its checksum
   // verifies, or rebuilt from the copy it is a difference from), or this shard's own fetched back
-  // for a restore (parsed; its own newer copies are dropped). INVALID_ARGUMENT if it does not verify or parse,
-  // FAILED_PRECONDITION if it is a difference from a copy not kept here (nothing kept).
+  // for a restore (parsed; its own newer copies are dropped). INVALID_ARGUMENT if it does not
+  // verify or parse, FAILED_PRECONDITION if it is a difference from a copy not kept here (nothing
+  // kept).
   virtual Status TakeCopy(int owner, const peer::LiveCopy& copy, std::shared_ptr<const std::string> bytes) = 0;
   // Where a copy of `bytes` that arrives in pieces is put together (empty, room reserved for up to
   // 256 MiB of it), for TakeCopy. Default: a new string. A host may hand out the storage of a copy
