@@ -8,7 +8,9 @@
 // PSD_CLUSTER_SIM_TAKEOVER=1 for stand-ins on top, =short for the default schedule with them;
 // PSD_CLUSTER_SIM_ASYNC=1 for async replicas, PSD_CLUSTER_SIM_NO_CRASH=1 for their "partitions and
 // broken links" case.) A longer sweep:
-// PSD_CLUSTER_SIM_RUNS=20000 (schedules per cluster size; default 1000).
+// PSD_CLUSTER_SIM_RUNS=20000 (schedules per cluster size; default 1000; some cases run a half, a
+// quarter or an eighth of that), and PSD_CLUSTER_SIM_FIRST=N to start each case's seeds N further
+// on, past those an earlier sweep ran.
 #include "support/cluster_sim.h"
 
 #include <spdlog/spdlog.h>
@@ -40,6 +42,19 @@ constexpr int kSeedsPerSize = 200;
 #else
 constexpr int kSeedsPerSize = 1000;
 #endif
+
+// Schedules per cluster size for a sweep: PSD_CLUSTER_SIM_RUNS, or kSeedsPerSize.
+int SweepRuns() {
+  const char* runs = std::getenv("PSD_CLUSTER_SIM_RUNS");
+  return runs != nullptr ? std::atoi(runs) : kSeedsPerSize;
+}
+
+// Where a sweep starts: PSD_CLUSTER_SIM_FIRST (default 0) moves it past the schedules an earlier
+// sweep ran (a seed is shards * 100000 + the case's base + FIRST + i, i from 1).
+uint64_t SweepFirst() {
+  const char* first = std::getenv("PSD_CLUSTER_SIM_FIRST");
+  return first != nullptr ? std::strtoull(first, nullptr, 10) : 0;
+}
 
 // Runs one schedule quietly; on a failure runs it again with the trace and fails with it.
 SimResult Check(SimOptions o) {
@@ -93,13 +108,12 @@ TEST_CASE("cluster simulation: without faults one formation serves and the job f
 
 TEST_CASE("cluster simulation: thousands of fault schedules keep the invariants and finish the job", "[cluster][sim]") {
   int64_t runs = 0, formations = 0, commits = 0, events = 0, reseals = 0;
-  const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
-  const int per_size = sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize;
+  const int per_size = SweepRuns();
   for (int shards = 3; shards <= 5; ++shards) {
     for (int i = 1; i <= per_size; ++i) {
       SimOptions o;
       o.shards = shards;
-      o.seed = static_cast<uint64_t>(shards) * 100000 + static_cast<uint64_t>(i);
+      o.seed = static_cast<uint64_t>(shards) * 100000 + SweepFirst() + static_cast<uint64_t>(i);
       SimResult r = Check(o);
       ++runs;
       formations += r.formations;
@@ -118,13 +132,12 @@ TEST_CASE("cluster simulation: thousands of fault schedules keep the invariants 
 }
 
 TEST_CASE("cluster simulation: long storms of faults", "[cluster][sim]") {
-  const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
-  const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / 4;
+  const int per_size = SweepRuns() / 4;
   for (int shards = 3; shards <= 5; ++shards) {
     for (int i = 1; i <= per_size; ++i) {
       SimOptions o = Storm();
       o.shards = shards;
-      o.seed = static_cast<uint64_t>(shards) * 100000 + 50000 + static_cast<uint64_t>(i);
+      o.seed = static_cast<uint64_t>(shards) * 100000 + 50000 + SweepFirst() + static_cast<uint64_t>(i);
       Check(o);
     }
   }
@@ -164,9 +177,8 @@ static void Lane(SimOptions* o, int64_t ms) {
 static void ReplicatedSweep(bool single, uint64_t seed_base,
                             const std::function<void(int, const SimOptions&, const SimResult&)>& fn,
                             bool takeover = false, bool async = false, bool crashes = true, int64_t lane_ms = 0) {
-  const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
   // (Takeover schedules are longer: a quarter as many. Async ones are busier: half again.)
-  const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / (takeover ? 4 : 2) / (async ? 2 : 1);
+  const int per_size = SweepRuns() / (takeover ? 4 : 2) / (async ? 2 : 1);
   for (int shards = 2; shards <= 5; ++shards) {
     for (int i = 1; i <= per_size; ++i) {
       SimOptions o;
@@ -178,7 +190,7 @@ static void ReplicatedSweep(bool single, uint64_t seed_base,
       if (!crashes) o.crash_rate = 0;
       if (single) SingleFaults(&o);
       if (lane_ms > 0) Lane(&o, lane_ms);
-      o.seed = static_cast<uint64_t>(shards) * 100000 + seed_base + static_cast<uint64_t>(i);
+      o.seed = static_cast<uint64_t>(shards) * 100000 + seed_base + SweepFirst() + static_cast<uint64_t>(i);
       fn(i, o, Check(o));
     }
   }
@@ -318,15 +330,14 @@ TEST_CASE("cluster simulation: with async stand-ins, losing one shard at a time 
 // handled before the actions of the one before ran). Every mode keeps every invariant above.
 TEST_CASE("cluster simulation: actions run late on the daemon's lane, in every mode", "[cluster][sim][lane]") {
   constexpr int64_t kLaneMs = 300;
-  const char* sweep = std::getenv("PSD_CLUSTER_SIM_RUNS");
-  const int per_size = (sweep != nullptr ? std::atoi(sweep) : kSeedsPerSize) / 4;
+  const int per_size = SweepRuns() / 4;
   int64_t runs = 0, commits = 0;
   for (int shards = 3; shards <= 5; ++shards) {
     for (int i = 1; i <= per_size; ++i) {
       SimOptions o;
       o.shards = shards;
       Lane(&o, kLaneMs);
-      o.seed = static_cast<uint64_t>(shards) * 100000 + 30000 + static_cast<uint64_t>(i);
+      o.seed = static_cast<uint64_t>(shards) * 100000 + 30000 + SweepFirst() + static_cast<uint64_t>(i);
       SimResult r = Check(o);
       ++runs;
       commits += r.commits;
