@@ -56,6 +56,25 @@ uint64_t SweepFirst() {
   return first != nullptr ? std::strtoull(first, nullptr, 10) : 0;
 }
 
+// The fault windows of the storm (Storm) and takeover (Takeover) schedules, which tell them apart.
+constexpr int64_t kStormFaultMs = 20000;
+constexpr int64_t kTakeoverFaultMs = 15000;
+
+// The environment that makes the "replay one seed" case run `o` (the sweeps' option sets).
+std::string ReplayEnv(const SimOptions& o) {
+  std::string env =
+      "PSD_CLUSTER_SIM_SEED=" + std::to_string(o.seed) + " PSD_CLUSTER_SIM_SHARDS=" + std::to_string(o.shards);
+  if (o.fault_ms == kStormFaultMs) env += " PSD_CLUSTER_SIM_STORM=1";
+  if (o.replicate) env += " PSD_CLUSTER_SIM_REPLICATE=1";
+  if (o.takeover)
+    env += o.fault_ms == kTakeoverFaultMs ? " PSD_CLUSTER_SIM_TAKEOVER=1" : " PSD_CLUSTER_SIM_TAKEOVER=short";
+  if (o.async) env += " PSD_CLUSTER_SIM_ASYNC=1";
+  if (o.single_faults) env += " PSD_CLUSTER_SIM_SINGLE=1";
+  if (o.crash_rate == 0) env += " PSD_CLUSTER_SIM_NO_CRASH=1";
+  if (o.lane_ms > 0) env += " PSD_CLUSTER_SIM_LANE_MS=" + std::to_string(o.lane_ms);
+  return env;
+}
+
 // Runs one schedule quietly; on a failure runs it again with the trace and fails with it.
 SimResult Check(SimOptions o) {
   auto level = spdlog::get_level();
@@ -68,16 +87,14 @@ SimResult Check(SimOptions o) {
   SimResult traced = RunSimulation(o);
   spdlog::set_level(level);
   FAIL(psd::sim::Describe(o, traced.ok ? r : traced)
-       << "\nreplay: PSD_CLUSTER_SIM_SEED=" << o.seed << " PSD_CLUSTER_SIM_SHARDS=" << o.shards
-       << (o.lane_ms > 0 ? " PSD_CLUSTER_SIM_LANE_MS=" + std::to_string(o.lane_ms) : std::string())
-       << " psd_cluster_sim_tests '[.replay]'");
+       << "\nreplay: " << ReplayEnv(o) << " psd_cluster_sim_tests '[.replay]'");
   return r;
 }
 
 // Harsher: twice the fault rates for longer.
 SimOptions Storm() {
   SimOptions o;
-  o.fault_ms = 20000;
+  o.fault_ms = kStormFaultMs;
   o.target_step = 60;
   o.crash_rate *= 2;
   o.partition_rate *= 2;
@@ -147,7 +164,7 @@ TEST_CASE("cluster simulation: long storms of faults", "[cluster][sim]") {
 // --takeover-after-ms is taken over (and comes back) while the job runs.
 static void Takeover(SimOptions* o) {
   o->takeover = true;
-  o->fault_ms = 15000;
+  o->fault_ms = kTakeoverFaultMs;
   o->target_step = 400;
   o->max_down_ms = 5000;
 }

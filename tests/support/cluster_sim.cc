@@ -512,11 +512,15 @@ class FakeHost : public ShardHost {
   }
   void Trim(std::map<peer::LiveCopy, uint64_t>* copies) {
     while (copies->size() > 2) copies->erase(copies->begin());
-    if (sim_.tracing()) {
-      std::string list;
-      for (auto& [c, v] : *copies) list += fmt::format(" ({},{})", c.lineage, c.step);
-      sim_.Note(fmt::format("{} {} copies:{}", sim_.Name(proc_), copies == &sh().own_copies ? "own" : "held", list));
-    }
+    NoteCopies(*copies);
+  }
+  // The trace lists a shard's copies as they change.
+  void NoteCopies(const std::map<peer::LiveCopy, uint64_t>& copies) {
+    if (!sim_.tracing()) return;
+    std::string list;
+    for (auto& [c, v] : copies) list += fmt::format(" ({},{})", c.lineage, c.step);
+    sim_.Note(fmt::format("{} {} copies:{}", sim_.Name(proc_), &copies == &sh().own_copies ? "own" : "held",
+                          list.empty() ? std::string(" none") : list));
   }
   static constexpr std::string_view kDelta = "DELTA";
   std::shared_ptr<const peer::CopyBytes> KeepCopy(uint64_t epoch, const peer::LiveCopy& copy,
@@ -562,7 +566,9 @@ class FakeHost : public ShardHost {
   }
   void DropCopies(std::optional<peer::LiveCopy> newest) override {
     for (auto* copies : {&sh().own_copies, &sh().held_copies}) {
+      const size_t before = copies->size();
       copies->erase(newest ? copies->upper_bound(*newest) : copies->begin(), copies->end());
+      if (copies->size() != before) NoteCopies(*copies);
     }
   }
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override {
