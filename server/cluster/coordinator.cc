@@ -644,8 +644,8 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
     seal = r.seal;
   }
   if (r.live) return StartLiveRestoreLocked(epoch, {r.lineage, step}, actions);
-  // A new timeline: the live copies of any other are of no use now.
-  if (options_.replicate) actions->push_back([this] { host_.DropCopies(std::nullopt); });
+  // A new timeline: the live copies of any older one are of no use now.
+  if (options_.replicate) actions->push_back([this, epoch] { host_.DropCopies(std::nullopt, epoch); });
   // The host runs it (after any restore still loading: that one's result is for an older epoch).
   actions->push_back([this, epoch, step, seal = std::move(seal)] {
     host_.RestoreAsync(epoch, step, seal, [this, epoch, step, seal](Status s, std::vector<VarPlacement> placements) {

@@ -168,7 +168,7 @@ void ClusterCoordinator::StartLiveRestoreLocked(uint64_t epoch, const peer::Live
   live_restores_[epoch] = copy;
   while (live_restores_.size() > 8) live_restores_.erase(live_restores_.begin());
   // Newer copies are of steps the cluster leaves (committed on some shards only, never released).
-  actions->push_back([this, copy] { host_.DropCopies(copy); });
+  actions->push_back([this, copy, epoch] { host_.DropCopies(copy, epoch); });
   const bool own = std::find(own_copies_.begin(), own_copies_.end(), copy) != own_copies_.end();
   if (own) {
     actions->push_back([this, epoch, copy] { RestoreOwnCopy(epoch, copy); });

@@ -12,10 +12,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cluster/peer_messages.h"
@@ -23,6 +25,20 @@
 #include "psd/status.h"
 
 namespace psd::server {
+
+// The copies in `copies` (keyed by LiveCopy) that a formation of `epoch` restoring the live copy
+// `newest` (none: a checkpoint) leaves behind: [first, last). Those newer than `newest` (all
+// without it) of an older lineage: a copy of `epoch` or of a later one is of that formation's
+// timeline or of a newer one — the predecessor's copy of its restored part can come before this
+// shard takes the order, and once acknowledged it may be the only copy of that part.
+template <typename Map>
+std::pair<typename Map::iterator, typename Map::iterator> LeftCopies(Map& copies, std::optional<peer::LiveCopy> newest,
+                                                                     uint64_t epoch) {
+  const peer::LiveCopy from_epoch{epoch, std::numeric_limits<int64_t>::min()};
+  auto last = copies.lower_bound(from_epoch);
+  if (newest && *newest >= from_epoch) return {last, last};
+  return {newest ? copies.upper_bound(*newest) : copies.begin(), last};
+}
 
 class ShardHost {
  public:
@@ -118,9 +134,9 @@ class ShardHost {
     storage->reserve(std::min<uint64_t>(bytes, 256ull << 20));  // grows past it as pieces come
     return storage;
   }
-  // Drops every copy newer than `newest` (none: every copy) — a formation left their timeline: it
-  // restores the live copy `newest`, or a checkpoint.
-  virtual void DropCopies(std::optional<peer::LiveCopy> newest) = 0;
+  // Drops the copies a formation of `epoch` leaves (LeftCopies): it restores the live copy
+  // `newest`, or a checkpoint (none).
+  virtual void DropCopies(std::optional<peer::LiveCopy> newest, uint64_t epoch) = 0;
   // Like RestoreAsync, from this shard's own copy `copy` (NOT_FOUND if it is not kept).
   virtual void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) = 0;
   // Async/ssp (copies on arrival): snapshots the engine of `epoch` as it is now, keeps it as this

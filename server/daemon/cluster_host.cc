@@ -482,10 +482,12 @@ Status ServerShardHost::TakeCopy(int owner, const peer::LiveCopy& copy, std::sha
   return Status::Ok();
 }
 
-void ServerShardHost::DropCopies(std::optional<peer::LiveCopy> newest) {
+void ServerShardHost::DropCopies(std::optional<peer::LiveCopy> newest, uint64_t epoch) {
   MutexLock lock(&mu_);
-  own_.erase(newest ? own_.upper_bound(*newest) : own_.begin(), own_.end());
-  held_.erase(newest ? held_.upper_bound(*newest) : held_.begin(), held_.end());
+  auto [own_first, own_last] = LeftCopies(own_, newest, epoch);
+  own_.erase(own_first, own_last);
+  auto [held_first, held_last] = LeftCopies(held_, newest, epoch);
+  held_.erase(held_first, held_last);
   TrimDeltasLocked();
 }
 

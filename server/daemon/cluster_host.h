@@ -72,7 +72,7 @@ class ServerShardHost : public ShardHost {
   // A copy of 16 MiB or more: the spare's storage when it fits (at most twice the size), given back
   // to the spare when let go if the spare is empty then.
   std::shared_ptr<std::string> CopyStorage(uint64_t bytes) override;
-  void DropCopies(std::optional<peer::LiveCopy> newest) override;
+  void DropCopies(std::optional<peer::LiveCopy> newest, uint64_t epoch) override;
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override;
   // On a thread of its own per copy (each joins the one before it first).
   void KeepCopyNowAsync(uint64_t epoch, std::optional<peer::LiveCopy> base, CopyDone done) override;

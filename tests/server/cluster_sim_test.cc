@@ -504,6 +504,7 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
     bool single;   // one crash at a time
     bool crashes;  // false: partitions and broken links only
     int64_t lane_ms = 0;
+    bool takeover = true;  // false: replicas without stand-ins
   };
   const Seed seeds[] = {
       // A chief cut off while a stand-in kept a part's newest copies formed through a stand-in
@@ -539,13 +540,19 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
       // successor then) judged the fetcher's copy of it unrestorable and answered an older one
       // (now the fetcher's own copy is judged where it is).
       {2, 234035, false, false, 300},
+      // Replicas without stand-ins. A shard kept its predecessor's copy of a new epoch, then took
+      // that epoch's restore order (late, on the lane) and dropped it with the older timeline's
+      // copies; the part's own shard had counted it kept, and its part had no copy left when the
+      // next formation came (now an order drops only the copies of older lineages).
+      {3, 425488, true, true, 0, false},
+      {3, 387492, true, true, 300, false},
   };
   for (const Seed& s : seeds) {
     SimOptions o;
     o.shards = s.shards;
     o.seed = s.seed;
     o.replicate = true;
-    Takeover(&o);
+    if (s.takeover) Takeover(&o);
     Async(&o);
     if (!s.crashes) o.crash_rate = 0;
     if (s.single) SingleFaults(&o);

@@ -11,6 +11,8 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <functional>
+#include <map>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <variant>
@@ -53,7 +55,7 @@ class RecordingHost : public ShardHost {
   }
   std::shared_ptr<const peer::CopyBytes> SerializedCopy(int, const peer::LiveCopy&) override { return nullptr; }
   Status TakeCopy(int, const peer::LiveCopy&, std::shared_ptr<const std::string>) override { return Status::Ok(); }
-  void DropCopies(std::optional<peer::LiveCopy>) override {}
+  void DropCopies(std::optional<peer::LiveCopy>, uint64_t) override {}
   void RestoreCopyAsync(uint64_t epoch, const peer::LiveCopy& copy, RestoreDone done) override {
     restores.push_back(epoch);
     restored_copies.push_back(copy);
@@ -126,6 +128,30 @@ struct StandIn {
 };
 
 }  // namespace
+
+// What a restore order drops (ShardHost::DropCopies): the copies newer than the one restored (all,
+// for a checkpoint) of lineages before the order's epoch, never a copy of that epoch or a later
+// one, which the predecessor may have sent (and this shard acknowledged) before the order came.
+TEST_CASE("coordinator: a restore order drops only the copies of the timelines it leaves", "[cluster][replicas]") {
+  using peer::LiveCopy;
+  auto left = [](std::optional<LiveCopy> newest, uint64_t epoch) {
+    std::map<LiveCopy, int> copies{{{2, 0}, 0}, {{2, 1}, 0}, {{3, 7}, 0}, {{4, 0}, 0}, {{5, 3}, 0}};
+    auto [first, last] = LeftCopies(copies, newest, epoch);
+    copies.erase(first, last);
+    std::vector<LiveCopy> kept;
+    for (const auto& [c, v] : copies) kept.push_back(c);
+    return kept;
+  };
+  // A checkpoint (or an empty start) for epoch 4: the older lineages go, epoch 4's and 5's stay.
+  CHECK(left(std::nullopt, 4) == std::vector<LiveCopy>{{4, 0}, {5, 3}});
+  // Epoch 4 restores the live copy (2, 0): (2, 1) and (3, 7) are of the timeline it leaves.
+  CHECK(left(LiveCopy{2, 0}, 4) == std::vector<LiveCopy>{{2, 0}, {4, 0}, {5, 3}});
+  // The newest copy restored is (3, 7): nothing newer of an older lineage.
+  CHECK(left(LiveCopy{3, 7}, 4) == std::vector<LiveCopy>{{2, 0}, {2, 1}, {3, 7}, {4, 0}, {5, 3}});
+  // An order of an epoch older than the copies' (a stale one): nothing of theirs goes.
+  CHECK(left(std::nullopt, 2).size() == 5);
+  CHECK(left(LiveCopy{4, 0}, 4).size() == 5);
+}
 
 TEST_CASE("coordinator: a chief heard of from another shard has an election timeout to link", "[cluster]") {
   StandIn s(1);

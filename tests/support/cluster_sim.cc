@@ -564,10 +564,11 @@ class FakeHost : public ShardHost {
     Trim(&copies);
     return Status::Ok();
   }
-  void DropCopies(std::optional<peer::LiveCopy> newest) override {
+  void DropCopies(std::optional<peer::LiveCopy> newest, uint64_t epoch) override {
     for (auto* copies : {&sh().own_copies, &sh().held_copies}) {
       const size_t before = copies->size();
-      copies->erase(newest ? copies->upper_bound(*newest) : copies->begin(), copies->end());
+      auto [first, last] = server::LeftCopies(*copies, newest, epoch);
+      copies->erase(first, last);
       if (copies->size() != before) NoteCopies(*copies);
     }
   }
