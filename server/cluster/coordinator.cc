@@ -258,6 +258,7 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
         max_term_seen_ = term_;
         SaveTermLocked(actions);
         chief_ = me_;
+        chief_since_ = now;
         running_ = false;
         forming_ = false;
         required_ = local_required_;

@@ -362,6 +362,11 @@ class ClusterCoordinator : public PeerEvents {
   void RestoreOwnCopy(uint64_t epoch, const peer::LiveCopy& copy) EXCLUDES(mu_);
   // Async/ssp: every part has a copy somewhere (its shard's own, or the next shard's).
   bool EveryPartCopiedLocked() const REQUIRES(mu_);
+  // Some shard (this one, or a peer in its last heartbeat) lists a live copy.
+  bool AnyCopyHeardLocked() const REQUIRES(mu_);
+  // Every other shard's last heartbeat is of this shard's term or a newer one: sent once it had
+  // heard of this chief, so its copies are not old news (see StartFormationLocked).
+  bool CopiesOfThisTermLocked() const REQUIRES(mu_);
   // Async/ssp replicas: a next shard kept `copy` of `part` (newest_heard_ keeps the newest).
   void HeardLocked(int part, const peer::LiveCopy& copy) REQUIRES(mu_);
   // Async/ssp: records the copies of its predecessor's part that shard k says it keeps, and what
@@ -490,8 +495,9 @@ class ClusterCoordinator : public PeerEvents {
   uint64_t term_ GUARDED_BY(mu_) = 0;
   uint64_t max_term_seen_ GUARDED_BY(mu_) = 0;
   int chief_ GUARDED_BY(mu_) = -1;
-  // When chief_ last changed: a chief this shard learned of from another shard's heartbeat, before
-  // the chief's own link reached it, gets an election timeout to link (ChiefGoneLocked).
+  // When chief_ last changed (this shard's claim too): a chief this shard learned of from another
+  // shard's heartbeat, before the chief's own link reached it, gets an election timeout to link
+  // (ChiefGoneLocked); a new chief waits a while for news of every copy (StartFormationLocked).
   Clock::time_point chief_since_ GUARDED_BY(mu_);
   uint64_t epoch_ GUARDED_BY(mu_) = 0;             // the epoch this shard's engine was restored for
   bool serving_ GUARDED_BY(mu_) = false;           // the chief says the cluster runs at epoch_

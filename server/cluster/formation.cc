@@ -350,11 +350,23 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
     stand_in_wait_logged_ = false;
     if (live_formation_) {
       live_lost_logged_ = false;
-    } else if (!live_lost_logged_) {
-      // Copies somewhere but not of every part: lost. None anywhere: a cluster that never ran.
-      bool any = !own_copies_.empty() || !held_copies_.empty();
-      for (const Peer& p : peers_) any = any || !p.own_copies.empty() || !p.held_copies.empty();
-      if (any) {
+    } else if (AnyCopyHeardLocked()) {
+      // Copies somewhere but not of every part, as far as this chief heard. A heartbeat sent before
+      // its shard heard of this chief's term may be old news (a slow link): sent before the shard
+      // restored the last epoch, it lists none of the copies that shard and the next one kept since
+      // and acknowledged pushes with. A fallback would lose them: waited for, up to three election
+      // timeouts after this shard became chief, until every shard has spoken in this term.
+      if (!CopiesOfThisTermLocked() &&
+          now - chief_since_ < 3 * std::chrono::milliseconds(options_.election_timeout_ms)) {
+        const std::string why = "waiting for every shard's news of its live copies in term " + std::to_string(term_);
+        if (missing_reason_ != why) {
+          missing_reason_ = why;
+          missing_since_ = now;
+        }
+        return;
+      }
+      // Then lost. (None anywhere: a cluster that never ran.)
+      if (!live_lost_logged_) {
         live_lost_logged_ = true;
         spdlog::error(
             "cluster: no live copy of some shard's state is left (that shard and the next one both lost theirs): "

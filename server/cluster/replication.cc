@@ -443,6 +443,19 @@ bool ClusterCoordinator::EveryPartCopiedLocked() const {
   return true;
 }
 
+bool ClusterCoordinator::AnyCopyHeardLocked() const {
+  bool any = !own_copies_.empty() || !held_copies_.empty();
+  for (const Peer& p : peers_) any = any || !p.own_copies.empty() || !p.held_copies.empty();
+  return any;
+}
+
+bool ClusterCoordinator::CopiesOfThisTermLocked() const {
+  for (int i = 0; i < shards_; ++i) {
+    if (i != me_ && peers_[static_cast<size_t>(i)].term < term_) return false;
+  }
+  return true;
+}
+
 void ClusterCoordinator::HeardLocked(int part, const peer::LiveCopy& copy) {
   if (!options_.applies_on_arrival || !options_.replicate || part < 0 || part >= shards_) return;
   if (newest_heard_.size() != static_cast<size_t>(shards_)) newest_heard_.assign(static_cast<size_t>(shards_), {0, -1});

@@ -355,6 +355,62 @@ std::optional<peer::Restore> ChiefOrderTo1(int shards, const ShardHost::Checkpoi
   return std::nullopt;
 }
 
+// Async replicas, 3 shards: the restore order the chief (shard 0, which keeps its part's copy
+// (2, 5) and shard 2's (2, 3)) sends shard 1, and the tick it came at. Each tick both peers send a
+// heartbeat: until tick `old_until`, one sent before they heard of any chief (term 0, no copies:
+// old news on a slow link); after it, one of the chief's term listing `copies_then` (shard 1 keeps
+// its own (2, 4) and shard 0's (2, 5), shard 2 its own (2, 3) and shard 1's (2, 4)) or none.
+struct TimedOrder {
+  peer::Restore order;
+  int tick = 0;
+  int claimed = -1;  // the tick shard 0 became chief at
+};
+std::optional<TimedOrder> AsyncChiefOrder(int old_until, bool copies_then) {
+  ClusterOptions options;
+  options.me = 0;
+  options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
+  options.heartbeat_ms = 20;
+  options.election_timeout_ms = 200;
+  options.replicate = true;
+  options.applies_on_arrival = true;
+  RecordingHost host;
+  host.own_copies = {{2, 5}};
+  host.held_copies = {{2, 3}};
+  RecordingNetwork network;
+  Clock::time_point now = Clock::time_point{} + std::chrono::hours(1);
+  ClusterCoordinator c(options, host, network, [&now] { return now; });
+  c.Start();
+  c.OnPeerUp(1);
+  c.OnPeerUp(2);
+  int claimed = -1;
+  for (int t = 0; t < 200; ++t) {
+    for (int from = 1; from <= 2; ++from) {
+      peer::Heartbeat hb;
+      hb.ready = true;
+      hb.address = options.addresses[static_cast<size_t>(from)];
+      uint64_t term = 0;
+      if (t >= old_until) {
+        term = c.Describe().term;
+        hb.chief = c.chief();
+        hb.epoch = 2;
+        if (copies_then) {
+          hb.own_copies = {from == 1 ? peer::LiveCopy{2, 4} : peer::LiveCopy{2, 3}};
+          hb.held_copies = {from == 1 ? peer::LiveCopy{2, 5} : peer::LiveCopy{2, 4}};
+        }
+      }
+      c.OnMessage(from, peer::Message{from, term, hb});
+    }
+    now += std::chrono::milliseconds(20);
+    c.Tick();
+    if (claimed < 0 && c.chief() == 0) claimed = t;
+    for (const auto& [to, m] : network.sent) {
+      const auto* r = std::get_if<peer::Restore>(&m.body);
+      if (to == 1 && r != nullptr) return TimedOrder{*r, t, claimed};
+    }
+  }
+  return std::nullopt;
+}
+
 // The chief's order with 3 shards: every shard wrote a part of step 4 and has step 2 sealed; the
 // chief and shard 2 sealed step 4, shard 1 missed that seal (it lists step 4 unusable) and says
 // its part of step 4 has checksum `shard1_part` (nullopt: it does not say, as an older version).
@@ -389,6 +445,33 @@ std::optional<peer::Restore> SealedEverywhereOrder(const std::vector<uint64_t>& 
 }
 
 }  // namespace
+
+// A new chief that has heard its peers only in heartbeats sent before they heard of it (old news,
+// which may predate the copies they kept and acknowledged pushes with) does not fall back to a
+// checkpoint on it: it waits, up to three election timeouts, for every shard to speak in its term.
+TEST_CASE("coordinator: a new chief does not give up live copies on its peers' old news", "[cluster][replicas]") {
+  // Old news for 15 ticks (300 ms) after the claim, then the copies: formed from the newest copy
+  // of each part (no checkpoint, no empty start).
+  auto fresh = AsyncChiefOrder(/*old_until=*/0, /*copies_then=*/true);
+  REQUIRE(fresh.has_value());
+  const int claimed = fresh->claimed;
+  auto late = AsyncChiefOrder(claimed + 15, true);
+  REQUIRE(late.has_value());
+  CHECK(late->order.live);
+  CHECK(late->order.newest);
+  CHECK(late->tick >= claimed + 15);
+  // The shards say in this term that they keep no copies: the copies of some part are gone, and
+  // the fallback goes out at once.
+  auto none = AsyncChiefOrder(0, false);
+  REQUIRE(none.has_value());
+  CHECK_FALSE(none->order.live);
+  CHECK(none->tick <= none->claimed + 2);
+  // Old news only: the fallback, but not before three election timeouts (30 ticks) after the claim.
+  auto stale = AsyncChiefOrder(1000, false);
+  REQUIRE(stale.has_value());
+  CHECK_FALSE(stale->order.live);
+  CHECK(stale->tick >= stale->claimed + 29);
+}
 
 TEST_CASE("coordinator: a step whose manifests differ between shards is restorable nowhere", "[cluster]") {
   const uint64_t seal2 = peer::SealDigest({{0, "p0", 100, 20}, {1, "p1", 100, 21}});
