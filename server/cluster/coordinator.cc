@@ -125,7 +125,10 @@ bool ClusterCoordinator::ChiefGoneLocked(Clock::time_point now) const {
   // A shard may hear of the chief first from another shard's heartbeat (a stand-in, which the
   // chief links to only once it has heard the stand-in): counting the chief gone before its link
   // could have come would depose it, and drop its restore order, for nothing.
-  return !AliveLocked(chief_, now) && now - chief_since_ >= std::chrono::milliseconds(options_.election_timeout_ms);
+  // Its heartbeats, from the process that serves it: a stand-in left speaking as the chief's shard
+  // (in an older term) must not keep a chief alive that no longer says so.
+  const auto timeout = std::chrono::milliseconds(options_.election_timeout_ms);
+  return (!AliveLocked(chief_, now) || now - chief_heard_ >= timeout) && now - chief_since_ >= timeout;
 }
 
 std::vector<int> ClusterCoordinator::MissingLocked(Clock::time_point now) const {
@@ -517,6 +520,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
     if (newer && chief_ != me_ && chief_ >= 0) spdlog::info("cluster: shard {} is the chief (term {})", chief_, term_);
   }
   if (from == chief_ && term == term_) {
+    chief_heard_ = heard;
     bool was = serving_;
     serving_ = hb.running && hb.epoch == epoch_ && epoch_ != 0;
     if (serving_ && !was) {

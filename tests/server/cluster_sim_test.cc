@@ -550,6 +550,11 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
       // epoch (slow links), found a part with none and fell back to a checkpoint, losing the pushes
       // acknowledged since (now it first waits until every shard has spoken in its term).
       {5, 618718, false, false, 0, false},
+      // Two stand-ins left running after their shards came back: a follower took a stand-in's
+      // heartbeats (an older term, speaking as its chief's shard) for its chief's, so it kept that
+      // chief's map and sent to a dead stand-in; the shards each waited to hear the other and the
+      // job never finished (now a chief is alive only while its own heartbeats of this term come).
+      {3, 442398, true, true},
   };
   for (const Seed& s : seeds) {
     SimOptions o;
