@@ -479,6 +479,25 @@ void ClusterCoordinator::OnPartWritten(uint64_t epoch, int64_t step, const peer:
   int chief = -1;
   {
     MutexLock lock(&mu_);
+    // A part written over a checkpoint sealed here before: another timeline's snapshot of the step
+    // (async: the cluster re-formed from live copies at counts below it and counted up to it
+    // again). The manifest on disk names the part replaced, so the step no longer restores here;
+    // said as sealed, a chief would form at it (the restore fails) or ask an operator to give up
+    // a checkpoint that no shard can restore.
+    if (std::find(sealed_.begin(), sealed_.end(), step) != sealed_.end()) {
+      auto seal = seal_parts_.find(step);
+      const bool same = seal != seal_parts_.end() &&
+                        std::any_of(seal->second.begin(), seal->second.end(), [&](const peer::PartInfo& p) {
+                          return p.shard == me_ && p.bytes == part.bytes && p.checksum == part.checksum;
+                        });
+      if (!same) {
+        spdlog::warn(
+            "cluster: checkpoint step {} was sealed here; this shard's part of it was written again in epoch {} "
+            "(another timeline): the step is unusable here until a seal of the new part",
+            step, epoch);
+        UnsealLocked([step](int64_t t) { return t == step; });
+      }
+    }
     // A trace of `step` on this shard until its seal arrives: if the seal never does (the cluster
     // re-formed first), the step is unusable here, not lost — a chief that did seal it must not
     // ask an operator to give it up (FormationStepLocked).

@@ -555,6 +555,11 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
       // chief's map and sent to a dead stand-in; the shards each waited to hear the other and the
       // job never finished (now a chief is alive only while its own heartbeats of this term come).
       {3, 442398, true, true},
+      // The cluster re-formed from live copies at counts below a sealed checkpoint; counting up
+      // again, a shard wrote its part of that step over the sealed one and went on saying it held
+      // the step sealed, so its chief asked an operator to give up a checkpoint no shard could
+      // restore (now a part written over a sealed step unseals it).
+      {3, 460576, false, true},
   };
   for (const Seed& s : seeds) {
     SimOptions o;

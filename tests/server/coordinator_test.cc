@@ -320,9 +320,11 @@ TEST_CASE("coordinator: a shard whose stand-in is gone is looked for at its own 
 namespace {
 
 // The checkpoint restore order the chief (shard 0 of `shards`, whose disk `scan` finds) sends
-// shard 1 once the others have said, for 100 heartbeats, what `says` fills in.
+// shard 1 once the others have said, for 100 heartbeats, what `says` fills in. `started`: what
+// happens to the chief after its scan, before any heartbeat.
 std::optional<peer::Restore> ChiefOrderTo1(int shards, const ShardHost::CheckpointScan& scan,
-                                           const std::function<void(int from, peer::Heartbeat*)>& says) {
+                                           const std::function<void(int from, peer::Heartbeat*)>& says,
+                                           const std::function<void(ClusterCoordinator&)>& started = {}) {
   ClusterOptions options;
   options.me = 0;
   for (int i = 0; i < shards; ++i) options.addresses.push_back("127.0.0.1:" + std::to_string(i + 1));
@@ -335,6 +337,7 @@ std::optional<peer::Restore> ChiefOrderTo1(int shards, const ShardHost::Checkpoi
   Clock::time_point now = Clock::time_point{} + std::chrono::hours(1);
   ClusterCoordinator c(options, host, network, [&now] { return now; });
   c.Start();
+  if (started) started(c);
   for (int from = 1; from < shards; ++from) c.OnPeerUp(from);
   for (int t = 0; t < 100; ++t) {
     for (int from = 1; from < shards; ++from) {
@@ -433,15 +436,20 @@ std::optional<peer::Restore> CheckpointOrder(std::optional<uint64_t> shard1_part
 }
 
 // The chief's order with 2 shards: both have steps 4 and 2 sealed; shard 1 gives `shard1_digests`
-// as its manifests' digests (empty: it does not say, as an older version).
-std::optional<peer::Restore> SealedEverywhereOrder(const std::vector<uint64_t>& shard1_digests) {
+// as its manifests' digests (empty: it does not say, as an older version). `started`: as in
+// ChiefOrderTo1.
+std::optional<peer::Restore> SealedEverywhereOrder(const std::vector<uint64_t>& shard1_digests,
+                                                   const std::function<void(ClusterCoordinator&)>& started = {}) {
   ShardHost::CheckpointScan scan;
   scan.sealed = {4, 2};
   scan.seals = {{4, {{0, "p0", 100, 40}, {1, "p1", 100, 41}}}, {2, {{0, "p0", 100, 20}, {1, "p1", 100, 21}}}};
-  return ChiefOrderTo1(2, scan, [&](int, peer::Heartbeat* hb) {
-    hb->sealed_steps = {4, 2};
-    hb->seal_digests = shard1_digests;
-  });
+  return ChiefOrderTo1(
+      2, scan,
+      [&](int, peer::Heartbeat* hb) {
+        hb->sealed_steps = {4, 2};
+        hb->seal_digests = shard1_digests;
+      },
+      started);
 }
 
 }  // namespace
@@ -489,6 +497,25 @@ TEST_CASE("coordinator: a step whose manifests differ between shards is restorab
   // shard 1 would refuse only after shard 0 had restored it).
   const uint64_t other4 = peer::SealDigest({{0, "p0", 100, 40}, {1, "p1", 100, 99}});
   auto order = SealedEverywhereOrder({other4, seal2});
+  REQUIRE(order.has_value());
+  CHECK(order->step == 2);
+}
+
+// A shard that writes its part of a step it holds sealed again (another timeline's snapshot of the
+// step: async, after the cluster re-formed from live copies at counts below it) no longer has that
+// checkpoint: the manifest on disk names the part replaced. (Found by async seed 460576: the shard
+// went on saying the step was sealed, and its chief asked an operator to give up a checkpoint that
+// no shard could restore.)
+TEST_CASE("coordinator: a part written over a sealed step unseals it", "[cluster]") {
+  auto written = [](uint64_t checksum) {
+    return [checksum](ClusterCoordinator& c) { c.OnPartWritten(7, 4, {0, "p0", 100, checksum}); };
+  };
+  // The part its manifest names, written again (the same snapshot): still sealed, formed at step 4.
+  auto order = SealedEverywhereOrder({}, written(40));
+  REQUIRE(order.has_value());
+  CHECK(order->step == 4);
+  // Another part: step 4 is restorable on shard 1 only; formed at step 2.
+  order = SealedEverywhereOrder({}, written(77));
   REQUIRE(order.has_value());
   CHECK(order->step == 2);
 }
