@@ -125,8 +125,9 @@ bool ClusterCoordinator::ChiefGoneLocked(Clock::time_point now) const {
   // A shard may hear of the chief first from another shard's heartbeat (a stand-in, which the
   // chief links to only once it has heard the stand-in): counting the chief gone before its link
   // could have come would depose it, and drop its restore order, for nothing.
-  // Its heartbeats, from the process that serves it: a stand-in left speaking as the chief's shard
-  // (in an older term) must not keep a chief alive that no longer says so.
+  // Its heartbeats (or the pieces of a copy it sends: OnMessage), from the process that serves it:
+  // a stand-in left speaking as the chief's shard (in an older term) must not keep a chief alive
+  // that no longer says so.
   const auto timeout = std::chrono::milliseconds(options_.election_timeout_ms);
   return (!AliveLocked(chief_, now) || now - chief_heard_ >= timeout) && now - chief_since_ >= timeout;
 }
@@ -392,6 +393,14 @@ void ClusterCoordinator::OnMessage(int from, const peer::Message& msg) {
     MutexLock lock(&mu_);
     if (stopped_) return;
     if (from != me_) peers_[static_cast<size_t>(from)].last_heard = now_();
+    // The chief's life (ChiefGoneLocked): its heartbeats of this term (HandleHeartbeat), and the
+    // pieces of a copy it sends in this epoch, which only the process serving its shard now sends.
+    // A large copy (hundreds of MiB) queued ahead of a heartbeat on the link, or still being taken
+    // here, can hold the heartbeat back longer than an election timeout while the chief is alive.
+    if (const auto* chunk = std::get_if<peer::ReplicaChunk>(&msg.body);
+        chunk != nullptr && from != me_ && from == chief_ && term == term_ && epoch_ != 0 && chunk->epoch == epoch_) {
+      chief_heard_ = now_();
+    }
     std::visit(
         [&](const auto& body) {
           mu_.AssertHeld();  // held by the caller: the analysis does not follow into the lambda

@@ -196,6 +196,8 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
   }
   VariableDesc desc{v->name, v->declared, v->shape, v->trainable, true};
   vars_.emplace(def.name, std::move(v));
+  variable_count_.store(static_cast<int>(vars_.size()));
+  model_bytes_seen_.store(model_bytes_);
   lock.Unlock();
   spdlog::info("created variable '{}' {} {}{}{}", def.name, DTypeName(def.dtype), ShapeString(def.shape),
                def.trainable ? "" : " (non-trainable)", def.average ? " (averaged)" : "");
@@ -512,9 +514,8 @@ EngineStats TrainingEngine::Stats() const {
   s.required_replicas = required_.load();
   s.last_step_gradients = last_step_gradients_.load();
   s.max_staleness = max_staleness_.load();
-  MutexLock lock(&mu_);
-  s.variables = static_cast<int>(vars_.size());
-  s.model_bytes = model_bytes_;
+  s.variables = variable_count_.load();
+  s.model_bytes = model_bytes_seen_.load();
   return s;
 }
 
