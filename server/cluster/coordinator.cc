@@ -689,6 +689,13 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
     if (status.ok()) {
       epoch_ = epoch;
       NoteRestoredLocked(me_, epoch, live ? *live : peer::LiveCopy{epoch, std::max<int64_t>(step, 0)});
+      // The epoch serves once every shard said it restored, and this shard may never hear that it
+      // did (cut off right after its reply): it counts the parts as served by the processes its map
+      // names now. A part served by a stand-in then has its newest copies on the stand-in's host,
+      // and a formation this shard later leads waits for that host (async seed 487769: the other
+      // side of a partition served pushes through a stand-in and this shard, which never heard the
+      // epoch serve, formed from older copies of that part and lost them).
+      NoteServedLocked(/*restored=*/true);
       spdlog::info("cluster: shard {} restored {} at epoch {}", me_,
                    step < 0 ? std::string("an empty state")
                    : !live  ? "checkpoint step " + std::to_string(step)

@@ -377,8 +377,10 @@ class ClusterCoordinator : public PeerEvents {
   // pushes acknowledged on the newer one.
   bool NewestBehindLocked() const REQUIRES(mu_);
   // Async/ssp replicas (cluster/takeover.cc): records which process serves each part while this
-  // shard serves workers (the chief: running; a follower: serving), and merges what a heartbeat says.
-  void NoteServedLocked() REQUIRES(mu_);
+  // shard serves workers (the chief: running; a follower: serving), or, `restored`, as soon as it
+  // restored its part for epoch_ (the epoch may serve from its reply on, whether or not this shard
+  // hears of it); and merges what a heartbeat says.
+  void NoteServedLocked(bool restored = false) REQUIRES(mu_);
   void HearServedLocked(const std::vector<peer::PartServed>& told) REQUIRES(mu_);
   // A part served by a stand-in in the newest epoch known to have served it, whose newest copies
   // are therefore on the next shard's host alone (the stand-in ran there, and that shard's own

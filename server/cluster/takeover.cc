@@ -88,9 +88,9 @@ bool ClusterCoordinator::MajorityLocked(Clock::time_point now) const {
   return 2 * heard > shards_ || (2 * heard == shards_ && first);
 }
 
-void ClusterCoordinator::NoteServedLocked() {
+void ClusterCoordinator::NoteServedLocked(bool restored) {
   if (!options_.applies_on_arrival || !options_.replicate || epoch_ == 0) return;
-  if (!(chief_ == me_ ? running_ : serving_)) return;
+  if (!restored && !(chief_ == me_ ? running_ : serving_)) return;
   std::vector<peer::PartServed> now(static_cast<size_t>(shards_));
   for (int i = 0; i < shards_; ++i) {
     const bool stand_in = i == me_ ? options_.stand_in : AddressOf(i) != options_.addresses[static_cast<size_t>(i)];

@@ -560,6 +560,11 @@ TEST_CASE("cluster simulation: async regression seeds", "[cluster][sim][async][t
       // the step sealed, so its chief asked an operator to give up a checkpoint no shard could
       // restore (now a part written over a sealed step unseals it).
       {3, 460576, false, true},
+      // A shard restored its part for an epoch that a stand-in served another part in, and was cut
+      // off before it heard the epoch serve; leading the next formation, it restored that part from
+      // older copies than those kept on the stand-in's host (now a shard counts the parts served
+      // from its restore on, so the formation waits for that host's own process).
+      {3, 487769, false, false},
   };
   for (const Seed& s : seeds) {
     SimOptions o;
