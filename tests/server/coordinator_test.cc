@@ -368,14 +368,20 @@ struct TimedOrder {
   int tick = 0;
   int claimed = -1;  // the tick shard 0 became chief at
 };
-std::optional<TimedOrder> AsyncChiefOrder(int old_until, bool copies_then) {
+// Shard `me` of 3 with async replicas (pushes applied on arrival), on the tests' clock settings.
+ClusterOptions AsyncReplicaOptions(int me) {
   ClusterOptions options;
-  options.me = 0;
+  options.me = me;
   options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
   options.heartbeat_ms = 20;
   options.election_timeout_ms = 200;
   options.replicate = true;
   options.applies_on_arrival = true;
+  return options;
+}
+
+std::optional<TimedOrder> AsyncChiefOrder(int old_until, bool copies_then) {
+  const ClusterOptions options = AsyncReplicaOptions(0);
   RecordingHost host;
   host.own_copies = {{2, 5}};
   host.held_copies = {{2, 3}};
@@ -645,13 +651,7 @@ TEST_CASE("coordinator: a shard counts the parts served from its restore on", "[
   for (bool restores : {false, true}) {
     CAPTURE(restores);
     CommitRecordingHost host;
-    ClusterOptions options;
-    options.me = 1;
-    options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
-    options.heartbeat_ms = 20;
-    options.election_timeout_ms = 200;
-    options.replicate = true;
-    options.applies_on_arrival = true;
+    const ClusterOptions options = AsyncReplicaOptions(1);
     RecordingNetwork network;
     Clock::time_point now = Clock::time_point{} + std::chrono::hours(1);
     ClusterCoordinator c(options, host, network, [&now] { return now; });
