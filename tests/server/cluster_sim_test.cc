@@ -72,11 +72,20 @@ std::string ReplayEnv(const SimOptions& o) {
   if (o.single_faults) env += " PSD_CLUSTER_SIM_SINGLE=1";
   if (o.crash_rate == 0) env += " PSD_CLUSTER_SIM_NO_CRASH=1";
   if (o.lane_ms > 0) env += " PSD_CLUSTER_SIM_LANE_MS=" + std::to_string(o.lane_ms);
+  if (o.copy_ms > 0) env += " PSD_CLUSTER_SIM_COPY_MS=" + std::to_string(o.copy_ms);
   return env;
+}
+
+// PSD_CLUSTER_SIM_COPY_MS (SimOptions::copy_ms), for every schedule a sweep or a replay runs.
+// (The async sweeps' count of formations served by a stand-in falls below its check with slow
+// copies: look for "FAILED at" — an invariant broken — in such a sweep's output.)
+void SlowCopies(SimOptions* o) {
+  if (const char* ms = std::getenv("PSD_CLUSTER_SIM_COPY_MS"); ms != nullptr) o->copy_ms = std::atoll(ms);
 }
 
 // Runs one schedule quietly; on a failure runs it again with the trace and fails with it.
 SimResult Check(SimOptions o) {
+  SlowCopies(&o);
   auto level = spdlog::get_level();
   spdlog::set_level(spdlog::level::off);
   SimResult r = RunSimulation(o);
@@ -597,6 +606,7 @@ TEST_CASE("cluster simulation: replay one seed (PSD_CLUSTER_SIM_SEED, PSD_CLUSTE
   if (o.replicate && std::getenv("PSD_CLUSTER_SIM_ASYNC") != nullptr) Async(&o);
   if (std::getenv("PSD_CLUSTER_SIM_NO_CRASH") != nullptr) o.crash_rate = 0;
   if (const char* lane = std::getenv("PSD_CLUSTER_SIM_LANE_MS"); lane != nullptr) Lane(&o, std::atoll(lane));
+  SlowCopies(&o);
   o.seed = std::strtoull(seed, nullptr, 10);
   o.shards = shards == nullptr ? 3 : std::atoi(shards);
   o.trace = true;

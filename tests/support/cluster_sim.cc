@@ -698,6 +698,7 @@ void Sim::Send(int from, int to_shard, const peer::Message& m) {
   }
   int64_t delay = faulty() && Chance(o_.slow) ? Uniform(100, 1500) : Uniform(1, 8);
   int64_t t = std::max(now_ + delay, l.last_delivery);
+  if (o_.copy_ms > 0 && std::holds_alternative<peer::ReplicaChunk>(m.body)) t += Uniform(o_.copy_ms / 2, o_.copy_ms);
   l.last_delivery = t;
   int copies = faulty() && Chance(o_.duplicate) ? 2 : 1;
   uint64_t gen = l.gen;
@@ -1429,9 +1430,9 @@ SimResult RunSimulation(const SimOptions& options) {
 }
 
 std::string Describe(const SimOptions& o, const SimResult& r, size_t max_trace_lines) {
-  std::string out =
-      fmt::format("cluster simulation: seed {} shards {} fault_ms {} target_step {} lane_ms {} -> {}\n", o.seed,
-                  o.shards, o.fault_ms, o.target_step, o.lane_ms, r.ok ? std::string("ok") : "FAILED " + r.failure);
+  std::string out = fmt::format(
+      "cluster simulation: seed {} shards {} fault_ms {} target_step {} lane_ms {} copy_ms {} -> {}\n", o.seed,
+      o.shards, o.fault_ms, o.target_step, o.lane_ms, o.copy_ms, r.ok ? std::string("ok") : "FAILED " + r.failure);
   out += fmt::format("faults ({}):\n", r.faults.size());
   for (auto& f : r.faults) out += "  " + f + "\n";
   if (!r.trace.empty()) {

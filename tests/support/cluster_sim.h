@@ -79,6 +79,9 @@ struct SimOptions {
   // restores every push a shard acknowledged for its part (a shard's state is the chain of the
   // pushes it applied, so the sim knows which a restored state holds).
   bool async = false;
+  // > 0: each piece of a copy holds its link up to this long (half to all of it), so what is sent
+  // behind it — heartbeats included — waits, as behind a copy of hundreds of MiB on a real link.
+  int64_t copy_ms = 0;
   // The daemon's lane (ClusterCoordinator's `lane`): > 0, each batch of a shard's actions (a commit
   // applied and copied, a copy rebuilt, replies sent) runs after it was decided, in the order
   // decided — one in thirty up to this long after (a big commit or copy), the others within 3 ms
