@@ -77,10 +77,15 @@ std::string ReplayEnv(const SimOptions& o) {
 }
 
 // PSD_CLUSTER_SIM_COPY_MS (SimOptions::copy_ms), for every schedule a sweep or a replay runs.
-// (The async sweeps' count of formations served by a stand-in falls below its check with slow
-// copies: look for "FAILED at" — an invariant broken — in such a sweep's output.)
+// (The takeover sweeps' counts of formations served by a stand-in fall below their checks with
+// slow copies: look for "FAILED at" — an invariant broken — in such a sweep's output.)
+// Sync copies every part at every commit, a few pieces each: the job is given that long more to
+// finish.
 void SlowCopies(SimOptions* o) {
-  if (const char* ms = std::getenv("PSD_CLUSTER_SIM_COPY_MS"); ms != nullptr) o->copy_ms = std::atoll(ms);
+  const char* ms = std::getenv("PSD_CLUSTER_SIM_COPY_MS");
+  if (ms == nullptr) return;
+  o->copy_ms = std::atoll(ms);
+  o->settle_ms += o->target_step * o->copy_ms * 8;
 }
 
 // Runs one schedule quietly; on a failure runs it again with the trace and fails with it.
