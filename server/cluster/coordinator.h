@@ -501,7 +501,8 @@ class ClusterCoordinator : public PeerEvents {
   // shard's heartbeat, before the chief's own link reached it, gets an election timeout to link
   // (ChiefGoneLocked); a new chief waits a while for news of every copy (StartFormationLocked).
   Clock::time_point chief_since_ GUARDED_BY(mu_);
-  // A heartbeat of this term from the process that serves chief_ was last heard then.
+  // The process that serves chief_ was last heard in this term then: a heartbeat, or a piece of a
+  // copy of this epoch (OnMessage).
   Clock::time_point chief_heard_ GUARDED_BY(mu_);
   uint64_t epoch_ GUARDED_BY(mu_) = 0;             // the epoch this shard's engine was restored for
   bool serving_ GUARDED_BY(mu_) = false;           // the chief says the cluster runs at epoch_

@@ -171,12 +171,13 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
   // What a variable costs: its value (and a staging/spare copy and an accumulator when it trains),
   // its slots and its average. Checked before allocating: a peer cannot exhaust the daemon's memory.
   uint64_t cost = bytes * (1 + (def.trainable ? 3 : 0) + opt->Slots().size() + (def.average ? 1 : 0));
-  if (model_bytes_ + cost > config_.max_model_bytes) {
+  const uint64_t held = model_bytes_.load();
+  if (held + cost > config_.max_model_bytes) {
     return ResourceExhausted("variable '" + def.name + "' needs about " + std::to_string(cost) + " bytes; the " +
-                             "variables already hold " + std::to_string(model_bytes_) + " of --max-model-bytes " +
+                             "variables already hold " + std::to_string(held) + " of --max-model-bytes " +
                              std::to_string(config_.max_model_bytes));
   }
-  model_bytes_ += cost;
+  model_bytes_.store(held + cost);
   // A trainable variable created after the open step was reported joins the next step.
   const int64_t step = global_step_.load();
   const bool joins_next = def.trainable && config_.mode == Mode::kSync && prepared_ && step_takes_ > 0;
@@ -197,7 +198,6 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
   VariableDesc desc{v->name, v->declared, v->shape, v->trainable, true};
   vars_.emplace(def.name, std::move(v));
   variable_count_.store(static_cast<int>(vars_.size()));
-  model_bytes_seen_.store(model_bytes_);
   lock.Unlock();
   spdlog::info("created variable '{}' {} {}{}{}", def.name, DTypeName(def.dtype), ShapeString(def.shape),
                def.trainable ? "" : " (non-trainable)", def.average ? " (averaged)" : "");
@@ -515,7 +515,7 @@ EngineStats TrainingEngine::Stats() const {
   s.last_step_gradients = last_step_gradients_.load();
   s.max_staleness = max_staleness_.load();
   s.variables = variable_count_.load();
-  s.model_bytes = model_bytes_seen_.load();
+  s.model_bytes = model_bytes_.load();
   return s;
 }
 

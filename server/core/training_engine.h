@@ -399,13 +399,13 @@ class TrainingEngine {
 
   mutable Mutex mu_;
   std::map<std::string, std::unique_ptr<Variable>, std::less<>> vars_ GUARDED_BY(mu_);
-  int pending_takes_ GUARDED_BY(mu_) = 0;     // trainable variables not yet taken this step
-  uint64_t model_bytes_ GUARDED_BY(mu_) = 0;  // the memory the variables account for
-  // What Stats() says, kept beside vars_ and model_bytes_ so that it never waits for mu_: a large
-  // variable is allocated and filled under it (a second or more), and a status request waiting
-  // there holds the I/O thread that also reads this shard's peer links.
-  std::atomic<int> variable_count_{0};
-  std::atomic<uint64_t> model_bytes_seen_{0};
+  int pending_takes_ GUARDED_BY(mu_) = 0;  // trainable variables not yet taken this step
+  // Read by Stats() without mu_, which it must never wait for: a large variable is allocated and
+  // filled under it (a second or more), and a status request waiting there holds the I/O thread
+  // that also reads this shard's peer links. Written under mu_ (the check against
+  // --max-model-bytes and the add are one step there).
+  std::atomic<uint64_t> model_bytes_{0};  // the memory the variables account for
+  std::atomic<int> variable_count_{0};    // vars_.size()
   int step_min_count_ GUARDED_BY(mu_) = 0;
   int step_max_count_ GUARDED_BY(mu_) = 0;
   bool step_started_ GUARDED_BY(mu_) = false;  // a fresh gradient arrived for the open step
