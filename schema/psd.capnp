@@ -510,6 +510,10 @@ struct PeerMessage {
     replicaAck @13 :PeerCopyRef;    # to the owner: its copy is kept whole
     replicaFetch @14 :PeerCopyRef;  # to the next shard: send my copy back
   }
+  # The sending process (0: not said): a stand-in and its shard's own process share an index.
+  sender @15 :UInt64;
+  # To the chief, about an epoch: the process that ordered its restore (0: any).
+  to @16 :UInt64;
 }
 
 struct Request {

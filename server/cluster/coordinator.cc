@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <random>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -11,6 +12,17 @@
 #include "cluster/election.h"
 
 namespace psd::server {
+
+namespace {
+
+uint64_t RandomIncarnation() {
+  std::random_device device;
+  uint64_t id = 0;
+  while (id == 0) id = (static_cast<uint64_t>(device()) << 32) | device();
+  return id;
+}
+
+}  // namespace
 
 ClusterCoordinator::ClusterCoordinator(ClusterOptions options, ShardHost& host, PeerNetwork& network,
                                        std::function<Clock::time_point()> now, std::function<void()> wake,
@@ -22,6 +34,7 @@ ClusterCoordinator::ClusterCoordinator(ClusterOptions options, ShardHost& host, 
       wake_(std::move(wake)),
       lane_(std::move(lane)),
       me_(options_.me),
+      incarnation_(options_.incarnation != 0 ? options_.incarnation : RandomIncarnation()),
       shards_(options_.shards()),
       started_(now_()),
       peers_(static_cast<size_t>(shards_)),
@@ -64,7 +77,13 @@ void ClusterCoordinator::Stop() {
 // --- sending ----------------------------------------------------------------------------------
 
 peer::Message ClusterCoordinator::MessageLocked(peer::Body body) const {
-  return peer::Message{me_, term_, std::move(body)};
+  return peer::Message{me_, term_, std::move(body), incarnation_};
+}
+
+peer::Message ClusterCoordinator::ReplyLocked(peer::Body body) const {
+  peer::Message msg = MessageLocked(std::move(body));
+  msg.to = restore_leader_;
+  return msg;
 }
 
 void ClusterCoordinator::SendTo(int shard, const peer::Message& msg) {
@@ -262,6 +281,7 @@ void ClusterCoordinator::TickLocked(std::vector<Action>* actions) {
         max_term_seen_ = term_;
         SaveTermLocked(actions);
         chief_ = me_;
+        leader_ = incarnation_;
         chief_since_ = now;
         running_ = false;
         forming_ = false;
@@ -368,21 +388,26 @@ void ClusterCoordinator::BecomeFollowerLocked(std::vector<Action>* actions) {
   }
 }
 
-bool ClusterCoordinator::AcceptChiefLocked(int from, uint64_t term, std::vector<Action>* actions) {
+bool ClusterCoordinator::AcceptChiefLocked(int from, uint64_t sender, uint64_t term, std::vector<Action>* actions) {
   max_term_seen_ = std::max(max_term_seen_, term);
   election::View after;
-  bool accept = election::AcceptChiefMessage({term_, chief_}, from, term, &after);
-  if (after.term != term_ || after.chief != chief_) {
-    term_ = after.term;
-    if (after.chief != chief_) chief_since_ = now_();
-    chief_ = after.chief;
-    BecomeFollowerLocked(actions);
-    SaveTermLocked(actions);
-  }
+  bool accept = election::AcceptChiefMessage({term_, chief_, leader_}, from, sender, term, &after);
+  AdoptViewLocked(after, actions);
   if (accept) return true;
-  spdlog::debug("cluster: ignored a chief message from shard {} at term {} (term {} chief {})", from, term, term_,
-                chief_);
+  spdlog::debug(
+      "cluster: ignored a chief message from shard {} (process {:x}) at term {} (term {} chief {} process {:x})", from,
+      sender, term, term_, chief_, leader_);
   return false;
+}
+
+void ClusterCoordinator::AdoptViewLocked(const election::View& after, std::vector<Action>* actions) {
+  leader_ = after.leader;
+  if (after.term == term_ && after.chief == chief_) return;
+  term_ = after.term;
+  if (after.chief != chief_) chief_since_ = now_();
+  chief_ = after.chief;
+  BecomeFollowerLocked(actions);
+  SaveTermLocked(actions);
 }
 
 void ClusterCoordinator::OnMessage(int from, const peer::Message& msg) {
@@ -397,32 +422,43 @@ void ClusterCoordinator::OnMessage(int from, const peer::Message& msg) {
     // pieces of a copy it sends in this epoch, which only the process serving its shard now sends.
     // A large copy (hundreds of MiB) queued ahead of a heartbeat on the link, or still being taken
     // here, can hold the heartbeat back longer than an election timeout while the chief is alive.
-    if (const auto* chunk = std::get_if<peer::ReplicaChunk>(&msg.body);
-        chunk != nullptr && from != me_ && from == chief_ && term == term_ && epoch_ != 0 && chunk->epoch == epoch_) {
+    if (const auto* chunk = std::get_if<peer::ReplicaChunk>(&msg.body); chunk != nullptr && from != me_ &&
+                                                                        FromLeaderLocked(from, msg.sender, term) &&
+                                                                        epoch_ != 0 && chunk->epoch == epoch_) {
       chief_heard_ = now_();
+    }
+    // An answer about an epoch that another process of this shard's index ordered (a stand-in's,
+    // or this shard's own process's before a takeover): not to this process's orders.
+    const bool answer =
+        std::holds_alternative<peer::Prepared>(msg.body) || std::holds_alternative<peer::Committed>(msg.body) ||
+        std::holds_alternative<peer::Restored>(msg.body) || std::holds_alternative<peer::PartWritten>(msg.body);
+    if (answer && msg.to != 0 && msg.to != incarnation_) {
+      spdlog::debug("cluster: ignored a {} from shard {}: it answers process {:x} of this shard's index",
+                    peer::KindName(msg.body), from, msg.to);
+      return;
     }
     std::visit(
         [&](const auto& body) {
           mu_.AssertHeld();  // held by the caller: the analysis does not follow into the lambda
           using T = std::decay_t<decltype(body)>;
           if constexpr (std::is_same_v<T, peer::Heartbeat>) {
-            HandleHeartbeat(from, term, body, &actions);
+            HandleHeartbeat(from, term, msg.sender, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::Prepared>) {
             HandlePrepared(from, term, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::Commit>) {
-            HandleCommit(from, term, body, &actions);
+            HandleCommit(from, term, msg.sender, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::Committed>) {
             HandleCommitted(from, term, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::Restore>) {
-            HandleRestore(from, term, body, &actions);
+            HandleRestore(from, term, msg.sender, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::Restored>) {
             HandleRestored(from, term, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::PartWritten>) {
             HandlePartWritten(from, term, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::Seal>) {
-            HandleSeal(from, term, body, &actions);
+            HandleSeal(from, term, msg.sender, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::Control>) {
-            HandleControl(from, term, body, &actions);
+            HandleControl(from, term, msg.sender, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::CheckpointRequest>) {
             HandleCheckpointRequest(from, term, body, &actions);
           } else if constexpr (std::is_same_v<T, peer::ReplicaChunk>) {
@@ -482,7 +518,7 @@ void ClusterCoordinator::HandleCheckpointRequest(int, uint64_t, const peer::Chec
   if (chief_ == me_) checkpoint_next_ = true;
 }
 
-void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::Heartbeat& hb,
+void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, uint64_t sender, const peer::Heartbeat& hb,
                                          std::vector<Action>* actions) {
   Peer& p = peers_[static_cast<size_t>(from)];
   // Takeover: its own process and a stand-in may both speak as `from`. Only the one it is served
@@ -499,7 +535,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   }
   if (!served) {
     max_term_seen_ = std::max(max_term_seen_, term);
-    if (options_.replicate) TakeoverHeartbeatLocked(from, term, hb, /*served=*/false, actions);
+    if (options_.replicate) TakeoverHeartbeatLocked(from, term, sender, hb, /*served=*/false, actions);
     return;
   }
   p.term = term;
@@ -518,17 +554,11 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
   p.listening = hb.listening;
   p.last_heartbeat = heard;
   max_term_seen_ = std::max(max_term_seen_, term);
-  election::View after = election::OnClaim({term_, chief_}, term, hb.chief, shards_);
-  if (after.term != term_ || after.chief != chief_) {
-    bool newer = after.term > term_;
-    term_ = after.term;
-    if (after.chief != chief_) chief_since_ = now_();
-    chief_ = after.chief;
-    BecomeFollowerLocked(actions);
-    SaveTermLocked(actions);
-    if (newer && chief_ != me_ && chief_ >= 0) spdlog::info("cluster: shard {} is the chief (term {})", chief_, term_);
-  }
-  if (from == chief_ && term == term_) {
+  election::View after = election::OnClaim({term_, chief_, leader_}, term, hb.chief, shards_, from, sender);
+  const bool newer = after.term > term_;
+  AdoptViewLocked(after, actions);
+  if (newer && chief_ != me_ && chief_ >= 0) spdlog::info("cluster: shard {} is the chief (term {})", chief_, term_);
+  if (FromLeaderLocked(from, sender, term)) {
     chief_heard_ = heard;
     bool was = serving_;
     serving_ = hb.running && hb.epoch == epoch_ && epoch_ != 0;
@@ -550,7 +580,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, const peer::He
       actions->push_back([this, required] { host_.SetRequired(required); });
     }
   }
-  if (options_.replicate) TakeoverHeartbeatLocked(from, term, hb, /*served=*/true, actions);
+  if (options_.replicate) TakeoverHeartbeatLocked(from, term, sender, hb, /*served=*/true, actions);
   NoteServedLocked();  // (with the chief's map just heard)
 }
 
@@ -583,15 +613,16 @@ void ClusterCoordinator::MaybeCommitLocked(std::vector<Action>* actions) {
   });
 }
 
-void ClusterCoordinator::HandleCommit(int from, uint64_t term, const peer::Commit& c, std::vector<Action>* actions) {
-  if (!AcceptChiefLocked(from, term, actions) || c.epoch != epoch_) return;
+void ClusterCoordinator::HandleCommit(int from, uint64_t term, uint64_t sender, const peer::Commit& c,
+                                      std::vector<Action>* actions) {
+  if (!AcceptChiefLocked(from, sender, term, actions) || c.epoch != epoch_) return;
   int64_t step = c.step;
   KnowReleasedLocked(c.epoch, step);
   if (vote_ && vote_->step <= step) vote_.reset();
   bool checkpoint = c.checkpoint;
   double lr = c.learning_rate;
   uint64_t epoch = epoch_;
-  peer::Message reply = MessageLocked(peer::Committed{epoch, step + 1});
+  peer::Message reply = ReplyLocked(peer::Committed{epoch, step + 1});
   actions->push_back([this, step, checkpoint, lr, epoch, reply, from] {
     Status s = host_.CommitStep(epoch, step, checkpoint, lr);
     if (s.code() == Code::kAborted) return;  // the engine belongs to another epoch now
@@ -605,19 +636,21 @@ void ClusterCoordinator::HandleCommit(int from, uint64_t term, const peer::Commi
   });
 }
 
-void ClusterCoordinator::RefuseRestoreLocked(int from, const peer::Restore& r, const std::string& why,
+void ClusterCoordinator::RefuseRestoreLocked(int from, uint64_t sender, const peer::Restore& r, const std::string& why,
                                              std::vector<Action>* actions) {
   peer::Message reply = MessageLocked(peer::Restored{r.epoch, r.step, false, why, {}});
+  reply.to = sender;
   actions->push_back([this, from, reply] { SendTo(from, reply); });
 }
 
-void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Restore& r, std::vector<Action>* actions) {
+void ClusterCoordinator::HandleRestore(int from, uint64_t term, uint64_t sender, const peer::Restore& r,
+                                       std::vector<Action>* actions) {
   const bool served_past = ServedPastLocked(r);
-  if (!AcceptChiefLocked(from, term, actions)) return;
+  if (!AcceptChiefLocked(from, sender, term, actions)) return;
   uint64_t epoch = r.epoch;
   int64_t step = r.step;
   if (ManifestDiffersLocked(r)) {
-    return RefuseRestoreLocked(from, r, "its manifest of that step lists other parts", actions);
+    return RefuseRestoreLocked(from, sender, r, "its manifest of that step lists other parts", actions);
   }
   if (served_past && epoch > restore_epoch_) {
     // Chosen on old news (the order came late: meanwhile this shard's epoch, served through a
@@ -627,11 +660,12 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, const peer::Rest
         "cluster: refusing the restore of the live copies of step {} (epoch {}): this shard's epoch {} released "
         "steps past it; its copies of them are kept for the next formation",
         step, epoch, epoch_);
-    return RefuseRestoreLocked(from, r, "the epoch it served released steps past this choice", actions);
+    return RefuseRestoreLocked(from, sender, r, "the epoch it served released steps past this choice", actions);
   }
   // Once per epoch: the same order again (a duplicate) must not reset a state that has moved on.
   if (epoch <= restore_epoch_) return;
   restore_epoch_ = epoch;
+  restore_leader_ = sender;
   TookRestoreOrderLocked();
   serving_ = false;
   vote_.reset();
@@ -713,6 +747,7 @@ void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status&
       }
     }
     reply = MessageLocked(peer::Restored{epoch, step, status.ok(), status.message(), std::move(placements)});
+    if (epoch == restore_epoch_) reply.to = restore_leader_;  // (a superseded one's is of no use: any)
     chief = chief_;
   }
   // Replication: the formation completes once the next shard keeps this shard's restored state. A
@@ -833,8 +868,9 @@ void ClusterCoordinator::OnJobDone() {
   SendToAll(msg, /*include_self=*/true);
 }
 
-void ClusterCoordinator::HandleControl(int from, uint64_t term, const peer::Control& c, std::vector<Action>* actions) {
-  if (!AcceptChiefLocked(from, term, actions)) return;
+void ClusterCoordinator::HandleControl(int from, uint64_t term, uint64_t sender, const peer::Control& c,
+                                       std::vector<Action>* actions) {
+  if (!AcceptChiefLocked(from, sender, term, actions)) return;
   if (!c.job_done) {
     // An order for the engine of the chief's epoch (a stale one's is ignored).
     if (c.epoch != epoch_ || job_done_) return;
@@ -910,7 +946,7 @@ void ClusterCoordinator::OnPrepared(uint64_t epoch, int64_t step, int min_gradie
     vote_ = peer::Prepared{epoch, step, min_gradients, max_gradients, takes, forced};
     vote_to_ = chief_;
     if (chief_ < 0) return;  // sent once a chief is known
-    msg = MessageLocked(*vote_);
+    msg = ReplyLocked(*vote_);
     chief = chief_;
   }
   SendTo(chief, msg);
@@ -926,7 +962,7 @@ void ClusterCoordinator::SaveTermLocked(std::vector<Action>* actions) {
 void ClusterCoordinator::ResendVoteLocked(std::vector<Action>* actions) {
   if (!vote_ || vote_->epoch != epoch_ || chief_ < 0 || chief_ == vote_to_) return;
   vote_to_ = chief_;
-  peer::Message msg = MessageLocked(*vote_);
+  peer::Message msg = ReplyLocked(*vote_);
   int chief = chief_;
   actions->push_back([this, chief, msg] { SendTo(chief, msg); });
 }

@@ -16,7 +16,10 @@
 // Fencing: a shard acts on a chief-only message (commit, restore, seal, control) only if it comes
 // from the chief of its current term (a higher term is adopted first). A deposed chief's term is
 // lower than the others', so it can commit nothing: a step commits only when every shard has
-// committed it at the chief's term.
+// committed it at the chief's term. A stand-in and its shard's own process speak as one index and
+// may each claim a term the other never heard of: every message names its process
+// (ClusterOptions::incarnation), a shard follows one process per term (election.h), and its
+// answers about an epoch name the process that ordered it, so a chief counts only its own.
 //
 // Epochs: the chief serves workers only when all P shards are live and have restored the same
 // state for its epoch. Whenever that is not the case (a shard went missing, a new chief) it
@@ -97,6 +100,7 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "cluster/election.h"
 #include "cluster/peer_messages.h"
 #include "cluster/peer_network.h"
 #include "cluster/placement.h"
@@ -129,6 +133,10 @@ struct ClusterOptions {
   // here; 0: never (the gone shard's process must come back).
   std::chrono::milliseconds takeover_after{0};
   bool stand_in = false;  // this coordinator is a stand-in's (it starts none itself)
+  // This process among those that may serve its shard's index over time (its own process, a
+  // restart of it, a stand-in): said in every message, so a shard follows one of them per term
+  // (election.h). 0: a random one (the daemon); the simulation numbers its processes.
+  uint64_t incarnation = 0;
   // Where this shard's links first go (a stand-in starts with the map its host knew); empty: the
   // --cluster entries. Its size is P.
   std::vector<std::string> links;
@@ -295,8 +303,16 @@ class ClusterCoordinator : public PeerEvents {
   // learned of it to become so.
   bool ChiefGoneLocked(Clock::time_point now) const REQUIRES(mu_);
   std::vector<int> MissingLocked(Clock::time_point now) const REQUIRES(mu_);
-  // A chief-only message: adopts a higher term; true if it comes from the current term's chief.
-  bool AcceptChiefLocked(int from, uint64_t term, std::vector<Action>* actions) REQUIRES(mu_);
+  // A chief-only message from process `sender` of shard `from`: adopts a higher term; true if it
+  // comes from the current term's chief (election::AcceptChiefMessage).
+  bool AcceptChiefLocked(int from, uint64_t sender, uint64_t term, std::vector<Action>* actions) REQUIRES(mu_);
+  // Takes the election's view (term, chief, leader) as this shard's.
+  void AdoptViewLocked(const election::View& after, std::vector<Action>* actions) REQUIRES(mu_);
+  // A message from process `sender` of shard `from` at `term` comes from the chief this shard
+  // follows (its heartbeats, a piece of its copy: the chief's life).
+  bool FromLeaderLocked(int from, uint64_t sender, uint64_t term) const REQUIRES(mu_) {
+    return from == chief_ && term == term_ && (leader_ == 0 || sender == 0 || sender == leader_);
+  }
   void BecomeFollowerLocked(std::vector<Action>* actions) REQUIRES(mu_);
   void StartFormationLocked(std::vector<Action>* actions) REQUIRES(mu_);
   // False while a checkpoint sealed lately (or sealed on some shards, only present on others) is
@@ -329,16 +345,21 @@ class ClusterCoordinator : public PeerEvents {
   void ResendVoteLocked(std::vector<Action>* actions) REQUIRES(mu_);
   void DegradeLocked(const std::string& why, std::vector<Action>* actions) REQUIRES(mu_);
 
-  void HandleHeartbeat(int from, uint64_t term, const peer::Heartbeat& hb, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleHeartbeat(int from, uint64_t term, uint64_t sender, const peer::Heartbeat& hb,
+                       std::vector<Action>* actions) REQUIRES(mu_);
   void HandlePrepared(int from, uint64_t term, const peer::Prepared& p, std::vector<Action>* actions) REQUIRES(mu_);
-  void HandleCommit(int from, uint64_t term, const peer::Commit& c, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleCommit(int from, uint64_t term, uint64_t sender, const peer::Commit& c, std::vector<Action>* actions)
+      REQUIRES(mu_);
   void HandleCommitted(int from, uint64_t term, const peer::Committed& c, std::vector<Action>* actions) REQUIRES(mu_);
-  void HandleRestore(int from, uint64_t term, const peer::Restore& r, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleRestore(int from, uint64_t term, uint64_t sender, const peer::Restore& r, std::vector<Action>* actions)
+      REQUIRES(mu_);
   void HandleRestored(int from, uint64_t term, const peer::Restored& r, std::vector<Action>* actions) REQUIRES(mu_);
   void HandlePartWritten(int from, uint64_t term, const peer::PartWritten& p, std::vector<Action>* actions)
       REQUIRES(mu_);
-  void HandleSeal(int from, uint64_t term, const peer::Seal& s, std::vector<Action>* actions) REQUIRES(mu_);
-  void HandleControl(int from, uint64_t term, const peer::Control& c, std::vector<Action>* actions) REQUIRES(mu_);
+  void HandleSeal(int from, uint64_t term, uint64_t sender, const peer::Seal& s, std::vector<Action>* actions)
+      REQUIRES(mu_);
+  void HandleControl(int from, uint64_t term, uint64_t sender, const peer::Control& c, std::vector<Action>* actions)
+      REQUIRES(mu_);
   void HandleCheckpointRequest(int from, uint64_t term, const peer::CheckpointRequest&, std::vector<Action>*)
       REQUIRES(mu_);
   void RestoreDone(uint64_t epoch, int64_t step, const Status& status, std::vector<VarPlacement> placements);
@@ -436,6 +457,11 @@ class ClusterCoordinator : public PeerEvents {
 
   // A peer message from this shard at its current term.
   peer::Message MessageLocked(peer::Body body) const REQUIRES(mu_);
+  // A message to the chief about this shard's epoch (prepared, committed, restored, part written):
+  // addressed to the process that ordered its restore (restore_leader_), so that another process
+  // of the chief's index, which the link may reach by now, does not take it as an answer to its
+  // own orders.
+  peer::Message ReplyLocked(peer::Body body) const REQUIRES(mu_);
   void SendTo(int shard, const peer::Message& msg);  // itself too (delivered later)
   void SendToAll(const peer::Message& msg, bool include_self);
   peer::Message HeartbeatLocked() const REQUIRES(mu_);
@@ -461,8 +487,8 @@ class ClusterCoordinator : public PeerEvents {
   // manifest names (a sealed step being left).
   void KeepUnsealedPartLocked(int64_t step, std::optional<peer::PartInfo> written) REQUIRES(mu_);
   // Answers a restore order with a refusal (the chief forms again).
-  void RefuseRestoreLocked(int from, const peer::Restore& r, const std::string& why, std::vector<Action>* actions)
-      REQUIRES(mu_);
+  void RefuseRestoreLocked(int from, uint64_t sender, const peer::Restore& r, const std::string& why,
+                           std::vector<Action>* actions) REQUIRES(mu_);
   // Whether this shard hears the own processes (not stand-ins) of a majority of the shards lately,
   // itself included unless it is a stand-in — with an even count, half of them if shard 0's is
   // one. Two sides of a partition cannot both have it: only the side that has it may serve a part
@@ -479,7 +505,7 @@ class ClusterCoordinator : public PeerEvents {
   void MoveLocked(int shard, const std::string& address, std::vector<Action>* actions) REQUIRES(mu_);
   // A heartbeat's takeover news: the chief's map (from the process `from` is served by: `served`),
   // the predecessor's own process back.
-  void TakeoverHeartbeatLocked(int from, uint64_t term, const peer::Heartbeat& hb, bool served,
+  void TakeoverHeartbeatLocked(int from, uint64_t term, uint64_t sender, const peer::Heartbeat& hb, bool served,
                                std::vector<Action>* actions) REQUIRES(mu_);
 
   const ClusterOptions options_;
@@ -489,6 +515,7 @@ class ClusterCoordinator : public PeerEvents {
   const std::function<void()> wake_;
   const std::function<void(std::function<void()>)> lane_;
   const int me_;
+  const uint64_t incarnation_;  // this process (ClusterOptions::incarnation, or a random one)
   const int shards_;
   const Clock::time_point started_;
 
@@ -497,6 +524,12 @@ class ClusterCoordinator : public PeerEvents {
   uint64_t term_ GUARDED_BY(mu_) = 0;
   uint64_t max_term_seen_ GUARDED_BY(mu_) = 0;
   int chief_ GUARDED_BY(mu_) = -1;
+  // Which process of chief_ this shard follows in term_ (its incarnation; 0: not known yet, heard
+  // of through another shard): a stand-in and its shard's own process both speak as one index,
+  // and each may claim a term the other never heard of. Within a term one leads here, the first
+  // that gave an order or sent its own heartbeat (election.h); it stays pinned when that chief is
+  // counted gone, so the other process forms again in a higher term. This shard's own claim: itself.
+  uint64_t leader_ GUARDED_BY(mu_) = 0;
   // When chief_ last changed (this shard's claim too): a chief this shard learned of from another
   // shard's heartbeat, before the chief's own link reached it, gets an election timeout to link
   // (ChiefGoneLocked); a new chief waits a while for news of every copy (StartFormationLocked).
@@ -531,6 +564,7 @@ class ClusterCoordinator : public PeerEvents {
   std::optional<peer::Prepared> vote_ GUARDED_BY(mu_);  // this shard's report of the open step, until it commits
   int vote_to_ GUARDED_BY(mu_) = -1;                    // the chief it was sent to (-1: none yet, or lost)
   uint64_t restore_epoch_ GUARDED_BY(mu_) = 0;          // the newest epoch a restore was ordered for
+  uint64_t restore_leader_ GUARDED_BY(mu_) = 0;         // the process that ordered it (ReplyLocked)
   uint64_t saved_term_ GUARDED_BY(mu_) = 0;             // the highest term handed to ShardHost::SaveTerm
   bool writer_busy_ GUARDED_BY(mu_) = false;            // the host's checkpoint writer, as of this tick
   int64_t applied_ GUARDED_BY(mu_) = 0;                 // async/ssp: the host's global step, as of this tick

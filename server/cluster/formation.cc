@@ -385,6 +385,7 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   // of a partition, which never ran, must not order above this epoch's copies.
   term_ = std::max({term_, max_term_seen_, NewestLineageLocked()}) + 1;
   max_term_seen_ = term_;
+  leader_ = incarnation_;
   SaveTermLocked(actions);  // before the restore order goes out: this epoch is never formed again
   forming_ = true;
   formation_start_ = now_();
@@ -507,7 +508,7 @@ void ClusterCoordinator::OnPartWritten(uint64_t epoch, int64_t step, const peer:
     KeepUnsealedPartLocked(step, mine);
     // The snapshot's epoch, not the current one: a part written after the cluster re-formed
     // belongs to the timeline it was taken in (the chief drops it).
-    msg = MessageLocked(peer::PartWritten{epoch, step, std::move(mine)});
+    msg = ReplyLocked(peer::PartWritten{epoch, step, std::move(mine)});
     chief = chief_;
   }
   SendTo(chief, msg);
@@ -545,8 +546,9 @@ void ClusterCoordinator::HandlePartWritten(int from, uint64_t term, const peer::
   actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
 }
 
-void ClusterCoordinator::HandleSeal(int from, uint64_t term, const peer::Seal& s, std::vector<Action>* actions) {
-  if (!AcceptChiefLocked(from, term, actions) || options_.checkpoint_dir.empty()) return;
+void ClusterCoordinator::HandleSeal(int from, uint64_t term, uint64_t sender, const peer::Seal& s,
+                                    std::vector<Action>* actions) {
+  if (!AcceptChiefLocked(from, sender, term, actions) || options_.checkpoint_dir.empty()) return;
   if (static_cast<int>(s.parts.size()) != shards_) return;
   // Parts of another epoch than this shard's engine: its own part of that step, if any, is not
   // the one listed (a seal meant for the process that served this shard then, a stand-in or its

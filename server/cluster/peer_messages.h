@@ -262,6 +262,13 @@ struct Message {
   int from = 0;       // the sender as it says (not trusted: the link's shard is)
   uint64_t term = 0;  // the sender's term
   Body body;
+  // The sending process (ClusterOptions::incarnation; 0: not said): a stand-in and its shard's own
+  // process both speak as one index. Peers share the cluster secret, so it is a name among trusted
+  // processes, not a proof.
+  uint64_t sender = 0;
+  // A message to the chief about an epoch (prepared, committed, restored, part written): the
+  // process that ordered that epoch's restore; another process of its index ignores it. 0: any.
+  uint64_t to = 0;
   bool operator==(const Message&) const = default;
 };
 

@@ -196,10 +196,10 @@ void ClusterCoordinator::MoveLocked(int shard, const std::string& address, std::
   actions->push_back([this, shard, address] { network_.Retarget(shard, address); });
 }
 
-void ClusterCoordinator::TakeoverHeartbeatLocked(int from, uint64_t term, const peer::Heartbeat& hb, bool served,
-                                                 std::vector<Action>* actions) {
+void ClusterCoordinator::TakeoverHeartbeatLocked(int from, uint64_t term, uint64_t sender, const peer::Heartbeat& hb,
+                                                 bool served, std::vector<Action>* actions) {
   // The chief's map: followers send where it says.
-  if (served && from == chief_ && term == term_ && chief_ != me_) {
+  if (served && FromLeaderLocked(from, sender, term) && chief_ != me_) {
     for (int i = 0; i < shards_; ++i) {
       if (i == me_) continue;
       auto it = hb.moved.find(i);

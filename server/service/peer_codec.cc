@@ -165,6 +165,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
   peer::Message m;
   m.from = static_cast<int>(r.getFrom());
   m.term = r.getTerm();
+  m.sender = r.getSender();
+  m.to = r.getTo();
   switch (r.which()) {
     case proto::PeerMessage::HEARTBEAT: {
       auto hb = r.getHeartbeat();
@@ -317,6 +319,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
 void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
   b.setFrom(static_cast<uint32_t>(m.from));
   b.setTerm(m.term);
+  b.setSender(m.sender);
+  b.setTo(m.to);
   std::visit(
       [&](const auto& body) {
         using T = std::decay_t<decltype(body)>;

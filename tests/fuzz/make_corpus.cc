@@ -272,12 +272,14 @@ std::map<std::string, Bytes> WorkerSeeds() {
   return s;
 }
 
-// A peer message from shard `from` at `term`.
+// A peer message from shard `from` at `term`, sent by that shard's one process (its incarnation,
+// 0x100 + from: the orders that follow a heartbeat come from the process the heartbeat named).
 Bytes Peer(uint32_t from, uint64_t term, const std::function<void(PeerMessage::Builder)>& fill) {
   return Frame(0, [&](Request::Builder r) {
     auto m = r.initPeer();
     m.setFrom(from);
     m.setTerm(term);
+    m.setSender(0x100 + from);
     fill(m);
   });
 }

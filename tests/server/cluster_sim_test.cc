@@ -493,6 +493,11 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
       // chief started empty before released steps. Now heartbeats carry a digest of each sealed
       // step's manifest, and a step whose manifests differ counts as restorable nowhere.
       {3, 337431, true, true, 300},
+      // A stand-in and the shard's own process, neither hearing the other, each formed epoch 6
+      // (from steps 2 and 3); the other shard took the stand-in's order, then answered the own
+      // process with that restore. Now a shard follows one process per term and addresses its
+      // answers to it.
+      {2, 732927, true, true, 300},
   };
   for (const Seed& s : seeds) {
     SimOptions o;

@@ -723,6 +723,112 @@ TEST_CASE("coordinator: a copy the chief is sending keeps it alive", "[cluster][
   }
 }
 
+// A stand-in and its shard's own process both speak as shard 0 here, and each may claim a term the
+// other never heard of (cluster simulation seed 732927: both formed epoch 6 from different steps;
+// the other shard took the stand-in's restore order, then answered shard 0's own process with it,
+// and the two shards served different states). Within a term this shard follows the process whose
+// order came first, and addresses its answers to it.
+TEST_CASE("coordinator: within a term a shard follows one process of the chief's index", "[cluster][takeover]") {
+  CommitRecordingHost host;
+  Follower f(host, /*replicate=*/false);
+  const uint64_t a = 0xa, b = 0xb;
+  auto from = [&](uint64_t process, uint64_t term, peer::Body body) {
+    f.c->OnMessage(0, peer::Message{0, term, std::move(body), process});
+  };
+  auto restore = [](uint64_t epoch) {
+    peer::Restore r;
+    r.epoch = epoch;
+    return r;
+  };
+  auto answers = [&](uint64_t to) {
+    int n = 0;
+    for (const auto& [shard, m] : f.network.sent) {
+      if (shard == 0 && m.to == to && (Is<peer::Restored>(m) || Is<peer::Committed>(m))) ++n;
+    }
+    return n;
+  };
+  from(a, 6, restore(6));
+  REQUIRE(host.restores == std::vector<uint64_t>{6});
+  CHECK(answers(a) == 1);
+  CHECK(f.c->chief() == 0);
+  // Process b's order for the same epoch: not taken, not answered (a's answer is not b's).
+  from(b, 6, restore(6));
+  from(b, 6, peer::Commit{6, 0, false, 0.1});
+  CHECK(host.restores == std::vector<uint64_t>{6});
+  CHECK(host.commits.empty());
+  CHECK(answers(b) == 0);
+  // Process a's commit is.
+  from(a, 6, peer::Commit{6, 0, false, 0.1});
+  CHECK(host.commits == std::vector<int64_t>{0});
+  CHECK(answers(a) == 2);
+  // Only b is heard from now on (a's host stopped it): b's heartbeats are not a's life, and the
+  // chief is counted gone after an election timeout...
+  for (int i = 0; i < 15; ++i) {
+    peer::Heartbeat hb;
+    hb.chief = 0;
+    hb.epoch = 6;
+    hb.ready = true;
+    hb.address = f.options.addresses[0];
+    from(b, 6, hb);
+    f.now += std::chrono::milliseconds(20);
+    f.c->Tick();
+  }
+  CHECK(f.c->chief() == -1);
+  from(b, 6, restore(6));
+  CHECK(host.restores == std::vector<uint64_t>{6});
+  // ...and b, forming again in a higher term, leads.
+  from(b, 7, restore(7));
+  CHECK(host.restores == std::vector<uint64_t>{6, 7});
+  CHECK(answers(b) == 1);
+}
+
+// The chief's side: an answer addressed to another process of its index (an order of a stand-in
+// that served it, say) does not count for its formation.
+TEST_CASE("coordinator: a chief counts only the answers to its own orders", "[cluster][takeover]") {
+  CommitRecordingHost host;
+  ClusterOptions options;
+  options.me = 0;
+  options.addresses = {"127.0.0.1:1", "127.0.0.1:2"};
+  options.heartbeat_ms = 20;
+  options.election_timeout_ms = 200;
+  RecordingNetwork network;
+  Clock::time_point now = Clock::time_point{} + std::chrono::hours(1);
+  ClusterCoordinator c(options, host, network, [&now] { return now; });
+  c.Start();
+  c.OnPeerUp(1);
+  std::optional<peer::Message> order;
+  for (int t = 0; t < 40 && !order; ++t) {
+    peer::Heartbeat hb;
+    hb.chief = c.chief();
+    hb.ready = true;
+    hb.address = options.addresses[1];
+    c.OnMessage(1, peer::Message{1, c.Describe().term, hb, /*sender=*/0x1});
+    now += std::chrono::milliseconds(20);
+    c.Tick();
+    for (const auto& [to, m] : network.sent) {
+      if (Is<peer::Restore>(m) && to == 0) order = m;
+    }
+  }
+  REQUIRE(order);
+  REQUIRE(order->sender != 0);
+  const uint64_t epoch = std::get<peer::Restore>(order->body).epoch;
+  network.sent.clear();
+  c.OnMessage(0, *order);  // its own restore; its answer to itself
+  for (const auto& [to, m] : network.sent) {
+    if (Is<peer::Restored>(m) && to == 0) {
+      CHECK(m.to == order->sender);
+      c.OnMessage(0, m);
+    }
+  }
+  peer::Message other{1, epoch, peer::Restored{epoch, -1, true, "", {}}, 0x1, /*to=*/order->sender + 1};
+  c.OnMessage(1, other);
+  CHECK(c.Describe().state != "running");
+  peer::Message mine = other;
+  mine.to = order->sender;
+  c.OnMessage(1, mine);
+  CHECK(c.Describe().state == "running");
+}
+
 // The daemon runs a coordinator's actions on a lane of their own: a commit whose apply and copy
 // take seconds must not hold back the heartbeats this shard sends, nor those it hears (they come
 // on the same link as the commit). Here the lane holds the commit's batch for ten election

@@ -47,11 +47,13 @@ peer::Heartbeat FullHeartbeat() {
 }  // namespace
 
 TEST_CASE("peer codec: a heartbeat round-trips, the parts of its unusable steps included", "[cluster][codec]") {
-  peer::Message m{1, 9, FullHeartbeat()};
+  peer::Message m{1, 9, FullHeartbeat(), /*sender=*/0x5eed0001, /*to=*/0x5eed0002};
   auto back = RoundTrip(m, 3);
   REQUIRE(back.ok());
   CHECK(back->from == 1);
   CHECK(back->term == 9);
+  CHECK(back->sender == 0x5eed0001);  // which process of shard 1 sent it
+  CHECK(back->to == 0x5eed0002);
   REQUIRE(std::holds_alternative<peer::Heartbeat>(back->body));
   CHECK(std::get<peer::Heartbeat>(back->body) == FullHeartbeat());
   // An older sender says no parts: an empty map, not an error.

@@ -125,34 +125,70 @@ TEST_CASE("election: the lowest live shard claims, higher terms win, same term, 
   CHECK(Candidate({false, false, false}, 1) == 1);  // alone: itself
 
   View v{3, 0};
-  CHECK(OnClaim(v, 2, 1, 3).chief == 0);  // an older term changes nothing
-  View newer = OnClaim(v, 4, 2, 3);
+  CHECK(OnClaim(v, 2, 1, 3, 1, 0).chief == 0);  // an older term changes nothing
+  View newer = OnClaim(v, 4, 2, 3, 2, 0);
   CHECK(newer.term == 4);
   CHECK(newer.chief == 2);
-  CHECK(OnClaim({4, 2}, 4, 1, 3).chief == 1);  // two claims in one term: the lower index wins
-  CHECK(OnClaim({4, 1}, 4, 2, 3).chief == 1);
-  CHECK(OnClaim({4, -1}, 4, 2, 3).chief == 2);  // no chief known yet
-  CHECK(OnClaim({4, 1}, 5, 9, 3).chief == -1);  // a newer term naming no valid shard
+  CHECK(OnClaim({4, 2}, 4, 1, 3, 1, 0).chief == 1);  // two claims in one term: the lower index wins
+  CHECK(OnClaim({4, 1}, 4, 2, 3, 2, 0).chief == 1);
+  CHECK(OnClaim({4, -1}, 4, 2, 3, 2, 0).chief == 2);  // no chief known yet
+  CHECK(OnClaim({4, 1}, 5, 9, 3, 9, 0).chief == -1);  // a newer term naming no valid shard
 }
 
 TEST_CASE("election: a deposed chief is fenced off", "[election]") {
   using namespace psd::server::election;
   View after;
   // Shard 1 is chief at term 5; the old chief 0 (term 4) sends a commit: ignored.
-  CHECK_FALSE(AcceptChiefMessage({5, 1}, 0, 4, &after));
+  CHECK_FALSE(AcceptChiefMessage({5, 1}, 0, 0, 4, &after));
   CHECK(after.chief == 1);
   CHECK(after.term == 5);
   // The current chief at the current term: accepted.
-  CHECK(AcceptChiefMessage({5, 1}, 1, 5, &after));
+  CHECK(AcceptChiefMessage({5, 1}, 1, 0, 5, &after));
   // Another shard at the same term is not the chief: ignored.
-  CHECK_FALSE(AcceptChiefMessage({5, 1}, 2, 5, &after));
+  CHECK_FALSE(AcceptChiefMessage({5, 1}, 2, 0, 5, &after));
   // A newer term: adopted, and its sender is the chief.
-  CHECK(AcceptChiefMessage({5, 1}, 2, 6, &after));
+  CHECK(AcceptChiefMessage({5, 1}, 2, 0, 6, &after));
   CHECK(after.term == 6);
   CHECK(after.chief == 2);
   // No chief known at this term (the one heard of was counted gone before its link came): the
   // sender claims it, as its heartbeat would say. Its restore order is not lost.
-  CHECK(AcceptChiefMessage({6, -1}, 0, 6, &after));
+  CHECK(AcceptChiefMessage({6, -1}, 0, 0, 6, &after));
   CHECK(after.term == 6);
   CHECK(after.chief == 0);
+}
+
+// A stand-in and its shard's own process both speak as one index, and each may claim a term the
+// other never heard of (cluster simulation seed 732927: both formed epoch 6, and the other shard
+// took the stand-in's restore order, then answered its shard's own process with it).
+TEST_CASE("election: within a term, one process of the chief's index leads", "[election]") {
+  using namespace psd::server::election;
+  const uint64_t stand_in = 0xa, own = 0xb;
+  View after;
+  // The stand-in's order at a newer term: adopted, with its process.
+  REQUIRE(AcceptChiefMessage({4, 0, 0x1}, 1, stand_in, 6, &after));
+  CHECK(after.term == 6);
+  CHECK(after.chief == 1);
+  CHECK(after.leader == stand_in);
+  // The shard's own process at the same term: refused, and the view stays.
+  View pinned = after;
+  CHECK_FALSE(AcceptChiefMessage(pinned, 1, own, 6, &after));
+  CHECK(after.leader == stand_in);
+  CHECK(AcceptChiefMessage(pinned, 1, stand_in, 6, &after));
+  // Counted gone (no chief known), the term still belongs to the stand-in: its orders come back,
+  // the other process's do not (it forms again in a higher term, which is adopted).
+  View gone{6, -1, stand_in};
+  CHECK_FALSE(AcceptChiefMessage(gone, 1, own, 6, &after));
+  CHECK(AcceptChiefMessage(gone, 1, stand_in, 6, &after));
+  CHECK(after.chief == 1);
+  CHECK(AcceptChiefMessage(pinned, 1, own, 7, &after));
+  CHECK(after.leader == own);
+  // Heartbeats: the chief's own names its process when none is known; another shard's only the
+  // index; the other process's own claim of a term it holds pinned changes nothing.
+  CHECK(OnClaim({6, 1, 0}, 6, 1, 3, 1, own).leader == own);
+  CHECK(OnClaim({5, 0, 0x1}, 6, 1, 3, 2, 0x2).leader == 0);
+  CHECK(OnClaim({6, -1, stand_in}, 6, 1, 3, 1, own).chief == -1);
+  CHECK(OnClaim({6, -1, stand_in}, 6, 1, 3, 1, stand_in).chief == 1);
+  CHECK(OnClaim(pinned, 6, 1, 3, 1, own).leader == stand_in);
+  // Sender not said (0): the index alone counts, as before.
+  CHECK(AcceptChiefMessage(pinned, 1, 0, 6, &after));
 }

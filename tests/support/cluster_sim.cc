@@ -772,6 +772,7 @@ void Sim::StartShard(int s, std::vector<std::string> links) {
   opt.applies_on_arrival = o_.async;
   opt.replica_chunk_bytes = 1024;  // several pieces per copy
   opt.stand_in = sh.stand_in;
+  opt.incarnation = (static_cast<uint64_t>(s) + 1) << 32 | sh.life;  // a process of its own (no draw)
   if (o_.takeover && !sh.stand_in) opt.takeover_after = std::chrono::milliseconds(o_.takeover_after_ms);
   uint64_t life = sh.life;
   std::function<void(std::function<void()>)> lane;
