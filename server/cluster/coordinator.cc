@@ -617,6 +617,7 @@ void ClusterCoordinator::HandleCommit(int from, uint64_t term, uint64_t sender, 
                                       std::vector<Action>* actions) {
   if (!AcceptChiefLocked(from, sender, term, actions) || c.epoch != epoch_) return;
   int64_t step = c.step;
+  accepted_ = std::max(accepted_, peer::LiveCopy{epoch_, step + 1});
   KnowReleasedLocked(c.epoch, step);
   if (vote_ && vote_->step <= step) vote_.reset();
   bool checkpoint = c.checkpoint;

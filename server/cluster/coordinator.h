@@ -388,6 +388,9 @@ class ClusterCoordinator : public PeerEvents {
   // Every other shard's last heartbeat is of this shard's term or a newer one: sent once it had
   // heard of this chief, so its copies are not old news (see StartFormationLocked).
   bool CopiesOfThisTermLocked() const REQUIRES(mu_);
+  // The newest state of its own part this shard published or took a commit for (own_copies_,
+  // accepted_).
+  peer::LiveCopy NewestOwnStateLocked() const REQUIRES(mu_);
   // Async/ssp replicas: a next shard kept `copy` of `part` (newest_heard_ keeps the newest).
   void HeardLocked(int part, const peer::LiveCopy& copy) REQUIRES(mu_);
   // Async/ssp: records the copies of its predecessor's part that shard k says it keeps, and what
@@ -602,6 +605,9 @@ class ClusterCoordinator : public PeerEvents {
   // epoch that committed it): a formation makes no new copy of the same state.
   std::map<uint64_t, peer::LiveCopy> live_restores_ GUARDED_BY(mu_);
   std::vector<peer::LiveCopy> own_copies_ GUARDED_BY(mu_);  // the host's, as of the last tick or change
+  // The newest state a commit this shard took will publish (lineage: the commit's epoch), which its
+  // lane may not have applied yet (own_copies_ then lags).
+  peer::LiveCopy accepted_ GUARDED_BY(mu_){0, -1};
   std::vector<peer::LiveCopy> held_copies_ GUARDED_BY(mu_);
   std::optional<PendingAck> ack_ GUARDED_BY(mu_);
   // The newest copy of this shard's the next shard acknowledged, in epoch `acked_epoch_`: the base

@@ -304,6 +304,19 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
     for (int i = 0; i < shards_; ++i) {
       if (i != me_ && peers_[static_cast<size_t>(i)].last_heartbeat <= missing_since_) stale = true;
     }
+    // A new chief (another chief formed this shard's epoch) whose choice is below a state this
+    // shard published, or took the commit of, in that epoch: the last chief may have released it
+    // since a shard not yet in this term last spoke (a commit it took later, its link from this
+    // chief slow, from the last one back). What a shard says of its copies is final once it follows
+    // this term, where the last chief's orders are refused. (Sync seed 983275: a new chief formed
+    // at step 4 while a shard that had not heard its claim committed step 5 for the last chief,
+    // which released it.) No step past every state of this shard's is released without its
+    // commit, and a chief that formed its epoch knows what it released (released_).
+    const bool formed_here = restore_leader_ == incarnation_ && restore_epoch_ == epoch_;
+    if (!formed_here && live_formation_ && !live_newest_ && *live_formation_ < NewestOwnStateLocked() &&
+        !CopiesOfThisTermLocked()) {
+      stale = true;
+    }
     // Released past the choice: by this chief, or (known_released_) in an epoch at least as new
     // as the copies', by whichever chief.
     int64_t past = released_;

@@ -449,6 +449,12 @@ bool ClusterCoordinator::AnyCopyHeardLocked() const {
   return any;
 }
 
+peer::LiveCopy ClusterCoordinator::NewestOwnStateLocked() const {
+  peer::LiveCopy newest = accepted_;
+  for (const peer::LiveCopy& c : own_copies_) newest = std::max(newest, c);
+  return newest;
+}
+
 bool ClusterCoordinator::CopiesOfThisTermLocked() const {
   for (int i = 0; i < shards_; ++i) {
     if (i != me_ && peers_[static_cast<size_t>(i)].term < term_) return false;

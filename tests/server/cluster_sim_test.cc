@@ -268,6 +268,22 @@ TEST_CASE("cluster simulation: with replicas, losing one shard at a time loses n
   CHECK(rollbacks_without > 0);
 }
 
+// Seeds that found bugs with replicas in sync (no stand-ins; one crash at a time).
+TEST_CASE("cluster simulation: replica regression seeds", "[cluster][sim][replicas]") {
+  // A new chief formed from live copies at step 4 on a shard's news from the last term: that shard,
+  // its link from the new chief slow, had not heard its claim and then committed step 5 for the
+  // last chief, which released it. A new chief whose own part is past its choice now waits
+  // until every shard has spoken in its term (or three election timeouts).
+  for (uint64_t seed : {983275}) {
+    SimOptions o;
+    o.shards = 3;
+    o.seed = seed;
+    o.replicate = true;
+    SingleFaults(&o);
+    Check(o);
+  }
+}
+
 // Takeover (--takeover-after-ms): a shard gone for a while is served by a stand-in in the next
 // shard's process, from the copy kept there, until its own process is back. Crashes (which kill a
 // stand-in with its host), partitions and lost links around it: every invariant above holds, and

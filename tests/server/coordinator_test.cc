@@ -829,6 +829,79 @@ TEST_CASE("coordinator: a chief counts only the answers to its own orders", "[cl
   CHECK(c.Describe().state == "running");
 }
 
+namespace {
+
+// Shard 0 of 3 with replicas (no takeover): shard 2 led term 2 and its link closes, so this shard
+// claims the chief role; it holds its part at step 5 (it took the commit of step 4), while the
+// others say, at term `peers_term`, they hold shard 1's part at step 4 only. Ticks `ticks` times
+// hearing both; the step of the restore order sent, or -2 if none went out.
+int64_t FormedAfterClaim(uint64_t peers_term, int ticks) {
+  Shard s(0, 3);
+  s.options.takeover_after = std::chrono::milliseconds(0);
+  s.coordinator = std::make_unique<ClusterCoordinator>(s.options, s.host, s.network, [&s] { return s.now; });
+  s.coordinator->Start();
+  s.coordinator->OnPeerUp(1);
+  s.coordinator->OnPeerUp(2);
+  s.host.own_copies = {{2, 5}, {2, 4}};
+  s.host.held_copies = {{2, 5}, {2, 4}};  // shard 2's part
+  auto hears = [&](int from, uint64_t term, int chief) {
+    peer::Heartbeat hb;
+    hb.chief = chief;
+    hb.ready = true;
+    hb.address = s.options.addresses[static_cast<size_t>(from)];
+    if (from == 1) {
+      hb.own_copies = {{2, 4}, {2, 3}};  // its own part: step 4 (as it said before it committed 5)
+      hb.held_copies = {{2, 5}, {2, 4}};
+    } else {
+      hb.own_copies = {{2, 5}, {2, 4}};
+      hb.held_copies = {{2, 4}, {2, 3}};  // shard 1's part
+    }
+    s.coordinator->OnMessage(from, peer::Message{from, term, hb, /*sender=*/0x100 + static_cast<uint64_t>(from)});
+  };
+  for (int t = 0; t < 5; ++t) {
+    hears(2, 2, 2);
+    hears(1, 2, 2);
+    s.Tick();
+  }
+  REQUIRE(s.coordinator->chief() == 2);
+  s.coordinator->OnPeerDown(2);
+  for (int t = 0; t < 60 && !s.coordinator->is_chief(); ++t) {
+    hears(1, 2, 2);
+    s.Tick();
+  }
+  REQUIRE(s.coordinator->is_chief());
+  const uint64_t term = s.coordinator->Describe().term;
+  s.coordinator->OnPeerUp(2);
+  s.network.sent.clear();
+  for (int t = 0; t < ticks; ++t) {
+    hears(1, peers_term == 0 ? term : peers_term, peers_term == 0 ? 0 : 2);
+    hears(2, peers_term == 0 ? term : peers_term, peers_term == 0 ? 0 : -1);
+    s.Tick();
+    for (const auto& [to, m] : s.network.sent) {
+      if (const auto* r = std::get_if<peer::Restore>(&m.body)) return r->step;
+    }
+  }
+  return -2;
+}
+
+}  // namespace
+
+// A new chief whose own part is past the step every part has a copy of: a shard that has not heard
+// its claim may still commit that step for the last chief, which then releases it (sync seed
+// 983275: the last chief's link to the new one closed, its link to a third shard was slow; the
+// new chief formed at step 4 from that shard's news while it committed step 5). The chief waits
+// until every shard speaks in its term (then their copies are final news), up to three election
+// timeouts.
+TEST_CASE("coordinator: a new chief ahead of the copies it heard of waits for news of its term",
+          "[cluster][replicas]") {
+  // Heard in its term: shard 1 holds its part at step 4 only, so step 5 was never released.
+  CHECK(FormedAfterClaim(0, 10) == 4);
+  // Heard only in the last chief's term: no order for two election timeouts...
+  CHECK(FormedAfterClaim(2, 20) == -2);
+  // ...then the choice stands (logged as old news, not silently).
+  CHECK(FormedAfterClaim(2, 60) == 4);
+}
+
 // The daemon runs a coordinator's actions on a lane of their own: a commit whose apply and copy
 // take seconds must not hold back the heartbeats this shard sends, nor those it hears (they come
 // on the same link as the commit). Here the lane holds the commit's batch for ten election
