@@ -311,7 +311,7 @@ class ClusterCoordinator : public PeerEvents {
   // A message from process `sender` of shard `from` at `term` comes from the chief this shard
   // follows (its heartbeats, a piece of its copy: the chief's life).
   bool FromLeaderLocked(int from, uint64_t sender, uint64_t term) const REQUIRES(mu_) {
-    return from == chief_ && term == term_ && (leader_ == 0 || sender == 0 || sender == leader_);
+    return from == chief_ && term == term_ && election::MayLead({term_, chief_, leader_}, sender);
   }
   void BecomeFollowerLocked(std::vector<Action>* actions) REQUIRES(mu_);
   void StartFormationLocked(std::vector<Action>* actions) REQUIRES(mu_);

@@ -9,12 +9,7 @@ int Candidate(const std::vector<bool>& alive, int me) {
   return me;
 }
 
-namespace {
-
-// Whether `sender` may be the process that leads `mine.term` here.
 bool MayLead(const View& mine, uint64_t sender) { return mine.leader == 0 || sender == 0 || sender == mine.leader; }
-
-}  // namespace
 
 View OnClaim(View mine, uint64_t term, int claimed, int shards, int from, uint64_t sender) {
   bool valid = claimed >= 0 && claimed < shards;

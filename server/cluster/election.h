@@ -22,6 +22,10 @@ struct View {
 // (`alive[me]` is taken as true). Returns the shard that should claim.
 int Candidate(const std::vector<bool>& alive, int me);
 
+// Whether process `sender` (0: not said) may be the one that leads `mine.term` here: the one
+// pinned, or any while none is.
+bool MayLead(const View& mine, uint64_t sender);
+
 // A heartbeat from shard `from` (process `sender`; 0: not said) says shard `claimed` is chief at
 // `term`. A higher term always wins; within the same term the lower index wins (two shards that
 // claimed at once settle on one). A chief's own heartbeat names its process as the leader, when
