@@ -424,6 +424,8 @@ struct PeerReplicaChunk {
   offset @4 :UInt64;
   total @5 :UInt64;         # bytes of the whole copy (0 with `restore`: not held here)
   data @6 :Data;
+  handBack @7 :Bool;        # to a shard's own process back from a stand-in: a copy of its
+                            # predecessor's part that the stand-in kept (from the stand-in's host)
 }
 
 struct PeerCopyRef {
@@ -432,6 +434,7 @@ struct PeerCopyRef {
   newest @2 :Bool;          # a fetch (async/ssp): the newest copy kept if newer than `copy` (the
                             # fetcher's own newest; lineage 0, step -1: none), else an empty answer
   sendWhole @3 :Bool;       # an ack: the copy came as a difference not usable here; send it whole
+  handBack @4 :Bool;        # an ack of a copy handed back (PeerReplicaChunk.handBack)
 }
 
 struct PeerStep {
@@ -459,6 +462,8 @@ struct PeerRestore {
   lineage @4 :UInt64;
   newest @5 :Bool;          # with live (async/ssp): each shard restores the newest copy of its part
                             # (its own, or the next shard's if newer); no lineage, no common step
+  moved @6 :List(PeerMoved);  # where the chief serves the shards it forms with, when elsewhere than
+                              # their --cluster entry (a stand-in): followed before restoring
 }
 
 struct PeerRestored {

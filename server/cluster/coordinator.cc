@@ -122,11 +122,7 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.listening = now_() - started_ < std::chrono::milliseconds(options_.election_timeout_ms);
   hb.address = address_;
   hb.stand_in = options_.stand_in;
-  if (chief_ == me_) {
-    for (int i = 0; i < shards_; ++i) {
-      if (AddressOf(i) != options_.addresses[static_cast<size_t>(i)]) hb.moved[i] = AddressOf(i);
-    }
-  }
+  if (chief_ == me_) hb.moved = MovedLocked();
   // Followers show the chief's refusal as their own reason (workers may ask any shard).
   if (chief_ == me_ && !refusal_.empty() && missing_reason_ == refusal_) hb.waiting = refusal_;
   return MessageLocked(std::move(hb));
@@ -667,6 +663,9 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, uint64_t sender,
   if (epoch <= restore_epoch_) return;
   restore_epoch_ = epoch;
   restore_leader_ = sender;
+  // Where the chief serves each shard in this epoch (its heartbeats may say so only later): a copy
+  // fetched below comes from the process serving the next shard now.
+  if (options_.replicate && chief_ != me_) FollowMapLocked(r.moved, actions);
   TookRestoreOrderLocked();
   serving_ = false;
   vote_.reset();
@@ -694,7 +693,10 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, uint64_t sender,
   }
   if (r.live) return StartLiveRestoreLocked(epoch, {r.lineage, step}, actions);
   // A new timeline: the live copies of any older one are of no use now.
-  if (options_.replicate) actions->push_back([this, epoch] { host_.DropCopies(std::nullopt, epoch); });
+  if (options_.replicate) {
+    timeline_epoch_ = epoch;
+    actions->push_back([this, epoch] { host_.DropCopies(std::nullopt, epoch); });
+  }
   // The host runs it (after any restore still loading: that one's result is for an older epoch).
   actions->push_back([this, epoch, step, seal = std::move(seal)] {
     host_.RestoreAsync(epoch, step, seal, [this, epoch, step, seal](Status s, std::vector<VarPlacement> placements) {

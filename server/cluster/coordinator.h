@@ -97,6 +97,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "base/mutex.h"
@@ -184,9 +185,14 @@ class ClusterCoordinator : public PeerEvents {
   std::vector<std::string> Addresses() const;
   // The host's stand-in stopped (its job ended, or it failed to start): another may start.
   void OnStandInEnded();
-  // Async/ssp replicas: per shard's part, the newest copy this shard knows a next shard kept
-  // (what it heard, and the copies of its predecessor's part its host keeps now). Empty otherwise.
-  std::vector<peer::LiveCopy> KeptCopies() const;
+  // A stand-in being stopped: what it leaves its host (ShardHost::StopStandIn). `kept` (async/ssp
+  // replicas): per shard's part, the newest copy this shard knows a next shard kept (what it
+  // heard, and the copies of its predecessor's part its host keeps now). `held`: those copies of
+  // its predecessor's part, serialized.
+  StandInLeft Leaving() const;
+  // How many times the host of a stopped stand-in sends each copy it kept to the stand-in's shard
+  // until it acknowledges it (takeover.cc).
+  static constexpr int kMaxHandBackSends = 10;
   bool is_chief() const;
   int chief() const;
   uint64_t epoch() const;
@@ -374,9 +380,10 @@ class ClusterCoordinator : public PeerEvents {
   // (lineage, step), ships it to the next shard and sends `reply` to `to` once that shard
   // acknowledges it.
   void ReplicateThenReply(uint64_t epoch, uint64_t lineage, int64_t step, int to, peer::Message reply);
-  // Sends `bytes` (copy `copy` of `owner`) to `shard` in pieces.
+  // Sends `bytes` (copy `copy` of `owner`) to `shard` in pieces: to keep, back for a `restore`, or
+  // handed back (`hand_back`, ReplicaChunk).
   void SendCopy(int shard, uint64_t epoch, int owner, const peer::LiveCopy& copy, bool restore,
-                const std::shared_ptr<const peer::CopyBytes>& bytes);
+                const std::shared_ptr<const peer::CopyBytes>& bytes, bool hand_back = false);
   // Restores the live copy `copy` for `epoch`: this shard's own, or fetched from the next shard.
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
   // Has the host restore this shard's own kept copy `copy` for `epoch` (RestoreDone follows).
@@ -452,6 +459,9 @@ class ClusterCoordinator : public PeerEvents {
   std::optional<peer::LiveCopy> CopyBaseLocked(uint64_t epoch, uint64_t lineage) const REQUIRES(mu_);
   void HandleReplicaAck(int from, const peer::ReplicaAck& a, std::vector<Action>* actions) REQUIRES(mu_);
   void HandleReplicaFetch(int from, const peer::ReplicaFetch& f, std::vector<Action>* actions) REQUIRES(mu_);
+  // A copy of the predecessor's part handed back whole (takeover.cc): kept unless not needed here.
+  void TakeHandedBackLocked(int from, const peer::ReplicaChunk& c, std::shared_ptr<const std::string> bytes,
+                            std::vector<Action>* actions) REQUIRES(mu_);
   void AddSealedLocked(int64_t step) REQUIRES(mu_);
   // Job done, the final part queued: FinishJob() once the seal is written, or final_seal_timeout
   // after the part is written (or failed) if no seal comes (a shard died meanwhile).
@@ -506,8 +516,18 @@ class ClusterCoordinator : public PeerEvents {
   void FollowerMapLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
   // Sends shard `shard`'s messages to `address` from now on.
   void MoveLocked(int shard, const std::string& address, std::vector<Action>* actions) REQUIRES(mu_);
+  // The map a chief sends (heartbeats, restore orders): the shards served elsewhere than their
+  // --cluster entry, and where.
+  std::map<int, std::string> MovedLocked() const REQUIRES(mu_);
+  // Sends each other shard's messages where the chief's map `moved` says (its --cluster entry if
+  // not listed).
+  void FollowMapLocked(const std::map<int, std::string>& moved, std::vector<Action>* actions) REQUIRES(mu_);
   // A heartbeat's takeover news: the chief's map (from the process `from` is served by: `served`),
   // the predecessor's own process back.
+  // Sends the copies the stopped stand-in kept (hand_back_) to the predecessor's own process, once
+  // this shard's link goes there: those not acknowledged, again after a while (at most
+  // kMaxHandBackSends times each).
+  void HandBackLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
   void TakeoverHeartbeatLocked(int from, uint64_t term, uint64_t sender, const peer::Heartbeat& hb, bool served,
                                std::vector<Action>* actions) REQUIRES(mu_);
 
@@ -604,6 +624,9 @@ class ClusterCoordinator : public PeerEvents {
   // The latest live restores: epoch -> the copy. The restored state keeps the copy's lineage (the
   // epoch that committed it): a formation makes no new copy of the same state.
   std::map<uint64_t, peer::LiveCopy> live_restores_ GUARDED_BY(mu_);
+  // The newest epoch ordered to restore a checkpoint (or to start empty) here: a new timeline, whose
+  // restore dropped every copy of an older lineage (a copy handed back of one is not kept either).
+  uint64_t timeline_epoch_ GUARDED_BY(mu_) = 0;
   std::vector<peer::LiveCopy> own_copies_ GUARDED_BY(mu_);  // the host's, as of the last tick or change
   // The newest state a commit this shard took will publish (lineage: the commit's epoch), which its
   // lane may not have applied yet (own_copies_ then lags).
@@ -615,7 +638,8 @@ class ClusterCoordinator : public PeerEvents {
   // shard, forgets it: the copy after goes whole). A copy sent again goes whole too.
   std::optional<peer::LiveCopy> acked_ GUARDED_BY(mu_);
   uint64_t acked_epoch_ GUARDED_BY(mu_) = 0;
-  std::map<std::pair<int, bool>, Incoming> incoming_ GUARDED_BY(mu_);  // (owner, restore) -> pieces so far
+  // (owner, restore, hand_back) -> pieces so far
+  std::map<std::tuple<int, bool, bool>, Incoming> incoming_ GUARDED_BY(mu_);
   // A live restore waiting for this shard's copy from the next shard: (epoch, copy), since when.
   std::optional<std::pair<uint64_t, peer::LiveCopy>> fetch_ GUARDED_BY(mu_);
   Clock::time_point fetch_sent_ GUARDED_BY(mu_){};
@@ -666,6 +690,15 @@ class ClusterCoordinator : public PeerEvents {
   std::string address_ GUARDED_BY(mu_);                                // where this shard serves (SetAddress)
   std::optional<Clock::time_point> predecessor_gone_ GUARDED_BY(mu_);  // since when it is not alive
   bool stand_in_running_ GUARDED_BY(mu_) = false;                      // the host runs a stand-in for the predecessor
+  // The copies of the predecessor's predecessor's part that the stopped stand-in kept, handed to
+  // the predecessor's own process until it acknowledges each (HandBackLocked).
+  struct HandBack {
+    peer::LiveCopy copy;
+    std::shared_ptr<const peer::CopyBytes> bytes;
+    Clock::time_point sent{};
+    int sends = 0;
+  };
+  std::vector<HandBack> hand_back_ GUARDED_BY(mu_);
 };
 
 }  // namespace psd::server

@@ -426,8 +426,9 @@ void ClusterCoordinator::StartFormationLocked(std::vector<Action>* actions) {
   } else if (!live_formation_ && step >= 0) {
     if (auto it = seal_parts_.find(step); it != seal_parts_.end()) seal = it->second;
   }
-  peer::Message msg = MessageLocked(peer::Restore{term_, step, std::move(seal), live_formation_.has_value(),
-                                                  live_formation_ ? live_formation_->lineage : 0, live_newest_});
+  peer::Message msg =
+      MessageLocked(peer::Restore{term_, step, std::move(seal), live_formation_.has_value(),
+                                  live_formation_ ? live_formation_->lineage : 0, live_newest_, MovedLocked()});
   actions->push_back([this, msg] { SendToAll(msg, /*include_self=*/true); });
 }
 

@@ -173,6 +173,11 @@ struct Restore {
   bool live = false;
   uint64_t lineage = 0;
   bool newest = false;
+  // The chief's map as it formed: the shards it serves elsewhere than their --cluster entry (at a
+  // stand-in's address). A shard follows it before it restores: a live copy it fetches must come
+  // from the process that serves the next shard in this epoch, not from one its heartbeats have
+  // not yet told it is gone from there.
+  std::map<int, std::string> moved{};
   bool operator==(const Restore&) const = default;
 };
 
@@ -224,6 +229,9 @@ struct CheckpointRequest {
 // acknowledges), or back from it to the owner (`restore`: the answer to a ReplicaFetch). `total`
 // bytes in all; the last piece ends at it. total 0 with `restore`: the copy is not held here.
 // `data` shares the sender's serialized copy (and is borrowed from the frame on arrival).
+// `hand_back` (takeover): from the next shard to this shard's own process, back after a stand-in
+// served it — a copy of this shard's predecessor (`owner`) that the stand-in kept, which its host
+// (the next shard) took when it stopped it, so that it is not lost with it.
 struct ReplicaChunk {
   uint64_t epoch = 0;
   int owner = 0;
@@ -232,16 +240,19 @@ struct ReplicaChunk {
   uint64_t offset = 0;
   uint64_t total = 0;
   Blob data;
+  bool hand_back = false;
   bool operator==(const ReplicaChunk&) const = default;
 };
 
 // To the owner: its copy is kept whole here. `send_whole`: it is not — the copy came as a
 // difference this shard could not use (its base is not kept here, a restart lost it, or the
-// result did not match): send it whole now, rather than after the ack's timeout.
+// result did not match): send it whole now, rather than after the ack's timeout. `hand_back`: to
+// the shard that handed the copy back (ReplicaChunk): taken, or not needed here (nothing more to do).
 struct ReplicaAck {
   uint64_t epoch = 0;
   LiveCopy copy;
   bool send_whole = false;
+  bool hand_back = false;
   bool operator==(const ReplicaAck&) const = default;
 };
 

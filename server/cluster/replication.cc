@@ -90,11 +90,11 @@ std::optional<peer::LiveCopy> ClusterCoordinator::LiveChoiceLocked() const {
 }
 
 void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const peer::LiveCopy& copy, bool restore,
-                                  const std::shared_ptr<const peer::CopyBytes>& bytes) {
+                                  const std::shared_ptr<const peer::CopyBytes>& bytes, bool hand_back) {
   peer::Message msg;
   {
     MutexLock lock(&mu_);
-    msg = MessageLocked(peer::ReplicaChunk{epoch, owner, copy, restore, 0, 0, {}});
+    msg = MessageLocked(peer::ReplicaChunk{epoch, owner, copy, restore, 0, 0, {}, hand_back});
   }
   auto& chunk = std::get<peer::ReplicaChunk>(msg.body);
   if (!bytes || bytes->empty()) {  // a copy not held (restore), or nothing to send
@@ -215,12 +215,18 @@ void ClusterCoordinator::ReplicationTickLocked(Clock::time_point now, std::vecto
 
 void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& c, std::vector<Action>* actions) {
   if (!options_.replicate || from == me_) return;
-  // Copies come only from their owner (to keep) or from the shard that keeps ours (a restore).
-  if (c.restore ? (from != Successor() || c.owner != me_) : (from != Predecessor() || c.owner != from)) return;
+  // Copies come only from their owner (to keep) or from the shard that keeps ours (a restore), or
+  // our predecessor's from the host of the stand-in that served us (handed back, takeover.cc).
+  if (c.hand_back) {
+    if (c.restore || from != Successor() || c.owner != Predecessor() || c.owner == me_) return;
+  } else if (c.restore ? (from != Successor() || c.owner != me_) : (from != Predecessor() || c.owner != from)) {
+    return;
+  }
   // A copy sent in an older epoch than this shard's (its owner has not heard of the formation that
   // left that epoch) is not kept: acknowledged, it would let the owner acknowledge pushes of a
-  // timeline the cluster left (async applies them on arrival), lost at the next formation.
-  if (!c.restore && c.epoch < epoch_) return;
+  // timeline the cluster left (async applies them on arrival), lost at the next formation. (A copy
+  // handed back acknowledges nothing to its owner: it is judged by its lineage, below.)
+  if (!c.restore && !c.hand_back && c.epoch < epoch_) return;
   // A copy of an epoch this shard has not heard of (formed on the other side of a partition): the
   // next epoch this shard forms is numbered above it (as NewestLineageLocked, before the host says).
   max_term_seen_ = std::max({max_term_seen_, c.epoch, c.copy.lineage});
@@ -254,7 +260,8 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
     });
     return;
   }
-  Incoming& in = incoming_[{c.owner, c.restore}];
+  const std::tuple<int, bool, bool> key{c.owner, c.restore, c.hand_back};
+  Incoming& in = incoming_[key];
   if (c.offset == 0) {
     in.copy = c.copy;
     in.bytes = host_.CopyStorage(c.total);
@@ -264,7 +271,8 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   in.bytes->append(c.data.data(), c.data.size());
   if (in.bytes->size() < c.total) return;
   std::shared_ptr<const std::string> bytes = std::move(in.bytes);
-  incoming_.erase({c.owner, c.restore});
+  incoming_.erase(key);
+  if (c.hand_back) return TakeHandedBackLocked(from, c, std::move(bytes), actions);
   if (!c.restore) {
     NotePredecessorCopyLocked(from, c);
     peer::Message ack = MessageLocked(peer::ReplicaAck{c.epoch, c.copy});
@@ -307,7 +315,37 @@ void ClusterCoordinator::RestoreOwnCopy(uint64_t epoch, const peer::LiveCopy& co
   });
 }
 
+void ClusterCoordinator::TakeHandedBackLocked(int from, const peer::ReplicaChunk& c,
+                                              std::shared_ptr<const std::string> bytes, std::vector<Action>* actions) {
+  // Not if it is of a timeline left here since (a restore from a checkpoint or empty). A formation
+  // from live copies that left it (LeftCopies) may have chosen on old news (a term led elsewhere
+  // released steps past its choice: its shards refuse it, and the next formation chooses again,
+  // perhaps this copy); if it did leave it, every shard that took its order dropped it, and one
+  // part's copy alone is no choice (LiveChoiceLocked; async judges each copy, RestorableLocked).
+  // (Older than the two newest kept here, the host does not keep it either.)
+  const bool take = c.copy.lineage >= timeline_epoch_;
+  peer::Message ack = MessageLocked(peer::ReplicaAck{c.epoch, c.copy, /*send_whole=*/false, /*hand_back=*/true});
+  actions->push_back([this, from, take, owner = c.owner, copy = c.copy, bytes = std::move(bytes), ack] {
+    if (take) {
+      Status s = host_.TakeCopy(owner, copy, bytes);
+      if (!s.ok()) {  // sent again after a while
+        spdlog::error("cluster: the copy of shard {}'s step {} handed back by shard {} is unusable: {}", owner,
+                      copy.step, from, s.message());
+        return;
+      }
+      spdlog::info("cluster: shard {} keeps the copy of shard {}'s step {} (lineage {}) that its stand-in kept", me_,
+                   owner, copy.step, copy.lineage);
+    }
+    SendTo(from, ack);
+  });
+}
+
 void ClusterCoordinator::HandleReplicaAck(int from, const peer::ReplicaAck& a, std::vector<Action>* actions) {
+  if (a.hand_back) {
+    if (from != Predecessor()) return;
+    std::erase_if(hand_back_, [&a](const HandBack& h) { return h.copy == a.copy; });
+    return;
+  }
   if (!options_.replicate || from != Successor() || !ack_ || ack_->epoch != a.epoch || ack_->copy != a.copy) return;
   if (a.send_whole) {
     // The difference was no use there (its base is gone): the copy whole, now. Once per copy: a
@@ -477,17 +515,20 @@ void ClusterCoordinator::HearCopiesLocked(int k, const std::vector<peer::LiveCop
   for (const peer::LiveCopy& c : HeldCopiesLocked(k)) HeardLocked((k + shards_ - 1) % shards_, c);
 }
 
-std::vector<peer::LiveCopy> ClusterCoordinator::KeptCopies() const {
-  if (!options_.applies_on_arrival || !options_.replicate) return {};
+StandInLeft ClusterCoordinator::Leaving() const {
+  StandInLeft left;
+  if (!options_.replicate) return left;
   std::vector<peer::LiveCopy> own, held;
   host_.LiveCopies(&own, &held);
+  for (const peer::LiveCopy& c : held) left.held.emplace_back(c, host_.SerializedCopy(Predecessor(), c));
+  if (!options_.applies_on_arrival) return left;
   MutexLock lock(&mu_);
-  std::vector<peer::LiveCopy> kept = newest_heard_;
-  kept.resize(static_cast<size_t>(shards_), {0, -1});
+  left.kept = newest_heard_;
+  left.kept.resize(static_cast<size_t>(shards_), {0, -1});
   for (const peer::LiveCopy& c : held) {
-    kept[static_cast<size_t>(Predecessor())] = std::max(kept[static_cast<size_t>(Predecessor())], c);
+    left.kept[static_cast<size_t>(Predecessor())] = std::max(left.kept[static_cast<size_t>(Predecessor())], c);
   }
-  return kept;
+  return left;
 }
 
 bool ClusterCoordinator::NewestBehindLocked() const {

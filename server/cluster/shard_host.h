@@ -40,6 +40,15 @@ std::pair<typename Map::iterator, typename Map::iterator> LeftCopies(Map& copies
   return {newest ? copies.upper_bound(*newest) : copies.begin(), last};
 }
 
+// What a stand-in leaves its host when it stops (ClusterCoordinator::Leaving).
+struct StandInLeft {
+  // The newest copy of each part it knew was kept (async/ssp replicas), for its host to pass on.
+  std::vector<peer::LiveCopy> kept;
+  // The copies of its predecessor's part it kept, serialized: its host hands them to its shard's
+  // own process (cluster/takeover.cc), else they would go with it.
+  std::vector<std::pair<peer::LiveCopy, std::shared_ptr<const peer::CopyBytes>>> held;
+};
+
 class ShardHost {
  public:
   virtual ~ShardHost() = default;
@@ -157,9 +166,8 @@ class ShardHost {
   // it stops by itself or fails to start. Default: none (a host that cannot run one).
   virtual void StartStandIn(int /*shard*/, std::vector<std::string> /*links*/) {}
   // Stops the stand-in (its shard's own process is back), without waiting for it. Returns what
-  // it knew was kept (its ClusterCoordinator::KeptCopies: async/ssp replicas), for this shard to
-  // pass on: the copies it kept of its predecessor's part go with it.
-  virtual std::vector<peer::LiveCopy> StopStandIn() { return {}; }
+  // it leaves (its ClusterCoordinator::Leaving): the copies it kept, for this shard to pass on.
+  virtual StandInLeft StopStandIn() { return {}; }
 
   // --- the job ---
   // Every worker finished: closes the token queue; if the engine is at `snapshot_step` (>= 0;

@@ -15,6 +15,12 @@
 // process again (the chief then moves d back, and d's process restores from the same copies). A
 // stand-in starts no stand-in itself.
 //
+// The stand-in also kept the copies of d's predecessor's part (it was the next shard of that
+// part). Those do not go with it: its host takes them when it stops it and hands them to d's own
+// process (HandBackLocked: ReplicaChunk.hand_back), which keeps them unless it has newer ones or a
+// formation it took part in left them. Else a fault of d - 1 before its next copy reached d's own
+// process would leave no copy of its part.
+//
 // Partitions: a part is served by a stand-in only while the chief hears the own processes of a
 // majority of the shards (MajorityLocked; with an even count, half including shard 0's). Without
 // it, the two sides of a partition could each stand in for the other and both serve every part;
@@ -55,6 +61,7 @@ void ClusterCoordinator::OnStandInEnded() {
 }
 
 void ClusterCoordinator::TakeoverTickLocked(Clock::time_point now, std::vector<Action>* actions) {
+  HandBackLocked(now, actions);
   if (options_.stand_in || options_.takeover_after.count() <= 0 || shards_ < 2) return;
   const int d = Predecessor();
   if (AliveLocked(d, now)) {
@@ -66,6 +73,7 @@ void ClusterCoordinator::TakeoverTickLocked(Clock::time_point now, std::vector<A
   if (held_copies_.empty()) return;  // nothing to serve d's part from (it never committed here)
   if (!MajorityLocked(now)) return;  // the chief could not use it (the minority side of a partition)
   stand_in_running_ = true;
+  hand_back_.clear();  // d's own process is gone again: a stand-in keeps that part's copies again
   spdlog::warn(
       "cluster: shard {} ({}) has been gone for {} ms: this shard starts a stand-in for it, serving its part from "
       "the copy kept here (step {}) until its own process is back",
@@ -196,17 +204,27 @@ void ClusterCoordinator::MoveLocked(int shard, const std::string& address, std::
   actions->push_back([this, shard, address] { network_.Retarget(shard, address); });
 }
 
+std::map<int, std::string> ClusterCoordinator::MovedLocked() const {
+  std::map<int, std::string> moved;
+  for (int i = 0; i < shards_; ++i) {
+    if (AddressOf(i) != options_.addresses[static_cast<size_t>(i)]) moved[i] = AddressOf(i);
+  }
+  return moved;
+}
+
+void ClusterCoordinator::FollowMapLocked(const std::map<int, std::string>& moved, std::vector<Action>* actions) {
+  for (int i = 0; i < shards_; ++i) {
+    if (i == me_) continue;
+    auto it = moved.find(i);
+    const std::string& want = it != moved.end() ? it->second : options_.addresses[static_cast<size_t>(i)];
+    if (want != AddressOf(i)) MoveLocked(i, want, actions);
+  }
+}
+
 void ClusterCoordinator::TakeoverHeartbeatLocked(int from, uint64_t term, uint64_t sender, const peer::Heartbeat& hb,
                                                  bool served, std::vector<Action>* actions) {
   // The chief's map: followers send where it says.
-  if (served && FromLeaderLocked(from, sender, term) && chief_ != me_) {
-    for (int i = 0; i < shards_; ++i) {
-      if (i == me_) continue;
-      auto it = hb.moved.find(i);
-      const std::string& want = it != hb.moved.end() ? it->second : options_.addresses[static_cast<size_t>(i)];
-      if (want != AddressOf(i)) MoveLocked(i, want, actions);
-    }
-  }
+  if (served && FromLeaderLocked(from, sender, term) && chief_ != me_) FollowMapLocked(hb.moved, actions);
   // The predecessor's own process is back: the stand-in makes way (the chief moves it back).
   if (stand_in_running_ && from == Predecessor() && !hb.stand_in) {
     stand_in_running_ = false;
@@ -214,11 +232,57 @@ void ClusterCoordinator::TakeoverHeartbeatLocked(int from, uint64_t term, uint64
     spdlog::warn("cluster: shard {} is back at {}: stopping its stand-in", from,
                  options_.addresses[static_cast<size_t>(from)]);
     actions->push_back([this] {
-      // What it kept goes with it: said from now on (a formation must not restore older copies).
-      std::vector<peer::LiveCopy> kept = host_.StopStandIn();
-      MutexLock lock(&mu_);
-      HearCopiesLocked(me_, kept);
+      StandInLeft left = host_.StopStandIn();
+      std::vector<Action> more;
+      {
+        MutexLock lock(&mu_);
+        // The newest copies it knew of: said from now on (a formation must not restore older ones).
+        HearCopiesLocked(me_, left.kept);
+        hand_back_.clear();
+        for (auto& [copy, bytes] : left.held) {
+          if (bytes && !bytes->empty()) hand_back_.push_back(HandBack{copy, std::move(bytes)});
+        }
+        HandBackLocked(now_(), &more);
+        ToLaneLocked(&more);
+      }
+      RunActions(&more);
     });
+  }
+}
+
+void ClusterCoordinator::HandBackLocked(Clock::time_point now, std::vector<Action>* actions) {
+  if (hand_back_.empty()) return;
+  const int d = Predecessor();
+  const std::string& entry = options_.addresses[static_cast<size_t>(d)];
+  if (AddressOf(d) != entry) return;  // its link still goes to the stand-in (or to another one)
+  const int owner = (d + shards_ - 1) % shards_;
+  const auto again = std::chrono::milliseconds(options_.election_timeout_ms);
+  for (auto it = hand_back_.begin(); it != hand_back_.end();) {
+    HandBack& h = *it;
+    // Not before it could have arrived (at 64 MiB/s), as a copy's ack (ReplicationTickLocked).
+    if (h.sends > 0 && now - h.sent <= again + std::chrono::milliseconds(h.bytes->size() >> 16)) {
+      ++it;
+      continue;
+    }
+    if (h.sends == kMaxHandBackSends) {
+      spdlog::warn(
+          "cluster: shard {} at {} did not acknowledge the copy of shard {}'s step {} that its stand-in kept, sent "
+          "{} times; dropped (shard {}'s own copies and its next commit's are its copies from now on)",
+          d, entry, owner, h.copy.step, h.sends, owner);
+      it = hand_back_.erase(it);
+      continue;
+    }
+    if (h.sends == 0) {
+      spdlog::info(
+          "cluster: handing the copy of shard {}'s step {} (lineage {}) that the stand-in kept to shard {} at {}",
+          owner, h.copy.step, h.copy.lineage, d, entry);
+    }
+    ++h.sends;
+    h.sent = now;
+    actions->push_back([this, d, epoch = epoch_, owner, copy = h.copy, bytes = h.bytes] {
+      SendCopy(d, epoch, owner, copy, /*restore=*/false, bytes, /*hand_back=*/true);
+    });
+    ++it;
   }
 }
 

@@ -90,15 +90,15 @@ void ServerShardHost::StartStandIn(int shard, std::vector<std::string> links) {
   });
 }
 
-std::vector<peer::LiveCopy> ServerShardHost::StopStandIn() {
+StandInLeft ServerShardHost::StopStandIn() {
   MutexLock lock(&mu_);
   stand_in_stopped_ = stand_in_started_;
   if (stand_in_ == nullptr) return {};
   // (Its coordinator and host are its own: no lock of this host's is taken there.)
-  std::vector<peer::LiveCopy> kept;
-  if (ClusterCoordinator* c = stand_in_->coordinator(); c != nullptr) kept = c->KeptCopies();
+  StandInLeft left;
+  if (ClusterCoordinator* c = stand_in_->coordinator(); c != nullptr) left = c->Leaving();
   stand_in_->RequestStop();
-  return kept;
+  return left;
 }
 
 void ServerShardHost::WithStandIn(const std::function<void(Server&)>& fn) {

@@ -79,7 +79,7 @@ class ServerShardHost : public ShardHost {
   // A stand-in is a second Server in this process (its own io_context, engine and links), run by
   // a thread of its own that starts it, waits for its end and stops it.
   void StartStandIn(int shard, std::vector<std::string> links) override;
-  std::vector<peer::LiveCopy> StopStandIn() override;
+  StandInLeft StopStandIn() override;
   // Calls `fn` with the stand-in while one serves (under this host's lock: it does not stop
   // meanwhile). For the operators' figures.
   void WithStandIn(const std::function<void(Server&)>& fn) EXCLUDES(mu_);

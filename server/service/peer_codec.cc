@@ -97,6 +97,15 @@ Result<std::map<int64_t, peer::PartInfo>> UnsealedFromWire(capnp::List<proto::Pe
   return parts;
 }
 
+void MovedToWire(capnp::List<proto::PeerMoved>::Builder b, const std::map<int, std::string>& moved) {
+  unsigned i = 0;
+  for (const auto& [shard, address] : moved) {
+    b[i].setShard(static_cast<uint32_t>(shard));
+    b[i].setAddress(address);
+    ++i;
+  }
+}
+
 Result<std::map<int, std::string>> MovedFromWire(capnp::List<proto::PeerMoved>::Reader list, int shards) {
   if (list.size() > static_cast<unsigned>(shards)) return InvalidArgument("a heartbeat lists too many moved shards");
   std::map<int, std::string> moved;
@@ -236,13 +245,16 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
     }
     case proto::PeerMessage::RESTORE: {
       auto c = r.getRestore();
-      peer::Restore restore{c.getEpoch(), c.getStep(), {}, c.getLive(), c.getLineage(), c.getNewest()};
+      peer::Restore restore{c.getEpoch(), c.getStep(), {}, c.getLive(), c.getLineage(), c.getNewest(), {}};
       if (c.getSeal().size() > static_cast<unsigned>(shards)) return InvalidArgument("a seal names too many parts");
       for (auto p : c.getSeal()) {
         auto part = PartFromWire(p, shards);
         if (!part.ok()) return part.status();
         restore.seal.push_back(std::move(*part));
       }
+      auto moved = MovedFromWire(c.getMoved(), shards);
+      if (!moved.ok()) return moved.status();
+      restore.moved = std::move(*moved);
       m.body = std::move(restore);
       return m;
     }
@@ -299,12 +311,13 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
                                   c.getRestore(),
                                   c.getOffset(),
                                   c.getTotal(),
-                                  peer::Blob::Borrow(reinterpret_cast<const char*>(data.begin()), data.size())};
+                                  peer::Blob::Borrow(reinterpret_cast<const char*>(data.begin()), data.size()),
+                                  c.getHandBack()};
       return m;
     }
     case proto::PeerMessage::REPLICA_ACK: {
       auto a = r.getReplicaAck();
-      m.body = peer::ReplicaAck{a.getEpoch(), CopyFromWire(a.getCopy()), a.getSendWhole()};
+      m.body = peer::ReplicaAck{a.getEpoch(), CopyFromWire(a.getCopy()), a.getSendWhole(), a.getHandBack()};
       return m;
     }
     case proto::PeerMessage::REPLICA_FETCH: {
@@ -340,16 +353,10 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           hb.setListening(body.listening);
           hb.setAddress(body.address);
           hb.setStandIn(body.stand_in);
-          auto moved = hb.initMoved(static_cast<unsigned>(body.moved.size()));
-          unsigned i = 0;
-          for (const auto& [shard, address] : body.moved) {
-            moved[i].setShard(static_cast<uint32_t>(shard));
-            moved[i].setAddress(address);
-            ++i;
-          }
+          MovedToWire(hb.initMoved(static_cast<unsigned>(body.moved.size())), body.moved);
           CopyToWire(hb.initReleased(), body.released);
           auto unsealed = hb.initUnsealedParts(static_cast<unsigned>(body.unsealed_parts.size()));
-          i = 0;
+          unsigned i = 0;
           for (const auto& [step, part] : body.unsealed_parts) PartToWire(unsealed[i++], 0, step, part);
           CopiesToWire(hb.initKeptCopies(static_cast<unsigned>(body.kept_copies.size())), body.kept_copies);
           auto served = hb.initServedParts(static_cast<unsigned>(body.served_parts.size()));
@@ -389,6 +396,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           r.setLive(body.live);
           r.setLineage(body.lineage);
           r.setNewest(body.newest);
+          MovedToWire(r.initMoved(static_cast<unsigned>(body.moved.size())), body.moved);
         } else if constexpr (std::is_same_v<T, peer::Restored>) {
           auto r = b.initRestored();
           r.setEpoch(body.epoch);
@@ -424,6 +432,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           c.setRestore(body.restore);
           c.setOffset(body.offset);
           c.setTotal(body.total);
+          c.setHandBack(body.hand_back);
           const auto* data = reinterpret_cast<const kj::byte*>(body.data.data());
           const size_t size = body.data.size();
           if (body.data.keep() && size >= wire::kZeroCopyMinBytes && size % sizeof(capnp::word) == 0 &&
@@ -438,6 +447,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           a.setEpoch(body.epoch);
           CopyToWire(a.initCopy(), body.copy);
           a.setSendWhole(body.send_whole);
+          a.setHandBack(body.hand_back);
         } else {
           static_assert(std::is_same_v<T, peer::ReplicaFetch>);
           auto a = b.initReplicaFetch();

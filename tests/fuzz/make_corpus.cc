@@ -354,8 +354,18 @@ std::map<std::string, Bytes> PeerSeeds() {
   s["heartbeat"] = Heartbeat(1, 5, 1, true);
   s["follower_restore"] = Heartbeat(1, 5, 1, false) + Restore(1, 5, -1);
   s["follower_restore_step"] = Heartbeat(1, 5, 1, false) + Restore(1, 5, 10);
+  // A restore order with the chief's map: shard 2 is served by a stand-in.
+  s["follower_restore_moved"] = Heartbeat(1, 5, 1, false) + Peer(1, 5, [](PeerMessage::Builder m) {
+                                  auto r = m.initRestore();
+                                  r.setEpoch(5);
+                                  r.setStep(-1);
+                                  auto moved = r.initMoved(1);
+                                  moved[0].setShard(2);
+                                  moved[0].setAddress("127.0.0.1:9002");
+                                });
   // Replication (the target runs --replicas-per-shard 2; shard 0's predecessor is 2, its successor 1).
-  auto chunk = [](uint32_t from, uint32_t owner, bool restore, uint64_t offset, uint64_t total, size_t size) {
+  auto chunk = [](uint32_t from, uint32_t owner, bool restore, uint64_t offset, uint64_t total, size_t size,
+                  bool hand_back = false) {
     return Peer(from, 5, [&](PeerMessage::Builder m) {
       auto c = m.initReplicaChunk();
       c.setEpoch(5);
@@ -365,11 +375,22 @@ std::map<std::string, Bytes> PeerSeeds() {
       c.setRestore(restore);
       c.setOffset(offset);
       c.setTotal(total);
+      c.setHandBack(hand_back);
       auto data = c.initData(static_cast<unsigned>(size));
       for (size_t i = 0; i < size; ++i) data[i] = static_cast<uint8_t>(i * 7);
     });
   };
   s["replica_chunks"] = Heartbeat(1, 5, 1, true) + chunk(2, 2, false, 0, 96, 48) + chunk(2, 2, false, 48, 96, 48);
+  // A stand-in's host hands back the copies of shard 2's part it kept (from shard 1), and shard 2
+  // answers a hand-back of shard 0's.
+  s["replica_hand_back"] = Heartbeat(1, 5, 1, true) + chunk(1, 2, false, 0, 64, 64, /*hand_back=*/true) +
+                           Peer(2, 5, [](PeerMessage::Builder m) {
+                             auto a = m.initReplicaAck();
+                             a.setEpoch(5);
+                             a.initCopy().setLineage(4);
+                             a.getCopy().setStep(10);
+                             a.setHandBack(true);
+                           });
   s["replica_heartbeat_copies"] = Peer(1, 5, [](PeerMessage::Builder m) {
     auto hb = m.initHeartbeat();
     hb.setChief(1);

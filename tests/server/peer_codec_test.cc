@@ -112,7 +112,8 @@ TEST_CASE("peer codec: a replica chunk's whole words go out from the copy, uncop
   auto sent = [&](uint64_t offset, size_t size, bool owned) {
     peer::Blob data =
         owned ? peer::Blob(copy, copy->data() + offset, size) : peer::Blob::Borrow(copy->data() + offset, size);
-    return peer::Message{2, 4, peer::ReplicaChunk{7, 2, {7, 30}, false, offset, copy->size(), data}};
+    // (Handed back, every other piece: the flag round-trips too.)
+    return peer::Message{2, 4, peer::ReplicaChunk{7, 2, {7, 30}, false, offset, copy->size(), data, offset % 16 == 8}};
   };
   // Where the encoded message's segments lie: the chunk's data is one of them when referenced.
   auto segment_at = [](capnp::MallocMessageBuilder& b, const char* where) {
@@ -148,12 +149,27 @@ TEST_CASE("peer codec: a replica chunk's whole words go out from the copy, uncop
   }
 }
 
-TEST_CASE("peer codec: a replica ack round-trips, with its ask for the copy whole", "[cluster][codec]") {
+TEST_CASE("peer codec: a replica ack round-trips, with its ask for the copy whole or of a copy handed back",
+          "[cluster][codec]") {
   for (bool whole : {false, true}) {
-    peer::ReplicaAck ack{7, {7, 31}, whole};
-    auto back = RoundTrip(peer::Message{2, 4, ack}, 3);
-    REQUIRE(back.ok());
-    REQUIRE(std::holds_alternative<peer::ReplicaAck>(back->body));
-    CHECK(std::get<peer::ReplicaAck>(back->body) == ack);
+    for (bool hand_back : {false, true}) {
+      peer::ReplicaAck ack{7, {7, 31}, whole, hand_back};
+      auto back = RoundTrip(peer::Message{2, 4, ack}, 3);
+      REQUIRE(back.ok());
+      REQUIRE(std::holds_alternative<peer::ReplicaAck>(back->body));
+      CHECK(std::get<peer::ReplicaAck>(back->body) == ack);
+    }
   }
+}
+
+TEST_CASE("peer codec: a restore order round-trips with the chief's map, which is checked", "[cluster][codec]") {
+  peer::Restore r{9, 40, {}, /*live=*/true, /*lineage=*/7, /*newest=*/false, {{2, "10.0.0.5:7001"}}};
+  auto back = RoundTrip(peer::Message{0, 9, r}, 3);
+  REQUIRE(back.ok());
+  REQUIRE(std::holds_alternative<peer::Restore>(back->body));
+  CHECK(std::get<peer::Restore>(back->body) == r);
+  r.moved = {{3, "10.0.0.5:7001"}};  // no such shard
+  CHECK_THAT(RoundTrip(peer::Message{0, 9, r}, 3).status().message(), Catch::Contains("out of range"));
+  r.moved = {{1, ""}};
+  CHECK_THAT(RoundTrip(peer::Message{0, 9, r}, 3).status().message(), Catch::Contains("no address"));
 }

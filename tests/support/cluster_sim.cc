@@ -25,6 +25,7 @@ using server::ClusterCoordinator;
 using server::ClusterOptions;
 using server::PeerNetwork;
 using server::ShardHost;
+using server::StandInLeft;
 using server::VarPlacement;
 namespace peer = server::peer;
 
@@ -199,8 +200,8 @@ class Sim {
   void Retarget(int from, int to, const std::string& address);
   // Takeover: the host `host` starts / stops its stand-in for shard `index`.
   void StartStandIn(int host, int index, std::vector<std::string> links);
-  // Returns what the stand-in knew was kept (ClusterCoordinator::KeptCopies).
-  std::vector<peer::LiveCopy> StopStandIn(int host);
+  // Returns what the stand-in leaves (ClusterCoordinator::Leaving).
+  StandInLeft StopStandIn(int host);
   // Observations from the fakes.
   void OnFormation(int chief, uint64_t epoch, int64_t step);
   void OnPublished(int s, uint64_t epoch, int64_t step, uint64_t value);
@@ -612,7 +613,7 @@ class FakeHost : public ShardHost {
   void StartStandIn(int shard, std::vector<std::string> links) override {
     sim_.StartStandIn(proc_, shard, std::move(links));
   }
-  std::vector<peer::LiveCopy> StopStandIn() override { return sim_.StopStandIn(proc_); }
+  StandInLeft StopStandIn() override { return sim_.StopStandIn(proc_); }
 
  private:
   Sim& sim_;
@@ -845,11 +846,11 @@ void Sim::StartStandIn(int host, int index, std::vector<std::string> links) {
   });
 }
 
-std::vector<peer::LiveCopy> Sim::StopStandIn(int host) {
+StandInLeft Sim::StopStandIn(int host) {
   const int p = HostedBy(host);
   shard(p).stand_ins_stopped = shard(p).stand_ins_asked;
-  std::vector<peer::LiveCopy> kept;
-  if (shard(p).up && shard(p).coord) kept = shard(p).coord->KeptCopies();
+  StandInLeft kept;
+  if (shard(p).up && shard(p).coord) kept = shard(p).coord->Leaving();
   Later(host, now_, [this, p](Shard&) {
     if (!shard(p).up) return;
     Note(fmt::format("{} is stopped by its host", Name(p)));
