@@ -10,7 +10,8 @@
 # but S. Run 1 is undisturbed. In run 2, ROUNDS times: the chief and then a non-chief are killed;
 # each time the cluster must serve again from a stand-in (logged "is served by a stand-in"),
 # formed from the live copies, and the kill-to-serving time is printed; then the shard's own
-# process is started again and must take its part back (again from the live copies). Then a
+# process is started again and must take its part back (again from the live copies), and be handed
+# the copies of the part before it that the stand-in kept (from the stand-in's host). Then a
 # non-chief hangs (SIGSTOP: no close, no heartbeat) and must be served by a stand-in too, and take
 # its part back when it runs again (SIGCONT). At the end every worker's parameter hash must equal
 # run 1's.
@@ -82,6 +83,10 @@ for round in $(seq 1 "$rounds"); do
     took=$(($(log_ms "$line") - back_ms))
     echo "        shard $k started again: serving its part again after $took ms, $(echo "$line" | sed 's/.*from //')"
     times_back+=("$took")
+    # The stand-in was the next shard of shard k - 1's part too: its host hands the copies of that
+    # part it kept to shard k's own process (else the move back leaves that part one copy).
+    wait_for "$run/s$k-$n.log" "keeps the copy of shard .* that its stand-in kept" 10 ||
+      fail "shard $k back: it was not handed the copies its stand-in kept of shard $(((k + 2) % 3))'s part"
   done
 done
 # A hung shard (SIGSTOP: its links stay open, it sends nothing): noticed after the election timeout,
