@@ -391,6 +391,8 @@ struct PeerHeartbeat {
                             # sender heard the next shard keeps (every acknowledged push is in it or older)
   servedParts @19 :List(PeerServed);  # async/ssp replicas: per shard (by index), the newest epoch the sender
                             # knows served workers with its part, and whether a stand-in served it then
+  newestSeal @21 :PeerSeal;  # the manifest of the sender's newest sealed step (no parts: none), for a
+                             # chief that holds its part of that step but missed the seal
   sealDigests @20 :List(UInt64);  # per step of sealedSteps (same order): a digest of the manifest the sender
                             # holds for it (0: not known; empty: not said): two timelines' manifests of one
                             # step differ, and such a step is restorable by no shard set that mixes them

@@ -105,6 +105,11 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
     auto seal = seal_parts_.find(t);
     hb.seal_digests.push_back(seal == seal_parts_.end() ? 0 : peer::SealDigest(seal->second));
   }
+  if (!sealed_.empty()) {
+    if (auto seal = seal_parts_.find(sealed_.front()); seal != seal_parts_.end()) {
+      hb.newest_seal = peer::Seal{0, seal->first, seal->second};
+    }
+  }
   hb.ready = ready_;
   hb.required = required_;
   hb.allow_state_loss = options_.allow_state_loss || !options_.restore;
@@ -541,6 +546,7 @@ void ClusterCoordinator::HandleHeartbeat(int from, uint64_t term, uint64_t sende
   p.seal_digests = hb.seal_digests.size() == hb.sealed_steps.size() ? hb.seal_digests : std::vector<uint64_t>{};
   p.unusable = hb.unusable_steps;
   p.unsealed_parts = hb.unsealed_parts;
+  HearSealLocked(from, hb.newest_seal);
   p.allow_state_loss = hb.allow_state_loss;
   p.own_copies = hb.own_copies;
   p.held_copies = hb.held_copies;

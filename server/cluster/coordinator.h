@@ -332,12 +332,15 @@ class ClusterCoordinator : public PeerEvents {
   // step (a stand-in and the shard's own process each wrote a part, each got a seal) differ: no
   // shard set can restore it, and counting it would have a formation give up live copies for it.
   bool SealAgreesLocked(int shard, int64_t step) const REQUIRES(mu_);
-  // Checkpoint `step` is restorable everywhere once its seal is sent along: this shard sealed it
-  // once and keeps the seal, and every shard, this one included, lists it sealed or present but
-  // unusable with the part the seal names (it holds its part and missed the seal: a restart
-  // between its part and the seal; or it left the seal for a formation at an older step that a
-  // later formation at this one did not reach). Not if a shard already failed to restore it that way.
+  // Checkpoint `step` is restorable everywhere once its seal is sent along: this shard keeps the
+  // seal (it sealed it once, or heard it from a shard that did: HearSealLocked), and every shard, this one included,
+  // lists it sealed or present but unusable with the part the seal names (it holds its part and missed the seal: a
+  // restart between its part and the seal; or it left the seal for a formation at an older step that a later formation
+  // at this one did not reach). Not if a shard already failed to restore it that way.
   bool ResealableLocked(int64_t step) const REQUIRES(mu_);
+  // A peer's newest manifest (its heartbeat's newest_seal): kept if this shard holds its part of
+  // that step unsealed, the very part the manifest names, so that as chief it can reseal it.
+  void HearSealLocked(int from, const peer::Seal& seal) REQUIRES(mu_);
   // The step to form at (-1: empty), or nullopt when an operator must decide first (then the
   // refusal is logged once and becomes the not-serving reason).
   std::optional<int64_t> FormationStepLocked(std::vector<Action>* actions) REQUIRES(mu_);

@@ -528,6 +528,25 @@ void ClusterCoordinator::OnPartWritten(uint64_t epoch, int64_t step, const peer:
   SendTo(chief, msg);
 }
 
+void ClusterCoordinator::HearSealLocked(int from, const peer::Seal& seal) {
+  // Only a step this shard lists unusable for want of its manifest, whose part here is the one the
+  // manifest names (else it is another timeline's part of that step: the seal is not for it).
+  if (static_cast<int>(seal.parts.size()) != shards_ || seal_parts_.count(seal.step) > 0) return;
+  if (std::find(unusable_.begin(), unusable_.end(), seal.step) == unusable_.end()) return;
+  auto mine = unsealed_parts_.find(seal.step);
+  if (mine == unsealed_parts_.end()) return;
+  auto named =
+      std::find_if(seal.parts.begin(), seal.parts.end(), [this](const peer::PartInfo& x) { return x.shard == me_; });
+  if (named == seal.parts.end() || named->bytes != mine->second.bytes || named->checksum != mine->second.checksum) {
+    return;
+  }
+  spdlog::info(
+      "cluster: shard {} holds its part of checkpoint step {} but missed the seal; keeps the manifest shard {} "
+      "sealed, for a formation to seal it here",
+      me_, seal.step, from);
+  seal_parts_[seal.step] = seal.parts;
+}
+
 void ClusterCoordinator::AddSealedLocked(int64_t step) {
   unusable_.erase(std::remove(unusable_.begin(), unusable_.end(), step), unusable_.end());
   unsealed_parts_.erase(step);

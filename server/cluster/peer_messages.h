@@ -94,6 +94,14 @@ struct PartInfo {
 // each, as ClusterCoordinator::SameParts compares them. Never 0 (a heartbeat's 0: not known).
 uint64_t SealDigest(std::vector<PartInfo> parts);
 
+// From the chief: every part of checkpoint `step` is written; write the manifest.
+struct Seal {
+  uint64_t epoch = 0;  // the chief's term when it sealed: the epoch whose engines wrote the parts
+  int64_t step = 0;
+  std::vector<PartInfo> parts;
+  bool operator==(const Seal&) const = default;
+};
+
 // Periodic, from every shard to every other one: who it thinks is chief and what it can restore.
 struct Heartbeat {
   int chief = -1;                       // -1: nobody known (a peer may send any value: election.h copes)
@@ -127,6 +135,11 @@ struct Heartbeat {
   // Per step of sealed_steps (same order): SealDigest of the manifest the sender holds for it (0:
   // not known; empty: not said).
   std::vector<uint64_t> seal_digests;
+  // The manifest of the sender's newest sealed step (no parts: none). A shard that holds its
+  // part of that step on disk but missed the seal (it lists the step unusable) keeps it, so that
+  // as chief it can seal the step everywhere with its restore order (ResealableLocked) rather
+  // than skip it for an older one.
+  Seal newest_seal;
 
   bool operator==(const Heartbeat&) const = default;
 };
@@ -197,14 +210,6 @@ struct PartWritten {
   int64_t step = 0;
   PartInfo part;
   bool operator==(const PartWritten&) const = default;
-};
-
-// From the chief: every part of checkpoint `step` is written; write the manifest.
-struct Seal {
-  uint64_t epoch = 0;  // the chief's term when it sealed: the epoch whose engines wrote the parts
-  int64_t step = 0;
-  std::vector<PartInfo> parts;
-  bool operator==(const Seal&) const = default;
 };
 
 // From the chief: every worker finished (job_done), or one of the orders of a running cluster

@@ -97,6 +97,26 @@ Result<std::map<int64_t, peer::PartInfo>> UnsealedFromWire(capnp::List<proto::Pe
   return parts;
 }
 
+Result<peer::Seal> SealFromWire(proto::PeerSeal::Reader s, int shards) {
+  peer::Seal seal{0, s.getStep(), {}};
+  if (s.getParts().size() > static_cast<unsigned>(shards)) return InvalidArgument("a seal names too many parts");
+  for (auto p : s.getParts()) {
+    auto part = PartFromWire(p, shards);
+    if (!part.ok()) return part.status();
+    seal.epoch = p.getEpoch();
+    seal.parts.push_back(std::move(*part));
+  }
+  return seal;
+}
+
+void SealToWire(proto::PeerSeal::Builder b, const peer::Seal& seal) {
+  b.setStep(seal.step);
+  auto list = b.initParts(static_cast<unsigned>(seal.parts.size()));
+  for (size_t i = 0; i < seal.parts.size(); ++i) {
+    PartToWire(list[static_cast<unsigned>(i)], seal.epoch, seal.step, seal.parts[i]);
+  }
+}
+
 void MovedToWire(capnp::List<proto::PeerMoved>::Builder b, const std::map<int, std::string>& moved) {
   unsigned i = 0;
   for (const auto& [shard, address] : moved) {
@@ -205,6 +225,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
       }
       std::vector<uint64_t> digests;
       for (uint64_t d : hb.getSealDigests()) digests.push_back(d);
+      auto newest_seal = SealFromWire(hb.getNewestSeal(), shards);
+      if (!newest_seal.ok()) return newest_seal.status();
       m.body = peer::Heartbeat{hb.getChief(),
                                hb.getEpoch(),
                                hb.getRunning(),
@@ -224,7 +246,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
                                std::move(*unsealed),
                                std::move(kept),
                                std::move(served),
-                               std::move(digests)};
+                               std::move(digests),
+                               std::move(*newest_seal)};
       return m;
     }
     case proto::PeerMessage::PREPARED: {
@@ -277,16 +300,9 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
       return m;
     }
     case proto::PeerMessage::SEAL: {
-      auto s = r.getSeal();
-      peer::Seal seal{0, s.getStep(), {}};
-      if (s.getParts().size() > static_cast<unsigned>(shards)) return InvalidArgument("a seal names too many parts");
-      for (auto p : s.getParts()) {
-        auto part = PartFromWire(p, shards);
-        if (!part.ok()) return part.status();
-        seal.epoch = p.getEpoch();
-        seal.parts.push_back(std::move(*part));
-      }
-      m.body = std::move(seal);
+      auto seal = SealFromWire(r.getSeal(), shards);
+      if (!seal.ok()) return seal.status();
+      m.body = std::move(*seal);
       return m;
     }
     case proto::PeerMessage::CONTROL: {
@@ -353,6 +369,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
           hb.setListening(body.listening);
           hb.setAddress(body.address);
           hb.setStandIn(body.stand_in);
+          if (!body.newest_seal.parts.empty()) SealToWire(hb.initNewestSeal(), body.newest_seal);
           MovedToWire(hb.initMoved(static_cast<unsigned>(body.moved.size())), body.moved);
           CopyToWire(hb.initReleased(), body.released);
           auto unsealed = hb.initUnsealedParts(static_cast<unsigned>(body.unsealed_parts.size()));
@@ -410,12 +427,7 @@ void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
         } else if constexpr (std::is_same_v<T, peer::PartWritten>) {
           PartToWire(b.initPartWritten(), body.epoch, body.step, body.part);
         } else if constexpr (std::is_same_v<T, peer::Seal>) {
-          auto s = b.initSeal();
-          s.setStep(body.step);
-          auto list = s.initParts(static_cast<unsigned>(body.parts.size()));
-          for (size_t i = 0; i < body.parts.size(); ++i) {
-            PartToWire(list[static_cast<unsigned>(i)], body.epoch, body.step, body.parts[i]);
-          }
+          SealToWire(b.initSeal(), body);
         } else if constexpr (std::is_same_v<T, peer::Control>) {
           auto c = b.initControl();
           c.setEpoch(body.epoch);

@@ -296,6 +296,18 @@ Bytes Heartbeat(uint32_t from, uint64_t term, int32_t chief, bool running) {
   });
 }
 
+// A manifest of 3 parts of `step`, written in epoch `epoch`, of `bytes` each.
+void SealParts(capnp::List<psd::proto::PeerPart>::Builder parts, uint64_t epoch, int64_t step, uint64_t bytes) {
+  for (unsigned k = 0; k < parts.size(); ++k) {
+    parts[k].setEpoch(epoch);
+    parts[k].setStep(step);
+    parts[k].setShard(k);
+    parts[k].setFile("shard-" + std::to_string(k) + "-of-3.psdckpt");
+    parts[k].setBytes(bytes);
+    parts[k].setChecksum(0x1234 + k);
+  }
+}
+
 Bytes Restore(uint32_t from, uint64_t term, int64_t step) {
   return Peer(from, term, [&](PeerMessage::Builder m) {
     auto r = m.initRestore();
@@ -406,7 +418,7 @@ std::map<std::string, Bytes> PeerSeeds() {
     held[0].setStep(10);
   });
   // A shard that missed a seal (step 12 unusable, with its part's size and checksum), and the
-  // copies it heard are kept.
+  // copies it heard are kept; the manifest of its newest sealed step (8) goes along.
   s["heartbeat_unsealed_parts"] = Peer(1, 5, [](PeerMessage::Builder m) {
     auto hb = m.initHeartbeat();
     hb.setChief(1);
@@ -425,6 +437,9 @@ std::map<std::string, Bytes> PeerSeeds() {
       kept[i].setLineage(4);
       kept[i].setStep(10 + i);
     }
+    auto seal = hb.initNewestSeal();
+    seal.setStep(8);
+    SealParts(seal.initParts(3), 4, 8, 4096);
   });
   // Takeover: a stand-in's heartbeat (its address), then the chief's map moving shard 2 there.
   s["takeover_stand_in_moved"] = Peer(2, 5,
@@ -494,15 +509,7 @@ std::map<std::string, Bytes> PeerSeeds() {
                                  auto r = m.initRestore();
                                  r.setEpoch(5);
                                  r.setStep(10);
-                                 auto parts = r.initSeal(3);
-                                 for (unsigned k = 0; k < 3; ++k) {
-                                   parts[k].setEpoch(5);
-                                   parts[k].setStep(10);
-                                   parts[k].setShard(k);
-                                   parts[k].setFile("shard-" + std::to_string(k) + "-of-3.psdckpt");
-                                   parts[k].setBytes(128);
-                                   parts[k].setChecksum(0x1234 + k);
-                                 }
+                                 SealParts(r.initSeal(3), 5, 10, 128);
                                });
   s["follower_commit"] = Heartbeat(1, 5, 1, true) + Peer(1, 5, [](PeerMessage::Builder m) {
                            auto c = m.initCommit();

@@ -1425,3 +1425,41 @@ TEST_CASE("coordinator: a shard follows the chief's map of a restore order befor
   f.c->OnMessage(0, peer::Message{0, 4, r});
   CHECK(f.c->Addresses()[2] == f.options.addresses[2]);
 }
+
+// Seed 935513 (3 shards, stand-ins, lane 300; it passes on its timings now): a chief fell back to
+// checkpoint 4's timeline over step 2 (here: the new chief holds its part of step 4 on disk but
+// missed the seal, which its peers wrote). Lacking the manifest, it skipped step 4 and formed at
+// step 2, before a released step. Its peers' heartbeats carry their newest manifest: it keeps it
+// (its own part is the one named) and seals step 4 here and everywhere with its order.
+TEST_CASE("coordinator: a chief that missed a seal its peers hold keeps their manifest and forms there", "[cluster]") {
+  auto part = [](int shard, uint64_t checksum) {
+    return peer::PartInfo{shard, "part-" + std::to_string(shard), 100, checksum};
+  };
+  const std::vector<peer::PartInfo> four = {part(0, 40), part(1, 41), part(2, 42)};
+  const std::vector<peer::PartInfo> two = {part(0, 20), part(1, 21), part(2, 22)};
+  auto order = [&](std::optional<std::vector<peer::PartInfo>> told) {
+    ShardHost::CheckpointScan scan;
+    scan.sealed = {2};
+    scan.unusable = {4};
+    scan.seals = {{2, two}};
+    scan.unsealed_parts = {{4, told && !told->empty() ? told->front() : part(0, 40)}};
+    return ChiefOrderTo1(3, scan, [&](int, peer::Heartbeat* hb) {
+      hb->sealed_steps = {4, 2};
+      hb->seal_digests = {peer::SealDigest(four), peer::SealDigest(two)};
+      if (told) hb->newest_seal = peer::Seal{0, 4, four};
+    });
+  };
+  // Not told: step 2 (what the chief did).
+  auto skipped = order(std::nullopt);
+  REQUIRE(skipped.has_value());
+  CHECK(skipped->step == 2);
+  // Told: step 4, with the manifest for the shards that lack it (the chief itself restores with it).
+  auto resealed = order(four);
+  REQUIRE(resealed.has_value());
+  CHECK(resealed->step == 4);
+  CHECK(resealed->seal == four);
+  // Its part on disk is another than the manifest names (another timeline's): not kept.
+  auto other = order(std::vector<peer::PartInfo>{part(0, 99)});
+  REQUIRE(other.has_value());
+  CHECK(other->step == 2);
+}

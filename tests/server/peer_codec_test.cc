@@ -41,6 +41,8 @@ peer::Heartbeat FullHeartbeat() {
   hb.kept_copies = {{7, 48}, {6, 30}, {0, -1}};
   hb.served_parts = {{7, false}, {6, true}, {0, false}};
   hb.seal_digests = {0x0123456789abcdefull, 0};  // per sealed step (0: not known)
+  // The manifest of its newest sealed step (the parts' epoch is the sealing chief's term).
+  hb.newest_seal = peer::Seal{7, 40, {{0, "p0", 100, 1}, {1, "p1", 100, 2}, {2, "p2", 100, 3}}};
   return hb;
 }
 
@@ -62,12 +64,14 @@ TEST_CASE("peer codec: a heartbeat round-trips, the parts of its unusable steps 
   old.kept_copies.clear();
   old.served_parts.clear();
   old.seal_digests.clear();
+  old.newest_seal = {};
   auto plain = RoundTrip(peer::Message{1, 9, old}, 3);
   REQUIRE(plain.ok());
   CHECK(std::get<peer::Heartbeat>(plain->body).unsealed_parts.empty());
   CHECK(std::get<peer::Heartbeat>(plain->body).kept_copies.empty());
   CHECK(std::get<peer::Heartbeat>(plain->body).served_parts.empty());
   CHECK(std::get<peer::Heartbeat>(plain->body).seal_digests.empty());
+  CHECK(std::get<peer::Heartbeat>(plain->body).newest_seal.parts.empty());
 }
 
 TEST_CASE("peer codec: a heartbeat's unusable parts and kept copies are checked", "[cluster][codec]") {
@@ -90,6 +94,12 @@ TEST_CASE("peer codec: a heartbeat's unusable parts and kept copies are checked"
   hb.seal_digests.push_back(5);  // three digests for two sealed steps
   CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(),
              Catch::Contains("manifest digests do not match its sealed steps"));
+  hb = FullHeartbeat();
+  hb.newest_seal.parts.push_back({0, "p0", 100, 1});  // four parts of 3 shards
+  CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("a seal names too many parts"));
+  hb = FullHeartbeat();
+  hb.newest_seal.parts[1].file = "../p1";
+  CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("plain file name"));
 }
 
 TEST_CASE("peer codec: a manifest's digest depends on its parts, not their order", "[cluster][codec]") {
