@@ -489,8 +489,9 @@ class ClusterCoordinator : public PeerEvents {
   // The chief: where each shard is to be served — its own process when heard lately, else a
   // stand-in heard lately — and a formation when that changes.
   void ChiefMapLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
-  // A live restore order chosen on old news: this shard's running epoch (newer than the copy
-  // chosen) released steps past it — the chief itself, or a follower whose own copies show it.
+  // A live restore order chosen on old news: this shard's epoch (newer than the copy chosen),
+  // running or not any more, released steps past it — the chief itself, or a follower whose own
+  // copies show it.
   bool ServedPastLocked(const peer::Restore& r) const REQUIRES(mu_);
   // Two manifests of one step list the same parts (by shard: size and checksum).
   static bool SameParts(std::vector<peer::PartInfo> a, std::vector<peer::PartInfo> b);

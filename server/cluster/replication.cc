@@ -650,10 +650,12 @@ std::optional<peer::LiveCopy> ClusterCoordinator::NewestFetchAnswerLocked(
 
 bool ClusterCoordinator::ServedPastLocked(const peer::Restore& r) const {
   if (!r.live || r.newest || epoch_ <= r.lineage) return false;
-  if (chief_ == me_) return running_ && released_ > r.step;
-  // A follower: its own copy of step s in the running epoch means every shard committed s - 1,
-  // and the tokens of step s - 1 went out.
-  if (!serving_) return false;
+  // Whether or not this epoch still runs here: a chief that moved a shard stopped running it, yet
+  // the steps it released stay released (seed 1234307: such a chief took a late order of a term
+  // formed on the other side of a partition, and dropped its copies of the released steps).
+  if (chief_ == me_) return released_ > r.step;
+  // A follower: its own copy of step s in its epoch means every shard committed s - 1, and the
+  // tokens of step s - 1 went out.
   for (const peer::LiveCopy& c : own_copies_) {
     if (c.lineage == epoch_ && c.step > r.step + 1) return true;
   }

@@ -514,6 +514,11 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
       // process with that restore. Now a shard follows one process per term and addresses its
       // answers to it.
       {2, 732927, true, true, 300},
+      // A chief moved a shard back from its stand-in (it stopped running its epoch, which had
+      // released step 9) and then took a late order of a term formed on the other side of a
+      // partition, at step 8: it dropped its copies of the released steps. Now a chief refuses
+      // such an order whether or not its epoch still runs.
+      {2, 1234307, true, true, 300},
   };
   for (const Seed& s : seeds) {
     SimOptions o;
