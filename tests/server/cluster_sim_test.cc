@@ -517,8 +517,11 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
       // A chief moved a shard back from its stand-in (it stopped running its epoch, which had
       // released step 9) and then took a late order of a term formed on the other side of a
       // partition, at step 8: it dropped its copies of the released steps. Now a chief refuses
-      // such an order whether or not its epoch still runs.
+      // such an order whether or not its epoch still runs...
       {2, 1234307, true, true, 300},
+      // ...by the steps it released, not the step it formed at: a chief whose formation at step 3
+      // never ran refused an order at step 2 (the last released), and the cluster fell back.
+      {2, 1233561, true, true, 300},
   };
   for (const Seed& s : seeds) {
     SimOptions o;
