@@ -650,12 +650,14 @@ std::optional<peer::LiveCopy> ClusterCoordinator::NewestFetchAnswerLocked(
 
 bool ClusterCoordinator::ServedPastLocked(const peer::Restore& r) const {
   if (!r.live || r.newest || epoch_ <= r.lineage) return false;
-  // The steps this chief released in its epoch (known_released_: tokens pushed, not the step it
-  // formed at, which a formation that never ran did not release), whether or not that epoch still
-  // runs: a chief that moved a shard stopped running it, yet those steps stay released (seed
-  // 1234307: such a chief took a late order of a term formed on the other side of a partition,
-  // and dropped its copies of the released steps).
-  if (chief_ == me_) return known_released_.lineage == epoch_ && known_released_.step > r.step;
+  // Steps released in this shard's epoch (known_released_: the tokens the chief pushed, a commit
+  // a follower took, the chief's heartbeats; not the step a formation started at, which one that
+  // never ran did not release), whether or not that epoch still runs: a chief that moved a shard
+  // stopped running it, yet those steps stay released (seed 1234307: such a chief took a late
+  // order of a term formed on the other side of a partition, and dropped its copies of the
+  // released steps; seed 1334512: a follower, whose own copies as of its last tick showed less).
+  if (known_released_.lineage == epoch_ && known_released_.step > r.step) return true;
+  if (chief_ == me_) return false;
   // A follower: its own copy of step s in its epoch means every shard committed s - 1, and the
   // tokens of step s - 1 went out.
   for (const peer::LiveCopy& c : own_copies_) {

@@ -522,6 +522,9 @@ TEST_CASE("cluster simulation: takeover regression seeds", "[cluster][sim][takeo
       // ...by the steps it released, not the step it formed at: a chief whose formation at step 3
       // never ran refused an order at step 2 (the last released), and the cluster fell back.
       {2, 1233561, true, true, 300},
+      // A follower took such an order too: its own copies as of its last tick did not show the
+      // step released, the commit of it it had taken did (now counted).
+      {3, 1334512, true, true, 300},
   };
   for (const Seed& s : seeds) {
     SimOptions o;
