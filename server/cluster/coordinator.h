@@ -490,8 +490,9 @@ class ClusterCoordinator : public PeerEvents {
   // stand-in heard lately — and a formation when that changes.
   void ChiefMapLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
   // A live restore order chosen on old news: this shard's epoch (newer than the copy chosen),
-  // running or not any more, released steps past it — the chief itself, or a follower whose own
-  // copies show it.
+  // running or not any more, released steps past it — as this shard knows (known_released_: the
+  // tokens it pushed as chief, a commit it took, the chief's heartbeats), or as a follower's own
+  // copies show.
   bool ServedPastLocked(const peer::Restore& r) const REQUIRES(mu_);
   // Two manifests of one step list the same parts (by shard: size and checksum).
   static bool SameParts(std::vector<peer::PartInfo> a, std::vector<peer::PartInfo> b);
