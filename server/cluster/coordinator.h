@@ -333,10 +333,11 @@ class ClusterCoordinator : public PeerEvents {
   // shard set can restore it, and counting it would have a formation give up live copies for it.
   bool SealAgreesLocked(int shard, int64_t step) const REQUIRES(mu_);
   // Checkpoint `step` is restorable everywhere once its seal is sent along: this shard keeps the
-  // seal (it sealed it once, or heard it from a shard that did: HearSealLocked), and every shard, this one included,
-  // lists it sealed or present but unusable with the part the seal names (it holds its part and missed the seal: a
-  // restart between its part and the seal; or it left the seal for a formation at an older step that a later formation
-  // at this one did not reach). Not if a shard already failed to restore it that way.
+  // seal (it sealed it once, or heard it from a shard that did: HearSealLocked), and every shard,
+  // this one included, lists it sealed or present but unusable with the part the seal names (it
+  // holds its part and missed the seal: a restart between its part and the seal; or it left the
+  // seal for a formation at an older step that a later formation at this one did not reach). Not
+  // if a shard already failed to restore it that way.
   bool ResealableLocked(int64_t step) const REQUIRES(mu_);
   // A peer's newest manifest (its heartbeat's newest_seal): kept if this shard holds its part of
   // that step unsealed, the very part the manifest names, so that as chief it can reseal it.
@@ -527,12 +528,12 @@ class ClusterCoordinator : public PeerEvents {
   // Sends each other shard's messages where the chief's map `moved` says (its --cluster entry if
   // not listed).
   void FollowMapLocked(const std::map<int, std::string>& moved, std::vector<Action>* actions) REQUIRES(mu_);
-  // A heartbeat's takeover news: the chief's map (from the process `from` is served by: `served`),
-  // the predecessor's own process back.
   // Sends the copies the stopped stand-in kept (hand_back_) to the predecessor's own process, once
   // this shard's link goes there: those not acknowledged, again after a while (at most
   // kMaxHandBackSends times each).
   void HandBackLocked(Clock::time_point now, std::vector<Action>* actions) REQUIRES(mu_);
+  // A heartbeat's takeover news: the chief's map (from the process `from` is served by: `served`),
+  // the predecessor's own process back.
   void TakeoverHeartbeatLocked(int from, uint64_t term, uint64_t sender, const peer::Heartbeat& hb, bool served,
                                std::vector<Action>* actions) REQUIRES(mu_);
 

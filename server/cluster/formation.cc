@@ -59,6 +59,12 @@ std::string StepList(const std::vector<int64_t>& steps) {
   return out;
 }
 
+// The manifest `seal` names `part` as shard `shard`'s part (same size and checksum).
+bool NamesPart(const std::vector<peer::PartInfo>& seal, int shard, const peer::PartInfo& part) {
+  auto named = std::find_if(seal.begin(), seal.end(), [shard](const peer::PartInfo& x) { return x.shard == shard; });
+  return named != seal.end() && named->bytes == part.bytes && named->checksum == part.checksum;
+}
+
 }  // namespace
 
 std::string ClusterCoordinator::DescribeCheckpointsLocked() const {
@@ -97,10 +103,7 @@ bool ClusterCoordinator::ResealableLocked(int64_t step) const {
       if (self) return false;
       continue;  // not said (an older version): the order checks
     }
-    auto named = std::find_if(seal.begin(), seal.end(), [i](const peer::PartInfo& x) { return x.shard == i; });
-    if (named == seal.end() || named->bytes != part->second.bytes || named->checksum != part->second.checksum) {
-      return false;
-    }
+    if (!NamesPart(seal, i, part->second)) return false;
   }
   return true;
 }
@@ -534,12 +537,7 @@ void ClusterCoordinator::HearSealLocked(int from, const peer::Seal& seal) {
   if (static_cast<int>(seal.parts.size()) != shards_ || seal_parts_.count(seal.step) > 0) return;
   if (std::find(unusable_.begin(), unusable_.end(), seal.step) == unusable_.end()) return;
   auto mine = unsealed_parts_.find(seal.step);
-  if (mine == unsealed_parts_.end()) return;
-  auto named =
-      std::find_if(seal.parts.begin(), seal.parts.end(), [this](const peer::PartInfo& x) { return x.shard == me_; });
-  if (named == seal.parts.end() || named->bytes != mine->second.bytes || named->checksum != mine->second.checksum) {
-    return;
-  }
+  if (mine == unsealed_parts_.end() || !NamesPart(seal.parts, me_, mine->second)) return;
   spdlog::info(
       "cluster: shard {} holds its part of checkpoint step {} but missed the seal; keeps the manifest shard {} "
       "sealed, for a formation to seal it here",

@@ -218,7 +218,7 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
   // Copies come only from their owner (to keep) or from the shard that keeps ours (a restore), or
   // our predecessor's from the host of the stand-in that served us (handed back, takeover.cc).
   if (c.hand_back) {
-    if (c.restore || from != Successor() || c.owner != Predecessor() || c.owner == me_) return;
+    if (c.restore || from != Successor() || c.owner != Predecessor()) return;
   } else if (c.restore ? (from != Successor() || c.owner != me_) : (from != Predecessor() || c.owner != from)) {
     return;
   }

@@ -17,9 +17,9 @@
 //
 // The stand-in also kept the copies of d's predecessor's part (it was the next shard of that
 // part). Those do not go with it: its host takes them when it stops it and hands them to d's own
-// process (HandBackLocked: ReplicaChunk.hand_back), which keeps them unless it has newer ones or a
-// formation it took part in left them. Else a fault of d - 1 before its next copy reached d's own
-// process would leave no copy of its part.
+// process (HandBackLocked: ReplicaChunk.hand_back), which keeps them unless a restore from a
+// checkpoint there has left their timeline (TakeHandedBackLocked). Else a fault of d - 1 before its
+// next copy reached d's own process would leave no copy of its part.
 //
 // Partitions: a part is served by a stand-in only while the chief hears the own processes of a
 // majority of the shards (MajorityLocked; with an even count, half including shard 0's). Without
