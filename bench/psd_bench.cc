@@ -177,6 +177,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   co.pull_frame_bytes = opt.pull_frame_bytes;
   co.busy_poll_us = opt.busy_poll_us;
   co.shared_memory_bytes = opt.shared_memory_bytes;
+  co.shm_piece_bytes = opt.shm_piece_bytes;
   // Room for one worker's gradients and values, and slack for the allocator's rounding.
   if (opt.shared_buffers) {
     const uint64_t data = opt.sparse ? 2 * static_cast<uint64_t>(opt.batch_rows * opt.embedding_dim) * sizeof(float)
@@ -467,6 +468,10 @@ int Run(int argc, char** argv) {
   app.add_option("--shared-memory", opt.shared_memory_text,
                  "same-host workers' shared-memory segment (ClientOptions::shared_memory_bytes; 0: TCP only)")
       ->capture_default_str();
+  app.add_option("--shm-piece-bytes", opt.shm_piece_text,
+                 "pushes and pulls through the segment move in pieces of this size, one side's copy overlapping "
+                 "the other's work (ClientOptions::shm_piece_bytes; 0: one piece)")
+      ->capture_default_str();
   app.add_flag("--shared-buffers", opt.shared_buffers,
                "the workers' gradients and values (--sparse: the pulled rows and their gradient) live in shared "
                "buffers (Client::AllocateShared): a same-host psd reads and writes them in place, no copy on "
@@ -555,6 +560,12 @@ int Run(int argc, char** argv) {
     return 1;
   }
   opt.shared_memory_bytes = *shm_bytes;
+  auto shm_piece = ParseBytes(opt.shm_piece_text);
+  if (!shm_piece.ok()) {
+    std::fprintf(stderr, "psd_bench: --shm-piece-bytes: %s\n", shm_piece.status().message().c_str());
+    return 1;
+  }
+  opt.shm_piece_bytes = *shm_piece;
   if (opt.sparse) {
     if (opt.batch_rows > opt.embedding_rows) {
       std::fprintf(stderr, "psd_bench: --batch-rows %" PRId64 " exceeds --embedding-rows %" PRId64 "\n", opt.batch_rows,

@@ -3,6 +3,7 @@
 #include <kj/exception.h>
 
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "psd/cluster_list.h"
@@ -248,6 +249,9 @@ Status Client::Impl::Run(Calls& calls, const std::function<void(size_t)>& each) 
   std::vector<bool> failed(conns_.size(), false);
   for (auto& c : calls) {
     const size_t k = static_cast<size_t>(c->shard);
+    if (!failed[k]) {
+      for (const Call::ShmCopy& cp : c->copies) std::memcpy(cp.dst, cp.src, cp.bytes);
+    }
     c->status = failed[k] ? psd::Unavailable("an earlier frame to this shard failed")
                           : FromShard(conn(c->shard).Send(c->frame, c->wait_ms), conn(c->shard), cluster());
     c->sent = c->status.ok();

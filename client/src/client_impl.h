@@ -97,6 +97,14 @@ class Client::Impl {
     Status status;
     proto::Response::Reader resp;
     psd::wire::Landing landing;  // a ranged pull's one tensor: read straight into the caller's view
+    // Bytes copied into the shared-memory segment just before the frame is sent (a push in
+    // pieces: the copy of this piece overlaps psd's work on the frames before it).
+    struct ShmCopy {
+      uint8_t* dst;
+      const void* src;
+      size_t bytes;
+    };
+    std::vector<ShmCopy> copies;
   };
   using Calls = std::vector<std::unique_ptr<Call>>;
 

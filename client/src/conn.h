@@ -157,6 +157,8 @@ class Conn {
     const uint64_t limit = daemon_max_frame_bytes > 0 ? daemon_max_frame_bytes : options_.max_frame_bytes;
     return std::max<uint64_t>(1, (limit - std::min(limit, kFrameSlack)) / 16);
   }
+  // ClientOptions::shm_piece_bytes where the daemon takes chunks and ranges, else 0 (one piece).
+  uint64_t ShmPieceBytes() const { return chunk_elements == 0 ? 0 : options_.shm_piece_bytes; }
   // Every reply of the last batch is in: its room may be used again.
   void ShmReset() { shm_used = 0; }
   // Copies a tensor's bytes into the segment (room the caller checked with ShmFits) and says

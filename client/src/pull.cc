@@ -93,30 +93,50 @@ void Client::Impl::PlanPull(int k, const Outs& outs, std::vector<PullFrame>* fra
     frames->push_back({k, outs, {}, false, true, std::move(at)});
     return;
   }
+  // Element ranges of whole parts, at most `limit` bytes a frame (none when one frame takes all).
+  auto ranged = [&](uint64_t limit, bool to_shm) {
+    std::vector<PullFrame> out;
+    auto plan = internal::PlanFrames(bytes, elem, {}, {}, limit, conn(k).chunk_elements);
+    bool whole = plan.size() == 1;
+    for (const auto& piece : plan[0].dense) whole = whole && piece.offset == 0 && piece.bytes == bytes[piece.entry];
+    if (whole) return out;
+    for (const internal::FramePlan& f : plan) {
+      PullFrame frame{k, {}, {}, true, to_shm, {}};
+      for (const internal::FramePiece& piece : f.dense) {
+        const auto& [name, view] = outs[piece.entry];
+        const size_t es = elem[piece.entry];
+        TensorView part = view;
+        part.data = view.data ? static_cast<uint8_t*>(view.data) + piece.offset : nullptr;
+        part.shape = {static_cast<int64_t>(piece.bytes / es)};
+        frame.outs.emplace_back(name, part);
+        frame.offsets.push_back(static_cast<int64_t>(piece.offset / es));
+      }
+      out.push_back(std::move(frame));
+    }
+    return out;
+  };
   if (conn(k).ShmFits(ShmTargetBytes(outs))) {
+    // Values bigger than a piece come in ranges, each written by psd into a room of its own and
+    // copied out by the client while psd writes the next (Conn::ShmPieceBytes).
+    const uint64_t piece = conn(k).ShmPieceBytes();
+    if (piece > 0 && ShmTargetBytes(outs) > piece) {
+      auto pieces = ranged(piece, /*to_shm=*/true);
+      uint64_t room = 0;
+      for (const PullFrame& f : pieces) room += ShmTargetBytes(f.outs);  // each a multiple of 64 bytes
+      if (!pieces.empty() && conn(k).ShmFits(room)) {
+        for (PullFrame& f : pieces) frames->push_back(std::move(f));
+        return;
+      }
+    }
     frames->push_back({k, outs, {}, false, true, {}});
     return;
   }
-  auto plan = internal::PlanFrames(bytes, elem, {}, {}, conn(k).PullFrameLimit(), conn(k).chunk_elements);
-  bool whole = plan.size() == 1;
-  for (const auto& piece : plan[0].dense) whole = whole && piece.offset == 0 && piece.bytes == bytes[piece.entry];
-  if (whole) {
+  auto pieces = ranged(conn(k).PullFrameLimit(), /*to_shm=*/false);
+  if (pieces.empty()) {
     frames->push_back({k, outs, {}, false, false, {}});
     return;
   }
-  for (const internal::FramePlan& f : plan) {
-    PullFrame frame{k, {}, {}, true, false, {}};
-    for (const internal::FramePiece& piece : f.dense) {
-      const auto& [name, view] = outs[piece.entry];
-      const size_t es = elem[piece.entry];
-      TensorView part = view;
-      part.data = view.data ? static_cast<uint8_t*>(view.data) + piece.offset : nullptr;
-      part.shape = {static_cast<int64_t>(piece.bytes / es)};
-      frame.outs.emplace_back(name, part);
-      frame.offsets.push_back(static_cast<int64_t>(piece.offset / es));
-    }
-    frames->push_back(std::move(frame));
-  }
+  for (PullFrame& f : pieces) frames->push_back(std::move(f));
 }
 
 psd::wire::Landing Client::Impl::LandingFor(const Outs& outs) {
@@ -162,7 +182,7 @@ Result<int64_t> Client::Impl::PullViewsLocked(const Outs& outs, bool averages) {
         return psd::Internal("the shared-memory room planned for a pull is gone");  // PlanPull checked it
       }
       if (!f.ranged) continue;
-      calls.back()->landing = LandingFor(f.outs);
+      if (!f.to_shm) calls.back()->landing = LandingFor(f.outs);
       auto ranges = pull.initRanges(static_cast<unsigned>(f.outs.size()));
       for (size_t i = 0; i < f.outs.size(); ++i) {
         ranges[static_cast<unsigned>(i)].setOffset(f.offsets[i]);

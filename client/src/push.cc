@@ -74,14 +74,18 @@ DType Coalesce(const SparseGradient& g, const void* values, std::vector<int64_t>
   return g.values.dtype;
 }
 
-// The one frame a shard's part of a push takes when its gradients' values go through shared
-// memory (dense gradients, and sparse ones' rows; their indices stay in the frame): false (plan
-// over TCP) unless the connection has a segment with room for all the values and the indices fit
-// a frame. Gradients in the shared buffers (in_buffers, sparse_in_buffers >= 0) take no room:
-// psd reads them in place.
-bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const std::vector<int64_t>& in_buffers,
-             const std::vector<uint64_t>& sparse_values, const std::vector<int64_t>& sparse_in_buffers,
-             const std::vector<uint64_t>& sparse_indices, std::vector<internal::FramePlan>* frames) {
+// The frames a shard's part of a push takes when its gradients' values go through shared memory
+// (dense gradients, and sparse ones' rows; their indices stay in the frame): false (plan over
+// TCP) unless the connection has a segment with room for all the values and the indices fit a
+// frame. Gradients in the shared buffers (in_buffers, sparse_in_buffers >= 0) take no room: psd
+// reads them in place. One frame, unless the bytes to copy into the segment are more than
+// Conn::ShmPieceBytes and all dense: then pieces of about that size, chunks of the gradients as
+// over TCP, each frame sent as soon as its piece is copied (Call::copies), so that psd adds piece
+// k while the client copies piece k+1 in.
+bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& element_bytes,
+             const std::vector<int64_t>& in_buffers, const std::vector<uint64_t>& sparse_values,
+             const std::vector<int64_t>& sparse_in_buffers, const std::vector<uint64_t>& sparse_indices,
+             std::vector<internal::FramePlan>* frames) {
   if (!conn.shm || (dense_bytes.empty() && sparse_values.empty())) return false;
   uint64_t need = 0, in_frame = 0;
   for (size_t i = 0; i < dense_bytes.size(); ++i) need += in_buffers[i] >= 0 ? 0 : psd::wire::ShmAlign(dense_bytes[i]);
@@ -91,6 +95,12 @@ bool ShmPlan(const Conn& conn, const std::vector<uint64_t>& dense_bytes, const s
   for (uint64_t b : sparse_indices) in_frame += b + internal::kFrameEntryOverhead;
   const uint64_t limit = conn.PushFrameLimit();
   if (!conn.ShmFits(need) || (limit > 0 && in_frame + Conn::kFrameSlack > limit)) return false;
+  const uint64_t piece = conn.ShmPieceBytes();
+  const bool copies_all = std::all_of(in_buffers.begin(), in_buffers.end(), [](int64_t at) { return at < 0; });
+  if (piece > 0 && need > piece && sparse_values.empty() && copies_all) {
+    *frames = internal::PlanFrames(dense_bytes, element_bytes, {}, {}, piece, conn.chunk_elements);
+    return true;
+  }
   internal::FramePlan plan;
   for (size_t i = 0; i < dense_bytes.size(); ++i) plan.dense.push_back({i, 0, dense_bytes[i]});
   for (size_t j = 0; j < sparse_values.size(); ++j) plan.sparse.push_back({j, 0, sparse_indices[j] / sizeof(int64_t)});
@@ -230,10 +240,10 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   if (pull_in_push) {
     std::vector<Impl::PullFrame> frames;
     im.PlanPull(chief, *pull_after, &frames);
-    pull_in_push = !frames[0].ranged;
+    pull_in_push = !frames[0].ranged;  // ranges (over TCP, or pieces through shared memory): after the token
     if (!frames[0].in_buffers.empty()) {
       pull_in_buffers = std::move(frames[0].in_buffers);
-    } else if (frames[0].to_shm) {
+    } else if (pull_in_push && frames[0].to_shm) {
       // The values are written where the gradients were: psd has read the gradients (applied or
       // dropped them) before it answers, so the room is reused and a step touches
       // max(gradients, values) of shared memory, not their sum.
@@ -307,11 +317,17 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     // are (with the sparse ones' indices). Else: bigger than a frame, several frames, gradients
     // cut into chunks, the token wait on the last.
     std::vector<internal::FramePlan> frames;
-    const bool via_shm =
-        ShmPlan(conn, dense_bytes, in_buffers, sparse_values, sparse_in_buffers, sparse_indices, &frames);
+    const bool via_shm = ShmPlan(conn, dense_bytes, element_bytes, in_buffers, sparse_values, sparse_in_buffers,
+                                 sparse_indices, &frames);
     if (!via_shm) {
       frames = internal::PlanFrames(dense_bytes, element_bytes, sparse_rows, sparse_row_bytes, conn.PushFrameLimit(),
                                     conn.chunk_elements);
+    }
+    // In pieces through shared memory: each gradient's room is taken now, its pieces copied there
+    // as their frames go out.
+    std::vector<int64_t> shm_room;
+    if (via_shm && frames.size() > 1) {
+      for (uint64_t b : dense_bytes) shm_room.push_back(conn.ShmReserve(b));
     }
     for (size_t f = 0; f < frames.size(); ++f) {
       const internal::FramePlan& plan = frames[f];
@@ -349,6 +365,20 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
         const ConstTensorView& v = d.view;
         if (via_shm && in_buffers[piece.entry] >= 0) {
           Conn::RefInShm(e.initGrad(), v.dtype, v.shape, 1, static_cast<uint64_t>(in_buffers[piece.entry]));
+        } else if (via_shm && !shm_room.empty()) {
+          // A piece: a chunk of the gradient (or the whole of a small one) at its place in the room.
+          const uint64_t at = static_cast<uint64_t>(shm_room[piece.entry]) + piece.offset;
+          const bool whole = piece.offset == 0 && piece.bytes == v.bytes();
+          const size_t es = psd::DTypeSize(v.dtype);
+          if (!whole) {
+            e.setChunk(true);
+            e.setChunkOffset(static_cast<int64_t>(piece.offset / es));
+          }
+          Conn::RefInShm(e.initGrad(), v.dtype, whole ? v.shape : Shape{static_cast<int64_t>(piece.bytes / es)}, 0, at);
+          if (piece.bytes > 0) {
+            c.copies.push_back({conn.shm->data() + at, static_cast<const uint8_t*>(v.data) + piece.offset,
+                                static_cast<size_t>(piece.bytes)});
+          }
         } else if (via_shm) {
           conn.PutInShm(e.initGrad(), v.dtype, v.shape, v.data, v.bytes());
         } else if (piece.offset == 0 && piece.bytes == v.bytes()) {

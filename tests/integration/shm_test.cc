@@ -48,11 +48,13 @@ struct Trained {
 };
 
 // Two workers, three sync steps of {w [300, 500], b [7]}, the next values with the token.
-Trained Train(server::Server& server, uint64_t shared_memory_bytes) {
+// `shm_piece_bytes`: ClientOptions::shm_piece_bytes (the default, 2 MiB, moves w in one piece).
+Trained Train(server::Server& server, uint64_t shared_memory_bytes, uint64_t shm_piece_bytes = 2 << 20) {
   std::unique_ptr<psclient::Client> c[2];
   for (int i = 0; i < 2; ++i) {
     auto o = WorkerOptions(server.port(), "w" + std::to_string(i));
     o.shared_memory_bytes = shared_memory_bytes;
+    o.shm_piece_bytes = shm_piece_bytes;
     c[i] = ConnectWith(o);
   }
   std::vector<float> init(static_cast<size_t>(kRows * kCols), 0.25f);
@@ -129,6 +131,47 @@ TEST_CASE("a same-host worker moves tensors through shared memory, with the valu
   CHECK(tcp_server->metrics().shm_bytes() == 0);
   REQUIRE(shm_server->shm() != nullptr);
   CHECK(shm_server->shm()->attached() == 2);
+}
+
+TEST_CASE("pushes and pulls bigger than a piece move through shared memory in pieces, with the same values",
+          "[shm]") {
+  // 64 KiB pieces: w's 600 KB gradient goes in 10 frames, each piece copied into the segment as
+  // its frame goes out, and its values come back in ranges after the token.
+  auto pieces_server = StartServer(TestConfig(2, 2, 0));
+  auto whole_server = StartServer(TestConfig(2, 2, 0));
+  Trained pieces = Train(*pieces_server, 1 << 30, 64 << 10);
+  Trained whole = Train(*whole_server, 1 << 30, 0);
+  CHECK(pieces.shm_shards[0] == 1);
+  CHECK(whole.shm_shards[0] == 1);
+  CHECK(std::memcmp(pieces.w.data(), whole.w.data(), pieces.w.size() * sizeof(float)) == 0);
+  CHECK(pieces.w_bf16 == whole.w_bf16);
+  CHECK(pieces.b == whole.b);
+  CHECK(pieces.w[0] == Approx(0.25 + 0.01 * (0.4725 + 0.3515 + 0.2305)).epsilon(1e-5));
+  // The tensors' bytes went through the segments, not the socket, both ways (w's initial value
+  // alone goes over TCP: a create does not take shared memory).
+  const uint64_t model = kRows * kCols * sizeof(float);
+  CHECK(pieces_server->metrics().shm_bytes() > 3 * 2 * 2 * model);
+  CHECK(pieces_server->metrics().bytes_in() < 2 * model);
+  CHECK(pieces_server->metrics().bytes_out() < model);
+
+  // One worker's push of w with its values after: 10 frames of pieces, the values in 10 ranges.
+  auto server = StartServer(TestConfig(1, 1, 0));  // the token comes with the step's commit
+  auto o = WorkerOptions(server->port(), "w0");
+  o.shm_piece_bytes = 64 << 10;
+  auto c = ConnectWith(o);
+  REQUIRE(c->shared_memory_shards() == 1);
+  std::vector<float> w(static_cast<size_t>(kRows * kCols), 1.0f), g(w.size());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(i % 1000);
+  REQUIRE(c->CreateVariable("w", ConstTensorView{w.data(), DType::kFloat32, {kRows, kCols}}).ok());
+  const uint64_t before = c->requests_sent();
+  std::vector<std::pair<std::string, TensorView>> after = {{"w", {w.data(), DType::kFloat32, {kRows, kCols}}}};
+  auto r = c->Push(0, {{"w", {g.data(), DType::kFloat32, {kRows, kCols}}}}, {}, true, 10000, &after);
+  REQUIRE(r.ok());
+  REQUIRE(r->token_status.ok());
+  CHECK(r->pulled_step == 1);
+  CHECK(c->requests_sent() - before == 20);  // ceil(600000 / 65536) pieces each way
+  for (size_t i = 0; i < w.size(); i += 997) REQUIRE(w[i] == Approx(1 - 0.01f * g[i]).epsilon(1e-6));
+  CHECK(w.back() == Approx(1 - 0.01f * g.back()).epsilon(1e-6));
 }
 
 TEST_CASE("shared memory is not used where it is not offered or does not fit", "[shm]") {

@@ -91,6 +91,11 @@ struct ClientOptions {
   // pages are used only as touched (about the biggest push plus pull of one call). A call that
   // does not fit, and any failure to attach, goes over TCP. 0: never.
   uint64_t shared_memory_bytes = 1ull << 30;
+  // Through that segment, a push or a pull that copies more than this many bytes moves in pieces
+  // of about this size, each named by its own frame, so that one side's copy of a piece overlaps
+  // the other side's work on the last (the client copies gradient piece k+1 in while psd adds
+  // piece k; psd writes value range k+1 while the client copies range k out). 0: one piece.
+  uint64_t shm_piece_bytes = 2ull << 20;
   // Room for Client::AllocateShared's buffers, all together (virtual: pages are used only as
   // touched). Attached to a same-host daemon with the segment above when psd maps that much (its
   // --shm-max-bytes). 0: AllocateShared is refused.
