@@ -44,8 +44,9 @@ struct Options {
   int64_t busy_poll_us = 0;               // ClientOptions::busy_poll_us
   std::string shared_memory_text = "1G";  // ClientOptions::shared_memory_bytes
   uint64_t shared_memory_bytes = 1ull << 30;
-  std::string shm_piece_text = "2M";  // ClientOptions::shm_piece_bytes
-  uint64_t shm_piece_bytes = 2ull << 20;
+  std::string shm_piece_text = "4M";  // ClientOptions::shm_piece_bytes
+  uint64_t shm_piece_bytes = 4ull << 20;
+  int copy_threads = 2;  // ClientOptions::copy_threads
   bool shared_buffers = false;  // gradients and values (sparse: rows) in Client::AllocateShared memory
   psd::DType grad_dtype = psd::DType::kFloat32;
   uint64_t model_bytes = 0;

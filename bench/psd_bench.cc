@@ -178,6 +178,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   co.busy_poll_us = opt.busy_poll_us;
   co.shared_memory_bytes = opt.shared_memory_bytes;
   co.shm_piece_bytes = opt.shm_piece_bytes;
+  co.copy_threads = opt.copy_threads;
   // Room for one worker's gradients and values, and slack for the allocator's rounding.
   if (opt.shared_buffers) {
     const uint64_t data = opt.sparse ? 2 * static_cast<uint64_t>(opt.batch_rows * opt.embedding_dim) * sizeof(float)
@@ -471,6 +472,11 @@ int Run(int argc, char** argv) {
   app.add_option("--shm-piece-bytes", opt.shm_piece_text,
                  "pushes and pulls through the segment move in pieces of this size, one side's copy overlapping "
                  "the other's work (ClientOptions::shm_piece_bytes; 0: one piece)")
+      ->capture_default_str();
+  app.add_option("--copy-threads", opt.copy_threads,
+                 "threads that help each worker copy big tensors into and out of the segment "
+                 "(ClientOptions::copy_threads; 0: the worker's own thread alone)")
+      ->check(CLI::Range(0, 64))
       ->capture_default_str();
   app.add_flag("--shared-buffers", opt.shared_buffers,
                "the workers' gradients and values (--sparse: the pulled rows and their gradient) live in shared "

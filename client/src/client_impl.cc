@@ -2,6 +2,7 @@
 
 #include <kj/exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -59,7 +60,8 @@ void WritePlacement(proto::VariablePlacement::Builder b, const VariablePlacement
 
 using internal::ReadPlacement;
 
-Client::Impl::Impl(ClientOptions options) : options_(std::move(options)) {
+Client::Impl::Impl(ClientOptions options)
+    : options_(std::move(options)), copy_pool_(std::clamp(options_.copy_threads, 0, 64)) {
   if (options_.shared_buffer_bytes > 0) {
     auto arena = internal::SharedArena::Create(options_.shared_buffer_bytes);
     if (arena.ok()) {
@@ -250,7 +252,7 @@ Status Client::Impl::Run(Calls& calls, const std::function<void(size_t)>& each) 
   for (auto& c : calls) {
     const size_t k = static_cast<size_t>(c->shard);
     if (!failed[k]) {
-      for (const Call::ShmCopy& cp : c->copies) std::memcpy(cp.dst, cp.src, cp.bytes);
+      for (const Call::ShmCopy& cp : c->copies) copy_pool_.ParallelCopy(cp.dst, cp.src, cp.bytes);
     }
     c->status = failed[k] ? psd::Unavailable("an earlier frame to this shard failed")
                           : FromShard(conn(c->shard).Send(c->frame, c->wait_ms), conn(c->shard), cluster());

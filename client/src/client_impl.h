@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/thread_pool.h"
 #include "conn.h"
 #include "device_memory.h"
 #include "psclient/client.h"
@@ -302,6 +303,8 @@ class Client::Impl {
   }
 
   ClientOptions options_;
+  // Helpers of big copies into and out of the shared-memory segments (ClientOptions::copy_threads).
+  psd::ThreadPool copy_pool_;
   std::shared_ptr<internal::SharedArena> arena_;  // the shared buffers (null: none)
   Status arena_status_;                           // why there is no arena, when it failed
   std::vector<std::unique_ptr<Conn>> conns_;

@@ -32,9 +32,15 @@ Result<int64_t> Client::Impl::ReadValues(proto::PullReply::Reader p,
       PSD_RETURN_IF_ERROR(CheckView("'" + outs[i].first + "'", t->dtype, t->shape, out));
       if (t->bytes != out.bytes()) return psd::Internal("pull reply for '" + outs[i].first + "' has a wrong size");
       if (out.memory == MemoryKind::kHost) {
-        // Landed: the bytes were read straight into the view. Else copied (memmove: a reply that
-        // did not land as planned may still have been read over the view).
-        if (t->data != out.data) std::memmove(out.data, t->data, t->bytes);
+        // Landed: the bytes were read straight into the view. Else copied: out of shared memory
+        // with the copy helpers, out of a reply with memmove (a reply that did not land as planned
+        // may still have been read over the view).
+        if (t->data == out.data) continue;
+        if (values[static_cast<unsigned>(i)].getInShm()) {
+          copy_pool_.ParallelCopy(out.data, t->data, t->bytes);
+        } else {
+          std::memmove(out.data, t->data, t->bytes);
+        }
         continue;
       }
       PSD_RETURN_IF_ERROR(staging_.FromHost(out.data, t->data, t->bytes, out.memory, out.stream));

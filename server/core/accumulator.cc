@@ -150,7 +150,19 @@ Buffer* DenseAccumulator::ChunkSlot(std::string_view replica, int64_t p0, int64_
   return it->values.get();
 }
 
-void DenseAccumulator::Add(DType dtype, const void* data, std::string_view replica) {
+void DenseAccumulator::AddToStripes(int64_t s0, int64_t count, int64_t start, DType dtype, const void* data,
+                                    int64_t base, int64_t begin, int64_t end, ThreadPool* helpers) {
+  auto add = [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t i = s0 + (start + k) % count;
+      AddToStripe(i, dtype, data, base, std::max(begin, i * kStripeElements), std::min(end, (i + 1) * kStripeElements));
+    }
+  };
+  if (helpers == nullptr || count < 2) return add(0, count);
+  helpers->ParallelFor(count, 1, add);
+}
+
+void DenseAccumulator::Add(DType dtype, const void* data, std::string_view replica, ThreadPool* helpers) {
   if (num_elements_ == 0) return;
   if (deterministic_) {
     std::unique_ptr<Buffer> slot;
@@ -165,13 +177,11 @@ void DenseAccumulator::Add(DType dtype, const void* data, std::string_view repli
   }
   const int64_t start =
       static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(num_stripes_));
-  for (int64_t k = 0; k < num_stripes_; ++k) {
-    int64_t i = (start + k) % num_stripes_;
-    AddToStripe(i, dtype, data, 0, i * kStripeElements, std::min(num_elements_, (i + 1) * kStripeElements));
-  }
+  AddToStripes(0, num_stripes_, start, dtype, data, 0, 0, num_elements_, helpers);
 }
 
-void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica) {
+void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica,
+                                ThreadPool* helpers) {
   if (n <= 0) return;
   if (deterministic_) {
     const int64_t p0 = offset / kPartElements, p1 = (offset + n + kPartElements - 1) / kPartElements;
@@ -184,11 +194,7 @@ void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, i
   const int64_t stripes = s1 - s0;
   const int64_t start =
       static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(stripes));
-  for (int64_t k = 0; k < stripes; ++k) {
-    int64_t i = s0 + (start + k) % stripes;
-    AddToStripe(i, dtype, data, offset, std::max(offset, i * kStripeElements),
-                std::min(offset + n, (i + 1) * kStripeElements));
-  }
+  AddToStripes(s0, stripes, start, dtype, data, offset, offset, offset + n, helpers);
 }
 
 void DenseAccumulator::EndAddChunk(int64_t offset, int64_t n) {

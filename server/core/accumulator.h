@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "base/thread_pool.h"
 #include "core/buffer.h"
 #include "core/training_config.h"
 #include "psd/status.h"
@@ -91,12 +92,14 @@ class DenseAccumulator {
   // else to call); otherwise the add is in flight and the caller must call Add, then EndAdd.
   bool BeginAdd(int64_t local_step);
   // Adds a validated gradient (Check passed); thread-safe against other Adds. `replica` orders
-  // the sum in deterministic mode (ignored otherwise).
-  void Add(DType dtype, const void* data, std::string_view replica);
+  // the sum in deterministic mode (ignored otherwise). `helpers`: a pool whose idle threads take
+  // some of the stripes (null: the caller adds them all); each stripe's sum is the same either way.
+  void Add(DType dtype, const void* data, std::string_view replica, ThreadPool* helpers = nullptr);
   void EndAdd();
   // A chunk of a gradient: elements [offset, offset + n) of the flattened tensor, `data` holding
   // just them (CheckChunk passed). Between BeginAdd and EndAddChunk, like Add.
-  void AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica);
+  void AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica,
+                ThreadPool* helpers = nullptr);
   // Counts the chunk for the parts it covers.
   void EndAddChunk(int64_t offset, int64_t n);
   // Checks a chunk for an accumulator of `want_dtype`/`want_shape`: a flat [n] of a gradient's
@@ -159,6 +162,9 @@ class DenseAccumulator {
   // AddRange for elements [begin, end) of stripe i (whole parts) under its lock, `data` holding
   // element `base` first.
   void AddToStripe(int64_t i, DType dtype, const void* data, int64_t base, int64_t begin, int64_t end);
+  // AddToStripe over stripes s0 + (start + k) % count for k in [0, count), some on `helpers`.
+  void AddToStripes(int64_t s0, int64_t count, int64_t start, DType dtype, const void* data, int64_t base,
+                    int64_t begin, int64_t end, ThreadPool* helpers);
   int MinPartCount() const { return min_part_; }
   // The take of a round with chunks: parts whose counts differ are divided (MEAN) by their own
   // count in place and divisor_ becomes 1; a part nobody sent (a forced take) is zeroed.

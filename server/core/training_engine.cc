@@ -356,11 +356,14 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
           // (striped); the step cannot be taken before it ends (in_flight), nor the accumulator
           // replaced, so the pointer stays valid.
           DenseAccumulator* acc = v->dense.get();
+          // With few adds of it at once (this one counted), idle apply threads take some of its
+          // stripes: a worker's big gradient is added by several cores, as the optimizer applies.
+          ThreadPool* helpers = acc->in_flight() <= kHelpedAdds ? &pool_ : nullptr;
           lock.Unlock();
           if (g.chunk()) {
-            acc->AddChunk(g.dtype, g.data, g.chunk_offset, g.shape[0], replica);  // validated above
+            acc->AddChunk(g.dtype, g.data, g.chunk_offset, g.shape[0], replica, helpers);  // validated above
           } else {
-            acc->Add(g.dtype, g.data, replica);
+            acc->Add(g.dtype, g.data, replica, helpers);
           }
           lock.Lock();
           if (g.chunk()) {

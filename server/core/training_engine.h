@@ -47,7 +47,7 @@
 #include "core/optimizer.h"
 #include "core/snapshot.h"
 #include "core/step_commit.h"
-#include "core/thread_pool.h"
+#include "base/thread_pool.h"
 #include "core/token_queue.h"
 #include "core/training_config.h"
 #include "core/var_placement.h"
@@ -295,6 +295,9 @@ class TrainingEngine {
   uint64_t epoch() const { return epoch_; }
   void set_epoch(uint64_t epoch) { epoch_ = epoch; }
   TokenQueue& tokens() { return tokens_; }
+  // The apply threads, for other big passes over memory (values written into a worker's shared
+  // memory): ParallelFor and ParallelCopy take only the idle ones.
+  ThreadPool& helpers() { return pool_; }
   const Optimizer& optimizer() const { return *optimizer_; }
   const TrainingConfig& config() const { return config_; }
   EngineStats Stats() const EXCLUDES(mu_);
@@ -377,7 +380,9 @@ class TrainingEngine {
   const TrainingConfig config_;
   std::unique_ptr<Optimizer> optimizer_;
   std::map<std::string, std::unique_ptr<Optimizer>> per_variable_optimizers_ GUARDED_BY(mu_);
-  ThreadPool pool_;
+  ThreadPool pool_;  // the apply threads (--apply-threads)
+  // Adds of one variable in flight at once up to which each also takes idle apply threads.
+  static constexpr int kHelpedAdds = 2;
   TokenQueue tokens_;
   std::function<void(const StepInfo&)> on_commit_;
   std::function<void(double)> on_apply_;

@@ -41,7 +41,7 @@ void SetValue(wire::OutFrame& frame, proto::Tensor::Builder t, const std::shared
 
 Result<uint64_t> SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype, const Shape& shape,
                                DType want, const ElementRange* range, wire::SharedSegment& segment,
-                               unsigned segment_index, uint64_t at, uint64_t end) {
+                               unsigned segment_index, uint64_t at, uint64_t end, ThreadPool* helpers) {
   const size_t count = range != nullptr ? static_cast<size_t>(range->count) : value.bytes() / DTypeSize(dtype);
   const size_t first = range != nullptr ? static_cast<size_t>(range->offset) : 0;
   const uint64_t bytes = count * DTypeSize(want);
@@ -56,7 +56,18 @@ Result<uint64_t> SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DT
   }
   const uint8_t* src = static_cast<const uint8_t*>(value.data()) + first * DTypeSize(dtype);
   if (want == dtype) {
-    std::memcpy(dst, src, bytes);
+    if (helpers != nullptr) {
+      helpers->ParallelCopy(dst, src, bytes);
+    } else {
+      std::memcpy(dst, src, bytes);
+    }
+  } else if (helpers != nullptr) {
+    const size_t in_size = DTypeSize(dtype), out_size = DTypeSize(want);
+    helpers->ParallelFor(static_cast<int64_t>(count), static_cast<int64_t>(ThreadPool::kCopyGrain / in_size),
+                         [&](int64_t b, int64_t e) {
+                           ConvertElements(src + static_cast<size_t>(b) * in_size, dtype,
+                                           dst + static_cast<size_t>(b) * out_size, want, static_cast<size_t>(e - b));
+                         });
   } else {
     ConvertElements(src, dtype, dst, want, count);
   }

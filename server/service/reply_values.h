@@ -52,10 +52,10 @@ struct ShmTarget {
 // `segment_index` of the connection's) at `at`, ending by `end`, and says where in `t` (inShm,
 // shmOffset, shmSegment). Returns the bytes written. The pages are the worker's: they are only
 // written, within bounds. INVALID_ARGUMENT when it does not fit or `at` is not a multiple of the
-// element size.
+// element size. `helpers`: a pool whose idle threads copy (or convert) part of a big value.
 Result<uint64_t> SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DType dtype, const Shape& shape,
                                DType want, const ElementRange* range, wire::SharedSegment& segment,
-                               unsigned segment_index, uint64_t at, uint64_t end);
+                               unsigned segment_index, uint64_t at, uint64_t end, ThreadPool* helpers = nullptr);
 
 // Where the rows of a PullRows go (TrainingEngine::ReadRows' sink), in the dtype the request asks
 // (has/wire; else the variable's own), converted row by row as they are read:

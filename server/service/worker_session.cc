@@ -398,7 +398,8 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
       auto n =
           SetValueInShm(list[static_cast<unsigned>(i)], *v.value, v.dtype, v.shape,
                         i < want.size() && want[i] ? *want[i] : v.declared, i < ranges.size() ? &ranges[i] : nullptr,
-                        *segment, to_shm->segment, at, placed ? segment->size() : to_shm->offset + to_shm->bytes);
+                        *segment, to_shm->segment, at, placed ? segment->size() : to_shm->offset + to_shm->bytes,
+                        &engine->helpers());
       if (!n.ok()) return n.status();
       cursor = at + *n;
       written += *n;

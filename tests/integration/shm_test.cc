@@ -48,8 +48,8 @@ struct Trained {
 };
 
 // Two workers, three sync steps of {w [300, 500], b [7]}, the next values with the token.
-// `shm_piece_bytes`: ClientOptions::shm_piece_bytes (the default, 2 MiB, moves w in one piece).
-Trained Train(server::Server& server, uint64_t shared_memory_bytes, uint64_t shm_piece_bytes = 2 << 20) {
+// `shm_piece_bytes`: ClientOptions::shm_piece_bytes (the default, 4 MiB, moves w in one piece).
+Trained Train(server::Server& server, uint64_t shared_memory_bytes, uint64_t shm_piece_bytes = 4 << 20) {
   std::unique_ptr<psclient::Client> c[2];
   for (int i = 0; i < 2; ++i) {
     auto o = WorkerOptions(server.port(), "w" + std::to_string(i));

@@ -61,9 +61,10 @@ def test_pull_writes_into_the_callers_array(psd):
 
 def test_same_host_shared_memory_and_tcp_give_the_same_values(start_psd):
     results = {}
-    for shm_bytes in (1 << 30, 0):
+    # (segment, piece, copy threads): one piece, 64 KiB pieces copied with helpers, TCP.
+    for shm_bytes, piece, copiers in ((1 << 30, 0, 0), (1 << 30, 64 << 10, 3), (0, 4 << 20, 2)):
         daemon = start_psd("-R", "1", "--init-tokens", "0", "--learning-rate", "0.5")
-        with connect(daemon, shared_memory_bytes=shm_bytes) as c:
+        with connect(daemon, shared_memory_bytes=shm_bytes, shm_piece_bytes=piece, copy_threads=copiers) as c:
             assert c.shared_memory_shards == (1 if shm_bytes else 0)
             assert (c.shared_memory_status == "") == bool(shm_bytes)
             c.create_variable("w", np.linspace(0, 1, 100_000, dtype=np.float32))
@@ -71,8 +72,11 @@ def test_same_host_shared_memory_and_tcp_give_the_same_values(start_psd):
             for step in range(3):
                 grad = np.sin(np.arange(100_000, dtype=np.float32) + step)
                 c.push(step, {"w": grad}, wait_token=True, pull_after={"w": out})
-            results[shm_bytes] = out.copy()
-    np.testing.assert_array_equal(results[1 << 30], results[0])
+            results[(shm_bytes, piece)] = out.copy()
+    np.testing.assert_array_equal(results[(1 << 30, 0)], results[(0, 4 << 20)])
+    np.testing.assert_array_equal(results[(1 << 30, 64 << 10)], results[(0, 4 << 20)])
+    with pytest.raises(psclient.InvalidArgument):
+        connect(start_psd("-R", "1"), copy_threads=-1)
 
 
 def test_shared_buffers_move_in_place_with_the_values_tcp_gives(start_psd):

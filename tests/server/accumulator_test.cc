@@ -141,9 +141,13 @@ std::vector<float> Ints(size_t n, int seed) {
 }  // namespace
 
 TEST_CASE("concurrent adds of one step sum every gradient, stripe by stripe", "[accumulator][parallel]") {
-  // 3.5 stripes: the last one is partial.
+  // 3.5 stripes: the last one is partial. With helpers, idle pool threads add some of each
+  // gradient's stripes (all six adders share the pool, as the engine's adds share its apply threads).
   const size_t n = static_cast<size_t>(DenseAccumulator::kStripeElements) * 7 / 2;
   const int kAdders = 6;
+  psd::ThreadPool pool(3);
+  const bool helped = GENERATE(false, true);
+  psd::ThreadPool* helpers = helped ? &pool : nullptr;
   DenseAccumulator acc(DType::kFloat32, {static_cast<int64_t>(n)}, Reduction::kSum, 0);
   std::vector<std::vector<float>> grads;
   for (int k = 0; k < kAdders; ++k) grads.push_back(Ints(n, k));
@@ -155,7 +159,7 @@ TEST_CASE("concurrent adds of one step sum every gradient, stripe by stripe", "[
     }
     std::vector<std::thread> threads;
     for (int k = 0; k < kAdders; ++k) {
-      threads.emplace_back([&, k] { acc.Add(DType::kFloat32, grads[static_cast<size_t>(k)].data(), {}); });
+      threads.emplace_back([&, k] { acc.Add(DType::kFloat32, grads[static_cast<size_t>(k)].data(), {}, helpers); });
     }
     for (auto& t : threads) t.join();
     int count = 0;
@@ -217,9 +221,9 @@ namespace {
 // Adds elements [offset, offset + n) of `g` as one chunk (the owner's lock is not needed: no
 // other thread).
 void AddChunk(DenseAccumulator& acc, int64_t step, const std::vector<float>& g, int64_t offset, int64_t n,
-              std::string_view replica = {}) {
+              std::string_view replica = {}, psd::ThreadPool* helpers = nullptr) {
   REQUIRE(acc.BeginAdd(step));
-  acc.AddChunk(DType::kFloat32, g.data() + offset, offset, n, replica);
+  acc.AddChunk(DType::kFloat32, g.data() + offset, offset, n, replica, helpers);
   acc.EndAddChunk(offset, n);
 }
 
@@ -241,16 +245,19 @@ TEST_CASE("a gradient sent in chunks sums bit-identically to the same gradient s
   const int64_t n = DenseAccumulator::kStripeElements + 5 * P + 100;  // over a stripe, a partial last part
   auto a = Awkward(static_cast<size_t>(n), 1), b = Awkward(static_cast<size_t>(n), 2),
        c = Awkward(static_cast<size_t>(n), 3);
+  // With helpers, a pool's threads add some of a chunk's stripes: the same bits.
+  psd::ThreadPool pool(2);
+  psd::ThreadPool* helpers = GENERATE(false, true) ? &pool : nullptr;
   DenseAccumulator whole(DType::kFloat32, {n}, Reduction::kMean, 0);
   for (auto* g : {&a, &b, &c}) REQUIRE(whole.AddChecked(0, DType::kFloat32, g->data()));
   // The same three in the same order, b in chunks that cross the stripe boundary, sent backwards.
   DenseAccumulator chunked(DType::kFloat32, {n}, Reduction::kMean, 0);
   REQUIRE(chunked.AddChecked(0, DType::kFloat32, a.data()));
   const int64_t cut1 = 3 * P, cut2 = DenseAccumulator::kStripeElements + 2 * P;
-  AddChunk(chunked, 0, b, cut2, n - cut2);
+  AddChunk(chunked, 0, b, cut2, n - cut2, {}, helpers);
   CHECK(chunked.num_accumulated() == 1);  // b is not all there yet
-  AddChunk(chunked, 0, b, cut1, cut2 - cut1);
-  AddChunk(chunked, 0, b, 0, cut1);
+  AddChunk(chunked, 0, b, cut1, cut2 - cut1, {}, helpers);
+  AddChunk(chunked, 0, b, 0, cut1, {}, helpers);
   CHECK(chunked.num_accumulated() == 2);
   REQUIRE(chunked.AddChecked(0, DType::kFloat32, c.data()));
   int cw = 0, cc = 0;

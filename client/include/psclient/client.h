@@ -95,7 +95,11 @@ struct ClientOptions {
   // of about this size, each named by its own frame, so that one side's copy of a piece overlaps
   // the other side's work on the last (the client copies gradient piece k+1 in while psd adds
   // piece k; psd writes value range k+1 while the client copies range k out). 0: one piece.
-  uint64_t shm_piece_bytes = 2ull << 20;
+  uint64_t shm_piece_bytes = 4ull << 20;
+  // Threads that help copy big tensors (over 1 MiB) into and out of that segment: each such copy
+  // is split between the calling thread and those of them idle at that moment, while at most two
+  // copies of this client run at once. Idle, they sleep. 0: the calling thread alone.
+  int copy_threads = 2;
   // Room for Client::AllocateShared's buffers, all together (virtual: pages are used only as
   // touched). Attached to a same-host daemon with the segment above when psd maps that much (its
   // --shm-max-bytes). 0: AllocateShared is refused.

@@ -329,7 +329,7 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
                                     int64_t busy_poll_us, bool observer, py::object auth_token, bool tls,
                                     py::object tls_ca_file, py::object tls_cert_file, py::object tls_key_file,
                                     py::object tls_server_name, uint64_t shared_memory_bytes,
-                                    uint64_t shared_buffer_bytes) {
+                                    uint64_t shared_buffer_bytes, uint64_t shm_piece_bytes, int copy_threads) {
   if (port < 0 || port > 65535) RaiseInvalid("port " + std::to_string(port) + " is outside 0..65535");
   auto str = [](py::object o) { return o.is_none() ? std::string() : py::cast<std::string>(py::str(o)); };
   psclient::ClientOptions o;
@@ -346,6 +346,11 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
   o.busy_poll_us = busy_poll_us;
   o.shared_memory_bytes = shared_memory_bytes;
   o.shared_buffer_bytes = shared_buffer_bytes;
+  o.shm_piece_bytes = shm_piece_bytes;
+  if (copy_threads < 0 || copy_threads > 64) {
+    RaiseInvalid("copy_threads " + std::to_string(copy_threads) + " is outside 0..64");
+  }
+  o.copy_threads = copy_threads;
   o.observer = observer;
   o.auth_token = str(auth_token);
   o.tls = tls;
@@ -582,11 +587,13 @@ PYBIND11_MODULE(_core, m) {
                        uint64_t max_frame_bytes, uint64_t push_frame_bytes, uint64_t pull_frame_bytes,
                        int64_t busy_poll_us, bool observer, py::object auth_token, bool tls, py::object tls_ca_file,
                        py::object tls_cert_file, py::object tls_key_file, py::object tls_server_name,
-                       uint64_t shared_memory_bytes, uint64_t shared_buffer_bytes) {
+                       uint64_t shared_memory_bytes, uint64_t shared_buffer_bytes, uint64_t shm_piece_bytes,
+                       int copy_threads) {
              return PyClient::Connect(MakeOptions(
                  host, port, cluster, worker_name, incarnation, connect_timeout_ms, request_timeout_ms, max_frame_bytes,
                  push_frame_bytes, pull_frame_bytes, busy_poll_us, observer, auth_token, tls, tls_ca_file,
-                 tls_cert_file, tls_key_file, tls_server_name, shared_memory_bytes, shared_buffer_bytes));
+                 tls_cert_file, tls_key_file, tls_server_name, shared_memory_bytes, shared_buffer_bytes,
+                 shm_piece_bytes, copy_threads));
            }),
            py::arg("host") = "127.0.0.1", py::arg("port") = 7070, py::kw_only(), py::arg("cluster") = py::none(),
            py::arg("worker_name") = py::none(), py::arg("incarnation") = 0, py::arg("connect_timeout_ms") = 10000,
@@ -595,7 +602,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("busy_poll_us") = int64_t{0}, py::arg("observer") = false, py::arg("auth_token") = py::none(),
            py::arg("tls") = false, py::arg("tls_ca_file") = py::none(), py::arg("tls_cert_file") = py::none(),
            py::arg("tls_key_file") = py::none(), py::arg("tls_server_name") = py::none(),
-           py::arg("shared_memory_bytes") = uint64_t{1} << 30, py::arg("shared_buffer_bytes") = uint64_t{1} << 30)
+           py::arg("shared_memory_bytes") = uint64_t{1} << 30, py::arg("shared_buffer_bytes") = uint64_t{1} << 30,
+           py::arg("shm_piece_bytes") = uint64_t{4} << 20, py::arg("copy_threads") = 2)
       .def_static(
           "from_environment", [] { return PyClient::Connect(Check(psclient::ClientOptionsFromEnvironment())); },
           "Connects as psrun's environment says (PSD_CLUSTER, PSD_WORKER_NAME, PSD_AUTH_TOKEN_FILE).")

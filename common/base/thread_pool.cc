@@ -1,9 +1,10 @@
-#include "core/thread_pool.h"
+#include "base/thread_pool.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 
-namespace psd::server {
+namespace psd {
 
 ThreadPool::ThreadPool(int threads) {
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
@@ -29,11 +30,18 @@ void ThreadPool::Run() {
       tasks_.pop_front();
     }
     task();
+    MutexLock lock(&mu_);
+    --busy_;
   }
 }
 
 void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   int64_t parts = std::min<int64_t>(static_cast<int64_t>(threads_.size()) + 1, std::max<int64_t>(1, n / grain));
+  if (parts > 1) {
+    MutexLock lock(&mu_);
+    parts = std::min<int64_t>(parts, static_cast<int64_t>(threads_.size()) - busy_ + 1);
+    if (parts > 1) busy_ += static_cast<int>(parts - 1);
+  }
   if (parts <= 1) {
     fn(0, n);
     return;
@@ -57,4 +65,22 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(
   while (remaining != 0) done_cv.Wait(&done_mu);
 }
 
-}  // namespace psd::server
+void ThreadPool::ParallelCopy(void* dst, const void* src, size_t bytes) {
+  const int copies = copies_.fetch_add(1, std::memory_order_relaxed) + 1;
+  struct Leave {
+    std::atomic<int>& n;
+    ~Leave() { n.fetch_sub(1, std::memory_order_relaxed); }
+  } leave{copies_};
+  if (threads_.empty() || bytes < 2 * kCopyGrain || copies > kHelpedCopies) {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return;
+  }
+  // Parts of whole cache lines: no two threads write one line.
+  const int64_t lines = static_cast<int64_t>((bytes + 63) / 64);
+  ParallelFor(lines, static_cast<int64_t>(kCopyGrain / 64), [&](int64_t b, int64_t e) {
+    const size_t from = static_cast<size_t>(b) * 64, to = std::min(bytes, static_cast<size_t>(e) * 64);
+    std::memcpy(static_cast<char*>(dst) + from, static_cast<const char*>(src) + from, to - from);
+  });
+}
+
+}  // namespace psd
