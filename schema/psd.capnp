@@ -266,6 +266,9 @@ struct PushReply {
 
 struct WaitToken {
   timeoutMs @0 :Int64;
+  # The local step of the push this wait follows (a cluster's chief that held no part of it): the
+  # wait takes a token released after that step, or an initial one; -1: any token.
+  afterStep @1 :Int64 = -1;
 }
 
 struct TokenReply {

@@ -289,7 +289,11 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
       // The chief holds no part of these gradients: wait for the token on its own.
       proto::Request::Builder req(nullptr);
       Impl::Call& c = im.Add(calls, k, &req, timeout_ms);
-      req.initWaitToken().setTimeoutMs(timeout_ms);
+      auto wait = req.initWaitToken();
+      wait.setTimeoutMs(timeout_ms);
+      // The token of the step these pushes go into, not one an earlier step left for a slower
+      // worker whose wait has not reached the chief yet (TokenQueue).
+      wait.setAfterStep(local_step);
       token_call = &c;
       token_only = true;
       slots_of_call.emplace_back();

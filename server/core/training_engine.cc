@@ -99,7 +99,7 @@ TrainingEngine::TrainingEngine(const TrainingConfig& config, std::unique_ptr<Opt
 TrainingEngine::~TrainingEngine() = default;
 
 void TrainingEngine::PushInitTokens(int count) {
-  if (count > 0) tokens_.Push(global_step_.load(), count);
+  if (count > 0) tokens_.PushInit(global_step_.load(), count);
 }
 
 TrainingEngine::Variable* TrainingEngine::FindLocked(std::string_view name) const {

@@ -159,7 +159,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   const bool wait_first = r.getWaitToken() && host_.config().mode == Mode::kSync;
   std::shared_ptr<TokenWait> parked;
   // The answer runs on this strand, after this handler: the outcomes are in by then.
-  if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer);
+  if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer, r.getLocalStep());
   Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes, worker_name_, more);
   if (more && s.ok()) {
     for (const GradRef& g : grads) {
@@ -233,7 +233,7 @@ void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
   if (ClusterCoordinator* c = host_.coordinator(); c != nullptr && !c->is_chief()) {
     return SendError(id, Unavailable("tokens live on the chief shard " + std::to_string(c->chief()) + "; retry"));
   }
-  WaitForToken(r.getTimeoutMs(), [this, id](const Status& st, int64_t token) {
+  auto done = [this, id](const Status& st, int64_t token) {
     if (!st.ok()) return SendError(id, st);
     proto::Response::Builder resp(nullptr);
     auto frame = NewReply(id, &resp);
@@ -242,7 +242,9 @@ void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
     t.setIsChief(host_.workers().IsChief(id_));
     t.setStepGradients(host_.engine()->Stats().last_step_gradients);
     Send(std::move(frame));
-  });
+  };
+  // A worker whose pushes went to the other shards says their local step (afterStep).
+  WaitForToken(r.getTimeoutMs(), done, r.getAfterStep() < 0 ? TokenQueue::kAnyStep : r.getAfterStep());
 }
 
 }  // namespace psd::server

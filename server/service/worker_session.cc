@@ -672,7 +672,8 @@ int64_t WorkerSession::WaitMs(int64_t requested) const {
   return std::min(requested, kMaxWaitMs);
 }
 
-std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t timeout_ms, TokenDone done) {
+std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t timeout_ms, TokenDone done,
+                                                                        int64_t after) {
   timeout_ms = WaitMs(timeout_ms);
   std::shared_ptr<TrainingEngine> engine = host_.engine();
   Mode mode = host_.config().mode;
@@ -691,7 +692,10 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
   uint64_t wid = 0;
   if (mode == Mode::kSync) {
     w->from_queue = true;
-    wid = engine->tokens().Wait(post);
+    // A step past the engine's (a push of a timeline a restore left, a daemon restarted from an
+    // older checkpoint) waits for the next step's tokens, as one at the engine's step does.
+    if (after != TokenQueue::kAnyStep) after = std::min(after, engine->global_step());
+    wid = engine->tokens().Wait(post, after);
     w->cancel = [engine, wid](const Status& why) { return engine->tokens().Cancel(wid, why); };
     w->engine = engine;
   } else {

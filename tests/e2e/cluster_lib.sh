@@ -18,9 +18,14 @@ stop_all() {
   rm -rf "$run"
 }
 
-# Prints what failed, any sanitizer report, and the tail of every log; exits 1.
+# Prints what failed, any sanitizer report, and the tail of every log; exits 1. With
+# PSD_E2E_KEEP_DIR set, the whole log directory is kept there first (for a failure seen once in
+# many runs).
 fail() {
   echo "FAIL: $*"
+  if [ -n "${PSD_E2E_KEEP_DIR:-}" ] && mkdir -p "$PSD_E2E_KEEP_DIR" && cp -r "$run" "$PSD_E2E_KEEP_DIR/"; then
+    echo "logs kept in $PSD_E2E_KEEP_DIR/$(basename "$run")"
+  fi
   # A sanitizer report's first lines say what and where; the tails below may not reach them.
   grep -h -A40 "ERROR: AddressSanitizer\|runtime error:" "$run"/*.log 2>/dev/null | head -60 || true
   for f in "$run"/*.log; do echo "== $f"; tail -n 30 "$f"; done
