@@ -8,7 +8,9 @@
 // token of the step that slower worker's gradient completed (on a cluster, a worker's wait can reach
 // the chief after its pushes completed the step on the other shards); the slower worker takes it
 // when its wait comes, and the fast one waits for the next step's. TF's queue let the fast worker
-// take it, and the slow one's next gradient then went stale.
+// take it, and the next step then committed without the slow worker's gradient. (The service
+// waits for any token where a step's tokens outnumber the workers, N < R: a worker then takes
+// several of one step.)
 //
 // Thread-safety: all methods may be called from any thread; one internal mutex. Callbacks run
 // outside the lock, on the thread that delivered the token (Push, Close, Cancel) — they must be

@@ -693,8 +693,11 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
   if (mode == Mode::kSync) {
     w->from_queue = true;
     // A step past the engine's (a push of a timeline a restore left, a daemon restarted from an
-    // older checkpoint) waits for the next step's tokens, as one at the engine's step does.
+    // older checkpoint) waits for the next step's tokens, as one at the engine's step does. With
+    // fewer workers than R a step's tokens outnumber the workers, and a worker takes several of
+    // one step (one per batch): any token then.
     if (after != TokenQueue::kAnyStep) after = std::min(after, engine->global_step());
+    if (host_.config().tokens_per_step > host_.config().total_replicas) after = TokenQueue::kAnyStep;
     wid = engine->tokens().Wait(post, after);
     w->cancel = [engine, wid](const Status& why) { return engine->tokens().Cancel(wid, why); };
     w->engine = engine;

@@ -73,7 +73,7 @@ TEST_CASE("closing fails parked and future waits", "[tokens]") {
   CHECK(q.closed());
 }
 
-TEST_CASE("a wait after a push of step s takes a token released after s; initial and returned ones go to any wait",
+TEST_CASE("a wait after a push of step s takes a token released after s, an initial or a returned one any wait",
           "[tokens]") {
   // Step 455's three tokens. w1 and w2 (their pushes were of step 454) take two; w2 pushes again
   // (step 455) before w0's wait arrives: the third is w0's, not w2's, which waits for step 456's.
