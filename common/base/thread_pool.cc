@@ -1,12 +1,14 @@
 #include "base/thread_pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 
 namespace psd {
 
-ThreadPool::ThreadPool(int threads) {
+ThreadPool::ThreadPool(int threads) : owner_pid_(static_cast<int>(::getpid())) {
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
 }
 
@@ -37,6 +39,7 @@ void ThreadPool::Run() {
 
 void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   int64_t parts = std::min<int64_t>(static_cast<int64_t>(threads_.size()) + 1, std::max<int64_t>(1, n / grain));
+  if (parts > 1 && static_cast<int>(::getpid()) != owner_pid_) parts = 1;
   if (parts > 1) {
     MutexLock lock(&mu_);
     parts = std::min<int64_t>(parts, static_cast<int64_t>(threads_.size()) - busy_ + 1);

@@ -30,7 +30,8 @@ class ThreadPool {
 
   // Splits [0, n) into chunks of at least `grain` and runs fn(begin, end) on them, the caller
   // included; returns when all are done. Only helpers that are idle now take a chunk (a busy pool
-  // leaves more to the caller rather than queue it behind other callers' chunks).
+  // leaves more to the caller rather than queue it behind other callers' chunks). In a process
+  // forked after the pool started (no helpers there) the caller runs it all.
   void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) EXCLUDES(mu_);
 
   // std::memcpy(dst, src, bytes) (no overlap), in parts of at least kCopyGrain bytes over the pool
@@ -48,6 +49,8 @@ class ThreadPool {
   CondVar cv_;
   std::deque<std::function<void()>> tasks_ GUARDED_BY(mu_);
   int busy_ GUARDED_BY(mu_) = 0;  // helpers running a chunk, or about to (chunks queued)
+  // The process the helpers run in: a child forked since has none (its calls run on the caller).
+  const int owner_pid_;
   std::atomic<int> copies_{0};    // ParallelCopy calls in flight
   bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;

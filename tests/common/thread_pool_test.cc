@@ -2,6 +2,9 @@
 // ParallelCopy copies every byte whatever the size and alignment.
 #include "base/thread_pool.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
@@ -40,4 +43,22 @@ TEST_CASE("ParallelCopy copies every byte: small, odd-sized, misaligned and spli
       REQUIRE(std::equal(dst.begin() + 1, dst.begin() + 1 + static_cast<std::ptrdiff_t>(bytes), src.begin() + 3));
     }
   }
+}
+
+TEST_CASE("in a process forked after the pool started, ParallelFor and ParallelCopy run on the caller", "[pool]") {
+  ThreadPool pool(3);
+  std::vector<uint8_t> src(4 << 20, 7), dst(4 << 20, 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    // No helper threads here: the work must not wait for them.
+    std::atomic<int64_t> sum{0};
+    pool.ParallelFor(1000, 10, [&](int64_t b, int64_t e) { sum += e - b; });
+    pool.ParallelCopy(dst.data(), src.data(), src.size());
+    _exit(sum == 1000 && dst == src ? 0 : 1);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
