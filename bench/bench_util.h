@@ -46,7 +46,7 @@ struct Options {
   uint64_t shared_memory_bytes = 1ull << 30;
   std::string shm_piece_text = "4M";  // ClientOptions::shm_piece_bytes
   uint64_t shm_piece_bytes = 4ull << 20;
-  int copy_threads = 2;  // ClientOptions::copy_threads
+  int copy_threads = 2;         // ClientOptions::copy_threads
   bool shared_buffers = false;  // gradients and values (sparse: rows) in Client::AllocateShared memory
   psd::DType grad_dtype = psd::DType::kFloat32;
   uint64_t model_bytes = 0;

@@ -41,8 +41,6 @@ class ThreadPool {
   static constexpr size_t kCopyGrain = 512 << 10;
   static constexpr int kHelpedCopies = 2;
 
-  int threads() const { return static_cast<int>(threads_.size()); }
-
  private:
   void Run() EXCLUDES(mu_);
   Mutex mu_;
@@ -51,7 +49,7 @@ class ThreadPool {
   int busy_ GUARDED_BY(mu_) = 0;  // helpers running a chunk, or about to (chunks queued)
   // The process the helpers run in: a child forked since has none (its calls run on the caller).
   const int owner_pid_;
-  std::atomic<int> copies_{0};    // ParallelCopy calls in flight
+  std::atomic<int> copies_{0};  // ParallelCopy calls in flight
   bool stop_ GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };

@@ -43,11 +43,11 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "base/thread_pool.h"
 #include "core/buffer.h"
 #include "core/optimizer.h"
 #include "core/snapshot.h"
 #include "core/step_commit.h"
-#include "base/thread_pool.h"
 #include "core/token_queue.h"
 #include "core/training_config.h"
 #include "core/var_placement.h"

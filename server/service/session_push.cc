@@ -244,7 +244,7 @@ void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
     Send(std::move(frame));
   };
   // A worker whose pushes went to the other shards says their local step (afterStep).
-  WaitForToken(r.getTimeoutMs(), done, r.getAfterStep() < 0 ? TokenQueue::kAnyStep : r.getAfterStep());
+  WaitForToken(r.getTimeoutMs(), done, r.getAfterStep());
 }
 
 }  // namespace psd::server

@@ -395,11 +395,10 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
     for (size_t i = 0; i < values.size(); ++i) {
       const PulledValue& v = values[i];
       const uint64_t at = placed ? to_shm->offsets[i] : wire::ShmAlign(cursor);
-      auto n =
-          SetValueInShm(list[static_cast<unsigned>(i)], *v.value, v.dtype, v.shape,
-                        i < want.size() && want[i] ? *want[i] : v.declared, i < ranges.size() ? &ranges[i] : nullptr,
-                        *segment, to_shm->segment, at, placed ? segment->size() : to_shm->offset + to_shm->bytes,
-                        &engine->helpers());
+      auto n = SetValueInShm(list[static_cast<unsigned>(i)], *v.value, v.dtype, v.shape,
+                             i < want.size() && want[i] ? *want[i] : v.declared,
+                             i < ranges.size() ? &ranges[i] : nullptr, *segment, to_shm->segment, at,
+                             placed ? segment->size() : to_shm->offset + to_shm->bytes, &engine->helpers());
       if (!n.ok()) return n.status();
       cursor = at + *n;
       written += *n;
@@ -673,7 +672,7 @@ int64_t WorkerSession::WaitMs(int64_t requested) const {
 }
 
 std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t timeout_ms, TokenDone done,
-                                                                        int64_t after) {
+                                                                      int64_t after) {
   timeout_ms = WaitMs(timeout_ms);
   std::shared_ptr<TrainingEngine> engine = host_.engine();
   Mode mode = host_.config().mode;
@@ -696,7 +695,7 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
     // older checkpoint) waits for the next step's tokens, as one at the engine's step does. With
     // fewer workers than R a step's tokens outnumber the workers, and a worker takes several of
     // one step (one per batch): any token then.
-    if (after != TokenQueue::kAnyStep) after = std::min(after, engine->global_step());
+    if (after >= 0) after = std::min(after, engine->global_step());
     if (host_.config().tokens_per_step > host_.config().total_replicas) after = TokenQueue::kAnyStep;
     wid = engine->tokens().Wait(post, after);
     w->cancel = [engine, wid](const Status& why) { return engine->tokens().Cancel(wid, why); };

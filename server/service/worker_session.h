@@ -131,9 +131,9 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // Returns the parked wait (its cancel answers `done` with a status), or nullptr when answered
   // at once.
   // `after`: the local step of the push the wait follows (sync: it takes a token released after
-  // that step, or an initial one; TokenQueue), TokenQueue::kAnyStep for a wait of no known step.
-  std::shared_ptr<TokenWait> WaitForToken(int64_t timeout_ms, TokenDone done,
-                                          int64_t after = TokenQueue::kAnyStep);
+  // that step, or an initial one; TokenQueue); negative (TokenQueue::kAnyStep): a wait of no known
+  // step, any token.
+  std::shared_ptr<TokenWait> WaitForToken(int64_t timeout_ms, TokenDone done, int64_t after = TokenQueue::kAnyStep);
   // The deadline of a parked wait a request asks for: <= 0 is psd's default
   // (--token-timeout-ms); more than kMaxWaitMs (7 days) is kMaxWaitMs, so any value a peer
   // sends stays a deadline (and milliseconds never overflow as clock ticks).

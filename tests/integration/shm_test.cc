@@ -133,8 +133,7 @@ TEST_CASE("a same-host worker moves tensors through shared memory, with the valu
   CHECK(shm_server->shm()->attached() == 2);
 }
 
-TEST_CASE("pushes and pulls bigger than a piece move through shared memory in pieces, with the same values",
-          "[shm]") {
+TEST_CASE("pushes and pulls bigger than a piece move through shared memory in pieces, with the same values", "[shm]") {
   // 64 KiB pieces: w's 600 KB gradient goes in 10 frames, each piece copied into the segment as
   // its frame goes out, and its values come back in ranges after the token.
   auto pieces_server = StartServer(TestConfig(2, 2, 0));

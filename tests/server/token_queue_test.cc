@@ -88,8 +88,7 @@ TEST_CASE("a wait after a push of step s takes a token released after s, an init
   CHECK(take("w2 again", 455) != 0);  // parked: the token left is not for a push of step 455
   CHECK(take("w0", 454) == 0);        // a late wait takes its step's token, others parked or not
   q.Push(456, 3);
-  CHECK(got == std::vector<std::pair<std::string, int64_t>>{
-                   {"w1", 455}, {"w2", 455}, {"w0", 455}, {"w2 again", 456}});
+  CHECK(got == std::vector<std::pair<std::string, int64_t>>{{"w1", 455}, {"w2", 455}, {"w0", 455}, {"w2 again", 456}});
   CHECK(q.size() == 2);
   // A wait of no known step takes any token, the oldest first.
   CHECK(take("any", TokenQueue::kAnyStep) == 0);

@@ -589,11 +589,11 @@ PYBIND11_MODULE(_core, m) {
                        py::object tls_cert_file, py::object tls_key_file, py::object tls_server_name,
                        uint64_t shared_memory_bytes, uint64_t shared_buffer_bytes, uint64_t shm_piece_bytes,
                        int copy_threads) {
-             return PyClient::Connect(MakeOptions(
-                 host, port, cluster, worker_name, incarnation, connect_timeout_ms, request_timeout_ms, max_frame_bytes,
-                 push_frame_bytes, pull_frame_bytes, busy_poll_us, observer, auth_token, tls, tls_ca_file,
-                 tls_cert_file, tls_key_file, tls_server_name, shared_memory_bytes, shared_buffer_bytes,
-                 shm_piece_bytes, copy_threads));
+             return PyClient::Connect(
+                 MakeOptions(host, port, cluster, worker_name, incarnation, connect_timeout_ms, request_timeout_ms,
+                             max_frame_bytes, push_frame_bytes, pull_frame_bytes, busy_poll_us, observer, auth_token,
+                             tls, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name, shared_memory_bytes,
+                             shared_buffer_bytes, shm_piece_bytes, copy_threads));
            }),
            py::arg("host") = "127.0.0.1", py::arg("port") = 7070, py::kw_only(), py::arg("cluster") = py::none(),
            py::arg("worker_name") = py::none(), py::arg("incarnation") = 0, py::arg("connect_timeout_ms") = 10000,
