@@ -11,7 +11,8 @@
 # the floor uses TCP; --bench-flags "--shared-memory 0" compares TCP with TCP, and --bench-flags
 # "--shared-buffers" keeps the workers' tensors in shared buffers (README "Zero-copy shared
 # buffers": no copy on either side). psd's peak RSS then counts the workers' shared pages it
-# touched; its private memory (RssAnon, its peak sampled every 50 ms) is printed apart.
+# touched; its own memory (RssAnon and its values segment, where its big buffers live; its peak
+# sampled every 50 ms) is printed apart.
 #
 # Usage: bench/compare_floor.sh [options] [path/to/psd_bench]   (default: build/bench/psd_bench)
 #   --workers "2 4 8 16"      worker counts of the sweep (default: 2 4 8 16; "": no sweep)
@@ -121,17 +122,19 @@ start_psd() {
     return 1
   fi
   port="$(cat "$tmp/port")"
-  # psd's private memory (RssAnon: what it allocated, not the workers' shared pages it maps),
-  # sampled every 50 ms; its peak goes to $tmp/psd_anon_peak (KiB). Bash only: no process per sample.
+  # psd's own memory (RssAnon, what it allocated, plus the resident pages of its values segment,
+  # where its big buffers live; not the workers' shared pages it maps), sampled every 50 ms (the
+  # values segment every 0.5 s: one awk); its peak goes to $tmp/psd_anon_peak (KiB).
   local daemon
   daemon="$(pgrep -P "$psd_pid" | head -n1)"  # psd itself, under `timeout`
   echo 0 >"$tmp/psd_anon_peak"
   (
-    peak=0
+    peak=0 values=0 i=0
     while [[ -r "/proc/${daemon:-$psd_pid}/status" ]]; do
+      (( i++ % 10 == 0 )) && values="$(values_rss "${daemon:-$psd_pid}")"
       while read -r key kb _; do
         if [[ "$key" == "RssAnon:" ]]; then
-          (( kb > peak )) && { peak=$kb; echo "$peak" >"$tmp/psd_anon_peak"; }
+          (( kb + values > peak )) && { peak=$(( kb + values )); echo "$peak" >"$tmp/psd_anon_peak"; }
           break
         fi
       done <"/proc/${daemon:-$psd_pid}/status" 2>/dev/null
@@ -140,14 +143,20 @@ start_psd() {
   ) &
   sampler_pid=$!
 }
+# KiB resident in psd's values segment (its big buffers: README "Same-host shared memory").
+values_rss() {
+  awk '/ \/memfd:psd-values/ { f = 1; next } /^[0-9a-f]+-[0-9a-f]+ / { f = 0 } f && /^Rss:/ { s += $2 }
+       END { print s + 0 }' "/proc/$1/smaps" 2>/dev/null || echo 0
+}
 # Stops the psd started last; prints its peak RSS in MiB. Same-host workers' shared memory is in
-# that peak (their pages, mapped by psd too), so $tmp/psd_anon gets psd's private memory (RssAnon,
-# MiB) at its sampled peak: its own buffers.
+# that peak (their pages, mapped by psd too), so $tmp/psd_anon gets psd's own memory (RssAnon and
+# its values segment, MiB) at its sampled peak: its own buffers.
 stop_psd() {
   local kb daemon anon peak
   daemon="$(pgrep -P "$psd_pid" | head -n1)"  # psd itself, under `timeout`
   kb="$(awk '/^VmHWM:/ { print $2 }' "/proc/${daemon:-$psd_pid}/status" 2>/dev/null)"
   anon="$(awk '/^RssAnon:/ { print $2 }' "/proc/${daemon:-$psd_pid}/status" 2>/dev/null)"
+  anon=$(( ${anon:-0} + $(values_rss "${daemon:-$psd_pid}") ))
   kill "$sampler_pid" 2>/dev/null
   wait "$sampler_pid" 2>/dev/null
   peak="$(cat "$tmp/psd_anon_peak" 2>/dev/null)"
@@ -213,7 +222,7 @@ else
       echo "floor: $floor_out"
       run_psd "$w" "$b" "$steps"
       psd_rc=$?
-      echo "psd:   $(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out"), peak RSS $rss_mib MiB (private peak: $(cat "$tmp/psd_anon" 2>/dev/null) MiB), CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null) workers $(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
+      echo "psd:   $(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out"), peak RSS $rss_mib MiB (own peak: $(cat "$tmp/psd_anon" 2>/dev/null) MiB), CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null) workers $(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
       floor_ms="$(sed -n 's/.*step median \([0-9.]*\) ms.*/\1/p' <<<"$floor_out" | head -n1)"
       psd_ms="$(sed -n 's/.*"step_ms_p50": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
       key="$w,$b"
@@ -242,7 +251,7 @@ else
   print_grid 14 rss_cell
   echo "(with same-host workers this counts the pages of their shared memory that psd mapped)"
   echo
-  echo "== psd's private memory (RssAnon, MiB): its peak, sampled every 50 ms, in those runs =="
+  echo "== psd's own memory (RssAnon + its values segment, MiB): its peak, sampled every 50 ms, in those runs =="
   print_grid 14 anon_cell
 fi
 
@@ -251,7 +260,7 @@ if [[ -n "$rss_list" ]]; then
   target=$(( (2 * mb >> 20) + 64 ))
   echo
   echo "== psd's peak RSS alone: model $rss_model, SGD, 3 measured steps (target 2 x model + 64 MiB = $target MiB) =="
-  printf '%-8s %10s %8s %13s %8s\n' "workers" "RSS MiB" "/target" "private MiB" "/target"
+  printf '%-8s %10s %8s %13s %8s\n' "workers" "RSS MiB" "/target" "own MiB" "/target"
   for w in $rss_list; do
     if run_psd "$w" "$mb" 3; then
       anon_mib="$(cat "$tmp/psd_anon" 2>/dev/null)"

@@ -68,7 +68,8 @@ struct Tensor {
   inShm @3 :Bool;         # the bytes are not in `data` but in the connection's shared-memory
   shmOffset @4 :UInt64;   # segment (README "Same-host shared memory"), at this offset
   shmSegment @5 :UInt8;   # ... of this segment: 0 the connection's own, 1 the worker's shared
-                          # buffers (psclient::Client::AllocateShared)
+                          # buffers (psclient::Client::AllocateShared), 2 the daemon's values
+                          # segment (read-only to workers; in pull replies only)
 }
 
 # Where in the connection's shared memory a reply's values are to be written, instead of in the
@@ -80,6 +81,8 @@ struct ShmTarget {
   bytes @1 :UInt64;
   segment @2 :UInt8;
   offsets @3 :List(UInt64);
+  values @4 :Bool;        # the worker maps the daemon's values segment: a value psd keeps there may
+                          # be named in place (segment 2) instead of written into the room
 }
 
 struct Hello {
@@ -548,6 +551,9 @@ struct Request {
     recover @17 :Recover;         # cluster, chief only: an operator's decision to lose checkpointed state
     peerProof @18 :Data;          # a peer's answer to the acceptor's challenge (before any peer message)
   }
+  # The worker has read the values of every reply up to this request id that named the daemon's
+  # values segment (Tensor.shmSegment 2): psd lets go of the buffers it held for them.
+  valuesRead @19 :UInt64;
 }
 
 # An operator's answer to a chief that refuses to form because some shard's newest checkpoint is

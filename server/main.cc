@@ -64,6 +64,9 @@ int main(int argc, char** argv) {
                "core busy all the time; pair with ClientOptions::busy_poll_us)");
   app.add_flag("!--no-shared-memory", cfg.shared_memory,
                "do not offer shared memory to workers on this host (they then move tensors over TCP)");
+  app.add_flag("!--no-values-segment", cfg.values_segment,
+               "keep psd's buffers in its heap and write pulled values into each same-host worker's segment, instead "
+               "of letting the workers copy them from psd's read-only values segment");
   std::string shm_max_bytes = "4G";
   app.add_option("--shm-max-bytes", shm_max_bytes,
                  "largest shared-memory segment a same-host worker may attach (SIZE; pages count only once "

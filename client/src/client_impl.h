@@ -169,7 +169,7 @@ class Client::Impl {
   // Copies a pull reply's values into the caller's views; returns the step they reflect.
   // `from`: the connection it came on (its shared memory holds values sent that way).
   Result<int64_t> ReadValues(proto::PullReply::Reader p, const std::vector<std::pair<std::string, TensorView>>& outs,
-                             const Conn* from);
+                             Conn* from);
 
   // The caller's views split by shard: per shard, (name, view of that shard's part).
   using Outs = std::vector<std::pair<std::string, TensorView>>;
@@ -270,6 +270,7 @@ class Client::Impl {
     if (at < 0) return false;
     target.setOffset(static_cast<uint64_t>(at));
     target.setBytes(need);
+    target.setValues(conn(k).values != nullptr);
     return true;
   }
 

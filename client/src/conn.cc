@@ -128,6 +128,7 @@ Status Conn::ConnectOnce(std::chrono::steady_clock::time_point deadline) {
 void Conn::AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::time_point deadline) {
   std::lock_guard<std::mutex> lock(shm_mu);
   shm.reset();
+  values.reset();
   buffers = false;
   shm_used = 0;
   if (options_.shared_memory_bytes == 0) {
@@ -151,6 +152,7 @@ void Conn::AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::ti
   // The client's shared buffers go with it (segment 1) when psd maps that much.
   const bool with_buffers = arena_ != nullptr && arena_->size() <= max;
   std::string answer;
+  int values_fd = -1;  // the daemon's values segment, sent with its "OK"
   if (seg.ok()) {
     auto nonce = hr.getShmNonce();
     const std::string msg = psd::wire::ShmAttachMessage(
@@ -159,12 +161,20 @@ void Conn::AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::ti
     if (with_buffers) fds.push_back(arena_->fd());
     Status sent = psd::wire::SendWithFds(*sock, msg.data(), msg.size(), fds);
     answer = sent.ok() ? internal::ReadAnswer(
-                             *sock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(5)))
+                             *sock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(5)),
+                             &values_fd)
                        : sent.message();
   } else {
     answer = seg.status().message();
   }
   ::close(*sock);
+  if (answer == "OK" && values_fd >= 0) {
+    // Read-only here (the descriptor is too); any doubt and the values come into the segment.
+    auto mapped = psd::wire::SharedSegment::AdoptReadOnly(values_fd, UINT64_MAX);
+    if (mapped.ok()) values = std::move(*mapped);
+  } else if (values_fd >= 0) {
+    ::close(values_fd);
+  }
   if (answer == "OK") {
     shm = std::move(*seg);
     buffers = with_buffers;
@@ -222,6 +232,7 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
                            std::to_string(id));
     }
     answered_ = true;
+    last_reply_id_ = id;
     if (resp->getCode() != proto::Code::OK) return Status(psd::wire::FromWire(resp->getCode()), resp->getMessage());
   } catch (const kj::Exception& e) {
     Drop();
@@ -334,12 +345,7 @@ void Conn::PutInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, c
 }
 
 void Conn::RefInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, unsigned segment, uint64_t offset) {
-  t.setDtype(psd::wire::ToWire(dtype));
-  auto dims = t.initShape(static_cast<unsigned>(shape.size()));
-  for (size_t i = 0; i < shape.size(); ++i) dims.set(static_cast<unsigned>(i), shape[i]);
-  t.setInShm(true);
-  t.setShmOffset(offset);
-  t.setShmSegment(static_cast<uint8_t>(segment));
+  psd::wire::NameInShm(t, dtype, shape, segment, offset);
 }
 
 int64_t Conn::BufferOffset(const void* p, uint64_t bytes) const {
@@ -349,6 +355,7 @@ int64_t Conn::BufferOffset(const void* p, uint64_t bytes) const {
 const uint8_t* Conn::ShmAt(unsigned segment, uint64_t offset, uint64_t bytes) const {
   if (!shm) return nullptr;
   if (segment == 0) return shm->At(offset, bytes);
+  if (segment == psd::wire::kValuesSegment) return values ? values->At(offset, bytes) : nullptr;
   return segment == 1 && buffers ? arena_->At(offset, bytes) : nullptr;
 }
 
@@ -366,6 +373,7 @@ Result<psd::wire::TensorRef> Conn::ReplyTensor(proto::Tensor::Reader t) const {
 Status Conn::SendNoReconnect(OutFrame& frame) {
   if (limit_ms_ == 0) limit_ms_ = options_.request_timeout_ms;
   deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms_);
+  if (values_read_ != 0) frame.builder.getRoot<proto::Request>().setValuesRead(values_read_);
   Status s = tls_ ? psd::wire::WriteFrame(*tls_, frame, deadline_) : psd::wire::WriteFrame(socket_, frame, deadline_);
   if (!s.ok()) Drop();
   return s;

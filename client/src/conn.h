@@ -172,7 +172,13 @@ class Conn {
   std::string buffers_status;
   // Where [p, p + bytes) is in the shared buffers when this connection has them attached, else -1.
   int64_t BufferOffset(const void* p, uint64_t bytes) const;
-  // [offset, offset + bytes) of segment 0 or 1, or nullptr.
+  // The daemon's values segment (segment 2, mapped read-only), sent with the attach's answer: a
+  // pull through shared memory may find its values there in place (ShmTarget.values). Null: none.
+  std::shared_ptr<psd::wire::SharedSegment> values;
+  // The values of this connection's current reply (the last one received) have been read: the
+  // next request says so (Request.valuesRead) and psd lets go of the buffers it named.
+  void ValuesRead() { values_read_ = last_reply_id_; }
+  // [offset, offset + bytes) of segment 0, 1 or 2, or nullptr.
   const uint8_t* ShmAt(unsigned segment, uint64_t offset, uint64_t bytes) const;
   // A tensor of a reply from this connection: in the frame (within max_frame_bytes), or where it
   // says in this connection's shared memory.
@@ -197,6 +203,8 @@ class Conn {
   const int index_;
   const std::shared_ptr<SharedArena> arena_;
   std::string shm_socket_;  // psd's shared-memory socket, from the last attach
+  uint64_t last_reply_id_ = 0;  // the reply Receive read last
+  uint64_t values_read_ = 0;    // Request.valuesRead of the next request
   psd::asio::io_context io_;
   psd::tcp::socket socket_;
   std::shared_ptr<psd::wire::ssl::context> tls_context_;

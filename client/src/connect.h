@@ -22,8 +22,9 @@ psd::Status ConnectBefore(psd::tcp::socket& socket, const std::string& host, uin
                           std::chrono::steady_clock::time_point deadline);
 
 // Reads a short answer (at most 512 bytes) from `fd` until its end, or until `deadline`:
-// what was read, or a description of what went wrong.
-std::string ReadAnswer(int fd, std::chrono::steady_clock::time_point deadline);
+// what was read, or a description of what went wrong. With `passed`, the first descriptor that
+// came with it goes there (the caller owns it; -1: none), and any other is closed.
+std::string ReadAnswer(int fd, std::chrono::steady_clock::time_point deadline, int* passed = nullptr);
 
 }  // namespace psclient::internal
 

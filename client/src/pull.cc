@@ -20,8 +20,7 @@ using internal::SetWantedDTypes;
 using internal::SliceOf;
 
 Result<int64_t> Client::Impl::ReadValues(proto::PullReply::Reader p,
-                                         const std::vector<std::pair<std::string, TensorView>>& outs,
-                                         const Conn* from) {
+                                         const std::vector<std::pair<std::string, TensorView>>& outs, Conn* from) {
   try {
     auto values = p.getValues();
     if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
@@ -45,6 +44,7 @@ Result<int64_t> Client::Impl::ReadValues(proto::PullReply::Reader p,
       }
       PSD_RETURN_IF_ERROR(staging_.FromHost(out.data, t->data, t->bytes, out.memory, out.stream));
     }
+    from->ValuesRead();  // psd may let go of what it named in its values segment
     return p.getStep();
   } catch (const kj::Exception& e) {
     return Malformed(e);
@@ -123,8 +123,9 @@ void Client::Impl::PlanPull(int k, const Outs& outs, std::vector<PullFrame>* fra
   };
   if (conn(k).ShmFits(ShmTargetBytes(outs))) {
     // Values bigger than a piece come in ranges, each written by psd into a room of its own and
-    // copied out by the client while psd writes the next (Conn::ShmPieceBytes).
-    const uint64_t piece = conn(k).ShmPieceBytes();
+    // copied out by the client while psd writes the next (Conn::ShmPieceBytes); with the daemon's
+    // values segment mapped psd writes none of them (it names them in place), so one request.
+    const uint64_t piece = conn(k).values ? 0 : conn(k).ShmPieceBytes();
     if (piece > 0 && ShmTargetBytes(outs) > piece) {
       auto pieces = ranged(piece, /*to_shm=*/true);
       uint64_t room = 0;

@@ -355,6 +355,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
           auto target = p.initPullToShm();
           target.setOffset(static_cast<uint64_t>(pull_shm_at));
           target.setBytes(pull_shm_bytes);
+          target.setValues(im.conn(chief).values != nullptr);
         } else {
           c.landing = Impl::LandingFor(*pull_after);  // one value: read straight into the caller's view
         }

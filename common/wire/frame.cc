@@ -317,4 +317,13 @@ void SetTensor(capnp::MessageBuilder& msg, proto::Tensor::Builder t, DType dtype
   }
 }
 
+void NameInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, unsigned segment, uint64_t offset) {
+  t.setDtype(ToWire(dtype));
+  auto dims = t.initShape(static_cast<unsigned>(shape.size()));
+  for (size_t i = 0; i < shape.size(); ++i) dims.set(static_cast<unsigned>(i), shape[i]);
+  t.setInShm(true);
+  t.setShmOffset(offset);
+  t.setShmSegment(static_cast<uint8_t>(segment));
+}
+
 }  // namespace psd::wire

@@ -175,6 +175,10 @@ Result<TensorRef> ReadTensor(proto::Tensor::Reader t, uint64_t max_bytes, bool i
 void SetTensor(capnp::MessageBuilder& msg, proto::Tensor::Builder t, DType dtype, const Shape& shape, const void* data,
                size_t bytes, bool padded = false);
 
+// Says in `t` that a tensor of `dtype` and `shape` is at `offset` of shared-memory segment
+// `segment` (Tensor.inShm; wire/shm.h names the segments), its bytes not in the frame.
+void NameInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, unsigned segment, uint64_t offset);
+
 }  // namespace psd::wire
 
 #endif  // PSD_WIRE_FRAME_H_

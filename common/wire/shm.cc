@@ -17,6 +17,35 @@ namespace {
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
+// recvmsg of at most `n` bytes into `data`; the descriptors that came with them go to *fds (the
+// caller owns them; room for 8: any beyond are closed by the kernel and the message is marked
+// MSG_CTRUNC in *msg_flags).
+ssize_t ReceiveMessage(int sock, void* data, size_t n, int flags, std::vector<int>* fds, int* msg_flags) {
+  iovec iov{data, n};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t got;
+  do {
+    got = ::recvmsg(sock, &msg, flags | MSG_CMSG_CLOEXEC);
+  } while (got < 0 && errno == EINTR);
+  if (got < 0) return got;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds->push_back(fd);
+    }
+  }
+  *msg_flags = msg.msg_flags;
+  return got;
+}
+
 }  // namespace
 
 Result<std::shared_ptr<SharedSegment>> SharedSegment::Create(uint64_t bytes, const std::string& name) {
@@ -39,7 +68,10 @@ Result<std::shared_ptr<SharedSegment>> SharedSegment::Create(uint64_t bytes, con
   return std::shared_ptr<SharedSegment>(new SharedSegment(fd, static_cast<uint8_t*>(base), bytes));
 }
 
-Result<std::shared_ptr<SharedSegment>> SharedSegment::Adopt(int fd, uint64_t max_bytes) {
+namespace {
+
+Result<std::shared_ptr<SharedSegment>> AdoptSegment(int fd, uint64_t max_bytes, bool read_only,
+                                                    SharedSegment* (*make)(int, uint8_t*, uint64_t)) {
   auto refuse = [fd](const std::string& why) {
     ::close(fd);
     return InvalidArgument("shared-memory segment refused: " + why);
@@ -47,18 +79,37 @@ Result<std::shared_ptr<SharedSegment>> SharedSegment::Adopt(int fd, uint64_t max
   int seals = ::fcntl(fd, F_GET_SEALS);
   if (seals < 0) return refuse("not a sealable memfd (" + std::string(std::strerror(errno)) + ")");
   if ((seals & F_SEAL_SHRINK) == 0) return refuse("not sealed against shrinking (F_SEAL_SHRINK)");
-  if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) return refuse("sealed against writing");
+  if (!read_only && (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) return refuse("sealed against writing");
   struct stat st {};
   if (::fstat(fd, &st) != 0) return refuse(Errno("fstat"));
   if (!S_ISREG(st.st_mode)) return refuse("not a memory file");
   const uint64_t bytes = static_cast<uint64_t>(st.st_size);
-  if (bytes < kMinBytes || bytes > max_bytes) {
-    return refuse(std::to_string(bytes) + " bytes, outside [" + std::to_string(kMinBytes) + ", " +
+  if (bytes < SharedSegment::kMinBytes || bytes > max_bytes) {
+    return refuse(std::to_string(bytes) + " bytes, outside [" + std::to_string(SharedSegment::kMinBytes) + ", " +
                   std::to_string(max_bytes) + "] (psd --shm-max-bytes)");
   }
-  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* base = ::mmap(nullptr, bytes, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) return refuse(Errno("mmap"));
-  return std::shared_ptr<SharedSegment>(new SharedSegment(fd, static_cast<uint8_t*>(base), bytes));
+  return std::shared_ptr<SharedSegment>(make(fd, static_cast<uint8_t*>(base), bytes));
+}
+
+}  // namespace
+
+Result<std::shared_ptr<SharedSegment>> SharedSegment::Adopt(int fd, uint64_t max_bytes) {
+  return AdoptSegment(fd, max_bytes, false, [](int f, uint8_t* b, uint64_t n) { return new SharedSegment(f, b, n); });
+}
+
+Result<std::shared_ptr<SharedSegment>> SharedSegment::AdoptReadOnly(int fd, uint64_t max_bytes) {
+  return AdoptSegment(fd, max_bytes, true, [](int f, uint8_t* b, uint64_t n) { return new SharedSegment(f, b, n); });
+}
+
+Result<int> SharedSegment::ReadOnlyDescriptor() const {
+  // Through /proc: a memfd's own descriptor is always read-write, and F_SEAL_FUTURE_WRITE would
+  // also stop the owner punching freed pages out.
+  const std::string path = "/proc/self/fd/" + std::to_string(fd_);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Unavailable(Errno("opening " + path + " read-only"));
+  return fd;
 }
 
 SharedSegment::~SharedSegment() {
@@ -90,30 +141,12 @@ Status SendWithFds(int sock, const void* data, size_t n, const std::vector<int>&
 }
 
 Result<std::vector<int>> ReceiveWithFds(int sock, void* data, size_t max_n, size_t* n) {
-  iovec iov{data, max_n};
   // Room for a few descriptors: any that come beyond those expected are closed, not leaked.
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 8)] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  ssize_t got;
-  do {
-    got = ::recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-  } while (got < 0 && errno == EINTR);
-  if (got < 0) return Unavailable(Errno("recvmsg"));
   std::vector<int> fds;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < count; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-      fds.push_back(fd);
-    }
-  }
-  const bool truncated = (msg.msg_flags & (MSG_CTRUNC | MSG_TRUNC)) != 0;
+  int flags = 0;
+  ssize_t got = ReceiveMessage(sock, data, max_n, MSG_DONTWAIT, &fds, &flags);
+  if (got < 0) return Unavailable(Errno("recvmsg"));
+  const bool truncated = (flags & (MSG_CTRUNC | MSG_TRUNC)) != 0;
   if (fds.empty() || fds.size() > kShmMaxFds || truncated) {
     for (int fd : fds) ::close(fd);
     return InvalidArgument("expected a message with one or two descriptors, got " + std::to_string(got) +
@@ -121,6 +154,21 @@ Result<std::vector<int>> ReceiveWithFds(int sock, void* data, size_t max_n, size
   }
   *n = static_cast<size_t>(got);
   return fds;
+}
+
+ssize_t ReadKeepingFd(int sock, void* data, size_t n, int* passed) {
+  std::vector<int> fds;
+  int flags = 0;
+  ssize_t got = ReceiveMessage(sock, data, n, 0, &fds, &flags);
+  if (got < 0) return got;
+  for (int fd : fds) {
+    if (*passed < 0) {
+      *passed = fd;
+    } else {
+      ::close(fd);
+    }
+  }
+  return got;
 }
 
 Result<SegmentId> IdentifySegment(int fd) {

@@ -28,6 +28,11 @@ namespace psd::wire {
 // ShmTarget): the room `bytes` takes there, and the first offset at or after `offset`.
 constexpr uint64_t ShmAlign(uint64_t offset) { return (offset + 63) & ~uint64_t{63}; }
 
+// Tensor.shmSegment of a value named where the daemon keeps it: its values segment, which workers
+// map read-only (server/service/values_segment.h). Segment 0 is the connection's own, 1 the
+// worker's shared buffers.
+inline constexpr uint8_t kValuesSegment = 2;
+
 // What a worker sends on psd's shared-memory socket with its segment's descriptor: the
 // connection id (8 bytes, little-endian) and the hello's one-time nonce.
 inline constexpr size_t kShmNonceBytes = 32;
@@ -53,6 +58,9 @@ class SharedSegment {
   // Maps a segment another process created; takes `fd` (closed on failure too). Refused unless it
   // is sealed against shrinking and its size is within [kMinBytes, max_bytes].
   static Result<std::shared_ptr<SharedSegment>> Adopt(int fd, uint64_t max_bytes);
+  // Adopt's twin for a segment this process may only read (the daemon's values segment, in a
+  // worker): mapped PROT_READ; a segment sealed against writing is fine here.
+  static Result<std::shared_ptr<SharedSegment>> AdoptReadOnly(int fd, uint64_t max_bytes);
 
   static constexpr uint64_t kMinBytes = 4096;
 
@@ -63,6 +71,9 @@ class SharedSegment {
   uint8_t* data() const { return base_; }
   uint64_t size() const { return size_; }
   int fd() const { return fd_; }
+  // A new descriptor of this segment opened read-only (the caller owns it): what another process is
+  // given that may read the pages but never map them writable.
+  Result<int> ReadOnlyDescriptor() const;
   // [offset, offset + bytes) inside the segment, or nullptr.
   uint8_t* At(uint64_t offset, uint64_t bytes) const {
     if (offset > size_ || bytes > size_ - offset) return nullptr;
@@ -85,6 +96,9 @@ Status SendWithFds(int sock, const void* data, size_t n, const std::vector<int>&
 // INVALID_ARGUMENT, and every descriptor that came with it is closed. The socket must be readable
 // (non-blocking read).
 Result<std::vector<int>> ReceiveWithFds(int sock, void* data, size_t max_n, size_t* n);
+// read() on a Unix socket that keeps a descriptor sent with the bytes: the first one goes to
+// *passed when that is still -1 (the caller owns it), any other is closed. Blocks as read() does.
+ssize_t ReadKeepingFd(int sock, void* data, size_t n, int* passed);
 
 // Which memory a descriptor maps (st_dev, st_ino): the same memfd sent twice is recognised.
 struct SegmentId {

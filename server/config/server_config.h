@@ -34,6 +34,10 @@ struct ServerConfig : TrainingConfig {
   // most shm_max_bytes each.
   bool shared_memory = true;
   uint64_t shm_max_bytes = 4ull << 30;
+  // With shared_memory: psd keeps its big buffers in its values segment and same-host workers copy
+  // pulled values straight from there (README "Same-host shared memory", *Values in place*); off:
+  // psd writes them into each worker's segment.
+  bool values_segment = true;
   // Memory for incoming frames across all connections (README "Hardening"): a frame waits for its
   // share (backpressure) instead of failing, and one bigger than all of it is read alone; a frame
   // must arrive within frame_timeout_ms once it holds its share.

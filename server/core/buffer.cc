@@ -25,6 +25,25 @@ namespace {
 
 constexpr size_t kRecycledWords = kRecycledBufferBytes / 8;
 
+std::atomic<BufferStorage*> the_storage{nullptr};
+
+// Storage for `words` words, unset: the BufferStorage's for big buffers, where one is set.
+uint64_t* NewStorage(size_t words) {
+  if (words * 8 >= kSharedStorageMinBytes) {
+    if (BufferStorage* s = the_storage.load(std::memory_order_acquire)) {
+      if (void* p = s->Allocate(words * 8)) return static_cast<uint64_t*>(p);
+    }
+  }
+  return new uint64_t[words];
+}
+
+void DeleteStorage(uint64_t* p, size_t words) {
+  if (words * 8 >= kSharedStorageMinBytes) {
+    if (BufferStorage* s = the_storage.load(std::memory_order_acquire); s != nullptr && s->Free(p, words * 8)) return;
+  }
+  delete[] p;
+}
+
 class Recycler {
  public:
   // Kept storage of exactly `words`, or null.
@@ -78,7 +97,7 @@ class Recycler {
   static void Free(const std::deque<std::pair<uint64_t*, size_t>>& blocks) {
     for (const auto& [p, words] : blocks) {
       PSD_UNPOISON(p, words * 8);
-      delete[] p;
+      DeleteStorage(p, words);
     }
   }
 
@@ -104,7 +123,7 @@ uint64_t* Allocate(size_t words) {
   if (words >= kRecycledWords) {
     if (uint64_t* p = TheRecycler().Take(words)) return p;
   }
-  return new uint64_t[words];
+  return NewStorage(words);
 }
 
 }  // namespace
@@ -112,7 +131,12 @@ uint64_t* Allocate(size_t words) {
 void Buffer::Release::operator()(uint64_t* p) const {
   if (p == nullptr) return;
   if (words >= kRecycledWords) return TheRecycler().Keep(p, words);
-  delete[] p;
+  DeleteStorage(p, words);
+}
+
+void SetBufferStorage(BufferStorage* storage) {
+  BufferStorage* none = nullptr;
+  the_storage.compare_exchange_strong(none, storage, std::memory_order_acq_rel);
 }
 
 Buffer::Buffer(size_t bytes, Uninitialized)

@@ -110,6 +110,23 @@ inline constexpr size_t kRecycledBufferBytes = size_t{32} << 20;
 // (the next step of the job that let it go asks for it again).
 inline constexpr size_t kRecycledBufferBudget = size_t{256} << 20;
 
+// Where big buffers' storage comes from instead of the heap: the daemon's values segment
+// (service/values_segment.h), which same-host workers map read-only to copy pulled values straight
+// from the buffer psd published. Implementations are thread-safe.
+class BufferStorage {
+ public:
+  virtual ~BufferStorage() = default;
+  // Storage for `bytes` (a multiple of 8; its bytes unset), or null: then the heap's.
+  virtual void* Allocate(size_t bytes) = 0;
+  // Gives `p` back when it is storage of this one (true); false: not its own.
+  virtual bool Free(void* p, size_t bytes) = 0;
+};
+// Buffers of this size and up take their storage from the BufferStorage set, where one is.
+inline constexpr size_t kSharedStorageMinBytes = size_t{256} << 10;
+// From now on, for this process (once: a later call is ignored, as buffers may hold the first
+// one's storage). `storage` lives as long as the process.
+void SetBufferStorage(BufferStorage* storage);
+
 struct RecycledBuffers {
   uint64_t held_bytes = 0;  // storage kept now, not in any buffer
   uint64_t reused = 0;      // buffers given kept storage (since the process started)

@@ -12,6 +12,7 @@
 #include "daemon/status_page.h"
 #include "ops/text_format.h"
 #include "psd/secret.h"
+#include "service/values_segment.h"
 #include "text/json.h"
 
 namespace psd::server::ops {
@@ -256,6 +257,13 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
   w.Counter("psd_sent_bytes_total", "bytes sent on the data port", static_cast<double>(m.bytes_out()));
   w.Counter("psd_shm_bytes_total", "tensor bytes moved through same-host workers' shared memory",
             static_cast<double>(m.shm_bytes()));
+  w.Counter("psd_values_in_place_bytes_total",
+            "value bytes same-host workers pulled straight from the values segment (psd wrote none of them)",
+            static_cast<double>(m.values_in_place_bytes()));
+  if (const ValuesSegment* values = ValuesSegment::Current()) {
+    w.Gauge("psd_values_segment_bytes", "bytes of the values segment in psd's buffers now (this process)",
+            static_cast<double>(values->in_use()));
+  }
   if (server.config().replicas_per_shard > 1) {
     w.Counter("psd_replica_sent_bytes_total", "copies of shard state sent to other shards (serialized)",
               static_cast<double>(m.replica_sent()));
@@ -388,6 +396,7 @@ std::string OpsService::RenderStatusJson() const {
   j.Key("bytes_in").Int(static_cast<int64_t>(m.bytes_in()));
   j.Key("bytes_out").Int(static_cast<int64_t>(m.bytes_out()));
   j.Key("shm_bytes").Int(static_cast<int64_t>(m.shm_bytes()));
+  j.Key("values_in_place_bytes").Int(static_cast<int64_t>(m.values_in_place_bytes()));
   j.Key("shm_attached").Int(static_cast<int64_t>(server_.shm() ? server_.shm()->attached() : 0));
   j.Key("inflight_frame_bytes").Int(static_cast<int64_t>(server_.frame_budget().in_use()));
   j.Key("inflight_frame_bytes_limit").Int(static_cast<int64_t>(server_.frame_budget().limit()));

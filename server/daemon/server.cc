@@ -10,6 +10,7 @@
 #include "daemon/ops_service.h"
 #include "ops/sd_notify.h"
 #include "psd/listen_socket.h"
+#include "service/values_segment.h"
 #include "service/worker_session.h"
 
 namespace psd::server {
@@ -368,6 +369,15 @@ Status Server::Start() {
   port_ = acceptor_.local_endpoint().port();
   if (config_.shared_memory) {
     shm_ = std::make_unique<ShmListener>(io_, config_.shm_max_bytes, config_.hello_timeout_ms);
+    // Big buffers in the values segment, which same-host workers read pulled values from.
+    if (config_.values_segment) {
+      if (auto values = ValuesSegment::Open(config_.max_model_bytes); values.ok()) {
+        shm_->SetValuesDescriptor((*values)->read_only_fd());
+      } else {
+        spdlog::warn("the values segment: {}; same-host workers get values written into their segments",
+                     values.status().message());
+      }
+    }
     Status shm = shm_->Start();
     if (!shm.ok()) {
       // Not fatal: workers on this host then move tensors over TCP.

@@ -127,6 +127,7 @@ void ShmListener::Serve(std::shared_ptr<Socket> socket) {
     size_t n = 0;
     auto fds = wire::ReceiveWithFds(socket->native_handle(), message, sizeof(message), &n);
     Status s = fds.status();
+    bool attach = false;
     if (fds.ok() && n == wire::kShmRevokeBytes && fds->size() == 1 &&
         std::memcmp(message, wire::kShmRevokeMessage, n) == 0) {
       auto arena = wire::IdentifySegment((*fds)[0]);
@@ -137,6 +138,7 @@ void ShmListener::Serve(std::shared_ptr<Socket> socket) {
         if (revoked > 0) spdlog::info("shared buffers revoked by their worker ({} connection(s))", revoked);
       }
     } else if (fds.ok() && n == wire::kShmAttachBytes) {
+      attach = true;
       s = Attach(message, *fds);
     } else if (fds.ok()) {
       for (int fd : *fds) ::close(fd);
@@ -150,7 +152,13 @@ void ShmListener::Serve(std::shared_ptr<Socket> socket) {
     // A few bytes into an empty socket buffer: written at once (a peer that never reads loses them).
     boost::system::error_code wec;
     socket->non_blocking(true, wec);
-    asio::write(*socket, asio::buffer(answer), wec);
+    if (s.ok() && attach && values_fd_ >= 0) {
+      // With the values segment's read-only descriptor (a worker that reads none drops it).
+      Status sent = wire::SendWithFds(socket->native_handle(), answer.data(), answer.size(), {values_fd_});
+      if (!sent.ok()) spdlog::warn("shared-memory socket @{}: answering an attach: {}", name_, sent.message());
+    } else {
+      asio::write(*socket, asio::buffer(answer), wec);
+    }
     socket->close(wec);
   });
 }

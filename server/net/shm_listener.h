@@ -83,6 +83,9 @@ class ShmListener {
   // Binds the abstract socket under a fresh random name and accepts.
   Status Start();
   void Stop();
+  // A read-only descriptor of the daemon's values segment (service/values_segment.h; not owned),
+  // sent with every attach's "OK": the worker maps it and reads pulled values in place. Before Start.
+  void SetValuesDescriptor(int fd) { values_fd_ = fd; }
   const std::string& name() const { return name_; }
 
   // The one-time nonce with which connection `conn` may attach a segment to `slot`.
@@ -104,6 +107,7 @@ class ShmListener {
   asio::io_context& io_;
   const uint64_t max_bytes_;
   const int64_t timeout_ms_;
+  int values_fd_ = -1;
   std::string name_;
   asio::local::stream_protocol::acceptor acceptor_;
   struct Pending {

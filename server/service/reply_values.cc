@@ -71,13 +71,7 @@ Result<uint64_t> SetValueInShm(proto::Tensor::Builder t, const Buffer& value, DT
   } else {
     ConvertElements(src, dtype, dst, want, count);
   }
-  const Shape out = range != nullptr ? Shape{range->count} : shape;
-  t.setDtype(wire::ToWire(want));
-  auto dims = t.initShape(static_cast<unsigned>(out.size()));
-  for (size_t i = 0; i < out.size(); ++i) dims.set(static_cast<unsigned>(i), out[i]);
-  t.setInShm(true);
-  t.setShmOffset(at);
-  t.setShmSegment(static_cast<uint8_t>(segment_index));
+  wire::NameInShm(t, want, range != nullptr ? Shape{range->count} : shape, segment_index, at);
   return bytes;
 }
 
@@ -161,12 +155,8 @@ void RowsOut::Set(wire::OutFrame& frame, proto::Tensor::Builder t) {
     frame.keepalive.push_back(std::move(buffer_));
     return;
   }
-  t.setDtype(wire::ToWire(want_));
-  auto dims = t.initShape(static_cast<unsigned>(shape_.size()));
-  for (size_t i = 0; i < shape_.size(); ++i) dims.set(static_cast<unsigned>(i), shape_[i]);
-  t.setInShm(true);
-  t.setShmOffset(where_ == Where::kShmPerRow ? target_->offsets[0] : static_cast<uint64_t>(first_ - segment_->data()));
-  t.setShmSegment(target_->segment);
+  wire::NameInShm(t, want_, shape_, target_->segment,
+                  where_ == Where::kShmPerRow ? target_->offsets[0] : static_cast<uint64_t>(first_ - segment_->data()));
 }
 
 Result<std::vector<std::optional<DType>>> WantedDTypes(capnp::List<proto::DType>::Reader in, size_t names) {

@@ -46,6 +46,7 @@ struct ShmTarget {
   uint64_t bytes = 0;
   uint8_t segment = 0;
   std::vector<uint64_t> offsets;
+  bool values = false;  // the worker maps the daemon's values segment (ShmTarget.values)
 };
 
 // Writes a value as SetValue would deliver it (dtype `want`, `range`) into `segment` (number

@@ -8,6 +8,7 @@
 #include "psd/secret.h"
 #include "service/peer_codec.h"
 #include "service/service_host.h"
+#include "service/values_segment.h"
 
 namespace psd::server {
 WorkerSession::WorkerSession(ServiceHost& host, std::shared_ptr<Connection> conn)
@@ -21,6 +22,7 @@ bool WorkerSession::Busy() {
 }
 
 void WorkerSession::OnClosed() {
+  ValuesRead(UINT64_MAX);  // nobody reads them through this connection any more
   if (shm_) {
     if (host_.shm()) host_.shm()->Withdraw(id_);
     shm_->Close();  // unmapped once no request holds it
@@ -36,6 +38,7 @@ void WorkerSession::OnFrame(const wire::InFrame& in) {
     auto reader = in.Reader();
     auto req = reader->getRoot<proto::Request>();
     id = req.getId();
+    if (req.getValuesRead() != 0) ValuesRead(req.getValuesRead());
     Dispatch(req);
   } catch (const kj::Exception& e) {
     SendError(id, InvalidArgument(std::string("malformed request: ") + e.getDescription().cStr()));
@@ -391,12 +394,28 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
     if (!placed && segment->At(to_shm->offset, to_shm->bytes) == nullptr) {
       return InvalidArgument("the shared-memory room of the request is outside this connection's segment");
     }
-    uint64_t cursor = to_shm->offset, written = 0;
+    // The values segment: a value psd keeps there, asked in its own dtype, is named where it lies.
+    const ValuesSegment* in_place = to_shm->values && !placed ? ValuesSegment::Current() : nullptr;
+    const uint64_t reply_id = frame.builder.getRoot<proto::Response>().getId();
+    uint64_t cursor = to_shm->offset, written = 0, named = 0;
     for (size_t i = 0; i < values.size(); ++i) {
       const PulledValue& v = values[i];
+      const DType want_i = i < want.size() && want[i] ? *want[i] : v.declared;
+      const int64_t kept =
+          in_place != nullptr && want_i == v.dtype ? in_place->OffsetOf(v.value->data(), v.value->bytes()) : -1;
+      if (kept >= 0) {
+        const ElementRange* range = i < ranges.size() ? &ranges[i] : nullptr;
+        const uint64_t es = DTypeSize(v.dtype);
+        const Shape shape = range != nullptr ? Shape{range->count} : v.shape;
+        wire::NameInShm(
+            list[static_cast<unsigned>(i)], v.dtype, shape, wire::kValuesSegment,
+            static_cast<uint64_t>(kept) + (range != nullptr ? static_cast<uint64_t>(range->offset) * es : 0));
+        named += static_cast<uint64_t>(NumElements(shape)) * es;
+        HoldValue(reply_id, v.value);
+        continue;
+      }
       const uint64_t at = placed ? to_shm->offsets[i] : wire::ShmAlign(cursor);
-      auto n = SetValueInShm(list[static_cast<unsigned>(i)], *v.value, v.dtype, v.shape,
-                             i < want.size() && want[i] ? *want[i] : v.declared,
+      auto n = SetValueInShm(list[static_cast<unsigned>(i)], *v.value, v.dtype, v.shape, want_i,
                              i < ranges.size() ? &ranges[i] : nullptr, *segment, to_shm->segment, at,
                              placed ? segment->size() : to_shm->offset + to_shm->bytes, &engine->helpers());
       if (!n.ok()) return n.status();
@@ -404,6 +423,7 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
       written += *n;
     }
     host_.metrics().OnShmBytes(written);
+    if (named > 0) host_.metrics().OnValuesInPlaceBytes(named);
     return Status::Ok();
   }
   for (size_t i = 0; i < values.size(); ++i) {
@@ -423,9 +443,28 @@ Status WorkerSession::NoSegment(unsigned segment) {
 
 std::optional<ShmTarget> WorkerSession::TargetOf(bool has, proto::ShmTarget::Reader r) {
   if (!has) return std::nullopt;
-  ShmTarget target{r.getOffset(), r.getBytes(), r.getSegment(), {}};
+  ShmTarget target{r.getOffset(), r.getBytes(), r.getSegment(), {}, r.getValues()};
   for (uint64_t at : r.getOffsets()) target.offsets.push_back(at);
   return target;
+}
+
+void WorkerSession::HoldValue(uint64_t id, std::shared_ptr<const Buffer> value) {
+  std::shared_ptr<const Buffer> dropped;  // let go outside the lock
+  MutexLock lock(&held_mu_);
+  held_values_.emplace_back(id, std::move(value));
+  if (held_values_.size() > kMaxHeldValues) {
+    dropped = std::move(held_values_.front().second);
+    held_values_.pop_front();
+  }
+}
+
+void WorkerSession::ValuesRead(uint64_t id) {
+  std::vector<std::shared_ptr<const Buffer>> dropped;  // let go outside the lock
+  MutexLock lock(&held_mu_);
+  while (!held_values_.empty() && held_values_.front().first <= id) {
+    dropped.push_back(std::move(held_values_.front().second));
+    held_values_.pop_front();
+  }
 }
 
 Result<wire::TensorRef> WorkerSession::ReadTensorIn(proto::Tensor::Reader t, ShmSlot::Lease* lease) const {

@@ -87,7 +87,8 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // Puts the named variables' current values (one step) into a reply, referencing them in place.
   // want: empty, or per name the dtype to deliver (unset: the variable's own). ranges: empty, or
   // per name the elements to deliver (as a flat [count]; INVALID_ARGUMENT outside the value).
-  // to_shm: write them into this connection's shared memory there instead (Pull.toShm).
+  // to_shm: write them into this connection's shared memory there instead (Pull.toShm), or, where
+  // the worker maps the values segment and the value is kept there as asked, name it in place.
   Status AddValues(wire::OutFrame& frame, proto::PullReply::Builder p, const std::vector<std::string>& names,
                    bool averages, const std::vector<std::optional<DType>>& want = {},
                    const std::vector<ElementRange>& ranges = {}, std::optional<ShmTarget> to_shm = std::nullopt);
@@ -161,6 +162,14 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   int awaiting_copies_ = 0;
   // A worker's shared-memory segment, once attached (offered at its hello when psd has a ShmListener).
   std::shared_ptr<ShmSlot> shm_;
+  // The published buffers that replies named in the values segment (ValuesSegment), by request id,
+  // oldest first: held until the worker says it read them (Request.valuesRead), the connection
+  // closes, or kMaxHeldValues newer ones came (a worker that never says so reads what it gets).
+  static constexpr size_t kMaxHeldValues = 64;
+  Mutex held_mu_;
+  std::deque<std::pair<uint64_t, std::shared_ptr<const Buffer>>> held_values_ GUARDED_BY(held_mu_);
+  void HoldValue(uint64_t id, std::shared_ptr<const Buffer> value) EXCLUDES(held_mu_);
+  void ValuesRead(uint64_t id) EXCLUDES(held_mu_);
   // A value bigger than a frame arriving in chunks (CreateVariable.chunked, Update.chunked):
   // gathered here, used with the last chunk; dropped by any request of another kind, a chunk that
   // does not follow, or the connection's end.

@@ -165,6 +165,23 @@ std::map<std::string, Bytes> WorkerSeeds() {
     p.initToShm().setOffset(0);
     p.getToShm().setBytes(64);
   })});
+  // A pull that takes its values in place (the daemon's values segment) and says what it read;
+  // a gradient said to be there (workers never push from it).
+  s["pull_values_in_place"] = Session({Frame(3, [](Request::Builder r) {
+    r.setValuesRead(2);
+    auto p = r.initPull();
+    p.initNames(1).set(0, "w");
+    p.initToShm().setOffset(0);
+    p.getToShm().setBytes(64);
+    p.getToShm().setValues(true);
+  })});
+  s["push_values_segment"] = Session({Frame(3, [](Request::Builder r) {
+    auto t = r.initPush().initGrads(1)[0].initGrad();
+    t.setDtype(psd::proto::DType::FLOAT32);
+    t.initShape(1).set(0, 8);
+    t.setInShm(true);
+    t.setShmSegment(2);
+  })});
   s["push_buffers"] = Session({Frame(3, [](Request::Builder r) {
     auto t = r.initPush().initGrads(1)[0].initGrad();
     t.setDtype(psd::proto::DType::FLOAT32);

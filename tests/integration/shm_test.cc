@@ -135,42 +135,139 @@ TEST_CASE("a same-host worker moves tensors through shared memory, with the valu
 
 TEST_CASE("pushes and pulls bigger than a piece move through shared memory in pieces, with the same values", "[shm]") {
   // 64 KiB pieces: w's 600 KB gradient goes in 10 frames, each piece copied into the segment as
-  // its frame goes out, and its values come back in ranges after the token.
-  auto pieces_server = StartServer(TestConfig(2, 2, 0));
-  auto whole_server = StartServer(TestConfig(2, 2, 0));
+  // its frame goes out. Without the values segment its values come back in ranges after the
+  // token, each written into the segment; with it, in place with the token.
+  auto no_values = TestConfig(2, 2, 0);
+  no_values.values_segment = false;
+  auto pieces_server = StartServer(no_values);
+  auto whole_server = StartServer(no_values);
+  auto in_place_server = StartServer(TestConfig(2, 2, 0));
   Trained pieces = Train(*pieces_server, 1 << 30, 64 << 10);
   Trained whole = Train(*whole_server, 1 << 30, 0);
+  Trained in_place = Train(*in_place_server, 1 << 30, 64 << 10);
   CHECK(pieces.shm_shards[0] == 1);
   CHECK(whole.shm_shards[0] == 1);
+  CHECK(in_place.shm_shards[0] == 1);
   CHECK(std::memcmp(pieces.w.data(), whole.w.data(), pieces.w.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(in_place.w.data(), whole.w.data(), in_place.w.size() * sizeof(float)) == 0);
   CHECK(pieces.w_bf16 == whole.w_bf16);
+  CHECK(in_place.w_bf16 == whole.w_bf16);
   CHECK(pieces.b == whole.b);
+  CHECK(in_place.b == whole.b);
   CHECK(pieces.w[0] == Approx(0.25 + 0.01 * (0.4725 + 0.3515 + 0.2305)).epsilon(1e-5));
   // The tensors' bytes went through the segments, not the socket, both ways (w's initial value
   // alone goes over TCP: a create does not take shared memory).
   const uint64_t model = kRows * kCols * sizeof(float);
   CHECK(pieces_server->metrics().shm_bytes() > 3 * 2 * 2 * model);
+  CHECK(pieces_server->metrics().values_in_place_bytes() == 0);
   CHECK(pieces_server->metrics().bytes_in() < 2 * model);
   CHECK(pieces_server->metrics().bytes_out() < model);
+  // In place: the gradients through the segments, w's values (3 steps, 2 workers) read where psd
+  // keeps them; only the bfloat16 pull (converted) and b (small, in the heap) were written.
+  CHECK(in_place_server->metrics().values_in_place_bytes() == 3 * 2 * model);
+  CHECK(in_place_server->metrics().shm_bytes() > 3 * 2 * model);
+  CHECK(in_place_server->metrics().shm_bytes() < 3 * 2 * model + model);
+  CHECK(in_place_server->metrics().bytes_out() < model);
 
-  // One worker's push of w with its values after: 10 frames of pieces, the values in 10 ranges.
-  auto server = StartServer(TestConfig(1, 1, 0));  // the token comes with the step's commit
-  auto o = WorkerOptions(server->port(), "w0");
-  o.shm_piece_bytes = 64 << 10;
-  auto c = ConnectWith(o);
-  REQUIRE(c->shared_memory_shards() == 1);
-  std::vector<float> w(static_cast<size_t>(kRows * kCols), 1.0f), g(w.size());
-  for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(i % 1000);
-  REQUIRE(c->CreateVariable("w", ConstTensorView{w.data(), DType::kFloat32, {kRows, kCols}}).ok());
-  const uint64_t before = c->requests_sent();
-  std::vector<std::pair<std::string, TensorView>> after = {{"w", {w.data(), DType::kFloat32, {kRows, kCols}}}};
-  auto r = c->Push(0, {{"w", {g.data(), DType::kFloat32, {kRows, kCols}}}}, {}, true, 10000, &after);
-  REQUIRE(r.ok());
-  REQUIRE(r->token_status.ok());
-  CHECK(r->pulled_step == 1);
-  CHECK(c->requests_sent() - before == 20);  // ceil(600000 / 65536) pieces each way
-  for (size_t i = 0; i < w.size(); i += 997) REQUIRE(w[i] == Approx(1 - 0.01f * g[i]).epsilon(1e-6));
-  CHECK(w.back() == Approx(1 - 0.01f * g.back()).epsilon(1e-6));
+  // One worker's push of w with its values after: 10 frames of pieces, then the values in 10
+  // ranges (written into the segment) or with the token (in place).
+  for (bool values_segment : {false, true}) {
+    CAPTURE(values_segment);
+    auto cfg = TestConfig(1, 1, 0);  // the token comes with the step's commit
+    cfg.values_segment = values_segment;
+    auto server = StartServer(cfg);
+    auto o = WorkerOptions(server->port(), "w0");
+    o.shm_piece_bytes = 64 << 10;
+    auto c = ConnectWith(o);
+    REQUIRE(c->shared_memory_shards() == 1);
+    std::vector<float> w(static_cast<size_t>(kRows * kCols), 1.0f), g(w.size());
+    for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(i % 1000);
+    REQUIRE(c->CreateVariable("w", ConstTensorView{w.data(), DType::kFloat32, {kRows, kCols}}).ok());
+    const uint64_t before = c->requests_sent();
+    std::vector<std::pair<std::string, TensorView>> after = {{"w", {w.data(), DType::kFloat32, {kRows, kCols}}}};
+    auto r = c->Push(0, {{"w", {g.data(), DType::kFloat32, {kRows, kCols}}}}, {}, true, 10000, &after);
+    REQUIRE(r.ok());
+    REQUIRE(r->token_status.ok());
+    CHECK(r->pulled_step == 1);
+    // ceil(600000 / 65536) pieces each way, or the pieces alone
+    CHECK(c->requests_sent() - before == (values_segment ? 10u : 20u));
+    for (size_t i = 0; i < w.size(); i += 997) REQUIRE(w[i] == Approx(1 - 0.01f * g[i]).epsilon(1e-6));
+    CHECK(w.back() == Approx(1 - 0.01f * g.back()).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("values named in place are read-only to the worker and stay as read until it says it read them", "[shm]") {
+  auto server = StartServer(TestConfig(1, 2));  // "trainer" commits a step per push; "raw" reads
+  auto trainer = ConnectWith(WorkerOptions(server->port(), "trainer"));
+  constexpr int64_t n = 100000;  // 400 KB: kept in the values segment
+  std::vector<float> v(n, 1.0f), g(n);
+  for (int64_t i = 0; i < n; ++i) g[static_cast<size_t>(i)] = static_cast<float>(i % 97);
+  REQUIRE(trainer->CreateVariable("v", ConstTensorView{v.data(), DType::kFloat32, {n}}).ok());
+  REQUIRE(trainer->Push(0, {{"v", {g.data(), DType::kFloat32, {n}}}}).ok());
+
+  RawPeer p(server->port());
+  p.Hello("raw");
+  auto seg = wire::SharedSegment::Create(1 << 20, "test");
+  REQUIRE(seg.ok());
+  int values_fd = -1;
+  REQUIRE(psd::testing::ShmAttach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*seg)->fd(), -1,
+                                  &values_fd) == "OK");
+  REQUIRE(values_fd >= 0);
+  // Never writable through what workers are given.
+  CHECK(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, values_fd, 0) == MAP_FAILED);
+  auto values = wire::SharedSegment::AdoptReadOnly(values_fd, UINT64_MAX);
+  REQUIRE(values.ok());
+  CHECK(::mprotect((*values)->data(), 4096, PROT_READ | PROT_WRITE) != 0);
+
+  // A pull of v that may be named in place: segment 2, where psd published it.
+  auto pull = [&](uint64_t id, bool in_place, proto::DType dtype, uint64_t values_read) {
+    wire::OutFrame f;
+    auto req = f.builder.initRoot<proto::Request>();
+    req.setId(id);
+    req.setValuesRead(values_read);
+    auto pr = req.initPull();
+    pr.initNames(1).set(0, "v");
+    pr.initDtypes(1).set(0, dtype);
+    auto target = pr.initToShm();
+    target.setOffset(0);
+    target.setBytes(1 << 20);
+    target.setValues(in_place);
+    p.Send(f);
+    REQUIRE(wire::ReadFrame(p.socket, p.in, 1 << 20).ok());
+    auto resp = p.in.Reader()->getRoot<proto::Response>();
+    REQUIRE(resp.getCode() == proto::Code::OK);
+    REQUIRE(resp.getId() == id);
+    auto t = resp.getPull().getValues()[0];
+    REQUIRE(t.getInShm());
+    return std::pair<unsigned, uint64_t>{t.getShmSegment(), t.getShmOffset()};
+  };
+  auto [segment, at] = pull(2, true, proto::DType::FLOAT32, 0);
+  REQUIRE(segment == wire::kValuesSegment);
+  const float* named = reinterpret_cast<const float*>((*values)->At(at, n * sizeof(float)));
+  REQUIRE(named != nullptr);
+  std::vector<float> read(named, named + n);
+  std::vector<float> pulled(n);
+  REQUIRE(trainer->Pull("v", {pulled.data(), DType::kFloat32, {n}}).ok());
+  CHECK(read == pulled);
+  CHECK(read[5] == Approx(1 - 0.01f * 5).epsilon(1e-6));
+  // Asked without `values`, or in another dtype: written into the worker's segment, as before.
+  CHECK(pull(3, false, proto::DType::FLOAT32, 0).first == 0);
+  CHECK(pull(4, true, proto::DType::BFLOAT16, 0).first == 0);
+
+  // The trainer's steps change v, never the buffer "raw" was named and has not said it read.
+  for (int step = 1; step <= 4; ++step) {
+    REQUIRE(trainer->Push(step, {{"v", {g.data(), DType::kFloat32, {n}}}}).ok());
+    REQUIRE(trainer->Pull("v", {pulled.data(), DType::kFloat32, {n}}).ok());
+    CHECK(pulled[5] == Approx(1 - 0.01f * 5 * static_cast<float>(step + 1)).epsilon(1e-5));
+    CHECK(std::memcmp(named, read.data(), n * sizeof(float)) == 0);
+  }
+  // Once read (a later request says so), psd lets it go; a new pull names the current value.
+  auto [segment2, at2] = pull(5, true, proto::DType::FLOAT32, 4);
+  REQUIRE(segment2 == wire::kValuesSegment);
+  const float* now = reinterpret_cast<const float*>((*values)->At(at2, n * sizeof(float)));
+  REQUIRE(now != nullptr);
+  CHECK(std::memcmp(now, pulled.data(), n * sizeof(float)) == 0);
+  CHECK(server->metrics().values_in_place_bytes() >= 2 * n * sizeof(float));
 }
 
 TEST_CASE("shared memory is not used where it is not offered or does not fit", "[shm]") {
