@@ -348,6 +348,19 @@ void Conn::RefInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, u
   psd::wire::NameInShm(t, dtype, shape, segment, offset);
 }
 
+void Conn::ValuesRead(bool named) {
+  values_read_ = last_reply_id_;
+  if (!named || !IsOpen()) return;
+  OutFrame frame;
+  auto req = frame.builder.initRoot<proto::Request>();
+  req.setId(0);  // never answered
+  req.setValuesRead(values_read_);
+  req.setValuesAck();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
+  Status s = tls_ ? psd::wire::WriteFrame(*tls_, frame, deadline) : psd::wire::WriteFrame(socket_, frame, deadline);
+  if (!s.ok()) Drop();  // the stream is broken: the next call reconnects
+}
+
 int64_t Conn::BufferOffset(const void* p, uint64_t bytes) const {
   return shm && buffers ? arena_->OffsetOf(p, bytes) : -1;
 }

@@ -175,9 +175,11 @@ class Conn {
   // The daemon's values segment (segment 2, mapped read-only), sent with the attach's answer: a
   // pull through shared memory may find its values there in place (ShmTarget.values). Null: none.
   std::shared_ptr<psd::wire::SharedSegment> values;
-  // The values of this connection's current reply (the last one received) have been read: the
-  // next request says so (Request.valuesRead) and psd lets go of the buffers it named.
-  void ValuesRead() { values_read_ = last_reply_id_; }
+  // The values of this connection's current reply (the last one received) have been read: psd
+  // may let go of the buffers it named. The next request says so (Request.valuesRead); with
+  // `named` (the reply named values in the daemon's values segment) a one-way frame says so now
+  // (Request.valuesAck), so that a worker that computes, or lags a step, holds nothing meanwhile.
+  void ValuesRead(bool named);
   // [offset, offset + bytes) of segment 0, 1 or 2, or nullptr.
   const uint8_t* ShmAt(unsigned segment, uint64_t offset, uint64_t bytes) const;
   // A tensor of a reply from this connection: in the frame (within max_frame_bytes), or where it

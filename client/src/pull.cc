@@ -24,7 +24,9 @@ Result<int64_t> Client::Impl::ReadValues(proto::PullReply::Reader p,
   try {
     auto values = p.getValues();
     if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
+    bool named = false;  // a value read where psd keeps it (its values segment)
     for (size_t i = 0; i < outs.size(); ++i) {
+      named = named || values[static_cast<unsigned>(i)].getShmSegment() == psd::wire::kValuesSegment;
       auto t = from->ReplyTensor(values[static_cast<unsigned>(i)]);
       if (!t.ok()) return t.status();
       const TensorView& out = outs[i].second;
@@ -44,7 +46,7 @@ Result<int64_t> Client::Impl::ReadValues(proto::PullReply::Reader p,
       }
       PSD_RETURN_IF_ERROR(staging_.FromHost(out.data, t->data, t->bytes, out.memory, out.stream));
     }
-    from->ValuesRead();  // psd may let go of what it named in its values segment
+    from->ValuesRead(named);  // psd may let go of what it named in its values segment
     return p.getStep();
   } catch (const kj::Exception& e) {
     return Malformed(e);

@@ -52,6 +52,7 @@ void WorkerSession::OnFrame(const wire::InFrame& in) {
 void WorkerSession::Dispatch(proto::Request::Reader req) {
   uint64_t id = req.getId();
   auto which = req.which();
+  if (which == proto::Request::VALUES_ACK) return;  // its valuesRead was taken (OnFrame); never answered
   if (which == proto::Request::HELLO) return HandleHello(id, req.getHello());
   if (which == proto::Request::PEER_PROOF) return HandlePeerProof(id, req.getPeerProof());
   if (!authenticated_ && !host_.config().auth_token.empty()) {

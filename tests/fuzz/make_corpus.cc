@@ -175,6 +175,10 @@ std::map<std::string, Bytes> WorkerSeeds() {
     p.getToShm().setBytes(64);
     p.getToShm().setValues(true);
   })});
+  s["values_ack"] = Session({Frame(0, [](Request::Builder r) {
+    r.setValuesRead(3);
+    r.setValuesAck();
+  })});
   s["push_values_segment"] = Session({Frame(3, [](Request::Builder r) {
     auto t = r.initPush().initGrads(1)[0].initGrad();
     t.setDtype(psd::proto::DType::FLOAT32);

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "psd/half.h"
+#include "service/values_segment.h"
 #include "support/raw_peer.h"
 #include "support/test_server.h"
 
@@ -261,8 +262,27 @@ TEST_CASE("values named in place are read-only to the worker and stay as read un
     CHECK(pulled[5] == Approx(1 - 0.01f * 5 * static_cast<float>(step + 1)).epsilon(1e-5));
     CHECK(std::memcmp(named, read.data(), n * sizeof(float)) == 0);
   }
-  // Once read (a later request says so), psd lets it go; a new pull names the current value.
-  auto [segment2, at2] = pull(5, true, proto::DType::FLOAT32, 4);
+  // Once read (a one-way valuesAck says so), psd lets it go: the buffer leaves the values segment.
+  const uint64_t in_use = server::ValuesSegment::Current()->in_use();
+  {
+    wire::OutFrame f;
+    auto req = f.builder.initRoot<proto::Request>();
+    req.setValuesRead(2);
+    req.setValuesAck();
+    p.Send(f);
+    wire::OutFrame status;  // answered after the ack was taken: the same connection, in order
+    status.builder.initRoot<proto::Request>().setId(6);
+    status.builder.getRoot<proto::Request>().setStatus();
+    p.Send(status);
+    std::string message;
+    uint64_t id = 0;
+    Code code = Code::kInternal;
+    REQUIRE(p.Read(&code, &message, &id));
+    CHECK(id == 6);  // the ack itself is never answered
+  }
+  CHECK(server::ValuesSegment::Current()->in_use() + n * sizeof(float) <= in_use);
+  // A new pull names the current value.
+  auto [segment2, at2] = pull(5, true, proto::DType::FLOAT32, 0);
   REQUIRE(segment2 == wire::kValuesSegment);
   const float* now = reinterpret_cast<const float*>((*values)->At(at2, n * sizeof(float)));
   REQUIRE(now != nullptr);
