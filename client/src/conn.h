@@ -204,7 +204,7 @@ class Conn {
   uint16_t port_;
   const int index_;
   const std::shared_ptr<SharedArena> arena_;
-  std::string shm_socket_;  // psd's shared-memory socket, from the last attach
+  std::string shm_socket_;      // psd's shared-memory socket, from the last attach
   uint64_t last_reply_id_ = 0;  // the reply Receive read last
   uint64_t values_read_ = 0;    // Request.valuesRead of the next request
   psd::asio::io_context io_;
