@@ -68,10 +68,7 @@ Result<std::shared_ptr<SharedSegment>> SharedSegment::Create(uint64_t bytes, con
   return std::shared_ptr<SharedSegment>(new SharedSegment(fd, static_cast<uint8_t*>(base), bytes));
 }
 
-namespace {
-
-Result<std::shared_ptr<SharedSegment>> AdoptSegment(int fd, uint64_t max_bytes, bool read_only,
-                                                    SharedSegment* (*make)(int, uint8_t*, uint64_t)) {
+Result<std::shared_ptr<SharedSegment>> SharedSegment::Adopt(int fd, uint64_t max_bytes, bool read_only) {
   auto refuse = [fd](const std::string& why) {
     ::close(fd);
     return InvalidArgument("shared-memory segment refused: " + why);
@@ -84,23 +81,21 @@ Result<std::shared_ptr<SharedSegment>> AdoptSegment(int fd, uint64_t max_bytes, 
   if (::fstat(fd, &st) != 0) return refuse(Errno("fstat"));
   if (!S_ISREG(st.st_mode)) return refuse("not a memory file");
   const uint64_t bytes = static_cast<uint64_t>(st.st_size);
-  if (bytes < SharedSegment::kMinBytes || bytes > max_bytes) {
-    return refuse(std::to_string(bytes) + " bytes, outside [" + std::to_string(SharedSegment::kMinBytes) + ", " +
+  if (bytes < kMinBytes || bytes > max_bytes) {
+    return refuse(std::to_string(bytes) + " bytes, outside [" + std::to_string(kMinBytes) + ", " +
                   std::to_string(max_bytes) + "] (psd --shm-max-bytes)");
   }
   void* base = ::mmap(nullptr, bytes, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) return refuse(Errno("mmap"));
-  return std::shared_ptr<SharedSegment>(make(fd, static_cast<uint8_t*>(base), bytes));
+  return std::shared_ptr<SharedSegment>(new SharedSegment(fd, static_cast<uint8_t*>(base), bytes));
 }
 
-}  // namespace
-
 Result<std::shared_ptr<SharedSegment>> SharedSegment::Adopt(int fd, uint64_t max_bytes) {
-  return AdoptSegment(fd, max_bytes, false, [](int f, uint8_t* b, uint64_t n) { return new SharedSegment(f, b, n); });
+  return Adopt(fd, max_bytes, /*read_only=*/false);
 }
 
 Result<std::shared_ptr<SharedSegment>> SharedSegment::AdoptReadOnly(int fd, uint64_t max_bytes) {
-  return AdoptSegment(fd, max_bytes, true, [](int f, uint8_t* b, uint64_t n) { return new SharedSegment(f, b, n); });
+  return Adopt(fd, max_bytes, /*read_only=*/true);
 }
 
 Result<int> SharedSegment::ReadOnlyDescriptor() const {

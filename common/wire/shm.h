@@ -82,6 +82,8 @@ class SharedSegment {
 
  private:
   SharedSegment(int fd, uint8_t* base, uint64_t size) : fd_(fd), base_(base), size_(size) {}
+  // Adopt and AdoptReadOnly.
+  static Result<std::shared_ptr<SharedSegment>> Adopt(int fd, uint64_t max_bytes, bool read_only);
   int fd_;
   uint8_t* base_;
   uint64_t size_;
