@@ -348,13 +348,12 @@ void Conn::RefInShm(proto::Tensor::Builder t, DType dtype, const Shape& shape, u
   psd::wire::NameInShm(t, dtype, shape, segment, offset);
 }
 
-void Conn::ValuesRead(bool named) {
-  values_read_ = last_reply_id_;
-  if (!named || !IsOpen()) return;
+void Conn::ValuesRead() {
+  if (!IsOpen()) return;  // dropped: psd let go of them with the connection
   OutFrame frame;
   auto req = frame.builder.initRoot<proto::Request>();
   req.setId(0);  // never answered
-  req.setValuesRead(values_read_);
+  req.setValuesRead(last_reply_id_);
   req.setValuesAck();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
   Status s = tls_ ? psd::wire::WriteFrame(*tls_, frame, deadline) : psd::wire::WriteFrame(socket_, frame, deadline);
@@ -386,7 +385,6 @@ Result<psd::wire::TensorRef> Conn::ReplyTensor(proto::Tensor::Reader t) const {
 Status Conn::SendNoReconnect(OutFrame& frame) {
   if (limit_ms_ == 0) limit_ms_ = options_.request_timeout_ms;
   deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms_);
-  if (values_read_ != 0) frame.builder.getRoot<proto::Request>().setValuesRead(values_read_);
   Status s = tls_ ? psd::wire::WriteFrame(*tls_, frame, deadline_) : psd::wire::WriteFrame(socket_, frame, deadline_);
   if (!s.ok()) Drop();
   return s;

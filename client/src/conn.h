@@ -175,11 +175,11 @@ class Conn {
   // The daemon's values segment (segment 2, mapped read-only), sent with the attach's answer: a
   // pull through shared memory may find its values there in place (ShmTarget.values). Null: none.
   std::shared_ptr<psd::wire::SharedSegment> values;
-  // The values of this connection's current reply (the last one received) have been read: psd
-  // may let go of the buffers it named. The next request says so (Request.valuesRead); with
-  // `named` (the reply named values in the daemon's values segment) a one-way frame says so now
-  // (Request.valuesAck), so that a worker that computes, or lags a step, holds nothing meanwhile.
-  void ValuesRead(bool named);
+  // The values of this connection's current reply (the last one received), which named values in
+  // the daemon's values segment, have been read: a one-way frame says so now (Request.valuesAck
+  // with valuesRead), so psd lets go of the buffers it named and a worker that computes, or lags a
+  // step, holds nothing meanwhile.
+  void ValuesRead();
   // [offset, offset + bytes) of segment 0, 1 or 2, or nullptr.
   const uint8_t* ShmAt(unsigned segment, uint64_t offset, uint64_t bytes) const;
   // A tensor of a reply from this connection: in the frame (within max_frame_bytes), or where it
@@ -206,7 +206,6 @@ class Conn {
   const std::shared_ptr<SharedArena> arena_;
   std::string shm_socket_;      // psd's shared-memory socket, from the last attach
   uint64_t last_reply_id_ = 0;  // the reply Receive read last
-  uint64_t values_read_ = 0;    // Request.valuesRead of the next request
   psd::asio::io_context io_;
   psd::tcp::socket socket_;
   std::shared_ptr<psd::wire::ssl::context> tls_context_;

@@ -46,7 +46,7 @@ Result<int64_t> Client::Impl::ReadValues(proto::PullReply::Reader p,
       }
       PSD_RETURN_IF_ERROR(staging_.FromHost(out.data, t->data, t->bytes, out.memory, out.stream));
     }
-    from->ValuesRead(named);  // psd may let go of what it named in its values segment
+    if (named) from->ValuesRead();  // psd may let go of what it named in its values segment
     return p.getStep();
   } catch (const kj::Exception& e) {
     return Malformed(e);

@@ -450,17 +450,20 @@ std::optional<ShmTarget> WorkerSession::TargetOf(bool has, proto::ShmTarget::Rea
 }
 
 void WorkerSession::HoldValue(uint64_t id, std::shared_ptr<const Buffer> value) {
-  std::shared_ptr<const Buffer> dropped;  // let go outside the lock
+  std::vector<std::shared_ptr<const Buffer>> dropped;  // let go outside the lock
   MutexLock lock(&held_mu_);
-  held_values_.emplace_back(id, std::move(value));
-  if (held_values_.size() > kMaxHeldValues) {
-    dropped = std::move(held_values_.front().second);
-    held_values_.pop_front();
+  if (held_values_.empty() || held_values_.back().first != id) {
+    held_values_.emplace_back(id, std::vector<std::shared_ptr<const Buffer>>{});
+    if (held_values_.size() > kMaxHeldReplies) {
+      dropped = std::move(held_values_.front().second);
+      held_values_.pop_front();
+    }
   }
+  held_values_.back().second.push_back(std::move(value));
 }
 
 void WorkerSession::ValuesRead(uint64_t id) {
-  std::vector<std::shared_ptr<const Buffer>> dropped;  // let go outside the lock
+  std::vector<std::vector<std::shared_ptr<const Buffer>>> dropped;  // let go outside the lock
   MutexLock lock(&held_mu_);
   while (!held_values_.empty() && held_values_.front().first <= id) {
     dropped.push_back(std::move(held_values_.front().second));

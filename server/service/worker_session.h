@@ -162,12 +162,13 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   int awaiting_copies_ = 0;
   // A worker's shared-memory segment, once attached (offered at its hello when psd has a ShmListener).
   std::shared_ptr<ShmSlot> shm_;
-  // The published buffers that replies named in the values segment (ValuesSegment), by request id,
-  // oldest first: held until the worker says it read them (Request.valuesRead), the connection
-  // closes, or kMaxHeldValues newer ones came (a worker that never says so reads what it gets).
-  static constexpr size_t kMaxHeldValues = 64;
+  // The published buffers that replies named in the values segment (ValuesSegment), per reply
+  // (request id), oldest first: held until the worker says it read them (Request.valuesRead), the
+  // connection closes, or kMaxHeldReplies newer replies named some (a worker that never says so
+  // reads what it gets).
+  static constexpr size_t kMaxHeldReplies = 64;
   Mutex held_mu_;
-  std::deque<std::pair<uint64_t, std::shared_ptr<const Buffer>>> held_values_ GUARDED_BY(held_mu_);
+  std::deque<std::pair<uint64_t, std::vector<std::shared_ptr<const Buffer>>>> held_values_ GUARDED_BY(held_mu_);
   void HoldValue(uint64_t id, std::shared_ptr<const Buffer> value) EXCLUDES(held_mu_);
   void ValuesRead(uint64_t id) EXCLUDES(held_mu_);
   // A value bigger than a frame arriving in chunks (CreateVariable.chunked, Update.chunked):
