@@ -16,6 +16,23 @@
 
 namespace psd::server {
 
+// The completion condition of a connection's reads and writes: all of the buffers, each system
+// call taking as much as the kernel will. Asio's default (transfer_all, and transfer_exactly and
+// transfer_at_least alike) hands every read_some and write_some at most 64 KiB, so a 64 MiB push
+// or reply took a thousand recvmsg or sendmsg calls, each after its own epoll wake-up.
+struct TransferAll {
+  size_t operator()(const boost::system::error_code& ec, size_t /*transferred*/) const {
+    return ec ? 0 : size_t{1} << 30;
+  }
+};
+// TransferAll that returns as soon as `at_least` bytes are in (the read-ahead's fill).
+struct TransferAtLeast {
+  size_t at_least;
+  size_t operator()(const boost::system::error_code& ec, size_t transferred) const {
+    return ec || transferred >= at_least ? 0 : size_t{1} << 30;
+  }
+};
+
 class ByteStream {
  public:
   using executor_type = tcp::socket::executor_type;

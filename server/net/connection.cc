@@ -82,7 +82,7 @@ void Connection::CloseNow() {
 
 template <typename F>
 void Connection::FillAhead(size_t need, F then) {
-  asio::async_read(stream_, asio::buffer(ahead_.Room(), ahead_.RoomBytes()), asio::transfer_at_least(need),
+  asio::async_read(stream_, asio::buffer(ahead_.Room(), ahead_.RoomBytes()), TransferAtLeast{need},
                    asio::bind_executor(strand_, [self = shared_from_this(), then = std::move(then)](
                                                     boost::system::error_code ec, size_t n) mutable {
                      if (ec) return self->CloseNow();
@@ -103,7 +103,7 @@ void Connection::ReadExact(void* dst, size_t n, F then) {
       then();
     });
   }
-  asio::async_read(stream_, asio::buffer(rest, left),
+  asio::async_read(stream_, asio::buffer(rest, left), TransferAll{},
                    asio::bind_executor(strand_, [self = shared_from_this(), then = std::move(then)](
                                                     boost::system::error_code ec, size_t) mutable {
                      if (ec) return self->CloseNow();
@@ -263,7 +263,7 @@ void Connection::WriteNext() {
   writing_ = true;
   auto frame = write_queue_.front();
   asio::async_write(
-      stream_, frame->Buffers(),
+      stream_, frame->Buffers(), TransferAll{},
       asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t n) {
         if (self->env_.on_bytes_out) self->env_.on_bytes_out(n);
         self->write_queue_.pop_front();

@@ -242,7 +242,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     Status s = wire::ParseSegmentSizes(table_.data(), count, kMaxReplyBytes, &sizes, &total);
     if (!s.ok()) return Fail(s.message());
     capnp::word* body = in_.Prepare(sizes, total);
-    asio::async_read(*stream_, asio::buffer(body, total * sizeof(capnp::word)),
+    asio::async_read(*stream_, asio::buffer(body, total * sizeof(capnp::word)), TransferAll{},
                      [self = shared_from_this(), stream = stream_](boost::system::error_code ec, size_t) {
                        if (stream != self->stream_) return;
                        if (ec) return self->Fail("no answer to the hello: " + ec.message());
@@ -347,7 +347,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     }
     writing_ = true;
     auto frame = queue_.front();
-    asio::async_write(*stream_, frame->buffers,
+    asio::async_write(*stream_, frame->buffers, TransferAll{},
                       asio::bind_executor(strand_, [self = shared_from_this(), frame, stream = stream_](
                                                        boost::system::error_code ec, size_t) {
                         if (stream != self->stream_) return;
