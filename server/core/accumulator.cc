@@ -158,7 +158,9 @@ void DenseAccumulator::AddToStripes(int64_t s0, int64_t count, int64_t start, DT
       AddToStripe(i, dtype, data, base, std::max(begin, i * kStripeElements), std::min(end, (i + 1) * kStripeElements));
     }
   };
-  if (helpers == nullptr || count < 2) return add(0, count);
+  // Waking a helper costs a futex and a context switch: worth it for two whole stripes or more,
+  // not for a 1 MiB chunk that happens to straddle two (a TCP push's chunks).
+  if (helpers == nullptr || count < 2 || end - begin < 2 * kStripeElements) return add(0, count);
   helpers->ParallelFor(count, 1, add);
 }
 

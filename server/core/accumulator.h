@@ -162,7 +162,8 @@ class DenseAccumulator {
   // AddRange for elements [begin, end) of stripe i (whole parts) under its lock, `data` holding
   // element `base` first.
   void AddToStripe(int64_t i, DType dtype, const void* data, int64_t base, int64_t begin, int64_t end);
-  // AddToStripe over stripes s0 + (start + k) % count for k in [0, count), some on `helpers`.
+  // AddToStripe over stripes s0 + (start + k) % count for k in [0, count), some on `helpers`
+  // when [begin, end) spans two stripes' worth of elements or more.
   void AddToStripes(int64_t s0, int64_t count, int64_t start, DType dtype, const void* data, int64_t base,
                     int64_t begin, int64_t end, ThreadPool* helpers);
   int MinPartCount() const { return min_part_; }

@@ -242,7 +242,9 @@ std::vector<float> Awkward(size_t n, int seed) {
 
 TEST_CASE("a gradient sent in chunks sums bit-identically to the same gradient sent whole", "[accumulator][chunks]") {
   const int64_t P = DenseAccumulator::kPartElements;
-  const int64_t n = DenseAccumulator::kStripeElements + 5 * P + 100;  // over a stripe, a partial last part
+  // Over two stripes, a partial last part: the middle chunk below spans two stripes' worth, the
+  // least that the helpers take a part of.
+  const int64_t n = 2 * DenseAccumulator::kStripeElements + 8 * P + 100;
   auto a = Awkward(static_cast<size_t>(n), 1), b = Awkward(static_cast<size_t>(n), 2),
        c = Awkward(static_cast<size_t>(n), 3);
   // With helpers, a pool's threads add some of a chunk's stripes: the same bits.
@@ -253,7 +255,7 @@ TEST_CASE("a gradient sent in chunks sums bit-identically to the same gradient s
   // The same three in the same order, b in chunks that cross the stripe boundary, sent backwards.
   DenseAccumulator chunked(DType::kFloat32, {n}, Reduction::kMean, 0);
   REQUIRE(chunked.AddChecked(0, DType::kFloat32, a.data()));
-  const int64_t cut1 = 3 * P, cut2 = DenseAccumulator::kStripeElements + 2 * P;
+  const int64_t cut1 = 3 * P, cut2 = 2 * DenseAccumulator::kStripeElements + 4 * P;
   AddChunk(chunked, 0, b, cut2, n - cut2, {}, helpers);
   CHECK(chunked.num_accumulated() == 1);  // b is not all there yet
   AddChunk(chunked, 0, b, cut1, cut2 - cut1, {}, helpers);
