@@ -86,10 +86,12 @@ to_bytes() {
     *) echo "$v" ;;
   esac
 }
-# Measured steps per size: enough for a stable median, short enough for the big cells.
+# Measured steps per size: enough for a stable median, short enough for the big cells. Small
+# steps take 0.05-0.3 ms, so 200 of them were over in tens of milliseconds and their median moved
+# by ±40% between runs on a shared machine; 2000 take under a second and move by a few percent.
 steps_for() {
   local b="$1" s
-  if (( b <= 65536 )); then s=200; elif (( b <= 8 << 20 )); then s=20; elif (( b <= 128 << 20 )); then s=8; else s=4; fi
+  if (( b <= 65536 )); then s=2000; elif (( b <= 8 << 20 )); then s=20; elif (( b <= 128 << 20 )); then s=8; else s=4; fi
   awk -v s="$s" -v f="$steps_scale" 'BEGIN { n = int(s * f); print (n < 2 ? 2 : n) }'
 }
 
