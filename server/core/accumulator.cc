@@ -14,6 +14,13 @@ void AddTyped(T* __restrict dst, const T* __restrict src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
+// dst = a + b: a part's held first gradient and its second, summed in one pass (the same floats
+// as copying a and adding b).
+template <typename T>
+void SumTyped(T* __restrict dst, const T* __restrict a, const T* __restrict b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = a[i] + b[i];
+}
+
 }  // namespace
 
 void AddInto(DType dtype, void* dst, const void* src, int64_t n) {
@@ -37,7 +44,10 @@ DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction
       stripes_(std::make_unique<Stripe[]>(static_cast<size_t>(num_stripes_))),
       num_parts_(std::max<int64_t>(1, (num_elements_ + kPartElements - 1) / kPartElements)),
       part_round_(std::make_unique<uint64_t[]>(static_cast<size_t>(num_parts_))),
-      deterministic_(deterministic) {}
+      deterministic_(deterministic) {
+  // One pointer per part (8 bytes per 2 KiB): what lets a held gradient go uncopied.
+  if (!deterministic_) held_ = std::make_unique<const char*[]>(static_cast<size_t>(num_parts_));
+}
 
 Status CheckGradientDType(DType want, DType got) {
   if (got == want) return Status::Ok();
@@ -107,22 +117,93 @@ void DenseAccumulator::AddRange(DType dtype, const void* src, int64_t begin, int
   }
 }
 
-void DenseAccumulator::AddToStripe(int64_t i, DType dtype, const void* data, int64_t base, int64_t begin, int64_t end) {
+void DenseAccumulator::AddToStripe(int64_t i, DType dtype, const void* data, int64_t base, int64_t begin, int64_t end,
+                                   bool held) {
   // round_ is stable while an add is in flight: a take waits for in_flight() == 0.
-  const size_t in_size = DTypeSize(dtype);
+  const size_t in_size = DTypeSize(dtype), out_size = DTypeSize(dtype_);
   MutexLock lock(&stripes_[static_cast<size_t>(i)].mu);
-  // Runs of parts that are all first in the round (copied) or all not (added), one call each.
+  // Each part is first in the round (copied, or pointed at when held), points at a held first
+  // gradient (summed with it into the sum), or has its sum (added to). Runs of one kind, one call
+  // each; a run of held parts only while their held bytes follow one another.
+  enum Kind { kFirst, kHeld, kSummed };
+  auto part = [](int64_t e) { return static_cast<size_t>(e / kPartElements); };
+  auto kind = [&](int64_t e) {
+    if (part_round_[part(e)] != round_) return kFirst;
+    return held_ && held_[part(e)] != nullptr ? kHeld : kSummed;
+  };
+  auto next_part = [&](int64_t e) { return std::min(end, (e / kPartElements + 1) * kPartElements); };
+  auto src = [&](int64_t e) { return static_cast<const char*>(data) + static_cast<size_t>(e - base) * in_size; };
   int64_t at = begin;
   while (at < end) {
-    const bool first = part_round_[static_cast<size_t>(at / kPartElements)] != round_;
-    int64_t run_end = at;
-    while (run_end < end && (part_round_[static_cast<size_t>(run_end / kPartElements)] != round_) == first) {
-      part_round_[static_cast<size_t>(run_end / kPartElements)] = round_;
-      run_end = std::min(end, (run_end / kPartElements + 1) * kPartElements);
+    const Kind k = kind(at);
+    int64_t run_end = next_part(at);
+    while (run_end < end && kind(run_end) == k &&
+           (k != kHeld || held_[part(run_end)] == held_[part(at)] + static_cast<size_t>(run_end - at) * out_size)) {
+      run_end = next_part(run_end);
     }
-    AddRange(dtype, static_cast<const char*>(data) + static_cast<size_t>(at - base) * in_size, at, run_end, first);
+    char* dst = static_cast<char*>(sum_->data()) + static_cast<size_t>(at) * out_size;
+    const int64_t n = run_end - at;
+    if (k == kFirst) {
+      for (int64_t e = at; e < run_end; e = next_part(e)) {
+        part_round_[part(e)] = round_;
+        if (held) held_[part(e)] = src(e);  // KeepHold: dtype == dtype_
+      }
+      if (!held) AddRange(dtype, src(at), at, run_end, true);
+    } else if (k == kHeld) {
+      const char* first = held_[part(at)];
+      for (int64_t e = at; e < run_end; e = next_part(e)) held_[part(e)] = nullptr;
+      if (dtype_ == DType::kFloat32 && dtype == dtype_) {
+        SumTyped(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(first),
+                 reinterpret_cast<const float*>(src(at)), n);
+      } else if (dtype == dtype_) {
+        SumTyped(reinterpret_cast<double*>(dst), reinterpret_cast<const double*>(first),
+                 reinterpret_cast<const double*>(src(at)), n);
+      } else {  // a half gradient onto a held float32 one: copy, then add converted
+        std::memcpy(dst, first, static_cast<size_t>(n) * out_size);
+        AddRange(dtype, src(at), at, run_end, false);
+      }
+    } else {
+      AddRange(dtype, src(at), at, run_end, false);
+    }
     at = run_end;
   }
+}
+
+void DenseAccumulator::ResolveStripe(int64_t i) {
+  const size_t out_size = DTypeSize(dtype_);
+  const int64_t begin = i * kStripeElements, end = std::min(num_elements_, (i + 1) * kStripeElements);
+  for (int64_t at = begin; at < end;) {
+    const size_t p = static_cast<size_t>(at / kPartElements);
+    const int64_t part_end = std::min(end, at + kPartElements);
+    if (held_[p] != nullptr && part_round_[p] == round_) {
+      std::memcpy(static_cast<char*>(sum_->data()) + static_cast<size_t>(at) * out_size, held_[p],
+                  static_cast<size_t>(part_end - at) * out_size);
+    }
+    held_[p] = nullptr;
+    at = part_end;
+  }
+}
+
+void DenseAccumulator::ResolveHeld() {
+  if (!holds()) return;
+  for (int64_t i = 0; i < num_stripes_; ++i) {
+    MutexLock lock(&stripes_[static_cast<size_t>(i)].mu);
+    ResolveStripe(i);
+  }
+  MutexLock lock(&holds_mu_);
+  holds_.clear();
+}
+
+bool DenseAccumulator::holds() const {
+  MutexLock lock(&holds_mu_);
+  return !holds_.empty();
+}
+
+bool DenseAccumulator::KeepHold(DType dtype, const std::shared_ptr<const void>& hold) {
+  if (!hold || !held_ || dtype != dtype_) return false;
+  MutexLock lock(&holds_mu_);
+  if (holds_.empty() || holds_.back() != hold) holds_.push_back(hold);
+  return true;
 }
 
 std::unique_ptr<Buffer> DenseAccumulator::TakeFreeSlot() {
@@ -151,11 +232,12 @@ Buffer* DenseAccumulator::ChunkSlot(std::string_view replica, int64_t p0, int64_
 }
 
 void DenseAccumulator::AddToStripes(int64_t s0, int64_t count, int64_t start, DType dtype, const void* data,
-                                    int64_t base, int64_t begin, int64_t end, ThreadPool* helpers) {
+                                    int64_t base, int64_t begin, int64_t end, ThreadPool* helpers, bool held) {
   auto add = [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t i = s0 + (start + k) % count;
-      AddToStripe(i, dtype, data, base, std::max(begin, i * kStripeElements), std::min(end, (i + 1) * kStripeElements));
+      AddToStripe(i, dtype, data, base, std::max(begin, i * kStripeElements), std::min(end, (i + 1) * kStripeElements),
+                  held);
     }
   };
   // Waking a helper costs a futex and a context switch: worth it for two whole stripes or more,
@@ -164,7 +246,8 @@ void DenseAccumulator::AddToStripes(int64_t s0, int64_t count, int64_t start, DT
   helpers->ParallelFor(count, 1, add);
 }
 
-void DenseAccumulator::Add(DType dtype, const void* data, std::string_view replica, ThreadPool* helpers) {
+void DenseAccumulator::Add(DType dtype, const void* data, std::string_view replica, ThreadPool* helpers,
+                           const std::shared_ptr<const void>& hold) {
   if (num_elements_ == 0) return;
   if (deterministic_) {
     std::unique_ptr<Buffer> slot;
@@ -179,11 +262,11 @@ void DenseAccumulator::Add(DType dtype, const void* data, std::string_view repli
   }
   const int64_t start =
       static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(num_stripes_));
-  AddToStripes(0, num_stripes_, start, dtype, data, 0, 0, num_elements_, helpers);
+  AddToStripes(0, num_stripes_, start, dtype, data, 0, 0, num_elements_, helpers, KeepHold(dtype, hold));
 }
 
 void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica,
-                                ThreadPool* helpers) {
+                                ThreadPool* helpers, const std::shared_ptr<const void>& hold) {
   if (n <= 0) return;
   if (deterministic_) {
     const int64_t p0 = offset / kPartElements, p1 = (offset + n + kPartElements - 1) / kPartElements;
@@ -196,7 +279,7 @@ void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, i
   const int64_t stripes = s1 - s0;
   const int64_t start =
       static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(stripes));
-  AddToStripes(s0, stripes, start, dtype, data, offset, offset, offset + n, helpers);
+  AddToStripes(s0, stripes, start, dtype, data, offset, offset, offset + n, helpers, KeepHold(dtype, hold));
 }
 
 void DenseAccumulator::EndAddChunk(int64_t offset, int64_t n) {
@@ -310,6 +393,7 @@ Result<bool> DenseAccumulator::TryTakeGrad(int num_required, int* count) {
 }
 
 void DenseAccumulator::ForceTake(int* count) {
+  ResolveHeld();  // parts with one gradient: copied now
   if (deterministic_) SumSlots();
   if (chunked_) {
     SettleParts(count);

@@ -28,6 +28,14 @@
 // (its worker died mid-push) leaves the parts it covers waiting for another worker's, never a
 // part summed from a fraction of a gradient. With MEAN each part is divided by its own count.
 //
+// Held gradients: an add may come with a `hold` (a reference that keeps its bytes mapped, and the
+// caller's promise that they stay as they are until ResolveHeld() or the take). Then a part's
+// first gradient of a round is not copied into the sum: the part points at it, and the second
+// gradient is added to it in one pass (sum = first + second: the same floats as the copy and the
+// add, one pass over the memory less). A take, and ResolveHeld(), copy what is still only pointed
+// at. The engine passes a hold for gradients a worker wrote into its shared-memory segment, which
+// it leaves alone until its push is answered (service/session_push.cc resolves before that).
+//
 // Deterministic reduction (TrainingConfig::deterministic): Add copies each gradient into a slot of
 // its replica (the worker's stable name) instead, and the take sums the slots in replica order, so
 // the same gradients always give bit-identical sums whatever order they arrived in. It holds one
@@ -94,12 +102,19 @@ class DenseAccumulator {
   // Adds a validated gradient (Check passed); thread-safe against other Adds. `replica` orders
   // the sum in deterministic mode (ignored otherwise). `helpers`: a pool whose idle threads take
   // some of the stripes (null: the caller adds them all); each stripe's sum is the same either way.
-  void Add(DType dtype, const void* data, std::string_view replica, ThreadPool* helpers = nullptr);
+  // `hold`: see "Held gradients" (null: the bytes are read before Add returns).
+  void Add(DType dtype, const void* data, std::string_view replica, ThreadPool* helpers = nullptr,
+           const std::shared_ptr<const void>& hold = nullptr);
   void EndAdd();
   // A chunk of a gradient: elements [offset, offset + n) of the flattened tensor, `data` holding
   // just them (CheckChunk passed). Between BeginAdd and EndAddChunk, like Add.
   void AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica,
-                ThreadPool* helpers = nullptr);
+                ThreadPool* helpers = nullptr, const std::shared_ptr<const void>& hold = nullptr);
+  // Copies every part that still points at a held gradient into the sum and lets the holds go:
+  // after it the accumulator references nothing of its callers'. Needs in_flight() == 0 (an add
+  // still running may yet point at its bytes), like a take, which does it first.
+  void ResolveHeld();
+  bool holds() const;  // some part points at a held gradient
   // Counts the chunk for the parts it covers.
   void EndAddChunk(int64_t offset, int64_t n);
   // Checks a chunk for an accumulator of `want_dtype`/`want_shape`: a flat [n] of a gradient's
@@ -160,12 +175,16 @@ class DenseAccumulator {
   // Adds (or, first in the round, copies) elements [begin, end) from `src` (element `begin`) into the sum.
   void AddRange(DType dtype, const void* src, int64_t begin, int64_t end, bool first);
   // AddRange for elements [begin, end) of stripe i (whole parts) under its lock, `data` holding
-  // element `base` first.
-  void AddToStripe(int64_t i, DType dtype, const void* data, int64_t base, int64_t begin, int64_t end);
+  // element `base` first. `held`: the bytes are held (a part's first gradient is pointed at).
+  void AddToStripe(int64_t i, DType dtype, const void* data, int64_t base, int64_t begin, int64_t end, bool held);
   // AddToStripe over stripes s0 + (start + k) % count for k in [0, count), some on `helpers`
   // when [begin, end) spans two stripes' worth of elements or more.
   void AddToStripes(int64_t s0, int64_t count, int64_t start, DType dtype, const void* data, int64_t base,
-                    int64_t begin, int64_t end, ThreadPool* helpers);
+                    int64_t begin, int64_t end, ThreadPool* helpers, bool held);
+  // Whether an add of `dtype` with `hold` may point at its bytes; keeps the hold if so.
+  bool KeepHold(DType dtype, const std::shared_ptr<const void>& hold);
+  // Copies the held parts of stripe i into the sum (its lock held).
+  void ResolveStripe(int64_t i);
   int MinPartCount() const { return min_part_; }
   // The take of a round with chunks: parts whose counts differ are divided (MEAN) by their own
   // count in place and divisor_ becomes 1; a part nobody sent (a forced take) is zeroed.
@@ -181,6 +200,11 @@ class DenseAccumulator {
   // Each entry is guarded by the mutex of the stripe that holds the part.
   std::unique_ptr<uint64_t[]> part_round_;
   std::atomic<uint64_t> next_start_{0};  // spreads concurrent adders' starting stripes
+  // Held gradients: per part, the held bytes of its first gradient this round (null: the sum
+  // holds it), guarded like part_round_; allocated at the first hold. The holds that keep them.
+  std::unique_ptr<const char*[]> held_;
+  mutable Mutex holds_mu_;
+  std::vector<std::shared_ptr<const void>> holds_ GUARDED_BY(holds_mu_);
 
   // Deterministic mode: a step's gradients, one slot each, summed in replica order at the take.
   struct Slot {

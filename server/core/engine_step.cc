@@ -40,6 +40,20 @@ void TrainingEngine::AwaitAddsLocked(Variable* v) {
   while (v->dense && v->dense->in_flight() > 0) v->adds_done.Wait(&v->mu);
 }
 
+void TrainingEngine::ResolveHeld() {
+  std::vector<Variable*> all;  // variables are never deleted while the engine lives
+  {
+    MutexLock lock(&mu_);
+    for (auto& [name, v] : vars_) all.push_back(v.get());
+  }
+  for (Variable* v : all) {
+    MutexLock lock(&v->mu);
+    if (!v->dense || !v->dense->holds()) continue;
+    AwaitAddsLocked(v);
+    if (v->dense) v->dense->ResolveHeld();
+  }
+}
+
 bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   if (v->next_take_step != global_step_.load()) return false;  // already taken this step
   // Gradients still being added belong to this step: the last of them to end takes (or a forced

@@ -361,9 +361,9 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
           ThreadPool* helpers = acc->in_flight() <= kHelpedAdds ? &pool_ : nullptr;
           lock.Unlock();
           if (g.chunk()) {
-            acc->AddChunk(g.dtype, g.data, g.chunk_offset, g.shape[0], replica, helpers);  // validated above
+            acc->AddChunk(g.dtype, g.data, g.chunk_offset, g.shape[0], replica, helpers, g.hold);  // validated above
           } else {
-            acc->Add(g.dtype, g.data, replica, helpers);
+            acc->Add(g.dtype, g.data, replica, helpers, g.hold);
           }
           lock.Lock();
           if (g.chunk()) {

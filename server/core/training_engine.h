@@ -138,6 +138,10 @@ struct GradRef {
   // A sparse gradient bigger than a frame: some of its rows, more of them in a later call of the
   // same push (it counts once, with its last rows).
   bool rows_more = false;
+  // Sync mode, dense: set when `data` stays mapped and unchanged while this is alive and until
+  // ResolveHeld() (or the step's take): the accumulator may then point at it instead of copying
+  // it (DenseAccumulator, "Held gradients"). Null: the bytes are read before Push returns.
+  std::shared_ptr<const void> hold = nullptr;
   bool sparse() const { return indices != nullptr || nnz > 0; }
   bool chunk() const { return chunk_offset >= 0; }
 };
@@ -217,6 +221,10 @@ class TrainingEngine {
   // arrive, and the push is one global step, claimed by its last call.
   Status Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,
               std::string_view replica = {}, bool more = false) EXCLUDES(mu_);
+  // Copies into their sums every held gradient (GradRef::hold) that accumulators still point at,
+  // waiting for adds in flight, so that no part of the engine references a hold's bytes after it.
+  // A push that passed holds calls it before the worker is answered (and may reuse the bytes).
+  void ResolveHeld() EXCLUDES(mu_);
 
   // Snapshot of the named variables (all of them, sorted by name, if `names` is empty) at one
   // global step, returned in *step. With `averages`, the moving averages instead.

@@ -48,6 +48,11 @@ class ShmSlot : public std::enable_shared_from_this<ShmSlot> {
     ~Lease();
     // Segment `i`, or nullptr (none attached, revoked, or no such segment).
     wire::SharedSegment* segment(uint64_t i) const { return i < kSegments ? segments_[i].get() : nullptr; }
+    // The same, shared: it stays mapped while this is kept (not counted as a lease: a revoke does
+    // not wait for it).
+    std::shared_ptr<wire::SharedSegment> shared_segment(uint64_t i) const {
+      return i < kSegments ? segments_[i] : nullptr;
+    }
     bool held() const { return slot_ != nullptr; }
 
    private:

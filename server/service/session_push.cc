@@ -45,6 +45,11 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   }
   std::vector<GradRef> grads;
   grads.reserve(grads_in.size());
+  // Held gradients pay off when the worker is answered after the step's take (its push waits
+  // for the token): a push answered sooner has them copied before its answer, one step behind the
+  // adds. A push's frames with more to come do not say: as this worker's last push did.
+  const bool hold = host_.config().mode == Mode::kSync && (r.getMore() ? pushes_wait_ : r.getWaitToken());
+  if (!r.getMore()) pushes_wait_ = r.getWaitToken();
   std::deque<std::vector<int64_t>> index_storage;  // stable addresses for sparse indices
   ShmSlot::Lease shm_lease;                        // shared memory, while the gradients are read
   for (auto g : grads_in) {
@@ -64,6 +69,12 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
       ref.chunk_offset = g.getChunkOffset();
     }
     ref.rows_more = g.getRowsMore();  // the engine checks it is a sparse gradient's, with more frames
+    // A dense gradient in the worker's own segment (not its shared buffers, which it may revoke)
+    // stays as it is until the worker is answered: the accumulator may point at it (held_).
+    if (hold && g.getGrad().getInShm() && g.getGrad().getShmSegment() == 0 && !g.getSparse()) {
+      if (!held_) held_ = std::make_shared<std::shared_ptr<wire::SharedSegment>>(shm_lease.shared_segment(0));
+      ref.hold = held_;
+    }
     if (g.getSparse()) {
       // Copied out of the message: a peer may encode the list with another element size.
       auto idx = g.getIndices();
@@ -187,7 +198,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
                            static_cast<int>(pending->outcomes.size()) - accepted, staleness);
   }
   if (wait_first) return;
-  auto reply = [this, id, pending, fill, answer, wait_token = r.getWaitToken(), timeout_ms = r.getTimeoutMs()] {
+  auto reply = [this, id, pending, fill, answer, more, wait_token = r.getWaitToken(), timeout_ms = r.getTimeoutMs()] {
     if (wait_token) {
       WaitForToken(timeout_ms, answer);
       return;
@@ -201,7 +212,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
           AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes, {}, pending->pull_shm);
       if (!pulled.ok()) return SendError(id, pulled);
     }
-    Send(std::move(frame));
+    Send(std::move(frame), /*keep_held=*/more);  // a frame with more to come: the call goes on
   };
   // Async/ssp with replicas: a push is acknowledged once the next shard keeps a copy of this part
   // that holds it (a push in several frames: at its last), so no acknowledged push is lost with
@@ -227,6 +238,15 @@ void WorkerSession::AfterCopy(uint64_t epoch, std::function<void(const Status&)>
       then(st);
     });
   });
+}
+
+void WorkerSession::SettleHeld() {
+  if (!held_) return;
+  // Only this session makes copies of held_ (on its strand), so a count of one means every
+  // accumulator let it go, each after copying what it pointed at.
+  if (held_.use_count() > 1) host_.engine()->ResolveHeld();
+  std::atomic_thread_fence(std::memory_order_acquire);  // their copies, before the worker hears
+  held_.reset();
 }
 
 void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {

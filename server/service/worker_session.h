@@ -67,7 +67,13 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
 
   // Answers `id` with `status` and closes once the reply is written.
   void FailStream(const Status& status, uint64_t id) { conn_->FailStream(status, id); }
-  void Send(std::shared_ptr<wire::OutFrame> frame) { conn_->Send(std::move(frame)); }
+  // Every reply but a push frame's with more to come (`keep_held`) ends the worker's call, after
+  // which it may write its segment again: the gradients the engine still points at in it are
+  // copied first (SettleHeld).
+  void Send(std::shared_ptr<wire::OutFrame> frame, bool keep_held = false) {
+    if (!keep_held) SettleHeld();
+    conn_->Send(std::move(frame));
+  }
   // What the hello admitted is the connection's role (it also sets what the connection may send).
   bool greeted() const { return conn_->role() != Connection::Role::kNone; }  // any hello accepted
   bool is_worker() const { return conn_->role() == Connection::Role::kWorker; }
@@ -162,6 +168,13 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   int awaiting_copies_ = 0;
   // A worker's shared-memory segment, once attached (offered at its hello when psd has a ShmListener).
   std::shared_ptr<ShmSlot> shm_;
+  // Sync mode: the hold (GradRef::hold) passed with the gradients this call's pushes read from the
+  // worker's segment (it keeps the segment mapped). The worker leaves them as they are until it is
+  // answered; before that, whatever the engine still points at is copied (TrainingEngine::
+  // ResolveHeld, unless the step's take did it already) and the hold let go.
+  std::shared_ptr<const void> held_;
+  bool pushes_wait_ = true;  // this worker's last push waited for the token (sync)
+  void SettleHeld();
   // The published buffers that replies named in the values segment (ValuesSegment), per reply
   // (request id), oldest first: held until the worker says it read them (Request.valuesRead), the
   // connection closes, or kMaxHeldReplies newer replies named some (a worker that never says so

@@ -14,12 +14,14 @@
 #include <cstring>
 #include <thread>
 
+#include "core/accumulator.h"
 #include "psd/half.h"
 #include "service/values_segment.h"
 #include "support/raw_peer.h"
 #include "support/test_server.h"
 
 using namespace psd;
+using psd::server::DenseAccumulator;
 using psd::testing::ConnectWith;
 using psd::testing::PushFromShm;
 using psd::testing::RawPeer;
@@ -589,4 +591,100 @@ TEST_CASE("a sparse gradient's rows go through shared memory, its indices in the
   CHECK(results[1][0] == 1.0f);      // row 0 did not
   CHECK(shm_bytes[0] == 0);
   CHECK(shm_bytes[1] >= 3 * 8 * sizeof(float));  // the coalesced rows (and the pull's values)
+}
+
+namespace {
+
+// A push of elements [offset, offset + n) of v's gradient, from their place in `p`'s segment (a
+// chunk unless it is all of v's `total`).
+void PushFromSegment(RawPeer& p, uint64_t id, int64_t offset, int64_t n, int64_t total, bool more, bool wait_token) {
+  wire::OutFrame f;
+  auto req = f.builder.initRoot<proto::Request>();
+  req.setId(id);
+  auto push = req.initPush();
+  push.setLocalStep(0);
+  push.setMore(more);
+  push.setWaitToken(wait_token);
+  push.setTimeoutMs(10000);
+  auto t = push.initGrads(1)[0];
+  t.setName("v");
+  if (n != total) {
+    t.setChunk(true);
+    t.setChunkOffset(offset);
+  }
+  auto grad = t.initGrad();
+  grad.setDtype(proto::DType::FLOAT32);
+  grad.initShape(1).set(0, static_cast<uint64_t>(n));
+  grad.setInShm(true);
+  grad.setShmOffset(static_cast<uint64_t>(offset) * 4);
+  p.Send(f);
+}
+
+}  // namespace
+
+TEST_CASE("what psd points at in a worker's segment is copied before the worker is answered", "[shm][held]") {
+  // psd adds a step's first gradient in a worker's segment to the second in one pass, reading it
+  // where the worker wrote it (DenseAccumulator, "Held gradients"). Once answered, the worker may
+  // write there again: here it does at once, and the step still has the gradient it sent. Answered
+  // before the step: a push in two frames whose last does not wait for the token (the first was
+  // held, as the worker's pushes had waited so far), and one that gets one of the initial tokens.
+  // Or the worker went away (the test unmaps its side; psd keeps the pages it reads).
+  const int mode = GENERATE(0, 1, 2);
+  const int64_t n = DenseAccumulator::kStripeElements + 3 * DenseAccumulator::kPartElements;  // over a stripe
+  auto cfg = TestConfig(2, 2, mode == 2 ? 0 : -1);
+  auto server = StartServer(cfg);
+  auto owner = ConnectWith(WorkerOptions(server->port(), "owner"));
+  REQUIRE(owner->shared_memory_shards() == 1);
+  std::vector<float> zeros(static_cast<size_t>(n), 0.0f);
+  REQUIRE(owner->CreateVariable("v", {zeros.data(), DType::kFloat32, {n}}).ok());
+
+  auto p = std::make_unique<RawPeer>(server->port());
+  p->Hello("a");
+  auto seg = wire::SharedSegment::Create(8 << 20, "test");
+  REQUIRE(seg.ok());
+  REQUIRE(Attach(p->shm_socket, wire::ShmAttachMessage(p->connection_id, p->shm_nonce), (*seg)->fd()) == "OK");
+  std::vector<float> ga(static_cast<size_t>(n)), gb(static_cast<size_t>(n));
+  for (size_t i = 0; i < ga.size(); ++i) {
+    ga[i] = static_cast<float>(i % 1000) * 0.37f - 11.0f;
+    gb[i] = static_cast<float>(i % 777) * -0.11f + 3.0f;
+  }
+  std::memcpy((*seg)->data(), ga.data(), ga.size() * 4);
+  std::string msg;
+  if (mode == 0) {
+    const int64_t half = 256 * DenseAccumulator::kPartElements;
+    PushFromSegment(*p, 1, 0, half, n, /*more=*/true, /*wait_token=*/false);
+    REQUIRE(p->Answer(&msg) == Code::kOk);
+    PushFromSegment(*p, 2, half, n - half, n, /*more=*/false, /*wait_token=*/false);
+  } else {
+    PushFromSegment(*p, 1, 0, n, n, /*more=*/false, /*wait_token=*/true);
+  }
+  if (mode < 2) {
+    REQUIRE(p->Answer(&msg) == Code::kOk);
+    // The call is over: the worker writes its next gradient where the last one was.
+    auto* f = reinterpret_cast<float*>((*seg)->data());
+    for (int64_t i = 0; i < n; ++i) f[i] = 1e30f;
+  } else {
+    // Its wait parked (no initial tokens), then it is gone: its segment with it, on its side.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (server->engine()->Stats().accepted < 1 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    REQUIRE(server->engine()->Stats().accepted == 1);
+    p.reset();
+    seg->reset();
+  }
+  std::vector<float> after(static_cast<size_t>(n));
+  std::vector<std::pair<std::string, TensorView>> outs = {{"v", {after.data(), DType::kFloat32, {n}}}};
+  auto r = owner->Push(0, {{"v", {gb.data(), DType::kFloat32, {n}}}}, {}, true, 10000, &outs);
+  REQUIRE(r.ok());
+  REQUIRE(r->token_status.ok());
+  REQUIRE(owner->Pull("v", {after.data(), DType::kFloat32, {n}}).ok());
+  const float a = static_cast<float>(cfg.optimizer.learning_rate);
+  int64_t wrong = 0;
+  for (size_t i = 0; i < after.size(); ++i) {
+    const float want = 0.0f - a * ((ga[i] + gb[i]) / 2.0f);  // SGD of the mean, as psd computes it
+    wrong += std::memcmp(&after[i], &want, 4) != 0 ? 1 : 0;
+  }
+  CHECK(wrong == 0);
+  CHECK(server->engine()->global_step() == 1);
 }

@@ -3,10 +3,13 @@
 
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "psd/half.h"
 
 using namespace psd;
 using psd::server::DenseAccumulator;
@@ -359,4 +362,147 @@ TEST_CASE("deterministic reduction of chunks: the sum of whole gradients in repl
   REQUIRE(*mixed.TryTakeGrad(3, &count));
   CHECK(count == 3);
   CHECK(std::memcmp(mixed.grad().data(), whole.grad().data(), static_cast<size_t>(n) * 4) == 0);
+}
+
+namespace {
+
+// One add of a sequence: gradient k of `g`, whole (n < 0) or elements [offset, offset + n), held
+// (the accumulator may point at its bytes) or not, in float32 or converted to bfloat16 first.
+struct Step {
+  int k;
+  int64_t offset = 0, n = -1;
+  bool held = false;
+  bool bf16 = false;
+};
+
+void Run(DenseAccumulator& acc, const std::vector<std::vector<float>>& g, const std::vector<Step>& steps,
+         const std::shared_ptr<const void>& hold, psd::ThreadPool* helpers,
+         std::vector<std::vector<uint16_t>>* halves) {
+  for (const Step& s : steps) {
+    const std::vector<float>& v = g[static_cast<size_t>(s.k)];
+    const void* data = v.data();
+    DType dtype = DType::kFloat32;
+    if (s.bf16) {
+      halves->emplace_back(v.size());
+      for (size_t i = 0; i < v.size(); ++i) halves->back()[i] = psd::FloatToBFloat16(v[i]);
+      data = halves->back().data();
+      dtype = DType::kBFloat16;
+    }
+    const auto h = s.held ? hold : nullptr;
+    REQUIRE(acc.BeginAdd(0));
+    if (s.n < 0) {
+      acc.Add(dtype, data, {}, helpers, h);
+      acc.EndAdd();
+    } else {
+      const size_t es = s.bf16 ? 2 : 4;
+      acc.AddChunk(dtype, static_cast<const char*>(data) + static_cast<size_t>(s.offset) * es, s.offset, s.n, {},
+                   helpers, h);
+      acc.EndAddChunk(s.offset, s.n);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("held gradients sum bit-identically to copied ones, and are let go by the take", "[accumulator][held]") {
+  // 2.5 stripes (the last partial, and not a whole part at its end), so runs cross stripes.
+  const int64_t P = DenseAccumulator::kPartElements, S = DenseAccumulator::kStripeElements;
+  const int64_t n = 2 * S + S / 2 + 100;
+  std::vector<std::vector<float>> g;
+  for (int k = 0; k < 3; ++k) g.push_back(Awkward(static_cast<size_t>(n), k));
+  psd::ThreadPool pool(2);
+  psd::ThreadPool* helpers = GENERATE(false, true) ? &pool : nullptr;
+  // Held and plain adds, whole and in chunks, a bfloat16 one onto a held float32 one, a chunk that
+  // ends mid-stripe: the arrival order decides each part's sum (first + second + third), held or not.
+  const std::vector<std::vector<Step>> sequences = {
+      {{0, 0, -1, true}, {1}, {2}},
+      {{0, 0, -1, true}, {1, 0, -1, true}, {2, 0, -1, true}},
+      {{0, S + 3 * P, n - S - 3 * P, true}, {1, 0, -1, false, true}, {0, 0, S + 3 * P, true}, {2, 0, -1, true}},
+      {{2, 0, 5 * P, true}, {1, 0, -1, true}, {2, 5 * P, n - 5 * P}, {0, 0, -1, true}},
+  };
+  for (size_t q = 0; q < sequences.size(); ++q) {
+    INFO("sequence " << q);
+    std::vector<std::vector<uint16_t>> halves;
+    DenseAccumulator plain(DType::kFloat32, {n}, Reduction::kMean, 0);
+    auto none = std::shared_ptr<const void>();
+    Run(plain, g, sequences[q], none, helpers, &halves);
+    DenseAccumulator held(DType::kFloat32, {n}, Reduction::kMean, 0);
+    auto hold = std::make_shared<int>(0);
+    Run(held, g, sequences[q], hold, helpers, &halves);
+    CHECK(held.holds() == (hold.use_count() > 1));
+    int count = 0, held_count = 0;
+    REQUIRE(*plain.TryTakeGrad(3, &count));
+    REQUIRE(*held.TryTakeGrad(3, &held_count));
+    CHECK(held_count == count);
+    CHECK(held.divisor() == plain.divisor());
+    CHECK(std::memcmp(held.grad().data(), plain.grad().data(), static_cast<size_t>(n) * 4) == 0);
+    CHECK(hold.use_count() == 1);  // the take copied what was pointed at and let the hold go
+    CHECK_FALSE(held.holds());
+  }
+}
+
+TEST_CASE("a held gradient is read at its part's next add or the take, and copied by ResolveHeld",
+          "[accumulator][held]") {
+  const int64_t n = DenseAccumulator::kPartElements * 3;
+  std::vector<float> a = Ints(static_cast<size_t>(n), 1), b = Ints(static_cast<size_t>(n), 2);
+  auto hold = std::make_shared<int>(0);
+  DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kSum, 0);
+  int count = 0;
+
+  // Pointed at, not copied: bytes changed before the next add are the ones summed. (The engine
+  // passes a hold only for bytes that do not change before ResolveHeld: this shows they are read late.)
+  REQUIRE(acc.BeginAdd(0));
+  acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
+  acc.EndAdd();
+  CHECK(acc.holds());
+  CHECK(hold.use_count() == 2);
+  std::vector<float> a2 = a;
+  for (float& x : a) x += 100;
+  REQUIRE(acc.BeginAdd(0));
+  acc.Add(DType::kFloat32, b.data(), {}, nullptr);
+  acc.EndAdd();
+  a = a2;  // too late: the parts have their sums
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  for (int64_t i = 0; i < n; ++i)
+    REQUIRE(acc.grad().as<float>()[i] == a2[static_cast<size_t>(i)] + 100 + b[static_cast<size_t>(i)]);
+  CHECK(hold.use_count() == 1);
+
+  // ResolveHeld copies: the caller may then change its bytes.
+  REQUIRE(acc.BeginAdd(1));
+  acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
+  acc.EndAdd();
+  acc.ResolveHeld();
+  CHECK_FALSE(acc.holds());
+  CHECK(hold.use_count() == 1);
+  for (float& x : a) x = -1e30f;
+  REQUIRE(acc.BeginAdd(1));
+  acc.Add(DType::kFloat32, b.data(), {}, nullptr);
+  acc.EndAdd();
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  for (int64_t i = 0; i < n; ++i)
+    REQUIRE(acc.grad().as<float>()[i] == a2[static_cast<size_t>(i)] + b[static_cast<size_t>(i)]);
+
+  // A take of one held gradient copies it; nothing points at it afterwards.
+  a = a2;
+  REQUIRE(acc.BeginAdd(2));
+  acc.AddChunk(DType::kFloat32, a.data() + DenseAccumulator::kPartElements, DenseAccumulator::kPartElements,
+               DenseAccumulator::kPartElements, {}, nullptr, hold);
+  acc.EndAddChunk(DenseAccumulator::kPartElements, DenseAccumulator::kPartElements);
+  acc.ForceTake(&count);
+  CHECK(count == 1);
+  CHECK(hold.use_count() == 1);
+  for (float& x : a) x = -1e30f;
+  const float* sum = acc.grad().as<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const bool sent = i >= DenseAccumulator::kPartElements && i < 2 * DenseAccumulator::kPartElements;
+    REQUIRE(sum[i] == (sent ? a2[static_cast<size_t>(i)] : 0.0f));  // a part nobody sent is zero
+  }
+
+  // Deterministic accumulators copy every gradient into its replica's slot: no holds.
+  DenseAccumulator det(DType::kFloat32, {n}, Reduction::kSum, 0, /*deterministic=*/true);
+  REQUIRE(det.BeginAdd(0));
+  det.Add(DType::kFloat32, a2.data(), "w0", nullptr, hold);
+  det.EndAdd();
+  CHECK_FALSE(det.holds());
+  CHECK(hold.use_count() == 1);
 }
