@@ -39,7 +39,6 @@ DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction
       num_elements_(NumElements(shape_)),
       step_(initial_step),
       bytes_(static_cast<size_t>(num_elements_) * DTypeSize(dtype)),
-      sum_(std::make_shared<Buffer>(bytes_)),
       num_stripes_(std::max<int64_t>(1, (num_elements_ + kStripeElements - 1) / kStripeElements)),
       stripes_(std::make_unique<Stripe[]>(static_cast<size_t>(num_stripes_))),
       num_parts_(std::max<int64_t>(1, (num_elements_ + kPartElements - 1) / kPartElements)),
@@ -47,6 +46,7 @@ DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction
       deterministic_(deterministic) {
   // One pointer per part (8 bytes per 2 KiB): what lets a held gradient go uncopied.
   if (!deterministic_) held_ = std::make_unique<const char*[]>(static_cast<size_t>(num_parts_));
+  ProvideSum(std::make_shared<Buffer>(bytes_));  // zeros: what a take of nothing finds
 }
 
 Status CheckGradientDType(DType want, DType got) {
@@ -86,17 +86,31 @@ bool DenseAccumulator::AddChecked(int64_t local_step, DType dtype, const void* d
 
 bool DenseAccumulator::BeginAdd(int64_t local_step) {
   if (local_step < step_) return false;
-  // The sum's buffer went with the last take: the first add of a round needs one (the engine
-  // usually provides its variable's spare one first: ProvideSum).
-  if (!sum_) sum_ = std::make_shared<Buffer>(bytes_, Buffer::Uninitialized{});
   ++in_flight_;
   return true;
 }
 
-std::shared_ptr<Buffer> DenseAccumulator::ReleaseSum() { return std::move(sum_); }
+std::shared_ptr<Buffer> DenseAccumulator::ReleaseSum() {
+  MutexLock lock(&sum_mu_);
+  sum_at_.store(nullptr);
+  return std::move(sum_);
+}
 
 void DenseAccumulator::ProvideSum(std::shared_ptr<Buffer> buffer) {
-  if (!sum_ && buffer && buffer->bytes() == bytes_) sum_ = std::move(buffer);
+  MutexLock lock(&sum_mu_);
+  if (sum_ || !buffer || buffer->bytes() != bytes_) return;
+  sum_ = std::move(buffer);
+  sum_at_.store(sum_.get());
+}
+
+char* DenseAccumulator::SumData() {
+  if (Buffer* at = sum_at_.load()) return static_cast<char*>(at->data());
+  MutexLock lock(&sum_mu_);
+  if (!sum_) {
+    sum_ = std::make_shared<Buffer>(bytes_, Buffer::Uninitialized{});
+    sum_at_.store(sum_.get());
+  }
+  return static_cast<char*>(sum_->data());
 }
 
 void DenseAccumulator::EndAdd() {
@@ -107,7 +121,7 @@ void DenseAccumulator::EndAdd() {
 void DenseAccumulator::AddRange(DType dtype, const void* src, int64_t begin, int64_t end, bool first) {
   const size_t n = static_cast<size_t>(end - begin);
   const size_t out_size = DTypeSize(dtype_);
-  void* dst = static_cast<char*>(sum_->data()) + static_cast<size_t>(begin) * out_size;
+  void* dst = SumData() + static_cast<size_t>(begin) * out_size;
   if (first) {
     ConvertElements(src, dtype, dst, dtype_, n);  // a copy, or a half gradient converted to float32
   } else if (dtype != dtype_) {
@@ -141,7 +155,7 @@ void DenseAccumulator::AddToStripe(int64_t i, DType dtype, const void* data, int
            (k != kHeld || held_[part(run_end)] == held_[part(at)] + static_cast<size_t>(run_end - at) * out_size)) {
       run_end = next_part(run_end);
     }
-    char* dst = static_cast<char*>(sum_->data()) + static_cast<size_t>(at) * out_size;
+    auto dst = [&] { return SumData() + static_cast<size_t>(at) * out_size; };  // a held first gradient writes nothing
     const int64_t n = run_end - at;
     if (k == kFirst) {
       for (int64_t e = at; e < run_end; e = next_part(e)) {
@@ -153,13 +167,13 @@ void DenseAccumulator::AddToStripe(int64_t i, DType dtype, const void* data, int
       const char* first = held_[part(at)];
       for (int64_t e = at; e < run_end; e = next_part(e)) held_[part(e)] = nullptr;
       if (dtype_ == DType::kFloat32 && dtype == dtype_) {
-        SumTyped(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(first),
+        SumTyped(reinterpret_cast<float*>(dst()), reinterpret_cast<const float*>(first),
                  reinterpret_cast<const float*>(src(at)), n);
       } else if (dtype == dtype_) {
-        SumTyped(reinterpret_cast<double*>(dst), reinterpret_cast<const double*>(first),
+        SumTyped(reinterpret_cast<double*>(dst()), reinterpret_cast<const double*>(first),
                  reinterpret_cast<const double*>(src(at)), n);
       } else {  // a half gradient onto a held float32 one: copy, then add converted
-        std::memcpy(dst, first, static_cast<size_t>(n) * out_size);
+        std::memcpy(dst(), first, static_cast<size_t>(n) * out_size);
         AddRange(dtype, src(at), at, run_end, false);
       }
     } else {
@@ -176,7 +190,7 @@ void DenseAccumulator::ResolveStripe(int64_t i) {
     const size_t p = static_cast<size_t>(at / kPartElements);
     const int64_t part_end = std::min(end, at + kPartElements);
     if (held_[p] != nullptr && part_round_[p] == round_) {
-      std::memcpy(static_cast<char*>(sum_->data()) + static_cast<size_t>(at) * out_size, held_[p],
+      std::memcpy(SumData() + static_cast<size_t>(at) * out_size, held_[p],
                   static_cast<size_t>(part_end - at) * out_size);
     }
     held_[p] = nullptr;
@@ -367,7 +381,7 @@ void DenseAccumulator::SettleParts(int* count) {
     int c = counter_ + part_counts_[static_cast<size_t>(p)];
     if (c > 0 && (*count == 0 || c < *count)) *count = c;  // the fewest of the parts that got any
     int64_t begin = p * kPartElements, end = std::min(num_elements_, begin + kPartElements);
-    char* dst = static_cast<char*>(sum_->data()) + static_cast<size_t>(begin) * out_size;
+    char* dst = SumData() + static_cast<size_t>(begin) * out_size;
     if (c == 0) {
       std::memset(dst, 0, static_cast<size_t>(end - begin) * out_size);
     } else if (reduction_ == Reduction::kMean && c > 1) {
@@ -401,6 +415,7 @@ void DenseAccumulator::ForceTake(int* count) {
     divisor_ = reduction_ == Reduction::kMean && counter_ > 1 ? counter_ : 1;
     *count = counter_;
   }
+  if (*count > 0) SumData();  // the sum the engine takes (a round of empty tensors wrote nothing)
   ++round_;  // the next add into each stripe starts its sum over
   ++step_;
   counter_ = 0;

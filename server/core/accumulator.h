@@ -143,15 +143,18 @@ class DenseAccumulator {
   // Gradients in the sum (a chunked one counts once every part has it: the fewest over the parts).
   int num_accumulated() const { return counter_ + (chunked_ ? MinPartCount() : 0); }
   int64_t step() const { return step_; }
-  const Buffer& grad() const { return *sum_; }  // after a take with a count > 0, until ReleaseSum
+  const Buffer& grad() const { return *sum_at_.load(); }  // after a take with a count > 0, until ReleaseSum
   // The take's sum, handed over (the engine applies the optimizer into it in place and publishes
-  // it); the next round's first BeginAdd gets a new buffer, or the one ProvideSum offered. A sum
-  // buffer is in use only while a round accumulates, so a variable needs two model-sized buffers
-  // (its value and this), not three.
-  std::shared_ptr<Buffer> ReleaseSum();
-  bool has_sum() const { return sum_ != nullptr; }
-  // Offers a buffer of the sum's size for the next round (ignored if one is there, or another size).
-  void ProvideSum(std::shared_ptr<Buffer> buffer);
+  // it); the next round's sum is the buffer ProvideSum offered, or a new one taken when the round
+  // first writes into its sum — not before: a round whose first gradient is held has no need of
+  // one until its second, by when the buffer the engine offers is usually free. A sum buffer is
+  // in use only while a round accumulates, so a variable needs two model-sized buffers (its value
+  // and this), not three.
+  std::shared_ptr<Buffer> ReleaseSum() EXCLUDES(sum_mu_);
+  bool has_sum() const { return sum_at_.load() != nullptr; }
+  // Offers a buffer of the sum's size for the round (ignored if it has one, or for another size);
+  // thread-safe against Adds.
+  void ProvideSum(std::shared_ptr<Buffer> buffer) EXCLUDES(sum_mu_);
   double divisor() const { return divisor_; }
   DType dtype() const { return dtype_; }
   const Shape& shape() const { return shape_; }
@@ -167,7 +170,13 @@ class DenseAccumulator {
   uint64_t round_ = 1;           // bumped by every take: a part last filled in an older round starts over
   double divisor_ = 1;           // of the last take
   const size_t bytes_;           // of the sum, and of each deterministic slot
-  std::shared_ptr<Buffer> sum_;  // null between ReleaseSum and the next round's first BeginAdd
+  // The sum's buffer: null between ReleaseSum and the round's first write or ProvideSum. sum_at_
+  // is its address, read without the lock by the adds (set once a round, under it).
+  mutable Mutex sum_mu_;
+  std::shared_ptr<Buffer> sum_ GUARDED_BY(sum_mu_);
+  std::atomic<Buffer*> sum_at_{nullptr};
+  // The sum's bytes, taking a new buffer first if the round has none yet.
+  char* SumData() EXCLUDES(sum_mu_);
 
   struct Stripe {
     Mutex mu;  // guards the stripe's elements of sum_ and its parts' part_round_

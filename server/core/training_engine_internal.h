@@ -147,6 +147,8 @@ struct TrainingEngine::Variable {
   std::unique_ptr<DenseAccumulator> dense GUARDED_BY(mu);
   std::unique_ptr<SparseAccumulator> sparse GUARDED_BY(mu);
   int64_t next_take_step GUARDED_BY(mu);  // the step this variable is taken for next
+  // The round's sum did not take `spare` (a pull still read it): offered again at its next add.
+  bool spare_offered GUARDED_BY(mu) = false;
   // Guarded by mu (dense) / TrainingEngine::mu_ (sparse): not expressible as an annotation.
   std::vector<Buffer> slots;
   // The fields "guarded by TrainingEngine::mu_" stay comments: an annotation here cannot name the

@@ -506,3 +506,57 @@ TEST_CASE("a held gradient is read at its part's next add or the take, and copie
   CHECK_FALSE(det.holds());
   CHECK(hold.use_count() == 1);
 }
+
+TEST_CASE("a round takes its sum buffer at its first write: a held first gradient leaves time to offer one",
+          "[accumulator][held]") {
+  const int64_t n = DenseAccumulator::kPartElements * 2 + 5;
+  std::vector<float> a = Ints(static_cast<size_t>(n), 3), b = Ints(static_cast<size_t>(n), 4);
+  auto hold = std::make_shared<int>(0);
+  DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kSum, 0);
+  int count = 0;
+  REQUIRE(acc.AddChecked(0, DType::kFloat32, a.data()));
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  REQUIRE(acc.ReleaseSum() != nullptr);
+  CHECK_FALSE(acc.has_sum());
+
+  // Held: nothing written, no buffer taken; the one offered at the next add is the sum.
+  REQUIRE(acc.BeginAdd(1));
+  acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
+  acc.EndAdd();
+  CHECK_FALSE(acc.has_sum());
+  auto offered = std::make_shared<psd::server::Buffer>(static_cast<size_t>(n) * 4);
+  const psd::server::Buffer* at = offered.get();
+  acc.ProvideSum(std::move(offered));
+  CHECK(acc.has_sum());
+  REQUIRE(acc.AddChecked(1, DType::kFloat32, b.data()));
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  CHECK(&acc.grad() == at);
+  for (int64_t i = 0; i < n; ++i)
+    REQUIRE(acc.grad().as<float>()[i] == a[static_cast<size_t>(i)] + b[static_cast<size_t>(i)]);
+  auto sum = acc.ReleaseSum();
+  CHECK(sum.get() == at);
+
+  // Not held: the first write takes a buffer of its own (none was offered).
+  REQUIRE(acc.AddChecked(2, DType::kFloat32, b.data()));
+  CHECK(acc.has_sum());
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(&acc.grad() != at);
+
+  // A take of one held gradient that nothing was offered for copies it into a new buffer.
+  REQUIRE(acc.ReleaseSum() != nullptr);
+  REQUIRE(acc.BeginAdd(3));
+  acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
+  acc.EndAdd();
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  REQUIRE(acc.has_sum());
+  CHECK(std::memcmp(acc.grad().data(), a.data(), static_cast<size_t>(n) * 4) == 0);
+
+  // An empty variable's take still hands a (zero-byte) sum over.
+  DenseAccumulator empty(DType::kFloat32, {0}, Reduction::kMean, 0);
+  REQUIRE(empty.AddChecked(0, DType::kFloat32, nullptr));
+  REQUIRE(*empty.TryTakeGrad(1, &count));
+  REQUIRE(empty.ReleaseSum() != nullptr);
+  REQUIRE(empty.AddChecked(1, DType::kFloat32, nullptr));
+  REQUIRE(*empty.TryTakeGrad(1, &count));
+  CHECK(empty.ReleaseSum() != nullptr);
+}
