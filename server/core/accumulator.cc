@@ -21,6 +21,15 @@ void SumTyped(T* __restrict dst, const T* __restrict a, const T* __restrict b, i
   for (int64_t i = 0; i < n; ++i) dst[i] = a[i] + b[i];
 }
 
+// SumTyped for float32 or float64, as AddInto.
+void SumInto(DType dtype, void* dst, const void* a, const void* b, int64_t n) {
+  if (dtype == DType::kFloat32) {
+    SumTyped(static_cast<float*>(dst), static_cast<const float*>(a), static_cast<const float*>(b), n);
+  } else {
+    SumTyped(static_cast<double*>(dst), static_cast<const double*>(a), static_cast<const double*>(b), n);
+  }
+}
+
 }  // namespace
 
 void AddInto(DType dtype, void* dst, const void* src, int64_t n) {
@@ -166,12 +175,8 @@ void DenseAccumulator::AddToStripe(int64_t i, DType dtype, const void* data, int
     } else if (k == kHeld) {
       const char* first = held_[part(at)];
       for (int64_t e = at; e < run_end; e = next_part(e)) held_[part(e)] = nullptr;
-      if (dtype_ == DType::kFloat32 && dtype == dtype_) {
-        SumTyped(reinterpret_cast<float*>(dst()), reinterpret_cast<const float*>(first),
-                 reinterpret_cast<const float*>(src(at)), n);
-      } else if (dtype == dtype_) {
-        SumTyped(reinterpret_cast<double*>(dst()), reinterpret_cast<const double*>(first),
-                 reinterpret_cast<const double*>(src(at)), n);
+      if (dtype == dtype_) {
+        SumInto(dtype_, dst(), first, src(at), n);
       } else {  // a half gradient onto a held float32 one: copy, then add converted
         std::memcpy(dst(), first, static_cast<size_t>(n) * out_size);
         AddRange(dtype, src(at), at, run_end, false);
@@ -416,7 +421,7 @@ void DenseAccumulator::ForceTake(int* count) {
     *count = counter_;
   }
   if (*count > 0) SumData();  // the sum the engine takes (a round of empty tensors wrote nothing)
-  ++round_;  // the next add into each stripe starts its sum over
+  ++round_;                   // the next add into each stripe starts its sum over
   ++step_;
   counter_ = 0;
 }

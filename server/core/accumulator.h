@@ -165,11 +165,11 @@ class DenseAccumulator {
   const Reduction reduction_;
   const int64_t num_elements_;
   int64_t step_;
-  int counter_ = 0;              // whole gradients; chunks are counted per part in part_counts_
-  int in_flight_ = 0;            // BeginAdd without EndAdd yet
-  uint64_t round_ = 1;           // bumped by every take: a part last filled in an older round starts over
-  double divisor_ = 1;           // of the last take
-  const size_t bytes_;           // of the sum, and of each deterministic slot
+  int counter_ = 0;     // whole gradients; chunks are counted per part in part_counts_
+  int in_flight_ = 0;   // BeginAdd without EndAdd yet
+  uint64_t round_ = 1;  // bumped by every take: a part last filled in an older round starts over
+  double divisor_ = 1;  // of the last take
+  const size_t bytes_;  // of the sum, and of each deterministic slot
   // The sum's buffer: null between ReleaseSum and the round's first write or ProvideSum. sum_at_
   // is its address, read without the lock by the adds (set once a round, under it).
   mutable Mutex sum_mu_;
@@ -179,7 +179,7 @@ class DenseAccumulator {
   char* SumData() EXCLUDES(sum_mu_);
 
   struct Stripe {
-    Mutex mu;  // guards the stripe's elements of sum_ and its parts' part_round_
+    Mutex mu;  // guards the stripe's elements of sum_ and its parts' part_round_ and held_
   };
   // Adds (or, first in the round, copies) elements [begin, end) from `src` (element `begin`) into the sum.
   void AddRange(DType dtype, const void* src, int64_t begin, int64_t end, bool first);
@@ -210,7 +210,8 @@ class DenseAccumulator {
   std::unique_ptr<uint64_t[]> part_round_;
   std::atomic<uint64_t> next_start_{0};  // spreads concurrent adders' starting stripes
   // Held gradients: per part, the held bytes of its first gradient this round (null: the sum
-  // holds it), guarded like part_round_; allocated at the first hold. The holds that keep them.
+  // holds it), guarded like part_round_; not allocated in deterministic mode (no holds there).
+  // The holds that keep them mapped.
   std::unique_ptr<const char*[]> held_;
   mutable Mutex holds_mu_;
   std::vector<std::shared_ptr<const void>> holds_ GUARDED_BY(holds_mu_);
