@@ -72,13 +72,8 @@ std::optional<ShardSnapshot> TrainingEngine::SnapshotIfAtBoundary() {
   if (config_.mode != Mode::kSync) {
     // Each variable's slots are updated under its own mutex: hold all of them (in name order,
     // the map's order, so two snapshots cannot deadlock) to copy every slot with its value.
-    std::vector<Variable*> all;
-    {
-      MutexLock lock(&mu_);
-      for (auto& [name, v] : vars_) all.push_back(v.get());
-    }
     std::vector<std::unique_lock<Mutex>> locks;
-    for (Variable* v : all) locks.emplace_back(v->mu);
+    for (Variable* v : Variables()) locks.emplace_back(v->mu);
     MutexLock lock(&mu_);
     return SnapshotLocked();
   }

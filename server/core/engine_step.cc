@@ -40,17 +40,21 @@ void TrainingEngine::AwaitAddsLocked(Variable* v) {
   while (v->dense && v->dense->in_flight() > 0) v->adds_done.Wait(&v->mu);
 }
 
-void TrainingEngine::ResolveHeld() {
-  std::vector<Variable*> all;  // variables are never deleted while the engine lives
-  {
-    MutexLock lock(&mu_);
-    for (auto& [name, v] : vars_) all.push_back(v.get());
+std::vector<TrainingEngine::Variable*> TrainingEngine::Variables(bool trainable_only) {
+  std::vector<Variable*> all;
+  MutexLock lock(&mu_);
+  for (auto& [name, v] : vars_) {
+    if (!trainable_only || v->trainable) all.push_back(v.get());
   }
-  for (Variable* v : all) {
+  return all;
+}
+
+void TrainingEngine::ResolveHeld() {
+  for (Variable* v : Variables()) {
     MutexLock lock(&v->mu);
     if (!v->dense || !v->dense->holds()) continue;
     AwaitAddsLocked(v);
-    if (v->dense) v->dense->ResolveHeld();
+    v->dense->ResolveHeld();
   }
 }
 
@@ -210,11 +214,7 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
   // Every variable lock is held while untaken variables are looked for, so no take runs half-way
   // through: a variable created after this shard reported an idle step (the chief may commit
   // before it hears the report withdrawn) skips the step — its accumulated gradients are dropped.
-  std::vector<Variable*> all;  // variables are never deleted while the engine lives
-  {
-    MutexLock lock(&mu_);
-    for (auto& [name, v] : vars_) all.push_back(v.get());
-  }
+  std::vector<Variable*> all = Variables();
   std::vector<std::unique_lock<Mutex>> vlocks;
   for (Variable* v : all) {
     vlocks.emplace_back(v->mu);
@@ -347,14 +347,7 @@ void TrainingEngine::UpdateAverages(int64_t step) {
 
 void TrainingEngine::ReevaluateAll() {
   if (config_.mode != Mode::kSync) return;
-  std::vector<Variable*> all;
-  {
-    MutexLock lock(&mu_);
-    for (auto& [name, var] : vars_) {
-      if (var->trainable) all.push_back(var.get());
-    }
-  }
-  for (Variable* v : all) {
+  for (Variable* v : Variables(/*trainable_only=*/true)) {
     bool took = false;
     int count = 0;
     {
@@ -367,15 +360,8 @@ void TrainingEngine::ReevaluateAll() {
 
 void TrainingEngine::ForceStep(int64_t step) {
   if (config_.mode != Mode::kSync || global_step_.load() != step) return;
-  std::vector<Variable*> all;
-  {
-    MutexLock lock(&mu_);
-    for (auto& [name, var] : vars_) {
-      if (var->trainable) all.push_back(var.get());
-    }
-  }
   int forced = 0;
-  for (Variable* v : all) {
+  for (Variable* v : Variables(/*trainable_only=*/true)) {
     bool took = false;
     int count = 0;
     {

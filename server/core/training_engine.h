@@ -359,6 +359,9 @@ class TrainingEngine {
   // With v->mu held: waits until no gradient is being added into v's dense accumulator (a take,
   // or replacing the accumulator, needs every add it accepted to be complete).
   static void AwaitAddsLocked(Variable* v) REQUIRES(VariableMutex(v));
+  // The variables (the trainable ones only, with `trainable_only`), in name order. Variables are
+  // never deleted while the engine lives, so the pointers stay valid without mu_.
+  std::vector<Variable*> Variables(bool trainable_only = false) EXCLUDES(mu_);
   // With v->mu held: takes (and applies, for dense) if the step is ready. Returns true if it took.
   bool MaybeTakeLocked(Variable* v, bool force, int* count) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
   // After a take (no variable lock held): records it; commits if it was the last.
