@@ -54,7 +54,10 @@ DenseAccumulator::DenseAccumulator(DType dtype, Shape shape, Reduction reduction
       part_round_(std::make_unique<uint64_t[]>(static_cast<size_t>(num_parts_))),
       deterministic_(deterministic) {
   // One pointer per part (8 bytes per 2 KiB): what lets a held gradient go uncopied.
-  if (!deterministic_) held_ = std::make_unique<const char*[]>(static_cast<size_t>(num_parts_));
+  if (!deterministic_) {
+    held_ = std::make_unique<const char*[]>(static_cast<size_t>(num_parts_));
+    held_last_ = std::make_unique<const char*[]>(static_cast<size_t>(num_parts_));
+  }
   ProvideSum(std::make_shared<Buffer>(bytes_));  // zeros: what a take of nothing finds
 }
 
@@ -140,41 +143,89 @@ void DenseAccumulator::AddRange(DType dtype, const void* src, int64_t begin, int
   }
 }
 
+namespace {
+
+// A part's state in its round: first (no gradient yet this round), or its held gradients (kFirstHeld:
+// its first gradient pointed at, nothing in the sum; kLastHeld: its latest one, not added yet),
+// or neither (its sum holds every gradient).
+constexpr int kSummed = 0, kFirstHeld = 1, kLastHeld = 2, kFirstOfRound = 4;
+
+}  // namespace
+
+int DenseAccumulator::PartState(int64_t e, uint64_t round) const {
+  const size_t p = static_cast<size_t>(e / kPartElements);
+  if (part_round_[p] != round) return round == round_ ? kFirstOfRound : kSummed;
+  if (!held_) return kSummed;
+  return (held_[p] != nullptr ? kFirstHeld : 0) | (held_last_[p] != nullptr ? kLastHeld : 0);
+}
+
+int64_t DenseAccumulator::RunEnd(int64_t at, int64_t end, uint64_t round) const {
+  // Parts alike from `at`: the same state, and the held bytes (if any) following one another.
+  const size_t out_size = DTypeSize(dtype_);
+  const int state = PartState(at, round);
+  const size_t p0 = static_cast<size_t>(at / kPartElements);
+  auto next_part = [&](int64_t e) { return std::min(end, (e / kPartElements + 1) * kPartElements); };
+  int64_t run_end = next_part(at);
+  while (run_end < end && PartState(run_end, round) == state) {
+    const size_t p = static_cast<size_t>(run_end / kPartElements);
+    const size_t offset = static_cast<size_t>(run_end - at) * out_size;
+    if ((state & kFirstHeld) && held_[p] != held_[p0] + offset) break;
+    if ((state & kLastHeld) && held_last_[p] != held_last_[p0] + offset) break;
+    run_end = next_part(run_end);
+  }
+  return run_end;
+}
+
+void DenseAccumulator::SetHeld(const char** at, int64_t begin, int64_t end, const char* src) const {
+  const size_t out_size = DTypeSize(dtype_);
+  for (int64_t e = begin; e < end; e = (e / kPartElements + 1) * kPartElements) {
+    at[static_cast<size_t>(e / kPartElements)] =
+        src == nullptr ? nullptr : src + static_cast<size_t>(e - begin) * out_size;
+  }
+}
+
 void DenseAccumulator::AddToStripe(int64_t i, DType dtype, const void* data, int64_t base, int64_t begin, int64_t end,
                                    bool held) {
   // round_ is stable while an add is in flight: a take waits for in_flight() == 0.
   const size_t in_size = DTypeSize(dtype), out_size = DTypeSize(dtype_);
   MutexLock lock(&stripes_[static_cast<size_t>(i)].mu);
-  // Each part is first in the round (copied, or pointed at when held), points at a held first
-  // gradient (summed with it into the sum), or has its sum (added to). Runs of one kind, one call
-  // each; a run of held parts only while their held bytes follow one another.
-  enum Kind { kFirst, kHeld, kSummed };
-  auto part = [](int64_t e) { return static_cast<size_t>(e / kPartElements); };
-  auto kind = [&](int64_t e) {
-    if (part_round_[part(e)] != round_) return kFirst;
-    return held_ && held_[part(e)] != nullptr ? kHeld : kSummed;
-  };
-  auto next_part = [&](int64_t e) { return std::min(end, (e / kPartElements + 1) * kPartElements); };
+  // Runs of parts alike (RunEnd), one call each.
   auto src = [&](int64_t e) { return static_cast<const char*>(data) + static_cast<size_t>(e - base) * in_size; };
   int64_t at = begin;
   while (at < end) {
-    const Kind k = kind(at);
-    int64_t run_end = next_part(at);
-    while (run_end < end && kind(run_end) == k &&
-           (k != kHeld || held_[part(run_end)] == held_[part(at)] + static_cast<size_t>(run_end - at) * out_size)) {
-      run_end = next_part(run_end);
-    }
-    auto dst = [&] { return SumData() + static_cast<size_t>(at) * out_size; };  // a held first gradient writes nothing
+    int state = PartState(at, round_);
+    const int64_t run_end = RunEnd(at, end, round_);
+    const size_t p = static_cast<size_t>(at / kPartElements);
+    auto dst = [&] { return SumData() + static_cast<size_t>(at) * out_size; };  // a held gradient writes nothing
     const int64_t n = run_end - at;
-    if (k == kFirst) {
-      for (int64_t e = at; e < run_end; e = next_part(e)) {
-        part_round_[part(e)] = round_;
-        if (held) held_[part(e)] = src(e);  // KeepHold: dtype == dtype_
+    if (state == kFirstOfRound) {
+      for (int64_t e = at; e < run_end; e = (e / kPartElements + 1) * kPartElements) {
+        part_round_[static_cast<size_t>(e / kPartElements)] = round_;
+      }
+      if (held_) {
+        SetHeld(held_.get(), at, run_end, held ? src(at) : nullptr);  // KeepHold: dtype == dtype_
+        SetHeld(held_last_.get(), at, run_end, nullptr);
       }
       if (!held) AddRange(dtype, src(at), at, run_end, true);
-    } else if (k == kHeld) {
-      const char* first = held_[part(at)];
-      for (int64_t e = at; e < run_end; e = next_part(e)) held_[part(e)] = nullptr;
+      at = run_end;
+      continue;
+    }
+    if (state & kLastHeld) {  // the part's pending gradient is added first (arrival order)
+      const char* later = held_last_[p];
+      SetHeld(held_last_.get(), at, run_end, nullptr);
+      if (state & kFirstHeld) {
+        SumInto(dtype_, dst(), held_[p], later, n);
+        SetHeld(held_.get(), at, run_end, nullptr);
+      } else {
+        AddInto(dtype_, dst(), later, n);
+      }
+      state = kSummed;
+    }
+    if (held) {  // pointed at, to be added by the part's next add or the take's apply
+      SetHeld(held_last_.get(), at, run_end, src(at));
+    } else if (state & kFirstHeld) {
+      const char* first = held_[p];
+      SetHeld(held_.get(), at, run_end, nullptr);
       if (dtype == dtype_) {
         SumInto(dtype_, dst(), first, src(at), n);
       } else {  // a half gradient onto a held float32 one: copy, then add converted
@@ -194,11 +245,19 @@ void DenseAccumulator::ResolveStripe(int64_t i) {
   for (int64_t at = begin; at < end;) {
     const size_t p = static_cast<size_t>(at / kPartElements);
     const int64_t part_end = std::min(end, at + kPartElements);
-    if (held_[p] != nullptr && part_round_[p] == round_) {
-      std::memcpy(SumData() + static_cast<size_t>(at) * out_size, held_[p],
-                  static_cast<size_t>(part_end - at) * out_size);
+    const int64_t n = part_end - at;
+    if (part_round_[p] == round_) {
+      char* dst = SumData() + static_cast<size_t>(at) * out_size;
+      if (held_[p] != nullptr && held_last_[p] != nullptr) {
+        SumInto(dtype_, dst, held_[p], held_last_[p], n);
+      } else if (held_[p] != nullptr) {
+        std::memcpy(dst, held_[p], static_cast<size_t>(n) * out_size);
+      } else if (held_last_[p] != nullptr) {
+        AddInto(dtype_, dst, held_last_[p], n);
+      }
     }
     held_[p] = nullptr;
+    held_last_[p] = nullptr;
     at = part_end;
   }
 }
@@ -209,6 +268,37 @@ void DenseAccumulator::ResolveHeld() {
     MutexLock lock(&stripes_[static_cast<size_t>(i)].mu);
     ResolveStripe(i);
   }
+  MutexLock lock(&holds_mu_);
+  holds_.clear();
+}
+
+const void* DenseAccumulator::TakenGrad(const void* sum, int64_t begin, int64_t end, void* scratch,
+                                        int64_t* run_end) const {
+  const size_t out_size = DTypeSize(dtype_);
+  const int state = taken_holds_ ? PartState(begin, taken_round_) : kSummed;
+  *run_end = taken_holds_ ? RunEnd(begin, end, taken_round_) : end;
+  const size_t p = static_cast<size_t>(begin / kPartElements);
+  const char* in_sum = static_cast<const char*>(sum) + static_cast<size_t>(begin) * out_size;
+  const int64_t n = *run_end - begin;
+  switch (state) {
+    case kFirstHeld:
+      return held_[p];
+    case kFirstHeld | kLastHeld:
+      SumInto(dtype_, scratch, held_[p], held_last_[p], n);
+      return scratch;
+    case kLastHeld:
+      SumInto(dtype_, scratch, in_sum, held_last_[p], n);
+      return scratch;
+    default:
+      return in_sum;
+  }
+}
+
+void DenseAccumulator::DropTakenHolds() {
+  if (!taken_holds_) return;
+  std::fill_n(held_.get(), num_parts_, nullptr);
+  std::fill_n(held_last_.get(), num_parts_, nullptr);
+  taken_holds_ = false;
   MutexLock lock(&holds_mu_);
   holds_.clear();
 }
@@ -379,7 +469,9 @@ void DenseAccumulator::SettleParts(int* count) {
     divisor_ = reduction_ == Reduction::kMean && *count > 1 ? *count : 1;
     return;
   }
-  // Parts with different counts (a chunk never came, or a forced take): each is divided by its own.
+  // Parts with different counts (a chunk never came, or a forced take): each is divided by its own,
+  // in the sum (held parts copied into it first).
+  ResolveHeld();
   *count = 0;
   const size_t out_size = DTypeSize(dtype_);
   for (int64_t p = 0; p < num_parts_; ++p) {
@@ -402,17 +494,19 @@ void DenseAccumulator::SettleParts(int* count) {
   divisor_ = 1;
 }
 
-Result<bool> DenseAccumulator::TryTakeGrad(int num_required, int* count) {
+Result<bool> DenseAccumulator::TryTakeGrad(int num_required, int* count, bool keep_held) {
   if (num_required <= 0) {
     return InvalidArgument("Argument num_required must be positive, but was " + std::to_string(num_required));
   }
   if (num_accumulated() < num_required || in_flight_ > 0) return false;  // an add in flight belongs to this step
-  ForceTake(count);
+  Take(count, keep_held);
   return true;
 }
 
-void DenseAccumulator::ForceTake(int* count) {
-  ResolveHeld();  // parts with one gradient: copied now
+void DenseAccumulator::ForceTake(int* count) { Take(count, false); }
+
+void DenseAccumulator::Take(int* count, bool keep_held) {
+  if (!keep_held) ResolveHeld();  // held parts: copied (and added) now
   if (deterministic_) SumSlots();
   if (chunked_) {
     SettleParts(count);
@@ -420,6 +514,8 @@ void DenseAccumulator::ForceTake(int* count) {
     divisor_ = reduction_ == Reduction::kMean && counter_ > 1 ? counter_ : 1;
     *count = counter_;
   }
+  taken_holds_ = keep_held && holds();  // SettleParts may have resolved them
+  taken_round_ = round_;
   if (*count > 0) SumData();  // the sum the engine takes (a round of empty tensors wrote nothing)
   ++round_;                   // the next add into each stripe starts its sum over
   ++step_;

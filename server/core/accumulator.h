@@ -35,6 +35,13 @@
 // add, one pass over the memory less). A take, and ResolveHeld(), copy what is still only pointed
 // at. The engine passes a hold for gradients a worker wrote into its shared-memory segment, which
 // it leaves alone until its push is answered (service/session_push.cc resolves before that).
+// A later held gradient is pointed at too, as the part's pending one: it is added when the part's
+// next gradient comes (sum = first + pending, or sum += pending, then the new one is pending or
+// added), so the round's last gradient is never added by an add. A take with `keep_held` leaves
+// the pointers in place and the engine's apply forms each block's gradient from them as it reads
+// it (TakenGrad: first + pending, or sum + pending, in a cache-sized block): the sum's buffer is
+// then written once, by the optimizer, instead of by the last add and again by the optimizer.
+// Each element's sum is the same floats as adding in arrival order.
 //
 // Deterministic reduction (TrainingConfig::deterministic): Add copies each gradient into a slot of
 // its replica (the worker's stable name) instead, and the take sums the slots in replica order, so
@@ -129,7 +136,19 @@ class DenseAccumulator {
   // (MEAN: the count; SUM: 1), valid until the next ApplyGrad. The division is left to the
   // consumer so the optimizer can fuse it into its own pass over the memory (TF divides in
   // place first: the same arithmetic, one pass less here).
-  Result<bool> TryTakeGrad(int num_required, int* count);
+  // `keep_held`: the parts that still point at held gradients stay so (taken_holds()): the
+  // caller reads the taken gradient through TakenGrad, then calls DropTakenHolds.
+  Result<bool> TryTakeGrad(int num_required, int* count, bool keep_held = false);
+  // After a keep_held take: whether some part of the taken gradient is still only pointed at.
+  bool taken_holds() const { return taken_holds_; }
+  // After a keep_held take, before DropTakenHolds: the taken gradient of elements [begin, *run_end),
+  // where *run_end <= end ends the run of parts kept alike from `begin` (a part boundary). It is
+  // read in place (in `sum`, the taken sum's bytes, or in a held gradient) or formed in `scratch`
+  // (room for end - begin elements of the dtype). Parts of the run are read-only meanwhile; runs
+  // may be read on several threads at once.
+  const void* TakenGrad(const void* sum, int64_t begin, int64_t end, void* scratch, int64_t* run_end) const;
+  // Lets the taken round's held gradients go (after the apply that read them).
+  void DropTakenHolds();
 
   // Takes whatever is there (a soft-sync step deadline passed); *count may be 0 (then grad()
   // is meaningless). step += 1. Needs in_flight() == 0 (TryTakeGrad waits for it too).
@@ -194,6 +213,14 @@ class DenseAccumulator {
   bool KeepHold(DType dtype, const std::shared_ptr<const void>& hold);
   // Copies the held parts of stripe i into the sum (its lock held).
   void ResolveStripe(int64_t i);
+  // The state of the part holding element e in `round` (accumulator.cc), and where the run of parts
+  // alike that starts at `at` ends (at most `end`).
+  int PartState(int64_t e, uint64_t round) const;
+  int64_t RunEnd(int64_t at, int64_t end, uint64_t round) const;
+  // Points the parts of elements [begin, end) in `at` (held_ or held_last_) at src's (null: at none).
+  void SetHeld(const char** at, int64_t begin, int64_t end, const char* src) const;
+  // ForceTake, keeping held parts when `keep_held` (TryTakeGrad).
+  void Take(int* count, bool keep_held);
   int MinPartCount() const { return min_part_; }
   // The take of a round with chunks: parts whose counts differ are divided (MEAN) by their own
   // count in place and divisor_ becomes 1; a part nobody sent (a forced take) is zeroed.
@@ -213,6 +240,11 @@ class DenseAccumulator {
   // holds it), guarded like part_round_; not allocated in deterministic mode (no holds there).
   // The holds that keep them mapped.
   std::unique_ptr<const char*[]> held_;
+  // Per part, likewise: the held bytes of its latest gradient, not added yet (to the held first
+  // gradient or to the sum). Allocated with held_.
+  std::unique_ptr<const char*[]> held_last_;
+  bool taken_holds_ = false;  // the last take kept held parts (TakenGrad reads them)
+  uint64_t taken_round_ = 0;  // the round the last take took
   mutable Mutex holds_mu_;
   std::vector<std::shared_ptr<const void>> holds_ GUARDED_BY(holds_mu_);
 

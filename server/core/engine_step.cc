@@ -32,6 +32,52 @@ void TrainingEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
   ReportApply(t0);
 }
 
+void TrainingEngine::ApplyTaken(const Optimizer& opt, const ApplyArgs& args, const DenseAccumulator& acc) {
+  if (!acc.taken_holds()) return ApplyDense(opt, args);
+  auto t0 = std::chrono::steady_clock::now();
+  // In blocks aligned to the accumulator's parts, each block's gradient read where it lies or, for
+  // parts that still point at held gradients, formed in a block-sized scratch that stays in cache.
+  const size_t es = DTypeSize(args.dtype);
+  const int64_t blocks = (args.num_elements + kApplyBlockElements - 1) / kApplyBlockElements;
+  auto run = [&](int64_t b0, int64_t b1) {
+    // Room for a block of float64 elements (or the whole of a smaller variable).
+    auto scratch =
+        std::make_unique_for_overwrite<double[]>(static_cast<size_t>(std::min(args.num_elements, kApplyBlockElements)));
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t end = std::min(args.num_elements, (b + 1) * kApplyBlockElements);
+      for (int64_t at = b * kApplyBlockElements; at < end;) {
+        int64_t run_end = end;
+        ApplyArgs part = args;
+        part.grad = acc.TakenGrad(args.grad, at, end, scratch.get(), &run_end);
+        part.num_elements = run_end - at;
+        part.value = static_cast<const uint8_t*>(args.value) + static_cast<size_t>(at) * es;
+        part.out = static_cast<uint8_t*>(args.out) + static_cast<size_t>(at) * es;
+        part.slot_offset = args.slot_offset + at;
+        opt.Apply(part);
+        at = run_end;
+      }
+    }
+  };
+  if (args.num_elements <= kParallelApplyElements) {
+    run(0, blocks);
+  } else {
+    pool_.ParallelFor(blocks, kParallelApplyElements / 4 / kApplyBlockElements, run);
+  }
+  ReportApply(t0);
+}
+
+void TrainingEngine::OfferSpareLocked(Variable* v) {
+  if (v->dense->has_sum() && !v->spare_offered) return;
+  // The sum goes into the buffer the last commit retired (the value before it), unless a pull still
+  // reads that one: then it is offered again at the round's next gradient and at its take (held
+  // gradients need no sum until then), until the round takes a new buffer of its own.
+  MutexLock elock(&mu_);
+  if (!v->dense->has_sum() && v->spare && v->spare.use_count() == 1) v->dense->ProvideSum(std::move(v->spare));
+  if (v->dense->has_sum()) v->spare.reset();
+  v->spare_offered = v->spare != nullptr;
+  v->older.reset();
+}
+
 void TrainingEngine::ReportApply(std::chrono::steady_clock::time_point t0) {
   if (on_apply_) on_apply_(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
@@ -73,7 +119,10 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     if (v->sparse) v->sparse->ForceTake(count);
   } else {
     Result<bool> taken = false;
-    if (v->dense) taken = v->dense->TryTakeGrad(required_.load(), count);
+    if (v->dense) {
+      if (v->dense->num_accumulated() >= required_.load()) OfferSpareLocked(v);  // a take may need the sum's buffer
+      taken = v->dense->TryTakeGrad(required_.load(), count, /*keep_held=*/true);
+    }
     if (v->sparse) taken = v->sparse->TryTakeGrad(required_.load(), count);
     if (!taken.ok() || !*taken) return false;
   }
@@ -101,8 +150,11 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     lr = step_lr_;
     ++step_takes_begun_;  // from here on this variable's slots belong to the open step
   }
-  ApplyDense(*v->opt, {v->dtype, NumElements(v->shape), value->data(), out->data(), out->data(), &v->slots, 0,
-                       v->next_take_step, lr, v->dense->divisor()});
+  ApplyTaken(*v->opt,
+             {v->dtype, NumElements(v->shape), value->data(), out->data(), out->data(), &v->slots, 0, v->next_take_step,
+              lr, v->dense->divisor()},
+             *v->dense);
+  v->dense->DropTakenHolds();
   MutexLock lock(&mu_);
   v->staged = std::move(out);
   return true;

@@ -342,18 +342,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
           v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step,
                                                         config_.deterministic);
         }
-        if (!v->dense->has_sum() || v->spare_offered) {
-          // The sum goes into the buffer the last commit retired (the value before it), unless a
-          // pull still reads that one: then it is offered again at the round's next gradient (a
-          // held first gradient needs no sum yet), until the round takes a new buffer of its own.
-          MutexLock elock(&mu_);
-          if (!v->dense->has_sum() && v->spare && v->spare.use_count() == 1) {
-            v->dense->ProvideSum(std::move(v->spare));
-          }
-          if (v->dense->has_sum()) v->spare.reset();
-          v->spare_offered = v->spare != nullptr;
-          v->older.reset();
-        }
+        OfferSpareLocked(v);
         accepted = v->dense->BeginAdd(local_step);
         if (*accepted) {
           // The add itself runs without the variable's lock, in parallel with other workers'

@@ -68,6 +68,8 @@ Result<Aggregation> AggregationFromNumber(int value);
 // Half-precision variables (bfloat16, float16) are kept in float32 (ComputeDType, psd/half.h): the
 // value, accumulators, slots and averages are float32 master copies; what a read returns is
 // rounded to the variable's dtype (or to the dtype a reader asks for) where it leaves the daemon.
+class DenseAccumulator;
+
 struct VariableDef {
   std::string name;
   DType dtype = DType::kFloat32;
@@ -381,6 +383,12 @@ class TrainingEngine {
       REQUIRES(mu_);
   void UpdateAverages(int64_t step) EXCLUDES(mu_);
   void ApplyDense(const Optimizer& opt, const ApplyArgs& args);
+  // ApplyDense of a sync take whose gradient `acc` still partly points at held gradients
+  // (DenseAccumulator::TakenGrad): args.grad is the taken sum's bytes.
+  void ApplyTaken(const Optimizer& opt, const ApplyArgs& args, const DenseAccumulator& acc);
+  // Offers the dense accumulator the retired value (spare) as its round's sum, if it has none and
+  // no pull reads the spare any more (see Push).
+  void OfferSpareLocked(Variable* v) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
   void ReportApply(std::chrono::steady_clock::time_point t0);
   ShardSnapshot SnapshotLocked() REQUIRES(mu_);  // every variable's slots consistent with its value
   // mu_ held: the value a read sees (a sync-on-read variable's combined replica values).

@@ -24,6 +24,9 @@ namespace psd::server {
 namespace engine_internal {
 
 constexpr int64_t kParallelApplyElements = 1 << 20;  // split applies of variables bigger than this
+// Elements per block of TrainingEngine::ApplyTaken: whole accumulator parts, 16 KiB of float32, so
+// that a block's gradient formed from held ones is still in cache when the optimizer reads it.
+constexpr int64_t kApplyBlockElements = 8 * DenseAccumulator::kPartElements;
 
 enum class GradKind { kUnknown, kDense, kSparse };
 

@@ -1,6 +1,7 @@
 // TF ConditionalAccumulator cases (tf_semantics.md section 1).
 #include "core/accumulator.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <memory>
@@ -402,6 +403,24 @@ void Run(DenseAccumulator& acc, const std::vector<std::vector<float>>& g, const 
   }
 }
 
+// After a take with keep_held: the taken gradient as the engine's apply reads it (TakenGrad, in
+// blocks of `block` elements aligned to parts), gathered into one vector.
+std::vector<float> TakenGradient(const DenseAccumulator& acc, int64_t n, int64_t block) {
+  std::vector<float> out(static_cast<size_t>(n)), scratch(static_cast<size_t>(block));
+  for (int64_t b = 0; b < n; b += block) {
+    const int64_t end = std::min(n, b + block);
+    for (int64_t at = b; at < end;) {
+      int64_t run_end = -1;
+      const void* g = acc.TakenGrad(acc.grad().data(), at, end, scratch.data(), &run_end);
+      REQUIRE(run_end > at);
+      REQUIRE(run_end <= end);
+      std::memcpy(out.data() + at, g, static_cast<size_t>(run_end - at) * 4);
+      at = run_end;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("held gradients sum bit-identically to copied ones, and are let go by the take", "[accumulator][held]") {
@@ -413,31 +432,67 @@ TEST_CASE("held gradients sum bit-identically to copied ones, and are let go by 
   psd::ThreadPool pool(2);
   psd::ThreadPool* helpers = GENERATE(false, true) ? &pool : nullptr;
   // Held and plain adds, whole and in chunks, a bfloat16 one onto a held float32 one, a chunk that
-  // ends mid-stripe: the arrival order decides each part's sum (first + second + third), held or not.
-  const std::vector<std::vector<Step>> sequences = {
-      {{0, 0, -1, true}, {1}, {2}},
-      {{0, 0, -1, true}, {1, 0, -1, true}, {2, 0, -1, true}},
-      {{0, S + 3 * P, n - S - 3 * P, true}, {1, 0, -1, false, true}, {0, 0, S + 3 * P, true}, {2, 0, -1, true}},
-      {{2, 0, 5 * P, true}, {1, 0, -1, true}, {2, 5 * P, n - 5 * P}, {0, 0, -1, true}},
+  // ends mid-stripe, held gradients pending (pointed at after the first: added at the part's next
+  // gradient, or read by the take's reader), a plain or bfloat16 gradient after a pending one: the
+  // arrival order decides each part's sum (first + second + third), held or not.
+  struct Sequence {
+    std::vector<Step> steps;
+    int required = 3;
+  };
+  const Step h0{0, 0, -1, true}, h1{1, 0, -1, true}, h2{2, 0, -1, true};
+  const std::vector<Sequence> sequences = {
+      {{h0, {1}, {2}}},
+      {{h0, h1, h2}},
+      {{{0, S + 3 * P, n - S - 3 * P, true}, {1, 0, -1, false, true}, {0, 0, S + 3 * P, true}, h2}},
+      {{{2, 0, 5 * P, true}, h1, {2, 5 * P, n - 5 * P}, h0}},
+      {{h0, h1}, 2},                                                  // first + pending
+      {{h0, {2}, h1}},                                                // sum + pending
+      {{h0, h1, {2, 0, -1, false, true}}},                            // a bfloat16 gradient after a pending one
+      {{{0, 0, 3 * P, true}, h1, {0, 3 * P, n - 3 * P, true}, {2}}},  // held chunks around a pending one
+      {{h1}, 1},                                                      // one held gradient: read where it lies
+      {{{2}, h0, {1}}},                                               // a plain gradient after a pending one
+      {{{2, 0, S + P}, h0, h1, {2, S + P, n - S - P, true}}},
   };
   for (size_t q = 0; q < sequences.size(); ++q) {
     INFO("sequence " << q);
     std::vector<std::vector<uint16_t>> halves;
     DenseAccumulator plain(DType::kFloat32, {n}, Reduction::kMean, 0);
     auto none = std::shared_ptr<const void>();
-    Run(plain, g, sequences[q], none, helpers, &halves);
-    DenseAccumulator held(DType::kFloat32, {n}, Reduction::kMean, 0);
-    auto hold = std::make_shared<int>(0);
-    Run(held, g, sequences[q], hold, helpers, &halves);
-    CHECK(held.holds() == (hold.use_count() > 1));
-    int count = 0, held_count = 0;
-    REQUIRE(*plain.TryTakeGrad(3, &count));
-    REQUIRE(*held.TryTakeGrad(3, &held_count));
-    CHECK(held_count == count);
-    CHECK(held.divisor() == plain.divisor());
-    CHECK(std::memcmp(held.grad().data(), plain.grad().data(), static_cast<size_t>(n) * 4) == 0);
-    CHECK(hold.use_count() == 1);  // the take copied what was pointed at and let the hold go
-    CHECK_FALSE(held.holds());
+    Run(plain, g, sequences[q].steps, none, helpers, &halves);
+    int count = 0;
+    REQUIRE(*plain.TryTakeGrad(sequences[q].required, &count));
+    for (bool keep : {false, true}) {
+      INFO("keep_held " << keep);
+      DenseAccumulator held(DType::kFloat32, {n}, Reduction::kMean, 0);
+      auto hold = std::make_shared<int>(0);
+      Run(held, g, sequences[q].steps, hold, helpers, &halves);
+      CHECK(held.holds() == (hold.use_count() > 1));
+      int held_count = 0;
+      REQUIRE(*held.TryTakeGrad(sequences[q].required, &held_count, keep));
+      CHECK(held_count == count);
+      CHECK(held.divisor() == plain.divisor());
+      if (!keep) {
+        CHECK_FALSE(held.taken_holds());
+        CHECK(std::memcmp(held.grad().data(), plain.grad().data(), static_cast<size_t>(n) * 4) == 0);
+      } else {
+        // Read in place or formed per run: the same bits as the sum, in blocks of 8 parts and of one.
+        CHECK(held.taken_holds() == (hold.use_count() > 1));
+        for (int64_t block : {8 * P, P}) {
+          std::vector<float> taken = TakenGradient(held, n, block);
+          CHECK(std::memcmp(taken.data(), plain.grad().data(), static_cast<size_t>(n) * 4) == 0);
+        }
+        held.DropTakenHolds();
+        CHECK_FALSE(held.taken_holds());
+      }
+      CHECK(hold.use_count() == 1);  // the take (or DropTakenHolds) let the hold go
+      CHECK_FALSE(held.holds());
+      // The next round starts afresh: nothing of the last one's holds is read.
+      std::vector<float> fresh(static_cast<size_t>(n), 0.5f);
+      REQUIRE(held.AddChecked(1, DType::kFloat32, fresh.data()));
+      REQUIRE(*held.TryTakeGrad(1, &held_count, true));
+      CHECK_FALSE(held.taken_holds());
+      CHECK(std::memcmp(held.grad().data(), fresh.data(), static_cast<size_t>(n) * 4) == 0);
+    }
   }
 }
 
