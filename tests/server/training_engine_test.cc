@@ -3,6 +3,9 @@
 
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "config/server_config.h"
 
@@ -352,4 +355,79 @@ TEST_CASE("the taken sum becomes the new value, and a buffer a reader holds is n
   second.reset();
   for (int64_t s = 3; s < 6; ++s) push(s, {1, 1, 1});
   CHECK(values(pull()) == std::vector<float>{-3, 7, 17});
+}
+
+TEST_CASE("held gradients give the parameters of copied ones with every optimizer, whole and in chunks",
+          "[engine][held]") {
+  // A variable whose apply is split over the apply threads (over 1 Mi elements, ending mid-block)
+  // and a small one: the take's apply reads the held gradients in blocks (ApplyTaken), and each
+  // block's slots must line up with its values.
+  const int64_t big = (int64_t{1} << 20) + 700, small = 1000;
+  const std::string optimizer = GENERATE("sgd", "momentum", "adagrad", "adam", "rmsprop", "ftrl");
+  const bool chunks = GENERATE(false, true);
+  INFO(optimizer << (chunks ? ", in chunks" : ", whole"));
+  ServerConfig c = Config(2, 2, -1, 0.1);
+  c.optimizer.name = optimizer;
+  c.apply_threads = 2;
+  REQUIRE(c.Validate().ok());
+  Engine plain(c), held(c);
+  for (Engine* e : {&plain, &held}) {
+    std::vector<float> w(static_cast<size_t>(big)), b(static_cast<size_t>(small));
+    for (size_t i = 0; i < w.size(); ++i) w[i] = 0.5f + static_cast<float>(i % 97) * 0.01f;
+    for (size_t i = 0; i < b.size(); ++i) b[i] = -0.25f + static_cast<float>(i % 13) * 0.03f;
+    e->Create<float>("w", w, {big});
+    e->Create<float>("b", b, {small});
+  }
+  auto hold = std::make_shared<int>(0);
+  for (int64_t step = 0; step < 3; ++step) {
+    std::vector<std::vector<float>> grads;  // left as they are until the step's take, as a worker does
+    for (int k = 0; k < 2; ++k) {
+      auto gradient = [&](int64_t n) {
+        std::vector<float> g(static_cast<size_t>(n));
+        for (size_t i = 0; i < g.size(); ++i) {
+          g[i] = static_cast<float>(static_cast<int64_t>((i * 7 + static_cast<size_t>(k) * 13 + step * 5) % 101) - 50) *
+                 0.001f;
+        }
+        return g;
+      };
+      grads.push_back(gradient(big));
+      grads.push_back(gradient(small));
+      const std::vector<float>& gw = grads[grads.size() - 2];
+      const std::vector<float>& gb = grads.back();
+      for (Engine* e : {&plain, &held}) {
+        const auto h = e == &held ? std::shared_ptr<const void>(hold) : nullptr;
+        std::vector<GradOutcome> out;
+        if (!chunks) {
+          std::vector<GradRef> refs = {{"w", DType::kFloat32, {big}, gw.data(), gw.size() * 4},
+                                       {"b", DType::kFloat32, {small}, gb.data(), gb.size() * 4}};
+          for (GradRef& r : refs) r.hold = h;
+          REQUIRE(e->engine.Push(step, refs, &out).ok());
+        } else {  // "w" in two frames' chunks (the first ends at a part boundary), "b" whole with the last
+          const int64_t cut = 301 * TrainingEngine::kChunkElements;
+          GradRef first{"w", DType::kFloat32, {cut}, gw.data(), static_cast<size_t>(cut) * 4};
+          first.chunk_offset = 0;
+          first.hold = h;
+          REQUIRE(e->engine.Push(step, {first}, &out, {}, /*more=*/true).ok());
+          GradRef rest{"w", DType::kFloat32, {big - cut}, gw.data() + cut, static_cast<size_t>(big - cut) * 4};
+          rest.chunk_offset = cut;
+          rest.hold = h;
+          GradRef whole{"b", DType::kFloat32, {small}, gb.data(), gb.size() * 4};
+          whole.hold = h;
+          REQUIRE(e->engine.Push(step, {rest, whole}, &out).ok());
+        }
+      }
+    }
+    CHECK(hold.use_count() == 1);  // the take's apply read them and let them go
+    for (const char* name : {"w", "b"}) {
+      std::vector<PulledValue> a, b;
+      int64_t sa = 0, sb = 0;
+      REQUIRE(plain.engine.Pull({name}, &a, &sa).ok());
+      REQUIRE(held.engine.Pull({name}, &b, &sb).ok());
+      CHECK(sa == step + 1);
+      CHECK(sb == step + 1);
+      REQUIRE(a[0].value->bytes() == b[0].value->bytes());
+      INFO(name << " at step " << step + 1);
+      CHECK(std::memcmp(a[0].value->data(), b[0].value->data(), a[0].value->bytes()) == 0);
+    }
+  }
 }
