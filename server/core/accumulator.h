@@ -37,7 +37,7 @@
 // it leaves alone until its push is answered (service/session_push.cc resolves before that).
 // A later held gradient is pointed at too, as the part's pending one: it is added when the part's
 // next gradient comes (sum = first + pending, or sum += pending, then the new one is pending or
-// added), so the round's last gradient is never added by an add. A take with `keep_held` leaves
+// added), so a held last gradient of the round is never added by an add. A take with `keep_held` leaves
 // the pointers in place and the engine's apply forms each block's gradient from them as it reads
 // it (TakenGrad: first + pending, or sum + pending, in a cache-sized block): the sum's buffer is
 // then written once, by the optimizer, instead of by the last add and again by the optimizer.

@@ -357,8 +357,10 @@ TEST_CASE("the taken sum becomes the new value, and a buffer a reader holds is n
   CHECK(values(pull()) == std::vector<float>{-3, 7, 17});
 }
 
-TEST_CASE("held gradients give the parameters of copied ones with every optimizer, whole and in chunks",
-          "[engine][held]") {
+TEMPLATE_TEST_CASE("held gradients give the parameters of copied ones with every optimizer, whole and in chunks",
+                   "[engine][held]", float, double) {
+  using T = TestType;
+  const DType dtype = sizeof(T) == 4 ? DType::kFloat32 : DType::kFloat64;
   // A variable whose apply is split over the apply threads (over 1 Mi elements, ending mid-block)
   // and a small one: the take's apply reads the held gradients in blocks (ApplyTaken), and each
   // block's slots must line up with its values.
@@ -372,46 +374,46 @@ TEST_CASE("held gradients give the parameters of copied ones with every optimize
   REQUIRE(c.Validate().ok());
   Engine plain(c), held(c);
   for (Engine* e : {&plain, &held}) {
-    std::vector<float> w(static_cast<size_t>(big)), b(static_cast<size_t>(small));
-    for (size_t i = 0; i < w.size(); ++i) w[i] = 0.5f + static_cast<float>(i % 97) * 0.01f;
-    for (size_t i = 0; i < b.size(); ++i) b[i] = -0.25f + static_cast<float>(i % 13) * 0.03f;
-    e->Create<float>("w", w, {big});
-    e->Create<float>("b", b, {small});
+    std::vector<T> w(static_cast<size_t>(big)), b(static_cast<size_t>(small));
+    for (size_t i = 0; i < w.size(); ++i) w[i] = T(0.5) + static_cast<T>(i % 97) * T(0.01);
+    for (size_t i = 0; i < b.size(); ++i) b[i] = T(-0.25) + static_cast<T>(i % 13) * T(0.03);
+    e->Create<T>("w", w, {big});
+    e->Create<T>("b", b, {small});
   }
   auto hold = std::make_shared<int>(0);
   for (int64_t step = 0; step < 3; ++step) {
-    std::vector<std::vector<float>> grads;  // left as they are until the step's take, as a worker does
+    std::vector<std::vector<T>> grads;  // left as they are until the step's take, as a worker does
     for (int k = 0; k < 2; ++k) {
       auto gradient = [&](int64_t n) {
-        std::vector<float> g(static_cast<size_t>(n));
+        std::vector<T> g(static_cast<size_t>(n));
         for (size_t i = 0; i < g.size(); ++i) {
-          g[i] = static_cast<float>(static_cast<int64_t>((i * 7 + static_cast<size_t>(k) * 13 + step * 5) % 101) - 50) *
-                 0.001f;
+          g[i] = static_cast<T>(static_cast<int64_t>((i * 7 + static_cast<size_t>(k) * 13 + step * 5) % 101) - 50) *
+                 T(0.001);
         }
         return g;
       };
       grads.push_back(gradient(big));
       grads.push_back(gradient(small));
-      const std::vector<float>& gw = grads[grads.size() - 2];
-      const std::vector<float>& gb = grads.back();
+      const std::vector<T>& gw = grads[grads.size() - 2];
+      const std::vector<T>& gb = grads.back();
       for (Engine* e : {&plain, &held}) {
         const auto h = e == &held ? std::shared_ptr<const void>(hold) : nullptr;
         std::vector<GradOutcome> out;
         if (!chunks) {
-          std::vector<GradRef> refs = {{"w", DType::kFloat32, {big}, gw.data(), gw.size() * 4},
-                                       {"b", DType::kFloat32, {small}, gb.data(), gb.size() * 4}};
+          std::vector<GradRef> refs = {{"w", dtype, {big}, gw.data(), gw.size() * sizeof(T)},
+                                       {"b", dtype, {small}, gb.data(), gb.size() * sizeof(T)}};
           for (GradRef& r : refs) r.hold = h;
           REQUIRE(e->engine.Push(step, refs, &out).ok());
         } else {  // "w" in two frames' chunks (the first ends at a part boundary), "b" whole with the last
           const int64_t cut = 301 * TrainingEngine::kChunkElements;
-          GradRef first{"w", DType::kFloat32, {cut}, gw.data(), static_cast<size_t>(cut) * 4};
+          GradRef first{"w", dtype, {cut}, gw.data(), static_cast<size_t>(cut) * sizeof(T)};
           first.chunk_offset = 0;
           first.hold = h;
           REQUIRE(e->engine.Push(step, {first}, &out, {}, /*more=*/true).ok());
-          GradRef rest{"w", DType::kFloat32, {big - cut}, gw.data() + cut, static_cast<size_t>(big - cut) * 4};
+          GradRef rest{"w", dtype, {big - cut}, gw.data() + cut, static_cast<size_t>(big - cut) * sizeof(T)};
           rest.chunk_offset = cut;
           rest.hold = h;
-          GradRef whole{"b", DType::kFloat32, {small}, gb.data(), gb.size() * 4};
+          GradRef whole{"b", dtype, {small}, gb.data(), gb.size() * sizeof(T)};
           whole.hold = h;
           REQUIRE(e->engine.Push(step, {rest, whole}, &out).ok());
         }
