@@ -198,7 +198,7 @@ class DenseAccumulator {
   char* SumData() EXCLUDES(sum_mu_);
 
   struct Stripe {
-    Mutex mu;  // guards the stripe's elements of sum_ and its parts' part_round_ and held_
+    Mutex mu;  // guards the stripe's elements of sum_ and its parts' part_round_, held_ and held_last_
   };
   // Adds (or, first in the round, copies) elements [begin, end) from `src` (element `begin`) into the sum.
   void AddRange(DType dtype, const void* src, int64_t begin, int64_t end, bool first);

@@ -9,6 +9,22 @@ namespace psd::server {
 
 using namespace engine_internal;
 
+namespace {
+
+// `args` narrowed to elements [b, e), with `grad` holding element b's gradient first.
+ApplyArgs Slice(const ApplyArgs& args, int64_t b, int64_t e, const void* grad) {
+  const size_t es = DTypeSize(args.dtype);
+  ApplyArgs part = args;
+  part.num_elements = e - b;
+  part.value = static_cast<const uint8_t*>(args.value) + static_cast<size_t>(b) * es;
+  part.grad = grad;
+  part.out = static_cast<uint8_t*>(args.out) + static_cast<size_t>(b) * es;
+  part.slot_offset = args.slot_offset + b;
+  return part;
+}
+
+}  // namespace
+
 void TrainingEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
   auto t0 = std::chrono::steady_clock::now();
   if (args.num_elements <= kParallelApplyElements) {
@@ -17,17 +33,9 @@ void TrainingEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
     return;
   }
   // Ranges touch disjoint elements of value/out/slots, so they can run in parallel.
+  const size_t es = DTypeSize(args.dtype);
   pool_.ParallelFor(args.num_elements, kParallelApplyElements / 4, [&](int64_t b, int64_t e) {
-    size_t es = DTypeSize(args.dtype);
-    std::vector<Buffer>* slots = args.slots;
-    ApplyArgs part = args;
-    part.num_elements = e - b;
-    part.value = static_cast<const uint8_t*>(args.value) + b * es;
-    part.grad = static_cast<const uint8_t*>(args.grad) + b * es;
-    part.out = static_cast<uint8_t*>(args.out) + b * es;
-    part.slot_offset = args.slot_offset + b;
-    part.slots = slots;
-    opt.Apply(part);
+    opt.Apply(Slice(args, b, e, static_cast<const uint8_t*>(args.grad) + static_cast<size_t>(b) * es));
   });
   ReportApply(t0);
 }
@@ -37,7 +45,6 @@ void TrainingEngine::ApplyTaken(const Optimizer& opt, const ApplyArgs& args, con
   auto t0 = std::chrono::steady_clock::now();
   // In blocks aligned to the accumulator's parts, each block's gradient read where it lies or, for
   // parts that still point at held gradients, formed in a block-sized scratch that stays in cache.
-  const size_t es = DTypeSize(args.dtype);
   const int64_t blocks = (args.num_elements + kApplyBlockElements - 1) / kApplyBlockElements;
   auto run = [&](int64_t b0, int64_t b1) {
     // Room for a block of float64 elements (or the whole of a smaller variable).
@@ -47,13 +54,8 @@ void TrainingEngine::ApplyTaken(const Optimizer& opt, const ApplyArgs& args, con
       const int64_t end = std::min(args.num_elements, (b + 1) * kApplyBlockElements);
       for (int64_t at = b * kApplyBlockElements; at < end;) {
         int64_t run_end = end;
-        ApplyArgs part = args;
-        part.grad = acc.TakenGrad(args.grad, at, end, scratch.get(), &run_end);
-        part.num_elements = run_end - at;
-        part.value = static_cast<const uint8_t*>(args.value) + static_cast<size_t>(at) * es;
-        part.out = static_cast<uint8_t*>(args.out) + static_cast<size_t>(at) * es;
-        part.slot_offset = args.slot_offset + at;
-        opt.Apply(part);
+        const void* grad = acc.TakenGrad(args.grad, at, end, scratch.get(), &run_end);
+        opt.Apply(Slice(args, at, run_end, grad));
         at = run_end;
       }
     }
