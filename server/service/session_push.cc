@@ -72,7 +72,10 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     // A dense gradient in the worker's own segment (not its shared buffers, which it may revoke)
     // stays as it is until the worker is answered: the accumulator may point at it (held_).
     if (hold && g.getGrad().getInShm() && g.getGrad().getShmSegment() == 0 && !g.getSparse()) {
-      if (!held_) held_ = std::make_shared<std::shared_ptr<wire::SharedSegment>>(shm_lease.shared_segment(0));
+      if (!held_) {
+        held_ = std::make_shared<std::shared_ptr<wire::SharedSegment>>(shm_lease.shared_segment(0));
+        held_engine_ = engine;
+      }
       ref.hold = held_;
     }
     if (g.getSparse()) {
@@ -244,9 +247,16 @@ void WorkerSession::SettleHeld() {
   if (!held_) return;
   // Only this session makes copies of held_ (on its strand), so a count of one means every
   // accumulator let it go, each after copying what it pointed at.
-  if (held_.use_count() > 1) host_.engine()->ResolveHeld();
+  if (held_.use_count() > 1) {
+    auto current = host_.engine();
+    current->ResolveHeld();
+    // The engine the hold was first given to, if a restored checkpoint has replaced it since: its
+    // accumulators may still point at the segment, and pushes into it may still read there.
+    if (auto first = held_engine_.lock(); first && first != current && held_.use_count() > 1) first->ResolveHeld();
+  }
   std::atomic_thread_fence(std::memory_order_acquire);  // their copies, before the worker hears
   held_.reset();
+  held_engine_.reset();
 }
 
 void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {

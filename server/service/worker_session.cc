@@ -384,6 +384,10 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
   p.setClusterEpoch(engine->epoch());
   auto list = p.initValues(static_cast<unsigned>(values.size()));
   if (to_shm) {
+    // Values written into the worker's own segment may land where its held gradients are (the
+    // client reuses the push's room for the values it pulls with the token): whatever the engine
+    // still points at there is copied first.
+    if (to_shm->segment == 0) SettleHeld();
     ShmSlot::Lease lease = shm_ ? shm_->Acquire() : ShmSlot::Lease();
     wire::SharedSegment* segment = lease.segment(to_shm->segment);
     if (segment == nullptr) return NoSegment(to_shm->segment);
@@ -599,6 +603,7 @@ void WorkerSession::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
   const std::string name = r.getName();
   // Into the worker's shared memory when asked (the reply says where), else in the reply.
   std::optional<ShmTarget> target = TargetOf(r.hasToShm(), r.getToShm());
+  if (target && target->segment == 0) SettleHeld();  // as AddValues: nothing written over what psd reads
   ShmSlot::Lease lease = target && shm_ ? shm_->Acquire() : ShmSlot::Lease();
   wire::SharedSegment* segment = target ? lease.segment(target->segment) : nullptr;
   if (target && segment == nullptr) return SendError(id, NoSegment(target->segment));

@@ -173,7 +173,8 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // answered; before that, whatever the engine still points at is copied (TrainingEngine::
   // ResolveHeld, unless the step's take did it already) and the hold let go.
   std::shared_ptr<const void> held_;
-  bool pushes_wait_ = true;  // this worker's last push waited for the token (sync)
+  std::weak_ptr<TrainingEngine> held_engine_;  // the engine held_ was first passed to
+  bool pushes_wait_ = true;                    // this worker's last push waited for the token (sync)
   void SettleHeld();
   // The published buffers that replies named in the values segment (ValuesSegment), per reply
   // (request id), oldest first: held until the worker says it read them (Request.valuesRead), the

@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -597,7 +598,10 @@ namespace {
 
 // A push of elements [offset, offset + n) of v's gradient, from their place in `p`'s segment (a
 // chunk unless it is all of v's `total`).
-void PushFromSegment(RawPeer& p, uint64_t id, int64_t offset, int64_t n, int64_t total, bool more, bool wait_token) {
+// With `pull_into_segment`, the push asks for v's value with the token, written at offset 0 of the
+// same segment: where the gradient is, as the client puts it.
+void PushFromSegment(RawPeer& p, uint64_t id, int64_t offset, int64_t n, int64_t total, bool more, bool wait_token,
+                     bool pull_into_segment = false) {
   wire::OutFrame f;
   auto req = f.builder.initRoot<proto::Request>();
   req.setId(id);
@@ -617,6 +621,13 @@ void PushFromSegment(RawPeer& p, uint64_t id, int64_t offset, int64_t n, int64_t
   grad.initShape(1).set(0, static_cast<uint64_t>(n));
   grad.setInShm(true);
   grad.setShmOffset(static_cast<uint64_t>(offset) * 4);
+  if (pull_into_segment) {
+    push.initPullAfter(1).set(0, "v");
+    auto to = push.initPullToShm();
+    to.setOffset(0);
+    to.setBytes(static_cast<uint64_t>(total) * 4);
+    to.setSegment(0);
+  }
   p.Send(f);
 }
 
@@ -628,8 +639,9 @@ TEST_CASE("what psd points at in a worker's segment is copied before the worker 
   // write there again: here it does at once, and the step still has the gradient it sent. Answered
   // before the step: a push in two frames whose last does not wait for the token (the first was
   // held, as the worker's pushes had waited so far), and one that gets one of the initial tokens.
-  // Or the worker went away (the test unmaps its side; psd keeps the pages it reads).
-  const int mode = GENERATE(0, 1, 2);
+  // Or the worker went away (the test unmaps its side; psd keeps the pages it reads). Or the
+  // initial token's answer carries the next values, which psd writes where the gradient is.
+  const int mode = GENERATE(0, 1, 2, 3);
   const int64_t n = DenseAccumulator::kStripeElements + 3 * DenseAccumulator::kPartElements;  // over a stripe
   auto cfg = TestConfig(2, 2, mode == 2 ? 0 : -1);
   auto server = StartServer(cfg);
@@ -656,10 +668,14 @@ TEST_CASE("what psd points at in a worker's segment is copied before the worker 
     REQUIRE(p->Answer(&msg) == Code::kOk);
     PushFromSegment(*p, 2, half, n - half, n, /*more=*/false, /*wait_token=*/false);
   } else {
-    PushFromSegment(*p, 1, 0, n, n, /*more=*/false, /*wait_token=*/true);
+    PushFromSegment(*p, 1, 0, n, n, /*more=*/false, /*wait_token=*/true, /*pull_into_segment=*/mode == 3);
   }
-  if (mode < 2) {
+  if (mode != 2) {
     REQUIRE(p->Answer(&msg) == Code::kOk);
+    if (mode == 3) {  // the values of step 0 (zeros) came where the gradient was
+      const auto* f = reinterpret_cast<const float*>((*seg)->data());
+      CHECK(std::all_of(f, f + n, [](float x) { return x == 0.0f; }));
+    }
     // The call is over: the worker writes its next gradient where the last one was.
     auto* f = reinterpret_cast<float*>((*seg)->data());
     for (int64_t i = 0; i < n; ++i) f[i] = 1e30f;
