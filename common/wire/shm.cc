@@ -100,7 +100,10 @@ Result<std::shared_ptr<SharedSegment>> SharedSegment::AdoptReadOnly(int fd, uint
 
 Result<int> SharedSegment::ReadOnlyDescriptor() const {
   // Through /proc: a memfd's own descriptor is always read-write, and F_SEAL_FUTURE_WRITE would
-  // also stop the owner punching freed pages out.
+  // also stop the owner punching freed pages out. A memfd is created with mode 0777, so whoever
+  // holds a read-only descriptor could open it read-write the same way: its mode becomes 0400 first
+  // (this process's descriptor and mapping stay writable; only root is above the mode).
+  if (::fchmod(fd_, S_IRUSR) != 0) return Unavailable(Errno("making a shared-memory segment read-only (fchmod)"));
   const std::string path = "/proc/self/fd/" + std::to_string(fd_);
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Unavailable(Errno("opening " + path + " read-only"));

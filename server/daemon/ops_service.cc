@@ -331,6 +331,10 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
             static_cast<double>(kept.reused));
   w.Counter("psd_frame_timeouts_total", "connections closed because a frame did not arrive within --frame-timeout-ms",
             static_cast<double>(m.frame_timeouts()));
+  w.Counter("psd_reads_paused_total",
+            "times psd stopped reading a connection without a hello, or an observer's, until its unread replies "
+            "went out",
+            static_cast<double>(m.reads_paused()));
   w.Gauge("psd_variables", "variables (or variable slices) held by this shard", st.variables);
   w.Gauge("psd_model_bytes", "bytes the variables of this shard account for (values, slots, averages, buffers)",
           static_cast<double>(st.model_bytes));

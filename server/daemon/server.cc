@@ -200,6 +200,7 @@ ConnectionEnv Server::MakeConnectionEnv() {
   env.on_bytes_in = [this](uint64_t n) { metrics_.OnBytesIn(n); };
   env.on_bytes_out = [this](uint64_t n) { metrics_.OnBytesOut(n); };
   env.on_frame_timeout = [this] { metrics_.OnFrameTimeout(); };
+  env.on_reads_paused = [this] { metrics_.OnReadsPaused(); };
   return env;
 }
 

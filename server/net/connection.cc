@@ -50,7 +50,9 @@ void Connection::OnTimer() {
   int64_t idle_s = env_.idle_timeout_s;
   if (idle_s <= 0) return;
   auto idle = std::chrono::seconds(idle_s);
-  if (writing_ || handler_->Busy()) last_frame_ = now;  // a parked wait is activity: idle counts from its end
+  // A parked wait, a reply being written and a frame on its way in are activity: idle counts from
+  // their end (a reply's end is its last byte written, a frame's its last byte read).
+  if (writing_ || handler_->Busy() || reading_body_ || awaiting_share_) last_frame_ = now;
   if (now - last_frame_ < idle) return ArmTimer(last_frame_ + idle - now);
   spdlog::warn("connection {}: idle for --idle-timeout-s {} s; closing it (a client reconnects on its next call)", id_,
                idle_s);
@@ -113,11 +115,24 @@ void Connection::ReadExact(void* dst, size_t n, F then) {
 
 void Connection::ReadHeader() {
   if (closed_ || closing_) return;
+  const bool untrusted = role_ == Role::kNone || role_ == Role::kObserver;
+  if (untrusted && write_queue_.size() > kMaxQueuedRepliesUntrusted) {
+    read_paused_ = true;  // WriteNext reads on once the replies go out
+    if (env_.on_reads_paused) env_.on_reads_paused();
+    return;
+  }
   ReadExact(first_, sizeof(first_), [this] {
     uint32_t count = 0;
     size_t rest = 0;
     Status s = wire::ParseFirstWord(first_, &count, &rest);
     if (!s.ok()) return FailStream(s);
+    if ((role_ == Role::kNone || role_ == Role::kObserver) && count > kMaxSegmentsUntrusted) {
+      // Refused before its segment table is read: small frames have a segment or two.
+      return FailStream(ResourceExhausted("a message of " + std::to_string(count) + " segments " +
+                                          (role_ == Role::kNone ? "before the hello" : "from an observer") +
+                                          ": psd reads at most " + std::to_string(kMaxSegmentsUntrusted) +
+                                          " segments per message from such a connection"));
+    }
     ReadTable(count, rest);
   });
 }
@@ -155,8 +170,10 @@ void Connection::ReadBody(uint32_t segment_count) {
   bool charge = role_ == Role::kWorker || role_ == Role::kShard;
   if (!charge || charged_ >= bytes) return ReadGrantedBody();  // a kept buffer is charged already
   ReleaseBuffer();                                             // a bigger one replaces it: never hold both
+  awaiting_share_ = true;
   env_.budget->Acquire(bytes, [self = shared_from_this(), bytes] {
     asio::post(self->strand_, [self, bytes] {
+      self->awaiting_share_ = false;
       self->charged_ = bytes;
       if (self->closed_) return self->ReleaseBuffer();
       self->ReadGrantedBody();
@@ -271,7 +288,12 @@ void Connection::WriteNext() {
           self->writing_ = false;
           return self->CloseNow();
         }
+        self->last_frame_ = std::chrono::steady_clock::now();
         self->WriteNext();
+        if (self->read_paused_ && self->write_queue_.size() <= kMaxQueuedRepliesUntrusted) {
+          self->read_paused_ = false;
+          self->ReadHeader();
+        }
       }));
 }
 

@@ -69,12 +69,20 @@ struct ConnectionEnv {
   std::function<void(uint64_t bytes)> on_bytes_in;
   std::function<void(uint64_t bytes)> on_bytes_out;
   std::function<void()> on_frame_timeout;
+  std::function<void()> on_reads_paused;  // kMaxQueuedRepliesUntrusted replies were waiting
 };
 
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
   // The largest frame read before a role is admitted (a hello is well under 1 KiB).
   static constexpr uint64_t kPreHelloFrameBytes = 64 << 10;
+  // Replies that may wait to be written, on a connection without a hello or an observer's, before
+  // psd stops reading its next request: one that sends requests and never reads the answers is
+  // held up by TCP, not by psd's memory. Workers and shards pipeline freely (a chunked push has a
+  // reply per frame, read after its last frame is sent).
+  static constexpr size_t kMaxQueuedRepliesUntrusted = 8;
+  // The most segments a message may have on such a connection (a hello has one or two).
+  static constexpr uint32_t kMaxSegmentsUntrusted = 16;
 
   // Who the handler admitted: what the connection may send.
   enum class Role {
@@ -159,10 +167,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::steady_timer frame_timer_;  // --frame-timeout-ms for the body being read
   uint64_t body_gen_ = 0;           // bumped per body read: a stale frame-timer expiry is ignored
   bool reading_body_ = false;
-  bool idle_offered_ = false;  // the kept buffer's charge is offered back to the budget (OfferIdle)
+  bool awaiting_share_ = false;  // a frame's header is in, its budget share not yet granted
+  bool read_paused_ = false;     // kMaxQueuedRepliesUntrusted replies wait: reads resume as they go out
+  bool idle_offered_ = false;    // the kept buffer's charge is offered back to the budget (OfferIdle)
   Role role_ = Role::kNone;
   asio::steady_timer timer_;
   std::chrono::steady_clock::time_point hello_deadline_;
+  // The last frame read or reply written (--idle-timeout-s counts from it).
   std::chrono::steady_clock::time_point last_frame_ = std::chrono::steady_clock::now();
   bool closing_ = false;  // close once the write queue drains
   bool closed_ = false;

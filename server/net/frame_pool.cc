@@ -29,10 +29,11 @@ kj::Array<capnp::word> FramePool::Take(uint64_t words) {
   uint64_t size = (bytes + kGranule - 1) / kGranule * kGranule;
   {
     MutexLock lock(&mu_);
-    // The smallest kept buffer that holds the frame, unless it is more than twice as big (that
-    // one would hold memory the frame does not need: a new mapping replaces it under the limit).
+    // The smallest kept buffer that holds the frame, unless it is more than a quarter bigger: the
+    // budget charges a frame its own bytes, so what connections hold stays within 1.25 times it
+    // (a new mapping replaces a bigger one under the limit).
     auto it = kept_.lower_bound(size);
-    if (it != kept_.end() && it->first <= 2 * size) {
+    if (it != kept_.end() && it->first <= size + size / 4) {
       uint64_t have = it->first;
       void* p = it->second;
       kept_.erase(it);

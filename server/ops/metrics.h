@@ -99,6 +99,7 @@ class Metrics {
   void OnConnectionRefused() { connections_refused_.fetch_add(1, std::memory_order_relaxed); }
   // A connection closed because its frame did not arrive within --frame-timeout-ms.
   void OnFrameTimeout() { frame_timeouts_.fetch_add(1, std::memory_order_relaxed); }
+  void OnReadsPaused() { reads_paused_.fetch_add(1, std::memory_order_relaxed); }
   // A request from worker `worker` (its registry index).
   void OnWorkerRequest(uint32_t worker);
   // A push of `accepted` + `stale` gradients tagged `local_step`; `staleness` = global - local.
@@ -141,6 +142,7 @@ class Metrics {
   uint64_t connections_accepted() const { return connections_accepted_.load(std::memory_order_relaxed); }
   uint64_t connections_refused() const { return connections_refused_.load(std::memory_order_relaxed); }
   uint64_t frame_timeouts() const { return frame_timeouts_.load(std::memory_order_relaxed); }
+  uint64_t reads_paused() const { return reads_paused_.load(std::memory_order_relaxed); }
   uint64_t steps_forced() const { return steps_forced_.load(std::memory_order_relaxed); }
   int last_step_min_gradients() const { return last_min_gradients_.load(std::memory_order_relaxed); }
   int last_step_max_gradients() const { return last_max_gradients_.load(std::memory_order_relaxed); }
@@ -174,7 +176,7 @@ class Metrics {
   std::atomic<uint64_t> replica_audits_{0}, replica_unlisted_{0};
   std::atomic<uint64_t> stand_ins_started_{0};
   std::atomic<bool> stand_in_running_{false};
-  std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0}, frame_timeouts_{0};
+  std::atomic<uint64_t> connections_accepted_{0}, connections_refused_{0}, frame_timeouts_{0}, reads_paused_{0};
   std::atomic<uint64_t> steps_forced_{0}, gradients_used_{0};
   std::atomic<int> last_min_gradients_{0}, last_max_gradients_{0};
   std::atomic<uint64_t> checkpoints_failed_{0};

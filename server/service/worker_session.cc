@@ -403,6 +403,7 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
     const ValuesSegment* in_place = to_shm->values && !placed ? ValuesSegment::Current() : nullptr;
     const uint64_t reply_id = frame.builder.getRoot<proto::Response>().getId();
     uint64_t cursor = to_shm->offset, written = 0, named = 0;
+    bool new_reply = true;  // this reply's first named value starts its entry in held_values_
     for (size_t i = 0; i < values.size(); ++i) {
       const PulledValue& v = values[i];
       const DType want_i = i < want.size() && want[i] ? *want[i] : v.declared;
@@ -416,7 +417,8 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
             list[static_cast<unsigned>(i)], v.dtype, shape, wire::kValuesSegment,
             static_cast<uint64_t>(kept) + (range != nullptr ? static_cast<uint64_t>(range->offset) * es : 0));
         named += static_cast<uint64_t>(NumElements(shape)) * es;
-        HoldValue(reply_id, v.value);
+        HoldValue(reply_id, v.value, new_reply);
+        new_reply = false;
         continue;
       }
       const uint64_t at = placed ? to_shm->offsets[i] : wire::ShmAlign(cursor);
@@ -453,10 +455,12 @@ std::optional<ShmTarget> WorkerSession::TargetOf(bool has, proto::ShmTarget::Rea
   return target;
 }
 
-void WorkerSession::HoldValue(uint64_t id, std::shared_ptr<const Buffer> value) {
+void WorkerSession::HoldValue(uint64_t id, std::shared_ptr<const Buffer> value, bool new_reply) {
   std::vector<std::shared_ptr<const Buffer>> dropped;  // let go outside the lock
   MutexLock lock(&held_mu_);
-  if (held_values_.empty() || held_values_.back().first != id) {
+  // A new entry per reply, not per request id: a worker that gave every request the same id would
+  // otherwise pile its holds into one entry that never ages out.
+  if (held_values_.empty() || new_reply) {
     held_values_.emplace_back(id, std::vector<std::shared_ptr<const Buffer>>{});
     if (held_values_.size() > kMaxHeldReplies) {
       dropped = std::move(held_values_.front().second);

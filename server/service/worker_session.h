@@ -179,11 +179,11 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // The published buffers that replies named in the values segment (ValuesSegment), per reply
   // (request id), oldest first: held until the worker says it read them (Request.valuesRead), the
   // connection closes, or kMaxHeldReplies newer replies named some (a worker that never says so
-  // reads what it gets).
+  // reads what it gets). `new_reply`: the first value a reply names (one entry per reply).
   static constexpr size_t kMaxHeldReplies = 64;
   Mutex held_mu_;
   std::deque<std::pair<uint64_t, std::vector<std::shared_ptr<const Buffer>>>> held_values_ GUARDED_BY(held_mu_);
-  void HoldValue(uint64_t id, std::shared_ptr<const Buffer> value) EXCLUDES(held_mu_);
+  void HoldValue(uint64_t id, std::shared_ptr<const Buffer> value, bool new_reply) EXCLUDES(held_mu_);
   void ValuesRead(uint64_t id) EXCLUDES(held_mu_);
   // A value bigger than a frame arriving in chunks (CreateVariable.chunked, Update.chunked):
   // gathered here, used with the last chunk; dropped by any request of another kind, a chunk that

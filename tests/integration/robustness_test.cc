@@ -1,5 +1,8 @@
 // Hostile peers: malformed, oversized, truncated and unknown frames never crash psd or corrupt
 // its state; each gets an error reply or a closed connection.
+#include <poll.h>
+#include <sys/socket.h>
+
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <random>
@@ -484,6 +487,14 @@ TEST_CASE("before its hello a connection may send only a small hello, and must s
     CHECK(code == Code::kFailedPrecondition);
     CHECK_THAT(msg, Catch::Contains("say hello first"));
   }
+  SECTION("a frame of more than a few segments before the hello is refused from its first word") {
+    RawPeer p(server->port());
+    p.SendBytes(Words({16, 1}));  // 17 segments, the first of one word: its table is never read
+    REQUIRE(p.Read(&code, &msg));
+    CHECK(code == Code::kResourceExhausted);
+    CHECK_THAT(msg, Catch::Contains("17 segments before the hello"));
+    CHECK(p.ClosedWithin(std::chrono::seconds(30)));
+  }
   SECTION("a connection that never says hello is closed after --hello-timeout-ms") {
     RawPeer p(server->port());
     CHECK(p.ClosedWithin(std::chrono::seconds(30)));
@@ -545,6 +556,95 @@ bool Eventually(F cond) {
 }
 
 }  // namespace
+
+namespace {
+
+// The bytes of `f` as sent.
+std::string FrameBytes(wire::OutFrame& f) {
+  std::string bytes;
+  for (const auto& b : f.Buffers()) bytes.append(static_cast<const char*>(b.data()), b.size());
+  return bytes;
+}
+
+}  // namespace
+
+TEST_CASE("a frame on its way in is not idle: --idle-timeout-s counts from its last byte", "[robustness][dos]") {
+  auto cfg = TestConfig(1, 2, 0);
+  cfg.idle_timeout_s = 1;      // --frame-timeout-ms (60 s) bounds a slow frame instead
+  cfg.hello_timeout_ms = 300;  // the connection's timer checks for idleness from then on
+  auto server = StartWithVariable(cfg);
+  RawPeer p(server->port());
+  p.Hello();
+  // A push of 256 KiB for a variable psd does not have: sent in two halves 2.5 s apart.
+  std::vector<float> g(64 << 10, 1.0f);
+  wire::OutFrame f;
+  auto req = f.builder.initRoot<proto::Request>();
+  req.setId(9);
+  auto t = req.initPush().initGrads(1)[0];
+  t.setName("nope");
+  auto grad = t.initGrad();
+  grad.setDtype(proto::DType::FLOAT32);
+  grad.initShape(1).set(0, g.size());
+  grad.setData(capnp::Data::Reader(reinterpret_cast<const capnp::byte*>(g.data()), g.size() * 4));
+  const std::string bytes = FrameBytes(f);
+  p.SendBytes(bytes.substr(0, bytes.size() / 2));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  p.SendBytes(bytes.substr(bytes.size() / 2));
+  Code code;
+  std::string msg;
+  uint64_t id = 0;
+  REQUIRE(p.Read(&code, &msg, &id));  // answered: the connection was not closed as idle
+  CHECK(id == 9);
+  CHECK(code == Code::kNotFound);
+  CHECK(p.ClosedWithin(std::chrono::seconds(60)));  // idle after the answer: closed then
+}
+
+TEST_CASE("a peer that never reads its answers is held up by TCP, not by psd's memory, and loses none",
+          "[robustness][dos]") {
+  // Requests before the hello each get an error reply. psd stops reading such a connection while
+  // 8 replies wait to be written (the kernel's buffers being full), and reads on as they go out.
+  auto cfg = TestConfig(1, 2, 0);
+  cfg.hello_timeout_ms = 300000;  // the test's own bounds end it
+  auto server = StartWithVariable(cfg);
+  RawPeer p(server->port());
+  wire::OutFrame f;
+  f.builder.initRoot<proto::Request>().setId(3);
+  f.builder.getRoot<proto::Request>().setStatus();
+  const std::string one = FrameBytes(f);
+  // About 100 bytes of reply each: far more than the kernel holds for a peer that does not read.
+  const int n = 120000;
+  std::string all;
+  all.reserve(one.size() * n);
+  for (int i = 0; i < n; ++i) all += one;
+  // The reads below make the socket non-blocking: the writer waits for room itself.
+  std::thread writer([&, fd = p.socket.native_handle()] {
+    size_t sent = 0;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (sent < all.size() && std::chrono::steady_clock::now() < until) {
+      ssize_t k = ::send(fd, all.data() + sent, all.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k > 0) {
+        sent += static_cast<size_t>(k);
+      } else if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        pollfd w{fd, POLLOUT, 0};
+        ::poll(&w, 1, 100);
+      } else {
+        break;
+      }
+    }
+  });
+  const bool paused = Eventually([&] { return server->metrics().reads_paused() >= 1; });
+  CHECK(paused);
+  int answered = 0;
+  Code code = Code::kOk;
+  std::string msg;
+  while (answered < n && p.Read(&code, &msg)) {
+    if (code != Code::kFailedPrecondition) break;
+    ++answered;
+  }
+  writer.join();
+  CHECK(answered == n);
+  ExpectHealthy(server->port());
+}
 
 TEST_CASE("frames in flight share --max-inflight-bytes: a worker over it waits, a stalled frame is cut off",
           "[robustness][dos][budget]") {

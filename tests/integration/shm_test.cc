@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -217,8 +218,16 @@ TEST_CASE("values named in place are read-only to the worker and stay as read un
   REQUIRE(psd::testing::ShmAttach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*seg)->fd(), -1,
                                   &values_fd) == "OK");
   REQUIRE(values_fd >= 0);
-  // Never writable through what workers are given.
+  // Never writable through what workers are given, nor opened again writable through /proc (its
+  // mode is 0400; root, which the mode does not bind, is the one exception).
   CHECK(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, values_fd, 0) == MAP_FAILED);
+  struct stat st {};
+  REQUIRE(::fstat(values_fd, &st) == 0);
+  CHECK((st.st_mode & 0777) == 0400);
+  if (::geteuid() != 0) {
+    const std::string again = "/proc/self/fd/" + std::to_string(values_fd);
+    CHECK(::open(again.c_str(), O_RDWR | O_CLOEXEC) < 0);
+  }
   auto values = wire::SharedSegment::AdoptReadOnly(values_fd, UINT64_MAX);
   REQUIRE(values.ok());
   CHECK(::mprotect((*values)->data(), 4096, PROT_READ | PROT_WRITE) != 0);

@@ -43,12 +43,18 @@ TEST_CASE("a buffer given back is handed out again, not mapped anew", "[frame_po
   CHECK(b.begin() == first);
   CHECK(pool.maps() == 1);
   CHECK(pool.reuses() == 1);
-  // One more than twice as big as the frame is not used for it: a new one is mapped.
+  // One more than a quarter bigger than the frame is not used for it (the budget charges the
+  // frame's bytes): a new one is mapped.
   b = nullptr;
   auto c = pool.Take(200 * kKiB / kWord);
   CHECK(c.begin() != first);
-  CHECK(pool.maps() == 2);
+  auto d = pool.Take(640 * kKiB / kWord);
+  CHECK(d.begin() != first);
+  CHECK(pool.maps() == 3);
   CHECK(pool.kept_bytes() == (1 << 20));
+  d = nullptr;
+  auto e = pool.Take(820 * kKiB / kWord);  // 832 KiB in granules: 1 MiB is within a quarter of it
+  CHECK(e.begin() == first);
 }
 
 TEST_CASE("the pool keeps at most its limit, counting what is handed out", "[frame_pool]") {
