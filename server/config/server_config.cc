@@ -371,6 +371,9 @@ Status ServerConfig::CheckProtectedMode() const {
   // The shards' links: the workers' token does not protect them (every worker knows it), and a
   // server-only TLS would not say which shard dials; only the cluster secret proves a shard.
   if (!clustered() || !cluster_secret.empty()) return Status::Ok();
+  const std::string remedy =
+      "Give every shard the same secret with --cluster-secret-file FILE (not the workers' --auth-token-file; "
+      "`openssl rand -hex 32 > FILE`), or, on a network you trust, pass --insecure to allow it deliberately";
   for (const std::string& entry : cluster) {
     auto hp = psd::ParseHostPort(entry, "--cluster entry");
     if (!hp.ok()) return hp.status();
@@ -378,9 +381,18 @@ Status ServerConfig::CheckProtectedMode() const {
     if (loopback.ok() && *loopback) continue;
     return InvalidArgument("protected mode: the --cluster list has " + entry +
                            ", beyond loopback, and no cluster secret: anyone who reaches a shard's port could act "
-                           "as a shard. Give every shard the same secret with --cluster-secret-file FILE (not the "
-                           "workers' --auth-token-file; `openssl rand -hex 32 > FILE`), or, on a network you trust, "
-                           "pass --insecure to allow it deliberately");
+                           "as a shard. " +
+                           remedy);
+  }
+  // Where this shard listens counts as much as the list: loopback entries do not keep a shard
+  // listening on 0.0.0.0 out of reach.
+  auto here = IsLoopbackAddress(host);
+  if (!here.ok()) return InvalidArgument("--host: " + here.status().message());
+  if (!*here) {
+    return InvalidArgument("protected mode: this shard listens on --host " + host +
+                           ", beyond loopback, and there is no cluster secret: anyone who reaches its port could act "
+                           "as a shard (the workers' token and certificates do not prove one). " +
+                           remedy);
   }
   return Status::Ok();
 }

@@ -55,16 +55,17 @@ void WorkerSession::Dispatch(proto::Request::Reader req) {
   if (which == proto::Request::VALUES_ACK) return;  // its valuesRead was taken (OnFrame); never answered
   if (which == proto::Request::HELLO) return HandleHello(id, req.getHello());
   if (which == proto::Request::PEER_PROOF) return HandlePeerProof(id, req.getPeerProof());
+  if (which == proto::Request::PEER && peer_shard_ < 0) {
+    // Before any hello, or before the proof of a peer hello, as on a worker's or observer's link.
+    LogSpoof("sent a peer message on a link that is not a proven shard's");
+    return FailStream(FailedPrecondition("peer messages travel only on a shard's proven peer link; closing"), id);
+  }
   if (!authenticated_ && !host_.config().auth_token.empty()) {
     return SendError(id, Unauthenticated("say hello with the auth token first"));
   }
   if (!greeted()) return SendError(id, FailedPrecondition("say hello first (as a worker, an observer or a peer)"));
   if (which == proto::Request::PEER) {
-    // Only a shard's (proven) peer link carries peer messages, and only in its own name.
-    if (peer_shard_ < 0) {
-      LogSpoof("sent a peer message on a worker or observer connection");
-      return FailStream(FailedPrecondition("peer messages travel only on a shard's peer link; closing"), id);
-    }
+    // Only a shard's proven peer link carries peer messages (checked above), in its own name.
     auto msg = req.getPeer();
     if (msg.getFrom() != static_cast<uint32_t>(peer_shard_)) {
       LogSpoof("(the link of shard " + std::to_string(peer_shard_) + ") sent a peer message as shard " +

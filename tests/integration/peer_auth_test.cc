@@ -194,11 +194,20 @@ TEST_CASE("peer links: every impersonation of a shard is refused and the cluster
     Raw r2(at);
     r2.PeerHello(static_cast<uint32_t>(chief), 3, *pa::NewNonce());
     REQUIRE(r2.ReadReply() == Code::kOk);
-    r2.Restore(static_cast<uint32_t>(chief), higher);  // no proof yet
+    r2.Restore(static_cast<uint32_t>(chief), higher);  // no proof yet: refused and closed
     CHECK(r2.ReadReply() == Code::kFailedPrecondition);
-    r2.Proof(std::string(pa::kProofBytes, 'x'));  // nor a made-up one
-    CHECK(r2.ReadReply() == Code::kUnauthenticated);
+    CHECK_THAT(r2.message, Catch::Contains("proven peer link"));
     CHECK(r2.Closed());
+    Raw r3(at);
+    r3.PeerHello(static_cast<uint32_t>(chief), 3, *pa::NewNonce());
+    REQUIRE(r3.ReadReply() == Code::kOk);
+    r3.Proof(std::string(pa::kProofBytes, 'x'));  // nor a made-up proof
+    CHECK(r3.ReadReply() == Code::kUnauthenticated);
+    CHECK(r3.Closed());
+    Raw r4(at);  // nor a peer message before any hello
+    r4.Restore(static_cast<uint32_t>(chief), higher);
+    CHECK(r4.ReadReply() == Code::kFailedPrecondition);
+    CHECK(r4.Closed());
   }
   SECTION("a peer hello with a wrong secret is refused, and what follows it is never read") {
     Raw r(at);

@@ -91,6 +91,20 @@ TEST_CASE("protected mode: a cluster beyond loopback needs a cluster secret or -
   one.cluster = {"10.0.0.1:7070"};
   one.host = "127.0.0.1";
   CHECK(ValidateMessage(one) == "");
+  // A loopback list does not protect a shard that listens beyond loopback: workers' token or
+  // mutual TLS there, but the shards' links need the secret all the same.
+  ServerConfig wide = local;
+  wide.shard_index = 0;
+  wide.host = "0.0.0.0";
+  wide.auth_token = "workers-token";
+  CHECK_THAT(ValidateMessage(wide), Catch::StartsWith("protected mode: this shard listens on --host 0.0.0.0, beyond "
+                                                      "loopback, and there is no cluster secret") &&
+                                        Catch::Contains("--cluster-secret-file FILE"));
+  wide.cluster_secret = kSecret;
+  CHECK(ValidateMessage(wide) == "");
+  wide.cluster_secret.clear();
+  wide.insecure = true;
+  CHECK(ValidateMessage(wide) == "");
 }
 
 TEST_CASE("security logs fed by the network are rate-limited", "[peer_auth]") {
