@@ -2,7 +2,9 @@
 
 #include <capnp/orphan.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
 #include <type_traits>
@@ -16,10 +18,17 @@ namespace psd::server {
 
 namespace {
 
-// A checkpoint part's file lives in the receiver's --checkpoint-dir: a name, never a path.
+// A checkpoint part's file lives in the receiver's --checkpoint-dir: a name, never a path, and
+// it goes into the step's MANIFEST line by line ("shard-N-of-M.psdckpt" from psd itself), so
+// letters, digits, '.', '-' and '_' only, not starting with '.'.
 Status CheckPartFile(const std::string& file) {
-  if (file.empty() || file.find('/') != std::string::npos) {
-    return InvalidArgument("a checkpoint part's file must be a plain file name");
+  const bool plain =
+      !file.empty() && file.size() <= 255 && file[0] != '.' && std::all_of(file.begin(), file.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '-' ||
+               c == '_';
+      });
+  if (!plain) {
+    return InvalidArgument("a checkpoint part's file must be a plain file name (letters, digits, '.', '-', '_')");
   }
   return Status::Ok();
 }
@@ -153,6 +162,9 @@ Result<VarPlacement> PlacementFromWire(proto::VariablePlacement::Reader r, int s
     if (d < 0) return InvalidArgument("placement shape has a negative dimension");
     p.shape.push_back(d);
   }
+  // Its bytes are counted (PlacementMap): no element count that overflows, whatever a peer says.
+  Status sized = ValidateShape(p.shape, p.dtype, std::numeric_limits<int64_t>::max());
+  if (!sized.ok()) return InvalidArgument("placement of '" + p.name + "': " + sized.message());
   p.sliced = r.getSliced();
   p.trainable = r.getTrainable();
   if (r.getParts().size() == 0 || static_cast<int>(r.getParts().size()) > shards) {

@@ -81,6 +81,15 @@ TEST_CASE("peer codec: a heartbeat's unusable parts and kept copies are checked"
   hb = FullHeartbeat();
   hb.unsealed_parts[50].file = "../elsewhere";
   CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("plain file name"));
+  // Nor anything that would add a line to a MANIFEST, or name the directory or its parent.
+  for (const char* bad : {"p\npart 0 q 1 00", "p q", "..", ".hidden", "p\t"}) {
+    hb = FullHeartbeat();
+    hb.unsealed_parts[50].file = bad;
+    CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("plain file name"));
+  }
+  hb = FullHeartbeat();
+  hb.unsealed_parts[50].file = "shard-2-of-3.psdckpt";
+  CHECK(RoundTrip(peer::Message{1, 9, hb}, 3).ok());
   hb = FullHeartbeat();
   for (int64_t s = 0; s < 65; ++s) hb.unsealed_parts[s] = {1, "p", 1, 1};
   CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("too many unsealed parts"));
@@ -182,4 +191,23 @@ TEST_CASE("peer codec: a restore order round-trips with the chief's map, which i
   CHECK_THAT(RoundTrip(peer::Message{0, 9, r}, 3).status().message(), Catch::Contains("out of range"));
   r.moved = {{1, ""}};
   CHECK_THAT(RoundTrip(peer::Message{0, 9, r}, 3).status().message(), Catch::Contains("no address"));
+}
+
+TEST_CASE("peer codec: a placement whose element count would overflow is refused", "[cluster][codec]") {
+  capnp::MallocMessageBuilder m;
+  auto b = m.initRoot<proto::VariablePlacement>();
+  b.setName("v");
+  b.setDtype(proto::DType::FLOAT32);
+  auto shape = b.initShape(2);
+  shape.set(0, int64_t{1} << 40);
+  shape.set(1, int64_t{1} << 40);  // 2^80 elements: NumElements would overflow
+  auto parts = b.initParts(1);
+  parts[0].setShard(0);
+  parts[0].setRowBegin(0);
+  parts[0].setRowEnd(int64_t{1} << 40);
+  auto placed = PlacementFromWire(b.asReader(), 2);
+  REQUIRE_FALSE(placed.ok());
+  CHECK_THAT(placed.status().message(), Catch::Contains("placement of 'v'") && Catch::Contains("too large"));
+  shape.set(1, 4);  // a big but countable one is fine
+  CHECK(PlacementFromWire(b.asReader(), 2).ok());
 }
