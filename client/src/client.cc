@@ -572,6 +572,7 @@ Result<std::vector<std::string>> Client::WorkerDevices() {
 }
 
 std::vector<std::string> Client::ParameterDevices() const {
+  std::lock_guard<std::mutex> lock(impl_->mu_);  // a call's RefreshChief may retarget a shard meanwhile
   std::vector<std::string> out;
   for (const auto& c : impl_->conns_) out.push_back(c->Where());
   return out;

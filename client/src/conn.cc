@@ -203,6 +203,12 @@ Status Conn::Send(OutFrame& frame, int64_t wait_ms) {
 Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::wire::Landing* landing) {
   uint64_t id = frame.builder.getRoot<proto::Request>().getId();
   answered_ = false;
+  // Dropped since this request went out (a later frame of the batch failed, or an earlier reply):
+  // its reply can never come, so the call fails now rather than at its deadline.
+  if (!IsOpen()) {
+    return psd::Unavailable("the connection to psd at " + Where() +
+                            " was reset before this reply came; the next call reconnects");
+  }
   const char* limit = "the client's ClientOptions::max_frame_bytes";
   if (stall_check) {
     Status w = WaitReadable();

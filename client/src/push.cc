@@ -447,8 +447,15 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
         out.token = t.getToken();
         out.is_chief = t.getIsChief();
         out.step_gradients = t.getStepGradients();
-      } else if (call.status.code() != Code::kUnavailable || call.sent) {
+      } else if (call.sent) {
         out.token_status = call.status;
+      } else {
+        // Never sent (the chief is unreachable): the gradients went in, the token did not come.
+        // Not OK with token 0, which would set the caller's local step back to 0.
+        out.token_status = Status(call.status.code(), call.status.message() +
+                                                          "; the gradients were pushed but the token wait was not "
+                                                          "sent: wait for the token (Client::WaitToken) before the "
+                                                          "next push");
       }
       return Status::Ok();
     }
