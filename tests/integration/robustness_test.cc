@@ -611,8 +611,9 @@ TEST_CASE("a peer that never reads its answers is held up by TCP, not by psd's m
   f.builder.initRoot<proto::Request>().setId(3);
   f.builder.getRoot<proto::Request>().setStatus();
   const std::string one = FrameBytes(f);
-  // About 100 bytes of reply each: far more than the kernel holds for a peer that does not read.
-  const int n = 120000;
+  // About 100 bytes of reply each, 40 MB in all: far more than the kernel holds for a peer that
+  // does not read (psd's send buffer grows to tcp_wmem's 4 MiB by default).
+  const int n = 400000;
   std::string all;
   all.reserve(one.size() * n);
   for (int i = 0; i < n; ++i) all += one;
