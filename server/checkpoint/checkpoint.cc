@@ -282,6 +282,41 @@ std::vector<std::string> ListCheckpoints(const std::string& dir) {
   return names;
 }
 
+// Retention: the newest `keep` step directories with a MANIFEST (complete, or sealed by a
+// cluster's chief) stay, and whatever is older than the oldest of them goes. Directories without
+// one (a cluster's parts not sealed yet, a write cut off) never push a complete checkpoint out:
+// newer ones stay, at most `keep` of them (the oldest unsealed go first). Fewer than `keep`
+// complete ones: nothing older is removed.
+void PruneCheckpoints(const std::string& dir, int keep) {
+  std::vector<std::string> names = ListCheckpoints(dir);
+  std::vector<bool> complete(names.size());
+  size_t complete_count = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    std::error_code ec;
+    complete[i] = std::filesystem::exists(dir + "/" + names[i] + "/MANIFEST", ec);
+    complete_count += complete[i] ? 1 : 0;
+  }
+  auto remove = [&](size_t i) {
+    std::error_code ec;
+    std::filesystem::remove_all(dir + "/" + names[i], ec);
+  };
+  size_t first_kept = 0;  // the oldest of the newest `keep` complete ones
+  if (complete_count >= static_cast<size_t>(keep)) {
+    size_t seen = 0;
+    for (size_t i = names.size(); i-- > 0;) {
+      if (complete[i] && ++seen == static_cast<size_t>(keep)) {
+        first_kept = i;
+        break;
+      }
+    }
+    for (size_t i = 0; i < first_kept; ++i) remove(i);
+  }
+  size_t unsealed = 0;
+  for (size_t i = names.size(); i-- > first_kept;) {
+    if (!complete[i] && ++unsealed > static_cast<size_t>(keep)) remove(i);
+  }
+}
+
 std::string StepDirName(int64_t step) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "ckpt-%020" PRId64, step);
@@ -777,14 +812,7 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
     PSD_RETURN_IF_ERROR(FsyncPath(path));
     PSD_RETURN_IF_ERROR(FsyncPath(dir));
   }
-  if (keep > 0) {
-    // Retention: drop the oldest beyond `keep`.
-    std::vector<std::string> names = ListCheckpoints(dir);
-    for (size_t i = 0; i + static_cast<size_t>(keep) < names.size(); ++i) {
-      std::error_code ec;
-      std::filesystem::remove_all(dir + "/" + names[i], ec);
-    }
-  }
+  if (keep > 0) PruneCheckpoints(dir, keep);
   return CheckpointInfo{snap.step, path, part, part_bytes, part_sum};
 }
 

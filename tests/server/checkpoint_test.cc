@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstring>
@@ -181,6 +182,60 @@ TEST_CASE("retention keeps the newest checkpoints, an empty directory has none",
   CHECK(count == 2);
   ShardSnapshot back;
   CHECK(LoadLatestCheckpoint(dir.path, 0, &back)->step == 5);
+}
+
+namespace {
+
+// The steps of `dir`'s step directories, and of those with a MANIFEST.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> StepDirs(const std::string& dir) {
+  std::vector<int64_t> all, complete;
+  for (auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind("ckpt-", 0) != 0) continue;
+    all.push_back(std::stoll(n.substr(5)));
+    if (fs::exists(e.path() / "MANIFEST")) complete.push_back(all.back());
+  }
+  std::sort(all.begin(), all.end());
+  std::sort(complete.begin(), complete.end());
+  return {all, complete};
+}
+
+void MakeStepDir(const std::string& dir, int64_t step) {  // a write cut off: a part's .tmp, no manifest
+  char name[64];
+  std::snprintf(name, sizeof(name), "ckpt-%020lld", static_cast<long long>(step));
+  fs::create_directories(dir + "/" + name);
+  std::ofstream(dir + "/" + name + "/shard-0-of-1.psdckpt.tmp") << "cut off";
+}
+
+}  // namespace
+
+TEST_CASE("retention counts complete checkpoints only: a cut-off or unsealed one never pushes them out",
+          "[checkpoint]") {
+  TempDir dir;
+  SECTION("a single daemon with a cut-off write at a later step") {
+    for (int step = 1; step <= 2; ++step) REQUIRE(WriteCheckpoint(dir.path, Snapshot(step, step), 0, 1, 2).ok());
+    MakeStepDir(dir.path, 9);  // then restarted from step 2
+    REQUIRE(WriteCheckpoint(dir.path, Snapshot(3, 3), 0, 1, 2).ok());
+    CHECK(StepDirs(dir.path).second == std::vector<int64_t>{2, 3});
+    CHECK(StepDirs(dir.path).first == std::vector<int64_t>{2, 3, 9});
+    ShardSnapshot back;
+    CHECK(LoadLatestCheckpoint(dir.path, 0, &back)->step == 3);
+    // Once two newer complete ones exist, the cut-off one is older than both and goes.
+    for (int step = 10; step <= 11; ++step) REQUIRE(WriteCheckpoint(dir.path, Snapshot(step, step), 0, 1, 2).ok());
+    CHECK(StepDirs(dir.path).first == std::vector<int64_t>{10, 11});
+  }
+  SECTION("a cluster shard whose parts are not sealed") {
+    // Steps 1 and 2 sealed; then only this shard writes (the chief seals nothing more).
+    for (int64_t step = 1; step <= 2; ++step) {
+      auto info = WriteCheckpoint(dir.path, Snapshot(step, 1), 0, 3, 2);
+      REQUIRE(info.ok());
+      REQUIRE(WriteManifest(dir.path, step, 3, {{0, info->part_file, info->part_bytes, info->part_checksum}}).ok());
+    }
+    for (int64_t step = 3; step <= 6; ++step) REQUIRE(WriteCheckpoint(dir.path, Snapshot(step, 1), 0, 3, 2).ok());
+    // The sealed ones stay; of the unsealed, the newest two.
+    CHECK(StepDirs(dir.path).second == std::vector<int64_t>{1, 2});
+    CHECK(StepDirs(dir.path).first == std::vector<int64_t>{1, 2, 5, 6});
+  }
 }
 
 // --- cluster checkpoints: parts written by each shard, sealed by the chief's manifest ----------
