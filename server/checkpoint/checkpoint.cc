@@ -955,6 +955,11 @@ Result<CheckpointInfo> LoadLatestCheckpoint(const std::string& dir, int shard, S
     // verified while it is loaded.
     auto m = ReadManifest(path);
     Status s = m.status();
+    if (s.ok() && m->shards != 1) {
+      // A cluster's checkpoint (the directory was shared): one shard's part would be half a model.
+      s = FailedPrecondition("written by a cluster of " + std::to_string(m->shards) +
+                             " shards; a single psd restores only a single psd's checkpoints");
+    }
     for (size_t i = 0; s.ok() && i < m->parts.size(); ++i) {
       if (m->parts[i].shard != shard) s = ReadPart(path, *m, m->parts[i], nullptr);
     }

@@ -60,7 +60,8 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
                                        int keep);
 
 // The newest checkpoint in `dir` that verifies, restored into *out (for shard `shard`). NotFound
-// if there is none; corrupt ones are skipped with a warning naming what failed.
+// if there is none; corrupt ones, and a cluster's (more than one shard: a single daemon restores
+// its own), are skipped with a warning naming what failed.
 Result<CheckpointInfo> LoadLatestCheckpoint(const std::string& dir, int shard, ShardSnapshot* out);
 
 // Seals checkpoint `step` of a cluster: writes its MANIFEST (atomically; several shards sharing

@@ -280,6 +280,16 @@ TEST_CASE("a cluster checkpoint is restorable only once sealed, per shard", "[ch
   CHECK(LoadCheckpointAt(dir.path, 20, 1, &back).code() == Code::kNotFound);
 }
 
+TEST_CASE("a single daemon never restores a cluster's checkpoint (half a model)", "[checkpoint][cluster]") {
+  TempDir dir;
+  REQUIRE(WriteCheckpoint(dir.path, Snapshot(1, 1), 0, 1, 0).ok());  // its own, older
+  WriteClusterCheckpoint(dir.path, 2);                               // a cluster's, sharing the directory
+  ShardSnapshot back;
+  auto loaded = LoadLatestCheckpoint(dir.path, 0, &back);
+  REQUIRE(loaded.ok());
+  CHECK(loaded->step == 1);
+}
+
 TEST_CASE("a corrupt part makes that step unrestorable for its shard only", "[checkpoint][cluster]") {
   TempDir dir;
   WriteClusterCheckpoint(dir.path, 10);
