@@ -90,11 +90,17 @@ std::optional<ShardSnapshot> TrainingEngine::TakeCommitted() {
 }
 
 void TrainingEngine::RequestSnapshot() {
-  auto snap = SnapshotIfAtBoundary();
-  if (!snap) {
+  std::optional<ShardSnapshot> snap;
+  if (config_.mode == Mode::kSync) {
+    // Not while a commit's averages are being updated either: then it is taken when they are.
     MutexLock lock(&mu_);
-    snapshot_requested_ = true;  // taken inside the next commit
-    return;
+    if (step_takes_begun_ > 0 || averages_pending_) {
+      snapshot_requested_ = true;  // taken inside the next commit, or once the averages are in
+      return;
+    }
+    snap = SnapshotLocked();
+  } else {
+    snap = SnapshotIfAtBoundary();
   }
   if (on_snapshot_) on_snapshot_(std::move(*snap));
 }

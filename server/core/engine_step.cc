@@ -339,9 +339,23 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
   step_min_count_ = step_max_count_ = 0;
   step_started_ = false;
   step_lr_ = next_lr_.load();
+  averages_pending_ = config_.ema_decay > 0;
   lock.UnlockFor(&mu_);
   if (commit_->commits_locally()) tokens_.Push(step, config_.tokens_per_step);  // cluster: the chief's coordinator does
-  if (config_.ema_decay > 0) UpdateAverages(step);
+  if (config_.ema_decay > 0) {
+    UpdateAverages(step);
+    std::optional<ShardSnapshot> asked;
+    {
+      MutexLock relock(&mu_);
+      averages_pending_ = false;
+      // A snapshot asked for while the averages were updated waited for them (SnapshotIfAtBoundary).
+      if (snapshot_requested_ && step_takes_begun_ == 0 && global_step_.load() == step) {
+        asked = SnapshotLocked();
+        snapshot_requested_ = false;
+      }
+    }
+    if (asked && on_snapshot_) on_snapshot_(std::move(*asked));
+  }
   if (snapshot) {
     // Averages are updated after the tokens (TF's order); the snapshot takes the new ones.
     MutexLock relock(&mu_);

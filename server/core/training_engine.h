@@ -437,6 +437,9 @@ class TrainingEngine {
   int step_takes_begun_ GUARDED_BY(mu_) = 0;   // variables whose take for the open step has begun
   int step_takes_ GUARDED_BY(mu_) = 0;         // variables taken for the open step
   bool snapshot_requested_ GUARDED_BY(mu_) = false;
+  // A sync commit's moving averages are being updated (outside mu_): RequestSnapshot waits until
+  // they are, or it would hold step N's values with step N-1's averages.
+  bool averages_pending_ GUARDED_BY(mu_) = false;
   bool prepared_ GUARDED_BY(mu_) = false;     // cluster: reported the open step to the gate
   bool step_forced_ GUARDED_BY(mu_) = false;  // the open step was forced by a deadline
 };
