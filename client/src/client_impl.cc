@@ -247,6 +247,13 @@ bool Client::Impl::AppliesOnArrival() const {
 }
 
 Status Client::Impl::Run(Calls& calls, const std::function<void(size_t)>& each) {
+  // A frame psd would refuse for its size fails the batch before any frame goes out: the frames
+  // before it (a push's first chunks) would otherwise be added without the rest. (A shard not
+  // connected yet says its limit at hello: Send checks again.)
+  for (auto& c : calls) {
+    Status fits = conn(c->shard).CheckFrameSize(c->frame);
+    if (!fits.ok()) return FromShard(fits, conn(c->shard), cluster());
+  }
   // A shard whose earlier frame of this batch failed gets no more (its stream is reset).
   std::vector<bool> failed(conns_.size(), false);
   for (auto& c : calls) {

@@ -424,3 +424,24 @@ TEST_CASE("push frames: every frame within the limit, every byte once, chunks of
     CHECK(pieces[3] == (limit < 10000 + kFrameEntryOverhead ? 2 : 1));
   }
 }
+
+TEST_CASE("a push with a frame psd would refuse for its size sends none of its frames", "[integration][chunks]") {
+  // The dense gradient goes in chunks that fit; the sparse one has a row bigger than a frame,
+  // which cannot be cut. Found before anything is sent, the dense chunks are not added alone.
+  auto cfg = TestConfig(1, 1);
+  cfg.max_frame_bytes = 64 << 10;
+  auto server = StartServer(cfg);
+  auto c = Connect(server->port(), "w0", 4 << 20);
+  const int64_t n = static_cast<int64_t>(kW);
+  REQUIRE(c->CreateVariable("w", ConstTensorView{nullptr, DType::kFloat32, {n}}).ok());
+  constexpr int64_t kRow = 32 << 10;  // 128 KiB of float32 per row
+  REQUIRE(c->CreateVariable("emb", ConstTensorView{nullptr, DType::kFloat32, {4, kRow}}).ok());
+  auto g = Gradient(kW, 0, 0);
+  std::vector<float> row(kRow, 1.0f);
+  psclient::SparseGradient s{"emb", {2}, {row.data(), DType::kFloat32, {1, kRow}}, std::nullopt};
+  auto out = c->Push(0, {{"w", {g.data(), DType::kFloat32, {n}}}}, {s});
+  REQUIRE(out.status().code() == Code::kResourceExhausted);
+  CHECK(out.status().message().find("--max-frame-bytes 64 KiB") != std::string::npos);
+  CHECK(server->engine()->Stats().accepted == 0);  // not even the dense gradient
+  CHECK(*c->GlobalStep() == 0);
+}
