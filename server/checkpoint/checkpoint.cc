@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <sstream>
 #include <system_error>
 #include <thread>
@@ -532,11 +533,17 @@ Status ReadV4Part(int fd, uint64_t bytes, uint64_t checksum, ShardSnapshot* out)
   const uint64_t body = bytes - 8;
   if (records_bytes > body - sizeof(header)) return BadPart("records larger than the file");
   std::vector<Segment> segs;
-  std::vector<uint8_t> records(static_cast<size_t>(sizeof(header) + records_bytes));
+  std::vector<uint8_t> records;  // only to parse them: verifying reads the file through TransferBody
   ShardSnapshot snap;
   if (out != nullptr) {
     // The records first (small; read again below, hashed with their block), then the payload
-    // goes straight into the tensors they describe.
+    // goes straight into the tensors they describe. Their size is not checked yet (the checksum
+    // comes with the whole part): a damaged one fails here, not the process.
+    try {
+      records.resize(static_cast<size_t>(sizeof(header) + records_bytes));
+    } catch (const std::bad_alloc&) {
+      return BadPart("records of " + std::to_string(records_bytes) + " bytes (damaged?) do not fit in memory");
+    }
     PSD_RETURN_IF_ERROR(PreadAll(fd, records.data(), records.size(), 0));
     Reader r(records.data() + sizeof(header), records_bytes, /*inline_blobs=*/false,
              body - sizeof(header) - records_bytes);
