@@ -797,6 +797,14 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
   const uint64_t body = off;
   Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) return Unavailable(Errno("create " + tmp));
+  // A write that fails leaves no temporary behind (its space preallocated below).
+  struct RemoveUnlessRenamed {
+    const std::string& file;
+    bool renamed = false;
+    ~RemoveUnlessRenamed() {
+      if (!renamed) ::unlink(file.c_str());
+    }
+  } cleanup{tmp};
   // Reserve the space up front: parallel writers then fill one contiguous extent, and a full disk
   // fails here rather than midway.
   if (int rc = posix_fallocate(fd.get(), 0, static_cast<off_t>(body + 8)); rc != 0 && rc != EOPNOTSUPP) {
@@ -811,6 +819,7 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
   if (!ok) return Unavailable(Errno("write " + tmp));
   if (close(fd.Release()) != 0) return Unavailable(Errno("close " + tmp));
   if (std::rename(tmp.c_str(), (path + "/" + part).c_str()) != 0) return Unavailable(Errno("rename " + tmp));
+  cleanup.renamed = true;
   const uint64_t part_bytes = body + sizeof(trailer);
   const uint64_t part_sum = trailer;  // v4: what the manifest records is the trailer's checksum
   if (shards == 1) {

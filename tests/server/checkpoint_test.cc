@@ -209,6 +209,22 @@ void MakeStepDir(const std::string& dir, int64_t step) {  // a write cut off: a 
 
 }  // namespace
 
+TEST_CASE("a checkpoint write that fails leaves no temporary file", "[checkpoint]") {
+  TempDir dir;
+  REQUIRE(WriteCheckpoint(dir.path, Snapshot(1, 1), 0, 1, 0).ok());
+  // Step 2's part cannot be renamed into place: a directory holds its name.
+  char name[64];
+  std::snprintf(name, sizeof(name), "ckpt-%020d", 2);
+  const std::string step_dir = dir.path + "/" + name;
+  fs::create_directories(step_dir + "/shard-0-of-1.psdckpt/x");
+  auto failed = WriteCheckpoint(dir.path, Snapshot(2, 2), 0, 1, 0);
+  REQUIRE_FALSE(failed.ok());
+  CHECK_THAT(failed.status().message(), Catch::Contains("rename"));
+  CHECK_FALSE(fs::exists(step_dir + "/shard-0-of-1.psdckpt.tmp"));
+  ShardSnapshot back;
+  CHECK(LoadLatestCheckpoint(dir.path, 0, &back)->step == 1);
+}
+
 TEST_CASE("retention counts complete checkpoints only: a cut-off or unsealed one never pushes them out",
           "[checkpoint]") {
   TempDir dir;
