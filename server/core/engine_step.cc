@@ -342,31 +342,25 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
   averages_pending_ = config_.ema_decay > 0;
   lock.UnlockFor(&mu_);
   if (commit_->commits_locally()) tokens_.Push(step, config_.tokens_per_step);  // cluster: the chief's coordinator does
-  if (config_.ema_decay > 0) {
-    UpdateAverages(step);
-    std::optional<ShardSnapshot> asked;
-    {
-      MutexLock relock(&mu_);
-      averages_pending_ = false;
-      // A snapshot asked for while the averages were updated waited for them (SnapshotIfAtBoundary).
-      if (snapshot_requested_ && step_takes_begun_ == 0 && global_step_.load() == step) {
-        asked = SnapshotLocked();
-        snapshot_requested_ = false;
-      }
-    }
-    if (asked && on_snapshot_) on_snapshot_(std::move(*asked));
-  }
-  if (snapshot) {
-    // Averages are updated after the tokens (TF's order); the snapshot takes the new ones.
+  if (config_.ema_decay > 0) UpdateAverages(step);
+  std::optional<ShardSnapshot> asked;  // requested while the averages were updated (RequestSnapshot waited)
+  if (snapshot || config_.ema_decay > 0) {
     MutexLock relock(&mu_);
-    for (auto& vs : snapshot->variables) {
-      Variable* v = FindLocked(vs.name);
-      if (v && v->shadow) vs.shadow = v->shadow;
+    averages_pending_ = false;
+    if (snapshot) {
+      // Averages are updated after the tokens (TF's order); the snapshot takes the new ones.
+      for (auto& vs : snapshot->variables) {
+        Variable* v = FindLocked(vs.name);
+        if (v && v->shadow) vs.shadow = v->shadow;
+      }
+      if (keep_committed_) committed_ = *snapshot;  // shares the buffers
+    } else if (snapshot_requested_ && step_takes_begun_ == 0 && global_step_.load() == step) {
+      asked = SnapshotLocked();
+      snapshot_requested_ = false;
     }
-    if (keep_committed_) committed_ = *snapshot;  // shares the buffers
-    relock.Unlock();
-    if (checkpoint && on_snapshot_) on_snapshot_(std::move(*snapshot));
   }
+  if (snapshot && checkpoint) asked = std::move(snapshot);
+  if (asked && on_snapshot_) on_snapshot_(std::move(*asked));
   if (on_commit_) on_commit_(info);
   // Gradients for the new step may already be waiting (pushed with a future local step, or the
   // requirement shrank); take them now rather than on the next push.

@@ -115,8 +115,7 @@ void Connection::ReadExact(void* dst, size_t n, F then) {
 
 void Connection::ReadHeader() {
   if (closed_ || closing_) return;
-  const bool untrusted = role_ == Role::kNone || role_ == Role::kObserver;
-  if (untrusted && write_queue_.size() > kMaxQueuedRepliesUntrusted) {
+  if (untrusted() && write_queue_.size() > kMaxQueuedRepliesUntrusted) {
     read_paused_ = true;  // WriteNext reads on once the replies go out
     if (env_.on_reads_paused) env_.on_reads_paused();
     return;
@@ -126,7 +125,7 @@ void Connection::ReadHeader() {
     size_t rest = 0;
     Status s = wire::ParseFirstWord(first_, &count, &rest);
     if (!s.ok()) return FailStream(s);
-    if ((role_ == Role::kNone || role_ == Role::kObserver) && count > kMaxSegmentsUntrusted) {
+    if (untrusted() && count > kMaxSegmentsUntrusted) {
       // Refused before its segment table is read: small frames have a segment or two.
       return FailStream(ResourceExhausted("a message of " + std::to_string(count) + " segments " +
                                           (role_ == Role::kNone ? "before the hello" : "from an observer") +
@@ -167,7 +166,7 @@ void Connection::ReadBody(uint32_t segment_count) {
   // Workers' and shards' frames are charged to the budget. The others (before a hello, or from an
   // observer) are at most kPreHelloFrameBytes each, bounded by --max-connections, and never wait:
   // nobody who has not said hello can hold up a real worker.
-  bool charge = role_ == Role::kWorker || role_ == Role::kShard;
+  const bool charge = !untrusted();
   if (!charge || charged_ >= bytes) return ReadGrantedBody();  // a kept buffer is charged already
   ReleaseBuffer();                                             // a bigger one replaces it: never hold both
   awaiting_share_ = true;

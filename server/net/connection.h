@@ -112,6 +112,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     hello_deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(env_.hello_timeout_ms);
   }
   Role role() const { return role_; }
+  // No hello yet, or an observer's: small frames, not charged to the budget, few replies queued.
+  bool untrusted() const { return role_ == Role::kNone || role_ == Role::kObserver; }
   bool closed() const { return closed_; }
   // The TLS stream (null for plain TCP), for handshake details the handler logs.
   ByteStream& stream() { return stream_; }
