@@ -154,6 +154,7 @@ Buffer::Buffer(Buffer&& other) noexcept
       changed_bytes_(other.changed_bytes_),
       changes_(std::move(other.changes_)) {
   other.Unlisted();
+  other.Written();
 }
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
@@ -164,6 +165,8 @@ Buffer& Buffer::operator=(Buffer&& other) noexcept {
   changed_bytes_ = other.changed_bytes_;
   changes_ = std::move(other.changes_);
   other.Unlisted();
+  Written();
+  other.Written();
   return *this;
 }
 
@@ -195,6 +198,7 @@ bool Buffer::CatchUp(const Buffer& from, const std::vector<const Buffer*>& chain
     std::memcpy(to, src, (std::min(bytes_, from.bytes_) + 7) / 8 * 8);  // the padding too (zero there)
   }
   id_ = NextId();
+  Written();
   MarkCopiedFrom(from);
   return listed;
 }

@@ -38,6 +38,7 @@ class Buffer {
   // pointer does not say where.
   void* data() {
     Unlisted();
+    Written();
     return words_.get();
   }
   const void* data() const { return words_.get(); }
@@ -66,7 +67,16 @@ class Buffer {
   // live.MarkCopiedFrom(*this).
   void TakeChangesOf(const Buffer& live);
   // Writable bytes for a writer that says with MarkChanged what it writes (before writing it).
-  void* listed_data() { return words_.get(); }
+  void* listed_data() {
+    Written();
+    return words_.get();
+  }
+  // Bumped whenever the bytes may have been written (data(), listed_data(), CatchUp, a move): the
+  // engine reuses a retired value's buffer as the next sum and updates rows or a chunk in place, so
+  // something derived from a buffer's bytes (a conversion to another dtype) is valid while the
+  // buffer is the same one AND its generation is the one it was derived at. A buffer is written only
+  // while nobody else holds it, so a reader that holds it reads a generation that stays.
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
   // Bytes [offset, offset + length) are about to be written. Once the list would grow past what
   // pays (more runs than one per 2 KiB, or half the bytes), it ends.
   void MarkChanged(uint64_t offset, uint64_t length);
@@ -96,10 +106,12 @@ class Buffer {
   void Unlisted() {
     if (copied_from_.load(std::memory_order_relaxed) != 0) copied_from_.store(0, std::memory_order_relaxed);
   }
+  void Written() { generation_.fetch_add(1, std::memory_order_acq_rel); }
   std::unique_ptr<uint64_t[], Release> words_;
   size_t bytes_;
   uint64_t id_;
   std::atomic<uint64_t> copied_from_{0};
+  std::atomic<uint64_t> generation_{0};
   uint64_t changed_bytes_ = 0;
   std::vector<std::pair<uint64_t, uint64_t>> changes_;
 };

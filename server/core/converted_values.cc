@@ -14,14 +14,17 @@ std::shared_ptr<const Buffer> ConvertedValues::Get(std::string_view variable,
     entry = slot;
   }
   MutexLock lock(&entry->mu);
-  // The same value (not merely a buffer at the same address: its owner is compared).
+  // The same value: the same buffer (its owner is compared, not merely an address), not written
+  // since. The caller holds `source`, so nothing writes it while this reads.
+  const uint64_t generation = source->generation();
   bool same = entry->converted && !entry->source.owner_before(source) && !source.owner_before(entry->source) &&
-              !entry->source.expired();
+              !entry->source.expired() && entry->generation == generation;
   if (!same) {
     size_t n = source->bytes() / DTypeSize(from);
     auto out = std::make_shared<Buffer>(n * DTypeSize(to), Buffer::Uninitialized{});
     ConvertElements(source->data(), from, out->data(), to, n);
     entry->source = source;
+    entry->generation = generation;
     entry->converted = std::move(out);
   }
   return entry->converted;

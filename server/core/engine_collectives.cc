@@ -184,6 +184,11 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
     PSD_RETURN_IF_ERROR(DenseAccumulator::Check(v->dtype, v->shape, a.dtype, a.shape, a.bytes));
   }
   const int n = std::max(1, config_.total_replicas);
+  if (!a.cross_replica && a.replica >= static_cast<uint32_t>(n)) {
+    return InvalidArgument("update '" + v->name + "': replica " + std::to_string(a.replica) +
+                           " is not one of the job's " + std::to_string(n) +
+                           " replicas (--total-replicas): a replica's own update comes from a worker of the job");
+  }
   if (a.cross_replica && a.at_next_step && config_.mode == Mode::kSync && !v->sync_on_read) {
     int64_t lands = 0;
     {

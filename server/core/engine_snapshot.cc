@@ -94,7 +94,7 @@ void TrainingEngine::RequestSnapshot() {
   if (config_.mode == Mode::kSync) {
     // Not while a commit's averages are being updated either: then it is taken when they are.
     MutexLock lock(&mu_);
-    if (step_takes_begun_ > 0 || averages_pending_) {
+    if (step_takes_begun_ > 0 || averages_pending_ > 0) {
       snapshot_requested_ = true;  // taken inside the next commit, or once the averages are in
       return;
     }

@@ -339,22 +339,29 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
   step_min_count_ = step_max_count_ = 0;
   step_started_ = false;
   step_lr_ = next_lr_.load();
-  averages_pending_ = config_.ema_decay > 0;
+  std::optional<AveragesTurn> turn;
+  if (config_.ema_decay > 0) {
+    turn = TakeAveragesTurnLocked(step);
+    ++averages_pending_;
+  }
   lock.UnlockFor(&mu_);
   if (commit_->commits_locally()) tokens_.Push(step, config_.tokens_per_step);  // cluster: the chief's coordinator does
-  if (config_.ema_decay > 0) UpdateAverages(step);
+  std::vector<std::pair<Variable*, std::shared_ptr<Buffer>>> shadows;
+  if (turn) shadows = UpdateAverages(std::move(*turn));
   std::optional<ShardSnapshot> asked;  // requested while the averages were updated (RequestSnapshot waited)
-  if (snapshot || config_.ema_decay > 0) {
+  if (snapshot || turn) {
     MutexLock relock(&mu_);
-    averages_pending_ = false;
+    if (turn) --averages_pending_;
     if (snapshot) {
-      // Averages are updated after the tokens (TF's order); the snapshot takes the new ones.
+      // Averages are updated after the tokens (TF's order); the snapshot takes this step's.
       for (auto& vs : snapshot->variables) {
         Variable* v = FindLocked(vs.name);
-        if (v && v->shadow) vs.shadow = v->shadow;
+        for (auto& [var, shadow] : shadows) {
+          if (var == v) vs.shadow = shadow;
+        }
       }
       if (keep_committed_) committed_ = *snapshot;  // shares the buffers
-    } else if (snapshot_requested_ && step_takes_begun_ == 0 && global_step_.load() == step) {
+    } else if (snapshot_requested_ && averages_pending_ == 0 && step_takes_begun_ == 0 && global_step_.load() == step) {
       asked = SnapshotLocked();
       snapshot_requested_ = false;
     }
@@ -368,22 +375,27 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
   ReportIfIdle();
 }
 
-void TrainingEngine::UpdateAverages(int64_t step) {
+TrainingEngine::AveragesTurn TrainingEngine::TakeAveragesTurnLocked(int64_t step) {
+  AveragesTurn turn{averages_issued_++, step, {}};
+  for (auto& [name, v] : vars_) {
+    if (v->average) turn.values.emplace_back(v.get(), v->published);
+  }
+  return turn;
+}
+
+std::vector<std::pair<TrainingEngine::Variable*, std::shared_ptr<Buffer>>> TrainingEngine::UpdateAverages(
+    AveragesTurn turn) {
   // TF ExponentialMovingAverage: decay = min(decay, (1 + n) / (10 + n)) with num_updates n.
   double decay = config_.ema_decay;
   if (config_.ema_num_updates) {
-    float n = static_cast<float>(step);
+    float n = static_cast<float>(turn.step);
     decay = std::min(decay, static_cast<double>((1.0f + n) / (10.0f + n)));
   }
-  std::vector<std::pair<Variable*, std::shared_ptr<Buffer>>> todo;
-  {
-    MutexLock lock(&mu_);
-    for (auto& [name, v] : vars_) {
-      if (v->average) todo.emplace_back(v.get(), v->published);
-    }
-  }
-  for (auto& [v, value] : todo) {
-    std::shared_ptr<Buffer> old;
+  MutexLock order(&averages_mu_);
+  while (averages_served_ != turn.ticket) averages_turn_.Wait(&averages_mu_);
+  std::vector<std::pair<Variable*, std::shared_ptr<Buffer>>> shadows;
+  for (auto& [v, value] : turn.values) {
+    std::shared_ptr<const Buffer> old;
     {
       MutexLock lock(&mu_);
       old = v->shadow;
@@ -402,9 +414,13 @@ void TrainingEngine::UpdateAverages(int64_t step) {
       double* o = next->as<double>();
       for (int64_t i = 0; i < n; ++i) o[i] = s[i] - (1 - decay) * (s[i] - x[i]);
     }
+    shadows.emplace_back(v, next);
     MutexLock lock(&mu_);
     v->shadow = std::move(next);
   }
+  ++averages_served_;
+  averages_turn_.NotifyAll();
+  return shadows;
 }
 
 void TrainingEngine::ReevaluateAll() {

@@ -169,8 +169,12 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
     opt = it->second.get();
   }
   // What a variable costs: its value (and a staging/spare copy and an accumulator when it trains),
-  // its slots and its average. Checked before allocating: a peer cannot exhaust the daemon's memory.
-  uint64_t cost = bytes * (1 + (def.trainable ? 3 : 0) + opt->Slots().size() + (def.average ? 1 : 0));
+  // its slots, its average, a sync-on-read variable's value per replica, and its bookkeeping (so
+  // that millions of empty variables are refused too). Checked before allocating: a peer cannot
+  // exhaust the daemon's memory.
+  const uint64_t copies = 1 + (def.trainable ? 3 : 0) + opt->Slots().size() + (def.average ? 1 : 0) +
+                          (def.sync_on_read ? 1 + static_cast<uint64_t>(std::max(1, config_.total_replicas)) : 0);
+  uint64_t cost = bytes * copies + kVariableOverheadBytes;
   const uint64_t held = model_bytes_.load();
   if (held + cost > config_.max_model_bytes) {
     return ResourceExhausted("variable '" + def.name + "' needs about " + std::to_string(cost) + " bytes; the " +
@@ -298,8 +302,9 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
   out->reserve(grads.size());
   if (config_.mode != Mode::kSync) {
     // Async / bounded staleness: apply now; the whole push is one global step. The step is
-    // claimed first, so concurrent pushes get distinct steps (Adam's t never repeats). The calls
-    // of a push sent in several frames apply at the step its last call claims.
+    // claimed first, so concurrent single-frame pushes get distinct steps (Adam's t does not
+    // repeat). A push sent in several frames claims its step with its last frame; the frames
+    // before apply at the step after the current one, which a concurrent push may claim too.
     int64_t global = more ? global_step_.load() : global_step_.fetch_add(1);
     int64_t step = global + 1;
     int64_t staleness = StalenessOf(global, local_step);
@@ -318,7 +323,14 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
     int64_t seen = max_staleness_.load();
     while (staleness > seen && !max_staleness_.compare_exchange_weak(seen, staleness)) {
     }
-    if (config_.ema_decay > 0) UpdateAverages(step);
+    if (config_.ema_decay > 0) {
+      AveragesTurn turn;
+      {
+        MutexLock lock(&mu_);
+        turn = TakeAveragesTurnLocked(step);
+      }
+      UpdateAverages(std::move(turn));
+    }
     if (on_commit_) on_commit_({step, 1, 1, false});
     return Status::Ok();
   }

@@ -205,6 +205,9 @@ class TrainingEngine {
 
   // What a gradient chunk's offset and length align to (GradRef::chunk_offset), in elements.
   static constexpr int64_t kChunkElements = 512;  // DenseAccumulator::kPartElements (asserted)
+  // What a variable's bookkeeping counts in --max-model-bytes besides its bytes (its entry, names,
+  // accumulator and optimizer state headers): an empty variable is not free.
+  static constexpr uint64_t kVariableOverheadBytes = 1024;
 
   // Pushes the init tokens (carrying the current global step). Call once at job start.
   void PushInitTokens(int count);
@@ -381,7 +384,19 @@ class TrainingEngine {
   // Applies pending sparse rows in place (mu_ held).
   void ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step, double lr)
       REQUIRES(mu_);
-  void UpdateAverages(int64_t step) EXCLUDES(mu_);
+  // Moving averages: one commit's (or async push's) at a time, in the order their values were
+  // taken, each from the shadow the one before wrote (TF's chief queue runner ran them in turn).
+  // The values are the published ones when the turn is taken (under mu_, at the commit).
+  struct AveragesTurn {
+    uint64_t ticket = 0;
+    int64_t step = 0;
+    std::vector<std::pair<Variable*, std::shared_ptr<const Buffer>>> values;
+  };
+  AveragesTurn TakeAveragesTurnLocked(int64_t step) REQUIRES(mu_);
+  // Waits for the turn, updates, and returns the new shadows (a commit's snapshot takes these, not
+  // a later commit's).
+  std::vector<std::pair<Variable*, std::shared_ptr<Buffer>>> UpdateAverages(AveragesTurn turn)
+      EXCLUDES(mu_, averages_mu_);
   void ApplyDense(const Optimizer& opt, const ApplyArgs& args);
   // ApplyDense of a sync take whose gradient `acc` still partly points at held gradients
   // (DenseAccumulator::TakenGrad): args.grad is the taken sum's bytes.
@@ -437,9 +452,14 @@ class TrainingEngine {
   int step_takes_begun_ GUARDED_BY(mu_) = 0;   // variables whose take for the open step has begun
   int step_takes_ GUARDED_BY(mu_) = 0;         // variables taken for the open step
   bool snapshot_requested_ GUARDED_BY(mu_) = false;
-  // A sync commit's moving averages are being updated (outside mu_): RequestSnapshot waits until
+  // Sync commits whose moving averages are being updated (outside mu_): RequestSnapshot waits until
   // they are, or it would hold step N's values with step N-1's averages.
-  bool averages_pending_ GUARDED_BY(mu_) = false;
+  int averages_pending_ GUARDED_BY(mu_) = 0;
+  uint64_t averages_issued_ GUARDED_BY(mu_) = 0;  // AveragesTurn tickets handed out
+  // Taken by UpdateAverages only (before mu_): whose turn it is.
+  Mutex averages_mu_;
+  CondVar averages_turn_;
+  uint64_t averages_served_ GUARDED_BY(averages_mu_) = 0;
   bool prepared_ GUARDED_BY(mu_) = false;     // cluster: reported the open step to the gate
   bool step_forced_ GUARDED_BY(mu_) = false;  // the open step was forced by a deadline
 };

@@ -116,7 +116,10 @@ void WorkerSession::HandleUpdate(uint64_t id, proto::Update::Reader r) {
   }
   a.factor = r.getFactor();
   a.cross_replica = r.getCrossReplica();
-  a.replica = r.getReplica();
+  // A single daemon knows the sender's replica from its hello; a cluster's client names the index
+  // the chief gave it (this shard's own order of hellos may differ).
+  a.replica =
+      host_.coordinator() == nullptr && conn_->role() == Connection::Role::kWorker ? worker_index_ : r.getReplica();
   a.local_step = r.getLocalStep();
   a.at_next_step = r.getAtNextStep();
   auto parked = std::make_shared<ParkedReply>(conn_->strand());

@@ -158,6 +158,46 @@ TEST_CASE("sparse half-precision gradients: repeated rows are summed in float32"
   CHECK(half_rows[2] == FloatToBFloat16(-2 * x));
 }
 
+TEST_CASE("a converted pull follows values written in place and buffers reused", "[half]") {
+  // The engine updates a sparse table's rows in place and reuses a retired dense value's buffer as
+  // the next sum: the same buffer then holds another value, and a conversion kept for it is stale.
+  // Over TCP (a same-host pull through shared memory converts into the segment, uncached).
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    INFO(DTypeName(dtype));
+    auto cfg = TestConfig(1, 1, 0);
+    cfg.optimizer.learning_rate = 1.0;
+    auto server = StartServer(cfg);
+    auto options = psd::testing::WorkerOptions(server->port(), "w");
+    options.shared_memory_bytes = 0;
+    options.shared_buffer_bytes = 0;
+    auto c = psd::testing::ConnectWith(options);
+    REQUIRE(c->CreateVariable("x", {nullptr, DType::kFloat32, {4}, MemoryKind::kHost}).ok());
+    REQUIRE(c->CreateVariable("e", {nullptr, DType::kFloat32, {4, 2}, MemoryKind::kHost}).ok());
+    auto ones = ToHalf({1, 1, 1, 1}, dtype);
+    std::vector<uint16_t> x(4), e(8);
+    int64_t step = 0;
+    for (int s = 1; s <= 6; ++s) {
+      // Dense: pulled at every other step, so each pull meets the buffer the one before converted.
+      if (s % 2 == 1) REQUIRE(c->Pull("x", Out(x, dtype, {4})).ok());
+      psclient::SparseGradient row{"e", {1}, View(ones, dtype, {1, 2}), std::nullopt};
+      auto out = c->Push(step, {{"x", View(ones, dtype, {4})}}, {row}, true, 5000);
+      REQUIRE(out.ok());
+      REQUIRE(out->token_status.ok());
+      step = out->token;
+      INFO("step " << s);
+      REQUIRE(c->Pull("e", Out(e, dtype, {4, 2})).ok());  // rows updated in place
+      CHECK(FromHalf(e[2], dtype) == -s);
+      CHECK(FromHalf(e[3], dtype) == -s);
+      CHECK(FromHalf(e[0], dtype) == 0);
+      if (s % 2 == 0) {
+        REQUIRE(c->Pull("x", Out(x, dtype, {4})).ok());
+        CHECK(FromHalf(x[0], dtype) == -s);
+        CHECK(FromHalf(x[3], dtype) == -s);
+      }
+    }
+  }
+}
+
 TEST_CASE("a 3-shard cluster slices, pushes and pulls bfloat16 like one daemon", "[half][cluster]") {
   auto cfg = TestConfig(1, 1, 0);
   cfg.optimizer.name = "momentum";

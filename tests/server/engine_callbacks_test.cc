@@ -114,3 +114,36 @@ TEST_CASE("update and reduce callbacks may call the engine again (they run outsi
     CHECK(inner == 1);
   }
 }
+
+TEST_CASE("a replica's own update names one of the job's replicas", "[engine][collectives]") {
+  // A sync-on-read value per replica: a replica number beyond N would add a value nobody reads
+  // (a worker naming ever new ones grew the daemon without bound).
+  ServerConfig c;
+  c.replicas_to_aggregate = 2;
+  c.total_replicas = 2;
+  c.init_tokens = 0;
+  REQUIRE(c.Validate().ok());
+  TrainingEngine e(c, std::move(*MakeOptimizer(c.optimizer)));
+  VariableDef d;
+  d.name = "acc";
+  d.shape = {2};
+  d.trainable = false;
+  d.sync_on_read = true;
+  d.aggregation = Aggregation::kSum;
+  REQUIRE(e.CreateVariable(d).ok());
+  std::vector<float> three{3, 3};
+  UpdateArgs a = Assign(three);
+  a.cross_replica = false;
+  for (uint32_t replica : {0u, 1u}) {
+    a.replica = replica;
+    REQUIRE(e.Update(a, [](const Status& s, bool applied, int64_t) { CHECK((s.ok() && applied)); }).ok());
+  }
+  CHECK(First(e) == 6);  // the sum of both replicas' values
+  for (uint32_t replica : {2u, 1000000u}) {
+    a.replica = replica;
+    Status s = e.Update(a, [](const Status&, bool, int64_t) { FAIL("no callback for a refused update"); });
+    CHECK(s.code() == Code::kInvalidArgument);
+    CHECK_THAT(s.message(), Catch::Contains("is not one of the job's 2 replicas"));
+  }
+  CHECK(First(e) == 6);
+}

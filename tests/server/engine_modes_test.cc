@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <deque>
+#include <thread>
 
 #include "config/server_config.h"
 #include "core/training_engine.h"
@@ -165,6 +166,36 @@ TEST_CASE("moving averages follow TF's rule, num_updates included", "[engine][em
   bad.average = true;
   auto e3 = Make(Cfg(1, 1));
   CHECK(e3->CreateVariable(bad).status().code() == Code::kFailedPrecondition);
+}
+
+TEST_CASE("concurrent async pushes each update the moving average once, in turn", "[engine][ema]") {
+  // Each update reads the shadow the one before wrote: two computed from the same shadow would
+  // lose one (a race of pushes on different connections).
+  auto c = Cfg(1, 4);
+  c.mode = Mode::kAsync;
+  c.ema_decay = 0.99;
+  auto e = Make(c);
+  const int64_t n = 1 << 18;  // long enough to compute that updates overlap without the turns
+  Create(*e, "w", std::vector<float>(n, 0.0f), {n}, /*average=*/true);
+  PushDense(*e, 0, "w", std::vector<float>(n, -1.0f), {n});  // w = 1 from here on
+  constexpr int kThreads = 4, kPushes = 20;
+  std::vector<std::thread> workers;
+  for (int t = 0; t < kThreads; ++t) {
+    workers.emplace_back([&e, n] {
+      std::vector<float> zero(n, 0.0f);
+      for (int i = 0; i < kPushes; ++i) {
+        std::vector<GradOutcome> out;
+        std::vector<GradRef> refs{{"w", DType::kFloat32, {n}, zero.data(), zero.size() * 4}};
+        if (!e->Push(i, refs, &out).ok()) std::abort();
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  float expect = 0.0f;  // the engine's float arithmetic, one update per push
+  for (int u = 0; u < 1 + kThreads * kPushes; ++u) expect = expect - static_cast<float>(1 - 0.99) * (expect - 1.0f);
+  auto shadow = Read(*e, "w", true);
+  CHECK(shadow[0] == expect);
+  CHECK(std::count(shadow.begin(), shadow.end(), expect) == n);
 }
 
 TEST_CASE("a learning-rate change takes effect from the next step", "[engine]") {

@@ -261,6 +261,18 @@ TEST_CASE("variables beyond --max-model-bytes are refused before anything is all
   small.shape = {64};  // 256 bytes, x4 for a trainable variable
   CHECK(e.engine.CreateVariable(small).ok());
   CHECK(e.engine.CreateVariable(small).ok());  // create-or-get costs nothing
+  // Empty variables are not free: ever new names run into the limit too.
+  int created = 0;
+  Status last;
+  for (int i = 0; i < 100 && last.ok(); ++i) {
+    VariableDef empty;
+    empty.name = "empty" + std::to_string(i);
+    empty.shape = {0};
+    last = e.engine.CreateVariable(empty).status();
+    if (last.ok()) ++created;
+  }
+  CHECK(last.code() == Code::kResourceExhausted);
+  CHECK(created == 2);  // 4096 bytes: the small variable (1024 + 1024) and two empty ones (1024 each)
 }
 
 namespace {
