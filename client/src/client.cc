@@ -221,7 +221,7 @@ Result<VariableInfo> Client::CreateVariable(const std::string& name, ConstTensor
         &resp);
     if (!s.ok()) return s;
     try {
-      auto loc = ReadPlacement(resp.getPlacement());
+      auto loc = ReadPlacement(resp.getPlacement(), im.shards());
       if (!loc.ok()) return loc.status();
       placed = *loc;
     } catch (const kj::Exception& e) {

@@ -27,7 +27,7 @@ Status CheckView(const std::string& what, DType want_dtype, const Shape& want_sh
   return Status::Ok();
 }
 
-Result<VariablePlacement> ReadPlacement(proto::VariablePlacement::Reader r) {
+Result<VariablePlacement> ReadPlacement(proto::VariablePlacement::Reader r, int shards) {
   VariablePlacement p;
   p.name = r.getName();
   auto dtype = psd::wire::FromWire(r.getDtype());
@@ -35,10 +35,34 @@ Result<VariablePlacement> ReadPlacement(proto::VariablePlacement::Reader r) {
   p.dtype = *dtype;
   for (int64_t d : r.getShape()) p.shape.push_back(d);
   p.sliced = r.getSliced();
+  // The map decides which connection a part goes to and where in the caller's memory its rows
+  // land: one that names a shard this client has no connection to, or rows that are not exactly
+  // the variable's, is refused rather than followed out of bounds.
+  auto bad = [&p](const std::string& why) {
+    return psd::Internal("psd sent a placement of '" + p.name + "' that " + why +
+                         "; the daemon and this client disagree (check that they are one release)");
+  };
+  for (int64_t d : p.shape) {
+    if (d < 0) return bad("has a negative dimension");
+  }
   for (auto part : r.getParts()) {
+    if (part.getShard() >= static_cast<uint32_t>(shards)) {
+      return bad("names shard " + std::to_string(part.getShard()) + " of a cluster of " + std::to_string(shards));
+    }
     p.parts.push_back({static_cast<int>(part.getShard()), part.getRowBegin(), part.getRowEnd()});
   }
-  if (p.parts.empty()) return psd::Internal("placement of '" + p.name + "' has no parts");
+  if (p.parts.empty()) return bad("has no parts");
+  if (!p.sliced) {
+    if (p.parts.size() != 1) return bad("has " + std::to_string(p.parts.size()) + " parts but is not sliced");
+    return p;
+  }
+  if (p.shape.empty()) return bad("slices a scalar");
+  int64_t next = 0;
+  for (const SlicePart& part : p.parts) {
+    if (part.row_begin != next || part.row_end < part.row_begin) return bad("has parts that do not tile its rows");
+    next = part.row_end;
+  }
+  if (next != p.shape[0]) return bad("has parts that do not cover its " + std::to_string(p.shape[0]) + " rows");
   return p;
 }
 
@@ -197,16 +221,20 @@ Status Client::Impl::WaitUntilServing() {
     RefreshChief();
     proto::Response::Reader resp;
     if (AskStatus(chief_.load(), &resp).ok()) {
-      auto s = resp.getStatus();
-      state = s.getClusterState();
-      if (state == "running" && s.getChiefShard() == chief_.load()) {
-        chief().is_chief = s.getIsChief();
-        chief().cluster_epoch = s.getClusterEpoch();
-        // The other shards serve once the chief's heartbeat reaches them, just after: a worker's
-        // first request to one of them must not be refused meanwhile.
-        std::string waiting = OthersServing(s.getClusterEpoch());
-        if (waiting.empty()) return Status::Ok();
-        state = waiting;
+      try {
+        auto s = resp.getStatus();
+        state = s.getClusterState();
+        if (state == "running" && s.getChiefShard() == chief_.load()) {
+          chief().is_chief = s.getIsChief();
+          chief().cluster_epoch = s.getClusterEpoch();
+          // The other shards serve once the chief's heartbeat reaches them, just after: a worker's
+          // first request to one of them must not be refused meanwhile.
+          std::string waiting = OthersServing(s.getClusterEpoch());
+          if (waiting.empty()) return Status::Ok();
+          state = waiting;
+        }
+      } catch (const kj::Exception&) {
+        state = "shard " + std::to_string(chief_.load()) + " answered the status request with something else";
       }
     }
     if (std::chrono::steady_clock::now() >= deadline) {
@@ -317,12 +345,16 @@ void Client::Impl::RefreshChief() {
       conn(i).NewRequest(frame).setStatus();
       proto::Response::Reader resp;
       if (!conn(i).RoundTrip(frame, &resp).ok()) continue;
-      auto s = resp.getStatus();
-      if (s.getChiefShard() >= 0 && (best < 0 || s.getTerm() > best_term)) {
-        best = s.getChiefShard();
-        best_term = s.getTerm();
-        addresses.clear();
-        for (auto a : s.getShardAddresses()) addresses.emplace_back(a.cStr());
+      try {
+        auto s = resp.getStatus();
+        if (s.getChiefShard() >= 0 && (best < 0 || s.getTerm() > best_term)) {
+          best = s.getChiefShard();
+          best_term = s.getTerm();
+          addresses.clear();
+          for (auto a : s.getShardAddresses()) addresses.emplace_back(a.cStr());
+        }
+      } catch (const kj::Exception&) {
+        continue;  // a malformed answer tells nothing about the chief
       }
     }
   }
@@ -359,7 +391,7 @@ Result<PlacementMap> Client::Impl::FetchMap() {
         PlacementMap m;
         auto pm = resp.getPlacementMap();
         for (auto v : pm.getVariables()) {
-          auto p = ReadPlacement(v);
+          auto p = ReadPlacement(v, shards());
           if (!p.ok()) return p.status();
           m.variables.push_back(std::move(*p));
         }

@@ -40,7 +40,9 @@ namespace internal {
 void SetWantedDTypes(const std::vector<std::pair<std::string, TensorView>>& outs, capnp::List<proto::DType>::Builder b);
 // OK when `out` is a view of `want_dtype`/`want_shape` with memory; else INVALID_ARGUMENT naming `what`.
 Status CheckView(const std::string& what, DType want_dtype, const Shape& want_shape, const TensorView& out);
-Result<VariablePlacement> ReadPlacement(proto::VariablePlacement::Reader r);
+// The placement in `r`, checked against a cluster of `shards` (INTERNAL when it is not one this
+// client can follow).
+Result<VariablePlacement> ReadPlacement(proto::VariablePlacement::Reader r, int shards);
 void WritePlacement(proto::VariablePlacement::Builder b, const VariablePlacement& p);
 
 // Part `i` of a tensor sliced like `p` (the whole tensor when not sliced): the rows are a

@@ -106,21 +106,31 @@ Status Conn::ConnectOnce(std::chrono::steady_clock::time_point deadline) {
     }
     return s;
   }
-  if (resp.which() != proto::Response::HELLO) return psd::Internal("unexpected reply to hello");
-  auto hr = resp.getHello();
-  {
-    std::lock_guard<std::mutex> lock(hello_mu);
-    config = ReadConfig(hr.getConfig());
-    worker_id = hr.getWorkerId();
-    initial_step = hr.getGlobalStep();
+  if (resp.which() != proto::Response::HELLO) {
+    Drop();
+    return psd::Internal("unexpected reply to hello");
   }
-  is_chief = hr.getIsChief();
-  chief_shard = hr.getChiefShard();
-  cluster_epoch = hr.getClusterEpoch();
-  shards_reported = static_cast<int>(hr.getShards());
-  daemon_max_frame_bytes = hr.getMaxFrameBytes();
-  chunk_elements = hr.getChunkElements();
-  AttachShm(hr, deadline);
+  // A reply that is not a well-formed hello (Cap'n Proto throws reading it) fails the connect, as
+  // any other malformed reply fails its call: nothing here throws to the caller.
+  try {
+    auto hr = resp.getHello();
+    {
+      std::lock_guard<std::mutex> lock(hello_mu);
+      config = ReadConfig(hr.getConfig());
+      worker_id = hr.getWorkerId();
+      initial_step = hr.getGlobalStep();
+    }
+    is_chief = hr.getIsChief();
+    chief_shard = hr.getChiefShard();
+    cluster_epoch = hr.getClusterEpoch();
+    shards_reported = static_cast<int>(hr.getShards());
+    daemon_max_frame_bytes = hr.getMaxFrameBytes();
+    chunk_elements = hr.getChunkElements();
+    AttachShm(hr, deadline);
+  } catch (const kj::Exception& e) {
+    Drop();
+    return Malformed(e);
+  }
   ++connects;
   return Status::Ok();
 }

@@ -392,6 +392,10 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
           return;
         }
         step = step >= 0 ? std::min(step, p.getStep()) : p.getStep();
+        if (p.getValues().size() != 1) {
+          read = psd::Internal("a rows reply carries " + std::to_string(p.getValues().size()) + " values, not one");
+          return;
+        }
         auto value = p.getValues()[0];
         auto t = im.conn(calls[c]->shard).ReplyTensor(value);
         if (!t.ok()) {

@@ -473,7 +473,7 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
     if (call.shard == chief) {
       out.is_chief = r.getIsChief();
       out.step_gradients = r.getStepGradients();
-      if (cluster && r.getChiefShard() >= 0) im.chief_ = r.getChiefShard();
+      if (cluster && r.getChiefShard() >= 0 && r.getChiefShard() < im.shards()) im.chief_ = r.getChiefShard();
     }
     if (&call == token_call) {
       out.token_status = Status(psd::wire::FromWire(r.getTokenCode()), r.getTokenMessage());

@@ -523,3 +523,30 @@ TEST_CASE("a sliced variable's initial value travels in chunks to each of its sh
   REQUIRE(c->Pull("w", Out(got, {100, 300})).ok());
   CHECK(got == w0);
 }
+
+TEST_CASE("a client given fewer shards than the cluster has refuses a placement it cannot follow", "[cluster]") {
+  // An observer skips the shard-count check; the chief's map then named a shard it had no
+  // connection for, and the pull indexed past its connections (a crash).
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.slice_bytes = 4096;
+  auto cluster = StartCluster(cfg, 3);
+  auto worker = ConnectCluster(cluster, "w0");
+  std::vector<float> w(3072, 1.0f);
+  REQUIRE(worker->CreateVariable("w", {w.data(), DType::kFloat32, {3072}, MemoryKind::kHost}).ok());
+  auto placed = worker->Placement("w");
+  REQUIRE(placed.ok());
+  REQUIRE(placed->parts.size() == 3);
+  psclient::ClientOptions o;
+  o.cluster = {cluster.addresses[0], cluster.addresses[1]};
+  o.worker_name = "watcher";
+  o.observer = true;
+  o.connect_timeout_ms = 20000;
+  auto observer = psd::testing::ConnectWith(o);
+  std::vector<float> out(3072);
+  Status s = observer->Pull("w", {out.data(), DType::kFloat32, {3072}, MemoryKind::kHost}).status();
+  CHECK(s.code() == Code::kInternal);
+  CHECK_THAT(s.message(), Catch::Contains("names shard 2 of a cluster of 2"));
+  // The cluster's own worker is unaffected.
+  REQUIRE(worker->Pull("w", {out.data(), DType::kFloat32, {3072}, MemoryKind::kHost}).ok());
+  CHECK(out[3071] == 1.0f);
+}

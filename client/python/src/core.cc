@@ -570,11 +570,16 @@ PYBIND11_MODULE(_core, m) {
       .def("__enter__",
            [](ColocationScope& s) -> ColocationScope& {
              if (s.scope) Raise(psd::FailedPrecondition("colocate_vars_with scope entered twice"));
+             // The client's lock may be held by a call of another thread (GIL released): wait without the GIL.
+             py::gil_scoped_release release;
              s.scope = std::make_unique<psclient::Client::ColocationScope>(s.client->ColocateVarsWith(s.variable));
              return s;
            })
       .def("__exit__", [](ColocationScope& s, py::args) {
-        s.scope.reset();
+        {
+          py::gil_scoped_release release;
+          s.scope.reset();
+        }
         return false;
       });
 
@@ -657,7 +662,12 @@ PYBIND11_MODULE(_core, m) {
           "A zeroed numpy array in memory shared with same-host daemons (shared_buffer_bytes in all): gradients "
           "pushed from it and values pulled into it move with no copy on either side. Use it as any array "
           "(torch.from_numpy shares it too); change it only between calls.")
-      .def_property_readonly("parameter_devices", [](const PyClient& self) { return self.Get()->ParameterDevices(); })
+      .def_property_readonly("parameter_devices",
+                             [](const PyClient& self) {
+                               std::shared_ptr<psclient::Client> c = self.Get();
+                               py::gil_scoped_release release;  // waits for the client's lock (see Call)
+                               return c->ParameterDevices();
+                             })
       .def_property_readonly("should_init", [](const PyClient& self) { return self.Get()->should_init(); })
       .def_property_readonly("should_checkpoint", [](const PyClient& self) { return self.Get()->should_checkpoint(); })
       .def_property_readonly("should_save_summary",
