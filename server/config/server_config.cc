@@ -280,7 +280,9 @@ Status ServerConfig::Validate() {
   apply_threads = std::min(ThreadsOrCores(apply_threads), 256);
   PSD_RETURN_IF_ERROR(AtLeast("--staleness", staleness_bound, 0));
   PSD_RETURN_IF_ERROR(InRange("--soft-sync-fraction", soft_sync_fraction, 0.0, 1.0, " (0: off)"));
-  PSD_RETURN_IF_ERROR(AtLeast("--step-deadline-ms", step_deadline_ms, 0, " (0: off)"));
+  // Waits are bounded (a week): beyond that a deadline overflows the clocks it is added to and fires at once.
+  constexpr int64_t kWeekMs = int64_t{7} * 24 * 3600 * 1000;
+  PSD_RETURN_IF_ERROR(InRange("--step-deadline-ms", step_deadline_ms, int64_t{0}, kWeekMs, " (0: off)"));
   if (mode != Mode::kSync && (soft_sync_fraction > 0 || step_deadline_ms > 0)) {
     return InvalidArgument("--soft-sync-fraction and --step-deadline-ms need --mode sync");
   }
@@ -300,13 +302,14 @@ Status ServerConfig::Validate() {
     return InvalidArgument("--checkpoint-every-steps/--checkpoint-every-s need --checkpoint-dir");
   }
   PSD_RETURN_IF_ERROR(AtLeast("--keep-checkpoints", keep_checkpoints, 0, " (0: keep all)"));
-  PSD_RETURN_IF_ERROR(AtLeast("--token-timeout-ms", default_token_timeout_ms, 1));
+  PSD_RETURN_IF_ERROR(InRange("--token-timeout-ms", default_token_timeout_ms, int64_t{1}, kWeekMs));
   PSD_RETURN_IF_ERROR(InRange("--max-connections", max_connections, 1, 1 << 20));
   PSD_RETURN_IF_ERROR(InRange("--hello-timeout-ms", hello_timeout_ms, int64_t{1}, int64_t{3600000}));
   PSD_RETURN_IF_ERROR(InRange("--idle-timeout-s", idle_timeout_s, int64_t{0}, int64_t{1} << 30, " (0: never)"));
   PSD_RETURN_IF_ERROR(InRange("--worker-grace-s", worker_grace_s, 0.0, 1e9, " (0: wait forever)"));
   PSD_RETURN_IF_ERROR(InRange("--summary-interval-s", summary_interval_s, 0.0, 1e9, " (0: none)"));
   PSD_RETURN_IF_ERROR(InRange("--heartbeat-ms", heartbeat_ms, int64_t{1}, int64_t{3600000}));
+  PSD_RETURN_IF_ERROR(InRange("--election-timeout-ms", election_timeout_ms, int64_t{2}, int64_t{86400000}));
   if (election_timeout_ms <= heartbeat_ms) {
     return InvalidArgument("--election-timeout-ms must be > --heartbeat-ms (" + std::to_string(heartbeat_ms) +
                            "), got " + std::to_string(election_timeout_ms));

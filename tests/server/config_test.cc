@@ -3,6 +3,7 @@
 
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -172,7 +173,14 @@ TEST_CASE("every numeric flag is range-checked with the flag and its range in th
   CHECK_THAT(with([](ServerConfig& c) { c.optimizer.beta2 = std::nan(""); }),
              Catch::Contains("--beta1/--beta2 must be in [0, 1)"));  // NaN is out of every range
   CHECK_THAT(with([](ServerConfig& c) { c.default_token_timeout_ms = 0; }),
-             Catch::Contains("--token-timeout-ms must be >= 1, got 0"));
+             Catch::Contains("--token-timeout-ms must be in [1, 604800000], got 0"));
+  // Past a week a deadline added to a clock overflowed and fired at once (every step forced).
+  CHECK_THAT(with([](ServerConfig& c) { c.default_token_timeout_ms = INT64_MAX; }),
+             Catch::Contains("--token-timeout-ms must be in [1, 604800000]"));
+  CHECK_THAT(with([](ServerConfig& c) { c.step_deadline_ms = INT64_MAX; }),
+             Catch::Contains("--step-deadline-ms must be in [0, 604800000] (0: off)"));
+  CHECK_THAT(with([](ServerConfig& c) { c.election_timeout_ms = INT64_MAX; }),
+             Catch::Contains("--election-timeout-ms must be in [2, 86400000]"));
 }
 
 TEST_CASE("size flags take K, M, G, T suffixes (powers of 1024)", "[config]") {
