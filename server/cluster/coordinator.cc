@@ -100,8 +100,9 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.chief = chief_;
   hb.epoch = epoch_;
   hb.running = chief_ == me_ && running_;
-  hb.sealed_steps = sealed_;
-  for (int64_t t : sealed_) {
+  hb.sealed_steps.assign(
+      sealed_.begin(), sealed_.begin() + static_cast<std::ptrdiff_t>(std::min(sealed_.size(), peer::kMaxListedSteps)));
+  for (int64_t t : hb.sealed_steps) {
     auto seal = seal_parts_.find(t);
     hb.seal_digests.push_back(seal == seal_parts_.end() ? 0 : peer::SealDigest(seal->second));
   }
@@ -113,7 +114,8 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.ready = ready_;
   hb.required = required_;
   hb.allow_state_loss = options_.allow_state_loss || !options_.restore;
-  hb.unusable_steps = unusable_;
+  hb.unusable_steps.assign(unusable_.begin(), unusable_.begin() + static_cast<std::ptrdiff_t>(std::min(
+                                                                      unusable_.size(), peer::kMaxListedSteps)));
   // The parts of the newest unusable steps (a seal is only ever offered for a recent one).
   for (int64_t t : unusable_) {
     if (hb.unsealed_parts.size() >= kMaxUnsealedParts) break;
@@ -479,6 +481,9 @@ void ClusterCoordinator::OnMessage(int from, const peer::Message& msg) {
 void ClusterCoordinator::HandlePrepared(int from, uint64_t term, const peer::Prepared& p,
                                         std::vector<Action>* actions) {
   if (chief_ != me_ || term != term_ || p.epoch != term_ || !(running_ || forming_)) return;
+  // The open step's votes, or the next one's from a shard that published this commit first: a vote
+  // for any other step is never counted (and would stay until the next formation).
+  if (p.step < open_step_ || p.step > open_step_ + 1) return;
   votes_[p.step][from] = {p.takes, p.min_gradients, p.max_gradients, p.forced};
   if (p.forced && running_ && p.step == open_step_ && forced_step_ < p.step) {
     // The step deadline passed on `from`: every shard takes the step with what it has.

@@ -581,6 +581,7 @@ class ClusterCoordinator : public PeerEvents {
   // (it would replace live copies on the shards that obey it first).
   std::map<int64_t, peer::PartInfo> unsealed_parts_ GUARDED_BY(mu_);
   static constexpr size_t kMaxUnsealedParts = 16;  // in a heartbeat (the newest)
+  static constexpr size_t kMaxPartSteps = 64;      // steps in parts_ (HandlePartWritten)
   std::vector<Peer> peers_ GUARDED_BY(mu_);
   int required_ GUARDED_BY(mu_) = 0;  // the chief's requirement (as last heard)
   int local_required_ GUARDED_BY(mu_) = 0;

@@ -566,6 +566,9 @@ void ClusterCoordinator::HandlePartWritten(int from, uint64_t term, const peer::
   // one a seal would reach now. The next formation starts over.
   if (moved_since_formation_) return;
   int64_t step = p.step;
+  // Steps whose parts are still coming in are few (a checkpoint each): beyond kMaxPartSteps the
+  // oldest goes, so a shard naming ever new steps cannot grow the map.
+  if (!parts_.contains(step) && parts_.size() >= kMaxPartSteps) parts_.erase(parts_.begin());
   auto& parts = parts_[step];
   parts[from] = p.part;
   if (static_cast<int>(parts.size()) < shards_) return;

@@ -103,6 +103,14 @@ struct Seal {
 };
 
 // Periodic, from every shard to every other one: who it thinks is chief and what it can restore.
+// A heartbeat lists at most this many sealed (and as many unusable) steps, the newest: a formation
+// restores a recent one, and the chief matches the lists of every shard each tick (a longer list
+// is a malformed message; with --keep-checkpoints 0 older steps stay on disk, not offered).
+inline constexpr size_t kMaxListedSteps = 1024;
+// Terms count elections from 1, and epochs and lineages are terms: no cluster comes near this. A
+// peer naming one beyond it would have a shard adopt and save it and overflow its next term.
+inline constexpr uint64_t kMaxTerm = uint64_t{1} << 62;
+
 struct Heartbeat {
   int chief = -1;                       // -1: nobody known (a peer may send any value: election.h copes)
   uint64_t epoch = 0;                   // the epoch the sender's state belongs to

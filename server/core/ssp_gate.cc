@@ -86,6 +86,18 @@ bool SspGate::Cancel(WaitId id, const Status& why) {
   return true;
 }
 
+void SspGate::FailWaiters(const Status& why) {
+  MutexLock lock(&mu_);
+  std::list<ParkedWaits<uint32_t>::Waiter> parked;
+  parked.swap(parked_.waiters());
+  for (auto& w : parked) {
+    auto c = clocks_.find(w.key);
+    if (c != clocks_.end()) --c->second;
+  }
+  lock.Unlock();
+  for (auto& w : parked) w.cb(why, 0);
+}
+
 void SspGate::Close(Status why) {
   MutexLock lock(&mu_);
   std::list<ParkedWaits<uint32_t>::Waiter> parked;

@@ -34,6 +34,9 @@ class SspGate {
   // (at once, returning 0, or later, returning an id for Cancel).
   WaitId Advance(uint32_t worker, Callback cb) EXCLUDES(mu_);
   bool Cancel(WaitId id, const Status& why) EXCLUDES(mu_);
+  // Fails every parked wait with `why` (each clock step given back, as Cancel does), leaving the
+  // gate open: a cluster that stopped serving answers its waiters now, not at their deadlines.
+  void FailWaiters(const Status& why) EXCLUDES(mu_);
   void Close(Status why) EXCLUDES(mu_);
 
   int64_t MinClock() const EXCLUDES(mu_);

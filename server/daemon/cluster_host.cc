@@ -1,6 +1,8 @@
 #include "daemon/cluster_host.h"
 
+#include <fcntl.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -126,7 +128,10 @@ void ServerShardHost::StartServing(int required) {
 
 void ServerShardHost::SetRequired(int required) { server_.engine()->SetRequiredReplicas(required); }
 
-void ServerShardHost::FailWaiters(const Status& why) { server_.engine()->tokens().FailWaiters(why); }
+void ServerShardHost::FailWaiters(const Status& why) {
+  server_.engine()->tokens().FailWaiters(why);
+  server_.ssp().FailWaiters(why);  // ssp barrier calls parked on this shard (the chief's gate)
+}
 
 void ServerShardHost::ReportIfIdle() { server_.engine()->ReportIfIdle(); }
 
@@ -559,6 +564,11 @@ uint64_t ServerShardHost::LoadTerm() {
   std::ifstream in(TermFile(config));
   uint64_t term = 0;
   if (!(in >> term)) return 0;
+  if (term >= peer::kMaxTerm) {
+    // Never a real one (an old release adopted what a faulty peer said): ignored, or no term after it could be formed.
+    spdlog::warn("cluster: {} holds term {}, beyond any election count; starting from term 0", TermFile(config), term);
+    return 0;
+  }
   return term;
 }
 
@@ -567,15 +577,24 @@ void ServerShardHost::SaveTerm(uint64_t term) {
   if (config.checkpoint_dir.empty()) return;
   const std::string path = TermFile(config), tmp = path + ".tmp";
   {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << term << "\n";
-    out.flush();
-    if (!out) {
+    // Synced before the rename (and the directory after it): a power loss must not bring an older
+    // term back, or an epoch could be formed twice.
+    const std::string text = std::to_string(term) + "\n";
+    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    bool ok = fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
+    if (fd >= 0) ok = ::close(fd) == 0 && ok;
+    if (!ok) {
       spdlog::warn("cluster: cannot write {}; a restart of every shard may form a term again", tmp);
       return;
     }
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (std::rename(tmp.c_str(), path.c_str()) == 0) {
+    int dir = ::open(config.checkpoint_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir >= 0) {
+      (void)::fsync(dir);
+      ::close(dir);
+    }
+  } else {
     spdlog::warn("cluster: cannot write {}; a restart of every shard may form a term again", path);
   }
 }

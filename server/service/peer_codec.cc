@@ -202,7 +202,48 @@ void PlacementToWire(proto::VariablePlacement::Builder b, const VarPlacement& p)
   }
 }
 
+namespace {
+
+bool TermsInRange(const peer::Message& m) {
+  if (m.term >= peer::kMaxTerm) return false;
+  auto copies_ok = [](const std::vector<peer::LiveCopy>& copies) {
+    return std::all_of(copies.begin(), copies.end(),
+                       [](const peer::LiveCopy& c) { return c.lineage < peer::kMaxTerm; });
+  };
+  return std::visit(
+      [&](const auto& b) {
+        using B = std::decay_t<decltype(b)>;
+        bool ok = true;
+        if constexpr (requires { b.epoch; }) ok = ok && b.epoch < peer::kMaxTerm;
+        if constexpr (requires { b.lineage; }) ok = ok && b.lineage < peer::kMaxTerm;
+        if constexpr (requires { b.copy; }) ok = ok && b.copy.lineage < peer::kMaxTerm;
+        if constexpr (std::is_same_v<B, peer::Heartbeat>) {
+          ok = ok && copies_ok(b.own_copies) && copies_ok(b.held_copies) && copies_ok(b.kept_copies) &&
+               b.released.lineage < peer::kMaxTerm && b.newest_seal.epoch < peer::kMaxTerm &&
+               std::all_of(b.served_parts.begin(), b.served_parts.end(),
+                           [](const peer::PartServed& p) { return p.epoch < peer::kMaxTerm; });
+        }
+        return ok;
+      },
+      m.body);
+}
+
+Result<peer::Message> DecodePeerMessage(proto::PeerMessage::Reader r, int shards);
+
+}  // namespace
+
 Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shards) {
+  auto m = DecodePeerMessage(r, shards);
+  if (m.ok() && !TermsInRange(*m)) {
+    return InvalidArgument(
+        "a peer message names a term, epoch or lineage of 2^62 or more (no cluster elects that often)");
+  }
+  return m;
+}
+
+namespace {
+
+Result<peer::Message> DecodePeerMessage(proto::PeerMessage::Reader r, int shards) {
   peer::Message m;
   m.from = static_cast<int>(r.getFrom());
   m.term = r.getTerm();
@@ -232,6 +273,10 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
       }
       std::vector<peer::PartServed> served;
       for (auto p : hb.getServedParts()) served.push_back({p.getEpoch(), p.getStandIn()});
+      if (hb.getSealedSteps().size() > peer::kMaxListedSteps || hb.getUnusableSteps().size() > peer::kMaxListedSteps) {
+        return InvalidArgument("a heartbeat lists more than " + std::to_string(peer::kMaxListedSteps) +
+                               " sealed or unusable steps");
+      }
       if (hb.getSealDigests().size() != 0 && hb.getSealDigests().size() != hb.getSealedSteps().size()) {
         return InvalidArgument("a heartbeat's manifest digests do not match its sealed steps");
       }
@@ -356,6 +401,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
   }
   return InvalidArgument("a peer message of an unknown kind (a newer psd?)");
 }
+
+}  // namespace
 
 void PeerMessageToWire(proto::PeerMessage::Builder b, const peer::Message& m) {
   b.setFrom(static_cast<uint32_t>(m.from));

@@ -88,6 +88,7 @@ void WorkerSession::HandlePeerProof(uint64_t id, capnp::Data::Reader proof) {
   peer_shard_ = peer_claim_;
   peer_claim_ = -1;
   peer_nonces_.clear();
+  authenticated_ = true;  // the cluster secret, in place of the workers' token
   conn_->set_role(Connection::Role::kShard);
   host_.coordinator()->OnPeerUp(peer_shard_);
 }

@@ -144,7 +144,9 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
     auto h = req.initHello();
     h.setProtocolVersion(proto::PROTOCOL_VERSION);
     h.setWorkerName("shard-" + std::to_string(id_.me));
-    h.setAuthToken(id_.auth_token);
+    // With a cluster secret the proof stands for the token: the token is not sent to a listener
+    // that has not proved itself a shard yet (the other side's proof comes with its answer).
+    if (id_.cluster_secret.empty()) h.setAuthToken(id_.auth_token);
     h.setPeer(true);
     h.setShardIndex(id_.me);
     h.setClusterSize(id_.shards);

@@ -154,10 +154,16 @@ void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
                                             std::to_string(proto::PROTOCOL_VERSION)));
   }
   const std::string& want = host_.config().auth_token;
-  if (!want.empty() && !SecretsEqual(want, std::string_view(r.getAuthToken().cStr(), r.getAuthToken().size()))) {
-    return FailStream(Unauthenticated("wrong or missing auth token (psd runs with --auth-token-file)"), id);
+  // With a cluster secret a shard proves itself by it (HandlePeerProof authenticates the link), and
+  // sends no token: it would hand the workers' token to whoever answers at a shard's address
+  // before that one proved anything.
+  const bool proves = r.getPeer() && !host_.config().cluster_secret.empty();
+  if (!proves) {
+    if (!want.empty() && !SecretsEqual(want, std::string_view(r.getAuthToken().cStr(), r.getAuthToken().size()))) {
+      return FailStream(Unauthenticated("wrong or missing auth token (psd runs with --auth-token-file)"), id);
+    }
+    authenticated_ = true;
   }
-  authenticated_ = true;
   // A connection has one identity: a shard's link never becomes a worker's, nor the reverse.
   if ((greeted() || peer_claim_ >= 0) && (r.getPeer() || peer_shard_ >= 0 || peer_claim_ >= 0)) {
     if (r.getPeer()) LogSpoof("sent a second hello as a peer");

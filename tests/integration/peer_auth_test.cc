@@ -6,6 +6,8 @@
 // Without a cluster secret (loopback), the sender is still bound to the link's hello index.
 #include "net/peer_auth.h"
 
+#include <poll.h>
+
 #include <catch2/catch.hpp>
 #include <optional>
 
@@ -319,4 +321,70 @@ TEST_CASE("peer links without a cluster secret (loopback): the sender is the lin
   CHECK(w.Closed());
   RequireSame(before, Take(cluster, *worker));
   CHECK(Step(*worker, local) == 2);
+}
+
+TEST_CASE("with a cluster secret a shard's hello carries no auth token, and the cluster serves",
+          "[cluster][peer_auth]") {
+  // The workers' token went out in a shard's first hello, before the listener at the other shard's
+  // address proved anything: whoever answered there (a reused address) collected it.
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.cluster_secret = kSecret;
+  cfg.auth_token = "the-workers-token";
+  SECTION("what a shard sends to whoever answers at a peer's address") {
+    SocketAddress mine, fake;
+    auto fd = ListenTcp("127.0.0.1", 0, &mine);
+    auto listener = ListenTcp("127.0.0.1", 0, &fake);
+    REQUIRE(fd.ok());
+    REQUIRE(listener.ok());
+    server::ServerConfig shard = cfg;
+    shard.cluster = {mine.ToString(), fake.ToString()};
+    shard.shard_index = 0;
+    shard.host = mine.ip;
+    shard.port = mine.port;
+    shard.listen_fd = *fd;
+    auto s = server::Server::Create(shard);
+    if (!s.ok()) ::close(*fd);
+    REQUIRE(s.ok());
+    REQUIRE((*s)->Start().ok());
+    asio::io_context io;
+    tcp::acceptor acceptor(io, tcp::v4(), *listener);
+    pollfd p{*listener, POLLIN, 0};
+    REQUIRE(::poll(&p, 1, 20000) == 1);  // the shard dials its peer
+    tcp::socket peer(io);
+    acceptor.accept(peer);
+    wire::InFrame in;
+    REQUIRE(wire::ReadFrame(peer, in, 1 << 20, std::chrono::steady_clock::now() + std::chrono::seconds(10)).ok());
+    auto reader = in.Reader();
+    auto req = reader->getRoot<proto::Request>();
+    REQUIRE(req.which() == proto::Request::HELLO);
+    auto h = req.getHello();
+    CHECK(h.getPeer());
+    CHECK(h.getPeerNonce().size() == pa::kNonceBytes);
+    CHECK(h.getAuthToken().size() == 0);  // the proof, answered first by the listener, stands for it
+  }
+  SECTION("shards prove themselves with the secret alone; workers still need the token") {
+    auto cluster = StartCluster(cfg, 2);
+    psclient::ClientOptions o;
+    o.cluster = cluster.addresses;
+    o.worker_name = "w0";
+    o.connect_timeout_ms = 20000;
+    o.auth_token = cfg.auth_token;
+    auto worker = psd::testing::ConnectWith(o);
+    float five = 5;
+    REQUIRE(worker->CreateVariable("w", {&five, DType::kFloat32, {}, MemoryKind::kHost}).ok());
+    float g = 1;
+    auto out = worker->Push(0, {{"w", {&g, DType::kFloat32, {}, MemoryKind::kHost}}}, {}, true, 10000);
+    REQUIRE(out.ok());
+    REQUIRE(out->token_status.ok());
+    CHECK(out->token == 1);
+    // A peer hello without the token gets nowhere but its challenge: a request before the proof is
+    // refused as unauthenticated.
+    Raw r(cluster.addresses[1]);
+    r.PeerHello(0, 2, *pa::NewNonce());
+    REQUIRE(r.ReadReply() == Code::kOk);
+    wire::OutFrame f;
+    f.builder.initRoot<proto::Request>().setStatus();
+    r.Send(f);
+    CHECK(r.ReadReply() == Code::kUnauthenticated);
+  }
 }

@@ -111,6 +111,31 @@ TEST_CASE("peer codec: a heartbeat's unusable parts and kept copies are checked"
   CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("plain file name"));
 }
 
+TEST_CASE("peer codec: step lists are bounded, and terms beyond any election count refused", "[cluster][codec]") {
+  // A list the chief matches against every shard's each tick (quadratic work under its lock).
+  peer::Heartbeat hb = FullHeartbeat();
+  hb.sealed_steps.assign(peer::kMaxListedSteps, 1);
+  hb.seal_digests.clear();
+  CHECK(RoundTrip(peer::Message{1, 9, hb}, 3).ok());
+  hb.sealed_steps.push_back(0);
+  CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("sealed or unusable steps"));
+  hb = FullHeartbeat();
+  hb.unusable_steps.assign(peer::kMaxListedSteps + 1, 1);
+  CHECK_THAT(RoundTrip(peer::Message{1, 9, hb}, 3).status().message(), Catch::Contains("sealed or unusable steps"));
+  // A term adopted and saved at 2^64 - 1 overflowed the next one to 0: no formation ever after.
+  CHECK(RoundTrip(peer::Message{1, peer::kMaxTerm - 1, FullHeartbeat()}, 3).ok());
+  CHECK_THAT(RoundTrip(peer::Message{1, peer::kMaxTerm, FullHeartbeat()}, 3).status().message(),
+             Catch::Contains("2^62 or more"));
+  hb = FullHeartbeat();
+  hb.epoch = ~uint64_t{0};
+  CHECK_FALSE(RoundTrip(peer::Message{1, 9, hb}, 3).ok());
+  hb = FullHeartbeat();
+  hb.own_copies[0].lineage = peer::kMaxTerm;  // a lineage is a term: the next formation's is above it
+  CHECK_FALSE(RoundTrip(peer::Message{1, 9, hb}, 3).ok());
+  CHECK_FALSE(RoundTrip(peer::Message{1, 9, peer::Commit{peer::kMaxTerm, 5, false, 0.1}}, 3).ok());
+  CHECK(RoundTrip(peer::Message{1, 9, peer::Commit{9, 5, false, 0.1}}, 3).ok());
+}
+
 TEST_CASE("peer codec: a manifest's digest depends on its parts, not their order", "[cluster][codec]") {
   const peer::PartInfo a{0, "shard-0-of-2.psdckpt", 100, 7}, b{1, "shard-1-of-2.psdckpt", 200, 9};
   CHECK(peer::SealDigest({a, b}) == peer::SealDigest({b, a}));

@@ -58,3 +58,22 @@ TEST_CASE("a cancelled ssp wait gives its clock step back, close fails waits", "
   other.Advance(9, [&](Status s, int64_t) { unknown = s; });
   CHECK(unknown.code() == Code::kFailedPrecondition);
 }
+
+TEST_CASE("failing the parked waits answers them now, gives their clock steps back, keeps the gate open", "[ssp]") {
+  // A cluster that stops serving (a shard lost) answers the fast worker parked at the chief's gate
+  // at once; its retried barrier call later counts as the same step.
+  SspGate gate(0);
+  gate.Join(0);
+  gate.Join(1);
+  Status failed;
+  CHECK(gate.Advance(0, [&](Status s, int64_t) { failed = s; }) != 0);  // clock 1, the slowest at 0: parked
+  CHECK(gate.Clock(0) == 1);
+  gate.FailWaiters(Unavailable("the cluster lost a shard"));
+  CHECK(failed.code() == Code::kUnavailable);
+  CHECK(gate.Clock(0) == 0);  // the step was given back
+  // The gate still works: the retry parks again and is released when the other worker moves.
+  int64_t released = -1;
+  CHECK(gate.Advance(0, [&](Status s, int64_t c) { released = s.ok() ? c : -2; }) != 0);
+  CHECK(gate.Advance(1, [](Status, int64_t) {}) == 0);
+  CHECK(released == 1);
+}
