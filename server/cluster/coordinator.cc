@@ -114,10 +114,12 @@ peer::Message ClusterCoordinator::HeartbeatLocked() const {
   hb.ready = ready_;
   hb.required = required_;
   hb.allow_state_loss = options_.allow_state_loss || !options_.restore;
-  hb.unusable_steps.assign(unusable_.begin(), unusable_.begin() + static_cast<std::ptrdiff_t>(std::min(
-                                                                      unusable_.size(), peer::kMaxListedSteps)));
+  // The newest (unusable_ is not kept in order: steps found later are appended).
+  hb.unusable_steps = unusable_;
+  std::sort(hb.unusable_steps.begin(), hb.unusable_steps.end(), std::greater<>());
+  if (hb.unusable_steps.size() > peer::kMaxListedSteps) hb.unusable_steps.resize(peer::kMaxListedSteps);
   // The parts of the newest unusable steps (a seal is only ever offered for a recent one).
-  for (int64_t t : unusable_) {
+  for (int64_t t : hb.unusable_steps) {
     if (hb.unsealed_parts.size() >= kMaxUnsealedParts) break;
     if (auto it = unsealed_parts_.find(t); it != unsealed_parts_.end()) hb.unsealed_parts.emplace(t, it->second);
   }

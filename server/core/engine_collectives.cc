@@ -1,4 +1,6 @@
 // TrainingEngine: the distribution-aware primitives (reduce_to, update) and sync-on-read values.
+#include <algorithm>
+
 #include "core/training_engine.h"
 #include "core/training_engine_internal.h"
 
@@ -184,10 +186,13 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
     PSD_RETURN_IF_ERROR(DenseAccumulator::Check(v->dtype, v->shape, a.dtype, a.shape, a.bytes));
   }
   const int n = std::max(1, config_.total_replicas);
-  if (!a.cross_replica && a.replica >= static_cast<uint32_t>(n)) {
+  // A sync-on-read variable keeps a value per replica: one a worker names beyond the job's (workers
+  // are numbered below the larger of -N and -R) is refused, not added.
+  const int replicas = std::max({1, config_.total_replicas, config_.replicas_to_aggregate});
+  if (v->sync_on_read && !a.cross_replica && a.replica >= static_cast<uint32_t>(replicas)) {
     return InvalidArgument("update '" + v->name + "': replica " + std::to_string(a.replica) +
-                           " is not one of the job's " + std::to_string(n) +
-                           " replicas (--total-replicas): a replica's own update comes from a worker of the job");
+                           " is not one of the job's " + std::to_string(replicas) +
+                           " replicas: a replica's own update comes from a worker of the job");
   }
   if (a.cross_replica && a.at_next_step && config_.mode == Mode::kSync && !v->sync_on_read) {
     int64_t lands = 0;

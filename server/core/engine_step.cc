@@ -1,7 +1,9 @@
 // TrainingEngine: takes, optimizer applies, the sync commit and its cluster gate, async/ssp
 // applies, soft-sync forcing and moving averages.
 #include <cstring>
+#include <new>
 
+#include "base/scope_exit.h"
 #include "core/training_engine.h"
 #include "core/training_engine_internal.h"
 
@@ -345,8 +347,17 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
     ++averages_pending_;
   }
   lock.UnlockFor(&mu_);
+  // Until UpdateAverages has its turn, a throw (a bad_alloc in the token push) would leave the turn
+  // unserved and every later commit waiting for it: it is served then, and the count given back.
+  ScopeExit unserved([this, &turn] {
+    if (!turn) return;
+    UpdateAverages(AveragesTurn{turn->ticket, turn->step, {}});
+    MutexLock relock(&mu_);
+    --averages_pending_;
+  });
   if (commit_->commits_locally()) tokens_.Push(step, config_.tokens_per_step);  // cluster: the chief's coordinator does
   std::vector<std::pair<Variable*, std::shared_ptr<Buffer>>> shadows;
+  unserved.Dismiss();
   if (turn) shadows = UpdateAverages(std::move(*turn));
   std::optional<ShardSnapshot> asked;  // requested while the averages were updated (RequestSnapshot waited)
   if (snapshot || turn) {
@@ -361,7 +372,9 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
         }
       }
       if (keep_committed_) committed_ = *snapshot;  // shares the buffers
-    } else if (snapshot_requested_ && averages_pending_ == 0 && step_takes_begun_ == 0 && global_step_.load() == step) {
+    } else if (snapshot_requested_ && averages_pending_ == 0 && step_takes_begun_ == 0) {
+      // Every commit's averages are in (this one's or a later one's, whichever relocks last): the
+      // snapshot is of the current step, consistent.
       asked = SnapshotLocked();
       snapshot_requested_ = false;
     }
@@ -376,10 +389,11 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
 }
 
 TrainingEngine::AveragesTurn TrainingEngine::TakeAveragesTurnLocked(int64_t step) {
-  AveragesTurn turn{averages_issued_++, step, {}};
+  AveragesTurn turn{0, step, {}};
   for (auto& [name, v] : vars_) {
     if (v->average) turn.values.emplace_back(v.get(), v->published);
   }
+  turn.ticket = averages_issued_++;  // last: a ticket issued is always served (nothing throws after)
   return turn;
 }
 
@@ -393,6 +407,11 @@ std::vector<std::pair<TrainingEngine::Variable*, std::shared_ptr<Buffer>>> Train
   }
   MutexLock order(&averages_mu_);
   while (averages_served_ != turn.ticket) averages_turn_.Wait(&averages_mu_);
+  // Served however this ends: every later commit waits for it.
+  ScopeExit served([this]() NO_THREAD_SAFETY_ANALYSIS {  // averages_mu_ is held: `order` ends after this
+    ++averages_served_;
+    averages_turn_.NotifyAll();
+  });
   std::vector<std::pair<Variable*, std::shared_ptr<Buffer>>> shadows;
   for (auto& [v, value] : turn.values) {
     std::shared_ptr<const Buffer> old;
@@ -400,7 +419,12 @@ std::vector<std::pair<TrainingEngine::Variable*, std::shared_ptr<Buffer>>> Train
       MutexLock lock(&mu_);
       old = v->shadow;
     }
-    auto next = std::make_shared<Buffer>(v->bytes);
+    std::shared_ptr<Buffer> next;
+    try {
+      next = std::make_shared<Buffer>(v->bytes);
+    } catch (const std::bad_alloc&) {
+      continue;  // out of memory: this average misses the step (the step itself is committed)
+    }
     int64_t n = NumElements(v->shape);
     if (v->dtype == DType::kFloat32) {
       const float* s = old->as<float>();
@@ -418,8 +442,6 @@ std::vector<std::pair<TrainingEngine::Variable*, std::shared_ptr<Buffer>>> Train
     MutexLock lock(&mu_);
     v->shadow = std::move(next);
   }
-  ++averages_served_;
-  averages_turn_.NotifyAll();
   return shadows;
 }
 

@@ -146,4 +146,26 @@ TEST_CASE("a replica's own update names one of the job's replicas", "[engine][co
     CHECK_THAT(s.message(), Catch::Contains("is not one of the job's 2 replicas"));
   }
   CHECK(First(e) == 6);
+
+  // Only a sync-on-read value is per replica: a SUM round counts updates, whoever sends them (with
+  // -R 2 -N 1 the second worker is replica 1, beyond N).
+  ServerConfig c2;
+  c2.replicas_to_aggregate = 2;
+  c2.total_replicas = 1;
+  c2.init_tokens = 1;
+  REQUIRE(c2.Validate().ok());
+  TrainingEngine e2(c2, std::move(*MakeOptimizer(c2.optimizer)));
+  VariableDef sum;
+  sum.name = "acc";
+  sum.shape = {2};
+  sum.trainable = false;
+  sum.aggregation = Aggregation::kSum;
+  REQUIRE(e2.CreateVariable(sum).ok());
+  int answered = 0;
+  for (uint32_t replica : {0u, 1u}) {
+    a.replica = replica;
+    REQUIRE(e2.Update(a, [&](const Status& s, bool applied, int64_t) { answered += s.ok() && applied; }).ok());
+  }
+  CHECK(answered == 2);  // the round of two completed
+  CHECK(First(e2) == 6);
 }
