@@ -98,8 +98,17 @@ bool DenseAccumulator::AddChecked(int64_t local_step, DType dtype, const void* d
 
 bool DenseAccumulator::BeginAdd(int64_t local_step) {
   if (local_step < step_) return false;
+  if (deterministic_) {
+    MutexLock lock(&slots_mu_);
+    if (max_slots_ > 0 && static_cast<int64_t>(slots_.size()) + in_flight_ >= max_slots_) return false;
+  }
   ++in_flight_;
   return true;
+}
+
+void DenseAccumulator::LimitSlots(int max_slots) {
+  MutexLock lock(&slots_mu_);
+  max_slots_ = max_slots;
 }
 
 std::shared_ptr<Buffer> DenseAccumulator::ReleaseSum() {

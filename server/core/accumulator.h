@@ -104,8 +104,13 @@ class DenseAccumulator {
   bool AddChecked(int64_t local_step, DType dtype, const void* data, std::string_view replica = {});
 
   // The concurrent add (see above). BeginAdd returns false for a stale gradient (dropped: nothing
-  // else to call); otherwise the add is in flight and the caller must call Add, then EndAdd.
+  // else to call), or in deterministic mode for one past LimitSlots; otherwise the add is in flight
+  // and the caller must call Add, then EndAdd.
   bool BeginAdd(int64_t local_step);
+  // Deterministic mode: at most `max_slots` gradients (a model-sized slot each) wait for a take;
+  // more are dropped like stale ones. Honest workers send one per step each; a worker sending
+  // gradients for future steps over and over while a step is open would grow the daemon. 0: no limit.
+  void LimitSlots(int max_slots);
   // Adds a validated gradient (Check passed); thread-safe against other Adds. `replica` orders
   // the sum in deterministic mode (ignored otherwise). `helpers`: a pool whose idle threads take
   // some of the stripes (null: the caller adds them all); each stripe's sum is the same either way.
@@ -265,6 +270,7 @@ class DenseAccumulator {
   std::vector<Slot> slots_ GUARDED_BY(slots_mu_);
   std::vector<std::unique_ptr<Buffer>> free_slots_ GUARDED_BY(slots_mu_);
   uint64_t arrivals_ GUARDED_BY(slots_mu_) = 0;
+  int max_slots_ GUARDED_BY(slots_mu_) = 0;  // LimitSlots (0: none)
 };
 
 }  // namespace psd::server

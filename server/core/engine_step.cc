@@ -1,5 +1,6 @@
 // TrainingEngine: takes, optimizer applies, the sync commit and its cluster gate, async/ssp
 // applies, soft-sync forcing and moving averages.
+#include <algorithm>
 #include <cstring>
 #include <new>
 
@@ -68,6 +69,14 @@ void TrainingEngine::ApplyTaken(const Optimizer& opt, const ApplyArgs& args, con
     pool_.ParallelFor(blocks, kParallelApplyElements / 4 / kApplyBlockElements, run);
   }
   ReportApply(t0);
+}
+
+std::unique_ptr<DenseAccumulator> TrainingEngine::NewDenseAccumulator(const Variable& v, int64_t step) const {
+  auto acc = std::make_unique<DenseAccumulator>(v.dtype, v.shape, config_.reduction, step, config_.deterministic);
+  if (config_.deterministic) {
+    acc->LimitSlots(2 * std::max({1, config_.total_replicas, config_.replicas_to_aggregate}) + 8);
+  }
+  return acc;
 }
 
 void TrainingEngine::OfferSpareLocked(Variable* v) {
@@ -287,10 +296,7 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
     if (!v->trainable || v->next_take_step != step) continue;
     spdlog::warn("variable '{}' was created while step {} was closing; it joins step {}", v->name, step, step + 1);
     v->next_take_step = step + 1;
-    if (v->dense) {
-      v->dense =
-          std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1, config_.deterministic);
-    }
+    if (v->dense) v->dense = NewDenseAccumulator(*v, step + 1);
     if (v->sparse) v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
     --pending_takes_;
   }

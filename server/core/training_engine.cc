@@ -350,10 +350,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
             v->sparse->ApplyGrad(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape},
                                  /*counts=*/!g.rows_more);
       } else {
-        if (!v->dense) {
-          v->dense = std::make_unique<DenseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step,
-                                                        config_.deterministic);
-        }
+        if (!v->dense) v->dense = NewDenseAccumulator(*v, v->next_take_step);
         OfferSpareLocked(v);
         accepted = v->dense->BeginAdd(local_step);
         if (*accepted) {

@@ -401,6 +401,9 @@ class TrainingEngine {
   // ApplyDense of a sync take whose gradient `acc` still partly points at held gradients
   // (DenseAccumulator::TakenGrad): args.grad is the taken sum's bytes.
   void ApplyTaken(const Optimizer& opt, const ApplyArgs& args, const DenseAccumulator& acc);
+  // A variable's dense accumulator from round `step` on (deterministic: its slots limited to twice
+  // the larger of -N and -R, and 8 more).
+  std::unique_ptr<DenseAccumulator> NewDenseAccumulator(const Variable& v, int64_t step) const;
   // Offers the dense accumulator the retired value (spare) as its round's sum, if it has none and
   // no pull reads the spare any more (see Push).
   void OfferSpareLocked(Variable* v) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);

@@ -198,6 +198,25 @@ TEST_CASE("concurrent async pushes each update the moving average once, in turn"
   CHECK(std::count(shadow.begin(), shadow.end(), expect) == n);
 }
 
+TEST_CASE("deterministic mode: gradients waiting for a take are bounded", "[engine][deterministic]") {
+  // Each waits in a model-sized slot until the take: a worker pushing a variable for future steps
+  // over and over while the step stays open (another variable not taken yet) grew the daemon.
+  auto c = Cfg(1, 1);
+  c.deterministic = true;
+  auto e = Make(c);
+  Create(*e, "w", {0}, {1});
+  Create(*e, "u", {0}, {1});
+  CHECK(PushDense(*e, 0, "w", {1}, {1}).accepted);  // taken: the step waits for u
+  int accepted = 0;
+  for (int i = 0; i < 50; ++i) accepted += PushDense(*e, 1000, "w", {1}, {1}).accepted;
+  CHECK(accepted == 2 * 1 + 8);  // twice the larger of -N and -R, and 8 more
+  CHECK(PushDense(*e, 0, "u", {1}, {1}).accepted);
+  CHECK(e->global_step() == 1);  // the step committed; the waiting ones make step 2's take
+  CHECK(PushDense(*e, 1, "u", {1}, {1}).accepted);
+  CHECK(e->global_step() == 2);
+  CHECK(Read(*e, "w") == std::vector<float>{-2});  // 0 - 1 (step 1) - the mean of 10 ones (step 2)
+}
+
 TEST_CASE("a learning-rate change takes effect from the next step", "[engine]") {
   auto e = Make(Cfg(2, 2, 1.0));
   Create(*e, "w", {0}, {1});
