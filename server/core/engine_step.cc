@@ -118,13 +118,16 @@ void TrainingEngine::ResolveHeld() {
 }
 
 bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
-  if (v->next_take_step != global_step_.load()) return false;  // already taken this step
+  const int64_t step = global_step_.load();
+  if (v->next_take_step != step) return false;  // already taken this step
   // Gradients still being added belong to this step: the last of them to end takes (or a forced
   // take waits for them).
   if (v->dense && v->dense->in_flight() > 0) {
     if (!force) return false;
     AwaitAddsLocked(v);
-    if (v->next_take_step != global_step_.load()) return false;
+    // The add that ended may have taken it and committed the step meanwhile: the next step's take
+    // is not this one to force (its gradients would be refused as stale).
+    if (v->next_take_step != step || global_step_.load() != step) return false;
   }
   if (force) {
     *count = 0;

@@ -73,6 +73,15 @@ Status SparseAccumulator::Check(DType dtype, const Shape& declared, const Sparse
 template <typename T>
 void SparseAccumulator::Merge(const SparseGradRef& g) {
   const size_t row_bytes = static_cast<size_t>(row_elements_) * sizeof(T);
+  if (g.nnz > 0 && (indices_.empty() || g.indices[0] > indices_.back())) {
+    // Rows all after those held (a push split over frames, rowsMore: each frame's rows follow the
+    // last's): appended, not merged, or a gradient of F frames would cost F passes over all it holds.
+    const auto* bytes = static_cast<const uint8_t*>(g.values);
+    indices_.insert(indices_.end(), g.indices, g.indices + g.nnz);
+    counts_.insert(counts_.end(), static_cast<size_t>(g.nnz), 1);
+    values_.insert(values_.end(), bytes, bytes + static_cast<size_t>(g.nnz) * row_bytes);
+    return;
+  }
   const T* in = static_cast<const T*>(g.values);
   const T* acc = reinterpret_cast<const T*>(values_.data());
   scratch_indices_.clear();

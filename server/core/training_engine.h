@@ -267,7 +267,10 @@ class TrainingEngine {
   Status Update(const UpdateArgs& args, UpdateDone done) EXCLUDES(mu_);
 
   // Copy of an optimizer slot ("momentum", ...) of a variable.
-  Result<PulledValue> GetSlot(const std::string& variable, const std::string& slot) EXCLUDES(mu_);
+  // With count >= 0: only elements [offset, offset + count) of the flattened slot, as a [count]
+  // (INVALID_ARGUMENT when they are not inside it).
+  Result<PulledValue> GetSlot(const std::string& variable, const std::string& slot, int64_t offset = 0,
+                              int64_t count = -1) EXCLUDES(mu_);
   std::vector<std::string> SlotNames(const std::string& variable) const EXCLUDES(mu_);
 
   // How many fresh gradients a sync step waits for: replicas_to_aggregate (or the soft-sync

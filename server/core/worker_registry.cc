@@ -9,21 +9,32 @@ namespace psd::server {
 WorkerRegistry::WorkerRegistry(int replicas_to_aggregate, int total_replicas)
     : replicas_to_aggregate_(replicas_to_aggregate),
       backups_(std::max(0, total_replicas - replicas_to_aggregate)),
-      total_(std::max(total_replicas, replicas_to_aggregate)) {}
+      total_(std::max(total_replicas, replicas_to_aggregate)),
+      job_(total_replicas > 0 ? total_replicas : std::max(total_replicas, replicas_to_aggregate)) {}
 
-Result<uint32_t> WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t incarnation) {
+Result<uint32_t> WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t incarnation,
+                                       uint64_t* replaced) {
   MutexLock lock(&mu_);
   for (size_t i = 0; i < workers_.size(); ++i) {
     Worker& w = workers_[i];
     if (w.name != name) continue;
     if (w.conn != 0 && w.conn != conn) {
-      spdlog::warn("worker '{}' reconnected (incarnation {} -> {}); dropping its old connection", name, w.incarnation,
+      if (incarnation != 0 && w.incarnation != 0 && incarnation < w.incarnation) {
+        return FailedPrecondition("worker '" + name + "' is connected from a newer process (incarnation " +
+                                  std::to_string(w.incarnation) + " > " + std::to_string(incarnation) +
+                                  "): two trainers share this name; give each its own "
+                                  "(ClientOptions::worker_name, default worker-<pid>)");
+      }
+      spdlog::warn("worker '{}' reconnected (incarnation {} -> {}); closing its old connection", name, w.incarnation,
                    incarnation);
+      if (replaced != nullptr) *replaced = w.conn;
     }
     if (w.lost) spdlog::info("worker '{}' is back", name);
+    // A new process of a finished worker joins again; the same one (a client reconnecting to read
+    // values, say) stays finished: the others do not wait for its gradients.
+    if (incarnation != w.incarnation) w.finished = false;
     w.conn = conn;
     w.incarnation = incarnation;
-    w.finished = false;
     w.lost = false;
     return static_cast<uint32_t>(i);
   }
@@ -86,8 +97,9 @@ bool WorkerRegistry::Finished(uint64_t conn) {
 }
 
 bool WorkerRegistry::AllFinishedLocked() const {
-  // Not before all N workers have said hello: a slow starter would find the job over.
-  if (static_cast<int>(workers_.size()) < total_) return false;
+  // Not before all N workers have said hello: a slow starter would find the job over. (N, not the
+  // slots: with -R above -N, N workers finish the job.)
+  if (static_cast<int>(workers_.size()) < job_) return false;
   bool any_finished = false;
   for (const Worker& w : workers_) {
     if (!w.finished && !w.lost) return false;
@@ -131,8 +143,13 @@ bool WorkerRegistry::AllFinished() const {
 
 bool WorkerRegistry::AllGone() const {
   MutexLock lock(&mu_);
-  return static_cast<int>(workers_.size()) >= total_ && !workers_.empty() &&
+  return static_cast<int>(workers_.size()) >= job_ && !workers_.empty() &&
          std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished || w.lost; });
+}
+
+bool WorkerRegistry::AnyLost() const {
+  MutexLock lock(&mu_);
+  return std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.lost; });
 }
 
 int WorkerRegistry::RequiredReplicas() const {

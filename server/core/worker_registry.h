@@ -55,8 +55,12 @@ class WorkerRegistry {
   WorkerRegistry(int replicas_to_aggregate, int total_replicas);
 
   // Registers `conn` as worker `name`. Returns the worker's index (stable per name; a replacement
-  // takes the lost worker's index), or RESOURCE_EXHAUSTED when the job's N slots are taken.
-  Result<uint32_t> Hello(uint64_t conn, const std::string& name, uint64_t incarnation);
+  // takes the lost worker's index), or RESOURCE_EXHAUSTED when the job's N slots are taken. A name
+  // whose connection is still open is taken over by the same process or a newer one (a greater
+  // incarnation): *replaced is then the old connection, which the caller closes (two connections
+  // never count as one worker); an older process is refused (FAILED_PRECONDITION: two trainers
+  // share a name). A worker that finished stays finished when its own process says hello again.
+  Result<uint32_t> Hello(uint64_t conn, const std::string& name, uint64_t incarnation, uint64_t* replaced = nullptr);
   // Returns the worker's index and disconnect generation if it left without finishing.
   std::optional<std::pair<uint32_t, uint64_t>> Disconnected(uint64_t conn);
   // Marks worker `index` lost if it is still gone since disconnect `generation`. Returns its name
@@ -72,6 +76,8 @@ class WorkerRegistry {
   // All N workers said hello, and each finished or was lost (gone past the grace period): a job
   // whose workers all gave up (--exit-when-done ends it too).
   bool AllGone() const;
+  // Some worker is lost (gone past the grace period, and may yet come back).
+  bool AnyLost() const;
   // Workers' names in first-hello order (the index is the worker's id).
   std::vector<std::string> Names() const;
   // Fresh gradients a step needs given how many workers have finished.
@@ -94,7 +100,8 @@ class WorkerRegistry {
 
   const int replicas_to_aggregate_;
   const int backups_;
-  const int total_;  // N
+  const int total_;  // slots: the larger of N and R
+  const int job_;    // N: the workers that say hello before the job can be over
   mutable Mutex mu_;
   std::vector<Worker> workers_ GUARDED_BY(mu_);  // in first-hello order
 };

@@ -294,6 +294,9 @@ Status Server::RequestCheckpoint() {
   if (coordinator_) {
     coordinator_->RequestCheckpoint(/*timed=*/false);
   } else {
+    // Not while the start-up restore fills the engine: its snapshot would be an empty or half
+    // restored state, written as step 0.
+    PSD_RETURN_IF_ERROR(Serving());
     engine()->RequestSnapshot();
   }
   return Status::Ok();
@@ -306,7 +309,7 @@ void Server::ScheduleCheckpointTimer() {
     if (ec) return;
     if (coordinator_) {
       coordinator_->RequestCheckpoint(/*timed=*/true);
-    } else {
+    } else if (Serving().ok()) {  // not during the start-up restore (RequestCheckpoint)
       engine()->RequestSnapshot();
     }
     ScheduleCheckpointTimer();
@@ -314,10 +317,21 @@ void Server::ScheduleCheckpointTimer() {
 }
 
 Result<uint32_t> Server::OnHello(uint64_t conn, const std::string& name, uint64_t incarnation) {
-  auto index = workers_.Hello(conn, name, incarnation);
+  uint64_t replaced = 0;
+  auto index = workers_.Hello(conn, name, incarnation, &replaced);
   if (!index.ok()) {
     spdlog::warn("{}", index.status().message());
     return index.status();
+  }
+  if (replaced != 0) {
+    // The worker's old connection (it reconnected, or restarted): closed, so that two connections
+    // never count as one worker. Its parked waits give their tokens back as it closes.
+    std::shared_ptr<Connection> old;
+    {
+      MutexLock lock(&conns_mu_);
+      if (auto it = conns_.find(replaced); it != conns_.end()) old = it->second.lock();
+    }
+    if (old) old->CloseGracefully();
   }
   if (config_.mode == Mode::kSsp) ssp_.Join(*index);
   UpdateRequired();
@@ -653,6 +667,11 @@ void Server::EndJobIfDone() {
         "every worker is gone without finishing (none came back within --worker-grace-s {} s): the job "
         "ends (--exit-when-done)",
         config_.worker_grace_s);
+  } else if (!config_.exit_when_done && workers_.AnyLost()) {
+    // The workers still here finished, others are lost: one that comes back counts again (and
+    // trains on), so the job is not declared over to it.
+    spdlog::info("the workers still connected finished; psd waits for the lost ones to come back (or stop it)");
+    return;
   }
   if (coordinator_) {
     // The chief's registry decides for the cluster; the others hear it from the chief.

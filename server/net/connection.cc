@@ -1,8 +1,22 @@
 #include "net/connection.h"
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <spdlog/spdlog.h>
+#include <sys/socket.h>
 
 namespace psd::server {
+
+bool Connection::DetectDeadPeer(int fd) {
+  const int on = 1, idle = kKeepAliveIdleS, interval = kKeepAliveIntervalS, probes = kKeepAliveProbes,
+            user_timeout = kUserTimeoutMs;
+  bool ok = ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on)) == 0;
+  ok = ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle)) == 0 && ok;
+  ok = ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval)) == 0 && ok;
+  ok = ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes)) == 0 && ok;
+  ok = ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof(user_timeout)) == 0 && ok;
+  return ok;
+}
 
 Connection::Connection(tcp::socket socket, const ConnectionEnv& env, uint64_t id)
     : env_(env),
@@ -17,6 +31,9 @@ void Connection::Start(std::shared_ptr<FrameHandler> handler) {
   handler_ = std::move(handler);
   boost::system::error_code ec;
   stream_.lowest().set_option(tcp::no_delay(true), ec);
+  if (!DetectDeadPeer(stream_.lowest().native_handle())) {
+    spdlog::warn("connection {}: TCP keepalive could not be set; a peer whose host dies is not noticed", id_);
+  }
   asio::dispatch(strand_, [self = shared_from_this()] {
     auto hello = std::chrono::milliseconds(self->env_.hello_timeout_ms);
     self->hello_deadline_ = std::chrono::steady_clock::now() + hello;

@@ -94,6 +94,17 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   Connection(tcp::socket socket, const ConnectionEnv& env, uint64_t id);
   uint64_t id() const { return id_; }
+  // A peer whose host died (power, a partition) sends no FIN: its connection would look open
+  // forever, its worker never counted gone (--worker-grace-s never starts; TF #5022). Start() turns
+  // on TCP keepalive (probes after kKeepAliveIdleS idle, every kKeepAliveIntervalS, kKeepAliveProbes
+  // of them) and bounds unacknowledged data by TCP_USER_TIMEOUT: a dead host's connection closes
+  // within about a minute, a live one that computes for hours is untouched (the kernel answers).
+  static constexpr int kKeepAliveIdleS = 30;
+  static constexpr int kKeepAliveIntervalS = 5;
+  static constexpr int kKeepAliveProbes = 4;
+  static constexpr int kUserTimeoutMs = 60000;
+  // The options above on `fd` (false: the kernel refused one; the connection works without it).
+  static bool DetectDeadPeer(int fd);
   // Starts the handshake (TLS) and the reads; `handler` gets the frames. Call once.
   void Start(std::shared_ptr<FrameHandler> handler);
 

@@ -170,6 +170,12 @@ void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
     return FailStream(FailedPrecondition("this connection already said hello; open a new one"), id);
   }
   if (r.getPeer()) return HandlePeerHello(id, r);
+  if (!r.getObserver() && conn_->role() == Connection::Role::kWorker) {
+    // One worker per connection: a second name here would stay "connected" after the close.
+    return FailStream(FailedPrecondition("this connection already said hello as worker '" + worker_name_ +
+                                         "'; a worker opens a connection of its own"),
+                      id);
+  }
   if (r.getObserver()) {
     // A worker's connection that says hello again as an observer keeps its worker's limits.
     if (conn_->role() == Connection::Role::kNone) conn_->set_role(Connection::Role::kObserver);
@@ -587,22 +593,16 @@ void WorkerSession::HandleFinish(uint64_t id) {
 }
 
 void WorkerSession::HandleGetSlot(uint64_t id, proto::GetSlot::Reader r) {
-  auto slot = host_.engine()->GetSlot(r.getVariable(), r.getSlot());
+  // A range is copied alone (the engine checks it is inside the slot): the reply is a flat [count].
+  auto slot = r.getHasRange() ? host_.engine()->GetSlot(r.getVariable(), r.getSlot(), r.getRange().getOffset(),
+                                                        std::max<int64_t>(0, r.getRange().getCount()))
+                              : host_.engine()->GetSlot(r.getVariable(), r.getSlot());
   if (!slot.ok()) return SendError(id, slot.status());
   auto want = WantedDType(r.getHasDtype(), r.getDtype(), r.getVariable(), slot->declared);
   if (!want.ok()) return SendError(id, want.status());
-  std::optional<ElementRange> range;
-  if (r.getHasRange()) {
-    range = ElementRange{r.getRange().getOffset(), r.getRange().getCount()};
-    Status in =
-        CheckRange(*range, NumElements(slot->shape),
-                   "slot '" + std::string(r.getSlot().cStr()) + "' of '" + std::string(r.getVariable().cStr()) + "'");
-    if (!in.ok()) return SendError(id, in);
-  }
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
-  SetValue(*frame, resp.initSlot(), slot->value, slot->dtype, slot->shape, *want, nullptr, "",
-           range ? &*range : nullptr);
+  SetValue(*frame, resp.initSlot(), slot->value, slot->dtype, slot->shape, *want, nullptr, "", nullptr);
   Send(std::move(frame));
 }
 

@@ -234,16 +234,37 @@ TEST_CASE("workers finishing end the job and release blocked waiters", "[integra
   CHECK(out->token_status.ok());
   CHECK(out->token == 1);
   CHECK(*w1->WaitToken(1000) == 1);  // the step's second token
-  // A further wait after everyone finished ends with OutOfRange rather than hanging.
-  Status late_status;
-  std::thread late([&] { late_status = w1->WaitToken(10000).status(); });
-  WaitUntil([&] { return server->engine()->tokens().waiters() == 1; });
+  // A wait after everyone finished ends with OutOfRange rather than hanging. (A wait blocked when
+  // the job ends is released the same way: TokenQueue::Close, token_queue_test.cc. Here the last
+  // worker cannot finish while its own call waits: one connection per worker.)
   CHECK_FALSE(server->workers().AllFinished());
-  auto w1b = ConnectWorker(server->port(), "w1");  // w1 again (a second connection) finishes
-  REQUIRE(w1b->Finish().ok());
-  late.join();
-  CHECK(late_status.code() == Code::kOutOfRange);
+  REQUIRE(w1->Finish().ok());
+  CHECK(server->workers().AllFinished());
+  CHECK(w1->WaitToken(10000).status().code() == Code::kOutOfRange);
   CHECK(server->Wait());  // --exit-when-done: the daemon's wait returns "job done"
+}
+
+TEST_CASE("a newer process under a worker's name takes its slot and closes the old connection", "[integration]") {
+  // Two connections counted as one worker: the old one's close later marked the worker gone while
+  // the new one trained on (or a finished worker's end hid the other's).
+  auto server = StartServer(TestConfig(1, 1, 0));
+  auto first = ConnectWorker(server->port(), "w");
+  float init = 0, g = 1;
+  REQUIRE(first->CreateVariable("w", Scalar(init)).ok());
+  Status waited;
+  std::thread waiter([&] { waited = first->WaitToken(10000).status(); });
+  WaitUntil([&] { return server->engine()->tokens().waiters() == 1; });
+  auto second = ConnectWorker(server->port(), "w");  // a newer incarnation (a restarted trainer)
+  waiter.join();
+  CHECK(waited.code() == Code::kUnavailable);  // its connection was closed: the new one is the worker
+  CHECK(server->workers().Counts().connected == 1);
+  auto out = second->Push(0, {{"w", Scalar(g)}}, true, 10000);
+  REQUIRE(out.ok());
+  CHECK(out->token_status.ok());
+  // The older process cannot come back under the name while the newer one is connected.
+  auto again = first->Push(1, {{"w", Scalar(g)}}, true, 2000);
+  CHECK(again.status().code() == Code::kFailedPrecondition);
+  CHECK_THAT(again.status().message(), Catch::Contains("two trainers share this name"));
 }
 
 TEST_CASE("wrong requests get clear errors over the wire", "[integration]") {
@@ -293,6 +314,26 @@ TEST_CASE("push, barrier and the next pull in one round trip", "[integration]") 
   REQUIRE(no_wait.ok());
   CHECK(no_wait->pulled_step == 2);
   CHECK(after == 1.0f);
+}
+
+TEST_CASE("a lost worker that comes back after the others finished trains on", "[integration]") {
+  // The lost counted as finished: with the rest done the token queue was closed for good, and the
+  // returning worker was told "training is over" although the README says it counts again.
+  auto cfg = TestConfig(2, 2, 0);
+  cfg.worker_grace_s = 0.2;
+  auto server = StartServer(cfg);
+  auto a = ConnectWorker(server->port(), "a");
+  auto b = ConnectWorker(server->port(), "b");
+  float init = 0, g = 1;
+  REQUIRE(a->CreateVariable("w", Scalar(init)).ok());
+  REQUIRE(b->Finish().ok());
+  a.reset();  // gone past its grace
+  WaitUntil([&] { return server->workers().Counts().lost == 1; });
+  auto back = ConnectWorker(server->port(), "a");
+  auto out = back->Push(0, {{"w", Scalar(g)}}, true, 10000);
+  REQUIRE(out.ok());
+  CHECK(out->token_status.ok());  // one gradient makes the step now (b finished)
+  CHECK(out->token == 1);
 }
 
 TEST_CASE("a worker that vanishes without finishing stops holding the steps after the grace period", "[integration]") {

@@ -320,6 +320,18 @@ TEST_CASE("a variable can name its own optimizer, its slots follow it", "[engine
   auto slot = e->GetSlot("w", "momentum");
   REQUIRE(slot.ok());
   CHECK(slot->value->as<float>()[0] == Approx(1.9));
+  // A range of a slot: only those elements are copied, as a flat [count].
+  Create(*e, "m", {0, 0, 0, 0, 0, 0}, {2, 3}, false, "momentum");
+  std::vector<float> gm{1, 2, 3, 4, 5, 6};
+  REQUIRE(e->Push(2, {{"m", DType::kFloat32, {2, 3}, gm.data(), 24}, refs[0], refs[1]}, &out).ok());
+  auto part = e->GetSlot("m", "momentum", 2, 3);
+  REQUIRE(part.ok());
+  CHECK(part->shape == Shape{3});
+  REQUIRE(part->value->bytes() == 3 * 4);
+  CHECK(part->value->as<float>()[0] == 3);
+  CHECK(part->value->as<float>()[2] == 5);
+  CHECK(e->GetSlot("m", "momentum", 4, 3).status().code() == Code::kInvalidArgument);  // past the end
+  CHECK(e->GetSlot("m", "momentum", 0, 0).status().code() == Code::kInvalidArgument);
   VariableDef bad;
   bad.name = "x";
   bad.optimizer = "lbfgs";

@@ -120,3 +120,49 @@ TEST_CASE("the registry stays bounded by N however many distinct workers come an
   CHECK(r.Snapshot().size() == 3);
   CHECK(r.Counts().lost == 1);
 }
+
+TEST_CASE("a name whose connection is open is taken over by its own or a newer process only", "[workers]") {
+  WorkerRegistry r(2, 2);
+  uint64_t replaced = 0;
+  REQUIRE(*r.Hello(10, "a", 5, &replaced) == 0);
+  CHECK(replaced == 0);
+  // An older process under the same name (two trainers sharing it): refused, not merged.
+  auto older = r.Hello(11, "a", 4, &replaced);
+  CHECK(older.status().code() == psd::Code::kFailedPrecondition);
+  CHECK_THAT(older.status().message(), Catch::Contains("two trainers share this name"));
+  CHECK(replaced == 0);
+  CHECK(r.IndexOf(10) == 0);
+  CHECK(r.IndexOf(11) == -1);
+  // The same process reconnecting, or a newer one: takes the slot; the old connection is named to
+  // be closed (two connections never count as one worker).
+  REQUIRE(*r.Hello(12, "a", 5, &replaced) == 0);
+  CHECK(replaced == 10);
+  replaced = 0;
+  REQUIRE(*r.Hello(13, "a", 6, &replaced) == 0);
+  CHECK(replaced == 12);
+  CHECK(r.IndexOf(13) == 0);
+  CHECK_FALSE(r.Disconnected(12).has_value());  // the replaced connection's close changes nothing
+  CHECK(r.Counts().connected == 1);
+}
+
+TEST_CASE("a finished worker's own process saying hello again stays finished", "[workers]") {
+  WorkerRegistry r(2, 2);
+  REQUIRE(r.Hello(1, "a", 7).ok());
+  REQUIRE(r.Hello(2, "b", 7).ok());
+  CHECK_FALSE(r.Finished(1));
+  CHECK(r.RequiredReplicas() == 1);
+  r.Disconnected(1);
+  REQUIRE(r.Hello(3, "a", 7).ok());  // reconnects (to read values, say): still finished
+  CHECK(r.RequiredReplicas() == 1);
+  CHECK(r.IsChief(2));
+  REQUIRE(r.Hello(4, "a", 8).ok());  // a new process of it joins again
+  CHECK(r.RequiredReplicas() == 2);
+  CHECK(r.IsChief(4));
+}
+
+TEST_CASE("with -R above -N the job is over once its N workers finished", "[workers]") {
+  WorkerRegistry r(2, 1);  // each step takes two gradients from the one worker
+  REQUIRE(r.Hello(1, "a", 1).ok());
+  CHECK(r.Finished(1));
+  CHECK(r.AllFinished());
+}
