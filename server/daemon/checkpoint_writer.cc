@@ -17,6 +17,13 @@ bool CheckpointWriter::Busy() const {
   return writing_ || pending_.has_value();
 }
 
+bool CheckpointWriter::Defer() {
+  MutexLock lock(&mu_);
+  if (!writing_ && !pending_.has_value()) return false;
+  deferred_ = true;
+  return true;
+}
+
 void CheckpointWriter::Stop() {
   if (!thread_.joinable()) return;
   {
@@ -39,8 +46,16 @@ void CheckpointWriter::Loop() {
       writing_ = true;
     }
     write_(*snap);
-    MutexLock lock(&mu_);
-    writing_ = false;
+    bool again = false;
+    {
+      MutexLock lock(&mu_);
+      writing_ = false;
+      // A snapshot queued meanwhile answers a deferred request too (it was taken after it or
+      // replaced one that was); with none, the request is asked for now.
+      again = deferred_ && !pending_.has_value() && !stop_;
+      if (again || pending_.has_value()) deferred_ = false;
+    }
+    if (again && again_) again_();
   }
 }
 

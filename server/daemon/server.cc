@@ -297,6 +297,7 @@ Status Server::RequestCheckpoint() {
     // Not while the start-up restore fills the engine: its snapshot would be an empty or half
     // restored state, written as step 0.
     PSD_RETURN_IF_ERROR(Serving());
+    if (ckpt_writer_.Defer()) return Status::Ok();  // one snapshot after the write under way
     engine()->RequestSnapshot();
   }
   return Status::Ok();

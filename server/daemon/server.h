@@ -236,7 +236,8 @@ class Server : public ServiceHost {
 
   // Checkpoints: snapshots are handed to one writer thread (the newest pending one wins).
   asio::steady_timer checkpoint_timer_;
-  CheckpointWriter ckpt_writer_{[this](const ShardSnapshot& snap) { WriteSnapshot(snap); }};
+  CheckpointWriter ckpt_writer_{[this](const ShardSnapshot& snap) { WriteSnapshot(snap); },
+                                [this] { engine()->RequestSnapshot(); }};  // a deferred operator request
   std::atomic<int64_t> last_checkpoint_step_{-1};
   std::atomic<bool> stop_window_warned_{false};
 
