@@ -158,7 +158,8 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   // The optimizer writes the new values over the taken sum (each element's gradient is read before
   // its value is written), and that buffer is what the commit publishes: a variable holds its
   // value and one sum, not a third staging buffer.
-  std::shared_ptr<Buffer> value, out = v->dense->ReleaseSum();
+  std::shared_ptr<const Buffer> value;  // read only: its change list (replication) and generation stay
+  std::shared_ptr<Buffer> out = v->dense->ReleaseSum();
   double lr;
   {
     MutexLock lock(&mu_);
@@ -228,7 +229,8 @@ void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step,
     ApplySparseLocked(v, rows, g.data, step, lr);
     return;
   }
-  std::shared_ptr<Buffer> value, out;
+  std::shared_ptr<const Buffer> value;  // read only (as in the take)
+  std::shared_ptr<Buffer> out;
   {
     MutexLock lock(&mu_);
     value = v->published;
