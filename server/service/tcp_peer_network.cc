@@ -95,7 +95,15 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
       // Down: dropped (the receiver saw the link close), unless it is being moved to a new address
       // (the receiver there never had this link: what the cluster sends it meanwhile waits).
       if ((!self->up_ && !self->moving_) || self->stopped_) return;
-      if (self->queue_.size() > 4096) return;  // a peer that reads nothing: it will be seen as gone
+      if (self->queue_.size() > kMaxQueued) {
+        // A peer that reads nothing: it will be seen as gone. (Or a replica copy of more pieces
+        // than this queued at once: said, so that a copy that never completes is explained.)
+        if (self->drop_log_.Allow() >= 0) {
+          spdlog::warn("cluster: the link to shard {} ({}) has {} frames queued unwritten; dropping more",
+                       self->id_.target, self->address_, self->queue_.size());
+        }
+        return;
+      }
       self->queue_.push_back(frame);
       if (!self->writing_) self->WriteNext();
     });
@@ -380,6 +388,8 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   bool moving_ = false;      // SetAddress: messages wait for the new link instead of being dropped
   const Identity id_;
   peer_auth::LogLimiter log_;
+  peer_auth::LogLimiter drop_log_{1, std::chrono::seconds(30)};
+  static constexpr size_t kMaxQueued = 4096;
   std::deque<Bytes> queue_;
   std::atomic<bool> writing_{false};
   bool up_ = false;
