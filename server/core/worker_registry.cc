@@ -147,6 +147,11 @@ bool WorkerRegistry::AllGone() const {
          std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.finished || w.lost; });
 }
 
+bool WorkerRegistry::IsFinished(uint32_t index) const {
+  MutexLock lock(&mu_);
+  return index < workers_.size() && workers_[index].finished;
+}
+
 bool WorkerRegistry::AnyLost() const {
   MutexLock lock(&mu_);
   return std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.lost; });

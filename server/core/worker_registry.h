@@ -78,6 +78,8 @@ class WorkerRegistry {
   bool AllGone() const;
   // Some worker is lost (gone past the grace period, and may yet come back).
   bool AnyLost() const;
+  // Worker `index` has finished (and, saying hello again from its own process, stays so).
+  bool IsFinished(uint32_t index) const;
   // Workers' names in first-hello order (the index is the worker's id).
   std::vector<std::string> Names() const;
   // Fresh gradients a step needs given how many workers have finished.

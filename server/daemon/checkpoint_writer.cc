@@ -9,6 +9,7 @@ void CheckpointWriter::Start() {
 void CheckpointWriter::Queue(ShardSnapshot snap) {
   MutexLock lock(&mu_);
   pending_ = std::move(snap);
+  deferred_ = false;  // taken after a deferred request came: it answers it
   cv_.NotifyOne();
 }
 
@@ -50,10 +51,10 @@ void CheckpointWriter::Loop() {
     {
       MutexLock lock(&mu_);
       writing_ = false;
-      // A snapshot queued meanwhile answers a deferred request too (it was taken after it or
-      // replaced one that was); with none, the request is asked for now.
+      // A request still deferred (no snapshot queued since it came) is asked for now; one queued
+      // before it is written first, and the request after that.
       again = deferred_ && !pending_.has_value() && !stop_;
-      if (again || pending_.has_value()) deferred_ = false;
+      if (again) deferred_ = false;
     }
     if (again && again_) again_();
   }

@@ -332,9 +332,10 @@ Result<uint32_t> Server::OnHello(uint64_t conn, const std::string& name, uint64_
       MutexLock lock(&conns_mu_);
       if (auto it = conns_.find(replaced); it != conns_.end()) old = it->second.lock();
     }
-    if (old) old->CloseGracefully();
+    if (old) asio::post(old->strand(), [old] { old->CloseNow(); });  // its parked waits end now
   }
-  if (config_.mode == Mode::kSsp) ssp_.Join(*index);
+  // A finished worker saying hello again (to read values) holds nobody back at the gate.
+  if (config_.mode == Mode::kSsp && !workers_.IsFinished(*index)) ssp_.Join(*index);
   UpdateRequired();
   return *index;
 }
@@ -670,8 +671,16 @@ void Server::EndJobIfDone() {
         config_.worker_grace_s);
   } else if (!config_.exit_when_done && workers_.AnyLost()) {
     // The workers still here finished, others are lost: one that comes back counts again (and
-    // trains on), so the job is not declared over to it.
+    // trains on), so the job is not declared over to it. What was trained is checkpointed, as the
+    // job's end would have.
     spdlog::info("the workers still connected finished; psd waits for the lost ones to come back (or stop it)");
+    if (!config_.checkpoint_dir.empty()) {
+      if (coordinator_) {
+        if (coordinator_->is_chief()) coordinator_->RequestCheckpoint(/*timed=*/false);
+      } else {
+        engine()->RequestSnapshot();
+      }
+    }
     return;
   }
   if (coordinator_) {

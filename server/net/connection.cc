@@ -8,13 +8,11 @@
 namespace psd::server {
 
 bool Connection::DetectDeadPeer(int fd) {
-  const int on = 1, idle = kKeepAliveIdleS, interval = kKeepAliveIntervalS, probes = kKeepAliveProbes,
-            user_timeout = kUserTimeoutMs;
+  const int on = 1, idle = kKeepAliveIdleS, interval = kKeepAliveIntervalS, probes = kKeepAliveProbes;
   bool ok = ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on)) == 0;
   ok = ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle)) == 0 && ok;
   ok = ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval)) == 0 && ok;
   ok = ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes)) == 0 && ok;
-  ok = ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof(user_timeout)) == 0 && ok;
   return ok;
 }
 

@@ -97,12 +97,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // A peer whose host died (power, a partition) sends no FIN: its connection would look open
   // forever, its worker never counted gone (--worker-grace-s never starts; TF #5022). Start() turns
   // on TCP keepalive (probes after kKeepAliveIdleS idle, every kKeepAliveIntervalS, kKeepAliveProbes
-  // of them) and bounds unacknowledged data by TCP_USER_TIMEOUT: a dead host's connection closes
-  // within about a minute, a live one that computes for hours is untouched (the kernel answers).
+  // of them): an idle dead host's connection closes within about a minute, a live one that computes
+  // for hours is untouched (its kernel answers). (No TCP_USER_TIMEOUT: it also ends a connection
+  // whose reader keeps a zero window that long, as a worker still sending a big push before it reads
+  // the replies; data unacknowledged by a dead host ends with the kernel's retransmissions.)
   static constexpr int kKeepAliveIdleS = 30;
   static constexpr int kKeepAliveIntervalS = 5;
   static constexpr int kKeepAliveProbes = 4;
-  static constexpr int kUserTimeoutMs = 60000;
   // The options above on `fd` (false: the kernel refused one; the connection works without it).
   static bool DetectDeadPeer(int fd);
   // Starts the handshake (TLS) and the reads; `handler` gets the frames. Call once.

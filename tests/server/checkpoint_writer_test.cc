@@ -46,3 +46,44 @@ TEST_CASE("requests during a write are deferred into one snapshot after it", "[c
   writer.Stop();
   CHECK(again.load() == 1);
 }
+
+TEST_CASE("a deferred request is answered by a snapshot queued after it, not by one queued before", "[checkpoint]") {
+  for (bool queued_after : {false, true}) {
+    INFO("queued after the request: " << queued_after);
+    std::mutex m;
+    std::condition_variable cv;
+    bool release = false;
+    int started = 0;
+    std::atomic<int> writes{0}, again{0};
+    CheckpointWriter writer(
+        [&](const ShardSnapshot&) {
+          std::unique_lock<std::mutex> lock(m);
+          ++started;
+          cv.notify_all();
+          cv.wait(lock, [&] { return release; });
+          ++writes;
+        },
+        [&] { ++again; });
+    writer.Start();
+    writer.Queue(ShardSnapshot{});  // A, being written
+    {
+      std::unique_lock<std::mutex> lock(m);
+      cv.wait(lock, [&] { return started == 1; });
+    }
+    if (!queued_after) writer.Queue(ShardSnapshot{});  // B, older than the request
+    CHECK(writer.Defer());
+    if (queued_after) writer.Queue(ShardSnapshot{});  // B, taken after the request: it answers it
+    {
+      std::lock_guard<std::mutex> lock(m);
+      release = true;
+    }
+    cv.notify_all();
+    for (int i = 0; i < 2000 && writes.load() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (!queued_after) {
+      for (int i = 0; i < 2000 && again.load() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    writer.Stop();
+    CHECK(writes.load() == 2);
+    CHECK(again.load() == (queued_after ? 0 : 1));
+  }
+}

@@ -1,5 +1,5 @@
-// A worker's host that dies sends no FIN: psd notices it by TCP keepalive and TCP_USER_TIMEOUT,
-// set on every accepted connection (net/connection.h, Connection::DetectDeadPeer).
+// A worker's host that dies sends no FIN: psd notices it by TCP keepalive, set on every accepted
+// connection (net/connection.h, Connection::DetectDeadPeer).
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -31,6 +31,7 @@ TEST_CASE("a connection asks the kernel to notice a peer whose host died", "[net
   CHECK(Option(fd, IPPROTO_TCP, TCP_KEEPIDLE) == Connection::kKeepAliveIdleS);
   CHECK(Option(fd, IPPROTO_TCP, TCP_KEEPINTVL) == Connection::kKeepAliveIntervalS);
   CHECK(Option(fd, IPPROTO_TCP, TCP_KEEPCNT) == Connection::kKeepAliveProbes);
-  CHECK(Option(fd, IPPROTO_TCP, TCP_USER_TIMEOUT) == Connection::kUserTimeoutMs);
+  // No TCP_USER_TIMEOUT: it would end a worker's connection whose zero window lasts that long.
+  CHECK(Option(fd, IPPROTO_TCP, TCP_USER_TIMEOUT) == 0);
   ::close(fd);
 }

@@ -155,7 +155,9 @@ TEST_CASE("a finished worker's own process saying hello again stays finished", "
   REQUIRE(r.Hello(3, "a", 7).ok());  // reconnects (to read values, say): still finished
   CHECK(r.RequiredReplicas() == 1);
   CHECK(r.IsChief(2));
+  CHECK(r.IsFinished(0));            // the daemon does not put it back at the ssp gate either
   REQUIRE(r.Hello(4, "a", 8).ok());  // a new process of it joins again
+  CHECK_FALSE(r.IsFinished(0));
   CHECK(r.RequiredReplicas() == 2);
   CHECK(r.IsChief(4));
 }
