@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "base/mutex.h"
+#include "base/scope_exit.h"
 #include "checkpoint/xxh3.h"
 #include "psd/cores.h"
 #include "psd/half.h"
@@ -798,13 +799,7 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
   Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) return Unavailable(Errno("create " + tmp));
   // A write that fails leaves no temporary behind (its space preallocated below).
-  struct RemoveUnlessRenamed {
-    const std::string& file;
-    bool renamed = false;
-    ~RemoveUnlessRenamed() {
-      if (!renamed) ::unlink(file.c_str());
-    }
-  } cleanup{tmp};
+  ScopeExit cleanup([&tmp] { ::unlink(tmp.c_str()); });
   // Reserve the space up front: parallel writers then fill one contiguous extent, and a full disk
   // fails here rather than midway.
   if (int rc = posix_fallocate(fd.get(), 0, static_cast<off_t>(body + 8)); rc != 0 && rc != EOPNOTSUPP) {
@@ -819,7 +814,7 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
   if (!ok) return Unavailable(Errno("write " + tmp));
   if (close(fd.Release()) != 0) return Unavailable(Errno("close " + tmp));
   if (std::rename(tmp.c_str(), (path + "/" + part).c_str()) != 0) return Unavailable(Errno("rename " + tmp));
-  cleanup.renamed = true;
+  cleanup.Dismiss();
   const uint64_t part_bytes = body + sizeof(trailer);
   const uint64_t part_sum = trailer;  // v4: what the manifest records is the trailer's checksum
   if (shards == 1) {
@@ -845,15 +840,18 @@ Status WriteManifest(const std::string& dir, int64_t step, int shards, const std
   }
   text += "checksum " + Hex(XXH3_64bits(text.data(), text.size())) + "\n";
   // A name of its own per process: shards sharing the directory may seal the same step at once.
-  std::string mtmp = path + "/MANIFEST.tmp." + std::to_string(getpid());
-  int fd = open(mtmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Unavailable(Errno("create " + mtmp));
+  PSD_RETURN_IF_ERROR(WriteFileDurably(path + "/MANIFEST", path + "/MANIFEST.tmp." + std::to_string(getpid()), text));
+  return FsyncPath(dir);
+}
+
+Status WriteFileDurably(const std::string& path, const std::string& tmp, const std::string& text) {
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Unavailable(Errno("create " + tmp));
   bool wrote = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && fsync(fd) == 0;
   close(fd);
-  if (!wrote) return Unavailable(Errno("write " + mtmp));
-  if (std::rename(mtmp.c_str(), (path + "/MANIFEST").c_str()) != 0) return Unavailable(Errno("rename " + mtmp));
-  PSD_RETURN_IF_ERROR(FsyncPath(path));
-  return FsyncPath(dir);
+  if (!wrote) return Unavailable(Errno("write " + tmp));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) return Unavailable(Errno("rename " + tmp));
+  return FsyncPath(std::filesystem::path(path).parent_path().string());
 }
 
 namespace {

@@ -68,6 +68,10 @@ Result<CheckpointInfo> LoadLatestCheckpoint(const std::string& dir, int shard, S
 // one directory may all write the same manifest).
 Status WriteManifest(const std::string& dir, int64_t step, int shards, const std::vector<ManifestPart>& parts);
 
+// `text` into `path` so that a power loss leaves the old file or the new one: written to `tmp` and
+// synced, renamed over `path`, its directory synced. (A manifest; the cluster's saved term.)
+Status WriteFileDurably(const std::string& path, const std::string& tmp, const std::string& text);
+
 // Seals checkpoint `step` on shard `shard` that holds its part but missed the seal (the chief's
 // parts come with a formation's restore order): writes the MANIFEST of `parts` only if this
 // shard's part in `dir` is there and matches its entry (size and checksum, read whole), so parts

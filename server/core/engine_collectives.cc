@@ -188,7 +188,7 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
   const int n = std::max(1, config_.total_replicas);
   // A sync-on-read variable keeps a value per replica: one a worker names beyond the job's (workers
   // are numbered below the larger of -N and -R) is refused, not added.
-  const int replicas = std::max({1, config_.total_replicas, config_.replicas_to_aggregate});
+  const int replicas = config_.worker_slots();
   if (v->sync_on_read && !a.cross_replica && a.replica >= static_cast<uint32_t>(replicas)) {
     return InvalidArgument("update '" + v->name + "': replica " + std::to_string(a.replica) +
                            " is not one of the job's " + std::to_string(replicas) +

@@ -74,7 +74,7 @@ void TrainingEngine::ApplyTaken(const Optimizer& opt, const ApplyArgs& args, con
 std::unique_ptr<DenseAccumulator> TrainingEngine::NewDenseAccumulator(const Variable& v, int64_t step) const {
   auto acc = std::make_unique<DenseAccumulator>(v.dtype, v.shape, config_.reduction, step, config_.deterministic);
   if (config_.deterministic) {
-    acc->LimitSlots(2 * std::max({1, config_.total_replicas, config_.replicas_to_aggregate}) + 8);
+    acc->LimitSlots(2 * config_.worker_slots() + 8);
   }
   return acc;
 }

@@ -4,6 +4,7 @@
 #ifndef PSD_SERVER_CORE_TRAINING_CONFIG_H_
 #define PSD_SERVER_CORE_TRAINING_CONFIG_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -66,6 +67,8 @@ struct TrainingConfig {
 
   // Fresh gradients a sync step needs before any worker finished: R, or ceil(f * N).
   int InitialRequiredReplicas() const;
+  // Workers are numbered below this (WorkerRegistry's slots): the larger of -N and -R, at least 1.
+  int worker_slots() const { return std::max({1, total_replicas, replicas_to_aggregate}); }
 };
 
 const char* ReductionName(Reduction r);

@@ -503,7 +503,8 @@ Result<PulledValue> TrainingEngine::GetSlot(const std::string& variable, const s
   auto copy = std::make_shared<Buffer>(bytes, Buffer::Uninitialized{});
   MutexLock vlock(&v->mu);
   MutexLock lock(&mu_);  // sparse variables' slots are guarded by mu_
-  const Buffer& from = v->slots[static_cast<size_t>(it - names.begin())];  // read only: its change list stays
+  // Read only: the slot's change list (replication) stays.
+  const Buffer& from = v->slots[static_cast<size_t>(it - names.begin())];
   std::memcpy(copy->data(), static_cast<const uint8_t*>(from.data()) + first, bytes);
   return PulledValue{std::move(copy), v->dtype, ranged ? Shape{count} : v->shape, v->declared};
 }

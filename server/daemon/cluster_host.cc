@@ -1,8 +1,6 @@
 #include "daemon/cluster_host.h"
 
-#include <fcntl.h>
 #include <spdlog/spdlog.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -575,27 +573,12 @@ uint64_t ServerShardHost::LoadTerm() {
 void ServerShardHost::SaveTerm(uint64_t term) {
   const ServerConfig& config = server_.config();
   if (config.checkpoint_dir.empty()) return;
-  const std::string path = TermFile(config), tmp = path + ".tmp";
-  {
-    // Synced before the rename (and the directory after it): a power loss must not bring an older
-    // term back, or an epoch could be formed twice.
-    const std::string text = std::to_string(term) + "\n";
-    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    bool ok = fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
-    if (fd >= 0) ok = ::close(fd) == 0 && ok;
-    if (!ok) {
-      spdlog::warn("cluster: cannot write {}; a restart of every shard may form a term again", tmp);
-      return;
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) == 0) {
-    int dir = ::open(config.checkpoint_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir >= 0) {
-      (void)::fsync(dir);
-      ::close(dir);
-    }
-  } else {
-    spdlog::warn("cluster: cannot write {}; a restart of every shard may form a term again", path);
+  // Durably: a power loss must not bring an older term back, or an epoch could be formed twice.
+  const std::string path = TermFile(config);
+  Status s = WriteFileDurably(path, path + ".tmp", std::to_string(term) + "\n");
+  if (!s.ok()) {
+    spdlog::warn("cluster: cannot save the term in {} ({}); a restart of every shard may form a term again", path,
+                 s.message());
   }
 }
 

@@ -239,8 +239,10 @@ TEST_CASE("workers finishing end the job and release blocked waiters", "[integra
   // worker cannot finish while its own call waits: one connection per worker.)
   CHECK_FALSE(server->workers().AllFinished());
   REQUIRE(w1->Finish().ok());
-  WaitUntil([&] { return server->workers().AllFinished(); });  // the reply goes out first
-  CHECK(w1->WaitToken(10000).status().code() == Code::kOutOfRange);  // released by the close if parked
+  // The finish's reply goes out before the daemon counts it; a wait parked meanwhile is released
+  // by the close.
+  WaitUntil([&] { return server->workers().AllFinished(); });
+  CHECK(w1->WaitToken(10000).status().code() == Code::kOutOfRange);
   CHECK(server->Wait());  // --exit-when-done: the daemon's wait returns "job done"
 }
 

@@ -11,20 +11,23 @@ using namespace psd::server;
 
 namespace {
 
-std::unique_ptr<TrainingEngine> MakeSyncEngine() {
+std::unique_ptr<TrainingEngine> MakeSyncEngine(int replicas = 1, int total = 1, int init_tokens = 0) {
   ServerConfig c;
-  c.replicas_to_aggregate = 1;
-  c.total_replicas = 1;
-  c.init_tokens = 0;
+  c.replicas_to_aggregate = replicas;
+  c.total_replicas = total;
+  c.init_tokens = init_tokens;
   REQUIRE(c.Validate().ok());
   return std::make_unique<TrainingEngine>(c, std::move(*MakeOptimizer(c.optimizer)));
 }
 
-void CreateNonTrainable(TrainingEngine& e, const std::string& name) {
+void CreateNonTrainable(TrainingEngine& e, const std::string& name, bool sync_on_read = false,
+                        Aggregation aggregation = Aggregation::kNone) {
   VariableDef d;
   d.name = name;
   d.shape = {2};
   d.trainable = false;
+  d.sync_on_read = sync_on_read;
+  d.aggregation = aggregation;
   REQUIRE(e.CreateVariable(d).ok());
 }
 
@@ -118,19 +121,9 @@ TEST_CASE("update and reduce callbacks may call the engine again (they run outsi
 TEST_CASE("a replica's own update names one of the job's replicas", "[engine][collectives]") {
   // A sync-on-read value per replica: a replica number beyond N would add a value nobody reads
   // (a worker naming ever new ones grew the daemon without bound).
-  ServerConfig c;
-  c.replicas_to_aggregate = 2;
-  c.total_replicas = 2;
-  c.init_tokens = 0;
-  REQUIRE(c.Validate().ok());
-  TrainingEngine e(c, std::move(*MakeOptimizer(c.optimizer)));
-  VariableDef d;
-  d.name = "acc";
-  d.shape = {2};
-  d.trainable = false;
-  d.sync_on_read = true;
-  d.aggregation = Aggregation::kSum;
-  REQUIRE(e.CreateVariable(d).ok());
+  auto engine = MakeSyncEngine(2, 2);
+  TrainingEngine& e = *engine;
+  CreateNonTrainable(e, "acc", /*sync_on_read=*/true, Aggregation::kSum);
   std::vector<float> three{3, 3};
   UpdateArgs a = Assign(three);
   a.cross_replica = false;
@@ -149,18 +142,9 @@ TEST_CASE("a replica's own update names one of the job's replicas", "[engine][co
 
   // Only a sync-on-read value is per replica: a SUM round counts updates, whoever sends them (with
   // -R 2 -N 1 the second worker is replica 1, beyond N).
-  ServerConfig c2;
-  c2.replicas_to_aggregate = 2;
-  c2.total_replicas = 1;
-  c2.init_tokens = 1;
-  REQUIRE(c2.Validate().ok());
-  TrainingEngine e2(c2, std::move(*MakeOptimizer(c2.optimizer)));
-  VariableDef sum;
-  sum.name = "acc";
-  sum.shape = {2};
-  sum.trainable = false;
-  sum.aggregation = Aggregation::kSum;
-  REQUIRE(e2.CreateVariable(sum).ok());
+  auto engine2 = MakeSyncEngine(2, 1, /*init_tokens=*/1);
+  TrainingEngine& e2 = *engine2;
+  CreateNonTrainable(e2, "acc", /*sync_on_read=*/false, Aggregation::kSum);
   int answered = 0;
   for (uint32_t replica : {0u, 1u}) {
     a.replica = replica;
