@@ -11,6 +11,8 @@
 #ifndef PSD_SERVER_CLUSTER_PEER_NETWORK_H_
 #define PSD_SERVER_CLUSTER_PEER_NETWORK_H_
 
+#include <functional>
+#include <optional>
 #include <string>
 
 #include "cluster/peer_messages.h"
@@ -36,6 +38,16 @@ class PeerNetwork {
   // Sends `message` to `shard`. This shard itself is a valid target: the message comes back
   // through OnMessage(me, message) later, never inside this call. Never blocks; thread-safe.
   virtual void Send(int shard, const peer::Message& message) = 0;
+  // Messages made on demand: each call gives the next one, nullopt after the last. A replica copy
+  // of any size is sent as one (its chunks share the copy's memory), so that a link holds only the
+  // chunk it is writing instead of the whole copy's chunks at once.
+  using MessageStream = std::function<std::optional<peer::Message>()>;
+  // Sends the stream's messages to `shard`, in order, after what was sent to it before and before
+  // what is sent after. A network may call `next` later, on its own threads (one call at a time),
+  // or drop the rest when the link goes down, like any message. This default makes them all now.
+  virtual void SendStream(int shard, MessageStream next) {
+    while (std::optional<peer::Message> message = next()) Send(shard, *message);
+  }
   // From now on, messages to `shard` go to `address` (host:port): a stand-in serves it there after
   // a takeover, or its own process at its --cluster entry again. Messages given before the new
   // link is up wait for it. A network without addresses (the simulation) ignores it.

@@ -89,6 +89,75 @@ std::optional<peer::LiveCopy> ClusterCoordinator::LiveChoiceLocked() const {
   return std::nullopt;
 }
 
+namespace {
+
+// The chunks of a copy: `msg` (a ReplicaChunk with its total set) for each, in order.
+PeerNetwork::MessageStream CopyChunks(peer::Message msg, std::shared_ptr<const peer::CopyBytes> bytes,
+                                      uint64_t chunk_bytes) {
+  // A piece of the copy that fills a chunk (or 64 KiB) goes in chunks of whole words that share
+  // its memory (the daemon's encoder writes them from it, uncopied: a tensor of the owner's state,
+  // or a copy kept as it came). The rest — the records, small tensors, the bytes past a piece's
+  // last whole word — is gathered into chunks of their own. Made one at a time, as the network
+  // asks for the next.
+  struct State {
+    peer::Message msg;
+    std::shared_ptr<const peer::CopyBytes> bytes;
+    uint64_t chunk_max = 0, shared_min = 0;
+    size_t piece = 0;    // the piece being sent
+    uint64_t off = 0;    // in it
+    uint64_t words = 0;  // its bytes sent from its own memory (-1: not worked out yet)
+    uint64_t at = 0;     // where it lies in the copy
+    std::string gathered;
+    uint64_t gathered_at = 0;
+  };
+  auto st = std::make_shared<State>();
+  st->msg = std::move(msg);
+  st->bytes = std::move(bytes);
+  st->chunk_max = std::max<uint64_t>(8, chunk_bytes / 8 * 8);
+  st->shared_min = std::min<uint64_t>(st->chunk_max, 64 << 10);
+  st->words = UINT64_MAX;
+  return [st]() -> std::optional<peer::Message> {
+    auto chunk = [&](uint64_t at, peer::Blob data) {
+      peer::Message m = st->msg;
+      auto& c = std::get<peer::ReplicaChunk>(m.body);
+      c.offset = at;
+      c.data = std::move(data);
+      return m;
+    };
+    auto flush = [&] { return chunk(st->gathered_at, peer::Blob(std::exchange(st->gathered, {}))); };
+    const std::vector<peer::Blob>& pieces = st->bytes->pieces();
+    while (st->piece < pieces.size()) {
+      const peer::Blob& p = pieces[st->piece];
+      if (st->words == UINT64_MAX) {
+        const bool aligned = reinterpret_cast<uintptr_t>(p.data()) % 8 == 0;
+        st->words = aligned && p.size() >= st->shared_min ? p.size() / 8 * 8 : 0;
+      }
+      if (st->off < st->words) {
+        if (!st->gathered.empty()) return flush();
+        const uint64_t len = std::min(st->chunk_max, st->words - st->off);
+        peer::Message m = chunk(st->at + st->off, peer::Blob(p.keep(), p.data() + st->off, len));
+        st->off += len;
+        return m;
+      }
+      while (st->off < p.size()) {
+        if (st->gathered.empty()) st->gathered_at = st->at + st->off;
+        const uint64_t len = std::min<uint64_t>(p.size() - st->off, st->chunk_max - st->gathered.size());
+        st->gathered.append(p.data() + st->off, len);
+        st->off += len;
+        if (st->gathered.size() >= st->chunk_max) return flush();
+      }
+      st->at += p.size();
+      st->off = 0;
+      st->words = UINT64_MAX;
+      ++st->piece;
+    }
+    if (!st->gathered.empty()) return flush();
+    return std::nullopt;
+  };
+}
+
+}  // namespace
+
 void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const peer::LiveCopy& copy, bool restore,
                                   const std::shared_ptr<const peer::CopyBytes>& bytes, bool hand_back) {
   peer::Message msg;
@@ -96,48 +165,13 @@ void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const pe
     MutexLock lock(&mu_);
     msg = MessageLocked(peer::ReplicaChunk{epoch, owner, copy, restore, 0, 0, {}, hand_back});
   }
-  auto& chunk = std::get<peer::ReplicaChunk>(msg.body);
   if (!bytes || bytes->empty()) {  // a copy not held (restore), or nothing to send
     SendTo(shard, msg);
     return;
   }
-  // A piece of the copy that fills a chunk (or 64 KiB) goes in chunks of whole words that share
-  // its memory (the daemon's encoder writes them from it, uncopied: a tensor of the owner's state,
-  // or a copy kept as it came). The rest — the records, small tensors, the bytes past a piece's
-  // last whole word — is gathered into chunks of their own.
-  const uint64_t chunk_max = std::max<uint64_t>(8, options_.replica_chunk_bytes / 8 * 8);
-  const uint64_t shared_min = std::min<uint64_t>(chunk_max, 64 << 10);
-  chunk.total = bytes->size();
-  std::string gathered;
-  uint64_t gathered_at = 0;
-  auto send = [&](uint64_t at, peer::Blob data) {
-    chunk.offset = at;
-    chunk.data = std::move(data);
-    SendTo(shard, msg);
-  };
-  auto flush = [&] {
-    if (!gathered.empty()) send(gathered_at, peer::Blob(std::exchange(gathered, {})));
-  };
-  uint64_t at = 0;  // where the piece lies in the copy
-  for (const peer::Blob& p : bytes->pieces()) {
-    const bool aligned = reinterpret_cast<uintptr_t>(p.data()) % 8 == 0;
-    const uint64_t words = aligned && p.size() >= shared_min ? p.size() / 8 * 8 : 0;
-    if (words > 0) flush();
-    for (uint64_t off = 0; off < words;) {
-      const uint64_t len = std::min(chunk_max, words - off);
-      send(at + off, peer::Blob(p.keep(), p.data() + off, len));
-      off += len;
-    }
-    for (uint64_t off = words; off < p.size();) {
-      if (gathered.empty()) gathered_at = at + off;
-      const uint64_t len = std::min<uint64_t>(p.size() - off, chunk_max - gathered.size());
-      gathered.append(p.data() + off, len);
-      off += len;
-      if (gathered.size() >= chunk_max) flush();
-    }
-    at += p.size();
-  }
-  flush();
+  if (shard < 0 || shard >= shards_) return;
+  std::get<peer::ReplicaChunk>(msg.body).total = bytes->size();
+  network_.SendStream(shard, CopyChunks(std::move(msg), bytes, options_.replica_chunk_bytes));
 }
 
 std::optional<peer::LiveCopy> ClusterCoordinator::CopyBaseLocked(uint64_t epoch, uint64_t lineage) const {

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <variant>
 #include <vector>
@@ -91,21 +92,13 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   }
 
   void Send(Bytes frame) {
-    asio::dispatch(strand_, [self = shared_from_this(), frame = std::move(frame)] {
-      // Down: dropped (the receiver saw the link close), unless it is being moved to a new address
-      // (the receiver there never had this link: what the cluster sends it meanwhile waits).
-      if ((!self->up_ && !self->moving_) || self->stopped_) return;
-      if (self->queue_.size() > kMaxQueued) {
-        // A peer that reads nothing: it will be seen as gone. (Or a replica copy of more pieces
-        // than this queued at once: said, so that a copy that never completes is explained.)
-        if (self->drop_log_.Allow() >= 0) {
-          spdlog::warn("cluster: the link to shard {} ({}) has {} frames queued unwritten; dropping more",
-                       self->id_.target, self->address_, self->queue_.size());
-        }
-        return;
-      }
-      self->queue_.push_back(frame);
-      if (!self->writing_) self->WriteNext();
+    asio::dispatch(strand_, [self = shared_from_this(), frame = std::move(frame)] { self->Enqueue({frame, {}}); });
+  }
+
+  // The stream's messages, encoded one at a time as the link gets to them (in order with the rest).
+  void SendStream(PeerNetwork::MessageStream next) {
+    asio::dispatch(strand_, [self = shared_from_this(), next = std::move(next)]() mutable {
+      self->Enqueue({{}, std::move(next)});
     });
   }
 
@@ -145,6 +138,29 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   }
 
  private:
+  // A frame to write, or a stream whose next message is encoded (into `frame`) when it is written.
+  struct Queued {
+    Bytes frame;
+    PeerNetwork::MessageStream next;
+  };
+
+  void Enqueue(Queued q) {
+    // Down: dropped (the receiver saw the link close), unless it is being moved to a new address
+    // (the receiver there never had this link: what the cluster sends it meanwhile waits).
+    if ((!up_ && !moving_) || stopped_) return;
+    if (queue_.size() > kMaxQueued) {
+      // A peer that reads nothing: it will be seen as gone. (A replica copy is one entry however
+      // many chunks it has: its stream makes them as they are written.)
+      if (drop_log_.Allow() >= 0) {
+        spdlog::warn("cluster: the link to shard {} ({}) has {} messages queued unwritten; dropping more", id_.target,
+                     address_, queue_.size());
+      }
+      return;
+    }
+    queue_.push_back(std::move(q));
+    if (!writing_) WriteNext();
+  }
+
   Bytes Hello(const std::string& nonce) const {
     auto hello = std::make_shared<wire::OutFrame>();
     auto req = hello->builder.initRoot<proto::Request>();
@@ -196,7 +212,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                       self->up_ = true;
                       self->moving_ = false;
                       if (self->id_.cluster_secret.empty()) {
-                        self->queue_.push_front(self->Hello(""));
+                        self->queue_.push_front({self->Hello(""), {}});
                         self->WriteNext();
                         return self->ReadLoop();
                       }
@@ -266,7 +282,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                        if (!why.empty()) return self->Fail(why);
                        self->handshaking_ = false;
                        self->retry_.cancel();
-                       self->queue_.push_front(self->proof_);
+                       self->queue_.push_front({self->proof_, {}});
                        self->WriteNext();
                        self->ReadLoop();
                      });
@@ -350,18 +366,35 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   }
 
   void WriteNext() {
+    // A stream at the front: its next message is encoded now; an ended one leaves the queue.
+    while (!queue_.empty() && up_ && !queue_.front().frame) {
+      Queued& q = queue_.front();
+      std::optional<peer::Message> message = q.next ? q.next() : std::nullopt;
+      if (message) {
+        q.frame = Encode(*message);
+      } else {
+        queue_.pop_front();
+      }
+    }
     if (queue_.empty() || !up_) {
       writing_ = false;
       if (stopped_) Close();
       return;
     }
     writing_ = true;
-    auto frame = queue_.front();
+    auto frame = queue_.front().frame;
     asio::async_write(*stream_, frame->buffers, TransferAll{},
                       asio::bind_executor(strand_, [self = shared_from_this(), frame, stream = stream_](
                                                        boost::system::error_code ec, size_t) {
                         if (stream != self->stream_) return;
-                        if (!self->queue_.empty()) self->queue_.pop_front();
+                        if (!self->queue_.empty()) {
+                          Queued& q = self->queue_.front();
+                          if (q.next) {
+                            q.frame = nullptr;  // written: the stream's next message comes next
+                          } else {
+                            self->queue_.pop_front();
+                          }
+                        }
                         if (ec) {
                           self->writing_ = false;
                           if (self->up_) self->Retry();
@@ -390,7 +423,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
   peer_auth::LogLimiter log_;
   peer_auth::LogLimiter drop_log_{1, std::chrono::seconds(30)};
   static constexpr size_t kMaxQueued = 4096;
-  std::deque<Bytes> queue_;
+  std::deque<Queued> queue_;
   std::atomic<bool> writing_{false};
   bool up_ = false;
   bool stopped_ = false;
@@ -451,6 +484,12 @@ void TcpPeerNetwork::Send(int shard, const peer::Message& message) {
     return;
   }
   if (auto& l = links_[static_cast<size_t>(shard)]) l->Send(Encode(message));
+}
+
+void TcpPeerNetwork::SendStream(int shard, MessageStream next) {
+  if (shard < 0 || shard >= static_cast<int>(links_.size())) return;
+  if (shard == options_.me) return PeerNetwork::SendStream(shard, std::move(next));  // each posted
+  if (auto& l = links_[static_cast<size_t>(shard)]) l->SendStream(std::move(next));
 }
 
 void TcpPeerNetwork::Retarget(int shard, const std::string& address) {

@@ -3,7 +3,7 @@
 // messages encoded by service/peer_codec.h. Incoming links are the acceptor's connections
 // (net/connection.h): they decode what arrives and hand it to the coordinator's events.
 //
-// Thread-safety: Send/SendToAll from any thread; each link's I/O runs on its own strand. A
+// Thread-safety: Send/SendStream/SendToAll from any thread; each link's I/O runs on its own strand. A
 // message to this shard itself is posted to the io_context and delivered from there.
 #ifndef PSD_SERVER_SERVICE_TCP_PEER_NETWORK_H_
 #define PSD_SERVER_SERVICE_TCP_PEER_NETWORK_H_
@@ -43,6 +43,8 @@ class TcpPeerNetwork : public PeerNetwork {
   void Stop();
 
   void Send(int shard, const peer::Message& message) override;
+  // Each link encodes the stream's next message when it has written the one before.
+  void SendStream(int shard, MessageStream next) override;
   void Retarget(int shard, const std::string& address) override;
   void SendToAll(const peer::Message& message, bool include_self, int shards, int me) override;
 
