@@ -259,7 +259,9 @@ int main(int argc, char** argv) {
       for (const std::string& n : o->get_lnames()) {
         if (n != "help" && n != "version" && n != "config") known.push_back(n);
       }
-      for (const std::string& n : o->get_snames()) known.push_back(n);
+      for (const std::string& n : o->get_snames()) {
+        if (n != "h") known.push_back(n);  // (help is no key, short or long)
+      }
     }
     psd::Status s = psd::server::CheckConfigFile(config_opt->as<std::string>(), known);
     if (!s.ok()) return fail(s.message());

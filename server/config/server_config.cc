@@ -250,17 +250,25 @@ Status ServerConfig::Validate() {
     return InvalidArgument("--metrics-port must be -1 (off), 0 (any free port) or a port up to 65535, got " +
                            std::to_string(metrics_port));
   }
-  PSD_RETURN_IF_ERROR(AtLeast("-R/--replicas-to-aggregate", replicas_to_aggregate, 1));
+  if (!metrics_port_file.empty() && metrics_port < 0) {
+    return InvalidArgument(
+        "--metrics-port-file needs --metrics-port (0: a port the kernel picks, written to that file); the metrics "
+        "port is off, so the file would never be written");
+  }
+  // Worker counts and tokens are bounded: each token is queued at start (and N of them at every
+  // step), so a mistyped 1e9 would exhaust memory instead of being refused.
+  constexpr int kMaxReplicas = 1 << 16, kMaxInitTokens = 1 << 20;
+  PSD_RETURN_IF_ERROR(InRange("-R/--replicas-to-aggregate", replicas_to_aggregate, 1, kMaxReplicas));
+  PSD_RETURN_IF_ERROR(InRange("-B/--backup-replicas", backup_replicas, -1, kMaxReplicas, " (-1: not given)"));
+  if (total_replicas != -1) PSD_RETURN_IF_ERROR(InRange("-N/--total-replicas", total_replicas, 1, kMaxReplicas));
+  PSD_RETURN_IF_ERROR(InRange("--init-tokens", init_tokens, -1, kMaxInitTokens, " (-1: the default, R)"));
   if (backup_replicas >= 0 && total_replicas >= 0 && total_replicas != replicas_to_aggregate + backup_replicas) {
     return InvalidArgument("--total-replicas " + std::to_string(total_replicas) +
                            " contradicts --replicas-to-aggregate " + std::to_string(replicas_to_aggregate) +
                            " + --backup-replicas " + std::to_string(backup_replicas) +
                            "; give only one of --total-replicas and --backup-replicas");
   }
-  PSD_RETURN_IF_ERROR(AtLeast("-B/--backup-replicas", backup_replicas, -1, " (-1: not given)"));
-  if (total_replicas != -1) PSD_RETURN_IF_ERROR(AtLeast("-N/--total-replicas", total_replicas, 1));
   if (total_replicas < 0) total_replicas = replicas_to_aggregate + std::max(backup_replicas, 0);
-  PSD_RETURN_IF_ERROR(AtLeast("--init-tokens", init_tokens, -1, " (-1: the default, R)"));
   auto tokens = ResolveInitTokens(init_tokens, replicas_to_aggregate, total_replicas);
   if (!tokens.ok()) {
     return InvalidArgument(tokens.status().message() + "; raise --init-tokens to at least " +
@@ -359,8 +367,17 @@ Status ServerConfig::CheckProtectedMode() const {
   std::vector<Listener> listeners = {{"--host", &host}};
   if (metrics_port >= 0) listeners.push_back({"--metrics-host", &metrics_host});
   for (const Listener& l : listeners) {
-    if (!auth_token.empty()) break;
     auto loopback = IsLoopbackAddress(*l.ip);
+    if (!auth_token.empty()) {
+      // The token is what protects a listener beyond loopback: a short one is guessed (nothing
+      // slows down wrong guesses over HTTP), so it is held to the cluster secret's length.
+      if ((loopback.ok() && *loopback) || auth_token.size() >= kMinSecretBytes) continue;
+      return InvalidArgument("--auth-token-file holds " + std::to_string(auth_token.size()) +
+                             " characters, too few to protect a daemon reachable beyond this host (" + l.flag + " " +
+                             *l.ip + "); use at least " + std::to_string(kMinSecretBytes) +
+                             " random ones, e.g. `openssl rand -hex 32 > FILE` (the same file for every worker, tool "
+                             "and shard)");
+    }
     if (!loopback.ok()) return InvalidArgument(std::string(l.flag) + ": " + loopback.status().message());
     if (*loopback || (l.ip == &host && mutual_tls)) continue;
     std::string what = std::string(l.flag) + " " + *l.ip;

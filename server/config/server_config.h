@@ -140,8 +140,9 @@ Status CheckConfigFile(const std::string& path, const std::vector<std::string>& 
 // removed there. The error says what is wrong and which flag to change.
 Status PrepareCheckpointDir(const std::string& dir);
 
-// File descriptors psd needs besides its connections (listeners, checkpoint files, logs).
-inline constexpr uint64_t kReservedFds = 64;
+// File descriptors psd needs besides its workers' connections: listeners, checkpoint files, logs
+// (64), the metrics port's sessions (up to 64), shard links and shared-memory segments.
+inline constexpr uint64_t kReservedFds = 192;
 // Makes room for `max_connections` descriptors: raises the soft RLIMIT_NOFILE up to the hard one
 // if needed; an error naming both numbers when even the hard limit is too low.
 Status EnsureFdLimit(int max_connections);

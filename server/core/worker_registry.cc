@@ -12,8 +12,8 @@ WorkerRegistry::WorkerRegistry(int replicas_to_aggregate, int total_replicas)
       total_(std::max(total_replicas, replicas_to_aggregate)),
       job_(total_replicas > 0 ? total_replicas : std::max(total_replicas, replicas_to_aggregate)) {}
 
-Result<uint32_t> WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t incarnation,
-                                       uint64_t* replaced) {
+Result<uint32_t> WorkerRegistry::Hello(uint64_t conn, const std::string& name, uint64_t incarnation, uint64_t* replaced,
+                                       bool* took_slot) {
   MutexLock lock(&mu_);
   for (size_t i = 0; i < workers_.size(); ++i) {
     Worker& w = workers_[i];
@@ -47,6 +47,7 @@ Result<uint32_t> WorkerRegistry::Hello(uint64_t conn, const std::string& name, u
     if (!w.lost) continue;
     spdlog::warn("worker '{}' takes the slot of worker '{}', lost (gone past --worker-grace-s)", name, w.name);
     w = Worker{name, incarnation, conn, false, false, 0};
+    if (took_slot != nullptr) *took_slot = true;
     return static_cast<uint32_t>(i);
   }
   int connected = 0, finished = 0;

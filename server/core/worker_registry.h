@@ -60,7 +60,10 @@ class WorkerRegistry {
   // incarnation): *replaced is then the old connection, which the caller closes (two connections
   // never count as one worker); an older process is refused (FAILED_PRECONDITION: two trainers
   // share a name). A worker that finished stays finished when its own process says hello again.
-  Result<uint32_t> Hello(uint64_t conn, const std::string& name, uint64_t incarnation, uint64_t* replaced = nullptr);
+  // *took_slot: a new name took the slot of a lost worker (what was recorded of that index was
+  // the other worker's).
+  Result<uint32_t> Hello(uint64_t conn, const std::string& name, uint64_t incarnation, uint64_t* replaced = nullptr,
+                         bool* took_slot = nullptr);
   // Returns the worker's index and disconnect generation if it left without finishing.
   std::optional<std::pair<uint32_t, uint64_t>> Disconnected(uint64_t conn);
   // Marks worker `index` lost if it is still gone since disconnect `generation`. Returns its name

@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <fstream>
 #include <sstream>
 
@@ -71,7 +72,8 @@ bool Base64Decode(std::string_view in, std::string* out) {
   out->clear();
   uint32_t acc = 0;
   int bits = 0;
-  for (char c : in) {
+  for (size_t i = 0; i < in.size(); ++i) {
+    const char c = in[i];
     int v;
     if (c >= 'A' && c <= 'Z') {
       v = c - 'A';
@@ -83,8 +85,8 @@ bool Base64Decode(std::string_view in, std::string* out) {
       v = 62;
     } else if (c == '/') {
       v = 63;
-    } else if (c == '=') {
-      break;
+    } else if (c == '=') {  // padding: only at the end, at most two
+      return in.size() - i <= 2 && in.find_first_not_of('=', i) == std::string_view::npos;
     } else {
       return false;
     }
@@ -118,8 +120,10 @@ Status OpsService::Start() {
         return Unavailable("cannot write --metrics-port-file " + cfg.metrics_port_file);
       }
     }
-    spdlog::info("metrics, status page and probes on http://{}:{}/ (/metrics /healthz /readyz){}", cfg.metrics_host,
-                 http_->port(), cfg.auth_token.empty() ? "" : "; the token is needed for all but the probes");
+    const bool v6 = cfg.metrics_host.find(':') != std::string::npos;  // a URL writes it in brackets
+    spdlog::info("metrics, status page and probes on http://{}{}{}:{}/ (/metrics /healthz /readyz){}", v6 ? "[" : "",
+                 cfg.metrics_host, v6 ? "]" : "", http_->port(),
+                 cfg.auth_token.empty() ? "" : "; the token is needed for all but the probes");
   }
   server_.metrics().AddSample(UnixNow(), server_.engine()->global_step());
   ScheduleSample();
@@ -144,11 +148,18 @@ bool OpsService::Authorized(const HttpRequest& req) const {
   const std::string& token = server_.config().auth_token;
   if (token.empty()) return true;
   std::string auth = req.Header("authorization");
+  // "<scheme> <credentials>": the scheme is case-insensitive (RFC 7235), spaces around are not part of the credentials.
   std::string_view v(auth);
-  if (v.substr(0, 7) == "Bearer ") return SecretsEqual(token, v.substr(7));
-  if (v.substr(0, 6) == "Basic ") {
+  const size_t sp = v.find(' ');
+  if (sp == std::string_view::npos) return false;
+  std::string scheme(v.substr(0, sp));
+  for (char& c : scheme) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  v.remove_prefix(sp);
+  while (!v.empty() && v.front() == ' ') v.remove_prefix(1);
+  if (scheme == "bearer") return SecretsEqual(token, v);
+  if (scheme == "basic") {
     std::string decoded;
-    if (!Base64Decode(v.substr(6), &decoded)) return false;
+    if (!Base64Decode(v, &decoded)) return false;
     size_t colon = decoded.find(':');
     return colon != std::string::npos && SecretsEqual(token, std::string_view(decoded).substr(colon + 1));
   }
@@ -189,6 +200,16 @@ std::string OpsService::RenderMetrics() const {
     WriteDaemonMetrics(w, stand_in);
   });
   w.SetCommon(own);
+  // The process's own figures, once (a stand-in shares them): its values segment, kept storage.
+  if (const ValuesSegment* values = ValuesSegment::Current()) {
+    w.Gauge("psd_values_segment_bytes", "bytes of the values segment in psd's buffers now (this process)",
+            static_cast<double>(values->in_use()));
+  }
+  const RecycledBuffers kept = RecycledBufferStats();
+  w.Gauge("psd_tensor_storage_kept_bytes", "storage of big tensor buffers (32 MiB and up) let go and kept for reuse",
+          static_cast<double>(kept.held_bytes));
+  w.Counter("psd_tensor_storage_reused_total", "big tensor buffers given kept storage instead of fresh pages",
+            static_cast<double>(kept.reused));
   ProcessFigures p = ReadProcess();
   w.Gauge("process_resident_memory_bytes", "resident memory size in bytes", p.rss_bytes);
   w.Counter("process_cpu_seconds_total", "user and system CPU time in seconds", p.cpu_seconds);
@@ -202,7 +223,7 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
   const ServerConfig& cfg = server.config();
   Metrics& m = server.metrics();
   auto engine = server.engine();
-  EngineStats st = engine->Stats();
+  EngineStats st = server.Stats();
 
   w.Gauge("psd_build_info", "psd's version (the value is always 1)", 1, {{"version", kPsdVersion}});
   w.Gauge("psd_ready", "1 once restored, formed and serving workers", server.Serving().ok() ? 1 : 0);
@@ -260,10 +281,6 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
   w.Counter("psd_values_in_place_bytes_total",
             "value bytes same-host workers pulled straight from the values segment (psd wrote none of them)",
             static_cast<double>(m.values_in_place_bytes()));
-  if (const ValuesSegment* values = ValuesSegment::Current()) {
-    w.Gauge("psd_values_segment_bytes", "bytes of the values segment in psd's buffers now (this process)",
-            static_cast<double>(values->in_use()));
-  }
   if (server.config().replicas_per_shard > 1) {
     w.Counter("psd_replica_sent_bytes_total", "copies of shard state sent to other shards (serialized)",
               static_cast<double>(m.replica_sent()));
@@ -324,11 +341,6 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
   w.Gauge("psd_frame_buffer_bytes", "", static_cast<double>(pool.kept_bytes()), {{"state", "kept"}});
   w.Counter("psd_frame_buffer_maps_total", "frame buffers mapped from the kernel (the others were reused)",
             static_cast<double>(pool.maps()));
-  const RecycledBuffers kept = RecycledBufferStats();
-  w.Gauge("psd_tensor_storage_kept_bytes", "storage of big tensor buffers (32 MiB and up) let go and kept for reuse",
-          static_cast<double>(kept.held_bytes));
-  w.Counter("psd_tensor_storage_reused_total", "big tensor buffers given kept storage instead of fresh pages",
-            static_cast<double>(kept.reused));
   w.Counter("psd_frame_timeouts_total", "connections closed because a frame did not arrive within --frame-timeout-ms",
             static_cast<double>(m.frame_timeouts()));
   w.Counter("psd_reads_paused_total",
@@ -370,7 +382,7 @@ std::string OpsService::RenderStatusJson() const {
   const ServerConfig& cfg = server_.config();
   Metrics& m = server_.metrics();
   auto engine = server_.engine();
-  EngineStats st = engine->Stats();
+  EngineStats st = server_.Stats();
   Status serving = server_.Serving();
   text::JsonWriter j;
   j.BeginObject();
@@ -466,7 +478,7 @@ std::string OpsService::RenderStatusJson() const {
   server_.WithStandIn([&](Server& si) {
     stand_in = true;
     Status si_serving = si.Serving();
-    EngineStats si_st = si.engine()->Stats();
+    EngineStats si_st = si.Stats();
     j.BeginObject();
     j.Key("shard").Int(si.config().shard_index);
     j.Key("ready").Bool(si_serving.ok());

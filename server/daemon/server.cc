@@ -97,6 +97,23 @@ std::shared_ptr<TrainingEngine> Server::engine() const {
   return engine_;
 }
 
+EngineStats Server::Stats() const {
+  std::shared_ptr<TrainingEngine> engine;
+  int64_t accepted = 0, stale = 0, max_staleness = 0;
+  {
+    MutexLock lock(&engine_mu_);
+    engine = engine_;
+    accepted = retired_accepted_;
+    stale = retired_stale_;
+    max_staleness = retired_max_staleness_;
+  }
+  EngineStats st = engine->Stats();  // outside the lock: it takes the token queue's
+  st.accepted += accepted;
+  st.stale += stale;
+  st.max_staleness = std::max(st.max_staleness, max_staleness);
+  return st;
+}
+
 void Server::QueueSnapshot(ShardSnapshot snap) { ckpt_writer_.Queue(std::move(snap)); }
 
 bool Server::CheckpointWriterBusy() const { return ckpt_writer_.Busy(); }
@@ -114,11 +131,14 @@ Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacem
     last_checkpoint_step_ = step;
   }
   *placements = (*fresh)->Placements(config_.shard_index);
-  std::shared_ptr<TrainingEngine> old;
+  std::shared_ptr<TrainingEngine> old = engine();
+  const EngineStats gone = old->Stats();  // (the cluster stopped serving: nothing more lands in it)
   {
     MutexLock lock(&engine_mu_);
-    old = std::move(engine_);
     engine_ = *fresh;
+    retired_accepted_ += gone.accepted;
+    retired_stale_ += gone.stale;
+    retired_max_staleness_ = std::max(retired_max_staleness_, gone.max_staleness);
   }
   old->tokens().Close(Aborted("the cluster restored " +
                               (live != nullptr ? "the live copies of step " + std::to_string(step)
@@ -319,11 +339,13 @@ void Server::ScheduleCheckpointTimer() {
 
 Result<uint32_t> Server::OnHello(uint64_t conn, const std::string& name, uint64_t incarnation) {
   uint64_t replaced = 0;
-  auto index = workers_.Hello(conn, name, incarnation, &replaced);
+  bool took_slot = false;
+  auto index = workers_.Hello(conn, name, incarnation, &replaced, &took_slot);
   if (!index.ok()) {
     spdlog::warn("{}", index.status().message());
     return index.status();
   }
+  if (took_slot) metrics_.ResetWorker(*index);  // the lost worker's figures are not this one's
   if (replaced != 0) {
     // The worker's old connection (it reconnected, or restarted): closed, so that two connections
     // never count as one worker. Its parked waits give their tokens back as it closes.
@@ -434,6 +456,7 @@ Status Server::Start() {
   // Connections are served from now on, so probes, psd_admin and the status page answer while a
   // restore runs; workers are told to retry until psd is ready (Serving()).
   Accept();
+  accepting_ = true;
   last_summary_time_ = std::chrono::steady_clock::now();
   ScheduleSummary();
   ScheduleCheckpointTimer();
@@ -625,7 +648,7 @@ void Server::ScheduleSummary() {
 }
 
 void Server::LogSummary() {
-  EngineStats st = engine()->Stats();
+  EngineStats st = Stats();
   WorkerCounts wc = workers_.Counts();
   auto now = std::chrono::steady_clock::now();
   double secs = std::chrono::duration<double>(now - last_summary_time_).count();
@@ -812,7 +835,7 @@ void Server::Stop() {
                    last_checkpoint_step_.load());
     }
   }
-  if (port_ != 0) LogSummary();
+  if (accepting_) LogSummary();  // (not after a start that failed: nothing ran to sum up)
 }
 
 }  // namespace psd::server

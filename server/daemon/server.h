@@ -102,6 +102,9 @@ class Server : public ServiceHost {
   // The engine serving now. A cluster replaces it when it restores a checkpoint: callers hold the
   // pointer for the duration of one request.
   std::shared_ptr<TrainingEngine> engine() const override;
+  // The engine's figures, its counters (pushes accepted and stale, the largest staleness) counted
+  // over this process's life: an engine replaced by a cluster restore hands its counts on.
+  EngineStats Stats() const;
   // Null for a single daemon.
   ClusterCoordinator* coordinator() override { return coordinator_.get(); }
   // The stand-in this shard runs for its predecessor (takeover), given to `fn` while it serves.
@@ -185,6 +188,10 @@ class Server : public ServiceHost {
   std::atomic<bool> became_ready_{false};
   mutable Mutex engine_mu_;
   std::shared_ptr<TrainingEngine> engine_ GUARDED_BY(engine_mu_);
+  // What the engines replaced so far counted (Stats adds it to the current one's).
+  int64_t retired_accepted_ GUARDED_BY(engine_mu_) = 0;
+  int64_t retired_stale_ GUARDED_BY(engine_mu_) = 0;
+  int64_t retired_max_staleness_ GUARDED_BY(engine_mu_) = 0;
   WorkerRegistry workers_;
   SspGate ssp_;
 
@@ -220,6 +227,7 @@ class Server : public ServiceHost {
   std::unique_ptr<ops::OpsService> ops_;  // after io_: destroyed before it
   asio::steady_timer ready_timer_;
   uint16_t port_ = 0;
+  std::atomic<bool> accepting_{false};  // Start() got as far as serving connections
   std::atomic<uint64_t> next_conn_id_{1};
 
   mutable Mutex conns_mu_;

@@ -43,7 +43,32 @@ const char* Reason(int status) {
   }
 }
 
+// The end of a request head: a blank line. A head whose lines end in "\n" alone is malformed,
+// but it is found too, to be answered 400 at once rather than left to time out.
+struct HeadEnd {
+  template <typename Iterator>
+  std::pair<Iterator, bool> operator()(Iterator begin, Iterator end) const {
+    int after_newline = 0;  // 1: just after '\n'; 2: after "\n\r"
+    for (Iterator i = begin; i != end; ++i) {
+      const char c = *i;
+      if (c == '\n') {
+        if (after_newline > 0) return {++i, true};
+        after_newline = 1;
+      } else {
+        after_newline = c == '\r' && after_newline == 1 ? 2 : 0;
+      }
+    }
+    return {begin, false};  // searched again from the start once more bytes came (a head is small)
+  }
+};
+
 }  // namespace
+}  // namespace psd::server::ops
+
+template <>
+struct boost::asio::is_match_condition<psd::server::ops::HeadEnd> : std::true_type {};
+
+namespace psd::server::ops {
 
 std::string HttpRequest::Header(const std::string& lower_name) const {
   auto it = headers.find(lower_name);
@@ -108,6 +133,19 @@ class HttpServer::Session : public std::enable_shared_from_this<Session> {
         open_(std::move(open)) {}
   ~Session() { open_->fetch_sub(1); }
 
+  // Whether it still waits for its request head (what a full server closes to admit another).
+  bool waiting() const { return waiting_.load(); }
+  // Closes it if it still waits for its head; false if it has one already (it is being answered).
+  bool Evict() {
+    if (!waiting_.exchange(false)) return false;
+    asio::post(socket_.get_executor(), [self = shared_from_this()] {
+      self->timer_.cancel();
+      boost::system::error_code ignored;
+      self->socket_.close(ignored);  // the pending read fails and the session ends
+    });
+    return true;
+  }
+
   void Start() {
     auto self = shared_from_this();
     timer_.expires_after(limits_.header_timeout);
@@ -116,7 +154,8 @@ class HttpServer::Session : public std::enable_shared_from_this<Session> {
       boost::system::error_code ignored;
       self->socket_.close(ignored);  // too slow: the pending read fails and the session ends
     });
-    asio::async_read_until(socket_, buf_, "\r\n\r\n", [self](boost::system::error_code ec, size_t n) {
+    asio::async_read_until(socket_, buf_, HeadEnd{}, [self](boost::system::error_code ec, size_t n) {
+      if (!self->waiting_.exchange(false)) return;  // evicted
       self->timer_.cancel();
       if (ec == asio::error::not_found) return self->Reply(431, "request head over the size limit\n", false);
       if (ec) return;
@@ -179,6 +218,7 @@ class HttpServer::Session : public std::enable_shared_from_this<Session> {
   std::shared_ptr<const Handler> handler_;
   const Limits limits_;
   std::shared_ptr<std::atomic<int>> open_;
+  std::atomic<bool> waiting_{true};
   char drain_[1024];
 };
 
@@ -223,15 +263,38 @@ void HttpServer::Accept() {
       });
       return;
     }
-    if (open_->fetch_add(1) >= limits_.max_connections) {
+    // Full: the session that has waited longest for its request head makes room (a probe is not
+    // turned away by clients that connect and send nothing); with none waiting, the new one goes.
+    if (open_->fetch_add(1) >= limits_.max_connections && !EvictOldestWaiting()) {
       open_->fetch_sub(1);
       boost::system::error_code ignored;
       socket.close(ignored);
     } else {
-      std::make_shared<Session>(std::move(socket), handler_, limits_, open_)->Start();
+      auto session = std::make_shared<Session>(std::move(socket), handler_, limits_, open_);
+      {
+        MutexLock lock(&waiting_mu_);
+        while (!waiting_.empty() && !Waiting(waiting_.front())) waiting_.pop_front();
+        waiting_.push_back(session);
+      }
+      session->Start();
     }
     Accept();
   });
+}
+
+bool HttpServer::Waiting(const std::weak_ptr<Session>& s) {
+  auto session = s.lock();
+  return session && session->waiting();
+}
+
+bool HttpServer::EvictOldestWaiting() {
+  MutexLock lock(&waiting_mu_);
+  while (!waiting_.empty()) {
+    auto session = waiting_.front().lock();
+    waiting_.pop_front();
+    if (session && session->Evict()) return true;
+  }
+  return false;
 }
 
 }  // namespace psd::server::ops

@@ -3,8 +3,10 @@
 // nothing of psd: a handler turns an HttpRequest into an HttpResponse.
 //
 // Hardened like the data port: a request head is at most 8 KiB and must arrive within
-// `header_timeout`; at most `max_connections` are open at once (more are closed at accept); the
-// body of a request is never read. Malformed requests get 400, other methods 405.
+// `header_timeout`; at most `max_connections` are open at once: a connection beyond that closes
+// the one that has waited longest for its request head (so clients that connect and send nothing
+// cannot keep a liveness probe out), or is closed itself when every open one is being answered.
+// The body of a request is never read. Malformed requests get 400, other methods 405.
 //
 // Threading: runs on the io_context it is given; each connection's handlers run on its own strand;
 // the handler is called on an I/O thread and must not block for long. Stop() may be called from
@@ -14,6 +16,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -22,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/mutex.h"
 #include "psd/status.h"
 #include "wire/asio.h"
 
@@ -73,6 +77,9 @@ class HttpServer {
  private:
   class Session;
   void Accept();
+  static bool Waiting(const std::weak_ptr<Session>& s);
+  // Closes the session that has waited longest for its head; false if none waits.
+  bool EvictOldestWaiting() EXCLUDES(waiting_mu_);
 
   asio::io_context& io_;
   std::shared_ptr<const Handler> handler_;  // shared with sessions still in flight
@@ -80,6 +87,8 @@ class HttpServer {
   tcp::acceptor acceptor_;
   uint16_t port_ = 0;
   std::shared_ptr<std::atomic<int>> open_ = std::make_shared<std::atomic<int>>(0);
+  Mutex waiting_mu_;
+  std::deque<std::weak_ptr<Session>> waiting_ GUARDED_BY(waiting_mu_);  // in accept order; some done
 };
 
 }  // namespace psd::server::ops

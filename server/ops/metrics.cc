@@ -54,6 +54,11 @@ void Metrics::OnWorkerRequest(uint32_t worker) {
   ++w.requests;
 }
 
+void Metrics::ResetWorker(uint32_t worker) {
+  MutexLock lock(&mu_);
+  WorkerLocked(worker) = WorkerFigures{};
+}
+
 void Metrics::OnPush(uint32_t worker, int64_t local_step, int accepted, int stale, int64_t staleness) {
   MutexLock lock(&mu_);
   WorkerFigures& w = WorkerLocked(worker);

@@ -1,6 +1,6 @@
 // Metrics: the daemon's instruments for operators — counters, histograms and per-worker figures
 // that the request paths record into, and the step-rate history the status page draws. Rendered
-// in Prometheus' text exposition format by ops/prometheus.h and as JSON by the ops service.
+// in Prometheus' text exposition format by ops/text_format.h and as JSON by the ops service.
 //
 // Thread-safety: every method may be called from any thread. Counters and histogram buckets are
 // relaxed atomics (the hot path never takes a lock for them); the per-worker table and the step
@@ -102,6 +102,8 @@ class Metrics {
   void OnReadsPaused() { reads_paused_.fetch_add(1, std::memory_order_relaxed); }
   // A request from worker `worker` (its registry index).
   void OnWorkerRequest(uint32_t worker);
+  // Another worker took index `worker` (the one before was lost): its figures start over.
+  void ResetWorker(uint32_t worker);
   // A push of `accepted` + `stale` gradients tagged `local_step`; `staleness` = global - local.
   void OnPush(uint32_t worker, int64_t local_step, int accepted, int stale, int64_t staleness);
   // A committed global step that used min..max gradients per variable.

@@ -47,7 +47,7 @@ touch "$run/a-file"
 refused "--checkpoint-dir $run/a-file/ckpt cannot be created" --port 0 --checkpoint-dir "$run/a-file/ckpt"
 # --max-connections against the process's file descriptor limit (both numbers named).
 out=$(ulimit -n 256; timeout 10 "$psd" --port 0 --max-connections 1000 2>&1) && { echo "fd limit ignored"; exit 1; }
-grep -qF "needs 1064 file descriptors" <<< "$out" && grep -qF "at most 256" <<< "$out" || { echo "fd: $out"; exit 1; }
+grep -qF "needs 1192 file descriptors" <<< "$out" && grep -qF "at most 256" <<< "$out" || { echo "fd: $out"; exit 1; }
 # A passed socket (--listen-fd, systemd's LISTEN_FDS) must be a listening TCP socket where psd is
 # to listen (tests/e2e/listen.py binds one, on ports this test reserved).
 refused "--listen-fd 5: descriptor 5 is not a socket" --listen-fd 5 5< "$run/a-file"
@@ -84,6 +84,10 @@ refused "pass --insecure to allow it deliberately" --metrics-host 0.0.0.0 --metr
 printf 'host = "0.0.0.0"\n' > "$run/open.conf"
 refused "protected mode" --config "$run/open.conf" --port 0
 printf 's3cret\n' > "$run/token"
+# A token that protects a listener beyond loopback is held to 16 characters (a short one is guessed).
+refused "--auth-token-file holds 6 characters, too few to protect a daemon reachable beyond this host (--host 0.0.0.0)" \
+  --host 0.0.0.0 --port 0 --auth-token-file "$run/token"
+printf 'a-long-enough-workers-token\n' > "$run/long-token"
 # A cluster beyond loopback needs the shards' own secret: the workers' token does not vouch for a shard.
 refused "protected mode: the --cluster list has 10.0.0.2:7070, beyond loopback, and no cluster secret" \
   --cluster 127.0.0.1:7070,10.0.0.2:7070 --auth-token-file "$run/token"
@@ -91,7 +95,7 @@ refused "has psd-1.example:7070, beyond loopback" --cluster 127.0.0.1:7070,psd-1
 refused "--cluster-secret-file holds 6 characters; use at least 16" \
   --cluster 127.0.0.1:7070,10.0.0.2:7070 --cluster-secret-file "$run/token"
 refused "--cluster-secret-file: cannot read the secret file $run/none" --cluster-secret-file "$run/none"
-for allowed in "--auth-token-file $run/token" "--insecure"; do
+for allowed in "--auth-token-file $run/long-token" "--insecure"; do
   rm -f "$run/port"
   # shellcheck disable=SC2086 # the words of $allowed are flags
   timeout 30 "$psd" --host 0.0.0.0 --port 0 --port-file "$run/port" --max-frame-bytes 64M $allowed 2> "$run/psd.log" &

@@ -113,6 +113,15 @@ TEST_CASE("ops endpoint: probes, metrics that follow the job, status JSON and pa
   REQUIRE(st->ready);
   REQUIRE(st->uptime_s > 0);
   REQUIRE(st->cluster_state == "running");
+
+  // A restore replaces the engine (a cluster does at every re-formation): the process's counters
+  // go on from where they were instead of falling back to 0.
+  std::vector<server::VarPlacement> placements;
+  REQUIRE(server->RestoreEngine(2, -1, &placements).ok());
+  m = HttpGet(mp, "/metrics");
+  REQUIRE(Sample(m.body, "psd_global_step{shard=\"0\"}") == 0);  // an empty state
+  REQUIRE(Sample(m.body, "psd_pushes_accepted_total{shard=\"0\"}") == 6);
+  REQUIRE(HttpGet(mp, "/status.json").body.find("\"accepted\":6,") != std::string::npos);
 }
 
 TEST_CASE("ops endpoint: the token guards everything but the probes") {
@@ -127,6 +136,10 @@ TEST_CASE("ops endpoint: the token guards everything but the probes") {
     REQUIRE(denied.headers.find("WWW-Authenticate: Basic") != std::string::npos);
     REQUIRE(HttpGet(mp, path, "Authorization: Bearer wrong\r\n").status == 401);
     REQUIRE(HttpGet(mp, path, "Authorization: Bearer s3cret\r\n").status == 200);
+    // The scheme is case-insensitive (RFC 7235); spaces before the credentials are not part of them.
+    REQUIRE(HttpGet(mp, path, "Authorization: bearer s3cret\r\n").status == 200);
+    REQUIRE(HttpGet(mp, path, "Authorization: BEARER  s3cret\r\n").status == 200);
+    REQUIRE(HttpGet(mp, path, "Authorization: Bearers3cret\r\n").status == 401);
     // Basic, as a browser sends it: base64("admin:s3cret").
     REQUIRE(HttpGet(mp, path, "Authorization: Basic YWRtaW46czNjcmV0\r\n").status == 200);
   }

@@ -137,8 +137,23 @@ TEST_CASE("every numeric flag is range-checked with the flag and its range in th
   };
   CHECK(with([](ServerConfig&) {}) == "");
   CHECK_THAT(with([](ServerConfig& c) { c.backup_replicas = -2; }),
-             Catch::Contains("-B/--backup-replicas must be >= -1"));
-  CHECK_THAT(with([](ServerConfig& c) { c.total_replicas = 0; }), Catch::Contains("-N/--total-replicas must be >= 1"));
+             Catch::Contains("-B/--backup-replicas must be in [-1, 65536] (-1: not given), got -2"));
+  CHECK_THAT(with([](ServerConfig& c) { c.total_replicas = 0; }),
+             Catch::Contains("-N/--total-replicas must be in [1, 65536], got 0"));
+  // Each token is queued: a mistyped huge count exhausted memory at start (or at every step).
+  CHECK_THAT(with([](ServerConfig& c) { c.replicas_to_aggregate = 1000000000; }),
+             Catch::Contains("-R/--replicas-to-aggregate must be in [1, 65536], got 1000000000"));
+  CHECK_THAT(with([](ServerConfig& c) { c.total_replicas = 1 << 17; }),
+             Catch::Contains("-N/--total-replicas must be in [1, 65536]"));
+  CHECK_THAT(with([](ServerConfig& c) { c.init_tokens = 1000000000; }),
+             Catch::Contains("--init-tokens must be in [-1, 1048576] (-1: the default, R), got 1000000000"));
+  CHECK(with([](ServerConfig& c) {
+          c.replicas_to_aggregate = 65536;
+          c.init_tokens = 1 << 20;
+        }) == "");
+  // A port file with the metrics port off would never be written (a launcher waiting for it hangs).
+  CHECK_THAT(with([](ServerConfig& c) { c.metrics_port_file = "/tmp/never"; }),
+             Catch::Contains("--metrics-port-file needs --metrics-port"));
   CHECK_THAT(with([](ServerConfig& c) { c.summary_interval_s = -5; }),
              Catch::Contains("--summary-interval-s must be in [0, 1000000000] (0: none), got -5"));
   CHECK_THAT(with([](ServerConfig& c) { c.io_threads = -1; }),
@@ -257,7 +272,10 @@ TEST_CASE("protected mode: beyond loopback needs a token (or TLS) or --insecure"
   c.insecure = true;
   CHECK(ValidateMessage(c) == "");
   c.insecure = false;
-  c.auth_token = "s3cret";
+  c.auth_token = "s3cret";  // protects a listener beyond loopback: held to the cluster secret's 16
+  CHECK_THAT(ValidateMessage(c), Catch::StartsWith("--auth-token-file holds 6 characters, too few to protect a daemon "
+                                                   "reachable beyond this host (--host 0.0.0.0); use at least 16"));
+  c.auth_token = "sixteen-chars-ok";
   CHECK(ValidateMessage(c) == "");
   for (const char* loopback : {"127.0.0.1", "127.8.9.10", "::1"}) {
     ServerConfig l;
@@ -267,6 +285,9 @@ TEST_CASE("protected mode: beyond loopback needs a token (or TLS) or --insecure"
     INFO(loopback);
     CHECK(ValidateMessage(l) == "");
   }
+  ServerConfig loopback_short;  // on loopback a short token is the operator's choice
+  loopback_short.auth_token = "tok";
+  CHECK(ValidateMessage(loopback_short) == "");
   ServerConfig metrics;
   metrics.metrics_host = "0.0.0.0";
   CHECK(ValidateMessage(metrics) == "");  // the metrics port is off

@@ -133,6 +133,10 @@ TEST_CASE("base64 for HTTP Basic auth") {
   REQUIRE(Base64Decode("YQ", &out));
   REQUIRE(out == "a");
   REQUIRE_FALSE(Base64Decode("a b", &out));
+  REQUIRE(Base64Decode("YQ==", &out));
+  REQUIRE(out == "a");
+  REQUIRE_FALSE(Base64Decode("YQ==garbage!!", &out));  // padding ends it: nothing may follow
+  REQUIRE_FALSE(Base64Decode("Y===", &out));
 }
 
 TEST_CASE("sd_notify sends one datagram to $NOTIFY_SOCKET's path") {
@@ -181,23 +185,46 @@ TEST_CASE("per-worker figures accumulate by registry index") {
   REQUIRE(w[0].requests == 1);
   REQUIRE(w[0].last_seen_unix_s > 0);
   REQUIRE(w[1].last_local_step == -1);
+  m.ResetWorker(2);  // another worker took index 2
+  w = m.Workers();
+  CHECK(w[2].pushes_accepted == 0);
+  CHECK(w[2].last_local_step == -1);
+  CHECK(w[2].max_staleness == 0);
+  CHECK(w[0].requests == 1);
 }
 
-TEST_CASE("the HTTP server answers, refuses other methods and huge heads, and cuts off silent clients") {
+namespace {
+
+// An HTTP server on 127.0.0.1 (a kernel-chosen port) answering "path=<path>", run on a thread of its own.
+struct EchoHttp {
+  explicit EchoHttp(HttpServer::Limits limits)
+      : http(
+            io, [](const HttpRequest& r) { return HttpResponse{200, "text/plain", "path=" + r.path, {}}; }, limits) {
+    REQUIRE(http.Listen("127.0.0.1", 0).ok());
+    REQUIRE(http.port() != 0);
+    thread = std::thread([this] { io.run(); });
+  }
+  ~EchoHttp() {
+    http.Stop();
+    guard.reset();
+    io.stop();
+    thread.join();
+  }
+  uint16_t port() const { return http.port(); }
   asio::io_context io;
+  HttpServer http;
+  asio::executor_work_guard<asio::io_context::executor_type> guard = asio::make_work_guard(io);
+  std::thread thread;
+};
+
+}  // namespace
+
+TEST_CASE("the HTTP server answers, refuses other methods and huge heads, and cuts off silent clients") {
   HttpServer::Limits limits;
   limits.header_timeout = std::chrono::milliseconds(300);
   limits.max_header_bytes = 1024;
-  HttpServer http(
-      io,
-      [](const HttpRequest& r) {
-        return HttpResponse{200, "text/plain", "path=" + r.path, {}};
-      },
-      limits);
-  REQUIRE(http.Listen("127.0.0.1", 0).ok());
-  REQUIRE(http.port() != 0);
-  auto guard = asio::make_work_guard(io);
-  std::thread t([&] { io.run(); });
+  EchoHttp server(limits);
+  HttpServer& http = server.http;
 
   std::string ok = HttpExchange(http.port(), "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n");
   REQUIRE(ok.rfind("HTTP/1.1 200 OK", 0) == 0);
@@ -211,9 +238,36 @@ TEST_CASE("the HTTP server answers, refuses other methods and huge heads, and cu
   REQUIRE(HttpExchange(http.port(), "GET / HTTP/1.1\r\n").empty());
   REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
 
-  http.Stop();
-  guard.reset();
-  io.stop();
-  t.join();
-  REQUIRE_FALSE(HttpServer(io, nullptr).Listen("not-an-ip", 0).ok());
+  // A head whose lines end in "\n" alone is answered 400 at once, not left to time out.
+  REQUIRE(HttpExchange(http.port(), "GET / HTTP/1.1\nHost: x\n\n").rfind("HTTP/1.1 400", 0) == 0);
+  asio::io_context other;
+  REQUIRE_FALSE(HttpServer(other, nullptr).Listen("not-an-ip", 0).ok());
+}
+
+TEST_CASE("a full HTTP server closes the connection that waited longest for its head, so a probe gets in") {
+  HttpServer::Limits limits;
+  limits.max_connections = 4;
+  limits.header_timeout = std::chrono::seconds(60);  // the silent ones stay until they are made room for
+  EchoHttp server(limits);
+  HttpServer& http = server.http;
+
+  // Four clients connect and send nothing (accepted in order: the listen queue is FIFO).
+  asio::io_context here;
+  std::vector<tcp::socket> silent;
+  for (int i = 0; i < limits.max_connections; ++i) {
+    silent.emplace_back(here);
+    silent.back().connect({asio::ip::make_address("127.0.0.1"), http.port()});
+  }
+  // Before, the fifth connection was closed unanswered: a liveness probe failed.
+  std::string probe = HttpExchange(http.port(), "GET /healthz HTTP/1.1\r\n\r\n");
+  REQUIRE(probe.rfind("HTTP/1.1 200 OK", 0) == 0);
+  // The oldest silent client made room: its connection is closed (end of stream, no reply).
+  char c;
+  boost::system::error_code ec;
+  silent.front().read_some(asio::buffer(&c, 1), ec);
+  CHECK(ec == asio::error::eof);
+  // The newest is still open.
+  silent.back().non_blocking(true);
+  silent.back().read_some(asio::buffer(&c, 1), ec);
+  CHECK(ec == asio::error::would_block);
 }

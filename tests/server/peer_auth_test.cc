@@ -69,7 +69,7 @@ TEST_CASE("protected mode: a cluster beyond loopback needs a cluster secret or -
   c.cluster = {"10.0.0.1:7070", "10.0.0.2:7070"};
   c.shard_index = 1;
   c.host = "10.0.0.2";
-  c.auth_token = "workers-token";  // the workers' token does not protect the shards' links
+  c.auth_token = "the-workers-token-1234";  // the workers' token does not protect the shards' links
   std::string m = ValidateMessage(c);
   CHECK_THAT(m, Catch::StartsWith("protected mode: the --cluster list has 10.0.0.1:7070, beyond loopback, and no "
                                   "cluster secret") &&
@@ -96,7 +96,7 @@ TEST_CASE("protected mode: a cluster beyond loopback needs a cluster secret or -
   ServerConfig wide = local;
   wide.shard_index = 0;
   wide.host = "0.0.0.0";
-  wide.auth_token = "workers-token";
+  wide.auth_token = "the-workers-token-1234";
   CHECK_THAT(ValidateMessage(wide), Catch::StartsWith("protected mode: this shard listens on --host 0.0.0.0, beyond "
                                                       "loopback, and there is no cluster secret") &&
                                         Catch::Contains("--cluster-secret-file FILE"));

@@ -99,7 +99,12 @@ TEST_CASE("a worker beyond N is refused naming -N/-B, a reconnect or a lost work
   REQUIRE(gone.has_value());
   CHECK_FALSE(r.Hello(6, "w3", 1).ok());  // not yet lost: it may come back
   REQUIRE(r.MarkLostIfStillGone(gone->first, gone->second).has_value());
-  CHECK(*r.Hello(6, "w3", 1) == 2);
+  bool took_slot = false;
+  CHECK(*r.Hello(6, "w3", 1, nullptr, &took_slot) == 2);
+  CHECK(took_slot);  // what was recorded of index 2 was w2's (the metrics start it over)
+  took_slot = false;
+  CHECK(*r.Hello(7, "w3", 2, nullptr, &took_slot) == 2);
+  CHECK_FALSE(took_slot);  // its own slot
   CHECK(r.Names() == std::vector<std::string>{"w0", "w1", "w3"});
   CHECK(r.Counts().lost == 0);
   CHECK(r.RequiredReplicas() == 2);  // w0 finished, covered by the backup
