@@ -466,6 +466,13 @@ Result<std::vector<ReduceResult>> Client::BatchReduceTo(ReduceOp op, int64_t loc
     }
     if (calls.empty()) break;
     PSD_RETURN_IF_ERROR(im.Run(calls));
+    // Every result of the wave is checked before any is written (one call per shard: the replies
+    // all stay readable until the next wave): a reply that does not fit its view writes nothing.
+    struct Copy {
+      const Entry* entry;
+      psd::wire::TensorRef value;
+    };
+    std::vector<Copy> copies;
     try {
       for (size_t c = 0; c < calls.size(); ++c) {
         auto got = calls[c]->resp.getReduce().getResults();
@@ -480,12 +487,19 @@ Result<std::vector<ReduceResult>> Client::BatchReduceTo(ReduceOp op, int64_t loc
           auto t = psd::wire::ReadTensor(g.getValue(), im.options_.max_frame_bytes);
           if (!t.ok()) return t.status();
           PSD_RETURN_IF_ERROR(CheckView("reduce_to result", t->dtype, t->shape, entries[e].result));
-          PSD_RETURN_IF_ERROR(im.staging_.FromHost(entries[e].result.data, t->data, t->bytes, entries[e].result.memory,
-                                                   entries[e].result.stream));
+          // The data's own length, not only its shape, must be the view's: it is what is copied.
+          if (t->bytes != entries[e].result.bytes()) {
+            return psd::Internal("reduce reply for '" + items[entries[e].item].destination + "' has a wrong size");
+          }
+          copies.push_back({&entries[e], std::move(*t)});
         }
       }
     } catch (const kj::Exception& e) {
       return Malformed(e);
+    }
+    for (const Copy& cp : copies) {
+      const TensorView& out = cp.entry->result;
+      PSD_RETURN_IF_ERROR(im.staging_.FromHost(out.data, cp.value.data, cp.value.bytes, out.memory, out.stream));
     }
   }
   return results;

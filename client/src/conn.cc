@@ -114,6 +114,14 @@ Status Conn::ConnectOnce(std::chrono::steady_clock::time_point deadline) {
   // any other malformed reply fails its call: nothing here throws to the caller.
   try {
     auto hr = resp.getHello();
+    // Chunks are cut in whole parts of chunkElements elements (PlanFrames): psd's is 512, 0 means
+    // it takes no chunks; a part so big that its bytes could wrap around is not a daemon's.
+    if (hr.getChunkElements() > Conn::kMaxChunkElements) {
+      Drop();
+      return psd::Internal("psd at " + Where() + " announced chunks of " + std::to_string(hr.getChunkElements()) +
+                           " elements (at most " + std::to_string(Conn::kMaxChunkElements) +
+                           " make sense): a malformed hello; check that the daemon and this client are one release");
+    }
     {
       std::lock_guard<std::mutex> lock(hello_mu);
       config = ReadConfig(hr.getConfig());

@@ -122,6 +122,8 @@ class Conn {
   static constexpr int64_t kQuickReconnectMs = 500;
   uint64_t daemon_max_frame_bytes = 0;  // psd's --max-frame-bytes from the hello (0: not announced)
   uint64_t chunk_elements = 0;          // what gradient chunks align to (0: the daemon takes none)
+  // The most chunk_elements a hello may announce (a bigger one fails the connect as malformed).
+  static constexpr uint64_t kMaxChunkElements = uint64_t{1} << 30;
   // Room for a frame's own words besides its tensors' bytes (names, shapes, list pointers): a
   // frame planned for push_frame_bytes / pull_frame_bytes of tensors may be this much bigger.
   static constexpr uint64_t kFrameSlack = 64 << 10;

@@ -7,6 +7,7 @@
 
 #ifdef PSD_WITH_CUDA
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 #endif
 
 namespace psclient::internal {
@@ -253,12 +254,35 @@ DeviceStaging::~DeviceStaging() {
 
 psd::Status DeviceStaging::PinHost(void* p, size_t bytes) {
   if (bytes == 0 || Pinned(p, bytes)) return psd::Status::Ok();
-  cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return CudaFailed("cudaHostRegister of " + std::to_string(bytes) + " bytes", err);
+  // CUDA pins whole pages, and refuses a page pinned already (cudaErrorHostMemoryAlreadyRegistered):
+  // the twins are 64-byte-aligned blocks of the shared buffers, so two may share a page. The range
+  // is rounded out to pages and its pages not pinned yet are pinned, in pieces between the ranges
+  // pinned before (every range in pinned_ is whole pages).
+  const auto page_size = ::sysconf(_SC_PAGESIZE);
+  const uintptr_t page = page_size > 0 ? static_cast<uintptr_t>(page_size) : 4096;
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(p) / page * page;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) / page * page;
+  for (uintptr_t at = lo; at < hi;) {
+    uintptr_t end = hi;  // the next pinned range's start, or the end
+    bool inside = false;
+    for (const auto& [base, n] : pinned_) {
+      const auto b = reinterpret_cast<uintptr_t>(base);
+      if (at >= b && at - b < n) {
+        at = b + n;  // pinned already
+        inside = true;
+        break;
+      }
+      if (b > at && b < end) end = b;
+    }
+    if (inside) continue;
+    cudaError_t err = cudaHostRegister(reinterpret_cast<void*>(at), end - at, cudaHostRegisterPortable);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return CudaFailed("cudaHostRegister of " + std::to_string(end - at) + " bytes", err);
+    }
+    pinned_.emplace_back(reinterpret_cast<const char*>(at), end - at);
+    at = end;
   }
-  pinned_.emplace_back(static_cast<const char*>(p), bytes);
   return psd::Status::Ok();
 }
 
@@ -326,12 +350,21 @@ psd::Status DeviceStaging::HostToDevice(const std::vector<Segment>&, void*) { re
 #endif  // PSD_WITH_CUDA
 
 bool DeviceStaging::Pinned(const void* p, size_t bytes) const {
-  const auto at = reinterpret_cast<uintptr_t>(p);
-  for (const auto& [base, n] : pinned_) {
-    const auto b = reinterpret_cast<uintptr_t>(base);
-    if (at >= b && at - b <= n && bytes <= n - (at - b)) return true;
+  // PinHost pins a range in pieces (pages pinned before are not pinned again): covered when the
+  // pieces cover it together, followed one into the next.
+  auto at = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t end = at + bytes;
+  for (bool moved = true; moved && at < end;) {
+    moved = false;
+    for (const auto& [base, n] : pinned_) {
+      const auto b = reinterpret_cast<uintptr_t>(base);
+      if (at >= b && at - b < n) {
+        at = b + n;
+        moved = true;
+      }
+    }
   }
-  return false;
+  return at >= end;
 }
 
 psd::Status DeviceStaging::ToHost(void* dst, const void* src, size_t bytes, psd::MemoryKind kind, void* stream) {

@@ -1,6 +1,7 @@
 #include "frame_plan.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace psclient::internal {
 
@@ -30,7 +31,10 @@ std::vector<FramePlan> PlanFrames(const std::vector<uint64_t>& dense_bytes, cons
       used += cost;
       continue;
     }
-    const uint64_t part = chunk_elements * std::max<uint64_t>(1, element_bytes[i]);
+    // A part's bytes, saturated: a product that wrapped (a daemon announcing absurd parts) could
+    // be 0, and the division below with it.
+    const uint64_t es = std::max<uint64_t>(1, element_bytes[i]);
+    const uint64_t part = chunk_elements > UINT64_MAX / es ? UINT64_MAX : chunk_elements * es;
     uint64_t offset = 0;
     while (offset < bytes) {
       const uint64_t room = limit - std::min(limit, used + kFrameEntryOverhead);

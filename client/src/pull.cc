@@ -333,11 +333,16 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
     for (size_t k = 0; k < loc->parts.size(); ++k) {
       const int shard = loc->parts[k].shard;
       Conn& conn = im.conn(shard);
-      const int64_t base = host_view ? conn.BufferOffset(out.data, out.bytes()) : -1;
+      // Rows of no bytes (a sliced [N, 0] variable) move nothing: they come in plain replies of
+      // at most a request's rows (and nothing below divides by their size).
+      const int64_t base = host_view && row_bytes > 0 ? conn.BufferOffset(out.data, out.bytes()) : -1;
       const uint64_t limit = conn.PullFrameLimit();
-      const size_t per_reply =
-          limit == 0 ? SIZE_MAX : std::max<size_t>(1, (limit - std::min(limit, Conn::kFrameSlack)) / row_bytes);
       const size_t per_request = conn.RowsPerRequest();
+      size_t per_reply = per_request;
+      if (row_bytes > 0) {
+        per_reply =
+            limit == 0 ? SIZE_MAX : std::max<size_t>(1, (limit - std::min(limit, Conn::kFrameSlack)) / row_bytes);
+      }
       const std::vector<size_t>& pos = positions[k];
       for (size_t first = 0; first < pos.size();) {
         const size_t left = pos.size() - first;
@@ -346,7 +351,7 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
         if (base >= 0) {
           b.via = Via::kBuffers;
           n = std::min(left, per_request);
-        } else if (const size_t fit = std::min<uint64_t>(per_request, conn.ShmRoom() / row_bytes);
+        } else if (const size_t fit = row_bytes == 0 ? 0 : std::min<uint64_t>(per_request, conn.ShmRoom() / row_bytes);
                    fit >= std::min(left, per_reply)) {
           b.via = Via::kSegment;
           n = std::min(left, fit);
@@ -488,7 +493,14 @@ Status Client::GetSlot(const std::string& variable, const std::string& slot, Ten
         part.shape = {piece.count};
       }
       read = CheckView(what, t->dtype, t->shape, part);
-      if (read.ok()) read = im.staging_.FromHost(part.data, t->data, t->bytes, part.memory, part.stream);
+      if (!read.ok()) return;
+      // The reply's own byte count must be the view's (a hostile or broken reply could carry more
+      // data than its shape says): nothing is written unless it is.
+      if (t->bytes != part.bytes()) {
+        read = psd::Internal("slot reply for '" + variable + "' has a wrong size (slot '" + slot + "')");
+        return;
+      }
+      read = im.staging_.FromHost(part.data, t->data, t->bytes, part.memory, part.stream);
     } catch (const kj::Exception& e) {
       read = Malformed(e);
     }

@@ -46,6 +46,7 @@ class StatusError : public std::exception {
 
 [[noreturn]] void Raise(psd::Status status) { throw StatusError(std::move(status)); }
 [[noreturn]] void RaiseInvalid(std::string message) { Raise(psd::InvalidArgument(std::move(message))); }
+[[noreturn]] void RaiseType(const std::string& message);  // TypeError (defined with Text)
 
 void Check(const psd::Status& status) {
   if (!status.ok()) Raise(status);
@@ -56,10 +57,38 @@ T Check(psd::Result<T> result) {
   return std::move(result).value();
 }
 
+// Text from the daemon (or from the environment, or the user) as a Python str. Bytes that are not
+// UTF-8 come through as \xNN escapes: pybind11's strict decoding would raise UnicodeDecodeError
+// instead, and the status or the answer they were part of would be lost.
+py::str Text(const std::string& s) {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "backslashreplace");
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
+// A TypeError whose message may quote user text that is not UTF-8 (pybind11's type_error would
+// decode it strictly and raise something else).
+void RaiseType(const std::string& message) {
+  PyErr_SetObject(PyExc_TypeError, Text(message).ptr());
+  throw py::error_already_set();
+}
+py::list Texts(const std::vector<std::string>& v) {
+  py::list out;
+  for (const std::string& s : v) out.append(Text(s));
+  return out;
+}
+// Text that goes back into psclient.Client(**...) (LaunchEnvironment.client_options): non-UTF-8
+// bytes become surrogates, as in os.environ, so that ToString gives the same bytes back.
+py::str RoundTripText(const std::string& s) {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "surrogateescape");
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
+
 // The psclient exception instance for `status` (an OK status: None).
 py::object ErrorObject(const psd::Status& status) {
   if (status.ok()) return py::none();
-  return py::module_::import("psclient._errors").attr("error_for")(static_cast<int>(status.code()), status.message());
+  return py::module_::import("psclient._errors")
+      .attr("error_for")(static_cast<int>(status.code()), Text(status.message()));
 }
 
 py::tuple ShapeTuple(const psd::Shape& shape) {
@@ -111,6 +140,56 @@ struct Held {
 
 std::string TypeName(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
 
+// repr(obj) for an error message: at most 80 characters, and never an error of its own.
+std::string Repr(py::handle obj) {
+  std::string out = "<" + TypeName(obj) + ">";
+  if (PyObject* r = PyObject_Repr(obj.ptr())) {
+    if (PyObject* b = PyUnicode_AsEncodedString(r, "utf-8", "backslashreplace")) {
+      out.assign(PyBytes_AS_STRING(b), static_cast<size_t>(PyBytes_GET_SIZE(b)));
+      Py_DECREF(b);
+    }
+    Py_DECREF(r);
+  }
+  PyErr_Clear();
+  if (out.size() > 80) out = out.substr(0, 77) + "...";
+  return out;
+}
+
+// `item` as an int64: a Python int, a numpy integer or anything else with __index__. TypeError
+// naming `what` and the item otherwise (pybind11's cast would raise a RuntimeError, and accept
+// numpy floats by truncating them).
+int64_t ToInt64(py::handle item, const std::string& what) {
+  int overflow = 0;
+  long long v = -1;
+  PyObject* index = PyNumber_Index(item.ptr());
+  if (index != nullptr) {
+    v = PyLong_AsLongLongAndOverflow(index, &overflow);
+    Py_DECREF(index);
+  }
+  if (index == nullptr || overflow != 0 || (v == -1 && PyErr_Occurred() != nullptr)) {
+    PyErr_Clear();
+    RaiseType(what + ": expected integers in int64 range, got " + Repr(item));
+  }
+  return static_cast<int64_t>(v);
+}
+
+// `obj` (a str, or bytes taken as they are) as a std::string, in UTF-8 (surrogates of
+// os.environ's non-UTF-8 bytes back as those bytes); TypeError naming `what` otherwise.
+std::string ToString(py::handle obj, const std::string& what) {
+  if (PyBytes_Check(obj.ptr())) {
+    return std::string(PyBytes_AS_STRING(obj.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(obj.ptr())));
+  }
+  if (!PyUnicode_Check(obj.ptr())) RaiseType(what + ": expected a str, got " + TypeName(obj));
+  PyObject* b = PyUnicode_AsEncodedString(obj.ptr(), "utf-8", "surrogateescape");
+  if (b == nullptr) {  // a lone surrogate that stands for no byte
+    PyErr_Clear();
+    RaiseInvalid(what + " " + Repr(obj) + " cannot be encoded as UTF-8");
+  }
+  std::string out(PyBytes_AS_STRING(b), static_cast<size_t>(PyBytes_GET_SIZE(b)));
+  Py_DECREF(b);
+  return out;
+}
+
 // What a numpy/buffer format string means for psd ('f', 'd', 'e', with a native/little-endian prefix).
 std::optional<psd::DType> FormatDType(const char* format, Py_ssize_t itemsize) {
   if (format == nullptr) return std::nullopt;  // plain bytes
@@ -133,10 +212,10 @@ Held MakeView(py::handle obj, bool writable, const std::string& what) {
     return held;
   }
   if (!PyObject_CheckBuffer(obj.ptr())) {
-    throw py::type_error(what +
-                         ": expected a numpy array (C-contiguous float32, float64 or float16) or a "
-                         "psclient.RawTensor, got " +
-                         TypeName(obj));
+    RaiseType(what +
+              ": expected a numpy array (C-contiguous float32, float64 or float16) or a "
+              "psclient.RawTensor, got " +
+              TypeName(obj));
   }
   held.buffer = std::make_unique<Buffer>();
   const int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
@@ -149,7 +228,7 @@ Held MakeView(py::handle obj, bool writable, const std::string& what) {
                    "(numpy.array(x) makes a writable copy)");
     }
     PyErr_Clear();
-    throw py::type_error(what + ": cannot read its buffer (" + std::string(py::str(original.value())) + ")");
+    RaiseType(what + ": cannot read its buffer (" + std::string(py::str(original.value())) + ")");
   }
   const Py_buffer& b = held.buffer->view();
   std::optional<psd::DType> dtype = FormatDType(b.format, b.itemsize);
@@ -193,9 +272,9 @@ std::vector<int64_t> ToInt64s(py::handle obj, const std::string& what) {
     PyErr_Clear();
   }
   if (!py::isinstance<py::iterable>(obj) || py::isinstance<py::str>(obj)) {
-    throw py::type_error(what + ": expected a sequence or array of integers, got " + TypeName(obj));
+    RaiseType(what + ": expected a sequence or array of integers, got " + TypeName(obj));
   }
-  for (py::handle item : obj) out.push_back(py::cast<int64_t>(py::reinterpret_borrow<py::object>(item)));
+  for (py::handle item : obj) out.push_back(ToInt64(item, what));
   return out;
 }
 
@@ -204,7 +283,7 @@ std::vector<std::pair<std::string, Held>> NamedViews(py::handle obj, bool writab
   std::vector<std::pair<std::string, Held>> out;
   if (obj.is_none()) return out;
   auto add = [&](py::handle name, py::handle value) {
-    auto n = py::cast<std::string>(name);
+    std::string n = ToString(name, std::string(what) + " name");
     out.emplace_back(n, MakeView(value, writable, std::string(what) + " '" + n + "'"));
   };
   if (py::isinstance<py::dict>(obj)) {
@@ -212,12 +291,12 @@ std::vector<std::pair<std::string, Held>> NamedViews(py::handle obj, bool writab
     return out;
   }
   if (!py::isinstance<py::iterable>(obj) || py::isinstance<py::str>(obj)) {
-    throw py::type_error(std::string(what) + ": expected a dict {name: array} or a list of (name, array) pairs");
+    RaiseType(std::string(what) + ": expected a dict {name: array} or a list of (name, array) pairs");
   }
   for (py::handle item : obj) {
     auto pair = py::reinterpret_borrow<py::sequence>(item);
     if (py::len(pair) != 2) {
-      throw py::type_error(std::string(what) + ": expected (name, array) pairs");
+      RaiseType(std::string(what) + ": expected (name, array) pairs");
     }
     add(pair[0], pair[1]);
   }
@@ -234,9 +313,12 @@ std::vector<std::pair<std::string, psd::TensorView>> Views(const std::vector<std
 std::vector<std::string> ClusterEntries(py::handle obj) {
   std::vector<std::string> out;
   if (obj.is_none()) return out;
-  if (py::isinstance<py::str>(obj)) return psclient::ParseClusterList(py::cast<std::string>(obj));
+  if (py::isinstance<py::str>(obj)) return psclient::ParseClusterList(ToString(obj, "cluster"));
+  if (!py::isinstance<py::iterable>(obj)) {
+    RaiseType("cluster: expected 'h:p,h:p' or a list of 'h:p' entries, got " + TypeName(obj));
+  }
   for (py::handle item : obj) {
-    for (auto& e : psclient::ParseClusterList(py::cast<std::string>(item))) out.push_back(std::move(e));
+    for (auto& e : psclient::ParseClusterList(ToString(item, "cluster entry"))) out.push_back(std::move(e));
   }
   return out;
 }
@@ -331,12 +413,13 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
                                     py::object tls_server_name, uint64_t shared_memory_bytes,
                                     uint64_t shared_buffer_bytes, uint64_t shm_piece_bytes, int copy_threads) {
   if (port < 0 || port > 65535) RaiseInvalid("port " + std::to_string(port) + " is outside 0..65535");
-  auto str = [](py::object o) { return o.is_none() ? std::string() : py::cast<std::string>(py::str(o)); };
+  // Any object's str() (a pathlib.Path, say).
+  auto str = [](py::object o, const char* what) { return o.is_none() ? std::string() : ToString(py::str(o), what); };
   psclient::ClientOptions o;
   o.host = host;
   o.port = static_cast<uint16_t>(port);
   o.cluster = ClusterEntries(cluster);
-  o.worker_name = str(worker_name);
+  o.worker_name = str(worker_name, "worker_name");
   o.incarnation = incarnation;
   o.connect_timeout_ms = connect_timeout_ms;
   o.request_timeout_ms = request_timeout_ms;
@@ -352,22 +435,24 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
   }
   o.copy_threads = copy_threads;
   o.observer = observer;
-  o.auth_token = str(auth_token);
+  o.auth_token = str(auth_token, "auth_token");
   o.tls = tls;
-  o.tls_ca_file = str(tls_ca_file);
-  o.tls_cert_file = str(tls_cert_file);
-  o.tls_key_file = str(tls_key_file);
-  o.tls_server_name = str(tls_server_name);
+  o.tls_ca_file = str(tls_ca_file, "tls_ca_file");
+  o.tls_cert_file = str(tls_cert_file, "tls_cert_file");
+  o.tls_key_file = str(tls_key_file, "tls_key_file");
+  o.tls_server_name = str(tls_server_name, "tls_server_name");
   return o;
 }
 
 py::dict OptionsDict(const psclient::ClientOptions& o) {
   py::dict d;
-  d["host"] = o.host;
+  d["host"] = RoundTripText(o.host);
   d["port"] = o.port;
-  d["cluster"] = o.cluster;
-  d["worker_name"] = o.worker_name;
-  d["auth_token"] = o.auth_token.empty() ? py::object(py::none()) : py::object(py::str(o.auth_token));
+  py::list cluster;
+  for (const std::string& e : o.cluster) cluster.append(RoundTripText(e));
+  d["cluster"] = cluster;
+  d["worker_name"] = RoundTripText(o.worker_name);
+  d["auth_token"] = o.auth_token.empty() ? py::object(py::none()) : py::object(RoundTripText(o.auth_token));
   return d;
 }
 
@@ -408,8 +493,10 @@ PYBIND11_MODULE(_core, m) {
              t.ptr = ptr;
              t.dtype = ParseDTypeOrRaise(dtype);
              t.shape = ToInt64s(shape, "RawTensor shape");
-             for (int64_t d : t.shape) {
-               if (d < 0) RaiseInvalid("RawTensor shape " + psd::ShapeString(t.shape) + " has a negative dimension");
+             // Negative dimensions, and sizes whose element or byte count would not fit an int64
+             // (nbytes and every view's size are computed from it).
+             if (psd::Status v = psd::ValidateShape(t.shape, t.dtype, INT64_MAX); !v.ok()) {
+               RaiseInvalid("RawTensor: " + v.message());
              }
              if (device == "cpu") {
                t.memory = psd::MemoryKind::kHost;
@@ -445,19 +532,19 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("total_replicas", &psclient::JobConfig::total_replicas)
       .def_readonly("tokens_per_step", &psclient::JobConfig::tokens_per_step)
       .def_readonly("init_tokens", &psclient::JobConfig::init_tokens)
-      .def_readonly("optimizer", &psclient::JobConfig::optimizer)
+      .def_property_readonly("optimizer", [](const psclient::JobConfig& c) { return Text(c.optimizer); })
       .def_readonly("learning_rate", &psclient::JobConfig::learning_rate)
       .def_readonly("reduction_sum", &psclient::JobConfig::reduction_sum)
-      .def_readonly("slot_names", &psclient::JobConfig::slot_names)
-      .def_readonly("mode", &psclient::JobConfig::mode)
+      .def_property_readonly("slot_names", [](const psclient::JobConfig& c) { return Texts(c.slot_names); })
+      .def_property_readonly("mode", [](const psclient::JobConfig& c) { return Text(c.mode); })
       .def_readonly("staleness_bound", &psclient::JobConfig::staleness_bound)
       .def_readonly("soft_sync_fraction", &psclient::JobConfig::soft_sync_fraction)
       .def_readonly("step_deadline_ms", &psclient::JobConfig::step_deadline_ms)
       .def_readonly("ema_decay", &psclient::JobConfig::ema_decay)
       .def("__repr__", [](const psclient::JobConfig& c) {
-        return "JobConfig(replicas_to_aggregate=" + std::to_string(c.replicas_to_aggregate) +
-               ", total_replicas=" + std::to_string(c.total_replicas) + ", optimizer='" + c.optimizer + "', mode='" +
-               c.mode + "', learning_rate=" + std::to_string(c.learning_rate) + ")";
+        return Text("JobConfig(replicas_to_aggregate=" + std::to_string(c.replicas_to_aggregate) +
+                    ", total_replicas=" + std::to_string(c.total_replicas) + ", optimizer='" + c.optimizer +
+                    "', mode='" + c.mode + "', learning_rate=" + std::to_string(c.learning_rate) + ")");
       });
 
   py::class_<psclient::JobStatus>(m, "JobStatus", "GetStatus(): the job as the answering shard sees it.")
@@ -479,30 +566,29 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("chief_shard", &psclient::JobStatus::chief_shard)
       .def_readonly("term", &psclient::JobStatus::term)
       .def_readonly("cluster_epoch", &psclient::JobStatus::cluster_epoch)
-      .def_readonly("cluster_state", &psclient::JobStatus::cluster_state)
+      .def_property_readonly("cluster_state", [](const psclient::JobStatus& s) { return Text(s.cluster_state); })
       .def_readonly("missing_shards", &psclient::JobStatus::missing_shards)
-      .def_readonly("version", &psclient::JobStatus::version)
+      .def_property_readonly("version", [](const psclient::JobStatus& s) { return Text(s.version); })
       .def_readonly("uptime_s", &psclient::JobStatus::uptime_s)
       .def_readonly("ready", &psclient::JobStatus::ready)
       .def("__repr__", [](const psclient::JobStatus& s) {
-        return "JobStatus(global_step=" + std::to_string(s.global_step) +
-               ", workers_connected=" + std::to_string(s.workers_connected) +
-               ", workers_finished=" + std::to_string(s.workers_finished) +
-               ", accepted_pushes=" + std::to_string(s.accepted_pushes) +
-               ", stale_pushes=" + std::to_string(s.stale_pushes) + ", cluster_state='" + s.cluster_state + "')";
+        return Text("JobStatus(global_step=" + std::to_string(s.global_step) + ", workers_connected=" +
+                    std::to_string(s.workers_connected) + ", workers_finished=" + std::to_string(s.workers_finished) +
+                    ", accepted_pushes=" + std::to_string(s.accepted_pushes) +
+                    ", stale_pushes=" + std::to_string(s.stale_pushes) + ", cluster_state='" + s.cluster_state + "')");
       });
 
   py::class_<psclient::VariableInfo>(m, "VariableInfo")
-      .def_readonly("name", &psclient::VariableInfo::name)
+      .def_property_readonly("name", [](const psclient::VariableInfo& v) { return Text(v.name); })
       .def_property_readonly("dtype",
                              [](const psclient::VariableInfo& v) { return std::string(psd::DTypeName(v.dtype)); })
       .def_property_readonly("shape", [](const psclient::VariableInfo& v) { return ShapeTuple(v.shape); })
       .def_readonly("created", &psclient::VariableInfo::created)
       .def_readonly("trainable", &psclient::VariableInfo::trainable)
       .def("__repr__", [](const psclient::VariableInfo& v) {
-        return "VariableInfo(name='" + v.name + "', dtype='" + psd::DTypeName(v.dtype) +
-               "', shape=" + psd::ShapeString(v.shape) + ", created=" + (v.created ? "True" : "False") +
-               ", trainable=" + (v.trainable ? "True" : "False") + ")";
+        return Text("VariableInfo(name='" + v.name + "', dtype='" + psd::DTypeName(v.dtype) +
+                    "', shape=" + psd::ShapeString(v.shape) + ", created=" + (v.created ? "True" : "False") +
+                    ", trainable=" + (v.trainable ? "True" : "False") + ")");
       });
 
   py::class_<psclient::SlicePart>(m, "SlicePart")
@@ -510,7 +596,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("row_begin", &psclient::SlicePart::row_begin)
       .def_readonly("row_end", &psclient::SlicePart::row_end);
   py::class_<psclient::VariablePlacement>(m, "VariablePlacement")
-      .def_readonly("name", &psclient::VariablePlacement::name)
+      .def_property_readonly("name", [](const psclient::VariablePlacement& v) { return Text(v.name); })
       .def_property_readonly("dtype",
                              [](const psclient::VariablePlacement& v) { return std::string(psd::DTypeName(v.dtype)); })
       .def_property_readonly("shape", [](const psclient::VariablePlacement& v) { return ShapeTuple(v.shape); })
@@ -630,20 +716,40 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("shards", [](const PyClient& self) { return self.Get()->shards(); })
       .def_property_readonly("chief_shard", [](const PyClient& self) { return self.Get()->chief_shard(); })
       .def_property_readonly("cluster_epoch", [](const PyClient& self) { return self.Get()->cluster_epoch(); })
-      .def_property_readonly("slot_names", [](const PyClient& self) { return self.Get()->SlotNames(); })
+      .def_property_readonly("slot_names", [](const PyClient& self) { return Texts(self.Get()->SlotNames()); })
       .def_property_readonly("requests_sent", [](const PyClient& self) { return self.Get()->requests_sent(); })
+      // Both wait for each connection's shm_mu, which a reconnect holds while it attaches shared memory
+      // (socket I/O, up to seconds): without the GIL, as parameter_devices.
       .def_property_readonly("shared_memory_shards",
-                             [](const PyClient& self) { return self.Get()->shared_memory_shards(); })
+                             [](const PyClient& self) {
+                               std::shared_ptr<psclient::Client> c = self.Get();
+                               py::gil_scoped_release release;
+                               return c->shared_memory_shards();
+                             })
       .def_property_readonly("shared_memory_status",
-                             [](const PyClient& self) { return self.Get()->shared_memory_status(); })
+                             [](const PyClient& self) {
+                               std::shared_ptr<psclient::Client> c = self.Get();
+                               std::string status;
+                               {
+                                 py::gil_scoped_release release;
+                                 status = c->shared_memory_status();
+                               }
+                               return Text(status);  // psd's answer may be in it
+                             })
       .def(
           "allocate_shared",
           [](const PyClient& self, py::object shape, const std::string& dtype) {
             const psd::DType dt = ParseDTypeOrRaise(dtype);
+            // One integer (numpy's too), or a sequence or array of them.
+            const bool one = PyIndex_Check(shape.ptr()) && !py::isinstance<py::iterable>(shape);
             const psd::Shape dims =
-                py::isinstance<py::int_>(shape) ? psd::Shape{py::cast<int64_t>(shape)} : ToInt64s(shape, "shape");
+                one ? psd::Shape{ToInt64(shape, "allocate_shared shape")} : ToInt64s(shape, "allocate_shared shape");
             for (int64_t d : dims) {
               if (d < 0) RaiseInvalid("allocate_shared: shape " + psd::ShapeString(dims) + " has a negative size");
+            }
+            // A byte count that would not fit (the shared buffers refuse whatever does not fit them).
+            if (psd::Status v = psd::ValidateShape(dims, dt, INT64_MAX); !v.ok()) {
+              RaiseInvalid("allocate_shared: " + v.message());
             }
             if (dt == psd::DType::kBFloat16) {
               RaiseInvalid("allocate_shared: numpy has no " + dtype +
@@ -665,8 +771,12 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("parameter_devices",
                              [](const PyClient& self) {
                                std::shared_ptr<psclient::Client> c = self.Get();
-                               py::gil_scoped_release release;  // waits for the client's lock (see Call)
-                               return c->ParameterDevices();
+                               std::vector<std::string> devices;
+                               {
+                                 py::gil_scoped_release release;  // waits for the client's lock (see Call)
+                                 devices = c->ParameterDevices();
+                               }
+                               return Texts(devices);
                              })
       .def_property_readonly("should_init", [](const PyClient& self) { return self.Get()->should_init(); })
       .def_property_readonly("should_checkpoint", [](const PyClient& self) { return self.Get()->should_checkpoint(); })
@@ -681,8 +791,8 @@ PYBIND11_MODULE(_core, m) {
             Held held;
             if (!initial.is_none()) {
               held = MakeView(initial, false, "create_variable('" + name + "') initial value");
-              if (!dtype.is_none() && ParseDTypeOrRaise(py::cast<std::string>(dtype)) != held.view.dtype) {
-                RaiseInvalid("create_variable('" + name + "'): dtype '" + py::cast<std::string>(dtype) +
+              if (!dtype.is_none() && ParseDTypeOrRaise(ToString(dtype, "dtype")) != held.view.dtype) {
+                RaiseInvalid("create_variable('" + name + "'): dtype '" + ToString(dtype, "dtype") +
                              "' but the initial value is " + psd::DTypeName(held.view.dtype) +
                              " (give one or make them agree)");
               }
@@ -692,8 +802,7 @@ PYBIND11_MODULE(_core, m) {
               }
             } else {
               if (shape.is_none()) RaiseInvalid("create_variable('" + name + "'): give an initial value or a shape");
-              held.view.dtype =
-                  dtype.is_none() ? psd::DType::kFloat32 : ParseDTypeOrRaise(py::cast<std::string>(dtype));
+              held.view.dtype = dtype.is_none() ? psd::DType::kFloat32 : ParseDTypeOrRaise(ToString(dtype, "dtype"));
               held.view.shape = ToInt64s(shape, "shape");
             }
             psclient::VariableOptions options;
@@ -759,7 +868,7 @@ PYBIND11_MODULE(_core, m) {
                 if (py::isinstance<py::tuple>(item) || py::isinstance<py::list>(item)) {
                   auto seq = py::reinterpret_borrow<py::sequence>(item);
                   if (py::len(seq) != 3 && py::len(seq) != 4) {
-                    throw py::type_error("sparse: expected (name, indices, values[, dense_shape]) or SparseGradient");
+                    RaiseType("sparse: expected (name, indices, values[, dense_shape]) or SparseGradient");
                   }
                   name = seq[0], indices = seq[1], values = seq[2];
                   if (py::len(seq) == 4) dense_shape = seq[3];
@@ -768,7 +877,7 @@ PYBIND11_MODULE(_core, m) {
                   if (py::hasattr(item, "dense_shape")) dense_shape = item.attr("dense_shape");
                 }
                 psclient::SparseGradient g;
-                g.name = py::cast<std::string>(name);
+                g.name = ToString(name, "sparse gradient name");
                 g.indices = ToInt64s(indices, "sparse gradient '" + g.name + "' indices");
                 sparse_held.push_back(MakeView(values, false, "sparse gradient '" + g.name + "' values"));
                 g.values = sparse_held.back().view;
@@ -873,10 +982,10 @@ PYBIND11_MODULE(_core, m) {
             for (py::handle item : items) {
               auto seq = py::reinterpret_borrow<py::sequence>(item);
               if (py::len(seq) != 2 && py::len(seq) != 3) {
-                throw py::type_error("batch_reduce_to: expected (value, destination[, result]) items");
+                RaiseType("batch_reduce_to: expected (value, destination[, result]) items");
               }
               psclient::ReduceItem ri;
-              ri.destination = py::cast<std::string>(seq[1]);
+              ri.destination = ToString(seq[1], "batch_reduce_to destination");
               held.push_back(MakeView(seq[0], false, "batch_reduce_to('" + ri.destination + "') value"));
               ri.value = held.back().view;
               if (py::len(seq) == 3 && !py::object(seq[2]).is_none()) {
@@ -922,7 +1031,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("name"))
       .def("worker_devices",
            [](const PyClient& self) {
-             return Check(Call(self, [&](psclient::Client& c) { return c.WorkerDevices(); }));
+             return Texts(Check(Call(self, [&](psclient::Client& c) { return c.WorkerDevices(); })));
            })
       .def(
           "finish", [](const PyClient& self) { Check(Call(self, [&](psclient::Client& c) { return c.Finish(); })); },
