@@ -117,10 +117,18 @@ start_psd() {
   timeout 900 "$psd" --host 127.0.0.1 --port 0 --port-file "$tmp/port" -R "$workers" \
     --max-frame-bytes "$frame" --log-level warn $psd_flags >"$tmp/psd.log" 2>&1 &
   psd_pid=$!
-  for _ in $(seq 100); do [[ -s "$tmp/port" ]] && break; sleep 0.05; done
+  for _ in $(seq 100); do
+    [[ -s "$tmp/port" ]] && break
+    kill -0 "$psd_pid" 2>/dev/null || break  # it exited: its log says why
+    sleep 0.05
+  done
   if [[ ! -s "$tmp/port" ]]; then
-    echo "compare_floor: psd did not start:" >&2
+    echo "compare_floor: psd did not start (the cell shows n/a):" >&2
     cat "$tmp/psd.log" >&2
+    # A psd still starting would hold its port and memory through the next cells.
+    kill "$psd_pid" 2>/dev/null
+    wait "$psd_pid" 2>/dev/null
+    psd_pid=""
     return 1
   fi
   port="$(cat "$tmp/port")"
@@ -161,6 +169,7 @@ stop_psd() {
   anon=$(( ${anon:-0} + $(values_rss "${daemon:-$psd_pid}") ))
   kill "$sampler_pid" 2>/dev/null
   wait "$sampler_pid" 2>/dev/null
+  sampler_pid=""  # reaped: cleanup must not signal a PID the kernel may give to someone else
   peak="$(cat "$tmp/psd_anon_peak" 2>/dev/null)"
   (( ${anon:-0} > ${peak:-0} )) && peak=$anon
   awk -v k="${peak:-0}" 'BEGIN { printf "%.0f", k / 1024 }' >"$tmp/psd_anon"
@@ -172,10 +181,21 @@ stop_psd() {
   psd_pid=""
   awk -v k="${kb:-0}" 'BEGIN { printf "%.0f", k / 1024 }'
 }
+# The per-cell results stop_psd leaves behind, cleared before each cell: a cell whose psd does not
+# start must show n/a, not the previous cell's numbers.
+reset_cell() {
+  psd_out=""
+  rss_mib="n/a"
+  rm -f "$tmp/psd_anon" "$tmp/psd_cpu" "$tmp/psd_anon_peak"
+}
 # One psd_bench run against a fresh daemon; sets psd_out, rss_mib; returns psd_bench's status.
 run_psd() {
   local workers="$1" bytes="$2" steps="$3" rc
-  start_psd "$workers" "$bytes" || return 1
+  reset_cell
+  if ! start_psd "$workers" "$bytes"; then
+    psd_out="psd did not start (its log is above)"
+    return 1
+  fi
   psd_out="$(timeout 900 "$bench" --connect "127.0.0.1:$port" --workers "$workers" --model-bytes "$bytes" \
              --steps "$steps" --fused --pull-in-push --finish --json --timeout-s 850 $bench_flags 2>&1)"
   rc=$?
@@ -224,7 +244,9 @@ else
       echo "floor: $floor_out"
       run_psd "$w" "$b" "$steps"
       psd_rc=$?
-      echo "psd:   $(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out"), peak RSS $rss_mib MiB (own peak: $(cat "$tmp/psd_anon" 2>/dev/null) MiB), CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null) workers $(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
+      psd_steps="$(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out")"
+      workers_cpu="$(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
+      echo "psd:   ${psd_steps:-step times n/a}, peak RSS $rss_mib MiB (own peak: $(cat "$tmp/psd_anon" 2>/dev/null || echo n/a) MiB), CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null || echo n/a) workers ${workers_cpu:-n/a}"
       floor_ms="$(sed -n 's/.*step median \([0-9.]*\) ms.*/\1/p' <<<"$floor_out" | head -n1)"
       psd_ms="$(sed -n 's/.*"step_ms_p50": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
       key="$w,$b"
@@ -282,6 +304,8 @@ if [[ -n "$sparse_list" ]]; then
   echo "== sparse: psd_bench --sparse, 1M x 64 float32 embedding (244 MiB), 4096 distinct rows per worker and step =="
   printf '%-8s %14s %14s %12s %10s\n' "workers" "rows/s pushed" "rows/s pulled" "step p50 ms" "RSS MiB"
   for w in $sparse_list; do
+    reset_cell
+    sparse_out=""
     if start_psd "$w" $(( 256 << 20 )); then
       # shellcheck disable=SC2086
       sparse_out="$(timeout 900 "$bench" --connect "127.0.0.1:$port" --workers "$w" --sparse --embedding-rows 1000000 \
@@ -290,6 +314,7 @@ if [[ -n "$sparse_list" ]]; then
       rss_mib="$(stop_psd)"
     else
       sparse_rc=1
+      sparse_out="psd did not start (its log is above)"
     fi
     field() { sed -n "s/.*\"$1\": \([0-9.eE+-]*\).*/\1/p" <<<"$sparse_out" | head -n1; }
     if [[ $sparse_rc -ne 0 || -z "$(field push_rows_per_s)" ]]; then

@@ -8,7 +8,9 @@
 # non-chief in turn — and started again after --restart-ms. For each kill it prints the
 # kill-to-serving time (from the kill to the chief's "running at epoch" log line) and the steps
 # lost (the highest step the surviving shards hold right after the kill minus the checkpoint step
-# the cluster restored: what the workers recompute), then min/median/max of each per victim.
+# the cluster restored: what the workers recompute; n/a when no survivor answered right after the
+# kill), then min/median/max of each per victim (the median of an even count: the mean of the two
+# middle values).
 #
 # Usage: bench/failover.sh [options]
 #   --kills N          kills of each kind (chief, non-chief; default 5)
@@ -89,7 +91,7 @@ chief_of() { grep -l "is the chief for term" "$run"/s*.log | xargs ls -t | head 
 
 declare -a times_chief times_other lost_chief lost_other
 n=0
-for round in $(seq 1 "$kills"); do
+for _ in $(seq 1 "$kills"); do
   for victim in chief other; do
     n=$((n + 1))
     sleep 2  # training goes on; a checkpoint or more is sealed
@@ -117,14 +119,33 @@ for round in $(seq 1 "$kills"); do
       restored=$(echo "$line" | sed -n 's/.*newest live copy (step \([0-9]*\) on the chief).*/\1/p')
       source="each part's newest live copy, chief's count"
     fi
-    lost=$((before - ${restored:-0}))
-    echo "kill $n: $victim shard $k at step $before; serving again after $took ms from ${source:-checkpoint step} ${restored:-none} ($lost step(s) to recompute)"
-    if [ "$victim" = chief ]; then times_chief+=("$took"); lost_chief+=("$lost"); else times_other+=("$took"); lost_other+=("$lost"); fi
+    # No survivor answered in time: the step at the kill is unknown, and so are the steps lost
+    # (counting from 0 would print a negative number). Left out of the statistics.
+    lost=n/a
+    [ -n "$before" ] && lost=$((before - ${restored:-0}))
+    echo "kill $n: $victim shard $k at step ${before:-n/a}; serving again after $took ms from ${source:-checkpoint step} ${restored:-none} ($lost step(s) to recompute)"
+    if [ "$victim" = chief ]; then
+      times_chief+=("$took")
+      [ "$lost" != n/a ] && lost_chief+=("$lost")
+    else
+      times_other+=("$took")
+      [ "$lost" != n/a ] && lost_other+=("$lost")
+    fi
   done
 done
-stats() { printf '%s\n' "$@" | sort -n | awk '{ a[NR] = $1 } END { printf "min %d, median %d, max %d", a[1], a[int((NR + 1) / 2)], a[NR] }'; }
+# min, median (an even count: the mean of the two middle values), max; n/a for no values.
+stats() {
+  [ $# -gt 0 ] || { printf 'n/a'; return; }
+  printf '%s\n' "$@" | sort -n | awk '{ a[NR] = $1 }
+    END {
+      m = NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2
+      printf "min %d, median %s, max %d", a[1], (m == int(m) ? sprintf("%d", m) : sprintf("%.1f", m)), a[NR]
+    }'
+}
 echo
 echo "mode $mode, --replicas-per-shard $replicas, restart after $restart_ms ms, checkpoint every $every steps$([ "$shared" = 1 ] && echo ", one shared checkpoint directory"), $kills kill(s) of each kind:"
-echo "  chief killed:     kill-to-serving ms $(stats "${times_chief[@]}"); steps lost $(stats "${lost_chief[@]}")"
-echo "  non-chief killed: kill-to-serving ms $(stats "${times_other[@]}"); steps lost $(stats "${lost_other[@]}")"
+# Kills whose steps lost are unknown (no survivor answered right after the kill), if any.
+unknown() { [ "$1" -gt 0 ] && printf ' (over the others: %d kill(s) n/a)' "$1"; }
+echo "  chief killed:     kill-to-serving ms $(stats "${times_chief[@]}"); steps lost $(stats "${lost_chief[@]}")$(unknown $((${#times_chief[@]} - ${#lost_chief[@]})))"
+echo "  non-chief killed: kill-to-serving ms $(stats "${times_other[@]}"); steps lost $(stats "${lost_other[@]}")$(unknown $((${#times_other[@]} - ${#lost_other[@]})))"
 exec 2> /dev/null  # the EXIT trap's kills are not news

@@ -810,7 +810,9 @@ int Run(int argc, char** argv) {
   measured.daemon = report.daemon;
   measured.endpoint = report.endpoint;
   measured.io_threads = report.io_threads;
-  measured.shards = opt.shards;
+  // With --connect, --shards is not used (it excludes --connect): the cluster list says how many
+  // shards served the run.
+  measured.shards = in_process ? opt.shards : std::max<int>(1, static_cast<int>(ep.cluster.size()));
   if (opt.json) {
     PrintJson(measured);
   } else {

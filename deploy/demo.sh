@@ -4,9 +4,12 @@
 # three workers (2 replicas to aggregate + 1 backup, the last one an artificial straggler)
 # training logistic regression, all launched by psrun, printing progress and a summary.
 # Arguments replace the defaults (see deploy/local_cluster.sh), e.g. `deploy/demo.sh --shards 1`
-# for a single daemon. `deploy/demo.sh --python [options]` runs the same job with the Python
-# workers instead (client/python/examples/mlp_classifier.py: a PyTorch MLP classifier through
-# psclient.torch); `deploy/demo.sh --both` runs the C++ job, then the Python one.
+# for a single daemon; to keep the demo's cluster and change one thing, repeat the defaults:
+# `deploy/demo.sh --shards 2 --features 2048 --steps 100000 --timeout-s 0 -- --slice-bytes 4096`
+# (a long run with no time limit: Ctrl-C stops it). `deploy/demo.sh --python [options]` runs the
+# same job with the Python workers instead (client/python/examples/mlp_classifier.py: a PyTorch
+# MLP classifier through psclient.torch); `deploy/demo.sh --both` runs the C++ job, then the
+# Python one.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 "$here/deploy/install_deps.sh"

@@ -6,7 +6,10 @@
 #
 #   deploy/local_cluster.sh [--build DIR] [--shards P] [--workers W] [--replicas R] [--backup B]
 #                           [--steps S] [--features F] [--straggler-ms MS] [--lr LR] [--python]
-#                           [-- extra psd flags]
+#                           [--timeout-s S] [-- extra psd flags]
+#
+# --timeout-s S: psrun stops everything after S seconds and the script exits 124 (default 600;
+# 0: no limit, Ctrl-C stops the run). Raise it for long runs (--steps 100000).
 #
 # --python: the workers are the Python example instead (client/python/examples/mlp_classifier.py:
 # an MLP classifier in PyTorch through psclient.torch; Debian's /usr/bin/python3 with python3-torch,
@@ -21,6 +24,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 build="$here/build"
 workers=3 replicas=2 backup="" steps="" straggler_ms=3 lr="" features=128 batch=256 shards=1 python=0
+timeout_s=600
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -33,8 +37,10 @@ while [ $# -gt 0 ]; do
     --straggler-ms) straggler_ms=$2; shift 2 ;;
     --lr) lr=$2; shift 2 ;;
     --python) python=1; shift ;;
+    --timeout-s) timeout_s=$2; shift 2 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     --) shift; break ;;
-    *) echo "unknown option $1" >&2; exit 2 ;;
+    *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 
@@ -86,7 +92,7 @@ shift 2
 exec "$@" --slow-ms "$slow"'
 status=0
 "$psrun" --psd "$psd" --shards "$shards" --workers "$workers" --replicas "$replicas" --backup "$backup" \
-  --timeout-s 600 "${psd_args[@]}" -- sh -c "$straggler" straggler "$backup" "$straggler_ms" \
+  --timeout-s "$timeout_s" "${psd_args[@]}" -- sh -c "$straggler" straggler "$backup" "$straggler_ms" \
   "${trainer[@]}" || status=$?
 [ $status -eq 0 ] && echo "local cluster finished: all workers done, psd exited cleanly" || echo "local cluster FAILED (psrun exited $status)" >&2
 exit $status

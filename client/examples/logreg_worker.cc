@@ -109,13 +109,24 @@ int main(int argc, char** argv) {
   app.add_option("--tls-ca-file", opts.tls_ca_file, "psd runs with TLS: the CA that signed its certificate");
   app.add_option("--tls-cert-file", opts.tls_cert_file, "this worker's certificate (psd --tls-require-client-cert)");
   app.add_option("--tls-key-file", opts.tls_key_file, "its private key");
-  app.add_option("--retry-s", retry_s, "keep retrying this long while psd is unavailable (restarting)")
+  app.add_option("--retry-s", retry_s,
+                 "keep retrying this long while psd is unavailable: not up yet at the first connect, restarting "
+                 "later")
       ->capture_default_str();
   app.footer(
       "Under psrun (no --host/--port/--cluster, PSD_CLUSTER set) the worker reads the launcher's environment: "
       "PSD_CLUSTER, PSD_WORKER_NAME, PSD_WORKER_INDEX (its data shard), PSD_AUTH_TOKEN_FILE and PSD_TLS_*; flags given "
       "explicitly win.");
   CLI11_PARSE(app, argc, argv);
+  // Checked here, not later: a batch larger than the data read past its end, a batch of 0
+  // divided by zero.
+  if (rows < 1 || features < 1 || batch < 1 || batch > rows) {
+    std::fprintf(stderr,
+                 "need --rows >= 1, --features >= 1 and 1 <= --batch <= --rows (got --rows %d --features %d "
+                 "--batch %d)\n",
+                 rows, features, batch);
+    return 2;
+  }
   opts.cluster = psclient::ParseClusterList(cluster);
   if (host_opt->count() + port_opt->count() + cluster_opt->count() == 0 && std::getenv("PSD_CLUSTER") != nullptr) {
     auto env = psclient::ReadLaunchEnvironment();
@@ -146,7 +157,26 @@ int main(int argc, char** argv) {
     opts.auth_token = *token;
   }
 
+  // Workers are often started with the cluster (psrun, deploy/slurm, deploy/kubernetes) while
+  // its shards still restore a checkpoint: the first connect is retried like any later call, for
+  // up to --retry-s, as long as psd is only unreachable (refused, timed out). Each try waits up to
+  // connect_timeout_ms itself, so the last one may end that much after --retry-s. A rejection
+  // (a bad token, a mismatched job) fails at once: waiting would not change it.
+  const auto connect_start = std::chrono::steady_clock::now();
+  auto next_note = connect_start;
   auto client = psclient::Client::Connect(opts);
+  while (
+      !client.ok() &&
+      (client.status().code() == psd::Code::kUnavailable || client.status().code() == psd::Code::kDeadlineExceeded) &&
+      std::chrono::steady_clock::now() - connect_start < std::chrono::duration<double>(retry_s)) {
+    if (std::chrono::steady_clock::now() >= next_note) {  // a line every 10 s, not one per try
+      std::fprintf(stderr, "connect: %s; retrying for up to %.0f s (--retry-s)\n", client.status().ToString().c_str(),
+                   retry_s);
+      next_note = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    client = psclient::Client::Connect(opts);
+  }
   if (!client.ok()) {
     std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
     return 1;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "psclient/client.h"
+#include "psd/cluster_list.h"
 #include "psd/secret.h"
 #include "text/json.h"
 
@@ -135,8 +136,23 @@ int main(int argc, char** argv) {
           ->check(CLI::NonNegativeNumber);
   recover->add_flag("--empty", recover_empty, "start empty at step 0 (the workers' chief re-creates the variables)")
       ->excludes(step_opt);
-  CLI11_PARSE(app, argc, argv);
-  opts.cluster = psclient::ParseClusterList(cluster);
+  // Not CLI11_PARSE: its exit codes (104, 106, 109...) would break the promise above, 2 on bad
+  // arguments; --help and --version still exit 0.
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (!cluster.empty()) {
+    // Checked here, as psd checks its own --cluster: a malformed list is a bad argument (2), not
+    // an unreachable psd (1).
+    auto entries = psd::ParseClusterList(cluster, "--cluster");
+    if (!entries.ok()) {
+      std::fprintf(stderr, "psd_admin: %s\n", entries.status().message().c_str());
+      return 2;
+    }
+    opts.cluster = *entries;
+  }
   if (!token_file.empty()) {
     auto token = psd::ReadSecretFile(token_file);
     if (!token.ok()) {

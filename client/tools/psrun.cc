@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
@@ -542,16 +543,24 @@ void Launcher::Pump(int timeout_ms) {
   Reap();
   RestartShards();
   now = Clock::now();
-  if (now >= deadline_ && !stopping_) {
-    Fail(124);
-    StopAll("--timeout-s " + std::to_string(static_cast<int64_t>(o_.timeout_s)) + " passed");
+  // Each deadline is acted on once and then cleared: a past one left set would make every later
+  // poll return at once and spin a core for the whole --grace-s.
+  if (now >= deadline_) {
+    deadline_ = Clock::time_point::max();
+    if (!stopping_) {
+      Fail(124);
+      StopAll("--timeout-s " + std::to_string(static_cast<int64_t>(o_.timeout_s)) + " passed");
+    }
   }
-  if (now >= kill_at_ && !killed_) {
-    killed_ = true;
-    for (auto& c : children_) {
-      if (!c.reaped || c.open()) {
-        if (!c.reaped) Say(c.label + " did not stop within --grace-s: SIGKILL");
-        kill(-c.pid, SIGKILL);
+  if (now >= kill_at_) {
+    kill_at_ = Clock::time_point::max();
+    if (!killed_) {
+      killed_ = true;
+      for (auto& c : children_) {
+        if (!c.reaped || c.open()) {
+          if (!c.reaped) Say(c.label + " did not stop within --grace-s: SIGKILL");
+          kill(-c.pid, SIGKILL);
+        }
       }
     }
   }
@@ -617,10 +626,12 @@ void Launcher::WaitAllReaped() {
       Say(c.label + ": its subprocesses outlived it: stopping its process group");
       kill(-c.pid, SIGTERM);
     }
-    if (kill_at_ == Clock::time_point::max()) {
+    // After the SIGKILL round (killed_; kill_at_ cleared) there is nothing left to wait for but
+    // the pipes to close.
+    if (!killed_ && kill_at_ == Clock::time_point::max()) {
       kill_at_ = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.grace_s * 1000));
     }
-    until = std::max(Clock::now(), kill_at_) + std::chrono::seconds(2);
+    until = (killed_ ? Clock::now() : std::max(Clock::now(), kill_at_)) + std::chrono::seconds(2);
     while (any_open() && Clock::now() < until) Pump(50);
   }
   for (auto& c : children_) {
@@ -885,9 +896,11 @@ int main(int argc, char** argv) {
   app.add_option("--workers", o.workers, "copies of the command to start")
       ->check(CLI::Range(1, 4096))
       ->capture_default_str();
-  app.add_option("--replicas", o.replicas, "psd -R: gradients that complete a step (default: every worker)")
+  app.add_option("--replicas", o.replicas,
+                 "psd -R: gradients that complete a step (default: every worker; with --backup B, --workers - B)")
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--backup", o.backup, "psd -B: backup replicas (default: psd -N = --workers)")
+  app.add_option("--backup", o.backup,
+                 "psd -B: backup replicas, psd admits --replicas + B workers (default: none, psd -N = --workers)")
       ->check(CLI::Range(0, 1 << 20));
   app.add_option("--psd", o.psd, "the psd binary (default: next to psrun, or ../server/psd in a build tree)");
   app.add_option("--psd-arg", o.psd_args,
@@ -960,7 +973,18 @@ int main(int argc, char** argv) {
     }
     o.shards = 0;
   }
-  if (o.replicas < 0) o.replicas = o.workers;
+  if (o.replicas < 0) {
+    // psd admits R + B workers and waits for them all: with --backup alone, R = W - B keeps that
+    // W (R = W would have psd wait for B workers psrun never starts).
+    if (o.backup > 0 && o.backup >= o.workers) {
+      std::fprintf(stderr,
+                   "psrun: --backup %d needs more --workers than that (got %d): the step takes --workers - "
+                   "--backup gradients; raise --workers or lower --backup\n",
+                   o.backup, o.workers);
+      return 2;
+    }
+    o.replicas = o.workers - std::max(o.backup, 0);
+  }
   o.command = std::move(command);
 
   if (pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
