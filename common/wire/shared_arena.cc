@@ -17,6 +17,14 @@ Result<std::shared_ptr<SharedArena>> SharedArena::Create(uint64_t bytes, const s
   return std::shared_ptr<SharedArena>(new SharedArena(std::move(*segment), std::move(exhausted), punch_from));
 }
 
+Result<std::shared_ptr<SharedArena>> SharedArena::CreateWrittenHereOnly(uint64_t bytes, const std::string& name,
+                                                                        std::string exhausted) {
+  auto segment = SharedSegment::Create(std::max<uint64_t>(ShmAlign(bytes), SharedSegment::kMinBytes), name,
+                                       /*written_here_only=*/true);
+  if (!segment.ok()) return segment.status();
+  return std::shared_ptr<SharedArena>(new SharedArena(std::move(*segment), std::move(exhausted), UINT64_MAX));
+}
+
 SharedArena::SharedArena(std::shared_ptr<SharedSegment> segment, std::string exhausted, uint64_t punch_from)
     : segment_(std::move(segment)), exhausted_(std::move(exhausted)), punch_from_(punch_from) {
   free_[0] = segment_->size();

@@ -29,6 +29,10 @@ class SharedArena {
   // out again); smaller ones keep theirs for the next block there (0: every block gives them back).
   static Result<std::shared_ptr<SharedArena>> Create(uint64_t bytes, const std::string& name, std::string exhausted,
                                                      uint64_t punch_from = 0);
+  // An arena that only this process writes, whoever else maps it (SharedSegment::Create's
+  // `written_here_only`): its freed blocks keep their pages (they cannot be punched out).
+  static Result<std::shared_ptr<SharedArena>> CreateWrittenHereOnly(uint64_t bytes, const std::string& name,
+                                                                    std::string exhausted);
   virtual ~SharedArena() = default;
   SharedArena(const SharedArena&) = delete;
   SharedArena& operator=(const SharedArena&) = delete;

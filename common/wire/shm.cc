@@ -1,9 +1,11 @@
 #include "wire/shm.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -48,13 +50,16 @@ ssize_t ReceiveMessage(int sock, void* data, size_t n, int flags, std::vector<in
 
 }  // namespace
 
-Result<std::shared_ptr<SharedSegment>> SharedSegment::Create(uint64_t bytes, const std::string& name) {
+Result<std::shared_ptr<SharedSegment>> SharedSegment::Create(uint64_t bytes, const std::string& name,
+                                                             bool written_here_only) {
   if (bytes < kMinBytes)
     return InvalidArgument("a shared-memory segment needs at least " + std::to_string(kMinBytes) + " bytes");
   int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return Unavailable(Errno("memfd_create"));
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0 ||
-      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+  // Written here only: the seals are closed after the mapping (F_SEAL_FUTURE_WRITE spares the
+  // mappings made before it).
+  const int seals = F_SEAL_SHRINK | F_SEAL_GROW | (written_here_only ? 0 : F_SEAL_SEAL);
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0 || ::fcntl(fd, F_ADD_SEALS, seals) != 0) {
     Status s = Unavailable(Errno("sizing and sealing a shared-memory segment"));
     ::close(fd);
     return s;
@@ -62,6 +67,12 @@ Result<std::shared_ptr<SharedSegment>> SharedSegment::Create(uint64_t bytes, con
   void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) {
     Status s = Unavailable(Errno("mapping a shared-memory segment of " + std::to_string(bytes) + " bytes"));
+    ::close(fd);
+    return s;
+  }
+  if (written_here_only && ::fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
+    Status s = Unavailable(Errno("sealing a shared-memory segment against other writers (F_SEAL_FUTURE_WRITE)"));
+    ::munmap(base, bytes);
     ::close(fd);
     return s;
   }
@@ -80,6 +91,12 @@ Result<std::shared_ptr<SharedSegment>> SharedSegment::Adopt(int fd, uint64_t max
   struct stat st {};
   if (::fstat(fd, &st) != 0) return refuse(Errno("fstat"));
   if (!S_ISREG(st.st_mode)) return refuse("not a memory file");
+  // Plain shared memory only: a hugetlbfs memfd (MFD_HUGETLB) passes the checks above, but its
+  // owner can punch its pages out (F_SEAL_SHRINK does not stop that) and let the pool run dry, and
+  // psd's next touch of that range would fault (SIGBUS).
+  struct statfs fs {};
+  if (::fstatfs(fd, &fs) != 0) return refuse(Errno("fstatfs"));
+  if (fs.f_type != TMPFS_MAGIC) return refuse("not plain shared memory (a hugetlbfs memfd?)");
   const uint64_t bytes = static_cast<uint64_t>(st.st_size);
   if (bytes < kMinBytes || bytes > max_bytes) {
     return refuse(std::to_string(bytes) + " bytes, outside [" + std::to_string(kMinBytes) + ", " +
@@ -99,10 +116,11 @@ Result<std::shared_ptr<SharedSegment>> SharedSegment::AdoptReadOnly(int fd, uint
 }
 
 Result<int> SharedSegment::ReadOnlyDescriptor() const {
-  // Through /proc: a memfd's own descriptor is always read-write, and F_SEAL_FUTURE_WRITE would
-  // also stop the owner punching freed pages out. A memfd is created with mode 0777, so whoever
-  // holds a read-only descriptor could open it read-write the same way: its mode becomes 0400 first
-  // (this process's descriptor and mapping stay writable; only root is above the mode).
+  // Through /proc: a memfd's own descriptor is always read-write. A memfd is created with mode
+  // 0777, so whoever holds a read-only descriptor could open it read-write the same way: its mode
+  // becomes 0400 first (this process's descriptor and mapping stay writable). The mode binds
+  // neither root nor a process of the same uid (which may change it back): only a segment created
+  // `written_here_only` (F_SEAL_FUTURE_WRITE) is safe from them.
   if (::fchmod(fd_, S_IRUSR) != 0) return Unavailable(Errno("making a shared-memory segment read-only (fchmod)"));
   const std::string path = "/proc/self/fd/" + std::to_string(fd_);
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

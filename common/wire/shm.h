@@ -53,8 +53,12 @@ static_assert(kShmRevokeBytes != kShmAttachBytes, "the two messages differ in si
 class SharedSegment {
  public:
   // A new segment of `bytes` (pages are allocated only when touched): memfd, sealed against
-  // shrinking and growing, mapped read-write.
-  static Result<std::shared_ptr<SharedSegment>> Create(uint64_t bytes, const std::string& name);
+  // shrinking and growing, mapped read-write. `written_here_only`: also sealed F_SEAL_FUTURE_WRITE
+  // once mapped here — this mapping stays the only writable one: no descriptor of it, however
+  // opened (a same-uid process can change its mode), maps it writable or writes it, root's neither;
+  // the price is that its pages cannot be punched out (fallocate) either.
+  static Result<std::shared_ptr<SharedSegment>> Create(uint64_t bytes, const std::string& name,
+                                                       bool written_here_only = false);
   // Maps a segment another process created; takes `fd` (closed on failure too). Refused unless it
   // is sealed against shrinking and its size is within [kMinBytes, max_bytes].
   static Result<std::shared_ptr<SharedSegment>> Adopt(int fd, uint64_t max_bytes);

@@ -182,6 +182,7 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
                              std::to_string(config_.max_model_bytes));
   }
   model_bytes_.store(held + cost);
+  value_bytes_.fetch_add(bytes);
   // A trainable variable created after the open step was reported joins the next step.
   const int64_t step = global_step_.load();
   const bool joins_next = def.trainable && config_.mode == Mode::kSync && prepared_ && step_takes_ > 0;

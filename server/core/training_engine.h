@@ -282,6 +282,8 @@ class TrainingEngine {
   // Sync: the learning rate of the steps after the current one. Async/ssp: from the next push.
   Status SetLearningRate(double lr);
   double learning_rate() const { return next_lr_.load(); }
+  // The bytes of every variable's value (one version of the model), lock-free.
+  uint64_t value_bytes() const { return value_bytes_.load(); }
 
   // Soft sync: commits step `step` with whatever gradients arrived, if it is still open.
   void ForceStep(int64_t step) EXCLUDES(mu_);
@@ -450,6 +452,7 @@ class TrainingEngine {
   // that also reads this shard's peer links. Written under mu_ (the check against
   // --max-model-bytes and the add are one step there).
   std::atomic<uint64_t> model_bytes_{0};  // the memory the variables account for
+  std::atomic<uint64_t> value_bytes_{0};  // of their values alone
   std::atomic<int> variable_count_{0};    // vars_.size()
   int step_min_count_ GUARDED_BY(mu_) = 0;
   int step_max_count_ GUARDED_BY(mu_) = 0;

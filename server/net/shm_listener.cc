@@ -106,23 +106,66 @@ void ShmListener::Accept() {
   acceptor_.async_accept(asio::make_strand(io_), [this](boost::system::error_code ec, Socket socket) {
     if (ec) {
       if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
-      spdlog::warn("shared-memory socket @{}: accept failed: {}", name_, ec.message());
-    } else {
-      Serve(std::make_shared<Socket>(std::move(socket)));
+      if (const int64_t quiet = refusal_log_.Allow(); quiet >= 0) {
+        spdlog::warn("shared-memory socket @{}: accept failed: {} ({} more not logged)", name_, ec.message(), quiet);
+      }
+      // Out of descriptors, say: a pause, not a spin on a failing accept.
+      if (!retry_) retry_ = std::make_unique<asio::steady_timer>(io_);
+      retry_->expires_after(std::chrono::milliseconds(100));
+      retry_->async_wait([this](boost::system::error_code wec) {
+        if (!wec && acceptor_.is_open()) Accept();
+      });
+      return;
     }
+    auto w = std::make_shared<Waiting>();
+    w->socket = std::make_shared<Socket>(std::move(socket));
+    Admit(w);
+    Serve(w);
     if (acceptor_.is_open()) Accept();
   });
 }
 
-void ShmListener::Serve(std::shared_ptr<Socket> socket) {
+void ShmListener::Admit(const std::shared_ptr<Waiting>& w) {
+  std::vector<std::shared_ptr<Waiting>> evict;
+  {
+    MutexLock lock(&mu_);
+    size_t live = 0;
+    std::deque<std::weak_ptr<Waiting>> kept;
+    for (auto& weak : waiting_) {
+      auto other = weak.lock();
+      if (!other || !other->waiting.load()) continue;  // done: forgotten
+      kept.push_back(other);
+      ++live;
+    }
+    // The oldest go while as many wait as are allowed (a worker sends its message at once).
+    while (live >= kMaxWaiting && !kept.empty()) {
+      if (auto oldest = kept.front().lock(); oldest && oldest->waiting.exchange(false)) {
+        evict.push_back(oldest);
+        --live;
+      }
+      kept.pop_front();
+    }
+    kept.push_back(w);
+    waiting_ = std::move(kept);
+  }
+  for (auto& old : evict) {
+    asio::post(old->socket->get_executor(), [old] {
+      boost::system::error_code ignored;
+      old->socket->close(ignored);  // its wait ends with an error: nothing is read from it
+    });
+  }
+}
+
+void ShmListener::Serve(std::shared_ptr<Waiting> w) {
+  std::shared_ptr<Socket> socket = w->socket;
   auto timer = std::make_shared<asio::steady_timer>(socket->get_executor());
   timer->expires_after(std::chrono::milliseconds(timeout_ms_));
-  timer->async_wait([socket](boost::system::error_code ec) {
-    if (!ec) socket->close(ec);  // nothing came in time
+  timer->async_wait([w](boost::system::error_code ec) {
+    if (!ec && w->waiting.exchange(false)) w->socket->close(ec);  // nothing came in time
   });
-  socket->async_wait(Socket::wait_read, [this, socket, timer](boost::system::error_code ec) {
+  socket->async_wait(Socket::wait_read, [this, w, socket, timer](boost::system::error_code ec) {
     timer->cancel();
-    if (ec) return;
+    if (ec || !w->waiting.exchange(false)) return;  // closed (timed out, or made room for another)
     uint8_t message[wire::kShmAttachBytes];
     size_t n = 0;
     auto fds = wire::ReceiveWithFds(socket->native_handle(), message, sizeof(message), &n);
@@ -146,7 +189,10 @@ void ShmListener::Serve(std::shared_ptr<Socket> socket) {
     }
     if (!s.ok()) {
       refused_.fetch_add(1);
-      spdlog::warn("shared-memory socket @{}: {}; that worker stays on TCP", name_, s.message());
+      if (const int64_t quiet = refusal_log_.Allow(); quiet >= 0) {
+        spdlog::warn("shared-memory socket @{}: {}; that worker stays on TCP ({} more not logged)", name_, s.message(),
+                     quiet);
+      }
     }
     std::string answer = s.ok() ? "OK" : s.message().substr(0, 400);
     // A few bytes into an empty socket buffer: written at once (a peer that never reads loses them).
@@ -171,9 +217,9 @@ Status ShmListener::Attach(const uint8_t* message, const std::vector<int>& fds) 
     auto it = offers_.find(conn);
     bool match = it != offers_.end() && it->second.nonce.size() == wire::kShmNonceBytes &&
                  CRYPTO_memcmp(it->second.nonce.data(), message + 8, wire::kShmNonceBytes) == 0;
-    if (it != offers_.end()) {
-      slot = match ? it->second.slot.lock() : nullptr;
-      offers_.erase(it);  // one try, right or wrong
+    if (match) {
+      slot = it->second.slot.lock();
+      offers_.erase(it);  // used once; a wrong nonce leaves it for its worker
     }
     if (!match || !slot) {
       for (int fd : fds) ::close(fd);

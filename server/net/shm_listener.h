@@ -7,8 +7,13 @@
 // keeps it private too). The worker connects to the socket and sends (id, nonce) with its segment's
 // descriptor; the listener checks the nonce (constant time), maps the segment and puts it in that
 // connection's ShmSlot, then answers "OK" (or why not, and the worker stays on TCP). An offer is
-// used once, right or wrong: a guess costs the guesser its only try, and the connection falls
-// back to TCP.
+// used once, by its right nonce: a wrong one (256 random bits are not guessed) leaves it in place,
+// so that a local process sending guesses cannot push workers onto TCP.
+//
+// Anyone on the host may connect to the socket (its name is listed in /proc/net/unix): at most
+// kMaxWaiting connections wait for their message at once, a new one closing the one that has
+// waited longest (a worker sends its message as soon as it connects), refusals are logged at a
+// bounded rate, and a failing accept (out of descriptors) is retried after a pause, not at once.
 //
 // Thread-safety: Offer/Withdraw/counters from any thread (mu_); accepts run on the io_context.
 #ifndef PSD_SERVER_NET_SHM_LISTENER_H_
@@ -17,12 +22,14 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "base/mutex.h"
+#include "net/peer_auth.h"
 #include "psd/status.h"
 #include "wire/asio.h"
 #include "wire/shm.h"
@@ -102,8 +109,16 @@ class ShmListener {
 
  private:
   using Socket = asio::local::stream_protocol::socket;
+  static constexpr size_t kMaxWaiting = 64;
+  // A connection waiting for its message.
+  struct Waiting {
+    std::shared_ptr<Socket> socket;
+    std::atomic<bool> waiting{true};  // false once its message is being handled, or it was closed
+  };
   void Accept();
-  void Serve(std::shared_ptr<Socket> socket);
+  // Makes room for one more waiting connection (closes the oldest if kMaxWaiting wait).
+  void Admit(const std::shared_ptr<Waiting>& w) EXCLUDES(mu_);
+  void Serve(std::shared_ptr<Waiting> w);
   // Checks the message, maps the segment(s) and fills the slot; the answer's text.
   Status Attach(const uint8_t* message, const std::vector<int>& fds) EXCLUDES(mu_);
   // Revokes every slot that holds the arena `fd` maps (but `keep`): a worker's earlier connections.
@@ -123,6 +138,9 @@ class ShmListener {
   std::map<uint64_t, Pending> offers_ GUARDED_BY(mu_);
   // The slots that map each worker's shared-buffer arena (one per connection it attached from).
   std::map<wire::SegmentId, std::vector<std::weak_ptr<ShmSlot>>> arenas_ GUARDED_BY(mu_);
+  std::deque<std::weak_ptr<Waiting>> waiting_ GUARDED_BY(mu_);  // in accept order; some done
+  std::unique_ptr<asio::steady_timer> retry_;                   // a failed accept's pause
+  peer_auth::LogLimiter refusal_log_{5, std::chrono::seconds(10)};
   std::atomic<uint64_t> attached_{0};
   std::atomic<uint64_t> refused_{0};
 };

@@ -83,6 +83,11 @@ Status RowsOut::Begin(DType dtype, DType declared, const Shape& shape) {
   shape_ = shape;
   row_elements_ = NumElements(Shape(shape.begin() + 1, shape.end()));
   row_bytes_ = static_cast<uint64_t>(row_elements_) * DTypeSize(want_);
+  // bytes() (rows × row bytes) must not wrap: a wrapped size would pass the room checks below.
+  const uint64_t rows_asked = static_cast<uint64_t>(shape_.empty() ? 0 : std::max<int64_t>(shape_[0], 0));
+  if (row_bytes_ > 0 && rows_asked > UINT64_MAX / row_bytes_) {
+    return InvalidArgument("the rows of '" + name_ + "' asked are more bytes than any reply can hold");
+  }
   if (target_ == nullptr || segment_ == nullptr) return InFrame();
   const auto& offsets = target_->offsets;
   const size_t rows = static_cast<size_t>(shape_[0]);

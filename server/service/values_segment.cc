@@ -17,9 +17,10 @@ Result<ValuesSegment*> ValuesSegment::Open(uint64_t bytes) {
   static std::mutex mu;
   std::lock_guard<std::mutex> lock(mu);
   if (ValuesSegment* made = the_segment.load()) return made;
-  // Blocks of kRecycledBufferBytes and up give their pages back when freed (as the heap unmaps
-  // them); smaller ones keep theirs for the next buffer there, as the heap does.
-  auto arena = wire::SharedArena::Create(bytes, "psd-values", "--max-model-bytes sizes it", kRecycledBufferBytes);
+  // Workers map it read-only, and nothing they do makes it writable (a worker of psd's uid can
+  // change the memfd's mode): sealed F_SEAL_FUTURE_WRITE. So freed blocks keep their pages for the
+  // next buffer there (they cannot be punched out), as big heap buffers are kept for reuse.
+  auto arena = wire::SharedArena::CreateWrittenHereOnly(bytes, "psd-values", "--max-model-bytes sizes it");
   if (!arena.ok()) return arena.status();
   auto fd = (*arena)->segment().ReadOnlyDescriptor();
   if (!fd.ok()) return fd.status();

@@ -430,7 +430,7 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
             list[static_cast<unsigned>(i)], v.dtype, shape, wire::kValuesSegment,
             static_cast<uint64_t>(kept) + (range != nullptr ? static_cast<uint64_t>(range->offset) * es : 0));
         named += static_cast<uint64_t>(NumElements(shape)) * es;
-        HoldValue(reply_id, v.value, new_reply);
+        HoldValue(reply_id, v.value, new_reply, engine->value_bytes());
         new_reply = false;
         continue;
       }
@@ -468,28 +468,38 @@ std::optional<ShmTarget> WorkerSession::TargetOf(bool has, proto::ShmTarget::Rea
   return target;
 }
 
-void WorkerSession::HoldValue(uint64_t id, std::shared_ptr<const Buffer> value, bool new_reply) {
-  std::vector<std::shared_ptr<const Buffer>> dropped;  // let go outside the lock
-  MutexLock lock(&held_mu_);
-  // A new entry per reply, not per request id: a worker that gave every request the same id would
-  // otherwise pile its holds into one entry that never ages out.
-  if (held_values_.empty() || new_reply) {
-    held_values_.emplace_back(id, std::vector<std::shared_ptr<const Buffer>>{});
-    if (held_values_.size() > kMaxHeldReplies) {
-      dropped = std::move(held_values_.front().second);
-      held_values_.pop_front();
+void WorkerSession::DropOldestHeldLocked(std::vector<std::vector<std::shared_ptr<const Buffer>>>* out) {
+  for (const auto& b : held_values_.front().second) {
+    auto it = held_refs_.find(b.get());
+    if (it != held_refs_.end() && --it->second == 0) {
+      held_bytes_ -= b->bytes();
+      held_refs_.erase(it);
     }
   }
+  out->push_back(std::move(held_values_.front().second));
+  held_values_.pop_front();
+}
+
+void WorkerSession::HoldValue(uint64_t id, std::shared_ptr<const Buffer> value, bool new_reply, uint64_t value_bytes) {
+  std::vector<std::vector<std::shared_ptr<const Buffer>>> dropped;  // let go outside the lock
+  MutexLock lock(&held_mu_);
+  // A new entry per reply, not per request id: a worker that gave every request the same id would
+  // otherwise pile its holds into one entry that never aged out.
+  if (held_values_.empty() || new_reply) {
+    held_values_.emplace_back(id, std::vector<std::shared_ptr<const Buffer>>{});
+    if (held_values_.size() > kMaxHeldReplies) DropOldestHeldLocked(&dropped);
+  }
+  if (held_refs_[value.get()]++ == 0) held_bytes_ += value->bytes();
   held_values_.back().second.push_back(std::move(value));
+  // More versions than a worker's threads read at once: the oldest replies' buffers go (not this one's).
+  const uint64_t cap = kHeldModels * std::max<uint64_t>(value_bytes, held_values_.back().second.back()->bytes());
+  while (held_bytes_ > cap && held_values_.size() > 1) DropOldestHeldLocked(&dropped);
 }
 
 void WorkerSession::ValuesRead(uint64_t id) {
   std::vector<std::vector<std::shared_ptr<const Buffer>>> dropped;  // let go outside the lock
   MutexLock lock(&held_mu_);
-  while (!held_values_.empty() && held_values_.front().first <= id) {
-    dropped.push_back(std::move(held_values_.front().second));
-    held_values_.pop_front();
-  }
+  while (!held_values_.empty() && held_values_.front().first <= id) DropOldestHeldLocked(&dropped);
 }
 
 Result<wire::TensorRef> WorkerSession::ReadTensorIn(proto::Tensor::Reader t, ShmSlot::Lease* lease) const {

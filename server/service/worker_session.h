@@ -24,6 +24,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 
 #include "core/token_queue.h"
 #include "net/connection.h"
@@ -178,13 +179,23 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   void SettleHeld();
   // The published buffers that replies named in the values segment (ValuesSegment), per reply
   // (request id), oldest first: held until the worker says it read them (Request.valuesRead), the
-  // connection closes, or kMaxHeldReplies newer replies named some (a worker that never says so
-  // reads what it gets). `new_reply`: the first value a reply names (one entry per reply).
+  // connection closes, or newer replies push them out (a worker that never says so reads what it
+  // gets): at most kMaxHeldReplies replies, and distinct buffers of at most kHeldModels versions of
+  // the model's values. An honest worker holds what its pulls in flight name (one step's values
+  // in sync, two while it pipelines; a version per thread pulling in async); one that never says it
+  // read them would otherwise keep an old version of the model alive per reply, 64 of them.
+  // `new_reply`: the first value a reply names (one entry per reply); `value_bytes`: the engine's.
   static constexpr size_t kMaxHeldReplies = 64;
+  static constexpr uint64_t kHeldModels = 8;
   Mutex held_mu_;
   std::deque<std::pair<uint64_t, std::vector<std::shared_ptr<const Buffer>>>> held_values_ GUARDED_BY(held_mu_);
-  void HoldValue(uint64_t id, std::shared_ptr<const Buffer> value, bool new_reply) EXCLUDES(held_mu_);
+  std::unordered_map<const Buffer*, uint32_t> held_refs_ GUARDED_BY(held_mu_);  // replies naming each buffer
+  uint64_t held_bytes_ GUARDED_BY(held_mu_) = 0;                                // of the distinct buffers
+  void HoldValue(uint64_t id, std::shared_ptr<const Buffer> value, bool new_reply, uint64_t value_bytes)
+      EXCLUDES(held_mu_);
   void ValuesRead(uint64_t id) EXCLUDES(held_mu_);
+  // Drops the oldest held reply's buffers (into *out, let go by the caller outside the lock).
+  void DropOldestHeldLocked(std::vector<std::vector<std::shared_ptr<const Buffer>>>* out) REQUIRES(held_mu_);
   // A value bigger than a frame arriving in chunks (CreateVariable.chunked, Update.chunked):
   // gathered here, used with the last chunk; dropped by any request of another kind, a chunk that
   // does not follow, or the connection's end.

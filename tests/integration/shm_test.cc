@@ -5,6 +5,7 @@
 #include "wire/shm.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -228,6 +229,19 @@ TEST_CASE("values named in place are read-only to the worker and stay as read un
     const std::string again = "/proc/self/fd/" + std::to_string(values_fd);
     CHECK(::open(again.c_str(), O_RDWR | O_CLOEXEC) < 0);
   }
+  // Nor by a process that can change its mode back (psd's uid, or root): sealed against every
+  // writer but psd's own mapping (a review's worker of psd's uid rewrote every value before).
+  CHECK((::fcntl(values_fd, F_GET_SEALS) & F_SEAL_FUTURE_WRITE) != 0);
+  REQUIRE(::fchmod(values_fd, 0600) == 0);  // this test is psd's process: its uid
+  {
+    const std::string again = "/proc/self/fd/" + std::to_string(values_fd);
+    const int rw = ::open(again.c_str(), O_RDWR | O_CLOEXEC);
+    REQUIRE(rw >= 0);
+    CHECK(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, rw, 0) == MAP_FAILED);
+    CHECK(::pwrite(rw, "x", 1, 0) < 0);
+    ::close(rw);
+  }
+  REQUIRE(::fchmod(values_fd, 0400) == 0);
   auto values = wire::SharedSegment::AdoptReadOnly(values_fd, UINT64_MAX);
   REQUIRE(values.ok());
   CHECK(::mprotect((*values)->data(), 4096, PROT_READ | PROT_WRITE) != 0);
@@ -300,6 +314,18 @@ TEST_CASE("values named in place are read-only to the worker and stay as read un
   REQUIRE(now != nullptr);
   CHECK(std::memcmp(now, pulled.data(), n * sizeof(float)) == 0);
   CHECK(server->metrics().values_in_place_bytes() >= 2 * n * sizeof(float));
+
+  // A worker that never says it read what it was named holds at most eight versions of the
+  // model's values (kHeldModels): before, up to 64 replies, each a version kept alive.
+  const uint64_t base = server::ValuesSegment::Current()->in_use();
+  for (int step = 5; step < 25; ++step) {
+    REQUIRE(trainer->Push(step, {{"v", {g.data(), DType::kFloat32, {n}}}}).ok());
+    REQUIRE(pull(static_cast<uint64_t>(10 + step), true, proto::DType::FLOAT32, 0).first == wire::kValuesSegment);
+  }
+  const uint64_t grown =
+      server::ValuesSegment::Current()->in_use() - std::min(base, server::ValuesSegment::Current()->in_use());
+  CAPTURE(grown);
+  CHECK(grown <= 10 * n * sizeof(float));  // 20 versions without the bound
 }
 
 TEST_CASE("shared memory is not used where it is not offered or does not fit", "[shm]") {
@@ -350,11 +376,12 @@ TEST_CASE("shared memory is not used where it is not offered or does not fit", "
 TEST_CASE("psd's shared-memory socket maps only a sealed segment sent with its connection's nonce", "[shm]") {
   auto cfg = TestConfig(1, 2);
   cfg.shm_max_bytes = 1 << 20;
+  cfg.hello_timeout_ms = 60000;  // an idle connection to the socket is not closed by its timeout here
   auto server = StartServer(cfg);
   auto good = wire::SharedSegment::Create(64 << 10, "test");
   REQUIRE(good.ok());
 
-  SECTION("a wrong nonce is refused, and the offer is gone: the right one comes too late") {
+  SECTION("a wrong nonce is refused and leaves the offer to its worker; the right one is used once") {
     RawPeer p(server->port());
     p.Hello("raw");
     REQUIRE(!p.shm_socket.empty());
@@ -363,9 +390,30 @@ TEST_CASE("psd's shared-memory socket maps only a sealed segment sent with its c
     wrong[0] = static_cast<char>(wrong[0] ^ 1);
     CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, wrong), (*good)->fd()),
                Catch::Contains("without its nonce"));
+    // (Before, a guess used the offer up: any local process could push every worker onto TCP.)
+    CHECK(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*good)->fd()) == "OK");
     CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*good)->fd()),
                Catch::Contains("without its nonce"));
     CHECK(server->shm()->refused() == 2);
+  }
+  SECTION("clients that connect and send nothing make room for a worker: the oldest is closed") {
+    // Anyone on the host may connect. Before, each idle connection kept a descriptor until the
+    // attach timeout, with no limit: a flood used up psd's descriptors.
+    std::vector<int> idle;
+    for (int i = 0; i < 64; ++i) {
+      auto sock = wire::ConnectAbstract(server->shm()->name());
+      REQUIRE(sock.ok());
+      idle.push_back(*sock);
+    }
+    RawPeer p(server->port());
+    p.Hello("raw");
+    CHECK(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*good)->fd()) == "OK");
+    // The first idle one was closed to admit the worker's (end of stream, long before its timeout).
+    pollfd pfd{idle.front(), POLLIN, 0};
+    REQUIRE(::poll(&pfd, 1, 10000) == 1);
+    char c;
+    CHECK(::read(idle.front(), &c, 1) == 0);
+    for (int fd : idle) ::close(fd);
   }
   SECTION("another connection's id with this nonce is refused") {
     RawPeer p(server->port());
@@ -382,6 +430,19 @@ TEST_CASE("psd's shared-memory socket maps only a sealed segment sent with its c
     CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), fd),
                Catch::Contains("not sealed against shrinking"));
     ::close(fd);
+  }
+  SECTION("a hugetlbfs memfd is refused (its owner can punch its pages out from under psd's mapping)") {
+    RawPeer p(server->port());
+    p.Hello("raw");
+    int fd = ::memfd_create("huge", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+    if (fd < 0 || ::ftruncate(fd, 2 << 20) != 0 || ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+      if (fd >= 0) ::close(fd);
+      SUCCEED("this kernel makes no sealable hugetlbfs memfd");
+    } else {
+      CHECK_THAT(Attach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), fd),
+                 Catch::Contains("not plain shared memory"));
+      ::close(fd);
+    }
   }
   SECTION("a pipe is refused") {
     RawPeer p(server->port());
