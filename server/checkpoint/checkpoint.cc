@@ -335,15 +335,31 @@ std::string Hex(uint64_t v) {
   return buf;
 }
 
-Status ReadFile(const std::string& path, std::vector<uint8_t>* out) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return NotFound("cannot open " + path);
-  f.seekg(0, std::ios::end);
-  std::streamoff n = f.tellg();
-  if (n < 0) return Unavailable("cannot read " + path);
-  f.seekg(0);
-  out->resize(static_cast<size_t>(n));
-  if (n > 0 && !f.read(reinterpret_cast<char*>(out->data()), n)) return Unavailable("cannot read " + path);
+// A regular file of at most `max_bytes`, read whole. Anything else in its place (a directory, a
+// FIFO, a file a damaged disk or a hand grew huge) is an error, not a hang or an allocation that
+// kills the daemon at start.
+Status ReadFile(const std::string& path, uint64_t max_bytes, std::vector<uint8_t>* out) {
+  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));  // (a FIFO would block the open)
+  if (fd.get() < 0) return NotFound(Errno("cannot open " + path));
+  struct stat st {};
+  if (fstat(fd.get(), &st) != 0) return Unavailable(Errno("stat " + path));
+  if (!S_ISREG(st.st_mode)) return InvalidArgument(path + " is not a regular file");
+  const auto n = static_cast<uint64_t>(st.st_size);
+  if (n > max_bytes) {
+    return InvalidArgument(path + " has " + std::to_string(n) + " bytes, more than the " + std::to_string(max_bytes) +
+                           " it may have");
+  }
+  try {
+    out->resize(n);
+  } catch (const std::bad_alloc&) {
+    return ResourceExhausted("no memory to read " + path + " (" + std::to_string(n) + " bytes)");
+  }
+  for (uint64_t done = 0; done < n;) {
+    const ssize_t got = read(fd.get(), out->data() + done, n - done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return Unavailable(Errno("cannot read " + path));
+    done += static_cast<uint64_t>(got);
+  }
   return Status::Ok();
 }
 
@@ -367,9 +383,12 @@ struct Manifest {
   std::vector<Part> parts;
 };
 
+// A manifest is a line per part; far more than any cluster's fits here.
+constexpr uint64_t kMaxManifestBytes = 16 << 20;
+
 Result<Manifest> ReadManifest(const std::string& path) {
   std::vector<uint8_t> raw;
-  PSD_RETURN_IF_ERROR(ReadFile(path + "/MANIFEST", &raw));
+  PSD_RETURN_IF_ERROR(ReadFile(path + "/MANIFEST", kMaxManifestBytes, &raw));
   std::string text(raw.begin(), raw.end());
   size_t last = text.rfind("checksum ");
   if (last == std::string::npos) return InvalidArgument("manifest has no checksum line");
@@ -443,6 +462,8 @@ Status ParseRecords(Reader& r, int version, ShardSnapshot* out) {
     v.trainable = trainable != 0;
     v.average = average != 0;
     // Half-precision variables are checkpointed as the daemon keeps them: float32 master values.
+    // (A shape whose element count overflows is refused before it is multiplied out.)
+    if (!ValidateShape(v.shape, ComputeDType(v.dtype), UINT64_MAX).ok()) return bad("shape of '" + v.name + "'");
     uint64_t want = static_cast<uint64_t>(NumElements(v.shape)) * DTypeSize(ComputeDType(v.dtype));
     if (v.value->bytes() != want) return bad("value size of '" + v.name + "'");
     if (!r.Pod(&nslots) || nslots > 16) return bad("slots");
@@ -574,8 +595,8 @@ Status ReadPart(const std::string& path, const Manifest& m, const Manifest::Part
   const std::string file = path + "/" + p.file;
   if (m.hash == HashAlgo::kFnv1a64) {
     // v1-v3: read whole, FNV-1a over the file.
-    std::vector<uint8_t> data;
-    PSD_RETURN_IF_ERROR(ReadFile(file, &data));
+    std::vector<uint8_t> data;  // (no bigger than the manifest says: checked before it is read)
+    PSD_RETURN_IF_ERROR(ReadFile(file, p.bytes, &data));
     if (data.size() != p.bytes) {
       return InvalidArgument(p.file + " has " + std::to_string(data.size()) + " bytes, the manifest says " +
                              std::to_string(p.bytes));
@@ -583,10 +604,11 @@ Status ReadPart(const std::string& path, const Manifest& m, const Manifest::Part
     if (Fnv1a64(data.data(), data.size()) != p.checksum) return InvalidArgument(p.file + " checksum mismatch");
     return out != nullptr ? ParseOldPart(data, out) : Status::Ok();
   }
-  Fd fd(open(file.c_str(), O_RDONLY | O_CLOEXEC));
+  Fd fd(open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));  // (a FIFO would block the open)
   if (fd.get() < 0) return NotFound(Errno("cannot open " + file));
   struct stat st {};
   if (fstat(fd.get(), &st) != 0) return Unavailable(Errno("stat " + file));
+  if (!S_ISREG(st.st_mode)) return InvalidArgument(p.file + " is not a regular file");
   if (static_cast<uint64_t>(st.st_size) != p.bytes) {
     return InvalidArgument(p.file + " has " + std::to_string(st.st_size) + " bytes, the manifest says " +
                            std::to_string(p.bytes));
@@ -813,11 +835,17 @@ Result<CheckpointInfo> WriteCheckpoint(const std::string& dir, const ShardSnapsh
       pwrite(fd.get(), &trailer, sizeof(trailer), static_cast<off_t>(body)) == sizeof(trailer) && fsync(fd.get()) == 0;
   if (!ok) return Unavailable(Errno("write " + tmp));
   if (close(fd.Release()) != 0) return Unavailable(Errno("close " + tmp));
+  // The step written again (an operator's request with no step between, a cluster counting up
+  // through a step it sealed before): its manifest goes first, durably, so that no crash leaves
+  // the old manifest beside the new part — a checkpoint that verifies nowhere yet counts as
+  // complete. Until the new manifest, the step is unsealed (not restored, not counted).
+  if (::unlink((path + "/MANIFEST").c_str()) == 0) PSD_RETURN_IF_ERROR(FsyncPath(path));
   if (std::rename(tmp.c_str(), (path + "/" + part).c_str()) != 0) return Unavailable(Errno("rename " + tmp));
   cleanup.Dismiss();
   const uint64_t part_bytes = body + sizeof(trailer);
   const uint64_t part_sum = trailer;  // v4: what the manifest records is the trailer's checksum
   if (shards == 1) {
+    PSD_RETURN_IF_ERROR(FsyncPath(path));  // the part's rename is durable before the manifest names it
     PSD_RETURN_IF_ERROR(WriteManifest(dir, snap.step, 1, {{0, part, part_bytes, part_sum}}));
   } else {
     PSD_RETURN_IF_ERROR(FsyncPath(path));
@@ -856,9 +884,27 @@ Status WriteFileDurably(const std::string& path, const std::string& tmp, const s
 
 namespace {
 
+// The manifest of checkpoint directory `path`, which must be of the step the directory is named
+// for and name each shard's part as psd does: a directory copied or renamed by hand is refused,
+// not restored as another step's (or another shard's part taken as this one's).
+Result<Manifest> ReadOwnManifest(const std::string& path) {
+  auto m = ReadManifest(path);
+  if (!m.ok()) return m.status();
+  const std::string name = std::filesystem::path(path).filename().string();
+  if (name != StepDirName(m->step)) {
+    return InvalidArgument("its manifest is of step " + std::to_string(m->step) + ", not of " + name);
+  }
+  for (const Manifest::Part& p : m->parts) {
+    if (p.file != PartName(p.shard, m->shards)) {
+      return InvalidArgument("its manifest names " + p.file + " as shard " + std::to_string(p.shard) + "'s part");
+    }
+  }
+  return m;
+}
+
 // Verifies the manifest of `path` and shard `shard`'s part.
 Status VerifyOwnPart(const std::string& path, int shard, int shards) {
-  auto m = ReadManifest(path);
+  auto m = ReadOwnManifest(path);
   if (!m.ok()) return m.status();
   if (m->shards != shards) {
     return FailedPrecondition("written by a cluster of " + std::to_string(m->shards) + " shard(s), not " +
@@ -875,7 +921,7 @@ Status VerifyOwnPart(const std::string& path, int shard, int shards) {
 // Loads shard `shard`'s part of checkpoint `path`: the manifest verifies, and the part is read
 // once, verified while it is read.
 Status LoadPart(const std::string& path, int shard, ShardSnapshot* out) {
-  auto m = ReadManifest(path);
+  auto m = ReadOwnManifest(path);
   if (!m.ok()) return m.status();
   const Manifest::Part* part = FindPart(*m, shard);
   if (part == nullptr) return NotFound("no part for shard " + std::to_string(shard));

@@ -827,10 +827,12 @@ void Server::Stop() {
     ckpt_writer_.Stop();  // finishes a pending write first
     // A last checkpoint at clean exit, if the state is at a step boundary. (A cluster writes its
     // final one when the job ends: one shard alone cannot seal a checkpoint.)
-    auto snap = coordinator_ ? std::nullopt : engine()->SnapshotIfAtBoundary();
+    // Not from a daemon that never became ready: its state is empty or half restored (a restore
+    // refused), and written as the newest checkpoint it would hide, and prune, the good ones.
+    auto snap = coordinator_ || !became_ready_.load() ? std::nullopt : engine()->SnapshotIfAtBoundary();
     if (snap) {
       if (snap->step != last_checkpoint_step_.load()) WriteSnapshot(*snap);
-    } else if (!coordinator_) {
+    } else if (!coordinator_ && became_ready_.load()) {
       spdlog::warn("a step was in progress at exit; the newest checkpoint stays at step {}",
                    last_checkpoint_step_.load());
     }

@@ -1,10 +1,14 @@
 // A daemon's whole training state survives a restart through its checkpoint directory.
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <filesystem>
+#include <string>
 #include <thread>
+#include <vector>
 
+#include "daemon/server.h"
 #include "support/test_server.h"
 
 using namespace psd;
@@ -53,6 +57,25 @@ TEST_CASE("values, slots, averages and the step are restored from the newest che
     REQUIRE(c->PullRows("emb", {7, 8}, {emb_before.data(), DType::kFloat32, {2, 4}, MemoryKind::kHost}).ok());
     CHECK(c->RequestCheckpoint().ok());
   }  // the daemon stops (a final checkpoint would be at the same step)
+
+  // A daemon that cannot restore them (another optimizer) fails to start and leaves the directory
+  // as it was: before, its stop wrote its empty state as checkpoint step 0 and pruned older ones.
+  auto listing = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  const std::vector<std::string> kept = listing();
+  {
+    auto refused = cfg;
+    refused.optimizer.name = "sgd";
+    auto s = server::Server::Create(refused);
+    REQUIRE(s.ok());
+    Status started = (*s)->Start();
+    CHECK_THAT(started.message(), Catch::Contains("optimizer"));
+  }
+  CHECK(listing() == kept);
 
   auto server = StartServer(cfg);
   auto c = ConnectWorker(server->port(), "w");

@@ -1,5 +1,6 @@
 #include "checkpoint/checkpoint.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -165,6 +166,27 @@ TEST_CASE("the newest checkpoint that verifies is used, corrupt or torn ones are
   SECTION("a truncated part") { fs::resize_file(part, fs::file_size(part) - 5); }
   SECTION("a manifest that was never written (crash before the rename)") { fs::remove(newest->path + "/MANIFEST"); }
   SECTION("an edited manifest") { FlipByte(newest->path + "/MANIFEST", 20); }
+  // Before, these were read whole first: the daemon died at start (std::bad_alloc) or hung.
+  SECTION("a manifest grown huge (sparse)") { fs::resize_file(newest->path + "/MANIFEST", 100ull << 30); }
+  SECTION("a directory where the manifest was") {
+    fs::remove(newest->path + "/MANIFEST");
+    fs::create_directory(newest->path + "/MANIFEST");
+  }
+  SECTION("a FIFO where the manifest was") {
+    fs::remove(newest->path + "/MANIFEST");
+    REQUIRE(::mkfifo((newest->path + "/MANIFEST").c_str(), 0600) == 0);
+  }
+  SECTION("a FIFO where the part was") {
+    fs::remove(part);
+    REQUIRE(::mkfifo(part.c_str(), 0600) == 0);
+  }
+  SECTION("a checkpoint directory renamed to a newer step") {
+    fs::rename(newest->path, dir.path + "/ckpt-00000000000000000099");  // still step 20 inside
+    ShardSnapshot back;
+    auto loaded = LoadLatestCheckpoint(dir.path, 0, &back);
+    REQUIRE(loaded.ok());
+    CHECK(loaded->step == 10);  // not restored as step 99
+  }
   ShardSnapshot back;
   auto loaded = LoadLatestCheckpoint(dir.path, 0, &back);
   REQUIRE(loaded.ok());
