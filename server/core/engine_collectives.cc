@@ -8,9 +8,31 @@ namespace psd::server {
 
 using namespace engine_internal;
 
+// A completed round's waiters and what they are told.
+struct TrainingEngine::RoundDone {
+  std::vector<Round::Waiter> ready;
+  Status outcome;
+  int64_t step = 0;
+  std::shared_ptr<const Buffer> value;
+  void Tell() {
+    for (auto& w : ready) w(outcome, step, value);
+  }
+};
+
+namespace {
+
+Status MixedOps(const std::string& name, bool round_mean) {
+  return InvalidArgument("reduce_to '" + name + "': this round is a " + (round_mean ? "MEAN" : "SUM") +
+                         " (its first value asked so); every replica's value of a round must ask the same op");
+}
+
+}  // namespace
+
 std::shared_ptr<Buffer> TrainingEngine::ReadValueLocked(Variable* v) {
   if (!v->sync_on_read) return v->published;
-  const int n = std::max(1, config_.total_replicas);
+  // Every replica a worker may update as its own: the job's worker slots (max(N, R)), as Update,
+  // the snapshot and the memory cost count them.
+  const int n = config_.worker_slots();
   auto out = std::make_shared<Buffer>(v->bytes);
   auto value_of = [&](uint32_t r) {
     auto it = v->replica_values.find(r);
@@ -60,7 +82,8 @@ void TrainingEngine::ApplyUpdateLocked(Variable* v, UpdateOp op, const void* val
   v->published = Updated(*v->published, v->dtype, NumElements(v->shape), op, value, factor);
 }
 
-Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values_in, ReduceDone done) {
+Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values_in, ReduceDone done,
+                              int64_t replica) {
   std::vector<Variable*> targets;
   {
     MutexLock lock(&mu_);
@@ -90,6 +113,12 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
                                        values[i].bytes);
     if (!s.ok()) return Status(s.code(), "reduce_to '" + targets[i]->name + "': " + s.message());
   }
+  // A round sums with one op: a value asking MEAN where the round's first asked SUM (or the other
+  // way) is refused, not summed under the other's (checked again as it is added).
+  for (Variable* v : targets) {
+    MutexLock vlock(&v->mu);
+    if (v->reduce_round.count > 0 && v->reduce_round.mean != mean) return MixedOps(v->name, v->reduce_round.mean);
+  }
   // Completion of the whole call: the last entry's round to finish answers it.
   struct Call {
     Call(size_t n, ReduceDone d) : remaining(n), outcomes(n), done(std::move(d)) {}
@@ -111,13 +140,12 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
   for (size_t i = 0; i < values.size(); ++i) {
     Variable* v = targets[i];
     const GradRef& g = values[i];
-    std::vector<Round::Waiter> ready;
-    std::shared_ptr<const Buffer> result;
-    int64_t round_step = 0;
+    RoundDone completed;  // told outside the locks
     {
       MutexLock vlock(&v->mu);
       Round& r = v->reduce_round;
-      if (local_step < r.step) {
+      // Stale, or (a round begun since the check above) of the other op: not summed.
+      if (local_step < r.step || (r.count > 0 && r.mean != mean)) {
         std::shared_ptr<Buffer> current;
         {
           MutexLock lock(&mu_);
@@ -132,31 +160,82 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
         r.sum.assign((v->bytes + 7) / 8, 0);
         r.mean = mean;
       }
-      AddInto(v->dtype, r.sum.data(), g.data, NumElements(v->shape));
-      ++r.count;
       DType dtype = v->dtype, declared = v->declared;
       Shape shape = v->shape;
       r.waiters.push_back(
           [finish_one, i, dtype, declared, shape](const Status&, int64_t step, std::shared_ptr<const Buffer> value) {
             finish_one(i, {true, step, std::move(value), dtype, declared, shape});
           });
+      // A replica's retry (its call's deadline passed) waits for the round its value is in.
+      if (replica >= 0 && std::find(r.replicas.begin(), r.replicas.end(), replica) != r.replicas.end()) continue;
+      if (replica >= 0) r.replicas.push_back(replica);
+      AddInto(v->dtype, r.sum.data(), g.data, NumElements(v->shape));
+      ++r.count;
+      r.newest = std::max(r.newest, local_step);
       if (r.count < required) continue;
-      auto out = std::make_shared<Buffer>(v->bytes);
-      std::memcpy(out->data(), r.sum.data(), v->bytes);
-      if (r.mean) Scale(v->dtype, out->data(), NumElements(v->shape), 1.0 / r.count);
-      {
-        MutexLock lock(&mu_);
-        v->published = out;
-      }
-      result = out;
-      round_step = r.step;
-      ready.swap(r.waiters);
-      r.count = 0;
-      ++r.step;
+      completed = CompleteReduceRound(v);
     }
-    for (auto& w : ready) w(Status::Ok(), round_step, result);
+    completed.Tell();
   }
   return Status::Ok();
+}
+
+TrainingEngine::RoundDone TrainingEngine::CompleteReduceRound(Variable* v) {
+  Round& r = v->reduce_round;
+  auto out = std::make_shared<Buffer>(v->bytes);
+  std::memcpy(out->data(), r.sum.data(), v->bytes);
+  if (r.mean) Scale(v->dtype, out->data(), NumElements(v->shape), 1.0 / r.count);
+  {
+    MutexLock lock(&mu_);
+    v->published = out;
+  }
+  RoundDone done;
+  done.value = out;
+  done.step = std::max(r.step, r.newest);  // the step its values were for
+  done.ready.swap(r.waiters);
+  r.count = 0;
+  r.newest = -1;
+  r.replicas.clear();
+  // A value tagged with that step or an older one, late, is stale (a destination reduced every k
+  // steps too: the round's step follows its contributors', not a count of rounds).
+  r.step = done.step + 1;
+  return done;
+}
+
+TrainingEngine::RoundDone TrainingEngine::CompleteUpdateRound(Variable* v) {
+  Round& r = v->update_round;
+  RoundDone done;
+  if (v->aggregation == Aggregation::kNone && r.disagree) {
+    done.outcome = InvalidArgument("replicas assigned different values to '" + v->name +
+                                   "' (aggregation NONE); nothing was changed");
+  } else {
+    const void* value = v->aggregation == Aggregation::kNone ? static_cast<const void*>(r.first.data())
+                                                             : static_cast<const void*>(r.sum.data());
+    if (v->aggregation == Aggregation::kMean) Scale(v->dtype, r.sum.data(), NumElements(v->shape), 1.0 / r.count);
+    MutexLock lock(&mu_);
+    ApplyUpdateLocked(v, r.op, value, 1);
+  }
+  done.step = std::max(r.step, r.newest);
+  done.ready.swap(r.waiters);
+  r.count = 0;
+  r.newest = -1;
+  r.step = done.step + 1;
+  return done;
+}
+
+void TrainingEngine::CompleteLoweredRounds() {
+  const int required = required_.load();
+  for (Variable* v : Variables()) {
+    if (v->trainable) continue;  // its rounds are the optimizer's (ReevaluateAll)
+    RoundDone reduced, updated;
+    {
+      MutexLock vlock(&v->mu);
+      if (v->reduce_round.count > 0 && v->reduce_round.count >= required) reduced = CompleteReduceRound(v);
+      if (v->update_round.count > 0 && v->update_round.count >= required) updated = CompleteUpdateRound(v);
+    }
+    reduced.Tell();
+    updated.Tell();
+  }
 }
 
 Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
@@ -185,13 +264,12 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
   } else {
     PSD_RETURN_IF_ERROR(DenseAccumulator::Check(v->dtype, v->shape, a.dtype, a.shape, a.bytes));
   }
-  const int n = std::max(1, config_.total_replicas);
   // A sync-on-read variable keeps a value per replica: one a worker names beyond the job's (workers
   // are numbered below the larger of -N and -R) is refused, not added.
-  const int replicas = config_.worker_slots();
-  if (v->sync_on_read && !a.cross_replica && a.replica >= static_cast<uint32_t>(replicas)) {
+  const int n = config_.worker_slots();
+  if (v->sync_on_read && !a.cross_replica && a.replica >= static_cast<uint32_t>(n)) {
     return InvalidArgument("update '" + v->name + "': replica " + std::to_string(a.replica) +
-                           " is not one of the job's " + std::to_string(replicas) +
+                           " is not one of the job's " + std::to_string(n) +
                            " replicas: a replica's own update comes from a worker of the job");
   }
   if (a.cross_replica && a.at_next_step && config_.mode == Mode::kSync && !v->sync_on_read) {
@@ -245,9 +323,7 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
                            "aggregation (or a cross-replica call)");
   }
   // SUM / MEAN / NONE: this replica's share of the round.
-  std::vector<Round::Waiter> ready;
-  Status outcome;
-  int64_t round_step = 0;
+  RoundDone completed;  // told outside the locks
   {
     MutexLock vlock(&v->mu);
     Round& r = v->update_round;
@@ -271,25 +347,13 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
     }
     AddInto(v->dtype, r.sum.data(), a.data, NumElements(v->shape));
     ++r.count;
+    r.newest = std::max(r.newest, a.local_step);
     r.waiters.push_back(
         [done](const Status& s, int64_t step, std::shared_ptr<const Buffer>) { done(s, s.ok(), step); });
     if (r.count < required_.load()) return Status::Ok();
-    if (v->aggregation == Aggregation::kNone && r.disagree) {
-      outcome = InvalidArgument("replicas assigned different values to '" + v->name +
-                                "' (aggregation NONE); nothing was changed");
-    } else {
-      const void* value = v->aggregation == Aggregation::kNone ? static_cast<const void*>(r.first.data())
-                                                               : static_cast<const void*>(r.sum.data());
-      if (v->aggregation == Aggregation::kMean) Scale(v->dtype, r.sum.data(), NumElements(v->shape), 1.0 / r.count);
-      MutexLock lock(&mu_);
-      ApplyUpdateLocked(v, r.op, value, 1);
-    }
-    round_step = r.step;
-    ready.swap(r.waiters);
-    r.count = 0;
-    ++r.step;
+    completed = CompleteUpdateRound(v);
   }
-  for (auto& w : ready) w(outcome, round_step, nullptr);
+  completed.Tell();
   return Status::Ok();
 }
 

@@ -161,7 +161,7 @@ Status TrainingEngine::Restore(const ShardSnapshot& snap) {
     if (v->sync_on_read && v->aggregation == Aggregation::kSum) {
       // The seed's rule: a SUM sync-on-read variable is restored by dividing by the replicas.
       Scale(v->dtype, v->replica_base->data(), NumElements(v->shape),
-            1.0 / static_cast<double>(std::max(1, config_.total_replicas)));
+            1.0 / static_cast<double>(config_.worker_slots()));
     }
   }
   MutexLock lock(&mu_);

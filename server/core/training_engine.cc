@@ -173,7 +173,7 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
   // that millions of empty variables are refused too). Checked before allocating: a peer cannot
   // exhaust the daemon's memory.
   const uint64_t copies = 1 + (def.trainable ? 3 : 0) + opt->Slots().size() + (def.average ? 1 : 0) +
-                          (def.sync_on_read ? 1 + static_cast<uint64_t>(std::max(1, config_.total_replicas)) : 0);
+                          (def.sync_on_read ? 1 + static_cast<uint64_t>(config_.worker_slots()) : 0);
   uint64_t cost = bytes * copies + kVariableOverheadBytes;
   const uint64_t held = model_bytes_.load();
   if (held + cost > config_.max_model_bytes) {
@@ -515,6 +515,7 @@ void TrainingEngine::SetRequiredReplicas(int required) {
   if (required_.exchange(required) != required) {
     spdlog::info("a step now needs {} fresh gradient(s) per variable", required);
     ReevaluateAll();
+    CompleteLoweredRounds();  // reduce_to and update rounds wait for the same count
   }
 }
 

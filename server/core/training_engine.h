@@ -251,8 +251,11 @@ class TrainingEngine {
   // mean) becomes the destination's value, the round advances, and every contributor waiting on
   // it is answered. All values are validated first (an invalid call changes nothing); `done`
   // runs exactly once, outside all locks, when every accepted value's round completed.
+  // `replica` (the sending worker's index; -1: not known): a second value from one replica in a
+  // round — a retry after its deadline — is not counted again; it waits for that round.
   using ReduceDone = std::function<void(std::vector<ReduceOutcome>)>;
-  Status Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values, ReduceDone done) EXCLUDES(mu_);
+  Status Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values, ReduceDone done,
+                int64_t replica = -1) EXCLUDES(mu_);
 
   // update(variable, fn): assign / assign_add / assign_sub / scale where the variable lives.
   // Cross-replica: applied at once (on a sync-on-read variable, assign gives every replica
@@ -418,6 +421,14 @@ class TrainingEngine {
   std::shared_ptr<Buffer> ReadValueLocked(Variable* v) REQUIRES(mu_);
   // mu_ held: applies `op` with `value` (host bytes of v's dtype and shape) to v's value.
   void ApplyUpdateLocked(Variable* v, UpdateOp op, const void* value, double factor) REQUIRES(mu_);
+  // Collective rounds (reduce_to, update) whose count reached `required`: completed (the value
+  // published, the round's step moved past its contributors'), their waiters returned to be told
+  // outside the locks. Under v->mu.
+  struct RoundDone;
+  RoundDone CompleteReduceRound(Variable* v) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
+  RoundDone CompleteUpdateRound(Variable* v) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
+  // Every collective round the lowered required count completes now (SetRequiredReplicas).
+  void CompleteLoweredRounds() EXCLUDES(mu_);
 
   const TrainingConfig config_;
   std::unique_ptr<Optimizer> optimizer_;

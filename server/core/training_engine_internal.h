@@ -83,8 +83,10 @@ class ConvertedInputs {
 // this round's step or later. Guarded by the variable's `mu`.
 struct Round {
   using Waiter = std::function<void(const Status&, int64_t step, std::shared_ptr<const Buffer> value)>;
-  int64_t step = 0;
+  int64_t step = 0;     // values tagged with an older step are stale
+  int64_t newest = -1;  // the newest step a value of this round was tagged with
   int count = 0;
+  std::vector<int64_t> replicas;    // reduce: who contributed (known senders), each counted once
   bool mean = false;                // reduce: the first contributor's op
   UpdateOp op = UpdateOp::kAssign;  // update: the first contributor's op
   std::vector<uint64_t> sum;        // 8-byte aligned

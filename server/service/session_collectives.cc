@@ -59,17 +59,20 @@ void WorkerSession::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
       answer(Status::Ok());
     });
   };
-  Status s = engine->Reduce(r.getOp() == proto::Reduction::MEAN, r.getLocalStep(), values, std::move(reply));
+  // The sender, as this shard's registry numbers it: a retry of a round is not counted twice.
+  const int64_t replica = conn_->role() == Connection::Role::kWorker ? static_cast<int64_t>(worker_index_) : -1;
+  Status s = engine->Reduce(r.getOp() == proto::Reduction::MEAN, r.getLocalStep(), values, std::move(reply), replica);
   if (!s.ok()) {
     parked->Answer();
     return SendError(id, s);
   }
   if (completed->load()) return;  // answered already (the last contribution, or all stale)
   ArmDeadline(timeout_ms, parked, [self, id, timeout_ms, engine] {
-    self->SendError(id,
-                    DeadlineExceeded("reduce_to: not every replica contributed within " + std::to_string(timeout_ms) +
-                                     " ms (a round needs " + std::to_string(engine->required_replicas()) +
-                                     "); this call's values still count"));
+    self->SendError(
+        id, DeadlineExceeded(
+                "reduce_to: not every replica contributed within " + std::to_string(timeout_ms) +
+                " ms (a round needs " + std::to_string(engine->required_replicas()) +
+                "); this call's values still count (a retry waits for their round without counting them again)"));
   });
 }
 

@@ -153,3 +153,82 @@ TEST_CASE("a replica's own update names one of the job's replicas", "[engine][co
   CHECK(answered == 2);  // the round of two completed
   CHECK(First(e2) == 6);
 }
+
+TEST_CASE("with -R above -N, every worker's own sync-on-read value counts in what is read", "[engine][collectives]") {
+  // Workers are numbered below max(N, R): before, reads summed N values and dropped the others'.
+  auto engine = MakeSyncEngine(2, 1, /*init_tokens=*/1);
+  TrainingEngine& e = *engine;
+  CreateNonTrainable(e, "acc", /*sync_on_read=*/true, Aggregation::kSum);
+  std::vector<float> one{1, 1}, five{5, 5};
+  UpdateArgs a = Assign(one);
+  a.op = UpdateOp::kAssignAdd;
+  a.cross_replica = false;
+  REQUIRE(e.Update(a, [](const Status& s, bool applied, int64_t) { CHECK((s.ok() && applied)); }).ok());
+  a = Assign(five);
+  a.op = UpdateOp::kAssignAdd;
+  a.cross_replica = false;
+  a.replica = 1;
+  REQUIRE(e.Update(a, [](const Status& s, bool applied, int64_t) { CHECK((s.ok() && applied)); }).ok());
+  CHECK(First(e) == 6);
+}
+
+TEST_CASE("reduce_to rounds: completed when the required count drops, stale by their values' step, one op each",
+          "[engine][collectives]") {
+  std::vector<float> one{1, 1}, two{2, 2}, nine{9, 9};
+  auto value = [](const std::vector<float>& v) {
+    return std::vector<GradRef>{{"acc", DType::kFloat32, {2}, v.data(), v.size() * sizeof(float)}};
+  };
+
+  SECTION("a round waiting for a worker that finished completes when the count is lowered") {
+    auto e = MakeSyncEngine(2, 2);
+    CreateNonTrainable(*e, "acc");
+    std::vector<ReduceOutcome> got;
+    REQUIRE(e->Reduce(false, 0, value(one), [&](std::vector<ReduceOutcome> o) { got = std::move(o); }).ok());
+    CHECK(got.empty());         // one of two
+    e->SetRequiredReplicas(1);  // the other worker finished
+    REQUIRE(got.size() == 1);   // before, it waited for a value that would never come
+    CHECK(got[0].accepted);
+    CHECK(First(*e) == 1);
+  }
+
+  SECTION("a destination reduced every few steps: a late value of a completed round's step is stale") {
+    auto e = MakeSyncEngine(1, 2, /*init_tokens=*/1);
+    CreateNonTrainable(*e, "acc");
+    std::vector<ReduceOutcome> got;
+    auto reduce = [&](int64_t step, const std::vector<float>& v) {
+      got.clear();
+      REQUIRE(e->Reduce(false, step, value(v), [&](std::vector<ReduceOutcome> o) { got = std::move(o); }).ok());
+      REQUIRE(got.size() == 1);
+    };
+    reduce(0, one);
+    CHECK(got[0].step == 0);
+    reduce(10, two);
+    CHECK(got[0].accepted);
+    CHECK(got[0].step == 10);      // the round of the values' step (before: 1, a count of rounds)
+    reduce(10, nine);              // a backup's value for step 10, late
+    CHECK_FALSE(got[0].accepted);  // before, it started the next round and overwrote the value
+    CHECK(First(*e) == 2);
+  }
+
+  SECTION("a replica's retry of a round waits for it without counting again") {
+    auto e = MakeSyncEngine(2, 2);
+    CreateNonTrainable(*e, "acc");
+    std::vector<float> answers;
+    auto record = [&](std::vector<ReduceOutcome> o) { answers.push_back(o[0].value->as<float>()[0]); };
+    REQUIRE(e->Reduce(false, 0, value(one), record, /*replica=*/0).ok());
+    REQUIRE(e->Reduce(false, 0, value(one), record, /*replica=*/0).ok());  // its deadline passed: again
+    CHECK(answers.empty());  // before, the retry completed the round with replica 0's value twice
+    REQUIRE(e->Reduce(false, 0, value(two), record, /*replica=*/1).ok());
+    CHECK(answers == std::vector<float>{3, 3, 3});
+    CHECK(First(*e) == 3);
+  }
+
+  SECTION("a value asking MEAN in a SUM round is refused") {
+    auto e = MakeSyncEngine(2, 2);
+    CreateNonTrainable(*e, "acc");
+    REQUIRE(e->Reduce(false, 0, value(one), [](std::vector<ReduceOutcome>) {}).ok());
+    Status s = e->Reduce(true, 0, value(two), [](std::vector<ReduceOutcome>) { FAIL("refused: no answer"); });
+    CHECK(s.code() == Code::kInvalidArgument);
+    CHECK_THAT(s.message(), Catch::Contains("this round is a SUM"));
+  }
+}
