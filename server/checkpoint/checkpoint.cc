@@ -357,7 +357,10 @@ Status ReadFile(const std::string& path, uint64_t max_bytes, std::vector<uint8_t
   for (uint64_t done = 0; done < n;) {
     const ssize_t got = read(fd.get(), out->data() + done, n - done);
     if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return Unavailable(Errno("cannot read " + path));
+    if (got < 0) return Unavailable(Errno("cannot read " + path));
+    if (got == 0) {
+      return Unavailable(path + " ended after " + std::to_string(done) + " of " + std::to_string(n) + " bytes");
+    }
     done += static_cast<uint64_t>(got);
   }
   return Status::Ok();

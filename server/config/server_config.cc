@@ -368,7 +368,8 @@ Status ServerConfig::CheckProtectedMode() const {
   if (metrics_port >= 0) listeners.push_back({"--metrics-host", &metrics_host});
   for (const Listener& l : listeners) {
     auto loopback = IsLoopbackAddress(*l.ip);
-    if (!auth_token.empty()) {
+    // (Where client certificates protect the data port, the token is not what does.)
+    if (!auth_token.empty() && !(l.ip == &host && mutual_tls)) {
       // The token is what protects a listener beyond loopback: a short one is guessed (nothing
       // slows down wrong guesses over HTTP), so it is held to the cluster secret's length.
       if ((loopback.ok() && *loopback) || auth_token.size() >= kMinSecretBytes) continue;

@@ -21,6 +21,33 @@ struct TrainingEngine::RoundDone {
 
 namespace {
 
+// What a sender's value is to a round: the first it gives (counted), its retry of the value
+// already in the round (a deadline passed: it waits for the round), or a value of another step
+// while its value of this round waits (not counted: one value per sender and round).
+enum class Contribution { kNew, kRetry, kOther };
+
+Contribution Classify(const Round& r, int64_t sender, int64_t local_step) {
+  if (sender < 0) return Contribution::kNew;
+  for (const auto& [who, step] : r.senders) {
+    if (who == sender) return step == local_step ? Contribution::kRetry : Contribution::kOther;
+  }
+  return Contribution::kNew;
+}
+
+// Ends a completed round: returns its step (told to its waiters) and sets the next one's.
+int64_t FinishRound(Round* r, bool sync) {
+  // Sync: the round is of the step its values were tagged with (the global step), and a value of
+  // that step or an older one, late, is stale — also where a destination is reduced every few
+  // steps (a count of rounds would lag behind it). Async/ssp: the workers' steps differ by design,
+  // so a round is numbered by its count, as before, and a lagging worker's value still counts.
+  const int64_t step = sync ? std::max(r->step, r->newest) : r->step;
+  r->step = step + 1;
+  r->count = 0;
+  r->newest = -1;
+  r->senders.clear();
+  return step;
+}
+
 Status MixedOps(const std::string& name, bool round_mean) {
   return InvalidArgument("reduce_to '" + name + "': this round is a " + (round_mean ? "MEAN" : "SUM") +
                          " (its first value asked so); every replica's value of a round must ask the same op");
@@ -136,7 +163,6 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
     lock.Unlock();
     call->done(std::move(outcomes));
   };
-  const int required = required_.load();
   for (size_t i = 0; i < values.size(); ++i) {
     Variable* v = targets[i];
     const GradRef& g = values[i];
@@ -144,8 +170,10 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
     {
       MutexLock vlock(&v->mu);
       Round& r = v->reduce_round;
-      // Stale, or (a round begun since the check above) of the other op: not summed.
-      if (local_step < r.step || (r.count > 0 && r.mean != mean)) {
+      const Contribution c = Classify(r, replica, local_step);
+      // Stale, (a round begun since the check above) of the other op, or a replica's value while
+      // its value of another step waits in this round: not summed.
+      if (local_step < r.step || (r.count > 0 && r.mean != mean) || c == Contribution::kOther) {
         std::shared_ptr<Buffer> current;
         {
           MutexLock lock(&mu_);
@@ -166,13 +194,14 @@ Status TrainingEngine::Reduce(bool mean, int64_t local_step, const std::vector<G
           [finish_one, i, dtype, declared, shape](const Status&, int64_t step, std::shared_ptr<const Buffer> value) {
             finish_one(i, {true, step, std::move(value), dtype, declared, shape});
           });
-      // A replica's retry (its call's deadline passed) waits for the round its value is in.
-      if (replica >= 0 && std::find(r.replicas.begin(), r.replicas.end(), replica) != r.replicas.end()) continue;
-      if (replica >= 0) r.replicas.push_back(replica);
+      if (c == Contribution::kRetry) continue;  // its call's deadline passed: it waits for the round
+      if (replica >= 0) r.senders.emplace_back(replica, local_step);
       AddInto(v->dtype, r.sum.data(), g.data, NumElements(v->shape));
       ++r.count;
       r.newest = std::max(r.newest, local_step);
-      if (r.count < required) continue;
+      // (Read under the variable's lock: a count lowered before this add is seen here, one lowered
+      // after it completes the round itself.)
+      if (r.count < required_.load()) continue;
       completed = CompleteReduceRound(v);
     }
     completed.Tell();
@@ -191,14 +220,8 @@ TrainingEngine::RoundDone TrainingEngine::CompleteReduceRound(Variable* v) {
   }
   RoundDone done;
   done.value = out;
-  done.step = std::max(r.step, r.newest);  // the step its values were for
   done.ready.swap(r.waiters);
-  r.count = 0;
-  r.newest = -1;
-  r.replicas.clear();
-  // A value tagged with that step or an older one, late, is stale (a destination reduced every k
-  // steps too: the round's step follows its contributors', not a count of rounds).
-  r.step = done.step + 1;
+  done.step = FinishRound(&r, config_.mode == Mode::kSync);
   return done;
 }
 
@@ -215,11 +238,8 @@ TrainingEngine::RoundDone TrainingEngine::CompleteUpdateRound(Variable* v) {
     MutexLock lock(&mu_);
     ApplyUpdateLocked(v, r.op, value, 1);
   }
-  done.step = std::max(r.step, r.newest);
   done.ready.swap(r.waiters);
-  r.count = 0;
-  r.newest = -1;
-  r.step = done.step + 1;
+  done.step = FinishRound(&r, config_.mode == Mode::kSync);
   return done;
 }
 
@@ -327,15 +347,22 @@ Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
   {
     MutexLock vlock(&v->mu);
     Round& r = v->update_round;
-    if (a.local_step < r.step) {
+    const Contribution c = Classify(r, a.sender, a.local_step);
+    if (a.local_step < r.step || c == Contribution::kOther) {
       int64_t current = r.step;
       vlock.Unlock();
-      done(Status::Ok(), false, current);  // stale: dropped
+      done(Status::Ok(), false, current);  // stale (or its value of another step waits here): dropped
       return Status::Ok();
     }
     if (r.count > 0 && r.op != a.op) {
       return InvalidArgument("update: replicas use different operations on '" + v->name + "' in one round");
     }
+    if (c == Contribution::kRetry) {  // its deadline passed: it waits for the round its share is in
+      r.waiters.push_back(
+          [done](const Status& s, int64_t step, std::shared_ptr<const Buffer>) { done(s, s.ok(), step); });
+      return Status::Ok();
+    }
+    if (a.sender >= 0) r.senders.emplace_back(a.sender, a.local_step);
     if (r.count == 0) {
       r.sum.assign((v->bytes + 7) / 8, 0);
       r.first.assign((v->bytes + 7) / 8, 0);

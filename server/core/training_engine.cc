@@ -526,6 +526,14 @@ Status TrainingEngine::SetLearningRate(double lr) {
   return Status::Ok();
 }
 
+EngineStats TrainingEngine::Counters() const {
+  EngineStats s{};
+  s.accepted = accepted_.load();
+  s.stale = stale_.load();
+  s.max_staleness = max_staleness_.load();
+  return s;
+}
+
 EngineStats TrainingEngine::Stats() const {
   EngineStats s{};
   s.global_step = global_step_.load();

@@ -113,6 +113,7 @@ struct UpdateArgs {
   uint32_t replica = 0;       // replica context: whose share this is
   int64_t local_step = 0;     // replica context: staleness as for gradients
   bool at_next_step = false;  // cross-replica, sync mode: staged, published with the next commit
+  int64_t sender = -1;        // the sending worker (this daemon's index; -1: not known): counted once a round
 };
 
 struct VariableDesc {
@@ -251,8 +252,9 @@ class TrainingEngine {
   // mean) becomes the destination's value, the round advances, and every contributor waiting on
   // it is answered. All values are validated first (an invalid call changes nothing); `done`
   // runs exactly once, outside all locks, when every accepted value's round completed.
-  // `replica` (the sending worker's index; -1: not known): a second value from one replica in a
-  // round — a retry after its deadline — is not counted again; it waits for that round.
+  // `replica` (the sending worker's index; -1: not known): one value per replica counts in a
+  // round — its retry after a deadline waits for that round without counting again; a value for
+  // a later step while its value of the open round waits is not accepted.
   using ReduceDone = std::function<void(std::vector<ReduceOutcome>)>;
   Status Reduce(bool mean, int64_t local_step, const std::vector<GradRef>& values, ReduceDone done,
                 int64_t replica = -1) EXCLUDES(mu_);
@@ -287,6 +289,8 @@ class TrainingEngine {
   double learning_rate() const { return next_lr_.load(); }
   // The bytes of every variable's value (one version of the model), lock-free.
   uint64_t value_bytes() const { return value_bytes_.load(); }
+  // Stats()'s counters alone (pushes accepted and stale, the largest staleness), lock-free.
+  EngineStats Counters() const;
 
   // Soft sync: commits step `step` with whatever gradients arrived, if it is still open.
   void ForceStep(int64_t step) EXCLUDES(mu_);

@@ -86,7 +86,8 @@ struct Round {
   int64_t step = 0;     // values tagged with an older step are stale
   int64_t newest = -1;  // the newest step a value of this round was tagged with
   int count = 0;
-  std::vector<int64_t> replicas;    // reduce: who contributed (known senders), each counted once
+  // Who contributed (known senders) and with which step: one value per sender counts in a round.
+  std::vector<std::pair<int64_t, int64_t>> senders;
   bool mean = false;                // reduce: the first contributor's op
   UpdateOp op = UpdateOp::kAssign;  // update: the first contributor's op
   std::vector<uint64_t> sum;        // 8-byte aligned

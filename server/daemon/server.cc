@@ -131,11 +131,13 @@ Status Server::RestoreEngine(uint64_t epoch, int64_t step, std::vector<VarPlacem
     last_checkpoint_step_ = step;
   }
   *placements = (*fresh)->Placements(config_.shard_index);
-  std::shared_ptr<TrainingEngine> old = engine();
-  const EngineStats gone = old->Stats();  // (the cluster stopped serving: nothing more lands in it)
+  std::shared_ptr<TrainingEngine> old;
   {
+    // One step for readers of Stats(): the old engine's counts move into the retired ones as it
+    // goes (a push still landing in it is not counted; none is told it was).
     MutexLock lock(&engine_mu_);
-    engine_ = *fresh;
+    old = std::exchange(engine_, *fresh);
+    const EngineStats gone = old->Counters();
     retired_accepted_ += gone.accepted;
     retired_stale_ += gone.stale;
     retired_max_staleness_ = std::max(retired_max_staleness_, gone.max_staleness);

@@ -125,6 +125,8 @@ void WorkerSession::HandleUpdate(uint64_t id, proto::Update::Reader r) {
       host_.coordinator() == nullptr && conn_->role() == Connection::Role::kWorker ? worker_index_ : r.getReplica();
   a.local_step = r.getLocalStep();
   a.at_next_step = r.getAtNextStep();
+  // The sender, as this shard numbers it: a retry of a round is not counted twice.
+  a.sender = conn_->role() == Connection::Role::kWorker ? static_cast<int64_t>(worker_index_) : -1;
   auto parked = std::make_shared<ParkedReply>(conn_->strand());
   auto completed = std::make_shared<std::atomic<bool>>(false);
   auto self = shared_from_this();

@@ -277,6 +277,20 @@ TEST_CASE("protected mode: beyond loopback needs a token (or TLS) or --insecure"
                                                    "reachable beyond this host (--host 0.0.0.0); use at least 16"));
   c.auth_token = "sixteen-chars-ok";
   CHECK(ValidateMessage(c) == "");
+  // Where mutual TLS protects the data port the token does not: a short one is the operator's
+  // choice there (the metrics port, beyond loopback, still holds it to 16).
+  ServerConfig tls;
+  tls.host = "0.0.0.0";
+  tls.tls_cert_file = "cert.pem";
+  tls.tls_key_file = "key.pem";
+  tls.tls_ca_file = "ca.pem";
+  tls.tls_require_client_cert = true;
+  tls.auth_token = "s3cret";
+  CHECK(ValidateMessage(tls) == "");
+  tls.metrics_host = "0.0.0.0";
+  tls.metrics_port = 0;
+  CHECK_THAT(ValidateMessage(tls), Catch::Contains("too few to protect a daemon reachable beyond this host "
+                                                   "(--metrics-host 0.0.0.0)"));
   for (const char* loopback : {"127.0.0.1", "127.8.9.10", "::1"}) {
     ServerConfig l;
     l.host = loopback;

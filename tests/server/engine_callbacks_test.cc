@@ -223,6 +223,43 @@ TEST_CASE("reduce_to rounds: completed when the required count drops, stale by t
     CHECK(First(*e) == 3);
   }
 
+  SECTION("a replica's value for a later step while its value of the open round waits is not counted") {
+    auto e = MakeSyncEngine(2, 2);
+    CreateNonTrainable(*e, "acc");
+    std::vector<ReduceOutcome> later;
+    REQUIRE(e->Reduce(
+                 false, 0, value(one), [](std::vector<ReduceOutcome>) {}, /*replica=*/0)
+                .ok());
+    REQUIRE(e->Reduce(
+                 false, 1, value(nine), [&](std::vector<ReduceOutcome> o) { later = std::move(o); }, 0)
+                .ok());
+    REQUIRE(later.size() == 1);
+    CHECK_FALSE(later[0].accepted);  // before, it was dropped yet answered accepted with round 0's sum
+    REQUIRE(e->Reduce(
+                 false, 0, value(two), [](std::vector<ReduceOutcome>) {}, /*replica=*/1)
+                .ok());
+    CHECK(First(*e) == 3);
+  }
+
+  SECTION("async: a lagging worker's value still counts (rounds are numbered by their count)") {
+    ServerConfig c;
+    c.mode = Mode::kAsync;
+    c.replicas_to_aggregate = 1;
+    c.total_replicas = 2;
+    REQUIRE(c.Validate().ok());
+    TrainingEngine e(c, std::move(*MakeOptimizer(c.optimizer)));
+    CreateNonTrainable(e, "acc");
+    std::vector<ReduceOutcome> got;
+    auto record = [&](std::vector<ReduceOutcome> o) { got = std::move(o); };
+    REQUIRE(e.Reduce(false, 7, value(one), record, 0).ok());  // a fast worker at step 7
+    REQUIRE(got.size() == 1);
+    CHECK(got[0].step == 0);
+    REQUIRE(e.Reduce(false, 3, value(two), record, 1).ok());  // a slow one at step 3
+    REQUIRE(got.size() == 1);
+    CHECK(got[0].accepted);
+    CHECK(First(e) == 2);
+  }
+
   SECTION("a value asking MEAN in a SUM round is refused") {
     auto e = MakeSyncEngine(2, 2);
     CreateNonTrainable(*e, "acc");
@@ -231,4 +268,26 @@ TEST_CASE("reduce_to rounds: completed when the required count drops, stale by t
     CHECK(s.code() == Code::kInvalidArgument);
     CHECK_THAT(s.message(), Catch::Contains("this round is a SUM"));
   }
+}
+
+TEST_CASE("an update round counts a sender once: its retry waits for the round", "[engine][collectives]") {
+  auto engine = MakeSyncEngine(2, 2);
+  TrainingEngine& e = *engine;
+  CreateNonTrainable(e, "acc", /*sync_on_read=*/false, Aggregation::kSum);
+  std::vector<float> three{3, 3}, four{4, 4};
+  int answered = 0;
+  auto count = [&](const Status& s, bool applied, int64_t) { answered += s.ok() && applied; };
+  UpdateArgs a = Assign(three);
+  a.cross_replica = false;
+  a.sender = 0;
+  REQUIRE(e.Update(a, count).ok());
+  REQUIRE(e.Update(a, count).ok());  // its deadline passed: the same share again
+  CHECK(answered == 0);              // before, the retry completed the round alone (3 + 3)
+  UpdateArgs b = Assign(four);
+  b.cross_replica = false;
+  b.replica = 1;
+  b.sender = 1;
+  REQUIRE(e.Update(b, count).ok());
+  CHECK(answered == 3);
+  CHECK(First(e) == 7);
 }
