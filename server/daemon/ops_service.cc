@@ -378,6 +378,32 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
   }
 }
 
+OpsService::PlacementListing OpsService::Placement(const void* engine, int64_t variables) const {
+  const auto now = std::chrono::steady_clock::now();
+  {
+    MutexLock lock(&placement_mu_);
+    if (placement_.engine == engine && placement_.variables == variables && now - placement_.at < kPlacementMaxAge) {
+      return placement_;
+    }
+  }
+  PlacementListing fresh;
+  fresh.engine = engine;
+  fresh.variables = variables;
+  fresh.at = now;
+  std::vector<VarPlacement> all;
+  fresh.whole = server_.PlacementMap(&all, &fresh.shard_bytes).ok();
+  if (!fresh.whole) {
+    all = server_.engine()->Placements(server_.config().shard_index);
+    fresh.shard_bytes.clear();
+  }
+  fresh.truncated = all.size() > kMaxListed;
+  if (fresh.truncated) all.erase(all.begin() + static_cast<std::ptrdiff_t>(kMaxListed), all.end());
+  fresh.listed = std::move(all);
+  MutexLock lock(&placement_mu_);
+  placement_ = fresh;
+  return fresh;
+}
+
 std::string OpsService::RenderStatusJson() const {
   const ServerConfig& cfg = server_.config();
   Metrics& m = server_.metrics();
@@ -505,22 +531,14 @@ std::string OpsService::RenderStatusJson() const {
   j.EndObject();
 
   // The whole map on the chief (or a single daemon); this shard's own parts elsewhere.
-  std::vector<VarPlacement> all;
-  std::vector<uint64_t> shard_bytes;
-  bool whole = server_.PlacementMap(&all, &shard_bytes).ok();
-  if (!whole) {
-    all = engine->Placements(cfg.shard_index);
-    shard_bytes.clear();
-  }
-  j.Key("placement_complete").Bool(whole);
+  const PlacementListing placed = Placement(engine.get(), st.variables);
+  j.Key("placement_complete").Bool(placed.whole);
   j.Key("shard_bytes").BeginArray();
-  for (uint64_t b : shard_bytes) j.Int(static_cast<int64_t>(b));
+  for (uint64_t b : placed.shard_bytes) j.Int(static_cast<int64_t>(b));
   j.EndArray();
-  constexpr size_t kMaxListed = 1000;  // a page, not a dump: psd_admin placement has them all
-  j.Key("placement_truncated").Bool(all.size() > kMaxListed);
+  j.Key("placement_truncated").Bool(placed.truncated);
   j.Key("placement").BeginArray();
-  for (size_t i = 0; i < all.size() && i < kMaxListed; ++i) {
-    const VarPlacement& p = all[i];
+  for (const VarPlacement& p : placed.listed) {
     j.BeginObject();
     j.Key("name").String(p.name);
     j.Key("dtype").String(DTypeName(p.dtype));

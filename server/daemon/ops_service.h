@@ -16,9 +16,14 @@
 #ifndef PSD_SERVER_DAEMON_OPS_SERVICE_H_
 #define PSD_SERVER_DAEMON_OPS_SERVICE_H_
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "base/mutex.h"
+#include "cluster/placement.h"
 #include "ops/http_server.h"
 #include "ops/text_format.h"
 #include "psd/status.h"
@@ -53,10 +58,28 @@ class OpsService {
   bool Authorized(const HttpRequest& req) const;
   void ScheduleSample();
 
+  // The status page's placement listing (at most kMaxListed variables), taken anew when the engine
+  // or its variable count changed, or after kPlacementMaxAge: the page asks every second, and the
+  // whole map is copied under the coordinator's (or the engine's) lock to take it.
+  struct PlacementListing {
+    const void* engine = nullptr;
+    int64_t variables = -1;
+    std::chrono::steady_clock::time_point at;
+    bool whole = false;
+    bool truncated = false;
+    std::vector<VarPlacement> listed;
+    std::vector<uint64_t> shard_bytes;
+  };
+  static constexpr size_t kMaxListed = 1000;  // a page, not a dump: psd_admin placement has them all
+  static constexpr std::chrono::seconds kPlacementMaxAge{10};
+  PlacementListing Placement(const void* engine, int64_t variables) const EXCLUDES(placement_mu_);
+
   Server& server_;
   asio::io_context& io_;
   asio::steady_timer sample_timer_;
   std::unique_ptr<HttpServer> http_;
+  mutable Mutex placement_mu_;
+  mutable PlacementListing placement_ GUARDED_BY(placement_mu_);
 };
 
 // Decodes standard base64 (padding optional); nullopt-like empty result with ok=false on bad input.

@@ -102,6 +102,16 @@ TEST_CASE("ops endpoint: probes, metrics that follow the job, status JSON and pa
   REQUIRE(j.body.find("\"name\":\"w0\",\"state\":\"connected\",\"chief\":true,\"accepted\":3,\"stale\":0") !=
           std::string::npos);
   REQUIRE(j.body.find("\"placement\":[{\"name\":\"v\"") != std::string::npos);
+  // The listing is kept between requests (the page asks every second), and taken again once a
+  // variable is added.
+  REQUIRE(a->CreateVariable("v2", {&zero, DType::kFloat32, {}, MemoryKind::kHost},
+                            [] {
+                              psclient::VariableOptions o;
+                              o.trainable = false;
+                              return o;
+                            }())
+              .ok());
+  CHECK(HttpGet(mp, "/status.json").body.find("{\"name\":\"v2\"") != std::string::npos);
   auto page = HttpGet(mp, "/");
   REQUIRE(page.status == 200);
   REQUIRE(page.body.find("<title>psd status</title>") != std::string::npos);
