@@ -119,41 +119,19 @@ void ShmListener::Accept() {
     }
     auto w = std::make_shared<Waiting>();
     w->socket = std::make_shared<Socket>(std::move(socket));
-    Admit(w);
+    waiting_.Admit(w, kMaxWaiting);  // the oldest waiting goes when kMaxWaiting wait
     Serve(w);
     if (acceptor_.is_open()) Accept();
   });
 }
 
-void ShmListener::Admit(const std::shared_ptr<Waiting>& w) {
-  std::vector<std::shared_ptr<Waiting>> evict;
-  {
-    MutexLock lock(&mu_);
-    size_t live = 0;
-    std::deque<std::weak_ptr<Waiting>> kept;
-    for (auto& weak : waiting_) {
-      auto other = weak.lock();
-      if (!other || !other->waiting.load()) continue;  // done: forgotten
-      kept.push_back(other);
-      ++live;
-    }
-    // The oldest go while as many wait as are allowed (a worker sends its message at once).
-    while (live >= kMaxWaiting && !kept.empty()) {
-      if (auto oldest = kept.front().lock(); oldest && oldest->waiting.exchange(false)) {
-        evict.push_back(oldest);
-        --live;
-      }
-      kept.pop_front();
-    }
-    kept.push_back(w);
-    waiting_ = std::move(kept);
-  }
-  for (auto& old : evict) {
-    asio::post(old->socket->get_executor(), [old] {
-      boost::system::error_code ignored;
-      old->socket->close(ignored);  // its wait ends with an error: nothing is read from it
-    });
-  }
+bool ShmListener::Waiting::Evict() {
+  if (!waiting_flag.exchange(false)) return false;
+  asio::post(socket->get_executor(), [s = socket] {
+    boost::system::error_code ignored;
+    s->close(ignored);  // its wait ends with an error: nothing is read from it
+  });
+  return true;
 }
 
 void ShmListener::Serve(std::shared_ptr<Waiting> w) {
@@ -161,11 +139,11 @@ void ShmListener::Serve(std::shared_ptr<Waiting> w) {
   auto timer = std::make_shared<asio::steady_timer>(socket->get_executor());
   timer->expires_after(std::chrono::milliseconds(timeout_ms_));
   timer->async_wait([w](boost::system::error_code ec) {
-    if (!ec && w->waiting.exchange(false)) w->socket->close(ec);  // nothing came in time
+    if (!ec && w->waiting_flag.exchange(false)) w->socket->close(ec);  // nothing came in time
   });
   socket->async_wait(Socket::wait_read, [this, w, socket, timer](boost::system::error_code ec) {
     timer->cancel();
-    if (ec || !w->waiting.exchange(false)) return;  // closed (timed out, or made room for another)
+    if (ec || !w->waiting_flag.exchange(false)) return;  // closed (timed out, or made room for another)
     uint8_t message[wire::kShmAttachBytes];
     size_t n = 0;
     auto fds = wire::ReceiveWithFds(socket->native_handle(), message, sizeof(message), &n);

@@ -22,13 +22,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "base/mutex.h"
+#include "base/waiting_queue.h"
 #include "net/peer_auth.h"
 #include "psd/status.h"
 #include "wire/asio.h"
@@ -113,11 +113,12 @@ class ShmListener {
   // A connection waiting for its message.
   struct Waiting {
     std::shared_ptr<Socket> socket;
-    std::atomic<bool> waiting{true};  // false once its message is being handled, or it was closed
+    std::atomic<bool> waiting_flag{true};  // false once its message is being handled, or it was closed
+    bool waiting() const { return waiting_flag.load(); }
+    // Closes it (on its strand) if it still waits for its message.
+    bool Evict();
   };
   void Accept();
-  // Makes room for one more waiting connection (closes the oldest if kMaxWaiting wait).
-  void Admit(const std::shared_ptr<Waiting>& w) EXCLUDES(mu_);
   void Serve(std::shared_ptr<Waiting> w);
   // Checks the message, maps the segment(s) and fills the slot; the answer's text.
   Status Attach(const uint8_t* message, const std::vector<int>& fds) EXCLUDES(mu_);
@@ -138,8 +139,8 @@ class ShmListener {
   std::map<uint64_t, Pending> offers_ GUARDED_BY(mu_);
   // The slots that map each worker's shared-buffer arena (one per connection it attached from).
   std::map<wire::SegmentId, std::vector<std::weak_ptr<ShmSlot>>> arenas_ GUARDED_BY(mu_);
-  std::deque<std::weak_ptr<Waiting>> waiting_ GUARDED_BY(mu_);  // in accept order; some done
-  std::unique_ptr<asio::steady_timer> retry_;                   // a failed accept's pause
+  WaitingQueue<Waiting> waiting_;              // connections waiting for their message
+  std::unique_ptr<asio::steady_timer> retry_;  // a failed accept's pause
   peer_auth::LogLimiter refusal_log_{5, std::chrono::seconds(10)};
   std::atomic<uint64_t> attached_{0};
   std::atomic<uint64_t> refused_{0};

@@ -265,36 +265,17 @@ void HttpServer::Accept() {
     }
     // Full: the session that has waited longest for its request head makes room (a probe is not
     // turned away by clients that connect and send nothing); with none waiting, the new one goes.
-    if (open_->fetch_add(1) >= limits_.max_connections && !EvictOldestWaiting()) {
+    if (open_->fetch_add(1) >= limits_.max_connections && !waiting_.EvictOldest()) {
       open_->fetch_sub(1);
       boost::system::error_code ignored;
       socket.close(ignored);
     } else {
       auto session = std::make_shared<Session>(std::move(socket), handler_, limits_, open_);
-      {
-        MutexLock lock(&waiting_mu_);
-        while (!waiting_.empty() && !Waiting(waiting_.front())) waiting_.pop_front();
-        waiting_.push_back(session);
-      }
+      waiting_.Add(session);
       session->Start();
     }
     Accept();
   });
-}
-
-bool HttpServer::Waiting(const std::weak_ptr<Session>& s) {
-  auto session = s.lock();
-  return session && session->waiting();
-}
-
-bool HttpServer::EvictOldestWaiting() {
-  MutexLock lock(&waiting_mu_);
-  while (!waiting_.empty()) {
-    auto session = waiting_.front().lock();
-    waiting_.pop_front();
-    if (session && session->Evict()) return true;
-  }
-  return false;
 }
 
 }  // namespace psd::server::ops

@@ -16,7 +16,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -25,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "base/mutex.h"
+#include "base/waiting_queue.h"
 #include "psd/status.h"
 #include "wire/asio.h"
 
@@ -77,9 +76,6 @@ class HttpServer {
  private:
   class Session;
   void Accept();
-  static bool Waiting(const std::weak_ptr<Session>& s);
-  // Closes the session that has waited longest for its head; false if none waits.
-  bool EvictOldestWaiting() EXCLUDES(waiting_mu_);
 
   asio::io_context& io_;
   std::shared_ptr<const Handler> handler_;  // shared with sessions still in flight
@@ -87,8 +83,7 @@ class HttpServer {
   tcp::acceptor acceptor_;
   uint16_t port_ = 0;
   std::shared_ptr<std::atomic<int>> open_ = std::make_shared<std::atomic<int>>(0);
-  Mutex waiting_mu_;
-  std::deque<std::weak_ptr<Session>> waiting_ GUARDED_BY(waiting_mu_);  // in accept order; some done
+  WaitingQueue<Session> waiting_;  // sessions waiting for their request head
 };
 
 }  // namespace psd::server::ops
