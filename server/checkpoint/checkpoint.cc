@@ -23,6 +23,7 @@
 
 #include "base/mutex.h"
 #include "base/scope_exit.h"
+#include "checkpoint/part_records.h"
 #include "checkpoint/xxh3.h"
 #include "psd/cores.h"
 #include "psd/half.h"
@@ -30,14 +31,10 @@
 namespace psd::server {
 namespace {
 
-constexpr uint8_t kMaxDType = static_cast<uint8_t>(DType::kFloat16);  // the dtypes psd knows: 0..3
-
 constexpr char kMagicV1[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '1'};
 constexpr char kMagicV2[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '2'};  // v2: + placement
 constexpr char kMagicV3[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '3'};  // v3: + aggregation, sync-on-read
 constexpr char kMagic[8] = {'P', 'S', 'D', 'C', 'K', 'P', 'T', '4'};    // v4: records first, XXH3 blocks
-// A serialized copy in memory: v4's records and payload, the copy checksum (copy_checksum.h).
-constexpr char kCopyMagic[8] = {'P', 'S', 'D', 'C', 'O', 'P', 'Y', '1'};
 
 // v4 parts are written and read in blocks of this many bytes, one block per task.
 constexpr uint64_t kBlockBytes = 4ull << 20;
@@ -186,90 +183,6 @@ Result<uint64_t> TransferBody(int fd, bool write, const std::vector<Segment>& se
   if (!first_error.ok()) return first_error;
   return XXH3_64bits_withSeed(hashes.data(), hashes.size() * sizeof(uint64_t), body_bytes);
 }
-
-// Serializes a part's records (v3 layout; tensors as their byte counts) and lists the payload.
-class RecordWriter {
- public:
-  void Bytes(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
-  template <typename T>
-  void Pod(T v) {
-    Bytes(&v, sizeof(v));
-  }
-  void Str(const std::string& s) {
-    Pod<uint32_t>(static_cast<uint32_t>(s.size()));
-    Bytes(s.data(), s.size());
-  }
-  void Blob(const Buffer* b) {
-    Pod<uint64_t>(b ? b->bytes() : 0);
-    if (b && b->bytes() > 0) {
-      payload_.push_back(b);
-      payload_bytes_ += b->bytes();
-    }
-  }
-  const std::string& records() const { return out_; }
-  const std::vector<const Buffer*>& payload() const { return payload_; }
-  uint64_t payload_bytes() const { return payload_bytes_; }
-
- private:
-  std::string out_;
-  std::vector<const Buffer*> payload_;
-  uint64_t payload_bytes_ = 0;
-};
-
-// Reads a part's records, bounds-checking every read (a corrupt file is an error, not a crash).
-// v1-v3 parts hold their tensors inline; v4 records only their sizes, and Blob() allocates the
-// tensor and lists it in payload() for the caller to fill from the file.
-class Reader {
- public:
-  Reader(const uint8_t* data, size_t size, bool inline_blobs, uint64_t payload_limit = 0)
-      : data_(data), size_(size), inline_(inline_blobs), payload_left_(payload_limit) {}
-  bool Bytes(void* out, size_t n) {
-    if (n > size_ - pos_) return false;
-    std::memcpy(out, data_ + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  template <typename T>
-  bool Pod(T* v) {
-    return Bytes(v, sizeof(T));
-  }
-  bool Str(std::string* s) {
-    uint32_t n = 0;
-    if (!Pod(&n) || n > size_ - pos_) return false;
-    s->assign(reinterpret_cast<const char*>(data_ + pos_), n);
-    pos_ += n;
-    return true;
-  }
-  bool Blob(std::shared_ptr<const Buffer>* out) {
-    uint64_t n = 0;
-    if (!Pod(&n)) return false;
-    if (inline_) {
-      if (n > size_ - pos_) return false;
-      auto b = std::make_shared<Buffer>(n, Buffer::Uninitialized{});
-      std::memcpy(b->data(), data_ + pos_, n);
-      pos_ += n;
-      *out = std::move(b);
-      return true;
-    }
-    if (n > payload_left_) return false;  // more than the file holds
-    payload_left_ -= n;
-    auto b = std::make_shared<Buffer>(n, Buffer::Uninitialized{});
-    if (n > 0) payload_.push_back(b);
-    *out = std::move(b);
-    return true;
-  }
-  size_t pos() const { return pos_; }
-  uint64_t payload_left() const { return payload_left_; }
-  const std::vector<std::shared_ptr<Buffer>>& payload() const { return payload_; }
-
- private:
-  const uint8_t* data_;
-  size_t size_;
-  bool inline_;
-  uint64_t payload_left_;
-  size_t pos_ = 0;
-  std::vector<std::shared_ptr<Buffer>> payload_;
-};
 
 // The checkpoint directories in `dir` ("ckpt-" + 20 digits), oldest first.
 std::vector<std::string> ListCheckpoints(const std::string& dir) {
@@ -439,81 +352,6 @@ Result<Manifest> ReadManifest(const std::string& path) {
   return m;
 }
 
-Status BadPart(const std::string& why) { return InvalidArgument("checkpoint part is malformed: " + why); }
-
-// The records of a part, after its magic (`version` 1-4 says which fields there are).
-Status ParseRecords(Reader& r, int version, ShardSnapshot* out) {
-  const auto& bad = BadPart;
-  uint32_t nvars = 0;
-  if (!r.Pod(&out->step) || !r.Pod(&out->learning_rate) || !r.Str(&out->optimizer) || !r.Pod(&nvars)) {
-    return bad("header");
-  }
-  out->variables.clear();
-  for (uint32_t i = 0; i < nvars; ++i) {
-    VariableSnapshot v;
-    uint8_t dtype = 0, trainable = 0, average = 0, has_shadow = 0;
-    uint32_t rank = 0, nslots = 0;
-    if (!r.Str(&v.name) || !r.Pod(&dtype) || dtype > kMaxDType || !r.Pod(&rank) || rank > 32)
-      return bad("variable header");
-    v.dtype = static_cast<DType>(dtype);
-    for (uint32_t k = 0; k < rank; ++k) {
-      int64_t d = 0;
-      if (!r.Pod(&d) || d < 0) return bad("shape");
-      v.shape.push_back(d);
-    }
-    if (!r.Pod(&trainable) || !r.Pod(&average) || !r.Str(&v.optimizer) || !r.Blob(&v.value)) return bad("value");
-    v.trainable = trainable != 0;
-    v.average = average != 0;
-    // Half-precision variables are checkpointed as the daemon keeps them: float32 master values.
-    // (A shape whose element count overflows is refused before it is multiplied out.)
-    if (!ValidateShape(v.shape, ComputeDType(v.dtype), UINT64_MAX).ok()) return bad("shape of '" + v.name + "'");
-    uint64_t want = static_cast<uint64_t>(NumElements(v.shape)) * DTypeSize(ComputeDType(v.dtype));
-    if (v.value->bytes() != want) return bad("value size of '" + v.name + "'");
-    if (!r.Pod(&nslots) || nslots > 16) return bad("slots");
-    for (uint32_t k = 0; k < nslots; ++k) {
-      std::string name;
-      std::shared_ptr<const Buffer> b;
-      if (!r.Str(&name) || !r.Blob(&b) || b->bytes() != want) return bad("slot of '" + v.name + "'");
-      v.slots.emplace_back(std::move(name), std::move(b));
-    }
-    if (!r.Pod(&has_shadow)) return bad("shadow");
-    if (has_shadow) {
-      if (!r.Blob(&v.shadow) || v.shadow->bytes() != want) return bad("shadow of '" + v.name + "'");
-    }
-    uint8_t placed = 0;
-    if (version >= 2 && !r.Pod(&placed)) return bad("placement");
-    if (placed) {
-      VarPlacement& p = v.placement;
-      uint8_t pd = 0, sliced = 0;
-      uint32_t prank = 0, nparts = 0;
-      if (!r.Str(&p.name) || !r.Pod(&pd) || pd > kMaxDType || !r.Pod(&prank) || prank > 32) return bad("placement");
-      p.dtype = static_cast<DType>(pd);
-      for (uint32_t k = 0; k < prank; ++k) {
-        int64_t d = 0;
-        if (!r.Pod(&d) || d < 0) return bad("placement shape");
-        p.shape.push_back(d);
-      }
-      if (!r.Pod(&sliced) || !r.Pod(&nparts) || nparts == 0 || nparts > 4096) return bad("placement parts");
-      p.sliced = sliced != 0;
-      for (uint32_t k = 0; k < nparts; ++k) {
-        int32_t shard = 0;
-        SlicePart part;
-        if (!r.Pod(&shard) || !r.Pod(&part.row_begin) || !r.Pod(&part.row_end)) return bad("placement part");
-        part.shard = shard;
-        p.parts.push_back(part);
-      }
-    }
-    if (version >= 3) {
-      uint8_t agg = 0, sor = 0;
-      if (!r.Pod(&agg) || agg > 3 || !r.Pod(&sor)) return bad("aggregation of '" + v.name + "'");
-      v.aggregation = agg;
-      v.sync_on_read = sor != 0;
-    }
-    out->variables.push_back(std::move(v));
-  }
-  return Status::Ok();
-}
-
 // A v1-v3 part (tensors inline, FNV-1a trailer), already read whole.
 Status ParseOldPart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
   if (data.size() < sizeof(kMagic) + 8) return BadPart("too short");
@@ -526,7 +364,7 @@ Status ParseOldPart(const std::vector<uint8_t>& data, ShardSnapshot* out) {
   if (std::memcmp(data.data(), kMagicV3, 8) == 0) version = 3;
   if (version == 0) return BadPart("bad magic");
   const size_t body = data.size() - 8 - sizeof(kMagic);
-  Reader r(data.data() + sizeof(kMagic), body, /*inline_blobs=*/true);
+  RecordReader r(data.data() + sizeof(kMagic), body, /*inline_blobs=*/true);
   PSD_RETURN_IF_ERROR(ParseRecords(r, version, out));
   if (r.pos() != body) return BadPart("trailing bytes");
   return Status::Ok();
@@ -570,8 +408,8 @@ Status ReadV4Part(int fd, uint64_t bytes, uint64_t checksum, ShardSnapshot* out)
       return BadPart("records of " + std::to_string(records_bytes) + " bytes (damaged?) do not fit in memory");
     }
     PSD_RETURN_IF_ERROR(PreadAll(fd, records.data(), records.size(), 0));
-    Reader r(records.data() + sizeof(header), records_bytes, /*inline_blobs=*/false,
-             body - sizeof(header) - records_bytes);
+    RecordReader r(records.data() + sizeof(header), records_bytes, /*inline_blobs=*/false,
+                   body - sizeof(header) - records_bytes);
     PSD_RETURN_IF_ERROR(ParseRecords(r, 4, &snap));
     if (r.pos() != records_bytes) return BadPart("trailing bytes in the records");
     if (r.payload_left() != 0) return BadPart("the file holds more than its records name");
@@ -627,167 +465,7 @@ const Manifest::Part* FindPart(const Manifest& m, int shard) {
   return it == m.parts.end() ? nullptr : &*it;
 }
 
-// The records of a part (v4: tensors as their sizes; the payload is listed in `w`).
-void WriteRecords(const ShardSnapshot& snap, RecordWriter* out) {
-  RecordWriter& w = *out;
-  w.Pod<int64_t>(snap.step);
-  w.Pod<double>(snap.learning_rate);
-  w.Str(snap.optimizer);
-  w.Pod<uint32_t>(static_cast<uint32_t>(snap.variables.size()));
-  for (const VariableSnapshot& v : snap.variables) {
-    w.Str(v.name);
-    w.Pod<uint8_t>(static_cast<uint8_t>(v.dtype));
-    w.Pod<uint32_t>(static_cast<uint32_t>(v.shape.size()));
-    for (int64_t d : v.shape) w.Pod<int64_t>(d);
-    w.Pod<uint8_t>(v.trainable);
-    w.Pod<uint8_t>(v.average);
-    w.Str(v.optimizer);
-    w.Blob(v.value.get());
-    w.Pod<uint32_t>(static_cast<uint32_t>(v.slots.size()));
-    for (auto& [name, buf] : v.slots) {
-      w.Str(name);
-      w.Blob(buf.get());
-    }
-    w.Pod<uint8_t>(v.shadow != nullptr);
-    if (v.shadow) w.Blob(v.shadow.get());
-    const VarPlacement& p = v.placement;
-    w.Pod<uint8_t>(!p.name.empty());
-    if (!p.name.empty()) {
-      w.Str(p.name);
-      w.Pod<uint8_t>(static_cast<uint8_t>(p.dtype));
-      w.Pod<uint32_t>(static_cast<uint32_t>(p.shape.size()));
-      for (int64_t d : p.shape) w.Pod<int64_t>(d);
-      w.Pod<uint8_t>(p.sliced);
-      w.Pod<uint32_t>(static_cast<uint32_t>(p.parts.size()));
-      for (const SlicePart& part : p.parts) {
-        w.Pod<int32_t>(part.shard);
-        w.Pod<int64_t>(part.row_begin);
-        w.Pod<int64_t>(part.row_end);
-      }
-    }
-    w.Pod<uint8_t>(static_cast<uint8_t>(v.aggregation));
-    w.Pod<uint8_t>(v.sync_on_read);
-  }
-}
-
 }  // namespace
-
-SerializedSnapshot SerializeSnapshotInPieces(const ShardSnapshot& snap, const HashPayloadBlocks& hash_blocks) {
-  RecordWriter w;
-  WriteRecords(snap, &w);
-  const uint64_t records_bytes = w.records().size();
-  SerializedSnapshot out;
-  out.head.reserve(16 + records_bytes);
-  out.head.append(kCopyMagic, 8);
-  out.head.append(reinterpret_cast<const char*>(&records_bytes), 8);
-  out.head += w.records();
-  out.payload = w.payload();
-  PayloadPieces pieces;
-  for (const Buffer* b : out.payload) pieces.Add(b->data(), b->bytes());
-  out.blocks = hash_blocks(out.payload, pieces);
-  const uint64_t sum = CopyChecksum(out.head, out.blocks, out.head.size() + pieces.bytes());
-  out.trailer.assign(reinterpret_cast<const char*>(&sum), 8);
-  out.bytes = out.head.size() + w.payload_bytes() + out.trailer.size();
-  return out;
-}
-
-SerializedSnapshot SerializeSnapshotInPieces(const ShardSnapshot& snap) {
-  return SerializeSnapshotInPieces(
-      snap, [](const std::vector<const Buffer*>&, const PayloadPieces& pieces) { return pieces.HashAll(); });
-}
-
-std::string SerializeSnapshot(const ShardSnapshot& snap) {
-  SerializedSnapshot pieces = SerializeSnapshotInPieces(snap);
-  std::string out;
-  out.reserve(pieces.bytes);
-  out += pieces.head;
-  for (const Buffer* b : pieces.payload) out.append(static_cast<const char*>(b->data()), b->bytes());
-  out += pieces.trailer;
-  return out;
-}
-
-std::vector<const Buffer*> SnapshotPayload(const ShardSnapshot& snap) {
-  RecordWriter w;
-  WriteRecords(snap, &w);
-  return w.payload();
-}
-
-Status SerializedPayload(const std::string& bytes, uint64_t* offset, uint64_t* size) {
-  uint64_t records = 0;
-  if (bytes.size() < 32 || std::memcmp(bytes.data(), kCopyMagic, 8) != 0) return InvalidArgument("the base is no copy");
-  std::memcpy(&records, bytes.data() + 8, 8);
-  if (records > bytes.size() - 24) return InvalidArgument("the base is no copy: its records overrun it");
-  *offset = 16 + records;
-  *size = bytes.size() - 24 - records;
-  return Status::Ok();
-}
-
-namespace {
-
-// A serialized copy's layout checked, its payload as pieces (one) and the step it holds.
-Status CopyLayout(const std::string& bytes, PayloadPieces* payload, int64_t* step) {
-  // Header (16), the records' first field (the step, 8), the checksum (8).
-  if (bytes.size() < 32) return BadPart("too short");
-  if (std::memcmp(bytes.data(), kCopyMagic, 8) != 0) {
-    return BadPart(
-        "bad magic (not a replica's copy, or one from a psd of another version: run one version across a cluster)");
-  }
-  const uint64_t body = bytes.size() - 8;
-  uint64_t records_bytes = 0;
-  std::memcpy(&records_bytes, bytes.data() + 8, 8);
-  if (records_bytes < 8 || records_bytes > body - 16) return BadPart("records larger than the copy");
-  payload->Add(bytes.data() + 16 + records_bytes, body - 16 - records_bytes);
-  std::memcpy(step, bytes.data() + 16, 8);
-  return Status::Ok();
-}
-
-// Whether `bytes`' trailer is the checksum of its head and these payload block hashes.
-Status CopyChecksumMatches(const std::string& bytes, const PayloadPieces& payload, const CopyBlockHashes& blocks) {
-  const uint64_t body = bytes.size() - 8;
-  uint64_t sum = 0;
-  std::memcpy(&sum, bytes.data() + body, 8);
-  if (blocks.size() != payload.blocks()) return BadPart("block hashes of another size");
-  if (CopyChecksum(bytes.data(), body - payload.bytes(), blocks, body) != sum) return BadPart("checksum mismatch");
-  return Status::Ok();
-}
-
-}  // namespace
-
-Status VerifySerializedSnapshot(const std::string& bytes, int64_t* step, CopyBlockHashes* blocks) {
-  PayloadPieces payload;
-  PSD_RETURN_IF_ERROR(CopyLayout(bytes, &payload, step));
-  CopyBlockHashes hashed = payload.HashAll();
-  PSD_RETURN_IF_ERROR(CopyChecksumMatches(bytes, payload, hashed));
-  if (blocks != nullptr) *blocks = std::move(hashed);
-  return Status::Ok();
-}
-
-Status VerifySerializedSnapshotBlocks(const std::string& bytes, const CopyBlockHashes& blocks, int64_t* step) {
-  PayloadPieces payload;
-  PSD_RETURN_IF_ERROR(CopyLayout(bytes, &payload, step));
-  return CopyChecksumMatches(bytes, payload, blocks);
-}
-
-Status ParseSnapshot(const std::string& bytes, ShardSnapshot* out) {
-  int64_t step = 0;
-  PSD_RETURN_IF_ERROR(VerifySerializedSnapshot(bytes, &step));
-  const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
-  const uint64_t body = bytes.size() - 8;
-  uint64_t records_bytes = 0;
-  std::memcpy(&records_bytes, data + 8, 8);
-  Reader r(data + 16, records_bytes, /*inline_blobs=*/false, body - 16 - records_bytes);
-  ShardSnapshot snap;
-  PSD_RETURN_IF_ERROR(ParseRecords(r, 4, &snap));
-  if (r.pos() != records_bytes) return BadPart("trailing bytes in the records");
-  if (r.payload_left() != 0) return BadPart("the copy holds more than its records name");
-  uint64_t off = 16 + records_bytes;
-  for (const auto& b : r.payload()) {
-    std::memcpy(b->data(), data + off, b->bytes());
-    off += b->bytes();
-  }
-  *out = std::move(snap);
-  return Status::Ok();
-}
 
 uint64_t Fnv1a64(const void* data, size_t bytes, uint64_t seed) {
   const uint8_t* p = static_cast<const uint8_t*>(data);

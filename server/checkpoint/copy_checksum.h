@@ -1,4 +1,4 @@
-// The checksum of a serialized copy of a part (checkpoint.h's in-memory layout, what replication
+// The checksum of a serialized copy of a part (serialized_copy.h, what replication
 // sends and keeps): XXH3-64, seeded with the body's size (all but the checksum), of the XXH3-64 of
 // the head (magic, records size, records) followed by the XXH3-64 of each kCopyBlockBytes block of
 // the payload (the last one shorter).

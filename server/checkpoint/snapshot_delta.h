@@ -1,4 +1,4 @@
-// Replication's differences between serialized copies of a part (checkpoint.h's in-memory layout):
+// Replication's differences between serialized copies of a part (serialized_copy.h):
 // a copy of a part that changed in places (the rows a sparse step touched) goes as the runs that
 // differ from a copy the receiver keeps, and is rebuilt there bit for bit.
 #ifndef PSD_SERVER_CHECKPOINT_SNAPSHOT_DELTA_H_
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint/checkpoint.h"
+#include "checkpoint/serialized_copy.h"
 
 namespace psd::server {
 

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 
+#include "checkpoint/serialized_copy.h"
 #include "checkpoint/snapshot_delta.h"
 
 // The plain and the dispatched entry points side by side (checkpoint/xxh3.h maps one onto the other).
