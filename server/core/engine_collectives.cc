@@ -258,6 +258,19 @@ void TrainingEngine::CompleteLoweredRounds() {
   }
 }
 
+void TrainingEngine::DropRoundWaiters() {
+  for (Variable* v : Variables()) {
+    std::vector<Round::Waiter> dropped;
+    {
+      MutexLock vlock(&v->mu);
+      dropped.swap(v->reduce_round.waiters);
+      for (auto& w : v->update_round.waiters) dropped.push_back(std::move(w));
+      v->update_round.waiters.clear();
+    }
+    // (Destroyed here, outside the variable's lock: what they hold may take other locks.)
+  }
+}
+
 Status TrainingEngine::Update(const UpdateArgs& args, UpdateDone done) {
   Variable* v = nullptr;
   {

@@ -270,6 +270,10 @@ class TrainingEngine {
   // reading after its token sees it at the same step (round = the step it lands at).
   using UpdateDone = std::function<void(const Status&, bool applied, int64_t step)>;
   Status Update(const UpdateArgs& args, UpdateDone done) EXCLUDES(mu_);
+  // Lets go of every parked reduce_to/update waiter without telling it (their connections are
+  // closed): at shutdown, so that what they hold (sessions, their sockets and timers) goes while
+  // the I/O contexts those belong to still exist. Rounds keep their counts.
+  void DropRoundWaiters() EXCLUDES(mu_);
 
   // Copy of an optimizer slot ("momentum", ...) of a variable.
   // With count >= 0: only elements [offset, offset + count) of the flattened slot, as a [count]

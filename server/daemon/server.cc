@@ -825,6 +825,9 @@ void Server::Stop() {
     }
     for (auto& c : stuck) c->CloseNow();
   }
+  // Parked collectives' waiters hold closed connections' sessions (and their timers and sockets):
+  // they go now, while the I/O contexts those belong to exist (the engine outlives them).
+  engine()->DropRoundWaiters();
   if (ckpt_writer_.started()) {
     ckpt_writer_.Stop();  // finishes a pending write first
     // A last checkpoint at clean exit, if the state is at a step boundary. (A cluster writes its

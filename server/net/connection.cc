@@ -5,6 +5,9 @@
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
 
+#include <exception>
+#include <new>
+
 namespace psd::server {
 
 bool Connection::DetectDeadPeer(int fd) {
@@ -87,12 +90,20 @@ void Connection::CloseNow() {
   timer_.cancel();
   frame_timer_.cancel();
   WithdrawIdle();
-  ReleaseCharge();  // the buffer itself goes with the connection (a cancelled read may still name it)
+  ReleaseCharge();
   stream_.Close();
   if (handler_) {
     handler_->OnClosed();
     handler_.reset();  // it may hold this connection: no cycle outlives the close
   }
+  // The body buffer's memory too, once the frame being handled (this may run inside it) is done
+  // with it and no read lands in it any more: a closed connection may be kept a while (a parked
+  // round's waiter holds its session) and must not keep a frame's memory outside the budget.
+  asio::post(strand_, [self = shared_from_this()] { self->DropBufferIfClosed(); });
+}
+
+void Connection::DropBufferIfClosed() {
+  if (closed_ && !read_in_place_) in_.Release();
 }
 
 // --- reading ----------------------------------------------------------------------------------
@@ -120,10 +131,15 @@ void Connection::ReadExact(void* dst, size_t n, F then) {
       then();
     });
   }
+  read_in_place_ = true;  // a body's rest lands in its buffer
   asio::async_read(stream_, asio::buffer(rest, left), TransferAll{},
                    asio::bind_executor(strand_, [self = shared_from_this(), then = std::move(then)](
                                                     boost::system::error_code ec, size_t) mutable {
-                     if (ec) return self->CloseNow();
+                     self->read_in_place_ = false;
+                     if (ec) {
+                       self->CloseNow();
+                       return self->DropBufferIfClosed();
+                     }
                      then();
                    }));
 }
@@ -196,8 +212,17 @@ void Connection::ReadBody(uint32_t segment_count) {
 }
 
 void Connection::ReadGrantedBody() {
-  capnp::word* body = in_.Prepare(body_sizes_, body_words_);
   const size_t bytes = body_words_ * sizeof(capnp::word);
+  capnp::word* body = nullptr;
+  try {
+    body = in_.Prepare(body_sizes_, body_words_);
+  } catch (const std::bad_alloc&) {
+    // Its budget share goes back at once: one frame the host cannot hold must not stall the rest.
+    ReleaseBuffer();
+    return FailStream(ResourceExhausted("psd could not allocate " + std::to_string(bytes) +
+                                        " bytes for a frame (out of memory): send smaller frames, or give psd more "
+                                        "memory or a smaller --max-inflight-bytes"));
+  }
   if (ahead_.held() < bytes) {  // some of it is still to come: --frame-timeout-ms bounds the wait
     uint64_t gen = ++body_gen_;
     reading_body_ = true;
@@ -220,7 +245,17 @@ void Connection::OnBody() {
   }
   if (env_.on_bytes_in) env_.on_bytes_in(body_words_ * sizeof(capnp::word) + table_.size() * 4 + 4);
   last_frame_ = std::chrono::steady_clock::now();
-  if (handler_) handler_->OnFrame(in_);
+  if (handler_) {
+    try {
+      handler_->OnFrame(in_);
+    } catch (const std::exception& e) {
+      // The handler's own errors are replies; anything escaping it leaves the request's state
+      // unknown: this connection closes, its buffer and share go back, and the others go on.
+      spdlog::error("connection {}: unexpected error while handling a frame: {}", id_, e.what());
+      CloseNow();
+      return DropBufferIfClosed();
+    }
+  }
   in_.MaybeRelease(16u << 20);
   KeepOrReleaseBuffer();
   // The next frame may be held already: read it from a fresh handler, so that a run of small frames

@@ -154,8 +154,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void ReleaseBuffer();
   void KeepOrReleaseBuffer();  // after a frame: keep the buffer for the next one, offered back to the budget
   void WithdrawIdle();
-  // Gives the budget share back (CloseNow: the buffer goes with the connection).
+  // Gives the budget share back (CloseNow; the buffer goes once DropBufferIfClosed may).
   void ReleaseCharge();
+  // Closed and no read lands in the body buffer: its memory goes back.
+  void DropBufferIfClosed();
   // The per-connection timer: the hello deadline until a role is admitted, then the idle check.
   void ArmTimer(std::chrono::steady_clock::duration after);
   void OnTimer();
@@ -181,6 +183,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::steady_timer frame_timer_;  // --frame-timeout-ms for the body being read
   uint64_t body_gen_ = 0;           // bumped per body read: a stale frame-timer expiry is ignored
   bool reading_body_ = false;
+  bool read_in_place_ = false;   // a read into the body buffer is under way (it must outlive it)
   bool awaiting_share_ = false;  // a frame's header is in, its budget share not yet granted
   bool read_paused_ = false;     // kMaxQueuedRepliesUntrusted replies wait: reads resume as they go out
   bool idle_offered_ = false;    // the kept buffer's charge is offered back to the budget (OfferIdle)

@@ -13,7 +13,10 @@ namespace psd::server {
 void WorkerSession::ArmDeadline(int64_t timeout_ms, const std::shared_ptr<ParkedReply>& reply,
                                 std::function<void()> expire) {
   timeout_ms = WaitMs(timeout_ms);
-  collectives_.insert(reply);  // not idle while it is parked
+  // Answered ones leave here too: Busy() prunes them only where --idle-timeout-s asks it.
+  std::erase_if(collectives_, [](const auto& c) { return c->answered(); });
+  if (conn_->closed()) return;  // closed meanwhile: nobody to answer, nothing to park
+  collectives_.insert(reply);   // not idle while it is parked
   ParkedReply::ArmDeadline(reply, std::chrono::milliseconds(timeout_ms), std::move(expire));
 }
 

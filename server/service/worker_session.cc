@@ -28,6 +28,10 @@ void WorkerSession::OnClosed() {
     shm_->Close();  // unmapped once no request holds it
   }
   for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
+  // Parked collectives: nobody to answer. Their deadline timers (which hold this session) go now;
+  // a round completing later finds its reply answered.
+  for (const auto& c : collectives_) c->Answer();
+  collectives_.clear();
   if (peer_shard_ >= 0) host_.coordinator()->OnPeerDown(peer_shard_);
   host_.OnConnectionClosed(id_);
 }

@@ -8,12 +8,14 @@
 #include <random>
 #include <thread>
 
+#include "support/eventually.h"
 #include "support/raw_peer.h"
 #include "support/test_server.h"
 #include "wire/frame.h"
 
 using namespace psd;
 using psd::testing::ConnectWorker;
+using psd::testing::Eventually;
 using psd::testing::RawPeer;
 using psd::testing::StartServer;
 using psd::testing::TestConfig;
@@ -544,21 +546,6 @@ TEST_CASE("an idle connection is closed after --idle-timeout-s, a parked wait is
 
 namespace {
 
-// Polls `cond` (a state psd reaches by itself) for at most 60 s; the bound is a test's, not a timing assert.
-template <typename F>
-bool Eventually(F cond) {
-  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (!cond()) {
-    if (std::chrono::steady_clock::now() > until) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return true;
-}
-
-}  // namespace
-
-namespace {
-
 // The bytes of `f` as sent.
 std::string FrameBytes(wire::OutFrame& f) {
   std::string bytes;
@@ -818,4 +805,58 @@ TEST_CASE("an accepted connection goes to the I/O thread with the fewest live co
   REQUIRE(reaches({1, 1}));
   auto e = std::make_unique<RawPeer>(server->port());
   REQUIRE(reaches({2, 1}));
+}
+
+TEST_CASE("a closed connection's parked reduce_to keeps neither its frame's memory nor its deadline timer",
+          "[robustness][budget]") {
+  // Rounds of four replicas; three, one after the other, each send an 8 MiB reduce_to (parked: the
+  // fourth never contributes) with a ten-minute deadline, and go. Each connection's body buffer
+  // goes back to the pool at its close (the round's waiter still holds the session); before, it
+  // stayed, outside the budget, for as long as the round did.
+  auto cfg = TestConfig(4, 8, 0);
+  cfg.max_frame_bytes = 16ull << 20;
+  auto server = StartServer(cfg);
+  const size_t n = (8u << 20) / 4;
+  std::vector<float> zero(n, 0.0f), mine(n, 1.0f);
+  auto owner = ConnectWorker(server->port(), "owner");
+  psclient::VariableOptions not_trained;
+  not_trained.trainable = false;
+  REQUIRE(owner->CreateVariable("total", {zero.data(), DType::kFloat32, {int64_t(n)}, MemoryKind::kHost}, not_trained)
+              .ok());
+  const server::FramePool& pool = server->frame_pool();
+  const uint64_t before = pool.handed_out_bytes();  // the owner's connection keeps its create's buffer
+  for (int k = 0; k < 3; ++k) {
+    RawPeer peer(server->port());
+    peer.Hello("leaver-" + std::to_string(k));
+    wire::OutFrame f;
+    auto req = f.builder.initRoot<proto::Request>();
+    req.setId(7);
+    auto r = req.initReduce();
+    r.setOp(proto::Reduction::SUM);
+    r.setLocalStep(0);
+    r.setTimeoutMs(600000);
+    auto e = r.initEntries(1)[0];
+    e.setDestination("total");
+    wire::SetTensor(f.builder, e.initValue(), DType::kFloat32, {int64_t(n)}, mine.data(), n * 4);
+    peer.Send(f);
+    // A status request after it: its answer says the reduce was read and parked (frames are
+    // handled in order), its buffer kept for the connection's next frame.
+    wire::OutFrame st;
+    auto q = st.builder.initRoot<proto::Request>();
+    q.setId(8);
+    q.setStatus();
+    peer.Send(st);
+    Code code;
+    std::string message;
+    uint64_t id = 0;
+    REQUIRE(peer.Read(&code, &message, &id));
+    CHECK(id == 8);
+    CHECK(pool.handed_out_bytes() >= before + (8u << 20));
+  }  // the peer closes
+  CHECK(Eventually([&] { return pool.handed_out_bytes() <= before; }));
+  // The daemon serves on.
+  auto w = ConnectWorker(server->port(), "after");
+  std::vector<float> got(n, -1.0f);
+  REQUIRE(w->Pull("total", {got.data(), DType::kFloat32, {int64_t(n)}, MemoryKind::kHost}).ok());
+  CHECK(got[0] == 0.0f);
 }

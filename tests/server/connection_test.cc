@@ -1,0 +1,147 @@
+// net::Connection on its own (a test handler, no daemon): what a failure while a frame is read
+// leaves behind.
+#include "net/connection.h"
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
+
+#include "psd.capnp.h"
+#include "support/eventually.h"
+#include "wire/frame.h"
+
+using namespace psd;
+using psd::server::Connection;
+using psd::server::ConnectionEnv;
+using psd::server::FrameBudget;
+using psd::testing::Eventually;
+
+namespace {
+
+// Buffers from the heap, but the first one over 64 KiB fails as an mmap the host refuses would.
+class FailingOnce : public wire::BufferSource {
+ public:
+  kj::Array<capnp::word> Take(uint64_t words) override {
+    if (words * sizeof(capnp::word) > (64u << 10) && !failed_.exchange(true)) throw std::bad_alloc();
+    return kj::heapArray<capnp::word>(words);
+  }
+
+ private:
+  std::atomic<bool> failed_{false};
+};
+
+// Admits a worker at its first frame; counts frames; answers a broken stream with its status.
+class Handler : public server::FrameHandler {
+ public:
+  explicit Handler(std::weak_ptr<Connection> conn) : conn_(std::move(conn)) {}
+  void OnFrame(const wire::InFrame& frame) override {
+    if (auto c = conn_.lock()) c->set_role(Connection::Role::kWorker);
+    bytes_ += frame.body_bytes();
+    ++frames_;
+  }
+  std::shared_ptr<wire::OutFrame> ErrorReply(uint64_t id, const Status& status) override {
+    auto f = std::make_shared<wire::OutFrame>();
+    auto r = f->builder.initRoot<proto::Response>();
+    r.setId(id);
+    r.setCode(wire::ToWire(status.code()));
+    r.setMessage(status.message());
+    return f;
+  }
+  bool Busy() override { return false; }
+  void OnClosed() override { closed_ = true; }
+
+  std::atomic<int> frames_{0};
+  std::atomic<uint64_t> bytes_{0};
+  std::atomic<bool> closed_{false};
+
+ private:
+  std::weak_ptr<Connection> conn_;
+};
+
+// A frame of about `bytes` (one Data field).
+void SendFrame(tcp::socket& s, size_t bytes) {
+  wire::OutFrame f;
+  auto r = f.builder.initRoot<proto::Request>();
+  r.setId(1);
+  std::vector<uint8_t> data(bytes, 7);
+  r.setPeerProof(kj::arrayPtr(data.data(), data.size()));
+  REQUIRE(wire::WriteFrame(s, f, std::chrono::steady_clock::now() + std::chrono::seconds(30)).ok());
+}
+
+}  // namespace
+
+TEST_CASE("a frame whose buffer cannot be allocated fails its connection and holds up no other", "[net]") {
+  asio::io_context io;
+  auto guard = asio::make_work_guard(io);
+  FrameBudget budget(4u << 20);
+  FailingOnce source;
+  ConnectionEnv env;
+  env.budget = &budget;
+  env.frame_buffers = &source;
+  tcp::acceptor acceptor(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  const auto port = acceptor.local_endpoint().port();
+  std::vector<std::shared_ptr<Connection>> conns;  // touched on the loop's thread only
+  std::mutex mu;
+  std::vector<std::shared_ptr<Handler>> handlers;  // under mu
+  auto handler = [&](size_t k) -> std::shared_ptr<Handler> {
+    std::lock_guard<std::mutex> lock(mu);
+    return k < handlers.size() ? handlers[k] : nullptr;
+  };
+  std::function<void()> accept = [&] {
+    acceptor.async_accept([&](boost::system::error_code ec, tcp::socket socket) {
+      if (ec) return;
+      auto c = std::make_shared<Connection>(std::move(socket), env, conns.size() + 1);
+      auto h = std::make_shared<Handler>(c);
+      conns.push_back(c);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        handlers.push_back(h);
+      }
+      c->Start(h);
+      accept();
+    });
+  };
+  accept();
+  std::thread loop([&] { io.run(); });  // an exception escaping a handler would end the test here
+
+  asio::io_context client_io;
+  auto dial = [&] {
+    tcp::socket s(client_io);
+    s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+    return s;
+  };
+  tcp::socket first = dial();
+  SendFrame(first, 100);      // admitted as a worker
+  SendFrame(first, 1 << 20);  // its buffer "cannot be allocated"
+  wire::InFrame in;
+  REQUIRE(wire::ReadFrame(first, in, 1 << 20, std::chrono::steady_clock::now() + std::chrono::seconds(30)).ok());
+  auto reply = in.Reader()->getRoot<proto::Response>();
+  CHECK(reply.getCode() == proto::Code::RESOURCE_EXHAUSTED);
+  CHECK(std::string(reply.getMessage().cStr()).find("could not allocate") != std::string::npos);
+  REQUIRE(Eventually([&] { return handler(0) != nullptr; }));
+  const std::shared_ptr<Handler> h0 = handler(0);
+  REQUIRE(h0 != nullptr);
+  REQUIRE(Eventually([&] { return h0->closed_.load(); }));
+  CHECK(h0->frames_.load() == 1);
+  // Its budget share went back: the next worker's big frame is read and handled.
+  CHECK(Eventually([&] { return budget.in_use() == 0; }));
+  tcp::socket second = dial();
+  SendFrame(second, 100);
+  SendFrame(second, 1 << 20);
+  REQUIRE(Eventually([&] { return handler(1) != nullptr; }));
+  const std::shared_ptr<Handler> h1 = handler(1);
+  REQUIRE(h1 != nullptr);
+  CHECK(Eventually([&] { return h1->frames_.load() == 2; }));
+
+  asio::post(io, [&] {
+    acceptor.close();
+    for (auto& c : conns) c->CloseNow();
+  });
+  guard.reset();
+  loop.join();
+}
