@@ -5,6 +5,7 @@
 #include <openssl/x509v3.h>
 
 #include <fstream>
+#include <memory>
 
 namespace psd::wire {
 namespace {
@@ -35,7 +36,20 @@ Status Load(ssl::context& ctx, const TlsFiles& f, const char* who) {
       return InvalidArgument(std::string(who) + ": the TLS certificate file '" + f.cert_file +
                              "' is not a PEM certificate chain: " + OpenSslText(ec));
     PSD_RETURN_IF_ERROR(Readable(f.key_file, "the TLS key file"));
+    // An encrypted key would have OpenSSL ask for its passphrase on the terminal (a daemon under
+    // systemd then fails with a UI error, one on a terminal hangs): no passphrase is given, and
+    // the error says what to do.
+    auto encrypted = std::make_shared<bool>(false);  // the context keeps the callback
+    ctx.set_password_callback([encrypted](size_t, ssl::context::password_purpose) {
+      *encrypted = true;
+      return std::string();
+    });
     ctx.use_private_key_file(f.key_file, ssl::context::pem, ec);
+    if (*encrypted) {
+      return InvalidArgument(std::string(who) + ": the TLS key file '" + f.key_file +
+                             "' is encrypted, and psd reads unencrypted keys only: write it out decrypted "
+                             "(openssl pkey -in KEY -out KEY.plain), readable by this user alone (chmod 600)");
+    }
     if (ec && OpenSslText(ec).find("key values mismatch") != std::string::npos) {
       mismatch = true;  // a readable key, but not this certificate's
       ec.clear();

@@ -110,6 +110,9 @@ inline constexpr size_t kMaxListedSteps = 1024;
 // Terms count elections from 1, and epochs and lineages are terms: no cluster comes near this. A
 // peer naming one beyond it would have a shard adopt and save it and overflow its next term.
 inline constexpr uint64_t kMaxTerm = uint64_t{1} << 62;
+// Steps count global steps from 0 (-1: none): no job comes near this either. A peer naming one
+// beyond it would have a shard compute the step after it, or next to it, past int64.
+inline constexpr int64_t kMaxStep = int64_t{1} << 62;
 
 struct Heartbeat {
   int chief = -1;                       // -1: nobody known (a peer may send any value: election.h copes)

@@ -204,11 +204,15 @@ void PlacementToWire(proto::VariablePlacement::Builder b, const VarPlacement& p)
 
 namespace {
 
+bool StepOk(int64_t step) { return step >= -1 && step < peer::kMaxStep; }
+
+bool StepsOk(const std::vector<int64_t>& steps) { return std::all_of(steps.begin(), steps.end(), StepOk); }
+
 bool TermsInRange(const peer::Message& m) {
   if (m.term >= peer::kMaxTerm) return false;
   auto copies_ok = [](const std::vector<peer::LiveCopy>& copies) {
     return std::all_of(copies.begin(), copies.end(),
-                       [](const peer::LiveCopy& c) { return c.lineage < peer::kMaxTerm; });
+                       [](const peer::LiveCopy& c) { return c.lineage < peer::kMaxTerm && StepOk(c.step); });
   };
   return std::visit(
       [&](const auto& b) {
@@ -216,10 +220,15 @@ bool TermsInRange(const peer::Message& m) {
         bool ok = true;
         if constexpr (requires { b.epoch; }) ok = ok && b.epoch < peer::kMaxTerm;
         if constexpr (requires { b.lineage; }) ok = ok && b.lineage < peer::kMaxTerm;
-        if constexpr (requires { b.copy; }) ok = ok && b.copy.lineage < peer::kMaxTerm;
+        if constexpr (requires { b.copy; }) ok = ok && b.copy.lineage < peer::kMaxTerm && StepOk(b.copy.step);
+        if constexpr (requires { b.step; }) ok = ok && StepOk(b.step);
+        if constexpr (std::is_same_v<B, peer::Control>) ok = ok && StepOk(b.snapshot_step) && StepOk(b.force_step);
         if constexpr (std::is_same_v<B, peer::Heartbeat>) {
           ok = ok && copies_ok(b.own_copies) && copies_ok(b.held_copies) && copies_ok(b.kept_copies) &&
-               b.released.lineage < peer::kMaxTerm && b.newest_seal.epoch < peer::kMaxTerm &&
+               b.released.lineage < peer::kMaxTerm && StepOk(b.released.step) && b.newest_seal.epoch < peer::kMaxTerm &&
+               StepOk(b.newest_seal.step) && StepsOk(b.sealed_steps) && StepsOk(b.unusable_steps) &&
+               std::all_of(b.unsealed_parts.begin(), b.unsealed_parts.end(),
+                           [](const auto& p) { return StepOk(p.first); }) &&
                std::all_of(b.served_parts.begin(), b.served_parts.end(),
                            [](const peer::PartServed& p) { return p.epoch < peer::kMaxTerm; });
         }
@@ -236,7 +245,8 @@ Result<peer::Message> PeerMessageFromWire(proto::PeerMessage::Reader r, int shar
   auto m = DecodePeerMessage(r, shards);
   if (m.ok() && !TermsInRange(*m)) {
     return InvalidArgument(
-        "a peer message names a term, epoch or lineage of 2^62 or more (no cluster elects that often)");
+        "a peer message names a term, epoch or lineage of 2^62 or more (no cluster elects that often), or a step "
+        "outside -1 .. 2^62");
   }
   return m;
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "net/byte_stream.h"
+#include "net/connection.h"
 #include "net/peer_auth.h"
 #include "psd.capnp.h"
 #include "psd/cluster_list.h"
@@ -187,6 +188,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
           if (gen != self->generation_) return;  // the link moved meanwhile
           if (ec) return self->Retry();
           self->stream_ = std::make_shared<ByteStream>(tcp::socket(self->strand_), self->tls_);
+          self->ArmConnectDeadline();
           asio::async_connect(
               self->stream_->lowest(), results,
               [self, stream = self->stream_](boost::system::error_code ec, const tcp::endpoint&) {
@@ -194,6 +196,8 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                 if (ec) return self->Retry();
                 boost::system::error_code ignored;
                 self->stream_->lowest().set_option(tcp::no_delay(true), ignored);
+                // A peer whose host dies mid-link sends no FIN: keepalive notices (as on accepted links).
+                Connection::DetectDeadPeer(self->stream_->lowest().native_handle());
                 if (self->stream_->tls()) {
                   Status s = wire::SetTlsServerName(self->stream_->tls_stream(), self->endpoint_.host);
                   if (!s.ok()) {
@@ -209,6 +213,7 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                         self->LogHandshakeError(ec);
                         return self->Retry();
                       }
+                      self->retry_.cancel();  // the connect deadline: the link is through
                       self->up_ = true;
                       self->moving_ = false;
                       if (self->id_.cluster_secret.empty()) {
@@ -220,6 +225,25 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
                     }));
               });
         });
+  }
+
+  // The TCP connect and the TLS handshake get kHandshakeTimeout: an address that accepts and then
+  // says nothing (a host gone mid-handshake, something else listening there) is dialed again,
+  // not waited on for good.
+  void ArmConnectDeadline() {
+    retry_.expires_after(kHandshakeTimeout);
+    retry_.async_wait([self = shared_from_this(), stream = stream_](boost::system::error_code ec) {
+      if (ec || stream != self->stream_ || self->up_) return;
+      if (!self->stopped_ && self->log_.Allow() >= 0) {
+        spdlog::warn("cluster: the link to shard {} ({}) is not through after {} s ({}); retrying", self->id_.target,
+                     self->address_, kHandshakeTimeout.count(),
+                     self->tls_ ? "TCP connect and TLS handshake" : "TCP connect");
+      }
+      // The attempt's handlers see a stream that is no longer the link's, and end quietly.
+      auto old = std::move(self->stream_);
+      old->Close();
+      self->Retry();
+    });
   }
 
   // With a cluster secret: hello with a challenge, then the reply (bounded in size and time).

@@ -137,6 +137,15 @@ TEST_CASE("TLS settings are checked at start and say what to fix", "[tls]") {
     REQUIRE_FALSE(s.ok());
     CHECK_THAT(s.status().message(), Catch::Contains("does not match the certificate"));
   }
+  SECTION("an encrypted key: refused at start, never a passphrase prompt") {
+    const std::string enc = certs.dir + "/server-encrypted.key";
+    const std::string cmd = "openssl pkey -in " + certs.dir + "/server.key -aes256 -passout pass:secret123 -out " + enc;
+    REQUIRE(std::system(cmd.c_str()) == 0);
+    cfg.tls_key_file = enc;
+    auto s = server::Server::Create(cfg);  // before, OpenSSL asked on the terminal (or failed with a UI error)
+    REQUIRE_FALSE(s.ok());
+    CHECK_THAT(s.status().message(), Catch::Contains("is encrypted") && Catch::Contains("openssl pkey"));
+  }
   SECTION("a missing file") {
     cfg.tls_cert_file = certs.dir + "/nope.pem";
     auto s = server::Server::Create(cfg);

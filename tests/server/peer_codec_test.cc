@@ -134,6 +134,23 @@ TEST_CASE("peer codec: step lists are bounded, and terms beyond any election cou
   CHECK_FALSE(RoundTrip(peer::Message{1, 9, hb}, 3).ok());
   CHECK_FALSE(RoundTrip(peer::Message{1, 9, peer::Commit{peer::kMaxTerm, 5, false, 0.1}}, 3).ok());
   CHECK(RoundTrip(peer::Message{1, 9, peer::Commit{9, 5, false, 0.1}}, 3).ok());
+  // Steps: a commit of step 2^63 - 1 overflowed `step + 1` on the shard that took it (UBSan
+  // stopped the daemon; a release build wrapped around).
+  CHECK_THAT(RoundTrip(peer::Message{1, 9, peer::Commit{9, INT64_MAX, false, 0.1}}, 3).status().message(),
+             Catch::Contains("a step"));
+  CHECK_FALSE(RoundTrip(peer::Message{1, 9, peer::Commit{9, -2, false, 0.1}}, 3).ok());
+  CHECK(RoundTrip(peer::Message{1, 9, peer::Commit{9, peer::kMaxStep - 1, false, 0.1}}, 3).ok());
+  CHECK_FALSE(RoundTrip(peer::Message{1, 9, peer::Committed{9, peer::kMaxStep}}, 3).ok());
+  peer::Control force;
+  force.epoch = 9;
+  force.force_step = INT64_MAX;
+  CHECK_FALSE(RoundTrip(peer::Message{1, 9, force}, 3).ok());
+  hb = FullHeartbeat();
+  hb.released.step = INT64_MAX;
+  CHECK_FALSE(RoundTrip(peer::Message{1, 9, hb}, 3).ok());
+  hb = FullHeartbeat();
+  hb.sealed_steps[0] = INT64_MIN;
+  CHECK_FALSE(RoundTrip(peer::Message{1, 9, hb}, 3).ok());
 }
 
 TEST_CASE("peer codec: a manifest's digest depends on its parts, not their order", "[cluster][codec]") {

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "psd.capnp.h"
 #include "service/peer_codec.h"
@@ -38,27 +39,49 @@ peer::Message Heartbeat(int64_t step) {
   return peer::Message{0, 3, hb};
 }
 
+// Shard 0's links, run on their own thread, to a "shard 1" that is a listener on a port the
+// kernel chose, accepted and read from the test's thread. `tls`: a client context (null: TCP).
+struct LinkToListener {
+  explicit LinkToListener(std::shared_ptr<wire::ssl::context> tls = nullptr)
+      : acceptor(here, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0)), work(asio::make_work_guard(io)) {
+    TcpPeerNetwork::Options options;
+    // [0] is this shard: never dialed.
+    options.addresses = {"127.0.0.1:1", "127.0.0.1:" + std::to_string(acceptor.local_endpoint().port())};
+    options.me = 0;
+    options.tls = std::move(tls);
+    network = std::make_unique<TcpPeerNetwork>(io, options);
+    network->Start();
+    runner = std::thread([this] { io.run(); });
+  }
+  ~LinkToListener() {
+    network->Stop();
+    work.reset();
+    io.stop();
+    runner.join();
+  }
+  // The link's next connection (within 30 s).
+  tcp::socket Accept() {
+    pollfd pfd{acceptor.native_handle(), POLLIN, 0};
+    REQUIRE(::poll(&pfd, 1, 30000) == 1);
+    tcp::socket socket(here);
+    acceptor.accept(socket);
+    return socket;
+  }
+
+  asio::io_context here;
+  tcp::acceptor acceptor;
+  asio::io_context io;
+  asio::executor_work_guard<asio::io_context::executor_type> work;
+  std::unique_ptr<TcpPeerNetwork> network;
+  std::thread runner;
+};
+
 }  // namespace
 
 TEST_CASE("a shard link sends a stream of more messages than it queues, all of them, in order", "[cluster][net]") {
-  // The other shard: a listener on a port the kernel chose, read from this thread.
-  asio::io_context here;
-  tcp::acceptor acceptor(here, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-  const int port = acceptor.local_endpoint().port();
-
-  asio::io_context io;
-  auto work = asio::make_work_guard(io);
-  TcpPeerNetwork::Options options;
-  options.addresses = {"127.0.0.1:1", "127.0.0.1:" + std::to_string(port)};  // [0] is this shard: never dialed
-  options.me = 0;
-  TcpPeerNetwork network(io, options);
-  network.Start();
-  std::thread runner([&] { io.run(); });
-
-  pollfd pfd{acceptor.native_handle(), POLLIN, 0};
-  REQUIRE(::poll(&pfd, 1, 30000) == 1);  // the link dials within 30 s
-  tcp::socket socket(here);
-  acceptor.accept(socket);
+  LinkToListener link;
+  TcpPeerNetwork& network = *link.network;
+  tcp::socket socket = link.Accept();
   wire::InFrame in;
   std::unique_ptr<capnp::MessageReader> reader;
   {
@@ -106,9 +129,14 @@ TEST_CASE("a shard link sends a stream of more messages than it queues, all of t
   }
   CHECK(step_of(Next(socket, in, &reader)) == 2);  // after the stream, as sent
   CHECK(made == kChunks);
+}
 
-  network.Stop();
-  work.reset();
-  io.stop();
-  runner.join();
+TEST_CASE("a shard link whose TLS handshake never completes dials again", "[cluster][net]") {
+  // Something at the other shard's address accepts the TCP connection and says nothing: the TLS
+  // handshake gets kHandshakeTimeout (5 s), then the link dials again. Before, it waited on that
+  // connection for good, and dropped everything the cluster sent the shard meanwhile.
+  LinkToListener link(std::make_shared<wire::ssl::context>(wire::ssl::context::tls_client));
+  std::vector<tcp::socket> held;  // accepted and never answered
+  held.push_back(link.Accept());
+  held.push_back(link.Accept());  // the second dial, after the first one's 5 s
 }
