@@ -331,10 +331,10 @@ std::unique_ptr<Buffer> DenseAccumulator::TakeFreeSlot() {
   return slot;
 }
 
-Buffer* DenseAccumulator::ChunkSlot(std::string_view replica, int64_t p0, int64_t p1) {
+Buffer* DenseAccumulator::ChunkSlot(std::string_view replica, uint64_t source, int64_t p0, int64_t p1) {
   MutexLock lock(&slots_mu_);
   auto fits = [&](const Slot& s) {
-    if (s.replica != replica || s.parts.empty()) return false;
+    if (s.replica != replica || s.source != source || s.parts.empty()) return false;
     for (int64_t p = p0; p < p1; ++p) {
       if (s.parts[static_cast<size_t>(p)]) return false;
     }
@@ -342,7 +342,7 @@ Buffer* DenseAccumulator::ChunkSlot(std::string_view replica, int64_t p0, int64_
   };
   auto it = std::find_if(slots_.begin(), slots_.end(), fits);  // slots_ is in arrival order
   if (it == slots_.end()) {
-    slots_.push_back({std::string(replica), arrivals_++, TakeFreeSlot(), std::vector<bool>(num_parts_, false)});
+    slots_.push_back({std::string(replica), arrivals_++, TakeFreeSlot(), std::vector<bool>(num_parts_, false), source});
     it = slots_.end() - 1;
   }
   for (int64_t p = p0; p < p1; ++p) it->parts[static_cast<size_t>(p)] = true;
@@ -375,7 +375,7 @@ void DenseAccumulator::Add(DType dtype, const void* data, std::string_view repli
     }
     ConvertElements(data, dtype, slot->data(), dtype_, static_cast<size_t>(num_elements_));
     MutexLock lock(&slots_mu_);
-    slots_.push_back({std::string(replica), arrivals_++, std::move(slot), {}});
+    slots_.push_back({std::string(replica), arrivals_++, std::move(slot), {}, 0});
     return;
   }
   const int64_t start =
@@ -384,11 +384,11 @@ void DenseAccumulator::Add(DType dtype, const void* data, std::string_view repli
 }
 
 void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica,
-                                ThreadPool* helpers, const std::shared_ptr<const void>& hold) {
+                                ThreadPool* helpers, const std::shared_ptr<const void>& hold, uint64_t source) {
   if (n <= 0) return;
   if (deterministic_) {
     const int64_t p0 = offset / kPartElements, p1 = (offset + n + kPartElements - 1) / kPartElements;
-    Buffer* slot = ChunkSlot(replica, p0, p1);  // this chunk's parts of it are this add's alone
+    Buffer* slot = ChunkSlot(replica, source, p0, p1);  // this chunk's parts of it are this add's alone
     void* dst = static_cast<char*>(slot->data()) + static_cast<size_t>(offset) * DTypeSize(dtype_);
     ConvertElements(data, dtype, dst, dtype_, static_cast<size_t>(n));
     return;
@@ -398,6 +398,30 @@ void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, i
   const int64_t start =
       static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(stripes));
   AddToStripes(s0, stripes, start, dtype, data, offset, offset, offset + n, helpers, KeepHold(dtype, hold));
+}
+
+void DenseAccumulator::DropUnfinished(uint64_t source) {
+  if (!deterministic_) return;
+  MutexLock lock(&slots_mu_);
+  bool dropped = false;
+  for (auto it = slots_.begin(); it != slots_.end();) {
+    const bool unfinished = it->source == source && !it->parts.empty() &&
+                            !std::all_of(it->parts.begin(), it->parts.end(), [](bool filled) { return filled; });
+    if (!unfinished) {
+      ++it;
+      continue;
+    }
+    for (size_t p = 0; p < it->parts.size(); ++p) {
+      if (it->parts[p] && chunked_) --part_counts_[p];  // counted by its EndAddChunk
+    }
+    free_slots_.push_back(std::move(it->values));
+    it = slots_.erase(it);
+    dropped = true;
+  }
+  if (dropped && chunked_) {
+    min_part_ = *std::min_element(part_counts_.begin(), part_counts_.end());
+    at_min_ = std::count(part_counts_.begin(), part_counts_.end(), min_part_);
+  }
 }
 
 void DenseAccumulator::EndAddChunk(int64_t offset, int64_t n) {

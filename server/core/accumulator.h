@@ -118,10 +118,20 @@ class DenseAccumulator {
   void Add(DType dtype, const void* data, std::string_view replica, ThreadPool* helpers = nullptr,
            const std::shared_ptr<const void>& hold = nullptr);
   void EndAdd();
+  // An Add or AddChunk that failed (out of memory) ends without counting: the take no longer waits
+  // for it. What it added before it failed stays in the stripes it reached (the default mode
+  // cannot take it out): a rare, bounded error, never a variable that no take can ever complete.
+  void CancelAdd() { --in_flight_; }
   // A chunk of a gradient: elements [offset, offset + n) of the flattened tensor, `data` holding
   // just them (CheckChunk passed). Between BeginAdd and EndAddChunk, like Add.
+  // `source` (deterministic mode): the push it is part of; a gradient's chunks fill one slot of
+  // their replica and source.
   void AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica,
-                ThreadPool* helpers = nullptr, const std::shared_ptr<const void>& hold = nullptr);
+                ThreadPool* helpers = nullptr, const std::shared_ptr<const void>& hold = nullptr, uint64_t source = 0);
+  // Deterministic mode: the slots of `source` whose chunks did not all come leave the round (their
+  // parts uncounted, the slots freed for reuse). Under the owner's lock, with no add of `source`
+  // in flight.
+  void DropUnfinished(uint64_t source);
   // Copies every part that still points at a held gradient into the sum and lets the holds go:
   // after it the accumulator references nothing of its callers'. Needs in_flight() == 0 (an add
   // still running may yet point at its bytes), like a take, which does it first.
@@ -259,10 +269,11 @@ class DenseAccumulator {
     uint64_t arrival;                // orders one replica's own gradients (in the order it sent them)
     std::unique_ptr<Buffer> values;  // in the accumulator's dtype
     std::vector<bool> parts;         // chunks: the parts filled so far (empty: a whole gradient)
+    uint64_t source = 0;             // chunks: the push they came in (AddChunk)
   };
-  // The slot a chunk of `replica` covering parts [p0, p1) goes to: the replica's oldest slot with
-  // none of them filled yet, or a new one. Marks them filled; returns its values.
-  Buffer* ChunkSlot(std::string_view replica, int64_t p0, int64_t p1);
+  // The slot a chunk of `replica` from `source` covering parts [p0, p1) goes to: their oldest slot
+  // with none of them filled yet, or a new one. Marks them filled; returns its values.
+  Buffer* ChunkSlot(std::string_view replica, uint64_t source, int64_t p0, int64_t p1);
   std::unique_ptr<Buffer> TakeFreeSlot() REQUIRES(slots_mu_);
   void SumSlots();  // the take: sum_ = the slots in (replica, arrival) order; slots freed
   const bool deterministic_;

@@ -256,7 +256,7 @@ void TrainingEngine::ApplyChunkLocked(Variable* v, const GradRef& g, int64_t ste
 
 void TrainingEngine::OnTaken(int count) {
   MutexLock lock(&mu_);
-  step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
+  step_min_count_ = std::min(step_min_count_, count);
   step_max_count_ = std::max(step_max_count_, count);
   ++step_takes_;
   if (--pending_takes_ > 0) return;
@@ -349,7 +349,8 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
   }
   StepInfo info{step, step_min_count_ == INT_MAX ? 0 : step_min_count_, step_max_count_, forced};
   last_step_gradients_ = info.min_gradients;
-  step_min_count_ = step_max_count_ = 0;
+  step_min_count_ = INT_MAX;  // none taken yet (a forced take of 0 gradients is a real 0)
+  step_max_count_ = 0;
   step_started_ = false;
   step_lr_ = next_lr_.load();
   std::optional<AveragesTurn> turn;
@@ -483,7 +484,7 @@ void TrainingEngine::ForceStep(int64_t step) {
     if (took) {
       ++forced;
       MutexLock lock(&mu_);
-      step_min_count_ = std::min(step_min_count_ == 0 ? INT_MAX : step_min_count_, count);
+      step_min_count_ = std::min(step_min_count_, count);
       step_max_count_ = std::max(step_max_count_, count);
       ++step_takes_;
       if (--pending_takes_ > 0) continue;

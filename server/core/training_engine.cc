@@ -224,6 +224,14 @@ Status TrainingEngine::ValidateGrad(Variable* v, const GradRef& g) const {
   return DenseAccumulator::Check(v->dtype, v->shape, g.dtype, g.shape, g.bytes);
 }
 
+void TrainingEngine::DropUnfinishedChunks(uint64_t source) {
+  if (!config_.deterministic || source == 0) return;
+  for (Variable* v : Variables()) {
+    MutexLock lock(&v->mu);
+    if (v->dense) v->dense->DropUnfinished(source);
+  }
+}
+
 Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,
                             std::string_view replica, bool more) {
   std::vector<Variable*> targets;
@@ -363,10 +371,18 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
           // stripes: a worker's big gradient is added by several cores, as the optimizer applies.
           ThreadPool* helpers = acc->in_flight() <= kHelpedAdds ? &pool_ : nullptr;
           lock.Unlock();
-          if (g.chunk()) {
-            acc->AddChunk(g.dtype, g.data, g.chunk_offset, g.shape[0], replica, helpers, g.hold);  // validated above
-          } else {
-            acc->Add(g.dtype, g.data, replica, helpers, g.hold);
+          try {
+            if (g.chunk()) {
+              acc->AddChunk(g.dtype, g.data, g.chunk_offset, g.shape[0], replica, helpers, g.hold,
+                            g.source);  // validated above
+            } else {
+              acc->Add(g.dtype, g.data, replica, helpers, g.hold);
+            }
+          } catch (...) {  // out of memory (a sum or a deterministic slot): the push fails, the step does not hang
+            lock.Lock();
+            acc->CancelAdd();
+            if (acc->in_flight() == 0) v->adds_done.NotifyAll();
+            throw;
           }
           lock.Lock();
           if (g.chunk()) {

@@ -34,6 +34,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <functional>
 #include <map>
 #include <memory>
@@ -145,6 +146,9 @@ struct GradRef {
   // ResolveHeld() (or the step's take): the accumulator may then point at it instead of copying
   // it (DenseAccumulator, "Held gradients"). Null: the bytes are read before Push returns.
   std::shared_ptr<const void> hold = nullptr;
+  // The push a chunk belongs to (the connection it came on; 0: not known). Deterministic mode
+  // keeps each gradient's chunks apart until the take: DropUnfinishedChunks lets a cut-off one go.
+  uint64_t source = 0;
   bool sparse() const { return indices != nullptr || nnz > 0; }
   bool chunk() const { return chunk_offset >= 0; }
 };
@@ -227,6 +231,12 @@ class TrainingEngine {
   // arrive, and the push is one global step, claimed by its last call.
   Status Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,
               std::string_view replica = {}, bool more = false) EXCLUDES(mu_);
+  // Deterministic mode: the chunks of gradients from `source` (GradRef::source) that did not all
+  // come — its push was cut off (the connection closed, or a push refused midway was followed by
+  // another) — leave the step: they never count, and their parts wait for whole gradients, as
+  // TensorFlow's all-or-nothing apply_grad. (The default mode adds chunks into the sum as they
+  // arrive: a cut-off gradient's parts keep it, each part averaged over what reached it.)
+  void DropUnfinishedChunks(uint64_t source) EXCLUDES(mu_);
   // Copies into their sums every held gradient (GradRef::hold) that accumulators still point at,
   // waiting for adds in flight, so that no part of the engine references a hold's bytes after it.
   // A push that passed holds calls it before the worker is answered (and may reuse the bytes).
@@ -473,7 +483,7 @@ class TrainingEngine {
   std::atomic<uint64_t> model_bytes_{0};  // the memory the variables account for
   std::atomic<uint64_t> value_bytes_{0};  // of their values alone
   std::atomic<int> variable_count_{0};    // vars_.size()
-  int step_min_count_ GUARDED_BY(mu_) = 0;
+  int step_min_count_ GUARDED_BY(mu_) = INT_MAX;  // INT_MAX: no take yet this step
   int step_max_count_ GUARDED_BY(mu_) = 0;
   bool step_started_ GUARDED_BY(mu_) = false;  // a fresh gradient arrived for the open step
   double step_lr_ GUARDED_BY(mu_);             // learning rate of the open step

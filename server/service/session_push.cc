@@ -21,6 +21,10 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // taken with more frames to come (a frame refused on any way out ends the push).
   auto continuing = std::move(sparse_rows_last_);
   sparse_rows_last_.clear();
+  // A new push: the chunks of this connection's last one, if it was cut off, leave the step
+  // (deterministic mode; the engine's DropUnfinishedChunks).
+  if (!in_push_) host_.engine()->DropUnfinishedChunks(id_);
+  in_push_ = false;  // until this frame is taken with more to come
   auto grads_in = r.getGrads();
   ClusterCoordinator* const cluster = host_.coordinator();
   // Async/ssp on a cluster, a worker's push reaches the chief even with nothing for it: it
@@ -67,6 +71,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     if (g.getChunk()) {
       if (g.getChunkOffset() < 0) return SendError(id, InvalidArgument("a gradient chunk's offset must be >= 0"));
       ref.chunk_offset = g.getChunkOffset();
+      ref.source = id_;
     }
     ref.rows_more = g.getRowsMore();  // the engine checks it is a sparse gradient's, with more frames
     // A dense gradient in the worker's own segment (not its shared buffers, which it may revoke)
@@ -184,6 +189,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
       }
     }
     sparse_rows_last_ = std::move(continuing);
+    in_push_ = true;
   }
   if (!s.ok()) {
     pending->failed = true;

@@ -32,6 +32,7 @@ void WorkerSession::OnClosed() {
   // a round completing later finds its reply answered.
   for (const auto& c : collectives_) c->Answer();
   collectives_.clear();
+  host_.engine()->DropUnfinishedChunks(id_);  // a push cut off by the close never counts (deterministic mode)
   if (peer_shard_ >= 0) host_.coordinator()->OnPeerDown(peer_shard_);
   host_.OnConnectionClosed(id_);
 }

@@ -7,10 +7,12 @@
 
 #include "../client/src/frame_plan.h"
 #include "psd/half.h"
+#include "support/raw_peer.h"
 #include "support/test_server.h"
 
 using namespace psd;
 using psd::testing::ConnectWith;
+using psd::testing::RawPeer;
 using psd::testing::StartServer;
 using psd::testing::TestConfig;
 using psd::testing::WorkerOptions;
@@ -444,4 +446,56 @@ TEST_CASE("a push with a frame psd would refuse for its size sends none of its f
   CHECK(out.status().message().find("--max-frame-bytes 64 KiB") != std::string::npos);
   CHECK(server->engine()->Stats().accepted == 0);  // not even the dense gradient
   CHECK(*c->GlobalStep() == 0);
+}
+
+TEST_CASE("deterministic mode: a push cut off mid-gradient never counts, its worker's next push does",
+          "[integration][chunks]") {
+  // Worker a sends the first chunk of its gradient and its connection closes; a connects again and
+  // pushes ones whole, b pushes fours: every element moves by the mean, (1 + 4) / 2. Before, the
+  // cut-off chunk stayed in its parts' sums (a counted twice there: (1 + 1 + 4) / 3), and cut-off
+  // pushes used up the step's slots until no gradient was taken at all.
+  auto cfg = TestConfig(2, 2);
+  cfg.deterministic = true;
+  cfg.optimizer.learning_rate = 1.0;
+  auto server = StartServer(cfg);
+  constexpr int64_t n = 64 << 10;  // 256 KiB: 128 parts
+  std::vector<float> zero(n, 0.0f), ones(n, 1.0f), fours(n, 4.0f);
+  auto b = Connect(server->port(), "b", 0);
+  REQUIRE(b->CreateVariable("w", ConstTensorView{zero.data(), DType::kFloat32, {n}}).ok());
+  const int64_t chunk = 8 * server::TrainingEngine::kChunkElements;
+  for (int cut = 0; cut < 12; ++cut) {  // more than the step's slots (2 x max(N, R) + 8)
+    RawPeer a(server->port());
+    a.Hello("a");
+    wire::OutFrame f;
+    auto req = f.builder.initRoot<proto::Request>();
+    req.setId(2);
+    auto p = req.initPush();
+    p.setLocalStep(0);
+    p.setMore(true);
+    auto g = p.initGrads(1)[0];
+    g.setName("w");
+    g.setChunk(true);
+    g.setChunkOffset(0);
+    wire::SetTensor(f.builder, g.initGrad(), DType::kFloat32, {chunk}, ones.data(), static_cast<size_t>(chunk) * 4);
+    a.Send(f);
+    Code code;
+    std::string message;
+    REQUIRE(a.Read(&code, &message));  // taken (more to come)
+    REQUIRE(code == Code::kOk);
+  }  // closed mid-push
+  auto a = Connect(server->port(), "a", 0);
+  std::thread pa([&] {
+    auto out = a->Push(0, {{"w", ConstTensorView{ones.data(), DType::kFloat32, {n}}}}, {}, true, 20000);
+    CHECK(out.ok());
+  });
+  auto out = b->Push(0, {{"w", ConstTensorView{fours.data(), DType::kFloat32, {n}}}}, {}, true, 20000);
+  pa.join();
+  REQUIRE(out.ok());
+  CHECK(out->token_status.ok());
+  std::vector<float> w(n);
+  REQUIRE(*b->Pull("w", TensorView{w.data(), DType::kFloat32, {n}}) == 1);
+  for (int64_t i = 0; i < n; ++i) {
+    INFO("element " << i);
+    REQUIRE(w[static_cast<size_t>(i)] == -2.5f);
+  }
 }

@@ -225,9 +225,9 @@ namespace {
 // Adds elements [offset, offset + n) of `g` as one chunk (the owner's lock is not needed: no
 // other thread).
 void AddChunk(DenseAccumulator& acc, int64_t step, const std::vector<float>& g, int64_t offset, int64_t n,
-              std::string_view replica = {}, psd::ThreadPool* helpers = nullptr) {
+              std::string_view replica = {}, psd::ThreadPool* helpers = nullptr, uint64_t source = 0) {
   REQUIRE(acc.BeginAdd(step));
-  acc.AddChunk(DType::kFloat32, g.data() + offset, offset, n, replica, helpers);
+  acc.AddChunk(DType::kFloat32, g.data() + offset, offset, n, replica, helpers, nullptr, source);
   acc.EndAddChunk(offset, n);
 }
 
@@ -363,6 +363,38 @@ TEST_CASE("deterministic reduction of chunks: the sum of whole gradients in repl
   REQUIRE(*mixed.TryTakeGrad(3, &count));
   CHECK(count == 3);
   CHECK(std::memcmp(mixed.grad().data(), whole.grad().data(), static_cast<size_t>(n) * 4) == 0);
+}
+
+TEST_CASE("deterministic reduction: a gradient whose chunks did not all come never counts",
+          "[accumulator][chunks][deterministic]") {
+  // Worker a's push is cut off after its first part (its connection, source 1, closed); a comes
+  // back (source 2) and pushes whole chunks; b pushes. The mean is (a + b) / 2 in every part, as
+  // TensorFlow's all-or-nothing apply_grad gives. Before, the cut-off part stayed: a counted twice
+  // there ((1 + 1 + 4) / 3), and cut pushes filled the slot limit until no gradient was taken.
+  const int64_t P = DenseAccumulator::kPartElements;
+  const int64_t n = 3 * P;
+  std::vector<float> ones(static_cast<size_t>(n), 1.0f), fours(static_cast<size_t>(n), 4.0f);
+  DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kMean, 0, true);
+  acc.LimitSlots(4);
+  for (int cut = 0; cut < 6; ++cut) {  // more cut-off pushes than the limit holds slots
+    AddChunk(acc, 0, ones, 0, P, "a", nullptr, 100 + static_cast<uint64_t>(cut));
+    acc.DropUnfinished(100 + static_cast<uint64_t>(cut));
+  }
+  AddChunk(acc, 0, ones, 0, P, "a", nullptr, 1);
+  acc.DropUnfinished(2);  // another source's: nothing to drop
+  acc.DropUnfinished(1);
+  for (int64_t at = 0; at < n; at += P) AddChunk(acc, 0, ones, at, P, "a", nullptr, 2);
+  acc.DropUnfinished(2);  // finished: it stays
+  int count = 0;
+  CHECK_FALSE(*acc.TryTakeGrad(2, &count));
+  for (int64_t at = 0; at < n; at += P) AddChunk(acc, 0, fours, at, P, "b", nullptr, 3);
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  CHECK(count == 2);
+  const float* sum = static_cast<const float*>(acc.grad().data());
+  for (int64_t i = 0; i < n; ++i) {
+    INFO("element " << i);
+    REQUIRE(sum[i] / static_cast<float>(acc.divisor()) == 2.5f);
+  }
 }
 
 namespace {

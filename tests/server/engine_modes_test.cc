@@ -254,6 +254,25 @@ TEST_CASE("soft sync: a deadline commits the step with what arrived", "[engine][
   CHECK_FALSE(PushDense(*e, 0, "a", {1}, {1}).accepted);  // late for step 0: stale
 }
 
+TEST_CASE("soft sync: a variable with no gradient makes the step's fewest 0, whichever is taken first",
+          "[engine][soft]") {
+  // The forced takes go in the variables' order: here the empty one first. Its 0 was read as
+  // "none yet" and the next variable's 1 reported as the fewest.
+  auto c = Cfg(3, 3);
+  c.step_deadline_ms = 100;
+  auto e = Make(c);
+  Create(*e, "a", {5}, {1});
+  Create(*e, "b", {0}, {1});
+  StepInfo info{};
+  e->set_on_commit([&](const StepInfo& i) { info = i; });
+  PushDense(*e, 0, "b", {2}, {1});
+  e->ForceStep(0);
+  CHECK(e->global_step() == 1);
+  CHECK(info.min_gradients == 0);
+  CHECK(info.max_gradients == 1);
+  CHECK(Read(*e, "a")[0] == 5);
+}
+
 TEST_CASE("soft sync: a fraction of the workers completes a step", "[engine][soft]") {
   auto c = Cfg(4, 4);
   c.soft_sync_fraction = 0.5;
