@@ -219,6 +219,7 @@ ConnectionEnv Server::MakeConnectionEnv() {
   env.budget = &frame_budget_;
   env.frame_buffers = &frame_pool_;
   env.tls = tls_;
+  env.stranger_log = &connection_log_;
   env.on_bytes_in = [this](uint64_t n) { metrics_.OnBytesIn(n); };
   env.on_bytes_out = [this](uint64_t n) { metrics_.OnBytesOut(n); };
   env.on_frame_timeout = [this] { metrics_.OnFrameTimeout(); };
@@ -595,11 +596,23 @@ void Server::Accept() {
       accept_backoff_ms_ = 0;
     }
     uint64_t id = next_conn_id_.fetch_add(1);
-    bool refuse = false;
+    size_t live = 0;
+    {
+      MutexLock lock(&conns_mu_);
+      live = conns_.size();
+    }
+    bool refuse = static_cast<int>(live) >= config_.max_connections;
+    bool evicted = false;
+    // At the limit, the connection that has waited longest for its hello makes room (it closes
+    // once its strand gets to it: up to kEvictionSlack over the limit meanwhile), so clients that
+    // connect and say nothing cannot keep workers, tools and shards out.
+    if (refuse && static_cast<int>(live) < config_.max_connections + kEvictionSlack && awaiting_hello_.EvictOldest()) {
+      refuse = false;
+      evicted = true;
+    }
     size_t io = 0;
     {
       MutexLock lock(&conns_mu_);
-      refuse = static_cast<int>(conns_.size()) >= config_.max_connections;
       if (!refuse) {
         io = static_cast<size_t>(std::min_element(conn_io_load_.begin(), conn_io_load_.end()) - conn_io_load_.begin());
         ++conn_io_load_[io];
@@ -630,9 +643,22 @@ void Server::Accept() {
     }
     if (refuse) {
       metrics_.OnConnectionRefused();
-      spdlog::warn("refusing connection: --max-connections {} reached", config_.max_connections);
+      if (const int64_t suppressed = refusal_log_.Allow(); suppressed >= 0) {
+        spdlog::warn("refusing connection: --max-connections {} reached, every connection has said hello{}",
+                     config_.max_connections,
+                     suppressed > 0 ? fmt::format(" ({} similar lines suppressed)", suppressed) : "");
+      }
     } else {
       metrics_.OnConnectionAccepted();
+      if (evicted) {
+        metrics_.OnConnectionRefused();  // the one closed to make room
+        if (const int64_t suppressed = refusal_log_.Allow(); suppressed >= 0) {
+          spdlog::warn(
+              "--max-connections {} reached: closed the connection that waited longest for its hello to make room{}",
+              config_.max_connections, suppressed > 0 ? fmt::format(" ({} similar lines suppressed)", suppressed) : "");
+        }
+      }
+      awaiting_hello_.Add(conn);
       conn->Start(std::make_shared<WorkerSession>(*this, conn));
     }
     Accept();

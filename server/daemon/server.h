@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "base/waiting_queue.h"
 #include "checkpoint/checkpoint.h"
 #include "cluster/coordinator.h"
 #include "config/server_config.h"
@@ -179,6 +180,14 @@ class Server : public ServiceHost {
   FrameBudget frame_budget_{config_.max_inflight_bytes};
   FramePool frame_pool_{frame_budget_.limit()};  // the budget's frames' buffers, kept within its limit
   peer_auth::LogLimiter spoof_log_;
+  // Lines any stranger can cause (a refused or evicted connection, a failed TLS handshake, a
+  // missing hello): rate-limited like spoofing attempts.
+  peer_auth::LogLimiter refusal_log_;
+  peer_auth::LogLimiter connection_log_;
+  // Data-port connections that have not said hello yet, oldest first (Accept's eviction).
+  WaitingQueue<Connection> awaiting_hello_;
+  // How far over --max-connections evictions may take the count until the evicted have closed.
+  static constexpr int kEvictionSlack = 16;
   const ConnectionEnv conn_env_;  // what every accepted connection is told (limits, budget, counters)
   const std::chrono::steady_clock::time_point start_time_ = std::chrono::steady_clock::now();
   const double start_unix_s_ = ops::UnixNow();

@@ -39,14 +39,15 @@ void Connection::Start(std::shared_ptr<FrameHandler> handler) {
     auto hello = std::chrono::milliseconds(self->env_.hello_timeout_ms);
     self->hello_deadline_ = std::chrono::steady_clock::now() + hello;
     self->ArmTimer(hello);  // bounds the TLS handshake too
-    self->stream_.async_handshake(
-        wire::ssl::stream_base::server, asio::bind_executor(self->strand_, [self](const boost::system::error_code& ec) {
-          if (ec) {
-            spdlog::warn("connection {}: TLS handshake failed: {}; closing it", self->id_, wire::TlsErrorText(ec));
-            return self->CloseNow();
-          }
-          self->ReadHeader();
-        }));
+    self->stream_.async_handshake(wire::ssl::stream_base::server,
+                                  asio::bind_executor(self->strand_, [self](const boost::system::error_code& ec) {
+                                    if (self->closed_) return;  // closed at the hello deadline (said so then)
+                                    if (ec) {
+                                      self->Warn("TLS handshake failed: " + wire::TlsErrorText(ec) + "; closing it");
+                                      return self->CloseNow();
+                                    }
+                                    self->ReadHeader();
+                                  }));
   });
 }
 
@@ -62,7 +63,7 @@ void Connection::OnTimer() {
   auto now = std::chrono::steady_clock::now();
   if (role_ == Role::kNone) {
     if (now < hello_deadline_) return ArmTimer(hello_deadline_ - now);
-    spdlog::warn("connection {}: no hello within --hello-timeout-ms {}; closing it", id_, env_.hello_timeout_ms);
+    Warn("no hello within --hello-timeout-ms " + std::to_string(env_.hello_timeout_ms) + "; closing it");
     return CloseNow();
   }
   int64_t idle_s = env_.idle_timeout_s;
@@ -77,6 +78,22 @@ void Connection::OnTimer() {
   CloseNow();
 }
 
+void Connection::Warn(const std::string& what) {
+  int64_t suppressed = 0;
+  if (untrusted() && env_.stranger_log != nullptr && (suppressed = env_.stranger_log->Allow()) < 0) return;
+  spdlog::warn("connection {}: {}{}", id_, what,
+               suppressed > 0 ? " (" + std::to_string(suppressed) + " similar lines suppressed)" : "");
+}
+
+bool Connection::Evict() {
+  if (!awaiting_hello_.exchange(false)) return false;
+  asio::post(strand_, [self = shared_from_this()] {
+    if (self->closed_ || self->role_ != Role::kNone) return;  // it said hello meanwhile
+    self->CloseNow();
+  });
+  return true;
+}
+
 void Connection::CloseGracefully() {
   asio::post(strand_, [self = shared_from_this()] {
     self->closing_ = true;
@@ -87,6 +104,7 @@ void Connection::CloseGracefully() {
 void Connection::CloseNow() {
   if (closed_) return;
   closed_ = true;
+  awaiting_hello_ = false;
   timer_.cancel();
   frame_timer_.cancel();
   WithdrawIdle();
@@ -301,7 +319,7 @@ void Connection::ReleaseCharge() {
 }
 
 void Connection::FailStream(const Status& status, uint64_t id) {
-  spdlog::warn("connection {}: {}; closing it", id_, status.ToString());
+  Warn(status.ToString() + "; closing it");
   if (handler_) return SendAndClose(handler_->ErrorReply(id, status));
   CloseNow();
 }

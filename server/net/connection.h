@@ -26,15 +26,18 @@
 #ifndef PSD_SERVER_NET_CONNECTION_H_
 #define PSD_SERVER_NET_CONNECTION_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "net/byte_stream.h"
 #include "net/frame_budget.h"
+#include "net/peer_auth.h"
 #include "psd/status.h"
 #include "wire/asio.h"
 #include "wire/frame.h"
@@ -65,6 +68,9 @@ struct ConnectionEnv {
   // Where big frames' body buffers come from (null: the heap); outlives the connection.
   wire::BufferSource* frame_buffers = nullptr;
   std::shared_ptr<wire::ssl::context> tls;
+  // Rate limit of what a connection that has not said hello (or an observer's) makes psd log: a
+  // failed TLS handshake, no hello in time, a refused frame. Null: every line.
+  peer_auth::LogLimiter* stranger_log = nullptr;
   // Counters (may be empty).
   std::function<void(uint64_t bytes)> on_bytes_in;
   std::function<void(uint64_t bytes)> on_bytes_out;
@@ -118,7 +124,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // once it is written: for input after which the stream cannot go on.
   void FailStream(const Status& status, uint64_t id = 0);
   void CloseNow();
-  void set_role(Role role) { role_ = role; }
+  void set_role(Role role) {
+    role_ = role;
+    if (role != Role::kNone) awaiting_hello_ = false;
+  }
+  // For the daemon's queue of connections that have not said hello (base/waiting_queue.h): at
+  // --max-connections the one that has waited longest makes room for a newcomer. Any thread.
+  bool waiting() const { return awaiting_hello_.load(); }
+  // Closes it if it still has said no hello; false once it has (or is closed).
+  bool Evict();
   // The hello was answered with "retry later": --hello-timeout-ms starts again.
   void RestartHelloDeadline() {
     hello_deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(env_.hello_timeout_ms);
@@ -158,6 +172,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void ReleaseCharge();
   // Closed and no read lands in the body buffer: its memory goes back.
   void DropBufferIfClosed();
+  // Logs a warning about this connection, rate-limited while it is untrusted (env_.stranger_log).
+  void Warn(const std::string& what);
   // The per-connection timer: the hello deadline until a role is admitted, then the idle check.
   void ArmTimer(std::chrono::steady_clock::duration after);
   void OnTimer();
@@ -194,6 +210,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::chrono::steady_clock::time_point last_frame_ = std::chrono::steady_clock::now();
   bool closing_ = false;  // close once the write queue drains
   bool closed_ = false;
+  std::atomic<bool> awaiting_hello_{true};  // no role admitted yet, not closed (read off the strand)
 
   std::deque<std::shared_ptr<wire::OutFrame>> write_queue_;
   bool writing_ = false;

@@ -19,6 +19,7 @@ using psd::testing::Eventually;
 using psd::testing::RawPeer;
 using psd::testing::StartServer;
 using psd::testing::TestConfig;
+using psd::testing::WorkerOptions;
 
 namespace {
 
@@ -522,6 +523,33 @@ TEST_CASE("before its hello a connection may send only a small hello, and must s
   REQUIRE((*w)->Pull("w", {&v, DType::kFloat32, {}, MemoryKind::kHost}).ok());
   CHECK(v == 5.0f);
   REQUIRE((*w)->Push(0, {{"w", {&v, DType::kFloat32, {}, MemoryKind::kHost}}}).ok());
+}
+
+TEST_CASE("at --max-connections the connection that waited longest for its hello makes room", "[robustness][dos]") {
+  // Silent connections fill the limit; a worker connecting
+  // then gets in at once, and the oldest silent one is closed for it. Before, the worker was
+  // refused until a silent one's --hello-timeout-ms passed, so clients that connect and say
+  // nothing, reconnecting as they are closed, kept workers out for good.
+  auto cfg = TestConfig(1, 3, 0);
+  cfg.hello_timeout_ms = 120000;  // only an eviction closes a silent connection in this test
+  cfg.max_connections = 4;
+  auto server = StartWithVariable(cfg);
+  const uint64_t before = server->metrics().connections_accepted();
+  std::vector<std::unique_ptr<RawPeer>> silent;
+  for (int i = 0; i < cfg.max_connections; ++i) {
+    silent.push_back(std::make_unique<RawPeer>(server->port()));
+    const uint64_t want = before + static_cast<uint64_t>(i) + 1;
+    REQUIRE(Eventually([&] { return server->metrics().connections_accepted() >= want; }));  // in order
+  }
+  auto w = psclient::Client::Connect(WorkerOptions(server->port(), "healthy"));
+  INFO(w.status().ToString());
+  REQUIRE(w.ok());
+  float v = -1;
+  REQUIRE((*w)->Pull("w", {&v, DType::kFloat32, {}, MemoryKind::kHost}).ok());
+  CHECK(v == 5.0f);
+  CHECK(silent[0]->ClosedWithin(std::chrono::seconds(30)));
+  CHECK_FALSE(silent[3]->ClosedWithin(std::chrono::seconds(1)));
+  CHECK(server->metrics().connections_refused() >= 1);
 }
 
 TEST_CASE("an idle connection is closed after --idle-timeout-s, a parked wait is not idle", "[robustness][dos]") {
