@@ -174,9 +174,11 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
   // exhaust the daemon's memory.
   const uint64_t copies = 1 + (def.trainable ? 3 : 0) + opt->Slots().size() + (def.average ? 1 : 0) +
                           (def.sync_on_read ? 1 + static_cast<uint64_t>(config_.worker_slots()) : 0);
-  uint64_t cost = bytes * copies + kVariableOverheadBytes;
+  const uint64_t cost = bytes > (UINT64_MAX - kVariableOverheadBytes) / copies
+                            ? UINT64_MAX  // saturated: over any --max-model-bytes
+                            : bytes * copies + kVariableOverheadBytes;
   const uint64_t held = model_bytes_.load();
-  if (held + cost > config_.max_model_bytes) {
+  if (cost > config_.max_model_bytes || held > config_.max_model_bytes - cost) {
     return ResourceExhausted("variable '" + def.name + "' needs about " + std::to_string(cost) + " bytes; the " +
                              "variables already hold " + std::to_string(held) + " of --max-model-bytes " +
                              std::to_string(config_.max_model_bytes));
@@ -230,6 +232,26 @@ void TrainingEngine::DropUnfinishedChunks(uint64_t source) {
     MutexLock lock(&v->mu);
     if (v->dense) v->dense->DropUnfinished(source);
   }
+}
+
+std::optional<VariableDesc> TrainingEngine::Describe(std::string_view name) const {
+  MutexLock lock(&mu_);
+  Variable* v = FindLocked(name);
+  if (v == nullptr) return std::nullopt;
+  return VariableDesc{v->name, v->declared, v->shape, v->trainable, false};
+}
+
+Result<std::shared_ptr<void>> TrainingEngine::ReserveValueBytes(const std::string& name, uint64_t bytes) {
+  const uint64_t held = model_bytes_.load() + reserved_value_bytes_->load();
+  if (bytes > config_.max_model_bytes || held > config_.max_model_bytes - bytes) {
+    return ResourceExhausted("variable '" + name + "': its initial value of " + std::to_string(bytes) +
+                             " bytes does not fit: the variables and the initial values arriving in chunks already "
+                             "hold " +
+                             std::to_string(held) + " of --max-model-bytes " + std::to_string(config_.max_model_bytes));
+  }
+  reserved_value_bytes_->fetch_add(bytes);
+  return std::shared_ptr<void>(nullptr,
+                               [reserved = reserved_value_bytes_, bytes](void*) { reserved->fetch_sub(bytes); });
 }
 
 Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,

@@ -249,6 +249,12 @@ class TrainingEngine {
   // The declared dtypes of the named variables (NotFound naming the first unknown one): checks a
   // later read's names without reading (no value is combined or referenced).
   Result<std::vector<DType>> DeclaredDTypes(const std::vector<std::string>& names) const EXCLUDES(mu_);
+  // The variable named `name`, if there is one.
+  std::optional<VariableDesc> Describe(std::string_view name) const EXCLUDES(mu_);
+  // An initial value of `bytes` arriving in chunks (not a variable yet) reserves them against
+  // --max-model-bytes, with what the variables hold and the other reservations, until the
+  // returned handle goes. RESOURCE_EXHAUSTED (naming the flag) when they do not fit.
+  Result<std::shared_ptr<void>> ReserveValueBytes(const std::string& name, uint64_t bytes);
   // Gives the listed rows (any order, repeats allowed) of a variable, [n, row dims...], to `sink`,
   // all of one global step (returned): the published value is referenced under the engine's lock
   // and its rows read outside it (an apply meanwhile writes a copy), so pushes and other reads go on
@@ -482,6 +488,8 @@ class TrainingEngine {
   // --max-model-bytes and the add are one step there).
   std::atomic<uint64_t> model_bytes_{0};  // the memory the variables account for
   std::atomic<uint64_t> value_bytes_{0};  // of their values alone
+  // ReserveValueBytes's (shared with the handles, which may outlive the engine).
+  const std::shared_ptr<std::atomic<uint64_t>> reserved_value_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);
   std::atomic<int> variable_count_{0};    // vars_.size()
   int step_min_count_ GUARDED_BY(mu_) = INT_MAX;  // INT_MAX: no take yet this step
   int step_max_count_ GUARDED_BY(mu_) = 0;

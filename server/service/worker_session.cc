@@ -23,6 +23,7 @@ bool WorkerSession::Busy() {
 
 void WorkerSession::OnClosed() {
   ValuesRead(UINT64_MAX);  // nobody reads them through this connection any more
+  pending_value_.reset();  // a value arriving in chunks: its memory and its reservation go now
   if (shm_) {
     if (host_.shm()) host_.shm()->Withdraw(id_);
     shm_->Close();  // unmapped once no request holds it
@@ -318,6 +319,17 @@ Status WorkerSession::GatherChunk(proto::Request::Which kind, const std::string&
       if (d < 0) return InvalidArgument("variable '" + name + "': shape has a negative dimension");
       shape.push_back(d);
     }
+    // Nothing is allocated for a value that cannot be used: an update's variable must exist with
+    // this shape; a new variable's value is reserved against --max-model-bytes with the others.
+    auto engine = host_.engine();
+    std::optional<VariableDesc> existing = engine->Describe(name);
+    if (kind != proto::Request::CREATE_VARIABLE) {
+      if (!existing) return NotFound("update: no variable named '" + name + "'");
+      if (existing->shape != shape) {
+        return InvalidArgument("update of '" + name + "': a value of shape " + ShapeString(shape) +
+                               " for a variable of shape " + ShapeString(existing->shape));
+      }
+    }
     // Bounded as a variable is (the engine names --max-model-bytes) before anything is allocated.
     const uint64_t limit = std::max(host_.config().max_frame_bytes, host_.config().max_model_bytes);
     const size_t es = DTypeSize(chunk.dtype);
@@ -332,8 +344,19 @@ Status WorkerSession::GatherChunk(proto::Request::Which kind, const std::string&
       return ResourceExhausted("variable '" + name + "' " + ShapeString(shape) + " is bigger than --max-model-bytes (" +
                                std::to_string(limit) + " bytes)");
     }
-    pending_value_ = PendingValue{
-        kind, name, chunk.dtype, std::move(shape), std::make_shared<Buffer>(elements * es, Buffer::Uninitialized{}), 0};
+    std::shared_ptr<void> reservation;
+    if (kind == proto::Request::CREATE_VARIABLE && !existing) {
+      auto reserved = engine->ReserveValueBytes(name, elements * es);
+      if (!reserved.ok()) return reserved.status();
+      reservation = std::move(*reserved);
+    }
+    pending_value_ = PendingValue{kind,
+                                  name,
+                                  chunk.dtype,
+                                  std::move(shape),
+                                  std::make_shared<Buffer>(elements * es, Buffer::Uninitialized{}),
+                                  0,
+                                  std::move(reservation)};
   }
   PendingValue& p = *pending_value_;
   const size_t es = DTypeSize(p.dtype);

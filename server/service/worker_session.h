@@ -206,6 +206,8 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
     Shape shape;
     std::shared_ptr<Buffer> value;  // the whole value, filled in order (a create's is adopted by the engine)
     size_t filled = 0;              // bytes received
+    // A create's: its bytes reserved against --max-model-bytes until it is a variable (or dropped).
+    std::shared_ptr<void> reservation;
   };
   std::optional<PendingValue> pending_value_;
   // The push in progress (Push.more): the last row so far of each sparse gradient whose rows

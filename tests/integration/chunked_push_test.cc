@@ -7,11 +7,13 @@
 
 #include "../client/src/frame_plan.h"
 #include "psd/half.h"
+#include "support/eventually.h"
 #include "support/raw_peer.h"
 #include "support/test_server.h"
 
 using namespace psd;
 using psd::testing::ConnectWith;
+using psd::testing::Eventually;
 using psd::testing::RawPeer;
 using psd::testing::StartServer;
 using psd::testing::TestConfig;
@@ -498,4 +500,66 @@ TEST_CASE("deterministic mode: a push cut off mid-gradient never counts, its wor
     INFO("element " << i);
     REQUIRE(w[static_cast<size_t>(i)] == -2.5f);
   }
+}
+
+TEST_CASE("a value arriving in chunks is checked before its memory is taken", "[integration][chunks]") {
+  // One 200-byte chunk named a value of 4 billion elements for a variable that does not exist:
+  // psd took 16 GB of address space for it, charged to nothing, and answered `none`.
+  auto cfg = TestConfig(1, 4);
+  cfg.max_model_bytes = 64ull << 20;
+  cfg.max_frame_bytes = 1 << 20;
+  auto server = StartServer(cfg);
+  auto owner = Connect(server->port(), "owner", 1 << 20);
+  std::vector<float> zero(1000, 0.0f), some(50, 1.0f);
+  REQUIRE(owner->CreateVariable("v", {zero.data(), DType::kFloat32, {1000}}, /*trainable=*/false).ok());
+  RawPeer raw(server->port());
+  raw.Hello("raw");
+  auto send = [&](bool update, const std::string& name, int64_t elements) {
+    wire::OutFrame f;
+    auto req = f.builder.initRoot<proto::Request>();
+    req.setId(9);
+    if (update) {
+      auto u = req.initUpdate();
+      u.setVariable(name);
+      u.setOp(proto::UpdateOp::ASSIGN);
+      u.setCrossReplica(true);
+      u.setChunked(true);
+      u.setChunkOffset(0);
+      u.initChunkedShape(1).set(0, elements);
+      u.setMore(true);
+      wire::SetTensor(f.builder, u.initValue(), DType::kFloat32, {50}, some.data(), 200);
+    } else {
+      auto c = req.initCreateVariable();
+      c.setName(name);
+      c.setChunked(true);
+      c.setChunkOffset(0);
+      c.initChunkedShape(1).set(0, elements);
+      c.setMore(true);
+      wire::SetTensor(f.builder, c.initInitial(), DType::kFloat32, {50}, some.data(), 200);
+    }
+    raw.Send(f);
+    Code code;
+    std::string message;
+    REQUIRE(raw.Read(&code, &message));
+    return std::make_pair(code, message);
+  };
+  auto [code, message] = send(true, "nope", 4'000'000'000);
+  CHECK(code == Code::kNotFound);
+  std::tie(code, message) = send(true, "v", 4'000'000'000);
+  CHECK(code == Code::kInvalidArgument);
+  CHECK_THAT(message, Catch::Contains("for a variable of shape [1000]"));
+  // A new variable's value is reserved against --max-model-bytes while its chunks arrive: two of
+  // 40 MB do not fit 64 MB, on one connection or on several.
+  std::tie(code, message) = send(false, "big", 10'000'000);
+  CHECK(code == Code::kOk);
+  auto other = Connect(server->port(), "other", 1 << 20);
+  std::vector<float> big(10'000'000, 0.5f);
+  auto refused = other->CreateVariable("big2", {big.data(), DType::kFloat32, {10'000'000}}, false);
+  CHECK(refused.status().code() == Code::kResourceExhausted);
+  CHECK_THAT(refused.status().message(), Catch::Contains("--max-model-bytes"));
+  // The first one's chunks stop (its connection closes): the reservation goes with them.
+  raw.socket.close();
+  CHECK(Eventually([&] {
+    return other->CreateVariable("big2", {big.data(), DType::kFloat32, {10'000'000}}, false).ok();
+  }));
 }

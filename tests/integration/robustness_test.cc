@@ -160,7 +160,7 @@ TEST_CASE("malformed frames get errors and never hurt the daemon", "[robustness]
       wire::SetTensor(f.builder, u.initValue(), DType::kFloat32, {4}, values, sizeof(values));
       p.Send(f);
       REQUIRE(p.Read(&code, &msg));
-      CHECK(code == Code::kOk);  // taken, answered `none`: the update waits for its last chunk
+      CHECK(code == Code::kNotFound);  // "mixed" is not created yet: refused before anything is held
     }
     chunk("mixed", 4, 4, false);
     CHECK(code == Code::kInvalidArgument);
