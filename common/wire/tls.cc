@@ -157,7 +157,7 @@ Status RunUntil(ssl::stream<tcp::socket>& stream, Deadline deadline, const char*
         result == ssl::error::stream_truncated) {
       return Unavailable(std::string("connection lost: ") + result.message());
     }
-    return Unavailable(std::string(what) + " failed: " + TlsErrorText(result));
+    return Unavailable(std::string(what) + " failed: " + TlsErrorText(result, stream.native_handle()));
   }
   return Status::Ok();
 }
@@ -184,12 +184,25 @@ Status ReadFrame(ssl::stream<tcp::socket>& stream, InFrame& in, uint64_t max_fra
   return ReadFrameWith(read, in, max_frame_bytes, limit_name, landing);
 }
 
-std::string TlsErrorText(const boost::system::error_code& ec) {
+std::string TlsErrorText(const boost::system::error_code& ec, const SSL* ssl) {
   std::string text = OpenSslText(ec);
-  if (text.find("certificate verify failed") != std::string::npos) {
+  const long verified = ssl != nullptr ? SSL_get_verify_result(ssl) : X509_V_OK;
+  if (text.find("certificate verify failed") != std::string::npos && ssl != nullptr && SSL_is_server(ssl) == 1) {
+    text += std::string(" (the client's certificate: ") +
+            (verified != X509_V_OK ? X509_verify_cert_error_string(verified) : "refused") +
+            "; it must be signed by the CA in --tls-ca-file and allow client authentication — extendedKeyUsage "
+            "clientAuth; a shard's certificate, which it also presents when it dials the others, needs both "
+            "serverAuth and clientAuth)";
+  } else if (text.find("certificate verify failed") != std::string::npos) {
+    text += std::string(" (") + (verified != X509_V_OK ? X509_verify_cert_error_string(verified) : "verification") +
+            ": the other side's certificate is not signed by the CA file given, has expired, or does not name "
+            "the host dialled: check --tls-ca-file / tls_ca_file and tls_server_name)";
+  } else if (text.find("unsupported certificate") != std::string::npos) {
     text +=
-        " (the other side's certificate is not signed by the CA file given, has expired, or does not name the "
-        "host dialled: check --tls-ca-file / tls_ca_file and tls_server_name)";
+        " (the other side refused this side's certificate for its purpose: a certificate a client or a dialing "
+        "shard presents must allow client authentication, extendedKeyUsage clientAuth)";
+  } else if (text.find("unknown ca") != std::string::npos) {
+    text += " (the other side does not trust this side's certificate: sign it with the CA in its --tls-ca-file)";
   } else if (text.find("wrong version number") != std::string::npos ||
              text.find("packet length too long") != std::string::npos) {
     text += " (one side speaks TLS and the other does not: give both the TLS settings, or neither)";
@@ -198,6 +211,12 @@ std::string TlsErrorText(const boost::system::error_code& ec) {
     text += " (psd runs with --tls-require-client-cert: give the client a certificate and key)";
   }
   return text;
+}
+
+bool LooksLikeTlsHandshake(const void* first_bytes, size_t n) {
+  // A TLS record: content type 22 (handshake), then the protocol version's major byte 3.
+  const auto* b = static_cast<const uint8_t*>(first_bytes);
+  return n >= 3 && b[0] == 0x16 && b[1] == 0x03 && b[2] <= 0x04;
 }
 
 }  // namespace psd::wire

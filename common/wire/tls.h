@@ -45,8 +45,13 @@ Status ReadFrame(ssl::stream<tcp::socket>& stream, InFrame& in, uint64_t max_fra
                  Deadline deadline = kNoDeadline, const std::string& limit_name = "psd's --max-frame-bytes",
                  const Landing* landing = nullptr);
 
-// An OpenSSL error queue / Asio SSL error as text that says what to check.
-std::string TlsErrorText(const boost::system::error_code& ec);
+// An OpenSSL error queue / Asio SSL error as text that says what to check. `ssl` (the
+// connection's, if known) adds why a certificate failed verification, and which side's it was.
+std::string TlsErrorText(const boost::system::error_code& ec, const SSL* ssl = nullptr);
+
+// Whether the first bytes a plain-TCP listener read are a TLS handshake record (a TLS client at
+// a daemon that does not speak TLS).
+bool LooksLikeTlsHandshake(const void* first_bytes, size_t n);
 
 }  // namespace psd::wire
 

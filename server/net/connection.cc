@@ -43,7 +43,11 @@ void Connection::Start(std::shared_ptr<FrameHandler> handler) {
                                   asio::bind_executor(self->strand_, [self](const boost::system::error_code& ec) {
                                     if (self->closed_) return;  // closed at the hello deadline (said so then)
                                     if (ec) {
-                                      self->Warn("TLS handshake failed: " + wire::TlsErrorText(ec) + "; closing it");
+                                      self->Warn("TLS handshake failed: " +
+                                                 wire::TlsErrorText(ec, self->stream_.tls()
+                                                                            ? self->stream_.tls_stream().native_handle()
+                                                                            : nullptr) +
+                                                 "; closing it");
                                       return self->CloseNow();
                                     }
                                     self->ReadHeader();
@@ -170,6 +174,12 @@ void Connection::ReadHeader() {
     return;
   }
   ReadExact(first_, sizeof(first_), [this] {
+    if (role_ == Role::kNone && !stream_.tls() && wire::LooksLikeTlsHandshake(first_, sizeof(first_))) {
+      Warn(
+          "a TLS handshake at a port that does not speak TLS: give the client no TLS settings, or start psd with "
+          "--tls-cert-file and --tls-key-file; closing it");
+      return CloseNow();  // an answer in psd's framing would mean nothing to a TLS client
+    }
     uint32_t count = 0;
     size_t rest = 0;
     Status s = wire::ParseFirstWord(first_, &count, &rest);

@@ -370,7 +370,8 @@ class PeerLink : public std::enable_shared_from_this<PeerLink> {
 
   // A TLS failure is a configuration error: say so once per cause, not every 100 ms.
   void LogHandshakeError(const boost::system::error_code& ec) {
-    std::string text = wire::TlsErrorText(ec);
+    std::string text =
+        wire::TlsErrorText(ec, stream_ && stream_->tls() ? stream_->tls_stream().native_handle() : nullptr);
     if (text == last_tls_error_) return;
     last_tls_error_ = text;
     spdlog::error("peer link to {}: TLS handshake failed: {}", address_, text);

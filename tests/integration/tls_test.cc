@@ -1,14 +1,18 @@
 // TLS on the data port: certificates made here by deploy/make_tls_certs.sh; workers and tools
 // connect with TLS, verify psd's certificate, and present their own with mutual TLS.
+#include <spdlog/sinks/ringbuffer_sink.h>
+
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <filesystem>
 #include <thread>
 
+#include "support/eventually.h"
 #include "support/test_server.h"
 #include "wire/frame.h"
 
 using namespace psd;
+using psd::testing::Eventually;
 using psd::testing::StartServer;
 using psd::testing::TestConfig;
 
@@ -52,7 +56,63 @@ psclient::ClientOptions TlsClient(uint16_t port, const std::string& name, const 
   return o;
 }
 
+// psd's warnings while it lives (made before the daemon starts, gone after it stops: the default
+// logger is swapped, which is safe only while nothing logs).
+struct CapturedLog {
+  CapturedLog() {
+    auto logger = std::make_shared<spdlog::logger>("captured", sink);
+    logger->set_level(spdlog::level::warn);
+    spdlog::set_default_logger(logger);
+  }
+  ~CapturedLog() {
+    spdlog::set_default_logger(before);
+    spdlog::set_level(level);
+  }
+  bool Has(const std::string& text) const {
+    for (const std::string& line : sink->last_formatted()) {
+      if (line.find(text) != std::string::npos) return true;
+    }
+    return false;
+  }
+  std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(256);
+  std::shared_ptr<spdlog::logger> before = spdlog::default_logger();
+  spdlog::level::level_enum level = spdlog::get_level();
+};
+
 }  // namespace
+
+TEST_CASE("TLS mismatches are logged saying what to fix", "[tls]") {
+  Certs certs;
+  CapturedLog log;  // outlives the daemons below
+  SECTION("a TLS client at a daemon that does not speak TLS") {
+    auto server = StartServer(TestConfig(1, 4, 0));
+    auto o = TlsClient(server->port(), "w0", certs.dir + "/ca.pem");
+    o.connect_timeout_ms = 2000;
+    CHECK_FALSE(psclient::Client::Connect(o).ok());
+    // Before: "frame has 16843543 segments (limit 65536)".
+    CHECK(Eventually([&] { return log.Has("a TLS handshake at a port that does not speak TLS"); }));
+  }
+  SECTION("mutual TLS: a client certificate that does not allow client authentication") {
+    // Signed by the right CA, but for servers only (extendedKeyUsage serverAuth), as some
+    // corporate CAs issue them: before, both sides said the certificate did not name the host.
+    const std::string d = certs.dir;
+    const std::string cmd = "cd " + d +
+                            " && openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=w0 "
+                            "-keyout serveronly.key -out serveronly.csr 2>/dev/null"
+                            " && printf 'extendedKeyUsage=serverAuth\\n' > serveronly.ext"
+                            " && openssl x509 -req -in serveronly.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2"
+                            " -extfile serveronly.ext -out serveronly.pem 2>/dev/null";
+    REQUIRE(std::system(cmd.c_str()) == 0);
+    auto server = StartServer(TlsConfig(certs, true));
+    auto o = TlsClient(server->port(), "w0", d + "/ca.pem");
+    o.tls_cert_file = d + "/serveronly.pem";
+    o.tls_key_file = d + "/serveronly.key";
+    auto c = psclient::Client::Connect(o);
+    REQUIRE_FALSE(c.ok());
+    CHECK_THAT(c.status().message(), Catch::Contains("clientAuth"));
+    CHECK(Eventually([&] { return log.Has("the client's certificate: unsuitable certificate purpose"); }));
+  }
+}
 
 TEST_CASE("a worker trains over TLS, psd's certificate is verified", "[tls]") {
   Certs certs;
