@@ -117,6 +117,24 @@ void TrainingEngine::ResolveHeld() {
   }
 }
 
+std::string TrainingEngine::WaitingVariables(size_t max_named) {
+  const int64_t step = global_step_.load();
+  const int required = required_.load();
+  std::string named;
+  size_t waiting = 0;
+  for (Variable* v : Variables(/*trainable_only=*/true)) {
+    MutexLock lock(&v->mu);
+    if (v->next_take_step != step) continue;  // taken for this step
+    const int have = v->dense ? v->dense->num_accumulated() : v->sparse ? v->sparse->num_accumulated() : 0;
+    if (have >= required) continue;
+    if (++waiting > max_named) continue;
+    if (!named.empty()) named += ", ";
+    named += "'" + v->name + "' (" + std::to_string(have) + " of " + std::to_string(required) + ")";
+  }
+  if (waiting > max_named) named += " and " + std::to_string(waiting - max_named) + " more";
+  return named;
+}
+
 bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   const int64_t step = global_step_.load();
   if (v->next_take_step != step) return false;  // already taken this step

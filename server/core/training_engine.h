@@ -249,6 +249,11 @@ class TrainingEngine {
   // The declared dtypes of the named variables (NotFound naming the first unknown one): checks a
   // later read's names without reading (no value is combined or referenced).
   Result<std::vector<DType>> DeclaredDTypes(const std::vector<std::string>& names) const EXCLUDES(mu_);
+  // Sync: the trainable variables the open step still waits for (not taken yet, fewer fresh
+  // gradients than it needs), as "'w' (1 of 2), 'b' (0 of 2)", at most `max_named` of them and a
+  // count of the rest; "" when none does. For a token wait's timeout: a variable that no worker
+  // sends a gradient for holds every step, as TensorFlow's would with its accumulator.
+  std::string WaitingVariables(size_t max_named = 3) EXCLUDES(mu_);
   // The variable named `name`, if there is one.
   std::optional<VariableDesc> Describe(std::string_view name) const EXCLUDES(mu_);
   // An initial value of `bytes` arriving in chunks (not a variable yet) reserves them against

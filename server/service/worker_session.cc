@@ -809,10 +809,17 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
   w->timer.expires_after(std::chrono::milliseconds(timeout_ms));
   w->timer.async_wait([self, w, timeout_ms](boost::system::error_code ec) {
     if (ec || w->done) return;
-    EngineStats st = self->host_.engine()->Stats();
+    auto engine = self->host_.engine();
+    EngineStats st = engine->Stats();
     std::string what = self->host_.config().mode == Mode::kSync
                            ? "a step needs " + std::to_string(st.required_replicas) + " fresh gradient(s) per variable"
                            : "waiting for the slowest worker to come within the staleness bound";
+    if (self->host_.config().mode == Mode::kSync) {
+      // Which ones this daemon still waits for (a shard: its own): a variable no worker sends a
+      // gradient for holds every step.
+      const std::string waiting = engine->WaitingVariables();
+      if (!waiting.empty()) what += "; still waiting for " + waiting;
+    }
     w->cancel(DeadlineExceeded("no token within " + std::to_string(timeout_ms) + " ms (global step " +
                                std::to_string(st.global_step) + ", " + what + ")"));
   });

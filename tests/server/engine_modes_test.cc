@@ -217,6 +217,25 @@ TEST_CASE("deterministic mode: gradients waiting for a take are bounded", "[engi
   CHECK(Read(*e, "w") == std::vector<float>{-2});  // 0 - 1 (step 1) - the mean of 10 ones (step 2)
 }
 
+TEST_CASE("the open step names the variables it still waits for", "[engine]") {
+  // What a token wait's timeout says: a variable no worker sends a gradient for holds every step
+  // (TensorFlow's accumulator would too), and the message names it.
+  auto e = Make(Cfg(2, 2, 1.0));
+  Create(*e, "a", {0}, {1});
+  Create(*e, "b", {0}, {1});
+  CHECK(e->WaitingVariables() == "'a' (0 of 2), 'b' (0 of 2)");
+  PushDense(*e, 0, "a", {1}, {1});
+  CHECK(e->WaitingVariables() == "'a' (1 of 2), 'b' (0 of 2)");
+  CHECK(e->WaitingVariables(1) == "'a' (1 of 2) and 1 more");
+  PushDense(*e, 0, "a", {1}, {1});  // a is taken; the step waits for b alone
+  CHECK(e->global_step() == 0);
+  CHECK(e->WaitingVariables() == "'b' (0 of 2)");
+  PushDense(*e, 0, "b", {1}, {1});
+  PushDense(*e, 0, "b", {1}, {1});
+  CHECK(e->global_step() == 1);
+  CHECK(e->WaitingVariables() == "'a' (0 of 2), 'b' (0 of 2)");
+}
+
 TEST_CASE("a learning-rate change takes effect from the next step", "[engine]") {
   auto e = Make(Cfg(2, 2, 1.0));
   Create(*e, "w", {0}, {1});
