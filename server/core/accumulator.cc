@@ -514,6 +514,11 @@ void DenseAccumulator::SettleParts(int* count) {
     char* dst = SumData() + static_cast<size_t>(begin) * out_size;
     if (c == 0) {
       std::memset(dst, 0, static_cast<size_t>(end - begin) * out_size);
+      if (!unsent_.empty() && unsent_.back().second == begin) {
+        unsent_.back().second = end;
+      } else {
+        unsent_.emplace_back(begin, end);
+      }
     } else if (reduction_ == Reduction::kMean && c > 1) {
       if (dtype_ == DType::kFloat32) {
         float* x = reinterpret_cast<float*>(dst);
@@ -541,6 +546,7 @@ void DenseAccumulator::ForceTake(int* count) { Take(count, false); }
 void DenseAccumulator::Take(int* count, bool keep_held) {
   if (!keep_held) ResolveHeld();  // held parts: copied (and added) now
   if (deterministic_) SumSlots();
+  unsent_.clear();
   if (chunked_) {
     SettleParts(count);
   } else {

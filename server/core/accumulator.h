@@ -58,6 +58,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "base/mutex.h"
@@ -164,6 +165,11 @@ class DenseAccumulator {
   const void* TakenGrad(const void* sum, int64_t begin, int64_t end, void* scratch, int64_t* run_end) const;
   // Lets the taken round's held gradients go (after the apply that read them).
   void DropTakenHolds();
+  // After a take: the element ranges [begin, end) of parts no gradient reached (a forced take of a
+  // round with chunks), merged and in order; empty when every part got one. Their sum is zero, and
+  // the engine leaves them as they are — value and optimizer slots — as it leaves a variable that
+  // got no gradient at all (momentum or Adam would otherwise still move them).
+  const std::vector<std::pair<int64_t, int64_t>>& unsent() const { return unsent_; }
 
   // Takes whatever is there (a soft-sync step deadline passed); *count may be 0 (then grad()
   // is meaningless). step += 1. Needs in_flight() == 0 (TryTakeGrad waits for it too).
@@ -240,6 +246,7 @@ class DenseAccumulator {
   // The take of a round with chunks: parts whose counts differ are divided (MEAN) by their own
   // count in place and divisor_ becomes 1; a part nobody sent (a forced take) is zeroed.
   void SettleParts(int* count);
+  std::vector<std::pair<int64_t, int64_t>> unsent_;  // of the last take (unsent())
   bool chunked_ = false;          // a chunk arrived this round
   std::vector<int> part_counts_;  // per part: chunks counted this round (on top of counter_)
   int min_part_ = 0;              // the fewest of part_counts_

@@ -44,6 +44,24 @@ void TrainingEngine::ApplyDense(const Optimizer& opt, const ApplyArgs& args) {
 }
 
 void TrainingEngine::ApplyTaken(const Optimizer& opt, const ApplyArgs& args, const DenseAccumulator& acc) {
+  if (!acc.unsent().empty()) {
+    // A forced take where some parts got no gradient: those keep their value and slots; the
+    // runs between them are applied as usual (their sum is resolved: no held parts).
+    const size_t es = DTypeSize(args.dtype);
+    int64_t at = 0;
+    auto apply = [&](int64_t b, int64_t e) {
+      if (e > b)
+        ApplyDense(opt, Slice(args, b, e, static_cast<const uint8_t*>(args.grad) + static_cast<size_t>(b) * es));
+    };
+    for (const auto& [begin, end] : acc.unsent()) {
+      apply(at, begin);
+      std::memcpy(static_cast<uint8_t*>(args.out) + static_cast<size_t>(begin) * es,
+                  static_cast<const uint8_t*>(args.value) + static_cast<size_t>(begin) * es,
+                  static_cast<size_t>(end - begin) * es);
+      at = end;
+    }
+    return apply(at, args.num_elements);
+  }
   if (!acc.taken_holds()) return ApplyDense(opt, args);
   auto t0 = std::chrono::steady_clock::now();
   // In blocks aligned to the accumulator's parts, each block's gradient read where it lies or, for

@@ -292,6 +292,37 @@ TEST_CASE("soft sync: a variable with no gradient makes the step's fewest 0, whi
   CHECK(Read(*e, "a")[0] == 5);
 }
 
+TEST_CASE("soft sync: parts of a variable no chunk reached keep their value and momentum", "[engine][soft]") {
+  // Step 0 gives every element momentum; in step 1 only the first part's chunk comes before the
+  // deadline. The other parts' gradient was taken as zero and momentum still moved them (-1.9
+  // where a variable that got nothing at all stays put); now they stay as they are.
+  const int64_t P = TrainingEngine::kChunkElements;
+  auto c = Cfg(1, 1);
+  c.optimizer.name = "momentum";
+  c.step_deadline_ms = 100;
+  auto e = Make(c);
+  Create(*e, "w", std::vector<float>(static_cast<size_t>(3 * P), 0.0f), {3 * P});
+  PushDense(*e, 0, "w", std::vector<float>(static_cast<size_t>(3 * P), 1.0f), {3 * P});  // w = -1, momentum 1
+  REQUIRE(e->global_step() == 1);
+  std::vector<float> ones(static_cast<size_t>(P), 1.0f);
+  std::vector<GradOutcome> out;
+  GradRef chunk{"w", DType::kFloat32, {P}, ones.data(), ones.size() * 4};
+  chunk.chunk_offset = 0;
+  REQUIRE(e->Push(1, {chunk}, &out, "w0", /*more=*/true).ok());
+  e->ForceStep(1);
+  REQUIRE(e->global_step() == 2);
+  std::vector<float> w = Read(*e, "w");
+  for (int64_t i = 0; i < 3 * P; ++i) {
+    INFO("element " << i);
+    REQUIRE(w[static_cast<size_t>(i)] == Approx(i < P ? -2.9f : -1.0f));  // -1 - (0.9 * 1 + 1); unchanged
+  }
+  // Their momentum did not move either: a whole gradient of zeros next moves them by 0.9 * 1.
+  PushDense(*e, 2, "w", std::vector<float>(static_cast<size_t>(3 * P), 0.0f), {3 * P});
+  w = Read(*e, "w");
+  CHECK(w[static_cast<size_t>(P)] == Approx(-1.9f));
+  CHECK(w[0] == Approx(-2.9f - 0.9f * 1.9f));
+}
+
 TEST_CASE("soft sync: a fraction of the workers completes a step", "[engine][soft]") {
   auto c = Cfg(4, 4);
   c.soft_sync_fraction = 0.5;
