@@ -183,10 +183,11 @@ Status EnsureFdLimit(int max_connections) {
 }
 
 Status ValidateClusterSecret(std::string_view secret, std::string_view auth_token) {
-  if (secret.size() < kMinSecretBytes) {
+  if (secret.size() < kMinClusterSecretBytes) {
     return InvalidArgument("--cluster-secret-file holds " + std::to_string(secret.size()) +
-                           " characters; use at least " + std::to_string(kMinSecretBytes) +
-                           " random ones, e.g. `openssl rand -hex 32 > FILE` (the same file on every shard)");
+                           " characters; use at least " + std::to_string(kMinClusterSecretBytes) +
+                           " random ones, e.g. `openssl rand -hex 32 > FILE` (the same file on every shard): anyone "
+                           "who reaches a shard can test guesses of a weaker one offline");
   }
   if (!auth_token.empty() && secret == auth_token) {
     return InvalidArgument(

@@ -147,9 +147,14 @@ inline constexpr uint64_t kReservedFds = 192;
 // if needed; an error naming both numbers when even the hard limit is too low.
 Status EnsureFdLimit(int max_connections);
 
-// A cluster secret shorter than this is refused at start (an HMAC over captured nonces can be
-// brute-forced offline when the secret is guessable).
+// An auth token shorter than this does not protect a listener beyond loopback (it is guessed
+// online, one hello at a time).
 inline constexpr size_t kMinSecretBytes = 16;
+// A cluster secret shorter than this is refused at start. Anyone who reaches a shard's port gets
+// one proof (the answer to a peer hello, an HMAC over nonces it knows) and can test guesses of the
+// secret against it offline: only a random secret of this length (128 bits and more as hex) makes
+// that hopeless. The deploy files and psrun write 64 hex digits.
+inline constexpr size_t kMinClusterSecretBytes = 32;
 // Checks a cluster secret read from --cluster-secret-file: long enough and not the workers' secret.
 Status ValidateClusterSecret(std::string_view secret, std::string_view auth_token);
 

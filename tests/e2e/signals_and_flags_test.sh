@@ -92,7 +92,7 @@ printf 'a-long-enough-workers-token\n' > "$run/long-token"
 refused "protected mode: the --cluster list has 10.0.0.2:7070, beyond loopback, and no cluster secret" \
   --cluster 127.0.0.1:7070,10.0.0.2:7070 --auth-token-file "$run/token"
 refused "has psd-1.example:7070, beyond loopback" --cluster 127.0.0.1:7070,psd-1.example:7070
-refused "--cluster-secret-file holds 6 characters; use at least 16" \
+refused "--cluster-secret-file holds 6 characters; use at least 32" \
   --cluster 127.0.0.1:7070,10.0.0.2:7070 --cluster-secret-file "$run/token"
 refused "--cluster-secret-file: cannot read the secret file $run/none" --cluster-secret-file "$run/none"
 for allowed in "--auth-token-file $run/long-token" "--insecure"; do

@@ -55,7 +55,9 @@ TEST_CASE("peer proofs bind the secret, the direction, both shards, the cluster 
 TEST_CASE("the cluster secret is long enough and not the workers' token", "[peer_auth][config]") {
   CHECK(server::ValidateClusterSecret(kSecret, "").ok());
   CHECK(server::ValidateClusterSecret(kSecret, "worker-token").ok());
-  CHECK_THAT(server::ValidateClusterSecret("short", "").message(), Catch::Contains("use at least 16"));
+  CHECK_THAT(server::ValidateClusterSecret("short", "").message(), Catch::Contains("use at least 32"));
+  // 16 characters were enough before: a proof any stranger can get checks guesses offline.
+  CHECK_THAT(server::ValidateClusterSecret("0123456789abcdef", "").message(), Catch::Contains("offline"));
   CHECK_THAT(server::ValidateClusterSecret(kSecret, kSecret).message(),
              Catch::Contains("same secret as --auth-token-file"));
   ServerConfig c;
