@@ -75,7 +75,7 @@ struct ConnectionEnv {
   std::function<void(uint64_t bytes)> on_bytes_in;
   std::function<void(uint64_t bytes)> on_bytes_out;
   std::function<void()> on_frame_timeout;
-  std::function<void()> on_reads_paused;  // too many replies, or reply bytes, were waiting
+  std::function<void()> on_reads_paused;  // kMaxQueuedRepliesUntrusted replies were waiting
 };
 
 class Connection : public std::enable_shared_from_this<Connection> {
@@ -87,12 +87,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // held up by TCP, not by psd's memory. Workers and shards pipeline freely (a chunked push has a
   // reply per frame, read after its last frame is sent).
   static constexpr size_t kMaxQueuedRepliesUntrusted = 8;
-  // And on any connection, the reply bytes that may wait (their messages' segments: a pull's values
-  // are referenced, `pull_rows` replies and errors are copies) before psd stops reading requests
-  // until they go out: a worker that pipelines requests and never reads could otherwise grow psd
-  // without bound (40 `pull_rows` of 4096 rows took 640 MB). One request's replies (a big pull's
-  // ranges) are queued whole first; reading resumes below the bound.
-  static constexpr uint64_t kMaxQueuedReplyBytes = 64ull << 20;
   // The most segments a message may have on such a connection (a hello has one or two).
   static constexpr uint32_t kMaxSegmentsUntrusted = 16;
 
@@ -184,8 +178,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void ArmTimer(std::chrono::steady_clock::duration after);
   void OnTimer();
   void WriteNext();
-  // Replies waiting past kMaxQueuedRepliesUntrusted (untrusted) or kMaxQueuedReplyBytes (any role).
-  bool TooManyQueued() const;
 
   const ConnectionEnv env_;
   ByteStream stream_;  // plain TCP, or TLS with --tls-cert-file
@@ -209,7 +201,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool reading_body_ = false;
   bool read_in_place_ = false;   // a read into the body buffer is under way (it must outlive it)
   bool awaiting_share_ = false;  // a frame's header is in, its budget share not yet granted
-  bool read_paused_ = false;     // too many replies wait (TooManyQueued): reads resume as they go out
+  bool read_paused_ = false;     // kMaxQueuedRepliesUntrusted replies wait: reads resume as they go out
   bool idle_offered_ = false;    // the kept buffer's charge is offered back to the budget (OfferIdle)
   Role role_ = Role::kNone;
   asio::steady_timer timer_;
@@ -221,8 +213,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::atomic<bool> awaiting_hello_{true};  // no role admitted yet, not closed (read off the strand)
 
   std::deque<std::shared_ptr<wire::OutFrame>> write_queue_;
-  std::deque<uint64_t> queued_sizes_;  // each queued frame's body bytes (write_queue_'s order)
-  uint64_t queued_bytes_ = 0;          // their sum
   bool writing_ = false;
 };
 

@@ -662,38 +662,6 @@ TEST_CASE("a peer that never reads its answers is held up by TCP, not by psd's m
   ExpectHealthy(server->port());
 }
 
-TEST_CASE("a worker that pipelines requests and never reads is held up at 64 MiB of replies", "[robustness][dos]") {
-  // 40 pulls of a 4 MiB variable sent at once, nothing read: psd stops reading the worker's
-  // requests while more than 64 MiB of replies wait, and every request is answered once it reads.
-  // Before, only connections without a hello were held up; a worker's 40 `pull_rows` of 4096 rows
-  // (each reply a copy) grew psd by 640 MB.
-  auto cfg = TestConfig(1, 3, 0);
-  auto server = StartServer(cfg);
-  const int64_t n = 1 << 20;  // 4 MiB of float32
-  std::vector<float> init(static_cast<size_t>(n), 2.0f);
-  auto owner = ConnectWorker(server->port(), "owner");
-  REQUIRE(owner->CreateVariable("big", {init.data(), DType::kFloat32, {n}, MemoryKind::kHost}).ok());
-  RawPeer p(server->port());
-  p.Hello("reader");
-  const uint64_t paused_before = server->metrics().reads_paused();
-  constexpr int kPulls = 40;
-  for (int i = 0; i < kPulls; ++i) {
-    wire::OutFrame f;
-    auto req = f.builder.initRoot<proto::Request>();
-    req.setId(static_cast<uint64_t>(100 + i));
-    req.initPull().initNames(1).set(0, "big");
-    p.Send(f);
-  }
-  CHECK(Eventually([&] { return server->metrics().reads_paused() > paused_before; }));
-  for (int i = 0; i < kPulls; ++i) {
-    REQUIRE(
-        wire::ReadFrame(p.socket, p.in, 16 << 20, std::chrono::steady_clock::now() + std::chrono::seconds(60)).ok());
-    auto r = p.in.Reader()->getRoot<proto::Response>();
-    REQUIRE(r.getCode() == proto::Code::OK);
-    CHECK(r.getId() == static_cast<uint64_t>(100 + i));
-  }
-}
-
 TEST_CASE("frames in flight share --max-inflight-bytes: a worker over it waits, a stalled frame is cut off",
           "[robustness][dos][budget]") {
   auto cfg = TestConfig(1, 4, 0);  // "owner", two greedy insiders and "healthy"
