@@ -195,12 +195,13 @@ std::string TlsErrorText(const boost::system::error_code& ec, const SSL* ssl) {
             "serverAuth and clientAuth)";
   } else if (text.find("certificate verify failed") != std::string::npos) {
     text += std::string(" (") + (verified != X509_V_OK ? X509_verify_cert_error_string(verified) : "verification") +
-            ": the other side's certificate is not signed by the CA file given, has expired, or does not name "
-            "the host dialled: check --tls-ca-file / tls_ca_file and tls_server_name)";
+            ": the other side's certificate is not signed by the CA file given, has expired, does not name the "
+            "host dialled, or is not for a server (extendedKeyUsage serverAuth): check --tls-ca-file / "
+            "tls_ca_file, tls_server_name and the certificate)";
   } else if (text.find("unsupported certificate") != std::string::npos) {
     text +=
-        " (the other side refused this side's certificate for its purpose: a certificate a client or a dialing "
-        "shard presents must allow client authentication, extendedKeyUsage clientAuth)";
+        " (the other side refused a certificate for its purpose: a daemon's certificate needs extendedKeyUsage "
+        "serverAuth, a client's or a dialing shard's clientAuth, a shard's both)";
   } else if (text.find("unknown ca") != std::string::npos) {
     text += " (the other side does not trust this side's certificate: sign it with the CA in its --tls-ca-file)";
   } else if (text.find("wrong version number") != std::string::npos ||

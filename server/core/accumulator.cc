@@ -346,6 +346,10 @@ Buffer* DenseAccumulator::ChunkSlot(std::string_view replica, uint64_t source, i
     it = slots_.end() - 1;
   }
   for (int64_t p = p0; p < p1; ++p) it->parts[static_cast<size_t>(p)] = true;
+  if (std::all_of(it->parts.begin(), it->parts.end(), [](bool filled) { return filled; })) {
+    it->complete = true;
+    ++completed_;  // counted as a whole gradient by the next EndAddChunk
+  }
   return it->values.get();
 }
 
@@ -403,29 +407,26 @@ void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, i
 void DenseAccumulator::DropUnfinished(uint64_t source) {
   if (!deterministic_) return;
   MutexLock lock(&slots_mu_);
-  bool dropped = false;
   for (auto it = slots_.begin(); it != slots_.end();) {
-    const bool unfinished = it->source == source && !it->parts.empty() &&
-                            !std::all_of(it->parts.begin(), it->parts.end(), [](bool filled) { return filled; });
-    if (!unfinished) {
+    if (it->source == source && !it->parts.empty() && !it->complete) {
+      free_slots_.push_back(std::move(it->values));  // it never counted (EndAddChunk)
+      it = slots_.erase(it);
+    } else {
       ++it;
-      continue;
     }
-    for (size_t p = 0; p < it->parts.size(); ++p) {
-      if (it->parts[p] && chunked_) --part_counts_[p];  // counted by its EndAddChunk
-    }
-    free_slots_.push_back(std::move(it->values));
-    it = slots_.erase(it);
-    dropped = true;
-  }
-  if (dropped && chunked_) {
-    min_part_ = *std::min_element(part_counts_.begin(), part_counts_.end());
-    at_min_ = std::count(part_counts_.begin(), part_counts_.end(), min_part_);
   }
 }
 
 void DenseAccumulator::EndAddChunk(int64_t offset, int64_t n) {
   --in_flight_;
+  if (deterministic_) {
+    // A gradient in chunks counts once all of them came (its slot complete), as a whole one; a
+    // slot some chunks never reach never counts, and the take leaves it out.
+    MutexLock lock(&slots_mu_);
+    counter_ += completed_;
+    completed_ = 0;
+    return;
+  }
   if (n <= 0) return;
   if (!chunked_) {
     part_counts_.assign(static_cast<size_t>(num_parts_), 0);
@@ -473,24 +474,18 @@ void DenseAccumulator::SumSlots() {
   std::sort(slots_.begin(), slots_.end(), [](const Slot& a, const Slot& b) {
     return a.replica != b.replica ? a.replica < b.replica : a.arrival < b.arrival;
   });
-  const bool whole = std::all_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.parts.empty(); });
-  const int64_t unit = whole ? std::max<int64_t>(num_elements_, 1) : kPartElements;
-  const size_t out_size = DTypeSize(dtype_);
-  for (int64_t begin = 0; begin < num_elements_; begin += unit) {
-    const int64_t end = std::min(num_elements_, begin + unit);
-    const size_t part = static_cast<size_t>(begin / kPartElements);
-    bool first = true;
-    for (const Slot& slot : slots_) {
-      if (!slot.parts.empty() && !slot.parts[part]) continue;  // a chunk that did not come
-      AddRange(dtype_, static_cast<const char*>(slot.values->data()) + static_cast<size_t>(begin) * out_size, begin,
-               end, first);
-      first = false;
-    }
-    // A part nobody sent stays as it is here; SettleParts zeroes it.
+  // Whole gradients, and gradients in chunks that all came (what counter_ counts); a slot whose
+  // chunks did not all come is left out, and freed with the others.
+  bool first = true;
+  for (const Slot& slot : slots_) {
+    if (!slot.parts.empty() && !slot.complete) continue;
+    AddRange(dtype_, slot.values->data(), 0, num_elements_, first);
+    first = false;
   }
   for (Slot& slot : slots_) free_slots_.push_back(std::move(slot.values));
   slots_.clear();
   arrivals_ = 0;
+  completed_ = 0;
 }
 
 void DenseAccumulator::SettleParts(int* count) {

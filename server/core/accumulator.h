@@ -47,6 +47,9 @@
 // its replica (the worker's stable name) instead, and the take sums the slots in replica order, so
 // the same gradients always give bit-identical sums whatever order they arrived in. It holds one
 // model-sized slot per gradient of a step (the cost of a fixed order; slots are reused across steps).
+// A gradient in chunks fills one slot of its replica and push (AddChunk's `source`) and counts as
+// one whole gradient once every chunk came: one whose chunks did not all come never counts and is
+// left out of the take's sum, as TensorFlow's all-or-nothing apply_grad (no per-part counts here).
 //
 // Thread-safety: Add may run concurrently with other Adds (between their BeginAdd and EndAdd);
 // every other call is serialized by the owner (TrainingEngine: the variable's mutex).
@@ -129,9 +132,9 @@ class DenseAccumulator {
   // their replica and source.
   void AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica,
                 ThreadPool* helpers = nullptr, const std::shared_ptr<const void>& hold = nullptr, uint64_t source = 0);
-  // Deterministic mode: the slots of `source` whose chunks did not all come leave the round (their
-  // parts uncounted, the slots freed for reuse). Under the owner's lock, with no add of `source`
-  // in flight.
+  // Deterministic mode: the slots of `source` whose chunks did not all come are freed for reuse
+  // (they never counted: a gradient in chunks counts once its slot is complete, and a take leaves
+  // incomplete slots out). Under the owner's lock, with no add of `source` in flight.
   void DropUnfinished(uint64_t source);
   // Copies every part that still points at a held gradient into the sum and lets the holds go:
   // after it the accumulator references nothing of its callers'. Needs in_flight() == 0 (an add
@@ -247,10 +250,10 @@ class DenseAccumulator {
   // count in place and divisor_ becomes 1; a part nobody sent (a forced take) is zeroed.
   void SettleParts(int* count);
   std::vector<std::pair<int64_t, int64_t>> unsent_;  // of the last take (unsent())
-  bool chunked_ = false;          // a chunk arrived this round
-  std::vector<int> part_counts_;  // per part: chunks counted this round (on top of counter_)
-  int min_part_ = 0;              // the fewest of part_counts_
-  int64_t at_min_ = 0;            // parts with min_part_ chunks
+  bool chunked_ = false;                             // a chunk arrived this round
+  std::vector<int> part_counts_;                     // per part: chunks counted this round (on top of counter_)
+  int min_part_ = 0;                                 // the fewest of part_counts_
+  int64_t at_min_ = 0;                               // parts with min_part_ chunks
   int64_t num_stripes_ = 0;
   std::unique_ptr<Stripe[]> stripes_;
   int64_t num_parts_ = 0;
@@ -277,6 +280,7 @@ class DenseAccumulator {
     std::unique_ptr<Buffer> values;  // in the accumulator's dtype
     std::vector<bool> parts;         // chunks: the parts filled so far (empty: a whole gradient)
     uint64_t source = 0;             // chunks: the push they came in (AddChunk)
+    bool complete = false;           // chunks: every part filled (counted as a whole gradient)
   };
   // The slot a chunk of `replica` from `source` covering parts [p0, p1) goes to: their oldest slot
   // with none of them filled yet, or a new one. Marks them filled; returns its values.
@@ -288,6 +292,7 @@ class DenseAccumulator {
   std::vector<Slot> slots_ GUARDED_BY(slots_mu_);
   std::vector<std::unique_ptr<Buffer>> free_slots_ GUARDED_BY(slots_mu_);
   uint64_t arrivals_ GUARDED_BY(slots_mu_) = 0;
+  int completed_ GUARDED_BY(slots_mu_) = 0;  // chunk slots completed, not yet counted by EndAddChunk
   int max_slots_ GUARDED_BY(slots_mu_) = 0;  // LimitSlots (0: none)
 };
 

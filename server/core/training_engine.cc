@@ -242,14 +242,19 @@ std::optional<VariableDesc> TrainingEngine::Describe(std::string_view name) cons
 }
 
 Result<std::shared_ptr<void>> TrainingEngine::ReserveValueBytes(const std::string& name, uint64_t bytes) {
-  const uint64_t held = model_bytes_.load() + reserved_value_bytes_->load();
-  if (bytes > config_.max_model_bytes || held > config_.max_model_bytes - bytes) {
-    return ResourceExhausted("variable '" + name + "': its initial value of " + std::to_string(bytes) +
-                             " bytes does not fit: the variables and the initial values arriving in chunks already "
-                             "hold " +
-                             std::to_string(held) + " of --max-model-bytes " + std::to_string(config_.max_model_bytes));
+  // Checked and taken in one step (connections on several I/O threads reserve at once).
+  uint64_t reserved = reserved_value_bytes_->load();
+  for (;;) {
+    const uint64_t held = model_bytes_.load() + reserved;
+    if (bytes > config_.max_model_bytes || held > config_.max_model_bytes - bytes) {
+      return ResourceExhausted("variable '" + name + "': its initial value of " + std::to_string(bytes) +
+                               " bytes does not fit: the variables and the initial values arriving in chunks "
+                               "already hold " +
+                               std::to_string(held) + " of --max-model-bytes " +
+                               std::to_string(config_.max_model_bytes));
+    }
+    if (reserved_value_bytes_->compare_exchange_weak(reserved, reserved + bytes)) break;
   }
-  reserved_value_bytes_->fetch_add(bytes);
   return std::shared_ptr<void>(nullptr,
                                [reserved = reserved_value_bytes_, bytes](void*) { reserved->fetch_sub(bytes); });
 }

@@ -231,10 +231,11 @@ class TrainingEngine {
   // arrive, and the push is one global step, claimed by its last call.
   Status Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,
               std::string_view replica = {}, bool more = false) EXCLUDES(mu_);
-  // Deterministic mode: the chunks of gradients from `source` (GradRef::source) that did not all
-  // come — its push was cut off (the connection closed, or a push refused midway was followed by
-  // another) — leave the step: they never count, and their parts wait for whole gradients, as
-  // TensorFlow's all-or-nothing apply_grad. (The default mode adds chunks into the sum as they
+  // Deterministic mode: the slots of gradients from `source` (GradRef::source) whose chunks did not
+  // all come — its push was cut off (the connection closed, or a push refused midway was followed
+  // by another) — are freed. They never count either way (a gradient in chunks counts once all of
+  // them came, as TensorFlow's all-or-nothing apply_grad); this lets their memory and their place
+  // under the slot limit go before the take. (The default mode adds chunks into the sum as they
   // arrive: a cut-off gradient's parts keep it, each part averaged over what reached it.)
   void DropUnfinishedChunks(uint64_t source) EXCLUDES(mu_);
   // Copies into their sums every held gradient (GradRef::hold) that accumulators still point at,
@@ -495,7 +496,7 @@ class TrainingEngine {
   std::atomic<uint64_t> value_bytes_{0};  // of their values alone
   // ReserveValueBytes's (shared with the handles, which may outlive the engine).
   const std::shared_ptr<std::atomic<uint64_t>> reserved_value_bytes_ = std::make_shared<std::atomic<uint64_t>>(0);
-  std::atomic<int> variable_count_{0};    // vars_.size()
+  std::atomic<int> variable_count_{0};            // vars_.size()
   int step_min_count_ GUARDED_BY(mu_) = INT_MAX;  // INT_MAX: no take yet this step
   int step_max_count_ GUARDED_BY(mu_) = 0;
   bool step_started_ GUARDED_BY(mu_) = false;  // a fresh gradient arrived for the open step

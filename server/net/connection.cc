@@ -39,19 +39,18 @@ void Connection::Start(std::shared_ptr<FrameHandler> handler) {
     auto hello = std::chrono::milliseconds(self->env_.hello_timeout_ms);
     self->hello_deadline_ = std::chrono::steady_clock::now() + hello;
     self->ArmTimer(hello);  // bounds the TLS handshake too
-    self->stream_.async_handshake(wire::ssl::stream_base::server,
-                                  asio::bind_executor(self->strand_, [self](const boost::system::error_code& ec) {
-                                    if (self->closed_) return;  // closed at the hello deadline (said so then)
-                                    if (ec) {
-                                      self->Warn("TLS handshake failed: " +
-                                                 wire::TlsErrorText(ec, self->stream_.tls()
-                                                                            ? self->stream_.tls_stream().native_handle()
-                                                                            : nullptr) +
-                                                 "; closing it");
-                                      return self->CloseNow();
-                                    }
-                                    self->ReadHeader();
-                                  }));
+    self->stream_.async_handshake(
+        wire::ssl::stream_base::server, asio::bind_executor(self->strand_, [self](const boost::system::error_code& ec) {
+          if (self->closed_) return;  // closed at the hello deadline (said so then)
+          if (ec) {
+            self->Warn(
+                "TLS handshake failed: " +
+                wire::TlsErrorText(ec, self->stream_.tls() ? self->stream_.tls_stream().native_handle() : nullptr) +
+                "; closing it");
+            return self->CloseNow();
+          }
+          self->ReadHeader();
+        }));
   });
 }
 
@@ -267,6 +266,9 @@ void Connection::ReadGrantedBody() {
 }
 
 void Connection::OnBody() {
+  // Closed while the body's last read completed: nobody handles it, and its buffer goes now (a
+  // parked waiter may keep this connection a while).
+  if (closed_) return DropBufferIfClosed();
   if (reading_body_) {
     reading_body_ = false;
     frame_timer_.cancel();

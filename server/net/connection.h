@@ -133,9 +133,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool waiting() const { return awaiting_hello_.load(); }
   // Closes it if it still has said no hello; false once it has (or is closed).
   bool Evict();
-  // The hello was answered with "retry later": --hello-timeout-ms starts again.
+  // The hello was answered with "retry later": --hello-timeout-ms starts again. A client that said
+  // a valid hello is not one of those that make room at --max-connections (Evict).
   void RestartHelloDeadline() {
     hello_deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(env_.hello_timeout_ms);
+    awaiting_hello_ = false;
   }
   Role role() const { return role_; }
   // No hello yet, or an observer's: small frames, not charged to the budget, few replies queued.

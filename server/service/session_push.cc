@@ -21,9 +21,12 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // taken with more frames to come (a frame refused on any way out ends the push).
   auto continuing = std::move(sparse_rows_last_);
   sparse_rows_last_.clear();
-  // A new push: the chunks of this connection's last one, if it was cut off, leave the step
-  // (deterministic mode; the engine's DropUnfinishedChunks).
-  if (!in_push_) host_.engine()->DropUnfinishedChunks(id_);
+  // A new push while this connection's last one never ended (a frame of it refused): its chunks'
+  // slots go (deterministic mode; the engine's DropUnfinishedChunks).
+  if (!in_push_ && push_unfinished_) {
+    host_.engine()->DropUnfinishedChunks(id_);
+    push_unfinished_ = false;
+  }
   in_push_ = false;  // until this frame is taken with more to come
   auto grads_in = r.getGrads();
   ClusterCoordinator* const cluster = host_.coordinator();
@@ -190,7 +193,9 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     }
     sparse_rows_last_ = std::move(continuing);
     in_push_ = true;
+    push_unfinished_ = true;
   }
+  if (!more && s.ok()) push_unfinished_ = false;  // its last frame: every chunk came
   if (!s.ok()) {
     pending->failed = true;
     if (parked) parked->cancel(Cancelled("the push was refused"));

@@ -33,7 +33,8 @@ void WorkerSession::OnClosed() {
   // a round completing later finds its reply answered.
   for (const auto& c : collectives_) c->Answer();
   collectives_.clear();
-  host_.engine()->DropUnfinishedChunks(id_);  // a push cut off by the close never counts (deterministic mode)
+  // A push cut off by the close: its slots go (deterministic mode; they never count either way).
+  if (push_unfinished_) host_.engine()->DropUnfinishedChunks(id_);
   if (peer_shard_ >= 0) host_.coordinator()->OnPeerDown(peer_shard_);
   host_.OnConnectionClosed(id_);
 }
@@ -329,6 +330,10 @@ Status WorkerSession::GatherChunk(proto::Request::Which kind, const std::string&
         return InvalidArgument("update of '" + name + "': a value of shape " + ShapeString(shape) +
                                " for a variable of shape " + ShapeString(existing->shape));
       }
+    } else if (existing && existing->shape != shape) {
+      // (A create of an existing variable answers with it: its value is bounded by that variable.)
+      return AlreadyExists("variable '" + name + "' exists as " + ShapeString(existing->shape) + "; requested " +
+                           ShapeString(shape));
     }
     // Bounded as a variable is (the engine names --max-model-bytes) before anything is allocated.
     const uint64_t limit = std::max(host_.config().max_frame_bytes, host_.config().max_model_bytes);

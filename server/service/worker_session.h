@@ -213,7 +213,8 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // The push in progress (Push.more): the last row so far of each sparse gradient whose rows
   // continue in a later frame (Gradient.rowsMore), by variable.
   std::map<std::string, int64_t, std::less<>> sparse_rows_last_;
-  bool in_push_ = false;  // the last push frame was taken with more to come
+  bool in_push_ = false;          // the last push frame was taken with more to come
+  bool push_unfinished_ = false;  // a push's frames were taken and its last one was not
   // Adds one chunk of a `kind` request for variable `name` (chunkOffset, chunkedShape and more as
   // the request says); *complete: the last one came and pending_value_ is whole. Errors drop it.
   Status GatherChunk(proto::Request::Which kind, const std::string& name, int64_t offset,

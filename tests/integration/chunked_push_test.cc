@@ -548,6 +548,10 @@ TEST_CASE("a value arriving in chunks is checked before its memory is taken", "[
   std::tie(code, message) = send(true, "v", 4'000'000'000);
   CHECK(code == Code::kInvalidArgument);
   CHECK_THAT(message, Catch::Contains("for a variable of shape [1000]"));
+  // Nor a create naming an existing variable with another shape (it skipped both checks).
+  std::tie(code, message) = send(false, "v", 4'000'000'000);
+  CHECK(code == Code::kAlreadyExists);
+  CHECK_THAT(message, Catch::Contains("exists as [1000]"));
   // A new variable's value is reserved against --max-model-bytes while its chunks arrive: two of
   // 40 MB do not fit 64 MB, on one connection or on several.
   std::tie(code, message) = send(false, "big", 10'000'000);

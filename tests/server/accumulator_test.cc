@@ -387,6 +387,10 @@ TEST_CASE("deterministic reduction: a gradient whose chunks did not all come nev
   acc.DropUnfinished(2);  // finished: it stays
   int count = 0;
   CHECK_FALSE(*acc.TryTakeGrad(2, &count));
+  // A third worker's push stalls after its first chunk (its connection not closed yet): it is
+  // not dropped before the take, and still never counts.
+  AddChunk(acc, 0, ones, 0, P, "c", nullptr, 4);
+  CHECK_FALSE(*acc.TryTakeGrad(2, &count));
   for (int64_t at = 0; at < n; at += P) AddChunk(acc, 0, fours, at, P, "b", nullptr, 3);
   REQUIRE(*acc.TryTakeGrad(2, &count));
   CHECK(count == 2);
