@@ -346,7 +346,8 @@ Buffer* DenseAccumulator::ChunkSlot(std::string_view replica, uint64_t source, i
     it = slots_.end() - 1;
   }
   for (int64_t p = p0; p < p1; ++p) it->parts[static_cast<size_t>(p)] = true;
-  if (std::all_of(it->parts.begin(), it->parts.end(), [](bool filled) { return filled; })) {
+  it->filled += p1 - p0;  // none of them was filled (fits)
+  if (it->filled == num_parts_) {
     it->complete = true;
     ++completed_;  // counted as a whole gradient by the next EndAddChunk
   }

@@ -280,6 +280,7 @@ class DenseAccumulator {
     std::unique_ptr<Buffer> values;  // in the accumulator's dtype
     std::vector<bool> parts;         // chunks: the parts filled so far (empty: a whole gradient)
     uint64_t source = 0;             // chunks: the push they came in (AddChunk)
+    int64_t filled = 0;              // chunks: parts filled so far
     bool complete = false;           // chunks: every part filled (counted as a whole gradient)
   };
   // The slot a chunk of `replica` from `source` covering parts [p0, p1) goes to: their oldest slot
