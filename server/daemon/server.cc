@@ -645,8 +645,7 @@ void Server::Accept() {
       metrics_.OnConnectionRefused();
       if (const int64_t suppressed = refusal_log_.Allow(); suppressed >= 0) {
         spdlog::warn("refusing connection: --max-connections {} reached, every connection has said hello{}",
-                     config_.max_connections,
-                     suppressed > 0 ? fmt::format(" ({} similar lines suppressed)", suppressed) : "");
+                     config_.max_connections, peer_auth::LogLimiter::SuppressedNote(suppressed));
       }
     } else {
       metrics_.OnConnectionAccepted();
@@ -655,7 +654,7 @@ void Server::Accept() {
         if (const int64_t suppressed = refusal_log_.Allow(); suppressed >= 0) {
           spdlog::warn(
               "--max-connections {} reached: closed the connection that waited longest for its hello to make room{}",
-              config_.max_connections, suppressed > 0 ? fmt::format(" ({} similar lines suppressed)", suppressed) : "");
+              config_.max_connections, peer_auth::LogLimiter::SuppressedNote(suppressed));
         }
       }
       awaiting_hello_.Add(conn);

@@ -84,8 +84,7 @@ void Connection::OnTimer() {
 void Connection::Warn(const std::string& what) {
   int64_t suppressed = 0;
   if (untrusted() && env_.stranger_log != nullptr && (suppressed = env_.stranger_log->Allow()) < 0) return;
-  spdlog::warn("connection {}: {}{}", id_, what,
-               suppressed > 0 ? " (" + std::to_string(suppressed) + " similar lines suppressed)" : "");
+  spdlog::warn("connection {}: {}{}", id_, what, peer_auth::LogLimiter::SuppressedNote(suppressed));
 }
 
 bool Connection::Evict() {

@@ -53,6 +53,10 @@ bool Verify(std::string_view secret, Role who, const Transcript& t, std::string_
   return CRYPTO_memcmp(want.data(), proof.data(), kProofBytes) == 0;
 }
 
+std::string LogLimiter::SuppressedNote(int64_t suppressed) {
+  return suppressed > 0 ? " (" + std::to_string(suppressed) + " similar lines suppressed)" : "";
+}
+
 int64_t LogLimiter::Allow() {
   int64_t now =
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())

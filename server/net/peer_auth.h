@@ -54,7 +54,6 @@ std::string Proof(std::string_view secret, Role who, const Transcript& t);
 // Whether `proof` is `who`'s proof over `t`, compared in constant time (CRYPTO_memcmp).
 bool Verify(std::string_view secret, Role who, const Transcript& t, std::string_view proof);
 
-
 // Rate limit for security logs fed by the network (spoofing attempts): at most `burst` lines per
 // `period`; Allow() returns how many were suppressed since the last allowed line (>= 0), or -1
 // when this one must be suppressed too.
@@ -63,6 +62,9 @@ class LogLimiter {
   explicit LogLimiter(int burst = 5, std::chrono::milliseconds period = std::chrono::seconds(10))
       : burst_(burst), period_ms_(period.count()) {}
   int64_t Allow();
+  // What a line Allow() let through adds for those suppressed before it: "" or " (N similar lines
+  // suppressed)".
+  static std::string SuppressedNote(int64_t suppressed);
 
  private:
   const int burst_;

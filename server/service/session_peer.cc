@@ -16,7 +16,7 @@ void WorkerSession::LogSpoof(const std::string& what) {
   boost::system::error_code ec;
   auto remote = conn_->stream().lowest().remote_endpoint(ec);
   spdlog::warn("connection {} from {}: {}; refused{}", id_, ec ? std::string("?") : remote.address().to_string(), what,
-               suppressed > 0 ? fmt::format(" ({} similar lines suppressed)", suppressed) : "");
+               peer_auth::LogLimiter::SuppressedNote(suppressed));
 }
 
 peer_auth::Transcript WorkerSession::PendingTranscript() const {
