@@ -131,6 +131,8 @@ struct HelloReply {
   shmNonce @14 :Data;     # Unix socket to pass it on, and this connection's one-time nonce (empty: no)
   connectionId @15 :UInt64;  # ... with which the segment is sent
   shmMaxBytes @16 :UInt64;   # ... and the biggest segment psd maps (--shm-max-bytes)
+  maxQueuedReplyBytes @17 :UInt64;  # psd's --max-queued-reply-bytes: it reads no further request
+                                    # while more reply bytes wait for this connection (0: unknown)
 }
 
 struct CreateVariable {

@@ -146,7 +146,8 @@ int main(int argc, char** argv) {
   app.add_option("--token-timeout-ms", cfg.default_token_timeout_ms,
                  "deadline in milliseconds for a token wait when the worker gives none")
       ->capture_default_str();
-  std::string max_frame_bytes = "256M", max_model_bytes = "16G", slice_bytes = "64M", max_inflight_bytes = "32M";
+  std::string max_frame_bytes = "256M", max_model_bytes = "16G", slice_bytes = "64M", max_inflight_bytes = "32M",
+              max_queued_reply_bytes = "64M";
   app.add_option("--max-frame-bytes", max_frame_bytes,
                  "largest accepted message (bytes, or with K/M/G/T: 64M, 1G; powers of 1024); bigger frames are "
                  "refused before allocation, and workers learn the limit at hello")
@@ -156,6 +157,12 @@ int main(int argc, char** argv) {
                  "memory for incoming frames across all connections (SIZE); a frame that does not fit waits for "
                  "its share (the sender sees backpressure, not an error), and one bigger than all of it is read "
                  "alone")
+      ->type_name("SIZE")
+      ->capture_default_str();
+  app.add_option("--max-queued-reply-bytes", max_queued_reply_bytes,
+                 "per connection: stop reading its requests while more reply bytes than this (SIZE) wait to be "
+                 "written to it, until they go out (a client that sends and never reads holds up itself, not psd's "
+                 "memory); libpsclient learns it at hello and never waits on it")
       ->type_name("SIZE")
       ->capture_default_str();
   app.add_option("--frame-timeout-ms", cfg.frame_timeout_ms,
@@ -273,11 +280,13 @@ int main(int argc, char** argv) {
   if (total->count() > 0 && cfg.total_replicas < 1) {
     return fail("-N/--total-replicas must be >= 1, got " + std::to_string(cfg.total_replicas));
   }
-  for (auto [flag, text, out] : {std::tuple{"--max-frame-bytes", &max_frame_bytes, &cfg.max_frame_bytes},
-                                 std::tuple{"--max-model-bytes", &max_model_bytes, &cfg.max_model_bytes},
-                                 std::tuple{"--slice-bytes", &slice_bytes, &cfg.slice_bytes},
-                                 std::tuple{"--max-inflight-bytes", &max_inflight_bytes, &cfg.max_inflight_bytes},
-                                 std::tuple{"--shm-max-bytes", &shm_max_bytes, &cfg.shm_max_bytes}}) {
+  for (auto [flag, text, out] :
+       {std::tuple{"--max-frame-bytes", &max_frame_bytes, &cfg.max_frame_bytes},
+        std::tuple{"--max-model-bytes", &max_model_bytes, &cfg.max_model_bytes},
+        std::tuple{"--slice-bytes", &slice_bytes, &cfg.slice_bytes},
+        std::tuple{"--max-inflight-bytes", &max_inflight_bytes, &cfg.max_inflight_bytes},
+        std::tuple{"--max-queued-reply-bytes", &max_queued_reply_bytes, &cfg.max_queued_reply_bytes},
+        std::tuple{"--shm-max-bytes", &shm_max_bytes, &cfg.shm_max_bytes}}) {
     auto bytes = psd::server::ParseByteSize(*text, flag);
     if (!bytes.ok()) return fail(bytes.status().message());
     *out = *bytes;

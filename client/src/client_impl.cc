@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <thread>
 
 #include "psd/cluster_list.h"
@@ -284,8 +285,34 @@ Status Client::Impl::Run(Calls& calls, const std::function<void(size_t)>& each) 
   }
   // A shard whose earlier frame of this batch failed gets no more (its stream is reset).
   std::vector<bool> failed(conns_.size(), false);
-  for (auto& c : calls) {
+  // Per shard, the calls sent whose replies are unread (oldest first) and the bytes those may hold.
+  // psd reads no further request from a connection while more than --max-queued-reply-bytes of
+  // replies wait for it, and this thread reads nothing while it writes: a request is sent only once
+  // what is unread fits Conn::ReplyWindow (half psd's hold), else a big lookup's requests would
+  // wait behind replies nobody reads.
+  std::vector<std::deque<size_t>> unread(conns_.size());
+  std::vector<uint64_t> unread_bytes(conns_.size(), 0);
+  std::vector<bool> done(calls.size(), false);
+  auto cost = [](const Call& c) { return c.reply_bytes + Conn::kReplyOverhead; };
+  auto receive = [&](size_t i) {
+    Call& c = *calls[i];
+    const size_t k = static_cast<size_t>(c.shard);
+    c.status = FromShard(conn(c.shard).Receive(c.frame, &c.resp, c.landing.dst ? &c.landing : nullptr), conn(c.shard),
+                         cluster());
+    // A reply that broke the stream: the rest of the batch is not sent there.
+    if (!c.status.ok() && !conn(c.shard).IsOpen()) failed[k] = true;
+    done[i] = true;
+    if (each) each(i);
+  };
+  for (size_t i = 0; i < calls.size(); ++i) {
+    auto& c = calls[i];
     const size_t k = static_cast<size_t>(c->shard);
+    while (!failed[k] && !unread[k].empty() && unread_bytes[k] + cost(*c) > conn(c->shard).ReplyWindow()) {
+      const size_t oldest = unread[k].front();
+      unread[k].pop_front();
+      unread_bytes[k] -= cost(*calls[oldest]);
+      receive(oldest);
+    }
     if (!failed[k]) {
       for (const Call::ShmCopy& cp : c->copies) copy_pool_.ParallelCopy(cp.dst, cp.src, cp.bytes);
     }
@@ -293,14 +320,18 @@ Status Client::Impl::Run(Calls& calls, const std::function<void(size_t)>& each) 
                           : FromShard(conn(c->shard).Send(c->frame, c->wait_ms), conn(c->shard), cluster());
     c->sent = c->status.ok();
     failed[k] = failed[k] || !c->sent;
+    if (c->sent) {
+      unread[k].push_back(i);
+      unread_bytes[k] += cost(*c);
+    }
   }
   for (size_t i = 0; i < calls.size(); ++i) {
-    auto& c = calls[i];
-    if (c->sent) {
-      c->status = FromShard(conn(c->shard).Receive(c->frame, &c->resp, c->landing.dst ? &c->landing : nullptr),
-                            conn(c->shard), cluster());
+    if (done[i]) continue;
+    if (calls[i]->sent) {
+      receive(i);
+    } else if (each) {
+      each(i);
     }
-    if (each) each(i);
   }
   // The most telling error first: a shard's own answer (it says what the cluster waits for)
   // before a transport failure (a shard that is gone).

@@ -100,6 +100,10 @@ class Client::Impl {
     Status status;
     proto::Response::Reader resp;
     psd::wire::Landing landing;  // a ranged pull's one tensor: read straight into the caller's view
+    // The values its reply carries in the frame (a pull's over TCP; 0 for small answers and for
+    // values in shared memory): Run reads replies before it sends more once a connection's unread
+    // ones could exceed Conn::ReplyWindow.
+    uint64_t reply_bytes = 0;
     // Bytes copied into the shared-memory segment just before the frame is sent (a push in
     // pieces: the copy of this piece overlaps psd's work on the frames before it).
     struct ShmCopy {
@@ -124,6 +128,9 @@ class Client::Impl {
   // first error, naming its shard. A reply's reader lasts until the next reply on its connection:
   // with several calls to one shard, `each` (called with each call's index once its reply, or its
   // failure, is in) reads it; with one call per shard the replies can be read after Run.
+  // A shard's replies are read before its next request goes out once those unread could hold more
+  // than Conn::ReplyWindow (a big lookup's): `each` may then come for a later call before an
+  // earlier one of another shard, but always in order within a shard.
   Status Run(Calls& calls, const std::function<void(size_t)>& each = {});
 
   Status Single(int shard, OutFrame& frame, proto::Response::Reader* resp, int64_t wait_ms = 0) {
@@ -172,6 +179,9 @@ class Client::Impl {
   // `from`: the connection it came on (its shared memory holds values sent that way).
   Result<int64_t> ReadValues(proto::PullReply::Reader p, const std::vector<std::pair<std::string, TensorView>>& outs,
                              Conn* from);
+  // A pull reply that named values in psd's values segment: they were read (or will not be), so
+  // psd may let go of them (Conn::ValuesRead). ReadValues does it whatever its outcome.
+  void LetGoOfValues(proto::PullReply::Reader p, Conn* from);
 
   // The caller's views split by shard: per shard, (name, view of that shard's part).
   using Outs = std::vector<std::pair<std::string, TensorView>>;

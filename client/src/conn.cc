@@ -133,6 +133,7 @@ Status Conn::ConnectOnce(std::chrono::steady_clock::time_point deadline) {
     cluster_epoch = hr.getClusterEpoch();
     shards_reported = static_cast<int>(hr.getShards());
     daemon_max_frame_bytes = hr.getMaxFrameBytes();
+    daemon_reply_hold = hr.getMaxQueuedReplyBytes();
     chunk_elements = hr.getChunkElements();
     AttachShm(hr, deadline);
   } catch (const kj::Exception& e) {
@@ -228,14 +229,21 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
                             " was reset before this reply came; the next call reconnects");
   }
   const char* limit = "the client's ClientOptions::max_frame_bytes";
-  if (stall_check) {
+  // The last reply's reader is done with: a buffer that one big reply grew is given back once the
+  // replies since have been much smaller.
+  in_.MaybeRelease(kKeptReplyBytes);
+  // A cluster's shard is asked about while its reply is late (stall_check). Over TLS the stream's
+  // own buffers may hold the reply already (a TLS read takes whole records, several replies of a
+  // batch at once), so the read itself asks, not a poll of the socket.
+  if (stall_check && !tls_) {
     Status w = WaitReadable();
     if (!w.ok()) {
       Drop();
       return w;
     }
   }
-  Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit, landing)
+  Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit, landing, stall_check,
+                                         kStallCheckMs)
                   : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit, landing,
                                          options_.busy_poll_us, &ahead_);
   if (!s.ok()) {
@@ -267,8 +275,7 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
 
 Status Conn::WaitReadable() {
   if (ahead_.held() > 0) return Status::Ok();  // the reply (or its start) was read with the last one
-  if (tls_ && SSL_pending(tls_->native_handle()) > 0) return Status::Ok();
-  const int fd = tls_ ? tls_->next_layer().native_handle() : socket_.native_handle();
+  const int fd = socket_.native_handle();
   // ClientOptions::busy_poll_us: ReadFrame spins before it sleeps, so a reply that is about to
   // come is not waited for in poll() here either: the blocking wait starts after that long.
   if (options_.busy_poll_us > 0) {

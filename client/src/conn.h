@@ -122,6 +122,19 @@ class Conn {
   static constexpr int64_t kQuickReconnectMs = 500;
   uint64_t daemon_max_frame_bytes = 0;  // psd's --max-frame-bytes from the hello (0: not announced)
   uint64_t chunk_elements = 0;          // what gradient chunks align to (0: the daemon takes none)
+  // psd's --max-queued-reply-bytes from the hello (0: not announced): psd reads no further request
+  // from this connection while more reply bytes than that wait to be written to it.
+  uint64_t daemon_reply_hold = 0;
+  // The most reply bytes a batch (Client::Impl::Run) leaves unread on this connection when it sends
+  // a request: half psd's hold, so psd never stops reading a request this client is still writing
+  // (the client reads no reply while it writes).
+  uint64_t ReplyWindow() const { return daemon_reply_hold > 0 ? daemon_reply_hold / 2 : kDefaultReplyWindow; }
+  static constexpr uint64_t kDefaultReplyWindow = 32ull << 20;
+  // What a reply may hold besides the values a call expects (Call::reply_bytes): ids, codes,
+  // names, an error's text.
+  static constexpr uint64_t kReplyOverhead = 1 << 10;
+  // The reply buffer kept however small the recent replies (InFrame::MaybeRelease).
+  static constexpr size_t kKeptReplyBytes = 16 << 20;
   // The most chunk_elements a hello may announce (a bigger one fails the connect as malformed).
   static constexpr uint64_t kMaxChunkElements = uint64_t{1} << 30;
   // Room for a frame's own words besides its tensors' bytes (names, shapes, list pointers): a
@@ -190,8 +203,8 @@ class Conn {
 
  private:
   Status SendNoReconnect(OutFrame& frame);
-  // Waits until the socket has something to read (or the deadline), asking stall_check each
-  // kStallCheckMs; its verdict if it says to give up.
+  // Plain TCP: waits until the socket has something to read (or the deadline), asking stall_check
+  // each kStallCheckMs; its verdict if it says to give up. (TLS: ReadFrame asks.)
   Status WaitReadable();
 
   // Tells the daemon at shared-memory socket `socket_name` to touch the shared buffers no more

@@ -19,14 +19,29 @@ using internal::CheckView;
 using internal::SetWantedDTypes;
 using internal::SliceOf;
 
+void Client::Impl::LetGoOfValues(proto::PullReply::Reader p, Conn* from) {
+  try {
+    for (auto v : p.getValues()) {
+      if (v.getInShm() && v.getShmSegment() == psd::wire::kValuesSegment) return from->ValuesRead();
+    }
+  } catch (const kj::Exception&) {
+    // Malformed: the caller says so; nothing named can be told apart.
+  }
+}
+
 Result<int64_t> Client::Impl::ReadValues(proto::PullReply::Reader p,
                                          const std::vector<std::pair<std::string, TensorView>>& outs, Conn* from) {
+  // However the reading ends, psd may let go of what the reply named in its values segment.
+  struct LetGo {
+    Impl* im;
+    proto::PullReply::Reader p;
+    Conn* from;
+    ~LetGo() { im->LetGoOfValues(p, from); }
+  } let_go{this, p, from};
   try {
     auto values = p.getValues();
     if (values.size() != outs.size()) return psd::Internal("pull reply has the wrong number of values");
-    bool named = false;  // a value read where psd keeps it (its values segment)
     for (size_t i = 0; i < outs.size(); ++i) {
-      named = named || values[static_cast<unsigned>(i)].getShmSegment() == psd::wire::kValuesSegment;
       auto t = from->ReplyTensor(values[static_cast<unsigned>(i)]);
       if (!t.ok()) return t.status();
       const TensorView& out = outs[i].second;
@@ -46,7 +61,6 @@ Result<int64_t> Client::Impl::ReadValues(proto::PullReply::Reader p,
       }
       PSD_RETURN_IF_ERROR(staging_.FromHost(out.data, t->data, t->bytes, out.memory, out.stream));
     }
-    if (named) from->ValuesRead();  // psd may let go of what it named in its values segment
     return p.getStep();
   } catch (const kj::Exception& e) {
     return Malformed(e);
@@ -179,7 +193,10 @@ Result<int64_t> Client::Impl::PullViewsLocked(const Outs& outs, bool averages) {
     Calls calls;
     for (const PullFrame& f : frames) {
       proto::Request::Builder req(nullptr);
-      Add(calls, f.shard, &req);
+      Call& call = Add(calls, f.shard, &req);
+      if (!f.to_shm && f.in_buffers.empty()) {
+        for (const auto& out : f.outs) call.reply_bytes += out.second.bytes();
+      }
       auto pull = req.initPull();
       pull.setAverages(averages);
       auto names = pull.initNames(static_cast<unsigned>(f.outs.size()));
@@ -191,7 +208,7 @@ Result<int64_t> Client::Impl::PullViewsLocked(const Outs& outs, bool averages) {
         return psd::Internal("the shared-memory room planned for a pull is gone");  // PlanPull checked it
       }
       if (!f.ranged) continue;
-      if (!f.to_shm) calls.back()->landing = LandingFor(f.outs);
+      if (!f.to_shm) call.landing = LandingFor(f.outs);
       auto ranges = pull.initRanges(static_cast<unsigned>(f.outs.size()));
       for (size_t i = 0; i < f.outs.size(); ++i) {
         ranges[static_cast<unsigned>(i)].setOffset(f.offsets[i]);
@@ -205,17 +222,20 @@ Result<int64_t> Client::Impl::PullViewsLocked(const Outs& outs, bool averages) {
     int64_t step = -1;
     uint64_t epoch = 0;
     bool agree = true;
+    bool first = true;  // replies come in each shard's order, not the calls' (Run)
     Status read;
     Status s = Run(calls, [&](size_t i) {
-      if (!calls[i]->status.ok() || !read.ok() || !agree) return;
+      if (!calls[i]->status.ok()) return;
       try {
         auto p = calls[i]->resp.getPull();
-        if (i == 0) {
+        if (!read.ok() || !agree) return LetGoOfValues(p, &conn(frames[i].shard));  // not read: read again
+        if (first) {
+          first = false;
           step = p.getStep();
           epoch = p.getClusterEpoch();
         } else if (p.getClusterEpoch() != epoch || (p.getStep() != step && !any_step)) {
           agree = false;
-          return;
+          return LetGoOfValues(p, &conn(frames[i].shard));
         }
         step = std::min(step, p.getStep());
         read = ReadValues(p, frames[i].outs, &conn(frames[i].shard)).status();
@@ -293,7 +313,9 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
     proto::Response::Reader resp;
     PSD_RETURN_IF_ERROR(im.Single(shard, frame, &resp));
     try {
-      return im.ReadValues(resp.getPull(), {{name, out}}, &conn);
+      auto step = im.ReadValues(resp.getPull(), {{name, out}}, &conn);
+      if (step.ok() && im.cluster()) im.NoteEpoch(resp.getPull().getClusterEpoch());
+      return step;
     } catch (const kj::Exception& e) {
       return Malformed(e);
     }
@@ -338,10 +360,10 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
       const int64_t base = host_view && row_bytes > 0 ? conn.BufferOffset(out.data, out.bytes()) : -1;
       const uint64_t limit = conn.PullFrameLimit();
       const size_t per_request = conn.RowsPerRequest();
-      size_t per_reply = per_request;
-      if (row_bytes > 0) {
+      size_t per_reply = per_request;  // a request's rows are bounded by psd's frame (8 bytes each) too
+      if (row_bytes > 0 && limit > 0) {
         per_reply =
-            limit == 0 ? SIZE_MAX : std::max<size_t>(1, (limit - std::min(limit, Conn::kFrameSlack)) / row_bytes);
+            std::min(per_request, std::max<size_t>(1, (limit - std::min(limit, Conn::kFrameSlack)) / row_bytes));
       }
       const std::vector<size_t>& pos = positions[k];
       for (size_t first = 0; first < pos.size();) {
@@ -360,7 +382,8 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
                            pos.begin() + static_cast<std::ptrdiff_t>(first + n));
         first += n;
         proto::Request::Builder req(nullptr);
-        im.Add(calls, shard, &req);
+        Impl::Call& call = im.Add(calls, shard, &req);
+        if (b.via == Via::kReply) call.reply_bytes = n * row_bytes;
         auto p = req.initPullRows();
         fill(p);
         auto list = p.initRows(static_cast<unsigned>(n));
@@ -386,17 +409,19 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
     // Each reply is scattered as it arrives (a reader lasts until the next reply on its
     // connection); replies at different steps (a commit came between them) are read again.
     int64_t step = -1;
+    uint64_t epoch = 0;
     bool agree = true;
     Status read;
     Status run = im.Run(calls, [&](size_t c) {
       if (!calls[c]->status.ok() || !read.ok() || !agree) return;
       try {
         auto p = calls[c]->resp.getPull();
-        if (step >= 0 && p.getStep() != step && !any_step) {
+        if (step >= 0 && ((p.getStep() != step && !any_step) || p.getClusterEpoch() != epoch)) {
           agree = false;
           return;
         }
         step = step >= 0 ? std::min(step, p.getStep()) : p.getStep();
+        epoch = p.getClusterEpoch();
         if (p.getValues().size() != 1) {
           read = psd::Internal("a rows reply carries " + std::to_string(p.getValues().size()) + " values, not one");
           return;
@@ -425,7 +450,12 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
     });
     PSD_RETURN_IF_ERROR(run);
     PSD_RETURN_IF_ERROR(read);
-    if (agree) return step;
+    if (agree) {
+      // A trainer that only looks up rows learns a re-formed cluster's epoch here, as from a pull
+      // (its next push says it).
+      if (im.cluster() && step >= 0) im.NoteEpoch(epoch);
+      return step;
+    }
     if (attempt >= 200) return psd::Unavailable("the shards keep answering at different global steps; retry");
     std::this_thread::sleep_for(std::chrono::milliseconds(attempt < 20 ? 1 : 10));
   }
@@ -458,16 +488,18 @@ Status Client::GetSlot(const std::string& variable, const std::string& slot, Ten
     const int64_t step = ranged ? std::max<int64_t>(1, static_cast<int64_t>(limit / es)) : n;
     for (int64_t off = 0; off < n || (off == 0 && n == 0); off += std::max<int64_t>(step, 1)) {
       proto::Request::Builder req(nullptr);
-      im.Add(calls, loc->parts[k].shard, &req);
+      Impl::Call& call = im.Add(calls, loc->parts[k].shard, &req);
       auto g = req.initGetSlot();
       g.setVariable(variable);
       g.setSlot(slot);
       g.setHasDtype(true);
       g.setDtype(psd::wire::ToWire(out.dtype));
       Piece piece{k};
+      call.reply_bytes = part.bytes();
       if (ranged) {
         piece.offset = off;
         piece.count = std::min(step, n - off);
+        call.reply_bytes = static_cast<uint64_t>(piece.count) * es;
         g.setHasRange(true);
         g.initRange().setOffset(piece.offset);
         g.getRange().setCount(piece.count);

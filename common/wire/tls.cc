@@ -5,6 +5,7 @@
 #include <openssl/x509v3.h>
 
 #include <fstream>
+#include <functional>
 #include <memory>
 
 namespace psd::wire {
@@ -129,9 +130,12 @@ Status SetTlsServerName(ssl::stream<tcp::socket>& stream, const std::string& nam
 namespace {
 
 // Runs one async operation on the stream's io_context until it completes or the deadline passes
-// (then the socket is closed and the aborted operation drained).
+// (then the socket is closed and the aborted operation drained). `stall_check` (if set) is asked
+// every `check_ms` while the operation is pending: a non-OK verdict ends it the same way, with
+// that status.
 template <typename StartOp>
-Status RunUntil(ssl::stream<tcp::socket>& stream, Deadline deadline, const char* what, StartOp start) {
+Status RunUntil(ssl::stream<tcp::socket>& stream, Deadline deadline, const char* what, StartOp start,
+                const std::function<Status()>& stall_check = {}, int64_t check_ms = 0) {
   auto& io = static_cast<asio::io_context&>(stream.get_executor().context());
   bool done = false;
   boost::system::error_code result;
@@ -140,9 +144,16 @@ Status RunUntil(ssl::stream<tcp::socket>& stream, Deadline deadline, const char*
     done = true;
   });
   io.restart();
+  Status verdict;
   while (!done) {
-    size_t ran = deadline == kNoDeadline ? io.run_one() : io.run_one_until(deadline);
-    if (ran == 0 && !done) break;
+    Deadline until = deadline;
+    if (stall_check) until = std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(check_ms));
+    size_t ran = until == kNoDeadline ? io.run_one() : io.run_one_until(until);
+    if (ran > 0 || done) continue;
+    if (!stall_check || std::chrono::steady_clock::now() >= deadline) break;
+    verdict = stall_check();
+    if (!verdict.ok()) break;
+    io.restart();  // run_one_until returned for the slice's end: run on
   }
   if (!done) {
     boost::system::error_code ignored;
@@ -150,6 +161,7 @@ Status RunUntil(ssl::stream<tcp::socket>& stream, Deadline deadline, const char*
     io.restart();
     while (!done && io.run_one() > 0) {
     }
+    if (!verdict.ok()) return verdict;
     return DeadlineExceeded("no answer from psd before the deadline");
   }
   if (result) {
@@ -176,10 +188,18 @@ Status WriteFrame(ssl::stream<tcp::socket>& stream, OutFrame& frame, Deadline de
 }
 
 Status ReadFrame(ssl::stream<tcp::socket>& stream, InFrame& in, uint64_t max_frame_bytes, Deadline deadline,
-                 const std::string& limit_name, const Landing* landing) {
+                 const std::string& limit_name, const Landing* landing, const std::function<Status()>& stall_check,
+                 int64_t check_ms) {
+  // The wait for the frame's first bytes is where stall_check is asked: the stream's own buffers may
+  // hold them already (a TLS read takes whole records), so the socket is not polled for them.
+  bool first = true;
   auto read = [&](void* p, size_t n) {
-    return RunUntil(stream, deadline, "TLS read",
-                    [&](auto done) { asio::async_read(stream, asio::buffer(p, n), done); });
+    const std::function<Status()> none;
+    const bool check = first;
+    first = false;
+    return RunUntil(
+        stream, deadline, "TLS read", [&](auto done) { asio::async_read(stream, asio::buffer(p, n), done); },
+        check ? stall_check : none, check_ms);
   };
   return ReadFrameWith(read, in, max_frame_bytes, limit_name, landing);
 }

@@ -9,6 +9,7 @@
 #define PSD_WIRE_TLS_H_
 
 #include <boost/asio/ssl.hpp>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -41,9 +42,12 @@ Status SetTlsServerName(ssl::stream<tcp::socket>& stream, const std::string& nam
 // which must not run it anywhere else.
 Status TlsHandshake(ssl::stream<tcp::socket>& stream, Deadline deadline);
 Status WriteFrame(ssl::stream<tcp::socket>& stream, OutFrame& frame, Deadline deadline = kNoDeadline);
+// `stall_check` (if set) is asked every `check_ms` while the frame's first bytes have not come: a
+// non-OK verdict ends the read with it (the socket closed), as the deadline would.
 Status ReadFrame(ssl::stream<tcp::socket>& stream, InFrame& in, uint64_t max_frame_bytes,
                  Deadline deadline = kNoDeadline, const std::string& limit_name = "psd's --max-frame-bytes",
-                 const Landing* landing = nullptr);
+                 const Landing* landing = nullptr, const std::function<Status()>& stall_check = {},
+                 int64_t check_ms = 0);
 
 // An OpenSSL error queue / Asio SSL error as text that says what to check. `ssl` (the
 // connection's, if known) adds why a certificate failed verification, and which side's it was.

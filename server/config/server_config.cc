@@ -282,6 +282,7 @@ Status ServerConfig::Validate() {
   PSD_RETURN_IF_ERROR(SizeInRange("--max-frame-bytes", max_frame_bytes, 4ull << 10, 16ull << 30));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-model-bytes", max_model_bytes, 4ull << 10, 1ull << 50));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-inflight-bytes", max_inflight_bytes, 64ull << 10, 1ull << 50));
+  PSD_RETURN_IF_ERROR(SizeInRange("--max-queued-reply-bytes", max_queued_reply_bytes, 64ull << 10, 1ull << 50));
   PSD_RETURN_IF_ERROR(SizeInRange("--shm-max-bytes", shm_max_bytes, 64ull << 10, 1ull << 44));
   PSD_RETURN_IF_ERROR(InRange("--frame-timeout-ms", frame_timeout_ms, int64_t{1}, int64_t{86400000}));
   PSD_RETURN_IF_ERROR(optimizer.Validate());

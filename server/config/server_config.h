@@ -42,6 +42,9 @@ struct ServerConfig : TrainingConfig {
   // share (backpressure) instead of failing, and one bigger than all of it is read alone; a frame
   // must arrive within frame_timeout_ms once it holds its share.
   uint64_t max_inflight_bytes = 32ull << 20;
+  // Per connection: psd reads no further request while more reply bytes than this wait to be
+  // written to it (README "Replies waiting to be read"); workers learn it at hello.
+  uint64_t max_queued_reply_bytes = 64ull << 20;
   int64_t frame_timeout_ms = 60000;
   int max_connections = 1024;
   int64_t hello_timeout_ms = 5000;  // a connection must complete its hello within this

@@ -216,6 +216,7 @@ ConnectionEnv Server::MakeConnectionEnv() {
   env.idle_timeout_s = config_.idle_timeout_s;
   env.frame_timeout_ms = config_.frame_timeout_ms;
   env.max_frame_bytes = config_.max_frame_bytes;
+  env.max_queued_reply_bytes = config_.max_queued_reply_bytes;
   env.budget = &frame_budget_;
   env.frame_buffers = &frame_pool_;
   env.tls = tls_;

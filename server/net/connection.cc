@@ -166,7 +166,7 @@ void Connection::ReadExact(void* dst, size_t n, F then) {
 
 void Connection::ReadHeader() {
   if (closed_ || closing_) return;
-  if (untrusted() && write_queue_.size() > kMaxQueuedRepliesUntrusted) {
+  if (TooManyQueued()) {
     read_paused_ = true;  // WriteNext reads on once the replies go out
     if (env_.on_reads_paused) env_.on_reads_paused();
     return;
@@ -337,8 +337,16 @@ void Connection::FailStream(const Status& status, uint64_t id) {
 
 // --- writing ----------------------------------------------------------------------------------
 
+bool Connection::TooManyQueued() const {
+  return (untrusted() && write_queue_.size() > kMaxQueuedRepliesUntrusted) ||
+         queued_bytes_ > env_.max_queued_reply_bytes;
+}
+
 void Connection::Send(std::shared_ptr<wire::OutFrame> frame) {
   if (closed_) return;
+  const uint64_t bytes = frame->BodyBytes();
+  queued_sizes_.push_back(bytes);
+  queued_bytes_ += bytes;
   write_queue_.push_back(std::move(frame));
   if (!writing_) WriteNext();
 }
@@ -362,13 +370,15 @@ void Connection::WriteNext() {
       asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t n) {
         if (self->env_.on_bytes_out) self->env_.on_bytes_out(n);
         self->write_queue_.pop_front();
+        self->queued_bytes_ -= self->queued_sizes_.front();
+        self->queued_sizes_.pop_front();
         if (ec) {
           self->writing_ = false;
           return self->CloseNow();
         }
         self->last_frame_ = std::chrono::steady_clock::now();
         self->WriteNext();
-        if (self->read_paused_ && self->write_queue_.size() <= kMaxQueuedRepliesUntrusted) {
+        if (self->read_paused_ && !self->TooManyQueued()) {
           self->read_paused_ = false;
           self->ReadHeader();
         }

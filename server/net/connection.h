@@ -64,6 +64,13 @@ struct ConnectionEnv {
   int64_t idle_timeout_s = 0;  // 0: never
   int64_t frame_timeout_ms = 60000;
   uint64_t max_frame_bytes = 256ull << 20;
+  // --max-queued-reply-bytes: on any connection, the reply bytes (their messages' segments: a
+  // pull's values are referenced, `pull_rows` replies and errors are copies) that may wait to be
+  // written before psd stops reading requests until they go out. A worker that pipelines requests
+  // and never reads would otherwise grow psd without bound (40 `pull_rows` of 4096 rows took
+  // 640 MB). One request's reply is queued whole; reading resumes below the bound. libpsclient
+  // leaves at most half of it unread while it sends (it learns the bound at hello).
+  uint64_t max_queued_reply_bytes = 64ull << 20;
   FrameBudget* budget = nullptr;  // required; outlives the connection
   // Where big frames' body buffers come from (null: the heap); outlives the connection.
   wire::BufferSource* frame_buffers = nullptr;
@@ -75,7 +82,7 @@ struct ConnectionEnv {
   std::function<void(uint64_t bytes)> on_bytes_in;
   std::function<void(uint64_t bytes)> on_bytes_out;
   std::function<void()> on_frame_timeout;
-  std::function<void()> on_reads_paused;  // kMaxQueuedRepliesUntrusted replies were waiting
+  std::function<void()> on_reads_paused;  // too many replies, or reply bytes, were waiting
 };
 
 class Connection : public std::enable_shared_from_this<Connection> {
@@ -84,8 +91,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   static constexpr uint64_t kPreHelloFrameBytes = 64 << 10;
   // Replies that may wait to be written, on a connection without a hello or an observer's, before
   // psd stops reading its next request: one that sends requests and never reads the answers is
-  // held up by TCP, not by psd's memory. Workers and shards pipeline freely (a chunked push has a
-  // reply per frame, read after its last frame is sent).
+  // held up by TCP, not by psd's memory. Workers and shards pipeline up to
+  // ConnectionEnv::max_queued_reply_bytes of replies (a chunked push has a reply per frame).
   static constexpr size_t kMaxQueuedRepliesUntrusted = 8;
   // The most segments a message may have on such a connection (a hello has one or two).
   static constexpr uint32_t kMaxSegmentsUntrusted = 16;
@@ -180,6 +187,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void ArmTimer(std::chrono::steady_clock::duration after);
   void OnTimer();
   void WriteNext();
+  // Replies waiting past kMaxQueuedRepliesUntrusted (untrusted) or --max-queued-reply-bytes (any role).
+  bool TooManyQueued() const;
 
   const ConnectionEnv env_;
   ByteStream stream_;  // plain TCP, or TLS with --tls-cert-file
@@ -203,7 +212,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool reading_body_ = false;
   bool read_in_place_ = false;   // a read into the body buffer is under way (it must outlive it)
   bool awaiting_share_ = false;  // a frame's header is in, its budget share not yet granted
-  bool read_paused_ = false;     // kMaxQueuedRepliesUntrusted replies wait: reads resume as they go out
+  bool read_paused_ = false;     // too many replies wait (TooManyQueued): reads resume as they go out
   bool idle_offered_ = false;    // the kept buffer's charge is offered back to the budget (OfferIdle)
   Role role_ = Role::kNone;
   asio::steady_timer timer_;
@@ -215,6 +224,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::atomic<bool> awaiting_hello_{true};  // no role admitted yet, not closed (read off the strand)
 
   std::deque<std::shared_ptr<wire::OutFrame>> write_queue_;
+  std::deque<uint64_t> queued_sizes_;  // each queued frame's body bytes (write_queue_'s order)
+  uint64_t queued_bytes_ = 0;          // their sum
   bool writing_ = false;
 };
 

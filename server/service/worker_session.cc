@@ -194,6 +194,7 @@ void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
     FillConfig(h.initConfig(), host_.config(), *host_.engine());
     FillCluster(h, host_.engine()->epoch());
     h.setMaxFrameBytes(host_.config().max_frame_bytes);
+    h.setMaxQueuedReplyBytes(host_.config().max_queued_reply_bytes);
     return Send(std::move(frame));
   }
   std::string name = r.getWorkerName();
@@ -224,6 +225,7 @@ void WorkerSession::HandleHello(uint64_t id, proto::Hello::Reader r) {
   FillConfig(h.initConfig(), host_.config(), *host_.engine());
   FillCluster(h, host_.engine()->epoch());
   h.setMaxFrameBytes(host_.config().max_frame_bytes);
+  h.setMaxQueuedReplyBytes(host_.config().max_queued_reply_bytes);
   h.setChunkElements(TrainingEngine::kChunkElements);
   if (ShmListener* shm = host_.shm()) {
     if (!shm_) shm_ = std::make_shared<ShmSlot>();
@@ -663,12 +665,16 @@ void WorkerSession::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
   if (target && segment == nullptr) return SendError(id, NoSegment(target->segment));
   RowsOut sink(r.getHasDtype(), r.getDtype(), name, host_.config().max_frame_bytes, target ? &*target : nullptr,
                segment);
-  auto step = host_.engine()->ReadRows(name, rows, sink);
+  auto engine = host_.engine();
+  auto step = engine->ReadRows(name, rows, sink);
   if (!step.ok()) return SendError(id, step.status());
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);
   auto p = resp.initPull();
   p.setStep(*step);
+  // A cluster's epoch, as a pull says it: a worker that only looks up rows learns of a re-formation
+  // here (its pushes carry the epoch and are refused until it does).
+  p.setClusterEpoch(engine->epoch());
   sink.Set(*frame, p.initValues(1)[0]);
   if (sink.shm_bytes() > 0) host_.metrics().OnShmBytes(sink.shm_bytes());
   Send(std::move(frame));

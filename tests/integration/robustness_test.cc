@@ -662,6 +662,74 @@ TEST_CASE("a peer that never reads its answers is held up by TCP, not by psd's m
   ExpectHealthy(server->port());
 }
 
+TEST_CASE("a worker that pipelines requests and never reads is held up at --max-queued-reply-bytes",
+          "[robustness][dos]") {
+  // 16 pulls of a 4 MiB variable sent at once, nothing read: psd stops reading the worker's
+  // requests while more than --max-queued-reply-bytes (8 MiB here) of replies wait, and every
+  // request is answered once it reads. Before, only connections without a hello were held up; a
+  // worker's 40 `pull_rows` of 4096 rows (each reply a copy) grew psd by 640 MB.
+  auto cfg = TestConfig(1, 3, 0);
+  cfg.max_queued_reply_bytes = 8 << 20;
+  auto server = StartServer(cfg);
+  const int64_t n = 1 << 20;  // 4 MiB of float32
+  std::vector<float> init(static_cast<size_t>(n), 2.0f);
+  auto owner = ConnectWorker(server->port(), "owner");
+  REQUIRE(owner->CreateVariable("big", {init.data(), DType::kFloat32, {n}, MemoryKind::kHost}).ok());
+  RawPeer p(server->port());
+  p.Hello("reader");
+  const uint64_t paused_before = server->metrics().reads_paused();
+  constexpr int kPulls = 16;  // 64 MiB of replies: far more than the kernel holds for a peer that does not read
+  for (int i = 0; i < kPulls; ++i) {
+    wire::OutFrame f;
+    auto req = f.builder.initRoot<proto::Request>();
+    req.setId(static_cast<uint64_t>(100 + i));
+    req.initPull().initNames(1).set(0, "big");
+    p.Send(f);
+  }
+  CHECK(Eventually([&] { return server->metrics().reads_paused() > paused_before; }));
+  for (int i = 0; i < kPulls; ++i) {
+    REQUIRE(
+        wire::ReadFrame(p.socket, p.in, 16 << 20, std::chrono::steady_clock::now() + std::chrono::seconds(60)).ok());
+    auto r = p.in.Reader()->getRoot<proto::Response>();
+    REQUIRE(r.getCode() == proto::Code::OK);
+    CHECK(r.getId() == static_cast<uint64_t>(100 + i));
+  }
+}
+
+TEST_CASE("a lookup whose replies outgrow --max-queued-reply-bytes is read as it is sent", "[robustness][dos]") {
+  // libpsclient sends a lookup's requests before it reads their replies, and psd reads no request
+  // while more than --max-queued-reply-bytes of replies wait: the client learns the bound at hello
+  // and reads replies before sending more once half of it could be unread, so psd never holds its
+  // reads. 1 Mi rows of a [65536, 2] float32 table in replies of 256 KiB, the bound at 1 MiB.
+  // (tests/client/reply_window_test.cc shows the deadlock without it, against small socket
+  // buffers; here TCP's own buffers may hide it.)
+  auto cfg = TestConfig(1, 2, 0);
+  cfg.max_queued_reply_bytes = 1 << 20;
+  cfg.shared_memory = false;
+  auto server = StartServer(cfg);
+  constexpr int64_t kTable = 65536;
+  std::vector<float> table(static_cast<size_t>(kTable) * 2);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<float>(i);
+  auto o = WorkerOptions(server->port(), "w");
+  o.pull_frame_bytes = 256 << 10;
+  auto w = psd::testing::ConnectWith(o);
+  REQUIRE(w->CreateVariable("table", {table.data(), DType::kFloat32, {kTable, 2}, MemoryKind::kHost}).ok());
+  const uint64_t paused_before = server->metrics().reads_paused();
+  constexpr size_t kRows = size_t{1} << 20;
+  std::vector<int64_t> rows(kRows);
+  for (size_t i = 0; i < kRows; ++i) rows[i] = static_cast<int64_t>((i * 7919) % kTable);
+  std::vector<float> out(kRows * 2, -1.0f);
+  auto step = w->PullRows("table", rows, {out.data(), DType::kFloat32, {static_cast<int64_t>(kRows), 2}});
+  INFO(step.status().ToString());
+  REQUIRE(step.ok());
+  size_t wrong = 0;
+  for (size_t i = 0; i < kRows; ++i) {
+    wrong += out[2 * i] != table[2 * rows[i]] || out[2 * i + 1] != table[2 * rows[i] + 1];
+  }
+  CHECK(wrong == 0);
+  CHECK(server->metrics().reads_paused() == paused_before);
+}
+
 TEST_CASE("frames in flight share --max-inflight-bytes: a worker over it waits, a stalled frame is cut off",
           "[robustness][dos][budget]") {
   auto cfg = TestConfig(1, 4, 0);  // "owner", two greedy insiders and "healthy"

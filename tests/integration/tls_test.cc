@@ -8,12 +8,14 @@
 #include <thread>
 
 #include "support/eventually.h"
+#include "support/test_cluster.h"
 #include "support/test_server.h"
 #include "wire/frame.h"
 
 using namespace psd;
 using psd::testing::Eventually;
 using psd::testing::StartServer;
+using psd::testing::StartTestCluster;
 using psd::testing::TestConfig;
 
 namespace {
@@ -161,6 +163,39 @@ TEST_CASE("a worker trains over TLS, psd's certificate is verified", "[tls]") {
     s.read_some(asio::buffer(&c, 1), ec);  // psd answers with an alert or closes
   }
   REQUIRE((*w)->Pull("v", {out.data(), DType::kFloat32, {int64_t(out.size())}, MemoryKind::kHost}).ok());
+}
+
+TEST_CASE("a TLS cluster's worker reads the replies of a batch that one TLS read brought", "[tls][cluster]") {
+  // An 8 MiB push in 1 MiB frames to two shards: each frame is answered in turn, and a TLS read
+  // takes whole records, so the replies after the first are in the stream's buffers, not on the
+  // socket. A cluster's client waits for a late reply asking the other shards whether to wait on;
+  // it polled the socket for that, saw nothing, and every such push failed at the request deadline
+  // with its chunks already added.
+  Certs certs;
+  auto cfg = TlsConfig(certs, false);
+  cfg.total_replicas = 1;
+  cfg.slice_bytes = 1 << 20;
+  auto cluster = StartTestCluster(cfg, 2);
+  auto o = TlsClient(0, "w0", certs.dir + "/ca.pem");
+  o.cluster = cluster.addresses;
+  o.connect_timeout_ms = 20000;
+  o.request_timeout_ms = 20000;
+  auto w = psd::testing::ConnectWith(o);
+  const int64_t n = 2 << 20;  // 8 MiB of float32
+  std::vector<float> v(static_cast<size_t>(n), 1.0f), g(static_cast<size_t>(n), 0.5f);
+  REQUIRE(w->CreateVariable("v", {v.data(), DType::kFloat32, {n}, MemoryKind::kHost}).ok());
+  int64_t local = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto out = w->Push(local, {{"v", {g.data(), DType::kFloat32, {n}, MemoryKind::kHost}}}, true, 20000);
+    INFO(out.status().ToString());
+    REQUIRE(out.ok());
+    REQUIRE(out->token_status.ok());
+    local = out->token;
+  }
+  std::vector<float> after(static_cast<size_t>(n), 0.0f);
+  REQUIRE(w->Pull("v", {after.data(), DType::kFloat32, {n}, MemoryKind::kHost}).ok());
+  CHECK(after[0] == after[static_cast<size_t>(n) - 1]);
+  CHECK(after[0] < 1.0f);
 }
 
 TEST_CASE("mutual TLS: psd refuses clients without a certificate signed by its CA", "[tls]") {

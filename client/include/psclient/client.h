@@ -68,7 +68,9 @@ struct ClientOptions {
                                    // call, so the other shards' answers come through at once)
   // No call waits longer than this for its reply (a token wait: its own timeout + 10 s if longer);
   // past it the call fails with kDeadlineExceeded and the connection is reset. Keep it above
-  // psd's --token-timeout-ms when waits use the daemon's default.
+  // psd's --token-timeout-ms when waits use the daemon's default. (With shared buffers attached, a
+  // reset first asks the daemon to touch them no more and waits up to 5 s for its answer: the
+  // buffers are the caller's again when the call returns.)
   int64_t request_timeout_ms = 300000;
   uint64_t max_frame_bytes = 1ull << 30;  // largest reply accepted
   // A push bigger than this travels in frames of at most this many bytes, gradients cut into
@@ -369,6 +371,9 @@ class PSD_EXPORT Client {
 
   // Writes the variable's value into `out` (dtype and shape must match). Returns the global step
   // the value reflects. The multi-variable form reads every value at one step, in one round trip.
+  // A failed pull may have written some of the views (a reply is read straight into the caller's
+  // memory as it arrives): their contents are then unspecified. The same holds for Push's
+  // pull_after views when the push fails or its token does not come.
   Result<int64_t> Pull(const std::string& name, TensorView out);
   Result<int64_t> Pull(const std::vector<std::pair<std::string, TensorView>>& outs);
   // The moving averages (TF's shadow variables) of variables created with average = true.
