@@ -214,7 +214,8 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
                                     indices.begin());
         last = static_cast<size_t>(std::lower_bound(indices.begin(), indices.end(), loc->parts[k].row_end) -
                                    indices.begin());
-        if (first == last && loc->parts.size() > 1) continue;  // no rows for this slice
+        // A slice with no rows gets an empty gradient all the same: each slice counts its own
+        // gradients towards a step, as TensorFlow's partitioned variables do.
         for (size_t r = first; r < last; ++r) part.indices.push_back(indices[r] - loc->parts[k].row_begin);
       } else {
         part.indices = indices;

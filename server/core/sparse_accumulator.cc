@@ -118,9 +118,32 @@ void SparseAccumulator::Merge(const SparseGradRef& g) {
   counts_.swap(scratch_counts_);
 }
 
-Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts) {
+Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts, uint64_t source) {
   PSD_RETURN_IF_ERROR(Validate(g));
-  if (local_step < step_) return false;
+  auto part = unfinished_.find(source);
+  if (local_step < step_) {
+    if (part != unfinished_.end()) unfinished_.erase(part);  // stale: the whole gradient goes
+    return false;
+  }
+  if (!counts || part != unfinished_.end()) {
+    Unfinished& u = part != unfinished_.end() ? part->second : unfinished_[source];
+    const auto* bytes = static_cast<const uint8_t*>(g.values);
+    if (g.nnz > 0 && !u.indices.empty() && g.indices[0] <= u.indices.back()) {
+      return InvalidArgument("a sparse gradient's rows continue at index " + std::to_string(g.indices[0]) +
+                             ", not after the last part's " + std::to_string(u.indices.back()));
+    }
+    u.indices.insert(u.indices.end(), g.indices, g.indices + g.nnz);
+    u.values.insert(u.values.end(), bytes, bytes + g.values_bytes);
+    if (!counts) return true;
+    Unfinished whole = std::move(u);
+    unfinished_.erase(source);
+    Shape shape = g.values_shape;
+    shape[0] = static_cast<int64_t>(whole.indices.size());
+    return ApplyGrad(local_step,
+                     {whole.indices.data(), static_cast<int64_t>(whole.indices.size()), g.dtype, std::move(shape),
+                      whole.values.data(), whole.values.size(), g.dense_shape},
+                     /*counts=*/true, source);
+  }
   if (!merged_) {
     indices_.clear();
     values_.clear();

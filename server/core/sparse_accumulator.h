@@ -13,6 +13,7 @@
 #define PSD_SERVER_CORE_SPARSE_ACCUMULATOR_H_
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <vector>
 
@@ -42,9 +43,14 @@ class SparseAccumulator {
   // `accumulating` only words one message as TF does.
   static Status Check(DType dtype, const Shape& declared, const SparseGradRef& g, bool accumulating);
   // Returns true when accepted, false when stale. `counts` false: some of a gradient's rows, more
-  // of them to come (a gradient bigger than a frame); each row counts for MEAN as usual, the
-  // gradient counts towards a take only with its last rows.
-  Result<bool> ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts = true);
+  // of them to come from `source` (a gradient bigger than a frame; each part's rows follow the
+  // last's). They are kept apart until its last rows come (counts true, the same source): then the
+  // whole gradient is added and counted at once, or dropped whole if a take made it stale
+  // meanwhile, as TensorFlow's apply_grad is all or nothing. A take never sees a gradient's first
+  // rows without its last.
+  Result<bool> ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts = true, uint64_t source = 0);
+  // The rows kept for `source`'s unfinished gradient go (its push was cut off).
+  void DropUnfinished(uint64_t source) { unfinished_.erase(source); }
   // As DenseAccumulator::TryTakeGrad. On success the averaged rows are in indices()/values().
   Result<bool> TryTakeGrad(int num_required, int* count);
   // Takes whatever is there (a step deadline passed); *count may be 0.
@@ -77,6 +83,12 @@ class SparseAccumulator {
   std::vector<int64_t> indices_;  // sorted
   std::vector<uint8_t> values_;   // indices_.size() rows
   std::vector<int32_t> counts_;   // per row
+  // The rows so far of gradients sent in several parts, by source, until their last part.
+  struct Unfinished {
+    std::vector<int64_t> indices;
+    std::vector<uint8_t> values;
+  };
+  std::map<uint64_t, Unfinished> unfinished_;
   // Scratch for merges (kept to avoid reallocating every push).
   std::vector<int64_t> scratch_indices_;
   std::vector<uint8_t> scratch_values_;

@@ -227,10 +227,11 @@ Status TrainingEngine::ValidateGrad(Variable* v, const GradRef& g) const {
 }
 
 void TrainingEngine::DropUnfinishedChunks(uint64_t source) {
-  if (!config_.deterministic || source == 0) return;
+  if (source == 0) return;
   for (Variable* v : Variables()) {
     MutexLock lock(&v->mu);
-    if (v->dense) v->dense->DropUnfinished(source);
+    if (v->dense && config_.deterministic) v->dense->DropUnfinished(source);
+    if (v->sparse) v->sparse->DropUnfinished(source);
   }
 }
 
@@ -384,7 +385,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
           v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
         accepted =
             v->sparse->ApplyGrad(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape},
-                                 /*counts=*/!g.rows_more);
+                                 /*counts=*/!g.rows_more, g.source);
       } else {
         if (!v->dense) v->dense = NewDenseAccumulator(*v, v->next_take_step);
         OfferSpareLocked(v);

@@ -146,8 +146,9 @@ struct GradRef {
   // ResolveHeld() (or the step's take): the accumulator may then point at it instead of copying
   // it (DenseAccumulator, "Held gradients"). Null: the bytes are read before Push returns.
   std::shared_ptr<const void> hold = nullptr;
-  // The push a chunk belongs to (the connection it came on; 0: not known). Deterministic mode
-  // keeps each gradient's chunks apart until the take: DropUnfinishedChunks lets a cut-off one go.
+  // The push a chunk or a sparse gradient's rows belong to (the connection it came on; 0: not
+  // known). A sparse gradient's rows (sync mode), and in deterministic mode a dense gradient's
+  // chunks, are kept apart until its last part: DropUnfinishedChunks lets a cut-off one go.
   uint64_t source = 0;
   bool sparse() const { return indices != nullptr || nnz > 0; }
   bool chunk() const { return chunk_offset >= 0; }
@@ -231,12 +232,13 @@ class TrainingEngine {
   // arrive, and the push is one global step, claimed by its last call.
   Status Push(int64_t local_step, const std::vector<GradRef>& grads, std::vector<GradOutcome>* out,
               std::string_view replica = {}, bool more = false) EXCLUDES(mu_);
-  // Deterministic mode: the slots of gradients from `source` (GradRef::source) whose chunks did not
-  // all come — its push was cut off (the connection closed, or a push refused midway was followed
-  // by another) — are freed. They never count either way (a gradient in chunks counts once all of
-  // them came, as TensorFlow's all-or-nothing apply_grad); this lets their memory and their place
-  // under the slot limit go before the take. (The default mode adds chunks into the sum as they
-  // arrive: a cut-off gradient's parts keep it, each part averaged over what reached it.)
+  // The rows of sparse gradients from `source` (GradRef::source) that did not all come — its push
+  // was cut off (the connection closed, or a push refused midway was followed by another) — go,
+  // and in deterministic mode the slots of its dense gradients whose chunks did not. They never
+  // count either way (a gradient in parts counts once all of them came, as TensorFlow's
+  // all-or-nothing apply_grad); this lets their memory, and their place under the slot limit, go
+  // before the take. (The default mode adds dense chunks into the sum as they arrive: a cut-off
+  // gradient's parts keep it, each part averaged over what reached it.)
   void DropUnfinishedChunks(uint64_t source) EXCLUDES(mu_);
   // Copies into their sums every held gradient (GradRef::hold) that accumulators still point at,
   // waiting for adds in flight, so that no part of the engine references a hold's bytes after it.

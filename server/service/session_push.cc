@@ -21,8 +21,9 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // taken with more frames to come (a frame refused on any way out ends the push).
   auto continuing = std::move(sparse_rows_last_);
   sparse_rows_last_.clear();
-  // A new push while this connection's last one never ended (a frame of it refused): its chunks'
-  // slots go (deterministic mode; the engine's DropUnfinishedChunks).
+  // A new push while this connection's last one never ended (a frame of it refused): its sparse
+  // gradients' rows so far, and its chunks' slots in deterministic mode, go (the engine's
+  // DropUnfinishedChunks).
   if (!in_push_ && push_unfinished_) {
     host_.engine()->DropUnfinishedChunks(id_);
     push_unfinished_ = false;
@@ -93,6 +94,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
       for (unsigned k = 0; k < idx.size(); ++k) index_storage.back()[k] = idx[k];
       ref.nnz = idx.size();
       ref.indices = idx.size() ? index_storage.back().data() : &kNoIndex;
+      ref.source = id_;  // a gradient sent in several frames is kept apart until its last rows
       if (g.getHasDenseShape()) {
         Shape ds;
         for (int64_t d : g.getDenseShape()) ds.push_back(d);
@@ -116,6 +118,20 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
                                            std::to_string(g.indices[0]) + ", not after the last frame's " +
                                            std::to_string(it->second) +
                                            "; a sparse gradient's indices must keep increasing across frames"));
+    }
+  }
+  if (!more) {
+    // The push's last frame ends every gradient an earlier frame began (rowsMore): rows left
+    // unfinished would never count.
+    for (const auto& [name, last_row] : continuing) {
+      bool ends = false;
+      for (const GradRef& g : grads) ends = ends || (g.name == name && !g.rows_more);
+      if (!ends) {
+        return SendError(id, InvalidArgument("gradient for '" + name +
+                                             "': an earlier frame of this push sent some of its rows (rowsMore) "
+                                             "and the push's last frame does not end it; send its last rows, "
+                                             "without rowsMore, in the last frame"));
+      }
     }
   }
   std::vector<std::string> pull_after;
@@ -189,6 +205,8 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
         continuing.erase(std::string(g.name));
       } else if (g.nnz > 0) {
         continuing[std::string(g.name)] = g.indices[g.nnz - 1];
+      } else {
+        continuing.try_emplace(std::string(g.name), -1);  // begun, no rows yet
       }
     }
     sparse_rows_last_ = std::move(continuing);

@@ -149,6 +149,39 @@ TEST_CASE("a 3-shard cluster trains sliced variables exactly like one daemon, in
   }
 }
 
+TEST_CASE("a sparse gradient with no rows for some slices still counts on every slice", "[cluster]") {
+  // Each slice of a sliced variable counts its own gradients towards a step, as TensorFlow's
+  // partitioned variables: a slice a worker's rows miss gets an empty gradient from it. Before, it
+  // got none, and a sync step waited for it until the token timeout.
+  auto cfg = TestConfig(1, 1, 0);
+  cfg.slice_bytes = 4096;  // emb's 10240 bytes: three slices
+  auto cluster = StartCluster(cfg, 3);
+  auto c = ConnectCluster(cluster, "w0");
+  std::vector<float> e0 = Ramp(80 * 32, 0.5f);
+  REQUIRE(c->CreateVariable("emb", View(e0, {80, 32})).ok());
+  auto emb = c->Placement("emb");
+  REQUIRE(emb.ok());
+  REQUIRE(emb->parts.size() == 3);
+  int64_t local = 0;
+  for (int64_t row : {int64_t{1}, int64_t{79}}) {  // in the first slice only, then in the last only
+    std::vector<float> g(32, 1.0f);
+    psclient::SparseGradient sg{"emb", {row}, View(g, {1, 32}), Shape{80, 32}};
+    auto out = c->Push(local, {}, {sg}, true, 10000);
+    REQUIRE(out.ok());
+    INFO(out->token_status.ToString());
+    REQUIRE(out->token_status.ok());
+    local = out->token;
+  }
+  std::vector<float> after(80 * 32);
+  auto step = c->Pull({{"emb", Out(after, {80, 32})}});
+  REQUIRE(step.ok());
+  CHECK(*step == 2);
+  for (size_t row = 0; row < 80; ++row) {
+    const bool touched = row == 1 || row == 79;
+    CHECK((after[row * 32] != e0[row * 32]) == touched);
+  }
+}
+
 TEST_CASE("sparse steps on a replicated cluster reach the next shard as differences, rebuilt there in place",
           "[cluster][replicas]") {
   // An embedding of 4096 rows of 16 floats sliced over 3 shards (85 KiB each), 4 rows a step: each

@@ -257,14 +257,15 @@ TEST_CASE("a sparse gradient's rows sent in several frames must keep increasing"
   Code code;
   std::string msg;
   // One frame of a push: rows `rows` of a gradient of ones for "emb", more to come if `more`
-  // (`wait`: it also asks for a token, which only a push's last frame may).
-  auto frame = [&](const std::vector<int64_t>& rows, bool more, bool wait = false) {
+  // (`wait`: it also asks for a token, which only a push's last frame may), computed at `step`.
+  auto frame = [&](const std::vector<int64_t>& rows, bool more, bool wait = false, int64_t step = 0) {
     wire::OutFrame f;
     auto r = f.builder.initRoot<proto::Request>();
     r.setId(5);
     auto push = r.initPush();
     push.setMore(more);
     push.setWaitToken(wait);
+    push.setLocalStep(step);
     auto g = push.initGrads(1)[0];
     g.setName("emb");
     g.setSparse(true);
@@ -300,6 +301,45 @@ TEST_CASE("a sparse gradient's rows sent in several frames must keep increasing"
   for (int row : {1, 2, 5, 7}) CHECK(emb[static_cast<size_t>(row) * 2] == 0.0f);
   for (int row : {3, 4, 6}) CHECK(emb[static_cast<size_t>(row) * 2] == emb[0]);
   CHECK(emb[0] < 0.0f);
+
+  // A take between a gradient's frames (R = 1 of N = 2: "raw" is a backup): "owner"'s whole
+  // gradient completes step 1 while raw's is half sent. Raw's last frame is then stale and its
+  // whole gradient is dropped, as TensorFlow's all-or-nothing apply_grad. Before, its first rows
+  // were in the step (averaged as a whole gradient's) and the push said it was not accepted.
+  const std::vector<float> before = emb;
+  frame({0, 3}, true, false, /*step=*/1);
+  CHECK(code == Code::kOk);
+  std::vector<float> g(2, 1.0f);
+  psclient::SparseGradient sg{"emb", {1}, {g.data(), DType::kFloat32, {1, 2}, MemoryKind::kHost}, std::nullopt};
+  auto pushed = owner->Push(1, {}, {sg});
+  REQUIRE(pushed.ok());
+  CHECK(server->engine()->global_step() == 2);
+  frame({4, 6}, false, false, /*step=*/1);
+  CHECK(code == Code::kOk);
+  CHECK_FALSE(p.in.Reader()->getRoot<proto::Response>().getPush().getResults()[0].getAccepted());
+  REQUIRE(owner->Pull("emb", {emb.data(), DType::kFloat32, {8, 2}, MemoryKind::kHost}).ok());
+  for (int row : {0, 2, 3, 4, 5, 6, 7})
+    CHECK(emb[static_cast<size_t>(row) * 2] == before[static_cast<size_t>(row) * 2]);
+  CHECK(emb[2] < before[2]);  // row 1: owner's
+
+  // A push whose last frame does not end a gradient an earlier frame began is refused: those
+  // rows would never count.
+  std::vector<float> dense(16, 1.0f);
+  REQUIRE(owner->CreateVariable("other", {dense.data(), DType::kFloat32, {16}, MemoryKind::kHost}).ok());
+  frame({0, 3}, true, false, /*step=*/2);
+  CHECK(code == Code::kOk);
+  wire::OutFrame last;
+  auto r = last.builder.initRoot<proto::Request>();
+  r.setId(6);
+  r.initPush().setLocalStep(2);
+  auto only = r.getPush().initGrads(1)[0];
+  only.setName("other");
+  wire::SetTensor(last.builder, only.initGrad(), DType::kFloat32, {16}, dense.data(), dense.size() * sizeof(float));
+  p.Send(last);
+  REQUIRE(p.Read(&code, &msg));
+  CHECK(code == Code::kInvalidArgument);
+  CHECK_THAT(msg, Catch::Contains("does not end it"));
+  CHECK(server->engine()->global_step() == 2);
 }
 
 TEST_CASE("with an auth token, only peers that present it are served", "[robustness][auth]") {

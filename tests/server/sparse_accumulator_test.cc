@@ -59,11 +59,33 @@ TEST_CASE("a gradient's rows in several calls count once, with its last rows, an
   // As "rows merge by index ...": the first call's rows were kept when the next came.
   CHECK(acc.indices() == std::vector<int64_t>{0, 1, 4, 9});
   CHECK(Values(acc) == std::vector<float>{2, 2, 1, 1, 5, 6, 3, 3});
-  // After the take, a partial gradient starts the next round afresh.
-  REQUIRE(*acc.ApplyGrad(1, b_rest.Ref(), /*counts=*/false));
-  REQUIRE(*acc.ApplyGrad(1, a.Ref()));
+}
+
+TEST_CASE("a take between a sparse gradient's calls leaves its first rows out, and its last drops it whole",
+          "[sparse]") {
+  // TensorFlow's apply_grad is all or nothing: a take sees a whole gradient or none of it. Worker
+  // 7's gradient comes in two calls; worker 8's whole one completes the step in between.
+  SparseAccumulator acc(DType::kFloat32, {10, 2}, Reduction::kMean, 0);
+  Grad a{{1, 4}, {1, 1, 4, 4}, {2, 2}, std::nullopt};
+  Grad b_first{{0, 4}, {2, 2, 6, 8}, {2, 2}, std::nullopt}, b_rest{{9}, {3, 3}, {1, 2}, std::nullopt};
+  REQUIRE(*acc.ApplyGrad(0, b_first.Ref(), /*counts=*/false, /*source=*/7));
+  REQUIRE(*acc.ApplyGrad(0, a.Ref(), /*counts=*/true, /*source=*/8));
+  int count = 0;
   REQUIRE(*acc.TryTakeGrad(1, &count));
-  CHECK(acc.indices() == std::vector<int64_t>{1, 4, 9});
+  CHECK(count == 1);
+  CHECK(acc.indices() == std::vector<int64_t>{1, 4});  // none of worker 7's rows
+  CHECK(Values(acc) == std::vector<float>{1, 1, 4, 4});
+  // Its last rows, computed at step 0, are stale now: the whole gradient goes, nothing is kept.
+  CHECK_FALSE(*acc.ApplyGrad(0, b_rest.Ref(), /*counts=*/true, /*source=*/7));
+  REQUIRE(*acc.ApplyGrad(1, a.Ref(), /*counts=*/true, /*source=*/7));
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(acc.indices() == std::vector<int64_t>{1, 4});
+  // A cut-off gradient's rows (DropUnfinished) never count.
+  REQUIRE(*acc.ApplyGrad(2, b_first.Ref(), /*counts=*/false, /*source=*/7));
+  acc.DropUnfinished(7);
+  REQUIRE(*acc.ApplyGrad(2, b_rest.Ref(), /*counts=*/true, /*source=*/7));
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(acc.indices() == std::vector<int64_t>{9});
 }
 
 TEST_CASE("SUM keeps per-row sums, stale sparse gradients are dropped", "[sparse]") {
