@@ -247,10 +247,10 @@ void ClusterCoordinator::DegradeLocked(const std::string& why, std::vector<Actio
   }
   if (chief_ == me_ && running_) {
     running_ = false;
-    spdlog::warn(
-        "cluster: {}; workers are told to wait, and the cluster restores its last checkpoint once every "
-        "shard is back",
-        why);
+    spdlog::warn("cluster: {}; workers are told to wait, and the cluster re-forms {}", why,
+                 options_.replicate ? "from the shards' live copies as soon as it can (a lost shard's part from the "
+                                      "copy the next shard keeps), or from its last checkpoint"
+                                    : "from its last checkpoint once every shard is back");
     actions->push_back(
         [this, why] { host_.FailWaiters(Unavailable("the cluster stopped serving: " + why + "; retry")); });
   }
@@ -424,12 +424,13 @@ void ClusterCoordinator::OnMessage(int from, const peer::Message& msg) {
     if (stopped_) return;
     if (from != me_) peers_[static_cast<size_t>(from)].last_heard = now_();
     // The chief's life (ChiefGoneLocked): its heartbeats of this term (HandleHeartbeat), and the
-    // pieces of a copy it sends in this epoch, which only the process serving its shard now sends.
-    // A large copy (hundreds of MiB) queued ahead of a heartbeat on the link, or still being taken
-    // here, can hold the heartbeat back longer than an election timeout while the chief is alive.
-    if (const auto* chunk = std::get_if<peer::ReplicaChunk>(&msg.body); chunk != nullptr && from != me_ &&
-                                                                        FromLeaderLocked(from, msg.sender, term) &&
-                                                                        epoch_ != 0 && chunk->epoch == epoch_) {
+    // pieces of a copy it sends in this epoch, or for the restore it ordered (a live copy this shard
+    // fetches from it), which only the process serving its shard now sends. A large copy (hundreds
+    // of MiB) queued ahead of a heartbeat on the link, or still being taken here, can hold the
+    // heartbeat back longer than an election timeout while the chief is alive.
+    if (const auto* chunk = std::get_if<peer::ReplicaChunk>(&msg.body);
+        chunk != nullptr && from != me_ && FromLeaderLocked(from, msg.sender, term) &&
+        ((epoch_ != 0 && chunk->epoch == epoch_) || (restore_epoch_ != 0 && chunk->epoch == restore_epoch_))) {
       chief_heard_ = now_();
     }
     // An answer about an epoch that another process of this shard's index ordered (a stand-in's,
@@ -685,7 +686,7 @@ void ClusterCoordinator::HandleRestore(int from, uint64_t term, uint64_t sender,
   FailArrivalWaitersLocked(
       Unavailable("shard " + std::to_string(me_) + " re-forms (epoch " + std::to_string(epoch) + "); pull and go on"),
       actions);
-  ack_.reset();  // a reply for an older epoch
+  DropAckLocked();  // a reply for an older epoch
   fetch_.reset();
   missing_reason_ = step < 0 ? "starting empty" : "restoring checkpoint step " + std::to_string(step);
   if (r.live) missing_reason_ = "restoring the live copies of step " + std::to_string(step);

@@ -89,6 +89,7 @@
 #ifndef PSD_SERVER_CLUSTER_COORDINATOR_H_
 #define PSD_SERVER_CLUSTER_COORDINATOR_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -271,6 +272,13 @@ class ClusterCoordinator : public PeerEvents {
   // Replication: a reply to the chief (Committed, Restored) sent once the next shard acknowledged
   // this shard's copy of the state it answers for; or (to < 0) a copy taken on arrival (async/ssp),
   // whose ack answers the waiters registered before copy number `generation` began.
+  // One sending of a copy on the link (SendCopy): done once its last piece went to the link, and
+  // cancelled once the copy is no longer awaited (its pieces not yet sent are not).
+  struct CopyStream {
+    std::atomic<bool> done{false};
+    std::atomic<bool> cancelled{false};
+    std::atomic<Clock::rep> done_at{0};  // Clock's ticks since its epoch
+  };
   struct PendingAck {
     uint64_t epoch = 0;
     peer::LiveCopy copy;
@@ -280,6 +288,10 @@ class ClusterCoordinator : public PeerEvents {
     Clock::time_point sent{};
     uint64_t generation = 0;
     bool sent_whole = false;  // sent again whole at the next shard's word (once: then the timeout's)
+    // The last sending: a copy is not sent again while it is still on its way out, and the wait for
+    // its ack counts from its last piece; each time it is sent again the wait doubles (to 8 times).
+    std::shared_ptr<CopyStream> stream = nullptr;
+    int resends = 0;
   };
   // Async/ssp: a reply waiting for a copy (AfterReplicated), registered when `generation` copies
   // had begun: any later copy holds what it waits for.
@@ -386,8 +398,14 @@ class ClusterCoordinator : public PeerEvents {
   void ReplicateThenReply(uint64_t epoch, uint64_t lineage, int64_t step, int to, peer::Message reply);
   // Sends `bytes` (copy `copy` of `owner`) to `shard` in pieces: to keep, back for a `restore`, or
   // handed back (`hand_back`, ReplicaChunk).
+  // `stream` (may be null): told when the last piece went, and stops the pieces once cancelled.
   void SendCopy(int shard, uint64_t epoch, int owner, const peer::LiveCopy& copy, bool restore,
-                const std::shared_ptr<const peer::CopyBytes>& bytes, bool hand_back = false);
+                const std::shared_ptr<const peer::CopyBytes>& bytes, bool hand_back = false,
+                std::shared_ptr<CopyStream> stream = nullptr);
+  // The copy awaiting its ack is awaited no more: its sending, if still under way, stops.
+  void DropAckLocked() REQUIRES(mu_);
+  // Sets ack_ to `pending` (dropping one awaited before) with a fresh stream, which it returns.
+  std::shared_ptr<CopyStream> AwaitAckLocked(PendingAck pending) REQUIRES(mu_);
   // Restores the live copy `copy` for `epoch`: this shard's own, or fetched from the next shard.
   void StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy, std::vector<Action>* actions) REQUIRES(mu_);
   // Has the host restore this shard's own kept copy `copy` for `epoch` (RestoreDone follows).

@@ -159,7 +159,8 @@ PeerNetwork::MessageStream CopyChunks(peer::Message msg, std::shared_ptr<const p
 }  // namespace
 
 void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const peer::LiveCopy& copy, bool restore,
-                                  const std::shared_ptr<const peer::CopyBytes>& bytes, bool hand_back) {
+                                  const std::shared_ptr<const peer::CopyBytes>& bytes, bool hand_back,
+                                  std::shared_ptr<CopyStream> stream) {
   peer::Message msg;
   {
     MutexLock lock(&mu_);
@@ -171,7 +172,28 @@ void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const pe
   }
   if (shard < 0 || shard >= shards_) return;
   std::get<peer::ReplicaChunk>(msg.body).total = bytes->size();
-  network_.SendStream(shard, CopyChunks(std::move(msg), bytes, options_.replica_chunk_bytes));
+  PeerNetwork::MessageStream chunks = CopyChunks(std::move(msg), bytes, options_.replica_chunk_bytes);
+  if (!stream) return network_.SendStream(shard, std::move(chunks));
+  network_.SendStream(shard, [chunks = std::move(chunks), stream, now = now_]() -> std::optional<peer::Message> {
+    std::optional<peer::Message> next = stream->cancelled ? std::nullopt : chunks();
+    if (!next && !stream->done) {
+      stream->done_at = now().time_since_epoch().count();
+      stream->done = true;
+    }
+    return next;
+  });
+}
+
+void ClusterCoordinator::DropAckLocked() {
+  if (ack_ && ack_->stream) ack_->stream->cancelled = true;
+  ack_.reset();
+}
+
+std::shared_ptr<ClusterCoordinator::CopyStream> ClusterCoordinator::AwaitAckLocked(PendingAck pending) {
+  DropAckLocked();
+  pending.stream = std::make_shared<CopyStream>();
+  ack_ = std::move(pending);
+  return ack_->stream;
 }
 
 std::optional<peer::LiveCopy> ClusterCoordinator::CopyBaseLocked(uint64_t epoch, uint64_t lineage) const {
@@ -189,12 +211,13 @@ void ClusterCoordinator::ReplicateThenReply(uint64_t epoch, uint64_t lineage, in
   }
   std::shared_ptr<const peer::CopyBytes> bytes = host_.KeepCopy(epoch, copy, base);
   if (!bytes) return;  // logged by the host; the chief's commit or formation times out
+  std::shared_ptr<CopyStream> stream;
   {
     MutexLock lock(&mu_);
     if (stopped_ || epoch_ != epoch) return;
-    ack_ = PendingAck{epoch, copy, to, std::move(reply), bytes, now_()};
+    stream = AwaitAckLocked(PendingAck{epoch, copy, to, std::move(reply), bytes, now_()});
   }
-  SendCopy(Successor(), epoch, me_, copy, /*restore=*/false, bytes);
+  SendCopy(Successor(), epoch, me_, copy, /*restore=*/false, bytes, /*hand_back=*/false, stream);
 }
 
 void ClusterCoordinator::StartLiveRestoreLocked(uint64_t epoch, const peer::LiveCopy& copy,
@@ -229,16 +252,24 @@ void ClusterCoordinator::ReplicationTickLocked(Clock::time_point now, std::vecto
                                actions);
     }
   }
-  // A copy or a fetch whose answer may have been lost with a broken link: sent again. A big copy
-  // takes a while on the wire: it is not sent again before it could have arrived (at 64 MiB/s).
+  // A copy or a fetch whose answer may have been lost with a broken link: sent again. A copy is
+  // not sent again while its last sending is still going out (a big one takes a while on the
+  // wire; sendings queued behind each other would hold up everything else on the link), and the
+  // wait counts from its last piece, doubling with each sending again (to 8 times).
   const auto again = std::chrono::milliseconds(options_.election_timeout_ms);
-  if (ack_ && now - ack_->sent > again + std::chrono::milliseconds(ack_->bytes->size() >> 16)) {
-    ack_->sent = now;
-    actions->push_back([this, epoch = ack_->epoch, copy = ack_->copy, bytes = ack_->bytes] {
-      // Whole: a difference is no use if the next shard lost the copy it is from.
-      std::shared_ptr<const peer::CopyBytes> whole = host_.SerializedCopy(me_, copy);
-      SendCopy(Successor(), epoch, me_, copy, /*restore=*/false, whole ? whole : bytes);
-    });
+  if (ack_ && (!ack_->stream || ack_->stream->done)) {
+    Clock::time_point since = ack_->sent;
+    if (ack_->stream) since = std::max(since, Clock::time_point(Clock::duration(ack_->stream->done_at.load())));
+    if (now - since > again * (1 << std::min(ack_->resends, 3))) {
+      ack_->sent = now;
+      ++ack_->resends;
+      ack_->stream = std::make_shared<CopyStream>();
+      actions->push_back([this, epoch = ack_->epoch, copy = ack_->copy, bytes = ack_->bytes, stream = ack_->stream] {
+        // Whole: a difference is no use if the next shard lost the copy it is from.
+        std::shared_ptr<const peer::CopyBytes> whole = host_.SerializedCopy(me_, copy);
+        SendCopy(Successor(), epoch, me_, copy, /*restore=*/false, whole ? whole : bytes, /*hand_back=*/false, stream);
+      });
+    }
   }
   if (fetch_ && now - fetch_sent_ > again) {
     fetch_sent_ = now;
@@ -387,10 +418,13 @@ void ClusterCoordinator::HandleReplicaAck(int from, const peer::ReplicaAck& a, s
     if (ack_->sent_whole) return;
     ack_->sent_whole = true;
     ack_->sent = now_();
-    actions->push_back([this, to = from, epoch = ack_->epoch, copy = ack_->copy, bytes = ack_->bytes] {
-      std::shared_ptr<const peer::CopyBytes> whole = host_.SerializedCopy(me_, copy);
-      SendCopy(to, epoch, me_, copy, /*restore=*/false, whole ? whole : bytes);
-    });
+    if (ack_->stream) ack_->stream->cancelled = true;  // the difference, if still going out
+    ack_->stream = std::make_shared<CopyStream>();
+    actions->push_back(
+        [this, to = from, epoch = ack_->epoch, copy = ack_->copy, bytes = ack_->bytes, stream = ack_->stream] {
+          std::shared_ptr<const peer::CopyBytes> whole = host_.SerializedCopy(me_, copy);
+          SendCopy(to, epoch, me_, copy, /*restore=*/false, whole ? whole : bytes, /*hand_back=*/false, stream);
+        });
     return;
   }
   acked_ = ack_->copy;
@@ -399,7 +433,7 @@ void ClusterCoordinator::HandleReplicaAck(int from, const peer::ReplicaAck& a, s
     // Kept by the next shard (which may be a stand-in stopped soon): said in every heartbeat.
     HeardLocked(me_, ack_->copy);
     const uint64_t generation = ack_->generation, epoch = ack_->epoch;
-    ack_.reset();
+    DropAckLocked();
     std::vector<std::function<void(const Status&)>> answered;
     auto keep = std::partition(arrival_waiters_.begin(), arrival_waiters_.end(),
                                [generation](const ArrivalWaiter& w) { return w.generation >= generation; });
@@ -414,7 +448,7 @@ void ClusterCoordinator::HandleReplicaAck(int from, const peer::ReplicaAck& a, s
   }
   int to = ack_->to;
   peer::Message reply = std::move(ack_->reply);
-  ack_.reset();
+  DropAckLocked();
   actions->push_back([this, to, reply] { SendTo(to, reply); });
 }
 
@@ -472,6 +506,7 @@ void ClusterCoordinator::StartArrivalCopy(uint64_t epoch) {
       epoch, base,
       [this, epoch, generation](std::optional<peer::LiveCopy> copy, std::shared_ptr<const peer::CopyBytes> bytes) {
         std::vector<Action> actions;
+        std::shared_ptr<CopyStream> stream;
         {
           MutexLock lock(&mu_);
           // A copy the waiters it covered no longer wait for (answered meanwhile; a newer one began).
@@ -487,18 +522,18 @@ void ClusterCoordinator::StartArrivalCopy(uint64_t epoch) {
             pending.bytes = bytes;
             pending.sent = now_();
             pending.generation = generation;
-            ack_ = std::move(pending);
+            stream = AwaitAckLocked(std::move(pending));
           }
           ToLaneLocked(&actions);
         }
         RunActions(&actions);
-        if (copy && bytes) SendCopy(Successor(), epoch, me_, *copy, /*restore=*/false, bytes);
+        if (copy && bytes) SendCopy(Successor(), epoch, me_, *copy, /*restore=*/false, bytes, false, stream);
       });
 }
 
 void ClusterCoordinator::FailArrivalWaitersLocked(const Status& why, std::vector<Action>* actions) {
   arrival_copying_ = false;
-  if (ack_ && ack_->to < 0) ack_.reset();
+  if (ack_ && ack_->to < 0) DropAckLocked();
   if (arrival_waiters_.empty()) return;
   std::vector<ArrivalWaiter> waiters = std::move(arrival_waiters_);
   arrival_waiters_.clear();

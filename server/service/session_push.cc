@@ -44,7 +44,8 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     uint64_t epoch = r.getClusterEpoch();
     if (epoch != 0 && epoch != engine->epoch()) {
       return SendError(id, Aborted("gradients computed at cluster epoch " + std::to_string(epoch) +
-                                   "; the cluster restored a checkpoint and runs epoch " +
+                                   "; the cluster re-formed since (from a checkpoint or its live copies) and runs "
+                                   "epoch " +
                                    std::to_string(engine->epoch()) + ": pull the variables and go on from there"));
     }
     if (r.getWaitToken() && !c->is_chief()) {

@@ -78,6 +78,19 @@ class RecordingHost : public ShardHost {
 class RecordingNetwork : public PeerNetwork {
  public:
   void Send(int shard, const peer::Message& m) override { sent.push_back({shard, m}); }
+  // With hold_streams, a stream's messages are sent only at Drain (a link still busy with them).
+  void SendStream(int shard, MessageStream next) override {
+    if (!hold_streams) return PeerNetwork::SendStream(shard, std::move(next));
+    held.push_back({shard, std::move(next)});
+  }
+  void Drain() {
+    for (auto& [shard, next] : held) PeerNetwork::SendStream(shard, std::move(next));
+    streams_drained += held.size();
+    held.clear();
+  }
+  bool hold_streams = false;
+  std::vector<std::pair<int, MessageStream>> held;
+  size_t streams_drained = 0;
   // A link moved: the shard, its new address, and how many messages were sent before.
   void Retarget(int shard, const std::string& address) override { retargets.push_back({shard, address, sent.size()}); }
   struct Moved {
@@ -986,6 +999,45 @@ TEST_CASE("coordinator: a copy the next shard cannot use is sent whole when it s
   CHECK(f.ChunksTo(2).size() == 3);
   f.c->OnMessage(2, peer::Message{2, 3, peer::ReplicaAck{3, copy}});
   CHECK(f.Sent<peer::Committed>(0) == 1);
+}
+
+// A copy whose ack does not come is sent again, but not while its last sending is still going out
+// (sendings of a big copy queued behind each other held up everything else on the link: ten whole
+// copies of 488 MiB during a 12 s pause), and the wait counts from its last piece, doubling.
+TEST_CASE("coordinator: a copy still going out is not sent again, and each sending again waits longer",
+          "[cluster][replicas]") {
+  CopyingHost host;
+  Follower f(host, /*replicate=*/true);
+  f.network.hold_streams = true;
+  f.Restore();  // the restored state is copied to the next shard before the chief hears of it
+  REQUIRE(f.network.held.size() == 1);
+  auto tick = [&](int ms) {
+    f.now += std::chrono::milliseconds(ms);
+    f.ChiefHeartbeat();
+    f.c->Tick();
+  };
+  for (int i = 0; i < 10; ++i) tick(200);  // 2 s: still going out, so not sent again
+  CHECK(f.network.held.size() == 1);
+  CHECK(host.whole_asked == 0);
+  f.network.Drain();  // its last piece went now
+  tick(150);
+  CHECK(f.network.held.empty());
+  tick(100);  // 250 ms after its last piece, past the election timeout (200 ms): sent again whole
+  REQUIRE(f.network.held.size() == 1);
+  CHECK(host.whole_asked == 1);
+  f.network.Drain();
+  tick(300);  // the wait doubled (400 ms)
+  CHECK(f.network.held.empty());
+  tick(150);
+  CHECK(f.network.held.size() == 1);
+  // Acknowledged: nothing more is sent, and a sending still under way stops.
+  f.c->OnMessage(2, peer::Message{2, 3, peer::ReplicaAck{3, peer::LiveCopy{3, 0}}});
+  CHECK(f.Sent<peer::Restored>(0) == 1);
+  const size_t before = f.ChunksTo(2).size();
+  f.network.Drain();
+  CHECK(f.ChunksTo(2).size() == before);
+  for (int i = 0; i < 10; ++i) tick(200);
+  CHECK(f.network.held.empty());
 }
 
 namespace {
