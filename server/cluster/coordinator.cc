@@ -377,6 +377,12 @@ void ClusterCoordinator::OnPeerDown(int shard) {
     p.connections = 0;
     p.ready = false;
     if (shard == Successor()) acked_.reset();  // it may come back without the copies it kept
+    // A copy it was sending in pieces will not be finished on this link (a new sending starts at
+    // its first piece): the pieces so far go, rather than up to a whole part held until then.
+    std::erase_if(incoming_, [&](const auto& in) {
+      const auto& [owner, restore, hand_back] = in.first;
+      return restore || hand_back ? shard == Successor() : owner == shard;
+    });
     if (stopped_) return;
     spdlog::warn("cluster: lost the link from shard {} ({})", shard, AddressOf(shard));
   }

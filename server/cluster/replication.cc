@@ -352,6 +352,12 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
         SendTo(from, refusal);
         return;
       }
+      {
+        // A stand-in being stopped acknowledges nothing it may not have listed for its host to
+        // hand back (ServerShardHost::StopStandIn stops it, then lists what it keeps).
+        MutexLock lock(&mu_);
+        if (stopped_) return;
+      }
       SendTo(from, ack);
     });
     return;

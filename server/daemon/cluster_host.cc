@@ -94,9 +94,14 @@ StandInLeft ServerShardHost::StopStandIn() {
   MutexLock lock(&mu_);
   stand_in_stopped_ = stand_in_started_;
   if (stand_in_ == nullptr) return {};
-  // (Its coordinator and host are its own: no lock of this host's is taken there.)
+  // (Its coordinator and host are its own: no lock of this host's is taken there.) Stopped first:
+  // a copy it acknowledged after its copies were listed would be lost with it, while its owner
+  // counts it kept.
   StandInLeft left;
-  if (ClusterCoordinator* c = stand_in_->coordinator(); c != nullptr) left = c->Leaving();
+  if (ClusterCoordinator* c = stand_in_->coordinator(); c != nullptr) {
+    c->Stop();
+    left = c->Leaving();
+  }
   stand_in_->RequestStop();
   return left;
 }

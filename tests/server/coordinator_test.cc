@@ -1049,20 +1049,30 @@ class RefusingHost : public RecordingHost {
   }
 };
 
+// Shard 2 of 3 with replicas, linked to shard 1, whose copies it keeps.
+struct NextShard {
+  explicit NextShard(ShardHost& host) {
+    options.me = 2;
+    options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
+    options.replicate = true;
+    c = std::make_unique<ClusterCoordinator>(options, host, network);
+    c->Start();
+    c->OnPeerUp(1);
+  }
+  ClusterOptions options;
+  RecordingNetwork network;
+  std::unique_ptr<ClusterCoordinator> c;
+};
+
 }  // namespace
 
 // The other side: the next shard answers a copy it cannot keep with an ack that asks for it whole
 // (and one it keeps with a plain ack, as the tests above show).
 TEST_CASE("coordinator: a copy that cannot be kept is answered by asking for it whole", "[cluster][replicas]") {
-  ClusterOptions options;
-  options.me = 2;
-  options.addresses = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"};
-  options.replicate = true;
   RefusingHost host;
-  RecordingNetwork network;
-  ClusterCoordinator c(options, host, network);
-  c.Start();
-  c.OnPeerUp(1);
+  NextShard next(host);
+  ClusterCoordinator& c = *next.c;
+  RecordingNetwork& network = next.network;
   const std::string bytes = "a difference";
   c.OnMessage(1, peer::Message{1, 3,
                                peer::ReplicaChunk{3, 1, peer::LiveCopy{3, 1}, false, 0, bytes.size(),
@@ -1074,6 +1084,71 @@ TEST_CASE("coordinator: a copy that cannot be kept is answered by asking for it 
   REQUIRE(acks.size() == 1);
   CHECK(acks[0].send_whole);
   CHECK(acks[0].copy == peer::LiveCopy{3, 1});
+}
+
+namespace {
+
+// Keeps every copy; `during` runs while it takes one (a stand-in stopped meanwhile).
+class SlowTakingHost : public RecordingHost {
+ public:
+  Status TakeCopy(int, const peer::LiveCopy&, std::shared_ptr<const std::string>) override {
+    if (during) during();
+    return Status::Ok();
+  }
+  std::function<void()> during;
+};
+
+}  // namespace
+
+// A stand-in being stopped lists the copies it keeps for its host to hand back (Leaving): a copy it
+// acknowledged after that would be lost with it while its owner counts it kept. Stopped while it
+// takes one, it does not acknowledge it.
+TEST_CASE("coordinator: a coordinator stopped while it takes a copy does not acknowledge it", "[cluster][takeover]") {
+  SlowTakingHost host;
+  NextShard next(host);
+  ClusterCoordinator& c = *next.c;
+  RecordingNetwork& network = next.network;
+  auto acks = [&] {
+    int n = 0;
+    for (const auto& [to, m] : network.sent) n += to == 1 && std::holds_alternative<peer::ReplicaAck>(m.body);
+    return n;
+  };
+  const std::string bytes = "a copy";
+  auto send = [&](int64_t step) {
+    c.OnMessage(1, peer::Message{1, 3,
+                                 peer::ReplicaChunk{3, 1, peer::LiveCopy{3, step}, false, 0, bytes.size(),
+                                                    peer::Blob(std::string(bytes))}});
+  };
+  send(1);
+  CHECK(acks() == 1);
+  host.during = [&] { c.Stop(); };
+  send(2);
+  CHECK(acks() == 1);
+}
+
+// A copy's pieces from a shard whose link went down will not be finished (a new sending starts at
+// its first piece): they are not held until then.
+TEST_CASE("coordinator: the pieces of a copy whose link went down are let go", "[cluster][replicas]") {
+  SlowTakingHost host;
+  NextShard next(host);
+  ClusterCoordinator& c = *next.c;
+  const std::string first = "the first half ", second = "and the second";
+  const uint64_t total = first.size() + second.size();
+  auto piece = [&](uint64_t offset, const std::string& data) {
+    c.OnMessage(1, peer::Message{1, 3,
+                                 peer::ReplicaChunk{3, 1, peer::LiveCopy{3, 1}, false, offset, total,
+                                                    peer::Blob(std::string(data))}});
+  };
+  int taken = 0;
+  host.during = [&] { ++taken; };
+  piece(0, first);
+  c.OnPeerDown(1);
+  c.OnPeerUp(1);
+  piece(first.size(), second);  // the rest of a sending whose start is gone: not a copy
+  CHECK(taken == 0);
+  piece(0, first);  // sent again whole, from its first piece
+  piece(first.size(), second);
+  CHECK(taken == 1);
 }
 
 namespace {
