@@ -195,6 +195,8 @@ struct VariableInfo {
 struct ElementRange {
   offset @0 :Int64;       # the first element of the flattened tensor
   count @1 :Int64;        # > 0
+  wholeShape @2 :List(Int64);  # a pull's: the shape the caller's view gives the whole value; a value
+                               # of another shape is refused, as an unranged pull's view (empty: any)
 }
 
 struct Pull {

@@ -162,7 +162,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-queued-reply-bytes", max_queued_reply_bytes,
                  "per connection: stop reading its requests while more reply bytes than this (SIZE) wait to be "
                  "written to it, until they go out (a client that sends and never reads holds up itself, not psd's "
-                 "memory); libpsclient learns it at hello and never waits on it")
+                 "memory); libpsclient learns it at hello and reads replies before it could make psd wait")
       ->type_name("SIZE")
       ->capture_default_str();
   app.add_option("--frame-timeout-ms", cfg.frame_timeout_ms,

@@ -264,6 +264,7 @@ class Client::Impl {
     bool to_shm = false;  // the values come through the connection's shared memory (ShmTargetBytes)
     // ... written in place: every view is in the shared buffers (BufferOffsets)
     std::vector<uint64_t> in_buffers;
+    std::vector<Shape> whole_shapes = {};  // ranged: each one's whole view (psd checks the value's shape)
   };
 
   // Where each of `outs` is in shard k's shared buffers, when all are (host memory the connection

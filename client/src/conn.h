@@ -133,6 +133,7 @@ class Conn {
   // What a reply may hold besides the values a call expects (Call::reply_bytes): ids, codes,
   // names, an error's text.
   static constexpr uint64_t kReplyOverhead = 1 << 10;
+  static constexpr uint64_t kReplyValueOverhead = 256;  // ... and each value's name, shape, dtype
   // The reply buffer kept however small the recent replies (InFrame::MaybeRelease).
   static constexpr size_t kKeptReplyBytes = 16 << 20;
   // The most chunk_elements a hello may announce (a bigger one fails the connect as malformed).

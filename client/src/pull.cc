@@ -132,6 +132,7 @@ void Client::Impl::PlanPull(int k, const Outs& outs, std::vector<PullFrame>* fra
         part.shape = {static_cast<int64_t>(piece.bytes / es)};
         frame.outs.emplace_back(name, part);
         frame.offsets.push_back(static_cast<int64_t>(piece.offset / es));
+        frame.whole_shapes.push_back(view.shape);
       }
       out.push_back(std::move(frame));
     }
@@ -195,7 +196,7 @@ Result<int64_t> Client::Impl::PullViewsLocked(const Outs& outs, bool averages) {
       proto::Request::Builder req(nullptr);
       Call& call = Add(calls, f.shard, &req);
       if (!f.to_shm && f.in_buffers.empty()) {
-        for (const auto& out : f.outs) call.reply_bytes += out.second.bytes();
+        for (const auto& out : f.outs) call.reply_bytes += out.second.bytes() + Conn::kReplyValueOverhead;
       }
       auto pull = req.initPull();
       pull.setAverages(averages);
@@ -212,6 +213,9 @@ Result<int64_t> Client::Impl::PullViewsLocked(const Outs& outs, bool averages) {
       auto ranges = pull.initRanges(static_cast<unsigned>(f.outs.size()));
       for (size_t i = 0; i < f.outs.size(); ++i) {
         ranges[static_cast<unsigned>(i)].setOffset(f.offsets[i]);
+        const Shape& whole = f.whole_shapes[i];
+        auto dims = ranges[static_cast<unsigned>(i)].initWholeShape(static_cast<unsigned>(whole.size()));
+        for (size_t d = 0; d < whole.size(); ++d) dims.set(static_cast<unsigned>(d), whole[d]);
         ranges[static_cast<unsigned>(i)].setCount(f.outs[i].second.shape[0]);
       }
     }
@@ -314,7 +318,9 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
     PSD_RETURN_IF_ERROR(im.Single(shard, frame, &resp));
     try {
       auto step = im.ReadValues(resp.getPull(), {{name, out}}, &conn);
-      if (step.ok() && im.cluster()) im.NoteEpoch(resp.getPull().getClusterEpoch());
+      if (step.ok() && im.cluster() && resp.getPull().getClusterEpoch() != 0) {
+        im.NoteEpoch(resp.getPull().getClusterEpoch());
+      }
       return step;
     } catch (const kj::Exception& e) {
       return Malformed(e);
@@ -452,8 +458,8 @@ Result<int64_t> Client::PullRows(const std::string& name, const std::vector<int6
     PSD_RETURN_IF_ERROR(read);
     if (agree) {
       // A trainer that only looks up rows learns a re-formed cluster's epoch here, as from a pull
-      // (its next push says it).
-      if (im.cluster() && step >= 0) im.NoteEpoch(epoch);
+      // (its next push says it). 0: a psd that does not say it in rows replies.
+      if (im.cluster() && step >= 0 && epoch != 0) im.NoteEpoch(epoch);
       return step;
     }
     if (attempt >= 200) return psd::Unavailable("the shards keep answering at different global steps; retry");

@@ -161,6 +161,21 @@ PeerNetwork::MessageStream CopyChunks(peer::Message msg, std::shared_ptr<const p
 void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const peer::LiveCopy& copy, bool restore,
                                   const std::shared_ptr<const peer::CopyBytes>& bytes, bool hand_back,
                                   std::shared_ptr<CopyStream> stream) {
+  // The sending ends when its last piece goes, or when the network lets the rest go (a link that
+  // broke, a full queue, a link moved): then it may be sent again. Its pieces share one holder,
+  // which says so when the last copy of the stream is gone, whichever way.
+  struct Ending {
+    std::shared_ptr<CopyStream> stream;
+    std::function<Clock::time_point()> now;
+    ~Ending() {
+      if (!stream || stream->done) return;
+      stream->done_at = now().time_since_epoch().count();
+      stream->done = true;
+    }
+  };
+  auto ending = std::make_shared<Ending>();  // made in place: a copy's end would say it ended
+  ending->stream = std::move(stream);
+  ending->now = now_;
   peer::Message msg;
   {
     MutexLock lock(&mu_);
@@ -173,14 +188,10 @@ void ClusterCoordinator::SendCopy(int shard, uint64_t epoch, int owner, const pe
   if (shard < 0 || shard >= shards_) return;
   std::get<peer::ReplicaChunk>(msg.body).total = bytes->size();
   PeerNetwork::MessageStream chunks = CopyChunks(std::move(msg), bytes, options_.replica_chunk_bytes);
-  if (!stream) return network_.SendStream(shard, std::move(chunks));
-  network_.SendStream(shard, [chunks = std::move(chunks), stream, now = now_]() -> std::optional<peer::Message> {
-    std::optional<peer::Message> next = stream->cancelled ? std::nullopt : chunks();
-    if (!next && !stream->done) {
-      stream->done_at = now().time_since_epoch().count();
-      stream->done = true;
-    }
-    return next;
+  if (!ending->stream) return network_.SendStream(shard, std::move(chunks));
+  network_.SendStream(shard, [chunks = std::move(chunks), ending]() -> std::optional<peer::Message> {
+    if (ending->stream->cancelled) return std::nullopt;
+    return chunks();  // the last: ~Ending says so once the network lets the stream go
   });
 }
 

@@ -24,6 +24,7 @@ namespace psd::server {
 struct ElementRange {
   int64_t offset;
   int64_t count;
+  Shape whole_shape = {};  // a pull's: the shape the caller expects of the whole value (empty: any)
 };
 
 // INVALID_ARGUMENT naming `what` unless `range` is a non-empty run inside a value of `elements`.

@@ -17,12 +17,34 @@ const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no row
 }  // namespace
 
 void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
+  const bool more = r.getMore();
+  // The rest of a push one of whose frames was refused is refused too, up to its last frame: none
+  // of it counts (a sparse gradient's rows so far, and in deterministic mode a dense gradient's
+  // chunks, went at the refusal; in the default mode the chunks added stay, as a cut-off push's).
+  // Else its later frames would count as a push of their own: a gradient without its first rows.
+  if (push_refused_) {
+    if (!more) push_refused_ = false;
+    return SendError(id, InvalidArgument("an earlier frame of this push was refused, so the rest of it is too: "
+                                         "fix what that frame's error says and send the push again"));
+  }
+  // A frame with more to come that is refused (on any way out below) ends its push so.
+  struct Refusal {
+    WorkerSession* session;
+    bool more;
+    bool accepted = false;
+    ~Refusal() {
+      if (accepted || !more) return;
+      session->push_refused_ = true;
+      session->host_.engine()->DropUnfinishedChunks(session->id_);
+      session->push_unfinished_ = false;
+    }
+  } refusal{this, more};
   // The rows so far of sparse gradients this frame continues; kept again below only if it is
   // taken with more frames to come (a frame refused on any way out ends the push).
   auto continuing = std::move(sparse_rows_last_);
   sparse_rows_last_.clear();
-  // A new push while this connection's last one never ended (a frame of it refused): its sparse
-  // gradients' rows so far, and its chunks' slots in deterministic mode, go (the engine's
+  // A new push while this connection's last one never ended (its last frame was refused): its
+  // sparse gradients' rows so far, and its chunks' slots in deterministic mode, go (the engine's
   // DropUnfinishedChunks).
   if (!in_push_ && push_unfinished_) {
     host_.engine()->DropUnfinishedChunks(id_);
@@ -105,7 +127,6 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     }
     grads.push_back(std::move(ref));
   }
-  const bool more = r.getMore();
   if (more && (r.getWaitToken() || r.getPullAfter().size() > 0)) {
     return SendError(id, InvalidArgument("a push frame with `more` set cannot wait for a token or pull: only the "
                                          "last frame of a push does"));
@@ -199,6 +220,9 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   std::shared_ptr<TokenWait> parked;
   // The answer runs on this strand, after this handler: the outcomes are in by then.
   if (wait_first) parked = WaitForToken(r.getTimeoutMs(), answer, r.getLocalStep());
+  // Set first: a push that fails (or throws) after keeping some of its rows apart lets them go at
+  // the connection's close or its next push.
+  if (more) push_unfinished_ = true;
   Status s = engine->Push(r.getLocalStep(), grads, &pending->outcomes, worker_name_, more);
   if (more && s.ok()) {
     for (const GradRef& g : grads) {
@@ -220,6 +244,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     if (parked) parked->cancel(Cancelled("the push was refused"));
     return SendError(id, s);
   }
+  refusal.accepted = true;
   if (!more) {  // a push sent in several frames counts once, at its last
     int accepted = 0;
     int64_t staleness = 0;

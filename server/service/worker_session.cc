@@ -426,6 +426,13 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
     if (want[i]) PSD_RETURN_IF_ERROR(CheckWanted("variable '" + names[i] + "'", values[i].declared, *want[i]));
   }
   for (size_t i = 0; i < values.size() && i < ranges.size(); ++i) {
+    // A value read in ranges is checked against the caller's whole view here: each range is flat.
+    const Shape& whole = ranges[i].whole_shape;
+    if (!whole.empty() && whole != values[i].shape) {
+      const std::string dtype = DTypeName(i < want.size() && want[i] ? *want[i] : values[i].declared);
+      return InvalidArgument("'" + names[i] + "' is " + dtype + " " + ShapeString(values[i].shape) +
+                             " but the destination view is " + dtype + " " + ShapeString(whole));
+    }
     PSD_RETURN_IF_ERROR(CheckRange(ranges[i], NumElements(values[i].shape), "'" + names[i] + "'"));
   }
   p.setStep(step);
@@ -576,7 +583,10 @@ void WorkerSession::HandlePull(uint64_t id, proto::Pull::Reader r) {
       return SendError(id, InvalidArgument("the pull names " + std::to_string(names.size()) + " variables but " +
                                            std::to_string(r.getRanges().size()) + " element ranges"));
     }
-    for (auto e : r.getRanges()) ranges.push_back({e.getOffset(), e.getCount()});
+    for (auto e : r.getRanges()) {
+      ranges.push_back({e.getOffset(), e.getCount()});
+      for (int64_t d : e.getWholeShape()) ranges.back().whole_shape.push_back(d);
+    }
   }
   proto::Response::Builder resp(nullptr);
   auto frame = NewReply(id, &resp);

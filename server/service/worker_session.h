@@ -215,6 +215,7 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   std::map<std::string, int64_t, std::less<>> sparse_rows_last_;
   bool in_push_ = false;          // the last push frame was taken with more to come
   bool push_unfinished_ = false;  // a push's frames were taken and its last one was not
+  bool push_refused_ = false;     // a frame of a push was refused: the rest of it is, to its last frame
   // Adds one chunk of a `kind` request for variable `name` (chunkOffset, chunkedShape and more as
   // the request says); *complete: the last one came and pending_value_ is whole. Errors drop it.
   Status GatherChunk(proto::Request::Which kind, const std::string& name, int64_t offset,

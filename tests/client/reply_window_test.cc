@@ -64,7 +64,8 @@ struct HoldingDaemon {
       }
       while (!queued.empty()) {
         const std::string& f = queued.front();
-        ssize_t n = ::send(s.native_handle(), f.data() + front_written, f.size() - front_written, MSG_DONTWAIT);
+        ssize_t n =
+            ::send(s.native_handle(), f.data() + front_written, f.size() - front_written, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (n <= 0) return;
         front_written += static_cast<size_t>(n);
         queued_bytes -= static_cast<uint64_t>(n);

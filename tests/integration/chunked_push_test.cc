@@ -221,8 +221,14 @@ TEST_CASE("a value bigger than a reply frame is pulled in element ranges, conver
   CHECK(wrong == 0);
   // A plain pull of both, and one in bfloat16 (converted by psd, then read in ranges).
   std::vector<float> again(kW);
-  REQUIRE(*w0.Pull({{"b", {b.data(), DType::kFloat32, {kB}}}, {"w", {again.data(), DType::kFloat32, {n}}}}) == 1);
+  REQUIRE(*w0.Pull({{"b", {b.data(), DType::kFloat32, {kB}}}, {"w", {again.data(), DType::kFloat32, {1000, 100}}}}) ==
+          1);
   CHECK(std::memcmp(again.data(), w.data(), kW * sizeof(float)) == 0);
+  // A view of another shape is refused as a small value's is, though each range is flat (psd checks
+  // the whole shape each range names); before, a flat view of the same bytes was filled.
+  auto flat = w0.Pull("w", TensorView{again.data(), DType::kFloat32, {n}});
+  CHECK(flat.status().code() == Code::kInvalidArgument);
+  CHECK_THAT(flat.status().message(), Catch::Contains("'w' is float32 [1000,100] but the destination view is"));
   std::vector<uint16_t> half(kW);
   REQUIRE(w0.Pull("w", TensorView{half.data(), DType::kBFloat16, {1000, 100}}).ok());
   std::vector<float> widened(kW);

@@ -290,6 +290,14 @@ TEST_CASE("a sparse gradient's rows sent in several frames must keep increasing"
   frame({4}, true, /*wait=*/true);
   CHECK(code == Code::kInvalidArgument);
   CHECK(server->engine()->global_step() == 0);
+  // ... and the rest of that push is refused too, up to its last frame: it would count as a
+  // gradient without its first rows.
+  frame({5}, true);
+  CHECK(code == Code::kInvalidArgument);
+  CHECK_THAT(msg, Catch::Contains("an earlier frame of this push was refused"));
+  frame({6}, false);
+  CHECK(code == Code::kInvalidArgument);
+  CHECK(server->engine()->global_step() == 0);
   // Rows that do continue: the gradient counts once, with its last rows, and the step is taken.
   frame({0, 3}, true);
   CHECK(code == Code::kOk);

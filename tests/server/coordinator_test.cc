@@ -1030,6 +1030,13 @@ TEST_CASE("coordinator: a copy still going out is not sent again, and each sendi
   CHECK(f.network.held.empty());
   tick(150);
   CHECK(f.network.held.size() == 1);
+  // The network lets a sending go unfinished (its link broke, its queue was full): that ends it
+  // too, and the copy is sent again after the wait (doubled again: 800 ms).
+  f.network.held.clear();
+  tick(700);
+  CHECK(f.network.held.empty());
+  tick(150);
+  CHECK(f.network.held.size() == 1);
   // Acknowledged: nothing more is sent, and a sending still under way stops.
   f.c->OnMessage(2, peer::Message{2, 3, peer::ReplicaAck{3, peer::LiveCopy{3, 0}}});
   CHECK(f.Sent<peer::Restored>(0) == 1);
