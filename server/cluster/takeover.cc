@@ -76,7 +76,8 @@ void ClusterCoordinator::TakeoverTickLocked(Clock::time_point now, std::vector<A
   hand_back_.clear();  // d's own process is gone again: a stand-in keeps that part's copies again
   spdlog::warn(
       "cluster: shard {} ({}) has been gone for {} ms: this shard starts a stand-in for it, serving its part from "
-      "the copies kept here (the newest of step {}; the chief picks the step the cluster restores) until its own process is back",
+      "the copies kept here (the newest of step {}; the chief picks the step the cluster restores) until its own "
+      "process is back",
       d, options_.addresses[static_cast<size_t>(d)], options_.takeover_after.count(), held_copies_.front().step);
   actions->push_back([this, d, links = addresses_] { host_.StartStandIn(d, links); });
 }

@@ -1066,6 +1066,18 @@ struct NextShard {
     c->Start();
     c->OnPeerUp(1);
   }
+  // A piece [offset, offset + data's size) of shard 1's copy `copy` (epoch 3), of `total` bytes.
+  void Piece(const peer::LiveCopy& copy, uint64_t offset, uint64_t total, const std::string& data) {
+    c->OnMessage(1, peer::Message{1, 3, peer::ReplicaChunk{3, 1, copy, false, offset, total, peer::Blob(data)}});
+  }
+  // The acks sent to shard 1.
+  std::vector<peer::ReplicaAck> Acks() const {
+    std::vector<peer::ReplicaAck> acks;
+    for (const auto& [to, m] : network.sent) {
+      if (const auto* a = std::get_if<peer::ReplicaAck>(&m.body); a != nullptr && to == 1) acks.push_back(*a);
+    }
+    return acks;
+  }
   ClusterOptions options;
   RecordingNetwork network;
   std::unique_ptr<ClusterCoordinator> c;
@@ -1078,16 +1090,9 @@ struct NextShard {
 TEST_CASE("coordinator: a copy that cannot be kept is answered by asking for it whole", "[cluster][replicas]") {
   RefusingHost host;
   NextShard next(host);
-  ClusterCoordinator& c = *next.c;
-  RecordingNetwork& network = next.network;
   const std::string bytes = "a difference";
-  c.OnMessage(1, peer::Message{1, 3,
-                               peer::ReplicaChunk{3, 1, peer::LiveCopy{3, 1}, false, 0, bytes.size(),
-                                                  peer::Blob(std::string(bytes))}});
-  std::vector<peer::ReplicaAck> acks;
-  for (const auto& [to, m] : network.sent) {
-    if (const auto* a = std::get_if<peer::ReplicaAck>(&m.body); a != nullptr && to == 1) acks.push_back(*a);
-  }
+  next.Piece(peer::LiveCopy{3, 1}, 0, bytes.size(), bytes);
+  std::vector<peer::ReplicaAck> acks = next.Acks();
   REQUIRE(acks.size() == 1);
   CHECK(acks[0].send_whole);
   CHECK(acks[0].copy == peer::LiveCopy{3, 1});
@@ -1113,24 +1118,12 @@ class SlowTakingHost : public RecordingHost {
 TEST_CASE("coordinator: a coordinator stopped while it takes a copy does not acknowledge it", "[cluster][takeover]") {
   SlowTakingHost host;
   NextShard next(host);
-  ClusterCoordinator& c = *next.c;
-  RecordingNetwork& network = next.network;
-  auto acks = [&] {
-    int n = 0;
-    for (const auto& [to, m] : network.sent) n += to == 1 && std::holds_alternative<peer::ReplicaAck>(m.body);
-    return n;
-  };
   const std::string bytes = "a copy";
-  auto send = [&](int64_t step) {
-    c.OnMessage(1, peer::Message{1, 3,
-                                 peer::ReplicaChunk{3, 1, peer::LiveCopy{3, step}, false, 0, bytes.size(),
-                                                    peer::Blob(std::string(bytes))}});
-  };
-  send(1);
-  CHECK(acks() == 1);
-  host.during = [&] { c.Stop(); };
-  send(2);
-  CHECK(acks() == 1);
+  next.Piece(peer::LiveCopy{3, 1}, 0, bytes.size(), bytes);
+  CHECK(next.Acks().size() == 1);
+  host.during = [&] { next.c->Stop(); };
+  next.Piece(peer::LiveCopy{3, 2}, 0, bytes.size(), bytes);
+  CHECK(next.Acks().size() == 1);
 }
 
 // A copy's pieces from a shard whose link went down will not be finished (a new sending starts at
@@ -1138,23 +1131,18 @@ TEST_CASE("coordinator: a coordinator stopped while it takes a copy does not ack
 TEST_CASE("coordinator: the pieces of a copy whose link went down are let go", "[cluster][replicas]") {
   SlowTakingHost host;
   NextShard next(host);
-  ClusterCoordinator& c = *next.c;
   const std::string first = "the first half ", second = "and the second";
   const uint64_t total = first.size() + second.size();
-  auto piece = [&](uint64_t offset, const std::string& data) {
-    c.OnMessage(1, peer::Message{1, 3,
-                                 peer::ReplicaChunk{3, 1, peer::LiveCopy{3, 1}, false, offset, total,
-                                                    peer::Blob(std::string(data))}});
-  };
+  const peer::LiveCopy copy{3, 1};
   int taken = 0;
   host.during = [&] { ++taken; };
-  piece(0, first);
-  c.OnPeerDown(1);
-  c.OnPeerUp(1);
-  piece(first.size(), second);  // the rest of a sending whose start is gone: not a copy
+  next.Piece(copy, 0, total, first);
+  next.c->OnPeerDown(1);
+  next.c->OnPeerUp(1);
+  next.Piece(copy, first.size(), total, second);  // the rest of a sending whose start is gone: not a copy
   CHECK(taken == 0);
-  piece(0, first);  // sent again whole, from its first piece
-  piece(first.size(), second);
+  next.Piece(copy, 0, total, first);  // sent again whole, from its first piece
+  next.Piece(copy, first.size(), total, second);
   CHECK(taken == 1);
 }
 
