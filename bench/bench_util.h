@@ -52,6 +52,7 @@ struct Options {
   uint64_t model_bytes = 0;
   int variables = 1;
   bool sparse = false;
+  bool engine_only = false;  // --sparse: the daemon's engine alone (RunSparseEngineBench)
   int64_t embedding_rows = 1000000;
   int64_t embedding_dim = 64;
   int64_t batch_rows = 4096;
@@ -112,6 +113,8 @@ void ApplyTls(const Options& opt, psclient::ClientOptions& co);
 int RunCollectives(const Options& opt, const Endpoint& ep, int n, int64_t elements);
 // --checkpoint-bytes SIZE: a checkpoint's write and restore (checkpoint_bench.cc).
 int RunCheckpointBench(const Options& opt, uint64_t model_bytes);
+// --sparse --engine-only: sparse steps in the training engine alone (sparse_engine_bench.cc).
+int RunSparseEngineBench(const Options& opt);
 
 }  // namespace psd_bench
 

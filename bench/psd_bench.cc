@@ -30,6 +30,9 @@
 //    workers still in warmup are the slowest and never wait) and ends when the last worker is
 //    done; steps/s = global steps (= applied pushes, W x --steps) / that window.
 //
+// Sparse engine only (--sparse --engine-only): every worker's rows pushed straight into the
+// daemon's training engine from one thread (see RunSparseEngineBench).
+//
 // Checkpoints (--checkpoint-bytes SIZE [--checkpoint-dir DIR]): instead of training, writes and
 // restores one checkpoint of a SIZE model (see RunCheckpointBench); bench/checkpoint_vs_dd.sh puts
 // it next to dd on the same directory.
@@ -449,6 +452,11 @@ int Run(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->needs(sparse)
       ->capture_default_str();
+  app.add_flag("--engine-only", opt.engine_only,
+               "--sparse: push every worker's rows straight into the daemon's training engine from one thread (no "
+               "network, no client): what a sparse step costs the daemon as workers are added")
+      ->needs(sparse)
+      ->excludes(connect);
   app.add_option("--seed", opt.seed, "--sparse: base seed of the workers' row samplers (worker i: seed + i)")
       ->needs(sparse)
       ->capture_default_str();
@@ -547,6 +555,15 @@ int Run(int argc, char** argv) {
     return 1;
   }
 
+  if (opt.engine_only) {
+    if (opt.mode != "sync") {
+      std::fprintf(stderr, "psd_bench: --engine-only measures sync steps (--mode sync)\n");
+      return 1;
+    }
+    spdlog::set_default_logger(spdlog::stderr_color_mt("psd"));
+    spdlog::set_level(spdlog::level::from_str(opt.log_level));
+    return RunSparseEngineBench(opt);
+  }
   if (!opt.checkpoint_bytes_text.empty()) {
     auto bytes = ParseBytes(opt.checkpoint_bytes_text);
     if (!bytes.ok()) {

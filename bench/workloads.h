@@ -131,6 +131,19 @@ class DenseWorkload : public Workload {
   int64_t fresh_step_ = -1;
 };
 
+// Floyd's sampling: `batch` distinct rows of [0, total) in O(batch), sorted into *rows
+// (`chosen` is scratch).
+inline void SampleRows(int64_t total, int64_t batch, std::mt19937_64& rng, std::unordered_set<int64_t>* chosen,
+                       std::vector<int64_t>* rows) {
+  chosen->clear();
+  for (int64_t j = total - batch; j < total; ++j) {
+    int64_t t = std::uniform_int_distribution<int64_t>(0, j)(rng);
+    if (!chosen->insert(t).second) chosen->insert(j);
+  }
+  rows->assign(chosen->begin(), chosen->end());
+  std::sort(rows->begin(), rows->end());
+}
+
 class SparseWorkload : public Workload {
  public:
   // With `shared` (--shared-buffers): the pulled rows and the gradient live in its shared buffers.
@@ -174,16 +187,7 @@ class SparseWorkload : public Workload {
   Result<int64_t> FirstPull(psclient::Client& c) override {
     return c.PullRows(kEmbeddingName, {0}, psclient::TensorView{values_, psd::DType::kFloat32, {1, dim_}});
   }
-  // Floyd's sampling: batch_ distinct rows of [0, rows_total_) in O(batch_), then sorted.
-  void Next() override {
-    chosen_.clear();
-    for (int64_t j = rows_total_ - batch_; j < rows_total_; ++j) {
-      int64_t t = std::uniform_int_distribution<int64_t>(0, j)(rng_);
-      if (!chosen_.insert(t).second) chosen_.insert(j);
-    }
-    batch_rows_.assign(chosen_.begin(), chosen_.end());
-    std::sort(batch_rows_.begin(), batch_rows_.end());
-  }
+  void Next() override { SampleRows(rows_total_, batch_, rng_, &chosen_, &batch_rows_); }
   Result<int64_t> Pull(psclient::Client& c) override {
     return c.PullRows(kEmbeddingName, batch_rows_, psclient::TensorView{values_, psd::DType::kFloat32, {batch_, dim_}});
   }
