@@ -181,12 +181,10 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   ++v->next_take_step;
   if (*count == 0) return true;  // forced with nothing: the value stays
   if (v->kind == GradKind::kSparse) {
-    std::vector<int64_t> rows;
-    std::vector<uint8_t> values;
-    v->sparse->ReleaseTaken(&rows, &values);
     MutexLock lock(&mu_);
-    v->pending_rows.swap(rows);
-    v->pending_values.swap(values);
+    // The last take's rows were applied at its commit (cleared, not freed): their buffers hold the
+    // next step's rows, so a step allocates nothing once both have grown.
+    v->sparse->ReleaseTaken(&v->pending_rows, &v->pending_values);
     v->sparse_pending = true;
     ++step_takes_begun_;
     return true;

@@ -1,5 +1,6 @@
 #include "core/sparse_accumulator.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/accumulator.h"
@@ -17,6 +18,11 @@ Status SparseAccumulator::Check(DType dtype, const Shape& declared, const Sparse
   auto S = [](int64_t v) { return std::to_string(v); };
   PSD_RETURN_IF_ERROR(CheckGradientDType(dtype, g.dtype));
   if (declared.empty()) return InvalidArgument("a scalar variable cannot take sparse gradients");
+  if (declared[0] > kMaxRows) {
+    return InvalidArgument("a variable taking sparse gradients may have at most " + S(kMaxRows) +
+                           " rows on a shard; this one has " + S(declared[0]) +
+                           " here: give it more rows per element (a higher rank) or more shards");
+  }
   if (g.values_shape.empty()) return InvalidArgument("Values cannot be 0-dimensional.");
   if (g.values_shape[0] != g.nnz) {
     return InvalidArgument("Expected " + S(g.nnz) + " non-empty input values, got " + S(g.values_shape[0]));
@@ -70,52 +76,84 @@ Status SparseAccumulator::Check(DType dtype, const Shape& declared, const Sparse
   return Status::Ok();
 }
 
+uint32_t* SparseAccumulator::Place(int64_t row) {
+  // Fibonacci hashing: the top bits of row x 2^64/phi, so runs of neighbouring rows spread out.
+  size_t i = static_cast<size_t>((static_cast<uint64_t>(row) * 0x9E3779B97F4A7C15ull) >> place_shift_);
+  const size_t mask = place_.size() - 1;
+  for (;; i = (i + 1) & mask) {
+    uint32_t& at = place_[i];
+    if (at == 0 || rows_[at - 1] == row) return &at;
+  }
+}
+
+void SparseAccumulator::ReservePlaces(size_t rows) {
+  rows = std::min(rows, static_cast<size_t>(declared_[0]));
+  if (rows * 2 <= place_.size()) return;
+  size_t slots = 64;
+  int shift = 64 - 6;
+  while (slots < rows * 2) {
+    slots *= 2;
+    --shift;
+  }
+  place_.assign(slots, 0);
+  place_shift_ = shift;
+  for (size_t i = 0; i < rows_.size(); ++i) *Place(rows_[i]) = static_cast<uint32_t>(i + 1);
+}
+
 template <typename T>
 void SparseAccumulator::Merge(const SparseGradRef& g) {
   const size_t row_bytes = static_cast<size_t>(row_elements_) * sizeof(T);
-  if (g.nnz > 0 && (indices_.empty() || g.indices[0] > indices_.back())) {
-    // Rows all after those held (a push split over frames, rowsMore: each frame's rows follow the
-    // last's): appended, not merged, or a gradient of F frames would cost F passes over all it holds.
-    const auto* bytes = static_cast<const uint8_t*>(g.values);
-    indices_.insert(indices_.end(), g.indices, g.indices + g.nnz);
-    counts_.insert(counts_.end(), static_cast<size_t>(g.nnz), 1);
-    values_.insert(values_.end(), bytes, bytes + static_cast<size_t>(g.nnz) * row_bytes);
-    return;
+  const auto* in = static_cast<const uint8_t*>(g.values);
+  // Room for every row to be new (the table at most half full), grown geometrically: the rows
+  // held are not moved again by each push's. Never beyond the variable's rows.
+  ReservePlaces(rows_.size() + static_cast<size_t>(g.nnz));
+  const size_t most = (rows_.size() + static_cast<size_t>(g.nnz)) * row_bytes;
+  if (sums_.capacity() < most) {
+    sums_.reserve(std::min(std::max(most, sums_.capacity() * 2), static_cast<size_t>(declared_[0]) * row_bytes));
   }
-  const T* in = static_cast<const T*>(g.values);
-  const T* acc = reinterpret_cast<const T*>(values_.data());
-  scratch_indices_.clear();
-  scratch_counts_.clear();
-  scratch_values_.resize((indices_.size() + static_cast<size_t>(g.nnz)) * row_bytes);
-  T* out = reinterpret_cast<T*>(scratch_values_.data());
-  size_t a = 0, b = 0, n = 0;
-  while (a < indices_.size() || b < static_cast<size_t>(g.nnz)) {
-    T* dst = out + n * row_elements_;
-    if (b == static_cast<size_t>(g.nnz) || (a < indices_.size() && indices_[a] < g.indices[b])) {
-      std::memcpy(dst, acc + a * row_elements_, row_bytes);
-      scratch_indices_.push_back(indices_[a]);
-      scratch_counts_.push_back(counts_[a]);
-      ++a;
-    } else if (a == indices_.size() || g.indices[b] < indices_[a]) {
-      std::memcpy(dst, in + b * row_elements_, row_bytes);
-      scratch_indices_.push_back(g.indices[b]);
-      scratch_counts_.push_back(1);
-      ++b;
-    } else {  // equal: sum the rows, count + 1
-      const T* x = acc + a * row_elements_;
-      const T* y = in + b * row_elements_;
-      for (int64_t k = 0; k < row_elements_; ++k) dst[k] = x[k] + y[k];
-      scratch_indices_.push_back(indices_[a]);
-      scratch_counts_.push_back(counts_[a] + 1);
-      ++a;
-      ++b;
+  for (int64_t b = 0; b < g.nnz; ++b) {
+    const int64_t row = g.indices[b];  // checked: 0 <= row < declared_[0]
+    const uint8_t* y = in + static_cast<size_t>(b) * row_bytes;
+    uint32_t* at = Place(row);
+    if (*at == 0) {
+      sums_.insert(sums_.end(), y, y + row_bytes);
+      rows_.push_back(row);
+      counts_.push_back(1);
+      *at = static_cast<uint32_t>(rows_.size());
+    } else {  // held: the row held first plus this one (TF's merge adds in the same order), count + 1
+      T* x = reinterpret_cast<T*>(sums_.data() + static_cast<size_t>(*at - 1) * row_bytes);
+      const T* add = reinterpret_cast<const T*>(y);
+      for (int64_t k = 0; k < row_elements_; ++k) x[k] = x[k] + add[k];
+      ++counts_[*at - 1];
     }
-    ++n;
   }
-  scratch_values_.resize(n * row_bytes);
-  indices_.swap(scratch_indices_);
-  values_.swap(scratch_values_);
-  counts_.swap(scratch_counts_);
+}
+
+void SparseAccumulator::ClearRows() {
+  std::fill(place_.begin(), place_.end(), 0);
+  rows_.clear();
+  sums_.clear();
+  counts_.clear();
+}
+
+template <typename T>
+void SparseAccumulator::TakeRows() {
+  std::fill(place_.begin(), place_.end(), 0);
+  if (reduction_ == Reduction::kMean) {
+    T* v = reinterpret_cast<T*>(sums_.data());
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      if (counts_[r] <= 1) continue;
+      const T c = static_cast<T>(counts_[r]);
+      for (int64_t k = 0; k < row_elements_; ++k) v[r * static_cast<size_t>(row_elements_) + k] /= c;
+    }
+  }
+  // The result's buffers (given back by ReleaseTaken: the last take's, applied) hold the next
+  // step's rows: no allocation, and no copy of the rows, once both have grown.
+  indices_.swap(rows_);
+  values_.swap(sums_);
+  rows_.clear();
+  sums_.clear();
+  counts_.clear();
 }
 
 Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts, uint64_t source) {
@@ -144,12 +182,6 @@ Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRe
                       whole.values.data(), whole.values.size(), g.dense_shape},
                      /*counts=*/true, source);
   }
-  if (!merged_) {
-    indices_.clear();
-    values_.clear();
-    counts_.clear();
-    merged_ = true;
-  }
   if (dtype_ == DType::kFloat32) {
     Merge<float>(g);
   } else {
@@ -159,28 +191,15 @@ Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRe
   return true;
 }
 
-template <typename T>
-void SparseAccumulator::Average() {
-  T* v = reinterpret_cast<T*>(values_.data());
-  for (size_t r = 0; r < indices_.size(); ++r) {
-    if (counts_[r] <= 1) continue;
-    const T c = static_cast<T>(counts_[r]);
-    for (int64_t k = 0; k < row_elements_; ++k) v[r * row_elements_ + k] /= c;
-  }
-}
-
 void SparseAccumulator::FinishTake(int* count) {
   ++step_;
-  if (reduction_ == Reduction::kMean) {
-    if (dtype_ == DType::kFloat32) {
-      Average<float>();
-    } else {
-      Average<double>();
-    }
+  if (dtype_ == DType::kFloat32) {
+    TakeRows<float>();
+  } else {
+    TakeRows<double>();
   }
   *count = counter_;
   counter_ = 0;
-  merged_ = false;
 }
 
 Result<bool> SparseAccumulator::TryTakeGrad(int num_required, int* count) {
@@ -193,11 +212,7 @@ Result<bool> SparseAccumulator::TryTakeGrad(int num_required, int* count) {
 }
 
 void SparseAccumulator::ForceTake(int* count) {
-  if (counter_ == 0) {
-    indices_.clear();
-    values_.clear();
-    counts_.clear();
-  }
+  if (counter_ == 0) ClearRows();  // nothing counted: no rows either (a gradient's rows count with it)
   FinishTake(count);
 }
 
@@ -212,7 +227,6 @@ void SparseAccumulator::ReleaseTaken(std::vector<int64_t>* indices, std::vector<
   values->swap(values_);
   indices_.clear();
   values_.clear();
-  counts_.clear();
 }
 
 }  // namespace psd::server

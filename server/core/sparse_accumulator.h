@@ -8,6 +8,14 @@
 //   memory: indices must be strictly increasing (sorted, unique) and non-negative. Clients that
 //   hold unsorted or duplicated indices coalesce them first (psclient does).
 //
+//   Cost: TF merges each gradient's sorted rows with all rows held (R gradients of K rows: R^2 K
+//   / 2 row copies a step). psd finds a row's place through a hash table of the rows held, so a
+//   gradient costs its own K rows, whatever was added before, and a take copies nothing. Each
+//   row is summed in arrival order, as TF's merge sums it (bit-identical sums). Unlike TF's, the
+//   take's rows are in arrival order, not sorted: the optimizers update each row from its own
+//   gradient and slots, so the order of distinct rows changes no value. What it holds beside the
+//   rows' values follows the rows sent, at most BookkeepingBytes.
+//
 // Thread-safety: none; the owner serializes all calls.
 #ifndef PSD_SERVER_CORE_SPARSE_ACCUMULATOR_H_
 #define PSD_SERVER_CORE_SPARSE_ACCUMULATOR_H_
@@ -38,6 +46,16 @@ class SparseAccumulator {
   // `declared` is the variable's shape: its first dimension bounds the indices.
   SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step);
 
+  // The most rows a variable taking sparse gradients may have on a shard (a held row's place is
+  // 32 bits).
+  static constexpr int64_t kMaxRows = int64_t{UINT32_MAX} - 1;
+  // What sparse accumulation of a variable with `rows` rows holds at most beyond two value-sized
+  // copies of rows (the sums accumulating, and a take's until its commit applies them, which the
+  // variable's own charge counts), were every row sent: the row table (at most half full, so
+  // under 16 bytes a row), each held row's index and count (12), and the taken rows' indices (8).
+  // What it holds follows the rows sent: at most 36 bytes for each row a step touched.
+  static uint64_t BookkeepingBytes(int64_t rows) { return static_cast<uint64_t>(rows) * 36; }
+
   Status Validate(const SparseGradRef& g) const { return Check(dtype_, declared_, g, counter_ > 0); }
   // The same checks for a variable of `dtype`/`declared` whose accumulator need not exist;
   // `accumulating` only words one message as TF does.
@@ -59,19 +77,28 @@ class SparseAccumulator {
 
   int num_accumulated() const { return counter_; }
   int64_t step() const { return step_; }
-  // The result of the last take; valid until the next ApplyGrad. Dense shape of the result:
-  // [declared dim0, row dims...].
+  // The result of the last take (until the next take or ReleaseTaken), in arrival order. Dense
+  // shape of the result: [declared dim0, row dims...].
   const std::vector<int64_t>& indices() const { return indices_; }
   const std::vector<uint8_t>& values() const { return values_; }
-  // Moves the last take's rows out (the accumulator no longer needs them).
+  // Swaps the last take's rows out for *indices/*values, whose buffers (cleared) the accumulator
+  // keeps for later steps' rows: pass the last take's, once applied.
   void ReleaseTaken(std::vector<int64_t>* indices, std::vector<uint8_t>* values);
 
  private:
   template <typename T>
   void Merge(const SparseGradRef& g);
+  // The rows held become the take's result (indices_/values_), averaged for MEAN; the row table
+  // forgets them.
   template <typename T>
-  void Average();
+  void TakeRows();
   void FinishTake(int* count);
+  // Forgets the rows held (their places in the row table too).
+  void ClearRows();
+  // The slot of `row` in place_: its position + 1, or the empty slot where it goes.
+  uint32_t* Place(int64_t row);
+  // Makes room in place_ for `rows` rows held (at most the variable's).
+  void ReservePlaces(size_t rows);
 
   const DType dtype_;
   const Shape declared_;
@@ -79,20 +106,24 @@ class SparseAccumulator {
   const int64_t row_elements_;
   int64_t step_;
   int counter_ = 0;
-  bool merged_ = false;           // rows were merged since the last take (counter_ may still be 0)
-  std::vector<int64_t> indices_;  // sorted
-  std::vector<uint8_t> values_;   // indices_.size() rows
-  std::vector<int32_t> counts_;   // per row
+  // The rows held, in arrival order: index, sum, and how many gradients contained it.
+  std::vector<int64_t> rows_;
+  std::vector<uint8_t> sums_;
+  std::vector<int32_t> counts_;
+  // Where each held row is: an open-addressing table (linear probing) of positions in rows_ plus
+  // one (0: an empty slot), at most half full: its memory follows the rows held, not the
+  // variable's. Kept from step to step (cleared at each take).
+  std::vector<uint32_t> place_;
+  int place_shift_ = 64;  // 64 - log2(place_.size())
+  // The last take's result (its buffers are the next step's rows_/sums_ once given back).
+  std::vector<int64_t> indices_;
+  std::vector<uint8_t> values_;
   // The rows so far of gradients sent in several parts, by source, until their last part.
   struct Unfinished {
     std::vector<int64_t> indices;
     std::vector<uint8_t> values;
   };
   std::map<uint64_t, Unfinished> unfinished_;
-  // Scratch for merges (kept to avoid reallocating every push).
-  std::vector<int64_t> scratch_indices_;
-  std::vector<uint8_t> scratch_values_;
-  std::vector<int32_t> scratch_counts_;
 };
 
 }  // namespace psd::server

@@ -177,13 +177,12 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
   const uint64_t cost = bytes > (UINT64_MAX - kVariableOverheadBytes) / copies
                             ? UINT64_MAX  // saturated: over any --max-model-bytes
                             : bytes * copies + kVariableOverheadBytes;
-  const uint64_t held = model_bytes_.load();
-  if (cost > config_.max_model_bytes || held > config_.max_model_bytes - cost) {
+  uint64_t held = 0;
+  if (!ChargeModelBytes(cost, &held)) {
     return ResourceExhausted("variable '" + def.name + "' needs about " + std::to_string(cost) + " bytes; the " +
                              "variables already hold " + std::to_string(held) + " of --max-model-bytes " +
                              std::to_string(config_.max_model_bytes));
   }
-  model_bytes_.store(held + cost);
   value_bytes_.fetch_add(bytes);
   // A trainable variable created after the open step was reported joins the next step.
   const int64_t step = global_step_.load();
@@ -224,6 +223,32 @@ Status TrainingEngine::ValidateGrad(Variable* v, const GradRef& g) const {
   }
   if (g.chunk()) return DenseAccumulator::CheckChunk(v->dtype, v->shape, g.dtype, g.shape, g.bytes, g.chunk_offset);
   return DenseAccumulator::Check(v->dtype, v->shape, g.dtype, g.shape, g.bytes);
+}
+
+bool TrainingEngine::ChargeModelBytes(uint64_t cost, uint64_t* held) {
+  *held = model_bytes_.load();
+  for (;;) {
+    if (cost > config_.max_model_bytes || *held > config_.max_model_bytes - cost) return false;
+    if (model_bytes_.compare_exchange_weak(*held, *held + cost)) return true;
+  }
+}
+
+Status TrainingEngine::ChargeSparseBookkeeping(Variable* v) {
+  MutexLock lock(&v->mu);
+  if (v->sparse_charged) return Status::Ok();
+  // Charged once, and kept (as the variable's own charge is) even if a dense gradient fixes its
+  // kind after this push fails.
+  const uint64_t cost = SparseAccumulator::BookkeepingBytes(v->shape[0]);  // validated: rank >= 1
+  uint64_t held = 0;
+  if (!ChargeModelBytes(cost, &held)) {
+    return ResourceExhausted("variable '" + v->name + "': accumulating sparse gradients needs about " +
+                             std::to_string(cost) + " bytes more for its " + std::to_string(v->shape[0]) +
+                             " rows' bookkeeping; the variables already hold " + std::to_string(held) +
+                             " of --max-model-bytes " + std::to_string(config_.max_model_bytes) +
+                             ": raise it, or send this variable dense gradients");
+  }
+  v->sparse_charged = true;
+  return Status::Ok();
 }
 
 void TrainingEngine::DropUnfinishedChunks(uint64_t source) {
@@ -333,6 +358,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
     Status s = ValidateGrad(targets[i], grads[i]);
     if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
     PSD_RETURN_IF_ERROR(claims.Claim(i, grads[i].sparse() ? GradKind::kSparse : GradKind::kDense));
+    if (grads[i].sparse() && config_.mode == Mode::kSync) PSD_RETURN_IF_ERROR(ChargeSparseBookkeeping(targets[i]));
   }
   if (test_hook_) test_hook_("push.validated");
   out->clear();

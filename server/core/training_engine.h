@@ -394,6 +394,13 @@ class TrainingEngine {
   static Mutex& VariableMutex(Variable* v);
   Variable* FindLocked(std::string_view name) const REQUIRES(mu_);
   Status ValidateGrad(Variable* v, const GradRef& g) const;
+  // Adds `cost` to what the variables hold if --max-model-bytes has room (any thread); *held is
+  // what they held before.
+  bool ChargeModelBytes(uint64_t cost, uint64_t* held);
+  // Sync: charges the bookkeeping of v's sparse accumulation once (SparseAccumulator::
+  // BookkeepingBytes), before its first sparse gradient is used; RESOURCE_EXHAUSTED if it does
+  // not fit.
+  Status ChargeSparseBookkeeping(Variable* v) EXCLUDES(mu_);
   // Push once the gradients its accumulators cannot take as they are (sparse or async/ssp halves)
   // are converted to their variable's compute dtype.
   // An async/ssp chunk, applied in place (readers of the value hold it: then it is copied first).

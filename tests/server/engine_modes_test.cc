@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "config/server_config.h"
+#include "core/sparse_accumulator.h"
 #include "core/training_engine.h"
 
 using namespace psd;
@@ -571,4 +572,37 @@ TEST_CASE("a sparse table whose copies are kept is written into the value they l
       }
     }
   }
+}
+
+TEST_CASE("sync sparse accumulation charges its row bookkeeping to --max-model-bytes once, before any row is taken",
+          "[engine][sparse]") {
+  ServerConfig c = Cfg(1, 1);
+  c.max_model_bytes = 9000;
+  auto e = Make(c);
+  Create(*e, "emb", std::vector<float>(100), {100, 1});  // 400 bytes x 4 + 1024 = 2624
+  CHECK(e->Stats().model_bytes == 2624);
+  CHECK(PushSparse(*e, 0, "emb", {3}, {1}, 1).accepted);
+  const uint64_t with_rows = 2624 + SparseAccumulator::BookkeepingBytes(100);
+  CHECK(e->Stats().model_bytes == with_rows);
+  CHECK(PushSparse(*e, 1, "emb", {4}, {1}, 1).accepted);  // charged once
+  CHECK(e->Stats().model_bytes == with_rows);
+  Create(*e, "small", std::vector<float>(50), {50, 1});  // 1824: 8048 held; its rows need 1800 more
+  std::vector<int64_t> idx{1};
+  std::vector<float> one{2};
+  GradRef ref{"small", DType::kFloat32, {1, 1}, one.data(), 4};
+  ref.indices = idx.data();
+  ref.nnz = 1;
+  std::vector<GradOutcome> out;
+  const Status refused = e->Push(2, {ref}, &out);
+  CHECK(refused.code() == Code::kResourceExhausted);
+  CHECK_THAT(refused.message(), Catch::Contains("--max-model-bytes"));
+  CHECK_THAT(refused.message(), Catch::Contains("'small'"));
+  CHECK(e->Stats().model_bytes == with_rows + 1824);  // nothing charged
+  CHECK(e->global_step() == 2);                       // nothing taken
+  CHECK(Read(*e, "small")[1] == 0);
+  // The push changed nothing, so the variable may still take dense gradients.
+  CHECK(PushDense(*e, 2, "small", std::vector<float>(50, 1), {50, 1}).accepted);
+  CHECK(PushSparse(*e, 2, "emb", {5}, {1}, 1).accepted);
+  CHECK(e->global_step() == 3);
+  CHECK(Read(*e, "small")[1] == -1);  // 0 - lr 1 x 1
 }

@@ -1,7 +1,10 @@
 // TF SparseConditionalAccumulator cases (tf_semantics.md section 2).
 #include "core/sparse_accumulator.h"
 
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <cstring>
+#include <random>
 
 using namespace psd;
 using psd::server::Reduction;
@@ -26,6 +29,28 @@ std::vector<float> Values(const SparseAccumulator& acc) {
   return std::vector<float>(p, p + acc.values().size() / sizeof(float));
 }
 
+// A take's rows come in arrival order (TF sorts them; the order of distinct rows changes no
+// update): sorted by index here, to compare with TF's result.
+struct Taken {
+  std::vector<int64_t> indices;
+  std::vector<float> values;
+};
+Taken Sorted(const SparseAccumulator& acc) {
+  const std::vector<float> values = Values(acc);
+  const size_t n = acc.indices().size();
+  const size_t dim = n == 0 ? 0 : values.size() / n;
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return acc.indices()[a] < acc.indices()[b]; });
+  Taken t;
+  for (size_t i : order) {
+    t.indices.push_back(acc.indices()[i]);
+    t.values.insert(t.values.end(), values.begin() + static_cast<int64_t>(i * dim),
+                    values.begin() + static_cast<int64_t>((i + 1) * dim));
+  }
+  return t;
+}
+
 }  // namespace
 
 TEST_CASE("rows merge by index and MEAN divides each row by its own count", "[sparse]") {
@@ -37,9 +62,9 @@ TEST_CASE("rows merge by index and MEAN divides each row by its own count", "[sp
   int count = 0;
   REQUIRE(*acc.TryTakeGrad(2, &count));
   CHECK(count == 2);
-  CHECK(acc.indices() == std::vector<int64_t>{0, 1, 4, 9});
+  CHECK(Sorted(acc).indices == std::vector<int64_t>{0, 1, 4, 9});
   // Row 4 was in both gradients: (4+6)/2, (4+8)/2. The others appeared once: unchanged.
-  CHECK(Values(acc) == std::vector<float>{2, 2, 1, 1, 5, 6, 3, 3});
+  CHECK(Sorted(acc).values == std::vector<float>{2, 2, 1, 1, 5, 6, 3, 3});
   CHECK(acc.step() == 1);
 }
 
@@ -57,8 +82,8 @@ TEST_CASE("a gradient's rows in several calls count once, with its last rows, an
   REQUIRE(*acc.TryTakeGrad(2, &count));
   CHECK(count == 2);
   // As "rows merge by index ...": the first call's rows were kept when the next came.
-  CHECK(acc.indices() == std::vector<int64_t>{0, 1, 4, 9});
-  CHECK(Values(acc) == std::vector<float>{2, 2, 1, 1, 5, 6, 3, 3});
+  CHECK(Sorted(acc).indices == std::vector<int64_t>{0, 1, 4, 9});
+  CHECK(Sorted(acc).values == std::vector<float>{2, 2, 1, 1, 5, 6, 3, 3});
 }
 
 TEST_CASE("a take between a sparse gradient's calls leaves its first rows out, and its last drops it whole",
@@ -73,19 +98,19 @@ TEST_CASE("a take between a sparse gradient's calls leaves its first rows out, a
   int count = 0;
   REQUIRE(*acc.TryTakeGrad(1, &count));
   CHECK(count == 1);
-  CHECK(acc.indices() == std::vector<int64_t>{1, 4});  // none of worker 7's rows
-  CHECK(Values(acc) == std::vector<float>{1, 1, 4, 4});
+  CHECK(Sorted(acc).indices == std::vector<int64_t>{1, 4});  // none of worker 7's rows
+  CHECK(Sorted(acc).values == std::vector<float>{1, 1, 4, 4});
   // Its last rows, computed at step 0, are stale now: the whole gradient goes, nothing is kept.
   CHECK_FALSE(*acc.ApplyGrad(0, b_rest.Ref(), /*counts=*/true, /*source=*/7));
   REQUIRE(*acc.ApplyGrad(1, a.Ref(), /*counts=*/true, /*source=*/7));
   REQUIRE(*acc.TryTakeGrad(1, &count));
-  CHECK(acc.indices() == std::vector<int64_t>{1, 4});
+  CHECK(Sorted(acc).indices == std::vector<int64_t>{1, 4});
   // A cut-off gradient's rows (DropUnfinished) never count.
   REQUIRE(*acc.ApplyGrad(2, b_first.Ref(), /*counts=*/false, /*source=*/7));
   acc.DropUnfinished(7);
   REQUIRE(*acc.ApplyGrad(2, b_rest.Ref(), /*counts=*/true, /*source=*/7));
   REQUIRE(*acc.TryTakeGrad(1, &count));
-  CHECK(acc.indices() == std::vector<int64_t>{9});
+  CHECK(Sorted(acc).indices == std::vector<int64_t>{9});
 }
 
 TEST_CASE("SUM keeps per-row sums, stale sparse gradients are dropped", "[sparse]") {
@@ -97,7 +122,7 @@ TEST_CASE("SUM keeps per-row sums, stale sparse gradients are dropped", "[sparse
   REQUIRE(*acc.ApplyGrad(2, a.Ref()));
   int count = 0;
   REQUIRE(*acc.TryTakeGrad(2, &count));
-  CHECK(Values(acc) == std::vector<float>{2});
+  CHECK(Sorted(acc).values == std::vector<float>{2});
 }
 
 TEST_CASE("sparse checks run in TF's order with TF's messages", "[sparse]") {
@@ -132,7 +157,123 @@ TEST_CASE("after a take, the next sparse gradient starts fresh, a forced take ma
   REQUIRE(*acc.TryTakeGrad(1, &count));
   REQUIRE(*acc.ApplyGrad(2, Grad{{3}, {7}, {1, 1}, std::nullopt}.Ref()));
   REQUIRE(*acc.TryTakeGrad(1, &count));
-  CHECK(acc.indices() == std::vector<int64_t>{3});
-  CHECK(Values(acc) == std::vector<float>{7});
+  CHECK(Sorted(acc).indices == std::vector<int64_t>{3});
+  CHECK(Sorted(acc).values == std::vector<float>{7});
   CHECK(acc.TryTakeGrad(0, &count).status().message() == "Argument num_required must be positive, but was 0");
+}
+
+namespace {
+
+// TensorFlow's combination (SCA's sorted merge of what is held with each gradient in turn),
+// written plainly: the reference psd's row table must match bit for bit.
+struct MergeReference {
+  std::vector<int64_t> idx;
+  std::vector<float> values;  // idx.size() rows of `dim`
+  std::vector<int> counts;
+  int64_t dim;
+
+  void Add(const std::vector<int64_t>& gi, const std::vector<float>& gv) {
+    std::vector<int64_t> oi;
+    std::vector<float> ov;
+    std::vector<int> oc;
+    size_t a = 0, b = 0;
+    auto row = [&](const std::vector<float>& v, size_t r) { return v.begin() + static_cast<int64_t>(r) * dim; };
+    while (a < idx.size() || b < gi.size()) {
+      if (b == gi.size() || (a < idx.size() && idx[a] < gi[b])) {
+        oi.push_back(idx[a]);
+        ov.insert(ov.end(), row(values, a), row(values, a + 1));
+        oc.push_back(counts[a++]);
+      } else if (a == idx.size() || gi[b] < idx[a]) {
+        oi.push_back(gi[b]);
+        ov.insert(ov.end(), row(gv, b), row(gv, b + 1));
+        oc.push_back(1);
+        ++b;
+      } else {
+        oi.push_back(idx[a]);
+        for (int64_t k = 0; k < dim; ++k) ov.push_back(values[a * dim + k] + gv[b * dim + k]);
+        oc.push_back(counts[a++] + 1);
+        ++b;
+      }
+    }
+    idx.swap(oi);
+    values.swap(ov);
+    counts.swap(oc);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("rows found through the row table sum bit-identically to TF's sorted merge, step after step", "[sparse]") {
+  // 12 gradients a step of overlapping random rows (sorted within each, as required), values
+  // chosen so that float addition order matters; three steps, so the table must forget each
+  // take's rows. MEAN divides per row.
+  const int64_t rows = 300, dim = 3;
+  SparseAccumulator acc(DType::kFloat32, {rows, dim}, Reduction::kMean, 0);
+  std::mt19937 rng(7);
+  for (int64_t step = 0; step < 3; ++step) {
+    MergeReference ref{{}, {}, {}, dim};
+    for (int g = 0; g < 12; ++g) {
+      std::vector<int64_t> gi;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (rng() % 4 == 0) gi.push_back(r);
+      }
+      std::vector<float> gv;
+      std::uniform_real_distribution<float> value(-1e4f, 1e4f);
+      for (size_t i = 0; i < gi.size() * dim; ++i) gv.push_back(value(rng) * (i % 2 ? 1e-3f : 1.f));
+      ref.Add(gi, gv);
+      Grad grad{gi, gv, {static_cast<int64_t>(gi.size()), dim}, std::nullopt};
+      REQUIRE(*acc.ApplyGrad(step, grad.Ref()));
+    }
+    int count = 0;
+    REQUIRE(*acc.TryTakeGrad(12, &count));
+    CHECK(count == 12);
+    for (size_t r = 0; r < ref.idx.size(); ++r) {
+      for (int64_t k = 0; k < dim; ++k) ref.values[r * dim + k] /= static_cast<float>(ref.counts[r]);
+    }
+    const Taken taken = Sorted(acc);
+    REQUIRE(taken.indices == ref.idx);
+    const std::vector<float>& got = taken.values;
+    REQUIRE(got.size() == ref.values.size());
+    CHECK(std::memcmp(got.data(), ref.values.data(), got.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("a take's rows come in arrival order, each with its own count, and the next step starts from nothing",
+          "[sparse]") {
+  SparseAccumulator acc(DType::kFloat32, {10, 1}, Reduction::kMean, 0);
+  REQUIRE(*acc.ApplyGrad(0, Grad{{7, 8, 9}, {7, 8, 9}, {3, 1}, std::nullopt}.Ref()));
+  REQUIRE(*acc.ApplyGrad(0, Grad{{0, 8}, {10, 2}, {2, 1}, std::nullopt}.Ref()));
+  REQUIRE(*acc.ApplyGrad(0, Grad{{3, 7}, {3, 1}, {2, 1}, std::nullopt}.Ref()));
+  int count = 0;
+  REQUIRE(*acc.TryTakeGrad(3, &count));
+  CHECK(acc.indices() == std::vector<int64_t>{7, 8, 9, 0, 3});
+  CHECK(Values(acc) == std::vector<float>{4, 5, 9, 10, 3});  // 7: (7+1)/2, 8: (8+2)/2
+  // The engine swaps the result out for the last take's buffers (applied, cleared).
+  std::vector<int64_t> taken_rows;
+  std::vector<uint8_t> taken_values;
+  acc.ReleaseTaken(&taken_rows, &taken_values);
+  CHECK(taken_rows == std::vector<int64_t>{7, 8, 9, 0, 3});
+  CHECK(acc.indices().empty());
+  taken_rows.clear();
+  taken_values.clear();
+  acc.ReleaseTaken(&taken_rows, &taken_values);  // given back: the accumulator keeps them
+  CHECK(taken_rows.empty());
+  REQUIRE(*acc.ApplyGrad(1, Grad{{8}, {6}, {1, 1}, std::nullopt}.Ref()));
+  REQUIRE(*acc.ApplyGrad(1, Grad{{2, 8}, {1, 2}, {2, 1}, std::nullopt}.Ref()));
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  CHECK(acc.indices() == std::vector<int64_t>{8, 2});
+  CHECK(Values(acc) == std::vector<float>{4, 1});  // 8 was in both: (6+2)/2
+}
+
+TEST_CASE("a variable with more rows than the row table can place is refused sparse gradients", "[sparse]") {
+  const Shape huge{SparseAccumulator::kMaxRows + 1, 1};
+  int64_t idx = 0;
+  float value = 1;
+  const Status s = SparseAccumulator::Check(
+      DType::kFloat32, huge, {&idx, 1, DType::kFloat32, Shape{1, 1}, &value, sizeof value, std::nullopt}, false);
+  CHECK(s.code() == Code::kInvalidArgument);
+  CHECK_THAT(s.message(), Catch::Contains("at most 4294967294 rows"));
+  CHECK(SparseAccumulator::Check(DType::kFloat32, Shape{SparseAccumulator::kMaxRows, 1},
+                                 {&idx, 1, DType::kFloat32, Shape{1, 1}, &value, sizeof value, std::nullopt}, false)
+            .ok());
 }
