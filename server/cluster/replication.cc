@@ -357,8 +357,9 @@ void ClusterCoordinator::HandleReplicaChunk(int from, const peer::ReplicaChunk& 
     actions->push_back([this, from, copy = c.copy, bytes, ack, refusal] {
       Status s = host_.TakeCopy(from, copy, bytes);
       if (!s.ok()) {
-        // A difference from a copy lost here (a restart) is of no use; the copy whole needs no base.
-        spdlog::error("cluster: shard {}'s copy of step {} is unusable: {}; asked for it whole", from, copy.step,
+        // A difference from a copy lost here (a restart) is of no use, and a whole copy that does not
+        // parse or check is sent again: the copy whole needs no base.
+        spdlog::error("cluster: shard {}'s copy of step {} is unusable: {}; asked for it again, whole", from, copy.step,
                       s.message());
         SendTo(from, refusal);
         return;

@@ -184,7 +184,7 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     MutexLock lock(&mu_);
     // The last take's rows were applied at its commit (cleared, not freed): their buffers hold the
     // next step's rows, so a step allocates nothing once both have grown.
-    v->sparse->ReleaseTaken(&v->pending_rows, &v->pending_values);
+    v->sparse->ReleaseTaken(&v->pending_rows, &v->pending_values, &v->pending_order);
     v->sparse_pending = true;
     ++step_takes_begun_;
     return true;
@@ -242,16 +242,20 @@ void TrainingEngine::CopyOnWriteLocked(Variable* v) {
   v->published = std::move(into);
 }
 
-void TrainingEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step,
-                                       double lr) {
+void TrainingEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad,
+                                       const uint32_t* order, int64_t step, double lr) {
   if (rows.empty()) return;
   auto t0 = std::chrono::steady_clock::now();
   // In place unless a pull or a kept copy still references the published buffer: then copy first.
   CopyOnWriteLocked(v);
+  // Listed in increasing order: neighbouring rows make one range, so the list stays short.
   const uint64_t row_bytes = static_cast<uint64_t>(v->row_elements) * DTypeSize(v->dtype);
-  for (int64_t r : rows) v->published->MarkChanged(static_cast<uint64_t>(r) * row_bytes, row_bytes);
+  for (size_t n = 0; n < rows.size(); ++n) {
+    const int64_t r = rows[order != nullptr ? order[n] : n];
+    v->published->MarkChanged(static_cast<uint64_t>(r) * row_bytes, row_bytes);
+  }
   v->opt->ApplySparse({v->dtype, v->row_elements, v->published->listed_data(), rows.data(),
-                       static_cast<int64_t>(rows.size()), grad, &v->slots, step, lr});
+                       static_cast<int64_t>(rows.size()), grad, &v->slots, step, lr, order});
   ReportApply(t0);
 }
 
@@ -260,7 +264,7 @@ void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step,
   if (g.sparse()) {
     std::vector<int64_t> rows(g.indices, g.indices + g.nnz);
     MutexLock lock(&mu_);
-    ApplySparseLocked(v, rows, g.data, step, lr);
+    ApplySparseLocked(v, rows, g.data, /*order=*/nullptr, step, lr);  // a gradient's rows increase
     return;
   }
   std::shared_ptr<const Buffer> value;  // read only (as in the take)
@@ -360,10 +364,11 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
       v->older.reset();
     }
     if (v->sparse_pending) {
-      ApplySparseLocked(v, v->pending_rows, v->pending_values.data(), step, step_lr_);
+      ApplySparseLocked(v, v->pending_rows, v->pending_values.data(), v->pending_order.data(), step, step_lr_);
       v->sparse_pending = false;
       v->pending_rows.clear();
       v->pending_values.clear();
+      v->pending_order.clear();
     }
   }
   for (auto& [name, var] : vars_) {

@@ -203,7 +203,8 @@ void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
   T* value = static_cast<T*>(a.value);
   const T* grad = static_cast<const T*>(a.grad);
   const uint64_t row_bytes = static_cast<uint64_t>(a.row_elements) * sizeof(T);
-  for (int64_t i = 0; i < a.num_rows; ++i) {
+  for (int64_t n = 0; n < a.num_rows; ++n) {
+    const int64_t i = a.order != nullptr ? a.order[n] : n;
     int64_t off = a.rows[i] * a.row_elements;
     for (size_t k = 0; k < slots.size(); ++k) {
       // The slot rows written are listed (replication's difference of the slots' next copy).

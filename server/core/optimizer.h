@@ -65,12 +65,15 @@ struct SparseApplyArgs {
   DType dtype;
   int64_t row_elements;  // elements per row
   void* value;           // updated in place, rows only
-  const int64_t* rows;   // row indices, strictly increasing, in range
+  const int64_t* rows;   // row indices, distinct, in range
   int64_t num_rows;
   const void* grad;  // num_rows x row_elements
   std::vector<Buffer>* slots;
   int64_t step;
   double learning_rate;
+  // Null: rows increase. Else rows[order[0]], rows[order[1]], ... increase: rows are updated in
+  // that order (and the slot rows listed in it, Buffer::MarkChanged).
+  const uint32_t* order = nullptr;
 };
 
 class Optimizer {

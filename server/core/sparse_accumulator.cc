@@ -2,27 +2,16 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 
 #include "core/accumulator.h"
 
 namespace psd::server {
 
-SparseAccumulator::SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step)
-    : dtype_(dtype),
-      declared_(std::move(declared)),
-      reduction_(reduction),
-      row_elements_(declared_.empty() ? 1 : NumElements(Shape(declared_.begin() + 1, declared_.end()))),
-      step_(initial_step) {}
-
 Status SparseAccumulator::Check(DType dtype, const Shape& declared, const SparseGradRef& g, bool accumulating) {
   auto S = [](int64_t v) { return std::to_string(v); };
   PSD_RETURN_IF_ERROR(CheckGradientDType(dtype, g.dtype));
   if (declared.empty()) return InvalidArgument("a scalar variable cannot take sparse gradients");
-  if (declared[0] > kMaxRows) {
-    return InvalidArgument("a variable taking sparse gradients may have at most " + S(kMaxRows) +
-                           " rows on a shard; this one has " + S(declared[0]) +
-                           " here: give it more rows per element (a higher rank) or more shards");
-  }
   if (g.values_shape.empty()) return InvalidArgument("Values cannot be 0-dimensional.");
   if (g.values_shape[0] != g.nnz) {
     return InvalidArgument("Expected " + S(g.nnz) + " non-empty input values, got " + S(g.values_shape[0]));
@@ -76,9 +65,45 @@ Status SparseAccumulator::Check(DType dtype, const Shape& declared, const Sparse
   return Status::Ok();
 }
 
+Status SparseAccumulator::CheckRows(const Shape& declared) {
+  if (!declared.empty() && declared[0] > kMaxRows) {
+    return InvalidArgument("a variable accumulating sparse gradients may have at most " + std::to_string(kMaxRows) +
+                           " rows on a shard; this one has " + std::to_string(declared[0]) +
+                           " here: give it fewer rows of more elements each, or spread it over more shards");
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+// A random odd multiplier per accumulator: which rows share a slot of its table cannot be chosen
+// by a peer (rows picked to collide would make every lookup walk them all).
+uint64_t RandomOddMultiplier() {
+  std::random_device device;
+  const uint64_t high = device(), low = device();
+  return (high << 32 | low) | 1;
+}
+
+// Grows `v`'s capacity to hold `n` elements: geometrically (appends do not move what is held
+// again and again), never beyond `most`.
+template <typename V>
+void Reserve(V& v, size_t n, size_t most) {
+  if (v.capacity() < n) v.reserve(std::min(std::max(n, v.capacity() * 2), std::max(n, most)));
+}
+
+}  // namespace
+
+SparseAccumulator::SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step)
+    : dtype_(dtype),
+      declared_(std::move(declared)),
+      reduction_(reduction),
+      row_elements_(declared_.empty() ? 1 : NumElements(Shape(declared_.begin() + 1, declared_.end()))),
+      hash_multiplier_(RandomOddMultiplier()),
+      step_(initial_step) {}
+
 uint32_t* SparseAccumulator::Place(int64_t row) {
-  // Fibonacci hashing: the top bits of row x 2^64/phi, so runs of neighbouring rows spread out.
-  size_t i = static_cast<size_t>((static_cast<uint64_t>(row) * 0x9E3779B97F4A7C15ull) >> place_shift_);
+  // Multiplicative hashing: the top bits of row x an odd multiplier.
+  size_t i = static_cast<size_t>((static_cast<uint64_t>(row) * hash_multiplier_) >> place_shift_);
   const size_t mask = place_.size() - 1;
   for (;; i = (i + 1) & mask) {
     uint32_t& at = place_[i];
@@ -95,22 +120,39 @@ void SparseAccumulator::ReservePlaces(size_t rows) {
     slots *= 2;
     --shift;
   }
-  place_.assign(slots, 0);
+  std::vector<uint32_t> fresh(slots, 0);  // allocated before anything changes (a failure leaves all as it was)
+  place_.swap(fresh);
   place_shift_ = shift;
   for (size_t i = 0; i < rows_.size(); ++i) *Place(rows_[i]) = static_cast<uint32_t>(i + 1);
+}
+
+void SparseAccumulator::ForgetPlaces() {
+  // A table much bigger than the rows it held (a burst of rows once) goes, rather than being
+  // cleared whole every step; the next rows make one of their size.
+  if (place_.size() > 8 * std::max<size_t>(rows_.size(), 64)) {
+    std::vector<uint32_t>().swap(place_);
+    place_shift_ = 64;
+  } else {
+    std::fill(place_.begin(), place_.end(), 0);
+  }
 }
 
 template <typename T>
 void SparseAccumulator::Merge(const SparseGradRef& g) {
   const size_t row_bytes = static_cast<size_t>(row_elements_) * sizeof(T);
+  const size_t rows = static_cast<size_t>(declared_[0]);
+  const size_t most = rows_.size() + static_cast<size_t>(g.nnz);  // every row new
+  // Everything this gradient may need is allocated first: the loop below allocates nothing, so
+  // an allocation that fails (the push fails) leaves the rows held as they were.
+  ReservePlaces(most);
+  Reserve(rows_, most, rows);
+  Reserve(counts_, most, rows);
+  Reserve(sums_, most * row_bytes, rows * row_bytes);
+  Reserve(order_, most, rows);  // the take's, so that a take allocates nothing
+  Reserve(merged_, most, rows);
+  Reserve(run_starts_, run_starts_.size() + 2, rows + 1);
   const auto* in = static_cast<const uint8_t*>(g.values);
-  // Room for every row to be new (the table at most half full), grown geometrically: the rows
-  // held are not moved again by each push's. Never beyond the variable's rows.
-  ReservePlaces(rows_.size() + static_cast<size_t>(g.nnz));
-  const size_t most = (rows_.size() + static_cast<size_t>(g.nnz)) * row_bytes;
-  if (sums_.capacity() < most) {
-    sums_.reserve(std::min(std::max(most, sums_.capacity() * 2), static_cast<size_t>(declared_[0]) * row_bytes));
-  }
+  const size_t first_new = rows_.size();
   for (int64_t b = 0; b < g.nnz; ++b) {
     const int64_t row = g.indices[b];  // checked: 0 <= row < declared_[0]
     const uint8_t* y = in + static_cast<size_t>(b) * row_bytes;
@@ -127,18 +169,47 @@ void SparseAccumulator::Merge(const SparseGradRef& g) {
       ++counts_[*at - 1];
     }
   }
+  // This gradient's new rows follow in increasing order (its indices do): one run.
+  if (rows_.size() > first_new) run_starts_.push_back(static_cast<uint32_t>(first_new));
 }
 
 void SparseAccumulator::ClearRows() {
-  std::fill(place_.begin(), place_.end(), 0);
+  ForgetPlaces();
   rows_.clear();
   sums_.clear();
   counts_.clear();
+  run_starts_.clear();
+}
+
+void SparseAccumulator::SortOrder() {
+  // Each gradient's new rows are one increasing run of rows_: merged pairwise, log2(gradients)
+  // passes over positions (none for one gradient).
+  const size_t n = rows_.size();
+  order_.resize(n);
+  for (size_t i = 0; i < n; ++i) order_[i] = static_cast<uint32_t>(i);
+  std::vector<uint32_t>& runs = run_starts_;
+  runs.push_back(static_cast<uint32_t>(n));  // within the capacity Merge reserved
+  const auto by_row = [this](uint32_t a, uint32_t b) { return rows_[a] < rows_[b]; };
+  while (runs.size() > 2) {
+    merged_.resize(n);
+    size_t kept = 0;
+    for (size_t r = 0; r + 1 < runs.size(); r += 2) {
+      const uint32_t begin = runs[r], mid = runs[r + 1];
+      const uint32_t end = r + 2 < runs.size() ? runs[r + 2] : mid;
+      std::merge(order_.begin() + begin, order_.begin() + mid, order_.begin() + mid, order_.begin() + end,
+                 merged_.begin() + begin, by_row);
+      runs[kept++] = begin;
+    }
+    runs[kept++] = static_cast<uint32_t>(n);
+    runs.resize(kept);
+    order_.swap(merged_);
+  }
+  runs.clear();
 }
 
 template <typename T>
 void SparseAccumulator::TakeRows() {
-  std::fill(place_.begin(), place_.end(), 0);
+  ForgetPlaces();
   if (reduction_ == Reduction::kMean) {
     T* v = reinterpret_cast<T*>(sums_.data());
     for (size_t r = 0; r < rows_.size(); ++r) {
@@ -147,8 +218,9 @@ void SparseAccumulator::TakeRows() {
       for (int64_t k = 0; k < row_elements_; ++k) v[r * static_cast<size_t>(row_elements_) + k] /= c;
     }
   }
-  // The result's buffers (given back by ReleaseTaken: the last take's, applied) hold the next
-  // step's rows: no allocation, and no copy of the rows, once both have grown.
+  SortOrder();
+  // The rows and sums are the result as they are (no copy); ReleaseTaken gives the accumulator
+  // the last take's buffers for the next step's rows.
   indices_.swap(rows_);
   values_.swap(sums_);
   rows_.clear();
@@ -170,6 +242,9 @@ Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRe
       return InvalidArgument("a sparse gradient's rows continue at index " + std::to_string(g.indices[0]) +
                              ", not after the last part's " + std::to_string(u.indices.back()));
     }
+    // Both grown first: a failed allocation leaves the rows kept so far consistent.
+    Reserve(u.indices, u.indices.size() + static_cast<size_t>(g.nnz), 0);
+    Reserve(u.values, u.values.size() + g.values_bytes, 0);
     u.indices.insert(u.indices.end(), g.indices, g.indices + g.nnz);
     u.values.insert(u.values.end(), bytes, bytes + g.values_bytes);
     if (!counts) return true;
@@ -222,11 +297,18 @@ bool SparseAccumulator::SetGlobalStep(int64_t new_step) {
   return lowered;
 }
 
-void SparseAccumulator::ReleaseTaken(std::vector<int64_t>* indices, std::vector<uint8_t>* values) {
+void SparseAccumulator::ReleaseTaken(std::vector<int64_t>* indices, std::vector<uint8_t>* values,
+                                     std::vector<uint32_t>* order) {
   indices->swap(indices_);
   values->swap(values_);
-  indices_.clear();
-  values_.clear();
+  order->swap(order_);
+  // What came back (the last take's, applied) holds the next step's rows, unless rows came in
+  // meanwhile; the rest goes: two sets of row buffers in all, this one and the engine's.
+  if (rows_.empty() && rows_.capacity() < indices_.capacity()) rows_.swap(indices_);
+  if (sums_.empty() && sums_.capacity() < values_.capacity()) sums_.swap(values_);
+  std::vector<int64_t>().swap(indices_);
+  std::vector<uint8_t>().swap(values_);
+  order_.clear();
 }
 
 }  // namespace psd::server

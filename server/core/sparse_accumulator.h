@@ -10,11 +10,11 @@
 //
 //   Cost: TF merges each gradient's sorted rows with all rows held (R gradients of K rows: R^2 K
 //   / 2 row copies a step). psd finds a row's place through a hash table of the rows held, so a
-//   gradient costs its own K rows, whatever was added before, and a take copies nothing. Each
-//   row is summed in arrival order, as TF's merge sums it (bit-identical sums). Unlike TF's, the
-//   take's rows are in arrival order, not sorted: the optimizers update each row from its own
-//   gradient and slots, so the order of distinct rows changes no value. What it holds beside the
-//   rows' values follows the rows sent, at most BookkeepingBytes.
+//   gradient costs its own K rows, whatever was added before, and a take copies no row. Each row
+//   is summed in arrival order, as TF's merge sums it (bit-identical sums). The take's rows stay
+//   where they arrived; beside them it gives their order by index (order(): the gradients'
+//   increasing runs merged), in which the engine updates them and lists them for copies. What it
+//   holds beside the rows' values follows the rows sent, at most BookkeepingBytes.
 //
 // Thread-safety: none; the owner serializes all calls.
 #ifndef PSD_SERVER_CORE_SPARSE_ACCUMULATOR_H_
@@ -46,15 +46,17 @@ class SparseAccumulator {
   // `declared` is the variable's shape: its first dimension bounds the indices.
   SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step);
 
-  // The most rows a variable taking sparse gradients may have on a shard (a held row's place is
-  // 32 bits).
+  // The most rows a variable accumulating sparse gradients may have on a shard (a held row's
+  // place is 32 bits); CheckRows says so.
   static constexpr int64_t kMaxRows = int64_t{UINT32_MAX} - 1;
-  // What sparse accumulation of a variable with `rows` rows holds at most beyond two value-sized
-  // copies of rows (the sums accumulating, and a take's until its commit applies them, which the
-  // variable's own charge counts), were every row sent: the row table (at most half full, so
-  // under 16 bytes a row), each held row's index and count (12), and the taken rows' indices (8).
-  // What it holds follows the rows sent: at most 36 bytes for each row a step touched.
-  static uint64_t BookkeepingBytes(int64_t rows) { return static_cast<uint64_t>(rows) * 36; }
+  static Status CheckRows(const Shape& declared);
+  // What accumulating a variable of `rows` rows may hold beyond two value-sized buffers of rows
+  // (the sums accumulating, and a take's until its commit applies them: the variable's own charge
+  // counts those), were every row sent: the hash table (at most half full: under 16 bytes a row),
+  // the held rows' indices and counts (12), the take's order and its merge scratch (8), where
+  // each gradient's rows begin (4), and the engine's copy of the taken rows' indices and order
+  // (12). Each grows with the rows sent, never beyond the variable's rows.
+  static uint64_t BookkeepingBytes(int64_t rows) { return static_cast<uint64_t>(rows) * 52; }
 
   Status Validate(const SparseGradRef& g) const { return Check(dtype_, declared_, g, counter_ > 0); }
   // The same checks for a variable of `dtype`/`declared` whose accumulator need not exist;
@@ -77,24 +79,30 @@ class SparseAccumulator {
 
   int num_accumulated() const { return counter_; }
   int64_t step() const { return step_; }
-  // The result of the last take (until the next take or ReleaseTaken), in arrival order. Dense
-  // shape of the result: [declared dim0, row dims...].
+  // The result of the last take (until the next take or ReleaseTaken): its rows in arrival order
+  // (each a row's index and its averaged sum), and order(), the positions of indices() by
+  // increasing index. Dense shape of the result: [declared dim0, row dims...].
   const std::vector<int64_t>& indices() const { return indices_; }
   const std::vector<uint8_t>& values() const { return values_; }
-  // Swaps the last take's rows out for *indices/*values, whose buffers (cleared) the accumulator
-  // keeps for later steps' rows: pass the last take's, once applied.
-  void ReleaseTaken(std::vector<int64_t>* indices, std::vector<uint8_t>* values);
+  const std::vector<uint32_t>& order() const { return order_; }
+  // Swaps the last take's result out for the buffers given (cleared: the take before's, once
+  // applied), which hold the next step's rows: a step allocates nothing once they have grown.
+  void ReleaseTaken(std::vector<int64_t>* indices, std::vector<uint8_t>* values, std::vector<uint32_t>* order);
 
  private:
   template <typename T>
   void Merge(const SparseGradRef& g);
-  // The rows held become the take's result (indices_/values_), averaged for MEAN; the row table
-  // forgets them.
+  // The rows held become the take's result (indices_/values_, order_), averaged for MEAN; the
+  // hash table forgets them. Allocates nothing (Merge reserved what it needs).
   template <typename T>
   void TakeRows();
+  // order_: the positions of rows_ by increasing index (merging the gradients' runs).
+  void SortOrder();
   void FinishTake(int* count);
-  // Forgets the rows held (their places in the row table too).
+  // Forgets the rows held (their places in the hash table too).
   void ClearRows();
+  // Empties the hash table (frees it when it is much bigger than the rows it held).
+  void ForgetPlaces();
   // The slot of `row` in place_: its position + 1, or the empty slot where it goes.
   uint32_t* Place(int64_t row);
   // Makes room in place_ for `rows` rows held (at most the variable's).
@@ -104,20 +112,25 @@ class SparseAccumulator {
   const Shape declared_;
   const Reduction reduction_;
   const int64_t row_elements_;
+  const uint64_t hash_multiplier_;  // random, odd: which rows share slots cannot be chosen by a peer
   int64_t step_;
   int counter_ = 0;
-  // The rows held, in arrival order: index, sum, and how many gradients contained it.
+  // The rows held, in arrival order: index, sum, and how many gradients contained it; and where
+  // each gradient's new rows begin (an increasing run each).
   std::vector<int64_t> rows_;
   std::vector<uint8_t> sums_;
   std::vector<int32_t> counts_;
+  std::vector<uint32_t> run_starts_;
   // Where each held row is: an open-addressing table (linear probing) of positions in rows_ plus
-  // one (0: an empty slot), at most half full: its memory follows the rows held, not the
-  // variable's. Kept from step to step (cleared at each take).
+  // one (0: an empty slot), at most half full: its size follows the rows held, not the
+  // variable's. Kept from step to step.
   std::vector<uint32_t> place_;
   int place_shift_ = 64;  // 64 - log2(place_.size())
-  // The last take's result (its buffers are the next step's rows_/sums_ once given back).
+  // The last take's result, and SortOrder's scratch.
   std::vector<int64_t> indices_;
   std::vector<uint8_t> values_;
+  std::vector<uint32_t> order_;
+  std::vector<uint32_t> merged_;
   // The rows so far of gradients sent in several parts, by source, until their last part.
   struct Unfinished {
     std::vector<int64_t> indices;

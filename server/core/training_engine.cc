@@ -178,7 +178,7 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
                             ? UINT64_MAX  // saturated: over any --max-model-bytes
                             : bytes * copies + kVariableOverheadBytes;
   uint64_t held = 0;
-  if (!ChargeModelBytes(cost, &held)) {
+  if (!ChargeModelBytes(cost, &held, /*with_reserved=*/false)) {
     return ResourceExhausted("variable '" + def.name + "' needs about " + std::to_string(cost) + " bytes; the " +
                              "variables already hold " + std::to_string(held) + " of --max-model-bytes " +
                              std::to_string(config_.max_model_bytes));
@@ -225,10 +225,14 @@ Status TrainingEngine::ValidateGrad(Variable* v, const GradRef& g) const {
   return DenseAccumulator::Check(v->dtype, v->shape, g.dtype, g.shape, g.bytes);
 }
 
-bool TrainingEngine::ChargeModelBytes(uint64_t cost, uint64_t* held) {
+bool TrainingEngine::ChargeModelBytes(uint64_t cost, uint64_t* held, bool with_reserved) {
   *held = model_bytes_.load();
   for (;;) {
-    if (cost > config_.max_model_bytes || *held > config_.max_model_bytes - cost) return false;
+    // An initial value arriving in chunks holds its reservation until its variable is created
+    // (and charged in full): the variable's own charge does not count it twice.
+    const uint64_t reserved = with_reserved ? reserved_value_bytes_->load() : 0;
+    const uint64_t limit = config_.max_model_bytes;
+    if (cost > limit || *held > limit - cost || reserved > limit - cost - *held) return false;
     if (model_bytes_.compare_exchange_weak(*held, *held + cost)) return true;
   }
 }
@@ -236,11 +240,12 @@ bool TrainingEngine::ChargeModelBytes(uint64_t cost, uint64_t* held) {
 Status TrainingEngine::ChargeSparseBookkeeping(Variable* v) {
   MutexLock lock(&v->mu);
   if (v->sparse_charged) return Status::Ok();
+  PSD_RETURN_IF_ERROR(SparseAccumulator::CheckRows(v->shape));
   // Charged once, and kept (as the variable's own charge is) even if a dense gradient fixes its
   // kind after this push fails.
   const uint64_t cost = SparseAccumulator::BookkeepingBytes(v->shape[0]);  // validated: rank >= 1
   uint64_t held = 0;
-  if (!ChargeModelBytes(cost, &held)) {
+  if (!ChargeModelBytes(cost, &held, /*with_reserved=*/true)) {
     return ResourceExhausted("variable '" + v->name + "': accumulating sparse gradients needs about " +
                              std::to_string(cost) + " bytes more for its " + std::to_string(v->shape[0]) +
                              " rows' bookkeeping; the variables already hold " + std::to_string(held) +

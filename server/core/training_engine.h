@@ -394,12 +394,13 @@ class TrainingEngine {
   static Mutex& VariableMutex(Variable* v);
   Variable* FindLocked(std::string_view name) const REQUIRES(mu_);
   Status ValidateGrad(Variable* v, const GradRef& g) const;
-  // Adds `cost` to what the variables hold if --max-model-bytes has room (any thread); *held is
-  // what they held before.
-  bool ChargeModelBytes(uint64_t cost, uint64_t* held);
+  // Adds `cost` to what the variables hold if --max-model-bytes has room (any thread), counting
+  // the initial values arriving in chunks too (ReserveValueBytes) `with_reserved`; *held is what
+  // the variables held before.
+  bool ChargeModelBytes(uint64_t cost, uint64_t* held, bool with_reserved);
   // Sync: charges the bookkeeping of v's sparse accumulation once (SparseAccumulator::
   // BookkeepingBytes), before its first sparse gradient is used; RESOURCE_EXHAUSTED if it does
-  // not fit.
+  // not fit, INVALID_ARGUMENT if v has too many rows for it (SparseAccumulator::CheckRows).
   Status ChargeSparseBookkeeping(Variable* v) EXCLUDES(mu_);
   // Push once the gradients its accumulators cannot take as they are (sparse or async/ssp halves)
   // are converted to their variable's compute dtype.
@@ -429,8 +430,9 @@ class TrainingEngine {
   // into a buffer of its own (the spare one, when nothing holds that).
   void CopyOnWriteLocked(Variable* v) REQUIRES(mu_);
   // Applies pending sparse rows in place (mu_ held).
-  void ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, int64_t step, double lr)
-      REQUIRES(mu_);
+  // `order`: as SparseApplyArgs::order (null: rows increase).
+  void ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, const uint32_t* order,
+                         int64_t step, double lr) REQUIRES(mu_);
   // Moving averages: one commit's (or async push's) at a time, in the order their values were
   // taken, each from the shadow the one before wrote (TF's chief queue runner ran them in turn).
   // The values are the published ones when the turn is taken (under mu_, at the commit).

@@ -168,6 +168,7 @@ struct TrainingEngine::Variable {
   bool sparse_pending = false;          // guarded by TrainingEngine::mu_
   std::vector<int64_t> pending_rows;    // guarded by TrainingEngine::mu_
   std::vector<uint8_t> pending_values;  // guarded by TrainingEngine::mu_
+  std::vector<uint32_t> pending_order;  // guarded by TrainingEngine::mu_ (pending_rows by index)
   // With replicas (keep_committed): each slot's last three snapshot copies, oldest first.
   std::vector<std::deque<std::shared_ptr<Buffer>>> slot_copies;  // guarded by TrainingEngine::mu_
 

@@ -29,8 +29,8 @@ std::vector<float> Values(const SparseAccumulator& acc) {
   return std::vector<float>(p, p + acc.values().size() / sizeof(float));
 }
 
-// A take's rows come in arrival order (TF sorts them; the order of distinct rows changes no
-// update): sorted by index here, to compare with TF's result.
+// A take's rows come in arrival order, with order() listing their positions by index (TF sorts
+// the rows themselves): sorted by it here, to compare with TF's result.
 struct Taken {
   std::vector<int64_t> indices;
   std::vector<float> values;
@@ -39,15 +39,14 @@ Taken Sorted(const SparseAccumulator& acc) {
   const std::vector<float> values = Values(acc);
   const size_t n = acc.indices().size();
   const size_t dim = n == 0 ? 0 : values.size() / n;
-  std::vector<size_t> order(n);
-  for (size_t i = 0; i < n; ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return acc.indices()[a] < acc.indices()[b]; });
+  REQUIRE(acc.order().size() == n);
   Taken t;
-  for (size_t i : order) {
+  for (uint32_t i : acc.order()) {
     t.indices.push_back(acc.indices()[i]);
     t.values.insert(t.values.end(), values.begin() + static_cast<int64_t>(i * dim),
                     values.begin() + static_cast<int64_t>((i + 1) * dim));
   }
+  REQUIRE(std::is_sorted(t.indices.begin(), t.indices.end()));
   return t;
 }
 
@@ -247,33 +246,50 @@ TEST_CASE("a take's rows come in arrival order, each with its own count, and the
   int count = 0;
   REQUIRE(*acc.TryTakeGrad(3, &count));
   CHECK(acc.indices() == std::vector<int64_t>{7, 8, 9, 0, 3});
-  CHECK(Values(acc) == std::vector<float>{4, 5, 9, 10, 3});  // 7: (7+1)/2, 8: (8+2)/2
+  CHECK(Values(acc) == std::vector<float>{4, 5, 9, 10, 3});    // 7: (7+1)/2, 8: (8+2)/2
+  CHECK(acc.order() == std::vector<uint32_t>{3, 4, 0, 1, 2});  // 0, 3, 7, 8, 9
   // The engine swaps the result out for the last take's buffers (applied, cleared).
   std::vector<int64_t> taken_rows;
   std::vector<uint8_t> taken_values;
-  acc.ReleaseTaken(&taken_rows, &taken_values);
+  std::vector<uint32_t> taken_order;
+  acc.ReleaseTaken(&taken_rows, &taken_values, &taken_order);
   CHECK(taken_rows == std::vector<int64_t>{7, 8, 9, 0, 3});
+  CHECK(taken_order == std::vector<uint32_t>{3, 4, 0, 1, 2});
   CHECK(acc.indices().empty());
   taken_rows.clear();
   taken_values.clear();
-  acc.ReleaseTaken(&taken_rows, &taken_values);  // given back: the accumulator keeps them
+  taken_order.clear();
+  acc.ReleaseTaken(&taken_rows, &taken_values, &taken_order);  // given back: the accumulator keeps them
   CHECK(taken_rows.empty());
   REQUIRE(*acc.ApplyGrad(1, Grad{{8}, {6}, {1, 1}, std::nullopt}.Ref()));
   REQUIRE(*acc.ApplyGrad(1, Grad{{2, 8}, {1, 2}, {2, 1}, std::nullopt}.Ref()));
   REQUIRE(*acc.TryTakeGrad(2, &count));
   CHECK(acc.indices() == std::vector<int64_t>{8, 2});
+  CHECK(acc.order() == std::vector<uint32_t>{1, 0});
   CHECK(Values(acc) == std::vector<float>{4, 1});  // 8 was in both: (6+2)/2
 }
 
-TEST_CASE("a variable with more rows than the row table can place is refused sparse gradients", "[sparse]") {
-  const Shape huge{SparseAccumulator::kMaxRows + 1, 1};
-  int64_t idx = 0;
-  float value = 1;
-  const Status s = SparseAccumulator::Check(
-      DType::kFloat32, huge, {&idx, 1, DType::kFloat32, Shape{1, 1}, &value, sizeof value, std::nullopt}, false);
+TEST_CASE("a variable with more rows than the row table can place is refused sparse accumulation", "[sparse]") {
+  const Status s = SparseAccumulator::CheckRows(Shape{SparseAccumulator::kMaxRows + 1, 1});
   CHECK(s.code() == Code::kInvalidArgument);
   CHECK_THAT(s.message(), Catch::Contains("at most 4294967294 rows"));
-  CHECK(SparseAccumulator::Check(DType::kFloat32, Shape{SparseAccumulator::kMaxRows, 1},
-                                 {&idx, 1, DType::kFloat32, Shape{1, 1}, &value, sizeof value, std::nullopt}, false)
-            .ok());
+  CHECK(SparseAccumulator::CheckRows(Shape{SparseAccumulator::kMaxRows, 1}).ok());
+}
+
+TEST_CASE("a step of many rows, then steps of few: the table shrinks back and every step sums its own rows",
+          "[sparse]") {
+  SparseAccumulator acc(DType::kFloat32, {100000, 1}, Reduction::kSum, 0);
+  std::vector<int64_t> all(50000);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i) * 2;
+  REQUIRE(*acc.ApplyGrad(0, Grad{all, std::vector<float>(all.size(), 1), {50000, 1}, std::nullopt}.Ref()));
+  int count = 0;
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(acc.indices().size() == 50000);
+  for (int64_t step = 1; step < 4; ++step) {
+    REQUIRE(*acc.ApplyGrad(step, Grad{{4, 99999}, {1, 2}, {2, 1}, std::nullopt}.Ref()));
+    REQUIRE(*acc.ApplyGrad(step, Grad{{4}, {5}, {1, 1}, std::nullopt}.Ref()));
+    REQUIRE(*acc.TryTakeGrad(2, &count));
+    CHECK(Sorted(acc).indices == std::vector<int64_t>{4, 99999});
+    CHECK(Sorted(acc).values == std::vector<float>{6, 2});
+  }
 }
