@@ -242,9 +242,10 @@ Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRe
       return InvalidArgument("a sparse gradient's rows continue at index " + std::to_string(g.indices[0]) +
                              ", not after the last part's " + std::to_string(u.indices.back()));
     }
-    // Both grown first: a failed allocation leaves the rows kept so far consistent.
-    Reserve(u.indices, u.indices.size() + static_cast<size_t>(g.nnz), 0);
-    Reserve(u.values, u.values.size() + g.values_bytes, 0);
+    // Both grown first (geometrically: a gradient of many frames is not copied again at each):
+    // a failed allocation leaves the rows kept so far consistent.
+    Reserve(u.indices, u.indices.size() + static_cast<size_t>(g.nnz), SIZE_MAX);
+    Reserve(u.values, u.values.size() + g.values_bytes, SIZE_MAX);
     u.indices.insert(u.indices.end(), g.indices, g.indices + g.nnz);
     u.values.insert(u.values.end(), bytes, bytes + g.values_bytes);
     if (!counts) return true;
