@@ -1,7 +1,9 @@
 #include "core/sparse_accumulator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <exception>
 #include <random>
 
 #include "core/accumulator.h"
@@ -79,16 +81,22 @@ namespace {
 // A random odd multiplier per accumulator: which rows share a slot of its table cannot be chosen
 // by a peer (rows picked to collide would make every lookup walk them all).
 uint64_t RandomOddMultiplier() {
-  std::random_device device;
-  const uint64_t high = device(), low = device();
-  return (high << 32 | low) | 1;
+  uint64_t bits = 0;
+  try {
+    std::random_device device;
+    bits = static_cast<uint64_t>(device()) << 32 | device();
+  } catch (const std::exception&) {  // no entropy source: the clock, mixed (still unknown to peers)
+    bits = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) * 0x9E3779B97F4A7C15ull;
+  }
+  return bits | 1;
 }
 
-// Grows `v`'s capacity to hold `n` elements: geometrically (appends do not move what is held
-// again and again), never beyond `most`.
+// Grows `v`'s capacity to hold `n` elements (at most `most`, all it can ever hold):
+// geometrically, so appends do not move what is held again and again.
 template <typename V>
 void Reserve(V& v, size_t n, size_t most) {
-  if (v.capacity() < n) v.reserve(std::min(std::max(n, v.capacity() * 2), std::max(n, most)));
+  n = std::min(n, most);
+  if (v.capacity() < n) v.reserve(std::min(std::max(n, v.capacity() * 2), most));
 }
 
 }  // namespace
@@ -185,10 +193,14 @@ void SparseAccumulator::SortOrder() {
   // Each gradient's new rows are one increasing run of rows_: merged pairwise, log2(gradients)
   // passes over positions (none for one gradient).
   const size_t n = rows_.size();
-  order_.resize(n);
+  order_.resize(n);  // within the capacity Merge reserved, as below
   for (size_t i = 0; i < n; ++i) order_[i] = static_cast<uint32_t>(i);
   std::vector<uint32_t>& runs = run_starts_;
-  runs.push_back(static_cast<uint32_t>(n));  // within the capacity Merge reserved
+  if (runs.size() <= 1) {
+    runs.clear();
+    return;
+  }
+  runs.push_back(static_cast<uint32_t>(n));
   const auto by_row = [this](uint32_t a, uint32_t b) { return rows_[a] < rows_[b]; };
   while (runs.size() > 2) {
     merged_.resize(n);
@@ -244,8 +256,9 @@ Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRe
     }
     // Both grown first (geometrically: a gradient of many frames is not copied again at each):
     // a failed allocation leaves the rows kept so far consistent.
-    Reserve(u.indices, u.indices.size() + static_cast<size_t>(g.nnz), SIZE_MAX);
-    Reserve(u.values, u.values.size() + g.values_bytes, SIZE_MAX);
+    const size_t rows = static_cast<size_t>(declared_[0]);  // its rows increase: at most this many
+    Reserve(u.indices, u.indices.size() + static_cast<size_t>(g.nnz), rows);
+    Reserve(u.values, u.values.size() + g.values_bytes, rows * (g.values_bytes / std::max<size_t>(g.nnz, 1)));
     u.indices.insert(u.indices.end(), g.indices, g.indices + g.nnz);
     u.values.insert(u.values.end(), bytes, bytes + g.values_bytes);
     if (!counts) return true;
@@ -288,8 +301,15 @@ Result<bool> SparseAccumulator::TryTakeGrad(int num_required, int* count) {
 }
 
 void SparseAccumulator::ForceTake(int* count) {
-  if (counter_ == 0) ClearRows();  // nothing counted: no rows either (a gradient's rows count with it)
-  FinishTake(count);
+  if (counter_ > 0) return FinishTake(count);
+  // Nothing counted, so no rows either (a gradient's rows count with it): an empty result, and
+  // the row buffers stay where they are for the next step's rows.
+  ClearRows();
+  indices_.clear();
+  values_.clear();
+  order_.clear();
+  ++step_;
+  *count = 0;
 }
 
 bool SparseAccumulator::SetGlobalStep(int64_t new_step) {
@@ -303,6 +323,8 @@ void SparseAccumulator::ReleaseTaken(std::vector<int64_t>* indices, std::vector<
   indices->swap(indices_);
   values->swap(values_);
   order->swap(order_);
+  indices_.clear();  // meant to come back cleared (applied); their contents are not rows of ours
+  values_.clear();
   // What came back (the last take's, applied) holds the next step's rows, unless rows came in
   // meanwhile; the rest goes: two sets of row buffers in all, this one and the engine's.
   if (rows_.empty() && rows_.capacity() < indices_.capacity()) rows_.swap(indices_);

@@ -260,7 +260,6 @@ TEST_CASE("a take's rows come in arrival order, each with its own count, and the
   taken_values.clear();
   taken_order.clear();
   acc.ReleaseTaken(&taken_rows, &taken_values, &taken_order);  // given back: the accumulator keeps them
-  CHECK(taken_rows.empty());
   REQUIRE(*acc.ApplyGrad(1, Grad{{8}, {6}, {1, 1}, std::nullopt}.Ref()));
   REQUIRE(*acc.ApplyGrad(1, Grad{{2, 8}, {1, 2}, {2, 1}, std::nullopt}.Ref()));
   REQUIRE(*acc.TryTakeGrad(2, &count));
@@ -292,4 +291,44 @@ TEST_CASE("a step of many rows, then steps of few: the table shrinks back and ev
     CHECK(Sorted(acc).indices == std::vector<int64_t>{4, 99999});
     CHECK(Sorted(acc).values == std::vector<float>{6, 2});
   }
+}
+
+TEST_CASE("row buffers never outgrow the variable's rows, and an empty forced take leaves them for the next step",
+          "[sparse]") {
+  // Two gradients of every row: counted as if new, 2000 rows would be reserved for 1000.
+  SparseAccumulator acc(DType::kFloat32, {1000, 1}, Reduction::kSum, 0);
+  std::vector<int64_t> all(1000);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+  const Grad every{all, std::vector<float>(1000, 1), {1000, 1}, std::nullopt};
+  int count = 0;
+  std::vector<int64_t> rows;
+  std::vector<uint8_t> values;
+  std::vector<uint32_t> order;
+  for (int64_t step = 0; step < 2; ++step) {  // the engine's round: take, apply (here: clear), give back
+    REQUIRE(*acc.ApplyGrad(step, every.Ref()));
+    REQUIRE(*acc.ApplyGrad(step, every.Ref()));
+    REQUIRE(*acc.TryTakeGrad(2, &count));
+    CHECK(acc.indices().capacity() <= 1000);
+    CHECK(acc.values().capacity() <= 1000 * sizeof(float));
+    CHECK(acc.order().capacity() <= 1000);
+    rows.clear();
+    values.clear();
+    order.clear();
+    acc.ReleaseTaken(&rows, &values, &order);
+    CHECK(rows.size() == 1000);
+    CHECK(Values(acc).empty());
+  }
+  // A step forced with nothing: the result is empty and holds no buffer (the next step's rows
+  // keep theirs: two sets in all, the accumulator's and the engine's).
+  acc.ForceTake(&count);
+  CHECK(count == 0);
+  CHECK(acc.step() == 3);
+  CHECK(acc.indices().empty());
+  CHECK(acc.indices().capacity() == 0);
+  CHECK(acc.values().capacity() == 0);
+  REQUIRE(*acc.ApplyGrad(3, Grad{{5}, {2}, {1, 1}, std::nullopt}.Ref()));
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(acc.indices() == std::vector<int64_t>{5});
+  CHECK(Values(acc) == std::vector<float>{2});
+  CHECK(acc.indices().capacity() >= 1000);  // the step's rows went into the buffers kept
 }
