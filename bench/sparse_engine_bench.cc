@@ -26,6 +26,10 @@ namespace psd_bench {
 int RunSparseEngineBench(const Options& opt) {
   namespace srv = psd::server;
   const int workers = opt.workers;
+  if (opt.batch_rows > opt.embedding_rows) {
+    std::fprintf(stderr, "psd_bench: --batch-rows is more than --embedding-rows\n");
+    return 1;
+  }
   srv::ServerConfig config;
   config.replicas_to_aggregate = workers;
   config.total_replicas = workers;
@@ -47,10 +51,6 @@ int RunSparseEngineBench(const Options& opt) {
   def.shape = {opt.embedding_rows, opt.embedding_dim};
   if (auto made = engine.CreateVariable(def); !made.ok()) {
     std::fprintf(stderr, "psd_bench: %s\n", made.status().message().c_str());
-    return 1;
-  }
-  if (opt.batch_rows > opt.embedding_rows) {
-    std::fprintf(stderr, "psd_bench: --batch-rows is more than --embedding-rows\n");
     return 1;
   }
   struct Worker {

@@ -258,7 +258,7 @@ Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRe
     // a failed allocation leaves the rows kept so far consistent.
     const size_t rows = static_cast<size_t>(declared_[0]);  // its rows increase: at most this many
     Reserve(u.indices, u.indices.size() + static_cast<size_t>(g.nnz), rows);
-    Reserve(u.values, u.values.size() + g.values_bytes, rows * (g.values_bytes / std::max<size_t>(g.nnz, 1)));
+    Reserve(u.values, u.values.size() + g.values_bytes, rows * static_cast<size_t>(row_elements_) * DTypeSize(dtype_));
     u.indices.insert(u.indices.end(), g.indices, g.indices + g.nnz);
     u.values.insert(u.values.end(), bytes, bytes + g.values_bytes);
     if (!counts) return true;

@@ -238,8 +238,10 @@ bool TrainingEngine::ChargeModelBytes(uint64_t cost, uint64_t* held, bool with_r
 }
 
 Status TrainingEngine::ChargeSparseBookkeeping(Variable* v) {
+  // Every sparse push asks: once charged, without the lock a merge of other workers' rows holds.
+  if (v->sparse_charged.load(std::memory_order_acquire)) return Status::Ok();
   MutexLock lock(&v->mu);
-  if (v->sparse_charged) return Status::Ok();
+  if (v->sparse_charged.load(std::memory_order_relaxed)) return Status::Ok();
   PSD_RETURN_IF_ERROR(SparseAccumulator::CheckRows(v->shape));
   // Charged once, and kept (as the variable's own charge is) even if a dense gradient fixes its
   // kind after this push fails.
@@ -252,7 +254,7 @@ Status TrainingEngine::ChargeSparseBookkeeping(Variable* v) {
                              " of --max-model-bytes " + std::to_string(config_.max_model_bytes) +
                              ": raise it, or send this variable dense gradients");
   }
-  v->sparse_charged = true;
+  v->sparse_charged.store(true, std::memory_order_release);
   return Status::Ok();
 }
 

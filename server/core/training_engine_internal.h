@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <chrono>
 #include <climits>
@@ -148,9 +149,10 @@ struct TrainingEngine::Variable {
   // be created). A claim is dropped again when its push fails validation later on, unless another
   // push holds one too or a gradient of that kind was used (kind_fixed).
   engine_internal::GradKind kind GUARDED_BY(mu) = engine_internal::GradKind::kUnknown;
-  int kind_claims GUARDED_BY(mu) = 0;          // validated pushes that have not yet used `kind`
-  bool kind_fixed GUARDED_BY(mu) = false;      // a gradient of `kind` was accumulated or applied
-  bool sparse_charged GUARDED_BY(mu) = false;  // ChargeSparseBookkeeping's bytes are counted
+  int kind_claims GUARDED_BY(mu) = 0;      // validated pushes that have not yet used `kind`
+  bool kind_fixed GUARDED_BY(mu) = false;  // a gradient of `kind` was accumulated or applied
+  // ChargeSparseBookkeeping's bytes are counted (set once, under mu; read first without it).
+  std::atomic<bool> sparse_charged{false};
   std::unique_ptr<DenseAccumulator> dense GUARDED_BY(mu);
   std::unique_ptr<SparseAccumulator> sparse GUARDED_BY(mu);
   int64_t next_take_step GUARDED_BY(mu);  // the step this variable is taken for next
