@@ -31,7 +31,7 @@
 //    done; steps/s = global steps (= applied pushes, W x --steps) / that window.
 //
 // Sparse engine only (--sparse --engine-only): every worker's rows pushed straight into the
-// daemon's training engine from one thread (see RunSparseEngineBench).
+// daemon's training engine from --threads threads (see RunSparseEngineBench).
 //
 // Checkpoints (--checkpoint-bytes SIZE [--checkpoint-dir DIR]): instead of training, writes and
 // restores one checkpoint of a SIZE model (see RunCheckpointBench); bench/checkpoint_vs_dd.sh puts
@@ -453,8 +453,8 @@ int Run(int argc, char** argv) {
       ->needs(sparse)
       ->capture_default_str();
   app.add_flag("--engine-only", opt.engine_only,
-               "--sparse: push every worker's rows straight into the daemon's training engine from one thread (no "
-               "network, no client): what a sparse step costs the daemon as workers are added")
+               "--sparse: push every worker's rows straight into the daemon's training engine from --threads threads "
+               "(no network, no client): what a sparse step costs the daemon as workers are added")
       ->needs(sparse)
       ->excludes(connect);
   app.add_option("--seed", opt.seed, "--sparse: base seed of the workers' row samplers (worker i: seed + i)")
@@ -498,7 +498,8 @@ int Run(int argc, char** argv) {
                "dense, with --fused: the next step's values come back with the token (one round trip per step)")
       ->needs(fused_flag)
       ->excludes(sparse);
-  app.add_option("--threads", opt.io_threads, "in-process psd: I/O threads (0: one per core, as psd's --threads)")
+  app.add_option("--threads", opt.io_threads,
+                 "in-process psd: I/O threads (0: one per core, as psd's --threads); --engine-only: pushing threads")
       ->excludes(connect)
       ->capture_default_str();
   app.add_option("--learning-rate,--lr", opt.learning_rate, "in-process psd: the optimizer's learning rate")

@@ -1,11 +1,16 @@
 // psd_bench --sparse --engine-only: a sparse step in the daemon's training engine alone.
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <atomic>
+#include <barrier>
 #include <cinttypes>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <unordered_set>
 #include <vector>
 
@@ -13,16 +18,18 @@
 #include "config/server_config.h"
 #include "core/optimizer.h"
 #include "core/training_engine.h"
+#include "psd/cores.h"
 #include "workloads.h"
 
 namespace psd_bench {
 
 // Each step, every worker's sparse gradient (--batch-rows distinct rows of the --embedding-rows x
 // --embedding-dim float32 table, sampled as --sparse's workers sample them) is pushed into a sync
-// engine (R = N = --workers) in turn from this one thread; the last push takes the step and the
-// optimizer applies it. No network, no client: what a sparse step costs the daemon itself, and
-// how that grows with the number of workers whose rows it accumulates. The rows are sampled
-// before the step's clock starts.
+// engine (R = N = --workers) by --threads pushing threads (as psd's I/O threads push what they
+// received; worker i from thread i mod T, one after the other); the last push takes the step and
+// the optimizer applies it. No network, no client: what a sparse step costs the daemon itself, and
+// how that grows with the number of workers whose rows it accumulates. The rows are sampled before
+// the step's clock starts.
 int RunSparseEngineBench(const Options& opt) {
   namespace srv = psd::server;
   const int workers = opt.workers;
@@ -65,33 +72,61 @@ int RunSparseEngineBench(const Options& opt) {
   }
   std::unordered_set<int64_t> chosen;
   std::vector<double> step_ms;
-  std::vector<srv::GradOutcome> out;
+  const int threads = std::min(workers, psd::ThreadsOrCores(opt.io_threads));
+  int step = 0;
+  std::mutex failed_mu;
+  std::string failed;  // the first push that failed, guarded by failed_mu
+  // Each step: the pushing threads and this one meet at `begin` once the rows are sampled, and at
+  // `end` once every push returned.
+  std::barrier begin(threads + 1), end(threads + 1);
+  std::atomic<bool> stop{false};
+  auto push_some = [&](int t) {
+    std::vector<srv::GradOutcome> out;
+    for (;;) {
+      begin.arrive_and_wait();
+      if (stop.load()) return;
+      for (int i = t; i < workers; i += threads) {
+        srv::GradRef g{kEmbeddingName,
+                       psd::DType::kFloat32,
+                       {opt.batch_rows, opt.embedding_dim},
+                       w[i].grad.data(),
+                       w[i].grad.size() * sizeof(float)};
+        g.indices = w[i].rows.data();
+        g.nnz = opt.batch_rows;
+        Status s = engine.Push(step, {g}, &out);
+        if (!s.ok() || out.empty() || !out[0].accepted) {
+          std::lock_guard<std::mutex> lock(failed_mu);
+          if (failed.empty()) failed = s.ok() ? "not accepted (stale)" : s.ToString();
+        }
+      }
+      end.arrive_and_wait();
+    }
+  };
+  std::vector<std::thread> pushers;
+  for (int t = 0; t < threads; ++t) pushers.emplace_back(push_some, t);
   const auto start = Clock::now();
   double measured_ms = 0;
-  for (int step = 0; step < opt.warmup + opt.steps; ++step) {
+  int rc = 0;
+  for (; step < opt.warmup + opt.steps; ++step) {
     for (Worker& each : w) SampleRows(opt.embedding_rows, opt.batch_rows, each.rng, &chosen, &each.rows);
     const auto t0 = Clock::now();
-    for (Worker& each : w) {
-      srv::GradRef g{kEmbeddingName,
-                     psd::DType::kFloat32,
-                     {opt.batch_rows, opt.embedding_dim},
-                     each.grad.data(),
-                     each.grad.size() * sizeof(float)};
-      g.indices = each.rows.data();
-      g.nnz = opt.batch_rows;
-      Status s = engine.Push(step, {g}, &out);
-      if (!s.ok() || out.empty() || !out[0].accepted) {
-        std::fprintf(stderr, "psd_bench: push at step %d: %s\n", step,
-                     s.ok() ? "not accepted (stale)" : s.ToString().c_str());
-        return 1;
-      }
-    }
+    begin.arrive_and_wait();
+    end.arrive_and_wait();
     const double ms = Ms(Clock::now() - t0);
+    if (!failed.empty()) {  // the pushers are waiting at `begin`: failed_mu is not needed
+      std::fprintf(stderr, "psd_bench: push at step %d: %s\n", step, failed.c_str());
+      rc = 1;
+      break;
+    }
     if (step >= opt.warmup) {
       step_ms.push_back(ms);
       measured_ms += ms;
     }
   }
+  stop.store(true);
+  begin.arrive_and_wait();
+  for (std::thread& t : pushers) t.join();
+  if (rc != 0) return rc;
   if (engine.global_step() != opt.warmup + opt.steps) {
     std::fprintf(stderr, "psd_bench: the engine is at step %" PRId64 " after %d steps\n", engine.global_step(),
                  opt.warmup + opt.steps);
@@ -99,7 +134,7 @@ int RunSparseEngineBench(const Options& opt) {
   }
   const double rows = static_cast<double>(workers) * static_cast<double>(opt.batch_rows) * opt.steps;
   const double p50 = Percentile(step_ms, 50), p99 = Percentile(step_ms, 99);
-  std::printf("psd_bench  build %s, engine only (no network, one thread)\n", PSD_BUILD_TYPE);
+  std::printf("psd_bench  build %s, engine only (no network), %d pushing thread(s)\n", PSD_BUILD_TYPE, threads);
   std::printf("workload   sparse: float32 embedding %" PRId64 " x %" PRId64 ", %d workers x %" PRId64
               " distinct rows a step, sync R=N=%d, optimizer %s\n",
               opt.embedding_rows, opt.embedding_dim, workers, opt.batch_rows, workers, opt.optimizer.c_str());
