@@ -1,6 +1,7 @@
 // TrainingEngine: takes, optimizer applies, the sync commit and its cluster gate, async/ssp
 // applies, soft-sync forcing and moving averages.
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <new>
 
@@ -114,7 +115,11 @@ void TrainingEngine::ReportApply(std::chrono::steady_clock::time_point t0) {
 }
 
 void TrainingEngine::AwaitAddsLocked(Variable* v) {
-  while (v->dense && v->dense->in_flight() > 0) v->adds_done.Wait(&v->mu);
+  while (AddsInFlightLocked(v) > 0) v->adds_done.Wait(&v->mu);
+}
+
+int TrainingEngine::AddsInFlightLocked(Variable* v) {
+  return (v->dense ? v->dense->in_flight() : 0) + (v->sparse ? v->sparse->in_flight() : 0);
 }
 
 std::vector<TrainingEngine::Variable*> TrainingEngine::Variables(bool trainable_only) {
@@ -158,7 +163,7 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
   if (v->next_take_step != step) return false;  // already taken this step
   // Gradients still being added belong to this step: the last of them to end takes (or a forced
   // take waits for them).
-  if (v->dense && v->dense->in_flight() > 0) {
+  if (AddsInFlightLocked(v) > 0) {
     if (!force) return false;
     AwaitAddsLocked(v);
     // The add that ended may have taken it and committed the step meanwhile: the next step's take
@@ -184,7 +189,7 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     MutexLock lock(&mu_);
     // The last take's rows were applied at its commit (cleared, not freed): their buffers hold the
     // next step's rows, so a step allocates nothing once both have grown.
-    v->sparse->ReleaseTaken(&v->pending_rows, &v->pending_values, &v->pending_order);
+    v->sparse->ReleaseTaken(&v->pending_sparse);
     v->sparse_pending = true;
     ++step_takes_begun_;
     return true;
@@ -242,29 +247,63 @@ void TrainingEngine::CopyOnWriteLocked(Variable* v) {
   v->published = std::move(into);
 }
 
-void TrainingEngine::ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad,
-                                       const uint32_t* order, int64_t step, double lr) {
-  if (rows.empty()) return;
-  auto t0 = std::chrono::steady_clock::now();
-  // In place unless a pull or a kept copy still references the published buffer: then copy first.
-  CopyOnWriteLocked(v);
+SparseApplyArgs TrainingEngine::ListSparseRowsLocked(Variable* v, const int64_t* rows, size_t n, const void* grad,
+                                                     const uint32_t* order, int64_t step, double lr) {
   // Listed in increasing order: neighbouring rows make one range, so the list stays short.
   const uint64_t row_bytes = static_cast<uint64_t>(v->row_elements) * DTypeSize(v->dtype);
-  for (size_t n = 0; n < rows.size(); ++n) {
-    const int64_t r = rows[order != nullptr ? order[n] : n];
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t r = rows[order != nullptr ? order[i] : i];
     v->published->MarkChanged(static_cast<uint64_t>(r) * row_bytes, row_bytes);
   }
-  v->opt->ApplySparse({v->dtype, v->row_elements, v->published->listed_data(), rows.data(),
-                       static_cast<int64_t>(rows.size()), grad, &v->slots, step, lr, order});
-  ReportApply(t0);
+  SparseApplyArgs args{
+      v->dtype, v->row_elements, v->published->listed_data(), rows, static_cast<int64_t>(n), grad, &v->slots, step, lr,
+      order};
+  v->opt->ListSparseSlots(args);
+  args.slots_listed = true;
+  return args;
+}
+
+void TrainingEngine::ApplyPendingSparseLocked(Variable* v, int64_t step, double lr) {
+  const bool any = std::any_of(v->pending_sparse.begin(), v->pending_sparse.end(),
+                               [](const SparseRows& part) { return !part.indices.empty(); });
+  if (any) {
+    auto t0 = std::chrono::steady_clock::now();
+    // In place unless a pull or a kept copy still references the published buffer: then copy first.
+    CopyOnWriteLocked(v);
+    // The stripes' index ranges increase: their rows are listed in increasing order, here; then
+    // the stripes (disjoint rows) are updated on the apply threads.
+    std::array<SparseApplyArgs, SparseAccumulator::kMaxStripes> parts;
+    size_t count = 0;
+    for (const SparseRows& part : v->pending_sparse) {
+      if (part.indices.empty()) continue;
+      parts[count++] = ListSparseRowsLocked(v, part.indices.data(), part.indices.size(), part.values.data(),
+                                            part.order.data(), step, lr);
+    }
+    const Optimizer& opt = *v->opt;
+    pool_.ParallelFor(static_cast<int64_t>(count), 1, [&opt, &parts](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) opt.UpdateSparse(parts[static_cast<size_t>(i)]);
+    });
+    ReportApply(t0);
+  }
+  // Cleared, not freed: they hold a later step's rows (SparseAccumulator::ReleaseTaken).
+  for (SparseRows& part : v->pending_sparse) {
+    part.indices.clear();
+    part.values.clear();
+    part.order.clear();
+  }
 }
 
 void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
   if (g.chunk()) return ApplyChunkLocked(v, g, step, lr);
   if (g.sparse()) {
-    std::vector<int64_t> rows(g.indices, g.indices + g.nnz);
+    if (g.nnz == 0) return;
+    auto t0 = std::chrono::steady_clock::now();
     MutexLock lock(&mu_);
-    ApplySparseLocked(v, rows, g.data, /*order=*/nullptr, step, lr);  // a gradient's rows increase
+    // In place unless a pull or a kept copy still references the published buffer: then copy first.
+    CopyOnWriteLocked(v);
+    v->opt->UpdateSparse(ListSparseRowsLocked(v, g.indices, static_cast<size_t>(g.nnz), g.data, /*order=*/nullptr, step,
+                                              lr));  // a gradient's rows increase
+    ReportApply(t0);
     return;
   }
   std::shared_ptr<const Buffer> value;  // read only (as in the take)
@@ -364,11 +403,8 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
       v->older.reset();
     }
     if (v->sparse_pending) {
-      ApplySparseLocked(v, v->pending_rows, v->pending_values.data(), v->pending_order.data(), step, step_lr_);
+      ApplyPendingSparseLocked(v, step, step_lr_);
       v->sparse_pending = false;
-      v->pending_rows.clear();
-      v->pending_values.clear();
-      v->pending_order.clear();
     }
   }
   for (auto& [name, var] : vars_) {

@@ -1,5 +1,7 @@
 #include "core/optimizer.h"
 
+#include <algorithm>
+#include <cassert>
 #include <cmath>
 
 namespace psd::server {
@@ -196,21 +198,33 @@ void Optimizer::Apply(const ApplyArgs& a) const {
 
 namespace {
 
+// Rows ahead of the one updated whose first bytes are fetched: a big table's rows are far apart,
+// so each would otherwise wait for memory in turn.
+constexpr int64_t kPrefetchRows = 8;
+
+void PrefetchRow(const void* row, uint64_t row_bytes) {
+  const auto* p = static_cast<const char*>(row);
+  for (uint64_t b = 0; b < std::min<uint64_t>(row_bytes, 256); b += 64) __builtin_prefetch(p + b, 1);
+}
+
 template <typename T, typename Fn>
 void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
   std::vector<Buffer>& slots = *a.slots;
-  std::vector<T*> sp(slots.size());
+  std::vector<T*> base(slots.size()), sp(slots.size());
+  for (size_t k = 0; k < slots.size(); ++k) base[k] = static_cast<T*>(slots[k].listed_data());
   T* value = static_cast<T*>(a.value);
   const T* grad = static_cast<const T*>(a.grad);
   const uint64_t row_bytes = static_cast<uint64_t>(a.row_elements) * sizeof(T);
+  auto at = [&a](int64_t n) { return a.order != nullptr ? a.order[n] : n; };
   for (int64_t n = 0; n < a.num_rows; ++n) {
-    const int64_t i = a.order != nullptr ? a.order[n] : n;
-    int64_t off = a.rows[i] * a.row_elements;
-    for (size_t k = 0; k < slots.size(); ++k) {
-      // The slot rows written are listed (replication's difference of the slots' next copy).
-      slots[k].MarkChanged(static_cast<uint64_t>(a.rows[i]) * row_bytes, row_bytes);
-      sp[k] = static_cast<T*>(slots[k].listed_data()) + off;
+    if (n + kPrefetchRows < a.num_rows) {
+      const int64_t ahead = a.rows[at(n + kPrefetchRows)] * a.row_elements;
+      PrefetchRow(value + ahead, row_bytes);
+      for (T* s : base) PrefetchRow(s + ahead, row_bytes);
     }
+    const int64_t i = at(n);
+    const int64_t off = a.rows[i] * a.row_elements;
+    for (size_t k = 0; k < slots.size(); ++k) sp[k] = base[k] + off;
     // In place: each element is read before it is written.
     range(value + off, grad + i * a.row_elements, value + off, sp.data());
   }
@@ -219,6 +233,25 @@ void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
 }  // namespace
 
 void Optimizer::ApplySparse(const SparseApplyArgs& a) const {
+  ListSparseSlots(a);
+  SparseApplyArgs listed = a;
+  listed.slots_listed = true;
+  UpdateSparse(listed);
+}
+
+void Optimizer::ListSparseSlots(const SparseApplyArgs& a) const {
+  // The slot rows written are listed (replication's difference of the slots' next copy).
+  const uint64_t row_bytes = static_cast<uint64_t>(a.row_elements) * DTypeSize(a.dtype);
+  for (Buffer& slot : *a.slots) {
+    for (int64_t n = 0; n < a.num_rows; ++n) {
+      const int64_t row = a.rows[a.order != nullptr ? a.order[n] : n];
+      slot.MarkChanged(static_cast<uint64_t>(row) * row_bytes, row_bytes);
+    }
+  }
+}
+
+void Optimizer::UpdateSparse(const SparseApplyArgs& a) const {
+  assert(a.slots_listed || a.slots->empty());
   if (a.dtype == DType::kFloat32) {
     ForEachRow<float>(a, [&](const float* v, const float* g, float* o, float** s) {
       Range(v, g, o, s, 0, a.row_elements, a.step, a.learning_rate, 1.0f);  // rows arrive averaged

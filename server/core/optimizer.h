@@ -4,8 +4,9 @@
 // (ApplyGradientDescent, ApplyMomentum, ApplyAdagrad, ApplyAdam, ApplyRMSProp, ApplyFtrl); the
 // README lists them.
 //
-// Thread-safety: Apply/ApplySparse may run concurrently for different variables. Hyper-parameters
-// are immutable after construction except the learning rate, which the engine passes per call.
+// Thread-safety: Apply/ApplySparse may run concurrently for different variables, UpdateSparse for
+// disjoint rows of one. Hyper-parameters are immutable after construction except the learning
+// rate, which the engine passes per call.
 #ifndef PSD_SERVER_CORE_OPTIMIZER_H_
 #define PSD_SERVER_CORE_OPTIMIZER_H_
 
@@ -74,6 +75,8 @@ struct SparseApplyArgs {
   // Null: rows increase. Else rows[order[0]], rows[order[1]], ... increase: rows are updated in
   // that order (and the slot rows listed in it, Buffer::MarkChanged).
   const uint32_t* order = nullptr;
+  // The slot rows were listed already (Optimizer::ListSparseSlots): UpdateSparse only updates.
+  bool slots_listed = false;
 };
 
 class Optimizer {
@@ -86,7 +89,14 @@ class Optimizer {
 
   // Dense update of num_elements values, split into ranges processed by `Range`.
   void Apply(const ApplyArgs& args) const;
+  // ListSparseSlots, then UpdateSparse.
   void ApplySparse(const SparseApplyArgs& args) const;
+  // Lists the slot rows a sparse update writes (Buffer::MarkChanged), in the args' order: one
+  // caller at a time for a variable, before UpdateSparse.
+  void ListSparseSlots(const SparseApplyArgs& args) const;
+  // The update itself (slots listed already: args.slots_listed); concurrently with others of
+  // disjoint rows of the same variable.
+  void UpdateSparse(const SparseApplyArgs& args) const;
 
  protected:
   explicit Optimizer(OptimizerParams params) : params_(std::move(params)) {}

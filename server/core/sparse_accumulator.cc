@@ -1,6 +1,7 @@
 #include "core/sparse_accumulator.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -101,147 +102,249 @@ void Reserve(V& v, size_t n, size_t most) {
 
 }  // namespace
 
-SparseAccumulator::SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step)
+// One stripe's rows: those of indices [first, first + rows).
+struct SparseAccumulator::Stripe {
+  Mutex mu;
+  int64_t rows_in = 0;  // the stripe's rows (set before any Add)
+  // The rows held, in arrival order: index, sum, and how many gradients contained it; and where
+  // each gradient's new rows begin (an increasing run each).
+  std::vector<int64_t> rows GUARDED_BY(mu);
+  std::vector<uint8_t> sums GUARDED_BY(mu);
+  std::vector<int32_t> counts GUARDED_BY(mu);
+  std::vector<uint32_t> run_starts GUARDED_BY(mu);
+  // Where each held row is: an open-addressing table (linear probing) of positions in rows plus
+  // one (0: an empty slot), at most half full: its size follows the rows held, not the stripe's.
+  // Kept from step to step.
+  std::vector<uint32_t> place GUARDED_BY(mu);
+  int place_shift GUARDED_BY(mu) = 64;  // 64 - log2(place.size())
+  // The next take's order and its merge scratch.
+  std::vector<uint32_t> order GUARDED_BY(mu);
+  std::vector<uint32_t> merged GUARDED_BY(mu);
+  // Rows and runs reserved for Adds that have not merged them yet.
+  size_t promised GUARDED_BY(mu) = 0;
+  size_t promised_runs GUARDED_BY(mu) = 0;
+
+  // The slot of `row` in place: its position + 1, or the empty slot where it goes.
+  uint32_t* Place(int64_t row, uint64_t multiplier) REQUIRES(mu) {
+    // Multiplicative hashing: the top bits of row x an odd multiplier.
+    size_t i = static_cast<size_t>((static_cast<uint64_t>(row) * multiplier) >> place_shift);
+    const size_t mask = place.size() - 1;
+    for (;; i = (i + 1) & mask) {
+      uint32_t& at = place[i];
+      if (at == 0 || rows[at - 1] == row) return &at;
+    }
+  }
+  // Makes room in place for `held` rows (at most the stripe's).
+  void ReservePlaces(size_t held, uint64_t multiplier) REQUIRES(mu) {
+    held = std::min(held, static_cast<size_t>(rows_in));
+    if (held * 2 <= place.size()) return;
+    size_t slots = 64;
+    int shift = 64 - 6;
+    while (slots < held * 2) {
+      slots *= 2;
+      --shift;
+    }
+    std::vector<uint32_t> fresh(slots, 0);  // allocated before anything changes (a failure leaves all as it was)
+    place.swap(fresh);
+    place_shift = shift;
+    for (size_t i = 0; i < rows.size(); ++i) *Place(rows[i], multiplier) = static_cast<uint32_t>(i + 1);
+  }
+  // Empties the hash table (frees it when it is much bigger than the rows it held: a burst of
+  // rows once; the next rows make one of their size).
+  void ForgetPlaces() REQUIRES(mu) {
+    if (place.size() > 8 * std::max<size_t>(rows.size(), 64)) {
+      std::vector<uint32_t>().swap(place);
+      place_shift = 64;
+    } else {
+      std::fill(place.begin(), place.end(), 0);
+    }
+  }
+  // Forgets the rows held (their places too).
+  void ClearRows() REQUIRES(mu) {
+    ForgetPlaces();
+    rows.clear();
+    sums.clear();
+    counts.clear();
+    run_starts.clear();
+  }
+  // order: the positions of rows by increasing index. Each gradient's new rows are one
+  // increasing run: merged pairwise, log2(gradients) passes over positions (none for one).
+  // Allocates nothing (ReserveIn reserved order, merged and run_starts).
+  void SortOrder() REQUIRES(mu) {
+    const size_t n = rows.size();
+    order.resize(n);
+    for (size_t i = 0; i < n; ++i) order[i] = static_cast<uint32_t>(i);
+    std::vector<uint32_t>& runs = run_starts;
+    if (runs.size() <= 1) {
+      runs.clear();
+      return;
+    }
+    runs.push_back(static_cast<uint32_t>(n));
+    const int64_t* const row_of = rows.data();
+    const auto by_row = [row_of](uint32_t a, uint32_t b) { return row_of[a] < row_of[b]; };
+    while (runs.size() > 2) {
+      merged.resize(n);
+      size_t kept = 0;
+      for (size_t r = 0; r + 1 < runs.size(); r += 2) {
+        const uint32_t begin = runs[r], mid = runs[r + 1];
+        const uint32_t end = r + 2 < runs.size() ? runs[r + 2] : mid;
+        std::merge(order.begin() + begin, order.begin() + mid, order.begin() + mid, order.begin() + end,
+                   merged.begin() + begin, by_row);
+        runs[kept++] = begin;
+      }
+      runs[kept++] = static_cast<uint32_t>(n);
+      runs.resize(kept);
+      order.swap(merged);
+    }
+    runs.clear();
+  }
+};
+
+SparseAccumulator::SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step,
+                                     int64_t stripe_rows)
     : dtype_(dtype),
       declared_(std::move(declared)),
       reduction_(reduction),
       row_elements_(declared_.empty() ? 1 : NumElements(Shape(declared_.begin() + 1, declared_.end()))),
       hash_multiplier_(RandomOddMultiplier()),
-      step_(initial_step) {}
-
-uint32_t* SparseAccumulator::Place(int64_t row) {
-  // Multiplicative hashing: the top bits of row x an odd multiplier.
-  size_t i = static_cast<size_t>((static_cast<uint64_t>(row) * hash_multiplier_) >> place_shift_);
-  const size_t mask = place_.size() - 1;
-  for (;; i = (i + 1) & mask) {
-    uint32_t& at = place_[i];
-    if (at == 0 || rows_[at - 1] == row) return &at;
-  }
+      step_(initial_step) {
+  const int64_t rows = declared_.empty() ? 1 : std::max<int64_t>(declared_[0], 1);
+  if (stripe_rows <= 0) stripe_rows = std::max(kMinStripeRows, (rows + kMaxStripes - 1) / kMaxStripes);
+  stripe_rows_ = std::max(stripe_rows, (rows + kMaxStripes - 1) / kMaxStripes);
+  num_stripes_ = (rows + stripe_rows_ - 1) / stripe_rows_;
+  stripes_ = std::make_unique<Stripe[]>(static_cast<size_t>(num_stripes_));
+  for (int64_t i = 0; i < num_stripes_; ++i) stripes_[i].rows_in = std::min(stripe_rows_, rows - i * stripe_rows_);
+  taken_.resize(static_cast<size_t>(num_stripes_));
+  spare_taken_.resize(static_cast<size_t>(num_stripes_));
 }
 
-void SparseAccumulator::ReservePlaces(size_t rows) {
-  rows = std::min(rows, static_cast<size_t>(declared_[0]));
-  if (rows * 2 <= place_.size()) return;
-  size_t slots = 64;
-  int shift = 64 - 6;
-  while (slots < rows * 2) {
-    slots *= 2;
-    --shift;
-  }
-  std::vector<uint32_t> fresh(slots, 0);  // allocated before anything changes (a failure leaves all as it was)
-  place_.swap(fresh);
-  place_shift_ = shift;
-  for (size_t i = 0; i < rows_.size(); ++i) *Place(rows_[i]) = static_cast<uint32_t>(i + 1);
-}
+SparseAccumulator::~SparseAccumulator() = default;
 
-void SparseAccumulator::ForgetPlaces() {
-  // A table much bigger than the rows it held (a burst of rows once) goes, rather than being
-  // cleared whole every step; the next rows make one of their size.
-  if (place_.size() > 8 * std::max<size_t>(rows_.size(), 64)) {
-    std::vector<uint32_t>().swap(place_);
-    place_shift_ = 64;
-  } else {
-    std::fill(place_.begin(), place_.end(), 0);
-  }
+void SparseAccumulator::ReserveIn(Stripe* s, size_t rows) {
+  // Every row of this gradient, and of those promised, new: room for all of them (at most the
+  // stripe's rows), so that merging allocates nothing and a take allocates nothing either.
+  s->mu.AssertHeld();  // the caller's
+  const size_t most_rows = static_cast<size_t>(s->rows_in);
+  const size_t row_bytes = static_cast<size_t>(row_elements_) * DTypeSize(dtype_);
+  const size_t most = s->rows.size() + s->promised + rows;
+  s->ReservePlaces(most, hash_multiplier_);
+  Reserve(s->rows, most, most_rows);
+  Reserve(s->counts, most, most_rows);
+  Reserve(s->sums, most * row_bytes, most_rows * row_bytes);
+  Reserve(s->order, most, most_rows);
+  Reserve(s->merged, most, most_rows);
+  // One run more for this gradient, and SortOrder's end mark.
+  Reserve(s->run_starts, s->run_starts.size() + s->promised_runs + 2, most_rows + 1);
+  s->promised += rows;
+  ++s->promised_runs;
 }
 
 template <typename T>
-void SparseAccumulator::Merge(const SparseGradRef& g) {
+void SparseAccumulator::MergeInto(Stripe* s, const SparseGradRef& g, int64_t begin, int64_t end) {
+  s->mu.AssertHeld();
   const size_t row_bytes = static_cast<size_t>(row_elements_) * sizeof(T);
-  const size_t rows = static_cast<size_t>(declared_[0]);
-  const size_t most = rows_.size() + static_cast<size_t>(g.nnz);  // every row new
-  // Everything this gradient may need is allocated first: the loop below allocates nothing, so
-  // an allocation that fails (the push fails) leaves the rows held as they were.
-  ReservePlaces(most);
-  Reserve(rows_, most, rows);
-  Reserve(counts_, most, rows);
-  Reserve(sums_, most * row_bytes, rows * row_bytes);
-  Reserve(order_, most, rows);  // the take's, so that a take allocates nothing
-  Reserve(merged_, most, rows);
-  Reserve(run_starts_, run_starts_.size() + 2, rows + 1);
   const auto* in = static_cast<const uint8_t*>(g.values);
-  const size_t first_new = rows_.size();
-  for (int64_t b = 0; b < g.nnz; ++b) {
-    const int64_t row = g.indices[b];  // checked: 0 <= row < declared_[0]
+  const size_t first_new = s->rows.size();
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t row = g.indices[b];  // checked: in this stripe
     const uint8_t* y = in + static_cast<size_t>(b) * row_bytes;
-    uint32_t* at = Place(row);
+    uint32_t* at = s->Place(row, hash_multiplier_);
     if (*at == 0) {
-      sums_.insert(sums_.end(), y, y + row_bytes);
-      rows_.push_back(row);
-      counts_.push_back(1);
-      *at = static_cast<uint32_t>(rows_.size());
+      s->sums.insert(s->sums.end(), y, y + row_bytes);
+      s->rows.push_back(row);
+      s->counts.push_back(1);
+      *at = static_cast<uint32_t>(s->rows.size());
     } else {  // held: the row held first plus this one (TF's merge adds in the same order), count + 1
-      T* x = reinterpret_cast<T*>(sums_.data() + static_cast<size_t>(*at - 1) * row_bytes);
+      T* x = reinterpret_cast<T*>(s->sums.data() + static_cast<size_t>(*at - 1) * row_bytes);
       const T* add = reinterpret_cast<const T*>(y);
       for (int64_t k = 0; k < row_elements_; ++k) x[k] = x[k] + add[k];
-      ++counts_[*at - 1];
+      ++s->counts[*at - 1];
     }
   }
   // This gradient's new rows follow in increasing order (its indices do): one run.
-  if (rows_.size() > first_new) run_starts_.push_back(static_cast<uint32_t>(first_new));
+  if (s->rows.size() > first_new) s->run_starts.push_back(static_cast<uint32_t>(first_new));
+  s->promised -= static_cast<size_t>(end - begin);
+  --s->promised_runs;
 }
 
-void SparseAccumulator::ClearRows() {
-  ForgetPlaces();
-  rows_.clear();
-  sums_.clear();
-  counts_.clear();
-  run_starts_.clear();
-}
-
-void SparseAccumulator::SortOrder() {
-  // Each gradient's new rows are one increasing run of rows_: merged pairwise, log2(gradients)
-  // passes over positions (none for one gradient).
-  const size_t n = rows_.size();
-  order_.resize(n);  // within the capacity Merge reserved, as below
-  for (size_t i = 0; i < n; ++i) order_[i] = static_cast<uint32_t>(i);
-  std::vector<uint32_t>& runs = run_starts_;
-  if (runs.size() <= 1) {
-    runs.clear();
-    return;
+void SparseAccumulator::Add(const PendingAdd& add) {
+  const SparseGradRef& g = add.grad;
+  if (g.nnz == 0) return;
+  // The stripes its rows fall in, and where each one's rows begin (its indices increase).
+  const int64_t first = StripeOf(g.indices[0]);
+  const int64_t count = StripeOf(g.indices[g.nnz - 1]) - first + 1;
+  std::array<int64_t, kMaxStripes + 1> bounds;
+  bounds[0] = 0;
+  for (int64_t k = 1; k < count; ++k) {
+    const int64_t lowest = (first + k) * stripe_rows_;
+    bounds[k] = std::lower_bound(g.indices + bounds[k - 1], g.indices + g.nnz, lowest) - g.indices;
   }
-  runs.push_back(static_cast<uint32_t>(n));
-  const auto by_row = [this](uint32_t a, uint32_t b) { return rows_[a] < rows_[b]; };
-  while (runs.size() > 2) {
-    merged_.resize(n);
-    size_t kept = 0;
-    for (size_t r = 0; r + 1 < runs.size(); r += 2) {
-      const uint32_t begin = runs[r], mid = runs[r + 1];
-      const uint32_t end = r + 2 < runs.size() ? runs[r + 2] : mid;
-      std::merge(order_.begin() + begin, order_.begin() + mid, order_.begin() + mid, order_.begin() + end,
-                 merged_.begin() + begin, by_row);
-      runs[kept++] = begin;
+  bounds[count] = g.nnz;
+  // First room in every stripe it touches, then the rows: a failed allocation leaves no row of
+  // it added (what it reserved stays as capacity, what it promised is given back).
+  int64_t reserved = 0;
+  try {
+    for (; reserved < count; ++reserved) {
+      if (bounds[reserved] == bounds[reserved + 1]) continue;
+      Stripe* s = &stripes_[first + reserved];
+      MutexLock lock(&s->mu);
+      ReserveIn(s, static_cast<size_t>(bounds[reserved + 1] - bounds[reserved]));
     }
-    runs[kept++] = static_cast<uint32_t>(n);
-    runs.resize(kept);
-    order_.swap(merged_);
+  } catch (...) {
+    for (int64_t k = 0; k < reserved; ++k) {
+      if (bounds[k] == bounds[k + 1]) continue;
+      Stripe* s = &stripes_[first + k];
+      MutexLock lock(&s->mu);
+      s->promised -= static_cast<size_t>(bounds[k + 1] - bounds[k]);
+      --s->promised_runs;
+    }
+    throw;
   }
-  runs.clear();
+  // Concurrent Adds start at different stripes, so they rarely wait for each other's.
+  const int64_t start =
+      static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(count));
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t k = (start + j) % count;
+    if (bounds[k] == bounds[k + 1]) continue;
+    Stripe* s = &stripes_[first + k];
+    MutexLock lock(&s->mu);
+    if (dtype_ == DType::kFloat32) {
+      MergeInto<float>(s, g, bounds[k], bounds[k + 1]);
+    } else {
+      MergeInto<double>(s, g, bounds[k], bounds[k + 1]);
+    }
+  }
 }
 
 template <typename T>
-void SparseAccumulator::TakeRows() {
-  ForgetPlaces();
+void SparseAccumulator::TakeStripe(int64_t i) {
+  Stripe* s = &stripes_[i];
+  MutexLock lock(&s->mu);
+  s->ForgetPlaces();
   if (reduction_ == Reduction::kMean) {
-    T* v = reinterpret_cast<T*>(sums_.data());
-    for (size_t r = 0; r < rows_.size(); ++r) {
-      if (counts_[r] <= 1) continue;
-      const T c = static_cast<T>(counts_[r]);
+    T* v = reinterpret_cast<T*>(s->sums.data());
+    for (size_t r = 0; r < s->rows.size(); ++r) {
+      if (s->counts[r] <= 1) continue;
+      const T c = static_cast<T>(s->counts[r]);
       for (int64_t k = 0; k < row_elements_; ++k) v[r * static_cast<size_t>(row_elements_) + k] /= c;
     }
   }
-  SortOrder();
-  // The rows and sums are the result as they are (no copy); ReleaseTaken gives the accumulator
-  // the last take's buffers for the next step's rows.
-  indices_.swap(rows_);
-  values_.swap(sums_);
-  rows_.clear();
-  sums_.clear();
-  counts_.clear();
+  s->SortOrder();
+  // The rows and sums are the result as they are (no copy); ReleaseTaken gives the stripe the
+  // last take's buffers for the next step's rows.
+  SparseRows& t = taken_[static_cast<size_t>(i)];
+  t.indices.swap(s->rows);
+  t.values.swap(s->sums);
+  t.order.swap(s->order);
+  s->rows.clear();
+  s->sums.clear();
+  s->order.clear();
+  s->counts.clear();
 }
 
-Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts, uint64_t source) {
-  PSD_RETURN_IF_ERROR(Validate(g));
+Result<bool> SparseAccumulator::BeginAdd(int64_t local_step, const SparseGradRef& g, bool counts, uint64_t source,
+                                         PendingAdd* add) {
+  add->add = false;
   auto part = unfinished_.find(source);
   if (local_step < step_) {
     if (part != unfinished_.end()) unfinished_.erase(part);  // stale: the whole gradient goes
@@ -262,30 +365,49 @@ Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRe
     u.indices.insert(u.indices.end(), g.indices, g.indices + g.nnz);
     u.values.insert(u.values.end(), bytes, bytes + g.values_bytes);
     if (!counts) return true;
-    Unfinished whole = std::move(u);
+    add->whole_indices = std::move(u.indices);
+    add->whole_values = std::move(u.values);
     unfinished_.erase(source);
     Shape shape = g.values_shape;
-    shape[0] = static_cast<int64_t>(whole.indices.size());
-    return ApplyGrad(local_step,
-                     {whole.indices.data(), static_cast<int64_t>(whole.indices.size()), g.dtype, std::move(shape),
-                      whole.values.data(), whole.values.size(), g.dense_shape},
-                     /*counts=*/true, source);
-  }
-  if (dtype_ == DType::kFloat32) {
-    Merge<float>(g);
+    shape[0] = static_cast<int64_t>(add->whole_indices.size());
+    add->grad = {add->whole_indices.data(),
+                 static_cast<int64_t>(add->whole_indices.size()),
+                 g.dtype,
+                 std::move(shape),
+                 add->whole_values.data(),
+                 add->whole_values.size(),
+                 g.dense_shape};
   } else {
-    Merge<double>(g);
+    add->grad = g;
   }
-  if (counts) ++counter_;
+  add->add = true;
+  ++in_flight_;
+  return true;
+}
+
+Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts, uint64_t source) {
+  PSD_RETURN_IF_ERROR(Validate(g));
+  PendingAdd add;
+  Result<bool> accepted = BeginAdd(local_step, g, counts, source, &add);
+  if (!accepted.ok() || !add.add) return accepted;
+  try {
+    Add(add);
+  } catch (...) {
+    CancelAdd();
+    throw;
+  }
+  EndAdd();
   return true;
 }
 
 void SparseAccumulator::FinishTake(int* count) {
   ++step_;
-  if (dtype_ == DType::kFloat32) {
-    TakeRows<float>();
-  } else {
-    TakeRows<double>();
+  for (int64_t i = 0; i < num_stripes_; ++i) {
+    if (dtype_ == DType::kFloat32) {
+      TakeStripe<float>(i);
+    } else {
+      TakeStripe<double>(i);
+    }
   }
   *count = counter_;
   counter_ = 0;
@@ -304,10 +426,15 @@ void SparseAccumulator::ForceTake(int* count) {
   if (counter_ > 0) return FinishTake(count);
   // Nothing counted, so no rows either (a gradient's rows count with it): an empty result, and
   // the row buffers stay where they are for the next step's rows.
-  ClearRows();
-  indices_.clear();
-  values_.clear();
-  order_.clear();
+  for (int64_t i = 0; i < num_stripes_; ++i) {
+    Stripe* s = &stripes_[i];
+    MutexLock lock(&s->mu);
+    s->ClearRows();
+    SparseRows& t = taken_[static_cast<size_t>(i)];
+    t.indices.clear();
+    t.values.clear();
+    t.order.clear();
+  }
   ++step_;
   *count = 0;
 }
@@ -318,20 +445,30 @@ bool SparseAccumulator::SetGlobalStep(int64_t new_step) {
   return lowered;
 }
 
-void SparseAccumulator::ReleaseTaken(std::vector<int64_t>* indices, std::vector<uint8_t>* values,
-                                     std::vector<uint32_t>* order) {
-  indices->swap(indices_);
-  values->swap(values_);
-  order->swap(order_);
-  indices_.clear();  // meant to come back cleared (applied); their contents are not rows of ours
-  values_.clear();
-  // What came back (the last take's, applied) holds the next step's rows, unless rows came in
-  // meanwhile; the rest goes: two sets of row buffers in all, this one and the engine's.
-  if (rows_.empty() && rows_.capacity() < indices_.capacity()) rows_.swap(indices_);
-  if (sums_.empty() && sums_.capacity() < values_.capacity()) sums_.swap(values_);
-  std::vector<int64_t>().swap(indices_);
-  std::vector<uint8_t>().swap(values_);
-  order_.clear();
+void SparseAccumulator::ReleaseTaken(std::vector<SparseRows>* given) {
+  // The first time the caller has no buffers yet: the spare set (made with taken_) goes to it.
+  if (given->size() != taken_.size()) {
+    given->clear();
+    given->swap(spare_taken_);
+    if (given->size() != taken_.size()) given->resize(taken_.size());  // not expected: given twice of a wrong size
+  }
+  given->swap(taken_);
+  for (int64_t i = 0; i < num_stripes_; ++i) {
+    SparseRows& back = taken_[static_cast<size_t>(i)];  // applied: their contents are not rows of ours
+    back.indices.clear();
+    back.values.clear();
+    back.order.clear();
+    // What came back (the take before's) holds the next step's rows, unless rows came in
+    // meanwhile; the rest goes: two sets of row buffers in all, the stripe's and the caller's.
+    Stripe* s = &stripes_[i];
+    MutexLock lock(&s->mu);
+    if (s->rows.empty() && s->rows.capacity() < back.indices.capacity()) s->rows.swap(back.indices);
+    if (s->sums.empty() && s->sums.capacity() < back.values.capacity()) s->sums.swap(back.values);
+    if (s->order.empty() && s->order.capacity() < back.order.capacity()) s->order.swap(back.order);
+    std::vector<int64_t>().swap(back.indices);
+    std::vector<uint8_t>().swap(back.values);
+    std::vector<uint32_t>().swap(back.order);
+  }
 }
 
 }  // namespace psd::server

@@ -10,21 +10,41 @@
 //
 //   Cost: TF merges each gradient's sorted rows with all rows held (R gradients of K rows: R^2 K
 //   / 2 row copies a step). psd finds a row's place through a hash table of the rows held, so a
-//   gradient costs its own K rows, whatever was added before, and a take copies no row. Each row
-//   is summed in arrival order, as TF's merge sums it (bit-identical sums). The take's rows stay
-//   where they arrived; beside them it gives their order by index (order(): the gradients'
-//   increasing runs merged), in which the engine updates them and lists them for copies. What it
-//   holds beside the rows' values follows the rows sent, at most BookkeepingBytes.
+//   gradient costs its own K rows, whatever was added before, and a take copies no row. The take's
+//   rows stay where they arrived; beside them it gives their order by index (each gradient's new
+//   rows are an increasing run: the runs merged), in which the engine updates them and lists them
+//   for copies. What it holds beside the rows' values follows the rows sent, at most
+//   BookkeepingBytes.
 //
-// Thread-safety: none; the owner serializes all calls.
+// Concurrent adds, as DenseAccumulator's: the variable's rows are split into stripes of
+// contiguous index ranges (at most kMaxStripes, of at least kMinStripeRows rows), each with its own
+// lock, row table, rows and sums. A gradient is added in three parts: BeginAdd (the staleness
+// check, and the rows of a gradient sent in parts kept until its last part) and EndAdd (counter
+// += 1) under the owner's lock; Add without it, concurrently with other workers' Adds, one stripe
+// at a time (each Add starts at another stripe). An Add reserves what every stripe it touches may
+// need before it adds to any, so one that fails (out of memory) leaves no row of its gradient
+// summed: a gradient is added whole or not at all, as TF's apply_grad. A take needs in_flight() ==
+// 0 (the owner waits for it). Each row is summed in the order gradients reached its stripe: with
+// one Add at a time (or two gradients of the row: a + b == b + a) that is TF's merge order,
+// bit-identical to its sums; with more at once, within float rounding of them.
+//
+//   The take's result is per stripe (taken(): rows, averaged sums, their order by index), the
+//   stripes in increasing index ranges, so the rows of all of them in stripe order and each
+//   stripe's `order` are increasing.
+//
+// Thread-safety: Add may run concurrently with other Adds (between their BeginAdd and EndAdd);
+// every other call is serialized by the owner (TrainingEngine: the variable's mutex).
 #ifndef PSD_SERVER_CORE_SPARSE_ACCUMULATOR_H_
 #define PSD_SERVER_CORE_SPARSE_ACCUMULATOR_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <vector>
 
+#include "base/mutex.h"
 #include "core/training_config.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
@@ -41,10 +61,25 @@ struct SparseGradRef {
   std::optional<Shape> dense_shape;  // TF has_known_shape
 };
 
+// Rows of a sparse step: each row's index and its values, in the order they came, and `order`,
+// their positions by increasing index.
+struct SparseRows {
+  std::vector<int64_t> indices;
+  std::vector<uint8_t> values;
+  std::vector<uint32_t> order;
+};
+
 class SparseAccumulator {
  public:
-  // `declared` is the variable's shape: its first dimension bounds the indices.
-  SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step);
+  // Stripes: at most this many, of at least kMinStripeRows rows each (a variable of fewer rows
+  // than that has one).
+  static constexpr int64_t kMaxStripes = 64;
+  static constexpr int64_t kMinStripeRows = 4096;
+
+  // `declared` is the variable's shape: its first dimension bounds the indices. `stripe_rows`:
+  // the rows of a stripe (0: the default above; tests give fewer).
+  SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step, int64_t stripe_rows = 0);
+  ~SparseAccumulator();
 
   // The most rows a variable accumulating sparse gradients may have on a shard (a held row's
   // place is 32 bits); CheckRows says so.
@@ -52,85 +87,93 @@ class SparseAccumulator {
   static Status CheckRows(const Shape& declared);
   // What accumulating a variable of `rows` rows may hold beyond two value-sized buffers of rows
   // (the sums accumulating, and a take's until its commit applies them: the variable's own charge
-  // counts those), were every row sent: the hash table (at most half full: under 16 bytes a row),
-  // the held rows' indices and counts (12), the take's order and its merge scratch (8), where
-  // each gradient's rows begin (4), and the engine's copy of the taken rows' indices and order
-  // (12). Each grows with the rows sent, never beyond the variable's rows.
+  // counts those), were every row sent: the hash tables (each at most half full: under 16 bytes a
+  // row), the held rows' indices and counts (12), the take's order and its merge scratch (8),
+  // where each gradient's rows begin (4), and the engine's copy of the taken rows' indices and
+  // order (12). Each grows with the rows sent, never beyond the variable's rows.
   static uint64_t BookkeepingBytes(int64_t rows) { return static_cast<uint64_t>(rows) * 52; }
 
   Status Validate(const SparseGradRef& g) const { return Check(dtype_, declared_, g, counter_ > 0); }
   // The same checks for a variable of `dtype`/`declared` whose accumulator need not exist;
   // `accumulating` only words one message as TF does.
   static Status Check(DType dtype, const Shape& declared, const SparseGradRef& g, bool accumulating);
-  // Returns true when accepted, false when stale. `counts` false: some of a gradient's rows, more
-  // of them to come from `source` (a gradient bigger than a frame; each part's rows follow the
-  // last's). They are kept apart until its last rows come (counts true, the same source): then the
-  // whole gradient is added and counted at once, or dropped whole if a take made it stale
-  // meanwhile, as TensorFlow's apply_grad is all or nothing. A take never sees a gradient's first
-  // rows without its last.
+
+  // A gradient to add (BeginAdd's): the caller's, or the whole one its parts made.
+  struct PendingAdd {
+    bool add = false;  // Add(*this), then EndAdd (or CancelAdd), follow
+    SparseGradRef grad{};
+    std::vector<int64_t> whole_indices;  // a gradient sent in parts: its rows, whole
+    std::vector<uint8_t> whole_values;
+  };
+  // For a gradient validated already (Validate). Returns true when accepted, false when stale
+  // (dropped). `counts` false: some of a gradient's rows, more of them to come from `source` (a
+  // gradient bigger than a frame; each part's rows follow the last's). They are kept apart until
+  // its last rows come (counts true, the same source): then the whole gradient is added and
+  // counted at once, or dropped whole if a take made it stale meanwhile, as TensorFlow's
+  // apply_grad is all or nothing. A take never sees a gradient's first rows without its last.
+  // When *add says so, the add is in flight: Add it, then EndAdd (CancelAdd if Add threw).
+  Result<bool> BeginAdd(int64_t local_step, const SparseGradRef& g, bool counts, uint64_t source, PendingAdd* add);
+  // Adds the gradient into the stripes its rows fall in; may run concurrently with other Adds.
+  // All or nothing: if it throws (out of memory), no row of it is in the sums.
+  void Add(const PendingAdd& add);
+  void EndAdd() {
+    ++counter_;
+    --in_flight_;
+  }
+  void CancelAdd() { --in_flight_; }
+  int in_flight() const { return in_flight_; }
+  // Validate, BeginAdd, Add and EndAdd, for a caller with no concurrent adds (one thread).
   Result<bool> ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts = true, uint64_t source = 0);
   // The rows kept for `source`'s unfinished gradient go (its push was cut off).
   void DropUnfinished(uint64_t source) { unfinished_.erase(source); }
-  // As DenseAccumulator::TryTakeGrad. On success the averaged rows are in indices()/values().
+  // As DenseAccumulator::TryTakeGrad. On success the averaged rows are in taken(). Needs
+  // in_flight() == 0.
   Result<bool> TryTakeGrad(int num_required, int* count);
-  // Takes whatever is there (a step deadline passed); *count may be 0.
+  // Takes whatever is there (a step deadline passed); *count may be 0. Needs in_flight() == 0.
   void ForceTake(int* count);
   bool SetGlobalStep(int64_t new_step);
 
   int num_accumulated() const { return counter_; }
   int64_t step() const { return step_; }
-  // The result of the last take (until the next take or ReleaseTaken): its rows in arrival order
-  // (each a row's index and its averaged sum), and order(), the positions of indices() by
-  // increasing index. Dense shape of the result: [declared dim0, row dims...].
-  const std::vector<int64_t>& indices() const { return indices_; }
-  const std::vector<uint8_t>& values() const { return values_; }
-  const std::vector<uint32_t>& order() const { return order_; }
-  // Swaps the last take's result out for the buffers given (cleared: the take before's, once
-  // applied), which hold the next step's rows: a step allocates nothing once they have grown.
-  void ReleaseTaken(std::vector<int64_t>* indices, std::vector<uint8_t>* values, std::vector<uint32_t>* order);
+  int64_t num_stripes() const { return num_stripes_; }
+  // The result of the last take (until the next take or ReleaseTaken), one per stripe in
+  // increasing index ranges: its rows in arrival order, each row's averaged sum, and their order
+  // by index. Dense shape of the result: [declared dim0, row dims...].
+  const std::vector<SparseRows>& taken() const { return taken_; }
+  // Swaps the last take's result out for the buffers given (the take before's, once applied),
+  // which hold the next step's rows: a step allocates nothing once they have grown.
+  void ReleaseTaken(std::vector<SparseRows>* given);
 
  private:
+  struct Stripe;
+  // Merges g's rows [begin, end) (all in stripe s) into it; s->mu held, room reserved.
   template <typename T>
-  void Merge(const SparseGradRef& g);
-  // The rows held become the take's result (indices_/values_, order_), averaged for MEAN; the
-  // hash table forgets them. Allocates nothing (Merge reserved what it needs).
+  void MergeInto(Stripe* s, const SparseGradRef& g, int64_t begin, int64_t end);
+  // Makes room in s for `rows` more rows of one more gradient beside those held and promised
+  // (s->mu held); may throw (out of memory), changing nothing but capacities.
+  void ReserveIn(Stripe* s, size_t rows);
+  // The stripe's rows become its take's result (in taken_[i]), averaged for MEAN; its hash table
+  // forgets them. Allocates nothing (ReserveIn reserved what it needs).
   template <typename T>
-  void TakeRows();
-  // order_: the positions of rows_ by increasing index (merging the gradients' runs).
-  void SortOrder();
+  void TakeStripe(int64_t i);
   void FinishTake(int* count);
-  // Forgets the rows held (their places in the hash table too).
-  void ClearRows();
-  // Empties the hash table (frees it when it is much bigger than the rows it held).
-  void ForgetPlaces();
-  // The slot of `row` in place_: its position + 1, or the empty slot where it goes.
-  uint32_t* Place(int64_t row);
-  // Makes room in place_ for `rows` rows held (at most the variable's).
-  void ReservePlaces(size_t rows);
+  // The stripe that holds `row`.
+  int64_t StripeOf(int64_t row) const { return row / stripe_rows_; }
 
   const DType dtype_;
   const Shape declared_;
   const Reduction reduction_;
   const int64_t row_elements_;
   const uint64_t hash_multiplier_;  // random, odd: which rows share slots cannot be chosen by a peer
+  int64_t stripe_rows_;
+  int64_t num_stripes_;
+  std::unique_ptr<Stripe[]> stripes_;
+  std::atomic<uint64_t> next_start_{0};  // spreads concurrent Adds' first stripes
   int64_t step_;
   int counter_ = 0;
-  // The rows held, in arrival order: index, sum, and how many gradients contained it; and where
-  // each gradient's new rows begin (an increasing run each).
-  std::vector<int64_t> rows_;
-  std::vector<uint8_t> sums_;
-  std::vector<int32_t> counts_;
-  std::vector<uint32_t> run_starts_;
-  // Where each held row is: an open-addressing table (linear probing) of positions in rows_ plus
-  // one (0: an empty slot), at most half full: its size follows the rows held, not the
-  // variable's. Kept from step to step.
-  std::vector<uint32_t> place_;
-  int place_shift_ = 64;  // 64 - log2(place_.size())
-  // The last take's result, and SortOrder's scratch.
-  std::vector<int64_t> indices_;
-  std::vector<uint8_t> values_;
-  std::vector<uint32_t> order_;
-  std::vector<uint32_t> merged_;
+  int in_flight_ = 0;
+  std::vector<SparseRows> taken_;        // one per stripe
+  std::vector<SparseRows> spare_taken_;  // as many, for a caller that has none yet (ReleaseTaken)
   // The rows so far of gradients sent in several parts, by source, until their last part.
   struct Unfinished {
     std::vector<int64_t> indices;

@@ -416,9 +416,26 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
       if (g.sparse()) {
         if (!v->sparse)
           v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
-        accepted =
-            v->sparse->ApplyGrad(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape},
-                                 /*counts=*/!g.rows_more, g.source);
+        SparseAccumulator::PendingAdd add;
+        accepted = v->sparse->BeginAdd(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape},
+                                       /*counts=*/!g.rows_more, g.source, &add);  // validated above
+        if (accepted.ok() && add.add) {
+          // As a dense add: its rows are added without the variable's lock, in parallel with other
+          // workers' (striped by rows); the take waits for it (in_flight).
+          SparseAccumulator* acc = v->sparse.get();
+          lock.Unlock();
+          try {
+            acc->Add(add);
+          } catch (...) {  // out of memory: nothing of it was added, the push fails, the step does not hang
+            lock.Lock();
+            acc->CancelAdd();
+            if (AddsInFlightLocked(v) == 0) v->adds_done.NotifyAll();
+            throw;
+          }
+          lock.Lock();
+          acc->EndAdd();
+          if (AddsInFlightLocked(v) == 0) v->adds_done.NotifyAll();
+        }
       } else {
         if (!v->dense) v->dense = NewDenseAccumulator(*v, v->next_take_step);
         OfferSpareLocked(v);
@@ -442,7 +459,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
           } catch (...) {  // out of memory (a sum or a deterministic slot): the push fails, the step does not hang
             lock.Lock();
             acc->CancelAdd();
-            if (acc->in_flight() == 0) v->adds_done.NotifyAll();
+            if (AddsInFlightLocked(v) == 0) v->adds_done.NotifyAll();
             throw;
           }
           lock.Lock();
@@ -451,7 +468,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
           } else {
             acc->EndAdd();
           }
-          if (acc->in_flight() == 0) v->adds_done.NotifyAll();
+          if (AddsInFlightLocked(v) == 0) v->adds_done.NotifyAll();
         }
       }
       if (!accepted.ok()) return accepted.status();  // unreachable: validated above

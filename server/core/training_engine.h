@@ -412,6 +412,8 @@ class TrainingEngine {
   // With v->mu held: waits until no gradient is being added into v's dense accumulator (a take,
   // or replacing the accumulator, needs every add it accepted to be complete).
   static void AwaitAddsLocked(Variable* v) REQUIRES(VariableMutex(v));
+  // Gradients of v being added now (dense and sparse), whose step cannot be taken until they end.
+  static int AddsInFlightLocked(Variable* v) REQUIRES(VariableMutex(v));
   // The variables (the trainable ones only, with `trainable_only`), in name order. Variables are
   // never deleted while the engine lives, so the pointers stay valid without mu_.
   std::vector<Variable*> Variables(bool trainable_only = false) EXCLUDES(mu_);
@@ -429,10 +431,15 @@ class TrainingEngine {
   // Before an in-place update: the published value, if a reader or a kept copy holds it, is copied
   // into a buffer of its own (the spare one, when nothing holds that).
   void CopyOnWriteLocked(Variable* v) REQUIRES(mu_);
-  // Applies pending sparse rows in place (mu_ held).
-  // `order`: as SparseApplyArgs::order (null: rows increase).
-  void ApplySparseLocked(Variable* v, const std::vector<int64_t>& rows, const void* grad, const uint32_t* order,
-                         int64_t step, double lr) REQUIRES(mu_);
+  // Lists the rows of v a sparse update of `n` rows of `grad` writes (its value's and its slots'),
+  // in increasing order or in `order`'s (SparseApplyArgs::order), and returns the update's
+  // arguments for Optimizer::UpdateSparse (mu_ held). The caller copies on write first and
+  // reports the apply.
+  SparseApplyArgs ListSparseRowsLocked(Variable* v, const int64_t* rows, size_t n, const void* grad,
+                                       const uint32_t* order, int64_t step, double lr) REQUIRES(mu_);
+  // The commit's apply of v's taken sparse rows (pending_sparse, then cleared): listed stripe by
+  // stripe, the stripes updated in parallel on the apply threads.
+  void ApplyPendingSparseLocked(Variable* v, int64_t step, double lr) REQUIRES(mu_);
   // Moving averages: one commit's (or async push's) at a time, in the order their values were
   // taken, each from the shadow the one before wrote (TF's chief queue runner ran them in turn).
   // The values are the published ones when the turn is taken (under mu_, at the commit).

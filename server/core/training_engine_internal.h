@@ -162,15 +162,13 @@ struct TrainingEngine::Variable {
   std::vector<Buffer> slots;
   // The fields "guarded by TrainingEngine::mu_" stay comments: an annotation here cannot name the
   // engine's mutex (clang resolves GUARDED_BY against this struct).
-  std::shared_ptr<Buffer> published;    // guarded by TrainingEngine::mu_
-  std::shared_ptr<Buffer> staged;       // guarded by TrainingEngine::mu_ (dense take result)
-  std::shared_ptr<Buffer> spare;        // guarded by TrainingEngine::mu_
-  std::shared_ptr<Buffer> older;        // guarded by TrainingEngine::mu_ (the value before spare)
-  std::shared_ptr<Buffer> shadow;       // guarded by TrainingEngine::mu_ (moving average)
-  bool sparse_pending = false;          // guarded by TrainingEngine::mu_
-  std::vector<int64_t> pending_rows;    // guarded by TrainingEngine::mu_
-  std::vector<uint8_t> pending_values;  // guarded by TrainingEngine::mu_
-  std::vector<uint32_t> pending_order;  // guarded by TrainingEngine::mu_ (pending_rows by index)
+  std::shared_ptr<Buffer> published;       // guarded by TrainingEngine::mu_
+  std::shared_ptr<Buffer> staged;          // guarded by TrainingEngine::mu_ (dense take result)
+  std::shared_ptr<Buffer> spare;           // guarded by TrainingEngine::mu_
+  std::shared_ptr<Buffer> older;           // guarded by TrainingEngine::mu_ (the value before spare)
+  std::shared_ptr<Buffer> shadow;          // guarded by TrainingEngine::mu_ (moving average)
+  bool sparse_pending = false;             // guarded by TrainingEngine::mu_
+  std::vector<SparseRows> pending_sparse;  // guarded by TrainingEngine::mu_ (the take's rows, per stripe)
   // With replicas (keep_committed): each slot's last three snapshot copies, oldest first.
   std::vector<std::deque<std::shared_ptr<Buffer>>> slot_copies;  // guarded by TrainingEngine::mu_
 

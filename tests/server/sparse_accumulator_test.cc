@@ -4,12 +4,15 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <thread>
 
 using namespace psd;
 using psd::server::Reduction;
 using psd::server::SparseAccumulator;
 using psd::server::SparseGradRef;
+using psd::server::SparseRows;
 
 namespace {
 
@@ -24,27 +27,37 @@ struct Grad {
   }
 };
 
-std::vector<float> Values(const SparseAccumulator& acc) {
-  const float* p = reinterpret_cast<const float*>(acc.values().data());
-  return std::vector<float>(p, p + acc.values().size() / sizeof(float));
+// The take of an accumulator of one stripe (a variable of at most kMinStripeRows rows).
+const SparseRows& One(const SparseAccumulator& acc) {
+  REQUIRE(acc.num_stripes() == 1);
+  return acc.taken()[0];
 }
 
-// A take's rows come in arrival order, with order() listing their positions by index (TF sorts
-// the rows themselves): sorted by it here, to compare with TF's result.
+std::vector<float> Values(const SparseRows& t) {
+  const float* p = reinterpret_cast<const float*>(t.values.data());
+  return std::vector<float>(p, p + t.values.size() / sizeof(float));
+}
+std::vector<float> Values(const SparseAccumulator& acc) { return Values(One(acc)); }
+
+// A take's rows come in arrival order per stripe, with each stripe's order listing their
+// positions by index (TF sorts the rows themselves): sorted by it here, stripe after stripe, to
+// compare with TF's result.
 struct Taken {
   std::vector<int64_t> indices;
   std::vector<float> values;
 };
 Taken Sorted(const SparseAccumulator& acc) {
-  const std::vector<float> values = Values(acc);
-  const size_t n = acc.indices().size();
-  const size_t dim = n == 0 ? 0 : values.size() / n;
-  REQUIRE(acc.order().size() == n);
   Taken t;
-  for (uint32_t i : acc.order()) {
-    t.indices.push_back(acc.indices()[i]);
-    t.values.insert(t.values.end(), values.begin() + static_cast<int64_t>(i * dim),
-                    values.begin() + static_cast<int64_t>((i + 1) * dim));
+  for (const SparseRows& part : acc.taken()) {
+    const std::vector<float> values = Values(part);
+    const size_t n = part.indices.size();
+    const size_t dim = n == 0 ? 0 : values.size() / n;
+    REQUIRE(part.order.size() == n);
+    for (uint32_t i : part.order) {
+      t.indices.push_back(part.indices[i]);
+      t.values.insert(t.values.end(), values.begin() + static_cast<int64_t>(i * dim),
+                      values.begin() + static_cast<int64_t>((i + 1) * dim));
+    }
   }
   REQUIRE(std::is_sorted(t.indices.begin(), t.indices.end()));
   return t;
@@ -150,7 +163,7 @@ TEST_CASE("after a take, the next sparse gradient starts fresh, a forced take ma
   int count = -1;
   acc.ForceTake(&count);
   CHECK(count == 0);
-  CHECK(acc.indices().empty());
+  CHECK(One(acc).indices.empty());
   CHECK(acc.step() == 1);
   REQUIRE(*acc.ApplyGrad(1, Grad{{2}, {5}, {1, 1}, std::nullopt}.Ref()));
   REQUIRE(*acc.TryTakeGrad(1, &count));
@@ -207,7 +220,10 @@ TEST_CASE("rows found through the row table sum bit-identically to TF's sorted m
   // chosen so that float addition order matters; three steps, so the table must forget each
   // take's rows. MEAN divides per row.
   const int64_t rows = 300, dim = 3;
-  SparseAccumulator acc(DType::kFloat32, {rows, dim}, Reduction::kMean, 0);
+  // One stripe (the default for so few rows), or 43 of 7 rows each: the same sums.
+  const int64_t stripe_rows = GENERATE(0, 7);
+  SparseAccumulator acc(DType::kFloat32, {rows, dim}, Reduction::kMean, 0, stripe_rows);
+  CHECK(acc.num_stripes() == (stripe_rows == 0 ? 1 : 43));
   std::mt19937 rng(7);
   for (int64_t step = 0; step < 3; ++step) {
     MergeReference ref{{}, {}, {}, dim};
@@ -245,26 +261,25 @@ TEST_CASE("a take's rows come in arrival order, each with its own count, and the
   REQUIRE(*acc.ApplyGrad(0, Grad{{3, 7}, {3, 1}, {2, 1}, std::nullopt}.Ref()));
   int count = 0;
   REQUIRE(*acc.TryTakeGrad(3, &count));
-  CHECK(acc.indices() == std::vector<int64_t>{7, 8, 9, 0, 3});
-  CHECK(Values(acc) == std::vector<float>{4, 5, 9, 10, 3});    // 7: (7+1)/2, 8: (8+2)/2
-  CHECK(acc.order() == std::vector<uint32_t>{3, 4, 0, 1, 2});  // 0, 3, 7, 8, 9
+  CHECK(One(acc).indices == std::vector<int64_t>{7, 8, 9, 0, 3});
+  CHECK(Values(acc) == std::vector<float>{4, 5, 9, 10, 3});       // 7: (7+1)/2, 8: (8+2)/2
+  CHECK(One(acc).order == std::vector<uint32_t>{3, 4, 0, 1, 2});  // 0, 3, 7, 8, 9
   // The engine swaps the result out for the last take's buffers (applied, cleared).
-  std::vector<int64_t> taken_rows;
-  std::vector<uint8_t> taken_values;
-  std::vector<uint32_t> taken_order;
-  acc.ReleaseTaken(&taken_rows, &taken_values, &taken_order);
-  CHECK(taken_rows == std::vector<int64_t>{7, 8, 9, 0, 3});
-  CHECK(taken_order == std::vector<uint32_t>{3, 4, 0, 1, 2});
-  CHECK(acc.indices().empty());
-  taken_rows.clear();
-  taken_values.clear();
-  taken_order.clear();
-  acc.ReleaseTaken(&taken_rows, &taken_values, &taken_order);  // given back: the accumulator keeps them
+  std::vector<SparseRows> taken;
+  acc.ReleaseTaken(&taken);
+  REQUIRE(taken.size() == 1);
+  CHECK(taken[0].indices == std::vector<int64_t>{7, 8, 9, 0, 3});
+  CHECK(taken[0].order == std::vector<uint32_t>{3, 4, 0, 1, 2});
+  CHECK(One(acc).indices.empty());
+  taken[0].indices.clear();
+  taken[0].values.clear();
+  taken[0].order.clear();
+  acc.ReleaseTaken(&taken);  // given back: the accumulator keeps them
   REQUIRE(*acc.ApplyGrad(1, Grad{{8}, {6}, {1, 1}, std::nullopt}.Ref()));
   REQUIRE(*acc.ApplyGrad(1, Grad{{2, 8}, {1, 2}, {2, 1}, std::nullopt}.Ref()));
   REQUIRE(*acc.TryTakeGrad(2, &count));
-  CHECK(acc.indices() == std::vector<int64_t>{8, 2});
-  CHECK(acc.order() == std::vector<uint32_t>{1, 0});
+  CHECK(One(acc).indices == std::vector<int64_t>{8, 2});
+  CHECK(One(acc).order == std::vector<uint32_t>{1, 0});
   CHECK(Values(acc) == std::vector<float>{4, 1});  // 8 was in both: (6+2)/2
 }
 
@@ -283,7 +298,10 @@ TEST_CASE("a step of many rows, then steps of few: the table shrinks back and ev
   REQUIRE(*acc.ApplyGrad(0, Grad{all, std::vector<float>(all.size(), 1), {50000, 1}, std::nullopt}.Ref()));
   int count = 0;
   REQUIRE(*acc.TryTakeGrad(1, &count));
-  CHECK(acc.indices().size() == 50000);
+  size_t taken_rows = 0;
+  for (const SparseRows& part : acc.taken()) taken_rows += part.indices.size();
+  CHECK(acc.num_stripes() > 1);
+  CHECK(taken_rows == 50000);
   for (int64_t step = 1; step < 4; ++step) {
     REQUIRE(*acc.ApplyGrad(step, Grad{{4, 99999}, {1, 2}, {2, 1}, std::nullopt}.Ref()));
     REQUIRE(*acc.ApplyGrad(step, Grad{{4}, {5}, {1, 1}, std::nullopt}.Ref()));
@@ -301,21 +319,22 @@ TEST_CASE("row buffers never outgrow the variable's rows, and an empty forced ta
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
   const Grad every{all, std::vector<float>(1000, 1), {1000, 1}, std::nullopt};
   int count = 0;
-  std::vector<int64_t> rows;
-  std::vector<uint8_t> values;
-  std::vector<uint32_t> order;
+  std::vector<SparseRows> taken;
   for (int64_t step = 0; step < 2; ++step) {  // the engine's round: take, apply (here: clear), give back
     REQUIRE(*acc.ApplyGrad(step, every.Ref()));
     REQUIRE(*acc.ApplyGrad(step, every.Ref()));
     REQUIRE(*acc.TryTakeGrad(2, &count));
-    CHECK(acc.indices().capacity() <= 1000);
-    CHECK(acc.values().capacity() <= 1000 * sizeof(float));
-    CHECK(acc.order().capacity() <= 1000);
-    rows.clear();
-    values.clear();
-    order.clear();
-    acc.ReleaseTaken(&rows, &values, &order);
-    CHECK(rows.size() == 1000);
+    CHECK(One(acc).indices.capacity() <= 1000);
+    CHECK(One(acc).values.capacity() <= 1000 * sizeof(float));
+    CHECK(One(acc).order.capacity() <= 1000);
+    for (SparseRows& part : taken) {
+      part.indices.clear();
+      part.values.clear();
+      part.order.clear();
+    }
+    acc.ReleaseTaken(&taken);
+    REQUIRE(taken.size() == 1);
+    CHECK(taken[0].indices.size() == 1000);
     CHECK(Values(acc).empty());
   }
   // A step forced with nothing: the result is empty and holds no buffer (the next step's rows
@@ -323,12 +342,96 @@ TEST_CASE("row buffers never outgrow the variable's rows, and an empty forced ta
   acc.ForceTake(&count);
   CHECK(count == 0);
   CHECK(acc.step() == 3);
-  CHECK(acc.indices().empty());
-  CHECK(acc.indices().capacity() == 0);
-  CHECK(acc.values().capacity() == 0);
+  CHECK(One(acc).indices.empty());
+  CHECK(One(acc).indices.capacity() == 0);
+  CHECK(One(acc).values.capacity() == 0);
   REQUIRE(*acc.ApplyGrad(3, Grad{{5}, {2}, {1, 1}, std::nullopt}.Ref()));
   REQUIRE(*acc.TryTakeGrad(1, &count));
-  CHECK(acc.indices() == std::vector<int64_t>{5});
+  CHECK(One(acc).indices == std::vector<int64_t>{5});
   CHECK(Values(acc) == std::vector<float>{2});
-  CHECK(acc.indices().capacity() >= 1000);  // the step's rows went into the buffers kept
+  CHECK(One(acc).indices.capacity() >= 1000);  // the step's rows went into the buffers kept
+}
+
+TEST_CASE("gradients added from several threads at once: every row summed and counted, stripe by stripe",
+          "[sparse][parallel]") {
+  // 4 threads x 6 gradients a step of random overlapping rows over 37 stripes, BeginAdd and EndAdd
+  // under one lock (the engine's variable lock), Add outside it. Values are small integers, so
+  // every order of addition gives the same sums: the take must equal the reference exactly.
+  const int64_t rows = 1200, dim = 2, stripe_rows = 33;
+  SparseAccumulator acc(DType::kFloat32, {rows, dim}, Reduction::kMean, 0, stripe_rows);
+  REQUIRE(acc.num_stripes() == 37);
+  std::mutex owner;  // the engine's variable lock
+  for (int64_t step = 0; step < 3; ++step) {
+    constexpr int kThreads = 4, kEach = 6;
+    std::vector<Grad> grads;
+    std::mt19937 rng(static_cast<uint32_t>(11 + step));
+    std::vector<float> sum(static_cast<size_t>(rows * dim), 0);
+    std::vector<int> counts(static_cast<size_t>(rows), 0);
+    for (int g = 0; g < kThreads * kEach; ++g) {
+      Grad grad;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (rng() % 3 != 0) continue;
+        grad.idx.push_back(r);
+        ++counts[static_cast<size_t>(r)];
+        for (int64_t k = 0; k < dim; ++k) {
+          grad.values.push_back(static_cast<float>(rng() % 64));
+          sum[static_cast<size_t>(r * dim + k)] += grad.values.back();
+        }
+      }
+      grad.values_shape = {static_cast<int64_t>(grad.idx.size()), dim};
+      grads.push_back(std::move(grad));
+    }
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        for (int g = t; g < kThreads * kEach; g += kThreads) {
+          SparseAccumulator::PendingAdd add;
+          {
+            std::lock_guard<std::mutex> lock(owner);
+            Result<bool> begun = acc.BeginAdd(step, grads[static_cast<size_t>(g)].Ref(), true, 0, &add);
+            if (!begun.ok() || !*begun || !add.add) return;  // checked below: every gradient counted
+          }
+          acc.Add(add);
+          std::lock_guard<std::mutex> lock(owner);
+          acc.EndAdd();
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    REQUIRE(acc.num_accumulated() == kThreads * kEach);
+    REQUIRE(acc.in_flight() == 0);
+    int count = 0;
+    REQUIRE(*acc.TryTakeGrad(kThreads * kEach, &count));
+    Taken want;
+    size_t capacity = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int c = counts[static_cast<size_t>(r)];
+      if (c == 0) continue;
+      want.indices.push_back(r);
+      for (int64_t k = 0; k < dim; ++k) want.values.push_back(sum[static_cast<size_t>(r * dim + k)] / c);
+    }
+    for (const SparseRows& part : acc.taken()) capacity += part.indices.capacity();
+    const Taken got = Sorted(acc);
+    CHECK(got.indices == want.indices);
+    CHECK(got.values == want.values);
+    CHECK(capacity <= static_cast<size_t>(rows));  // each stripe reserved at most its own rows
+    std::vector<SparseRows> given;
+    acc.ReleaseTaken(&given);
+    REQUIRE(given.size() == 37);
+  }
+}
+
+TEST_CASE("a gradient sent in parts over many stripes is added whole at its last part", "[sparse]") {
+  SparseAccumulator acc(DType::kFloat32, {100, 1}, Reduction::kSum, 0, /*stripe_rows=*/10);
+  REQUIRE(acc.num_stripes() == 10);
+  REQUIRE(*acc.ApplyGrad(0, Grad{{1, 15, 40}, {1, 2, 3}, {3, 1}, std::nullopt}.Ref(), /*counts=*/false, 5));
+  CHECK(acc.num_accumulated() == 0);
+  REQUIRE(*acc.ApplyGrad(0, Grad{{41, 99}, {4, 5}, {2, 1}, std::nullopt}.Ref(), /*counts=*/true, 5));
+  REQUIRE(*acc.ApplyGrad(0, Grad{{15, 99}, {10, 10}, {2, 1}, std::nullopt}.Ref()));
+  int count = 0;
+  REQUIRE(*acc.TryTakeGrad(2, &count));
+  CHECK(count == 2);
+  const Taken t = Sorted(acc);
+  CHECK(t.indices == std::vector<int64_t>{1, 15, 40, 41, 99});
+  CHECK(t.values == std::vector<float>{1, 12, 3, 4, 15});
 }
