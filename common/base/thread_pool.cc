@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <exception>
 
 namespace psd {
 
@@ -51,21 +52,41 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(
   }
   Mutex done_mu;
   CondVar done_cv;
-  int64_t remaining = parts - 1;  // guarded by done_mu
+  int64_t remaining = parts - 1;  // guarded by done_mu: chunks for helpers not done
+  std::exception_ptr failed;      // guarded by done_mu: the first exception a chunk threw
+  // A chunk that throws (out of memory) does not end the process on a helper, nor unwind this
+  // frame while other chunks still use it: its exception is kept and thrown here once all are done.
+  auto run = [&](int64_t p) {
+    try {
+      fn(n * p / parts, n * (p + 1) / parts);
+    } catch (...) {
+      MutexLock l(&done_mu);
+      if (!failed) failed = std::current_exception();
+    }
+  };
+  int64_t queued = 0;
   {
     MutexLock lock(&mu_);
-    for (int64_t p = 1; p < parts; ++p) {
-      tasks_.push_back([&, p] {
-        fn(n * p / parts, n * (p + 1) / parts);
-        MutexLock l(&done_mu);
-        if (--remaining == 0) done_cv.NotifyOne();
-      });
+    try {
+      for (int64_t p = 1; p < parts; ++p) {
+        tasks_.push_back([&, p] {
+          run(p);
+          MutexLock l(&done_mu);
+          if (--remaining == 0) done_cv.NotifyOne();
+        });
+        ++queued;
+      }
+    } catch (...) {  // out of memory queueing them: the chunks not queued run here
+      busy_ -= static_cast<int>(parts - 1 - queued);
     }
   }
   cv_.NotifyAll();
-  fn(0, n / parts);
+  run(0);
+  for (int64_t p = queued + 1; p < parts; ++p) run(p);
   MutexLock lock(&done_mu);
+  remaining -= parts - 1 - queued;  // those ran here
   while (remaining != 0) done_cv.Wait(&done_mu);
+  if (failed) std::rethrow_exception(failed);
 }
 
 void ThreadPool::ParallelCopy(void* dst, const void* src, size_t bytes) {

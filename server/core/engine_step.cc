@@ -379,7 +379,10 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
     spdlog::warn("variable '{}' was created while step {} was closing; it joins step {}", v->name, step, step + 1);
     v->next_take_step = step + 1;
     if (v->dense) v->dense = NewDenseAccumulator(*v, step + 1);
-    if (v->sparse) v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
+    if (v->sparse) {
+      v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
+      SettleStagingLocked(v);  // rows kept for gradients sent in parts went with the old one
+    }
     --pending_takes_;
   }
   vlocks.clear();

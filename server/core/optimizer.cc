@@ -1,6 +1,7 @@
 #include "core/optimizer.h"
 
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <cmath>
 
@@ -181,16 +182,26 @@ std::vector<std::string> Optimizer::SlotNames() const {
   return names;
 }
 
+namespace {
+
+// The slots' elements from `offset` on, as the updates take them.
+template <typename T>
+std::array<T*, kMaxSlots> SlotPointers(std::vector<Buffer>& slots, int64_t offset) {
+  assert(slots.size() <= kMaxSlots);
+  std::array<T*, kMaxSlots> at{};
+  for (size_t k = 0; k < slots.size(); ++k) at[k] = static_cast<T*>(slots[k].listed_data()) + offset;
+  return at;
+}
+
+}  // namespace
+
 void Optimizer::Apply(const ApplyArgs& a) const {
-  std::vector<Buffer>& slots = *a.slots;
   if (a.dtype == DType::kFloat32) {
-    std::vector<float*> sp;
-    for (Buffer& b : slots) sp.push_back(b.as<float>() + a.slot_offset);
+    std::array<float*, kMaxSlots> sp = SlotPointers<float>(*a.slots, a.slot_offset);
     Range(static_cast<const float*>(a.value), static_cast<const float*>(a.grad), static_cast<float*>(a.out), sp.data(),
           0, a.num_elements, a.step, a.learning_rate, static_cast<float>(a.grad_divisor));
   } else {
-    std::vector<double*> sp;
-    for (Buffer& b : slots) sp.push_back(b.as<double>() + a.slot_offset);
+    std::array<double*, kMaxSlots> sp = SlotPointers<double>(*a.slots, a.slot_offset);
     Range(static_cast<const double*>(a.value), static_cast<const double*>(a.grad), static_cast<double*>(a.out),
           sp.data(), 0, a.num_elements, a.step, a.learning_rate, a.grad_divisor);
   }
@@ -209,9 +220,9 @@ void PrefetchRow(const void* row, uint64_t row_bytes) {
 
 template <typename T, typename Fn>
 void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
-  std::vector<Buffer>& slots = *a.slots;
-  std::vector<T*> base(slots.size()), sp(slots.size());
-  for (size_t k = 0; k < slots.size(); ++k) base[k] = static_cast<T*>(slots[k].listed_data());
+  const size_t slots = a.slots->size();
+  const std::array<T*, kMaxSlots> base = SlotPointers<T>(*a.slots, 0);
+  std::array<T*, kMaxSlots> sp{};
   T* value = static_cast<T*>(a.value);
   const T* grad = static_cast<const T*>(a.grad);
   const uint64_t row_bytes = static_cast<uint64_t>(a.row_elements) * sizeof(T);
@@ -220,11 +231,11 @@ void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
     if (n + kPrefetchRows < a.num_rows) {
       const int64_t ahead = a.rows[at(n + kPrefetchRows)] * a.row_elements;
       PrefetchRow(value + ahead, row_bytes);
-      for (T* s : base) PrefetchRow(s + ahead, row_bytes);
+      for (size_t k = 0; k < slots; ++k) PrefetchRow(base[k] + ahead, row_bytes);
     }
     const int64_t i = at(n);
     const int64_t off = a.rows[i] * a.row_elements;
-    for (size_t k = 0; k < slots.size(); ++k) sp[k] = base[k] + off;
+    for (size_t k = 0; k < slots; ++k) sp[k] = base[k] + off;
     // In place: each element is read before it is written.
     range(value + off, grad + i * a.row_elements, value + off, sp.data());
   }

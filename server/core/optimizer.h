@@ -43,6 +43,10 @@ struct SlotSpec {
   std::string name;
   double initial;  // every element starts at this value
 };
+// The most slots an optimizer has (Adam's m and v, RMSProp's, FTRL's): the updates keep their
+// pointers on the stack, so an update running on an apply thread allocates nothing (and cannot
+// throw there).
+inline constexpr size_t kMaxSlots = 2;
 
 struct ApplyArgs {
   DType dtype;

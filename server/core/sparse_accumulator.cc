@@ -92,12 +92,16 @@ uint64_t RandomOddMultiplier() {
   return bits | 1;
 }
 
-// Grows `v`'s capacity to hold `n` elements (at most `most`, all it can ever hold):
-// geometrically, so appends do not move what is held again and again.
+// The capacity that holds `n` elements, grown from `capacity` (at most `most`, all it can ever
+// hold): geometrically, so appends do not move what is held again and again.
+size_t Grown(size_t capacity, size_t n, size_t most) {
+  n = std::min(n, most);
+  return capacity < n ? std::min(std::max(n, capacity * 2), most) : capacity;
+}
+
 template <typename V>
 void Reserve(V& v, size_t n, size_t most) {
-  n = std::min(n, most);
-  if (v.capacity() < n) v.reserve(std::min(std::max(n, v.capacity() * 2), most));
+  v.reserve(Grown(v.capacity(), n, most));
 }
 
 }  // namespace
@@ -383,6 +387,32 @@ Result<bool> SparseAccumulator::BeginAdd(int64_t local_step, const SparseGradRef
   add->add = true;
   ++in_flight_;
   return true;
+}
+
+uint64_t SparseAccumulator::StagedBytes() const {
+  uint64_t bytes = 0;
+  for (const auto& [source, u] : unfinished_) bytes += u.indices.capacity() * sizeof(int64_t) + u.values.capacity();
+  return bytes;
+}
+
+uint64_t SparseAccumulator::StagingGrowth(int64_t local_step, const SparseGradRef& g, bool counts,
+                                          uint64_t source) const {
+  auto part = unfinished_.find(source);
+  if (local_step < step_ || (counts && part == unfinished_.end())) return 0;  // dropped, or added at once
+  // As BeginAdd grows them.
+  const size_t rows = static_cast<size_t>(declared_[0]);
+  const size_t most_values = rows * static_cast<size_t>(row_elements_) * DTypeSize(dtype_);
+  size_t indices = 0, indices_cap = 0, values = 0, values_cap = 0;
+  if (part != unfinished_.end()) {
+    indices = part->second.indices.size();
+    indices_cap = part->second.indices.capacity();
+    values = part->second.values.size();
+    values_cap = part->second.values.capacity();
+  }
+  const size_t grown =
+      (Grown(indices_cap, indices + static_cast<size_t>(g.nnz), rows) - indices_cap) * sizeof(int64_t) +
+      (Grown(values_cap, values + g.values_bytes, most_values) - values_cap);
+  return grown;
 }
 
 Result<bool> SparseAccumulator::ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts, uint64_t source) {

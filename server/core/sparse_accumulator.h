@@ -126,6 +126,15 @@ class SparseAccumulator {
   Result<bool> ApplyGrad(int64_t local_step, const SparseGradRef& g, bool counts = true, uint64_t source = 0);
   // The rows kept for `source`'s unfinished gradient go (its push was cut off).
   void DropUnfinished(uint64_t source) { unfinished_.erase(source); }
+  // What the rows kept for gradients sent in parts hold (their buffers' capacity, in bytes), and
+  // how much more BeginAdd(local_step, g, counts, source) would make them hold: 0 unless it keeps
+  // rows (the owner charges it to --max-model-bytes first). HeldBytes: what `add` holds of a
+  // gradient sent in parts, whole (until the caller lets it go after its Add).
+  uint64_t StagedBytes() const;
+  uint64_t StagingGrowth(int64_t local_step, const SparseGradRef& g, bool counts, uint64_t source) const;
+  static uint64_t HeldBytes(const PendingAdd& add) {
+    return add.whole_indices.capacity() * sizeof(int64_t) + add.whole_values.capacity();
+  }
   // As DenseAccumulator::TryTakeGrad. On success the averaged rows are in taken(). Needs
   // in_flight() == 0.
   Result<bool> TryTakeGrad(int num_required, int* count);

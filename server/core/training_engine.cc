@@ -263,8 +263,18 @@ void TrainingEngine::DropUnfinishedChunks(uint64_t source) {
   for (Variable* v : Variables()) {
     MutexLock lock(&v->mu);
     if (v->dense && config_.deterministic) v->dense->DropUnfinished(source);
-    if (v->sparse) v->sparse->DropUnfinished(source);
+    if (v->sparse) {
+      v->sparse->DropUnfinished(source);
+      SettleStagingLocked(v);
+    }
   }
+}
+
+void TrainingEngine::SettleStagingLocked(Variable* v) {
+  const uint64_t held = (v->sparse ? v->sparse->StagedBytes() : 0) + v->staging_adding;
+  if (v->staging_charged <= held) return;
+  model_bytes_.fetch_sub(v->staging_charged - held);
+  v->staging_charged = held;
 }
 
 std::optional<VariableDesc> TrainingEngine::Describe(std::string_view name) const {
@@ -409,87 +419,124 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
     const GradRef& g = grads[i];
     bool took = false, started = false;
     int count = 0;
+    std::exception_ptr failed;  // the add threw (out of memory): nothing of it was added
     {
       MutexLock lock(&v->mu);
       claims.Use(i, v);
-      Result<bool> accepted = false;
-      if (g.sparse()) {
-        if (!v->sparse)
-          v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
-        SparseAccumulator::PendingAdd add;
-        accepted = v->sparse->BeginAdd(local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape},
-                                       /*counts=*/!g.rows_more, g.source, &add);  // validated above
-        if (accepted.ok() && add.add) {
-          // As a dense add: its rows are added without the variable's lock, in parallel with other
-          // workers' (striped by rows); the take waits for it (in_flight).
-          SparseAccumulator* acc = v->sparse.get();
-          lock.Unlock();
-          try {
-            acc->Add(add);
-          } catch (...) {  // out of memory: nothing of it was added, the push fails, the step does not hang
-            lock.Lock();
-            acc->CancelAdd();
-            if (AddsInFlightLocked(v) == 0) v->adds_done.NotifyAll();
-            throw;
-          }
-          lock.Lock();
-          acc->EndAdd();
-          if (AddsInFlightLocked(v) == 0) v->adds_done.NotifyAll();
-        }
-      } else {
-        if (!v->dense) v->dense = NewDenseAccumulator(*v, v->next_take_step);
-        OfferSpareLocked(v);
-        accepted = v->dense->BeginAdd(local_step);
-        if (*accepted) {
-          // The add itself runs without the variable's lock, in parallel with other workers'
-          // (striped); the step cannot be taken before it ends (in_flight), nor the accumulator
-          // replaced, so the pointer stays valid.
-          DenseAccumulator* acc = v->dense.get();
-          // With few adds of it at once (this one counted), idle apply threads take some of its
-          // stripes: a worker's big gradient is added by several cores, as the optimizer applies.
-          ThreadPool* helpers = acc->in_flight() <= kHelpedAdds ? &pool_ : nullptr;
-          lock.Unlock();
-          try {
-            if (g.chunk()) {
-              acc->AddChunk(g.dtype, g.data, g.chunk_offset, g.shape[0], replica, helpers, g.hold,
-                            g.source);  // validated above
-            } else {
-              acc->Add(g.dtype, g.data, replica, helpers, g.hold);
-            }
-          } catch (...) {  // out of memory (a sum or a deterministic slot): the push fails, the step does not hang
-            lock.Lock();
-            acc->CancelAdd();
-            if (AddsInFlightLocked(v) == 0) v->adds_done.NotifyAll();
-            throw;
-          }
-          lock.Lock();
-          if (g.chunk()) {
-            acc->EndAddChunk(g.chunk_offset, g.shape[0]);
-          } else {
-            acc->EndAdd();
-          }
-          if (AddsInFlightLocked(v) == 0) v->adds_done.NotifyAll();
-        }
-      }
-      if (!accepted.ok()) return accepted.status();  // unreachable: validated above
-      int64_t acc_step = v->acc_step();
-      out->push_back({*accepted, acc_step, StalenessOf(global_step_.load(), local_step)});
-      const bool completes = CompletesGradient(g, v->shape);
-      if (*accepted) {
-        if (completes) accepted_.fetch_add(1);
+      Result<bool> accepted =
+          g.sparse() ? AddSparseLocked(v, g, local_step, &failed) : AddDenseLocked(v, g, local_step, replica, &failed);
+      if (!accepted.ok()) return accepted.status();
+      if (failed) {
+        // The push fails; the add that failed may have been the last in flight of a step whose
+        // gradients are all in (an add that ended before it left the take to it): that step takes.
         took = MaybeTakeLocked(v, false, &count);
-        if (!took && on_step_started_) {
-          MutexLock elock(&mu_);
-          if (!step_started_) started = step_started_ = true;
+      } else {
+        int64_t acc_step = v->acc_step();
+        out->push_back({*accepted, acc_step, StalenessOf(global_step_.load(), local_step)});
+        const bool completes = CompletesGradient(g, v->shape);
+        if (*accepted) {
+          if (completes) accepted_.fetch_add(1);
+          took = MaybeTakeLocked(v, false, &count);
+          if (!took && on_step_started_) {
+            MutexLock elock(&mu_);
+            if (!step_started_) started = step_started_ = true;
+          }
+        } else if (completes) {
+          stale_.fetch_add(1);
         }
-      } else if (completes) {
-        stale_.fetch_add(1);
       }
     }
     if (started) on_step_started_(global_step_.load());
     if (took) OnTaken(count);
+    if (failed) std::rethrow_exception(failed);
   }
   return Status::Ok();
+}
+
+Result<bool> TrainingEngine::AddSparseLocked(Variable* v, const GradRef& g, int64_t local_step,
+                                             std::exception_ptr* failed) {
+  if (!v->sparse)
+    v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
+  const SparseGradRef ref{g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape};
+  const bool counts = !g.rows_more;
+  // The rows of a gradient sent in several frames are kept until its last: charged to
+  // --max-model-bytes first (and given back as they go).
+  if (const uint64_t grows = v->sparse->StagingGrowth(local_step, ref, counts, g.source); grows > 0) {
+    uint64_t held = 0;
+    if (!ChargeModelBytes(grows, &held, /*with_reserved=*/true)) {
+      return ResourceExhausted("variable '" + v->name + "': a sparse gradient sent in several frames is kept until " +
+                               "its last frame, and its rows so far need " + std::to_string(grows) +
+                               " bytes more; the variables already hold " + std::to_string(held) +
+                               " of --max-model-bytes " + std::to_string(config_.max_model_bytes) +
+                               ": raise it, or send fewer rows in one push");
+    }
+    v->staging_charged += grows;
+  }
+  SparseAccumulator::PendingAdd add;
+  Result<bool> accepted = v->sparse->BeginAdd(local_step, ref, counts, g.source, &add);  // validated before
+  const uint64_t whole = SparseAccumulator::HeldBytes(add);
+  v->staging_adding += whole;
+  SettleStagingLocked(v);
+  if (accepted.ok() && add.add) {
+    // As a dense add: its rows are added without the variable's lock, in parallel with other
+    // workers' (striped by rows); the take waits for it (in_flight), and the accumulator is not
+    // replaced meanwhile.
+    SparseAccumulator* acc = v->sparse.get();
+    v->mu.Unlock();
+    try {
+      acc->Add(add);
+    } catch (...) {
+      *failed = std::current_exception();
+    }
+    v->mu.Lock();
+    if (*failed) {
+      acc->CancelAdd();
+    } else {
+      acc->EndAdd();
+    }
+    if (AddsInFlightLocked(v) == 0) v->adds_done.NotifyAll();
+  }
+  // The whole gradient's rows go, and their charge with them.
+  add = SparseAccumulator::PendingAdd();
+  v->staging_adding -= whole;
+  SettleStagingLocked(v);
+  return accepted;
+}
+
+Result<bool> TrainingEngine::AddDenseLocked(Variable* v, const GradRef& g, int64_t local_step, std::string_view replica,
+                                            std::exception_ptr* failed) {
+  if (!v->dense) v->dense = NewDenseAccumulator(*v, v->next_take_step);
+  OfferSpareLocked(v);
+  Result<bool> accepted = v->dense->BeginAdd(local_step);
+  if (!accepted.ok() || !*accepted) return accepted;
+  // The add itself runs without the variable's lock, in parallel with other workers' (striped);
+  // the step cannot be taken before it ends (in_flight), nor the accumulator replaced, so the
+  // pointer stays valid.
+  DenseAccumulator* acc = v->dense.get();
+  // With few adds of it at once (this one counted), idle apply threads take some of its stripes: a
+  // worker's big gradient is added by several cores, as the optimizer applies.
+  ThreadPool* helpers = acc->in_flight() <= kHelpedAdds ? &pool_ : nullptr;
+  v->mu.Unlock();
+  try {
+    if (g.chunk()) {
+      acc->AddChunk(g.dtype, g.data, g.chunk_offset, g.shape[0], replica, helpers, g.hold,
+                    g.source);  // validated before
+    } else {
+      acc->Add(g.dtype, g.data, replica, helpers, g.hold);
+    }
+  } catch (...) {  // out of memory (a sum or a deterministic slot): the push fails, the step does not hang
+    *failed = std::current_exception();
+  }
+  v->mu.Lock();
+  if (*failed) {
+    acc->CancelAdd();
+  } else if (g.chunk()) {
+    acc->EndAddChunk(g.chunk_offset, g.shape[0]);
+  } else {
+    acc->EndAdd();
+  }
+  if (AddsInFlightLocked(v) == 0) v->adds_done.NotifyAll();
+  return accepted;
 }
 
 Status TrainingEngine::Pull(const std::vector<std::string>& names, std::vector<PulledValue>* out, int64_t* step,

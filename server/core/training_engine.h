@@ -35,6 +35,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -412,6 +413,17 @@ class TrainingEngine {
   // With v->mu held: waits until no gradient is being added into v's dense accumulator (a take,
   // or replacing the accumulator, needs every add it accepted to be complete).
   static void AwaitAddsLocked(Variable* v) REQUIRES(VariableMutex(v));
+  // A sync push's gradient into v's sparse or dense accumulator (validated before): accepted, or
+  // stale. The add itself runs without v's lock (released and taken again), in parallel with other
+  // pushes'; if it throws, *failed holds its exception (nothing of it counted: the caller rethrows
+  // it once it has done what the failed add leaves to do).
+  Result<bool> AddSparseLocked(Variable* v, const GradRef& g, int64_t local_step, std::exception_ptr* failed)
+      REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
+  Result<bool> AddDenseLocked(Variable* v, const GradRef& g, int64_t local_step, std::string_view replica,
+                              std::exception_ptr* failed) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
+  // Gives back what v's charge for the rows of sparse gradients sent in parts holds beyond what
+  // they hold now (kept, or in an add).
+  void SettleStagingLocked(Variable* v) REQUIRES(VariableMutex(v));
   // Gradients of v being added now (dense and sparse), whose step cannot be taken until they end.
   static int AddsInFlightLocked(Variable* v) REQUIRES(VariableMutex(v));
   // The variables (the trainable ones only, with `trainable_only`), in name order. Variables are

@@ -155,6 +155,10 @@ struct TrainingEngine::Variable {
   std::atomic<bool> sparse_charged{false};
   std::unique_ptr<DenseAccumulator> dense GUARDED_BY(mu);
   std::unique_ptr<SparseAccumulator> sparse GUARDED_BY(mu);
+  // Charged to --max-model-bytes for the rows of sparse gradients sent in parts (kept until their
+  // last part, then added), and what of them is being added now.
+  uint64_t staging_charged GUARDED_BY(mu) = 0;
+  uint64_t staging_adding GUARDED_BY(mu) = 0;
   int64_t next_take_step GUARDED_BY(mu);  // the step this variable is taken for next
   // The round's sum did not take `spare` (a pull still read it): offered again at its next add.
   bool spare_offered GUARDED_BY(mu) = false;

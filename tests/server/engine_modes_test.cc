@@ -648,3 +648,87 @@ TEST_CASE("sync sparse accumulation charges its row bookkeeping to --max-model-b
   CHECK(e->global_step() == 3);
   CHECK(Read(*e, "small")[1] == -1);  // 0 - lr 1 x 1
 }
+
+TEST_CASE("a table of several row stripes: workers' rows applied and listed in increasing order across them",
+          "[engine][sparse][replicas]") {
+  // 12000 rows: stripes of 4096 (0..4095, 4096..8191, 8192..11999). Two workers' interleaved rows
+  // across both boundaries are updated stripe by stripe (in parallel) and listed in one pass in
+  // increasing order: three ranges, as if there were one stripe.
+  for (const char* optimizer : {"sgd", "adam"}) {
+    INFO(optimizer);
+    auto e = Make([&] {
+      auto c = Cfg(2, 2);
+      c.optimizer.name = optimizer;
+      return c;
+    }());
+    e->set_keep_committed(true);
+    Create(*e, "emb", std::vector<float>(12000, 1.0f), {12000, 1});
+    REQUIRE(PushSparse(*e, 0, "emb", {5}, {1}, 1).accepted);
+    REQUIRE(PushSparse(*e, 0, "emb", {6}, {1}, 1).accepted);
+    auto first = e->TakeCommitted();
+    REQUIRE(first);
+    REQUIRE(PushSparse(*e, 1, "emb", {4094, 4096, 8190, 8192, 11999}, {1, 2, 3, 4, 5}, 1).accepted);
+    REQUIRE(PushSparse(*e, 1, "emb", {4095, 4097, 8191, 8193, 11999}, {6, 7, 8, 9, 5}, 1).accepted);
+    auto second = e->TakeCommitted();
+    REQUIRE(second);
+    const Buffer& after = *second->variables[0].value;
+    CHECK(after.copied_from() == first->variables[0].value->id());
+    const std::vector<std::pair<uint64_t, uint64_t>> ranges{{4094 * 4, 16}, {8190 * 4, 16}, {11999 * 4, 4}};
+    CHECK(after.changes() == ranges);
+    for (const auto& [name, slot] : second->variables[0].slots) {
+      INFO(name);
+      CHECK(slot->changes() == ranges);
+    }
+    if (std::string(optimizer) == "sgd") {  // lr 1, MEAN per row: each row moved by its own average
+      const std::vector<float> v = Read(*e, "emb");
+      CHECK(v[4094] == 0.0f);
+      CHECK(v[4095] == -5.0f);
+      CHECK(v[4096] == -1.0f);
+      CHECK(v[8193] == -8.0f);
+      CHECK(v[11999] == -4.0f);  // (5 + 5) / 2
+      CHECK(v[4093] == 1.0f);
+    }
+  }
+}
+
+TEST_CASE("a sparse gradient kept until its last frame is charged to --max-model-bytes while it is kept",
+          "[engine][sparse]") {
+  ServerConfig c = Cfg(1, 1);
+  auto e = Make(c);
+  Create(*e, "emb", std::vector<float>(100), {100, 1});
+  REQUIRE(PushSparse(*e, 0, "emb", {0}, {1}, 1).accepted);  // the bookkeeping's charge, once
+  const uint64_t base = e->Stats().model_bytes;
+  std::vector<GradOutcome> out;
+  auto part = [&](int64_t step, std::vector<int64_t> idx, bool more, uint64_t source) {
+    std::vector<float> values(idx.size(), 1.0f);
+    GradRef ref{"emb", DType::kFloat32, {static_cast<int64_t>(idx.size()), 1}, values.data(), values.size() * 4};
+    ref.indices = idx.data();
+    ref.nnz = static_cast<int64_t>(idx.size());
+    ref.rows_more = more;
+    ref.source = source;
+    return e->Push(step, {ref}, &out, {}, more);
+  };
+  REQUIRE(part(1, {1, 2}, true, 7).ok());
+  CHECK(e->Stats().model_bytes == base + 2 * 8 + 2 * 4);  // its rows so far: indices and values
+  REQUIRE(part(1, {3}, false, 7).ok());                   // the last frame: added whole, let go
+  CHECK(e->Stats().model_bytes == base);
+  CHECK(e->global_step() == 2);
+  CHECK(Read(*e, "emb")[2] == -1.0f);
+  SECTION("a frame whose rows do not fit is refused, naming the flag; a cut-off push gives back what it held") {
+    e = nullptr;
+    c.max_model_bytes = base + 100;
+    e = Make(c);
+    Create(*e, "emb", std::vector<float>(100), {100, 1});
+    REQUIRE(PushSparse(*e, 0, "emb", {0}, {1}, 1).accepted);
+    REQUIRE(e->Stats().model_bytes == base);
+    REQUIRE(part(1, {1, 2}, true, 7).ok());
+    const Status refused = part(1, {10, 11, 12, 13, 14, 15, 16, 17, 18, 19}, true, 7);
+    CHECK(refused.code() == Code::kResourceExhausted);
+    CHECK_THAT(refused.message(), Catch::Contains("--max-model-bytes"));
+    CHECK_THAT(refused.message(), Catch::Contains("several frames"));
+    CHECK(e->Stats().model_bytes == base + 24);  // nothing more charged
+    e->DropUnfinishedChunks(7);                  // as the connection does for a refused frame
+    CHECK(e->Stats().model_bytes == base);
+    CHECK(e->global_step() == 1);  // nothing of it counted
+  }
+}

@@ -435,3 +435,16 @@ TEST_CASE("a gradient sent in parts over many stripes is added whole at its last
   CHECK(t.indices == std::vector<int64_t>{1, 15, 40, 41, 99});
   CHECK(t.values == std::vector<float>{1, 12, 3, 4, 15});
 }
+
+TEST_CASE("a variable has at most kMaxStripes stripes, whatever stripe size is asked for", "[sparse]") {
+  SparseAccumulator acc(DType::kFloat32, {1000, 1}, Reduction::kSum, 0, /*stripe_rows=*/1);
+  CHECK(acc.num_stripes() == 63);  // stripes of ceil(1000 / 64) = 16 rows
+  REQUIRE(*acc.ApplyGrad(0, Grad{{0, 15, 16, 999}, {1, 2, 3, 4}, {4, 1}, std::nullopt}.Ref()));
+  int count = 0;
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(acc.taken()[0].indices == std::vector<int64_t>{0, 15});
+  CHECK(acc.taken()[1].indices == std::vector<int64_t>{16});
+  CHECK(acc.taken()[62].indices == std::vector<int64_t>{999});
+  CHECK(SparseAccumulator(DType::kFloat32, {100000, 1}, Reduction::kSum, 0).num_stripes() == 25);  // 4096 each
+  CHECK(SparseAccumulator(DType::kFloat32, {1000000, 8}, Reduction::kSum, 0).num_stripes() == 64);
+}
