@@ -69,14 +69,14 @@ void TrainingEngine::ApplyTaken(const Optimizer& opt, const ApplyArgs& args, con
   // parts that still point at held gradients, formed in a block-sized scratch that stays in cache.
   const int64_t blocks = (args.num_elements + kApplyBlockElements - 1) / kApplyBlockElements;
   auto run = [&](int64_t b0, int64_t b1) {
-    // Room for a block of float64 elements (or the whole of a smaller variable).
-    auto scratch =
-        std::make_unique_for_overwrite<double[]>(static_cast<size_t>(std::min(args.num_elements, kApplyBlockElements)));
+    // Room for a block of float64 elements (32 KiB, on the stack: a chunk on an apply thread
+    // allocates nothing, so it cannot fail half-way through a take).
+    std::array<double, kApplyBlockElements> scratch;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t end = std::min(args.num_elements, (b + 1) * kApplyBlockElements);
       for (int64_t at = b * kApplyBlockElements; at < end;) {
         int64_t run_end = end;
-        const void* grad = acc.TakenGrad(args.grad, at, end, scratch.get(), &run_end);
+        const void* grad = acc.TakenGrad(args.grad, at, end, scratch.data(), &run_end);
         opt.Apply(Slice(args, at, run_end, grad));
         at = run_end;
       }

@@ -184,12 +184,16 @@ std::vector<std::string> Optimizer::SlotNames() const {
 
 namespace {
 
-// The slots' elements from `offset` on, as the updates take them.
+// The slots' elements from `offset` on, as the updates take them. `listed`: the rows written
+// are listed (Buffer::MarkChanged, sparse updates); else the update writes where it does not say
+// (a dense range), which ends each slot's list of changes (Buffer::data()).
 template <typename T>
-std::array<T*, kMaxSlots> SlotPointers(std::vector<Buffer>& slots, int64_t offset) {
+std::array<T*, kMaxSlots> SlotPointers(std::vector<Buffer>& slots, int64_t offset, bool listed) {
   assert(slots.size() <= kMaxSlots);
   std::array<T*, kMaxSlots> at{};
-  for (size_t k = 0; k < slots.size(); ++k) at[k] = static_cast<T*>(slots[k].listed_data()) + offset;
+  for (size_t k = 0; k < slots.size(); ++k) {
+    at[k] = static_cast<T*>(listed ? slots[k].listed_data() : slots[k].data()) + offset;
+  }
   return at;
 }
 
@@ -197,11 +201,11 @@ std::array<T*, kMaxSlots> SlotPointers(std::vector<Buffer>& slots, int64_t offse
 
 void Optimizer::Apply(const ApplyArgs& a) const {
   if (a.dtype == DType::kFloat32) {
-    std::array<float*, kMaxSlots> sp = SlotPointers<float>(*a.slots, a.slot_offset);
+    std::array<float*, kMaxSlots> sp = SlotPointers<float>(*a.slots, a.slot_offset, /*listed=*/false);
     Range(static_cast<const float*>(a.value), static_cast<const float*>(a.grad), static_cast<float*>(a.out), sp.data(),
           0, a.num_elements, a.step, a.learning_rate, static_cast<float>(a.grad_divisor));
   } else {
-    std::array<double*, kMaxSlots> sp = SlotPointers<double>(*a.slots, a.slot_offset);
+    std::array<double*, kMaxSlots> sp = SlotPointers<double>(*a.slots, a.slot_offset, /*listed=*/false);
     Range(static_cast<const double*>(a.value), static_cast<const double*>(a.grad), static_cast<double*>(a.out),
           sp.data(), 0, a.num_elements, a.step, a.learning_rate, a.grad_divisor);
   }
@@ -221,7 +225,7 @@ void PrefetchRow(const void* row, uint64_t row_bytes) {
 template <typename T, typename Fn>
 void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
   const size_t slots = a.slots->size();
-  const std::array<T*, kMaxSlots> base = SlotPointers<T>(*a.slots, 0);
+  const std::array<T*, kMaxSlots> base = SlotPointers<T>(*a.slots, 0, /*listed=*/true);
   std::array<T*, kMaxSlots> sp{};
   T* value = static_cast<T*>(a.value);
   const T* grad = static_cast<const T*>(a.grad);
@@ -276,12 +280,23 @@ void Optimizer::UpdateSparse(const SparseApplyArgs& a) const {
 
 Result<std::unique_ptr<Optimizer>> MakeOptimizer(const OptimizerParams& p) {
   PSD_RETURN_IF_ERROR(p.Validate());
-  if (p.name == "sgd") return std::unique_ptr<Optimizer>(new Sgd(p));
-  if (p.name == "momentum") return std::unique_ptr<Optimizer>(new Momentum(p));
-  if (p.name == "adagrad") return std::unique_ptr<Optimizer>(new Adagrad(p));
-  if (p.name == "adam") return std::unique_ptr<Optimizer>(new Adam(p));
-  if (p.name == "rmsprop") return std::unique_ptr<Optimizer>(new RmsProp(p));
-  return std::unique_ptr<Optimizer>(new Ftrl(p));
+  std::unique_ptr<Optimizer> made;
+  if (p.name == "sgd") {
+    made.reset(new Sgd(p));
+  } else if (p.name == "momentum") {
+    made.reset(new Momentum(p));
+  } else if (p.name == "adagrad") {
+    made.reset(new Adagrad(p));
+  } else if (p.name == "adam") {
+    made.reset(new Adam(p));
+  } else if (p.name == "rmsprop") {
+    made.reset(new RmsProp(p));
+  } else {
+    made.reset(new Ftrl(p));
+  }
+  // The updates keep slot pointers in kMaxSlots places.
+  if (made->Slots().size() > kMaxSlots) return Internal("optimizer '" + p.name + "' has more slots than kMaxSlots");
+  return made;
 }
 
 }  // namespace psd::server

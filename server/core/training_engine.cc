@@ -1,6 +1,7 @@
 // TrainingEngine: the variable store, pushes (validation and accumulation) and reads.
 #include "core/training_engine.h"
 
+#include "base/scope_exit.h"
 #include "core/training_engine_internal.h"
 #include "psd/cores.h"
 
@@ -271,9 +272,11 @@ void TrainingEngine::DropUnfinishedChunks(uint64_t source) {
 }
 
 void TrainingEngine::SettleStagingLocked(Variable* v) {
-  const uint64_t held = (v->sparse ? v->sparse->StagedBytes() : 0) + v->staging_adding;
-  if (v->staging_charged <= held) return;
-  model_bytes_.fetch_sub(v->staging_charged - held);
+  // Exact either way: what is held is what was reserved (an accumulator replaced meanwhile may
+  // keep a little more of a push's rows than was reserved for them).
+  const uint64_t held = (v->sparse ? v->sparse->StagedBytes() : 0) + v->staging_adding + v->staging_reserved;
+  if (held > v->staging_charged) model_bytes_.fetch_add(held - v->staging_charged);
+  if (held < v->staging_charged) model_bytes_.fetch_sub(v->staging_charged - held);
   v->staging_charged = held;
 }
 
@@ -362,6 +365,14 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
   // Validate everything before touching any accumulator: a bad push changes nothing. Each
   // variable's gradient kind is claimed while its lock is held (released on every way out).
   KindClaims claims(targets);
+  // Sync: what each sparse gradient's rows add to those kept for a gradient sent in several frames,
+  // reserved (charged) here and used by its add; given back on every way out for those not added.
+  std::vector<uint64_t> staged(grads.size(), 0);
+  ScopeExit unreserved([&] {
+    for (size_t i = 0; i < staged.size(); ++i) {
+      if (staged[i] > 0) ReleaseStaging(targets[i], staged[i]);
+    }
+  });
   for (size_t i = 0; i < grads.size(); ++i) {
     if (grads[i].chunk() && grads[i].sparse()) {
       return InvalidArgument("gradient for '" + targets[i]->name +
@@ -375,7 +386,12 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
     Status s = ValidateGrad(targets[i], grads[i]);
     if (!s.ok()) return Status(s.code(), "gradient for '" + targets[i]->name + "': " + s.message());
     PSD_RETURN_IF_ERROR(claims.Claim(i, grads[i].sparse() ? GradKind::kSparse : GradKind::kDense));
-    if (grads[i].sparse() && config_.mode == Mode::kSync) PSD_RETURN_IF_ERROR(ChargeSparseBookkeeping(targets[i]));
+    if (grads[i].sparse() && config_.mode == Mode::kSync) {
+      PSD_RETURN_IF_ERROR(ChargeSparseBookkeeping(targets[i]));
+      Result<uint64_t> reserved = ReserveStaging(targets[i], grads[i], local_step);
+      if (!reserved.ok()) return reserved.status();
+      staged[i] = *reserved;
+    }
   }
   if (test_hook_) test_hook_("push.validated");
   out->clear();
@@ -423,8 +439,9 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
     {
       MutexLock lock(&v->mu);
       claims.Use(i, v);
-      Result<bool> accepted =
-          g.sparse() ? AddSparseLocked(v, g, local_step, &failed) : AddDenseLocked(v, g, local_step, replica, &failed);
+      const uint64_t reserved = std::exchange(staged[i], 0);  // AddSparseLocked uses it
+      Result<bool> accepted = g.sparse() ? AddSparseLocked(v, g, local_step, reserved, &failed)
+                                         : AddDenseLocked(v, g, local_step, replica, &failed);
       if (!accepted.ok()) return accepted.status();
       if (failed) {
         // The push fails; the add that failed may have been the last in flight of a step whose
@@ -453,25 +470,39 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
   return Status::Ok();
 }
 
-Result<bool> TrainingEngine::AddSparseLocked(Variable* v, const GradRef& g, int64_t local_step,
-                                             std::exception_ptr* failed) {
+Result<uint64_t> TrainingEngine::ReserveStaging(Variable* v, const GradRef& g, int64_t local_step) {
+  MutexLock lock(&v->mu);
   if (!v->sparse)
     v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
+  const uint64_t grows = v->sparse->StagingGrowth(
+      local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape}, !g.rows_more, g.source);
+  if (grows == 0) return uint64_t{0};
+  uint64_t held = 0;
+  if (!ChargeModelBytes(grows, &held, /*with_reserved=*/true)) {
+    return ResourceExhausted("variable '" + v->name + "': a sparse gradient sent in several frames is kept until " +
+                             "its last frame, and its rows so far need " + std::to_string(grows) +
+                             " bytes more; the variables already hold " + std::to_string(held) +
+                             " of --max-model-bytes " + std::to_string(config_.max_model_bytes) +
+                             ": raise it, or send fewer rows in one push");
+  }
+  v->staging_charged += grows;
+  v->staging_reserved += grows;
+  return grows;
+}
+
+void TrainingEngine::ReleaseStaging(Variable* v, uint64_t reserved) {
+  MutexLock lock(&v->mu);
+  v->staging_reserved -= reserved;
+  SettleStagingLocked(v);
+}
+
+Result<bool> TrainingEngine::AddSparseLocked(Variable* v, const GradRef& g, int64_t local_step, uint64_t reserved,
+                                             std::exception_ptr* failed) {
   const SparseGradRef ref{g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape};
   const bool counts = !g.rows_more;
-  // The rows of a gradient sent in several frames are kept until its last: charged to
-  // --max-model-bytes first (and given back as they go).
-  if (const uint64_t grows = v->sparse->StagingGrowth(local_step, ref, counts, g.source); grows > 0) {
-    uint64_t held = 0;
-    if (!ChargeModelBytes(grows, &held, /*with_reserved=*/true)) {
-      return ResourceExhausted("variable '" + v->name + "': a sparse gradient sent in several frames is kept until " +
-                               "its last frame, and its rows so far need " + std::to_string(grows) +
-                               " bytes more; the variables already hold " + std::to_string(held) +
-                               " of --max-model-bytes " + std::to_string(config_.max_model_bytes) +
-                               ": raise it, or send fewer rows in one push");
-    }
-    v->staging_charged += grows;
-  }
+  // The rows of a gradient sent in several frames are kept until its last: what this one's add to
+  // them was reserved (charged) at validation, and is now what they hold (SettleStagingLocked).
+  v->staging_reserved -= reserved;
   SparseAccumulator::PendingAdd add;
   Result<bool> accepted = v->sparse->BeginAdd(local_step, ref, counts, g.source, &add);  // validated before
   const uint64_t whole = SparseAccumulator::HeldBytes(add);
@@ -525,6 +556,7 @@ Result<bool> TrainingEngine::AddDenseLocked(Variable* v, const GradRef& g, int64
       acc->Add(g.dtype, g.data, replica, helpers, g.hold);
     }
   } catch (...) {  // out of memory (a sum or a deterministic slot): the push fails, the step does not hang
+                   // (what it added before it failed stays in the parts it reached, as a cut-off chunk's)
     *failed = std::current_exception();
   }
   v->mu.Lock();

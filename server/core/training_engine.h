@@ -417,12 +417,17 @@ class TrainingEngine {
   // stale. The add itself runs without v's lock (released and taken again), in parallel with other
   // pushes'; if it throws, *failed holds its exception (nothing of it counted: the caller rethrows
   // it once it has done what the failed add leaves to do).
-  Result<bool> AddSparseLocked(Variable* v, const GradRef& g, int64_t local_step, std::exception_ptr* failed)
-      REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
+  Result<bool> AddSparseLocked(Variable* v, const GradRef& g, int64_t local_step, uint64_t reserved,
+                               std::exception_ptr* failed) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
+  // Sync, at validation: charges to --max-model-bytes, as reserved, what g's rows add to those v
+  // keeps for a gradient sent in several frames (0: none; RESOURCE_EXHAUSTED when it does not
+  // fit). AddSparseLocked uses the reservation; ReleaseStaging gives back one not used.
+  Result<uint64_t> ReserveStaging(Variable* v, const GradRef& g, int64_t local_step) EXCLUDES(VariableMutex(v));
+  void ReleaseStaging(Variable* v, uint64_t reserved) EXCLUDES(VariableMutex(v));
   Result<bool> AddDenseLocked(Variable* v, const GradRef& g, int64_t local_step, std::string_view replica,
                               std::exception_ptr* failed) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
-  // Gives back what v's charge for the rows of sparse gradients sent in parts holds beyond what
-  // they hold now (kept, or in an add).
+  // Makes v's charge for the rows of sparse gradients sent in parts what they hold now (kept, in
+  // an add, or reserved for one).
   void SettleStagingLocked(Variable* v) REQUIRES(VariableMutex(v));
   // Gradients of v being added now (dense and sparse), whose step cannot be taken until they end.
   static int AddsInFlightLocked(Variable* v) REQUIRES(VariableMutex(v));

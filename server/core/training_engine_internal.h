@@ -156,10 +156,11 @@ struct TrainingEngine::Variable {
   std::unique_ptr<DenseAccumulator> dense GUARDED_BY(mu);
   std::unique_ptr<SparseAccumulator> sparse GUARDED_BY(mu);
   // Charged to --max-model-bytes for the rows of sparse gradients sent in parts (kept until their
-  // last part, then added), and what of them is being added now.
+  // last part, then added), what of them is being added now, and what validated pushes reserved.
   uint64_t staging_charged GUARDED_BY(mu) = 0;
   uint64_t staging_adding GUARDED_BY(mu) = 0;
-  int64_t next_take_step GUARDED_BY(mu);  // the step this variable is taken for next
+  uint64_t staging_reserved GUARDED_BY(mu) = 0;  // by pushes validated and not yet added
+  int64_t next_take_step GUARDED_BY(mu);         // the step this variable is taken for next
   // The round's sum did not take `spare` (a pull still read it): offered again at its next add.
   bool spare_offered GUARDED_BY(mu) = false;
   // Guarded by mu (dense) / TrainingEngine::mu_ (sparse): not expressible as an annotation.

@@ -731,4 +731,30 @@ TEST_CASE("a sparse gradient kept until its last frame is charged to --max-model
     CHECK(e->Stats().model_bytes == base);
     CHECK(e->global_step() == 1);  // nothing of it counted
   }
+  SECTION("the refusal comes before any gradient of the push is added") {
+    e = nullptr;
+    c.max_model_bytes = base + 1024 + 16 + 8;  // room for a small dense variable, and less than 24 more
+    e = Make(c);
+    Create(*e, "emb", std::vector<float>(100), {100, 1});
+    REQUIRE(PushSparse(*e, 0, "emb", {0}, {1}, 1).accepted);
+    Create(*e, "dense", {5}, {1});
+    const uint64_t held = e->Stats().model_bytes;
+    const int64_t accepted = e->Stats().accepted;
+    std::vector<float> one{1.0f}, rows(3, 1.0f);
+    std::vector<int64_t> idx{1, 2, 3};
+    GradRef dense{"dense", DType::kFloat32, {1}, one.data(), 4};
+    GradRef sparse{"emb", DType::kFloat32, {3, 1}, rows.data(), 12};
+    sparse.indices = idx.data();
+    sparse.nnz = 3;
+    sparse.rows_more = true;
+    sparse.source = 9;
+    const Status refused = e->Push(1, {dense, sparse}, &out, {}, /*more=*/true);
+    CHECK(refused.code() == Code::kResourceExhausted);
+    CHECK(e->Stats().accepted == accepted);  // the dense gradient before it was not added either
+    CHECK(e->Stats().model_bytes == held);
+    CHECK(PushDense(*e, 1, "dense", {1}, {1}).accepted);  // and may be sent again, once
+    CHECK(PushSparse(*e, 1, "emb", {4}, {1}, 1).accepted);
+    CHECK(e->global_step() == 2);
+    CHECK(Read(*e, "dense")[0] == 4.0f);  // 5 - lr 1 x 1, not x 2
+  }
 }

@@ -160,17 +160,22 @@ TEST_CASE("slots are named as TF names them", "[optimizer]") {
   CHECK(names("ftrl") == std::vector<std::string>{"accum", "linear"});
 }
 
-TEST_CASE("sparse applies touch only the listed rows (lazy slots)", "[optimizer]") {
+TEST_CASE("sparse applies touch and list only their rows (lazy slots), dense ones end the slots' lists",
+          "[optimizer]") {
   OptimizerParams p;
   p.name = "adam";
   p.learning_rate = 0.1;
   auto opt = MakeOptimizer(p);
   REQUIRE(opt.ok());
-  // 4 rows x 2.
+  // 4 rows x 2. Replication compares a slot's copy with the one before by the list of what
+  // changed: a sparse update lists the rows it writes, a dense one writes every element without
+  // listing them, so the list must end (the copy is then compared whole).
   std::vector<float> value{1, 1, 2, 2, 3, 3, 4, 4};
+  const Buffer before(32);
   std::vector<Buffer> slots;
   slots.emplace_back(32);
   slots.emplace_back(32);
+  for (Buffer& s : slots) s.MarkCopiedFrom(before);
   std::vector<int64_t> rows{1, 3};
   std::vector<float> grad{0.5f, 0.5f, -1.f, -1.f};
   (*opt)->ApplySparse({DType::kFloat32, 2, value.data(), rows.data(), 2, grad.data(), &slots, 1, 0.1});
@@ -178,8 +183,16 @@ TEST_CASE("sparse applies touch only the listed rows (lazy slots)", "[optimizer]
   CHECK(value[4] == 3.f);
   CHECK(value[2] == Approx(2 - 0.1));  // first Adam step moves by ~lr * sign(g)
   CHECK(value[6] == Approx(4 + 0.1));
+  for (const Buffer& s : slots) {
+    CHECK(s.copied_from() == before.id());
+    CHECK(s.changes() == std::vector<std::pair<uint64_t, uint64_t>>{{8, 8}, {24, 8}});
+  }
   CHECK(slots[0].as<float>()[0] == 0.f);  // untouched rows keep their moments
   CHECK(slots[0].as<float>()[2] == Approx(0.05));
+  for (Buffer& s : slots) s.MarkCopiedFrom(before);
+  std::vector<float> dense(8, 0.5f);
+  (*opt)->Apply({DType::kFloat32, 8, value.data(), dense.data(), value.data(), &slots, 0, 2, 0.1});
+  for (const Buffer& s : slots) CHECK(s.copied_from() == 0);  // written where it does not say: not listed
 }
 
 TEST_CASE("bad optimizer settings name the flag", "[optimizer]") {
