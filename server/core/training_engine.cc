@@ -435,7 +435,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
     const GradRef& g = grads[i];
     bool took = false, started = false;
     int count = 0;
-    std::exception_ptr failed;  // the add threw (out of memory): nothing of it was added
+    std::exception_ptr failed;  // the add threw (out of memory): it does not count
     {
       MutexLock lock(&v->mu);
       claims.Use(i, v);
@@ -503,6 +503,9 @@ Result<bool> TrainingEngine::AddSparseLocked(Variable* v, const GradRef& g, int6
   // The rows of a gradient sent in several frames are kept until its last: what this one's add to
   // them was reserved (charged) at validation, and is now what they hold (SettleStagingLocked).
   v->staging_reserved -= reserved;
+  if (!v->sparse) {  // made at validation (ReserveStaging): only if that was skipped
+    v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
+  }
   SparseAccumulator::PendingAdd add;
   Result<bool> accepted = v->sparse->BeginAdd(local_step, ref, counts, g.source, &add);  // validated before
   const uint64_t whole = SparseAccumulator::HeldBytes(add);

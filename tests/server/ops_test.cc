@@ -199,11 +199,7 @@ namespace {
 struct EchoHttp {
   explicit EchoHttp(HttpServer::Limits limits)
       : http(
-            io,
-            [](const HttpRequest& r) {
-              return HttpResponse{200, "text/plain", "path=" + r.path, {}};
-            },
-            limits) {
+            io, [](const HttpRequest& r) { return HttpResponse{200, "text/plain", "path=" + r.path, {}}; }, limits) {
     REQUIRE(http.Listen("127.0.0.1", 0).ok());
     REQUIRE(http.port() != 0);
     thread = std::thread([this] { io.run(); });
