@@ -60,6 +60,16 @@ GradOutcome PushDense(TrainingEngine& e, int64_t local, const std::string& name,
   return out[0];
 }
 
+// A sync engine of 2 workers with `optimizer` whose committed states are kept (TakeCommitted), as
+// with replicas: each step's copy lists what changed since the one before.
+std::unique_ptr<TrainingEngine> KeptEngine(const std::string& optimizer) {
+  auto c = Cfg(2, 2);
+  c.optimizer.name = optimizer;
+  auto e = Make(c);
+  e->set_keep_committed(true);
+  return e;
+}
+
 GradOutcome PushSparse(TrainingEngine& e, int64_t local, const std::string& name, std::vector<int64_t> idx,
                        std::vector<float> values, int64_t row) {
   std::vector<GradOutcome> out;
@@ -514,12 +524,7 @@ TEST_CASE("a step's rows from several workers are applied and listed in increasi
   // its limit and every copy becomes a whole one. In order, neighbouring rows make one range.
   for (const char* optimizer : {"sgd", "adam"}) {
     INFO(optimizer);
-    auto e = Make([&] {
-      auto c = Cfg(2, 2);
-      c.optimizer.name = optimizer;
-      return c;
-    }());
-    e->set_keep_committed(true);
+    auto e = KeptEngine(optimizer);
     Create(*e, "emb", std::vector<float>(32 * 2, 1.0f), {32, 2});
     REQUIRE(PushSparse(*e, 0, "emb", {30}, {1, 1}, 2).accepted);
     REQUIRE(PushSparse(*e, 0, "emb", {31}, {1, 1}, 2).accepted);
@@ -656,12 +661,7 @@ TEST_CASE("a table of several row stripes: workers' rows applied and listed in i
   // increasing order: three ranges, as if there were one stripe.
   for (const char* optimizer : {"sgd", "adam"}) {
     INFO(optimizer);
-    auto e = Make([&] {
-      auto c = Cfg(2, 2);
-      c.optimizer.name = optimizer;
-      return c;
-    }());
-    e->set_keep_committed(true);
+    auto e = KeptEngine(optimizer);
     Create(*e, "emb", std::vector<float>(12000, 1.0f), {12000, 1});
     REQUIRE(PushSparse(*e, 0, "emb", {5}, {1}, 1).accepted);
     REQUIRE(PushSparse(*e, 0, "emb", {6}, {1}, 1).accepted);
