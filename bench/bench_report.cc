@@ -19,6 +19,7 @@ Report Summarize(const Options& opt, const Window& window, std::vector<WorkerSta
   r.embedding_rows = opt.embedding_rows;
   r.embedding_dim = opt.embedding_dim;
   r.batch_rows = opt.batch_rows;
+  r.zipf = opt.zipf;
   r.warmup = opt.warmup;
   r.steps = opt.steps;
   r.fused = opt.fused;
@@ -111,6 +112,7 @@ void PrintJson(const Report& r) {
   field("embedding_rows", r.sparse ? integer(r.embedding_rows) : null);
   field("embedding_dim", r.sparse ? integer(r.embedding_dim) : null);
   field("batch_rows", r.sparse ? integer(r.batch_rows) : null);
+  field("zipf", r.sparse ? JsonNumber(r.zipf) : null);
   field("warmup", integer(r.warmup));
   field("steps", integer(r.steps));
   field("stop_rule", JsonString(sync ? "global_steps" : "iterations_per_worker"));
@@ -172,10 +174,10 @@ void PrintTable(const Report& r, const std::string& build_warning_line) {
               r.learning_rate, r.slots);
   if (r.sparse) {
     const double var_mib = static_cast<double>(r.embedding_rows) * static_cast<double>(r.embedding_dim) * 4 / (1 << 20);
-    std::printf("workload   sparse: float32 embedding %" PRId64 " x %" PRId64
-                " (%.1f MiB, %.1f MiB with slots), %" PRId64
-                " distinct rows per batch: PullRows, gradient, SparseGradient push\n",
-                r.embedding_rows, r.embedding_dim, var_mib, var_mib * (1 + r.slots), r.batch_rows);
+    std::printf(
+        "workload   sparse: float32 embedding %" PRId64 " x %" PRId64 " (%.1f MiB, %.1f MiB with slots), %" PRId64
+        " distinct rows per batch (%s): PullRows, gradient, SparseGradient push\n",
+        r.embedding_rows, r.embedding_dim, var_mib, var_mib * (1 + r.slots), r.batch_rows, RowsDrawn(r.zipf).c_str());
   } else {
     std::printf("workload   dense: model %" PRIu64 " bytes (%.2f MiB) in %d float32 variable(s)%s\n", r.model_bytes,
                 static_cast<double>(r.model_bytes) / (1 << 20), r.variables,

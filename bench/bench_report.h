@@ -67,6 +67,7 @@ struct Report {
   uint64_t model_bytes = 0;
   int variables = 0;
   int64_t embedding_rows = 0, embedding_dim = 0, batch_rows = 0;
+  double zipf = 0;  // the rows' Zipf exponent (0: uniform)
   int warmup = 0;
   int steps = 0;
   bool fused = false;

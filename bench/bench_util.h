@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,7 @@ struct Options {
   int64_t embedding_dim = 64;
   int64_t batch_rows = 4096;
   uint64_t seed = 1;
+  double zipf = 0;  // --sparse: rows drawn Zipf(s) by frequency rank (0: uniform)
   int warmup = 3;
   int steps = 20;
   bool fused = false;
@@ -99,6 +101,14 @@ Result<uint64_t> ParseBytes(const std::string& text);
 Result<Endpoint> ParseEndpoint(const std::string& text);
 // Splits the model into float32 variables whose sizes differ by at most one element.
 Result<std::vector<VarSpec>> MakeVariables(uint64_t model_bytes, int count);
+// How --sparse draws its rows, for the report: "uniform" or "Zipf 1.1".
+inline std::string RowsDrawn(double zipf) {
+  if (zipf <= 0) return "uniform";
+  char text[32];
+  std::snprintf(text, sizeof(text), "Zipf %g", zipf);
+  return text;
+}
+
 inline double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 // Nearest-rank percentile of `v` (sorted in place); 0 for no samples.
 double Percentile(std::vector<double>& v, double p);

@@ -11,9 +11,10 @@
 //    of them in one call and pushes a gradient for each.
 //  - --sparse: one float32 embedding of --embedding-rows x --embedding-dim. Every step a worker
 //    draws --batch-rows distinct rows (sampled without replacement from a per-worker RNG seeded
-//    with --seed + worker index, sorted), pulls them with PullRows, computes a small gradient from
-//    the pulled values (c + 0.01 * value) and pushes it as a SparseGradient (indices + values
-//    [rows, dim]). Drawing the batch is outside the timed step; the gradient computation is inside.
+//    with --seed + worker index, sorted; uniformly, or by --zipf S: row r drawn with probability
+//    proportional to 1 / (r + 1)^S until the batch's rows are distinct), pulls them with PullRows, computes a small
+//    gradient from the pulled values (c + 0.01 * value) and pushes it as a SparseGradient (indices + values [rows,
+//    dim]). Drawing the batch is outside the timed step; the gradient computation is inside.
 //
 // Consistency modes (--mode, in-process daemon; with --connect the daemon's mode, announced in the
 // handshake, decides):
@@ -460,6 +461,13 @@ int Run(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "--sparse: base seed of the workers' row samplers (worker i: seed + i)")
       ->needs(sparse)
       ->capture_default_str();
+  app.add_option(
+         "--zipf", opt.zipf,
+         "--sparse: draw each batch's distinct rows Zipf(S) by row id (row 0 the most frequent, as a vocabulary "
+         "sorted by frequency) instead of uniformly; S in (0, 4], 1.0 is the classic word frequency (0: uniform)")
+      ->check(CLI::Range(0.0, 4.0))
+      ->needs(sparse)
+      ->capture_default_str();
   app.add_option("--warmup", opt.warmup, "unmeasured steps first (async/ssp: iterations per worker)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -556,6 +564,12 @@ int Run(int argc, char** argv) {
     return 1;
   }
 
+  if (opt.sparse && opt.zipf > 0 && opt.batch_rows > opt.embedding_rows / 2) {
+    std::fprintf(stderr,
+                 "psd_bench: --zipf needs --batch-rows at most half of --embedding-rows (a batch of distinct rows "
+                 "drawn by frequency); give fewer --batch-rows or more --embedding-rows\n");
+    return 1;
+  }
   if (opt.engine_only) {
     if (opt.mode != "sync") {
       std::fprintf(stderr, "psd_bench: --engine-only measures sync steps (--mode sync)\n");

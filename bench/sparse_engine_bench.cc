@@ -61,16 +61,17 @@ int RunSparseEngineBench(const Options& opt) {
     return 1;
   }
   struct Worker {
-    std::mt19937_64 rng;
+    RowSampler sampler;
     std::vector<int64_t> rows;
     std::vector<float> grad;
   };
-  std::vector<Worker> w(static_cast<size_t>(workers));
+  std::vector<Worker> w;
+  w.reserve(static_cast<size_t>(workers));
   for (int i = 0; i < workers; ++i) {
-    w[i].rng.seed(opt.seed + static_cast<uint64_t>(i));
+    w.push_back(
+        {RowSampler(opt.embedding_rows, opt.batch_rows, opt.zipf, opt.seed + static_cast<uint64_t>(i)), {}, {}});
     w[i].grad.assign(static_cast<size_t>(opt.batch_rows * opt.embedding_dim), 1e-3f * static_cast<float>(i + 1));
   }
-  std::unordered_set<int64_t> chosen;
   std::vector<double> step_ms;
   const int threads = std::min(workers, psd::ThreadsOrCores(opt.io_threads));
   int step = 0;
@@ -108,7 +109,7 @@ int RunSparseEngineBench(const Options& opt) {
   double measured_ms = 0;
   int rc = 0;
   for (; step < opt.warmup + opt.steps; ++step) {
-    for (Worker& each : w) SampleRows(opt.embedding_rows, opt.batch_rows, each.rng, &chosen, &each.rows);
+    for (Worker& each : w) each.sampler.Next(&each.rows);
     const auto t0 = Clock::now();
     begin.arrive_and_wait();
     end.arrive_and_wait();
@@ -136,8 +137,9 @@ int RunSparseEngineBench(const Options& opt) {
   const double p50 = Percentile(step_ms, 50), p99 = Percentile(step_ms, 99);
   std::printf("psd_bench  build %s, engine only (no network), %d pushing thread(s)\n", PSD_BUILD_TYPE, threads);
   std::printf("workload   sparse: float32 embedding %" PRId64 " x %" PRId64 ", %d workers x %" PRId64
-              " distinct rows a step, sync R=N=%d, optimizer %s\n",
-              opt.embedding_rows, opt.embedding_dim, workers, opt.batch_rows, workers, opt.optimizer.c_str());
+              " distinct rows a step (%s), sync R=N=%d, optimizer %s\n",
+              opt.embedding_rows, opt.embedding_dim, workers, opt.batch_rows, RowsDrawn(opt.zipf).c_str(), workers,
+              opt.optimizer.c_str());
   std::printf(
       "step       p50 %.3f ms, p99 %.3f ms (%d pushes, the take and the apply; %d measured of %d, %.1f s "
       "in all)\n",

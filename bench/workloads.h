@@ -4,6 +4,7 @@
 #define PSD_BENCH_WORKLOADS_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -131,18 +132,83 @@ class DenseWorkload : public Workload {
   int64_t fresh_step_ = -1;
 };
 
-// Floyd's sampling: `batch` distinct rows of [0, total) in O(batch), sorted into *rows
-// (`chosen` is scratch).
-inline void SampleRows(int64_t total, int64_t batch, std::mt19937_64& rng, std::unordered_set<int64_t>* chosen,
-                       std::vector<int64_t>* rows) {
-  chosen->clear();
-  for (int64_t j = total - batch; j < total; ++j) {
-    int64_t t = std::uniform_int_distribution<int64_t>(0, j)(rng);
-    if (!chosen->insert(t).second) chosen->insert(j);
+// The rows a sparse worker pulls and pushes each step: `batch` distinct rows of [0, total),
+// sorted. `zipf` 0: uniform (Floyd's sampling, O(batch)). `zipf` s > 0: rows drawn with
+// probability proportional to 1 / (row + 1)^s until `batch` are distinct (row 0 the most frequent,
+// as in a vocabulary sorted by frequency, where the hot rows are the low ids), by rejection-inversion
+// (Hoermann and Derflinger, "Rejection-inversion to generate variates from monotone discrete
+// distributions", 1996: O(1) memory and time a draw); a skew so steep that 64 x batch draws bring
+// fewer distinct rows ends the batch with uniform ones.
+class RowSampler {
+ public:
+  RowSampler(int64_t total, int64_t batch, double zipf, uint64_t seed)
+      : total_(total), batch_(batch), zipf_(zipf), rng_(seed) {
+    chosen_.reserve(static_cast<size_t>(batch) * 2);
+    if (zipf_ > 0) {
+      h_x1_ = HIntegral(1.5) - 1.0;
+      h_n_ = HIntegral(static_cast<double>(total_) + 0.5);
+      s_ = 2.0 - HIntegralInverse(HIntegral(2.5) - H(2.0));
+    }
   }
-  rows->assign(chosen->begin(), chosen->end());
-  std::sort(rows->begin(), rows->end());
-}
+  void Next(std::vector<int64_t>* rows) {
+    chosen_.clear();
+    if (zipf_ > 0) {
+      for (int64_t draws = 0; static_cast<int64_t>(chosen_.size()) < batch_ && draws < 64 * batch_; ++draws) {
+        chosen_.insert(Zipf() - 1);
+      }
+      // The rest uniform (rejection: the callers keep batch <= total / 2 with a skew).
+      std::uniform_int_distribution<int64_t> any(0, total_ - 1);
+      while (static_cast<int64_t>(chosen_.size()) < batch_) chosen_.insert(any(rng_));
+    } else {
+      for (int64_t j = total_ - batch_; j < total_; ++j) {
+        int64_t t = std::uniform_int_distribution<int64_t>(0, j)(rng_);
+        if (!chosen_.insert(t).second) chosen_.insert(j);
+      }
+    }
+    rows->assign(chosen_.begin(), chosen_.end());
+    std::sort(rows->begin(), rows->end());
+  }
+
+ private:
+  // One Zipf draw in [1, total].
+  int64_t Zipf() {
+    std::uniform_real_distribution<double> unit(0.0, 1.0);
+    for (;;) {
+      const double u = h_n_ + unit(rng_) * (h_x1_ - h_n_);
+      const double x = HIntegralInverse(u);
+      const int64_t k = std::clamp<int64_t>(static_cast<int64_t>(x + 0.5), 1, total_);
+      if (static_cast<double>(k) - x <= s_ ||
+          u >= HIntegral(static_cast<double>(k) + 0.5) - H(static_cast<double>(k))) {
+        return k;
+      }
+    }
+  }
+  double H(double x) const { return std::exp(-zipf_ * std::log(x)); }
+  // The integral of H: ((x^(1-s)) - 1) / (1 - s), log(x) at s = 1 (both through Helper2).
+  double HIntegral(double x) const {
+    const double log_x = std::log(x);
+    return Helper2((1.0 - zipf_) * log_x) * log_x;
+  }
+  double HIntegralInverse(double x) const {
+    double t = x * (1.0 - zipf_);
+    if (t < -1.0) t = -1.0;  // rounding: the inverse is defined from -1 on
+    return std::exp(Helper1(t) * x);
+  }
+  // log(1 + x) / x and (exp(x) - 1) / x, both 1 at 0 (exact near it, by their series).
+  static double Helper1(double x) {
+    return std::abs(x) > 1e-8 ? std::log1p(x) / x : 1.0 - x * (0.5 - x * (1.0 / 3.0 - 0.25 * x));
+  }
+  static double Helper2(double x) {
+    return std::abs(x) > 1e-8 ? std::expm1(x) / x : 1.0 + x * 0.5 * (1.0 + x * (1.0 / 3.0) * (1.0 + 0.25 * x));
+  }
+
+  const int64_t total_;
+  const int64_t batch_;
+  const double zipf_;
+  std::mt19937_64 rng_;
+  std::unordered_set<int64_t> chosen_;
+  double h_x1_ = 0, h_n_ = 0, s_ = 0;
+};
 
 class SparseWorkload : public Workload {
  public:
@@ -151,7 +217,7 @@ class SparseWorkload : public Workload {
       : rows_total_(opt.embedding_rows),
         dim_(opt.embedding_dim),
         batch_(opt.batch_rows),
-        rng_(opt.seed + static_cast<uint64_t>(index)),
+        sampler_(opt.embedding_rows, opt.batch_rows, opt.zipf, opt.seed + static_cast<uint64_t>(index)),
         bias_(1e-3f * static_cast<float>(index + 1)) {
     const size_t bytes = static_cast<size_t>(batch_ * dim_) * sizeof(float);
     for (float** at : {&values_, &grads_}) {
@@ -166,7 +232,6 @@ class SparseWorkload : public Workload {
       }
       *at = shared_.emplace_back(std::move(*b)).as<float>();
     }
-    chosen_.reserve(static_cast<size_t>(batch_) * 2);
     batch_rows_.reserve(static_cast<size_t>(batch_));
     sparse_.resize(1);
     sparse_[0].name = kEmbeddingName;
@@ -187,7 +252,7 @@ class SparseWorkload : public Workload {
   Result<int64_t> FirstPull(psclient::Client& c) override {
     return c.PullRows(kEmbeddingName, {0}, psclient::TensorView{values_, psd::DType::kFloat32, {1, dim_}});
   }
-  void Next() override { SampleRows(rows_total_, batch_, rng_, &chosen_, &batch_rows_); }
+  void Next() override { sampler_.Next(&batch_rows_); }
   Result<int64_t> Pull(psclient::Client& c) override {
     return c.PullRows(kEmbeddingName, batch_rows_, psclient::TensorView{values_, psd::DType::kFloat32, {batch_, dim_}});
   }
@@ -208,9 +273,8 @@ class SparseWorkload : public Workload {
   const int64_t rows_total_;
   const int64_t dim_;
   const int64_t batch_;
-  std::mt19937_64 rng_;
+  RowSampler sampler_;
   const float bias_;
-  std::unordered_set<int64_t> chosen_;
   std::vector<int64_t> batch_rows_;
   std::deque<std::vector<uint64_t>> plain_;
   std::deque<psclient::SharedBuffer> shared_;
