@@ -2,6 +2,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <barrier>
 #include <cinttypes>
@@ -17,6 +18,7 @@
 #include "bench_util.h"
 #include "config/server_config.h"
 #include "core/optimizer.h"
+#include "core/sparse_accumulator.h"
 #include "core/training_engine.h"
 #include "psd/cores.h"
 #include "workloads.h"
@@ -41,6 +43,7 @@ int RunSparseEngineBench(const Options& opt) {
   config.replicas_to_aggregate = workers;
   config.total_replicas = workers;
   config.init_tokens = 0;
+  config.io_threads = opt.io_threads;  // the pushing threads below, as psd's I/O threads
   config.optimizer.name = opt.optimizer;
   config.optimizer.learning_rate = opt.learning_rate;
   if (Status s = config.Validate(); !s.ok()) {
@@ -103,13 +106,41 @@ int RunSparseEngineBench(const Options& opt) {
       end.arrive_and_wait();
     }
   };
+  // How evenly a push's rows spread over the accumulator's stripes (each with its own lock: the
+  // rows of one stripe are added one push at a time): the largest stripe's share of each push's
+  // rows, with the rows dealt in coarse and in fine granules (the daemon deals the next step's
+  // rows in fine ones once a step's crowd a coarse stripe), and, for comparison, in contiguous
+  // index ranges of as many stripes.
+  const int64_t stripes =
+      srv::SparseAccumulator(psd::DType::kFloat32, {opt.embedding_rows, 1}, srv::Reduction::kSum, 0).num_stripes();
+  const int64_t range_rows = (opt.embedding_rows + stripes - 1) / stripes;
+  std::array<double, 3> largest{};  // coarse granules, fine ones, ranges: the shares summed
+  std::vector<int64_t> in(static_cast<size_t>(stripes));
+  auto count_shares = [&](const std::vector<int64_t>& rows) {
+    for (size_t layout = 0; layout < largest.size(); ++layout) {
+      std::fill(in.begin(), in.end(), 0);
+      for (int64_t r : rows) {
+        const int64_t s =
+            layout == 2 ? r / range_rows
+                        : srv::SparseAccumulator::StripeOf(r, stripes,
+                                                           layout == 0 ? srv::SparseAccumulator::kCoarseGranuleRows
+                                                                       : srv::SparseAccumulator::kFineGranuleRows);
+        ++in[static_cast<size_t>(s)];
+      }
+      largest[layout] +=
+          static_cast<double>(*std::max_element(in.begin(), in.end())) / static_cast<double>(rows.size());
+    }
+  };
   std::vector<std::thread> pushers;
   for (int t = 0; t < threads; ++t) pushers.emplace_back(push_some, t);
   const auto start = Clock::now();
   double measured_ms = 0;
   int rc = 0;
   for (; step < opt.warmup + opt.steps; ++step) {
-    for (Worker& each : w) each.sampler.Next(&each.rows);
+    for (Worker& each : w) {
+      each.sampler.Next(&each.rows);
+      if (step >= opt.warmup) count_shares(each.rows);
+    }
     const auto t0 = Clock::now();
     begin.arrive_and_wait();
     end.arrive_and_wait();
@@ -145,6 +176,11 @@ int RunSparseEngineBench(const Options& opt) {
       "in all)\n",
       p50, p99, workers, opt.steps, opt.warmup + opt.steps, Ms(Clock::now() - start) / 1e3);
   std::printf("rows/s     %.0f accumulated and applied\n", rows / (measured_ms / 1e3));
+  const double pushes = static_cast<double>(workers) * opt.steps;
+  std::printf("stripes    %" PRId64 ": the largest one held %.1f%% of a push's rows on average dealt %" PRId64
+              " rows at a time, %.1f%% dealt %" PRId64 " at a time (%.1f%% were they contiguous index ranges)\n",
+              stripes, 100 * largest[0] / pushes, srv::SparseAccumulator::kCoarseGranuleRows, 100 * largest[1] / pushes,
+              srv::SparseAccumulator::kFineGranuleRows, 100 * largest[2] / pushes);
   return 0;
 }
 

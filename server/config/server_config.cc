@@ -279,6 +279,7 @@ Status ServerConfig::Validate() {
   tokens_per_step = std::max(total_replicas, replicas_to_aggregate);
   PSD_RETURN_IF_ERROR(InRange("--threads", io_threads, 0, 256, " (0: one per core)"));
   io_threads = std::min(ThreadsOrCores(io_threads), 256);
+  concurrent_adds = io_threads;
   PSD_RETURN_IF_ERROR(SizeInRange("--max-frame-bytes", max_frame_bytes, 4ull << 10, 16ull << 30));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-model-bytes", max_model_bytes, 4ull << 10, 1ull << 50));
   PSD_RETURN_IF_ERROR(SizeInRange("--max-inflight-bytes", max_inflight_bytes, 64ull << 10, 1ull << 50));

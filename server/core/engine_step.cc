@@ -8,6 +8,7 @@
 #include "base/scope_exit.h"
 #include "core/training_engine.h"
 #include "core/training_engine_internal.h"
+#include "psd/cores.h"
 
 namespace psd::server {
 
@@ -95,6 +96,14 @@ std::unique_ptr<DenseAccumulator> TrainingEngine::NewDenseAccumulator(const Vari
   if (config_.deterministic) {
     acc->LimitSlots(2 * config_.worker_slots() + 8);
   }
+  return acc;
+}
+
+std::unique_ptr<SparseAccumulator> TrainingEngine::NewSparseAccumulator(const Variable& v, int64_t step) const {
+  auto acc = std::make_unique<SparseAccumulator>(v.dtype, v.shape, config_.reduction, step);
+  // Concurrent adds: one per I/O thread, at most one per worker.
+  const int adds = config_.concurrent_adds > 0 ? config_.concurrent_adds : psd::ThreadsOrCores(0);
+  acc->SetAdders(config_.total_replicas > 0 ? std::min(adds, config_.total_replicas) : adds);
   return acc;
 }
 
@@ -190,6 +199,7 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     // The last take's rows were applied at its commit (cleared, not freed): their buffers hold the
     // next step's rows, so a step allocates nothing once both have grown.
     v->sparse->ReleaseTaken(&v->pending_sparse);
+    v->pending_granule_rows = v->sparse->taken_granule_rows();
     v->sparse_pending = true;
     ++step_takes_begun_;
     return true;
@@ -264,25 +274,70 @@ SparseApplyArgs TrainingEngine::ListSparseRowsLocked(Variable* v, const int64_t*
 }
 
 void TrainingEngine::ApplyPendingSparseLocked(Variable* v, int64_t step, double lr) {
-  const bool any = std::any_of(v->pending_sparse.begin(), v->pending_sparse.end(),
-                               [](const SparseRows& part) { return !part.indices.empty(); });
-  if (any) {
+  size_t rows = 0;
+  for (const SparseRows& part : v->pending_sparse) rows += part.indices.size();
+  if (rows > 0) {
     auto t0 = std::chrono::steady_clock::now();
+    // Updated stripe by stripe when their granules are coarse (a stripe's rows lie in a few big
+    // runs of the table); in contiguous index ranges when they are fine (a stripe's rows are spread
+    // over the whole table, a range's share its pages and the page tables' lines): then the rows in
+    // index order, and where each one's sum is, are listed first.
+    const bool by_ranges = v->pending_granule_rows < SparseAccumulator::kCoarseGranuleRows;
+    if (by_ranges) {  // room for that list first: it may throw, as the copy below, before any change
+      v->apply_rows.resize(rows);
+      v->apply_grads.resize(rows);
+    }
     // In place unless a pull or a kept copy still references the published buffer: then copy first.
     CopyOnWriteLocked(v);
-    // The stripes' index ranges increase: their rows are listed in increasing order, here; then
-    // the stripes (disjoint rows) are updated on the apply threads.
-    std::array<SparseApplyArgs, SparseAccumulator::kMaxStripes> parts;
-    size_t count = 0;
-    for (const SparseRows& part : v->pending_sparse) {
-      if (part.indices.empty()) continue;
-      parts[count++] = ListSparseRowsLocked(v, part.indices.data(), part.indices.size(), part.values.data(),
-                                            part.order.data(), step, lr);
-    }
+    // The rows written, in increasing order across the stripes (their rows interleave granule by
+    // granule): neighbouring rows make one range of the value's and each slot's list of changes.
+    const uint64_t row_bytes = static_cast<uint64_t>(v->row_elements) * DTypeSize(v->dtype);
+    Buffer* const value = v->published.get();
+    std::vector<Buffer>* const slots = &v->slots;
+    const std::vector<SparseRows>& parts = v->pending_sparse;
+    int64_t* const listed = v->apply_rows.data();
+    const void** const grads = v->apply_grads.data();
+    size_t n = 0;
+    SparseAccumulator::ForEachRowInOrder(
+        parts,
+        [&](int64_t r, int64_t stripe, uint32_t position) {
+          value->MarkChanged(static_cast<uint64_t>(r) * row_bytes, row_bytes);
+          for (Buffer& slot : *slots) slot.MarkChanged(static_cast<uint64_t>(r) * row_bytes, row_bytes);
+          if (!by_ranges) return;
+          listed[n] = r;
+          grads[n++] = parts[static_cast<size_t>(stripe)].values.data() + position * row_bytes;
+        },
+        v->pending_granule_rows);
     const Optimizer& opt = *v->opt;
-    pool_.ParallelFor(static_cast<int64_t>(count), 1, [&opt, &parts](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) opt.UpdateSparse(parts[static_cast<size_t>(i)]);
-    });
+    SparseApplyArgs all{v->dtype, v->row_elements, v->published->listed_data(), nullptr, 0, nullptr, &v->slots, step,
+                        lr};
+    all.slots_listed = true;
+    if (by_ranges) {
+      all.rows = listed;
+      all.grad_rows = grads;
+      pool_.ParallelFor(static_cast<int64_t>(rows), kSparseApplyGrainRows, [&opt, &all](int64_t begin, int64_t end) {
+        SparseApplyArgs range = all;
+        range.rows += begin;
+        range.grad_rows += begin;
+        range.num_rows = end - begin;
+        opt.UpdateSparse(range);
+      });
+    } else {
+      std::array<SparseApplyArgs, SparseAccumulator::kMaxStripes> stripes;
+      size_t count = 0;
+      for (const SparseRows& part : parts) {
+        if (part.indices.empty()) continue;
+        SparseApplyArgs& a = stripes[count++];
+        a = all;
+        a.rows = part.indices.data();
+        a.num_rows = static_cast<int64_t>(part.indices.size());
+        a.grad = part.values.data();
+        a.order = part.order.data();
+      }
+      pool_.ParallelFor(static_cast<int64_t>(count), 1, [&opt, &stripes](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) opt.UpdateSparse(stripes[static_cast<size_t>(i)]);
+      });
+    }
     ReportApply(t0);
   }
   // Cleared, not freed: they hold a later step's rows (SparseAccumulator::ReleaseTaken).
@@ -291,6 +346,8 @@ void TrainingEngine::ApplyPendingSparseLocked(Variable* v, int64_t step, double 
     part.values.clear();
     part.order.clear();
   }
+  v->apply_rows.clear();
+  v->apply_grads.clear();
 }
 
 void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
@@ -380,7 +437,7 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
     v->next_take_step = step + 1;
     if (v->dense) v->dense = NewDenseAccumulator(*v, step + 1);
     if (v->sparse) {
-      v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, step + 1);
+      v->sparse = NewSparseAccumulator(*v, step + 1);
       SettleStagingLocked(v);  // rows kept for gradients sent in parts went with the old one
     }
     --pending_takes_;

@@ -5,6 +5,8 @@
 #include <cassert>
 #include <cmath>
 
+#include "base/prefetch.h"
+
 namespace psd::server {
 namespace {
 
@@ -217,11 +219,6 @@ namespace {
 // so each would otherwise wait for memory in turn.
 constexpr int64_t kPrefetchRows = 8;
 
-void PrefetchRow(const void* row, uint64_t row_bytes) {
-  const auto* p = static_cast<const char*>(row);
-  for (uint64_t b = 0; b < std::min<uint64_t>(row_bytes, 256); b += 64) __builtin_prefetch(p + b, 1);
-}
-
 template <typename T, typename Fn>
 void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
   const size_t slots = a.slots->size();
@@ -234,14 +231,16 @@ void ForEachRow(const SparseApplyArgs& a, Fn&& range) {
   for (int64_t n = 0; n < a.num_rows; ++n) {
     if (n + kPrefetchRows < a.num_rows) {
       const int64_t ahead = a.rows[at(n + kPrefetchRows)] * a.row_elements;
-      PrefetchRow(value + ahead, row_bytes);
-      for (size_t k = 0; k < slots; ++k) PrefetchRow(base[k] + ahead, row_bytes);
+      PrefetchRow(value + ahead, row_bytes, /*for_write=*/true);
+      for (size_t k = 0; k < slots; ++k) PrefetchRow(base[k] + ahead, row_bytes, /*for_write=*/true);
+      if (a.grad_rows != nullptr) PrefetchRow(a.grad_rows[at(n + kPrefetchRows)], row_bytes, /*for_write=*/false);
     }
     const int64_t i = at(n);
     const int64_t off = a.rows[i] * a.row_elements;
     for (size_t k = 0; k < slots; ++k) sp[k] = base[k] + off;
+    const T* g = a.grad_rows != nullptr ? static_cast<const T*>(a.grad_rows[i]) : grad + i * a.row_elements;
     // In place: each element is read before it is written.
-    range(value + off, grad + i * a.row_elements, value + off, sp.data());
+    range(value + off, g, value + off, sp.data());
   }
 }
 

@@ -81,6 +81,9 @@ struct SparseApplyArgs {
   const uint32_t* order = nullptr;
   // The slot rows were listed already (Optimizer::ListSparseSlots): UpdateSparse only updates.
   bool slots_listed = false;
+  // Non-null: the n-th row's gradient (in the order above) is at grad_rows[n], not in `grad` (a
+  // sync step's rows in index order, their sums where each stripe of the accumulator left them).
+  const void* const* grad_rows = nullptr;
 };
 
 class Optimizer {

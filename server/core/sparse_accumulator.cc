@@ -7,6 +7,8 @@
 #include <exception>
 #include <random>
 
+#include "base/prefetch.h"
+#include "base/scope_exit.h"
 #include "core/accumulator.h"
 
 namespace psd::server {
@@ -205,7 +207,7 @@ struct SparseAccumulator::Stripe {
 };
 
 SparseAccumulator::SparseAccumulator(DType dtype, Shape declared, Reduction reduction, int64_t initial_step,
-                                     int64_t stripe_rows)
+                                     int64_t stripe_rows, int64_t granule_rows)
     : dtype_(dtype),
       declared_(std::move(declared)),
       reduction_(reduction),
@@ -213,13 +215,52 @@ SparseAccumulator::SparseAccumulator(DType dtype, Shape declared, Reduction redu
       hash_multiplier_(RandomOddMultiplier()),
       step_(initial_step) {
   const int64_t rows = declared_.empty() ? 1 : std::max<int64_t>(declared_[0], 1);
-  if (stripe_rows <= 0) stripe_rows = std::max(kMinStripeRows, (rows + kMaxStripes - 1) / kMaxStripes);
-  stripe_rows_ = std::max(stripe_rows, (rows + kMaxStripes - 1) / kMaxStripes);
-  num_stripes_ = (rows + stripe_rows_ - 1) / stripe_rows_;
+  if (stripe_rows <= 0) stripe_rows = kMinStripeRows;
+  adapt_granules_ = granule_rows <= 0;
+  // No more stripes than the finest granules give.
+  const int64_t finest = int64_t{1} << GranuleShift(adapt_granules_ ? kFineGranuleRows : granule_rows);
+  num_stripes_ = std::clamp<int64_t>((rows + stripe_rows - 1) / stripe_rows, 1, kMaxStripes);
+  num_stripes_ = std::min(num_stripes_, (rows + finest - 1) / finest);
   stripes_ = std::make_unique<Stripe[]>(static_cast<size_t>(num_stripes_));
-  for (int64_t i = 0; i < num_stripes_; ++i) stripes_[i].rows_in = std::min(stripe_rows_, rows - i * stripe_rows_);
+  DealGranules(GranuleShift(adapt_granules_ ? kCoarseGranuleRows : granule_rows));
+  taken_granule_shift_ = granule_shift_;
   taken_.resize(static_cast<size_t>(num_stripes_));
   spare_taken_.resize(static_cast<size_t>(num_stripes_));
+}
+
+void SparseAccumulator::DealGranules(int shift) {
+  granule_shift_ = shift;
+  // Granule g goes to stripe g mod num_stripes_; the last granule may be short (and a stripe may
+  // have none).
+  const int64_t rows = declared_.empty() ? 1 : std::max<int64_t>(declared_[0], 1);
+  const int64_t granule = int64_t{1} << shift;
+  const int64_t granules = (rows + granule - 1) / granule;
+  for (int64_t i = 0; i < num_stripes_; ++i) {
+    const int64_t mine = i < granules ? (granules - i + num_stripes_ - 1) / num_stripes_ : 0;
+    stripes_[i].rows_in = mine * granule - ((granules - 1) % num_stripes_ == i ? granules * granule - rows : 0);
+  }
+}
+
+void SparseAccumulator::AdaptGranules() {
+  if (!adapt_granules_ || num_stripes_ == 1) return;
+  size_t total = 0, most = 0;
+  for (const SparseRows& t : taken_) {
+    total += t.indices.size();
+    most = std::max(most, t.indices.size());
+  }
+  if (total < 8 * static_cast<size_t>(num_stripes_)) return;  // too few rows to tell
+  const int coarse = GranuleShift(kCoarseGranuleRows), fine = GranuleShift(kFineGranuleRows);
+  const auto adders = static_cast<size_t>(adders_);
+  if (granule_shift_ == coarse) {
+    if (most * adders > total) DealGranules(fine);
+    return;
+  }
+  // Fine now: how would these rows have spread over coarse granules?
+  std::array<size_t, kMaxStripes> in{};
+  for (const SparseRows& t : taken_) {
+    for (int64_t row : t.indices) ++in[static_cast<size_t>((row >> coarse) % num_stripes_)];
+  }
+  if (*std::max_element(in.begin(), in.begin() + num_stripes_) * adders * 2 <= total) DealGranules(coarse);
 }
 
 SparseAccumulator::~SparseAccumulator() = default;
@@ -244,78 +285,134 @@ void SparseAccumulator::ReserveIn(Stripe* s, size_t rows) {
 }
 
 template <typename T>
-void SparseAccumulator::MergeInto(Stripe* s, const SparseGradRef& g, int64_t begin, int64_t end) {
+void SparseAccumulator::MergeInto(Stripe* s, const SparseGradRef& g, const Slice* slices, size_t count, size_t rows) {
   s->mu.AssertHeld();
   const size_t row_bytes = static_cast<size_t>(row_elements_) * sizeof(T);
   const auto* in = static_cast<const uint8_t*>(g.values);
   const size_t first_new = s->rows.size();
-  for (int64_t b = begin; b < end; ++b) {
-    const int64_t row = g.indices[b];  // checked: in this stripe
-    const uint8_t* y = in + static_cast<size_t>(b) * row_bytes;
-    uint32_t* at = s->Place(row, hash_multiplier_);
-    if (*at == 0) {
-      s->sums.insert(s->sums.end(), y, y + row_bytes);
-      s->rows.push_back(row);
-      s->counts.push_back(1);
-      *at = static_cast<uint32_t>(s->rows.size());
-    } else {  // held: the row held first plus this one (TF's merge adds in the same order), count + 1
-      T* x = reinterpret_cast<T*>(s->sums.data() + static_cast<size_t>(*at - 1) * row_bytes);
-      const T* add = reinterpret_cast<const T*>(y);
-      for (int64_t k = 0; k < row_elements_; ++k) x[k] = x[k] + add[k];
-      ++s->counts[*at - 1];
+  for (size_t c = 0; c < count; ++c) {
+    // The gradient's rows a stripe takes are spread over it (a granule's at a time): the first row
+    // of the slice 4 ahead is fetched meanwhile (a slice's own rows follow each other).
+    if (c + 4 < count) PrefetchRow(in + static_cast<size_t>(slices[c + 4].first) * row_bytes, row_bytes, false);
+    for (uint32_t b = slices[c].first; b < slices[c].second; ++b) {
+      const int64_t row = g.indices[b];  // checked: in this stripe
+      const uint8_t* y = in + static_cast<size_t>(b) * row_bytes;
+      uint32_t* at = s->Place(row, hash_multiplier_);
+      if (*at == 0) {
+        s->sums.insert(s->sums.end(), y, y + row_bytes);
+        s->rows.push_back(row);
+        s->counts.push_back(1);
+        *at = static_cast<uint32_t>(s->rows.size());
+      } else {  // held: the row held first plus this one (TF's merge adds in the same order), count + 1
+        T* x = reinterpret_cast<T*>(s->sums.data() + static_cast<size_t>(*at - 1) * row_bytes);
+        const T* add = reinterpret_cast<const T*>(y);
+        for (int64_t k = 0; k < row_elements_; ++k) x[k] = x[k] + add[k];
+        ++s->counts[*at - 1];
+      }
     }
   }
-  // This gradient's new rows follow in increasing order (its indices do): one run.
+  // This gradient's new rows in the stripe follow in increasing order (its indices do): one run.
   if (s->rows.size() > first_new) s->run_starts.push_back(static_cast<uint32_t>(first_new));
-  s->promised -= static_cast<size_t>(end - begin);
+  s->promised -= rows;
   --s->promised_runs;
 }
+
+namespace {
+
+// An Add's scratch, per thread: where each slice of its gradient begins and its stripe, in row
+// order; then the slices (begin, end) grouped by stripe. Kept (a steady Add allocates nothing)
+// while it holds at most kKeptSlices slices (16 bytes each); a bigger gradient's is let go after.
+struct AddScratch {
+  static constexpr size_t kKeptSlices = size_t{1} << 16;
+  std::vector<uint32_t> begins;
+  std::vector<uint32_t> stripes;
+  std::vector<std::pair<uint32_t, uint32_t>> grouped;
+  void Trim() {
+    if (begins.capacity() <= kKeptSlices && grouped.capacity() <= kKeptSlices) return;
+    std::vector<uint32_t>().swap(begins);
+    std::vector<uint32_t>().swap(stripes);
+    std::vector<std::pair<uint32_t, uint32_t>>().swap(grouped);
+  }
+};
+thread_local AddScratch add_scratch;
+
+}  // namespace
 
 void SparseAccumulator::Add(const PendingAdd& add) {
   const SparseGradRef& g = add.grad;
   if (g.nnz == 0) return;
-  // The stripes its rows fall in, and where each one's rows begin (its indices increase).
-  const int64_t first = StripeOf(g.indices[0]);
-  const int64_t count = StripeOf(g.indices[g.nnz - 1]) - first + 1;
-  std::array<int64_t, kMaxStripes + 1> bounds;
-  bounds[0] = 0;
-  for (int64_t k = 1; k < count; ++k) {
-    const int64_t lowest = (first + k) * stripe_rows_;
-    bounds[k] = std::lower_bound(g.indices + bounds[k - 1], g.indices + g.nnz, lowest) - g.indices;
+  const auto nnz = static_cast<uint32_t>(g.nnz);  // at most kMaxRows: the indices increase
+  // The slices of rows each stripe takes, and how many rows: a slice per granule the gradient
+  // touches (its indices increase, so a granule's rows are consecutive), grouped by stripe.
+  std::array<size_t, kMaxStripes> rows_in{};
+  std::array<uint32_t, kMaxStripes + 1> first_slice{};  // where each stripe's slices begin
+  const Slice whole{0, nnz};
+  const Slice* all = &whole;
+  ScopeExit trim([] { add_scratch.Trim(); });
+  if (num_stripes_ == 1) {
+    rows_in[0] = nnz;
+    first_slice[1] = 1;
+  } else {
+    AddScratch& scratch = add_scratch;
+    scratch.begins.clear();
+    scratch.stripes.clear();
+    int64_t granule = -1;
+    for (uint32_t b = 0; b < nnz; ++b) {
+      const int64_t here = g.indices[b] >> granule_shift_;
+      if (here == granule) continue;
+      granule = here;
+      const auto stripe = static_cast<uint32_t>(here % num_stripes_);
+      scratch.begins.push_back(b);
+      scratch.stripes.push_back(stripe);
+      ++first_slice[stripe + 1];
+    }
+    for (int64_t k = 0; k < num_stripes_; ++k) first_slice[k + 1] += first_slice[k];
+    std::array<uint32_t, kMaxStripes> next;
+    std::copy(first_slice.begin(), first_slice.begin() + num_stripes_, next.begin());
+    const size_t found = scratch.begins.size();
+    scratch.grouped.resize(found);
+    for (size_t f = 0; f < found; ++f) {
+      const uint32_t stripe = scratch.stripes[f];
+      const uint32_t begin = scratch.begins[f], end = f + 1 < found ? scratch.begins[f + 1] : nnz;
+      scratch.grouped[next[stripe]++] = {begin, end};
+      rows_in[stripe] += end - begin;
+    }
+    all = scratch.grouped.data();
   }
-  bounds[count] = g.nnz;
   // First room in every stripe it touches, then the rows: a failed allocation leaves no row of
   // it added (what it reserved stays as capacity, what it promised is given back).
   int64_t reserved = 0;
   try {
-    for (; reserved < count; ++reserved) {
-      if (bounds[reserved] == bounds[reserved + 1]) continue;
-      Stripe* s = &stripes_[first + reserved];
+    for (; reserved < num_stripes_; ++reserved) {
+      if (rows_in[reserved] == 0) continue;
+      Stripe* s = &stripes_[reserved];
       MutexLock lock(&s->mu);
-      ReserveIn(s, static_cast<size_t>(bounds[reserved + 1] - bounds[reserved]));
+      ReserveIn(s, rows_in[reserved]);
     }
   } catch (...) {
     for (int64_t k = 0; k < reserved; ++k) {
-      if (bounds[k] == bounds[k + 1]) continue;
-      Stripe* s = &stripes_[first + k];
+      if (rows_in[k] == 0) continue;
+      Stripe* s = &stripes_[k];
       MutexLock lock(&s->mu);
-      s->promised -= static_cast<size_t>(bounds[k + 1] - bounds[k]);
+      s->promised -= rows_in[k];
       --s->promised_runs;
     }
     throw;
   }
   // Concurrent Adds start at different stripes, so they rarely wait for each other's.
   const int64_t start =
-      static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(count));
-  for (int64_t j = 0; j < count; ++j) {
-    const int64_t k = (start + j) % count;
-    if (bounds[k] == bounds[k + 1]) continue;
-    Stripe* s = &stripes_[first + k];
+      static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(num_stripes_));
+  for (int64_t j = 0; j < num_stripes_; ++j) {
+    const int64_t k = (start + j) % num_stripes_;
+    if (rows_in[k] == 0) continue;
+    Stripe* s = &stripes_[k];
+    const Slice* mine = all + first_slice[k];
+    const size_t count = first_slice[k + 1] - first_slice[k];
     MutexLock lock(&s->mu);
     if (dtype_ == DType::kFloat32) {
-      MergeInto<float>(s, g, bounds[k], bounds[k + 1]);
+      MergeInto<float>(s, g, mine, count, rows_in[k]);
     } else {
-      MergeInto<double>(s, g, bounds[k], bounds[k + 1]);
+      MergeInto<double>(s, g, mine, count, rows_in[k]);
     }
   }
 }
@@ -439,6 +536,10 @@ void SparseAccumulator::FinishTake(int* count) {
       TakeStripe<double>(i);
     }
   }
+  // No rows held now (an unfinished gradient's are kept apart): the next step's may be dealt
+  // otherwise.
+  taken_granule_shift_ = granule_shift_;
+  AdaptGranules();
   *count = counter_;
   counter_ = 0;
 }

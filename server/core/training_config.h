@@ -44,6 +44,9 @@ struct TrainingConfig {
   // Optimizer (job-wide; variables may name another one with the same hyper-parameters).
   OptimizerParams optimizer;
   int apply_threads = 0;  // threads that split the apply of big variables (0: one per usable core)
+  // How many pushes may add at once: the daemon's I/O threads (ServerConfig::Validate sets it from
+  // --threads; 0: one per usable core). Sparse accumulators weigh how their rows spread by it.
+  int concurrent_adds = 0;
 
   // Consistency.
   Mode mode = Mode::kSync;

@@ -280,6 +280,12 @@ void TrainingEngine::SettleStagingLocked(Variable* v) {
   v->staging_charged = held;
 }
 
+int64_t TrainingEngine::LastSparseGranuleRows(std::string_view name) const {
+  MutexLock lock(&mu_);
+  const Variable* v = FindLocked(name);
+  return v == nullptr ? 0 : v->pending_granule_rows;
+}
+
 std::optional<VariableDesc> TrainingEngine::Describe(std::string_view name) const {
   MutexLock lock(&mu_);
   Variable* v = FindLocked(name);
@@ -472,8 +478,7 @@ Status TrainingEngine::PushConverted(int64_t local_step, const std::vector<GradR
 
 Result<uint64_t> TrainingEngine::ReserveStaging(Variable* v, const GradRef& g, int64_t local_step) {
   MutexLock lock(&v->mu);
-  if (!v->sparse)
-    v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
+  if (!v->sparse) v->sparse = NewSparseAccumulator(*v, v->next_take_step);
   const uint64_t grows = v->sparse->StagingGrowth(
       local_step, {g.indices, g.nnz, g.dtype, g.shape, g.data, g.bytes, g.dense_shape}, !g.rows_more, g.source);
   if (grows == 0) return uint64_t{0};
@@ -504,7 +509,7 @@ Result<bool> TrainingEngine::AddSparseLocked(Variable* v, const GradRef& g, int6
   // them was reserved (charged) at validation, and is now what they hold (SettleStagingLocked).
   v->staging_reserved -= reserved;
   if (!v->sparse) {  // made at validation (ReserveStaging): only if that was skipped
-    v->sparse = std::make_unique<SparseAccumulator>(v->dtype, v->shape, config_.reduction, v->next_take_step);
+    v->sparse = NewSparseAccumulator(*v, v->next_take_step);
   }
   SparseAccumulator::PendingAdd add;
   Result<bool> accepted = v->sparse->BeginAdd(local_step, ref, counts, g.source, &add);  // validated before

@@ -71,6 +71,7 @@ Result<Aggregation> AggregationFromNumber(int value);
 // value, accumulators, slots and averages are float32 master copies; what a read returns is
 // rounded to the variable's dtype (or to the dtype a reader asks for) where it leaves the daemon.
 class DenseAccumulator;
+class SparseAccumulator;
 
 struct VariableDef {
   std::string name;
@@ -355,6 +356,10 @@ class TrainingEngine {
   const Optimizer& optimizer() const { return *optimizer_; }
   const TrainingConfig& config() const { return config_; }
   EngineStats Stats() const EXCLUDES(mu_);
+  // How the rows of variable `name`'s last sync sparse step were dealt to its accumulator's stripes
+  // (SparseAccumulator::taken_granule_rows; that step was applied stripe by stripe for coarse
+  // granules, in index ranges for fine ones); 0: no such step, or no such variable.
+  int64_t LastSparseGranuleRows(std::string_view name) const EXCLUDES(mu_);
   // Stats().last_step_gradients without the lock (every push reply carries it).
   int last_step_gradients() const { return last_step_gradients_.load(); }
 
@@ -454,8 +459,9 @@ class TrainingEngine {
   // reports the apply.
   SparseApplyArgs ListSparseRowsLocked(Variable* v, const int64_t* rows, size_t n, const void* grad,
                                        const uint32_t* order, int64_t step, double lr) REQUIRES(mu_);
-  // The commit's apply of v's taken sparse rows (pending_sparse, then cleared): listed stripe by
-  // stripe, the stripes updated in parallel on the apply threads.
+  // The commit's apply of v's taken sparse rows (pending_sparse, then cleared): listed in
+  // increasing order across the stripes (SparseAccumulator::ForEachRowInOrder), the stripes
+  // updated in parallel on the apply threads.
   void ApplyPendingSparseLocked(Variable* v, int64_t step, double lr) REQUIRES(mu_);
   // Moving averages: one commit's (or async push's) at a time, in the order their values were
   // taken, each from the shadow the one before wrote (TF's chief queue runner ran them in turn).
@@ -477,6 +483,8 @@ class TrainingEngine {
   // A variable's dense accumulator from round `step` on (deterministic: its slots limited to twice
   // the larger of -N and -R, and 8 more).
   std::unique_ptr<DenseAccumulator> NewDenseAccumulator(const Variable& v, int64_t step) const;
+  // ... and its sparse one (as many adders as I/O threads: SparseAccumulator::SetAdders).
+  std::unique_ptr<SparseAccumulator> NewSparseAccumulator(const Variable& v, int64_t step) const;
   // Offers the dense accumulator the retired value (spare) as its round's sum, if it has none and
   // no pull reads the spare any more (see Push).
   void OfferSpareLocked(Variable* v) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
@@ -501,6 +509,9 @@ class TrainingEngine {
   ThreadPool pool_;  // the apply threads (--apply-threads)
   // Adds of one variable in flight at once up to which each also takes idle apply threads.
   static constexpr int kHelpedAdds = 2;
+  // A sync step's sparse rows are updated in index ranges of at least this many rows per apply
+  // thread (256 KiB of float32 rows of 64).
+  static constexpr int64_t kSparseApplyGrainRows = 1024;
   TokenQueue tokens_;
   std::function<void(const StepInfo&)> on_commit_;
   std::function<void(double)> on_apply_;

@@ -174,6 +174,11 @@ struct TrainingEngine::Variable {
   std::shared_ptr<Buffer> shadow;          // guarded by TrainingEngine::mu_ (moving average)
   bool sparse_pending = false;             // guarded by TrainingEngine::mu_
   std::vector<SparseRows> pending_sparse;  // guarded by TrainingEngine::mu_ (the take's rows, per stripe)
+  int64_t pending_granule_rows = 0;        // guarded by TrainingEngine::mu_ (how the stripes were dealt)
+  // The commit's list of them in index order, and where each one's sum is (kept: cleared, not
+  // freed). Guarded by TrainingEngine::mu_.
+  std::vector<int64_t> apply_rows;
+  std::vector<const void*> apply_grads;
   // With replicas (keep_committed): each slot's last three snapshot copies, oldest first.
   std::vector<std::deque<std::shared_ptr<Buffer>>> slot_copies;  // guarded by TrainingEngine::mu_
 

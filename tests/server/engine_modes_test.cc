@@ -624,7 +624,7 @@ TEST_CASE("a sparse table whose copies are kept is written into the value they l
 TEST_CASE("sync sparse accumulation charges its row bookkeeping to --max-model-bytes once, before any row is taken",
           "[engine][sparse]") {
   ServerConfig c = Cfg(1, 1);
-  c.max_model_bytes = 10500;
+  c.max_model_bytes = 12000;
   auto e = Make(c);
   Create(*e, "emb", std::vector<float>(100), {100, 1});  // 400 bytes x 4 + 1024 = 2624
   CHECK(e->Stats().model_bytes == 2624);
@@ -633,7 +633,7 @@ TEST_CASE("sync sparse accumulation charges its row bookkeeping to --max-model-b
   CHECK(e->Stats().model_bytes == with_rows);
   CHECK(PushSparse(*e, 1, "emb", {4}, {1}, 1).accepted);  // charged once
   CHECK(e->Stats().model_bytes == with_rows);
-  Create(*e, "small", std::vector<float>(50), {50, 1});  // 1824: 9648 held; its rows need 2600 more
+  Create(*e, "small", std::vector<float>(50), {50, 1});  // 1824: 11248 held; its rows need 3400 more
   std::vector<int64_t> idx{1};
   std::vector<float> one{2};
   GradRef ref{"small", DType::kFloat32, {1, 1}, one.data(), 4};
@@ -687,6 +687,57 @@ TEST_CASE("a table of several row stripes: workers' rows applied and listed in i
       CHECK(v[8193] == -8.0f);
       CHECK(v[11999] == -4.0f);  // (5 + 5) / 2
       CHECK(v[4093] == 1.0f);
+    }
+  }
+}
+
+TEST_CASE(
+    "a step whose rows crowd one stripe: the next steps' rows dealt finely, applied in index ranges, listed in "
+    "order",
+    "[engine][sparse][replicas]") {
+  // 300000 rows: 64 stripes, dealt 4096 rows at a time at first. Step 0's rows (0..4095) all fall
+  // in the first stripe, more than an adder's share (2 adders: -N 2, 4 I/O threads), so step 1's
+  // are dealt 64 at a time and applied in contiguous index ranges on the apply threads: every row
+  // moved by its own average, the value's and the slots' lists of changes in index order.
+  for (const char* optimizer : {"sgd", "adam"}) {
+    INFO(optimizer);
+    ServerConfig c = Cfg(2, 2);
+    c.optimizer.name = optimizer;
+    c.io_threads = 4;
+    auto e = Make(c);
+    e->set_keep_committed(true);
+    const int64_t rows = 300000;
+    Create(*e, "emb", std::vector<float>(rows, 1.0f), {rows, 1});
+    std::vector<int64_t> low, high, all;
+    for (int64_t r = 0; r < 4096; ++r) (r < 2048 ? low : high).push_back(r);
+    all = low;
+    all.insert(all.end(), high.begin(), high.end());
+    REQUIRE(PushSparse(*e, 0, "emb", low, std::vector<float>(low.size(), 1), 1).accepted);
+    REQUIRE(PushSparse(*e, 0, "emb", high, std::vector<float>(high.size(), 1), 1).accepted);
+    auto first = e->TakeCommitted();
+    REQUIRE(first);
+    CHECK(e->LastSparseGranuleRows("emb") == SparseAccumulator::kCoarseGranuleRows);
+    std::vector<int64_t> more = all;
+    more.push_back(rows - 1);
+    REQUIRE(PushSparse(*e, 1, "emb", all, std::vector<float>(all.size(), 1), 1).accepted);
+    REQUIRE(PushSparse(*e, 1, "emb", more, std::vector<float>(more.size(), 3), 1).accepted);
+    auto second = e->TakeCommitted();
+    REQUIRE(second);
+    CHECK(e->LastSparseGranuleRows("emb") == SparseAccumulator::kFineGranuleRows);
+    const Buffer& after = *second->variables[0].value;
+    CHECK(after.copied_from() == first->variables[0].value->id());
+    const std::vector<std::pair<uint64_t, uint64_t>> ranges{{0, 4096 * 4}, {(rows - 1) * 4, 4}};
+    CHECK(after.changes() == ranges);
+    for (const auto& [name, slot] : second->variables[0].slots) {
+      INFO(name);
+      CHECK(slot->changes() == ranges);
+    }
+    if (std::string(optimizer) == "sgd") {  // lr 1, MEAN per row
+      const std::vector<float> v = Read(*e, "emb");
+      for (int64_t r = 0; r < 4096; ++r) REQUIRE(v[static_cast<size_t>(r)] == -2.0f);  // 1 - 1 - (1 + 3) / 2
+      CHECK(v[rows - 1] == -2.0f);                                                     // 1 - 3
+      CHECK(v[4096] == 1.0f);
+      CHECK(v[rows - 2] == 1.0f);
     }
   }
 }

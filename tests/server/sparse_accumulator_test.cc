@@ -40,26 +40,38 @@ std::vector<float> Values(const SparseRows& t) {
 std::vector<float> Values(const SparseAccumulator& acc) { return Values(One(acc)); }
 
 // A take's rows come in arrival order per stripe, with each stripe's order listing their
-// positions by index (TF sorts the rows themselves): sorted by it here, stripe after stripe, to
-// compare with TF's result.
+// positions by index (TF sorts the rows themselves), the stripes' rows interleaved granule by
+// granule: each stripe's checked to be its own rows in increasing order, then all sorted by index
+// here to compare with TF's result.
 struct Taken {
   std::vector<int64_t> indices;
   std::vector<float> values;
 };
 Taken Sorted(const SparseAccumulator& acc) {
-  Taken t;
-  for (const SparseRows& part : acc.taken()) {
+  std::vector<std::pair<int64_t, std::vector<float>>> rows;
+  for (size_t s = 0; s < acc.taken().size(); ++s) {
+    const SparseRows& part = acc.taken()[s];
     const std::vector<float> values = Values(part);
     const size_t n = part.indices.size();
     const size_t dim = n == 0 ? 0 : values.size() / n;
     REQUIRE(part.order.size() == n);
+    int64_t last = -1;
     for (uint32_t i : part.order) {
-      t.indices.push_back(part.indices[i]);
-      t.values.insert(t.values.end(), values.begin() + static_cast<int64_t>(i * dim),
-                      values.begin() + static_cast<int64_t>((i + 1) * dim));
+      const int64_t row = part.indices[i];
+      REQUIRE(row > last);
+      REQUIRE(SparseAccumulator::StripeOf(row, static_cast<int64_t>(acc.taken().size()), acc.taken_granule_rows()) ==
+              static_cast<int64_t>(s));
+      last = row;
+      rows.emplace_back(row, std::vector<float>(values.begin() + static_cast<int64_t>(i * dim),
+                                                values.begin() + static_cast<int64_t>((i + 1) * dim)));
     }
   }
-  REQUIRE(std::is_sorted(t.indices.begin(), t.indices.end()));
+  std::sort(rows.begin(), rows.end());
+  Taken t;
+  for (const auto& [row, values] : rows) {
+    t.indices.push_back(row);
+    t.values.insert(t.values.end(), values.begin(), values.end());
+  }
   return t;
 }
 
@@ -220,9 +232,10 @@ TEST_CASE("rows found through the row table sum bit-identically to TF's sorted m
   // chosen so that float addition order matters; three steps, so the table must forget each
   // take's rows. MEAN divides per row.
   const int64_t rows = 300, dim = 3;
-  // One stripe (the default for so few rows), or 43 of 7 rows each: the same sums.
+  // One stripe (the default for so few rows), or 43 (one per 7 rows, dealt 2 rows at a time): the
+  // same sums.
   const int64_t stripe_rows = GENERATE(0, 7);
-  SparseAccumulator acc(DType::kFloat32, {rows, dim}, Reduction::kMean, 0, stripe_rows);
+  SparseAccumulator acc(DType::kFloat32, {rows, dim}, Reduction::kMean, 0, stripe_rows, /*granule_rows=*/2);
   CHECK(acc.num_stripes() == (stripe_rows == 0 ? 1 : 43));
   std::mt19937 rng(7);
   for (int64_t step = 0; step < 3; ++step) {
@@ -354,11 +367,12 @@ TEST_CASE("row buffers never outgrow the variable's rows, and an empty forced ta
 
 TEST_CASE("gradients added from several threads at once: every row summed and counted, stripe by stripe",
           "[sparse][parallel]") {
-  // 4 threads x 6 gradients a step of random overlapping rows over 37 stripes, BeginAdd and EndAdd
-  // under one lock (the engine's variable lock), Add outside it. Values are small integers, so
-  // every order of addition gives the same sums: the take must equal the reference exactly.
+  // 4 threads x 6 gradients a step of random overlapping rows over 37 stripes (dealt 4 rows at a
+  // time), BeginAdd and EndAdd under one lock (the engine's variable lock), Add outside it. Values
+  // are small integers, so every order of addition gives the same sums: the take must equal the
+  // reference exactly.
   const int64_t rows = 1200, dim = 2, stripe_rows = 33;
-  SparseAccumulator acc(DType::kFloat32, {rows, dim}, Reduction::kMean, 0, stripe_rows);
+  SparseAccumulator acc(DType::kFloat32, {rows, dim}, Reduction::kMean, 0, stripe_rows, /*granule_rows=*/4);
   REQUIRE(acc.num_stripes() == 37);
   std::mutex owner;  // the engine's variable lock
   for (int64_t step = 0; step < 3; ++step) {
@@ -422,7 +436,7 @@ TEST_CASE("gradients added from several threads at once: every row summed and co
 }
 
 TEST_CASE("a gradient sent in parts over many stripes is added whole at its last part", "[sparse]") {
-  SparseAccumulator acc(DType::kFloat32, {100, 1}, Reduction::kSum, 0, /*stripe_rows=*/10);
+  SparseAccumulator acc(DType::kFloat32, {100, 1}, Reduction::kSum, 0, /*stripe_rows=*/10, /*granule_rows=*/8);
   REQUIRE(acc.num_stripes() == 10);
   REQUIRE(*acc.ApplyGrad(0, Grad{{1, 15, 40}, {1, 2, 3}, {3, 1}, std::nullopt}.Ref(), /*counts=*/false, 5));
   CHECK(acc.num_accumulated() == 0);
@@ -437,14 +451,71 @@ TEST_CASE("a gradient sent in parts over many stripes is added whole at its last
 }
 
 TEST_CASE("a variable has at most kMaxStripes stripes, whatever stripe size is asked for", "[sparse]") {
-  SparseAccumulator acc(DType::kFloat32, {1000, 1}, Reduction::kSum, 0, /*stripe_rows=*/1);
-  CHECK(acc.num_stripes() == 63);  // stripes of ceil(1000 / 64) = 16 rows
-  REQUIRE(*acc.ApplyGrad(0, Grad{{0, 15, 16, 999}, {1, 2, 3, 4}, {4, 1}, std::nullopt}.Ref()));
+  SparseAccumulator acc(DType::kFloat32, {1000, 1}, Reduction::kSum, 0, /*stripe_rows=*/1, /*granule_rows=*/1);
+  CHECK(acc.num_stripes() == 64);  // row r in stripe r mod 64
+  REQUIRE(*acc.ApplyGrad(0, Grad{{0, 15, 16, 64, 999}, {1, 2, 3, 4, 5}, {5, 1}, std::nullopt}.Ref()));
   int count = 0;
   REQUIRE(*acc.TryTakeGrad(1, &count));
-  CHECK(acc.taken()[0].indices == std::vector<int64_t>{0, 15});
-  CHECK(acc.taken()[1].indices == std::vector<int64_t>{16});
-  CHECK(acc.taken()[62].indices == std::vector<int64_t>{999});
+  CHECK(acc.taken()[0].indices == std::vector<int64_t>{0, 64});
+  CHECK(acc.taken()[15].indices == std::vector<int64_t>{15});
+  CHECK(acc.taken()[16].indices == std::vector<int64_t>{16});
+  CHECK(acc.taken()[999 % 64].indices == std::vector<int64_t>{999});
   CHECK(SparseAccumulator(DType::kFloat32, {100000, 1}, Reduction::kSum, 0).num_stripes() == 25);  // 4096 each
   CHECK(SparseAccumulator(DType::kFloat32, {1000000, 8}, Reduction::kSum, 0).num_stripes() == 64);
+  // No more stripes than granules: 100 rows dealt 64 at a time make two.
+  CHECK(SparseAccumulator(DType::kFloat32, {100, 1}, Reduction::kSum, 0, /*stripe_rows=*/1).num_stripes() == 2);
+}
+
+TEST_CASE("rows that crowd one stripe make the next steps' rows dealt 64 at a time, an even step coarse again",
+          "[sparse]") {
+  // A vocabulary sorted by frequency puts its hot rows first: under Zipf 1 a third of a batch's
+  // 4096 distinct rows of a 1 M-row table are among the first 4096, all in the first coarse
+  // granule. After such a step the rows are dealt 64 at a time, so those go to all 64 stripes
+  // alike; after a step whose rows would spread evenly over coarse granules, coarse again. Every
+  // step's sums are right whatever the layout.
+  const int64_t rows = 1000000;
+  SparseAccumulator acc(DType::kFloat32, {rows, 2}, Reduction::kSum, 0);
+  REQUIRE(acc.num_stripes() == SparseAccumulator::kMaxStripes);
+  CHECK(acc.granule_rows() == SparseAccumulator::kCoarseGranuleRows);
+  auto make = [](const std::vector<int64_t>& idx) {
+    Grad grad;
+    grad.idx = idx;
+    for (int64_t r : idx) {
+      grad.values.push_back(static_cast<float>(r % 1000));
+      grad.values.push_back(1);
+    }
+    grad.values_shape = {static_cast<int64_t>(idx.size()), 2};
+    return grad;
+  };
+  std::vector<int64_t> hot;
+  for (int64_t r = 0; r < 4096; ++r) hot.push_back(r);
+  hot.push_back(rows - 1);  // the last, short granule's row
+  std::vector<int64_t> even;
+  for (int64_t r = 0; r < 4096; ++r) even.push_back(r * 244);
+  const Grad skewed = make(hot), spread = make(even);
+  auto step = [&](int64_t at, const Grad& grad, int64_t dealt) {
+    INFO("step " << at);
+    REQUIRE(*acc.ApplyGrad(at, grad.Ref()));
+    REQUIRE(*acc.ApplyGrad(at, grad.Ref()));
+    int count = 0;
+    REQUIRE(*acc.TryTakeGrad(2, &count));
+    CHECK(acc.taken_granule_rows() == dealt);
+    const Taken t = Sorted(acc);
+    CHECK(t.indices == grad.idx);
+    std::vector<float> doubled;
+    for (float v : grad.values) doubled.push_back(2 * v);
+    CHECK(t.values == doubled);
+  };
+  step(0, skewed, SparseAccumulator::kCoarseGranuleRows);  // all but one row in the first stripe
+  CHECK(acc.granule_rows() == SparseAccumulator::kFineGranuleRows);
+  std::vector<int> in(SparseAccumulator::kMaxStripes, 0);
+  for (int64_t r = 0; r < 4096; ++r) ++in[static_cast<size_t>(acc.StripeOf(r))];
+  for (int n : in) CHECK(n == 4096 / SparseAccumulator::kMaxStripes);
+  step(1, skewed, SparseAccumulator::kFineGranuleRows);
+  for (const SparseRows& part : acc.taken()) CHECK(part.indices.size() >= 64);
+  CHECK(acc.granule_rows() == SparseAccumulator::kFineGranuleRows);  // still crowded in coarse granules
+  step(2, spread, SparseAccumulator::kFineGranuleRows);
+  CHECK(acc.granule_rows() == SparseAccumulator::kCoarseGranuleRows);  // even over coarse ones: back
+  step(3, spread, SparseAccumulator::kCoarseGranuleRows);
+  CHECK(acc.granule_rows() == SparseAccumulator::kCoarseGranuleRows);
 }
