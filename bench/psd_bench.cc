@@ -464,8 +464,8 @@ int Run(int argc, char** argv) {
   app.add_option(
          "--zipf", opt.zipf,
          "--sparse: draw each batch's distinct rows Zipf(S) by row id (row 0 the most frequent, as a vocabulary "
-         "sorted by frequency) instead of uniformly; S in (0, 4], 1.0 is the classic word frequency (0: uniform)")
-      ->check(CLI::Range(0.0, 4.0))
+         "sorted by frequency) instead of uniformly; S in (0, 1.5], 1.0 is the classic word frequency (0: uniform)")
+      ->check(CLI::Range(0.0, 1.5))
       ->needs(sparse)
       ->capture_default_str();
   app.add_option("--warmup", opt.warmup, "unmeasured steps first (async/ssp: iterations per worker)")

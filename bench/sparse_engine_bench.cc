@@ -177,6 +177,13 @@ int RunSparseEngineBench(const Options& opt) {
       p50, p99, workers, opt.steps, opt.warmup + opt.steps, Ms(Clock::now() - start) / 1e3);
   std::printf("rows/s     %.0f accumulated and applied\n", rows / (measured_ms / 1e3));
   const double pushes = static_cast<double>(workers) * opt.steps;
+  int64_t uniform_rows = 0;
+  for (const Worker& each : w) uniform_rows += each.sampler.filled_uniformly();
+  if (uniform_rows > 0) {
+    std::printf("rows       %" PRId64 " drawn uniformly: --zipf %g gave too few distinct rows in %" PRId64
+                " draws a batch\n",
+                uniform_rows, opt.zipf, 64 * opt.batch_rows);
+  }
   std::printf("stripes    %" PRId64 ": the largest one held %.1f%% of a push's rows on average dealt %" PRId64
               " rows at a time, %.1f%% dealt %" PRId64 " at a time (%.1f%% were they contiguous index ranges)\n",
               stripes, 100 * largest[0] / pushes, srv::SparseAccumulator::kCoarseGranuleRows, 100 * largest[1] / pushes,

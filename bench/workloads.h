@@ -158,6 +158,7 @@ class RowSampler {
       }
       // The rest uniform (rejection: the callers keep batch <= total / 2 with a skew).
       std::uniform_int_distribution<int64_t> any(0, total_ - 1);
+      filled_uniformly_ += batch_ - static_cast<int64_t>(chosen_.size());
       while (static_cast<int64_t>(chosen_.size()) < batch_) chosen_.insert(any(rng_));
     } else {
       for (int64_t j = total_ - batch_; j < total_; ++j) {
@@ -168,6 +169,8 @@ class RowSampler {
     rows->assign(chosen_.begin(), chosen_.end());
     std::sort(rows->begin(), rows->end());
   }
+  // Rows drawn uniformly so far because the skew gave too few distinct ones.
+  int64_t filled_uniformly() const { return filled_uniformly_; }
 
  private:
   // One Zipf draw in [1, total].
@@ -208,6 +211,7 @@ class RowSampler {
   std::mt19937_64 rng_;
   std::unordered_set<int64_t> chosen_;
   double h_x1_ = 0, h_n_ = 0, s_ = 0;
+  int64_t filled_uniformly_ = 0;
 };
 
 class SparseWorkload : public Workload {

@@ -106,6 +106,12 @@ void Reserve(V& v, size_t n, size_t most) {
   v.reserve(Grown(v.capacity(), n, most));
 }
 
+// An empty buffer's storage goes when it could hold more than `most` elements.
+template <typename V>
+void FreeIfOver(V& v, size_t most) {
+  if (v.capacity() > most) V().swap(v);
+}
+
 }  // namespace
 
 // One stripe's rows: those of indices [first, first + rows).
@@ -235,9 +241,25 @@ void SparseAccumulator::DealGranules(int shift) {
   const int64_t rows = declared_.empty() ? 1 : std::max<int64_t>(declared_[0], 1);
   const int64_t granule = int64_t{1} << shift;
   const int64_t granules = (rows + granule - 1) / granule;
+  const size_t row_bytes = static_cast<size_t>(row_elements_) * DTypeSize(dtype_);
   for (int64_t i = 0; i < num_stripes_; ++i) {
+    Stripe* s = &stripes_[i];
     const int64_t mine = i < granules ? (granules - i + num_stripes_ - 1) / num_stripes_ : 0;
-    stripes_[i].rows_in = mine * granule - ((granules - 1) % num_stripes_ == i ? granules * granule - rows : 0);
+    MutexLock lock(&s->mu);  // no Add in flight (a take, or the constructor): for the analysis
+    s->rows_in = mine * granule - ((granules - 1) % num_stripes_ == i ? granules * granule - rows : 0);
+    // No rows held: buffers grown for more rows than the stripe now has go, so the stripes hold
+    // what their rows may need, as BookkeepingBytes counts (ReleaseTaken hands back no bigger).
+    const auto most = static_cast<size_t>(s->rows_in);
+    FreeIfOver(s->rows, most);
+    FreeIfOver(s->counts, most);
+    FreeIfOver(s->sums, most * row_bytes);
+    FreeIfOver(s->order, most);
+    FreeIfOver(s->merged, most);
+    FreeIfOver(s->run_starts, most + 1);
+    if (s->place.size() > 4 * std::max<size_t>(most, 32)) {  // ReservePlaces makes at most that
+      std::vector<uint32_t>().swap(s->place);
+      s->place_shift = 64;
+    }
   }
 }
 
@@ -250,7 +272,10 @@ void SparseAccumulator::AdaptGranules() {
   }
   if (total < 8 * static_cast<size_t>(num_stripes_)) return;  // too few rows to tell
   const int coarse = GranuleShift(kCoarseGranuleRows), fine = GranuleShift(kFineGranuleRows);
-  const auto adders = static_cast<size_t>(adders_);
+  // An adder's share of the step's rows, but at most a quarter of the stripes' count of adders:
+  // even rows give some stripe more than 1 / num_stripes_ of them, so the bar to go fine is at
+  // least 4 times a stripe's even share, and the bar to go back at least twice it (reachable).
+  const auto adders = static_cast<size_t>(std::min<int64_t>(adders_, std::max<int64_t>(1, num_stripes_ / 4)));
   if (granule_shift_ == coarse) {
     if (most * adders > total) DealGranules(fine);
     return;
@@ -591,11 +616,17 @@ void SparseAccumulator::ReleaseTaken(std::vector<SparseRows>* given) {
     back.order.clear();
     // What came back (the take before's) holds the next step's rows, unless rows came in
     // meanwhile; the rest goes: two sets of row buffers in all, the stripe's and the caller's.
+    // (None bigger than the stripe's rows now: its granules may have changed since they grew.)
     Stripe* s = &stripes_[i];
     MutexLock lock(&s->mu);
-    if (s->rows.empty() && s->rows.capacity() < back.indices.capacity()) s->rows.swap(back.indices);
-    if (s->sums.empty() && s->sums.capacity() < back.values.capacity()) s->sums.swap(back.values);
-    if (s->order.empty() && s->order.capacity() < back.order.capacity()) s->order.swap(back.order);
+    const auto most = static_cast<size_t>(s->rows_in);
+    const size_t most_bytes = most * static_cast<size_t>(row_elements_) * DTypeSize(dtype_);
+    auto fits = [](const auto& mine, const auto& given, size_t limit) {
+      return mine.empty() && mine.capacity() < given.capacity() && given.capacity() <= limit;
+    };
+    if (fits(s->rows, back.indices, most)) s->rows.swap(back.indices);
+    if (fits(s->sums, back.values, most_bytes)) s->sums.swap(back.values);
+    if (fits(s->order, back.order, most)) s->order.swap(back.order);
     std::vector<int64_t>().swap(back.indices);
     std::vector<uint8_t>().swap(back.values);
     std::vector<uint32_t>().swap(back.order);

@@ -4,8 +4,10 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 using namespace psd;
@@ -464,6 +466,86 @@ TEST_CASE("a variable has at most kMaxStripes stripes, whatever stripe size is a
   CHECK(SparseAccumulator(DType::kFloat32, {1000000, 8}, Reduction::kSum, 0).num_stripes() == 64);
   // No more stripes than granules: 100 rows dealt 64 at a time make two.
   CHECK(SparseAccumulator(DType::kFloat32, {100, 1}, Reduction::kSum, 0, /*stripe_rows=*/1).num_stripes() == 2);
+}
+
+TEST_CASE("a take's rows listed in index order across the stripes, whatever the layout", "[sparse]") {
+  // Tables whose last granule is short, with stripes that get no granule (fewer granules than
+  // stripes asked for), dealt 1, 2 or 64 rows at a time, and the default (coarse) layout: every
+  // row of the take comes once, in increasing order, at the position that holds it.
+  struct Layout {
+    int64_t rows, stripe_rows, granule_rows;
+  };
+  for (const Layout& l : {Layout{1000, 1, 1}, Layout{999, 27, 2}, Layout{5000, 100, 64}, Layout{300000, 0, 0},
+                          Layout{130, 1, 64}, Layout{5000, 100, 0}}) {
+    INFO(l.rows << " rows, stripes of " << l.stripe_rows << ", granules of " << l.granule_rows);
+    SparseAccumulator acc(DType::kFloat32, {l.rows, 1}, Reduction::kSum, 0, l.stripe_rows, l.granule_rows);
+    std::mt19937 rng(static_cast<uint32_t>(l.rows));
+    std::map<int64_t, int> want;  // row: how many gradients held it
+    for (int g = 0; g < 3; ++g) {
+      Grad grad;
+      for (int64_t r = 0; r < l.rows; ++r) {
+        if (rng() % 5 != 0 && r != l.rows - 1) continue;
+        grad.idx.push_back(r);
+        grad.values.push_back(static_cast<float>(r));
+        ++want[r];
+      }
+      grad.values_shape = {static_cast<int64_t>(grad.idx.size()), 1};
+      REQUIRE(*acc.ApplyGrad(0, grad.Ref()));
+    }
+    int count = 0;
+    REQUIRE(*acc.TryTakeGrad(3, &count));
+    std::vector<int64_t> listed;
+    SparseAccumulator::ForEachRowInOrder(
+        acc.taken(),
+        [&](int64_t row, int64_t stripe, uint32_t position) {
+          const SparseRows& part = acc.taken()[static_cast<size_t>(stripe)];
+          REQUIRE(part.indices[position] == row);
+          const float sum = reinterpret_cast<const float*>(part.values.data())[position];
+          CHECK(sum == static_cast<float>(want[row]) * static_cast<float>(row));  // each gave it its index
+          listed.push_back(row);
+        },
+        acc.taken_granule_rows());
+    std::vector<int64_t> rows_wanted;
+    for (const auto& [row, times] : want) rows_wanted.push_back(row);
+    CHECK(listed == rows_wanted);
+  }
+}
+
+TEST_CASE("granules stay coarse for even rows however many threads add, and come back after a skewed step",
+          "[sparse]") {
+  // 64 adders against 64 stripes: some stripe always holds more than 1/64 of even rows, so the bar
+  // is at least 4 times a stripe's even share (an adder's share of at most num_stripes / 4
+  // adders), and the way back at least twice it.
+  const int64_t rows = 1000000;
+  SparseAccumulator acc(DType::kFloat32, {rows, 1}, Reduction::kSum, 0);
+  acc.SetAdders(64);
+  REQUIRE(acc.num_stripes() == 64);
+  std::mt19937_64 rng(5);
+  auto uniform = [&] {
+    std::set<int64_t> picked;
+    while (picked.size() < 4096) picked.insert(static_cast<int64_t>(rng() % rows));
+    Grad grad;
+    grad.idx.assign(picked.begin(), picked.end());
+    grad.values.assign(grad.idx.size(), 1);
+    grad.values_shape = {static_cast<int64_t>(grad.idx.size()), 1};
+    return grad;
+  };
+  int count = 0;
+  for (int64_t step = 0; step < 3; ++step) {
+    REQUIRE(*acc.ApplyGrad(step, uniform().Ref()));
+    REQUIRE(*acc.TryTakeGrad(1, &count));
+    CHECK(acc.granule_rows() == SparseAccumulator::kCoarseGranuleRows);
+  }
+  Grad hot;
+  for (int64_t r = 0; r < 4096; ++r) hot.idx.push_back(r);
+  hot.values.assign(hot.idx.size(), 1);
+  hot.values_shape = {4096, 1};
+  REQUIRE(*acc.ApplyGrad(3, hot.Ref()));
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(acc.granule_rows() == SparseAccumulator::kFineGranuleRows);
+  REQUIRE(*acc.ApplyGrad(4, uniform().Ref()));
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(acc.granule_rows() == SparseAccumulator::kCoarseGranuleRows);
 }
 
 TEST_CASE("rows that crowd one stripe make the next steps' rows dealt 64 at a time, an even step coarse again",
