@@ -114,10 +114,10 @@ void FreeIfOver(V& v, size_t most) {
 
 }  // namespace
 
-// One stripe's rows: those of indices [first, first + rows).
+// One stripe's rows: every num_stripes_-th granule of rows from its own (DealGranules).
 struct SparseAccumulator::Stripe {
   Mutex mu;
-  int64_t rows_in = 0;  // the stripe's rows (set before any Add)
+  int64_t rows_in = 0;  // the stripe's rows in the layout of the moment (set while no Add is in flight)
   // The rows held, in arrival order: index, sum, and how many gradients contained it; and where
   // each gradient's new rows begin (an increasing run each).
   std::vector<int64_t> rows GUARDED_BY(mu);
