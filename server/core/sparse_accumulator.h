@@ -20,20 +20,24 @@
 // kMaxStripes, one per kMinStripeRows rows), each with its own lock, row table, rows and sums. A
 // stripe holds every num_stripes()-th granule of consecutive rows. Granules are kCoarseGranuleRows
 // rows at first (a stripe's rows near each other: their sums are read in runs). When a step's rows
-// crowd one stripe so that it alone holds more than an adder's share of them (1 / SetAdders: the
-// Adds of that stripe, one at a time, then bound the step however many threads add) they become
-// kFineGranuleRows rows from the next step on, and coarse again once a step's rows would hold at
-// most half an adder's share in any coarse stripe. So the hot rows of a skewed workload (the low
-// ids of a vocabulary sorted by frequency: under Zipf 1 a third of a batch's 4096 distinct rows of
-// 1 M are among the first 4096) spread over all the stripes instead of filling the first one,
-// whose lock every Add would wait for; with few adders (or even rows) granules stay coarse. A gradient is added in
-// three parts: BeginAdd (the staleness check, and the rows of a gradient sent in parts kept until its last part) and
-// EndAdd (counter += 1) under the owner's lock; Add without it, concurrently with other workers' Adds, one stripe at a
-// time (each Add starts at another stripe). An Add reserves what every stripe it touches may need before it adds to
-// any, so one that fails (out of memory) leaves no row of its gradient summed: a gradient is added whole or not at all,
-// as TF's apply_grad. A take needs in_flight() == 0 (the owner waits for it). Each row is summed in the order gradients
-// reached its stripe: with one Add at a time (or two gradients of the row: a + b == b + a) that is TF's merge order,
-// bit-identical to its sums; with more at once, within float rounding of them.
+// crowd one stripe so that it alone holds more than an adder's share of them (1 / SetAdders, the
+// adders counted at most num_stripes() / 4: the Adds of that stripe, one at a time, then bound
+// the step however many threads add) they become kFineGranuleRows rows from the next step on, and
+// coarse again once a step's rows would hold at most half that share in any coarse stripe. So the
+// hot rows of a skewed workload (the low ids of a vocabulary sorted by frequency: under Zipf 1 a
+// third of a batch's 4096 distinct rows of 1 M are among the first 4096) spread over all the
+// stripes instead of filling the first one, whose lock every Add would wait for; with few adders
+// (or even rows) granules stay coarse.
+//
+// A gradient is added in three parts: BeginAdd (the staleness check, and the rows of a gradient
+// sent in parts kept until its last part) and EndAdd (counter += 1) under the owner's lock; Add
+// without it, concurrently with other workers' Adds, one stripe at a time (each Add starts at
+// another stripe). An Add reserves what every stripe it touches may need before it adds to any,
+// so one that fails (out of memory) leaves no row of its gradient summed: a gradient is added whole
+// or not at all, as TF's apply_grad. A take needs in_flight() == 0 (the owner waits for it). Each
+// row is summed in the order gradients reached its stripe: with one Add at a time (or two
+// gradients of the row: a + b == b + a) that is TF's merge order, bit-identical to its sums; with
+// more at once, within float rounding of them.
 //
 //   The take's result is per stripe (taken(): rows, averaged sums, their order by index); each
 //   stripe's `order` is increasing, the stripes' rows interleave granule by granule (granules of
