@@ -212,7 +212,7 @@ void DenseAccumulator::AddToStripe(int64_t i, DType dtype, const void* data, int
         part_round_[static_cast<size_t>(e / kPartElements)] = round_;
       }
       if (held_) {
-        SetHeld(held_.get(), at, run_end, held ? src(at) : nullptr);  // KeepHold: dtype == dtype_
+        SetHeld(held_.get(), at, run_end, held ? src(at) : nullptr);  // PrepareAdd: dtype == dtype_
         SetHeld(held_last_.get(), at, run_end, nullptr);
       }
       if (!held) AddRange(dtype, src(at), at, run_end, true);
@@ -317,8 +317,14 @@ bool DenseAccumulator::holds() const {
   return !holds_.empty();
 }
 
-bool DenseAccumulator::KeepHold(DType dtype, const std::shared_ptr<const void>& hold) {
-  if (!hold || !held_ || dtype != dtype_) return false;
+bool DenseAccumulator::PrepareAdd(DType dtype, const std::shared_ptr<const void>& hold) {
+  const bool held = hold && held_ && dtype == dtype_;
+  // An add that copies writes every part; a held one sums a part it finds pointed at twice (first
+  // and pending gradient) into the buffer. For the round's first add, those two pointers are from
+  // later adds, which took the buffer here first; it stays until the take.
+  const bool first_of_round = touched_round_.exchange(round_, std::memory_order_relaxed) != round_;
+  if (!held || !first_of_round) SumData();
+  if (!held) return false;
   MutexLock lock(&holds_mu_);
   if (holds_.empty() || holds_.back() != hold) holds_.push_back(hold);
   return true;
@@ -385,7 +391,8 @@ void DenseAccumulator::Add(DType dtype, const void* data, std::string_view repli
   }
   const int64_t start =
       static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(num_stripes_));
-  AddToStripes(0, num_stripes_, start, dtype, data, 0, 0, num_elements_, helpers, KeepHold(dtype, hold));
+  const bool held = PrepareAdd(dtype, hold);  // before anything changes: it may throw (out of memory)
+  AddToStripes(0, num_stripes_, start, dtype, data, 0, 0, num_elements_, helpers, held);
 }
 
 void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, int64_t n, std::string_view replica,
@@ -402,7 +409,8 @@ void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, i
   const int64_t stripes = s1 - s0;
   const int64_t start =
       static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(stripes));
-  AddToStripes(s0, stripes, start, dtype, data, offset, offset, offset + n, helpers, KeepHold(dtype, hold));
+  const bool held = PrepareAdd(dtype, hold);  // before anything changes: it may throw (out of memory)
+  AddToStripes(s0, stripes, start, dtype, data, offset, offset, offset + n, helpers, held);
 }
 
 void DenseAccumulator::DropUnfinished(uint64_t source) {

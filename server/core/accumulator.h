@@ -123,8 +123,8 @@ class DenseAccumulator {
            const std::shared_ptr<const void>& hold = nullptr);
   void EndAdd();
   // An Add or AddChunk that failed (out of memory) ends without counting: the take no longer waits
-  // for it. What it added before it failed stays in the stripes it reached (the default mode
-  // cannot take it out): a rare, bounded error, never a variable that no take can ever complete.
+  // for it. It failed before it changed anything (the sum's buffer is taken first, PrepareAdd; a
+  // deterministic slot before it is filed), so the sum is as if it never came.
   void CancelAdd() { --in_flight_; }
   // A chunk of a gradient: elements [offset, offset + n) of the flattened tensor, `data` holding
   // just them (CheckChunk passed). Between BeginAdd and EndAddChunk, like Add.
@@ -218,6 +218,9 @@ class DenseAccumulator {
   mutable Mutex sum_mu_;
   std::shared_ptr<Buffer> sum_ GUARDED_BY(sum_mu_);
   std::atomic<Buffer*> sum_at_{nullptr};
+  // The last round an add began in (PrepareAdd: the round's first add is the one that may go
+  // without the sum's buffer).
+  std::atomic<uint64_t> touched_round_{0};
   // The sum's bytes, taking a new buffer first if the round has none yet.
   char* SumData() EXCLUDES(sum_mu_);
 
@@ -233,8 +236,13 @@ class DenseAccumulator {
   // when [begin, end) spans two stripes' worth of elements or more.
   void AddToStripes(int64_t s0, int64_t count, int64_t start, DType dtype, const void* data, int64_t base,
                     int64_t begin, int64_t end, ThreadPool* helpers, bool held);
-  // Whether an add of `dtype` with `hold` may point at its bytes; keeps the hold if so.
-  bool KeepHold(DType dtype, const std::shared_ptr<const void>& hold);
+  // Before an add (default mode) changes anything: whether it may point at its bytes (`dtype`,
+  // `hold`; the hold is then kept), and the sum's buffer taken if the add may write to it. The
+  // buffer is the add's one allocation, so an add that runs out of memory throws here and leaves
+  // the sum as it was. The round's first add, if held, goes without: it writes only a part that
+  // two later adds point at, and they took the buffer before they did (so a spare offered later
+  // can still become the sum of a round that a held gradient begins).
+  bool PrepareAdd(DType dtype, const std::shared_ptr<const void>& hold);
   // Copies the held parts of stripe i into the sum (its lock held).
   void ResolveStripe(int64_t i);
   // The state of the part holding element e in `round` (accumulator.cc), and where the run of parts

@@ -563,8 +563,8 @@ Result<bool> TrainingEngine::AddDenseLocked(Variable* v, const GradRef& g, int64
     } else {
       acc->Add(g.dtype, g.data, replica, helpers, g.hold);
     }
-  } catch (...) {  // out of memory (a sum or a deterministic slot): the push fails, the step does not hang
-                   // (what it added before it failed stays in the parts it reached, as a cut-off chunk's)
+  } catch (...) {  // out of memory (the sum's buffer or a deterministic slot, taken before anything is added):
+                   // the push fails, the sum is as if it never came, the step does not hang
     *failed = std::current_exception();
   }
   v->mu.Lock();

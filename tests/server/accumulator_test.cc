@@ -2,14 +2,18 @@
 #include "core/accumulator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <catch2/catch.hpp>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/buffer.h"
 #include "psd/half.h"
 
 using namespace psd;
@@ -650,4 +654,114 @@ TEST_CASE("a round takes its sum buffer at its first write: a held first gradien
   REQUIRE(empty.AddChecked(1, DType::kFloat32, nullptr));
   REQUIRE(*empty.TryTakeGrad(1, &count));
   CHECK(empty.ReleaseSum() != nullptr);
+}
+
+namespace {
+
+// Big buffers' storage (SetBufferStorage; no other storage is set in this test binary) that
+// refuses one allocation when told to, as memory running out would, and fills what it gives with
+// NaN bytes: a sum read before it is written shows.
+class FailingStorage : public psd::server::BufferStorage {
+ public:
+  void FailNext() { fail_next_ = true; }
+  bool armed() const { return fail_next_; }
+  void* Allocate(size_t bytes) override {
+    if (fail_next_.exchange(false)) throw std::bad_alloc();
+    void* p = std::malloc(bytes);
+    if (p == nullptr) return nullptr;
+    std::memset(p, 0xff, bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    mine_.push_back(p);
+    return p;
+  }
+  bool Free(void* p, size_t) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find(mine_.begin(), mine_.end(), p);
+    if (it == mine_.end()) return false;
+    mine_.erase(it);
+    std::free(p);
+    return true;
+  }
+
+ private:
+  std::atomic<bool> fail_next_{false};
+  std::mutex mu_;
+  std::vector<void*> mine_;
+};
+
+FailingStorage& TheFailingStorage() {
+  static auto* storage = new FailingStorage;  // lives as long as the process (SetBufferStorage)
+  psd::server::SetBufferStorage(storage);
+  return *storage;
+}
+
+}  // namespace
+
+TEST_CASE("an add that runs out of memory after a held first gradient loses neither", "[accumulator][oom]") {
+  FailingStorage& storage = TheFailingStorage();
+  // Three stripes and a bit: the sum's buffer (over 256 KiB) comes from the storage.
+  const int64_t n = 3 * DenseAccumulator::kStripeElements + 100;
+  std::vector<float> a = Ints(static_cast<size_t>(n), 1), b = Ints(static_cast<size_t>(n), 2),
+                     lost = Ints(static_cast<size_t>(n), 3);
+  storage.FailNext();
+  REQUIRE_THROWS_AS(psd::server::Buffer(static_cast<size_t>(n) * 4), std::bad_alloc);  // the storage is the one set
+  auto hold = std::make_shared<int>(0);
+  DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kSum, 0);
+  int count = 0;
+  REQUIRE(acc.AddChecked(0, DType::kFloat32, b.data()));
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  REQUIRE(acc.ReleaseSum() != nullptr);  // the next round takes a new buffer at its first write
+
+  // Held first: pointed at, nothing written, no buffer yet. Then an add that copies needs the
+  // buffer and does not get it. Before, it had let go of the held gradient's pointers first (the
+  // gradient was lost) and the sum was read from whatever the memory held.
+  REQUIRE(acc.BeginAdd(1));
+  acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
+  acc.EndAdd();
+  REQUIRE_FALSE(acc.has_sum());
+  storage.FailNext();
+  REQUIRE(acc.BeginAdd(1));
+  REQUIRE_THROWS_AS(acc.Add(DType::kFloat32, lost.data(), {}), std::bad_alloc);
+  acc.CancelAdd();
+  REQUIRE_FALSE(storage.armed());
+  REQUIRE(acc.BeginAdd(1));
+  acc.Add(DType::kFloat32, b.data(), {});
+  acc.EndAdd();
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(count == 2);
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t k = static_cast<size_t>(i);
+    REQUIRE(acc.grad().as<float>()[i] == a[k] + b[k]);
+  }
+}
+
+TEST_CASE("the first add of a round that runs out of memory changes nothing, whole or a chunk", "[accumulator][oom]") {
+  FailingStorage& storage = TheFailingStorage();
+  const int64_t S = DenseAccumulator::kStripeElements, n = 3 * S + 100;
+  std::vector<float> a = Ints(static_cast<size_t>(n), 1), b = Ints(static_cast<size_t>(n), 2);
+  const bool chunks = GENERATE(false, true);
+  DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kSum, 0);
+  int count = 0;
+  REQUIRE(acc.AddChecked(0, DType::kFloat32, b.data()));
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  REQUIRE(acc.ReleaseSum() != nullptr);
+  // Before, the failed add had marked its first stripe's parts as written: the next gradient was
+  // added to NaN bytes there.
+  storage.FailNext();
+  REQUIRE(acc.BeginAdd(1));
+  if (chunks) {
+    REQUIRE_THROWS_AS(acc.AddChunk(DType::kFloat32, a.data(), 0, S, {}), std::bad_alloc);
+  } else {
+    REQUIRE_THROWS_AS(acc.Add(DType::kFloat32, a.data(), {}), std::bad_alloc);
+  }
+  acc.CancelAdd();
+  REQUIRE_FALSE(storage.armed());
+  if (chunks) {
+    for (int64_t at = 0; at < n; at += S) AddChunk(acc, 1, b, at, std::min(S, n - at));
+  } else {
+    REQUIRE(acc.AddChecked(1, DType::kFloat32, b.data()));
+  }
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  CHECK(count == 1);
+  REQUIRE(std::memcmp(acc.grad().data(), b.data(), static_cast<size_t>(n) * 4) == 0);
 }
