@@ -317,13 +317,18 @@ bool DenseAccumulator::holds() const {
   return !holds_.empty();
 }
 
-bool DenseAccumulator::PrepareAdd(DType dtype, const std::shared_ptr<const void>& hold) {
+bool DenseAccumulator::PrepareAdd(DType dtype, const std::shared_ptr<const void>& hold, int64_t s0, int64_t s1) {
   const bool held = hold && held_ && dtype == dtype_;
-  // An add that copies writes every part; a held one sums a part it finds pointed at twice (first
-  // and pending gradient) into the buffer. For the round's first add, those two pointers are from
-  // later adds, which took the buffer here first; it stays until the take.
-  const bool first_of_round = touched_round_.exchange(round_, std::memory_order_relaxed) != round_;
-  if (!held || !first_of_round) SumData();
+  // An add that copies writes every part it reaches. A held one writes a part where it finds a
+  // gradient pending (pointed at by a held add that came second, after one that came first): two
+  // adds other than this one. Of a stripe's first two held adds of the round, at most one is among
+  // those two, and the other took the buffer here before it touched anything; it stays until the
+  // take. So those two may go without it, on every stripe they reach.
+  bool writes = !held;
+  for (int64_t i = s0; i < s1 && !writes; ++i) {
+    writes = stripes_[static_cast<size_t>(i)].held_adds.fetch_add(1, std::memory_order_relaxed) >= 2;
+  }
+  if (writes) SumData();
   if (!held) return false;
   MutexLock lock(&holds_mu_);
   if (holds_.empty() || holds_.back() != hold) holds_.push_back(hold);
@@ -391,7 +396,7 @@ void DenseAccumulator::Add(DType dtype, const void* data, std::string_view repli
   }
   const int64_t start =
       static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(num_stripes_));
-  const bool held = PrepareAdd(dtype, hold);  // before anything changes: it may throw (out of memory)
+  const bool held = PrepareAdd(dtype, hold, 0, num_stripes_);  // before anything changes: it may throw
   AddToStripes(0, num_stripes_, start, dtype, data, 0, 0, num_elements_, helpers, held);
 }
 
@@ -409,7 +414,7 @@ void DenseAccumulator::AddChunk(DType dtype, const void* data, int64_t offset, i
   const int64_t stripes = s1 - s0;
   const int64_t start =
       static_cast<int64_t>(next_start_.fetch_add(1, std::memory_order_relaxed) % static_cast<uint64_t>(stripes));
-  const bool held = PrepareAdd(dtype, hold);  // before anything changes: it may throw (out of memory)
+  const bool held = PrepareAdd(dtype, hold, s0, s1);  // before anything changes: it may throw
   AddToStripes(s0, stripes, start, dtype, data, offset, offset, offset + n, helpers, held);
 }
 
@@ -561,6 +566,8 @@ void DenseAccumulator::Take(int* count, bool keep_held) {
   taken_round_ = round_;
   if (*count > 0) SumData();  // the sum the engine takes (a round of empty tensors wrote nothing)
   ++round_;                   // the next add into each stripe starts its sum over
+  for (int64_t i = 0; i < num_stripes_; ++i)
+    stripes_[static_cast<size_t>(i)].held_adds.store(0, std::memory_order_relaxed);
   ++step_;
   counter_ = 0;
 }

@@ -218,14 +218,12 @@ class DenseAccumulator {
   mutable Mutex sum_mu_;
   std::shared_ptr<Buffer> sum_ GUARDED_BY(sum_mu_);
   std::atomic<Buffer*> sum_at_{nullptr};
-  // The last round an add began in (PrepareAdd: the round's first add is the one that may go
-  // without the sum's buffer).
-  std::atomic<uint64_t> touched_round_{0};
   // The sum's bytes, taking a new buffer first if the round has none yet.
   char* SumData() EXCLUDES(sum_mu_);
 
   struct Stripe {
     Mutex mu;  // guards the stripe's elements of sum_ and its parts' part_round_, held_ and held_last_
+    std::atomic<uint32_t> held_adds{0};  // held adds begun this round (PrepareAdd; reset by the take)
   };
   // Adds (or, first in the round, copies) elements [begin, end) from `src` (element `begin`) into the sum.
   void AddRange(DType dtype, const void* src, int64_t begin, int64_t end, bool first);
@@ -236,13 +234,15 @@ class DenseAccumulator {
   // when [begin, end) spans two stripes' worth of elements or more.
   void AddToStripes(int64_t s0, int64_t count, int64_t start, DType dtype, const void* data, int64_t base,
                     int64_t begin, int64_t end, ThreadPool* helpers, bool held);
-  // Before an add (default mode) changes anything: whether it may point at its bytes (`dtype`,
-  // `hold`; the hold is then kept), and the sum's buffer taken if the add may write to it. The
-  // buffer is the add's one allocation, so an add that runs out of memory throws here and leaves
-  // the sum as it was. The round's first add, if held, goes without: it writes only a part that
-  // two later adds point at, and they took the buffer before they did (so a spare offered later
-  // can still become the sum of a round that a held gradient begins).
-  bool PrepareAdd(DType dtype, const std::shared_ptr<const void>& hold);
+  // Before an add (default mode) of stripes [s0, s1) changes anything: whether it may point at
+  // its bytes (`dtype`, `hold`; the hold is then kept), and the sum's buffer taken if the add may
+  // write to it. The buffer is the add's one allocation, so an add that runs out of memory throws
+  // here and leaves the sum as it was. A held add writes only a part where two other adds came
+  // first (one left its gradient pending there); the first two held adds of each of its stripes
+  // in a round go without the buffer (at least one of those two others is not one of them, and
+  // took it here first), so a round of two same-host workers' held gradients leaves it to a spare
+  // offered before the take, as when the buffer was taken at the first write.
+  bool PrepareAdd(DType dtype, const std::shared_ptr<const void>& hold, int64_t s0, int64_t s1);
   // Copies the held parts of stripe i into the sum (its lock held).
   void ResolveStripe(int64_t i);
   // The state of the part holding element e in `round` (accumulator.cc), and where the run of parts

@@ -146,6 +146,16 @@ std::vector<float> Ints(size_t n, int seed) {
   return v;
 }
 
+// Step 0 of `acc` taken with `g`, and the sum's buffer handed over (as to the engine's apply): step
+// 1's round has none until an add takes it.
+void RoundWithoutSum(DenseAccumulator& acc, const std::vector<float>& g) {
+  int count = 0;
+  REQUIRE(acc.AddChecked(0, DType::kFloat32, g.data()));
+  REQUIRE(*acc.TryTakeGrad(1, &count));
+  REQUIRE(acc.ReleaseSum() != nullptr);
+  REQUIRE_FALSE(acc.has_sum());
+}
+
 }  // namespace
 
 TEST_CASE("concurrent adds of one step sum every gradient, stripe by stripe", "[accumulator][parallel]") {
@@ -609,10 +619,7 @@ TEST_CASE("a round takes its sum buffer at its first write: a held first gradien
   auto hold = std::make_shared<int>(0);
   DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kSum, 0);
   int count = 0;
-  REQUIRE(acc.AddChecked(0, DType::kFloat32, a.data()));
-  REQUIRE(*acc.TryTakeGrad(1, &count));
-  REQUIRE(acc.ReleaseSum() != nullptr);
-  CHECK_FALSE(acc.has_sum());
+  RoundWithoutSum(acc, a);
 
   // Held: nothing written, no buffer taken; the one offered at the next add is the sum.
   REQUIRE(acc.BeginAdd(1));
@@ -658,14 +665,20 @@ TEST_CASE("a round takes its sum buffer at its first write: a held first gradien
 
 namespace {
 
-// Big buffers' storage (SetBufferStorage; no other storage is set in this test binary) that
-// refuses one allocation when told to, as memory running out would, and fills what it gives with
-// NaN bytes: a sum read before it is written shows.
+// Big buffers' storage (SetBufferStorage; no other storage is set in this test binary) that,
+// while a test has it active (ActiveStorage), refuses one allocation when told to, as memory
+// running out would, and fills what it gives with NaN bytes: a sum read before it is written
+// shows. Inactive, it leaves every buffer to the heap (other tests of the binary, run whole).
 class FailingStorage : public psd::server::BufferStorage {
  public:
+  void Activate(bool on) {
+    active_ = on;
+    fail_next_ = false;
+  }
   void FailNext() { fail_next_ = true; }
   bool armed() const { return fail_next_; }
   void* Allocate(size_t bytes) override {
+    if (!active_) return nullptr;
     if (fail_next_.exchange(false)) throw std::bad_alloc();
     void* p = std::malloc(bytes);
     if (p == nullptr) return nullptr;
@@ -684,33 +697,42 @@ class FailingStorage : public psd::server::BufferStorage {
   }
 
  private:
+  std::atomic<bool> active_{false};
   std::atomic<bool> fail_next_{false};
   std::mutex mu_;
   std::vector<void*> mine_;
 };
 
-FailingStorage& TheFailingStorage() {
-  static auto* storage = new FailingStorage;  // lives as long as the process (SetBufferStorage)
-  psd::server::SetBufferStorage(storage);
-  return *storage;
-}
+// The storage, active for the scope (set for the process at the first use).
+class ActiveStorage {
+ public:
+  ActiveStorage() : storage_(Storage()) { storage_.Activate(true); }
+  ~ActiveStorage() { storage_.Activate(false); }
+  FailingStorage* operator->() { return &storage_; }
+
+ private:
+  static FailingStorage& Storage() {
+    static auto* storage = new FailingStorage;  // lives as long as the process (SetBufferStorage)
+    psd::server::SetBufferStorage(storage);
+    return *storage;
+  }
+  FailingStorage& storage_;
+};
 
 }  // namespace
 
 TEST_CASE("an add that runs out of memory after a held first gradient loses neither", "[accumulator][oom]") {
-  FailingStorage& storage = TheFailingStorage();
+  ActiveStorage storage;
   // Three stripes and a bit: the sum's buffer (over 256 KiB) comes from the storage.
   const int64_t n = 3 * DenseAccumulator::kStripeElements + 100;
   std::vector<float> a = Ints(static_cast<size_t>(n), 1), b = Ints(static_cast<size_t>(n), 2),
                      lost = Ints(static_cast<size_t>(n), 3);
-  storage.FailNext();
+  storage->FailNext();
   REQUIRE_THROWS_AS(psd::server::Buffer(static_cast<size_t>(n) * 4), std::bad_alloc);  // the storage is the one set
   auto hold = std::make_shared<int>(0);
   DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kSum, 0);
   int count = 0;
-  REQUIRE(acc.AddChecked(0, DType::kFloat32, b.data()));
-  REQUIRE(*acc.TryTakeGrad(1, &count));
-  REQUIRE(acc.ReleaseSum() != nullptr);  // the next round takes a new buffer at its first write
+  RoundWithoutSum(acc, b);
 
   // Held first: pointed at, nothing written, no buffer yet. Then an add that copies needs the
   // buffer and does not get it. Before, it had let go of the held gradient's pointers first (the
@@ -719,11 +741,11 @@ TEST_CASE("an add that runs out of memory after a held first gradient loses neit
   acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
   acc.EndAdd();
   REQUIRE_FALSE(acc.has_sum());
-  storage.FailNext();
+  storage->FailNext();
   REQUIRE(acc.BeginAdd(1));
   REQUIRE_THROWS_AS(acc.Add(DType::kFloat32, lost.data(), {}), std::bad_alloc);
   acc.CancelAdd();
-  REQUIRE_FALSE(storage.armed());
+  REQUIRE_FALSE(storage->armed());
   REQUIRE(acc.BeginAdd(1));
   acc.Add(DType::kFloat32, b.data(), {});
   acc.EndAdd();
@@ -736,18 +758,16 @@ TEST_CASE("an add that runs out of memory after a held first gradient loses neit
 }
 
 TEST_CASE("the first add of a round that runs out of memory changes nothing, whole or a chunk", "[accumulator][oom]") {
-  FailingStorage& storage = TheFailingStorage();
+  ActiveStorage storage;
   const int64_t S = DenseAccumulator::kStripeElements, n = 3 * S + 100;
   std::vector<float> a = Ints(static_cast<size_t>(n), 1), b = Ints(static_cast<size_t>(n), 2);
   const bool chunks = GENERATE(false, true);
   DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kSum, 0);
   int count = 0;
-  REQUIRE(acc.AddChecked(0, DType::kFloat32, b.data()));
-  REQUIRE(*acc.TryTakeGrad(1, &count));
-  REQUIRE(acc.ReleaseSum() != nullptr);
+  RoundWithoutSum(acc, b);
   // Before, the failed add had marked its first stripe's parts as written: the next gradient was
   // added to NaN bytes there.
-  storage.FailNext();
+  storage->FailNext();
   REQUIRE(acc.BeginAdd(1));
   if (chunks) {
     REQUIRE_THROWS_AS(acc.AddChunk(DType::kFloat32, a.data(), 0, S, {}), std::bad_alloc);
@@ -755,7 +775,7 @@ TEST_CASE("the first add of a round that runs out of memory changes nothing, who
     REQUIRE_THROWS_AS(acc.Add(DType::kFloat32, a.data(), {}), std::bad_alloc);
   }
   acc.CancelAdd();
-  REQUIRE_FALSE(storage.armed());
+  REQUIRE_FALSE(storage->armed());
   if (chunks) {
     for (int64_t at = 0; at < n; at += S) AddChunk(acc, 1, b, at, std::min(S, n - at));
   } else {
@@ -764,4 +784,46 @@ TEST_CASE("the first add of a round that runs out of memory changes nothing, who
   REQUIRE(*acc.TryTakeGrad(1, &count));
   CHECK(count == 1);
   REQUIRE(std::memcmp(acc.grad().data(), b.data(), static_cast<size_t>(n) * 4) == 0);
+}
+
+TEST_CASE("a round's first two held gradients take no sum buffer, whole or in chunks: a spare offered later can be it",
+          "[accumulator][held]") {
+  const int64_t S = DenseAccumulator::kStripeElements, n = 3 * S + 100;
+  std::vector<float> a = Ints(static_cast<size_t>(n), 1), b = Ints(static_cast<size_t>(n), 2),
+                     c = Ints(static_cast<size_t>(n), 3);
+  auto hold = std::make_shared<int>(0);
+  const bool chunks = GENERATE(false, true);
+  DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kSum, 0);
+  int count = 0;
+  RoundWithoutSum(acc, a);
+  // Chunks of one stripe and a half: each stripe's parts come in two chunks of a gradient.
+  const int64_t piece = chunks ? S + S / 2 : n;
+  auto add = [&](const std::vector<float>& g) {
+    for (int64_t at = 0; at < n; at += piece) {
+      const int64_t k = std::min(piece, n - at);
+      REQUIRE(acc.BeginAdd(1));
+      if (chunks) {
+        acc.AddChunk(DType::kFloat32, g.data() + at, at, k, {}, nullptr, hold);
+        acc.EndAddChunk(at, k);
+      } else {
+        acc.Add(DType::kFloat32, g.data(), {}, nullptr, hold);
+        acc.EndAdd();
+      }
+    }
+  };
+  add(a);
+  CHECK_FALSE(acc.has_sum());
+  add(b);
+  // Chunks: a stripe cut between two chunks of a gradient counts both, so the second gradient's
+  // chunk there is its third held add: it takes the buffer (same-host pieces of 4 MiB are whole
+  // stripes, and do not).
+  CHECK(acc.has_sum() == chunks);
+  add(c);  // a third held gradient sums the pending one into the buffer: it took it first
+  CHECK(acc.has_sum());
+  REQUIRE(*acc.TryTakeGrad(3, &count));  // the held parts resolved into the sum
+  CHECK(count == 3);
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t k = static_cast<size_t>(i);
+    REQUIRE(acc.grad().as<float>()[i] == a[k] + b[k] + c[k]);
+  }
 }
