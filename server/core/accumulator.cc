@@ -485,6 +485,7 @@ Status DenseAccumulator::CheckChunk(DType want_dtype, const Shape& want_shape, D
 
 void DenseAccumulator::SumSlots() {
   MutexLock lock(&slots_mu_);
+  free_slots_.reserve(free_slots_.size() + slots_.size());  // before the sum: the take may throw, not half-way
   std::sort(slots_.begin(), slots_.end(), [](const Slot& a, const Slot& b) {
     return a.replica != b.replica ? a.replica < b.replica : a.arrival < b.arrival;
   });
@@ -553,6 +554,9 @@ Result<bool> DenseAccumulator::TryTakeGrad(int num_required, int* count, bool ke
 void DenseAccumulator::ForceTake(int* count) { Take(count, false); }
 
 void DenseAccumulator::Take(int* count, bool keep_held) {
+  // The sum's buffer first, the take's one allocation (a round of held gradients wrote none):
+  // out of memory, the take throws before anything changed, and can be tried again.
+  if (counter_ > 0 || chunked_) SumData();
   if (!keep_held) ResolveHeld();  // held parts: copied (and added) now
   if (deterministic_) SumSlots();
   unsent_.clear();
@@ -564,7 +568,7 @@ void DenseAccumulator::Take(int* count, bool keep_held) {
   }
   taken_holds_ = keep_held && holds();  // SettleParts may have resolved them
   taken_round_ = round_;
-  if (*count > 0) SumData();  // the sum the engine takes (a round of empty tensors wrote nothing)
+  if (*count > 0) SumData();  // taken above (a round of empty tensors wrote nothing)
   ++round_;                   // the next add into each stripe starts its sum over
   for (int64_t i = 0; i < num_stripes_; ++i)
     stripes_[static_cast<size_t>(i)].held_adds.store(0, std::memory_order_relaxed);

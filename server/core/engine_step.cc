@@ -179,15 +179,27 @@ bool TrainingEngine::MaybeTakeLocked(Variable* v, bool force, int* count) {
     // is not this one to force (its gradients would be refused as stale).
     if (v->next_take_step != step || global_step_.load() != step) return false;
   }
+  // A dense take's one allocation (the sum's buffer, when no add wrote one and no spare was free)
+  // comes before it changes anything: out of memory, it is tried again later (DeferTakeLocked).
   if (force) {
     *count = 0;
-    if (v->dense) v->dense->ForceTake(count);
+    if (v->dense) {
+      try {
+        v->dense->ForceTake(count);
+      } catch (const std::bad_alloc&) {
+        return DeferTakeLocked(v, true);
+      }
+    }
     if (v->sparse) v->sparse->ForceTake(count);
   } else {
     Result<bool> taken = false;
     if (v->dense) {
       if (v->dense->num_accumulated() >= required_.load()) OfferSpareLocked(v);  // a take may need the sum's buffer
-      taken = v->dense->TryTakeGrad(required_.load(), count, /*keep_held=*/true);
+      try {
+        taken = v->dense->TryTakeGrad(required_.load(), count, /*keep_held=*/true);
+      } catch (const std::bad_alloc&) {
+        return DeferTakeLocked(v, false);
+      }
     }
     if (v->sparse) taken = v->sparse->TryTakeGrad(required_.load(), count);
     if (!taken.ok() || !*taken) return false;
@@ -590,6 +602,28 @@ std::vector<std::pair<TrainingEngine::Variable*, std::shared_ptr<Buffer>>> Train
     v->shadow = std::move(next);
   }
   return shadows;
+}
+
+bool TrainingEngine::DeferTakeLocked(Variable* v, bool forced) {
+  const int64_t step = global_step_.load();
+  if (take_deferred_logged_.exchange(step) != step) {
+    spdlog::warn(
+        "step {}: out of memory for the sum of variable '{}' ({} bytes) at its take; the step stays open "
+        "and the take is tried again (is --max-model-bytes above the memory this host has?)",
+        step, v->name, v->bytes);
+  }
+  int was = take_deferred_.load();
+  const int now = forced ? 2 : 1;
+  while (was < now && !take_deferred_.compare_exchange_weak(was, now)) {
+  }
+  if (on_take_deferred_) on_take_deferred_();
+  return false;
+}
+
+void TrainingEngine::RetryDeferredTakes() {
+  const int deferred = take_deferred_.exchange(0);
+  if (deferred == 2) return ForceStep(global_step_.load());
+  if (deferred == 1) ReevaluateAll();
 }
 
 void TrainingEngine::ReevaluateAll() {

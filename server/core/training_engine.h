@@ -392,6 +392,12 @@ class TrainingEngine {
   // Sync: called (outside all locks) when the first fresh gradient of a step arrives, so the
   // server can arm the step deadline.
   void set_on_step_started(std::function<void(int64_t step)> cb) { on_step_started_ = std::move(cb); }
+  // Sync: called (under a variable's lock: post, do not call back in) when a take ran out of
+  // memory for its sum's buffer. Nothing was taken and the step stays open; the owner calls
+  // RetryDeferredTakes a little later (the next add of the variable tries again too).
+  void set_on_take_deferred(std::function<void()> cb) { on_take_deferred_ = std::move(cb); }
+  // The takes deferred since the last call, tried again (a forced step's forced again).
+  void RetryDeferredTakes() EXCLUDES(mu_);
 
  private:
   struct Variable;
@@ -441,6 +447,9 @@ class TrainingEngine {
   std::vector<Variable*> Variables(bool trainable_only = false) EXCLUDES(mu_);
   // With v->mu held: takes (and applies, for dense) if the step is ready. Returns true if it took.
   bool MaybeTakeLocked(Variable* v, bool force, int* count) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
+  // A take of `v` that ran out of memory (`forced`: a forced one): logged, remembered for
+  // RetryDeferredTakes, the owner told. Returns false (not taken).
+  bool DeferTakeLocked(Variable* v, bool forced) REQUIRES(VariableMutex(v));
   // After a take (no variable lock held): records it; commits if it was the last.
   void OnTaken(int count) EXCLUDES(mu_);
   // Publishes the step, unlocks (`lock` holds mu_), then pushes tokens and runs the callbacks.
@@ -516,6 +525,11 @@ class TrainingEngine {
   std::function<void(const StepInfo&)> on_commit_;
   std::function<void(double)> on_apply_;
   std::function<void(int64_t)> on_step_started_;
+  std::function<void()> on_take_deferred_;
+  // A take that ran out of memory (DeferTakeLocked): 0 none, 1 to try again, 2 a forced one; and
+  // the step of the last one logged (one warning per step).
+  std::atomic<int> take_deferred_{0};
+  std::atomic<int64_t> take_deferred_logged_{-1};
   std::function<void(ShardSnapshot)> on_snapshot_;
   bool keep_committed_ = false;
   std::optional<ShardSnapshot> committed_ GUARDED_BY(mu_);  // the last commit's state (keep_committed_)

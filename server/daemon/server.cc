@@ -82,6 +82,7 @@ Result<std::shared_ptr<TrainingEngine>> Server::MakeEngine(uint64_t epoch) {
   if (config_.mode == Mode::kSync && config_.step_deadline_ms > 0) {
     engine->set_on_step_started([this](int64_t step) { ArmStepDeadline(step); });
   }
+  if (config_.mode == Mode::kSync) engine->set_on_take_deferred([this] { RetryTakesSoon(); });
   if (!config_.checkpoint_dir.empty()) {
     engine->set_on_snapshot([this](ShardSnapshot snap) { QueueSnapshot(std::move(snap)); });
   }
@@ -171,6 +172,7 @@ Server::Server(ServerConfig config, std::shared_ptr<wire::ssl::context> tls,
       summary_timer_(io_),
       deadline_strand_(asio::make_strand(io_)),
       step_deadline_(deadline_strand_),
+      take_retry_(deadline_strand_),
       cluster_strand_(asio::make_strand(io_)),
       cluster_tick_(cluster_strand_),
       ready_timer_(io_),
@@ -275,6 +277,18 @@ void Server::ArmStepDeadline(int64_t step) {
     step_deadline_.expires_after(std::chrono::milliseconds(config_.step_deadline_ms));
     step_deadline_.async_wait([this, step](boost::system::error_code ec) {
       if (!ec) engine()->ForceStep(step);
+    });
+  });
+}
+
+void Server::RetryTakesSoon() {
+  asio::post(deadline_strand_, [this] {
+    if (take_retry_armed_ || stopped_.load()) return;
+    take_retry_armed_ = true;
+    take_retry_.expires_after(std::chrono::milliseconds(kTakeRetryMs));
+    take_retry_.async_wait([this](boost::system::error_code ec) {
+      take_retry_armed_ = false;
+      if (!ec) engine()->RetryDeferredTakes();
     });
   });
 }
@@ -802,7 +816,10 @@ void Server::Stop() {
     checkpoint_timer_.cancel();
     ready_timer_.cancel();
   });
-  asio::post(deadline_strand_, [this] { step_deadline_.cancel(); });
+  asio::post(deadline_strand_, [this] {
+    step_deadline_.cancel();
+    take_retry_.cancel();
+  });
   if (coordinator_) {
     coordinator_->Stop();
     // The actions decided before: run (answers owed, a copy being kept), nothing new after.

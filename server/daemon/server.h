@@ -160,6 +160,10 @@ class Server : public ServiceHost {
   void LogSummary();
   void UpdateRequired();
   void ArmStepDeadline(int64_t step);
+  // A take that ran out of memory (TrainingEngine::set_on_take_deferred) is tried again after
+  // kTakeRetryMs, until one gets its memory.
+  static constexpr int kTakeRetryMs = 50;
+  void RetryTakesSoon();
   void ScheduleCheckpointTimer();
   // Restores the newest good checkpoint of --checkpoint-dir into the (empty) engine.
   Status RestoreAtStart();
@@ -218,6 +222,8 @@ class Server : public ServiceHost {
   asio::steady_timer summary_timer_;
   asio::strand<asio::io_context::executor_type> deadline_strand_;
   asio::steady_timer step_deadline_;  // soft sync; touched only on deadline_strand_
+  asio::steady_timer take_retry_;     // RetryTakesSoon; touched only on deadline_strand_
+  bool take_retry_armed_ = false;     // on deadline_strand_
   std::vector<std::thread> threads_;
   // A cluster shard's protocol, its links and its view of this Server (null for a single daemon);
   // the coordinator is ticked every --heartbeat-ms on cluster_strand_.

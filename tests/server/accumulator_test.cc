@@ -2,23 +2,21 @@
 #include "core/accumulator.h"
 
 #include <algorithm>
-#include <atomic>
 #include <catch2/catch.hpp>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <new>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "core/buffer.h"
 #include "psd/half.h"
+#include "support/failing_storage.h"
 
 using namespace psd;
 using psd::server::DenseAccumulator;
 using psd::server::Reduction;
+using psd::testing::ActiveStorage;
 
 namespace {
 
@@ -663,72 +661,12 @@ TEST_CASE("a round takes its sum buffer at its first write: a held first gradien
   CHECK(empty.ReleaseSum() != nullptr);
 }
 
-namespace {
-
-// Big buffers' storage (SetBufferStorage; no other storage is set in this test binary) that,
-// while a test has it active (ActiveStorage), refuses one allocation when told to, as memory
-// running out would, and fills what it gives with NaN bytes: a sum read before it is written
-// shows. Inactive, it leaves every buffer to the heap (other tests of the binary, run whole).
-class FailingStorage : public psd::server::BufferStorage {
- public:
-  void Activate(bool on) {
-    active_ = on;
-    fail_next_ = false;
-  }
-  void FailNext() { fail_next_ = true; }
-  bool armed() const { return fail_next_; }
-  void* Allocate(size_t bytes) override {
-    if (!active_) return nullptr;
-    if (fail_next_.exchange(false)) throw std::bad_alloc();
-    void* p = std::malloc(bytes);
-    if (p == nullptr) return nullptr;
-    std::memset(p, 0xff, bytes);
-    std::lock_guard<std::mutex> lock(mu_);
-    mine_.push_back(p);
-    return p;
-  }
-  bool Free(void* p, size_t) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = std::find(mine_.begin(), mine_.end(), p);
-    if (it == mine_.end()) return false;
-    mine_.erase(it);
-    std::free(p);
-    return true;
-  }
-
- private:
-  std::atomic<bool> active_{false};
-  std::atomic<bool> fail_next_{false};
-  std::mutex mu_;
-  std::vector<void*> mine_;
-};
-
-// The storage, active for the scope (set for the process at the first use).
-class ActiveStorage {
- public:
-  ActiveStorage() : storage_(Storage()) { storage_.Activate(true); }
-  ~ActiveStorage() { storage_.Activate(false); }
-  FailingStorage* operator->() { return &storage_; }
-
- private:
-  static FailingStorage& Storage() {
-    static auto* storage = new FailingStorage;  // lives as long as the process (SetBufferStorage)
-    psd::server::SetBufferStorage(storage);
-    return *storage;
-  }
-  FailingStorage& storage_;
-};
-
-}  // namespace
-
 TEST_CASE("an add that runs out of memory after a held first gradient loses neither", "[accumulator][oom]") {
   ActiveStorage storage;
   // Three stripes and a bit: the sum's buffer (over 256 KiB) comes from the storage.
   const int64_t n = 3 * DenseAccumulator::kStripeElements + 100;
   std::vector<float> a = Ints(static_cast<size_t>(n), 1), b = Ints(static_cast<size_t>(n), 2),
                      lost = Ints(static_cast<size_t>(n), 3);
-  storage->FailNext();
-  REQUIRE_THROWS_AS(psd::server::Buffer(static_cast<size_t>(n) * 4), std::bad_alloc);  // the storage is the one set
   auto hold = std::make_shared<int>(0);
   DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kSum, 0);
   int count = 0;

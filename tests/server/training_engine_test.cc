@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "config/server_config.h"
+#include "core/accumulator.h"
+#include "support/failing_storage.h"
 
 using namespace psd;
 using namespace psd::server;
@@ -444,4 +446,58 @@ TEMPLATE_TEST_CASE("held gradients give the parameters of copied ones with every
       CHECK(std::memcmp(a[0].value->data(), b[0].value->data(), a[0].value->bytes()) == 0);
     }
   }
+}
+
+TEST_CASE("a take that runs out of memory leaves its step open, and a retry takes it", "[engine][oom]") {
+  psd::testing::ActiveStorage storage;
+  Engine e(Config(2, 2, 0, 0.5));
+  // Over 256 KiB (the sum's buffer comes from the storage), a few stripes.
+  const int64_t n = 3 * DenseAccumulator::kStripeElements + 7;
+  std::vector<float> w(static_cast<size_t>(n), 1.0f), g0(static_cast<size_t>(n)), g1(static_cast<size_t>(n));
+  for (size_t i = 0; i < g0.size(); ++i) {
+    g0[i] = static_cast<float>(i % 5);
+    g1[i] = static_cast<float>(i % 3) - 1.0f;
+  }
+  e.Create<float>("w", w, {n});
+  int deferred = 0;
+  e.engine.set_on_take_deferred([&] { ++deferred; });
+  auto push = [&](int64_t step, const std::vector<float>& g, std::shared_ptr<const void> hold) {
+    GradRef r{"w", DType::kFloat32, {n}, g.data(), g.size() * sizeof(float)};
+    r.hold = std::move(hold);
+    std::vector<GradOutcome> out;
+    Status s = e.engine.Push(step, {r}, &out);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+    REQUIRE(out.size() == 1);
+    CHECK(out[0].accepted);
+  };
+  // A reader keeps step 0's value: at step 1's take it is the spare, not free to be the sum.
+  std::vector<PulledValue> reader;
+  int64_t step = 0;
+  REQUIRE(e.engine.Pull({"w"}, &reader, &step).ok());
+  push(0, g0, nullptr);
+  push(0, g1, nullptr);
+  REQUIRE(e.engine.global_step() == 1);
+  // Held gradients (a same-host worker's) write no sum: step 1's take needs a new buffer.
+  auto hold = std::make_shared<int>(0);
+  push(1, g0, hold);
+  storage->FailNext();
+  push(1, g1, hold);  // added and counted; its take finds no memory: before, the push failed (its gradient counted)
+  REQUIRE_FALSE(storage->armed());
+  CHECK(deferred == 1);
+  CHECK(e.engine.global_step() == 1);
+  e.engine.RetryDeferredTakes();
+  CHECK(e.engine.global_step() == 2);
+  e.engine.RetryDeferredTakes();  // nothing deferred any more
+  CHECK(e.engine.global_step() == 2);
+  CHECK(deferred == 1);
+  std::vector<PulledValue> vals;
+  REQUIRE(e.engine.Pull({"w"}, &vals, &step).ok());
+  CHECK(step == 2);
+  const float* got = vals[0].value->as<float>();
+  for (size_t i = 0; i < w.size(); ++i) {
+    const float once = 1.0f - 0.5f * ((g0[i] + g1[i]) / 2.0f);
+    REQUIRE(got[i] == once - 0.5f * ((g0[i] + g1[i]) / 2.0f));
+  }
+  CHECK(hold.use_count() == 1);  // the take's apply read the held gradients and let them go
 }
