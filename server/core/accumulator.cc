@@ -557,7 +557,8 @@ void DenseAccumulator::Take(int* count, bool keep_held) {
   // The sum's buffer first, the take's one allocation (a round of held gradients wrote none):
   // out of memory, the take throws before anything changed, and can be tried again.
   if (counter_ > 0 || chunked_) SumData();
-  if (!keep_held) ResolveHeld();  // held parts: copied (and added) now
+  if (chunked_) unsent_.reserve(static_cast<size_t>(num_parts_ + 1) / 2);  // SettleParts' ranges of parts, at most
+  if (!keep_held) ResolveHeld();                                           // held parts: copied (and added) now
   if (deterministic_) SumSlots();
   unsent_.clear();
   if (chunked_) {

@@ -612,18 +612,24 @@ bool TrainingEngine::DeferTakeLocked(Variable* v, bool forced) {
         "and the take is tried again (is --max-model-bytes above the memory this host has?)",
         step, v->name, v->bytes);
   }
+  if (forced) take_deferred_forced_step_.store(step);
   int was = take_deferred_.load();
   const int now = forced ? 2 : 1;
   while (was < now && !take_deferred_.compare_exchange_weak(was, now)) {
   }
-  if (on_take_deferred_) on_take_deferred_();
+  try {
+    if (on_take_deferred_) on_take_deferred_();
+  } catch (const std::bad_alloc&) {  // no retry armed: the variable's next add or the step deadline tries again
+  }
   return false;
 }
 
 void TrainingEngine::RetryDeferredTakes() {
   const int deferred = take_deferred_.exchange(0);
-  if (deferred == 2) return ForceStep(global_step_.load());
-  if (deferred == 1) ReevaluateAll();
+  if (deferred == 0) return;
+  // Forced only if that step is still open (ForceStep checks): a later one has its own deadline.
+  if (deferred == 2) ForceStep(take_deferred_forced_step_.load());
+  ReevaluateAll();
 }
 
 void TrainingEngine::ReevaluateAll() {

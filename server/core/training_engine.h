@@ -396,7 +396,8 @@ class TrainingEngine {
   // memory for its sum's buffer. Nothing was taken and the step stays open; the owner calls
   // RetryDeferredTakes a little later (the next add of the variable tries again too).
   void set_on_take_deferred(std::function<void()> cb) { on_take_deferred_ = std::move(cb); }
-  // The takes deferred since the last call, tried again (a forced step's forced again).
+  // The takes deferred since the last call, tried again (a forced step's forced again, if it is
+  // still open).
   void RetryDeferredTakes() EXCLUDES(mu_);
 
  private:
@@ -529,6 +530,7 @@ class TrainingEngine {
   // A take that ran out of memory (DeferTakeLocked): 0 none, 1 to try again, 2 a forced one; and
   // the step of the last one logged (one warning per step).
   std::atomic<int> take_deferred_{0};
+  std::atomic<int64_t> take_deferred_forced_step_{-1};  // the step a forced take was deferred in
   std::atomic<int64_t> take_deferred_logged_{-1};
   std::function<void(ShardSnapshot)> on_snapshot_;
   bool keep_committed_ = false;

@@ -765,3 +765,41 @@ TEST_CASE("a round's first two held gradients take no sum buffer, whole or in ch
     REQUIRE(acc.grad().as<float>()[i] == a[k] + b[k] + c[k]);
   }
 }
+
+TEST_CASE("a take that runs out of memory changes nothing: tried again, it takes the gradient", "[accumulator][oom]") {
+  ActiveStorage storage;
+  const int64_t S = DenseAccumulator::kStripeElements, n = 3 * S + 100, cut = S + S / 2;
+  std::vector<float> a = Ints(static_cast<size_t>(n), 1), b = Ints(static_cast<size_t>(n), 2);
+  const bool chunks = GENERATE(false, true);
+  DenseAccumulator acc(DType::kFloat32, {n}, Reduction::kSum, 0);
+  RoundWithoutSum(acc, b);
+  // One held gradient, whole or in two chunks: pointed at, nothing written, no buffer. The take
+  // (as the engine's: the held parts read by its apply) needs one.
+  auto hold = std::make_shared<int>(0);
+  if (chunks) {
+    for (auto [at, k] : {std::pair<int64_t, int64_t>{0, cut}, {cut, n - cut}}) {
+      REQUIRE(acc.BeginAdd(1));
+      acc.AddChunk(DType::kFloat32, a.data() + at, at, k, {}, nullptr, hold);
+      acc.EndAddChunk(at, k);
+    }
+  } else {
+    REQUIRE(acc.BeginAdd(1));
+    acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
+    acc.EndAdd();
+  }
+  REQUIRE_FALSE(acc.has_sum());
+  storage->FailNext();
+  int count = 0;
+  // Before, a chunked round had been marked settled when it threw: tried again, it had no gradient.
+  REQUIRE_THROWS_AS(acc.TryTakeGrad(1, &count, /*keep_held=*/true), std::bad_alloc);
+  REQUIRE_FALSE(storage->armed());
+  REQUIRE(*acc.TryTakeGrad(1, &count, /*keep_held=*/true));
+  CHECK(count == 1);
+  std::vector<float> scratch(static_cast<size_t>(n));
+  for (int64_t at = 0, end = 0; at < n; at = end) {
+    const auto* g = static_cast<const float*>(acc.TakenGrad(acc.grad().data(), at, n, scratch.data(), &end));
+    REQUIRE(std::memcmp(g, a.data() + at, static_cast<size_t>(end - at) * sizeof(float)) == 0);
+  }
+  acc.DropTakenHolds();
+  CHECK(hold.use_count() == 1);
+}

@@ -501,3 +501,40 @@ TEST_CASE("a take that runs out of memory leaves its step open, and a retry take
   }
   CHECK(hold.use_count() == 1);  // the take's apply read the held gradients and let them go
 }
+
+TEST_CASE("a forced take that ran out of memory is forced again only while its step is open", "[engine][oom]") {
+  psd::testing::ActiveStorage storage;
+  Engine e(Config(2, 2, 0, 0.5));
+  const int64_t n = 3 * DenseAccumulator::kStripeElements + 7;
+  std::vector<float> w(static_cast<size_t>(n), 1.0f), g(static_cast<size_t>(n), 2.0f);
+  e.Create<float>("w", w, {n});
+  int deferred = 0;
+  e.engine.set_on_take_deferred([&] { ++deferred; });
+  auto push = [&](int64_t step, std::shared_ptr<const void> hold) {
+    GradRef r{"w", DType::kFloat32, {n}, g.data(), g.size() * sizeof(float)};
+    r.hold = std::move(hold);
+    std::vector<GradOutcome> out;
+    REQUIRE(e.engine.Push(step, {r}, &out).ok());
+  };
+  std::vector<PulledValue> reader;  // keeps step 0's value: no spare to be step 1's sum
+  int64_t step = 0;
+  REQUIRE(e.engine.Pull({"w"}, &reader, &step).ok());
+  push(0, nullptr);
+  push(0, nullptr);
+  REQUIRE(e.engine.global_step() == 1);
+  auto hold = std::make_shared<int>(0);
+  push(1, hold);  // held: no sum written
+  storage->FailNext();
+  e.engine.ForceStep(1);  // the step deadline: its forced take finds no memory
+  REQUIRE_FALSE(storage->armed());
+  CHECK(deferred == 1);
+  CHECK(e.engine.global_step() == 1);
+  push(1, hold);  // the second gradient comes in time after all: the step is taken as usual
+  CHECK(e.engine.global_step() == 2);
+  // The retry finds step 1 committed: it forces nothing (a forced step 2 would commit it empty).
+  e.engine.RetryDeferredTakes();
+  CHECK(e.engine.global_step() == 2);
+  REQUIRE(e.engine.Pull({"w"}, &reader, &step).ok());
+  CHECK(step == 2);
+  CHECK(reader[0].value->as<float>()[0] == 1.0f - 0.5f * 2.0f - 0.5f * 2.0f);
+}
