@@ -144,6 +144,14 @@ std::vector<float> Ints(size_t n, int seed) {
   return v;
 }
 
+// A whole gradient `g` of step `step` added held: `acc` may point at its bytes while `hold` lives.
+void AddHeld(DenseAccumulator& acc, int64_t step, const std::vector<float>& g,
+             const std::shared_ptr<const void>& hold) {
+  REQUIRE(acc.BeginAdd(step));
+  acc.Add(DType::kFloat32, g.data(), {}, nullptr, hold);
+  acc.EndAdd();
+}
+
 // Step 0 of `acc` taken with `g`, and the sum's buffer handed over (as to the engine's apply): step
 // 1's round has none until an add takes it.
 void RoundWithoutSum(DenseAccumulator& acc, const std::vector<float>& g) {
@@ -554,9 +562,7 @@ TEST_CASE("a held gradient is read at its part's next add or the take, and copie
 
   // Pointed at, not copied: bytes changed before the next add are the ones summed. (The engine
   // passes a hold only for bytes that do not change before ResolveHeld: this shows they are read late.)
-  REQUIRE(acc.BeginAdd(0));
-  acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
-  acc.EndAdd();
+  AddHeld(acc, 0, a, hold);
   CHECK(acc.holds());
   CHECK(hold.use_count() == 2);
   std::vector<float> a2 = a;
@@ -571,9 +577,7 @@ TEST_CASE("a held gradient is read at its part's next add or the take, and copie
   CHECK(hold.use_count() == 1);
 
   // ResolveHeld copies: the caller may then change its bytes.
-  REQUIRE(acc.BeginAdd(1));
-  acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
-  acc.EndAdd();
+  AddHeld(acc, 1, a, hold);
   acc.ResolveHeld();
   CHECK_FALSE(acc.holds());
   CHECK(hold.use_count() == 1);
@@ -620,9 +624,7 @@ TEST_CASE("a round takes its sum buffer at its first write: a held first gradien
   RoundWithoutSum(acc, a);
 
   // Held: nothing written, no buffer taken; the one offered at the next add is the sum.
-  REQUIRE(acc.BeginAdd(1));
-  acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
-  acc.EndAdd();
+  AddHeld(acc, 1, a, hold);
   CHECK_FALSE(acc.has_sum());
   auto offered = std::make_shared<psd::server::Buffer>(static_cast<size_t>(n) * 4);
   const psd::server::Buffer* at = offered.get();
@@ -644,9 +646,7 @@ TEST_CASE("a round takes its sum buffer at its first write: a held first gradien
 
   // A take of one held gradient that nothing was offered for copies it into a new buffer.
   REQUIRE(acc.ReleaseSum() != nullptr);
-  REQUIRE(acc.BeginAdd(3));
-  acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
-  acc.EndAdd();
+  AddHeld(acc, 3, a, hold);
   REQUIRE(*acc.TryTakeGrad(1, &count));
   REQUIRE(acc.has_sum());
   CHECK(std::memcmp(acc.grad().data(), a.data(), static_cast<size_t>(n) * 4) == 0);
@@ -675,9 +675,7 @@ TEST_CASE("an add that runs out of memory after a held first gradient loses neit
   // Held first: pointed at, nothing written, no buffer yet. Then an add that copies needs the
   // buffer and does not get it. Before, it had let go of the held gradient's pointers first (the
   // gradient was lost) and the sum was read from whatever the memory held.
-  REQUIRE(acc.BeginAdd(1));
-  acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
-  acc.EndAdd();
+  AddHeld(acc, 1, a, hold);
   REQUIRE_FALSE(acc.has_sum());
   storage->FailNext();
   REQUIRE(acc.BeginAdd(1));
@@ -783,9 +781,7 @@ TEST_CASE("a take that runs out of memory changes nothing: tried again, it takes
       acc.EndAddChunk(at, k);
     }
   } else {
-    REQUIRE(acc.BeginAdd(1));
-    acc.Add(DType::kFloat32, a.data(), {}, nullptr, hold);
-    acc.EndAdd();
+    AddHeld(acc, 1, a, hold);
   }
   REQUIRE_FALSE(acc.has_sum());
   storage->FailNext();
