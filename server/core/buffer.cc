@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <deque>
+#include <new>
 #include <utility>
 
 #include "base/mutex.h"
@@ -176,21 +177,22 @@ void Buffer::MarkCopiedFrom(const Buffer& from) {
   changes_.clear();
 }
 
-bool Buffer::CatchUp(const Buffer& from, const std::vector<const Buffer*>& chain) {
+bool Buffer::CatchUp(const Buffer& from, std::initializer_list<const Buffer*> chain) noexcept {
   // from, then the chain: each copied from the next (the last one from this buffer) and listed
   // every write since.
-  std::vector<const Buffer*> copies{&from};
-  copies.insert(copies.end(), chain.begin(), chain.end());
+  const Buffer* const* const links = chain.begin();
+  const size_t n = chain.size() + 1;
+  auto copy_at = [&](size_t i) { return i == 0 ? &from : links[i - 1]; };
   bool listed = from.bytes_ == bytes_;
-  for (size_t i = 0; listed && i < copies.size(); ++i) {
-    const uint64_t older = i + 1 < copies.size() ? copies[i + 1]->id_ : id_;
-    listed = copies[i]->copied_from() != 0 && copies[i]->copied_from() == older;
+  for (size_t i = 0; listed && i < n; ++i) {
+    const uint64_t older = i + 1 < n ? copy_at(i + 1)->id_ : id_;
+    listed = copy_at(i)->copied_from() != 0 && copy_at(i)->copied_from() == older;
   }
   auto* to = reinterpret_cast<char*>(words_.get());
   const auto* src = static_cast<const char*>(from.data());
   if (listed) {
-    for (const Buffer* b : copies) {
-      for (const auto& [offset, length] : b->changes_) {
+    for (size_t i = 0; i < n; ++i) {
+      for (const auto& [offset, length] : copy_at(i)->changes_) {
         if (offset < bytes_) std::memcpy(to + offset, src + offset, std::min<uint64_t>(length, bytes_ - offset));
       }
     }
@@ -203,14 +205,22 @@ bool Buffer::CatchUp(const Buffer& from, const std::vector<const Buffer*>& chain
   return listed;
 }
 
-void Buffer::TakeChangesOf(const Buffer& live) {
+void Buffer::TakeChangesOf(const Buffer& live) noexcept {
+  try {
+    changes_ = live.changes_;
+  } catch (const std::bad_alloc&) {
+    copied_from_.store(0, std::memory_order_relaxed);  // not known: compared whole
+    changed_bytes_ = 0;
+    changes_.clear();
+    return;
+  }
   copied_from_.store(live.copied_from(), std::memory_order_relaxed);
   changed_bytes_ = live.changed_bytes_;
-  changes_ = live.changes_;
 }
 
-void Buffer::MarkChanged(uint64_t offset, uint64_t length) {
+void Buffer::MarkChanged(uint64_t offset, uint64_t length) noexcept {
   if (copied_from() == 0 || length == 0) return;
+  bool full = false;
   if (!changes_.empty() && offset >= changes_.back().first &&
       offset <= changes_.back().first + changes_.back().second) {
     auto& last = changes_.back();  // runs on from the last one (rows written in order)
@@ -218,11 +228,15 @@ void Buffer::MarkChanged(uint64_t offset, uint64_t length) {
     changed_bytes_ += end - (last.first + last.second);
     last.second = end - last.first;
   } else {
-    changes_.emplace_back(offset, length);
-    changed_bytes_ += length;
+    try {
+      changes_.emplace_back(offset, length);
+      changed_bytes_ += length;
+    } catch (const std::bad_alloc&) {
+      full = true;
+    }
   }
-  if (changes_.size() > std::max<size_t>(64, bytes_ / 2048) || changed_bytes_ * 2 > bytes_) {
-    copied_from_.store(0, std::memory_order_relaxed);  // too much to list: not known
+  if (full || changes_.size() > std::max<size_t>(64, bytes_ / 2048) || changed_bytes_ * 2 > bytes_) {
+    copied_from_.store(0, std::memory_order_relaxed);  // too much to list (or no memory for it): not known
     changed_bytes_ = 0;
     std::vector<std::pair<uint64_t, uint64_t>>().swap(changes_);
   }

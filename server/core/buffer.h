@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -64,8 +65,9 @@ class Buffer {
   // This buffer was just made as a copy of `live`, which lists its changes since some buffer X:
   // this one now lists the same (its bytes differ from X's there only). For a buffer updated in
   // place that is copied whole at each snapshot (an optimizer's slots), followed by
-  // live.MarkCopiedFrom(*this).
-  void TakeChangesOf(const Buffer& live);
+  // live.MarkCopiedFrom(*this). Allocates nothing that may fail to the caller: without memory for
+  // the list, this buffer lists nothing (its changes are not known, so it is compared whole).
+  void TakeChangesOf(const Buffer& live) noexcept;
   // Writable bytes for a writer that says with MarkChanged what it writes (before writing it).
   void* listed_data() {
     Written();
@@ -78,8 +80,9 @@ class Buffer {
   // while nobody else holds it, so a reader that holds it reads a generation that stays.
   uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
   // Bytes [offset, offset + length) are about to be written. Once the list would grow past what
-  // pays (more runs than one per 2 KiB, or half the bytes), it ends.
-  void MarkChanged(uint64_t offset, uint64_t length);
+  // pays (more runs than one per 2 KiB, or half the bytes), or there is no memory for a longer
+  // one, it ends.
+  void MarkChanged(uint64_t offset, uint64_t length) noexcept;
   // The id of the buffer this one was copied from while every byte written since lies in
   // changes(); 0 when that is not known.
   uint64_t copied_from() const { return copied_from_.load(std::memory_order_relaxed); }
@@ -92,8 +95,8 @@ class Buffer {
   // chain.back()->copied_from() == id() — only the bytes their lists name are copied; otherwise all
   // of them. So nothing may have written this buffer since the first of those copies was taken
   // from it. It gets a new id (its bytes are another value now). Returns whether only the listed
-  // bytes were copied.
-  bool CatchUp(const Buffer& from, const std::vector<const Buffer*>& chain);
+  // bytes were copied. Allocates nothing (a commit's snapshot calls it once it may not fail).
+  bool CatchUp(const Buffer& from, std::initializer_list<const Buffer*> chain) noexcept;
 
  private:
   // Frees the storage, or keeps it for the next buffer of its size.

@@ -21,11 +21,22 @@ std::vector<VarPlacement> TrainingEngine::Placements(int shard) const {
 }
 
 ShardSnapshot TrainingEngine::SnapshotLocked() {
+  // Two passes: first all that a snapshot allocates (the slots' copies, a sync-on-read variable's
+  // combined value, the lists), then what it changes (the kept copies, the slots' lists of
+  // changes), which allocates nothing. Out of memory, it throws having changed nothing: a commit
+  // goes on without it (CommitLocked).
   ShardSnapshot snap;
   snap.step = global_step_.load();
   snap.epoch = epoch_;
   snap.learning_rate = next_lr_.load();
   snap.optimizer = optimizer_->name();
+  struct SlotCopy {
+    Variable* v;
+    size_t slot;
+    std::shared_ptr<Buffer> copy;  // null: the oldest kept copy is brought up to date instead
+  };
+  std::vector<SlotCopy> copies;
+  snap.variables.reserve(vars_.size());
   for (auto& [name, v] : vars_) {
     VariableSnapshot vs;
     vs.name = v->name;
@@ -40,30 +51,49 @@ ShardSnapshot TrainingEngine::SnapshotLocked() {
     vs.sync_on_read = v->sync_on_read;
     vs.placement = v->placement;
     auto names = v->opt->SlotNames();
-    if (keep_committed_) v->slot_copies.resize(v->slots.size());
+    if (keep_committed_) {
+      v->slot_copies.resize(v->slots.size());
+      for (auto& made : v->slot_copies) made.reserve(3);
+    }
     for (size_t k = 0; k < v->slots.size(); ++k) {
       // Copied (slots are updated in place); the copy lists what a sparse step wrote since the
       // previous snapshot's copy, and the slot lists from this one on. With replicas the copy is
       // made in the copy of three snapshots ago once the kept copies let it go, brought up to date
       // from the lists of the two copies since and the slot's (Buffer::CatchUp), not copied whole.
-      std::shared_ptr<Buffer> copy;
+      const Buffer& slot = v->slots[k];
+      bool reuse = false;
       if (keep_committed_) {
-        std::deque<std::shared_ptr<Buffer>>& made = v->slot_copies[k];  // oldest first
-        if (made.size() == 3) {
-          if (made.front().use_count() == 1 && made.front()->bytes() == v->slots[k].bytes()) {
-            copy = std::move(made.front());
-            copy->CatchUp(v->slots[k], {made[2].get(), made[1].get()});
-          }
-          made.pop_front();
-        }
+        const auto& made = v->slot_copies[k];
+        reuse = made.size() == 3 && made.front().use_count() == 1 && made.front()->bytes() == slot.bytes();
       }
-      if (!copy) copy = std::make_shared<Buffer>(v->slots[k]);
-      copy->TakeChangesOf(v->slots[k]);
-      v->slots[k].MarkCopiedFrom(*copy);
-      if (keep_committed_) v->slot_copies[k].push_back(copy);
-      vs.slots.emplace_back(names[k], std::move(copy));
+      copies.push_back({v.get(), k, reuse ? nullptr : std::make_shared<Buffer>(slot)});
+      vs.slots.emplace_back(names[k], nullptr);
     }
     snap.variables.push_back(std::move(vs));
+  }
+  // Nothing below allocates.
+  auto next = copies.begin();
+  for (VariableSnapshot& vs : snap.variables) {
+    for (auto& [slot_name, out] : vs.slots) {
+      Variable* v = next->v;
+      Buffer& slot = v->slots[next->slot];
+      std::shared_ptr<Buffer> copy = std::move(next->copy);
+      if (keep_committed_) {
+        std::vector<std::shared_ptr<Buffer>>& made = v->slot_copies[next->slot];
+        if (made.size() == 3) {
+          if (!copy) {
+            copy = std::move(made.front());
+            copy->CatchUp(slot, {made[2].get(), made[1].get()});
+          }
+          made.erase(made.begin());
+        }
+      }
+      copy->TakeChangesOf(slot);
+      slot.MarkCopiedFrom(*copy);
+      if (keep_committed_) v->slot_copies[next->slot].push_back(copy);  // within the room reserved
+      out = std::move(copy);
+      ++next;
+    }
   }
   return snap;
 }

@@ -295,12 +295,8 @@ void TrainingEngine::ApplyPendingSparseLocked(Variable* v, int64_t step, double 
     // over the whole table, a range's share its pages and the page tables' lines): then the rows in
     // index order, and where each one's sum is, are listed first.
     const bool by_ranges = v->pending_granule_rows < SparseAccumulator::kCoarseGranuleRows;
-    if (by_ranges) {  // room for that list first: it may throw, as the copy below, before any change
-      v->apply_rows.resize(rows);
-      v->apply_grads.resize(rows);
-    }
-    // In place unless a pull or a kept copy still references the published buffer: then copy first.
-    CopyOnWriteLocked(v);
+    // Its allocations were made before the commit changed anything (PrepareCommitLocked): none now.
+    PrepareSparseApplyLocked(v);
     // The rows written, in increasing order across the stripes (their rows interleave granule by
     // granule): neighbouring rows make one range of the value's and each slot's list of changes.
     const uint64_t row_bytes = static_cast<uint64_t>(v->row_elements) * DTypeSize(v->dtype);
@@ -362,6 +358,61 @@ void TrainingEngine::ApplyPendingSparseLocked(Variable* v, int64_t step, double 
   v->apply_grads.clear();
 }
 
+void TrainingEngine::PrepareSparseApplyLocked(Variable* v) {
+  size_t rows = 0;
+  for (const SparseRows& part : v->pending_sparse) rows += part.indices.size();
+  if (rows == 0) return;
+  if (v->pending_granule_rows < SparseAccumulator::kCoarseGranuleRows) {  // the list of rows in index order
+    v->apply_rows.resize(rows);
+    v->apply_grads.resize(rows);
+  }
+  // In place unless a pull or a kept copy still references the published buffer: then copy first.
+  CopyOnWriteLocked(v);
+}
+
+bool TrainingEngine::PrepareCommitLocked() {
+  for (auto& [name, var] : vars_) {
+    Variable* v = var.get();
+    if (!v->trainable || !v->sparse_pending) continue;
+    try {
+      PrepareSparseApplyLocked(v);
+    } catch (const std::bad_alloc&) {
+      const int64_t step = global_step_.load();
+      if (take_deferred_logged_.exchange(step) != step) {
+        spdlog::warn(
+            "step {}: out of memory for the update of variable '{}' ({} bytes; a pull or a kept copy still reads "
+            "its value, so the update writes a copy); the step is not committed until memory allows (is "
+            "--max-model-bytes above the memory this host has?)",
+            step, v->name, v->bytes);
+      }
+      return false;
+    }
+  }
+  return true;
+}
+
+void TrainingEngine::DeferCommitLocked(MutexLock& lock, bool forced) {
+  commit_deferred_ = forced ? 2 : 1;
+  lock.UnlockFor(&mu_);
+  ArmRetry(1);
+}
+
+std::optional<ShardSnapshot> TrainingEngine::TrySnapshotLocked(int64_t step, bool checkpoint) {
+  try {
+    std::optional<ShardSnapshot> snap = SnapshotLocked();
+    snapshot_requested_ = false;
+    return snap;
+  } catch (const std::bad_alloc&) {
+    // The step is committed all the same (its tokens go out): a checkpoint is taken at the next
+    // commit instead, a replica's copy from the engine when it is asked for one.
+    if (checkpoint) snapshot_requested_ = true;
+    spdlog::warn("step {}: out of memory for the snapshot of the step (its optimizer slots are copied{}); {}", step,
+                 checkpoint ? " for a checkpoint" : " for the replicas",
+                 checkpoint ? "the checkpoint is taken at a later step" : "the replicas ask for it again");
+    return std::nullopt;
+  }
+}
+
 void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
   if (g.chunk()) return ApplyChunkLocked(v, g, step, lr);
   if (g.sparse()) {
@@ -410,7 +461,10 @@ void TrainingEngine::OnTaken(int count) {
 }
 
 void TrainingEngine::StepReadyLocked(MutexLock& lock, bool forced) {
-  if (commit_->commits_locally()) return CommitLocked(lock, forced);
+  if (commit_->commits_locally()) {
+    if (!PrepareCommitLocked()) return DeferCommitLocked(lock, forced);
+    return CommitLocked(lock, forced);
+  }
   if (prepared_) return lock.UnlockFor(&mu_);
   prepared_ = true;
   step_forced_ = forced;
@@ -441,6 +495,11 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
   if (global_step_.load() != step) {
     return FailedPrecondition("asked to commit step " + std::to_string(step) + " at step " +
                               std::to_string(global_step_.load()));
+  }
+  if (!PrepareCommitLocked()) {
+    return ResourceExhausted("out of memory for step " + std::to_string(step) +
+                             "'s update on this shard (its log names the variable); nothing of the step was "
+                             "applied here");
   }
   for (Variable* v : all) {
     v->mu.AssertHeld();  // in vlocks
@@ -491,8 +550,7 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
   const bool checkpoint =
       snapshot_requested_ || (config_.checkpoint_every_steps > 0 && step % config_.checkpoint_every_steps == 0);
   if (checkpoint || keep_committed_) {
-    snapshot = SnapshotLocked();  // no take for the next step can touch slots while mu_ is held
-    snapshot_requested_ = false;
+    snapshot = TrySnapshotLocked(step, checkpoint);  // no take for the next step can touch slots while mu_ is held
   }
   StepInfo info{step, step_min_count_ == INT_MAX ? 0 : step_min_count_, step_max_count_, forced};
   last_step_gradients_ = info.min_gradients;
@@ -534,8 +592,7 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
     } else if (snapshot_requested_ && averages_pending_ == 0 && step_takes_begun_ == 0) {
       // Every commit's averages are in (this one's or a later one's, whichever relocks last): the
       // snapshot is of the current step, consistent.
-      asked = SnapshotLocked();
-      snapshot_requested_ = false;
+      asked = TrySnapshotLocked(step, true);
     }
   }
   if (snapshot && checkpoint) asked = std::move(snapshot);
@@ -613,20 +670,34 @@ bool TrainingEngine::DeferTakeLocked(Variable* v, bool forced) {
         step, v->name, v->bytes);
   }
   if (forced) take_deferred_forced_step_.store(step);
+  ArmRetry(forced ? 2 : 1);
+  return false;
+}
+
+void TrainingEngine::ArmRetry(int level) {
   int was = take_deferred_.load();
-  const int now = forced ? 2 : 1;
-  while (was < now && !take_deferred_.compare_exchange_weak(was, now)) {
+  while (was < level && !take_deferred_.compare_exchange_weak(was, level)) {
   }
   try {
     if (on_take_deferred_) on_take_deferred_();
-  } catch (const std::bad_alloc&) {  // no retry armed: the variable's next add or the step deadline tries again
+  } catch (const std::bad_alloc&) {
+    // No retry armed: a deferred take is tried again at the variable's next add or the step
+    // deadline; a deferred commit at the next take deferred.
   }
-  return false;
 }
 
 void TrainingEngine::RetryDeferredTakes() {
   const int deferred = take_deferred_.exchange(0);
   if (deferred == 0) return;
+  {
+    // Every variable taken, the commit found no memory (DeferCommitLocked): it is tried again.
+    MutexLock lock(&mu_);
+    if (commit_deferred_ != 0) {
+      const bool forced = commit_deferred_ == 2;
+      commit_deferred_ = 0;
+      return StepReadyLocked(lock, forced);  // committed: it took what waits for the next step
+    }
+  }
   // Forced only if that step is still open (ForceStep checks): a later one has its own deadline.
   if (deferred == 2) ForceStep(take_deferred_forced_step_.load());
   ReevaluateAll();

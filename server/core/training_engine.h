@@ -392,12 +392,13 @@ class TrainingEngine {
   // Sync: called (outside all locks) when the first fresh gradient of a step arrives, so the
   // server can arm the step deadline.
   void set_on_step_started(std::function<void(int64_t step)> cb) { on_step_started_ = std::move(cb); }
-  // Sync: called (under a variable's lock: post, do not call back in) when a take ran out of
-  // memory for its sum's buffer. Nothing was taken and the step stays open; the owner calls
-  // RetryDeferredTakes a little later (the next add of the variable tries again too).
+  // Sync: called (maybe under a variable's lock: post, do not call back in) when a take ran out
+  // of memory for its sum's buffer, or a local commit for a sparse variable's copy on write.
+  // Nothing was taken (committed) and the step stays open; the owner calls RetryDeferredTakes a
+  // little later (the next add of the variable tries a take again too).
   void set_on_take_deferred(std::function<void()> cb) { on_take_deferred_ = std::move(cb); }
-  // The takes deferred since the last call, tried again (a forced step's forced again, if it is
-  // still open).
+  // The commit or the takes deferred since the last call, tried again (a forced step's forced
+  // again, if it is still open).
   void RetryDeferredTakes() EXCLUDES(mu_);
 
  private:
@@ -457,6 +458,17 @@ class TrainingEngine {
   void CommitLocked(MutexLock& lock, bool forced) RELEASE(mu_);
   // Every trainable variable is taken: commits, or (cluster) reports to the gate. Unlocks.
   void StepReadyLocked(MutexLock& lock, bool forced) RELEASE(mu_);
+  // What a commit allocates, before it changes anything: a sparse variable's copy on write and
+  // list of rows (PrepareSparseApplyLocked). False, logged, when memory ran out (nothing changed).
+  bool PrepareCommitLocked() REQUIRES(mu_);
+  void PrepareSparseApplyLocked(Variable* v) REQUIRES(mu_);
+  // A local commit that found no memory: remembered for RetryDeferredTakes, the owner told. Unlocks.
+  void DeferCommitLocked(MutexLock& lock, bool forced) RELEASE(mu_);
+  // Marks a retry due (take_deferred_ at least `level`) and tells the owner (on_take_deferred_).
+  void ArmRetry(int level);
+  // SnapshotLocked at a commit of `step`; out of memory, none (the step commits all the same),
+  // a checkpoint's asked for again at the next commit.
+  std::optional<ShardSnapshot> TrySnapshotLocked(int64_t step, bool checkpoint) REQUIRES(mu_);
   void ReevaluateAll() EXCLUDES(mu_);
   // Async/ssp: applies one gradient now (v->mu held).
   void ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
@@ -576,6 +588,7 @@ class TrainingEngine {
   uint64_t averages_served_ GUARDED_BY(averages_mu_) = 0;
   bool prepared_ GUARDED_BY(mu_) = false;     // cluster: reported the open step to the gate
   bool step_forced_ GUARDED_BY(mu_) = false;  // the open step was forced by a deadline
+  int commit_deferred_ GUARDED_BY(mu_) = 0;   // DeferCommitLocked: 0 none, 1 to commit, 2 a forced one
 };
 
 }  // namespace psd::server

@@ -179,8 +179,9 @@ struct TrainingEngine::Variable {
   // freed). Guarded by TrainingEngine::mu_.
   std::vector<int64_t> apply_rows;
   std::vector<const void*> apply_grads;
-  // With replicas (keep_committed): each slot's last three snapshot copies, oldest first.
-  std::vector<std::deque<std::shared_ptr<Buffer>>> slot_copies;  // guarded by TrainingEngine::mu_
+  // With replicas (keep_committed): each slot's last three snapshot copies, oldest first (room for
+  // three reserved: a snapshot changes them once it may not fail). Guarded by TrainingEngine::mu_.
+  std::vector<std::vector<std::shared_ptr<Buffer>>> slot_copies;
 
   Round reduce_round GUARDED_BY(mu);
   Round update_round GUARDED_BY(mu);

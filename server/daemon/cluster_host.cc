@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <new>
 #include <optional>
 #include <string>
 #include <utility>
@@ -263,7 +264,14 @@ std::shared_ptr<const peer::CopyBytes> ServerShardHost::KeepCopy(uint64_t epoch,
   if (engine->epoch() != epoch) return nullptr;  // the cluster moved on
   // A commit kept its state; a restore's is the engine's now (no step runs before it serves).
   std::optional<ShardSnapshot> snap = engine->TakeCommitted();
-  if (!snap || snap->step != copy.step) snap = engine->SnapshotIfAtBoundary();
+  if (!snap || snap->step != copy.step) {
+    try {
+      snap = engine->SnapshotIfAtBoundary();  // the commit's own found no memory, or a restore's
+    } catch (const std::bad_alloc&) {
+      spdlog::error("cluster: cannot keep a copy of step {}: out of memory for it", copy.step);
+      return nullptr;
+    }
+  }
   if (!snap || snap->step != copy.step) {
     spdlog::error("cluster: cannot keep a copy of step {}: the engine is at step {}", copy.step, engine->global_step());
     return nullptr;

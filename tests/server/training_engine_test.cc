@@ -538,3 +538,165 @@ TEST_CASE("a forced take that ran out of memory is forced again only while its s
   CHECK(step == 2);
   CHECK(reader[0].value->as<float>()[0] == 1.0f - 0.5f * 2.0f - 0.5f * 2.0f);
 }
+
+namespace {
+
+// A sparse gradient of `rows` (each row `width` copies of `value`) to "emb" at `step`.
+void PushRows(TrainingEngine& e, int64_t step, std::vector<int64_t> rows, int64_t width, float value) {
+  std::vector<float> values(rows.size() * static_cast<size_t>(width), value);
+  GradRef r{"emb", DType::kFloat32, {static_cast<int64_t>(rows.size()), width}, values.data(), values.size() * 4};
+  r.indices = rows.data();
+  r.nnz = static_cast<int64_t>(rows.size());
+  std::vector<GradOutcome> out;
+  Status s = e.Push(step, {r}, &out);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  REQUIRE(out.size() == 1);
+  CHECK(out[0].accepted);
+}
+
+// Both snapshots' values and slots, byte for byte.
+void CheckSameState(const ShardSnapshot& a, const ShardSnapshot& b) {
+  CHECK(a.step == b.step);
+  REQUIRE(a.variables.size() == b.variables.size());
+  for (size_t i = 0; i < a.variables.size(); ++i) {
+    const VariableSnapshot& x = a.variables[i];
+    const VariableSnapshot& y = b.variables[i];
+    INFO(x.name << " at step " << a.step);
+    REQUIRE(x.value->bytes() == y.value->bytes());
+    CHECK(std::memcmp(x.value->data(), y.value->data(), x.value->bytes()) == 0);
+    REQUIRE(x.slots.size() == y.slots.size());
+    for (size_t k = 0; k < x.slots.size(); ++k) {
+      INFO(x.slots[k].first);
+      REQUIRE(x.slots[k].second->bytes() == y.slots[k].second->bytes());
+      CHECK(std::memcmp(x.slots[k].second->data(), y.slots[k].second->data(), x.slots[k].second->bytes()) == 0);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a commit that runs out of memory for a sparse variable's copy commits nothing, and a retry commits it",
+          "[engine][oom][sparse]") {
+  psd::testing::ActiveStorage storage;
+  Engine e(Config(2, 2, 0, 0.5));
+  const int64_t rows = 1024, width = 128;  // 512 KiB: the value's copy comes from the storage
+  e.Create<float>("emb", std::vector<float>(static_cast<size_t>(rows * width), 1.0f), {rows, width});
+  int deferred = 0;
+  e.engine.set_on_take_deferred([&] { ++deferred; });
+  // A reader holds step 0's value: the commit's update writes a copy of it, not the value read.
+  std::vector<PulledValue> reader;
+  int64_t step = -1;
+  REQUIRE(e.engine.Pull({"emb"}, &reader, &step).ok());
+  PushRows(e.engine, 0, {1, 5}, width, 2.0f);
+  storage->FailNext();
+  PushRows(e.engine, 0, {5, 9}, width, 4.0f);  // accepted; the commit finds no memory for the copy
+  REQUIRE_FALSE(storage->armed());
+  CHECK(deferred == 1);
+  // Nothing of the step happened: the step, the value, the tokens (before, the push threw with
+  // the step half committed).
+  CHECK(e.engine.global_step() == 0);
+  CHECK(e.engine.tokens().size() == 0);
+  std::vector<PulledValue> now;
+  REQUIRE(e.engine.Pull({"emb"}, &now, &step).ok());
+  CHECK(step == 0);
+  CHECK(now[0].value->as<float>()[5 * width] == 1.0f);
+  now.clear();
+  e.engine.RetryDeferredTakes();
+  CHECK(e.engine.global_step() == 1);
+  CHECK(e.engine.tokens().size() == 2);
+  CHECK(deferred == 1);
+  REQUIRE(e.engine.Pull({"emb"}, &now, &step).ok());
+  CHECK(step == 1);
+  const float* got = now[0].value->as<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    // Rows 1 and 9 from one gradient each, row 5 the mean of two; the rest untouched.
+    const float want = r == 1 ? 0.0f : r == 5 ? -0.5f : r == 9 ? -1.0f : 1.0f;
+    INFO("row " << r);
+    REQUIRE(got[r * width] == want);
+    REQUIRE(got[r * width + width - 1] == want);
+  }
+  CHECK(reader[0].value->as<float>()[5 * width] == 1.0f);  // the reader's value is as it was
+  e.engine.RetryDeferredTakes();                           // nothing deferred any more
+  CHECK(e.engine.global_step() == 1);
+  PushRows(e.engine, 1, {0}, width, 1.0f);
+  PushRows(e.engine, 1, {0}, width, 1.0f);
+  CHECK(e.engine.global_step() == 2);
+}
+
+TEST_CASE("a commit whose snapshot runs out of memory commits, and the next commit takes the snapshot",
+          "[engine][oom]") {
+  psd::testing::ActiveStorage storage;
+  // Momentum: a slot, copied at each snapshot (over 256 KiB: from the storage). The engine under
+  // test checkpoints every 2 steps; its twin, which never runs out, every step.
+  auto config = [](int every) {
+    ServerConfig c = Config(2, 2, 0, 0.5);
+    c.optimizer.name = "momentum";
+    c.checkpoint_every_steps = every;
+    return c;
+  };
+  Engine e(config(2)), twin(config(1));
+  const int64_t n = 3 * DenseAccumulator::kStripeElements + 7;
+  std::vector<float> w(static_cast<size_t>(n), 1.0f);
+  std::vector<ShardSnapshot> snapshots, twins;
+  for (Engine* x : {&e, &twin}) x->Create<float>("w", w, {n});
+  e.engine.set_on_snapshot([&](ShardSnapshot s) { snapshots.push_back(std::move(s)); });
+  twin.engine.set_on_snapshot([&](ShardSnapshot s) { twins.push_back(std::move(s)); });
+  auto push = [n](TrainingEngine& x, int64_t step, float g) {
+    std::vector<float> grad(static_cast<size_t>(n), g);
+    std::vector<GradOutcome> out;
+    Status s = x.Push(step, {{"w", DType::kFloat32, {n}, grad.data(), grad.size() * 4}}, &out);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+  };
+  for (int64_t step = 0; step < 4; ++step) {
+    for (Engine* x : {&e, &twin}) {
+      push(x->engine, step, 1.0f + static_cast<float>(step));
+      if (x == &e && step == 1) storage->FailNext();  // step 2's snapshot (its slot's copy)
+      push(x->engine, step, 2.0f);
+      CHECK(x->engine.global_step() == step + 1);
+      CHECK(x->TakeToken() == step + 1);  // its tokens went out
+      CHECK(x->TakeToken() == step + 1);
+    }
+    if (step == 1) REQUIRE_FALSE(storage->armed());
+  }
+  // Step 2's checkpoint missed; taken at step 3's commit instead, then step 4's as planned.
+  REQUIRE(snapshots.size() == 2);
+  REQUIRE(twins.size() == 4);
+  CHECK(snapshots[0].step == 3);
+  CHECK(snapshots[1].step == 4);
+  CheckSameState(snapshots[0], twins[2]);
+  CheckSameState(snapshots[1], twins[3]);
+}
+
+TEST_CASE("a replica's copy that runs out of memory is missed, and the copies after it are whole and right",
+          "[engine][oom][replicas]") {
+  psd::testing::ActiveStorage storage;
+  ServerConfig c = Config(2, 2, 0, 0.5);
+  c.optimizer.name = "adam";  // two slots, updated in place: their copies are brought up to date from lists
+  Engine e(c), twin(c);
+  const int64_t rows = 1024, width = 128;
+  for (Engine* x : {&e, &twin}) {
+    x->Create<float>("emb", std::vector<float>(static_cast<size_t>(rows * width), 1.0f), {rows, width});
+    x->engine.set_keep_committed(true);
+  }
+  for (int64_t step = 0; step < 8; ++step) {
+    for (Engine* x : {&e, &twin}) {
+      PushRows(x->engine, step, {step, 100 + step}, width, 1.0f);
+      // Step 3's copy (its first slot's; from step 4 on the oldest of three kept copies is reused).
+      if (x == &e && step == 2) storage->FailNext();
+      PushRows(x->engine, step, {100 + step, 500}, width, 2.0f);
+      CHECK(x->engine.global_step() == step + 1);
+    }
+    if (step == 2) REQUIRE_FALSE(storage->armed());
+    std::optional<ShardSnapshot> mine = e.engine.TakeCommitted(), theirs = twin.engine.TakeCommitted();
+    REQUIRE(theirs);
+    INFO("step " << step + 1);
+    if (step == 2) {
+      CHECK_FALSE(mine);  // missed: the replicas ask for it again (KeepCopy takes one from the engine)
+      continue;
+    }
+    REQUIRE(mine);
+    CheckSameState(*mine, *theirs);
+  }
+}
