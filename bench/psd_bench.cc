@@ -453,11 +453,13 @@ int Run(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->needs(sparse)
       ->capture_default_str();
-  app.add_flag("--engine-only", opt.engine_only,
-               "--sparse: push every worker's rows straight into the daemon's training engine from --threads threads "
-               "(no network, no client): what a sparse step costs the daemon as workers are added")
-      ->needs(sparse)
-      ->excludes(connect);
+  auto* engine_only =
+      app.add_flag(
+             "--engine-only", opt.engine_only,
+             "--sparse: push every worker's rows straight into the daemon's training engine from --threads threads "
+             "(no network, no client): what a sparse step costs the daemon as workers are added")
+          ->needs(sparse)
+          ->excludes(connect);
   app.add_option("--seed", opt.seed, "--sparse: base seed of the workers' row samplers (worker i: seed + i)")
       ->needs(sparse)
       ->capture_default_str();
@@ -474,34 +476,42 @@ int Run(int argc, char** argv) {
   app.add_option("--steps", opt.steps, "measured steps (sync: global steps; async/ssp: iterations per worker)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--push-frame-bytes", opt.push_frame_bytes_text,
-                 "frames a push is cut into (the client's push_frame_bytes; 0: one frame per push)")
-      ->capture_default_str();
-  app.add_option("--busy-poll-us", opt.busy_poll_us,
-                 "workers spin this long on a reply before sleeping (ClientOptions::busy_poll_us; pair with psd "
-                 "--busy-poll)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
-      ->capture_default_str();
-  app.add_option("--shared-memory", opt.shared_memory_text,
-                 "same-host workers' shared-memory segment (ClientOptions::shared_memory_bytes; 0: TCP only)")
-      ->capture_default_str();
-  app.add_option("--shm-piece-bytes", opt.shm_piece_text,
-                 "pushes and pulls through the segment move in pieces of this size, one side's copy overlapping "
-                 "the other's work (ClientOptions::shm_piece_bytes; 0: one piece)")
-      ->capture_default_str();
-  app.add_option("--copy-threads", opt.copy_threads,
-                 "threads that help each worker copy big tensors into and out of the segment "
-                 "(ClientOptions::copy_threads; 0: the worker's own thread alone)")
-      ->check(CLI::Range(0, 64))
-      ->capture_default_str();
-  app.add_flag("--shared-buffers", opt.shared_buffers,
-               "the workers' gradients and values (--sparse: the pulled rows and their gradient) live in shared "
-               "buffers (Client::AllocateShared): a same-host psd reads and writes them in place, no copy on "
-               "either side");
-  app.add_option("--pull-frame-bytes", opt.pull_frame_bytes_text,
-                 "replies a pull is cut into (the client's pull_frame_bytes; 0: one reply per pull)")
-      ->capture_default_str();
+  // The client's and the network's (--engine-only has neither): their flags are refused with it.
+  std::vector<CLI::Option*> transport;
+  transport.push_back(app.add_option("--push-frame-bytes", opt.push_frame_bytes_text,
+                                     "frames a push is cut into (the client's push_frame_bytes; 0: one frame per push)")
+                          ->capture_default_str());
+  transport.push_back(
+      app.add_option("--busy-poll-us", opt.busy_poll_us,
+                     "workers spin this long on a reply before sleeping (ClientOptions::busy_poll_us; pair with psd "
+                     "--busy-poll)")
+          ->check(CLI::Range(int64_t{0}, int64_t{1000000}))
+          ->capture_default_str());
+  transport.push_back(
+      app.add_option("--shared-memory", opt.shared_memory_text,
+                     "same-host workers' shared-memory segment (ClientOptions::shared_memory_bytes; 0: TCP only)")
+          ->capture_default_str());
+  transport.push_back(
+      app.add_option("--shm-piece-bytes", opt.shm_piece_text,
+                     "pushes and pulls through the segment move in pieces of this size, one side's copy overlapping "
+                     "the other's work (ClientOptions::shm_piece_bytes; 0: one piece)")
+          ->capture_default_str());
+  transport.push_back(app.add_option("--copy-threads", opt.copy_threads,
+                                     "threads that help each worker copy big tensors into and out of the segment "
+                                     "(ClientOptions::copy_threads; 0: the worker's own thread alone)")
+                          ->check(CLI::Range(0, 64))
+                          ->capture_default_str());
+  transport.push_back(
+      app.add_flag("--shared-buffers", opt.shared_buffers,
+                   "the workers' gradients and values (--sparse: the pulled rows and their gradient) live in shared "
+                   "buffers (Client::AllocateShared): a same-host psd reads and writes them in place, no copy on "
+                   "either side"));
+  transport.push_back(
+      app.add_option("--pull-frame-bytes", opt.pull_frame_bytes_text,
+                     "replies a pull is cut into (the client's pull_frame_bytes; 0: one reply per pull)")
+          ->capture_default_str());
   auto* fused_flag = app.add_flag("--fused", opt.fused, "ask for the token in the push (one round trip per push+wait)");
+  transport.push_back(fused_flag);
   app.add_flag("--pull-in-push", opt.pull_in_push,
                "dense, with --fused: the next step's values come back with the token (one round trip per step)")
       ->needs(fused_flag)
@@ -525,8 +535,10 @@ int Run(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--finish", opt.finish, "with --connect: declare the workers done at the end (always done in-process)");
   app.add_flag("--json", opt.json, "print one JSON object instead of the table");
-  app.add_option("--tls-dir", opt.tls_dir,
-                 "TLS on every link: DIR holds ca.pem, server.pem and server.key (deploy/make_tls_certs.sh DIR)");
+  transport.push_back(
+      app.add_option("--tls-dir", opt.tls_dir,
+                     "TLS on every link: DIR holds ca.pem, server.pem and server.key (deploy/make_tls_certs.sh DIR)"));
+  for (CLI::Option* o : transport) engine_only->excludes(o);
   app.add_option("--collectives", opt.collectives,
                  "compare one batch_reduce_to of N small tensors with N reduce_to calls per round (0: off)")
       ->capture_default_str();
