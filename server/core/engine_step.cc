@@ -378,11 +378,12 @@ bool TrainingEngine::PrepareCommitLocked() {
       PrepareSparseApplyLocked(v);
     } catch (const std::bad_alloc&) {
       const int64_t step = global_step_.load();
-      if (take_deferred_logged_.exchange(step) != step) {
+      if (commit_deferred_logged_ != step) {
+        commit_deferred_logged_ = step;
         spdlog::warn(
-            "step {}: out of memory for the update of variable '{}' ({} bytes; a pull or a kept copy still reads "
-            "its value, so the update writes a copy); the step is not committed until memory allows (is "
-            "--max-model-bytes above the memory this host has?)",
+            "step {}: out of memory for the update of sparse variable '{}' ({} bytes: a copy of its value, as a "
+            "pull or a kept copy still reads it, or the list of the step's rows); the step is not committed until "
+            "memory allows (is --max-model-bytes above the memory this host has?)",
             step, v->name, v->bytes);
       }
       return false;
@@ -522,6 +523,7 @@ Status TrainingEngine::CommitPrepared(int64_t step, bool snapshot, double next_l
 }
 
 void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
+  commit_deferred_ = 0;  // (committed now, whichever call it is)
   int64_t step = global_step_.load() + 1;
   int trainable = 0;
   for (auto& [name, var] : vars_) {
@@ -679,11 +681,13 @@ void TrainingEngine::ArmRetry(int level) {
   while (was < level && !take_deferred_.compare_exchange_weak(was, level)) {
   }
   try {
-    if (on_take_deferred_) on_take_deferred_();
+    if (on_take_deferred_) {
+      on_take_deferred_();
+      return;
+    }
   } catch (const std::bad_alloc&) {
-    // No retry armed: a deferred take is tried again at the variable's next add or the step
-    // deadline; a deferred commit at the next take deferred.
   }
+  retry_unarmed_.store(true);  // no retry armed: the next push tries again (Push)
 }
 
 void TrainingEngine::RetryDeferredTakes() {
@@ -692,7 +696,7 @@ void TrainingEngine::RetryDeferredTakes() {
   {
     // Every variable taken, the commit found no memory (DeferCommitLocked): it is tried again.
     MutexLock lock(&mu_);
-    if (commit_deferred_ != 0) {
+    if (commit_deferred_ != 0 && pending_takes_ == 0) {
       const bool forced = commit_deferred_ == 2;
       commit_deferred_ = 0;
       return StepReadyLocked(lock, forced);  // committed: it took what waits for the next step

@@ -185,9 +185,11 @@ Result<VariableDesc> TrainingEngine::CreateVariable(const VariableDef& def) {
                              std::to_string(config_.max_model_bytes));
   }
   value_bytes_.fetch_add(bytes);
-  // A trainable variable created after the open step was reported joins the next step.
+  // A trainable variable created after the open step was reported (or while its commit waits for
+  // memory: DeferCommitLocked) joins the next step.
   const int64_t step = global_step_.load();
-  const bool joins_next = def.trainable && config_.mode == Mode::kSync && prepared_ && step_takes_ > 0;
+  const bool joins_next =
+      def.trainable && config_.mode == Mode::kSync && ((prepared_ && step_takes_ > 0) || commit_deferred_ != 0);
   auto v = std::make_unique<Variable>(def, opt, step, joins_next ? step + 1 : step);
   if (def.adopt) {
     v->published = std::const_pointer_cast<Buffer>(def.adopt);
@@ -342,6 +344,9 @@ Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grad
     use = &mixed;
   }
   PSD_RETURN_IF_ERROR(PushConverted(local_step, *use, targets, out, replica, more));
+  // A take or a commit that ran out of memory and whose retry could not be armed (ArmRetry: that
+  // allocation failed too) is tried again after each push.
+  if (retry_unarmed_.exchange(false)) RetryDeferredTakes();
   // Async/ssp on one daemon: a push that claims a multiple of --checkpoint-every-steps snapshots
   // (a cluster's chief orders its shards' snapshots instead, coordinator.h).
   const int64_t every = config_.checkpoint_every_steps;

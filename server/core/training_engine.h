@@ -465,7 +465,7 @@ class TrainingEngine {
   // A local commit that found no memory: remembered for RetryDeferredTakes, the owner told. Unlocks.
   void DeferCommitLocked(MutexLock& lock, bool forced) RELEASE(mu_);
   // Marks a retry due (take_deferred_ at least `level`) and tells the owner (on_take_deferred_).
-  void ArmRetry(int level);
+  void ArmRetry(int level) EXCLUDES(mu_);
   // SnapshotLocked at a commit of `step`; out of memory, none (the step commits all the same),
   // a checkpoint's asked for again at the next commit.
   std::optional<ShardSnapshot> TrySnapshotLocked(int64_t step, bool checkpoint) REQUIRES(mu_);
@@ -544,6 +544,7 @@ class TrainingEngine {
   std::atomic<int> take_deferred_{0};
   std::atomic<int64_t> take_deferred_forced_step_{-1};  // the step a forced take was deferred in
   std::atomic<int64_t> take_deferred_logged_{-1};
+  std::atomic<bool> retry_unarmed_{false};  // ArmRetry told no owner (none set, or its callback threw)
   std::function<void(ShardSnapshot)> on_snapshot_;
   bool keep_committed_ = false;
   std::optional<ShardSnapshot> committed_ GUARDED_BY(mu_);  // the last commit's state (keep_committed_)
@@ -586,9 +587,10 @@ class TrainingEngine {
   Mutex averages_mu_;
   CondVar averages_turn_;
   uint64_t averages_served_ GUARDED_BY(averages_mu_) = 0;
-  bool prepared_ GUARDED_BY(mu_) = false;     // cluster: reported the open step to the gate
-  bool step_forced_ GUARDED_BY(mu_) = false;  // the open step was forced by a deadline
-  int commit_deferred_ GUARDED_BY(mu_) = 0;   // DeferCommitLocked: 0 none, 1 to commit, 2 a forced one
+  bool prepared_ GUARDED_BY(mu_) = false;                // cluster: reported the open step to the gate
+  bool step_forced_ GUARDED_BY(mu_) = false;             // the open step was forced by a deadline
+  int commit_deferred_ GUARDED_BY(mu_) = 0;              // DeferCommitLocked: 0 none, 1 to commit, 2 a forced one
+  int64_t commit_deferred_logged_ GUARDED_BY(mu_) = -1;  // the step its warning was logged for (one a step)
 };
 
 }  // namespace psd::server

@@ -624,6 +624,71 @@ TEST_CASE("a commit that runs out of memory for a sparse variable's copy commits
   CHECK(e.engine.global_step() == 2);
 }
 
+TEST_CASE("a variable created while a commit waits for memory joins the next step", "[engine][oom][sparse]") {
+  psd::testing::ActiveStorage storage;
+  Engine e(Config(2, 2, 0, 0.5));
+  const int64_t rows = 1024, width = 128;
+  e.Create<float>("emb", std::vector<float>(static_cast<size_t>(rows * width), 1.0f), {rows, width});
+  e.engine.set_on_take_deferred([] {});
+  std::vector<PulledValue> reader;  // the commit's update writes a copy
+  int64_t step = -1;
+  REQUIRE(e.engine.Pull({"emb"}, &reader, &step).ok());
+  PushRows(e.engine, 0, {1}, width, 2.0f);
+  storage->FailNext();
+  PushRows(e.engine, 0, {2}, width, 2.0f);
+  REQUIRE_FALSE(storage->armed());
+  REQUIRE(e.engine.global_step() == 0);
+  // Created now, it has no gradient of step 0 to wait for: the retry commits step 0 (before, the
+  // new variable held the commit, or a later take committed twice).
+  e.Create<float>("late", {5.0f});
+  e.engine.RetryDeferredTakes();
+  CHECK(e.engine.global_step() == 1);
+  CHECK(e.Value("late") == 5.0f);
+  PushRows(e.engine, 1, {3}, width, 2.0f);
+  PushRows(e.engine, 1, {3}, width, 2.0f);
+  CHECK(e.engine.global_step() == 1);  // "late" is in step 1
+  CHECK(e.Push(1, {{"late", 2.0f}}) == std::vector<bool>{true});
+  CHECK(e.Push(1, {{"late", 4.0f}}) == std::vector<bool>{true});
+  CHECK(e.engine.global_step() == 2);
+  CHECK(e.Value("late") == 5.0f - 0.5f * 3.0f);
+  e.engine.RetryDeferredTakes();  // nothing deferred: no second commit
+  CHECK(e.engine.global_step() == 2);
+}
+
+TEST_CASE("a commit that waits for memory with no retry armed is tried again at the next push",
+          "[engine][oom][sparse]") {
+  psd::testing::ActiveStorage storage;
+  Engine e(Config(2, 2, 0, 0.5));
+  const int64_t rows = 1024, width = 128;
+  e.Create<float>("emb", std::vector<float>(static_cast<size_t>(rows * width), 1.0f), {rows, width});
+  int calls = 0;
+  e.engine.set_on_take_deferred([&] {
+    ++calls;
+    throw std::bad_alloc();  // the daemon could not post its retry either
+  });
+  std::vector<PulledValue> reader;
+  int64_t step = -1;
+  REQUIRE(e.engine.Pull({"emb"}, &reader, &step).ok());
+  PushRows(e.engine, 0, {1}, width, 2.0f);
+  storage->FailNext(2);  // the commit, and its retry at the end of the same push
+  PushRows(e.engine, 0, {2}, width, 2.0f);
+  REQUIRE_FALSE(storage->armed());
+  CHECK(calls == 2);
+  CHECK(e.engine.global_step() == 0);
+  // A worker that gave up waiting pushes again (stale now): the commit is tried, and made.
+  std::vector<float> values(static_cast<size_t>(width), 1.0f);
+  int64_t row = 4;
+  GradRef r{"emb", DType::kFloat32, {1, width}, values.data(), values.size() * 4};
+  r.indices = &row;
+  r.nnz = 1;
+  std::vector<GradOutcome> out;
+  REQUIRE(e.engine.Push(0, {r}, &out).ok());
+  CHECK_FALSE(out[0].accepted);
+  CHECK(e.engine.global_step() == 1);
+  CHECK(e.engine.tokens().size() == 2);
+  CHECK(calls == 2);
+}
+
 TEST_CASE("a commit whose snapshot runs out of memory commits, and the next commit takes the snapshot",
           "[engine][oom]") {
   psd::testing::ActiveStorage storage;

@@ -1,6 +1,6 @@
 // FailingStorage: big buffers' storage (core/buffer.h SetBufferStorage) for tests of what runs out
-// of memory. While a test holds an ActiveStorage, it refuses one allocation when told to
-// (FailNext), as memory running out would, and fills what it gives with NaN bytes, so a buffer
+// of memory. While a test holds an ActiveStorage, it refuses the next allocations when told to
+// (FailNext: one, or `count`), as memory running out would, and fills what it gives with NaN bytes, so a buffer
 // read before it is written shows; inactive, it leaves every buffer to the heap (the other tests
 // of a binary run whole). Set for the process at its first use: a binary that sets another
 // storage first (the daemon's values segment) makes ActiveStorage's REQUIREs fail, not pass.
@@ -24,13 +24,16 @@ class FailingStorage : public psd::server::BufferStorage {
  public:
   void Activate(bool on) {
     active_ = on;
-    fail_next_ = false;
+    fail_next_ = 0;
   }
-  void FailNext() { fail_next_ = true; }
-  bool armed() const { return fail_next_; }
+  void FailNext(int count = 1) { fail_next_ = count; }
+  bool armed() const { return fail_next_ > 0; }
   void* Allocate(size_t bytes) override {
     if (!active_) return nullptr;
-    if (fail_next_.exchange(false)) throw std::bad_alloc();
+    int left = fail_next_.load();
+    while (left > 0 && !fail_next_.compare_exchange_weak(left, left - 1)) {
+    }
+    if (left > 0) throw std::bad_alloc();
     void* p = std::malloc(bytes);
     if (p == nullptr) return nullptr;
     std::memset(p, 0xff, bytes);
@@ -49,7 +52,7 @@ class FailingStorage : public psd::server::BufferStorage {
 
  private:
   std::atomic<bool> active_{false};
-  std::atomic<bool> fail_next_{false};
+  std::atomic<int> fail_next_{0};
   std::mutex mu_;
   std::vector<void*> mine_;
 };
