@@ -687,7 +687,7 @@ void TrainingEngine::ArmRetry(int level) {
     }
   } catch (const std::bad_alloc&) {
   }
-  retry_unarmed_.store(true);  // no retry armed: the next push tries again (Push)
+  retry_unarmed_.store(true);  // no retry armed: RetryIfUnarmed tries again
 }
 
 void TrainingEngine::RetryDeferredTakes() {

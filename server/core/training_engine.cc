@@ -346,7 +346,7 @@ Status TrainingEngine::Push(int64_t local_step, const std::vector<GradRef>& grad
   PSD_RETURN_IF_ERROR(PushConverted(local_step, *use, targets, out, replica, more));
   // A take or a commit that ran out of memory and whose retry could not be armed (ArmRetry: that
   // allocation failed too) is tried again after each push.
-  if (retry_unarmed_.exchange(false)) RetryDeferredTakes();
+  RetryIfUnarmed();
   // Async/ssp on one daemon: a push that claims a multiple of --checkpoint-every-steps snapshots
   // (a cluster's chief orders its shards' snapshots instead, coordinator.h).
   const int64_t every = config_.checkpoint_every_steps;

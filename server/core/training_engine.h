@@ -395,11 +395,17 @@ class TrainingEngine {
   // Sync: called (maybe under a variable's lock: post, do not call back in) when a take ran out
   // of memory for its sum's buffer, or a local commit for a sparse variable's copy on write.
   // Nothing was taken (committed) and the step stays open; the owner calls RetryDeferredTakes a
-  // little later (the next add of the variable tries a take again too).
+  // little later (the next add of the variable tries a take again too). A callback that throws
+  // std::bad_alloc armed nothing: RetryIfUnarmed, after every push and from the owner's token
+  // waits that time out, tries again then.
   void set_on_take_deferred(std::function<void()> cb) { on_take_deferred_ = std::move(cb); }
   // The commit or the takes deferred since the last call, tried again (a forced step's forced
   // again, if it is still open).
   void RetryDeferredTakes() EXCLUDES(mu_);
+  // RetryDeferredTakes, if something was deferred with no retry armed (see set_on_take_deferred).
+  void RetryIfUnarmed() EXCLUDES(mu_) {
+    if (retry_unarmed_.load(std::memory_order_relaxed) && retry_unarmed_.exchange(false)) RetryDeferredTakes();
+  }
 
  private:
   struct Variable;

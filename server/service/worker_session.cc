@@ -831,6 +831,9 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
   w->timer.async_wait([self, w, timeout_ms](boost::system::error_code ec) {
     if (ec || w->done) return;
     auto engine = self->host_.engine();
+    // A step held by a take or a commit that found no memory, and whose retry could not even be
+    // armed: tried now (a token it releases to this wait is delivered; the cancel below fails).
+    engine->RetryIfUnarmed();
     EngineStats st = engine->Stats();
     std::string what = self->host_.config().mode == Mode::kSync
                            ? "a step needs " + std::to_string(st.required_replicas) + " fresh gradient(s) per variable"

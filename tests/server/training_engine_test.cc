@@ -658,10 +658,10 @@ TEST_CASE("a variable created while a commit waits for memory joins the next ste
 TEST_CASE("a commit that waits for memory with no retry armed is tried again at the next push",
           "[engine][oom][sparse]") {
   psd::testing::ActiveStorage storage;
+  int calls = 0;  // (before the engine: its callback counts here)
   Engine e(Config(2, 2, 0, 0.5));
   const int64_t rows = 1024, width = 128;
   e.Create<float>("emb", std::vector<float>(static_cast<size_t>(rows * width), 1.0f), {rows, width});
-  int calls = 0;
   e.engine.set_on_take_deferred([&] {
     ++calls;
     throw std::bad_alloc();  // the daemon could not post its retry either
@@ -687,6 +687,14 @@ TEST_CASE("a commit that waits for memory with no retry armed is tried again at 
   CHECK(e.engine.global_step() == 1);
   CHECK(e.engine.tokens().size() == 2);
   CHECK(calls == 2);
+  std::vector<PulledValue> now;
+  REQUIRE(e.engine.Pull({"emb"}, &now, &step).ok());
+  CHECK(step == 1);
+  for (int64_t k = 0; k < 5; ++k) {  // rows 1 and 2 from one gradient each; the stale row 4 is not in it
+    INFO("row " << k);
+    CHECK(now[0].value->as<float>()[k * width] == (k == 1 || k == 2 ? 0.0f : 1.0f));
+  }
+  CHECK(reader[0].value->as<float>()[width] == 1.0f);
 }
 
 TEST_CASE("a commit whose snapshot runs out of memory commits, and the next commit takes the snapshot",
