@@ -138,7 +138,9 @@ class DenseAccumulator {
   void DropUnfinished(uint64_t source);
   // Copies every part that still points at a held gradient into the sum and lets the holds go:
   // after it the accumulator references nothing of its callers'. Needs in_flight() == 0 (an add
-  // still running may yet point at its bytes), like a take, which does it first.
+  // still running may yet point at its bytes), like a take, which does it first. Throws
+  // std::bad_alloc when the sum's buffer cannot be had, before it changes anything (the sum is
+  // taken at the first part that needs it, and every later one finds it).
   void ResolveHeld();
   bool holds() const;  // some part points at a held gradient
   // Counts the chunk for the parts it covers.

@@ -140,13 +140,20 @@ std::vector<TrainingEngine::Variable*> TrainingEngine::Variables(bool trainable_
   return all;
 }
 
-void TrainingEngine::ResolveHeld() {
+bool TrainingEngine::ResolveHeld() {
+  bool copied = true;
   for (Variable* v : Variables()) {
     MutexLock lock(&v->mu);
     if (!v->dense || !v->dense->holds()) continue;
     AwaitAddsLocked(v);
-    v->dense->ResolveHeld();
+    OfferSpareLocked(v);  // the copy goes into the sum: the buffer the last commit retired, if free
+    try {
+      v->dense->ResolveHeld();
+    } catch (const std::bad_alloc&) {
+      copied = false;  // no buffer for the sum: still held (the copy allocates before it changes anything)
+    }
   }
+  return copied;
 }
 
 std::string TrainingEngine::WaitingVariables(size_t max_named) {

@@ -245,7 +245,9 @@ class TrainingEngine {
   // Copies into their sums every held gradient (GradRef::hold) that accumulators still point at,
   // waiting for adds in flight, so that no part of the engine references a hold's bytes after it.
   // A push that passed holds calls it before the worker is answered (and may reuse the bytes).
-  void ResolveHeld() EXCLUDES(mu_);
+  // False: a variable's sum found no memory (the last commit's retired buffer still read); its
+  // accumulator still points at them, as before the call, and a later call copies them.
+  [[nodiscard]] bool ResolveHeld() EXCLUDES(mu_);
 
   // Snapshot of the named variables (all of them, sorted by name, if `names` is empty) at one
   // global step, returned in *step. With `averages`, the moving averages instead.

@@ -14,6 +14,15 @@ namespace {
 
 const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no rows
 
+// For a reply that carries `token` (when `st` is OK) and may never be sent (it waits for memory
+// and the connection closes): a sync token goes back to the queue, as FinishTokenWait gives back
+// one delivered to a worker that is gone. Async and bounded staleness have no queue.
+auto GiveBack(const Status& st, Mode mode, std::shared_ptr<TrainingEngine> engine, int64_t token) {
+  return [engine = std::move(engine), token, give = st.ok() && mode == Mode::kSync] {
+    if (give) engine->tokens().PushFront(token);
+  };
+}
+
 }  // namespace
 
 void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
@@ -197,11 +206,10 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     p.setStepGradients(engine->last_step_gradients());
     FillCluster(p, engine->epoch());
   };
-  auto answer = [this, id, engine, pending, fill](const Status& st, int64_t token) {
-    if (pending->failed) {
-      if (st.ok()) engine->tokens().PushFront(token);  // not this worker's: the push was refused
-      return;
-    }
+  // Values pulled with the push into the worker's own segment: written once what psd still reads
+  // there is copied (WhenSettled).
+  const bool into_segment = pending->pull_shm && pending->pull_shm->segment == 0;
+  auto answer_now = [this, id, engine, pending, fill](const Status& st, int64_t token) {
     proto::Response::Builder resp(nullptr);
     auto frame = NewReply(id, &resp);
     auto p = resp.initPush();
@@ -214,7 +222,16 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
           AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes, {}, pending->pull_shm);
       if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
     }
-    Send(std::move(frame));
+    // A token in a reply never sent (it waited for memory, and the connection closed) goes back.
+    Send(std::move(frame), false, GiveBack(st, host_.config().mode, engine, token));
+  };
+  auto answer = [this, engine, pending, answer_now, into_segment](const Status& st, int64_t token) {
+    if (pending->failed) {
+      if (st.ok()) engine->tokens().PushFront(token);  // not this worker's: the push was refused
+      return;
+    }
+    if (!st.ok() || pending->pull_after.empty() || !into_segment) return answer_now(st, token);
+    WhenSettled([answer_now, st, token] { answer_now(st, token); }, GiveBack(st, host_.config().mode, engine, token));
   };
   const bool wait_first = r.getWaitToken() && host_.config().mode == Mode::kSync;
   std::shared_ptr<TokenWait> parked;
@@ -256,21 +273,26 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
                            static_cast<int>(pending->outcomes.size()) - accepted, staleness);
   }
   if (wait_first) return;
-  auto reply = [this, id, pending, fill, answer, more, wait_token = r.getWaitToken(), timeout_ms = r.getTimeoutMs()] {
+  auto reply = [this, id, pending, fill, answer, more, into_segment, wait_token = r.getWaitToken(),
+                timeout_ms = r.getTimeoutMs()] {
     if (wait_token) {
       WaitForToken(timeout_ms, answer);
       return;
     }
-    proto::Response::Builder resp(nullptr);
-    auto frame = NewReply(id, &resp);
-    auto p = resp.initPush();
-    fill(p);
-    if (!pending->pull_after.empty()) {
-      Status pulled =
-          AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes, {}, pending->pull_shm);
-      if (!pulled.ok()) return SendError(id, pulled);
-    }
-    Send(std::move(frame), /*keep_held=*/more);  // a frame with more to come: the call goes on
+    auto reply_now = [this, id, pending, fill, more] {
+      proto::Response::Builder resp(nullptr);
+      auto frame = NewReply(id, &resp);
+      auto p = resp.initPush();
+      fill(p);
+      if (!pending->pull_after.empty()) {
+        Status pulled =
+            AddValues(*frame, p.initPulled(), pending->pull_after, false, pending->pull_dtypes, {}, pending->pull_shm);
+        if (!pulled.ok()) return SendError(id, pulled);
+      }
+      Send(std::move(frame), /*keep_held=*/more);  // a frame with more to come: the call goes on
+    };
+    if (pending->pull_after.empty() || !into_segment) return reply_now();
+    WhenSettled(std::move(reply_now));
   };
   // Async/ssp with replicas: a push is acknowledged once the next shard keeps a copy of this part
   // that holds it (a push in several frames: at its last), so no acknowledged push is lost with
@@ -298,20 +320,91 @@ void WorkerSession::AfterCopy(uint64_t epoch, std::function<void(const Status&)>
   });
 }
 
-void WorkerSession::SettleHeld() {
-  if (!held_) return;
+bool WorkerSession::SettleHeld() {
+  if (!held_) return true;
   // Only this session makes copies of held_ (on its strand), so a count of one means every
   // accumulator let it go, each after copying what it pointed at.
   if (held_.use_count() > 1) {
     auto current = host_.engine();
-    current->ResolveHeld();
+    bool copied = current->ResolveHeld();
     // The engine the hold was first given to, if a restored checkpoint has replaced it since: its
     // accumulators may still point at the segment, and pushes into it may still read there.
-    if (auto first = held_engine_.lock(); first && first != current && held_.use_count() > 1) first->ResolveHeld();
+    if (auto first = held_engine_.lock(); first && first != current && held_.use_count() > 1) {
+      copied = first->ResolveHeld() && copied;
+    }
+    if (!copied) return false;  // the hold stays: what still points at the segment keeps it mapped
   }
   std::atomic_thread_fence(std::memory_order_acquire);  // their copies, before the worker hears
   held_.reset();
   held_engine_.reset();
+  return true;
+}
+
+void WorkerSession::SendLater(std::shared_ptr<wire::OutFrame> frame, std::function<void()> on_drop) {
+  Unsettled({[this, frame = std::move(frame)]() mutable { conn_->Send(std::move(frame)); }, std::move(on_drop)});
+}
+
+void WorkerSession::Unsettled(Waiting waiting) {
+  // The worker may not write its segment before it is answered, so what psd reads there stays
+  // valid meanwhile; a worker whose call times out drops the connection and attaches a new
+  // segment (the accumulators' holds keep this one mapped until they let it go).
+  try {
+    if (unsettled_.size() >= kMaxUnsettled) {
+      spdlog::warn("connection {}: more than {} replies wait for memory; closing", id_, kMaxUnsettled);
+      if (waiting.on_drop) waiting.on_drop();
+      return DropUnsettled(/*close=*/true);
+    }
+    unsettled_.reserve(kMaxUnsettled);
+    unsettled_.push_back(std::move(waiting));
+    if (unsettled_.size() > 1) return;
+    spdlog::warn(
+        "connection {}: no memory to copy the gradients psd still reads in the worker's shared memory; "
+        "its reply waits, tried again every {} ms",
+        id_, kSettleRetry.count());
+    RetrySettle();
+  } catch (const std::exception& e) {  // no memory even for that: the worker is not answered here
+    spdlog::error("connection {}: a reply cannot wait for memory ({}); closing", id_, e.what());
+    if (waiting.on_drop) waiting.on_drop();
+    DropUnsettled(/*close=*/true);
+  }
+}
+
+void WorkerSession::DropUnsettled(bool close) {
+  std::vector<Waiting> dropped;
+  dropped.swap(unsettled_);
+  if (settle_timer_) settle_timer_->cancel();
+  for (auto& w : dropped) {
+    if (w.on_drop) w.on_drop();
+  }
+  if (close) conn_->CloseNow();
+}
+
+void WorkerSession::RetrySettle() {
+  if (!settle_timer_) settle_timer_.emplace(conn_->strand());
+  settle_timer_->expires_after(kSettleRetry);
+  settle_timer_->async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
+    if (ec || self->conn_->closed()) return self->DropUnsettled(/*close=*/false);
+    try {
+      if (!self->SettleHeld()) return self->RetrySettle();
+    } catch (const std::exception& e) {
+      spdlog::error("connection {}: replies waiting for memory cannot wait longer ({}); closing", self->id_, e.what());
+      return self->DropUnsettled(/*close=*/true);
+    }
+    // In order; what they send goes out at once (nothing waits before it any more).
+    std::vector<Waiting> waiting;
+    waiting.swap(self->unsettled_);
+    for (auto& w : waiting) {
+      try {
+        if (self->conn_->closed()) {
+          if (w.on_drop) w.on_drop();
+        } else {
+          w.run();
+        }
+      } catch (const std::exception& e) {
+        spdlog::error("connection {}: a reply that waited for memory failed: {}", self->id_, e.what());
+      }
+    }
+  });
 }
 
 void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {

@@ -18,7 +18,7 @@ bool WorkerSession::Busy() {
   for (auto it = collectives_.begin(); it != collectives_.end();) {
     it = (*it)->answered() ? collectives_.erase(it) : std::next(it);
   }
-  return !parked_.empty() || !collectives_.empty() || awaiting_copies_ > 0;
+  return !parked_.empty() || !collectives_.empty() || awaiting_copies_ > 0 || !unsettled_.empty();
 }
 
 void WorkerSession::OnClosed() {
@@ -29,6 +29,7 @@ void WorkerSession::OnClosed() {
     shm_->Close();  // unmapped once no request holds it
   }
   for (const auto& w : std::set<std::shared_ptr<TokenWait>>(parked_)) w->cancel(Cancelled("connection closed"));
+  DropUnsettled(/*close=*/false);  // replies waiting for memory (WhenSettled): nobody to read them
   // Parked collectives: nobody to answer. Their deadline timers (which hold this session) go now;
   // a round completing later finds its reply answered.
   for (const auto& c : collectives_) c->Answer();
@@ -438,11 +439,13 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
   p.setStep(step);
   p.setClusterEpoch(engine->epoch());
   auto list = p.initValues(static_cast<unsigned>(values.size()));
+  // Values written into the worker's own segment may land where its held gradients are (the client
+  // reuses the push's room for the values it pulls with the token): the callers call this once
+  // whatever the engine still points at there is copied (WhenSettled).
+  if (to_shm && to_shm->segment == 0 && !SettleHeld()) {
+    return Internal("values into the worker's segment before psd copied what it reads there");
+  }
   if (to_shm) {
-    // Values written into the worker's own segment may land where its held gradients are (the
-    // client reuses the push's room for the values it pulls with the token): whatever the engine
-    // still points at there is copied first.
-    if (to_shm->segment == 0) SettleHeld();
     ShmSlot::Lease lease = shm_ ? shm_->Acquire() : ShmSlot::Lease();
     wire::SharedSegment* segment = lease.segment(to_shm->segment);
     if (segment == nullptr) return NoSegment(to_shm->segment);
@@ -588,12 +591,20 @@ void WorkerSession::HandlePull(uint64_t id, proto::Pull::Reader r) {
       for (int64_t d : e.getWholeShape()) ranges.back().whole_shape.push_back(d);
     }
   }
-  proto::Response::Builder resp(nullptr);
-  auto frame = NewReply(id, &resp);
-  Status s =
-      AddValues(*frame, resp.initPull(), names, r.getAverages(), *want, ranges, TargetOf(r.hasToShm(), r.getToShm()));
-  if (!s.ok()) return SendError(id, s);
-  Send(std::move(frame));
+  std::optional<ShmTarget> target = TargetOf(r.hasToShm(), r.getToShm());
+  const bool into_segment = target && target->segment == 0;
+  auto answer = [this, id, names = std::move(names), want = std::move(*want), ranges = std::move(ranges),
+                 averages = r.getAverages(), to_shm = std::move(target)] {
+    proto::Response::Builder resp(nullptr);
+    auto frame = NewReply(id, &resp);
+    Status s = AddValues(*frame, resp.initPull(), names, averages, want, ranges, to_shm);
+    if (!s.ok()) return SendError(id, s);
+    Send(std::move(frame));
+  };
+  // Values written into the worker's own segment may land where its held gradients are: they
+  // are written once whatever psd still reads there is copied (WhenSettled).
+  if (into_segment) return WhenSettled(std::move(answer));
+  answer();
 }
 
 void WorkerSession::HandleStatus(uint64_t id) {
@@ -669,12 +680,23 @@ void WorkerSession::HandlePullRows(uint64_t id, proto::PullRows::Reader r) {
   const std::string name = r.getName();
   // Into the worker's shared memory when asked (the reply says where), else in the reply.
   std::optional<ShmTarget> target = TargetOf(r.hasToShm(), r.getToShm());
-  if (target && target->segment == 0) SettleHeld();  // as AddValues: nothing written over what psd reads
+  const bool has_dtype = r.getHasDtype();
+  const proto::DType dtype = r.getDtype();
+  // As a pull into the worker's own segment (HandlePull), after what psd reads there is copied.
+  if (target && target->segment == 0) {
+    return WhenSettled([this, id, rows = std::move(rows), name, target, has_dtype, dtype] {
+      AnswerPullRows(id, rows, name, target, has_dtype, dtype);
+    });
+  }
+  AnswerPullRows(id, rows, name, target, has_dtype, dtype);
+}
+
+void WorkerSession::AnswerPullRows(uint64_t id, const std::vector<int64_t>& rows, const std::string& name,
+                                   const std::optional<ShmTarget>& target, bool has_dtype, proto::DType dtype) {
   ShmSlot::Lease lease = target && shm_ ? shm_->Acquire() : ShmSlot::Lease();
   wire::SharedSegment* segment = target ? lease.segment(target->segment) : nullptr;
   if (target && segment == nullptr) return SendError(id, NoSegment(target->segment));
-  RowsOut sink(r.getHasDtype(), r.getDtype(), name, host_.config().max_frame_bytes, target ? &*target : nullptr,
-               segment);
+  RowsOut sink(has_dtype, dtype, name, host_.config().max_frame_bytes, target ? &*target : nullptr, segment);
   auto engine = host_.engine();
   auto step = engine->ReadRows(name, rows, sink);
   if (!step.ok()) return SendError(id, step.status());

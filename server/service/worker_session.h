@@ -70,10 +70,25 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   void FailStream(const Status& status, uint64_t id) { conn_->FailStream(status, id); }
   // Every reply but a push frame's with more to come (`keep_held`) ends the worker's call, after
   // which it may write its segment again: the gradients the engine still points at in it are
-  // copied first (SettleHeld).
+  // copied first (SettleHeld). Where that copy finds no memory the reply waits (WhenSettled), and
+  // every frame after it behind it. `on_drop`: what to undo if a waiting frame is never sent (a
+  // token it carries goes back).
   void Send(std::shared_ptr<wire::OutFrame> frame, bool keep_held = false) {
-    if (!keep_held) SettleHeld();
-    conn_->Send(std::move(frame));
+    Send(std::move(frame), keep_held, [] {});
+  }
+  template <typename D>
+  void Send(std::shared_ptr<wire::OutFrame> frame, bool keep_held, D&& on_drop) {
+    if (unsettled_.empty() && (keep_held || SettleHeld())) return conn_->Send(std::move(frame));
+    SendLater(std::move(frame), std::function<void()>(std::forward<D>(on_drop)));
+  }
+  // Runs `then` once what psd still reads in the worker's segment is copied (SettleHeld): now, or,
+  // when the copy finds no memory, from a try every kSettleRetry on the strand that makes it, in
+  // order with what waits already; or, if the connection closes first, `on_drop` instead. Values
+  // written into the segment go through it.
+  template <typename F, typename D = std::function<void()>>
+  void WhenSettled(F&& then, D&& on_drop = {}) {
+    if (unsettled_.empty() && SettleHeld()) return then();
+    Unsettled({std::function<void()>(std::forward<F>(then)), std::function<void()>(std::forward<D>(on_drop))});
   }
   // What the hello admitted is the connection's role (it also sets what the connection may send).
   bool greeted() const { return conn_->role() != Connection::Role::kNone; }  // any hello accepted
@@ -176,7 +191,27 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   std::shared_ptr<const void> held_;
   std::weak_ptr<TrainingEngine> held_engine_;  // the engine held_ was first passed to
   bool pushes_wait_ = true;                    // this worker's last push waited for the token (sync)
-  void SettleHeld();
+  // False: psd had no memory for the copy (TrainingEngine::ResolveHeld); the hold stays.
+  bool SettleHeld();
+  // What waits for SettleHeld (WhenSettled), in order: run once a try every kSettleRetry on the
+  // strand (settle_timer_) makes the copy, or dropped when the connection closes. A worker has a
+  // call or two in flight: one with more than kMaxUnsettled waiting is closed.
+  static constexpr std::chrono::milliseconds kSettleRetry{50};
+  static constexpr size_t kMaxUnsettled = 64;
+  struct Waiting {
+    std::function<void()> run;
+    std::function<void()> on_drop;  // (may be empty)
+  };
+  std::vector<Waiting> unsettled_;
+  std::optional<asio::steady_timer> settle_timer_;
+  void Unsettled(Waiting waiting);
+  void SendLater(std::shared_ptr<wire::OutFrame> frame, std::function<void()> on_drop);
+  void RetrySettle();
+  // Drops what waits (their on_drop run), and closes the connection when `close`.
+  void DropUnsettled(bool close);
+  // A PullRows answer (HandlePullRows, once settled when the rows go into the worker's segment).
+  void AnswerPullRows(uint64_t id, const std::vector<int64_t>& rows, const std::string& name,
+                      const std::optional<ShmTarget>& target, bool has_dtype, proto::DType dtype);
   // The published buffers that replies named in the values segment (ValuesSegment), per reply
   // (request id), oldest first: held until the worker says it read them (Request.valuesRead), the
   // connection closes, or newer replies push them out (a worker that never says so reads what it

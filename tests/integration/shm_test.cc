@@ -20,6 +20,8 @@
 #include "core/accumulator.h"
 #include "psd/half.h"
 #include "service/values_segment.h"
+#include "support/eventually.h"
+#include "support/failing_storage.h"
 #include "support/raw_peer.h"
 #include "support/test_server.h"
 
@@ -666,31 +668,24 @@ TEST_CASE("a sparse gradient's rows go through shared memory, its indices in the
 
 namespace {
 
-// A push of elements [offset, offset + n) of v's gradient, from their place in `p`'s segment (a
-// chunk unless it is all of v's `total`).
-// With `pull_into_segment`, the push asks for v's value with the token, written at offset 0 of the
-// same segment: where the gradient is, as the client puts it.
-void PushFromSegment(RawPeer& p, uint64_t id, int64_t offset, int64_t n, int64_t total, bool more, bool wait_token,
-                     bool pull_into_segment = false) {
-  wire::OutFrame f;
+// A push frame `id` at `local_step` of one float32 gradient `name` of `n` elements (`*grad`, its
+// bytes for the caller to place). With `pull_into_segment`, the push asks for v's value (of `total`
+// elements) with the token, written at offset 0 of the worker's segment: where v's gradient is, as
+// the client puts it.
+void StartPush(wire::OutFrame& f, uint64_t id, int64_t local_step, bool more, bool wait_token, const std::string& name,
+               int64_t n, int64_t total, bool pull_into_segment, proto::Gradient::Builder* gradient) {
   auto req = f.builder.initRoot<proto::Request>();
   req.setId(id);
   auto push = req.initPush();
-  push.setLocalStep(0);
+  push.setLocalStep(local_step);
   push.setMore(more);
   push.setWaitToken(wait_token);
   push.setTimeoutMs(10000);
-  auto t = push.initGrads(1)[0];
-  t.setName("v");
-  if (n != total) {
-    t.setChunk(true);
-    t.setChunkOffset(offset);
-  }
-  auto grad = t.initGrad();
+  *gradient = push.initGrads(1)[0];
+  gradient->setName(name);
+  auto grad = gradient->initGrad();
   grad.setDtype(proto::DType::FLOAT32);
   grad.initShape(1).set(0, static_cast<uint64_t>(n));
-  grad.setInShm(true);
-  grad.setShmOffset(static_cast<uint64_t>(offset) * 4);
   if (pull_into_segment) {
     push.initPullAfter(1).set(0, "v");
     auto to = push.initPullToShm();
@@ -698,6 +693,21 @@ void PushFromSegment(RawPeer& p, uint64_t id, int64_t offset, int64_t n, int64_t
     to.setBytes(static_cast<uint64_t>(total) * 4);
     to.setSegment(0);
   }
+}
+
+// A push of elements [offset, offset + n) of v's gradient, from their place in `p`'s segment (a
+// chunk unless it is all of v's `total`).
+void PushFromSegment(RawPeer& p, uint64_t id, int64_t offset, int64_t n, int64_t total, bool more, bool wait_token,
+                     bool pull_into_segment = false, int64_t local_step = 0) {
+  wire::OutFrame f;
+  proto::Gradient::Builder t(nullptr);
+  StartPush(f, id, local_step, more, wait_token, "v", n, total, pull_into_segment, &t);
+  if (n != total) {
+    t.setChunk(true);
+    t.setChunkOffset(offset);
+  }
+  t.getGrad().setInShm(true);
+  t.getGrad().setShmOffset(static_cast<uint64_t>(offset) * 4);
   p.Send(f);
 }
 
@@ -773,4 +783,99 @@ TEST_CASE("what psd points at in a worker's segment is copied before the worker 
   }
   CHECK(wrong == 0);
   CHECK(server->engine()->global_step() == 1);
+}
+
+TEST_CASE("a reply waits while psd has no memory to copy what it points at in the worker's segment",
+          "[shm][held][oom]") {
+  // Big buffers' storage is set once per process: here the failing one, before any psd's values
+  // segment could be (ctest runs each test case in a process of its own; a whole-binary run has
+  // opened one by now).
+  if (server::ValuesSegment::Current() != nullptr) {
+    WARN("skipped: an earlier test case of this process opened psd's values segment");
+    return;
+  }
+  psd::testing::ActiveStorage storage;
+  const int64_t n = DenseAccumulator::kStripeElements + 3 * DenseAccumulator::kPartElements;
+  auto cfg = TestConfig(2, 2);
+  cfg.values_segment = false;
+  auto server = StartServer(cfg);
+  auto owner = ConnectWith(WorkerOptions(server->port(), "owner"));
+  std::vector<float> zeros(static_cast<size_t>(n), 0.0f), small(16, 0.0f), ga(zeros.size()), gb(zeros.size());
+  REQUIRE(owner->CreateVariable("v", {zeros.data(), DType::kFloat32, {n}}).ok());
+  REQUIRE(owner->CreateVariable("s", {small.data(), DType::kFloat32, {16}}).ok());
+  for (size_t i = 0; i < ga.size(); ++i) {
+    ga[i] = static_cast<float>(i % 1000) * 0.37f - 11.0f;
+    gb[i] = static_cast<float>(i % 777) * -0.11f + 3.0f;
+  }
+  // Something reads step 0's value: the buffer step 0's commit retires is not free for step 1's sum.
+  std::vector<server::PulledValue> reader;
+  int64_t step = -1;
+  REQUIRE(server->engine()->Pull({"v"}, &reader, &step).ok());
+  const std::vector<psclient::Gradient> owner_grads = {{"v", {gb.data(), DType::kFloat32, {n}}},
+                                                       {"s", {small.data(), DType::kFloat32, {16}}}};
+  for (int i = 0; i < 2; ++i) REQUIRE(owner->Push(0, owner_grads, false, 10000).ok());  // step 0: two gradients
+  REQUIRE(psd::testing::Eventually([&] { return server->engine()->global_step() == 1; }));
+
+  auto p = std::make_unique<RawPeer>(server->port());
+  p->Hello("a");
+  auto seg = wire::SharedSegment::Create(8 << 20, "test");
+  REQUIRE(seg.ok());
+  REQUIRE(Attach(p->shm_socket, wire::ShmAttachMessage(p->connection_id, p->shm_nonce), (*seg)->fd()) == "OK");
+  std::memcpy((*seg)->data(), ga.data(), ga.size() * 4);
+  // Step 1, a push in two frames: "v" from the segment first (held: psd points at it, no sum
+  // written), then "s" in the frame, whose answer ends the call.
+  auto push_s = [&](uint64_t id, bool pull_into_segment, bool wait_token) {
+    wire::OutFrame f;
+    proto::Gradient::Builder t(nullptr);
+    StartPush(f, id, 1, /*more=*/false, wait_token, "s", 16, n, pull_into_segment, &t);
+    t.getGrad().setData(capnp::Data::Reader(reinterpret_cast<const kj::byte*>(small.data()), small.size() * 4));
+    p->Send(f);
+  };
+  std::string msg;
+  PushFromSegment(*p, 1, 0, n, n, /*more=*/true, /*wait_token=*/false, false, /*local_step=*/1);
+  REQUIRE(p->Answer(&msg) == Code::kOk);
+  if (GENERATE(false, true)) {
+    // The last frame takes one of the initial tokens: its answer waits, every try finding no
+    // memory, and the worker goes away meanwhile. The token goes back to the queue.
+    const int64_t queued = server->engine()->Stats().tokens_queued;
+    constexpr int kFailures = 1 << 30;
+    storage->FailNext(kFailures);
+    push_s(2, /*pull_into_segment=*/false, /*wait_token=*/true);
+    // Two tries failed (the answer's and the first retry's): the answer waits.
+    REQUIRE(psd::testing::Eventually([&] { return storage->left() <= kFailures - 2; }));
+    CHECK(server->engine()->Stats().tokens_queued == queued - 1);
+    p.reset();
+    CHECK(psd::testing::Eventually([&] { return server->engine()->Stats().tokens_queued == queued; }));
+    storage->FailNext(0);
+    return;
+  }
+  // The answer must first copy "v" out of the segment, into a sum that finds no memory; it brings
+  // the values of "v" into the segment, over the gradient, once that is copied.
+  storage->FailNext();
+  const auto sent = std::chrono::steady_clock::now();
+  push_s(2, /*pull_into_segment=*/true, /*wait_token=*/false);
+  REQUIRE(p->Answer(&msg) == Code::kOk);  // before: the reply was lost, the hold kept, the worker waiting
+  CHECK(std::chrono::steady_clock::now() - sent >= std::chrono::milliseconds(50));  // a try 50 ms later
+  REQUIRE_FALSE(storage->armed());
+  const float a = static_cast<float>(cfg.optimizer.learning_rate);
+  auto* f = reinterpret_cast<float*>((*seg)->data());
+  int64_t wrong_values = 0;
+  for (size_t i = 0; i < ga.size(); ++i) {
+    const float once = 0.0f - a * ((gb[i] + gb[i]) / 2.0f);
+    wrong_values += std::memcmp(&f[i], &once, 4) != 0 ? 1 : 0;
+  }
+  CHECK(wrong_values == 0);  // step 1's values
+  // Answered: the worker writes its segment again; the step keeps the gradient it was sent.
+  for (int64_t i = 0; i < n; ++i) f[i] = 1e30f;
+  REQUIRE(owner->Push(1, owner_grads, false, 10000).ok());
+  REQUIRE(psd::testing::Eventually([&] { return server->engine()->global_step() == 2; }));
+  std::vector<float> after(static_cast<size_t>(n));
+  REQUIRE(owner->Pull("v", {after.data(), DType::kFloat32, {n}}).ok());
+  int64_t wrong = 0;
+  for (size_t i = 0; i < after.size(); ++i) {
+    const float once = 0.0f - a * ((gb[i] + gb[i]) / 2.0f);
+    const float want = once - a * ((ga[i] + gb[i]) / 2.0f);
+    wrong += std::memcmp(&after[i], &want, 4) != 0 ? 1 : 0;
+  }
+  CHECK(wrong == 0);
 }

@@ -448,20 +448,26 @@ TEMPLATE_TEST_CASE("held gradients give the parameters of copied ones with every
   }
 }
 
-TEST_CASE("a take that runs out of memory leaves its step open, and a retry takes it", "[engine][oom]") {
-  psd::testing::ActiveStorage storage;
-  Engine e(Config(2, 2, 0, 0.5));
-  // Over 256 KiB (the sum's buffer comes from the storage), a few stripes.
-  const int64_t n = 3 * DenseAccumulator::kStripeElements + 7;
-  std::vector<float> w(static_cast<size_t>(n), 1.0f), g0(static_cast<size_t>(n)), g1(static_cast<size_t>(n));
-  for (size_t i = 0; i < g0.size(); ++i) {
-    g0[i] = static_cast<float>(i % 5);
-    g1[i] = static_cast<float>(i % 3) - 1.0f;
+namespace {
+
+// An engine (2 replicas, SGD at 0.5) with "w", over 256 KiB (its sum's buffer comes from the
+// storage) and a few stripes, and two gradients; step 0 committed while a reader keeps step 0's
+// value, so the buffer that commit retired is not free to be step 1's sum.
+struct AfterStepZero {
+  AfterStepZero() : e(Config(2, 2, 0, 0.5)) {
+    for (size_t i = 0; i < g0.size(); ++i) {
+      g0[i] = static_cast<float>(i % 5);
+      g1[i] = static_cast<float>(i % 3) - 1.0f;
+    }
+    e.Create<float>("w", w, {n});
+    int64_t step = 0;
+    REQUIRE(e.engine.Pull({"w"}, &reader, &step).ok());
+    Push(0, g0, nullptr);
+    Push(0, g1, nullptr);
+    REQUIRE(e.engine.global_step() == 1);
   }
-  e.Create<float>("w", w, {n});
-  int deferred = 0;
-  e.engine.set_on_take_deferred([&] { ++deferred; });
-  auto push = [&](int64_t step, const std::vector<float>& g, std::shared_ptr<const void> hold) {
+  // A gradient of "w" for `step`; `hold`: the engine may point at its bytes (a same-host worker's).
+  void Push(int64_t step, const std::vector<float>& g, std::shared_ptr<const void> hold) {
     GradRef r{"w", DType::kFloat32, {n}, g.data(), g.size() * sizeof(float)};
     r.hold = std::move(hold);
     std::vector<GradOutcome> out;
@@ -470,36 +476,86 @@ TEST_CASE("a take that runs out of memory leaves its step open, and a retry take
     REQUIRE(s.ok());
     REQUIRE(out.size() == 1);
     CHECK(out[0].accepted);
-  };
-  // A reader keeps step 0's value: at step 1's take it is the spare, not free to be the sum.
+  }
+  // Elements of "w" that are not what two steps of (g0 + g1) / 2 give.
+  int64_t WrongAfterTwoSteps() {
+    std::vector<PulledValue> vals;
+    int64_t step = -1;
+    REQUIRE(e.engine.Pull({"w"}, &vals, &step).ok());
+    CHECK(step == 2);
+    const float* got = vals[0].value->as<float>();
+    int64_t wrong = 0;
+    for (size_t i = 0; i < w.size(); ++i) {
+      const float once = 1.0f - 0.5f * ((g0[i] + g1[i]) / 2.0f);
+      wrong += got[i] == once - 0.5f * ((g0[i] + g1[i]) / 2.0f) ? 0 : 1;
+    }
+    return wrong;
+  }
+
+  Engine e;
+  const int64_t n = 3 * DenseAccumulator::kStripeElements + 7;
+  std::vector<float> w = std::vector<float>(static_cast<size_t>(n), 1.0f);
+  std::vector<float> g0 = std::vector<float>(static_cast<size_t>(n));
+  std::vector<float> g1 = std::vector<float>(static_cast<size_t>(n));
   std::vector<PulledValue> reader;
-  int64_t step = 0;
-  REQUIRE(e.engine.Pull({"w"}, &reader, &step).ok());
-  push(0, g0, nullptr);
-  push(0, g1, nullptr);
-  REQUIRE(e.engine.global_step() == 1);
+};
+
+}  // namespace
+
+TEST_CASE("a take that runs out of memory leaves its step open, and a retry takes it", "[engine][oom]") {
+  psd::testing::ActiveStorage storage;
+  AfterStepZero z;
+  int deferred = 0;
+  z.e.engine.set_on_take_deferred([&] { ++deferred; });
   // Held gradients (a same-host worker's) write no sum: step 1's take needs a new buffer.
   auto hold = std::make_shared<int>(0);
-  push(1, g0, hold);
+  z.Push(1, z.g0, hold);
   storage->FailNext();
-  push(1, g1, hold);  // added and counted; its take finds no memory: before, the push failed (its gradient counted)
+  z.Push(1, z.g1, hold);  // added and counted; its take finds no memory: before, the push failed (its gradient counted)
   REQUIRE_FALSE(storage->armed());
   CHECK(deferred == 1);
-  CHECK(e.engine.global_step() == 1);
-  e.engine.RetryDeferredTakes();
-  CHECK(e.engine.global_step() == 2);
-  e.engine.RetryDeferredTakes();  // nothing deferred any more
-  CHECK(e.engine.global_step() == 2);
+  CHECK(z.e.engine.global_step() == 1);
+  z.e.engine.RetryDeferredTakes();
+  CHECK(z.e.engine.global_step() == 2);
+  z.e.engine.RetryDeferredTakes();  // nothing deferred any more
+  CHECK(z.e.engine.global_step() == 2);
   CHECK(deferred == 1);
-  std::vector<PulledValue> vals;
-  REQUIRE(e.engine.Pull({"w"}, &vals, &step).ok());
-  CHECK(step == 2);
-  const float* got = vals[0].value->as<float>();
-  for (size_t i = 0; i < w.size(); ++i) {
-    const float once = 1.0f - 0.5f * ((g0[i] + g1[i]) / 2.0f);
-    REQUIRE(got[i] == once - 0.5f * ((g0[i] + g1[i]) / 2.0f));
-  }
+  CHECK(z.WrongAfterTwoSteps() == 0);
   CHECK(hold.use_count() == 1);  // the take's apply read the held gradients and let them go
+}
+
+TEST_CASE("held gradients that find no memory to be copied out stay held, and a later try copies them",
+          "[engine][oom][held]") {
+  psd::testing::ActiveStorage storage;
+  AfterStepZero z;
+  // A same-host worker's gradient, in its segment: the accumulator points at it, no sum written.
+  std::vector<float> segment(z.g0);
+  auto hold = std::make_shared<int>(0);
+  z.Push(1, segment, hold);
+  CHECK(hold.use_count() > 1);
+  // Its answer copies what is pointed at into the sum, which needs a buffer: none to be had.
+  storage->FailNext();
+  CHECK_FALSE(z.e.engine.ResolveHeld());
+  REQUIRE_FALSE(storage->armed());
+  CHECK(hold.use_count() > 1);  // still held: the worker is not answered, its bytes stay as they are
+  CHECK(z.e.engine.ResolveHeld());
+  CHECK(hold.use_count() == 1);  // copied: the worker may write its segment again
+  std::fill(segment.begin(), segment.end(), 1e30f);
+  std::vector<PulledValue> reader1;  // keeps step 1's value, which step 1's commit retires
+  int64_t step = -1;
+  REQUIRE(z.e.engine.Pull({"w"}, &reader1, &step).ok());
+  z.Push(1, z.g1, nullptr);
+  REQUIRE(z.e.engine.global_step() == 2);
+  CHECK(z.WrongAfterTwoSteps() == 0);
+  // The retired buffer, read when the gradient came, is free when it is copied out: the copy goes
+  // there, and nothing is allocated.
+  z.Push(2, segment, hold);
+  CHECK(hold.use_count() > 1);
+  reader1.clear();
+  storage->FailNext();
+  CHECK(z.e.engine.ResolveHeld());
+  CHECK(storage->armed());
+  CHECK(hold.use_count() == 1);
 }
 
 TEST_CASE("a forced take that ran out of memory is forced again only while its step is open", "[engine][oom]") {

@@ -28,6 +28,7 @@ class FailingStorage : public psd::server::BufferStorage {
   }
   void FailNext(int count = 1) { fail_next_ = count; }
   bool armed() const { return fail_next_ > 0; }
+  int left() const { return fail_next_; }  // allocations still to refuse
   void* Allocate(size_t bytes) override {
     if (!active_) return nullptr;
     int left = fail_next_.load();
