@@ -15,6 +15,7 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "core/accumulator.h"
@@ -785,32 +786,61 @@ TEST_CASE("what psd points at in a worker's segment is copied before the worker 
   CHECK(server->engine()->global_step() == 1);
 }
 
+namespace {
+
+// A psd whose big buffers come from the failing storage (tests/support/failing_storage.h), which is
+// set once per process: before any psd's values segment could be (off here; ctest runs each test
+// case in a process of its own, while a whole-binary run has opened one by now: `skip`). Variable
+// "v" (CreateV) and a reader of its value at step 0, so the buffer step 0's commit retires is not
+// free for step 1's sum; two gradients of it.
+struct OutOfMemoryPsd {
+  OutOfMemoryPsd() {
+    if (skip) {
+      WARN("skipped: an earlier test case of this process opened psd's values segment");
+      return;
+    }
+    storage.emplace();
+    cfg.values_segment = false;
+    server = StartServer(cfg);
+    for (size_t i = 0; i < ga.size(); ++i) {
+      ga[i] = static_cast<float>(i % 1000) * 0.37f - 11.0f;
+      gb[i] = static_cast<float>(i % 777) * -0.11f + 3.0f;
+    }
+  }
+  void CreateV(psclient::Client& c) {
+    REQUIRE(c.CreateVariable("v", {zeros.data(), DType::kFloat32, {n}}).ok());
+    int64_t step = -1;
+    REQUIRE(server->engine()->Pull({"v"}, &reader, &step).ok());
+  }
+  psd::testing::FailingStorage* failing() { return storage->operator->(); }
+
+  const bool skip = server::ValuesSegment::Current() != nullptr;
+  std::optional<psd::testing::ActiveStorage> storage;
+  const int64_t n = DenseAccumulator::kStripeElements + 3 * DenseAccumulator::kPartElements;
+  server::ServerConfig cfg = TestConfig(2, 2);
+  std::unique_ptr<server::Server> server;
+  std::vector<float> zeros = std::vector<float>(static_cast<size_t>(n), 0.0f);
+  std::vector<float> ga = std::vector<float>(static_cast<size_t>(n));
+  std::vector<float> gb = std::vector<float>(static_cast<size_t>(n));
+  std::vector<server::PulledValue> reader;
+};
+
+}  // namespace
+
 TEST_CASE("a reply waits while psd has no memory to copy what it points at in the worker's segment",
           "[shm][held][oom]") {
-  // Big buffers' storage is set once per process: here the failing one, before any psd's values
-  // segment could be (ctest runs each test case in a process of its own; a whole-binary run has
-  // opened one by now).
-  if (server::ValuesSegment::Current() != nullptr) {
-    WARN("skipped: an earlier test case of this process opened psd's values segment");
-    return;
-  }
-  psd::testing::ActiveStorage storage;
-  const int64_t n = DenseAccumulator::kStripeElements + 3 * DenseAccumulator::kPartElements;
-  auto cfg = TestConfig(2, 2);
-  cfg.values_segment = false;
-  auto server = StartServer(cfg);
+  OutOfMemoryPsd o;
+  if (o.skip) return;
+  auto* storage = o.failing();
+  const int64_t n = o.n;
+  const auto& cfg = o.cfg;
+  const auto& server = o.server;
+  const auto& ga = o.ga;
+  const auto& gb = o.gb;
   auto owner = ConnectWith(WorkerOptions(server->port(), "owner"));
-  std::vector<float> zeros(static_cast<size_t>(n), 0.0f), small(16, 0.0f), ga(zeros.size()), gb(zeros.size());
-  REQUIRE(owner->CreateVariable("v", {zeros.data(), DType::kFloat32, {n}}).ok());
+  std::vector<float> small(16, 0.0f);
+  o.CreateV(*owner);
   REQUIRE(owner->CreateVariable("s", {small.data(), DType::kFloat32, {16}}).ok());
-  for (size_t i = 0; i < ga.size(); ++i) {
-    ga[i] = static_cast<float>(i % 1000) * 0.37f - 11.0f;
-    gb[i] = static_cast<float>(i % 777) * -0.11f + 3.0f;
-  }
-  // Something reads step 0's value: the buffer step 0's commit retires is not free for step 1's sum.
-  std::vector<server::PulledValue> reader;
-  int64_t step = -1;
-  REQUIRE(server->engine()->Pull({"v"}, &reader, &step).ok());
   const std::vector<psclient::Gradient> owner_grads = {{"v", {gb.data(), DType::kFloat32, {n}}},
                                                        {"s", {small.data(), DType::kFloat32, {16}}}};
   for (int i = 0; i < 2; ++i) REQUIRE(owner->Push(0, owner_grads, false, 10000).ok());  // step 0: two gradients
@@ -875,6 +905,58 @@ TEST_CASE("a reply waits while psd has no memory to copy what it points at in th
   for (size_t i = 0; i < after.size(); ++i) {
     const float once = 0.0f - a * ((gb[i] + gb[i]) / 2.0f);
     const float want = once - a * ((ga[i] + gb[i]) / 2.0f);
+    wrong += std::memcmp(&after[i], &want, 4) != 0 ? 1 : 0;
+  }
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("a step whose take finds no memory is taken by psd's retry 50 ms later, every worker answered",
+          "[shm][held][oom]") {
+  OutOfMemoryPsd o;
+  if (o.skip) return;
+  auto* storage = o.failing();
+  auto a = ConnectWith(WorkerOptions(o.server->port(), "a"));
+  auto b = ConnectWith(WorkerOptions(o.server->port(), "b"));
+  REQUIRE(a->shared_memory_shards() == 1);
+  REQUIRE(b->shared_memory_shards() == 1);
+  o.CreateV(*a);
+  // Both workers push from their segments and wait for the token: psd points at their gradients,
+  // and writes no sum, so a step's take needs one. Their waits outlast this test's bounds: only
+  // psd's own retry takes a step whose take found no memory (no later push comes to try it).
+  auto both = [&](int64_t local_step) {
+    constexpr int64_t kWaitMs = 600000;
+    Result<psclient::PushOutcome> ra = psd::Internal("not run"), rb = psd::Internal("not run");
+    std::thread ta([&] { ra = a->Push(local_step, {{"v", {o.ga.data(), DType::kFloat32, {o.n}}}}, true, kWaitMs); });
+    // b's push comes second (a's gradient is in), so b's completes the step and its take.
+    const bool a_in =
+        psd::testing::Eventually([&] { return o.server->engine()->Stats().accepted >= 2 * local_step + 1; });
+    std::thread tb([&] { rb = b->Push(local_step, {{"v", {o.gb.data(), DType::kFloat32, {o.n}}}}, true, kWaitMs); });
+    const bool taken = psd::testing::Eventually([&] { return o.server->engine()->global_step() == local_step + 1; });
+    if (!taken) o.server->Stop();  // the waits end (failed), so the threads do
+    ta.join();
+    tb.join();
+    REQUIRE(a_in);
+    REQUIRE(taken);
+    REQUIRE(ra.ok());
+    REQUIRE(rb.ok());
+    CHECK(ra->token_status.ok());
+    CHECK(rb->token_status.ok());
+  };
+  both(0);
+  REQUIRE(o.server->engine()->global_step() == 1);
+  storage->FailNext();  // step 1's take: no memory for its sum
+  const auto started = std::chrono::steady_clock::now();
+  both(1);  // the take waits for memory; psd's retry timer takes it
+  CHECK(std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(50));
+  REQUIRE_FALSE(storage->armed());
+  CHECK(o.server->engine()->global_step() == 2);
+  std::vector<float> after(static_cast<size_t>(o.n));
+  REQUIRE(a->Pull("v", {after.data(), DType::kFloat32, {o.n}}).ok());
+  const float lr = static_cast<float>(o.cfg.optimizer.learning_rate);
+  int64_t wrong = 0;
+  for (size_t i = 0; i < after.size(); ++i) {
+    const float once = 0.0f - lr * ((o.ga[i] + o.gb[i]) / 2.0f);
+    const float want = once - lr * ((o.ga[i] + o.gb[i]) / 2.0f);
     wrong += std::memcmp(&after[i], &want, 4) != 0 ? 1 : 0;
   }
   CHECK(wrong == 0);
