@@ -3,9 +3,10 @@
 // their results become the reply. It never touches the socket: its Connection (net/connection.h)
 // reads and writes the frames, and the session tells it which role the hello admitted (worker,
 // observer, shard), which sets what the connection may send. Its handlers live in
-// worker_session.cc (hello, variables, pushes, pulls, tokens, operators), session_peer.cc (a
-// shard link's hello and proof) and session_collectives.cc (reduce_to, update); how values are
-// put into replies is service/reply_values.h.
+// worker_session.cc (hello, variables, tokens, operators), session_push.cc (pushes, and the copy of
+// what psd reads in a worker's segment before it is answered), session_pull.cc (values, slots,
+// rows), session_peer.cc (a shard link's hello and proof) and session_collectives.cc (reduce_to,
+// update); how values are put into replies is service/reply_values.h.
 //
 // Malformed input: a well-framed message that fails to decode or validate gets an error reply
 // and the connection stays usable; a peer message from anything but a proven shard link, or in
