@@ -69,10 +69,18 @@ expect_refusal() {  # $1: the shard that lost checkpoints, $2: the chief's log
 # --- A. shard 2 loses its newest checkpoint ----------------------------------------------------
 kill -9 "$(real_pid "${shard_pid[2]}")"
 wait "${shard_pid[2]}" 2>/dev/null || true
-newest=$(ls -d "$run"/ckpt2/ckpt-* | sort | tail -1)
-lost=$((10#$(basename "$newest" | sed 's/ckpt-//')))
-previous=$((10#$(ls -d "$run"/ckpt2/ckpt-* | sort | tail -2 | head -1 | xargs basename | sed 's/ckpt-//')))
-rm -rf "$newest"
+# The newest step shard 0 sealed (so shard 2 wrote its part of it), and any newer part shard 2
+# wrote: deleted. Not merely shard 2's newest directory: that may be a step nobody sealed, whose
+# loss loses nothing (the chief then rightly forms without asking).
+lost=$(grep -oE "checkpoint at step [0-9]+ sealed" "$run/s0.log" | tail -1 | grep -oE "[0-9]+")
+newest=
+for d in "$run"/ckpt2/ckpt-*; do
+  s=$((10#$(basename "$d" | sed 's/ckpt-//')))
+  [ "$s" -eq "$lost" ] && newest=$d
+  [ "$s" -lt "$lost" ] || rm -rf "$d"
+done
+[ -n "$newest" ] || fail "shard 2 has no directory of the sealed step $lost"
+previous=$((10#$(ls -d "$run"/ckpt2/ckpt-* | sort | tail -1 | xargs basename | sed 's/ckpt-//')))
 echo "shard 2 killed; its checkpoint step $lost deleted (it still has step $previous)"
 formed_before=$(grep -c "running at epoch" "$run/s0.log")
 start_shard 2 s2b
