@@ -3,6 +3,9 @@
 #include <kj/exception.h>
 #include <spdlog/spdlog.h>
 
+#include <exception>
+#include <utility>
+
 #include "cluster/coordinator.h"
 #include "psd/half.h"
 #include "psd/secret.h"
@@ -40,8 +43,12 @@ void WorkerSession::OnClosed() {
   host_.OnConnectionClosed(id_);
 }
 
+thread_local WorkerSession* WorkerSession::handling_ = nullptr;
+
 void WorkerSession::OnFrame(const wire::InFrame& in) {
+  auto self = shared_from_this();  // a close while handling (the connection lets go of its handler)
   uint64_t id = 0;
+  WorkerSession* outer = std::exchange(handling_, this);
   try {
     auto reader = in.Reader();
     auto req = reader->getRoot<proto::Request>();
@@ -53,6 +60,34 @@ void WorkerSession::OnFrame(const wire::InFrame& in) {
   } catch (const std::bad_alloc&) {
     SendError(id, ResourceExhausted("out of memory while handling the request"));
   }
+  handling_ = outer;
+  FinishInline();
+}
+
+void WorkerSession::FinishInline() {
+  if (answered_inline_.empty() && unarmed_.empty()) return;
+  // Nothing is added meanwhile (handling_ is not this session any more): the lists keep their
+  // capacity for the next frame.
+  std::exception_ptr first;
+  // Each answered, whatever another throws (the connection then closes: Connection::OnBody); then
+  // the deadlines of those still waiting.
+  for (auto& a : answered_inline_) {
+    try {
+      FinishTokenWait(a.wait, a.status, a.token);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  for (const auto& w : unarmed_) {
+    try {
+      if (!w->done) ArmTokenDeadline(w);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  answered_inline_.clear();
+  unarmed_.clear();
+  if (first) std::rethrow_exception(first);
 }
 
 // --- dispatch ---------------------------------------------------------------------------------
@@ -606,8 +641,12 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
   }
   auto w = std::make_shared<TokenWait>(conn_->strand());
   w->on_done = std::move(done);
+  w->timeout_ms = timeout_ms;
   auto self = shared_from_this();
   auto post = [self, w](Status s, int64_t value) {
+    // Answered inside this session's handler on this thread (only there is handling_ this
+    // session): finished when it returns. From anywhere else: on the strand.
+    if (handling_ == self.get()) return self->answered_inline_.push_back({w, std::move(s), value});
     asio::post(self->conn_->strand(), [self, w, s = std::move(s), value] { self->FinishTokenWait(w, s, value); });
   };
   uint64_t wid = 0;
@@ -629,10 +668,20 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
     wid = gate.Advance(worker_index_, [post, engine](Status s, int64_t) { post(std::move(s), engine->global_step()); });
     w->cancel = [&gate, wid](const Status& why) { return gate.Cancel(wid, why); };
   }
-  if (wid == 0) return nullptr;  // answered at once (the callback is already posted)
+  if (wid == 0) return nullptr;  // answered at once (the callback is already posted or queued)
   parked_.insert(w);
+  if (handling_ == this) {
+    unarmed_.push_back(w);  // armed when the handler returns, unless answered by then
+  } else {
+    ArmTokenDeadline(w);
+  }
+  return w;
+}
+
+void WorkerSession::ArmTokenDeadline(const std::shared_ptr<TokenWait>& w) {
+  const int64_t timeout_ms = w->timeout_ms;
   w->timer.expires_after(std::chrono::milliseconds(timeout_ms));
-  w->timer.async_wait([self, w, timeout_ms](boost::system::error_code ec) {
+  w->timer.async_wait([self = shared_from_this(), w, timeout_ms](boost::system::error_code ec) {
     if (ec || w->done) return;
     auto engine = self->host_.engine();
     // A step held by a take or a commit that found no memory, and whose retry could not even be
@@ -651,7 +700,6 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
     w->cancel(DeadlineExceeded("no token within " + std::to_string(timeout_ms) + " ms (global step " +
                                std::to_string(st.global_step) + ", " + what + ")"));
   });
-  return w;
 }
 
 void WorkerSession::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token) {

@@ -26,6 +26,7 @@
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "core/token_queue.h"
 #include "net/connection.h"
@@ -64,8 +65,25 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
     std::shared_ptr<TrainingEngine> engine;     // whose queue it waits on
     bool done = false;
     TokenDone on_done;
+    int64_t timeout_ms = 0;
     std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   };
+  // Token waits answered while this session's frame handler runs on this thread (the push that
+  // completes a step releases a token to its own parked wait, or one is there already): finished
+  // when the handler returns (FinishInline) instead of through a post to the strand, which costs
+  // an allocation, a strand hand-off and the I/O loop's wake-up. A wait parked by the handler and
+  // not answered in it has its deadline armed then, not before, so a wait answered in the handler
+  // never arms and cancels a timer.
+  struct Answered {
+    std::shared_ptr<TokenWait> wait;
+    Status status;
+    int64_t token = 0;
+  };
+  static thread_local WorkerSession* handling_;  // the session whose OnFrame runs on this thread
+  std::vector<Answered> answered_inline_;
+  std::vector<std::shared_ptr<TokenWait>> unarmed_;
+  void FinishInline();
+  void ArmTokenDeadline(const std::shared_ptr<TokenWait>& w);
 
   // Answers `id` with `status` and closes once the reply is written.
   void FailStream(const Status& status, uint64_t id) { conn_->FailStream(status, id); }

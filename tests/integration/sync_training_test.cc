@@ -166,6 +166,35 @@ TEST_CASE("a token wait ends at its deadline and loses nothing", "[integration]"
   CHECK(w->WaitToken(50).status().code() == Code::kDeadlineExceeded);
 }
 
+// A push's token wait is parked before its gradients are applied. Answered by that same push (it
+// completes the step), it is answered as the handler returns; otherwise its deadline is armed
+// then and psd ends it (WorkerSession::FinishInline).
+TEST_CASE("a push's own token wait is answered by its own step, or ends at psd's deadline", "[integration]") {
+  auto server = StartServer(TestConfig(2, 2, 0));
+  auto a = ConnectWorker(server->port(), "a");
+  auto b = ConnectWorker(server->port(), "b");
+  float init = 0, g = 1;
+  REQUIRE(a->CreateVariable("w", Scalar(init)).ok());
+  auto first = a->Push(0, {{"w", Scalar(g)}}, true, 150);  // one gradient of 2: no step, no token
+  REQUIRE(first.ok());
+  CHECK(first->accepted() == 1);
+  CHECK(first->token_status.code() == Code::kDeadlineExceeded);
+  // psd's own answer at its deadline (the client's would come 10 s later and say no reply came).
+  CHECK_THAT(first->token_status.message(), Catch::Contains("no token within 150 ms"));
+  auto second = b->Push(0, {{"w", Scalar(g)}}, true, 2000);  // completes step 1 in its own handler
+  REQUIRE(second.ok());
+  REQUIRE(second->token_status.ok());
+  CHECK(second->token == 1);
+  auto left = a->WaitToken(1000);  // the step's other token, kept for "a"
+  REQUIRE(left.ok());
+  CHECK(*left == 1);
+  CHECK(*a->GlobalStep() == 1);
+  // Nothing waits any more: a's next wait ends at its own deadline again.
+  auto none = a->Push(1, {{"w", Scalar(g)}}, true, 100);
+  REQUIRE(none.ok());
+  CHECK_THAT(none->token_status.message(), Catch::Contains("no token within 100 ms"));
+}
+
 TEST_CASE("64 concurrent workers against a daemon with 2 I/O threads", "[integration]") {
   constexpr int kWorkers = 64;
   auto cfg = TestConfig(kWorkers, kWorkers, 0);
