@@ -232,10 +232,12 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
   // The last reply's reader is done with: a buffer that one big reply grew is given back once the
   // replies since have been much smaller.
   in_.MaybeRelease(kKeptReplyBytes);
-  // A cluster's shard is asked about while its reply is late (stall_check). Over TLS the stream's
-  // own buffers may hold the reply already (a TLS read takes whole records, several replies of a
-  // batch at once), so the read itself asks, not a poll of the socket.
-  if (stall_check && !tls_) {
+  // Plain TCP: the wait for the reply is a poll() (a cluster's shard is asked about while its
+  // reply is late: stall_check), then the reads find it there. Reading first would find nothing
+  // most of the time (a reply takes a round trip) and cost a system call a reply for it. Over TLS
+  // the stream's own buffers may hold the reply already (a TLS read takes whole records, several
+  // replies of a batch at once), so the read itself waits and asks, not a poll of the socket.
+  if (!tls_) {
     Status w = WaitReadable();
     if (!w.ok()) {
       Drop();
@@ -291,6 +293,7 @@ Status Conn::WaitReadable() {
     pollfd p{fd, POLLIN, 0};
     int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), kStallCheckMs)));
     if (r != 0) return Status::Ok();  // readable, closed, or an error: ReadFrame tells which
+    if (!stall_check) continue;
     Status verdict = stall_check();
     if (!verdict.ok()) return verdict;
   }

@@ -205,7 +205,7 @@ class Conn {
  private:
   Status SendNoReconnect(OutFrame& frame);
   // Plain TCP: waits until the socket has something to read (or the deadline), asking stall_check
-  // each kStallCheckMs; its verdict if it says to give up. (TLS: ReadFrame asks.)
+  // (where set) each kStallCheckMs; its verdict if it says to give up. (TLS: ReadFrame asks.)
   Status WaitReadable();
 
   // Tells the daemon at shared-memory socket `socket_name` to touch the shared buffers no more
