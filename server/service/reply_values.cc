@@ -179,9 +179,10 @@ Result<std::vector<std::optional<DType>>> WantedDTypes(capnp::List<proto::DType>
   return out;
 }
 
-Status CheckWanted(const std::string& what, DType declared, DType want) {
+Status CheckWanted(const std::string& name, DType declared, DType want) {
   if (ConvertibleDTypes(want, declared)) return Status::Ok();
-  return InvalidArgument(what + " is " + DTypeName(declared) + " and cannot be delivered as " + DTypeName(want) +
+  return InvalidArgument("variable '" + name + "' is " + DTypeName(declared) + " and cannot be delivered as " +
+                         DTypeName(want) +
                          " (float32, bfloat16 and float16 convert to one another; float64 only to itself)");
 }
 
@@ -189,7 +190,7 @@ Result<DType> WantedDType(bool has, proto::DType wire_dtype, const std::string& 
   if (!has) return declared;
   auto d = wire::FromWire(wire_dtype);
   if (!d.ok()) return d.status();
-  PSD_RETURN_IF_ERROR(CheckWanted("variable '" + name + "'", declared, *d));
+  PSD_RETURN_IF_ERROR(CheckWanted(name, declared, *d));
   return *d;
 }
 

@@ -112,8 +112,9 @@ class RowsOut : public RowSink {
 // mismatch; an unknown dtype is INVALID_ARGUMENT.
 Result<std::vector<std::optional<DType>>> WantedDTypes(capnp::List<proto::DType>::Reader in, size_t names);
 
-// A float dtype a reader may ask a variable of `declared` to be delivered in.
-Status CheckWanted(const std::string& what, DType declared, DType want);
+// A float dtype a reader may ask variable `name` of `declared` to be delivered in (the error's text
+// is built only when it is not).
+Status CheckWanted(const std::string& name, DType declared, DType want);
 
 // The dtype to deliver one value in: the request's (has/wire) when set and valid, else `declared`.
 Result<DType> WantedDType(bool has, proto::DType wire_dtype, const std::string& name, DType declared);

@@ -18,7 +18,7 @@ Status WorkerSession::AddValues(wire::OutFrame& frame, proto::PullReply::Builder
   auto engine = host_.engine();
   PSD_RETURN_IF_ERROR(engine->Pull(names, &values, &step, averages));
   for (size_t i = 0; i < values.size() && i < want.size(); ++i) {
-    if (want[i]) PSD_RETURN_IF_ERROR(CheckWanted("variable '" + names[i] + "'", values[i].declared, *want[i]));
+    if (want[i]) PSD_RETURN_IF_ERROR(CheckWanted(names[i], values[i].declared, *want[i]));
   }
   for (size_t i = 0; i < values.size() && i < ranges.size(); ++i) {
     // A value read in ranges is checked against the caller's whole view here: each range is flat.

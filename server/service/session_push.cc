@@ -2,7 +2,7 @@
 // shared memory or TCP), the token wait they may carry, and plain token waits.
 #include <spdlog/spdlog.h>
 
-#include <deque>
+#include <vector>
 
 #include "cluster/coordinator.h"
 #include "service/reply_values.h"
@@ -90,8 +90,10 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // adds. A push's frames with more to come do not say: as this worker's last push did.
   const bool hold = host_.config().mode == Mode::kSync && (r.getMore() ? pushes_wait_ : r.getWaitToken());
   if (!r.getMore()) pushes_wait_ = r.getWaitToken();
-  std::deque<std::vector<int64_t>> index_storage;  // stable addresses for sparse indices
-  ShmSlot::Lease shm_lease;                        // shared memory, while the gradients are read
+  // Sparse indices, at stable addresses (a moved vector keeps its elements where they are); empty,
+  // it allocates nothing (a deque would, for every dense push).
+  std::vector<std::vector<int64_t>> index_storage;
+  ShmSlot::Lease shm_lease;  // shared memory, while the gradients are read
   for (auto g : grads_in) {
     auto t = ReadTensorIn(g.getGrad(), &shm_lease);
     if (!t.ok()) return SendError(id, t.status());
@@ -175,7 +177,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     auto declared = engine->DeclaredDTypes(pull_after);
     Status known = declared.status();
     for (size_t i = 0; known.ok() && i < declared->size(); ++i) {
-      if ((*want)[i]) known = CheckWanted("variable '" + pull_after[i] + "'", (*declared)[i], *(*want)[i]);
+      if ((*want)[i]) known = CheckWanted(pull_after[i], (*declared)[i], *(*want)[i]);
     }
     if (!known.ok()) return SendError(id, known);
   }
