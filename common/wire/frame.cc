@@ -95,6 +95,7 @@ void InFrame::MaybeRelease(size_t keep_bytes) {
 std::vector<asio::const_buffer> OutFrame::Buffers() {
   auto segs = builder.getSegmentsForOutput();
   table.clear();
+  table.reserve(segs.size() + 2);  // one allocation, not one per doubling
   table.push_back(static_cast<uint32_t>(segs.size() - 1));
   for (auto& s : segs) table.push_back(static_cast<uint32_t>(s.size()));
   if (table.size() % 2) table.push_back(0);
