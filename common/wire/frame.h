@@ -25,9 +25,11 @@ namespace psd::wire {
 // Each zero-copy tensor is its own segment, so a reply with many variables has many segments;
 // the table costs 4 bytes per segment and is bounded here before anything else is read.
 constexpr uint32_t kMaxSegments = 1u << 16;
-// Tensors smaller than this are copied into the message instead of referenced (a segment each
-// would cost more than the copy).
-constexpr size_t kZeroCopyMinBytes = 4096;
+// Tensors smaller than this are copied into the message instead of referenced: a segment of its
+// own costs more than the copy (the builder's and the reader's allocations for it, a table entry,
+// a buffer more in the write). 16 KiB: a 4 KiB tensor's copy fits the message's first segment
+// (8 KiB), and at 4 KiB the referenced segment cost 4 more allocations a message on each side.
+constexpr size_t kZeroCopyMinBytes = 16384;
 constexpr uint64_t kDefaultMaxFrameBytes = 1ull << 30;  // 1 GiB
 
 // Parses the first word of a frame. On success sets the segment count and the number of

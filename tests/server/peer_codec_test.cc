@@ -9,6 +9,8 @@
 #include <string>
 #include <string_view>
 
+#include "wire/frame.h"
+
 using namespace psd;
 using namespace psd::server;
 
@@ -189,12 +191,14 @@ TEST_CASE("peer codec: a replica chunk's whole words go out from the copy, uncop
     bool owned;
     bool referenced;
   };
-  for (const Case& c : {Case{0, 8192, true, true}, Case{8192, 2 * 8192, true, true},
+  constexpr size_t kMin = wire::kZeroCopyMinBytes;
+  static_assert(8 + kMin <= 3 * 8192, "the cases lie in the copy");
+  for (const Case& c : {Case{0, kMin, true, true}, Case{8192, 2 * 8192, true, true},
                         Case{3 * 8192, 5, true, false},  // the tail: not whole words
-                        Case{8, 4096, true, true},       // the smallest referenced piece
-                        Case{8, 4088, true, false},      // smaller: copied
-                        Case{4, 8192, true, false},      // not word-aligned: copied
-                        Case{0, 8192, false, false}}) {  // borrowed: nothing keeps it, copied
+                        Case{8, kMin, true, true},       // the smallest referenced piece
+                        Case{8, kMin - 8, true, false},  // smaller: copied
+                        Case{4, kMin, true, false},      // not word-aligned: copied
+                        Case{0, kMin, false, false}}) {  // borrowed: nothing keeps it, copied
     CAPTURE(c.offset, c.size, c.owned);
     peer::Message m = sent(c.offset, c.size, c.owned);
     capnp::MallocMessageBuilder builder;
