@@ -50,15 +50,27 @@ void WorkerSession::OnFrame(const wire::InFrame& in) {
   uint64_t id = 0;
   WorkerSession* outer = std::exchange(handling_, this);
   try {
-    auto reader = in.Reader();
-    auto req = reader->getRoot<proto::Request>();
-    id = req.getId();
-    if (req.getValuesRead() != 0) ValuesRead(req.getValuesRead());
-    Dispatch(req);
-  } catch (const kj::Exception& e) {
-    SendError(id, InvalidArgument(std::string("malformed request: ") + e.getDescription().cStr()));
-  } catch (const std::bad_alloc&) {
-    SendError(id, ResourceExhausted("out of memory while handling the request"));
+    try {
+      auto reader = in.Reader();
+      auto req = reader->getRoot<proto::Request>();
+      id = req.getId();
+      if (req.getValuesRead() != 0) ValuesRead(req.getValuesRead());
+      Dispatch(req);
+    } catch (const kj::Exception& e) {
+      SendError(id, InvalidArgument(std::string("malformed request: ") + e.getDescription().cStr()));
+    } catch (const std::bad_alloc&) {
+      SendError(id, ResourceExhausted("out of memory while handling the request"));
+    }
+  } catch (...) {
+    // Anything else, or an error reply that found no memory either: the connection closes
+    // (Connection::OnBody). What the handler answered or parked is finished first (a token it
+    // was given goes back once the connection is closed), and this thread serves others again.
+    handling_ = outer;
+    try {
+      FinishInline();
+    } catch (...) {
+    }
+    throw;
   }
   handling_ = outer;
   FinishInline();
@@ -680,7 +692,8 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
 
 void WorkerSession::ArmTokenDeadline(const std::shared_ptr<TokenWait>& w) {
   const int64_t timeout_ms = w->timeout_ms;
-  w->timer.expires_after(std::chrono::milliseconds(timeout_ms));
+  // From when it was parked (a handler's own work before it arms does not stretch the deadline).
+  w->timer.expires_at(w->started + std::chrono::milliseconds(timeout_ms));
   w->timer.async_wait([self = shared_from_this(), w, timeout_ms](boost::system::error_code ec) {
     if (ec || w->done) return;
     auto engine = self->host_.engine();
