@@ -27,9 +27,10 @@ namespace psd::wire {
 constexpr uint32_t kMaxSegments = 1u << 16;
 // Tensors smaller than this are copied into the message instead of referenced: a segment of its
 // own costs more than the copy (the builder's and the reader's allocations for it, a table entry,
-// a buffer more in the write). 16 KiB: a 4 KiB tensor's copy fits the message's first segment
-// (8 KiB), and at 4 KiB the referenced segment cost 4 more allocations a message on each side.
-constexpr size_t kZeroCopyMinBytes = 16384;
+// a buffer more in the write; at 4 KiB, 4 more allocations a message on each side). 8 KiB: up to
+// there the copy mostly fits the message's first segment (8 KiB); a bigger one would take a
+// segment of its own all the same, and referenced, a pulled value lands in the caller's memory.
+constexpr size_t kZeroCopyMinBytes = 8192;
 constexpr uint64_t kDefaultMaxFrameBytes = 1ull << 30;  // 1 GiB
 
 // Parses the first word of a frame. On success sets the segment count and the number of
