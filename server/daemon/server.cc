@@ -638,7 +638,10 @@ void Server::Accept() {
     if (!refuse) {
       boost::system::error_code move_ec;
       const auto protocol = socket.local_endpoint(move_ec).protocol();
-      tcp::socket moved(asio::make_strand(*conn_ios_[io]));
+      // The socket runs on its io_context's plain executor: every completion is bound to the
+      // connection's strand (Connection::strand), and a strand as the socket's own executor would
+      // not fit asio's polymorphic executor in place (two allocations per read and per write).
+      tcp::socket moved(*conn_ios_[io]);
       tcp::socket::native_handle_type fd = -1;
       if (!move_ec) fd = socket.release(move_ec);
       if (!move_ec) {

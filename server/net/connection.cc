@@ -109,7 +109,7 @@ void Connection::CloseNow() {
   awaiting_hello_ = false;
   timer_.cancel();
   frame_timer_.cancel();
-  WithdrawIdle();
+  EndIdleOffer();
   ReleaseCharge();
   stream_.Close();
   if (handler_) {
@@ -297,23 +297,37 @@ void Connection::KeepOrReleaseBuffer() {
   if (closed_ || charged_ == 0) return;
   if (in_.capacity_bytes() == 0) return ReleaseBuffer();
   // Kept for the next frame, but offered back: a buffer kept for reuse must not hold up a
-  // connection waiting for its share (it is released when one waits, now or later).
+  // connection waiting for its share (it is released when one waits, now or later). The offer
+  // stays registered from frame to frame (idle_offered_ says whether the buffer is idle now), so a
+  // frame costs the budget's lock nothing; a waiting Acquire takes every offer and runs it once,
+  // and the next frame's end registers again.
+  if (idle_registered_) {
+    idle_offered_ = true;
+    return;
+  }
   std::weak_ptr<Connection> weak = weak_from_this();
-  idle_offered_ = env_.budget->OfferIdle(id_, [weak] {
+  idle_registered_ = env_.budget->OfferIdle(id_, [weak] {
     auto self = weak.lock();
     if (!self) return;
     asio::post(self->strand_, [self] {
+      self->idle_registered_ = false;    // taken by the Acquire that ran this
       if (!self->idle_offered_) return;  // in use again, or closed
       self->idle_offered_ = false;
       self->ReleaseBuffer();
     });
   });
-  if (!idle_offered_) ReleaseBuffer();  // someone waits already
+  idle_offered_ = idle_registered_;
+  if (!idle_registered_) ReleaseBuffer();  // someone waits already
 }
 
 void Connection::WithdrawIdle() {
-  if (!idle_offered_) return;
+  idle_offered_ = false;  // the registration stays for the next frame (KeepOrReleaseBuffer)
+}
+
+void Connection::EndIdleOffer() {
   idle_offered_ = false;
+  if (!idle_registered_) return;
+  idle_registered_ = false;
   env_.budget->Withdraw(id_);
 }
 

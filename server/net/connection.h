@@ -176,7 +176,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Gives the body buffer's memory and its budget share back.
   void ReleaseBuffer();
   void KeepOrReleaseBuffer();  // after a frame: keep the buffer for the next one, offered back to the budget
-  void WithdrawIdle();
+  void WithdrawIdle();         // the kept buffer is about to be used: no longer idle
+  void EndIdleOffer();         // closed: the budget forgets the offer
   // Gives the budget share back (CloseNow; the buffer goes once DropBufferIfClosed may).
   void ReleaseCharge();
   // Closed and no read lands in the body buffer: its memory goes back.
@@ -210,10 +211,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::steady_timer frame_timer_;  // --frame-timeout-ms for the body being read
   uint64_t body_gen_ = 0;           // bumped per body read: a stale frame-timer expiry is ignored
   bool reading_body_ = false;
-  bool read_in_place_ = false;   // a read into the body buffer is under way (it must outlive it)
-  bool awaiting_share_ = false;  // a frame's header is in, its budget share not yet granted
-  bool read_paused_ = false;     // too many replies wait (TooManyQueued): reads resume as they go out
-  bool idle_offered_ = false;    // the kept buffer's charge is offered back to the budget (OfferIdle)
+  bool read_in_place_ = false;    // a read into the body buffer is under way (it must outlive it)
+  bool awaiting_share_ = false;   // a frame's header is in, its budget share not yet granted
+  bool read_paused_ = false;      // too many replies wait (TooManyQueued): reads resume as they go out
+  bool idle_offered_ = false;     // the kept buffer is idle: its charge may be reclaimed (OfferIdle)
+  bool idle_registered_ = false;  // the budget holds this connection's offer (until an Acquire runs it)
   Role role_ = Role::kNone;
   asio::steady_timer timer_;
   std::chrono::steady_clock::time_point hello_deadline_;
