@@ -9,6 +9,7 @@
 #ifndef PSCLIENT_SRC_CLIENT_IMPL_H_
 #define PSCLIENT_SRC_CLIENT_IMPL_H_
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <map>
@@ -223,6 +224,11 @@ class Client::Impl {
     bool Substitute(const std::vector<std::pair<std::string, TensorView>>& outs,
                     std::vector<std::pair<std::string, TensorView>>* host) {
       bool any = false;
+      // Host views only (the common case): nothing to copy.
+      if (std::all_of(outs.begin(), outs.end(),
+                      [](const auto& o) { return o.second.memory == MemoryKind::kHost || o.second.data == nullptr; })) {
+        return false;
+      }
       *host = outs;
       for (size_t i = 0; i < outs.size(); ++i) {
         const TensorView& v = outs[i].second;

@@ -228,7 +228,7 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
     return psd::Unavailable("the connection to psd at " + Where() +
                             " was reset before this reply came; the next call reconnects");
   }
-  const char* limit = "the client's ClientOptions::max_frame_bytes";
+  static const std::string limit = "the client's ClientOptions::max_frame_bytes";  // built once, not per reply
   // The last reply's reader is done with: a buffer that one big reply grew is given back once the
   // replies since have been much smaller.
   in_.MaybeRelease(kKeptReplyBytes);

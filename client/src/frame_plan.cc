@@ -5,15 +5,21 @@
 
 namespace psclient::internal {
 
+bool FitsOneFrame(const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& sparse_rows,
+                  const std::vector<uint64_t>& sparse_row_bytes, uint64_t limit, uint64_t chunk_elements) {
+  if (chunk_elements == 0 || limit == 0) return true;
+  uint64_t total = 0;
+  for (uint64_t b : dense_bytes) total += b + kFrameEntryOverhead;
+  for (size_t j = 0; j < sparse_rows.size(); ++j) total += sparse_rows[j] * sparse_row_bytes[j] + kFrameEntryOverhead;
+  return total <= limit;
+}
+
 std::vector<FramePlan> PlanFrames(const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& element_bytes,
                                   const std::vector<uint64_t>& sparse_rows,
                                   const std::vector<uint64_t>& sparse_row_bytes, uint64_t limit,
                                   uint64_t chunk_elements) {
   std::vector<FramePlan> frames(1);
-  uint64_t total = 0;
-  for (uint64_t b : dense_bytes) total += b + kFrameEntryOverhead;
-  for (size_t j = 0; j < sparse_rows.size(); ++j) total += sparse_rows[j] * sparse_row_bytes[j] + kFrameEntryOverhead;
-  if (chunk_elements == 0 || limit == 0 || total <= limit) {
+  if (FitsOneFrame(dense_bytes, sparse_rows, sparse_row_bytes, limit, chunk_elements)) {
     for (size_t i = 0; i < dense_bytes.size(); ++i) frames[0].dense.push_back({i, 0, dense_bytes[i]});
     for (size_t j = 0; j < sparse_rows.size(); ++j) frames[0].sparse.push_back({j, 0, sparse_rows[j]});
     return frames;

@@ -35,6 +35,11 @@ struct FramePlan {
 // against `limit` so a planned frame stays under it.
 inline constexpr uint64_t kFrameEntryOverhead = 512;
 
+// Whether dense tensors of `dense_bytes` and sparse ones of `sparse_rows` x `sparse_row_bytes` go
+// in one frame (PlanFrames then plans exactly that): they fit `limit`, or nothing is cut.
+bool FitsOneFrame(const std::vector<uint64_t>& dense_bytes, const std::vector<uint64_t>& sparse_rows,
+                  const std::vector<uint64_t>& sparse_row_bytes, uint64_t limit, uint64_t chunk_elements);
+
 // `dense_bytes[i]`, `element_bytes[i]`: gradient i's size and its dtype's element size;
 // `sparse_rows[j]`, `sparse_row_bytes[j]`: sparse gradient j's rows and the bytes of one (its
 // values and its index). `chunk_elements` 0 (a daemon that takes no chunks) or `limit` 0: one

@@ -118,6 +118,7 @@ void Client::Impl::PlanPull(int k, const Outs& outs, std::vector<PullFrame>* fra
   // Element ranges of whole parts, at most `limit` bytes a frame (none when one frame takes all).
   auto ranged = [&](uint64_t limit, bool to_shm) {
     std::vector<PullFrame> out;
+    if (internal::FitsOneFrame(bytes, {}, {}, limit, conn(k).chunk_elements)) return out;  // no plan to make
     auto plan = internal::PlanFrames(bytes, elem, {}, {}, limit, conn(k).chunk_elements);
     bool whole = plan.size() == 1;
     for (const auto& piece : plan[0].dense) whole = whole && piece.offset == 0 && piece.bytes == bytes[piece.entry];

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <numeric>
 
@@ -130,7 +129,10 @@ Result<PushOutcome> Client::Push(int64_t local_step, const std::vector<Gradient>
   Impl& im = *impl_;
   const bool cluster = im.cluster();
   const int chief = im.chief_.load();
-  std::deque<std::vector<uint64_t>> staged;  // device gradients copied to host, coalesced rows
+  // Device gradients copied to host, coalesced rows. Each one's data() stays put as more are added
+  // (a moved vector keeps its buffer), and a vector allocates nothing until it is used (a deque
+  // allocates even when empty).
+  std::vector<std::vector<uint64_t>> staged;
   // Device gradients and pull_after views go through host twins where the client has them.
   Impl::Twins twins(im);
   Impl::Outs after_twins;

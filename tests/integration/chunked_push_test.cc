@@ -395,6 +395,18 @@ TEST_CASE("push frames: every frame within the limit, every byte once, chunks of
   CHECK(PlanFrames({100, 200}, {4, 4}, {5}, {10}, 0, part).size() == 1);
   CHECK(PlanFrames({100, 200}, {4, 4}, {5}, {10}, 1 << 20, 0).size() == 1);
   CHECK(PlanFrames({100, 200}, {4, 4}, {5}, {10}, 1 << 20, part).size() == 1);
+  // FitsOneFrame (a pull's planning skips PlanFrames with it) says exactly when that is so: at the
+  // limit's byte, every entry counted with its overhead.
+  using psclient::internal::FitsOneFrame;
+  const uint64_t all = 100 + 200 + 5 * 10 + 3 * kFrameEntryOverhead;
+  CHECK(FitsOneFrame({100, 200}, {5}, {10}, 0, part));
+  CHECK(FitsOneFrame({100, 200}, {5}, {10}, 1, 0));
+  for (uint64_t limit : {all - 1, all, all + 1}) {
+    INFO("limit " << limit);
+    const bool one = PlanFrames({100, 200}, {4, 4}, {5}, {10}, limit, part).size() == 1;
+    CHECK(FitsOneFrame({100, 200}, {5}, {10}, limit, part) == one);
+    CHECK(one == (limit >= all));
+  }
   for (uint64_t limit : {uint64_t{4096}, uint64_t{60} << 10, uint64_t{1} << 20}) {
     // Small, big (float32 and float64), exactly-a-frame and partial-last-part gradients, and sparse
     // ones: small, empty, bigger than every limit (rows of 264 bytes), and rows over 4 KiB.
