@@ -191,12 +191,18 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
     std::vector<std::string> pull_after;            // the values the reply carries too
     std::vector<std::optional<DType>> pull_dtypes;  // ... and the dtypes they are asked in
     std::optional<ShmTarget> pull_shm;              // ... and where, when in shared memory
+    // The engine pushed to, for the answer. The closures below reach it through `pending` rather
+    // than each holding a copy: every copy of a shared_ptr to the engine counts on one cache line
+    // that all I/O threads write, and a sync push's closures are copied several times.
+    std::shared_ptr<TrainingEngine> engine;
   };
   auto pending = std::make_shared<Pending>();
+  pending->engine = engine;
   pending->pull_after = std::move(pull_after);
   pending->pull_dtypes = std::move(*want);
   pending->pull_shm = TargetOf(r.hasPullToShm(), r.getPullToShm());
-  auto fill = [pending, this, engine](proto::PushReply::Builder p) {
+  auto fill = [pending, this](proto::PushReply::Builder p) {
+    TrainingEngine* engine = pending->engine.get();
     const std::vector<GradOutcome>& outcomes = pending->outcomes;
     auto results = p.initResults(static_cast<unsigned>(outcomes.size()));
     for (size_t i = 0; i < outcomes.size(); ++i) {
@@ -211,7 +217,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // Values pulled with the push into the worker's own segment: written once what psd still reads
   // there is copied (WhenSettled).
   const bool into_segment = pending->pull_shm && pending->pull_shm->segment == 0;
-  auto answer_now = [this, id, engine, pending, fill](const Status& st, int64_t token) {
+  auto answer_now = [this, id, pending, fill](const Status& st, int64_t token) {
     proto::Response::Builder resp(nullptr);
     auto frame = NewReply(id, &resp);
     auto p = resp.initPush();
@@ -225,15 +231,16 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
       if (!pulled.ok()) return SendError(id, pulled);  // unreachable: the names were checked
     }
     // A token in a reply never sent (it waited for memory, and the connection closed) goes back.
-    Send(std::move(frame), false, GiveBack(st, host_.config().mode, engine, token));
+    Send(std::move(frame), false, GiveBack(st, host_.config().mode, pending->engine, token));
   };
-  auto answer = [this, engine, pending, answer_now, into_segment](const Status& st, int64_t token) {
+  auto answer = [this, pending, answer_now, into_segment](const Status& st, int64_t token) {
     if (pending->failed) {
-      if (st.ok()) engine->tokens().PushFront(token);  // not this worker's: the push was refused
+      if (st.ok()) pending->engine->tokens().PushFront(token);  // not this worker's: the push was refused
       return;
     }
     if (!st.ok() || pending->pull_after.empty() || !into_segment) return answer_now(st, token);
-    WhenSettled([answer_now, st, token] { answer_now(st, token); }, GiveBack(st, host_.config().mode, engine, token));
+    WhenSettled([answer_now, st, token] { answer_now(st, token); },
+                GiveBack(st, host_.config().mode, pending->engine, token));
   };
   const bool wait_first = r.getWaitToken() && host_.config().mode == Mode::kSync;
   std::shared_ptr<TokenWait> parked;
