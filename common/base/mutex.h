@@ -1,8 +1,9 @@
 // Mutex, MutexLock and CondVar: a mutex and a condition variable with clang's thread-safety
 // annotations (base/thread_annotations.h), so `-Wthread-safety` can check the state they guard.
 //
-// Mutex is glibc's adaptive mutex (PTHREAD_MUTEX_ADAPTIVE_NP): a lock found taken is retried for a
-// few hundred nanoseconds (glibc's bounded, self-tuning spin) before the thread sleeps in futex().
+// Mutex is glibc's adaptive mutex (PTHREAD_MUTEX_ADAPTIVE_NP): a lock found taken is retried in a
+// bounded, self-tuning spin (at most glibc.pthread.mutex_spin_count tries, 100 by default, fewer
+// while the waits it sees stay short) before the thread sleeps in futex().
 // psd's locks are held for short sections that two I/O threads often want at the same moment (the
 // pushes of one step arrive together): std::mutex's default sleeps at once, and that sleep and its
 // wake-up cost a futex() call each and two context switches, more than the wait it avoids.
