@@ -1,7 +1,8 @@
 // ClusterCoordinator (cluster/coordinator.h), its checkpoint side: which step the chief forms
 // the cluster at (the checkpoints every shard can restore, seals a shard missed, an operator's
-// decision), the formation's restore order, and the parts, seals and checkpoint requests of a
-// running cluster. The rest of the protocol is in coordinator.cc.
+// decision), the formation's restore order and how each shard carries it out (HandleRestore,
+// RestoreDone) and the chief counts the shards restored (HandleRestored), and the parts, seals and
+// checkpoint requests of a running cluster. The rest of the protocol is in coordinator.cc.
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -623,6 +624,191 @@ void ClusterCoordinator::RequestCheckpoint(bool timed) {
     chief = chief_;
   }
   SendTo(chief, msg);
+}
+
+// --- carrying out a restore order, and the chief counting the shards restored ---------------
+
+void ClusterCoordinator::RefuseRestoreLocked(int from, uint64_t sender, const peer::Restore& r, const std::string& why,
+                                             std::vector<Action>* actions) {
+  peer::Message reply = MessageLocked(peer::Restored{r.epoch, r.step, false, why, {}});
+  reply.to = sender;
+  actions->push_back([this, from, reply] { SendTo(from, reply); });
+}
+
+void ClusterCoordinator::HandleRestore(int from, uint64_t term, uint64_t sender, const peer::Restore& r,
+                                       std::vector<Action>* actions) {
+  const bool served_past = ServedPastLocked(r);
+  if (!AcceptChiefLocked(from, sender, term, actions)) return;
+  uint64_t epoch = r.epoch;
+  int64_t step = r.step;
+  if (ManifestDiffersLocked(r)) {
+    return RefuseRestoreLocked(from, sender, r, "its manifest of that step lists other parts", actions);
+  }
+  if (served_past && epoch > restore_epoch_) {
+    // Chosen on old news (the order came late: meanwhile this shard's epoch, served through a
+    // stand-in, released steps past it). Refused, with this shard's newer copies kept: its
+    // heartbeats list them, and the chief chooses again.
+    spdlog::warn(
+        "cluster: refusing the restore of the live copies of step {} (epoch {}): this shard's epoch {} released "
+        "steps past it; its copies of them are kept for the next formation",
+        step, epoch, epoch_);
+    return RefuseRestoreLocked(from, sender, r, "the epoch it served released steps past this choice", actions);
+  }
+  // Once per epoch: the same order again (a duplicate) must not reset a state that has moved on.
+  if (epoch <= restore_epoch_) return;
+  restore_epoch_ = epoch;
+  restore_leader_ = sender;
+  // Where the chief serves each shard in this epoch (its heartbeats may say so only later): a copy
+  // fetched below comes from the process serving the next shard now.
+  if (options_.replicate && chief_ != me_) FollowMapLocked(r.moved, actions);
+  TookRestoreOrderLocked();
+  serving_ = false;
+  vote_.reset();
+  FailArrivalWaitersLocked(
+      Unavailable("shard " + std::to_string(me_) + " re-forms (epoch " + std::to_string(epoch) + "); pull and go on"),
+      actions);
+  DropAckLocked();  // a reply for an older epoch
+  fetch_.reset();
+  missing_reason_ = step < 0 ? "starting empty" : "restoring checkpoint step " + std::to_string(step);
+  if (r.live) missing_reason_ = "restoring the live copies of step " + std::to_string(step);
+  if (r.live && r.newest) missing_reason_ = "restoring the newest live copy of each part";
+  missing_since_ = now_();
+  // Async/ssp from live copies: no common step, no checkpoint left behind.
+  if (r.live && r.newest) return StartNewestRestoreLocked(epoch, actions);
+  // Newer checkpoints belong to a timeline the cluster leaves now (an operator's decision, or a
+  // part unusable elsewhere): never offered again (on disk, the next ones overwrite them). They
+  // stay a trace here, as unusable: a shard that restarts and offers one again (its disk still
+  // has it) must not make the chief ask an operator to give it up a second time.
+  UnsealLocked([step](int64_t t) { return t > step; });
+  // A step this shard holds but missed the seal of: the order carries the seal, written first
+  // (only if this shard's part matches it).
+  std::vector<peer::PartInfo> seal;
+  if (step >= 0 && !r.seal.empty() && std::find(sealed_.begin(), sealed_.end(), step) == sealed_.end()) {
+    seal = r.seal;
+  }
+  if (r.live) return StartLiveRestoreLocked(epoch, {r.lineage, step}, actions);
+  // A new timeline: the live copies of any older one are of no use now.
+  if (options_.replicate) {
+    timeline_epoch_ = epoch;
+    actions->push_back([this, epoch] { host_.DropCopies(std::nullopt, epoch); });
+  }
+  // The host runs it (after any restore still loading: that one's result is for an older epoch).
+  actions->push_back([this, epoch, step, seal = std::move(seal)] {
+    host_.RestoreAsync(epoch, step, seal, [this, epoch, step, seal](Status s, std::vector<VarPlacement> placements) {
+      if (s.ok() && !seal.empty()) {
+        spdlog::info("cluster: shard {} sealed checkpoint step {} from the restore order (it had missed the seal)", me_,
+                     step);
+        MutexLock lock(&mu_);
+        seal_parts_[step] = seal;
+        AddSealedLocked(step);
+      }
+      RestoreDone(epoch, step, s, std::move(placements));
+    });
+  });
+}
+
+void ClusterCoordinator::RestoreDone(uint64_t epoch, int64_t step, const Status& status,
+                                     std::vector<VarPlacement> placements) {
+  peer::Message reply;
+  int chief = -1;
+  std::optional<peer::LiveCopy> live;  // the live copy restored
+  bool superseded = false;             // a newer restore was ordered meanwhile
+  {
+    MutexLock lock(&mu_);
+    if (stopped_) return;
+    if (auto it = live_restores_.find(epoch); it != live_restores_.end()) live = it->second;
+    superseded = epoch < restore_epoch_;
+    if (status.ok()) {
+      epoch_ = epoch;
+      NoteRestoredLocked(me_, epoch, live ? *live : peer::LiveCopy{epoch, std::max<int64_t>(step, 0)});
+      // The epoch serves once every shard said it restored, and this shard may never hear that it
+      // did (cut off right after its reply): it counts the parts as served by the processes its map
+      // names now. A part served by a stand-in then has its newest copies on the stand-in's host,
+      // and a formation this shard later leads waits for that host (async seed 487769: the other
+      // side of a partition served pushes through a stand-in and this shard, which never heard the
+      // epoch serve, formed from older copies of that part and lost them).
+      NoteServedLocked(/*restored=*/true);
+      spdlog::info("cluster: shard {} restored {} at epoch {}", me_,
+                   step < 0 ? std::string("an empty state")
+                   : !live  ? "checkpoint step " + std::to_string(step)
+                            : "the live copy of step " + std::to_string(step),
+                   epoch);
+    } else if (live) {
+      // A live copy that failed (not kept, or unreadable): the checkpoint of that step, if any, is
+      // still good; the chief offers another copy or a checkpoint.
+      spdlog::error("cluster: shard {} cannot restore the live copy of step {}: {}", me_, step, status.message());
+    } else {
+      spdlog::error("cluster: shard {} cannot restore checkpoint step {}: {}", me_, step, status.message());
+      if (step >= 0) {
+        UnsealLocked([step](int64_t t) { return t == step; });
+        if (std::find(unusable_.begin(), unusable_.end(), step) == unusable_.end()) unusable_.push_back(step);
+      }
+    }
+    reply = MessageLocked(peer::Restored{epoch, step, status.ok(), status.message(), std::move(placements)});
+    if (epoch == restore_epoch_) reply.to = restore_leader_;  // (a superseded one's is of no use: any)
+    chief = chief_;
+  }
+  // Replication: the formation completes once the next shard keeps this shard's restored state. A
+  // restore a newer one replaces makes no copy (it would push out copies the newer one needs).
+  if (options_.replicate && status.ok() && !superseded) {
+    ReplicateThenReply(epoch, live ? live->lineage : epoch, step < 0 ? 0 : step, chief, reply);
+    host_.ReportIfIdle();
+    return;
+  }
+  SendTo(chief, reply);
+  if (status.ok()) host_.ReportIfIdle();
+}
+
+void ClusterCoordinator::HandleRestored(int from, uint64_t term, const peer::Restored& r,
+                                        std::vector<Action>* actions) {
+  if (chief_ != me_ || term != term_ || !forming_ || r.epoch != term_) return;
+  if (!r.ok) {
+    spdlog::warn("cluster: shard {} cannot restore step {}: {}; forming again", from, r.step, r.message);
+    if (reseal_ && reseal_->first == r.step) reseal_failed_.insert(r.step);  // not offered that way again
+    if (live_newest_) {
+      ++newest_failures_;  // tried again, up to three times in a row; then the checkpoints
+    } else if (live_formation_) {
+      live_failed_.insert(*live_formation_);  // nor a live copy
+    }
+    forming_ = false;
+    return;
+  }
+  for (const VarPlacement& p : r.placements) {
+    Status s = placement_.Add(p);
+    if (!s.ok()) spdlog::warn("cluster: placement from shard {}: {}", from, s.message());
+  }
+  restored_.insert(from);
+  // Async/ssp from each part's newest copy: each shard's count comes with its copy; the global
+  // step (the chief's count) goes on from the highest — the old chief's, whichever shard it was.
+  if (live_newest_) formation_step_ = std::max(formation_step_, r.step);
+  if (static_cast<int>(restored_.size()) < shards_) return;
+  forming_ = false;
+  running_ = true;
+  NoteServedLocked();
+  // A live copy that did not restore in an earlier formation may have failed for a passing reason
+  // (a shard's restore of the epoch before still running on its lane): once an epoch runs, every
+  // copy may be chosen again (a copy that never restores costs one failed formation per epoch).
+  live_failed_.clear();
+  if (!options_.applies_on_arrival) KnowReleasedLocked(term_, open_step_);  // the first tokens go out now
+  if (live_newest_) newest_failures_ = 0;
+  arrival_checkpoint_ = formation_step_;  // async/ssp: no checkpoint of the step just restored
+  missing_reason_.clear();
+  decision_.reset();
+  spdlog::info("cluster: running at epoch {} with {} shard(s) from {} ({} variable(s) placed)", term_, shards_,
+               live_newest_      ? fmt::format("each part's newest live copy (step {} on the chief)", formation_step_)
+               : live_formation_ ? "the live copies of step " + std::to_string(formation_step_)
+               : formation_step_ < 0 ? std::string("an empty state")
+                                     : "checkpoint step " + std::to_string(formation_step_),
+               placement_.All().size());
+  int required = required_ > 0 ? required_ : local_required_;
+  required_ = required;
+  peer::Message hb = HeartbeatLocked();
+  actions->push_back([this, hb, required, raise = live_newest_ ? formation_step_ : -1, epoch = term_] {
+    if (raise >= 0) host_.RaiseGlobalStep(epoch, raise);
+    host_.StartServing(required);
+    SendToAll(hb, /*include_self=*/false);  // followers start serving now, not at the next tick
+  });
+  MaybeCommitLocked(actions);
 }
 
 }  // namespace psd::server
