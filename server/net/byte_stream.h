@@ -53,11 +53,13 @@ class ByteStream {
   // The TLS stream (tls() only), e.g. for a client's server name.
   wire::ssl::stream<tcp::socket>& tls_stream() { return *tls_; }
 
-  // The TLS handshake as `type` (plain TCP: none, `handler` runs at once with success).
+  // The TLS handshake as `type` (plain TCP: none, `handler` runs at once with success, posted to
+  // its own executor: a handler bound to a strand runs on that strand, as a TLS one does).
   template <typename Handler>
   void async_handshake(wire::ssl::stream_base::handshake_type type, Handler&& handler) {
     if (tls_) return tls_->async_handshake(type, std::forward<Handler>(handler));
-    asio::post(get_executor(), [h = std::forward<Handler>(handler)]() mutable { h(boost::system::error_code()); });
+    auto ex = asio::get_associated_executor(handler, get_executor());
+    asio::post(ex, [h = std::forward<Handler>(handler)]() mutable { h(boost::system::error_code()); });
   }
 
   template <typename Buffers, typename Handler>

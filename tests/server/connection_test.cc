@@ -9,8 +9,10 @@
 #include <mutex>
 #include <new>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "net/byte_stream.h"
 #include "psd.capnp.h"
 #include "support/eventually.h"
 #include "wire/frame.h"
@@ -153,4 +155,28 @@ TEST_CASE("a frame whose buffer cannot be allocated fails its connection and hol
   });
   guard.reset();
   loop.join();
+}
+
+TEST_CASE("a plain-TCP handshake completes on the strand its handler is bound to", "[net]") {
+  asio::io_context io;
+  // Two threads run the context: a completion posted to the context's own executor instead of the
+  // handler's strand would run outside the strand (and with one thread, still not "in" it).
+  tcp::socket socket(io);
+  socket.open(tcp::v4());  // (registered with the reactor, as an accepted one is)
+  server::ByteStream stream(std::move(socket), nullptr);
+  auto strand = asio::make_strand(io);
+  std::atomic<int> on_strand{0}, off_strand{0}, failed{0};
+  for (int i = 0; i < 16; ++i) {
+    stream.async_handshake(wire::ssl::stream_base::server,
+                           asio::bind_executor(strand, [&](const boost::system::error_code& ec) {
+                             if (ec) ++failed;
+                             (strand.running_in_this_thread() ? on_strand : off_strand)++;
+                           }));
+  }
+  std::thread other([&] { io.run(); });
+  io.run();
+  other.join();
+  CHECK(failed.load() == 0);
+  CHECK(on_strand.load() == 16);
+  CHECK(off_strand.load() == 0);
 }
