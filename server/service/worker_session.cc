@@ -651,7 +651,7 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
          engine->global_step());
     return nullptr;
   }
-  auto w = std::make_shared<TokenWait>(conn_->strand());
+  auto w = std::make_shared<TokenWait>();
   w->on_done = std::move(done);
   w->timeout_ms = timeout_ms;
   auto self = shared_from_this();
@@ -693,8 +693,8 @@ std::shared_ptr<WorkerSession::TokenWait> WorkerSession::WaitForToken(int64_t ti
 void WorkerSession::ArmTokenDeadline(const std::shared_ptr<TokenWait>& w) {
   const int64_t timeout_ms = w->timeout_ms;
   // From when it was parked (a handler's own work before it arms does not stretch the deadline).
-  w->timer.expires_at(w->started + std::chrono::milliseconds(timeout_ms));
-  w->timer.async_wait([self = shared_from_this(), w, timeout_ms](boost::system::error_code ec) {
+  w->timer.emplace(conn_->strand(), w->started + std::chrono::milliseconds(timeout_ms));
+  w->timer->async_wait([self = shared_from_this(), w, timeout_ms](boost::system::error_code ec) {
     if (ec || w->done) return;
     auto engine = self->host_.engine();
     // A step held by a take or a commit that found no memory, and whose retry could not even be
@@ -718,7 +718,7 @@ void WorkerSession::ArmTokenDeadline(const std::shared_ptr<TokenWait>& w) {
 void WorkerSession::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token) {
   if (w->done) return;
   w->done = true;
-  w->timer.cancel();
+  if (w->timer) w->timer->cancel();
   parked_.erase(w);
   host_.metrics().OnTokenWait(std::chrono::duration<double>(std::chrono::steady_clock::now() - w->started).count());
   if (conn_->closed()) {

@@ -58,8 +58,11 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   using TokenDone = std::function<void(const Status&, int64_t token)>;
   // A parked token wait (WaitForToken): a timer and a callback, never a thread.
   struct TokenWait {
-    explicit TokenWait(const asio::strand<asio::io_context::executor_type>& strand) : timer(strand) {}
-    asio::steady_timer timer;
+    // Its deadline, made when it is armed (on the strand): a wait answered by the handler that
+    // parked it (the push that completes a step; with one worker, every push) never arms one, and
+    // a timer costs a lookup of asio's timer service under its registry's lock to make, and a lock
+    // of the reactor's timer queue to destroy.
+    std::optional<asio::steady_timer> timer;
     std::function<bool(const Status&)> cancel;  // removes the parked wait; false if already released
     bool from_queue = false;                    // a token-queue wait (a delivered token goes back if unused)
     std::shared_ptr<TrainingEngine> engine;     // whose queue it waits on
