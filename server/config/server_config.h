@@ -122,6 +122,9 @@ struct ServerConfig : TrainingConfig {
   // auth_token, TLS or `insecure`, or a cluster has an entry beyond loopback (a host name counts)
   // without cluster_secret or `insecure`.
   Status CheckProtectedMode() const;
+  // Settings that are valid but likely a mistake (after Validate()), each a sentence that says what
+  // to change: the daemon logs them as warnings at start.
+  std::vector<std::string> Cautions() const;
 };
 
 // Whether `ip` is a loopback address (127.0.0.0/8 or ::1). An error when it is not an IP address.

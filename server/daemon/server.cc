@@ -489,6 +489,7 @@ Status Server::Start() {
       config_.host, port_, ModeName(config_.mode), config_.replicas_to_aggregate, config_.total_replicas,
       config_.tokens_per_step, config_.resolved_init_tokens, config_.optimizer.name, config_.optimizer.learning_rate,
       ReductionName(config_.reduction), config_.io_threads, config_.apply_threads);
+  for (const std::string& caution : config_.Cautions()) spdlog::warn("{}", caution);
   if (coordinator_) {
     // The chief restores and pushes the init tokens once the cluster has formed.
     WatchReadiness();

@@ -4,9 +4,12 @@
 #include <chrono>
 #include <thread>
 
+#include "psd/cores.h"
+#include "support/captured_log.h"
 #include "support/test_server.h"
 
 using namespace psd;
+using psd::testing::CapturedLog;
 using psd::testing::ConnectWorker;
 using psd::testing::StartServer;
 using psd::testing::TestConfig;
@@ -421,4 +424,25 @@ TEST_CASE("busy-poll on both sides: the same steps, and the daemon still stops",
   CHECK(step == 20);
   workers.clear();
   server.reset();  // returns: the polling thread saw the stop
+}
+
+TEST_CASE("busy-poll on every core psd may use is warned about at start, and fewer threads are not",
+          "[integration][busy_poll]") {
+  const int cores = psd::UsableCores();
+  {
+    CapturedLog log;  // outlives the daemon
+    auto cfg = TestConfig(1, 1);
+    cfg.busy_poll = true;  // --threads left at 0: one spinning thread per core
+    { auto server = StartServer(cfg); }
+    CHECK(log.Has("--busy-poll with " + std::to_string(cores) + " I/O thread(s) on the " + std::to_string(cores) +
+                  " core(s) psd may use"));
+    CHECK(log.Has("give --threads fewer than the cores psd may use"));
+  }
+  if (cores < 2) return;  // no thread count below the cores to try
+  CapturedLog log;
+  auto cfg = TestConfig(1, 1);
+  cfg.busy_poll = true;
+  cfg.io_threads = cores - 1;
+  { auto server = StartServer(cfg); }
+  CHECK_FALSE(log.Has("--busy-poll with"));
 }

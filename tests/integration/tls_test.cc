@@ -1,18 +1,18 @@
 // TLS on the data port: certificates made here by deploy/make_tls_certs.sh; workers and tools
 // connect with TLS, verify psd's certificate, and present their own with mutual TLS.
-#include <spdlog/sinks/ringbuffer_sink.h>
-
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <filesystem>
 #include <thread>
 
+#include "support/captured_log.h"
 #include "support/eventually.h"
 #include "support/test_cluster.h"
 #include "support/test_server.h"
 #include "wire/frame.h"
 
 using namespace psd;
+using psd::testing::CapturedLog;
 using psd::testing::Eventually;
 using psd::testing::StartServer;
 using psd::testing::StartTestCluster;
@@ -57,29 +57,6 @@ psclient::ClientOptions TlsClient(uint16_t port, const std::string& name, const 
   o.tls_ca_file = ca;
   return o;
 }
-
-// psd's warnings while it lives (made before the daemon starts, gone after it stops: the default
-// logger is swapped, which is safe only while nothing logs).
-struct CapturedLog {
-  CapturedLog() {
-    auto logger = std::make_shared<spdlog::logger>("captured", sink);
-    logger->set_level(spdlog::level::warn);
-    spdlog::set_default_logger(logger);
-  }
-  ~CapturedLog() {
-    spdlog::set_default_logger(before);
-    spdlog::set_level(level);
-  }
-  bool Has(const std::string& text) const {
-    for (const std::string& line : sink->last_formatted()) {
-      if (line.find(text) != std::string::npos) return true;
-    }
-    return false;
-  }
-  std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(256);
-  std::shared_ptr<spdlog::logger> before = spdlog::default_logger();
-  spdlog::level::level_enum level = spdlog::get_level();
-};
 
 }  // namespace
 

@@ -62,6 +62,27 @@ TEST_CASE("the I/O and apply thread counts default to one per core this process 
   CHECK(p.apply_threads == 1);
 }
 
+TEST_CASE("--busy-poll on every core psd may use is a caution that says what to change", "[config]") {
+  const int cores = psd::UsableCores();
+  ServerConfig all;
+  all.busy_poll = true;  // --threads 0: one per core
+  REQUIRE(all.Validate().ok());
+  auto cautions = all.Cautions();
+  REQUIRE(cautions.size() == 1);
+  CHECK_THAT(cautions[0], Catch::StartsWith("--busy-poll with " + std::to_string(cores) + " I/O thread(s) on the " +
+                                            std::to_string(cores) + " core(s) psd may use"));
+  CHECK_THAT(cautions[0], Catch::Contains("give --threads fewer than the cores psd may use"));
+  ServerConfig sleeping;  // threads that sleep in epoll_wait take no core while idle
+  REQUIRE(sleeping.Validate().ok());
+  CHECK(sleeping.Cautions().empty());
+  if (cores < 2) return;  // no thread count below the cores to try
+  ServerConfig fewer;
+  fewer.busy_poll = true;
+  fewer.io_threads = cores - 1;
+  REQUIRE(fewer.Validate().ok());
+  CHECK(fewer.Cautions().empty());
+}
+
 TEST_CASE("contradictory or impossible flags are rejected with what to change", "[config]") {
   ServerConfig c;
   c.replicas_to_aggregate = 2;
