@@ -62,7 +62,7 @@ TEST_CASE("the I/O and apply thread counts default to one per core this process 
   CHECK(p.apply_threads == 1);
 }
 
-TEST_CASE("--busy-poll on every core psd may use is a caution that says what to change", "[config]") {
+TEST_CASE("busy-poll on every core psd may use is a caution that says what to change", "[config]") {
   const int cores = psd::UsableCores();
   ServerConfig all;
   all.busy_poll = true;  // --threads 0: one per core
