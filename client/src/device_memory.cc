@@ -249,39 +249,18 @@ struct DeviceStaging::Cuda {
 DeviceStaging::DeviceStaging() = default;
 DeviceStaging::~DeviceStaging() {
   cuda_.reset();  // every copy done
-  for (const auto& [p, n] : pinned_) cudaHostUnregister(const_cast<char*>(p));
+  for (const PinnedRanges::Range& r : pinned_.ranges()) cudaHostUnregister(reinterpret_cast<void*>(r.base));
 }
 
 psd::Status DeviceStaging::PinHost(void* p, size_t bytes) {
-  if (bytes == 0 || Pinned(p, bytes)) return psd::Status::Ok();
-  // CUDA pins whole pages, and refuses a page pinned already (cudaErrorHostMemoryAlreadyRegistered):
-  // the twins are 64-byte-aligned blocks of the shared buffers, so two may share a page. The range
-  // is rounded out to pages and its pages not pinned yet are pinned, in pieces between the ranges
-  // pinned before (every range in pinned_ is whole pages).
+  // The twins are 64-byte-aligned blocks of the shared buffers, so two may share a page, which
+  // CUDA pins once: the pages not pinned yet are pinned, in pieces between those pinned before.
   const auto page_size = ::sysconf(_SC_PAGESIZE);
-  const uintptr_t page = page_size > 0 ? static_cast<uintptr_t>(page_size) : 4096;
-  const uintptr_t lo = reinterpret_cast<uintptr_t>(p) / page * page;
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) / page * page;
-  for (uintptr_t at = lo; at < hi;) {
-    uintptr_t end = hi;  // the next pinned range's start, or the end
-    bool inside = false;
-    for (const auto& [base, n] : pinned_) {
-      const auto b = reinterpret_cast<uintptr_t>(base);
-      if (at >= b && at - b < n) {
-        at = b + n;  // pinned already
-        inside = true;
-        break;
-      }
-      if (b > at && b < end) end = b;
-    }
-    if (inside) continue;
-    cudaError_t err = cudaHostRegister(reinterpret_cast<void*>(at), end - at, cudaHostRegisterPortable);
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      return CudaFailed("cudaHostRegister of " + std::to_string(end - at) + " bytes", err);
-    }
-    pinned_.emplace_back(reinterpret_cast<const char*>(at), end - at);
-    at = end;
+  const size_t page = page_size > 0 ? static_cast<size_t>(page_size) : 4096;
+  for (const PinnedRanges::Range& r : pinned_.Missing(p, bytes, page)) {
+    cudaError_t err = cudaHostRegister(reinterpret_cast<void*>(r.base), r.bytes, cudaHostRegisterPortable);
+    if (err != cudaSuccess) return CudaFailed("cudaHostRegister of " + std::to_string(r.bytes) + " bytes", err);
+    pinned_.Add(r);
   }
   return psd::Status::Ok();
 }
@@ -307,19 +286,20 @@ psd::Status DeviceStaging::OnDevice(const void* ptr, const std::function<psd::St
 psd::Status DeviceStaging::DeviceToHost(void* dst, const void* src, size_t bytes, void* stream) {
   if (bytes == 0) return psd::Status::Ok();
   Segment s{static_cast<char*>(dst), static_cast<const char*>(src), bytes};
-  const bool direct = Pinned(dst, bytes);
+  std::vector<Segment> direct;
+  const bool pinned = SplitPinned({s}, /*host_is_dst=*/true, &direct);
   return OnDevice(src, [&](Cuda& cuda, int device) {
-    return direct ? cuda.Direct({s}, static_cast<cudaStream_t>(stream), device)
+    return pinned ? cuda.Direct(direct, static_cast<cudaStream_t>(stream), device)
                   : cuda.ToHost(s, static_cast<cudaStream_t>(stream), device);
   });
 }
 
 psd::Status DeviceStaging::HostToDevice(const std::vector<Segment>& segments, void* stream) {
   if (segments.empty()) return psd::Status::Ok();
-  bool direct = true;
-  for (const Segment& s : segments) direct = direct && Pinned(s.src, s.bytes);
+  std::vector<Segment> direct;
+  const bool pinned = SplitPinned(segments, /*host_is_dst=*/false, &direct);
   return OnDevice(segments.front().dst, [&](Cuda& cuda, int device) {
-    return direct ? cuda.Direct(segments, static_cast<cudaStream_t>(stream), device)
+    return pinned ? cuda.Direct(direct, static_cast<cudaStream_t>(stream), device)
                   : cuda.FromHost(segments, static_cast<cudaStream_t>(stream), device);
   });
 }
@@ -349,22 +329,16 @@ psd::Status DeviceStaging::HostToDevice(const std::vector<Segment>&, void*) { re
 
 #endif  // PSD_WITH_CUDA
 
-bool DeviceStaging::Pinned(const void* p, size_t bytes) const {
-  // PinHost pins a range in pieces (pages pinned before are not pinned again): covered when the
-  // pieces cover it together, followed one into the next.
-  auto at = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t end = at + bytes;
-  for (bool moved = true; moved && at < end;) {
-    moved = false;
-    for (const auto& [base, n] : pinned_) {
-      const auto b = reinterpret_cast<uintptr_t>(base);
-      if (at >= b && at - b < n) {
-        at = b + n;
-        moved = true;
-      }
-    }
+bool DeviceStaging::SplitPinned(const std::vector<Segment>& segments, bool host_is_dst,
+                                std::vector<Segment>* out) const {
+  out->clear();
+  std::vector<PinnedRanges::Range> pieces;
+  for (const Segment& s : segments) {
+    if (!pinned_.Pieces(host_is_dst ? s.dst : s.src, s.bytes, &pieces)) return false;
+    for (const PinnedRanges::Range& piece : pieces)
+      out->push_back({s.dst + piece.base, s.src + piece.base, piece.bytes});
   }
-  return at >= end;
+  return true;
 }
 
 psd::Status DeviceStaging::ToHost(void* dst, const void* src, size_t bytes, psd::MemoryKind kind, void* stream) {

@@ -10,7 +10,8 @@
 // on that stream and never waits for other streams (no cudaDeviceSynchronize). A build without
 // PSD_WITH_CUDA answers kUnimplemented for CUDA views, so GPU trainers compile and fail clearly.
 // Host memory pinned with PinHost (the client's host twins of device views, README "GPU
-// trainers") skips the staging buffers: one cudaMemcpyAsync per copy, waited on its event.
+// trainers") skips the staging buffers: one cudaMemcpyAsync per registration the copy's host
+// side lies in (pinned_ranges.h), waited on its event.
 //
 // Thread-safety: none; a Client's calls are serialized by its mutex, and each Client owns one.
 // Every copy has finished (device memory written, or host memory filled) when the call returns.
@@ -20,9 +21,9 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
-#include <utility>
 #include <vector>
 
+#include "pinned_ranges.h"
 #include "psd/status.h"
 #include "psd/tensor.h"
 
@@ -60,8 +61,9 @@ class DeviceStaging {
   size_t pinned_bytes() const;
 
   // Pins `bytes` of host memory at `p` for DMA (cudaHostRegister) until this DeviceStaging goes:
-  // a copy whose host side lies in it moves in one cudaMemcpyAsync, with no staging. The memory
-  // must stay mapped until then. UNIMPLEMENTED in a CPU-only build.
+  // a copy whose host side lies in it moves with no staging, in one cudaMemcpyAsync per
+  // registration it touches (pinned_ranges.h). The memory must stay mapped until then. UNIMPLEMENTED in a CPU-only
+  // build.
   psd::Status PinHost(void* p, size_t bytes);
 
  private:
@@ -72,11 +74,12 @@ class DeviceStaging {
   // Runs `copy` with the device that owns `ptr` current; waits out what it left in flight on error.
   psd::Status OnDevice(const void* ptr, const std::function<psd::Status(Cuda&, int device)>& copy);
 
-  // Whether [p, p + bytes) lies in memory PinHost pinned.
-  bool Pinned(const void* p, size_t bytes) const;
+  // Whether every segment's host side (dst or src) lies in memory PinHost pinned; if so, `out`
+  // gets them split so that each piece's host side lies in one registration.
+  bool SplitPinned(const std::vector<Segment>& segments, bool host_is_dst, std::vector<Segment>* out) const;
 
-  std::unique_ptr<Cuda> cuda_;                          // created on the first CUDA copy
-  std::vector<std::pair<const char*, size_t>> pinned_;  // PinHost's ranges
+  std::unique_ptr<Cuda> cuda_;  // created on the first CUDA copy
+  PinnedRanges pinned_;         // PinHost's registrations
 };
 
 }  // namespace psclient::internal
