@@ -10,6 +10,8 @@ global step moving past its gradients), never for a time.
 import copy
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -653,3 +655,23 @@ def test_cuda_parameters_train_like_cpu(start_psd):
                 assert opt.step().stale == 0
         torch.cuda.synchronize()
     _assert_params_close(m.cpu(), ref, atol=1e-5)
+
+
+def _imported_after_psclient(env_value):
+    """Whether `import psclient` alone, in a fresh interpreter, left torch imported."""
+    env = dict(os.environ)
+    env.pop("PSCLIENT_TORCH_FIRST", None)
+    if env_value is not None:
+        env["PSCLIENT_TORCH_FIRST"] = env_value
+    out = subprocess.run([sys.executable, "-c", "import sys, psclient; print('torch' in sys.modules)"], env=env,
+                         capture_output=True, text=True, timeout=DEADLINE_S)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip() == "True"
+
+
+def test_psclient_loads_torch_before_its_extension_unless_told_not_to():
+    """README "Python": torch first where it is installed (an import order that crashed with PyTorch 2.11's wheel);
+    PSCLIENT_TORCH_FIRST=0 leaves it out."""
+    assert _imported_after_psclient(None)
+    assert _imported_after_psclient("1")
+    assert not _imported_after_psclient("0")

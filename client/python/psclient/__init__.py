@@ -14,6 +14,7 @@ Arrays are used in place: C-contiguous float32/float64/float16 numpy arrays (or 
 the buffer protocol); bfloat16 and CUDA memory through psclient.RawTensor. See README "Python".
 """
 import importlib.util as _importlib_util
+import os as _os
 import sys as _sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -21,8 +22,10 @@ from typing import Any, Optional, Sequence
 # PyTorch, where it is installed, is loaded before the extension: with PyTorch 2.11's wheel
 # (Python 3.12) and this extension built with pybind11 3.1, `import torch` after the extension
 # had been loaded crashed the interpreter (README "Python": the GPU machine of 2026-11-30); in this
-# order both load. Costs PyTorch's import time where PyTorch is installed and not yet imported.
-if "torch" not in _sys.modules and _importlib_util.find_spec("torch") is not None:
+# order both load. It costs PyTorch's import time where PyTorch is installed and not imported yet;
+# PSCLIENT_TORCH_FIRST=0 skips it (for numpy-only programs that never import torch).
+if (_os.environ.get("PSCLIENT_TORCH_FIRST", "1") != "0" and "torch" not in _sys.modules
+        and _importlib_util.find_spec("torch") is not None):
     try:
         import torch as _torch  # noqa: F401
     except Exception:  # noqa: BLE001 - a broken PyTorch is not psclient's to report
