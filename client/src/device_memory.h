@@ -62,8 +62,8 @@ class DeviceStaging {
 
   // Pins `bytes` of host memory at `p` for DMA (cudaHostRegister) until this DeviceStaging goes:
   // a copy whose host side lies in it moves with no staging, in one cudaMemcpyAsync per
-  // registration it touches (pinned_ranges.h). The memory must stay mapped until then. UNIMPLEMENTED in a CPU-only
-  // build.
+  // registration it touches (pinned_ranges.h). The memory must stay mapped until then.
+  // UNIMPLEMENTED in a CPU-only build.
   psd::Status PinHost(void* p, size_t bytes);
 
  private:
