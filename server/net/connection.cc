@@ -32,6 +32,9 @@ void Connection::Start(std::shared_ptr<FrameHandler> handler) {
   handler_ = std::move(handler);
   boost::system::error_code ec;
   stream_.lowest().set_option(tcp::no_delay(true), ec);
+  // Non-blocking for its own writes too (WriteNext tries each frame at once): a full socket
+  // buffer then says so instead of blocking the I/O thread.
+  if (!stream_.tls()) stream_.lowest().non_blocking(true, ec);
   if (!DetectDeadPeer(stream_.lowest().native_handle())) {
     spdlog::warn("connection {}: TCP keepalive could not be set; a peer whose host dies is not noticed", id_);
   }
@@ -366,37 +369,76 @@ void Connection::Send(std::shared_ptr<wire::OutFrame> frame) {
 }
 
 void Connection::SendAndClose(std::shared_ptr<wire::OutFrame> frame) {
+  closing_ = true;  // first: the frame is written asynchronously, and the close follows it (WriteNext)
   Send(std::move(frame));
-  closing_ = true;
   if (!writing_) CloseNow();
 }
 
 void Connection::WriteNext() {
-  if (write_queue_.empty() || closed_) {
-    writing_ = false;
-    if (closing_) CloseNow();
+  for (;;) {
+    if (write_queue_.empty() || closed_) {
+      writing_ = false;
+      if (closing_) CloseNow();
+      return;
+    }
+    writing_ = true;
+    std::shared_ptr<wire::OutFrame> frame = write_queue_.front();
+    std::vector<asio::const_buffer> buffers = frame->Buffers();
+    size_t sent = 0;
+    // Plain TCP: the frame is offered to the socket from here first (one sendmsg; the socket is
+    // non-blocking). A reply the socket's buffer takes whole, nearly every small one, is then done
+    // with: an asynchronous write's completion is a handler queued behind the reply, and with it
+    // queued the I/O thread looks at its sockets once more (an epoll_wait that finds nothing)
+    // before it sleeps, one more system call per request. What the socket does not take, or an
+    // error, goes the asynchronous way (which reports the error and closes, never from inside
+    // whoever sent). Closing (SendAndClose), the writes stay asynchronous: the close follows them.
+    if (!stream_.tls() && !closing_) {
+      boost::system::error_code ec;
+      sent = stream_.lowest().write_some(buffers, ec);
+      if (ec) sent = 0;
+      if (!ec && sent == asio::buffer_size(buffers)) {
+        FrameWritten(ec, sent);
+        if (read_paused_ && !TooManyQueued()) {
+          // Resumed from a handler of its own, as after an asynchronous write: this may run inside
+          // the handling of a frame.
+          read_paused_ = false;
+          asio::post(strand_, [self = shared_from_this()] { self->ReadHeader(); });
+        }
+        continue;
+      }
+      size_t skip = sent;
+      for (auto& b : buffers) {
+        size_t take = std::min(skip, b.size());
+        b += take;
+        skip -= take;
+      }
+    }
+    asio::async_write(
+        stream_, buffers, TransferAll{},
+        asio::bind_executor(strand_, [self = shared_from_this(), frame, sent](boost::system::error_code ec, size_t n) {
+          if (!self->FrameWritten(ec, sent + n)) return;
+          self->WriteNext();
+          if (self->read_paused_ && !self->TooManyQueued()) {
+            self->read_paused_ = false;
+            self->ReadHeader();
+          }
+        }));
     return;
   }
-  writing_ = true;
-  auto frame = write_queue_.front();
-  asio::async_write(
-      stream_, frame->Buffers(), TransferAll{},
-      asio::bind_executor(strand_, [self = shared_from_this(), frame](boost::system::error_code ec, size_t n) {
-        if (self->env_.on_bytes_out) self->env_.on_bytes_out(n);
-        self->write_queue_.pop_front();
-        self->queued_bytes_ -= self->queued_sizes_.front();
-        self->queued_sizes_.pop_front();
-        if (ec) {
-          self->writing_ = false;
-          return self->CloseNow();
-        }
-        self->last_frame_ = std::chrono::steady_clock::now();
-        self->WriteNext();
-        if (self->read_paused_ && !self->TooManyQueued()) {
-          self->read_paused_ = false;
-          self->ReadHeader();
-        }
-      }));
+}
+
+bool Connection::FrameWritten(const boost::system::error_code& ec, size_t n) {
+  if (env_.on_bytes_out) env_.on_bytes_out(n);
+  write_queue_.pop_front();
+  queued_bytes_ -= queued_sizes_.front();
+  queued_sizes_.pop_front();
+  if (ec) {
+    writing_ = false;
+    CloseNow();
+    return false;
+  }
+  last_frame_ = std::chrono::steady_clock::now();
+  return true;
 }
 
 }  // namespace psd::server

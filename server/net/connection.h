@@ -187,7 +187,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // The per-connection timer: the hello deadline until a role is admitted, then the idle check.
   void ArmTimer(std::chrono::steady_clock::duration after);
   void OnTimer();
+  // Writes the queued frames in turn. Plain TCP, not closing: each is first offered to the socket
+  // from here, and one the socket takes whole is done with no completion to run.
   void WriteNext();
+  // The front frame is done with: `n` of its bytes went out, all of them unless `ec`. False: the
+  // write failed and the connection closed.
+  bool FrameWritten(const boost::system::error_code& ec, size_t n);
   // Replies waiting past kMaxQueuedRepliesUntrusted (untrusted) or --max-queued-reply-bytes (any role).
   bool TooManyQueued() const;
 
