@@ -123,6 +123,8 @@ void Connection::CloseNow() {
   // with it and no read lands in it any more: a closed connection may be kept a while (a parked
   // round's waiter holds its session) and must not keep a frame's memory outside the budget.
   asio::post(strand_, [self = shared_from_this()] { self->DropBufferIfClosed(); });
+  // Replies not written by now never will be (one being written is dropped when its write ends).
+  DropQueued();
 }
 
 void Connection::DropBufferIfClosed() {
@@ -359,12 +361,14 @@ bool Connection::TooManyQueued() const {
          queued_bytes_ > env_.max_queued_reply_bytes;
 }
 
-void Connection::Send(std::shared_ptr<wire::OutFrame> frame) {
-  if (closed_) return;
+void Connection::Send(std::shared_ptr<wire::OutFrame> frame, std::function<void()> on_unsent) {
+  if (closed_) {
+    if (on_unsent) on_unsent();
+    return;
+  }
   const uint64_t bytes = frame->BodyBytes();
-  queued_sizes_.push_back(bytes);
+  write_queue_.push_back({std::move(frame), bytes, std::move(on_unsent)});  // queued, or nothing changed
   queued_bytes_ += bytes;
-  write_queue_.push_back(std::move(frame));
   if (!writing_) WriteNext();
 }
 
@@ -375,14 +379,32 @@ void Connection::SendAndClose(std::shared_ptr<wire::OutFrame> frame) {
 }
 
 void Connection::WriteNext() {
+  // Never throws: the caller's frame is queued (Send) and its fate is the connection's. Out of
+  // memory for a write's buffer list or its completion, the connection closes, and what it did not
+  // write is dropped (DropQueued).
+  try {
+    WriteQueued();
+  } catch (const std::exception& e) {
+    spdlog::error("connection {}: no memory to write a reply ({}); closing it", id_, e.what());
+    writing_ = false;
+    CloseNow();
+    DropQueued();  // if it was closed already
+  }
+}
+
+void Connection::WriteQueued() {
   for (;;) {
-    if (write_queue_.empty() || closed_) {
+    if (closed_) {
+      writing_ = false;
+      return DropQueued();
+    }
+    if (write_queue_.empty()) {
       writing_ = false;
       if (closing_) CloseNow();
       return;
     }
     writing_ = true;
-    std::shared_ptr<wire::OutFrame> frame = write_queue_.front();
+    std::shared_ptr<wire::OutFrame> frame = write_queue_.front().frame;
     std::vector<asio::const_buffer> buffers = frame->Buffers();
     size_t sent = 0;
     // Plain TCP: the frame is offered to the socket from here first (one sendmsg; the socket is
@@ -429,16 +451,37 @@ void Connection::WriteNext() {
 
 bool Connection::FrameWritten(const boost::system::error_code& ec, size_t n) {
   if (env_.on_bytes_out) env_.on_bytes_out(n);
+  Queued written = std::move(write_queue_.front());
   write_queue_.pop_front();
-  queued_bytes_ -= queued_sizes_.front();
-  queued_sizes_.pop_front();
+  queued_bytes_ -= written.bytes;
   if (ec) {
+    // Cut off: the peer never reads this frame whole, so it is dropped as the rest are.
     writing_ = false;
+    if (written.on_unsent) RunOnUnsent(written.on_unsent);
     CloseNow();
+    DropQueued();  // if it was closed already (CloseNow drops them otherwise)
     return false;
   }
   last_frame_ = std::chrono::steady_clock::now();
   return true;
+}
+
+void Connection::DropQueued() {
+  if (writing_) return;  // the front's write completes first (FrameWritten), then this runs again
+  std::deque<Queued> dropped;
+  dropped.swap(write_queue_);
+  queued_bytes_ = 0;
+  for (auto& q : dropped) {
+    if (q.on_unsent) RunOnUnsent(q.on_unsent);
+  }
+}
+
+void Connection::RunOnUnsent(const std::function<void()>& on_unsent) {
+  try {
+    on_unsent();
+  } catch (const std::exception& e) {
+    spdlog::error("connection {}: undoing an unsent reply failed: {}", id_, e.what());
+  }
 }
 
 }  // namespace psd::server

@@ -123,8 +123,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Start(std::shared_ptr<FrameHandler> handler);
 
   // On the strand:
-  // Queues a frame; written after those queued before. Dropped once closed.
-  void Send(std::shared_ptr<wire::OutFrame> frame);
+  // Queues a frame; written after those queued before. Either it is queued, or (out of memory)
+  // this throws having changed nothing. A frame the connection never writes whole (it is closed
+  // first, or the write fails) is dropped and its `on_unsent` runs, on the strand: what the frame
+  // carried is undone (a token in it goes back to the queue).
+  void Send(std::shared_ptr<wire::OutFrame> frame, std::function<void()> on_unsent = nullptr);
   // Sends `frame` (an error reply) and closes once it is written; reads stop now.
   void SendAndClose(std::shared_ptr<wire::OutFrame> frame);
   // Logs `status`, answers request `id` (0: not known) with the handler's error reply and closes
@@ -193,6 +196,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // The front frame is done with: `n` of its bytes went out, all of them unless `ec`. False: the
   // write failed and the connection closed.
   bool FrameWritten(const boost::system::error_code& ec, size_t n);
+  void WriteQueued();                                        // WriteNext's loop (it may throw; WriteNext closes then)
+  void RunOnUnsent(const std::function<void()>& on_unsent);  // logs what it throws
   // Replies waiting past kMaxQueuedRepliesUntrusted (untrusted) or --max-queued-reply-bytes (any role).
   bool TooManyQueued() const;
 
@@ -230,10 +235,16 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool closed_ = false;
   std::atomic<bool> awaiting_hello_{true};  // no role admitted yet, not closed (read off the strand)
 
-  std::deque<std::shared_ptr<wire::OutFrame>> write_queue_;
-  std::deque<uint64_t> queued_sizes_;  // each queued frame's body bytes (write_queue_'s order)
-  uint64_t queued_bytes_ = 0;          // their sum
-  bool writing_ = false;
+  struct Queued {
+    std::shared_ptr<wire::OutFrame> frame;
+    uint64_t bytes = 0;               // its body bytes
+    std::function<void()> on_unsent;  // run if it is dropped unwritten (Send)
+  };
+  std::deque<Queued> write_queue_;
+  uint64_t queued_bytes_ = 0;  // their sum
+  bool writing_ = false;       // the queue's front is being written (now, or asynchronously)
+  // Runs on_unsent of every frame queued and not being written, and empties the queue (closed).
+  void DropQueued();
 };
 
 }  // namespace psd::server

@@ -17,10 +17,10 @@ const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no row
 // For a reply that carries `token` (when `st` is OK) and may never be sent (it waits for memory
 // and the connection closes): a sync token goes back to the queue, as FinishTokenWait gives back
 // one delivered to a worker that is gone. Async and bounded staleness have no queue.
-auto GiveBack(const Status& st, Mode mode, std::shared_ptr<TrainingEngine> engine, int64_t token) {
-  return [engine = std::move(engine), token, give = st.ok() && mode == Mode::kSync] {
-    if (give) engine->tokens().PushFront(token);
-  };
+// Empty where there is nothing to give back.
+std::function<void()> GiveBack(const Status& st, Mode mode, std::shared_ptr<TrainingEngine> engine, int64_t token) {
+  if (!st.ok() || mode != Mode::kSync) return nullptr;
+  return [engine = std::move(engine), token] { engine->tokens().PushFront(token); };
 }
 
 }  // namespace
@@ -350,7 +350,9 @@ bool WorkerSession::SettleHeld() {
 }
 
 void WorkerSession::SendLater(std::shared_ptr<wire::OutFrame> frame, std::function<void()> on_drop) {
-  Unsettled({[this, frame = std::move(frame)]() mutable { conn_->Send(std::move(frame)); }, std::move(on_drop)});
+  // Sent later, the frame takes its on_drop along: the connection may still drop it unwritten.
+  Unsettled({[this, frame = std::move(frame), on_drop]() mutable { conn_->Send(std::move(frame), on_drop); },
+             std::move(on_drop)});
 }
 
 void WorkerSession::Unsettled(Waiting waiting) {
@@ -420,15 +422,18 @@ void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
   if (ClusterCoordinator* c = host_.coordinator(); c != nullptr && !c->is_chief()) {
     return SendError(id, Unavailable("tokens live on the chief shard " + std::to_string(c->chief()) + "; retry"));
   }
-  auto done = [this, id](const Status& st, int64_t token) {
+  // The engine whose queue the wait takes its token from (WaitForToken's): a token not delivered
+  // goes back there, whatever a restore has put in its place since.
+  auto done = [this, id, engine = host_.engine()](const Status& st, int64_t token) {
     if (!st.ok()) return SendError(id, st);
     proto::Response::Builder resp(nullptr);
     auto frame = NewReply(id, &resp);
     auto t = resp.initToken();
     t.setToken(token);
     t.setIsChief(host_.workers().IsChief(id_));
-    t.setStepGradients(host_.engine()->Stats().last_step_gradients);
-    Send(std::move(frame));
+    t.setStepGradients(engine->Stats().last_step_gradients);
+    // A token in a reply never written whole goes back.
+    Send(std::move(frame), false, GiveBack(st, host_.config().mode, engine, token));
   };
   // A worker whose pushes went to the other shards says their local step (afterStep).
   WaitForToken(r.getTimeoutMs(), done, r.getAfterStep());

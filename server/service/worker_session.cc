@@ -721,12 +721,46 @@ void WorkerSession::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const S
   if (w->timer) w->timer->cancel();
   parked_.erase(w);
   host_.metrics().OnTokenWait(std::chrono::duration<double>(std::chrono::steady_clock::now() - w->started).count());
+  const bool holds_token = s.ok() && w->from_queue && w->engine;  // a token taken from the queue
   if (conn_->closed()) {
     // The peer is gone: a token delivered to it goes back so no other worker starves.
-    if (s.ok() && w->from_queue && w->engine) w->engine->tokens().PushFront(token);
+    if (holds_token) w->engine->tokens().PushFront(token);
     return;
   }
-  w->on_done(s, token);
+  const uint64_t handed = replies_handed_;
+  std::string failure;
+  try {
+    w->on_done(s, token);
+    return;
+  } catch (const std::exception& e) {
+    // Handed over, the reply's fate is the connection's: it gives the token back if it never
+    // writes the reply whole. Not handed over: nothing was sent, and nothing may be lost.
+    if (replies_handed_ != handed) {
+      spdlog::error("connection {}: unexpected error after answering a token wait: {}", id_, e.what());
+      return;
+    }
+    failure = e.what();
+  }
+  // The answer could not be made (out of memory: the values asked with the token, say). The token
+  // goes back, and the worker hears why in a reply that carries no values, so that its call
+  // neither hangs nor loses the token; if even that fails, the connection closes (the worker's
+  // call fails at once and its next call reconnects).
+  if (holds_token) w->engine->tokens().PushFront(token);
+  spdlog::error("connection {}: no memory to answer a token wait ({}){}", id_, failure,
+                holds_token ? "; its token went back to the queue" : "");
+  if (s.ok()) {
+    const std::string what =
+        "psd ran out of memory answering this wait for the barrier (" + failure + "); " +
+        (holds_token ? "the token went back to the queue: wait for it again (WaitToken), then pull the values"
+                     : "the barrier had released at global step " + std::to_string(token) +
+                           ": go on with that step (pull the values)");
+    try {
+      w->on_done(ResourceExhausted(what), token);
+      return;
+    } catch (const std::exception&) {
+    }
+  }
+  conn_->CloseNow();
 }
 
 // --- writing ----------------------------------------------------------------------------------

@@ -84,6 +84,9 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   };
   static thread_local WorkerSession* handling_;  // the session whose OnFrame runs on this thread
   std::vector<Answered> answered_inline_;
+  // Replies handed to the connection or the waiting list (Send, WhenSettled): a token wait's answer
+  // that throws before it hands its reply over has sent nothing (FinishTokenWait).
+  uint64_t replies_handed_ = 0;
   std::vector<std::shared_ptr<TokenWait>> unarmed_;
   void FinishInline();
   void ArmTokenDeadline(const std::shared_ptr<TokenWait>& w);
@@ -93,15 +96,17 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // Every reply but a push frame's with more to come (`keep_held`) ends the worker's call, after
   // which it may write its segment again: the gradients the engine still points at in it are
   // copied first (SettleHeld). Where that copy finds no memory the reply waits (WhenSettled), and
-  // every frame after it behind it. `on_drop`: what to undo if a waiting frame is never sent (a
-  // token it carries goes back).
-  void Send(std::shared_ptr<wire::OutFrame> frame, bool keep_held = false) {
-    Send(std::move(frame), keep_held, [] {});
-  }
-  template <typename D>
-  void Send(std::shared_ptr<wire::OutFrame> frame, bool keep_held, D&& on_drop) {
-    if (unsettled_.empty() && (keep_held || SettleHeld())) return conn_->Send(std::move(frame));
-    SendLater(std::move(frame), std::function<void()>(std::forward<D>(on_drop)));
+  // every frame after it behind it. `on_drop`: what to undo if the frame is never sent whole (it
+  // waits and the connection closes, or the connection drops it: a token it carries goes back).
+  // Either the frame is handed over (replies_handed_ counts it) or, out of memory, this throws
+  // having sent nothing.
+  void Send(std::shared_ptr<wire::OutFrame> frame, bool keep_held = false, std::function<void()> on_drop = nullptr) {
+    if (unsettled_.empty() && (keep_held || SettleHeld())) {
+      conn_->Send(std::move(frame), std::move(on_drop));
+    } else {
+      SendLater(std::move(frame), std::move(on_drop));
+    }
+    ++replies_handed_;
   }
   // Runs `then` once what psd still reads in the worker's segment is copied (SettleHeld): now, or,
   // when the copy finds no memory, from a try every kSettleRetry on the strand that makes it, in
@@ -111,6 +116,7 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   void WhenSettled(F&& then, D&& on_drop = {}) {
     if (unsettled_.empty() && SettleHeld()) return then();
     Unsettled({std::function<void()>(std::forward<F>(then)), std::function<void()>(std::forward<D>(on_drop))});
+    ++replies_handed_;  // its fate is the waiting list's: `then` runs, or `on_drop`
   }
   // What the hello admitted is the connection's role (it also sets what the connection may send).
   bool greeted() const { return conn_->role() != Connection::Role::kNone; }  // any hello accepted
@@ -184,6 +190,8 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // sends stays a deadline (and milliseconds never overflow as clock ticks).
   static constexpr int64_t kMaxWaitMs = 7LL * 24 * 3600 * 1000;
   int64_t WaitMs(int64_t requested) const;
+  // Answers a wait once (its on_done). Never loses a token: one for a closed connection, or whose
+  // answer could not be made, goes back to the queue (the worker then hears ResourceExhausted).
   void FinishTokenWait(const std::shared_ptr<TokenWait>& w, const Status& s, int64_t token);
 
   std::shared_ptr<wire::OutFrame> NewReply(uint64_t id, proto::Response::Builder* resp);

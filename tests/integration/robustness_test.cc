@@ -8,12 +8,16 @@
 #include <random>
 #include <thread>
 
+#include "psd/half.h"
+#include "service/values_segment.h"
 #include "support/eventually.h"
+#include "support/failing_storage.h"
 #include "support/raw_peer.h"
 #include "support/test_server.h"
 #include "wire/frame.h"
 
 using namespace psd;
+using psd::testing::ConnectWith;
 using psd::testing::ConnectWorker;
 using psd::testing::Eventually;
 using psd::testing::RawPeer;
@@ -1003,4 +1007,106 @@ TEST_CASE("a closed connection's parked reduce_to keeps neither its frame's memo
   std::vector<float> got(n, -1.0f);
   REQUIRE(w->Pull("total", {got.data(), DType::kFloat32, {int64_t(n)}, MemoryKind::kHost}).ok());
   CHECK(got[0] == 0.0f);
+}
+
+TEST_CASE("a token wait whose answer finds no memory gives the token back and tells the worker", "[robustness][oom]") {
+  // The values asked with the token (pull_after, as bfloat16: a converted copy psd makes) find no
+  // memory. The worker hears ResourceExhausted in a reply with its push's results, the token goes
+  // back to the queue, and its next wait takes it. The answer runs from a post to the worker's
+  // strand (another worker's push completed the step) or inside the push that completed it.
+  // Before, the token was lost: the posted answer left the worker waiting past its deadline, the
+  // inline one closed its connection.
+  if (server::ValuesSegment::Current() != nullptr) return;  // big buffers live in the segment
+  psd::testing::ActiveStorage storage;
+  auto cfg = TestConfig(2, 2, 0);  // no initial tokens: the first wait parks until step 0 is done
+  cfg.values_segment = false;
+  auto server = StartServer(cfg);
+  const bool asked_by_completer = GENERATE(false, true);
+  CAPTURE(asked_by_completer);
+  auto options = [&](const std::string& name) {
+    auto o = WorkerOptions(server->port(), name);
+    o.shared_memory_bytes = 0;    // the values travel in the reply, converted by psd
+    o.request_timeout_ms = 5000;  // a wait never answered fails within its 20 s + 10 s
+    return o;
+  };
+  auto first = ConnectWith(options("first"));
+  auto second = ConnectWith(options("second"));
+  const int64_t n = 300000;  // its bfloat16 copy, 600 000 bytes, is no other buffer's size
+  std::vector<float> zeros(static_cast<size_t>(n), 0.0f), grad(static_cast<size_t>(n), 1.0f);
+  REQUIRE(first->CreateVariable("v", {zeros.data(), DType::kFloat32, {n}}).ok());
+  std::vector<uint16_t> halves(static_cast<size_t>(n), 0xffff);
+  const std::vector<std::pair<std::string, TensorView>> after = {{"v", {halves.data(), DType::kBFloat16, {n}}}};
+  const std::vector<psclient::Gradient> grads = {{"v", {grad.data(), DType::kFloat32, {n}}}};
+  storage->FailNextOfSize(static_cast<size_t>(n) * 2);
+  Result<psclient::PushOutcome> asked = Internal("not run"), other = Internal("not run");
+  psclient::Client& asker = asked_by_completer ? *second : *first;
+  psclient::Client& plain = asked_by_completer ? *first : *second;
+  std::thread t1([&] {
+    if (asked_by_completer) {
+      other = plain.Push(0, grads, true, 20000);
+    } else {
+      asked = asker.Push(0, grads, {}, true, 20000, &after);
+    }
+  });
+  const bool in = Eventually([&] { return server->engine()->Stats().accepted >= 1; });
+  if (asked_by_completer) {
+    asked = asker.Push(0, grads, {}, true, 20000, &after);
+  } else {
+    other = plain.Push(0, grads, true, 20000);
+  }
+  t1.join();
+  REQUIRE(in);
+  REQUIRE(other.ok());
+  CHECK(other->token_status.ok());
+  INFO(asked.status().ToString());
+  REQUIRE(asked.ok());  // the push counted, and the worker heard so
+  CHECK(asked->accepted() == 1);
+  CHECK_FALSE(storage->armed_for_size());  // the copy found no memory
+  CHECK(asked->token_status.code() == Code::kResourceExhausted);
+  CHECK_THAT(asked->token_status.message(), Catch::Contains("wait for it again (WaitToken)"));
+  CHECK(asked->pulled_step == -1);
+  CHECK(server->engine()->global_step() == 1);
+  // The token is the worker's to take again, and the values come with a pull.
+  auto token = asker.WaitToken(5000);
+  INFO(token.status().ToString());
+  REQUIRE(token.ok());
+  CHECK(*token == 1);
+  auto pulled = asker.Pull("v", {halves.data(), DType::kBFloat16, {n}});
+  REQUIRE(pulled.ok());
+  CHECK(*pulled == 1);
+  const float want = -static_cast<float>(cfg.optimizer.learning_rate);  // 0 - lr * mean(1, 1)
+  int64_t wrong = 0;
+  for (uint16_t h : halves) wrong += h != FloatToBFloat16(want) ? 1 : 0;
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("a token in a reply that the connection drops unwritten goes back to the queue", "[robustness]") {
+  // A worker that does not read: a big pull's reply fills the socket, and the token its wait then
+  // takes waits behind it. The worker goes away; the token must not go with a reply never written.
+  auto cfg = TestConfig(1, 2, 1);  // one initial token
+  auto server = StartServer(cfg);
+  const int64_t n = 8 << 20;  // 32 MiB of float32: more than the kernel's socket buffers hold
+  std::vector<float> init(static_cast<size_t>(n), 2.0f);
+  auto owner = ConnectWorker(server->port(), "owner");
+  REQUIRE(owner->CreateVariable("big", {init.data(), DType::kFloat32, {n}, MemoryKind::kHost}).ok());
+  REQUIRE(server->engine()->Stats().tokens_queued == 1);
+  auto p = std::make_unique<RawPeer>(server->port());
+  p->Hello("stuck");
+  wire::OutFrame pull;
+  auto req = pull.builder.initRoot<proto::Request>();
+  req.setId(100);
+  req.initPull().initNames(1).set(0, "big");
+  p->Send(pull);
+  wire::OutFrame wait;
+  auto w = wait.builder.initRoot<proto::Request>();
+  w.setId(101);
+  w.initWaitToken().setTimeoutMs(60000);
+  p->Send(wait);
+  // The wait took the token; its reply is queued behind the pull's, which the peer does not read.
+  REQUIRE(Eventually([&] { return server->engine()->Stats().tokens_queued == 0; }));
+  p.reset();  // closed with unread data: reset, and psd's write fails
+  CHECK(Eventually([&] { return server->engine()->Stats().tokens_queued == 1; }));
+  auto token = owner->WaitToken(5000);  // another worker takes it
+  INFO(token.status().ToString());
+  CHECK(token.ok());
 }
