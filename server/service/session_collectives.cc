@@ -44,22 +44,24 @@ void WorkerSession::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
     completed->store(true);
     asio::post(self->conn_->strand(), [self, id, parked, copies, epoch, outcomes = std::move(outcomes)]() mutable {
       if (!parked->Answer()) return;
-      auto answer = [self, id, outcomes = std::move(outcomes)](const Status& copied) {
-        if (!copied.ok()) return self->SendError(id, copied);
-        proto::Response::Builder resp(nullptr);
-        auto frame = self->NewReply(id, &resp);
-        auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
-        for (size_t i = 0; i < outcomes.size(); ++i) {
-          const ReduceOutcome& o = outcomes[i];
-          auto e = list[static_cast<unsigned>(i)];
-          e.setAccepted(o.accepted);
-          e.setStep(o.step);
-          SetValue(*frame, e.initValue(), o.value, o.dtype, o.shape, o.declared);
-        }
-        self->Send(std::move(frame));
-      };
-      if (copies) return self->AfterCopy(epoch, std::move(answer));
-      answer(Status::Ok());
+      self->AnswerPosted(id, [&] {
+        auto answer = [self, id, outcomes = std::move(outcomes)](const Status& copied) {
+          if (!copied.ok()) return self->SendError(id, copied);
+          proto::Response::Builder resp(nullptr);
+          auto frame = self->NewReply(id, &resp);
+          auto list = resp.initReduce().initResults(static_cast<unsigned>(outcomes.size()));
+          for (size_t i = 0; i < outcomes.size(); ++i) {
+            const ReduceOutcome& o = outcomes[i];
+            auto e = list[static_cast<unsigned>(i)];
+            e.setAccepted(o.accepted);
+            e.setStep(o.step);
+            SetValue(*frame, e.initValue(), o.value, o.dtype, o.shape, o.declared);
+          }
+          self->Send(std::move(frame));
+        };
+        if (copies) return self->AfterCopy(id, epoch, std::move(answer));
+        answer(Status::Ok());
+      });
     });
   };
   // The sender, as this shard's registry numbers it: a retry of a round is not counted twice.
@@ -141,18 +143,20 @@ void WorkerSession::HandleUpdate(uint64_t id, proto::Update::Reader r) {
         completed->store(true);
         asio::post(self->conn_->strand(), [self, id, parked, st, applied, step, copies, epoch] {
           if (!parked->Answer()) return;
-          if (!st.ok()) return self->SendError(id, st);
-          auto answer = [self, id, applied, step](const Status& copied) {
-            if (!copied.ok()) return self->SendError(id, copied);
-            proto::Response::Builder resp(nullptr);
-            auto frame = self->NewReply(id, &resp);
-            auto u = resp.initUpdate();
-            u.setApplied(applied);
-            u.setStep(step);
-            self->Send(std::move(frame));
-          };
-          if (copies && applied) return self->AfterCopy(epoch, answer);
-          answer(Status::Ok());
+          self->AnswerPosted(id, [&] {
+            if (!st.ok()) return self->SendError(id, st);
+            auto answer = [self, id, applied, step](const Status& copied) {
+              if (!copied.ok()) return self->SendError(id, copied);
+              proto::Response::Builder resp(nullptr);
+              auto frame = self->NewReply(id, &resp);
+              auto u = resp.initUpdate();
+              u.setApplied(applied);
+              u.setStep(step);
+              self->Send(std::move(frame));
+            };
+            if (copies && applied) return self->AfterCopy(id, epoch, answer);
+            answer(Status::Ok());
+          });
         });
       });
   if (!s.ok()) {

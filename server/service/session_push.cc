@@ -307,7 +307,7 @@ void WorkerSession::HandlePush(uint64_t id, proto::Push::Reader r) {
   // that holds it (a push in several frames: at its last), so no acknowledged push is lost with
   // this shard (cluster/replication.cc).
   if (more || !CopiesOnArrival()) return reply();
-  AfterCopy(engine->epoch(), [this, id, reply](const Status& st) {
+  AfterCopy(id, engine->epoch(), [this, id, reply](const Status& st) {
     if (!st.ok()) return SendError(id, st);
     reply();
   });
@@ -317,14 +317,14 @@ bool WorkerSession::CopiesOnArrival() const {
   return host_.coordinator() != nullptr && host_.config().mode != Mode::kSync && host_.config().replicas_per_shard > 1;
 }
 
-void WorkerSession::AfterCopy(uint64_t epoch, std::function<void(const Status&)> then) {
+void WorkerSession::AfterCopy(uint64_t id, uint64_t epoch, std::function<void(const Status&)> then) {
   auto self = shared_from_this();
   ++awaiting_copies_;
-  host_.coordinator()->AfterReplicated(epoch, [self, then = std::move(then)](const Status& st) {
-    asio::post(self->conn_->strand(), [self, then, st] {
+  host_.coordinator()->AfterReplicated(epoch, [self, id, then = std::move(then)](const Status& st) {
+    asio::post(self->conn_->strand(), [self, id, then, st] {
       --self->awaiting_copies_;
       if (self->conn_->closed()) return;
-      then(st);
+      self->AnswerPosted(id, [&] { then(st); });
     });
   });
 }

@@ -763,6 +763,17 @@ void WorkerSession::FinishTokenWait(const std::shared_ptr<TokenWait>& w, const S
   conn_->CloseNow();
 }
 
+void WorkerSession::AnswerFailed(uint64_t id, const std::string& why) {
+  spdlog::error("connection {}: no memory to answer request {} ({})", id_, id, why);
+  try {
+    SendError(id, ResourceExhausted("psd ran out of memory making the reply to this request (" + why +
+                                    "); what the request did stands: read its result (a pull) rather than "
+                                    "sending it again"));
+  } catch (const std::exception&) {
+    conn_->CloseNow();  // the worker's call fails at once; its next call reconnects
+  }
+}
+
 // --- writing ----------------------------------------------------------------------------------
 
 std::shared_ptr<wire::OutFrame> WorkerSession::NewReply(uint64_t id, proto::Response::Builder* resp) {

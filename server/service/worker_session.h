@@ -157,7 +157,23 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   // Runs `then` on the strand (not if the connection closed meanwhile) once a copy taken after
   // this call, of what the engine of `epoch` applied, is kept by the next shard — OK — or with
   // UNAVAILABLE when the cluster stops serving or re-forms first. Only when CopiesOnArrival().
-  void AfterCopy(uint64_t epoch, std::function<void(const Status&)> then);
+  // `then` answers request `id` (AnswerPosted).
+  void AfterCopy(uint64_t id, uint64_t epoch, std::function<void(const Status&)> then);
+  // Runs `answer`, an answer to request `id` that runs from a post after its handler returned (a
+  // parked collective's, one after a copy): what it throws — no memory for the reply, the values it
+  // carries in another dtype, say — answers `id` with RESOURCE_EXHAUSTED instead (AnswerFailed), so
+  // the worker never waits out its deadline for a reply that will not come. A throw inside a
+  // handler closes the connection (Connection::OnBody); a posted one would reach the I/O loop.
+  template <typename F>
+  void AnswerPosted(uint64_t id, F&& answer) {
+    try {
+      answer();
+    } catch (const std::exception& e) {
+      AnswerFailed(id, e.what());
+    }
+  }
+  // Answers `id` with RESOURCE_EXHAUSTED naming `why`, or, without memory even for that, closes.
+  void AnswerFailed(uint64_t id, const std::string& why);
   void HandleWaitToken(uint64_t id, proto::WaitToken::Reader r);
   void HandleStatus(uint64_t id);
   void HandleFinish(uint64_t id);

@@ -40,6 +40,24 @@ std::unique_ptr<server::Server> StartWithVariable(const server::ServerConfig& cf
   return server;
 }
 
+// A daemon whose big buffers come from FailingStorage (tests of what runs out of memory; skip them
+// where the values segment holds the buffers), and workers for it over TCP, the values in the
+// replies, converted by psd where asked. A call never answered fails within its wait + 10 s.
+struct OutOfMemoryDaemon {
+  explicit OutOfMemoryDaemon(server::ServerConfig cfg) {
+    cfg.values_segment = false;
+    server = StartServer(cfg);
+  }
+  std::unique_ptr<psclient::Client> Worker(const std::string& name) {
+    auto o = WorkerOptions(server->port(), name);
+    o.shared_memory_bytes = 0;
+    o.request_timeout_ms = 5000;
+    return ConnectWith(o);
+  }
+  psd::testing::ActiveStorage storage;  // before the daemon: its buffers come from it
+  std::unique_ptr<server::Server> server;
+};
+
 // After any abuse, a normal worker still gets served and the variable is intact.
 void ExpectHealthy(uint16_t port) {
   auto w = ConnectWorker(port, "healthy");
@@ -1017,20 +1035,14 @@ TEST_CASE("a token wait whose answer finds no memory gives the token back and te
   // Before, the token was lost: the posted answer left the worker waiting past its deadline, the
   // inline one closed its connection.
   if (server::ValuesSegment::Current() != nullptr) return;  // big buffers live in the segment
-  psd::testing::ActiveStorage storage;
-  auto cfg = TestConfig(2, 2, 0);  // no initial tokens: the first wait parks until step 0 is done
-  cfg.values_segment = false;
-  auto server = StartServer(cfg);
+  const auto cfg = TestConfig(2, 2, 0);  // no initial tokens: the first wait parks until step 0 is done
+  OutOfMemoryDaemon daemon(cfg);
+  auto& storage = daemon.storage;
+  auto& server = daemon.server;
   const bool asked_by_completer = GENERATE(false, true);
   CAPTURE(asked_by_completer);
-  auto options = [&](const std::string& name) {
-    auto o = WorkerOptions(server->port(), name);
-    o.shared_memory_bytes = 0;    // the values travel in the reply, converted by psd
-    o.request_timeout_ms = 5000;  // a wait never answered fails within its 20 s + 10 s
-    return o;
-  };
-  auto first = ConnectWith(options("first"));
-  auto second = ConnectWith(options("second"));
+  auto first = daemon.Worker("first");
+  auto second = daemon.Worker("second");
   const int64_t n = 300000;  // its bfloat16 copy, 600 000 bytes, is no other buffer's size
   std::vector<float> zeros(static_cast<size_t>(n), 0.0f), grad(static_cast<size_t>(n), 1.0f);
   REQUIRE(first->CreateVariable("v", {zeros.data(), DType::kFloat32, {n}}).ok());
@@ -1109,4 +1121,53 @@ TEST_CASE("a token in a reply that the connection drops unwritten goes back to t
   auto token = owner->WaitToken(5000);  // another worker takes it
   INFO(token.status().ToString());
   CHECK(token.ok());
+}
+
+TEST_CASE("a reduce_to whose answer finds no memory is answered RESOURCE_EXHAUSTED and its round stands",
+          "[robustness][oom]") {
+  // The reduced value goes back in the destination's dtype (bfloat16: a converted copy psd makes
+  // for each reply), from a post once the round completes. The first of the two copies finds no
+  // memory: that worker hears RESOURCE_EXHAUSTED and reads the result with a pull; the other gets
+  // it as usual. Before, the throw reached the I/O loop and the worker waited out its deadline.
+  if (server::ValuesSegment::Current() != nullptr) return;  // big buffers live in the segment
+  OutOfMemoryDaemon daemon(TestConfig(2, 2));
+  auto& storage = daemon.storage;
+  auto first = daemon.Worker("first");
+  auto second = daemon.Worker("second");
+  const int64_t n = 300000;  // its bfloat16 copy, 600 000 bytes, is no other buffer's size
+  std::vector<uint16_t> zeros(static_cast<size_t>(n), 0);
+  psclient::VariableOptions non_trainable;
+  non_trainable.trainable = false;
+  REQUIRE(first->CreateVariable("total", {zeros.data(), DType::kBFloat16, {n}}, non_trainable).ok());
+  std::vector<float> ones(static_cast<size_t>(n), 1.0f), twos(static_cast<size_t>(n), 2.0f);
+  std::vector<uint16_t> got_first(static_cast<size_t>(n), 0xffff), got_second(static_cast<size_t>(n), 0xffff);
+  storage->FailNextOfSize(static_cast<size_t>(n) * 2);
+  Result<psclient::ReduceResult> r_first = Internal("not run"), r_second = Internal("not run");
+  std::thread t([&] {
+    r_first = first->ReduceTo(psclient::ReduceOp::kSum, 0, {ones.data(), DType::kFloat32, {n}}, "total",
+                              {got_first.data(), DType::kBFloat16, {n}}, 20000);
+  });
+  r_second = second->ReduceTo(psclient::ReduceOp::kSum, 0, {twos.data(), DType::kFloat32, {n}}, "total",
+                              {got_second.data(), DType::kBFloat16, {n}}, 20000);
+  t.join();
+  CHECK_FALSE(storage->armed_for_size());  // one reply's copy found no memory
+  INFO(r_first.status().ToString() << " / " << r_second.status().ToString());
+  REQUIRE(r_first.ok() != r_second.ok());
+  psclient::Client& refused = r_first.ok() ? *second : *first;
+  const Status& why = r_first.ok() ? r_second.status() : r_first.status();
+  const Result<psclient::ReduceResult>& answered = r_first.ok() ? r_first : r_second;
+  const std::vector<uint16_t>& got = r_first.ok() ? got_first : got_second;
+  CHECK(why.code() == Code::kResourceExhausted);
+  CHECK_THAT(why.message(), Catch::Contains("read its result (a pull)"));
+  CHECK(answered->accepted);
+  const uint16_t three = FloatToBFloat16(3.0f);
+  int64_t wrong = 0;
+  for (uint16_t h : got) wrong += h != three ? 1 : 0;
+  CHECK(wrong == 0);
+  // The round stands: the refused worker reads the sum.
+  std::vector<uint16_t> total(static_cast<size_t>(n), 0xffff);
+  REQUIRE(refused.Pull("total", {total.data(), DType::kBFloat16, {n}}).ok());
+  wrong = 0;
+  for (uint16_t h : total) wrong += h != three ? 1 : 0;
+  CHECK(wrong == 0);
 }
