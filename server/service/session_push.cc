@@ -14,10 +14,11 @@ namespace {
 
 const int64_t kNoIndex = 0;  // a valid pointer for sparse gradients with no rows
 
-// For a reply that carries `token` (when `st` is OK) and may never be sent (it waits for memory
-// and the connection closes): a sync token goes back to the queue, as FinishTokenWait gives back
-// one delivered to a worker that is gone. Async and bounded staleness have no queue.
-// Empty where there is nothing to give back.
+// The undo of a reply that carries `token` (when `st` is OK), run if the reply is never written
+// whole (it waits for memory and the connection closes, or the connection drops it queued or cut
+// off): a sync token goes back to the queue, as FinishTokenWait gives back one delivered to a
+// worker that is gone. Empty where there is nothing to give back (async and bounded staleness have
+// no queue).
 std::function<void()> GiveBack(const Status& st, Mode mode, std::shared_ptr<TrainingEngine> engine, int64_t token) {
   if (!st.ok() || mode != Mode::kSync) return nullptr;
   return [engine = std::move(engine), token] { engine->tokens().PushFront(token); };
