@@ -21,6 +21,10 @@
 #   --floor-src PATH          the floor's C source (default: ../shared/tools/raw_tcp_ps.c beside
 #                             the repo root; pass it where that is absent, e.g. on another machine)
 #   --steps-scale F           multiply every cell's measured steps by F (default 1)
+#   --repeat N                run each cell's floor and psd N times, alternating, and report the
+#                             medians of their medians (default: 5 for cells up to 64 KiB, whose
+#                             runs take about a second and whose medians move by ±50% from run to
+#                             run on a shared machine; 1 for bigger cells)
 #   --psd-flags "..."         extra flags for every psd (e.g. "--deterministic"; "--threads N"
 #                             replaces psd's default of one I/O thread per core)
 #   --bench-flags "..."       extra flags for every psd_bench (e.g. "--push-frame-bytes 0")
@@ -38,6 +42,7 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 workers_list="2 4 8 16"
 sizes_list="4K 4M 64M 256M"
 steps_scale=1
+repeat=""
 psd_flags=""
 bench_flags=""
 rss_list=""
@@ -58,11 +63,16 @@ while [[ $# -gt 0 ]]; do
     --rss) rss_list="$2"; shift 2 ;;
     --rss-model) rss_model="$2"; shift 2 ;;
     --sparse) sparse_list="$2"; shift 2 ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    --repeat) repeat="$2"; shift 2 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     -*) echo "compare_floor: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) bench="$1"; shift ;;
   esac
 done
+if [[ -n "$repeat" && ! "$repeat" =~ ^[1-9][0-9]*$ ]]; then
+  echo "compare_floor: --repeat takes a positive whole number, not '$repeat'" >&2
+  exit 2
+fi
 bench="${bench:-build/bench/psd_bench}"
 [[ ! -x "$bench" && -x "$repo_root/$bench" ]] && bench="$repo_root/$bench"
 if [[ ! -x "$bench" ]]; then
@@ -94,6 +104,12 @@ steps_for() {
   if (( b <= 65536 )); then s=2000; elif (( b <= 8 << 20 )); then s=20; elif (( b <= 128 << 20 )); then s=8; else s=4; fi
   awk -v s="$s" -v f="$steps_scale" 'BEGIN { n = int(s * f); print (n < 2 ? 2 : n) }'
 }
+# Alternating floor/psd runs per cell (--repeat, or 5 for small cells and 1 for big ones).
+repeats_for() {
+  if [[ -n "$repeat" ]]; then echo "$repeat"; elif (( $1 <= 65536 )); then echo 5; else echo 1; fi
+}
+# The median of the numbers given (the lower middle one of an even count, as psd_bench's p50).
+median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { if (NR) print v[int((NR + 1) / 2)] }'; }
 
 tmp="$(mktemp -d)"
 psd_pid=""
@@ -237,37 +253,61 @@ else
   for w in $workers_list; do
     for b in "${sizes_b[@]}"; do
       steps="$(steps_for "$b")"
-      echo "== $b bytes, $w workers, $steps measured steps =="
-      # Both sides warm up 3 steps (the floor's WARM, psd_bench's default --warmup).
-      floor_out="$(timeout 900 "$tmp/raw_tcp_ps" "$b" "$steps" "$w" 2>&1)"
-      floor_rc=$?
-      echo "floor: $floor_out"
-      run_psd "$w" "$b" "$steps"
-      psd_rc=$?
-      psd_steps="$(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out")"
-      workers_cpu="$(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
-      echo "psd:   ${psd_steps:-step times n/a}, peak RSS $rss_mib MiB (own peak: $(cat "$tmp/psd_anon" 2>/dev/null || echo n/a) MiB), CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null || echo n/a) workers ${workers_cpu:-n/a}"
-      floor_ms="$(sed -n 's/.*step median \([0-9.]*\) ms.*/\1/p' <<<"$floor_out" | head -n1)"
-      psd_ms="$(sed -n 's/.*"step_ms_p50": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
+      reps="$(repeats_for "$b")"
+      echo "== $b bytes, $w workers, $steps measured steps$( (( reps > 1 )) && echo ", $reps runs of each, alternating") =="
       key="$w,$b"
-      rss_tab[$key]="$rss_mib"
-      anon_tab[$key]="$(cat "$tmp/psd_anon" 2>/dev/null)"
-      if [[ $floor_rc -ne 0 || $psd_rc -ne 0 || -z "$floor_ms" || -z "$psd_ms" ]]; then
-        echo "compare_floor: $b bytes, $w workers: no comparison (floor exit $floor_rc, psd_bench exit $psd_rc)" >&2
-        [[ $psd_rc -ne 0 ]] && echo "$psd_out" | tail -5 >&2
+      floor_runs=() psd_runs=() pair_ratios=() cell_rss=0 cell_anon=0 cell_failed=""
+      for ((k = 1; k <= reps; ++k)); do
+        # Both sides warm up 3 steps (the floor's WARM, psd_bench's default --warmup).
+        floor_out="$(timeout 900 "$tmp/raw_tcp_ps" "$b" "$steps" "$w" 2>&1)"
+        floor_rc=$?
+        echo "floor: $floor_out"
+        run_psd "$w" "$b" "$steps"
+        psd_rc=$?
+        psd_steps="$(sed -n 's/.*\("step_ms_p50": [0-9.eE+-]*\).*\("step_ms_p99": [0-9.eE+-]*\).*/\1, \2/p' <<<"$psd_out")"
+        workers_cpu="$(sed -n 's/.*"process_cpu_s": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
+        echo "psd:   ${psd_steps:-step times n/a}, peak RSS $rss_mib MiB (own peak: $(cat "$tmp/psd_anon" 2>/dev/null || echo n/a) MiB), CPU s: psd $(cat "$tmp/psd_cpu" 2>/dev/null || echo n/a) workers ${workers_cpu:-n/a}"
+        floor_ms="$(sed -n 's/.*step median \([0-9.]*\) ms.*/\1/p' <<<"$floor_out" | head -n1)"
+        psd_ms="$(sed -n 's/.*"step_ms_p50": \([0-9.eE+-]*\).*/\1/p' <<<"$psd_out" | head -n1)"
+        # The cell's memory: the highest of its runs.
+        [[ "$rss_mib" =~ ^[0-9]+$ ]] && (( rss_mib > cell_rss )) && cell_rss=$rss_mib
+        anon="$(cat "$tmp/psd_anon" 2>/dev/null)"
+        [[ "$anon" =~ ^[0-9]+$ ]] && (( anon > cell_anon )) && cell_anon=$anon
+        if [[ $floor_rc -ne 0 || $psd_rc -ne 0 || -z "$floor_ms" || -z "$psd_ms" ]]; then
+          echo "compare_floor: $b bytes, $w workers: no comparison (floor exit $floor_rc, psd_bench exit $psd_rc)" >&2
+          [[ $psd_rc -ne 0 ]] && echo "$psd_out" | tail -5 >&2
+          cell_failed=1
+          break
+        fi
+        floor_runs+=("$floor_ms")
+        psd_runs+=("$psd_ms")
+        pair_ratios+=("$(awk -v p="$psd_ms" -v f="$floor_ms" 'BEGIN { if (f > 0) printf "%.2f", p / f; else print "n/a" }')")
+      done
+      rss_tab[$key]="$cell_rss"
+      anon_tab[$key]="$cell_anon"
+      (( cell_rss == 0 )) && rss_tab[$key]="n/a"  # no run reported one
+      (( cell_anon == 0 )) && anon_tab[$key]="n/a"
+      if [[ -n "$cell_failed" ]]; then
         ratio[$key]="n/a"; floor_tab[$key]="${floor_ms:-n/a}"; psd_tab[$key]="${psd_ms:-n/a}"
         status=1
         continue
       fi
+      floor_ms="$(median "${floor_runs[@]}")"
+      psd_ms="$(median "${psd_runs[@]}")"
       floor_tab[$key]="$floor_ms"
       psd_tab[$key]="$(awk -v p="$psd_ms" 'BEGIN { printf "%.3f", p }')"
       ratio[$key]="$(awk -v p="$psd_ms" -v f="$floor_ms" 'BEGIN { if (f > 0) printf "%.2f", p / f; else print "n/a" }')"
-      echo "ratio: ${ratio[$key]}"
+      if (( reps > 1 )); then
+        echo "ratio: ${ratio[$key]} (median psd / median floor; run by run: ${pair_ratios[*]})"
+      else
+        echo "ratio: ${ratio[$key]}"
+      fi
       echo
     done
   done
 
-  echo "== psd/floor, median step time (psd --fused --pull-in-push as its own process; floor: raw_tcp_ps) =="
+  echo "== psd/floor, median step time (psd --fused --pull-in-push as its own process; floor: raw_tcp_ps;"
+  echo "   a cell run several times (--repeat) shows the median of each side's medians) =="
   print_grid 22 ratio_cell
   echo "(cells: ratio (psd ms / floor ms))"
   echo
