@@ -43,6 +43,7 @@ struct Options {
   std::string pull_frame_bytes_text = "16M";  // ClientOptions::pull_frame_bytes
   uint64_t pull_frame_bytes = 16ull << 20;
   int64_t busy_poll_us = 0;               // ClientOptions::busy_poll_us
+  int64_t compute_us = 0;                 // --compute-us: each step's idle wait between pull and push
   std::string shared_memory_text = "1G";  // ClientOptions::shared_memory_bytes
   uint64_t shared_memory_bytes = 1ull << 30;
   std::string shm_piece_text = "4M";  // ClientOptions::shm_piece_bytes

@@ -312,6 +312,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
     }
     const auto t1 = Clock::now();
     work->Compute();
+    if (opt.compute_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(opt.compute_us));
     const auto tc = Clock::now();
     int64_t token = 0;
     Clock::time_point t2;
@@ -481,6 +482,12 @@ int Run(int argc, char** argv) {
   transport.push_back(app.add_option("--push-frame-bytes", opt.push_frame_bytes_text,
                                      "frames a push is cut into (the client's push_frame_bytes; 0: one frame per push)")
                           ->capture_default_str());
+  transport.push_back(
+      app.add_option("--compute-us", opt.compute_us,
+                     "each worker waits this long between its pull and its push, its CPU idle, as while a GPU "
+                     "computes the gradient (in the step times; what psd does meanwhile shows in its CPU time)")
+          ->check(CLI::Range(int64_t{0}, int64_t{10000000}))
+          ->capture_default_str());
   transport.push_back(
       app.add_option("--busy-poll-us", opt.busy_poll_us,
                      "workers spin this long on a reply before sleeping (ClientOptions::busy_poll_us; pair with psd "
