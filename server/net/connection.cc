@@ -363,7 +363,7 @@ bool Connection::TooManyQueued() const {
 
 void Connection::Send(std::shared_ptr<wire::OutFrame> frame, std::function<void()> on_unsent) {
   if (closed_) {
-    if (on_unsent) on_unsent();
+    if (on_unsent) RunOnUnsent(on_unsent);  // what it throws is logged: the frame is done with
     return;
   }
   const uint64_t bytes = frame->BodyBytes();

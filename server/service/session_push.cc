@@ -2,6 +2,7 @@
 // shared memory or TCP), the token wait they may carry, and plain token waits.
 #include <spdlog/spdlog.h>
 
+#include <utility>
 #include <vector>
 
 #include "cluster/coordinator.h"
@@ -320,14 +321,24 @@ bool WorkerSession::CopiesOnArrival() const {
 
 void WorkerSession::AfterCopy(uint64_t id, uint64_t epoch, std::function<void(const Status&)> then) {
   auto self = shared_from_this();
+  // Waiting: counted in awaiting_copies_ until the copy's answer runs, or this call throws (out of
+  // memory): then the request is answered by whoever catches it, and a copy's answer that comes
+  // anyway (registered before the throw) does nothing. Both run on the strand.
+  auto waiting = std::make_shared<bool>(true);
   ++awaiting_copies_;
-  host_.coordinator()->AfterReplicated(epoch, [self, id, then = std::move(then)](const Status& st) {
-    asio::post(self->conn_->strand(), [self, id, then, st] {
-      --self->awaiting_copies_;
-      if (self->conn_->closed()) return;
-      self->AnswerPosted(id, [&] { then(st); });
+  try {
+    host_.coordinator()->AfterReplicated(epoch, [self, id, waiting, then = std::move(then)](const Status& st) {
+      asio::post(self->conn_->strand(), [self, id, waiting, then, st] {
+        if (!std::exchange(*waiting, false)) return;
+        --self->awaiting_copies_;
+        if (self->conn_->closed()) return;
+        self->AnswerPosted(id, [&] { then(st); });
+      });
     });
-  });
+  } catch (...) {
+    if (std::exchange(*waiting, false)) --awaiting_copies_;  // the connection may go idle again
+    throw;
+  }
 }
 
 bool WorkerSession::SettleHeld() {
@@ -360,14 +371,17 @@ void WorkerSession::Unsettled(Waiting waiting) {
   // The worker may not write its segment before it is answered, so what psd reads there stays
   // valid meanwhile; a worker whose call times out drops the connection and attaches a new
   // segment (the accumulators' holds keep this one mapped until they let it go).
+  bool done_with = false;  // `waiting` is the list's now, or undone: never undone (again) here
   try {
     if (unsettled_.size() >= kMaxUnsettled) {
       spdlog::warn("connection {}: more than {} replies wait for memory; closing", id_, kMaxUnsettled);
-      if (waiting.on_drop) waiting.on_drop();
+      done_with = true;
+      RunDrop(waiting);
       return DropUnsettled(/*close=*/true);
     }
     unsettled_.reserve(kMaxUnsettled);
-    unsettled_.push_back(std::move(waiting));
+    unsettled_.push_back(std::move(waiting));  // or, out of memory, it changed nothing
+    done_with = true;
     if (unsettled_.size() > 1) return;
     spdlog::warn(
         "connection {}: no memory to copy the gradients psd still reads in the worker's shared memory; "
@@ -376,7 +390,7 @@ void WorkerSession::Unsettled(Waiting waiting) {
     RetrySettle();
   } catch (const std::exception& e) {  // no memory even for that: the worker is not answered here
     spdlog::error("connection {}: a reply cannot wait for memory ({}); closing", id_, e.what());
-    if (waiting.on_drop) waiting.on_drop();
+    if (!done_with) RunDrop(waiting);
     DropUnsettled(/*close=*/true);
   }
 }
@@ -385,9 +399,7 @@ void WorkerSession::DropUnsettled(bool close) {
   std::vector<Waiting> dropped;
   dropped.swap(unsettled_);
   if (settle_timer_) settle_timer_->cancel();
-  for (auto& w : dropped) {
-    if (w.on_drop) w.on_drop();
-  }
+  for (auto& w : dropped) RunDrop(w);
   if (close) conn_->CloseNow();
 }
 
@@ -406,17 +418,33 @@ void WorkerSession::RetrySettle() {
     std::vector<Waiting> waiting;
     waiting.swap(self->unsettled_);
     for (auto& w : waiting) {
+      if (self->conn_->closed()) {
+        self->RunDrop(w);
+        continue;
+      }
+      const uint64_t handed = self->replies_handed_;
       try {
-        if (self->conn_->closed()) {
-          if (w.on_drop) w.on_drop();
-        } else {
-          w.run();
-        }
+        w.run();
       } catch (const std::exception& e) {
-        spdlog::error("connection {}: a reply that waited for memory failed: {}", self->id_, e.what());
+        // No memory for the reply that waited (its frame, its values): unless it was handed over,
+        // nothing of it went out, and a token it carries goes back. The connection closes, so the
+        // worker's call fails at once (it reconnects) instead of waiting out its deadline, and
+        // what waits behind it is dropped the same way.
+        spdlog::error("connection {}: a reply that waited for memory failed ({}); closing", self->id_, e.what());
+        if (self->replies_handed_ == handed) self->RunDrop(w);
+        self->conn_->CloseNow();
       }
     }
   });
+}
+
+void WorkerSession::RunDrop(Waiting& w) {
+  if (!w.on_drop) return;
+  try {
+    w.on_drop();
+  } catch (const std::exception& e) {
+    spdlog::error("connection {}: undoing a reply never sent failed: {}", id_, e.what());
+  }
 }
 
 void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {
