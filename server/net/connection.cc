@@ -363,7 +363,7 @@ bool Connection::TooManyQueued() const {
 
 void Connection::Send(std::shared_ptr<wire::OutFrame> frame, std::function<void()> on_unsent) {
   if (closed_) {
-    if (on_unsent) RunOnUnsent(on_unsent);  // what it throws is logged: the frame is done with
+    RunOnUnsent(on_unsent);  // what it throws is logged: the frame is done with
     return;
   }
   const uint64_t bytes = frame->BodyBytes();
@@ -457,7 +457,7 @@ bool Connection::FrameWritten(const boost::system::error_code& ec, size_t n) {
   if (ec) {
     // Cut off: the peer never reads this frame whole, so it is dropped as the rest are.
     writing_ = false;
-    if (written.on_unsent) RunOnUnsent(written.on_unsent);
+    RunOnUnsent(written.on_unsent);
     CloseNow();
     DropQueued();  // if it was closed already (CloseNow drops them otherwise)
     return false;
@@ -472,11 +472,12 @@ void Connection::DropQueued() {
   dropped.swap(write_queue_);
   queued_bytes_ = 0;
   for (auto& q : dropped) {
-    if (q.on_unsent) RunOnUnsent(q.on_unsent);
+    RunOnUnsent(q.on_unsent);
   }
 }
 
 void Connection::RunOnUnsent(const std::function<void()>& on_unsent) {
+  if (!on_unsent) return;
   try {
     on_unsent();
   } catch (const std::exception& e) {

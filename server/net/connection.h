@@ -128,6 +128,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // first, or the write fails) is dropped and its `on_unsent` runs, on the strand: what the frame
   // carried is undone (a token in it goes back to the queue).
   void Send(std::shared_ptr<wire::OutFrame> frame, std::function<void()> on_unsent = nullptr);
+  // Runs such an undo (nothing if empty) for a frame never written whole, here or in a sender's
+  // own waiting list; logs what it throws.
+  void RunOnUnsent(const std::function<void()>& on_unsent);
   // Sends `frame` (an error reply) and closes once it is written; reads stop now.
   void SendAndClose(std::shared_ptr<wire::OutFrame> frame);
   // Logs `status`, answers request `id` (0: not known) with the handler's error reply and closes
@@ -196,8 +199,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // The front frame is done with: `n` of its bytes went out, all of them unless `ec`. False: the
   // write failed and the connection closed.
   bool FrameWritten(const boost::system::error_code& ec, size_t n);
-  void WriteQueued();                                        // WriteNext's loop (it may throw; WriteNext closes then)
-  void RunOnUnsent(const std::function<void()>& on_unsent);  // logs what it throws
+  void WriteQueued();  // WriteNext's loop (it may throw; WriteNext closes then)
   // Replies waiting past kMaxQueuedRepliesUntrusted (untrusted) or --max-queued-reply-bytes (any role).
   bool TooManyQueued() const;
 

@@ -376,7 +376,7 @@ void WorkerSession::Unsettled(Waiting waiting) {
     if (unsettled_.size() >= kMaxUnsettled) {
       spdlog::warn("connection {}: more than {} replies wait for memory; closing", id_, kMaxUnsettled);
       done_with = true;
-      RunDrop(waiting);
+      conn_->RunOnUnsent(waiting.on_drop);
       return DropUnsettled(/*close=*/true);
     }
     unsettled_.reserve(kMaxUnsettled);
@@ -390,7 +390,7 @@ void WorkerSession::Unsettled(Waiting waiting) {
     RetrySettle();
   } catch (const std::exception& e) {  // no memory even for that: the worker is not answered here
     spdlog::error("connection {}: a reply cannot wait for memory ({}); closing", id_, e.what());
-    if (!done_with) RunDrop(waiting);
+    if (!done_with) conn_->RunOnUnsent(waiting.on_drop);
     DropUnsettled(/*close=*/true);
   }
 }
@@ -399,7 +399,7 @@ void WorkerSession::DropUnsettled(bool close) {
   std::vector<Waiting> dropped;
   dropped.swap(unsettled_);
   if (settle_timer_) settle_timer_->cancel();
-  for (auto& w : dropped) RunDrop(w);
+  for (auto& w : dropped) conn_->RunOnUnsent(w.on_drop);
   if (close) conn_->CloseNow();
 }
 
@@ -419,7 +419,7 @@ void WorkerSession::RetrySettle() {
     waiting.swap(self->unsettled_);
     for (auto& w : waiting) {
       if (self->conn_->closed()) {
-        self->RunDrop(w);
+        self->conn_->RunOnUnsent(w.on_drop);
         continue;
       }
       const uint64_t handed = self->replies_handed_;
@@ -431,20 +431,11 @@ void WorkerSession::RetrySettle() {
         // worker's call fails at once (it reconnects) instead of waiting out its deadline, and
         // what waits behind it is dropped the same way.
         spdlog::error("connection {}: a reply that waited for memory failed ({}); closing", self->id_, e.what());
-        if (self->replies_handed_ == handed) self->RunDrop(w);
+        if (self->replies_handed_ == handed) self->conn_->RunOnUnsent(w.on_drop);
         self->conn_->CloseNow();
       }
     }
   });
-}
-
-void WorkerSession::RunDrop(Waiting& w) {
-  if (!w.on_drop) return;
-  try {
-    w.on_drop();
-  } catch (const std::exception& e) {
-    spdlog::error("connection {}: undoing a reply never sent failed: {}", id_, e.what());
-  }
 }
 
 void WorkerSession::HandleWaitToken(uint64_t id, proto::WaitToken::Reader r) {

@@ -255,8 +255,6 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
   void RetrySettle();
   // Drops what waits (their on_drop run), and closes the connection when `close`.
   void DropUnsettled(bool close);
-  // Runs w.on_drop, if any (a token the reply carries goes back); logs what it throws.
-  void RunDrop(Waiting& w);
   // A PullRows answer (HandlePullRows, once settled when the rows go into the worker's segment).
   void AnswerPullRows(uint64_t id, const std::vector<int64_t>& rows, const std::string& name,
                       const std::optional<ShmTarget>& target, bool has_dtype, proto::DType dtype);
