@@ -126,6 +126,9 @@ int RunCollectives(const Options& opt, const Endpoint& ep, int n, int64_t elemen
 int RunCheckpointBench(const Options& opt, uint64_t model_bytes);
 // --sparse --engine-only: sparse steps in the training engine alone (sparse_engine_bench.cc).
 int RunSparseEngineBench(const Options& opt);
+// --sparse --engine-only --mode async: async sparse pushes in the engine alone, another variable's
+// pulls and pushes timed meanwhile (sparse_engine_bench.cc).
+int RunSparseEngineAsyncBench(const Options& opt);
 
 }  // namespace psd_bench
 

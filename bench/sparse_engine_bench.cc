@@ -15,6 +15,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "base/scope_exit.h"
 #include "bench_util.h"
 #include "config/server_config.h"
 #include "core/optimizer.h"
@@ -32,37 +33,60 @@ namespace psd_bench {
 // the optimizer applies it. No network, no client: what a sparse step costs the daemon itself, and
 // how that grows with the number of workers whose rows it accumulates. The rows are sampled before
 // the step's clock starts.
-int RunSparseEngineBench(const Options& opt) {
+namespace {
+
+// The engine both benches push into (R = N = --workers, --threads as psd's I/O threads), with the
+// --embedding-rows x --embedding-dim table and, in async, a small dense "probe" variable of
+// `probe_elements`; null, said on stderr, when the flags do not make one.
+std::unique_ptr<psd::server::TrainingEngine> MakeBenchEngine(const Options& opt, psd::server::Mode mode,
+                                                             int64_t probe_elements) {
   namespace srv = psd::server;
-  const int workers = opt.workers;
   if (opt.batch_rows > opt.embedding_rows) {
     std::fprintf(stderr, "psd_bench: --batch-rows is more than --embedding-rows\n");
-    return 1;
+    return nullptr;
   }
   srv::ServerConfig config;
-  config.replicas_to_aggregate = workers;
-  config.total_replicas = workers;
-  config.init_tokens = 0;
-  config.io_threads = opt.io_threads;  // the pushing threads below, as psd's I/O threads
+  config.mode = mode;
+  config.replicas_to_aggregate = opt.workers;
+  config.total_replicas = opt.workers;
+  if (mode == srv::Mode::kSync) config.init_tokens = 0;
+  config.io_threads = opt.io_threads;  // the pushing threads, as psd's I/O threads
   config.optimizer.name = opt.optimizer;
   config.optimizer.learning_rate = opt.learning_rate;
   if (Status s = config.Validate(); !s.ok()) {
     std::fprintf(stderr, "psd_bench: %s\n", s.message().c_str());
-    return 1;
+    return nullptr;
   }
   auto optimizer = srv::MakeOptimizer(config.optimizer);
   if (!optimizer.ok()) {
     std::fprintf(stderr, "psd_bench: --optimizer: %s\n", optimizer.status().message().c_str());
-    return 1;
+    return nullptr;
   }
-  srv::TrainingEngine engine(config, std::move(*optimizer));
-  srv::VariableDef def;
-  def.name = kEmbeddingName;
-  def.shape = {opt.embedding_rows, opt.embedding_dim};
-  if (auto made = engine.CreateVariable(def); !made.ok()) {
-    std::fprintf(stderr, "psd_bench: %s\n", made.status().message().c_str());
-    return 1;
+  auto engine = std::make_unique<srv::TrainingEngine>(config, std::move(*optimizer));
+  std::vector<srv::VariableDef> defs(probe_elements > 0 ? 2 : 1);
+  defs[0].name = kEmbeddingName;
+  defs[0].shape = {opt.embedding_rows, opt.embedding_dim};
+  if (probe_elements > 0) {
+    defs[1].name = "probe";
+    defs[1].shape = {probe_elements};
   }
+  for (const srv::VariableDef& def : defs) {
+    if (auto made = engine->CreateVariable(def); !made.ok()) {
+      std::fprintf(stderr, "psd_bench: %s\n", made.status().message().c_str());
+      return nullptr;
+    }
+  }
+  return engine;
+}
+
+}  // namespace
+
+int RunSparseEngineBench(const Options& opt) {
+  namespace srv = psd::server;
+  const int workers = opt.workers;
+  std::unique_ptr<srv::TrainingEngine> made = MakeBenchEngine(opt, srv::Mode::kSync, 0);
+  if (!made) return 1;
+  srv::TrainingEngine& engine = *made;
   struct Worker {
     RowSampler sampler;
     std::vector<int64_t> rows;
@@ -188,6 +212,125 @@ int RunSparseEngineBench(const Options& opt) {
               " rows at a time, %.1f%% dealt %" PRId64 " at a time (%.1f%% were they contiguous index ranges)\n",
               stripes, 100 * largest[0] / pushes, srv::SparseAccumulator::kCoarseGranuleRows, 100 * largest[1] / pushes,
               srv::SparseAccumulator::kFineGranuleRows, 100 * largest[2] / pushes);
+  return 0;
+}
+
+}  // namespace psd_bench
+
+namespace psd_bench {
+
+// --engine-only --mode async: the workers' sparse pushes applied on arrival by --threads pushing
+// threads (worker i's from thread i mod T; each worker cycles through 8 batches sampled before the
+// clock starts), while one more thread stands for the other requests psd serves meanwhile: every
+// 100 us it pulls a small dense variable ("probe", 1024 float32) and pushes a gradient to it,
+// each timed. What the table's updates cost the daemon, and whether requests for other variables
+// wait for them (an update that held the engine's lock made every such request wait for it).
+int RunSparseEngineAsyncBench(const Options& opt) {
+  namespace srv = psd::server;
+  const int workers = opt.workers;
+  constexpr int64_t kProbeElements = 1024;
+  std::unique_ptr<srv::TrainingEngine> made = MakeBenchEngine(opt, srv::Mode::kAsync, kProbeElements);
+  if (!made) return 1;
+  srv::TrainingEngine& engine = *made;
+  constexpr int kBatches = 8;
+  struct Worker {
+    std::vector<std::vector<int64_t>> rows;
+    std::vector<float> grad;
+  };
+  std::vector<Worker> w(static_cast<size_t>(workers));
+  for (int i = 0; i < workers; ++i) {
+    RowSampler sampler(opt.embedding_rows, opt.batch_rows, opt.zipf, opt.seed + static_cast<uint64_t>(i));
+    w[i].rows.resize(kBatches);
+    for (auto& batch : w[i].rows) sampler.Next(&batch);
+    w[i].grad.assign(static_cast<size_t>(opt.batch_rows * opt.embedding_dim), 1e-3f * static_cast<float>(i + 1));
+  }
+  const int threads = std::min(workers, psd::ThreadsOrCores(opt.io_threads));
+  const int pushes_each = opt.warmup + opt.steps;  // per worker
+  std::mutex failed_mu;
+  std::string failed;  // the first push or pull that failed, guarded by failed_mu
+  auto fail = [&](const std::string& what) {
+    std::lock_guard<std::mutex> lock(failed_mu);
+    if (failed.empty()) failed = what;
+  };
+  std::atomic<int> warm{0};  // pushing threads past their warmup
+  std::atomic<bool> done{false};
+  Clock::time_point measured_from{};
+  std::atomic<int> finished{0};  // pushing threads done (or failed)
+  auto push_some = [&](int t) {
+    std::vector<srv::GradOutcome> out;
+    psd::ScopeExit count_finished([&finished] { finished.fetch_add(1); });
+    for (int k = 0; k < pushes_each; ++k) {
+      if (k == opt.warmup) warm.fetch_add(1);
+      for (int i = t; i < workers; i += threads) {
+        const std::vector<int64_t>& rows = w[i].rows[static_cast<size_t>(k % kBatches)];
+        srv::GradRef g{kEmbeddingName,
+                       psd::DType::kFloat32,
+                       {opt.batch_rows, opt.embedding_dim},
+                       w[i].grad.data(),
+                       w[i].grad.size() * sizeof(float)};
+        g.indices = rows.data();
+        g.nnz = opt.batch_rows;
+        Status s = engine.Push(k, {g}, &out);
+        if (!s.ok()) return fail("push: " + s.ToString());
+      }
+    }
+  };
+  std::vector<double> pull_us, push_us;
+  auto probe_loop = [&] {
+    std::vector<float> grad(kProbeElements, 1e-3f);
+    std::vector<srv::PulledValue> got;
+    std::vector<srv::GradOutcome> out;
+    int64_t step = 0;
+    while (!done.load()) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      const bool measured = warm.load() == threads;
+      auto t0 = Clock::now();
+      Status s = engine.Pull({"probe"}, &got, &step);
+      auto t1 = Clock::now();
+      if (s.ok())
+        s = engine.Push(
+            step, {{"probe", psd::DType::kFloat32, {kProbeElements}, grad.data(), grad.size() * sizeof(float)}}, &out);
+      auto t2 = Clock::now();
+      got.clear();
+      if (!s.ok()) return fail("probe: " + s.ToString());
+      if (measured) {
+        pull_us.push_back(Ms(t1 - t0) * 1e3);
+        push_us.push_back(Ms(t2 - t1) * 1e3);
+      }
+    }
+  };
+  const auto start = Clock::now();
+  std::thread prober(probe_loop);
+  std::vector<std::thread> pushers;
+  for (int t = 0; t < threads; ++t) pushers.emplace_back(push_some, t);
+  // The measured part: from the last pushing thread's warmup to the last push.
+  while (warm.load() < threads && finished.load() < threads) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  measured_from = Clock::now();
+  for (std::thread& t : pushers) t.join();
+  const double measured_ms = Ms(Clock::now() - measured_from);
+  done.store(true);
+  prober.join();
+  if (!failed.empty()) {
+    std::fprintf(stderr, "psd_bench: %s\n", failed.c_str());
+    return 1;
+  }
+  const double rows = static_cast<double>(workers) * static_cast<double>(opt.batch_rows) * opt.steps;
+  std::printf("psd_bench  build %s, engine only (no network), %d pushing thread(s) + 1 probing\n", PSD_BUILD_TYPE,
+              threads);
+  std::printf("workload   sparse: float32 embedding %" PRId64 " x %" PRId64 ", %d workers x %" PRId64
+              " distinct rows a push (%s), async, optimizer %s, %d pushes each\n",
+              opt.embedding_rows, opt.embedding_dim, workers, opt.batch_rows, RowsDrawn(opt.zipf).c_str(),
+              opt.optimizer.c_str(), pushes_each);
+  std::printf("rows/s     %.0f applied (%d measured pushes each, %.1f s in all)\n", rows / (measured_ms / 1e3),
+              opt.steps, Ms(Clock::now() - start) / 1e3);
+  const size_t probes = pull_us.size();
+  const double pull50 = Percentile(pull_us, 50), pull99 = Percentile(pull_us, 99);
+  const double push50 = Percentile(push_us, 50), push99 = Percentile(push_us, 99);
+  const double pull_max = pull_us.empty() ? 0 : pull_us.back(), push_max = push_us.empty() ? 0 : push_us.back();
+  std::printf("probe      %zu pulls of another variable (4 KiB): p50 %.1f us, p99 %.1f us, max %.1f us\n", probes,
+              pull50, pull99, pull_max);
+  std::printf("probe      %zu pushes to it (applied): p50 %.1f us, p99 %.1f us, max %.1f us\n", probes, push50, push99,
+              push_max);
   return 0;
 }
 

@@ -56,7 +56,10 @@ Status MixedOps(const std::string& name, bool round_mean) {
 }  // namespace
 
 std::shared_ptr<Buffer> TrainingEngine::ReadValueLocked(Variable* v) {
-  if (!v->sync_on_read) return v->published;
+  if (!v->sync_on_read) {
+    AwaitInPlaceWriteLocked(v);
+    return v->published;
+  }
   // Every replica a worker may update as its own: the job's worker slots (max(N, R)), as Update,
   // the snapshot and the memory cost count them.
   const int n = config_.worker_slots();

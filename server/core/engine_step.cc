@@ -4,6 +4,7 @@
 #include <array>
 #include <cstring>
 #include <new>
+#include <optional>
 
 #include "base/scope_exit.h"
 #include "core/training_engine.h"
@@ -421,16 +422,43 @@ std::optional<ShardSnapshot> TrainingEngine::TrySnapshotLocked(int64_t step, boo
   }
 }
 
+template <typename Prepare, typename Write>
+void TrainingEngine::WriteInPlace(Variable* v, Prepare prepare, Write write) {
+  std::optional<decltype(prepare())> how;
+  {
+    MutexLock lock(&mu_);
+    // In place unless a pull or a kept copy still references the published buffer: then copy first.
+    CopyOnWriteLocked(v);
+    how.emplace(prepare());
+    v->writing_in_place = true;
+  }
+  ScopeExit done([this, v] {
+    MutexLock lock(&mu_);
+    v->writing_in_place = false;
+    in_place_done_.NotifyAll();
+  });
+  write(*how);
+}
+
+void TrainingEngine::AwaitInPlaceWriteLocked(Variable* v) {
+  while (v->writing_in_place) in_place_done_.Wait(&mu_);
+}
+
 void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
   if (g.chunk()) return ApplyChunkLocked(v, g, step, lr);
   if (g.sparse()) {
     if (g.nnz == 0) return;
     auto t0 = std::chrono::steady_clock::now();
-    MutexLock lock(&mu_);
-    // In place unless a pull or a kept copy still references the published buffer: then copy first.
-    CopyOnWriteLocked(v);
-    v->opt->UpdateSparse(ListSparseRowsLocked(v, g.indices, static_cast<size_t>(g.nnz), g.data, /*order=*/nullptr, step,
-                                              lr));  // a gradient's rows increase
+    WriteInPlace(
+        v,
+        [&]() REQUIRES(mu_) {
+          return ListSparseRowsLocked(v, g.indices, static_cast<size_t>(g.nnz), g.data, /*order=*/nullptr, step,
+                                      lr);  // a gradient's rows increase
+        },
+        [&](const SparseApplyArgs& args) {
+          if (test_hook_) test_hook_("apply.in_place");
+          v->opt->UpdateSparse(args);
+        });
     ReportApply(t0);
     return;
   }
@@ -452,11 +480,16 @@ void TrainingEngine::ApplyNowLocked(Variable* v, const GradRef& g, int64_t step,
 
 void TrainingEngine::ApplyChunkLocked(Variable* v, const GradRef& g, int64_t step, double lr) {
   const size_t es = DTypeSize(v->dtype);
-  MutexLock lock(&mu_);  // in place: no pull may take the value while part of it is updated
-  CopyOnWriteLocked(v);
-  uint8_t* at = static_cast<uint8_t*>(v->published->listed_data()) + static_cast<size_t>(g.chunk_offset) * es;
-  v->published->MarkChanged(static_cast<uint64_t>(g.chunk_offset) * es, static_cast<uint64_t>(g.shape[0]) * es);
-  ApplyDense(*v->opt, {v->dtype, g.shape[0], at, g.data, at, &v->slots, g.chunk_offset, step, lr});
+  WriteInPlace(
+      v,
+      [&]() REQUIRES(mu_) {
+        v->published->MarkChanged(static_cast<uint64_t>(g.chunk_offset) * es, static_cast<uint64_t>(g.shape[0]) * es);
+        return static_cast<uint8_t*>(v->published->listed_data()) + static_cast<size_t>(g.chunk_offset) * es;
+      },
+      [&](uint8_t* at) {
+        if (test_hook_) test_hook_("apply.in_place");
+        ApplyDense(*v->opt, {v->dtype, g.shape[0], at, g.data, at, &v->slots, g.chunk_offset, step, lr});
+      });
 }
 
 void TrainingEngine::OnTaken(int count) {
@@ -616,7 +649,9 @@ void TrainingEngine::CommitLocked(MutexLock& lock, bool forced) {
 TrainingEngine::AveragesTurn TrainingEngine::TakeAveragesTurnLocked(int64_t step) {
   AveragesTurn turn{0, step, {}};
   for (auto& [name, v] : vars_) {
-    if (v->average) turn.values.emplace_back(v.get(), v->published);
+    if (!v->average) continue;
+    AwaitInPlaceWriteLocked(v.get());
+    turn.values.emplace_back(v.get(), v->published);
   }
   turn.ticket = averages_issued_++;  // last: a ticket issued is always served (nothing throws after)
   return turn;

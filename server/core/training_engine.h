@@ -480,6 +480,16 @@ class TrainingEngine {
   void ReevaluateAll() EXCLUDES(mu_);
   // Async/ssp: applies one gradient now (v->mu held).
   void ApplyNowLocked(Variable* v, const GradRef& g, int64_t step, double lr) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
+  // Async/ssp: an update of v's published value in place (v->mu held, as by every writer of v).
+  // Under mu_: the value is copied on write (CopyOnWriteLocked) and `prepare` lists what the write
+  // changes (replication's difference) and returns how to write it; then `write` runs with mu_
+  // released and v->writing_in_place set, so that pushes and pulls of other variables go on
+  // meanwhile, and whoever would read v's value waits for the write (AwaitInPlaceWriteLocked).
+  template <typename Prepare, typename Write>
+  void WriteInPlace(Variable* v, Prepare prepare, Write write) REQUIRES(VariableMutex(v)) EXCLUDES(mu_);
+  // Before v's value is read (a reference taken under mu_): waits, mu_ released, while an in-place
+  // write of it is under way (WriteInPlace), so no reader sees half of one.
+  void AwaitInPlaceWriteLocked(Variable* v) REQUIRES(mu_);
   // Before an in-place update: the published value, if a reader or a kept copy holds it, is copied
   // into a buffer of its own (the spare one, when nothing holds that).
   void CopyOnWriteLocked(Variable* v) REQUIRES(mu_);
@@ -594,6 +604,7 @@ class TrainingEngine {
   // Taken by UpdateAverages only (before mu_): whose turn it is.
   Mutex averages_mu_;
   CondVar averages_turn_;
+  CondVar in_place_done_;  // with mu_: an in-place write (WriteInPlace) ended
   uint64_t averages_served_ GUARDED_BY(averages_mu_) = 0;
   bool prepared_ GUARDED_BY(mu_) = false;                // cluster: reported the open step to the gate
   bool step_forced_ GUARDED_BY(mu_) = false;             // the open step was forced by a deadline

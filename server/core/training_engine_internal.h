@@ -167,7 +167,10 @@ struct TrainingEngine::Variable {
   std::vector<Buffer> slots;
   // The fields "guarded by TrainingEngine::mu_" stay comments: an annotation here cannot name the
   // engine's mutex (clang resolves GUARDED_BY against this struct).
-  std::shared_ptr<Buffer> published;       // guarded by TrainingEngine::mu_
+  std::shared_ptr<Buffer> published;  // guarded by TrainingEngine::mu_
+  // Async/ssp: an in-place write of `published` (a sparse gradient's rows, a dense chunk) is under
+  // way outside mu_ (TrainingEngine::WriteInPlace); guarded by TrainingEngine::mu_.
+  bool writing_in_place = false;
   std::shared_ptr<Buffer> staged;          // guarded by TrainingEngine::mu_ (dense take result)
   std::shared_ptr<Buffer> spare;           // guarded by TrainingEngine::mu_
   std::shared_ptr<Buffer> older;           // guarded by TrainingEngine::mu_ (the value before spare)

@@ -3,9 +3,11 @@
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <future>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "config/server_config.h"
 #include "core/training_engine.h"
@@ -149,4 +151,82 @@ TEST_CASE("a restore takes each variable's lock before the engine's: a push in f
   CHECK(st->started);
   CHECK(st->restore_status.ok());
   CHECK(st->push_status.ok());
+}
+
+TEST_CASE("async: a sparse update in place leaves the engine's lock to others and a read of its variable waits for it",
+          "[engine][races]") {
+  // Heap state shared with the threads: if the update held the engine's lock, the other
+  // variable's pull would wait for it forever; the test reports that and exits without unwinding.
+  struct State {
+    std::unique_ptr<TrainingEngine> engine;
+    std::promise<void> in_write, resume, others_done;
+    std::thread pusher, others;
+    Status push_status, other_pull, other_push;
+    int hook_calls = 0;
+  };
+  auto st = std::make_shared<State>();
+  ServerConfig c = Config(1);
+  c.mode = Mode::kAsync;
+  REQUIRE(c.Validate().ok());
+  st->engine = MakeEngine(c);
+  TrainingEngine& e = *st->engine;
+  Create(e, "emb", {4, 2});
+  Create(e, "w", {2});
+  float before[8];
+  {
+    std::vector<PulledValue> got;
+    int64_t step = 0;
+    REQUIRE(e.Pull({"emb"}, &got, &step).ok());
+    std::memcpy(before, got[0].value->data(), sizeof(before));
+  }  // no reference kept: the update writes the published value itself
+  std::shared_future<void> resumed = st->resume.get_future().share();
+  e.set_test_hook([st, resumed](std::string_view point) {
+    if (point != "apply.in_place" || st->hook_calls++ > 0) return;
+    st->in_write.set_value();
+    resumed.wait();  // the update stays between its listing and its write
+  });
+  static int64_t rows[1] = {1};
+  static float grad[2] = {1.0f, 2.0f};
+  st->pusher = std::thread([st] {
+    std::vector<GradOutcome> out;
+    st->push_status = st->engine->Push(0, {{"emb", DType::kFloat32, {1, 2}, grad, sizeof(grad), rows, 1}}, &out);
+  });
+  st->in_write.get_future().wait();
+  // Another variable is pulled and pushed while the update is held.
+  st->others = std::thread([st] {
+    std::vector<PulledValue> got;
+    int64_t step = 0;
+    st->other_pull = st->engine->Pull({"w"}, &got, &step);
+    static float w_grad[2] = {1.0f, 1.0f};
+    std::vector<GradOutcome> out;
+    st->other_push = st->engine->Push(0, {{"w", DType::kFloat32, {2}, w_grad, sizeof(w_grad)}}, &out);
+    st->others_done.set_value();
+  });
+  if (st->others_done.get_future().wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    std::fprintf(stderr, "FAILED: a pull of another variable waited for an in-place sparse update (engine's lock)\n");
+    std::_Exit(1);
+  }
+  st->others.join();
+  CHECK(st->other_pull.ok());
+  CHECK(st->other_push.ok());
+  // A read of the variable being written waits for the write, then sees all of it.
+  auto read = std::async(std::launch::async, [&e] {
+    std::vector<PulledValue> got;
+    int64_t step = 0;
+    Status s = e.Pull({"emb"}, &got, &step);
+    std::vector<float> values(8);
+    if (s.ok()) std::memcpy(values.data(), got[0].value->data(), sizeof(float) * values.size());
+    return values;
+  });
+  CHECK(read.wait_for(std::chrono::milliseconds(100)) == std::future_status::timeout);
+  st->resume.set_value();
+  std::vector<float> after = read.get();
+  st->pusher.join();
+  INFO(st->push_status.ToString());
+  CHECK(st->push_status.ok());
+  for (int i = 0; i < 8; ++i) {
+    // SGD at learning rate 1: row 1 loses the gradient, the others stay.
+    const float want = i == 2 ? before[i] - 1.0f : i == 3 ? before[i] - 2.0f : before[i];
+    CHECK(after[static_cast<size_t>(i)] == want);
+  }
 }
