@@ -73,11 +73,13 @@ void WorkerSession::HandleReduce(uint64_t id, proto::Reduce::Reader r) {
   }
   if (completed->load()) return;  // answered already (the last contribution, or all stale)
   ArmDeadline(timeout_ms, parked, [self, id, timeout_ms, engine] {
-    self->SendError(
-        id, DeadlineExceeded(
-                "reduce_to: not every replica contributed within " + std::to_string(timeout_ms) +
-                " ms (a round needs " + std::to_string(engine->required_replicas()) +
-                "); this call's values still count (a retry waits for their round without counting them again)"));
+    self->AnswerPosted(id, [&] {
+      self->SendError(
+          id, DeadlineExceeded(
+                  "reduce_to: not every replica contributed within " + std::to_string(timeout_ms) +
+                  " ms (a round needs " + std::to_string(engine->required_replicas()) +
+                  "); this call's values still count (a retry waits for their round without counting them again)"));
+    });
   });
 }
 
@@ -166,8 +168,10 @@ void WorkerSession::HandleUpdate(uint64_t id, proto::Update::Reader r) {
   if (completed->load()) return;
   int64_t timeout_ms = WaitMs(r.getTimeoutMs());
   ArmDeadline(timeout_ms, parked, [self, id, timeout_ms] {
-    self->SendError(id, DeadlineExceeded("update: not every replica assigned within " + std::to_string(timeout_ms) +
-                                         " ms; this replica's share still counts"));
+    self->AnswerPosted(id, [&] {
+      self->SendError(id, DeadlineExceeded("update: not every replica assigned within " + std::to_string(timeout_ms) +
+                                           " ms; this replica's share still counts"));
+    });
   });
 }
 

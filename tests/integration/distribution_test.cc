@@ -326,3 +326,37 @@ TEST_CASE("sync-on-read variables: per-replica values, aggregated reads, the see
   CHECK(read(*job.replicas[1], "loss") == 5);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("reduce_to and a replica's update answer DEADLINE_EXCEEDED when a replica does not come", "[distribution]") {
+  Job job = StartJob(TestConfig(2), 1, 2);
+  std::vector<float> zero{0};
+  REQUIRE(job.replicas[0]->CreateVariable("total", View(zero, {1}), NonTrainable()).ok());
+  REQUIRE(job.replicas[0]->CreateVariable("summed", View(zero, {1}), NonTrainable(psclient::Aggregation::kSum)).ok());
+  // Only replica 0 comes: its call is answered at its deadline, naming it; its value still counts.
+  std::vector<float> mine{3}, got{-1};
+  auto alone = job.replicas[0]->ReduceTo(psclient::ReduceOp::kSum, 0, View(mine, {1}), "total", Out(got, {1}), 300);
+  REQUIRE_FALSE(alone.ok());
+  CHECK(alone.status().code() == Code::kDeadlineExceeded);
+  CHECK_THAT(alone.status().message(), Catch::Contains("not every replica contributed within 300 ms"));
+  std::vector<float> theirs{4};
+  auto completed =
+      job.replicas[1]->ReduceTo(psclient::ReduceOp::kSum, 0, View(theirs, {1}), "total", Out(got, {1}), 5000);
+  REQUIRE(completed.ok());
+  CHECK(completed->accepted);
+  CHECK(got[0] == 7);
+  psclient::UpdateOptions o;
+  o.cross_replica = false;
+  o.local_step = 0;
+  o.timeout_ms = 300;
+  auto assigned = job.replicas[0]->Update("summed", psclient::UpdateOp::kAssign, View(mine, {1}), o);
+  REQUIRE_FALSE(assigned.ok());
+  CHECK(assigned.status().code() == Code::kDeadlineExceeded);
+  CHECK_THAT(assigned.status().message(), Catch::Contains("update: not every replica assigned within 300 ms"));
+  o.timeout_ms = 5000;
+  auto second = job.replicas[1]->Update("summed", psclient::UpdateOp::kAssign, View(theirs, {1}), o);
+  REQUIRE(second.ok());
+  CHECK(*second);
+  std::vector<float> summed{-1};
+  REQUIRE(job.replicas[1]->Pull("summed", Out(summed, {1})).ok());
+  CHECK(summed[0] == 7);
+}
