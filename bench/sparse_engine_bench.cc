@@ -254,7 +254,6 @@ int RunSparseEngineAsyncBench(const Options& opt) {
   };
   std::atomic<int> warm{0};  // pushing threads past their warmup
   std::atomic<bool> done{false};
-  Clock::time_point measured_from{};
   std::atomic<int> finished{0};  // pushing threads done (or failed)
   auto push_some = [&](int t) {
     std::vector<srv::GradOutcome> out;
@@ -305,7 +304,7 @@ int RunSparseEngineAsyncBench(const Options& opt) {
   for (int t = 0; t < threads; ++t) pushers.emplace_back(push_some, t);
   // The measured part: from the last pushing thread's warmup to the last push.
   while (warm.load() < threads && finished.load() < threads) std::this_thread::sleep_for(std::chrono::microseconds(50));
-  measured_from = Clock::now();
+  const auto measured_from = Clock::now();
   for (std::thread& t : pushers) t.join();
   const double measured_ms = Ms(Clock::now() - measured_from);
   done.store(true);
