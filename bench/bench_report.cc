@@ -12,7 +12,10 @@ Report Summarize(const Options& opt, const Window& window, std::vector<WorkerSta
   Report r;
   WorkerStats& w0 = stats[0];
   r.workers = opt.workers;
-  for (const WorkerStats& w : stats) r.shm_workers += w.shared_memory ? 1 : 0;
+  for (const WorkerStats& w : stats) {
+    r.shm_workers += w.shared_memory ? 1 : 0;
+    r.lane_workers += w.shared_memory && w.lane ? 1 : 0;
+  }
   r.sparse = opt.sparse;
   r.model_bytes = opt.sparse ? 0 : opt.model_bytes;
   r.variables = opt.sparse ? 1 : opt.variables;
@@ -125,6 +128,7 @@ void PrintJson(const Report& r) {
   field("step_ms_p99", JsonNumber(r.step_p99));
   field("shards", std::to_string(r.shards));
   field("shared_memory_workers", integer(r.shm_workers));
+  field("shared_memory_lane_workers", integer(r.lane_workers));
   field("shared_buffers", boolean(r.shared_buffers));
   field("grad_dtype", JsonString(psd::DTypeName(r.grad_dtype)));
   field("push_gb_per_s", JsonNumber(r.push_gbps));
@@ -190,11 +194,17 @@ void PrintTable(const Report& r, const std::string& build_warning_line) {
               r.pull_in_push ? "push+token+next pull fused (1 round trip per step)"
               : r.fused      ? "fused push+token (1 round trip)"
                              : "push then token wait (2 round trips)");
-  std::printf("transport  %s\n", r.shm_workers == r.workers && r.shared_buffers
-                                     ? "same-host shared buffers (tensors read and written in place), TCP (control)"
-                                 : r.shm_workers == r.workers ? "same-host shared memory (tensors), TCP (control)"
-                                 : r.shm_workers == 0         ? "TCP"
-                                                              : "mixed: some workers on shared memory, some on TCP");
+  // The control path: every worker's frames in a shared-memory lane, or over TCP.
+  const char* control = r.lane_workers == r.workers ? "frames in a shared-memory lane, TCP open beside it"
+                        : r.lane_workers == 0       ? "TCP (control)"
+                                                    : "frames in a lane for some workers, over TCP for others";
+  std::printf("transport  %s%s\n",
+              r.shm_workers == r.workers && r.shared_buffers
+                  ? "same-host shared buffers (tensors read and written in place), "
+              : r.shm_workers == r.workers ? "same-host shared memory (tensors), "
+              : r.shm_workers == 0         ? "TCP"
+                                           : "mixed: some workers on shared memory, some on TCP",
+              r.shm_workers == r.workers ? control : "");
   std::printf("\n");
   std::printf("  %-22s %12s %12s %14s\n", "", "p50 ms", "p99 ms", "GB/s");
   std::printf("  %-22s %12.3f %12.3f %14s\n", "step (worker 0)", r.step_p50, r.step_p99, "");

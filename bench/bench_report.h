@@ -33,6 +33,7 @@ struct WorkerStats {
   double longest_stall_ms = 0;  // from a step's first such failure to its completion
   double measured_s = 0;
   bool shared_memory = false;  // every shard's connection moved tensors through shared memory
+  bool lane = false;           // ... and its frames through a shared-memory lane
   int64_t first_step = 0;      // sync: global step when the measured phase began (worker 0 only)
   int64_t last_step = 0;       // sync: global step when it ended (worker 0 only)
   psclient::JobConfig job;
@@ -75,6 +76,7 @@ struct Report {
   psd::DType grad_dtype = psd::DType::kFloat32;
   int shards = 1;
   int shm_workers = 0;          // workers whose every connection used shared memory
+  int lane_workers = 0;         // ... and a shared-memory lane for its frames
   bool shared_buffers = false;  // ... with their tensors in shared buffers (--shared-buffers)
   double wall_s = 0;
   int64_t global_steps = 0;

@@ -46,6 +46,7 @@ struct Options {
   int64_t compute_us = 0;                 // --compute-us: each step's idle wait between pull and push
   std::string shared_memory_text = "1G";  // ClientOptions::shared_memory_bytes
   uint64_t shared_memory_bytes = 1ull << 30;
+  int shm_lane = 1;                   // ClientOptions::shm_lane
   std::string shm_piece_text = "4M";  // ClientOptions::shm_piece_bytes
   uint64_t shm_piece_bytes = 4ull << 20;
   int copy_threads = 2;         // ClientOptions::copy_threads

@@ -181,6 +181,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   co.pull_frame_bytes = opt.pull_frame_bytes;
   co.busy_poll_us = opt.busy_poll_us;
   co.shared_memory_bytes = opt.shared_memory_bytes;
+  co.shm_lane = opt.shm_lane != 0;
   co.shm_piece_bytes = opt.shm_piece_bytes;
   co.copy_threads = opt.copy_threads;
   // Room for one worker's gradients and values, and slack for the allocator's rounding.
@@ -367,6 +368,7 @@ void RunWorker(int index, const Options& opt, const Endpoint& ep, uint64_t frame
   const auto measure_end = Clock::now();
   stats->measured_s = std::chrono::duration<double>(measure_end - measure_start).count();
   stats->shared_memory = c.shared_memory_shards() == c.shards();
+  stats->lane = c.shared_memory_lanes() == c.shards();
   if (sync) {
     if (index == 0) {
       auto step = c.GlobalStep();
@@ -499,6 +501,11 @@ int Run(int argc, char** argv) {
       app.add_option("--shared-memory", opt.shared_memory_text,
                      "same-host workers' shared-memory segment (ClientOptions::shared_memory_bytes; 0: TCP only)")
           ->capture_default_str());
+  transport.push_back(app.add_option("--shm-lane", opt.shm_lane,
+                                     "with shared memory, the workers' frames too travel in a shared-memory lane "
+                                     "(ClientOptions::shm_lane; 0: frames over TCP)")
+                          ->check(CLI::Range(0, 1))
+                          ->capture_default_str());
   transport.push_back(
       app.add_option("--shm-piece-bytes", opt.shm_piece_text,
                      "pushes and pulls through the segment move in pieces of this size, one side's copy overlapping "

@@ -555,6 +555,8 @@ struct Request {
     recover @17 :Recover;         # cluster, chief only: an operator's decision to lose checkpointed state
     peerProof @18 :Data;          # a peer's answer to the acceptor's challenge (before any peer message)
     valuesAck @20 :Void;          # only says valuesRead, as soon as the values are read; never answered
+    useLane @21 :Void;            # the last frame on TCP: every later one, both ways, travels in the
+                                  # shared-memory lane the attach made (wire/shm_lane.h); never answered
   }
   # The worker has read the values of every reply up to this request id that named the daemon's
   # values segment (Tensor.shmSegment 2): psd lets go of the buffers it held for them.

@@ -127,12 +127,21 @@ int Client::shared_memory_shards() const {
   }
   return n;
 }
+int Client::shared_memory_lanes() const {
+  int n = 0;
+  for (int k = 0; k < impl_->shards(); ++k) {
+    std::lock_guard<std::mutex> lock(impl_->conn(k).shm_mu);
+    n += impl_->conn(k).shm && impl_->conn(k).on_lane() ? 1 : 0;
+  }
+  return n;
+}
 std::string Client::shared_memory_status() const {
   std::string out;
   for (int k = 0; k < impl_->shards(); ++k) {
     const auto& c = impl_->conn(k);
     std::lock_guard<std::mutex> lock(c.shm_mu);
-    const std::string& why = c.shm ? c.buffers_status : c.shm_status;
+    std::string why = c.shm ? c.buffers_status : c.shm_status;
+    if (c.shm && !c.lane_status.empty()) why += (why.empty() ? "" : "; ") + c.lane_status;
     if (why.empty()) continue;
     if (!out.empty()) out += "; ";
     out += (impl_->shards() > 1 ? "shard " + std::to_string(k) + ": " : std::string()) + why;

@@ -170,29 +170,63 @@ void Conn::AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::ti
   auto seg = psd::wire::SharedSegment::Create(bytes, "psclient-" + std::to_string(index_));
   // The client's shared buffers go with it (segment 1) when psd maps that much.
   const bool with_buffers = arena_ != nullptr && arena_->size() <= max;
+  // The frames too, through a lane psd makes (plain TCP only: with TLS they stay on its stream).
+  const bool ask_lane = options_.shm_lane && !tls_;
   std::string answer;
-  int values_fd = -1;  // the daemon's values segment, sent with its "OK"
+  std::vector<int> passed;  // the descriptors sent with psd's "OK": its values segment, the lane's
   if (seg.ok()) {
     auto nonce = hr.getShmNonce();
     const std::string msg = psd::wire::ShmAttachMessage(
-        hr.getConnectionId(), std::string_view(reinterpret_cast<const char*>(nonce.begin()), nonce.size()));
+        hr.getConnectionId(), std::string_view(reinterpret_cast<const char*>(nonce.begin()), nonce.size()), ask_lane);
     std::vector<int> fds{(*seg)->fd()};
     if (with_buffers) fds.push_back(arena_->fd());
     Status sent = psd::wire::SendWithFds(*sock, msg.data(), msg.size(), fds);
-    answer = sent.ok() ? internal::ReadAnswer(
-                             *sock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(5)),
-                             &values_fd)
-                       : sent.message();
+    answer = sent.ok()
+                 ? internal::ReadAnswer(
+                       *sock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(5)), &passed)
+                 : sent.message();
   } else {
     answer = seg.status().message();
   }
   ::close(*sock);
-  if (answer == "OK" && values_fd >= 0) {
+  // Asking for the lane, the answer says which descriptors came, in order; otherwise "OK" and the
+  // values segment's, if any.
+  bool has_values = !passed.empty(), has_lane = false;
+  if (ask_lane && answer.rfind("OK", 0) == 0) {
+    std::string rest = answer.substr(2);
+    has_values = rest.rfind(psd::wire::kShmAnswerValues, 0) == 0;
+    if (has_values) rest = rest.substr(std::strlen(psd::wire::kShmAnswerValues));
+    has_lane = rest == psd::wire::kShmAnswerLane;
+    if (rest.empty() || has_lane) answer = "OK";
+    if (passed.size() != (has_values ? 1u : 0u) + (has_lane ? psd::wire::ShmLane::kFds : 0u))
+      answer = "a malformed answer";
+  }
+  auto take = [&passed](size_t count) {
+    std::vector<int> fds(passed.begin(), passed.begin() + static_cast<std::ptrdiff_t>(std::min(count, passed.size())));
+    passed.erase(passed.begin(), passed.begin() + static_cast<std::ptrdiff_t>(fds.size()));
+    return fds;
+  };
+  std::vector<int> values_fd = has_values ? take(1) : std::vector<int>{};
+  std::vector<int> lane_fds = has_lane ? take(psd::wire::ShmLane::kFds) : std::vector<int>{};
+  for (int fd : passed) ::close(fd);
+  if (answer == "OK" && !values_fd.empty()) {
     // Read-only here (the descriptor is too); any doubt and the values come into the segment.
-    auto mapped = psd::wire::SharedSegment::AdoptReadOnly(values_fd, UINT64_MAX);
+    auto mapped = psd::wire::SharedSegment::AdoptReadOnly(values_fd[0], UINT64_MAX);
     if (mapped.ok()) values = std::move(*mapped);
-  } else if (values_fd >= 0) {
-    ::close(values_fd);
+  } else {
+    for (int fd : values_fd) ::close(fd);
+  }
+  lane_status.clear();
+  if (answer == "OK" && has_lane) {
+    auto lane = psd::wire::ShmLane::Adopt(lane_fds);  // takes them
+    if (!lane.ok()) {
+      lane_status = "frames over TCP: psd's lane could not be mapped (" + lane.status().message() + ")";
+    } else if (!StartLane(std::move(*lane), deadline)) {
+      return;  // the connection is dropped; the next call reconnects
+    }
+  } else {
+    for (int fd : lane_fds) ::close(fd);
+    if (answer == "OK" && ask_lane) lane_status = "frames over TCP: psd made no lane (see its log)";
   }
   if (answer == "OK") {
     shm = std::move(*seg);
@@ -206,6 +240,82 @@ void Conn::AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::ti
   } else {
     shm_status = "psd refused the segment: " + answer;
   }
+}
+
+bool Conn::StartLane(std::shared_ptr<psd::wire::ShmLane> lane, std::chrono::steady_clock::time_point deadline) {
+  OutFrame frame;
+  auto req = frame.builder.initRoot<proto::Request>();
+  req.setId(0);  // never answered
+  req.setUseLane();
+  if (!psd::wire::WriteFrame(socket_, frame, deadline).ok()) {
+    lane_status = "the connection broke as its frames moved to shared memory";
+    return false;
+  }
+  lane_ = std::move(lane);
+  return true;
+}
+
+Status Conn::LaneWait(psd::wire::ShmLane::Wait what, psd::wire::Deadline deadline) {
+  for (;;) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return psd::DeadlineExceeded("no answer from psd before the deadline");
+    pollfd p[2] = {{lane_->WaitFd(what), POLLIN, 0}, {socket_.native_handle(), POLLIN, 0}};
+    int r = ::poll(p, 2, static_cast<int>(std::min<int64_t>(left.count() + 1, kStallCheckMs)));
+    if (r < 0 && errno != EINTR) return psd::Unavailable(std::string("poll: ") + std::strerror(errno));
+    if (r > 0 && p[1].revents != 0) {
+      return psd::Unavailable("psd at " + Where() + " closed the connection (its shared-memory lane went with it)");
+    }
+    if (r > 0 && p[0].revents != 0) return Status::Ok();
+    if (r == 0 && stall_check) PSD_RETURN_IF_ERROR(stall_check());
+  }
+}
+
+Status Conn::LaneWrite(OutFrame& frame, psd::wire::Deadline deadline) {
+  std::vector<psd::asio::const_buffer> parts = frame.Buffers();
+  const size_t total = psd::asio::buffer_size(parts);
+  size_t done = 0;
+  while (done < total) {
+    done += lane_->Write(parts.data(), parts.data() + parts.size(), done);
+    if (done == total) break;
+    if (lane_->broken()) return psd::Unavailable("the shared-memory lane to psd at " + Where() + " broke");
+    if (!lane_->PrepareWait(psd::wire::ShmLane::Wait::kRoom)) continue;
+    Status w = LaneWait(psd::wire::ShmLane::Wait::kRoom, deadline);
+    lane_->FinishWait(psd::wire::ShmLane::Wait::kRoom);
+    PSD_RETURN_IF_ERROR(w);
+  }
+  return Status::Ok();
+}
+
+Status Conn::LaneRead(void* dst, size_t n) {
+  auto* p = static_cast<uint8_t*>(dst);
+  std::chrono::steady_clock::time_point spin_until{};
+  while (n > 0) {
+    const size_t k = lane_->Read(p, n);
+    p += k;
+    n -= k;
+    if (n == 0) break;
+    if (k > 0) {
+      spin_until = {};
+      continue;
+    }
+    if (lane_->broken()) return psd::Unavailable("the shared-memory lane from psd at " + Where() + " broke");
+    if (options_.busy_poll_us > 0) {  // ClientOptions::busy_poll_us: spin before sleeping
+      auto now = std::chrono::steady_clock::now();
+      if (spin_until == std::chrono::steady_clock::time_point{})
+        spin_until = now + std::chrono::microseconds(options_.busy_poll_us);
+      if (now < spin_until && now < deadline_) continue;
+    }
+    if (!lane_->PrepareWait(psd::wire::ShmLane::Wait::kData)) continue;
+    Status w = LaneWait(psd::wire::ShmLane::Wait::kData, deadline_);
+    lane_->FinishWait(psd::wire::ShmLane::Wait::kData);
+    PSD_RETURN_IF_ERROR(w);
+  }
+  return Status::Ok();
+}
+
+Status Conn::WriteWhole(OutFrame& frame, psd::wire::Deadline deadline) {
+  if (lane_) return LaneWrite(frame, deadline);
+  return tls_ ? psd::wire::WriteFrame(*tls_, frame, deadline) : psd::wire::WriteFrame(socket_, frame, deadline);
 }
 
 Status Conn::Send(OutFrame& frame, int64_t wait_ms) {
@@ -237,17 +347,19 @@ Status Conn::Receive(OutFrame& frame, proto::Response::Reader* resp, const psd::
   // most of the time (a reply takes a round trip) and cost a system call a reply for it. Over TLS
   // the stream's own buffers may hold the reply already (a TLS read takes whole records, several
   // replies of a batch at once), so the read itself waits and asks, not a poll of the socket.
-  if (!tls_) {
+  if (!tls_ && !lane_) {
     Status w = WaitReadable();
     if (!w.ok()) {
       Drop();
       return w;
     }
   }
-  Status s = tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit, landing, stall_check,
-                                         kStallCheckMs)
-                  : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit, landing,
-                                         options_.busy_poll_us, &ahead_);
+  Status s = lane_  ? psd::wire::ReadFrameWith([this](void* p, size_t n) { return LaneRead(p, n); }, in_,
+                                              options_.max_frame_bytes, limit, landing)
+             : tls_ ? psd::wire::ReadFrame(*tls_, in_, options_.max_frame_bytes, deadline_, limit, landing, stall_check,
+                                           kStallCheckMs)
+                    : psd::wire::ReadFrame(socket_, in_, options_.max_frame_bytes, deadline_, limit, landing,
+                                           options_.busy_poll_us, &ahead_);
   if (!s.ok()) {
     // The stream is out of step (or gone): the next call reconnects.
     Drop();
@@ -312,6 +424,7 @@ void Conn::Drop() {
     std::lock_guard<std::mutex> lock(shm_mu);
     if (shm) shm_status = "the connection was reset";
     shm.reset();
+    lane_.reset();  // and its lane (psd unmaps its side with the connection)
     revoke = buffers;
     buffers = false;
     socket_name = shm_socket_;
@@ -390,7 +503,7 @@ void Conn::ValuesRead() {
   req.setValuesRead(last_reply_id_);
   req.setValuesAck();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.request_timeout_ms);
-  Status s = tls_ ? psd::wire::WriteFrame(*tls_, frame, deadline) : psd::wire::WriteFrame(socket_, frame, deadline);
+  Status s = WriteWhole(frame, deadline);
   if (!s.ok()) Drop();  // the stream is broken: the next call reconnects
 }
 
@@ -419,7 +532,7 @@ Result<psd::wire::TensorRef> Conn::ReplyTensor(proto::Tensor::Reader t) const {
 Status Conn::SendNoReconnect(OutFrame& frame) {
   if (limit_ms_ == 0) limit_ms_ = options_.request_timeout_ms;
   deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms_);
-  Status s = tls_ ? psd::wire::WriteFrame(*tls_, frame, deadline_) : psd::wire::WriteFrame(socket_, frame, deadline_);
+  Status s = WriteWhole(frame, deadline_);
   if (!s.ok()) Drop();
   return s;
 }

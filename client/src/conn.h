@@ -18,6 +18,7 @@
 #include "psclient/client.h"
 #include "wire/frame.h"
 #include "wire/shm.h"
+#include "wire/shm_lane.h"
 #include "wire/tls.h"
 
 namespace psclient::internal {
@@ -103,6 +104,8 @@ class Conn {
   // closes nothing, so only the other shards can tell.
   std::function<Status()> stall_check;
   static constexpr int64_t kStallCheckMs = 1000;
+  // Whether this connection's frames travel in a shared-memory lane (ClientOptions::shm_lane).
+  bool on_lane() const { return lane_ != nullptr; }
   // Whether the last Receive got a reply from the daemon (else the connection failed).
   bool last_answered() const { return answered_; }
   int index() const { return index_; }
@@ -159,6 +162,8 @@ class Conn {
   mutable std::mutex shm_mu;
   std::shared_ptr<psd::wire::SharedSegment> shm;
   std::string shm_status = "not connected";
+  // Why the frames stay on TCP though a lane was asked for (ClientOptions::shm_lane); empty otherwise.
+  std::string lane_status;
   uint64_t shm_used = 0;  // bytes handed out by ShmReserve since ShmReset
   // Room for `bytes` (64-byte aligned) in the segment for this batch of requests, or -1.
   int64_t ShmReserve(uint64_t bytes);
@@ -204,6 +209,18 @@ class Conn {
 
  private:
   Status SendNoReconnect(OutFrame& frame);
+  // The frame's bytes, in the lane or on the socket (TLS or not), before `deadline`.
+  Status WriteWhole(OutFrame& frame, psd::wire::Deadline deadline);
+  // The lane (on_lane()): writes a frame, reads n bytes, each waiting for room or bytes before
+  // deadline_ (ClientOptions::busy_poll_us spinning first).
+  Status LaneWrite(OutFrame& frame, psd::wire::Deadline deadline);
+  Status LaneRead(void* dst, size_t n);
+  // Sleeps until the lane's doorbell rings or the TCP connection ends or has something (psd closed
+  // it: UNAVAILABLE), each kStallCheckMs asking stall_check; DEADLINE_EXCEEDED past `deadline`.
+  Status LaneWait(psd::wire::ShmLane::Wait what, psd::wire::Deadline deadline);
+  // After an attach that brought a lane: moves this connection's frames onto it (Request.useLane
+  // over TCP); false (the frames stay on TCP) if the frame could not be sent.
+  bool StartLane(std::shared_ptr<psd::wire::ShmLane> lane, std::chrono::steady_clock::time_point deadline);
   // Plain TCP: waits until the socket has something to read (or the deadline), asking stall_check
   // (where set) each kStallCheckMs; its verdict if it says to give up. (TLS: ReadFrame asks.)
   Status WaitReadable();
@@ -228,6 +245,9 @@ class Conn {
   std::unique_ptr<psd::wire::ssl::stream<psd::tcp::socket>> tls_;  // set once TLS is up (then socket_ is unused)
   InFrame in_;
   psd::wire::ReadAhead ahead_;  // plain TCP: what the last read brought beyond its frame
+  // This connection's frames travel in it (set: on_lane()). Written on a call thread under shm_mu
+  // (AttachShm, Drop), read there without it and by the status getters under it.
+  std::shared_ptr<psd::wire::ShmLane> lane_;
   std::unique_ptr<capnp::MessageReader> reader_;
   uint64_t next_id_ = 0;
   int64_t limit_ms_ = 0;

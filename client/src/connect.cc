@@ -108,8 +108,7 @@ psd::Status ConnectBefore(tcp::socket& socket, const std::string& host, uint16_t
   return psd::Unavailable("cannot connect to psd at " + where + ": " + s.message());
 }
 
-std::string ReadAnswer(int fd, std::chrono::steady_clock::time_point deadline, int* passed) {
-  if (passed != nullptr) *passed = -1;
+std::string ReadAnswer(int fd, std::chrono::steady_clock::time_point deadline, std::vector<int>* passed) {
   std::string got;
   char buf[512];
   while (got.size() < sizeof(buf)) {
@@ -119,7 +118,7 @@ std::string ReadAnswer(int fd, std::chrono::steady_clock::time_point deadline, i
     int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
     if (r < 0 && errno != EINTR) return std::string("poll: ") + std::strerror(errno);
     if (r <= 0) continue;
-    ssize_t n = passed != nullptr ? psd::wire::ReadKeepingFd(fd, buf, sizeof(buf) - got.size(), passed)
+    ssize_t n = passed != nullptr ? psd::wire::ReadKeepingFds(fd, buf, sizeof(buf) - got.size(), passed, kMaxAnswerFds)
                                   : ::read(fd, buf, sizeof(buf) - got.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return std::string("read: ") + std::strerror(errno);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "psd/status.h"
 #include "wire/asio.h"
@@ -22,9 +23,10 @@ psd::Status ConnectBefore(psd::tcp::socket& socket, const std::string& host, uin
                           std::chrono::steady_clock::time_point deadline);
 
 // Reads a short answer (at most 512 bytes) from `fd` until its end, or until `deadline`:
-// what was read, or a description of what went wrong. With `passed`, the first descriptor that
-// came with it goes there (the caller owns it; -1: none), and any other is closed.
-std::string ReadAnswer(int fd, std::chrono::steady_clock::time_point deadline, int* passed = nullptr);
+// what was read, or a description of what went wrong. With `passed`, the descriptors that came
+// with it go there (the caller owns them), at most kMaxAnswerFds; any other is closed.
+inline constexpr size_t kMaxAnswerFds = 5;
+std::string ReadAnswer(int fd, std::chrono::steady_clock::time_point deadline, std::vector<int>* passed = nullptr);
 
 }  // namespace psclient::internal
 

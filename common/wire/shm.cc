@@ -134,9 +134,11 @@ SharedSegment::~SharedSegment() {
 }
 
 Status SendWithFds(int sock, const void* data, size_t n, const std::vector<int>& fds) {
-  if (fds.empty() || fds.size() > kShmMaxFds) return InvalidArgument("one or two descriptors per message");
+  if (fds.empty() || fds.size() > kShmMaxSentFds) {
+    return InvalidArgument("one to " + std::to_string(kShmMaxSentFds) + " descriptors per message");
+  }
   iovec iov{const_cast<void*>(data), n};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kShmMaxFds)] = {};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kShmMaxSentFds)] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
@@ -172,14 +174,14 @@ Result<std::vector<int>> ReceiveWithFds(int sock, void* data, size_t max_n, size
   return fds;
 }
 
-ssize_t ReadKeepingFd(int sock, void* data, size_t n, int* passed) {
+ssize_t ReadKeepingFds(int sock, void* data, size_t n, std::vector<int>* passed, size_t keep) {
   std::vector<int> fds;
   int flags = 0;
   ssize_t got = ReceiveMessage(sock, data, n, 0, &fds, &flags);
   if (got < 0) return got;
   for (int fd : fds) {
-    if (*passed < 0) {
-      *passed = fd;
+    if (passed->size() < keep) {
+      passed->push_back(fd);
     } else {
       ::close(fd);
     }
@@ -193,10 +195,12 @@ Result<SegmentId> IdentifySegment(int fd) {
   return SegmentId{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
 }
 
-std::string ShmAttachMessage(uint64_t connection, std::string_view nonce) {
+std::string ShmAttachMessage(uint64_t connection, std::string_view nonce, bool lane) {
   std::string m(8, '\0');
   for (size_t i = 0; i < 8; ++i) m[i] = static_cast<char>(connection >> (8 * i));
-  return m.append(nonce);
+  m.append(nonce);
+  if (lane) m += kShmLaneByte;
+  return m;
 }
 
 uint64_t ShmAttachConnection(const uint8_t* message) {

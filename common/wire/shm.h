@@ -37,7 +37,14 @@ inline constexpr uint8_t kValuesSegment = 2;
 // connection id (8 bytes, little-endian) and the hello's one-time nonce.
 inline constexpr size_t kShmNonceBytes = 32;
 inline constexpr size_t kShmAttachBytes = 8 + kShmNonceBytes;
-std::string ShmAttachMessage(uint64_t connection, std::string_view nonce);
+// The same and one more byte (kShmLaneByte) asks for a request lane too (wire/shm_lane.h): the
+// answer is then "OK", kShmAnswerValues when the values segment's descriptor comes with it, and
+// kShmAnswerLane when the lane's (ShmLane::kFds, after it) do.
+inline constexpr size_t kShmAttachLaneBytes = kShmAttachBytes + 1;
+inline constexpr char kShmLaneByte = 'L';
+inline constexpr char kShmAnswerValues[] = " values";
+inline constexpr char kShmAnswerLane[] = " lane";
+std::string ShmAttachMessage(uint64_t connection, std::string_view nonce, bool lane = false);
 // The connection id of such a message (the nonce is its last kShmNonceBytes bytes).
 uint64_t ShmAttachConnection(const uint8_t* message);
 // With the attach message, a worker sends its segment's descriptor and, when it has shared
@@ -93,18 +100,20 @@ class SharedSegment {
   uint64_t size_;
 };
 
-// Sends `n` bytes and one or two descriptors (kShmMaxFds) in one message on a connected Unix
-// stream socket.
+// Sends `n` bytes and up to kShmMaxSentFds descriptors in one message on a connected Unix stream
+// socket (an attach carries one or two, kShmMaxFds; its answer up to five).
 inline constexpr size_t kShmMaxFds = 2;
+inline constexpr size_t kShmMaxSentFds = 8;
 Status SendWithFds(int sock, const void* data, size_t n, const std::vector<int>& fds);
 // Receives one message of at most `max_n` bytes (its size in *n) carrying one or two descriptors
 // (returned; the caller owns them). Anything else (no descriptor, more than two, truncated) is
 // INVALID_ARGUMENT, and every descriptor that came with it is closed. The socket must be readable
 // (non-blocking read).
 Result<std::vector<int>> ReceiveWithFds(int sock, void* data, size_t max_n, size_t* n);
-// read() on a Unix socket that keeps a descriptor sent with the bytes: the first one goes to
-// *passed when that is still -1 (the caller owns it), any other is closed. Blocks as read() does.
-ssize_t ReadKeepingFd(int sock, void* data, size_t n, int* passed);
+// read() on a Unix socket that keeps the descriptors sent with the bytes: they are appended to
+// *passed while it holds fewer than `keep` (the caller owns them), any other is closed. Blocks as
+// read() does.
+ssize_t ReadKeepingFds(int sock, void* data, size_t n, std::vector<int>* passed, size_t keep);
 
 // Which memory a descriptor maps (st_dev, st_ino): the same memfd sent twice is recognised.
 struct SegmentId {

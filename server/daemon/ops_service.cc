@@ -278,6 +278,8 @@ void OpsService::WriteDaemonMetrics(PrometheusWriter& w, Server& server) {
   w.Counter("psd_sent_bytes_total", "bytes sent on the data port", static_cast<double>(m.bytes_out()));
   w.Counter("psd_shm_bytes_total", "tensor bytes moved through same-host workers' shared memory",
             static_cast<double>(m.shm_bytes()));
+  w.Counter("psd_shm_lanes_total", "same-host workers' connections whose frames moved to a shared-memory lane",
+            static_cast<double>(m.lanes()));
   w.Counter("psd_values_in_place_bytes_total",
             "value bytes same-host workers pulled straight from the values segment (psd wrote none of them)",
             static_cast<double>(m.values_in_place_bytes()));
@@ -439,6 +441,7 @@ std::string OpsService::RenderStatusJson() const {
   j.Key("bytes_out").Int(static_cast<int64_t>(m.bytes_out()));
   j.Key("shm_bytes").Int(static_cast<int64_t>(m.shm_bytes()));
   j.Key("values_in_place_bytes").Int(static_cast<int64_t>(m.values_in_place_bytes()));
+  j.Key("shm_lanes").Int(static_cast<int64_t>(m.lanes()));
   j.Key("shm_attached").Int(static_cast<int64_t>(server_.shm() ? server_.shm()->attached() : 0));
   j.Key("inflight_frame_bytes").Int(static_cast<int64_t>(server_.frame_budget().in_use()));
   j.Key("inflight_frame_bytes_limit").Int(static_cast<int64_t>(server_.frame_budget().limit()));

@@ -2,6 +2,9 @@
 // Asio's composed operations (async_read, async_write) accept. The TLS choice is made once, when
 // the daemon starts (--tls-cert-file): a TLS daemon speaks only TLS.
 //
+// A same-host worker's plain TCP connection may move to its shared-memory lane (UseLane): from then
+// on reads and writes go through the lane, and the socket stays open, unread, as the control path.
+//
 // Thread-safety: as Asio's sockets: one outstanding read and one outstanding write at a time,
 // handlers on the caller's strand.
 #ifndef PSD_SERVER_NET_BYTE_STREAM_H_
@@ -11,6 +14,7 @@
 #include <optional>
 #include <utility>
 
+#include "net/lane_stream.h"
 #include "wire/asio.h"
 #include "wire/tls.h"
 
@@ -62,20 +66,35 @@ class ByteStream {
     asio::post(ex, [h = std::forward<Handler>(handler)]() mutable { h(boost::system::error_code()); });
   }
 
+  // Reads and writes go through `lane` from now on (plain TCP only).
+  void UseLane(std::shared_ptr<wire::ShmLane> lane) { lane_.emplace(lowest().get_executor(), std::move(lane)); }
+  bool on_lane() const { return lane_.has_value(); }
+
+  // Plain TCP or the lane: writes what the socket (non-blocking) or the lane takes now; would_block
+  // when nothing.
+  template <typename Buffers>
+  size_t try_write_some(const Buffers& buffers, boost::system::error_code& ec) {
+    if (lane_) return lane_->try_write_some(buffers, ec);
+    return plain_->write_some(buffers, ec);
+  }
+
   template <typename Buffers, typename Handler>
   void async_read_some(const Buffers& buffers, Handler&& handler) {
+    if (lane_) return lane_->async_read_some(buffers, std::forward<Handler>(handler));
     if (tls_) return tls_->async_read_some(buffers, std::forward<Handler>(handler));
     plain_->async_read_some(buffers, std::forward<Handler>(handler));
   }
 
   template <typename Buffers, typename Handler>
   void async_write_some(const Buffers& buffers, Handler&& handler) {
+    if (lane_) return lane_->async_write_some(buffers, std::forward<Handler>(handler));
     if (tls_) return tls_->async_write_some(buffers, std::forward<Handler>(handler));
     plain_->async_write_some(buffers, std::forward<Handler>(handler));
   }
 
   // Shuts the socket down and closes it (no TLS close_notify: the other side sees a reset).
   void Close() {
+    if (lane_) lane_->Close();
     boost::system::error_code ec;
     lowest().shutdown(tcp::socket::shutdown_both, ec);
     lowest().close(ec);
@@ -85,6 +104,7 @@ class ByteStream {
   std::shared_ptr<wire::ssl::context> tls_context_;  // declared first: outlives tls_
   std::optional<tcp::socket> plain_;
   std::optional<wire::ssl::stream<tcp::socket>> tls_;
+  std::optional<LaneStream> lane_;  // after UseLane
 };
 
 }  // namespace psd::server

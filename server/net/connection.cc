@@ -138,7 +138,7 @@ void Connection::FillAhead(size_t need, F then) {
   asio::async_read(stream_, asio::buffer(ahead_.Room(), ahead_.RoomBytes()), TransferAtLeast{need},
                    asio::bind_executor(strand_, [self = shared_from_this(), then = std::move(then)](
                                                     boost::system::error_code ec, size_t n) mutable {
-                     if (ec) return self->CloseNow();
+                     if (ec) return self->ReadFailed(ec);
                      self->ahead_.Filled(n);
                      then();
                    }));
@@ -162,11 +162,52 @@ void Connection::ReadExact(void* dst, size_t n, F then) {
                                                     boost::system::error_code ec, size_t) mutable {
                      self->read_in_place_ = false;
                      if (ec) {
-                       self->CloseNow();
+                       self->ReadFailed(ec);
                        return self->DropBufferIfClosed();
                      }
                      then();
                    }));
+}
+
+void Connection::ReadFailed(const boost::system::error_code& ec) {
+  NoteLaneBroken(ec);
+  CloseNow();
+}
+
+void Connection::NoteLaneBroken(const boost::system::error_code& ec) {
+  if (!closed_ && ec == LaneStream::Broken()) {
+    Warn("its shared-memory lane holds an index no writer could have left (a scribbled page); closing it");
+  }
+}
+
+Status Connection::UseLane(std::shared_ptr<wire::ShmLane> lane) {
+  if (role_ != Role::kWorker || stream_.tls() || stream_.on_lane()) {
+    return FailedPrecondition("a shared-memory lane is for a worker's plain TCP connection, once");
+  }
+  if (ahead_.held() > 0 || writing_ || !write_queue_.empty()) {
+    return FailedPrecondition("useLane must be the last frame on TCP, sent with no reply outstanding");
+  }
+  try {
+    stream_.UseLane(std::move(lane));
+  } catch (const boost::system::system_error& e) {  // no descriptor left to wait on its doorbells
+    return Unavailable(std::string("the lane's doorbells: ") + e.what());
+  }
+  WatchSocket();
+  return Status::Ok();
+}
+
+void Connection::WatchSocket() {
+  stream_.lowest().async_wait(tcp::socket::wait_read,
+                              asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+                                if (self->closed_) return;
+                                if (!ec) {
+                                  uint8_t byte;
+                                  size_t n = self->stream_.lowest().read_some(asio::buffer(&byte, 1), ec);
+                                  if (!ec && n > 0)
+                                    self->Warn("a byte on TCP after its requests moved to shared memory; closing it");
+                                }
+                                self->CloseNow();  // the worker closed its end (or the socket failed)
+                              }));
 }
 
 void Connection::ReadHeader() {
@@ -407,7 +448,7 @@ void Connection::WriteQueued() {
     std::shared_ptr<wire::OutFrame> frame = write_queue_.front().frame;
     std::vector<asio::const_buffer> buffers = frame->Buffers();
     size_t sent = 0;
-    // Plain TCP: the frame is offered to the socket from here first (one sendmsg; the socket is
+    // Plain TCP (or its lane): the frame is offered to the socket from here first (one sendmsg; the socket is
     // non-blocking). A reply the socket's buffer takes whole, nearly every small one, is then done
     // with: an asynchronous write's completion is a handler queued behind the reply, and with it
     // queued the I/O thread looks at its sockets once more (an epoll_wait that finds nothing)
@@ -416,7 +457,7 @@ void Connection::WriteQueued() {
     // whoever sent). Closing (SendAndClose), the writes stay asynchronous: the close follows them.
     if (!stream_.tls() && !closing_) {
       boost::system::error_code ec;
-      sent = stream_.lowest().write_some(buffers, ec);
+      sent = stream_.try_write_some(buffers, ec);
       if (ec) sent = 0;
       if (!ec && sent == asio::buffer_size(buffers)) {
         FrameWritten(ec, sent);
@@ -456,6 +497,7 @@ bool Connection::FrameWritten(const boost::system::error_code& ec, size_t n) {
   queued_bytes_ -= written.bytes;
   if (ec) {
     // Cut off: the peer never reads this frame whole, so it is dropped as the rest are.
+    NoteLaneBroken(ec);
     writing_ = false;
     RunOnUnsent(written.on_unsent);
     CloseNow();

@@ -156,6 +156,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // No hello yet, or an observer's: small frames, not charged to the budget, few replies queued.
   bool untrusted() const { return role_ == Role::kNone || role_ == Role::kObserver; }
   bool closed() const { return closed_; }
+  // On the strand, while handling a frame (Request.useLane): every frame after this one, both ways,
+  // travels in `lane` (the worker's shared-memory lane, common/wire/shm_lane.h); the socket is then
+  // only watched for its end, which closes the connection. Refused (nothing changes) unless this is
+  // a worker's plain TCP connection, not on a lane yet, with nothing read beyond this frame and no
+  // reply still being written.
+  Status UseLane(std::shared_ptr<wire::ShmLane> lane);
+  bool on_lane() const { return stream_.on_lane(); }
   // The TLS stream (null for plain TCP), for handshake details the handler logs.
   ByteStream& stream() { return stream_; }
 
@@ -175,6 +182,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Runs `then` once ahead_, empty, holds at least `need` (ahead_.Small) bytes; closes on error.
   template <typename F>
   void FillAhead(size_t need, F then);
+  // A read failed with `ec`: closes (saying why when the worker broke its lane).
+  void ReadFailed(const boost::system::error_code& ec);
+  // Logs that the worker broke its lane, when `ec` says so (the connection then closes).
+  void NoteLaneBroken(const boost::system::error_code& ec);
+  // On a lane: the socket's end (or a byte on it) closes the connection.
+  void WatchSocket();
   // Reads n bytes into dst, then runs `then`: what the read-ahead holds first, then a small rest
   // through the read-ahead (one read that may bring the next frame's start too), a big one in place.
   template <typename F>

@@ -40,10 +40,17 @@ void ShmSlot::Release() {
   if (--leases_ == 0) released_.NotifyAll();
 }
 
-void ShmSlot::Set(std::shared_ptr<wire::SharedSegment> segment, std::shared_ptr<wire::SharedSegment> buffers) {
+void ShmSlot::Set(std::shared_ptr<wire::SharedSegment> segment, std::shared_ptr<wire::SharedSegment> buffers,
+                  std::shared_ptr<wire::ShmLane> lane) {
   MutexLock lock(&mu_);
   segments_[0] = std::move(segment);
   segments_[1] = std::move(buffers);
+  lane_ = std::move(lane);
+}
+
+std::shared_ptr<wire::ShmLane> ShmSlot::TakeLane() {
+  MutexLock lock(&mu_);
+  return std::move(lane_);
 }
 
 bool ShmSlot::Revoke(std::chrono::milliseconds limit) {
@@ -59,6 +66,7 @@ bool ShmSlot::Revoke(std::chrono::milliseconds limit) {
 void ShmSlot::Close() {
   MutexLock lock(&mu_);
   for (auto& s : segments_) s.reset();  // unmapped when the last lease goes
+  lane_.reset();
 }
 
 ShmListener::ShmListener(asio::io_context& io, uint64_t max_bytes, int64_t timeout_ms)
@@ -144,11 +152,12 @@ void ShmListener::Serve(std::shared_ptr<Waiting> w) {
   socket->async_wait(Socket::wait_read, [this, w, socket, timer](boost::system::error_code ec) {
     timer->cancel();
     if (ec || !w->waiting_flag.exchange(false)) return;  // closed (timed out, or made room for another)
-    uint8_t message[wire::kShmAttachBytes];
+    uint8_t message[wire::kShmAttachLaneBytes];
     size_t n = 0;
     auto fds = wire::ReceiveWithFds(socket->native_handle(), message, sizeof(message), &n);
     Status s = fds.status();
     bool attach = false;
+    std::shared_ptr<wire::ShmLane> lane;  // asked for (kShmAttachLaneBytes) and made
     if (fds.ok() && n == wire::kShmRevokeBytes && fds->size() == 1 &&
         std::memcmp(message, wire::kShmRevokeMessage, n) == 0) {
       auto arena = wire::IdentifySegment((*fds)[0]);
@@ -158,9 +167,9 @@ void ShmListener::Serve(std::shared_ptr<Waiting> w) {
         int revoked = RevokeArena(*arena, nullptr);
         if (revoked > 0) spdlog::info("shared buffers revoked by their worker ({} connection(s))", revoked);
       }
-    } else if (fds.ok() && n == wire::kShmAttachBytes) {
+    } else if (fds.ok() && (n == wire::kShmAttachBytes || n == wire::kShmAttachLaneBytes)) {
       attach = true;
-      s = Attach(message, *fds);
+      s = Attach(message, *fds, n == wire::kShmAttachLaneBytes ? &lane : nullptr);
     } else if (fds.ok()) {
       for (int fd : *fds) ::close(fd);
       s = InvalidArgument("a message of " + std::to_string(n) + " bytes is neither an attach nor a revoke");
@@ -173,12 +182,22 @@ void ShmListener::Serve(std::shared_ptr<Waiting> w) {
       }
     }
     std::string answer = s.ok() ? "OK" : s.message().substr(0, 400);
+    // With the values segment's read-only descriptor (a worker that reads none drops it) and the
+    // lane's; a worker that asked for the lane is told which came (wire::kShmAnswerValues, ...).
+    std::vector<int> answer_fds;
+    if (s.ok() && attach && values_fd_ >= 0) {
+      answer_fds.push_back(values_fd_);
+      if (n == wire::kShmAttachLaneBytes) answer += wire::kShmAnswerValues;
+    }
+    if (lane) {
+      for (int fd : lane->Fds()) answer_fds.push_back(fd);
+      answer += wire::kShmAnswerLane;
+    }
     // A few bytes into an empty socket buffer: written at once (a peer that never reads loses them).
     boost::system::error_code wec;
     socket->non_blocking(true, wec);
-    if (s.ok() && attach && values_fd_ >= 0) {
-      // With the values segment's read-only descriptor (a worker that reads none drops it).
-      Status sent = wire::SendWithFds(socket->native_handle(), answer.data(), answer.size(), {values_fd_});
+    if (!answer_fds.empty()) {
+      Status sent = wire::SendWithFds(socket->native_handle(), answer.data(), answer.size(), answer_fds);
       if (!sent.ok()) spdlog::warn("shared-memory socket @{}: answering an attach: {}", name_, sent.message());
     } else {
       asio::write(*socket, asio::buffer(answer), wec);
@@ -187,7 +206,7 @@ void ShmListener::Serve(std::shared_ptr<Waiting> w) {
   });
 }
 
-Status ShmListener::Attach(const uint8_t* message, const std::vector<int>& fds) {
+Status ShmListener::Attach(const uint8_t* message, const std::vector<int>& fds, std::shared_ptr<wire::ShmLane>* lane) {
   const uint64_t conn = wire::ShmAttachConnection(message);
   std::shared_ptr<ShmSlot> slot;
   {
@@ -235,11 +254,23 @@ Status ShmListener::Attach(const uint8_t* message, const std::vector<int>& fds) 
   }
   const uint64_t bytes = (*segment)->size();
   const uint64_t buffer_bytes = buffers ? buffers->size() : 0;
-  slot->Set(std::move(*segment), std::move(buffers));
+  // The request lane, when asked for: without it (no memory, no descriptors) the requests stay on TCP.
+  std::string lane_note;
+  if (lane != nullptr) {
+    auto made = wire::ShmLane::Create();
+    if (made.ok()) {
+      *lane = *made;
+      lane_note = ", requests through it too";
+    } else {
+      spdlog::warn("connection {}: no shared-memory lane for its requests ({}); they stay on TCP", conn,
+                   made.status().message());
+    }
+  }
+  slot->Set(std::move(*segment), std::move(buffers), lane != nullptr ? *lane : nullptr);
   attached_.fetch_add(1);
-  spdlog::info("connection {}: shared memory attached ({} MiB segment{}): its tensors move through it", conn,
+  spdlog::info("connection {}: shared memory attached ({} MiB segment{}): its tensors move through it{}", conn,
                bytes >> 20,
-               buffer_bytes > 0 ? ", " + std::to_string(buffer_bytes >> 20) + " MiB of shared buffers" : "");
+               buffer_bytes > 0 ? ", " + std::to_string(buffer_bytes >> 20) + " MiB of shared buffers" : "", lane_note);
   return Status::Ok();
 }
 

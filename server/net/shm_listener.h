@@ -6,7 +6,9 @@
 // a fresh one-time nonce (over the worker's TCP connection, after its auth token was checked: TLS
 // keeps it private too). The worker connects to the socket and sends (id, nonce) with its segment's
 // descriptor; the listener checks the nonce (constant time), maps the segment and puts it in that
-// connection's ShmSlot, then answers "OK" (or why not, and the worker stays on TCP). An offer is
+// connection's ShmSlot, then answers "OK" (or why not, and the worker stays on TCP). A worker that
+// asks for it (wire::kShmAttachLaneBytes) also gets a request lane (common/wire/shm_lane.h), made
+// here, kept in the slot and sent with the answer. An offer is
 // used once, by its right nonce: a wrong one (256 random bits are not guessed) leaves it in place,
 // so that a local process sending guesses cannot push workers onto TCP.
 //
@@ -33,6 +35,7 @@
 #include "psd/status.h"
 #include "wire/asio.h"
 #include "wire/shm.h"
+#include "wire/shm_lane.h"
 
 namespace psd::server {
 
@@ -70,8 +73,12 @@ class ShmSlot : public std::enable_shared_from_this<ShmSlot> {
 
   // A lease on what is attached now (not held when nothing is, or after Revoke/Close).
   Lease Acquire() EXCLUDES(mu_);
-  // The worker's segments, from its attach (buffers: may be null).
-  void Set(std::shared_ptr<wire::SharedSegment> segment, std::shared_ptr<wire::SharedSegment> buffers) EXCLUDES(mu_);
+  // The worker's segments, from its attach (buffers: may be null), and the lane made for it (null:
+  // none asked for, or none could be made).
+  void Set(std::shared_ptr<wire::SharedSegment> segment, std::shared_ptr<wire::SharedSegment> buffers,
+           std::shared_ptr<wire::ShmLane> lane = nullptr) EXCLUDES(mu_);
+  // The lane, once (Request.useLane moves the connection onto it); null when there is none.
+  std::shared_ptr<wire::ShmLane> TakeLane() EXCLUDES(mu_);
   // No new leases; returns once the leases held are given back (true), or after `limit` with a
   // lease still held (false: a request stuck mid-copy may still touch the pages).
   bool Revoke(std::chrono::milliseconds limit) EXCLUDES(mu_);
@@ -85,6 +92,7 @@ class ShmSlot : public std::enable_shared_from_this<ShmSlot> {
   CondVar released_;
   std::shared_ptr<wire::SharedSegment> segments_[kSegments] GUARDED_BY(mu_);
   int leases_ GUARDED_BY(mu_) = 0;
+  std::shared_ptr<wire::ShmLane> lane_ GUARDED_BY(mu_);
 };
 
 class ShmListener {
@@ -121,7 +129,9 @@ class ShmListener {
   void Accept();
   void Serve(std::shared_ptr<Waiting> w);
   // Checks the message, maps the segment(s) and fills the slot; the answer's text.
-  Status Attach(const uint8_t* message, const std::vector<int>& fds) EXCLUDES(mu_);
+  // `lane` (non-null: the worker asked for one) gets the request lane made for it.
+  Status Attach(const uint8_t* message, const std::vector<int>& fds, std::shared_ptr<wire::ShmLane>* lane)
+      EXCLUDES(mu_);
   // Revokes every slot that holds the arena `fd` maps (but `keep`): a worker's earlier connections.
   int RevokeArena(const wire::SegmentId& arena, const ShmSlot* keep) EXCLUDES(mu_);
 

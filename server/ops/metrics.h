@@ -66,6 +66,8 @@ class Metrics {
   void OnBytesOut(uint64_t n) { bytes_out_.fetch_add(n, std::memory_order_relaxed); }
   // Tensor bytes read from or written to workers' shared memory (README "Same-host shared memory").
   void OnShmBytes(uint64_t n) { shm_bytes_.fetch_add(n, std::memory_order_relaxed); }
+  // A same-host worker's connection moved its frames to a shared-memory lane (Request.useLane).
+  void OnLaneUsed() { lanes_.fetch_add(1, std::memory_order_relaxed); }
   // Value bytes pulled by same-host workers straight from the values segment (nothing written).
   void OnValuesInPlaceBytes(uint64_t n) { values_in_place_bytes_.fetch_add(n, std::memory_order_relaxed); }
   // Replication (README "Shard replicas"): copies of shard state sent to and taken from other
@@ -130,6 +132,7 @@ class Metrics {
   uint64_t bytes_in() const { return bytes_in_.load(std::memory_order_relaxed); }
   uint64_t bytes_out() const { return bytes_out_.load(std::memory_order_relaxed); }
   uint64_t shm_bytes() const { return shm_bytes_.load(std::memory_order_relaxed); }
+  uint64_t lanes() const { return lanes_.load(std::memory_order_relaxed); }
   uint64_t values_in_place_bytes() const { return values_in_place_bytes_.load(std::memory_order_relaxed); }
   uint64_t replica_sent() const { return replica_sent_.load(std::memory_order_relaxed); }
   uint64_t replica_received() const { return replica_received_.load(std::memory_order_relaxed); }
@@ -172,7 +175,7 @@ class Metrics {
  private:
   WorkerFigures& WorkerLocked(uint32_t worker) REQUIRES(mu_);
 
-  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, shm_bytes_{0}, values_in_place_bytes_{0};
+  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0}, shm_bytes_{0}, values_in_place_bytes_{0}, lanes_{0};
   std::atomic<uint64_t> replica_sent_{0}, replica_received_{0}, replica_own_{0}, replica_held_{0};
   std::atomic<uint64_t> replica_replayed_{0}, replica_from_base_{0};
   std::atomic<uint64_t> replica_audits_{0}, replica_unlisted_{0};

@@ -24,6 +24,15 @@ bool WorkerSession::Busy() {
   return !parked_.empty() || !collectives_.empty() || awaiting_copies_ > 0 || !unsettled_.empty();
 }
 
+void WorkerSession::HandleUseLane(uint64_t id) {
+  // The lane its attach made (taken once): from the next frame on, both ways go through it.
+  std::shared_ptr<wire::ShmLane> lane = shm_ ? shm_->TakeLane() : nullptr;
+  Status s = lane ? conn_->UseLane(std::move(lane))
+                  : FailedPrecondition("useLane without a lane: attach shared memory asking for one first");
+  if (!s.ok()) return FailStream(s, id);
+  host_.metrics().OnLaneUsed();
+}
+
 void WorkerSession::OnClosed() {
   ValuesRead(UINT64_MAX);  // nobody reads them through this connection any more
   pending_value_.reset();  // a value arriving in chunks: its memory and its reservation go now
@@ -119,6 +128,7 @@ void WorkerSession::Dispatch(proto::Request::Reader req) {
     return SendError(id, Unauthenticated("say hello with the auth token first"));
   }
   if (!greeted()) return SendError(id, FailedPrecondition("say hello first (as a worker, an observer or a peer)"));
+  if (which == proto::Request::USE_LANE) return HandleUseLane(id);
   if (which == proto::Request::PEER) {
     // Only a shard's proven peer link carries peer messages (checked above), in its own name.
     auto msg = req.getPeer();

@@ -124,6 +124,7 @@ class WorkerSession : public FrameHandler, public std::enable_shared_from_this<W
 
   void Dispatch(proto::Request::Reader req);
   void HandleHello(uint64_t id, proto::Hello::Reader r);
+  void HandleUseLane(uint64_t id);  // Request.useLane
   // A shard's hello: with a cluster secret, answered with this shard's challenge and proof; the
   // link is a peer's only once HandlePeerProof verified the dialer's (cluster/peer_auth.h).
   void HandlePeerHello(uint64_t id, proto::Hello::Reader r);

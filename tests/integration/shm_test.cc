@@ -54,16 +54,21 @@ struct Trained {
   std::vector<uint16_t> w_bf16;  // then pulled as bfloat16
   std::vector<float> b;
   int shm_shards[2] = {0, 0};
+  int lanes[2] = {0, 0};  // the clients' shared_memory_lanes()
+  std::string status[2];  // their shared_memory_status()
 };
 
 // Two workers, three sync steps of {w [300, 500], b [7]}, the next values with the token.
-// `shm_piece_bytes`: ClientOptions::shm_piece_bytes (the default, 4 MiB, moves w in one piece).
-Trained Train(server::Server& server, uint64_t shared_memory_bytes, uint64_t shm_piece_bytes = 4 << 20) {
+// `shm_piece_bytes`: ClientOptions::shm_piece_bytes (the default, 4 MiB, moves w in one piece);
+// `shm_lane`: ClientOptions::shm_lane.
+Trained Train(server::Server& server, uint64_t shared_memory_bytes, uint64_t shm_piece_bytes = 4 << 20,
+              bool shm_lane = true) {
   std::unique_ptr<psclient::Client> c[2];
   for (int i = 0; i < 2; ++i) {
     auto o = WorkerOptions(server.port(), "w" + std::to_string(i));
     o.shared_memory_bytes = shared_memory_bytes;
     o.shm_piece_bytes = shm_piece_bytes;
+    o.shm_lane = shm_lane;
     c[i] = ConnectWith(o);
   }
   std::vector<float> init(static_cast<size_t>(kRows * kCols), 0.25f);
@@ -99,7 +104,11 @@ Trained Train(server::Server& server, uint64_t shared_memory_bytes, uint64_t shm
   REQUIRE(c[1]->Pull("w", TensorView{out.w_bf16.data(), DType::kBFloat16, {kRows, kCols}}).ok());
   out.b.resize(7);
   REQUIRE(c[1]->Pull("b", TensorView{out.b.data(), DType::kFloat32, {7}}).ok());
-  for (int i = 0; i < 2; ++i) out.shm_shards[i] = c[i]->shared_memory_shards();
+  for (int i = 0; i < 2; ++i) {
+    out.shm_shards[i] = c[i]->shared_memory_shards();
+    out.lanes[i] = c[i]->shared_memory_lanes();
+    out.status[i] = c[i]->shared_memory_status();
+  }
   return out;
 }
 
@@ -140,6 +149,39 @@ TEST_CASE("a same-host worker moves tensors through shared memory, with the valu
   CHECK(tcp_server->metrics().shm_bytes() == 0);
   REQUIRE(shm_server->shm() != nullptr);
   CHECK(shm_server->shm()->attached() == 2);
+}
+
+TEST_CASE("a same-host worker's frames travel in a lane with the values TCP gives, frames bigger than its ring too",
+          "[shm][lane]") {
+  auto lane_server = StartServer(TestConfig(2, 2, 0));
+  auto big_server = StartServer(TestConfig(2, 2, 0));
+  auto no_lane_server = StartServer(TestConfig(2, 2, 0));
+  auto tcp_server = StartServer(TestConfig(2, 2, 0));
+  Trained lane = Train(*lane_server, 1 << 30);  // the defaults: shared memory and its lane
+  // A 64 KiB segment holds none of w's 600 KB: its gradients and values go in the frames, which
+  // stream through the lane's 512 KiB rings both ways.
+  Trained big_frames = Train(*big_server, 64 << 10);
+  Trained no_lane = Train(*no_lane_server, 1 << 30, 4 << 20, /*shm_lane=*/false);
+  Trained tcp = Train(*tcp_server, 0);
+  for (int i = 0; i < 2; ++i) {
+    CHECK(lane.lanes[i] == 1);
+    CHECK(big_frames.lanes[i] == 1);
+    CHECK(no_lane.lanes[i] == 0);
+    CHECK(tcp.lanes[i] == 0);
+    CHECK(lane.status[i] == "");
+    CHECK(no_lane.status[i] == "");  // not asked for: nothing to explain
+  }
+  CHECK(lane_server->metrics().lanes() == 2);
+  CHECK(big_server->metrics().lanes() == 2);
+  CHECK(no_lane_server->metrics().lanes() == 0);
+  CHECK(tcp_server->metrics().lanes() == 0);
+  CHECK(big_server->metrics().bytes_in() > 3 * 2 * kRows * kCols * sizeof(float));  // in the frames
+  // Bit-identical: the same adds in the same order, whatever carried the bytes.
+  for (const Trained* t : {&lane, &big_frames, &no_lane}) {
+    CHECK(std::memcmp(t->w.data(), tcp.w.data(), tcp.w.size() * sizeof(float)) == 0);
+    CHECK(t->w_bf16 == tcp.w_bf16);
+    CHECK(t->b == tcp.b);
+  }
 }
 
 TEST_CASE("pushes and pulls bigger than a piece move through shared memory in pieces, with the same values", "[shm]") {
@@ -218,10 +260,11 @@ TEST_CASE("values named in place are read-only to the worker and stay as read un
   p.Hello("raw");
   auto seg = wire::SharedSegment::Create(1 << 20, "test");
   REQUIRE(seg.ok());
-  int values_fd = -1;
+  std::vector<int> passed;
   REQUIRE(psd::testing::ShmAttach(p.shm_socket, wire::ShmAttachMessage(p.connection_id, p.shm_nonce), (*seg)->fd(), -1,
-                                  &values_fd) == "OK");
-  REQUIRE(values_fd >= 0);
+                                  &passed) == "OK");
+  REQUIRE(passed.size() == 1);
+  const int values_fd = passed[0];
   // Never writable through what workers are given, nor opened again writable through /proc (its
   // mode is 0400; root, which the mode does not bind, is the one exception).
   CHECK(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, values_fd, 0) == MAP_FAILED);
@@ -635,7 +678,9 @@ TEST_CASE("a worker whose connection was closed attaches a new segment on its ne
   REQUIRE(pushed.ok());
   CHECK(c->connection_epoch() > before);
   CHECK(c->shared_memory_shards() == 1);
+  CHECK(c->shared_memory_lanes() == 1);  // its frames in a new lane (the old one went with its connection)
   CHECK(server->shm()->attached() == 2);
+  CHECK(server->metrics().lanes() == 2);
   REQUIRE(c->Pull("v", {&v, DType::kFloat32, {}}).ok());
   CHECK(v == Approx(1 - 0.01f).epsilon(1e-6));
 }

@@ -61,11 +61,14 @@ def test_pull_writes_into_the_callers_array(psd):
 
 def test_same_host_shared_memory_and_tcp_give_the_same_values(start_psd):
     results = {}
-    # (segment, piece, copy threads): one piece, 64 KiB pieces copied with helpers, TCP.
-    for shm_bytes, piece, copiers in ((1 << 30, 0, 0), (1 << 30, 64 << 10, 3), (0, 4 << 20, 2)):
+    # (segment, piece, copy threads, lane): one piece, 64 KiB pieces copied with helpers and the
+    # frames over TCP, TCP.
+    for shm_bytes, piece, copiers, lane in ((1 << 30, 0, 0, True), (1 << 30, 64 << 10, 3, False), (0, 4 << 20, 2, True)):
         daemon = start_psd("-R", "1", "--init-tokens", "0", "--learning-rate", "0.5")
-        with connect(daemon, shared_memory_bytes=shm_bytes, shm_piece_bytes=piece, copy_threads=copiers) as c:
+        with connect(daemon, shared_memory_bytes=shm_bytes, shm_piece_bytes=piece, copy_threads=copiers,
+                     shm_lane=lane) as c:
             assert c.shared_memory_shards == (1 if shm_bytes else 0)
+            assert c.shared_memory_lanes == (1 if shm_bytes and lane else 0)
             assert (c.shared_memory_status == "") == bool(shm_bytes)
             c.create_variable("w", np.linspace(0, 1, 100_000, dtype=np.float32))
             out = np.zeros(100_000, np.float32)

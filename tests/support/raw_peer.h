@@ -86,10 +86,10 @@ struct RawPeer {
 };
 
 // What psd's shared-memory socket answers to `message` with `fd` (-1: no descriptor) and, when
-// given, `buffers_fd` (the shared buffers' arena). `values_fd`: the descriptor that came with the
-// answer (psd's values segment; the caller owns it), else -1.
+// given, `buffers_fd` (the shared buffers' arena). `passed`: the descriptors that came with the
+// answer (psd's values segment, a lane's; the caller owns them), else they are closed.
 inline std::string ShmAttach(const std::string& socket_name, const std::string& message, int fd, int buffers_fd = -1,
-                             int* values_fd = nullptr) {
+                             std::vector<int>* passed = nullptr) {
   auto sock = wire::ConnectAbstract(socket_name);
   REQUIRE(sock.ok());
   if (fd >= 0) {
@@ -102,13 +102,15 @@ inline std::string ShmAttach(const std::string& socket_name, const std::string& 
   std::string answer;
   char buf[512];
   ssize_t n;
-  int passed = -1;
-  while ((n = wire::ReadKeepingFd(*sock, buf, sizeof(buf), &passed)) > 0) answer.append(buf, static_cast<size_t>(n));
+  std::vector<int> got;
+  while ((n = wire::ReadKeepingFds(*sock, buf, sizeof(buf), &got, wire::kShmMaxSentFds)) > 0) {
+    answer.append(buf, static_cast<size_t>(n));
+  }
   ::close(*sock);
-  if (values_fd != nullptr) {
-    *values_fd = passed;
-  } else if (passed >= 0) {
-    ::close(passed);
+  if (passed != nullptr) {
+    *passed = std::move(got);
+  } else {
+    for (int f : got) ::close(f);
   }
   return answer;
 }

@@ -93,6 +93,11 @@ struct ClientOptions {
   // pages are used only as touched (about the biggest push plus pull of one call). A call that
   // does not fit, and any failure to attach, goes over TCP. 0: never.
   uint64_t shared_memory_bytes = 1ull << 30;
+  // With that segment, the connection's frames too (requests and replies, not only tensors) move
+  // through a shared-memory lane psd makes for it (two rings and eventfd doorbells; the TCP
+  // connection stays open beside it, its end the daemon's end): a small step then costs no
+  // loopback TCP. Plain TCP only (with TLS the frames stay on the TLS stream). False: frames over TCP.
+  bool shm_lane = true;
   // Through that segment, a push or a pull that copies more than this many bytes moves in pieces
   // of about this size, each named by its own frame, so that one side's copy of a piece overlaps
   // the other side's work on the last (the client copies gradient piece k+1 in while psd adds
@@ -485,6 +490,8 @@ class PSD_EXPORT Client {
   // the shared buffers could not be attached).
   int shared_memory_shards() const;
   std::string shared_memory_status() const;
+  // Of those, the shards whose frames too travel in a shared-memory lane (ClientOptions::shm_lane).
+  int shared_memory_lanes() const;
 
   // `bytes` of host memory (64-byte aligned, zeroed) shared with same-host daemons: tensors in it
   // move with no copy on either side (SharedBuffer). RESOURCE_EXHAUSTED past

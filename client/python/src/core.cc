@@ -29,7 +29,8 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
                                     int64_t busy_poll_us, bool observer, py::object auth_token, bool tls,
                                     py::object tls_ca_file, py::object tls_cert_file, py::object tls_key_file,
                                     py::object tls_server_name, uint64_t shared_memory_bytes,
-                                    uint64_t shared_buffer_bytes, uint64_t shm_piece_bytes, int copy_threads) {
+                                    uint64_t shared_buffer_bytes, uint64_t shm_piece_bytes, int copy_threads,
+                                    bool shm_lane) {
   if (port < 0 || port > 65535) RaiseInvalid("port " + std::to_string(port) + " is outside 0..65535");
   // Any object's str() (a pathlib.Path, say).
   auto str = [](py::object o, const char* what) { return o.is_none() ? std::string() : ToString(py::str(o), what); };
@@ -48,6 +49,7 @@ psclient::ClientOptions MakeOptions(const std::string& host, int port, py::objec
   o.shared_memory_bytes = shared_memory_bytes;
   o.shared_buffer_bytes = shared_buffer_bytes;
   o.shm_piece_bytes = shm_piece_bytes;
+  o.shm_lane = shm_lane;
   if (copy_threads < 0 || copy_threads > 64) {
     RaiseInvalid("copy_threads " + std::to_string(copy_threads) + " is outside 0..64");
   }
@@ -285,12 +287,12 @@ PYBIND11_MODULE(_core, m) {
                        int64_t busy_poll_us, bool observer, py::object auth_token, bool tls, py::object tls_ca_file,
                        py::object tls_cert_file, py::object tls_key_file, py::object tls_server_name,
                        uint64_t shared_memory_bytes, uint64_t shared_buffer_bytes, uint64_t shm_piece_bytes,
-                       int copy_threads) {
+                       int copy_threads, bool shm_lane) {
              return PyClient::Connect(
                  MakeOptions(host, port, cluster, worker_name, incarnation, connect_timeout_ms, request_timeout_ms,
                              max_frame_bytes, push_frame_bytes, pull_frame_bytes, busy_poll_us, observer, auth_token,
                              tls, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name, shared_memory_bytes,
-                             shared_buffer_bytes, shm_piece_bytes, copy_threads));
+                             shared_buffer_bytes, shm_piece_bytes, copy_threads, shm_lane));
            }),
            py::arg("host") = "127.0.0.1", py::arg("port") = 7070, py::kw_only(), py::arg("cluster") = py::none(),
            py::arg("worker_name") = py::none(), py::arg("incarnation") = 0, py::arg("connect_timeout_ms") = 10000,
@@ -300,7 +302,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("tls") = false, py::arg("tls_ca_file") = py::none(), py::arg("tls_cert_file") = py::none(),
            py::arg("tls_key_file") = py::none(), py::arg("tls_server_name") = py::none(),
            py::arg("shared_memory_bytes") = uint64_t{1} << 30, py::arg("shared_buffer_bytes") = uint64_t{1} << 30,
-           py::arg("shm_piece_bytes") = uint64_t{4} << 20, py::arg("copy_threads") = 2)
+           py::arg("shm_piece_bytes") = uint64_t{4} << 20, py::arg("copy_threads") = 2, py::arg("shm_lane") = true)
       .def_static(
           "from_environment", [] { return PyClient::Connect(Check(psclient::ClientOptionsFromEnvironment())); },
           "Connects as psrun's environment says (PSD_CLUSTER, PSD_WORKER_NAME, PSD_AUTH_TOKEN_FILE).")
@@ -331,6 +333,12 @@ PYBIND11_MODULE(_core, m) {
                                std::shared_ptr<psclient::Client> c = self.Get();
                                py::gil_scoped_release release;
                                return c->shared_memory_shards();
+                             })
+      .def_property_readonly("shared_memory_lanes",
+                             [](const PyClient& self) {
+                               std::shared_ptr<psclient::Client> c = self.Get();
+                               py::gil_scoped_release release;
+                               return c->shared_memory_lanes();
                              })
       .def_property_readonly("shared_memory_status",
                              [](const PyClient& self) {
