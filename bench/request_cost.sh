@@ -21,7 +21,8 @@
 #   --psd-flags "..."   extra flags for psd;  --bench-flags "...": extra flags for psd_bench
 #                       (default --shared-memory 0: TCP, as the floor)
 #   --syscalls          also count the daemon's system calls per request (epoll_wait, recvfrom,
-#                       sendmsg, epoll_ctl, futex, and their sum) with `perf stat` on the kernel's
+#                       sendmsg, epoll_ctl, futex, read and write: a lane's doorbells, and their sum) with
+#                       `perf stat` on the kernel's
 #                       syscall tracepoints (Debian package linux-perf; root or
 #                       kernel.perf_event_paranoid <= -1); the medians then give the sum too.
 #                       Counting costs the daemon some CPU: take CPU figures from runs without it
@@ -30,7 +31,7 @@ cd "$(dirname "$0")/.."
 workers=1 steps=20000 size=4K runs=5
 psd_a=build/server/psd bench_a=build/bench/psd_bench psd_b="" bench_b=""
 psd_flags="" bench_flags="--shared-memory 0" syscalls=0
-counted="epoll_wait recvfrom sendmsg epoll_ctl futex"
+counted="epoll_wait recvfrom sendmsg epoll_ctl futex read write"
 while [ $# -gt 0 ]; do
   case "$1" in
     --workers) workers="$2"; shift 2 ;;

@@ -262,10 +262,12 @@ Status Conn::LaneWait(psd::wire::ShmLane::Wait what, psd::wire::Deadline deadlin
     pollfd p[2] = {{lane_->WaitFd(what), POLLIN, 0}, {socket_.native_handle(), POLLIN, 0}};
     int r = ::poll(p, 2, static_cast<int>(std::min<int64_t>(left.count() + 1, kStallCheckMs)));
     if (r < 0 && errno != EINTR) return psd::Unavailable(std::string("poll: ") + std::strerror(errno));
+    // What psd wrote before it closed (a reply, then the close at shutdown) is read first.
+    if (r > 0 && p[0].revents != 0) return Status::Ok();
     if (r > 0 && p[1].revents != 0) {
+      if (what == psd::wire::ShmLane::Wait::kData && lane_->Readable() > 0) return Status::Ok();
       return psd::Unavailable("psd at " + Where() + " closed the connection (its shared-memory lane went with it)");
     }
-    if (r > 0 && p[0].revents != 0) return Status::Ok();
     if (r == 0 && stall_check) PSD_RETURN_IF_ERROR(stall_check());
   }
 }

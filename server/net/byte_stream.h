@@ -69,6 +69,10 @@ class ByteStream {
   // Reads and writes go through `lane` from now on (plain TCP only).
   void UseLane(std::shared_ptr<wire::ShmLane> lane) { lane_.emplace(lowest().get_executor(), std::move(lane)); }
   bool on_lane() const { return lane_.has_value(); }
+  // On a lane: the peer closed the socket; what it wrote in the lane is still read (LaneStream::PeerGone).
+  void LanePeerGone() {
+    if (lane_) lane_->PeerGone();
+  }
 
   // Plain TCP or the lane: writes what the socket (non-blocking) or the lane takes now; would_block
   // when nothing.

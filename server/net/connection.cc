@@ -189,7 +189,7 @@ Status Connection::UseLane(std::shared_ptr<wire::ShmLane> lane) {
   }
   try {
     stream_.UseLane(std::move(lane));
-  } catch (const boost::system::system_error& e) {  // no descriptor left to wait on its doorbells
+  } catch (const boost::system::system_error& e) {  // the io_context cannot watch its doorbells
     return Unavailable(std::string("the lane's doorbells: ") + e.what());
   }
   WatchSocket();
@@ -197,17 +197,19 @@ Status Connection::UseLane(std::shared_ptr<wire::ShmLane> lane) {
 }
 
 void Connection::WatchSocket() {
-  stream_.lowest().async_wait(tcp::socket::wait_read,
-                              asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
-                                if (self->closed_) return;
-                                if (!ec) {
-                                  uint8_t byte;
-                                  size_t n = self->stream_.lowest().read_some(asio::buffer(&byte, 1), ec);
-                                  if (!ec && n > 0)
-                                    self->Warn("a byte on TCP after its requests moved to shared memory; closing it");
-                                }
-                                self->CloseNow();  // the worker closed its end (or the socket failed)
-                              }));
+  auto on_readable = [self = shared_from_this()](boost::system::error_code ec) {
+    if (self->closed_) return;
+    if (!ec) {
+      uint8_t byte;
+      const size_t n = self->stream_.lowest().read_some(asio::buffer(&byte, 1), ec);
+      if (!ec && n > 0) self->Warn("a byte on TCP after its requests moved to shared memory; closing it");
+      // The worker closed its end: as over TCP, the requests it wrote before are read (and
+      // answered, into a lane nobody reads), then the reads end and the connection closes.
+      if (ec == asio::error::eof) return self->stream_.LanePeerGone();
+    }
+    self->CloseNow();  // the socket failed, or a stray byte
+  };
+  stream_.lowest().async_wait(tcp::socket::wait_read, asio::bind_executor(strand_, std::move(on_readable)));
 }
 
 void Connection::ReadHeader() {

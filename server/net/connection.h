@@ -158,9 +158,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool closed() const { return closed_; }
   // On the strand, while handling a frame (Request.useLane): every frame after this one, both ways,
   // travels in `lane` (the worker's shared-memory lane, common/wire/shm_lane.h); the socket is then
-  // only watched for its end, which closes the connection. Refused (nothing changes) unless this is
-  // a worker's plain TCP connection, not on a lane yet, with nothing read beyond this frame and no
-  // reply still being written.
+  // only watched for its end, after which what the lane holds is read and the connection closes. Refused (nothing
+  // changes) unless this is a worker's plain TCP connection, not on a lane yet, with nothing read beyond this frame and
+  // no reply still being written.
   Status UseLane(std::shared_ptr<wire::ShmLane> lane);
   bool on_lane() const { return stream_.on_lane(); }
   // The TLS stream (null for plain TCP), for handshake details the handler logs.
@@ -186,7 +186,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void ReadFailed(const boost::system::error_code& ec);
   // Logs that the worker broke its lane, when `ec` says so (the connection then closes).
   void NoteLaneBroken(const boost::system::error_code& ec);
-  // On a lane: the socket's end (or a byte on it) closes the connection.
+  // On a lane: the socket's end ends the reads once the lane is read (a byte on it, or an error,
+  // closes the connection at once).
   void WatchSocket();
   // Reads n bytes into dst, then runs `then`: what the read-ahead holds first, then a small rest
   // through the read-ahead (one read that may bring the next frame's start too), a big one in place.

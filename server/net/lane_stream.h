@@ -12,8 +12,6 @@
 #ifndef PSD_SERVER_NET_LANE_STREAM_H_
 #define PSD_SERVER_NET_LANE_STREAM_H_
 
-#include <unistd.h>
-
 #include <memory>
 #include <utility>
 
@@ -24,12 +22,16 @@ namespace psd::server {
 
 class LaneStream {
  public:
-  // `lane`: the daemon's side. Its doorbells are waited on as descriptors of `ex`'s context
-  // (duplicates: the lane keeps its own).
+  // `lane`: the daemon's side. Its doorbells are waited on as descriptors of `ex`'s context,
+  // registered there and never closed here (the lane owns them: Close and the destructor release
+  // them). Throws if the io_context cannot watch them.
   LaneStream(asio::any_io_executor ex, std::shared_ptr<wire::ShmLane> lane)
       : lane_(std::move(lane)),
-        data_bell_(ex, ::dup(lane_->WaitFd(wire::ShmLane::Wait::kData))),
-        room_bell_(ex, ::dup(lane_->WaitFd(wire::ShmLane::Wait::kRoom))) {}
+        data_bell_(ex, lane_->WaitFd(wire::ShmLane::Wait::kData)),
+        room_bell_(ex, lane_->WaitFd(wire::ShmLane::Wait::kRoom)) {}
+  ~LaneStream() { Release(); }
+  LaneStream(const LaneStream&) = delete;
+  LaneStream& operator=(const LaneStream&) = delete;
 
   // What a broken lane's operations fail with.
   static boost::system::error_code Broken() { return asio::error::make_error_code(asio::error::fault); }
@@ -41,6 +43,7 @@ class LaneStream {
       const size_t n = into.size() == 0 ? 0 : lane_->Read(into.data(), into.size());
       if (n > 0 || into.size() == 0) return Complete(std::forward<Handler>(handler), {}, n);
       if (lane_->broken() || !data_bell_.is_open()) return Complete(std::forward<Handler>(handler), Broken(), 0);
+      if (peer_gone_) return Complete(std::forward<Handler>(handler), asio::error::eof, 0);  // all read
       if (lane_->PrepareWait(wire::ShmLane::Wait::kData)) break;
     }
     auto ex = asio::get_associated_executor(handler, data_bell_.get_executor());
@@ -48,7 +51,8 @@ class LaneStream {
                           asio::bind_executor(ex, [this, buffers, h = std::forward<Handler>(handler)](
                                                       boost::system::error_code ec) mutable {
                             lane_->FinishWait(wire::ShmLane::Wait::kData);
-                            if (ec) return h(ec, 0);
+                            // PeerGone cancels the wait: what the worker wrote before is still read.
+                            if (ec && !(ec == asio::error::operation_aborted && peer_gone_)) return h(ec, 0);
                             async_read_some(buffers, std::move(h));
                           }));
   }
@@ -92,16 +96,28 @@ class LaneStream {
     return n;
   }
 
-  // Cancels the waits (their handlers see operation_aborted) and closes the doorbells.
-  void Close() {
+  // The worker closed its end (its TCP connection): the frames it wrote before are read, then reads
+  // end (eof) instead of waiting; a write waiting for room fails (operation_aborted).
+  void PeerGone() {
+    peer_gone_ = true;
     boost::system::error_code ec;
-    data_bell_.close(ec);
-    room_bell_.close(ec);
+    data_bell_.cancel(ec);
+    room_bell_.cancel(ec);
+  }
+
+  // Cancels the waits (their handlers see operation_aborted) and lets go of the doorbells.
+  void Close() {
+    Release();
     lane_->Break();
   }
 
  private:
   static constexpr size_t kMaxParts = 64;  // a frame's table and segments; more go in the next write
+
+  void Release() {
+    if (data_bell_.is_open()) data_bell_.release();
+    if (room_bell_.is_open()) room_bell_.release();
+  }
 
   template <typename Buffer, typename Buffers>
   static Buffer First(const Buffers& buffers) {
@@ -121,6 +137,7 @@ class LaneStream {
   const std::shared_ptr<wire::ShmLane> lane_;
   asio::posix::stream_descriptor data_bell_;
   asio::posix::stream_descriptor room_bell_;
+  bool peer_gone_ = false;  // PeerGone
 };
 
 }  // namespace psd::server

@@ -144,6 +144,31 @@ TEST_CASE("frames in a lane get their replies in the lane and the TCP connection
   CHECK(server->connection_count() == 1);
 }
 
+TEST_CASE("requests a worker wrote in its lane before it closed its end are still served", "[shm][lane]") {
+  // As over TCP, where the bytes sent before a FIN are read: a worker that writes a request and
+  // exits at once (a create, here) has it done.
+  auto server = StartServer(TestConfig(1, 3));
+  {
+    LanePeer p(server->port());
+    p.UseLane();
+    wire::OutFrame f;
+    auto req = f.builder.initRoot<proto::Request>();
+    req.setId(3);
+    auto create = req.initCreateVariable();
+    create.setName("late");
+    create.initInitial().setDtype(proto::DType::FLOAT32);
+    create.getInitial().initShape(1).set(0, 2);
+    p.Send(f);
+    boost::system::error_code ec;
+    p.tcp.socket.close(ec);
+  }
+  CHECK(Eventually([&] { return server->connection_count() == 0; }));
+  auto c = ConnectWith(WorkerOptions(server->port(), "reader"));
+  float v[2] = {1, 1};
+  REQUIRE(c->Pull("late", {v, DType::kFloat32, {2}}).ok());
+  CHECK(v[0] == 0.0f);
+}
+
 TEST_CASE("useLane from a worker that has no lane closes its connection, saying why", "[shm][lane]") {
   auto server = StartServer(TestConfig(1, 3));
   RawPeer p(server->port());
