@@ -222,7 +222,7 @@ void Conn::AttachShm(proto::HelloReply::Reader hr, std::chrono::steady_clock::ti
     if (!lane.ok()) {
       lane_status = "frames over TCP: psd's lane could not be mapped (" + lane.status().message() + ")";
     } else if (!StartLane(std::move(*lane), deadline)) {
-      return;  // the connection is dropped; the next call reconnects
+      return;  // the socket failed: the next call finds it broken, drops it and reconnects
     }
   } else {
     for (int fd : lane_fds) ::close(fd);
