@@ -32,13 +32,17 @@ bool Readable(int fd, int ms) {
   return ::poll(&p, 1, ms) == 1;
 }
 
-// The lane's segment mapped again (a worker scribbling on it): its first page holds the indices.
-uint64_t* Index(const ShmLane& lane, size_t byte_offset) {
-  // The segment's descriptor is the first one sent; map the first page again here.
-  void* page = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, lane.Fds()[0], 0);
-  REQUIRE(page != MAP_FAILED);
-  return reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(page) + byte_offset);
-}
+// The lane's segment's first page (its rings' indices) mapped again, as a scribbling worker has it.
+struct IndexPage {
+  explicit IndexPage(const ShmLane& lane) {
+    void* p = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, lane.Fds()[0], 0);
+    REQUIRE(p != MAP_FAILED);
+    page = static_cast<uint8_t*>(p);
+  }
+  ~IndexPage() { ::munmap(page, 4096); }
+  uint64_t& at(size_t byte_offset) { return *reinterpret_cast<uint64_t*>(page + byte_offset); }
+  uint8_t* page;
+};
 
 }  // namespace
 
@@ -132,10 +136,11 @@ TEST_CASE("an index a worker could never have left breaks the daemon's side of t
   auto daemon = ShmLane::Create(4096);
   REQUIRE(daemon.ok());
   auto worker = WorkerSide(**daemon);
+  IndexPage indices(**daemon);
   // The request ring's indices are at 0 (head, the daemon's) and 64 (tail, the worker's); the
   // reply ring's at 512 and 576.
   SECTION("a request tail beyond what the ring holds") {
-    *Index(**daemon, 64) = 4097;
+    indices.at(64) = 4097;
     char buf[16];
     CHECK((*daemon)->Read(buf, sizeof(buf)) == 0);
     CHECK((*daemon)->broken());
@@ -145,18 +150,18 @@ TEST_CASE("an index a worker could never have left breaks the daemon's side of t
     CHECK(worker->Write("abcdef", 6) == 6);
     char buf[16];
     CHECK((*daemon)->Read(buf, sizeof(buf)) == 6);
-    *Index(**daemon, 64) = 3;
+    indices.at(64) = 3;
     CHECK((*daemon)->Read(buf, sizeof(buf)) == 0);
     CHECK((*daemon)->broken());
   }
   SECTION("a reply head past what the daemon wrote") {
-    *Index(**daemon, 512) = 10;
+    indices.at(512) = 10;
     CHECK((*daemon)->Write("abc", 3) == 0);
     CHECK((*daemon)->broken());
   }
   SECTION("the daemon's own index scribbled over is never read back") {
     CHECK(worker->Write("abcdef", 6) == 6);
-    *Index(**daemon, 0) = 1000;  // the request head, the daemon's: it keeps its own copy
+    indices.at(0) = 1000;  // the request head, the daemon's: it keeps its own copy
     char buf[16];
     CHECK((*daemon)->Read(buf, sizeof(buf)) == 6);
     CHECK(std::memcmp(buf, "abcdef", 6) == 0);
